@@ -1,0 +1,67 @@
+// SPDX-License-Identifier: Apache-2.0
+// The manifest: what one published version contains, transport-neutral.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "weightbus/export.h"
+#include "weightbus/types.hpp"
+
+namespace weightbus {
+
+// User metadata attached to a version: UTF-8 string keys and values, carried verbatim.
+using Metadata = std::map<std::string, std::string>;
+
+// One tensor of a version as described by its manifest.
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;   // elements; empty for 0-d
+  std::optional<Shard> shard;   // set when the publisher described a shard
+  uint64_t nbytes = 0;          // = DTypeSize(dtype) * NumElements(shape), contiguous row-major
+  uint64_t xxh3 = 0;            // XXH3-64 (seed 0) of the nbytes contiguous bytes
+  friend bool operator==(const TensorInfo&, const TensorInfo&) = default;
+};
+
+// Who published a version.
+struct PublisherIdentity {
+  std::string host;     // gethostname()
+  int64_t pid = 0;
+  int rank = 0;         // trainer rank that published (setting `rank`)
+  int world_size = 1;   // number of trainer ranks (setting `world_size`)
+  std::string name;     // free-form label (setting `publisher_name`), may be empty
+  friend bool operator==(const PublisherIdentity&, const PublisherIdentity&) = default;
+};
+
+// Everything a subscriber needs to know about a version before receiving its bytes.
+// Value type; copying is cheap relative to the weights it describes.
+struct WB_EXPORT Manifest {
+  uint64_t version = 0;
+  std::vector<TensorInfo> tensors;  // in publish order
+  PublisherIdentity publisher;
+  int64_t publish_start_unix_ns = 0;  // when Publish was called (CLOCK_REALTIME, ns)
+  int64_t sealed_unix_ns = 0;         // when every checksum was known (CLOCK_REALTIME, ns)
+  Metadata metadata;
+
+  // Sum of every tensor's nbytes.
+  uint64_t total_bytes() const;
+  // The tensor named `name`, or nullptr. Linear in the number of tensors.
+  const TensorInfo* Find(std::string_view name) const;
+
+  // JSON encoding (format "weightbus.manifest/1", documented in docs/FORMAT.md). Checksums are
+  // 16 lowercase hex digits so that no JSON reader loses precision.
+  std::string ToJson() const;
+  // Parses ToJson's output. `source` names where the text came from, for error messages.
+  // Errors: DataLoss naming `source` and the offending field.
+  static absl::StatusOr<Manifest> FromJson(std::string_view json, std::string_view source);
+
+  friend bool operator==(const Manifest&, const Manifest&) = default;
+};
+
+}  // namespace weightbus

@@ -1,0 +1,205 @@
+// SPDX-License-Identifier: Apache-2.0
+// weightbus C++ API: publish versioned weights from a trainer, subscribe to them from inference
+// replicas. A transport is chosen by the URI scheme:
+//
+//   disk:///path/to/channel   a shared filesystem; each version is a safetensors checkpoint
+//
+// Settings (docs/SETTINGS.md, or `weightbus settings`) come, lowest precedence first, from their
+// defaults, WEIGHTBUS_* environment variables, the URI's query (`disk:///x?retention=4`) and the
+// `options` map passed to Open. An unknown or malformed setting is an InvalidArgument error.
+//
+// Error codes (absl::StatusCode) mean the same everywhere (docs/CONVENTIONS.md):
+//   InvalidArgument     the caller's input is wrong (tensor, URI, setting, binding)
+//   FailedPrecondition  the call conflicts with the channel's state (version not above latest,
+//                       channel held by another publisher)
+//   DeadlineExceeded    the timeout passed first
+//   DataLoss            stored or received bytes are malformed or fail their checksum
+//   NotFound            a named file, tensor or channel does not exist
+//   ResourceExhausted   out of disk space or memory
+//   Unavailable         a peer is gone or not reachable yet (retryable)
+//   Unimplemented       the feature or transport is not built in
+//   Internal            an unexpected system error (message carries the errno text)
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "weightbus/export.h"
+#include "weightbus/manifest.hpp"
+#include "weightbus/types.hpp"
+#include "weightbus/version.h"
+
+namespace weightbus {
+
+// Settings by name (e.g. {"retention", "4"}); see the header comment for precedence.
+using Options = std::map<std::string, std::string>;
+
+// The library's version, "MAJOR.MINOR.PATCH" (WEIGHTBUS_VERSION_STRING of the built library).
+WB_EXPORT std::string_view LibraryVersion();
+
+// URI schemes of the transports compiled into this library, sorted (e.g. {"disk"}).
+WB_EXPORT std::vector<std::string> Transports();
+
+// A setting as documented in the registry.
+struct SettingInfo {
+  std::string scope;          // "core" or a transport scheme such as "disk"
+  std::string name;           // key in URI queries and Options, e.g. "retention"
+  std::string type;           // "bool", "int", "bytes", "duration", "string" or "enum(a|b)"
+  std::string default_value;  // as text
+  std::string env;            // environment variable, e.g. "WEIGHTBUS_DISK_RETENTION"
+  std::string doc;            // one line
+};
+
+// Every setting of the core and of each compiled transport.
+WB_EXPORT std::vector<SettingInfo> DescribeSettings();
+
+// Timing and size of the last Publish call, for reporting.
+struct PublishStats {
+  uint64_t version = 0;
+  uint64_t bytes = 0;            // tensor bytes published
+  absl::Duration stall;          // wall time Publish blocked the caller
+  absl::Duration pack;           // packing non-contiguous tensors
+  absl::Duration checksum_wait;  // time spent waiting for checksums after the transport was done
+  absl::Duration transport;      // the transport's part (for disk: write, fsync, commit)
+};
+
+// Publishes versions of a set of named tensors to one channel.
+//
+// Thread safety: Publish calls are serialized internally; the object may be shared between
+// threads. Lifetime: destroying the Publisher releases the channel (other publishers may then
+// open it); versions already published stay available.
+class WB_EXPORT Publisher {
+ public:
+  // Opens `uri` for publishing. Errors: InvalidArgument for a malformed URI or setting;
+  // Unimplemented for a scheme not compiled in (the message lists those that are);
+  // FailedPrecondition if another live publisher holds the channel; transport errors.
+  static absl::StatusOr<std::unique_ptr<Publisher>> Open(std::string_view uri,
+                                                         const Options& options = {});
+
+  ~Publisher();
+  Publisher(const Publisher&) = delete;
+  Publisher& operator=(const Publisher&) = delete;
+
+  // Publishes `tensors` as `version`, all or nothing: when this returns OK every subscriber can
+  // receive the version (for disk: it is durable on the filesystem); on any error no subscriber
+  // ever sees any part of it and the channel's previous versions are untouched.
+  //
+  // `version` must be above every version already on the channel. The tensors' bytes are read
+  // during the call only (non-contiguous views are packed first); the caller may modify them as
+  // soon as Publish returns. Checksums (XXH3-64) are computed here, concurrently with the
+  // transport's work.
+  //
+  // Errors: FailedPrecondition (version not above the latest, naming both); InvalidArgument for
+  // an empty/duplicate/non-UTF-8 name, a bad shape, strides, shard or null data (naming the
+  // tensor); Unimplemented for a non-CPU tensor; DeadlineExceeded after `timeout`;
+  // ResourceExhausted when the disk is full; Internal for other system errors.
+  absl::Status Publish(uint64_t version, absl::Span<const TensorView> tensors,
+                       const Metadata& metadata, absl::Duration timeout);
+
+  // The newest version on the channel (published by anyone), if any.
+  std::optional<uint64_t> latest_version() const;
+  // Figures of the last successful Publish.
+  PublishStats last_stats() const;
+  const std::string& uri() const;
+
+  class Impl;
+
+ private:
+  explicit Publisher(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Timing of one received version.
+struct UpdateStats {
+  uint64_t bytes = 0;           // tensor bytes received
+  absl::Duration wait;          // until a new enough version was found
+  absl::Duration fetch;         // receiving the bytes (checksums overlap with it)
+  absl::Duration verify_wait;   // waiting for checksums after the last byte arrived
+  absl::Duration copy_out;      // copying staged bytes into bound destinations (bind_mode=staged)
+  int64_t ready_unix_ns = 0;    // when the version was complete and verified (CLOCK_REALTIME)
+};
+
+// One received, verified version. Immutable. Views into library-owned buffers stay valid for
+// the Update's lifetime; views of bound tensors point at the caller's destinations.
+class WB_EXPORT Update {
+ public:
+  ~Update();
+  Update(const Update&) = delete;
+  Update& operator=(const Update&) = delete;
+
+  uint64_t version() const;
+  const Manifest& manifest() const;
+  // One view per manifest tensor, in manifest order.
+  absl::Span<const TensorView> tensors() const;
+  // The view named `name`, or nullptr.
+  const TensorView* Find(std::string_view name) const;
+  const UpdateStats& stats() const;
+
+  class Impl;
+  explicit Update(std::unique_ptr<Impl> impl);
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Receives versions from one channel.
+//
+// Guarantees: an Update is handed over only when every tensor is complete and matches the
+// manifest's checksum; version numbers handed over never decrease.
+//
+// Bound destinations: Bind(name, dest) makes later updates write tensor `name` into `dest`
+// instead of a library buffer. Before any byte is written, every bound destination is checked
+// against the manifest (dtype, shape, device) and a mismatch fails naming the tensor and both
+// sides. With the setting bind_mode=staged (default) bytes are received and verified in library
+// memory first, so a failed update never touches a destination; bind_mode=direct receives
+// straight into destinations (one copy fewer) and on a failed verification leaves their contents
+// unspecified (the error says so).
+//
+// Thread safety: calls are serialized internally. Lifetime: destinations must stay valid while
+// bound; Updates may outlive the Subscriber.
+class WB_EXPORT Subscriber {
+ public:
+  // Opens `uri` for subscribing; the channel need not exist yet. Errors as Publisher::Open.
+  static absl::StatusOr<std::unique_ptr<Subscriber>> Open(std::string_view uri,
+                                                          const Options& options = {});
+  ~Subscriber();
+  Subscriber(const Subscriber&) = delete;
+  Subscriber& operator=(const Subscriber&) = delete;
+
+  // Binds tensor `name` of future versions to `dest`, replacing an earlier binding.
+  // Errors: InvalidArgument for a null pointer with a non-zero size, a bad shape or strides;
+  // Unimplemented for a non-CPU destination.
+  absl::Status Bind(std::string name, Destination dest);
+  void Unbind(std::string_view name);
+  void UnbindAll();
+
+  // Waits up to `timeout` for a version v >= max(min_version, current_version()), receives and
+  // verifies it, and returns it (the newest such version when several are available).
+  // Errors: DeadlineExceeded naming the channel, the version waited for and the newest one seen;
+  // InvalidArgument for a bound destination that does not match the manifest (nothing written);
+  // DataLoss for a malformed or corrupted version (naming the tensor and its source); the
+  // previous version stays current on every error.
+  absl::StatusOr<std::unique_ptr<Update>> WaitForVersion(uint64_t min_version,
+                                                         absl::Duration timeout);
+
+  // The version of the last Update handed over, if any.
+  std::optional<uint64_t> current_version() const;
+  const std::string& uri() const;
+
+  class Impl;
+
+ private:
+  explicit Subscriber(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace weightbus

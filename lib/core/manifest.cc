@@ -1,0 +1,224 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "weightbus/manifest.hpp"
+
+#include <charconv>
+
+#include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
+
+namespace weightbus {
+namespace {
+
+using nlohmann::ordered_json;
+
+constexpr std::string_view kFormat = "weightbus.manifest/1";
+
+std::string Hex64(uint64_t v) { return absl::StrFormat("%016x", v); }
+
+ordered_json ShapeJson(const std::vector<int64_t>& shape) {
+  ordered_json a = ordered_json::array();
+  for (int64_t d : shape) a.push_back(d);
+  return a;
+}
+
+// Typed field access that reports the path of a bad field.
+class Reader {
+ public:
+  explicit Reader(std::string_view source) : source_(source) {}
+
+  absl::Status Error(std::string_view path, std::string_view what) const {
+    return absl::DataLossError(
+        absl::StrFormat("manifest %s: field %s %s", source_, path, what));
+  }
+
+  template <typename T>
+  absl::StatusOr<T> Get(const ordered_json& obj, const char* key, std::string_view path) const {
+    auto it = obj.find(key);
+    std::string full = absl::StrFormat("%s.%s", path, key);
+    if (it == obj.end()) return Error(full, "is missing");
+    try {
+      return it->template get<T>();
+    } catch (const std::exception& e) {
+      return Error(full, absl::StrFormat("has the wrong type (%s)", it->type_name()));
+    }
+  }
+
+  absl::StatusOr<std::vector<int64_t>> Shape(const ordered_json& v, std::string_view path) const {
+    if (!v.is_array()) return Error(path, "is not an array");
+    std::vector<int64_t> out;
+    for (const auto& d : v) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0) {
+        return Error(path, "holds a value that is not a non-negative integer");
+      }
+      out.push_back(d.get<int64_t>());
+    }
+    return out;
+  }
+
+ private:
+  std::string_view source_;
+};
+
+}  // namespace
+
+uint64_t Manifest::total_bytes() const {
+  uint64_t total = 0;
+  for (const TensorInfo& t : tensors) total += t.nbytes;
+  return total;
+}
+
+const TensorInfo* Manifest::Find(std::string_view name) const {
+  for (const TensorInfo& t : tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+std::string Manifest::ToJson() const {
+  ordered_json j;
+  j["format"] = kFormat;
+  j["version"] = version;
+  ordered_json pub;
+  pub["host"] = publisher.host;
+  pub["pid"] = publisher.pid;
+  pub["rank"] = publisher.rank;
+  pub["world_size"] = publisher.world_size;
+  pub["name"] = publisher.name;
+  j["publisher"] = std::move(pub);
+  j["publish_start_unix_ns"] = publish_start_unix_ns;
+  j["sealed_unix_ns"] = sealed_unix_ns;
+  j["total_bytes"] = total_bytes();
+  ordered_json md = ordered_json::object();
+  for (const auto& [k, v] : metadata) md[k] = v;
+  j["metadata"] = std::move(md);
+  ordered_json ts = ordered_json::array();
+  for (const TensorInfo& t : tensors) {
+    ordered_json e;
+    e["name"] = t.name;
+    e["dtype"] = DTypeName(t.dtype);
+    e["shape"] = ShapeJson(t.shape);
+    e["nbytes"] = t.nbytes;
+    e["xxh3"] = Hex64(t.xxh3);
+    if (t.shard) {
+      ordered_json s;
+      s["global_shape"] = ShapeJson(t.shard->global_shape);
+      s["offsets"] = ShapeJson(t.shard->offsets);
+      e["shard"] = std::move(s);
+    }
+    ts.push_back(std::move(e));
+  }
+  j["tensors"] = std::move(ts);
+  return j.dump(1);
+}
+
+absl::StatusOr<Manifest> Manifest::FromJson(std::string_view json, std::string_view source) {
+  ordered_json j = ordered_json::parse(json.begin(), json.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::DataLossError(
+        absl::StrFormat("manifest %s is not a valid JSON object (%d bytes)", source, json.size()));
+  }
+  Reader r(source);
+  Manifest m;
+  absl::StatusOr<std::string> format = r.Get<std::string>(j, "format", "");
+  if (!format.ok()) return format.status();
+  if (*format != kFormat) {
+    return r.Error(".format", absl::StrFormat("is \"%s\", expected \"%s\"", *format, kFormat));
+  }
+  absl::StatusOr<uint64_t> version = r.Get<uint64_t>(j, "version", "");
+  if (!version.ok()) return version.status();
+  m.version = *version;
+
+  auto pub_it = j.find("publisher");
+  if (pub_it == j.end() || !pub_it->is_object()) return r.Error(".publisher", "is missing");
+  const ordered_json& pub = *pub_it;
+  auto host = r.Get<std::string>(pub, "host", ".publisher");
+  auto pid = r.Get<int64_t>(pub, "pid", ".publisher");
+  auto rank = r.Get<int>(pub, "rank", ".publisher");
+  auto world = r.Get<int>(pub, "world_size", ".publisher");
+  auto name = r.Get<std::string>(pub, "name", ".publisher");
+  for (const absl::Status& s : {host.status(), pid.status(), rank.status(), world.status(),
+                                name.status()}) {
+    if (!s.ok()) return s;
+  }
+  m.publisher = PublisherIdentity{*host, *pid, *rank, *world, *name};
+
+  auto start = r.Get<int64_t>(j, "publish_start_unix_ns", "");
+  if (!start.ok()) return start.status();
+  m.publish_start_unix_ns = *start;
+  auto sealed = r.Get<int64_t>(j, "sealed_unix_ns", "");
+  if (!sealed.ok()) return sealed.status();
+  m.sealed_unix_ns = *sealed;
+
+  auto md_it = j.find("metadata");
+  if (md_it != j.end()) {
+    if (!md_it->is_object()) return r.Error(".metadata", "is not an object");
+    for (auto it = md_it->begin(); it != md_it->end(); ++it) {
+      if (!it.value().is_string()) {
+        return r.Error(absl::StrFormat(".metadata[\"%s\"]", it.key()), "is not a string");
+      }
+      m.metadata[it.key()] = it.value().get<std::string>();
+    }
+  }
+
+  auto ts_it = j.find("tensors");
+  if (ts_it == j.end() || !ts_it->is_array()) return r.Error(".tensors", "is not an array");
+  m.tensors.reserve(ts_it->size());
+  for (size_t i = 0; i < ts_it->size(); ++i) {
+    const ordered_json& e = (*ts_it)[i];
+    std::string path = absl::StrFormat(".tensors[%d]", i);
+    if (!e.is_object()) return r.Error(path, "is not an object");
+    TensorInfo t;
+    auto tname = r.Get<std::string>(e, "name", path);
+    if (!tname.ok()) return tname.status();
+    t.name = *tname;
+    auto dtype_name = r.Get<std::string>(e, "dtype", path);
+    if (!dtype_name.ok()) return dtype_name.status();
+    absl::StatusOr<DType> dtype = DTypeFromName(*dtype_name);
+    if (!dtype.ok()) return r.Error(path + ".dtype", std::string(dtype.status().message()));
+    t.dtype = *dtype;
+    auto shape_it = e.find("shape");
+    if (shape_it == e.end()) return r.Error(path + ".shape", "is missing");
+    auto shape = r.Shape(*shape_it, path + ".shape");
+    if (!shape.ok()) return shape.status();
+    t.shape = *std::move(shape);
+    auto nbytes = r.Get<uint64_t>(e, "nbytes", path);
+    if (!nbytes.ok()) return nbytes.status();
+    t.nbytes = *nbytes;
+    absl::StatusOr<uint64_t> expected = ByteSize(t.dtype, t.shape);
+    if (!expected.ok() || *expected != t.nbytes) {
+      return r.Error(path + ".nbytes",
+                     absl::StrFormat("is %d but tensor \"%s\" of %s %s needs %s", t.nbytes,
+                                     t.name, DTypeName(t.dtype), ShapeString(t.shape),
+                                     expected.ok() ? std::to_string(*expected)
+                                                   : std::string(expected.status().message())));
+    }
+    auto xxh = r.Get<std::string>(e, "xxh3", path);
+    if (!xxh.ok()) return xxh.status();
+    uint64_t h = 0;
+    auto [ptr, ec] = std::from_chars(xxh->data(), xxh->data() + xxh->size(), h, 16);
+    if (ec != std::errc() || ptr != xxh->data() + xxh->size() || xxh->size() != 16) {
+      return r.Error(path + ".xxh3", absl::StrFormat("\"%s\" is not 16 hex digits", *xxh));
+    }
+    t.xxh3 = h;
+    auto shard_it = e.find("shard");
+    if (shard_it != e.end() && !shard_it->is_null()) {
+      if (!shard_it->is_object()) return r.Error(path + ".shard", "is not an object");
+      Shard s;
+      auto gs_it = shard_it->find("global_shape");
+      auto off_it = shard_it->find("offsets");
+      if (gs_it == shard_it->end()) return r.Error(path + ".shard.global_shape", "is missing");
+      if (off_it == shard_it->end()) return r.Error(path + ".shard.offsets", "is missing");
+      auto gs = r.Shape(*gs_it, path + ".shard.global_shape");
+      if (!gs.ok()) return gs.status();
+      auto off = r.Shape(*off_it, path + ".shard.offsets");
+      if (!off.ok()) return off.status();
+      s.global_shape = *std::move(gs);
+      s.offsets = *std::move(off);
+      t.shard = std::move(s);
+    }
+    m.tensors.push_back(std::move(t));
+  }
+  return m;
+}
+
+}  // namespace weightbus

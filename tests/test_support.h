@@ -1,0 +1,79 @@
+// SPDX-License-Identifier: Apache-2.0
+// Helpers shared by the test suites: scratch directories, fixtures, child processes, bytes.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace weightbus::testing {
+
+// A fresh directory under $TMPDIR (or /tmp), removed with its contents on destruction.
+class ScratchDir {
+ public:
+  ScratchDir();
+  ~ScratchDir();
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  const std::string& path() const { return path_; }
+  std::string operator/(const std::string& rel) const { return path_ + "/" + rel; }
+
+ private:
+  std::string path_;
+};
+
+// Path of a file in ../shared/fixtures (WEIGHTBUS_FIXTURES_DIR at configure time).
+std::string FixturePath(const std::string& rel);
+// Path of a built executable in the build tree, e.g. BinaryPath("tools/weightbus").
+std::string BinaryPath(const std::string& rel);
+
+// A child process started with posix_spawn; killed (SIGKILL) and reaped on destruction if it
+// is still running.
+class Child {
+ public:
+  // Starts `argv[0]` (a path) with `argv`; `env` entries are added to (or override) this
+  // process's environment. stdout and stderr go to `log_path` when non-empty.
+  static absl::StatusOr<Child> Start(const std::vector<std::string>& argv,
+                                     const std::map<std::string, std::string>& env = {},
+                                     const std::string& log_path = "");
+  Child(Child&& other) noexcept;
+  Child& operator=(Child&& other) noexcept;
+  ~Child();
+
+  pid_t pid() const { return pid_; }
+  // Waits up to `timeout` for exit; returns the raw wait status, or DeadlineExceeded.
+  absl::StatusOr<int> Wait(absl::Duration timeout);
+  void Kill(int sig);
+
+ private:
+  explicit Child(pid_t pid) : pid_(pid) {}
+  pid_t pid_ = -1;
+};
+
+// Runs `argv` to completion (up to `timeout`) and returns {exit code, stdout+stderr}.
+// An exit by signal is reported as 128 + signal number.
+struct RunResult {
+  int exit_code = -1;
+  std::string output;
+};
+absl::StatusOr<RunResult> RunCommand(const std::vector<std::string>& argv,
+                                     absl::Duration timeout = absl::Seconds(120),
+                                     const std::map<std::string, std::string>& env = {});
+
+// Deterministic pseudo-random bytes (splitmix64 of `seed`).
+std::vector<std::byte> RandomBytes(size_t n, uint64_t seed);
+// XXH3-64 (seed 0) of `n` bytes at `data`, computed with libxxhash directly.
+uint64_t Xxh3(const void* data, size_t n);
+
+std::string ReadFileOrDie(const std::string& path);
+void WriteFileOrDie(const std::string& path, const std::string& contents);
+
+}  // namespace weightbus::testing

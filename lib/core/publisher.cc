@@ -1,2 +1,225 @@
 // SPDX-License-Identifier: Apache-2.0
-// placeholder
+// Publisher: validates and packs tensors, checksums them concurrently with the transport's
+// work, and enforces monotonic versions. Transport-neutral.
+#include <unistd.h>
+
+#include <atomic>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "core/buffer.h"
+#include "core/failpoint.h"
+#include "core/registry.h"
+#include "core/status.h"
+#include "core/tensor_pack.h"
+#include "core/worker_pool.h"
+#include "weightbus/weightbus.hpp"
+#include "xxhash.h"
+
+namespace weightbus {
+
+using internal::PackedTensor;
+
+namespace {
+
+std::string HostName() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
+  return buf;
+}
+
+// The core's side of one Publish: the manifest under construction and the packed bytes.
+class Job final : public internal::PublishJob {
+ public:
+  uint64_t version() const override { return manifest_.version; }
+  absl::Span<const PackedTensor> tensors() const override { return packed_; }
+
+  absl::StatusOr<const Manifest*> SealedManifest(absl::Time deadline) override {
+    if (!hashing_.WaitUntilZero(deadline)) {
+      return absl::DeadlineExceededError(absl::StrFormat(
+          "version %d: checksums of %d tensors not finished by the deadline", manifest_.version,
+          manifest_.tensors.size()));
+    }
+    if (manifest_.sealed_unix_ns == 0) manifest_.sealed_unix_ns = absl::ToUnixNanos(absl::Now());
+    return &manifest_;
+  }
+
+  // Queues one checksum task per tensor on `pool`, largest first so the long ones start early.
+  void StartHashing(internal::WorkerPool& pool) {
+    std::vector<size_t> order(packed_.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [this](size_t a, size_t b) {
+      return manifest_.tensors[a].nbytes > manifest_.tensors[b].nbytes;
+    });
+    hashing_.Add(static_cast<int>(order.size()));
+    for (size_t i : order) {
+      pool.Submit([this, i] {
+        manifest_.tensors[i].xxh3 = XXH3_64bits(packed_[i].data, manifest_.tensors[i].nbytes);
+        hashing_.Done();
+      });
+    }
+  }
+
+  // Checksum tasks read the caller's memory: Publish never returns before they end.
+  void WaitHashingDone() { hashing_.WaitUntilZero(absl::InfiniteFuture()); }
+
+  Manifest manifest_;
+  std::vector<PackedTensor> packed_;
+  std::shared_ptr<internal::HostBuffer> pack_buffer_;
+
+ private:
+  internal::TaskCounter hashing_;
+};
+
+}  // namespace
+
+class Publisher::Impl {
+ public:
+  std::string uri_text;
+  internal::Uri uri;
+  std::unique_ptr<internal::Config> config;
+  std::unique_ptr<internal::TransportPublisher> backend;
+  std::unique_ptr<internal::WorkerPool> hashers;
+  std::shared_ptr<internal::BufferPool> pack_pool = internal::BufferPool::Create(1);
+  PublisherIdentity identity;
+  internal::FailPoints failpoints;
+
+  mutable absl::Mutex mu;
+  std::optional<uint64_t> latest ABSL_GUARDED_BY(mu);
+  PublishStats stats ABSL_GUARDED_BY(mu);
+
+  absl::Status Publish(uint64_t version, absl::Span<const TensorView> tensors,
+                       const Metadata& metadata, absl::Duration timeout);
+};
+
+absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_text,
+                                                           const Options& options) {
+  WB_ASSIGN_OR_RETURN(internal::Uri uri, internal::ParseUri(uri_text));
+  WB_ASSIGN_OR_RETURN(const internal::TransportDescriptor* transport, internal::TransportFor(uri));
+  WB_ASSIGN_OR_RETURN(internal::Config config, internal::ResolveConfig(*transport, uri, options));
+  auto impl = std::make_unique<Impl>();
+  impl->uri_text = std::string(uri_text);
+  impl->uri = uri;
+  impl->config = std::make_unique<internal::Config>(std::move(config));
+  const internal::Config& c = *impl->config;
+  WB_ASSIGN_OR_RETURN(impl->failpoints, internal::FailPoints::Parse(c.String("failpoints")));
+  const int64_t rank = c.Int("rank"), world_size = c.Int("world_size");
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: rank %d is not in [0, world_size=%d)", uri.Display(), rank, world_size));
+  }
+  impl->identity = PublisherIdentity{HostName(), getpid(), static_cast<int>(rank),
+                                     static_cast<int>(world_size), c.String("publisher_name")};
+  WB_ASSIGN_OR_RETURN(impl->backend, transport->open_publisher(uri, c));
+  WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, impl->backend->LatestVersion());
+  {
+    absl::MutexLock lock(&impl->mu);
+    impl->latest = latest;
+  }
+  impl->hashers = std::make_unique<internal::WorkerPool>(
+      internal::WorkerPool::DefaultThreads(static_cast<int>(c.Int("hash_threads"))));
+  return std::unique_ptr<Publisher>(new Publisher(std::move(impl)));
+}
+
+Publisher::Publisher(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Publisher::~Publisher() = default;
+
+absl::Status Publisher::Publish(uint64_t version, absl::Span<const TensorView> tensors,
+                                const Metadata& metadata, absl::Duration timeout) {
+  return impl_->Publish(version, tensors, metadata, timeout);
+}
+
+absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorView> tensors,
+                                      const Metadata& metadata, absl::Duration timeout) {
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = start + timeout;
+  absl::MutexLock lock(&mu);
+  if (latest && version <= *latest) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: cannot publish version %d: the channel already has version %d (versions must "
+        "increase)",
+        uri.Display(), version, *latest));
+  }
+
+  Job job;
+  Manifest& m = job.manifest_;
+  m.version = version;
+  m.publisher = identity;
+  m.publish_start_unix_ns = absl::ToUnixNanos(start);
+  m.metadata = metadata;
+  m.tensors.reserve(tensors.size());
+  absl::flat_hash_set<absl::string_view> names;
+  uint64_t pack_bytes = 0;
+  for (const TensorView& view : tensors) {
+    absl::StatusOr<uint64_t> nbytes = internal::ValidateView(view);
+    if (!nbytes.ok()) {
+      return internal::Annotate(nbytes.status(),
+                                absl::StrFormat("%s version %d", uri.Display(), version));
+    }
+    if (!names.insert(view.name).second) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s version %d: tensor name \"%s\" appears twice", uri.Display(), version, view.name));
+    }
+    m.tensors.push_back(TensorInfo{view.name, view.dtype, view.shape, view.shard, *nbytes, 0});
+    if (!IsContiguous(view.shape, view.strides)) pack_bytes += (*nbytes + 63) & ~uint64_t{63};
+  }
+  for (const auto& [key, value] : metadata) {
+    if (!internal::IsValidUtf8(key) || !internal::IsValidUtf8(value)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s version %d: metadata key \"%s\" or its value is not valid UTF-8", uri.Display(),
+          version, key));
+    }
+  }
+
+  // Pack non-contiguous views into one pooled buffer; contiguous ones are used in place.
+  const absl::Time pack_start = absl::Now();
+  if (pack_bytes > 0) {
+    WB_ASSIGN_OR_RETURN(job.pack_buffer_, pack_pool->Get(pack_bytes));
+  }
+  job.packed_.resize(tensors.size());
+  uint64_t pack_offset = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorView& v = tensors[i];
+    job.packed_[i].info = &m.tensors[i];
+    if (IsContiguous(v.shape, v.strides)) {
+      job.packed_[i].data = static_cast<const std::byte*>(v.data);
+      continue;
+    }
+    std::byte* dst = job.pack_buffer_->data() + pack_offset;
+    internal::PackStrided(v.data, DTypeSize(v.dtype), v.shape, v.strides, dst);
+    job.packed_[i].data = dst;
+    pack_offset += (m.tensors[i].nbytes + 63) & ~uint64_t{63};
+  }
+  const absl::Duration pack_time = absl::Now() - pack_start;
+
+  job.StartHashing(*hashers);
+  absl::Status status = failpoints.Hit("core.before_transport");
+  if (status.ok()) status = backend->Publish(job, deadline);
+  const absl::Time transport_end = absl::Now();
+  job.WaitHashingDone();
+  if (!status.ok()) {
+    return internal::Annotate(status, absl::StrFormat("%s: publish of version %d failed",
+                                                      uri.Display(), version));
+  }
+  latest = version;
+  const absl::Time end = absl::Now();
+  stats = PublishStats{version,    m.total_bytes(), end - start, pack_time,
+                       end - transport_end, transport_end - pack_start - pack_time};
+  return absl::OkStatus();
+}
+
+std::optional<uint64_t> Publisher::latest_version() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->latest;
+}
+
+PublishStats Publisher::last_stats() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->stats;
+}
+
+const std::string& Publisher::uri() const { return impl_->uri_text; }
+
+}  // namespace weightbus

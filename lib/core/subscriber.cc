@@ -1,2 +1,339 @@
 // SPDX-License-Identifier: Apache-2.0
-// placeholder
+// Subscriber: checks bound destinations against the manifest before any byte moves, receives
+// through the transport, verifies every checksum (overlapped with the transfer) and hands over
+// whole versions only, never a lower one after a higher one. Transport-neutral.
+#include <atomic>
+#include <cstring>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "core/buffer.h"
+#include "core/failpoint.h"
+#include "core/registry.h"
+#include "core/status.h"
+#include "core/tensor_pack.h"
+#include "core/worker_pool.h"
+#include "weightbus/weightbus.hpp"
+#include "xxhash.h"
+
+namespace weightbus {
+namespace {
+
+constexpr uint64_t kAlign = 64;
+uint64_t AlignUp(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
+
+// Verifies tensors as the transport reports them complete.
+class Verifier final : public internal::LandingSink {
+ public:
+  Verifier(const Manifest& manifest, const std::vector<std::byte*>& targets,
+           internal::WorkerPool& pool)
+      : manifest_(manifest), targets_(targets), pool_(pool),
+        actual_(manifest.tensors.size(), 0), landed_(manifest.tensors.size()) {}
+
+  void Landed(size_t i) override {
+    if (landed_[i].exchange(true)) return;  // a transport reporting twice is harmless
+    pending_.Add();
+    pool_.Submit([this, i] {
+      actual_[i] = XXH3_64bits(targets_[i], manifest_.tensors[i].nbytes);
+      pending_.Done();
+    });
+  }
+
+  // Waits for every queued checksum (they read buffers the caller may free afterwards).
+  void Drain() { pending_.WaitUntilZero(absl::InfiniteFuture()); }
+
+  // After Drain: the first tensor never reported or whose checksum differs, or -1.
+  std::optional<size_t> FirstFailure(bool* never_landed) const {
+    for (size_t i = 0; i < actual_.size(); ++i) {
+      if (!landed_[i].load()) {
+        *never_landed = true;
+        return i;
+      }
+      if (actual_[i] != manifest_.tensors[i].xxh3) {
+        *never_landed = false;
+        return i;
+      }
+    }
+    return std::nullopt;
+  }
+  uint64_t actual(size_t i) const { return actual_[i]; }
+
+ private:
+  const Manifest& manifest_;
+  const std::vector<std::byte*>& targets_;
+  internal::WorkerPool& pool_;
+  std::vector<uint64_t> actual_;
+  std::vector<std::atomic<bool>> landed_;
+  internal::TaskCounter pending_;
+};
+
+struct Binding {
+  Destination dest;
+  uint64_t nbytes = 0;
+};
+
+}  // namespace
+
+class Update::Impl {
+ public:
+  Manifest manifest;
+  std::vector<TensorView> views;
+  absl::flat_hash_map<std::string, size_t> index;
+  std::shared_ptr<internal::HostBuffer> buffer;  // library-owned tensors
+  UpdateStats stats;
+};
+
+Update::Update(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Update::~Update() = default;
+uint64_t Update::version() const { return impl_->manifest.version; }
+const Manifest& Update::manifest() const { return impl_->manifest; }
+absl::Span<const TensorView> Update::tensors() const { return impl_->views; }
+const UpdateStats& Update::stats() const { return impl_->stats; }
+const TensorView* Update::Find(std::string_view name) const {
+  auto it = impl_->index.find(absl::string_view(name.data(), name.size()));
+  return it == impl_->index.end() ? nullptr : &impl_->views[it->second];
+}
+
+class Subscriber::Impl {
+ public:
+  std::string uri_text;
+  internal::Uri uri;
+  std::unique_ptr<internal::Config> config;
+  std::unique_ptr<internal::TransportSubscriber> backend;
+  std::unique_ptr<internal::WorkerPool> hashers;
+  std::shared_ptr<internal::BufferPool> pool = internal::BufferPool::Create(3);
+  internal::FailPoints failpoints;
+  bool staged = true;
+
+  mutable absl::Mutex mu;
+  std::map<std::string, Binding, std::less<>> bindings ABSL_GUARDED_BY(mu);
+  std::optional<uint64_t> current ABSL_GUARDED_BY(mu);
+
+  absl::StatusOr<std::unique_ptr<Update>> Wait(uint64_t min_version, absl::Duration timeout)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  absl::Status CheckBindings(const Manifest& m) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+};
+
+absl::StatusOr<std::unique_ptr<Subscriber>> Subscriber::Open(std::string_view uri_text,
+                                                             const Options& options) {
+  WB_ASSIGN_OR_RETURN(internal::Uri uri, internal::ParseUri(uri_text));
+  WB_ASSIGN_OR_RETURN(const internal::TransportDescriptor* transport, internal::TransportFor(uri));
+  WB_ASSIGN_OR_RETURN(internal::Config config, internal::ResolveConfig(*transport, uri, options));
+  auto impl = std::make_unique<Impl>();
+  impl->uri_text = std::string(uri_text);
+  impl->uri = uri;
+  impl->config = std::make_unique<internal::Config>(std::move(config));
+  const internal::Config& c = *impl->config;
+  WB_ASSIGN_OR_RETURN(impl->failpoints, internal::FailPoints::Parse(c.String("failpoints")));
+  impl->staged = c.String("bind_mode") == "staged";
+  WB_ASSIGN_OR_RETURN(impl->backend, transport->open_subscriber(uri, c));
+  impl->hashers = std::make_unique<internal::WorkerPool>(
+      internal::WorkerPool::DefaultThreads(static_cast<int>(c.Int("hash_threads"))));
+  return std::unique_ptr<Subscriber>(new Subscriber(std::move(impl)));
+}
+
+Subscriber::Subscriber(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Subscriber::~Subscriber() = default;
+
+absl::Status Subscriber::Bind(std::string name, Destination dest) {
+  absl::StatusOr<uint64_t> nbytes = internal::ValidateDestination(name, dest);
+  if (!nbytes.ok()) return nbytes.status();
+  absl::MutexLock lock(&impl_->mu);
+  impl_->bindings[std::move(name)] = Binding{std::move(dest), *nbytes};
+  return absl::OkStatus();
+}
+
+void Subscriber::Unbind(std::string_view name) {
+  absl::MutexLock lock(&impl_->mu);
+  auto it = impl_->bindings.find(name);
+  if (it != impl_->bindings.end()) impl_->bindings.erase(it);
+}
+
+void Subscriber::UnbindAll() {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->bindings.clear();
+}
+
+std::optional<uint64_t> Subscriber::current_version() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->current;
+}
+
+const std::string& Subscriber::uri() const { return impl_->uri_text; }
+
+absl::StatusOr<std::unique_ptr<Update>> Subscriber::WaitForVersion(uint64_t min_version,
+                                                                   absl::Duration timeout) {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->Wait(min_version, timeout);
+}
+
+absl::Status Subscriber::Impl::CheckBindings(const Manifest& m) const {
+  for (const auto& [name, binding] : bindings) {
+    const TensorInfo* info = m.Find(name);
+    if (info == nullptr) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: tensor \"%s\" is bound but version %d has no tensor of that name (it has %d "
+          "tensors); nothing was written",
+          uri.Display(), name, m.version, m.tensors.size()));
+    }
+    const Destination& d = binding.dest;
+    if (d.dtype != info->dtype || d.shape != info->shape) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: tensor \"%s\" of version %d is %s %s but its bound destination is %s %s; "
+          "nothing was written",
+          uri.Display(), name, m.version, DTypeName(info->dtype), ShapeString(info->shape),
+          DTypeName(d.dtype), ShapeString(d.shape)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Checks what a transport handed over before trusting it for sizes and offsets.
+static absl::Status CheckManifest(const internal::Uri& uri, const Manifest& m) {
+  absl::flat_hash_set<absl::string_view> names;
+  for (const TensorInfo& t : m.tensors) {
+    absl::StatusOr<uint64_t> n = ByteSize(t.dtype, t.shape);
+    if (!n.ok() || *n != t.nbytes) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s version %d: manifest entry \"%s\" claims %d bytes for %s %s", uri.Display(),
+          m.version, t.name, t.nbytes, DTypeName(t.dtype), ShapeString(t.shape)));
+    }
+    if (!names.insert(t.name).second) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s version %d: manifest names tensor \"%s\" twice", uri.Display(), m.version, t.name));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_version,
+                                                               absl::Duration timeout) {
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = start + timeout;
+  const uint64_t floor = std::max(min_version, current.value_or(0));
+
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<internal::IncomingVersion> incoming,
+                      backend->WaitForVersion(floor, deadline));
+  const absl::Time found = absl::Now();
+  auto impl = std::make_unique<Update::Impl>();
+  impl->manifest = incoming->manifest();
+  const Manifest& m = impl->manifest;
+  if (m.version < floor) {
+    return absl::InternalError(absl::StrFormat(
+        "%s: transport offered version %d while waiting for >= %d", uri.Display(), m.version,
+        floor));
+  }
+  WB_RETURN_IF_ERROR(CheckManifest(uri, m));
+  WB_RETURN_IF_ERROR(CheckBindings(m));
+
+  // Decide where each tensor lands: library memory (kept by the Update), staging (copied into a
+  // bound destination after verification) or the bound destination itself.
+  const size_t n = m.tensors.size();
+  enum class Place { kLibrary, kStaging, kDirect };
+  std::vector<Place> place(n, Place::kLibrary);
+  std::vector<const Binding*> bound(n, nullptr);
+  uint64_t library_bytes = 0, staging_bytes = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const TensorInfo& t = m.tensors[i];
+    if (auto it = bindings.find(t.name); it != bindings.end()) {
+      bound[i] = &it->second;
+      const bool contiguous = IsContiguous(t.shape, it->second.dest.strides);
+      place[i] = (staged || !contiguous) ? Place::kStaging : Place::kDirect;
+    }
+    if (place[i] == Place::kLibrary) library_bytes += AlignUp(t.nbytes);
+    if (place[i] == Place::kStaging) staging_bytes += AlignUp(t.nbytes);
+  }
+  std::shared_ptr<internal::HostBuffer> library, staging;
+  if (library_bytes > 0) {
+    WB_ASSIGN_OR_RETURN(library, pool->Get(library_bytes));
+  }
+  if (staging_bytes > 0) {
+    WB_ASSIGN_OR_RETURN(staging, pool->Get(staging_bytes));
+  }
+  std::vector<std::byte*> targets(n, nullptr);
+  uint64_t library_off = 0, staging_off = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t size = AlignUp(m.tensors[i].nbytes);
+    switch (place[i]) {
+      case Place::kLibrary:
+        targets[i] = library->data() + library_off;
+        library_off += size;
+        break;
+      case Place::kStaging:
+        targets[i] = staging->data() + staging_off;
+        staging_off += size;
+        break;
+      case Place::kDirect:
+        targets[i] = static_cast<std::byte*>(bound[i]->dest.data);
+        break;
+    }
+  }
+
+  Verifier verifier(m, targets, *hashers);
+  absl::Status fetch = failpoints.Hit("core.before_fetch");
+  if (fetch.ok()) fetch = incoming->Fetch(targets, verifier, deadline);
+  const absl::Time fetched = absl::Now();
+  verifier.Drain();
+  const absl::Time verified = absl::Now();
+  const bool any_direct = std::find(place.begin(), place.end(), Place::kDirect) != place.end();
+  const std::string direct_note =
+      any_direct ? " (bind_mode=direct: bound destinations may hold partial data of this version)"
+                 : "";
+  if (!fetch.ok()) {
+    return absl::Status(fetch.code(), absl::StrFormat("%s: receiving version %d failed: %s%s; "
+                                                      "version %s stays current",
+                                                      uri.Display(), m.version, fetch.message(),
+                                                      direct_note,
+                                                      current ? std::to_string(*current) : "none"));
+  }
+  bool never_landed = false;
+  if (std::optional<size_t> bad = verifier.FirstFailure(&never_landed)) {
+    const TensorInfo& t = m.tensors[*bad];
+    if (never_landed) {
+      return absl::InternalError(absl::StrFormat(
+          "%s version %d: transport finished without delivering tensor \"%s\"", uri.Display(),
+          m.version, t.name));
+    }
+    return absl::DataLossError(absl::StrFormat(
+        "%s version %d: tensor \"%s\" from %s fails verification: XXH3-64 of the received %d "
+        "bytes is %016x but the manifest says %016x%s; version %s stays current",
+        uri.Display(), m.version, t.name, incoming->DescribeSource(*bad), t.nbytes,
+        verifier.actual(*bad), t.xxh3, direct_note, current ? std::to_string(*current) : "none"));
+  }
+  incoming.reset();  // releases the transport's pin on the version
+
+  // Everything verified: only now touch staged destinations.
+  for (size_t i = 0; i < n; ++i) {
+    if (place[i] != Place::kStaging) continue;
+    const Destination& d = bound[i]->dest;
+    if (IsContiguous(d.shape, d.strides)) {
+      std::memcpy(d.data, targets[i], m.tensors[i].nbytes);
+    } else {
+      internal::UnpackStrided(targets[i], DTypeSize(d.dtype), d.shape, d.strides, d.data);
+    }
+  }
+  staging.reset();
+  const absl::Time end = absl::Now();
+
+  impl->views.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const TensorInfo& t = m.tensors[i];
+    TensorView v{t.name, t.dtype, t.shape, {}, targets[i], Device{}, t.shard};
+    if (bound[i] != nullptr) {
+      v.data = bound[i]->dest.data;
+      v.strides = bound[i]->dest.strides;
+    }
+    impl->index.emplace(t.name, i);
+    impl->views.push_back(std::move(v));
+  }
+  impl->buffer = std::move(library);
+  impl->stats = UpdateStats{m.total_bytes(), found - start,   fetched - found,
+                            verified - fetched, end - verified, absl::ToUnixNanos(end)};
+  current = m.version;
+  return std::make_unique<Update>(std::move(impl));
+}
+
+}  // namespace weightbus

@@ -1,2 +1,218 @@
 // SPDX-License-Identifier: Apache-2.0
-// placeholder
+#include "core/tensor_pack.h"
+
+#include <cstring>
+
+#include "absl/strings/str_format.h"
+
+namespace weightbus::internal {
+namespace {
+
+// Walks every index of `shape` except the innermost dimension, calling fn(outer element offset)
+// with the element offset of index [i0, ..., i_{n-2}, 0] under `strides`.
+template <typename Fn>
+void ForEachRow(const std::vector<int64_t>& shape, const std::vector<int64_t>& strides, Fn fn) {
+  const size_t rank = shape.size();
+  std::vector<int64_t> index(rank > 0 ? rank - 1 : 0, 0);
+  int64_t offset = 0;
+  while (true) {
+    fn(offset);
+    // Increment the (rank-1)-digit counter.
+    size_t d = index.size();
+    while (d > 0) {
+      --d;
+      if (++index[d] < shape[d]) {
+        offset += strides[d];
+        break;
+      }
+      offset -= strides[d] * (shape[d] - 1);
+      index[d] = 0;
+      if (d == 0) return;
+    }
+    if (index.empty()) return;
+  }
+}
+
+template <typename Copy>
+void Strided(size_t elem_size, const std::vector<int64_t>& shape,
+             const std::vector<int64_t>& strides_in, Copy copy_row) {
+  for (int64_t dim : shape) {
+    if (dim == 0) return;
+  }
+  if (shape.empty()) {
+    copy_row(0, 0, 1, 1);
+    return;
+  }
+  std::vector<int64_t> strides = strides_in;
+  if (strides.empty()) {
+    strides.resize(shape.size());
+    int64_t s = 1;
+    for (size_t i = shape.size(); i-- > 0;) {
+      strides[i] = s;
+      s *= shape[i];
+    }
+  }
+  const int64_t inner = shape.back();
+  const int64_t inner_stride = strides.back();
+  int64_t packed = 0;
+  ForEachRow(shape, strides, [&](int64_t offset) {
+    copy_row(offset, packed, inner, inner_stride);
+    packed += inner;
+  });
+}
+
+}  // namespace
+
+bool IsValidUtf8(std::string_view s, size_t* bad_offset) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  size_t i = 0;
+  auto fail = [&](size_t at) {
+    if (bad_offset) *bad_offset = at;
+    return false;
+  };
+  while (i < n) {
+    unsigned char c = p[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len;
+    uint32_t cp;
+    if ((c & 0xE0) == 0xC0) {
+      len = 2;
+      cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      len = 3;
+      cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      len = 4;
+      cp = c & 0x07;
+    } else {
+      return fail(i);
+    }
+    if (i + len > n) return fail(i);
+    for (size_t k = 1; k < len; ++k) {
+      if ((p[i + k] & 0xC0) != 0x80) return fail(i);
+      cp = (cp << 6) | (p[i + k] & 0x3F);
+    }
+    static constexpr uint32_t kMin[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return fail(i);
+    i += len;
+  }
+  return true;
+}
+
+static absl::Status CheckLayout(std::string_view name, const std::vector<int64_t>& shape,
+                                const std::vector<int64_t>& strides, const void* data,
+                                uint64_t nbytes, Device device) {
+  if (!strides.empty() && strides.size() != shape.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "tensor \"%s\": %d strides for a shape %s of rank %d", name, strides.size(),
+        ShapeString(shape), shape.size()));
+  }
+  if (data == nullptr && nbytes != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tensor \"%s\": data is null but shape %s holds %d bytes", name,
+                        ShapeString(shape), nbytes));
+  }
+  if (device.type != DeviceType::kCpu) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "tensor \"%s\" is on CUDA device %d; this build accepts CPU tensors only", name,
+        device.index));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> ValidateView(const TensorView& view) {
+  if (view.name.empty()) {
+    return absl::InvalidArgumentError("a tensor has an empty name");
+  }
+  size_t bad = 0;
+  if (!IsValidUtf8(view.name, &bad)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "tensor name \"%s\" is not valid UTF-8 (bad byte at offset %d)", view.name, bad));
+  }
+  absl::StatusOr<uint64_t> nbytes = ByteSize(view.dtype, view.shape);
+  if (!nbytes.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tensor \"%s\": %s", view.name, nbytes.status().message()));
+  }
+  if (absl::Status s = CheckLayout(view.name, view.shape, view.strides, view.data, *nbytes,
+                                   view.device);
+      !s.ok()) {
+    return s;
+  }
+  if (view.shard) {
+    const Shard& sh = *view.shard;
+    if (sh.global_shape.size() != view.shape.size() || sh.offsets.size() != view.shape.size()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "tensor \"%s\": shard global_shape %s and offsets %s must have the rank of shape %s",
+          view.name, ShapeString(sh.global_shape), ShapeString(sh.offsets),
+          ShapeString(view.shape)));
+    }
+    for (size_t d = 0; d < view.shape.size(); ++d) {
+      if (sh.offsets[d] < 0 || sh.global_shape[d] < 0 ||
+          sh.offsets[d] > sh.global_shape[d] - view.shape[d]) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "tensor \"%s\": slice of shape %s at offsets %s does not fit in global shape %s "
+            "(dimension %d)",
+            view.name, ShapeString(view.shape), ShapeString(sh.offsets),
+            ShapeString(sh.global_shape), d));
+      }
+    }
+  }
+  return *nbytes;
+}
+
+absl::StatusOr<uint64_t> ValidateDestination(std::string_view name, const Destination& dest) {
+  absl::StatusOr<uint64_t> nbytes = ByteSize(dest.dtype, dest.shape);
+  if (!nbytes.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("destination for \"%s\": %s", name, nbytes.status().message()));
+  }
+  if (absl::Status s = CheckLayout(name, dest.shape, dest.strides, dest.data, *nbytes,
+                                   dest.device);
+      !s.ok()) {
+    return s;
+  }
+  return *nbytes;
+}
+
+void PackStrided(const void* src, size_t elem_size, const std::vector<int64_t>& shape,
+                 const std::vector<int64_t>& strides, std::byte* dst) {
+  const auto* base = static_cast<const std::byte*>(src);
+  Strided(elem_size, shape, strides,
+          [&](int64_t offset, int64_t packed, int64_t count, int64_t stride) {
+            std::byte* out = dst + packed * static_cast<int64_t>(elem_size);
+            const std::byte* in = base + offset * static_cast<int64_t>(elem_size);
+            if (stride == 1) {
+              std::memcpy(out, in, count * elem_size);
+              return;
+            }
+            for (int64_t i = 0; i < count; ++i) {
+              std::memcpy(out + i * elem_size, in + i * stride * static_cast<int64_t>(elem_size),
+                          elem_size);
+            }
+          });
+}
+
+void UnpackStrided(const std::byte* src, size_t elem_size, const std::vector<int64_t>& shape,
+                   const std::vector<int64_t>& strides, void* dst) {
+  auto* base = static_cast<std::byte*>(dst);
+  Strided(elem_size, shape, strides,
+          [&](int64_t offset, int64_t packed, int64_t count, int64_t stride) {
+            const std::byte* in = src + packed * static_cast<int64_t>(elem_size);
+            std::byte* out = base + offset * static_cast<int64_t>(elem_size);
+            if (stride == 1) {
+              std::memcpy(out, in, count * elem_size);
+              return;
+            }
+            for (int64_t i = 0; i < count; ++i) {
+              std::memcpy(out + i * stride * static_cast<int64_t>(elem_size), in + i * elem_size,
+                          elem_size);
+            }
+          });
+}
+
+}  // namespace weightbus::internal

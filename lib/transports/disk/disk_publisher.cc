@@ -1,2 +1,313 @@
 // SPDX-License-Identifier: Apache-2.0
-// placeholder
+// Publishing side of disk://: write a version into a temporary directory with io_uring, make it
+// durable, rename it into place, then commit it by replacing LATEST; apply retention.
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <dirent.h>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "core/failpoint.h"
+#include "core/logging.h"
+#include "core/status.h"
+#include "io/file_io.h"
+#include "nlohmann/json.hpp"
+#include "transports/disk/channel.h"
+#include "transports/disk/disk_transport.h"
+#include "weightbus/safetensors.hpp"
+
+namespace weightbus::internal::disk {
+namespace {
+
+std::string HostName() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
+  return buf;
+}
+
+// One safetensors file of a version and the tensors (manifest indices) it holds.
+struct FilePlan {
+  std::string name;
+  std::vector<size_t> tensors;
+  safetensors::Layout layout;
+};
+
+// Splits the tensors into files of at most `shard_size` bytes (a tensor is never split), in
+// the writer's data order (element size descending, stable), so each file is one contiguous
+// run of that order.
+absl::StatusOr<std::vector<FilePlan>> PlanFiles(absl::Span<const PackedTensor> tensors,
+                                                uint64_t shard_size) {
+  std::vector<size_t> order(tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return DTypeSize(tensors[a].info->dtype) > DTypeSize(tensors[b].info->dtype);
+  });
+  std::vector<FilePlan> files;
+  uint64_t current = 0;
+  for (size_t i : order) {
+    const uint64_t n = tensors[i].info->nbytes;
+    if (files.empty() || (current > 0 && current + n > shard_size)) {
+      files.emplace_back();
+      current = 0;
+    }
+    files.back().tensors.push_back(i);
+    current += n;
+  }
+  if (files.empty()) files.emplace_back();  // a version with no tensors is one empty file
+  for (size_t k = 0; k < files.size(); ++k) {
+    FilePlan& f = files[k];
+    f.name = ShardFileName(k + 1, files.size());
+    std::vector<safetensors::TensorSpec> specs;
+    specs.reserve(f.tensors.size());
+    for (size_t i : f.tensors) {
+      const TensorInfo& t = *tensors[i].info;
+      specs.push_back(safetensors::TensorSpec{t.name, t.dtype, t.shape});
+    }
+    WB_ASSIGN_OR_RETURN(f.layout, safetensors::PlanFile(specs, {{"format", "pt"}}));
+  }
+  return files;
+}
+
+class DiskPublisher final : public TransportPublisher {
+ public:
+  DiskPublisher(Channel channel, UniqueFd lock, std::unique_ptr<FileIo> io, FailPoints failpoints,
+                int64_t retention, uint64_t shard_size, bool sync)
+      : channel_(std::move(channel)), lock_(std::move(lock)), io_(std::move(io)),
+        failpoints_(std::move(failpoints)), retention_(retention), shard_size_(shard_size),
+        sync_(sync) {}
+
+  absl::StatusOr<std::optional<uint64_t>> LatestVersion() override {
+    return channel_.ReadLatest();
+  }
+
+  absl::Status Publish(PublishJob& job, absl::Time deadline) override;
+
+  // Removes what crashed publishers left: temporary and trash directories, and version
+  // directories above LATEST (renamed into place but never committed).
+  absl::Status CleanLeftovers();
+
+ private:
+  absl::Status WriteFile(const std::string& dir, const FilePlan& plan, PublishJob& job,
+                         absl::Time deadline);
+  absl::Status CheckDeadline(absl::Time deadline, uint64_t version, std::string_view step) const;
+  void ApplyRetention(uint64_t latest);
+
+  Channel channel_;
+  UniqueFd lock_;
+  std::unique_ptr<FileIo> io_;
+  FailPoints failpoints_;
+  int64_t retention_;
+  uint64_t shard_size_;
+  bool sync_;
+};
+
+absl::Status DiskPublisher::CheckDeadline(absl::Time deadline, uint64_t version,
+                                          std::string_view step) const {
+  if (absl::Now() <= deadline) return absl::OkStatus();
+  return absl::DeadlineExceededError(absl::StrFormat(
+      "disk://%s: publish of version %d ran past its deadline before %s", channel_.root(),
+      version, step));
+}
+
+absl::Status DiskPublisher::WriteFile(const std::string& dir, const FilePlan& plan,
+                                      PublishJob& job, absl::Time deadline) {
+  const std::string path = absl::StrFormat("%s/%s", dir, plan.name);
+  WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_WRONLY | O_CREAT | O_EXCL));
+  const uint64_t size = plan.layout.file_size();
+  // Reserve every block first: a full disk fails here, before any data moves.
+  if (size > 0) {
+    if (::fallocate(fd.get(), 0, 0, static_cast<off_t>(size)) != 0 && errno != EOPNOTSUPP &&
+        errno != ENOSYS) {
+      return ErrnoStatus(errno, absl::StrFormat("reserving %d bytes for %s (version %d)", size, path,
+                                             job.version()));
+    }
+  }
+  absl::Span<const PackedTensor> tensors = job.tensors();
+  std::vector<IoRequest> requests;
+  requests.reserve(plan.tensors.size() + 1);
+  requests.push_back(IoRequest{fd.get(), 0,
+                               reinterpret_cast<std::byte*>(
+                                   const_cast<char*>(plan.layout.prefix.data())),
+                               plan.layout.prefix.size()});
+  for (size_t k = 0; k < plan.tensors.size(); ++k) {
+    const PackedTensor& t = tensors[plan.tensors[k]];
+    requests.push_back(IoRequest{fd.get(), plan.layout.data_start + plan.layout.begin[k],
+                                 const_cast<std::byte*>(t.data), t.info->nbytes});
+  }
+  auto describe = [&](size_t r) {
+    if (r == 0) return absl::StrFormat("%s (header, version %d)", path, job.version());
+    return absl::StrFormat("%s (tensor \"%s\", version %d)", path,
+                           tensors[plan.tensors[r - 1]].info->name, job.version());
+  };
+  WB_RETURN_IF_ERROR(io_->Write(requests, deadline, [](size_t) {}, describe));
+  if (sync_) {
+    WB_RETURN_IF_ERROR(io_->Fsync(fd.get(), deadline, path));
+  }
+  if (::close(fd.release()) != 0) {
+    return ErrnoStatus(errno, absl::StrFormat("close %s", path));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DiskPublisher::Publish(PublishJob& job, absl::Time deadline) {
+  const uint64_t version = job.version();
+  const std::string versions = channel_.VersionsDir();
+  const std::string tmp =
+      absl::StrFormat("%s/%s%s-%d", versions, kTmpPrefix, VersionDirName(version), getpid());
+  const std::string final_dir = channel_.VersionDir(version);
+  WB_RETURN_IF_ERROR(RemoveTree(tmp));
+  if (::mkdir(tmp.c_str(), 0755) != 0) {
+    return ErrnoStatus(errno, absl::StrFormat("create %s", tmp));
+  }
+  bool renamed = false, committed = false;
+  absl::Cleanup cleanup = [&] {
+    if (committed) return;
+    (void)RemoveTree(tmp);
+    if (renamed) (void)RemoveTree(final_dir);
+  };
+
+  WB_ASSIGN_OR_RETURN(std::vector<FilePlan> files, PlanFiles(job.tensors(), shard_size_));
+  for (const FilePlan& plan : files) {
+    WB_RETURN_IF_ERROR(CheckDeadline(deadline, version, "writing " + plan.name));
+    WB_RETURN_IF_ERROR(WriteFile(tmp, plan, job, deadline));
+    WB_RETURN_IF_ERROR(failpoints_.Hit("disk.after_file"));
+  }
+
+  WB_ASSIGN_OR_RETURN(const Manifest* manifest, job.SealedManifest(deadline));
+  WB_RETURN_IF_ERROR(WriteSmallFile(absl::StrFormat("%s/%s", tmp, kManifestFile),
+                                    manifest->ToJson(), sync_));
+  if (files.size() > 1) {
+    nlohmann::ordered_json index;
+    index["metadata"]["total_size"] = manifest->total_bytes();
+    nlohmann::ordered_json& map = index["weight_map"];
+    map = nlohmann::ordered_json::object();
+    for (const FilePlan& plan : files) {
+      for (size_t i : plan.tensors) map[manifest->tensors[i].name] = plan.name;
+    }
+    WB_RETURN_IF_ERROR(
+        WriteSmallFile(absl::StrFormat("%s/%s", tmp, kIndexFile), index.dump(2), sync_));
+  }
+  WB_RETURN_IF_ERROR(WriteSmallFile(absl::StrFormat("%s/%s", tmp, kReaderLock), "", false));
+  if (sync_) WB_RETURN_IF_ERROR(FsyncDir(tmp));
+  WB_RETURN_IF_ERROR(failpoints_.Hit("disk.before_rename"));
+  WB_RETURN_IF_ERROR(CheckDeadline(deadline, version, "renaming it into place"));
+
+  // A directory of this number can only be an uncommitted leftover (versions only increase).
+  WB_RETURN_IF_ERROR(RemoveTree(final_dir));
+  if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+    return ErrnoStatus(errno, absl::StrFormat("rename %s -> %s", tmp, final_dir));
+  }
+  renamed = true;
+  if (sync_) WB_RETURN_IF_ERROR(FsyncDir(versions));
+  WB_RETURN_IF_ERROR(failpoints_.Hit("disk.before_commit"));
+  WB_RETURN_IF_ERROR(CheckDeadline(deadline, version, "committing"));
+  WB_RETURN_IF_ERROR(channel_.WriteLatest(version, sync_));
+  committed = true;
+  ApplyRetention(version);
+  return absl::OkStatus();
+}
+
+void DiskPublisher::ApplyRetention(uint64_t latest) {
+  absl::StatusOr<std::vector<uint64_t>> dirs = channel_.ListVersionDirs();
+  if (!dirs.ok()) {
+    Log(LogLevel::kWarn, "retention: %s", std::string(dirs.status().message()));
+    return;
+  }
+  std::vector<uint64_t> committed;
+  for (uint64_t v : *dirs) {
+    if (v <= latest) committed.push_back(v);
+  }
+  if (committed.size() <= static_cast<size_t>(retention_)) return;
+  committed.resize(committed.size() - static_cast<size_t>(retention_));  // the oldest ones
+  for (uint64_t v : committed) {
+    const std::string dir = channel_.VersionDir(v);
+    absl::StatusOr<UniqueFd> lock =
+        OpenFile(absl::StrFormat("%s/%s", dir, kReaderLock), O_RDONLY);
+    if (lock.ok() && ::flock(lock->get(), LOCK_EX | LOCK_NB) != 0) {
+      Log(LogLevel::kDebug, "retention: version %d is being read; keeping it for now", v);
+      continue;
+    }
+    const std::string trash = absl::StrFormat("%s/%s%s-%d", channel_.VersionsDir(),
+                                              kTrashPrefix, VersionDirName(v), getpid());
+    if (::rename(dir.c_str(), trash.c_str()) != 0) {
+      Log(LogLevel::kWarn, "retention: rename %s: %s", dir, strerror(errno));
+      continue;
+    }
+    lock = absl::StatusOr<UniqueFd>(UniqueFd());  // release the lock before deleting
+    if (absl::Status s = RemoveTree(trash); !s.ok()) {
+      Log(LogLevel::kWarn, "retention: %s", std::string(s.message()));
+    }
+  }
+}
+
+absl::Status DiskPublisher::CleanLeftovers() {
+  WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, channel_.ReadLatest());
+  const std::string versions = channel_.VersionsDir();
+  DIR* d = ::opendir(versions.c_str());
+  if (d == nullptr) return ErrnoStatus(errno, absl::StrFormat("list %s", versions));
+  std::vector<std::string> doomed;
+  while (dirent* e = ::readdir(d)) {
+    absl::string_view name = e->d_name;
+    std::optional<uint64_t> v = ParseVersionDirName(e->d_name);
+    if (absl::StartsWith(name, kTmpPrefix) || absl::StartsWith(name, kTrashPrefix) ||
+        (v && (!latest || *v > *latest))) {
+      doomed.emplace_back(name);
+    }
+  }
+  ::closedir(d);
+  for (const std::string& name : doomed) {
+    Log(LogLevel::kInfo, "removing leftover %s/%s of an earlier publisher", versions, name);
+    WB_RETURN_IF_ERROR(RemoveTree(absl::StrFormat("%s/%s", versions, name)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenDiskPublisher(const Uri& uri,
+                                                                      const Config& config) {
+  WB_ASSIGN_OR_RETURN(std::string root, ChannelRoot(uri));
+  const int64_t retention = config.Int("retention");
+  if (retention < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: retention=%d must be at least 1", uri.Display(), retention));
+  }
+  Channel channel(root);
+  WB_RETURN_IF_ERROR(MakeDirs(channel.VersionsDir()));
+  WB_ASSIGN_OR_RETURN(UniqueFd lock,
+                      OpenFile(channel.Path(kPublisherLock), O_RDWR | O_CREAT));
+  if (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    absl::StatusOr<std::string> holder = ReadSmallFile(channel.Path(kPublisherLock), 4096);
+    if (err == EWOULDBLOCK) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s: another publisher holds the channel (%s)", uri.Display(),
+          holder.ok() && !holder->empty() ? *holder : "holder unknown"));
+    }
+    return ErrnoStatus(err, absl::StrFormat("lock %s", channel.Path(kPublisherLock)));
+  }
+  const std::string holder = absl::StrFormat("pid %d on %s", getpid(), HostName());
+  if (::ftruncate(lock.get(), 0) != 0 ||
+      ::pwrite(lock.get(), holder.data(), holder.size(), 0) < 0) {
+    Log(LogLevel::kWarn, "could not record the holder in %s", channel.Path(kPublisherLock));
+  }
+  WB_ASSIGN_OR_RETURN(FailPoints failpoints, FailPoints::Parse(config.String("failpoints")));
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<FileIo> io,
+                      FileIo::Create(config.String("io_engine"),
+                                     static_cast<unsigned>(config.Int("queue_depth")),
+                                     config.Bytes("chunk_size")));
+  auto publisher = std::make_unique<DiskPublisher>(
+      std::move(channel), std::move(lock), std::move(io), std::move(failpoints), retention,
+      std::max<uint64_t>(config.Bytes("shard_size"), 1), config.Bool("fsync"));
+  WB_RETURN_IF_ERROR(publisher->CleanLeftovers());
+  return std::unique_ptr<TransportPublisher>(std::move(publisher));
+}
+
+}  // namespace weightbus::internal::disk

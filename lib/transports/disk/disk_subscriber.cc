@@ -1,2 +1,316 @@
 // SPDX-License-Identifier: Apache-2.0
-// placeholder
+// Subscribing side of disk://: wait for LATEST to reach a version (inotify, with polling for
+// network filesystems), pin the version against retention with a shared flock, cross-check its
+// safetensors headers with its manifest, and read the bytes with io_uring at depth.
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/file.h>
+#include <sys/inotify.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "core/failpoint.h"
+#include "core/logging.h"
+#include "core/status.h"
+#include "io/file_io.h"
+#include "nlohmann/json.hpp"
+#include "transports/disk/channel.h"
+#include "transports/disk/disk_transport.h"
+#include "weightbus/safetensors.hpp"
+
+namespace weightbus::internal::disk {
+namespace {
+
+// Largest manifest or index file read (a million tensors fit comfortably).
+constexpr size_t kMaxMetadataFile = size_t{512} << 20;
+
+struct OpenedFile {
+  std::string path;
+  UniqueFd fd;
+  safetensors::Header header;
+};
+
+// Where one manifest tensor lives.
+struct Location {
+  size_t file = 0;
+  uint64_t offset = 0;  // absolute file offset
+};
+
+class DiskVersion final : public IncomingVersion {
+ public:
+  DiskVersion(Manifest manifest, std::vector<OpenedFile> files, std::vector<Location> locations,
+              UniqueFd pin, FileIo* io, FailPoints* failpoints)
+      : manifest_(std::move(manifest)), files_(std::move(files)),
+        locations_(std::move(locations)), pin_(std::move(pin)), io_(io),
+        failpoints_(failpoints) {}
+
+  const Manifest& manifest() const override { return manifest_; }
+
+  std::string DescribeSource(size_t i) const override {
+    const Location& l = locations_[i];
+    return absl::StrFormat("file %s bytes [%d, %d)", files_[l.file].path, l.offset,
+                           l.offset + manifest_.tensors[i].nbytes);
+  }
+
+  absl::Status Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
+                     absl::Time deadline) override {
+    WB_RETURN_IF_ERROR(failpoints_->Hit("disk.before_read"));
+    // Read in file order, sequentially within each file.
+    std::vector<size_t> order(manifest_.tensors.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      const Location &la = locations_[a], &lb = locations_[b];
+      return la.file != lb.file ? la.file < lb.file : la.offset < lb.offset;
+    });
+    std::vector<IoRequest> requests;
+    requests.reserve(order.size());
+    for (size_t i : order) {
+      requests.push_back(IoRequest{files_[locations_[i].file].fd.get(), locations_[i].offset,
+                                   targets[i], manifest_.tensors[i].nbytes});
+    }
+    return io_->Read(
+        requests, deadline, [&](size_t r) { sink.Landed(order[r]); },
+        [&](size_t r) {
+          return absl::StrFormat("%s (tensor \"%s\", version %d)",
+                                 files_[locations_[order[r]].file].path,
+                                 manifest_.tensors[order[r]].name, manifest_.version);
+        });
+  }
+
+ private:
+  Manifest manifest_;
+  std::vector<OpenedFile> files_;
+  std::vector<Location> locations_;
+  UniqueFd pin_;  // shared flock on .readers.lock: retention leaves this version alone
+  FileIo* io_;
+  FailPoints* failpoints_;
+};
+
+class DiskSubscriber final : public TransportSubscriber {
+ public:
+  DiskSubscriber(Channel channel, std::unique_ptr<FileIo> io, FailPoints failpoints,
+                 absl::Duration poll_interval)
+      : channel_(std::move(channel)), io_(std::move(io)), failpoints_(std::move(failpoints)),
+        poll_interval_(poll_interval) {
+    inotify_ = UniqueFd(inotify_init1(IN_NONBLOCK | IN_CLOEXEC));
+    if (!inotify_) {
+      Log(LogLevel::kInfo, "inotify unavailable (%s); polling %s every %s", strerror(errno),
+          channel_.root(), absl::FormatDuration(poll_interval_));
+    }
+  }
+
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> WaitForVersion(uint64_t min_version,
+                                                                  absl::Time deadline) override;
+
+ private:
+  // Opens and validates committed version `v`. NotFound means it was retired meanwhile.
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> OpenVersion(uint64_t v, absl::Time deadline);
+  void WatchIfPossible();
+  void Sleep(absl::Time deadline);
+
+  Channel channel_;
+  std::unique_ptr<FileIo> io_;
+  FailPoints failpoints_;
+  absl::Duration poll_interval_;
+  UniqueFd inotify_;
+  bool watching_ = false;
+};
+
+void DiskSubscriber::WatchIfPossible() {
+  if (watching_ || !inotify_) return;
+  // LATEST is replaced by rename: IN_MOVED_TO on the root directory announces each commit.
+  if (inotify_add_watch(inotify_.get(), channel_.root().c_str(),
+                        IN_MOVED_TO | IN_CREATE | IN_CLOSE_WRITE) >= 0) {
+    watching_ = true;
+  }
+}
+
+void DiskSubscriber::Sleep(absl::Time deadline) {
+  const absl::Duration wait =
+      std::max(std::min(deadline - absl::Now(), poll_interval_), absl::ZeroDuration());
+  if (watching_) {
+    pollfd p{inotify_.get(), POLLIN, 0};
+    int ms = static_cast<int>(absl::ToInt64Milliseconds(wait + absl::Milliseconds(1)) - 1);
+    if (::poll(&p, 1, std::max(ms, 0)) > 0) {
+      char buf[4096];
+      while (::read(inotify_.get(), buf, sizeof(buf)) > 0) {
+      }
+    }
+  } else {
+    absl::SleepFor(wait);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::WaitForVersion(
+    uint64_t min_version, absl::Time deadline) {
+  std::optional<uint64_t> newest;
+  while (true) {
+    WatchIfPossible();
+    WB_ASSIGN_OR_RETURN(newest, channel_.ReadLatest());
+    if (newest && *newest >= min_version) {
+      absl::StatusOr<std::unique_ptr<IncomingVersion>> v = OpenVersion(*newest, deadline);
+      if (!absl::IsNotFound(v.status())) return v;
+      Log(LogLevel::kDebug, "version %d retired while opening it; re-reading LATEST", *newest);
+      continue;
+    }
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrFormat(
+          "disk://%s: no version >= %d was committed by the deadline (newest committed: %s)",
+          channel_.root(), min_version, newest ? std::to_string(*newest) : "none"));
+    }
+    Sleep(deadline);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::OpenVersion(
+    uint64_t v, absl::Time deadline) {
+  const std::string dir = channel_.VersionDir(v);
+  const std::string lock_path = absl::StrFormat("%s/%s", dir, kReaderLock);
+  absl::StatusOr<UniqueFd> pin = OpenFile(lock_path, O_RDONLY);
+  if (absl::IsNotFound(pin.status())) {
+    // Committed versions always have the lock file; a missing directory means retired.
+    if (::access(dir.c_str(), F_OK) != 0) return pin.status();
+    return absl::DataLossError(
+        absl::StrFormat("version %d in %s has no %s file", v, dir, kReaderLock));
+  }
+  if (!pin.ok()) return pin.status();
+  // Retention holds LOCK_EX only while renaming a version away; wait that out.
+  while (::flock(pin->get(), LOCK_SH | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK && errno != EINTR) {
+      return ErrnoStatus(errno, absl::StrFormat("lock %s", lock_path));
+    }
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrFormat(
+          "disk://%s: could not pin version %d by the deadline", channel_.root(), v));
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  // If retention renamed the directory before we locked, the path no longer leads to our file.
+  struct stat ours, now;
+  if (::fstat(pin->get(), &ours) != 0 || ::stat(lock_path.c_str(), &now) != 0 ||
+      ours.st_ino != now.st_ino || ours.st_dev != now.st_dev) {
+    return absl::NotFoundError(absl::StrFormat("version %d was retired", v));
+  }
+
+  const std::string manifest_path = absl::StrFormat("%s/%s", dir, kManifestFile);
+  WB_ASSIGN_OR_RETURN(std::string manifest_text, ReadSmallFile(manifest_path, kMaxMetadataFile));
+  WB_ASSIGN_OR_RETURN(Manifest manifest, Manifest::FromJson(manifest_text, manifest_path));
+  if (manifest.version != v) {
+    return absl::DataLossError(absl::StrFormat("%s says version %d but lies in the directory of "
+                                               "version %d",
+                                               manifest_path, manifest.version, v));
+  }
+
+  // Which files: the index's weight_map when sharded, else the single file.
+  std::vector<std::string> names;
+  const std::string index_path = absl::StrFormat("%s/%s", dir, kIndexFile);
+  if (::access(index_path.c_str(), F_OK) == 0) {
+    WB_ASSIGN_OR_RETURN(std::string index_text, ReadSmallFile(index_path, kMaxMetadataFile));
+    nlohmann::json index = nlohmann::json::parse(index_text, nullptr, false);
+    if (index.is_discarded() || !index.is_object() || !index.contains("weight_map") ||
+        !index["weight_map"].is_object()) {
+      return absl::DataLossError(absl::StrFormat("%s has no weight_map object", index_path));
+    }
+    for (const auto& [name, file] : index["weight_map"].items()) {
+      if (!file.is_string()) {
+        return absl::DataLossError(
+            absl::StrFormat("%s: weight_map[\"%s\"] is not a file name", index_path, name));
+      }
+      const std::string f = file.get<std::string>();
+      if (f.find('/') != std::string::npos || f.empty() || f[0] == '.') {
+        return absl::DataLossError(
+            absl::StrFormat("%s: weight_map names \"%s\", not a file of the version", index_path,
+                            f));
+      }
+      if (std::find(names.begin(), names.end(), f) == names.end()) names.push_back(f);
+    }
+    std::sort(names.begin(), names.end());
+  } else {
+    names.push_back(kSingleFile);
+  }
+
+  std::vector<OpenedFile> files;
+  absl::flat_hash_map<std::string, std::pair<size_t, const safetensors::Entry*>> where;
+  files.reserve(names.size());
+  for (const std::string& name : names) {
+    OpenedFile f;
+    f.path = absl::StrFormat("%s/%s", dir, name);
+    WB_ASSIGN_OR_RETURN(f.fd, OpenFile(f.path, O_RDONLY));
+    struct stat st;
+    if (::fstat(f.fd.get(), &st) != 0) {
+      return ErrnoStatus(errno, absl::StrFormat("stat %s", f.path));
+    }
+    absl::StatusOr<safetensors::Header> header =
+        safetensors::ReadHeader(f.fd.get(), static_cast<uint64_t>(st.st_size), f.path);
+    if (!header.ok()) {
+      return absl::Status(header.status().code(),
+                          absl::StrFormat("version %d: %s", v, header.status().message()));
+    }
+    f.header = *std::move(header);
+    files.push_back(std::move(f));
+  }
+  for (size_t k = 0; k < files.size(); ++k) {
+    for (const safetensors::Entry& e : files[k].header.tensors) {
+      if (!where.emplace(e.name, std::make_pair(k, &e)).second) {
+        return absl::DataLossError(absl::StrFormat("version %d: tensor \"%s\" is in both %s and %s",
+                                                   v, e.name, files[where[e.name].first].path,
+                                                   files[k].path));
+      }
+    }
+  }
+  if (where.size() != manifest.tensors.size()) {
+    for (const auto& [name, loc] : where) {
+      if (manifest.Find(name) == nullptr) {
+        return absl::DataLossError(absl::StrFormat(
+            "version %d: %s holds tensor \"%s\", which the manifest %s does not list", v,
+            files[loc.first].path, name, manifest_path));
+      }
+    }
+  }
+  std::vector<Location> locations;
+  locations.reserve(manifest.tensors.size());
+  for (const TensorInfo& t : manifest.tensors) {
+    auto it = where.find(t.name);
+    if (it == where.end()) {
+      return absl::DataLossError(absl::StrFormat(
+          "version %d: manifest tensor \"%s\" is in none of the files (%d files)", v, t.name,
+          files.size()));
+    }
+    const auto& [k, e] = it->second;
+    if (e->dtype != t.dtype || e->shape != t.shape || e->nbytes() != t.nbytes) {
+      return absl::DataLossError(absl::StrFormat(
+          "version %d: tensor \"%s\" is %s %s (%d bytes) in %s but %s %s (%d bytes) in the "
+          "manifest",
+          v, t.name, DTypeName(e->dtype), ShapeString(e->shape), e->nbytes(), files[k].path,
+          DTypeName(t.dtype), ShapeString(t.shape), t.nbytes));
+    }
+    locations.push_back(Location{k, files[k].header.data_start + e->begin});
+  }
+  return std::unique_ptr<IncomingVersion>(new DiskVersion(std::move(manifest), std::move(files),
+                                                          std::move(locations), *std::move(pin),
+                                                          io_.get(), &failpoints_));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TransportSubscriber>> OpenDiskSubscriber(const Uri& uri,
+                                                                        const Config& config) {
+  WB_ASSIGN_OR_RETURN(std::string root, ChannelRoot(uri));
+  WB_ASSIGN_OR_RETURN(FailPoints failpoints, FailPoints::Parse(config.String("failpoints")));
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<FileIo> io,
+                      FileIo::Create(config.String("io_engine"),
+                                     static_cast<unsigned>(config.Int("queue_depth")),
+                                     config.Bytes("chunk_size")));
+  absl::Duration poll = config.Duration("poll_interval");
+  if (poll <= absl::ZeroDuration()) poll = absl::Milliseconds(1);
+  return std::unique_ptr<TransportSubscriber>(
+      new DiskSubscriber(Channel(root), std::move(io), std::move(failpoints), poll));
+}
+
+}  // namespace weightbus::internal::disk

@@ -1,2 +1,58 @@
 // SPDX-License-Identifier: Apache-2.0
-// placeholder
+#include "absl/strings/str_format.h"
+#include "core/registry.h"
+#include "transports/disk/disk_transport.h"
+
+namespace weightbus::internal::disk {
+
+const SettingTable& DiskSettings() {
+  static const SettingTable* table = new SettingTable{
+      "disk",
+      {
+          {"retention", SettingType::kInt, "3",
+           "committed versions kept on disk (>= 1); older ones are deleted unless a reader holds "
+           "them"},
+          {"shard_size", SettingType::kBytes, "5GB",
+           "largest safetensors file; bigger versions are split into "
+           "model-0000K-of-0000N.safetensors with an index (a tensor is never split)"},
+          {"io_engine", SettingType::kEnum, "uring",
+           "uring: io_uring at depth (falls back to psync when unavailable); psync: "
+           "pread/pwrite",
+           {"uring", "psync"}},
+          {"queue_depth", SettingType::kInt, "16", "I/O operations in flight (1..4096)"},
+          {"chunk_size", SettingType::kBytes, "4MiB", "bytes per I/O operation (>= 4KiB)"},
+          {"poll_interval", SettingType::kDuration, "100ms",
+           "how often subscribers re-read LATEST; inotify wakes them sooner on a local "
+           "filesystem, polling covers network filesystems"},
+          {"fsync", SettingType::kBool, "true",
+           "fsync files and directories before committing (false: not durable across a power "
+           "loss; for tmpfs and benchmarks)"},
+      }};
+  return *table;
+}
+
+absl::StatusOr<std::string> ChannelRoot(const Uri& uri) {
+  if (!uri.authority.empty() && uri.authority != "localhost") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "URI \"%s\": disk:// takes no host (\"%s\"); write disk:///absolute/path", uri.text,
+        uri.authority));
+  }
+  if (uri.path.empty() || uri.path == "/") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "URI \"%s\": disk:// needs a channel directory, e.g. disk:///mnt/shared/policy",
+        uri.text));
+  }
+  std::string root = uri.path;
+  while (root.size() > 1 && root.back() == '/') root.pop_back();
+  return root;
+}
+
+}  // namespace weightbus::internal::disk
+
+WEIGHTBUS_REGISTER_TRANSPORT(
+    disk, (::weightbus::internal::TransportDescriptor{
+              "disk",
+              "shared filesystem; each version a safetensors checkpoint written with io_uring",
+              &::weightbus::internal::disk::DiskSettings(),
+              ::weightbus::internal::disk::OpenDiskPublisher,
+              ::weightbus::internal::disk::OpenDiskSubscriber}))

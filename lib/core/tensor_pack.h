@@ -1,0 +1,39 @@
+// SPDX-License-Identifier: Apache-2.0
+// Validation of tensor views and conversion between strided layouts and packed row-major bytes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "weightbus/types.hpp"
+
+namespace weightbus::internal {
+
+// True when `s` is valid UTF-8 (RFC 3629: no overlongs, no surrogates, <= U+10FFFF).
+// On failure `*bad_offset` (if given) receives the offset of the first bad byte.
+bool IsValidUtf8(std::string_view s, size_t* bad_offset = nullptr);
+
+// Checks a view to be published: non-empty valid UTF-8 name, valid shape, strides of matching
+// rank, data non-null unless empty, CPU device, shard consistent with the shape.
+// Returns the packed byte size. Errors: InvalidArgument naming the tensor; Unimplemented for
+// a non-CPU device.
+absl::StatusOr<uint64_t> ValidateView(const TensorView& view);
+
+// Checks a destination for tensor `name`, as ValidateView. Returns its packed byte size.
+absl::StatusOr<uint64_t> ValidateDestination(std::string_view name, const Destination& dest);
+
+// Copies the strided tensor at `src` (element [0..0], `strides` in elements) into `dst` as
+// contiguous row-major bytes. Any strides, including zero and negative, are accepted.
+void PackStrided(const void* src, size_t elem_size, const std::vector<int64_t>& shape,
+                 const std::vector<int64_t>& strides, std::byte* dst);
+
+// The inverse: scatters contiguous row-major `src` into the strided tensor at `dst`.
+void UnpackStrided(const std::byte* src, size_t elem_size, const std::vector<int64_t>& shape,
+                   const std::vector<int64_t>& strides, void* dst);
+
+}  // namespace weightbus::internal

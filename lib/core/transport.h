@@ -1,0 +1,85 @@
+// SPDX-License-Identifier: Apache-2.0
+// The interface transports implement (the plugin API; applications use weightbus.hpp).
+//
+// The core owns everything transport-neutral: validating tensors, packing non-contiguous views,
+// computing and verifying XXH3-64 checksums, checking bound destinations against the manifest,
+// and never handing over a lower version after a higher one. A transport moves manifests and
+// bytes and says when a version is committed. Each transport lives in lib/transports/<scheme>/
+// and registers itself (registry.h); the core never names one.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "weightbus/manifest.hpp"
+
+namespace weightbus::internal {
+
+// One tensor's contiguous row-major bytes, as the core hands them to a transport.
+struct PackedTensor {
+  const TensorInfo* info = nullptr;  // entry of the job's manifest (checksum may be pending)
+  const std::byte* data = nullptr;   // info->nbytes bytes; valid until Publish returns
+};
+
+// One Publish call as a transport sees it. Implemented by the core.
+class PublishJob {
+ public:
+  virtual ~PublishJob() = default;
+  virtual uint64_t version() const = 0;
+  // In manifest order. The bytes are valid until TransportPublisher::Publish returns.
+  virtual absl::Span<const PackedTensor> tensors() const = 0;
+  // The manifest with every checksum filled in. Checksums are computed concurrently from the
+  // start of the job; this waits for them, up to `deadline` (DeadlineExceeded).
+  virtual absl::StatusOr<const Manifest*> SealedManifest(absl::Time deadline) = 0;
+};
+
+class TransportPublisher {
+ public:
+  virtual ~TransportPublisher() = default;
+  // The newest committed version on the channel, if any.
+  virtual absl::StatusOr<std::optional<uint64_t>> LatestVersion() = 0;
+  // Makes job.version() available to subscribers, all or nothing. On error, nothing of the job
+  // may ever become visible and earlier versions must be intact.
+  virtual absl::Status Publish(PublishJob& job, absl::Time deadline) = 0;
+};
+
+// Receives notice that a tensor's bytes are complete, so verification overlaps the transfer.
+// Implemented by the core; Landed may be called from any thread, once per tensor.
+class LandingSink {
+ public:
+  virtual ~LandingSink() = default;
+  virtual void Landed(size_t tensor_index) = 0;
+};
+
+// A committed version a subscriber has found and may now receive. Holding it may pin the
+// version against retention (disk); destroying it releases the pin.
+class IncomingVersion {
+ public:
+  virtual ~IncomingVersion() = default;
+  virtual const Manifest& manifest() const = 0;
+  // Writes tensor i's manifest().tensors[i].nbytes bytes to targets[i] (contiguous, caller
+  // owned), calling sink.Landed(i) when each is complete. Errors name the tensor and source.
+  virtual absl::Status Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
+                             absl::Time deadline) = 0;
+  // Where tensor i's bytes come from, for messages, e.g. "/ch/v1/model.safetensors bytes [8, 24)".
+  virtual std::string DescribeSource(size_t tensor_index) const = 0;
+};
+
+class TransportSubscriber {
+ public:
+  virtual ~TransportSubscriber() = default;
+  // Waits until the channel's newest committed version is >= min_version and returns it.
+  // Errors: DeadlineExceeded naming the channel, min_version and the newest version seen;
+  // DataLoss when the committed version's manifest or layout is corrupt.
+  virtual absl::StatusOr<std::unique_ptr<IncomingVersion>> WaitForVersion(uint64_t min_version,
+                                                                          absl::Time deadline) = 0;
+};
+
+}  // namespace weightbus::internal

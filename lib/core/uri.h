@@ -1,0 +1,34 @@
+// SPDX-License-Identifier: Apache-2.0
+// Channel URIs: scheme://authority/path?key=value&key=value
+//   disk:///abs/path/to/channel        (authority empty or "localhost")
+//   ucx://host:port/channel, ucx://[::1]:port/channel
+//   delta+disk:///path                  (layered scheme)
+// Path and query are percent-decoded.
+#pragma once
+
+#include <map>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+
+namespace weightbus::internal {
+
+struct Uri {
+  std::string text;       // as given
+  std::string scheme;     // lower-case, e.g. "disk" or "delta+ucx"
+  std::string authority;  // raw, e.g. "host:1234" or "[::1]:1234"; may be empty
+  std::string host;       // without brackets; empty when no authority
+  int port = -1;          // -1 when absent
+  std::string path;       // decoded, starts with '/' when present
+  std::map<std::string, std::string> query;  // decoded
+
+  // The URI without its query, for messages.
+  std::string Display() const;
+};
+
+// Errors: InvalidArgument naming the URI and what is wrong (missing "://", bad port, bad
+// percent-escape, unterminated '[', duplicate query key).
+absl::StatusOr<Uri> ParseUri(std::string_view text);
+
+}  // namespace weightbus::internal

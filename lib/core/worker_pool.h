@@ -1,0 +1,52 @@
+// SPDX-License-Identifier: Apache-2.0
+// A fixed set of worker threads running submitted tasks in FIFO order, and a counter to wait for
+// a batch of them with a deadline. Used for checksums that overlap transfers.
+#pragma once
+
+#include <deque>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace weightbus::internal {
+
+class WorkerPool {
+ public:
+  // Starts `threads` workers (at least 1).
+  explicit WorkerPool(int threads);
+  // Finishes queued tasks, then joins the workers.
+  ~WorkerPool();
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  void Submit(std::function<void()> task);
+  int size() const { return static_cast<int>(threads_.size()); }
+
+  // Default number of workers for `requested` (0: hardware threads, capped at 8).
+  static int DefaultThreads(int requested);
+
+ private:
+  void Run();
+  absl::Mutex mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> threads_;
+};
+
+// Counts outstanding tasks of one batch. Add before submitting, Done when each finishes.
+class TaskCounter {
+ public:
+  void Add(int n = 1);
+  void Done();
+  // True when the count reached zero before `deadline`.
+  bool WaitUntilZero(absl::Time deadline);
+
+ private:
+  absl::Mutex mu_;
+  int pending_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace weightbus::internal

@@ -1,0 +1,62 @@
+// SPDX-License-Identifier: Apache-2.0
+// Bulk file I/O at depth: many byte ranges read or written in chunks with many requests in
+// flight, every wait bounded by a deadline. Two engines:
+//   uring  io_uring (liburing): chunks submitted up to queue_depth at a time; timeouts cancel
+//          what is in flight (IORING_OP_ASYNC_CANCEL).
+//   psync  pread/pwrite, one chunk at a time, for kernels or sandboxes without io_uring (Docker's
+//          default seccomp profile blocks it); deadlines are checked between chunks.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+
+namespace weightbus::internal {
+
+// One contiguous byte range of a file and the memory it goes to (read) or comes from (write).
+struct IoRequest {
+  int fd = -1;
+  uint64_t file_offset = 0;
+  std::byte* buffer = nullptr;  // for writes, only read from
+  uint64_t length = 0;
+};
+
+class FileIo {
+ public:
+  // `engine` is "uring" (falls back to psync, logging once, when io_uring cannot be set up) or
+  // "psync". `queue_depth` >= 1 chunks in flight; `chunk_bytes` >= 4096 bytes per operation.
+  // Errors: InvalidArgument for an unknown engine or bad sizes.
+  static absl::StatusOr<std::unique_ptr<FileIo>> Create(std::string_view engine,
+                                                        unsigned queue_depth,
+                                                        uint64_t chunk_bytes);
+  virtual ~FileIo() = default;
+
+  // Which engine is in use: "uring" or "psync".
+  virtual std::string_view name() const = 0;
+
+  // Reads every request completely. `on_complete(i)` runs on this thread as soon as request i
+  // is complete. End of file before a request is complete is DataLoss ("truncated").
+  // Errors name `describe(i)` of the failing request: errno status, DataLoss, or
+  // DeadlineExceeded (in-flight operations are cancelled before returning).
+  virtual absl::Status Read(absl::Span<const IoRequest> requests, absl::Time deadline,
+                            absl::FunctionRef<void(size_t)> on_complete,
+                            absl::FunctionRef<std::string(size_t)> describe) = 0;
+
+  // Writes every request completely; otherwise as Read. ENOSPC is ResourceExhausted.
+  virtual absl::Status Write(absl::Span<const IoRequest> requests, absl::Time deadline,
+                             absl::FunctionRef<void(size_t)> on_complete,
+                             absl::FunctionRef<std::string(size_t)> describe) = 0;
+
+  // fsync(fd), bounded by `deadline`. `what` names the file in errors.
+  virtual absl::Status Fsync(int fd, absl::Time deadline, std::string_view what) = 0;
+};
+
+}  // namespace weightbus::internal

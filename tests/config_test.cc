@@ -1,0 +1,263 @@
+// SPDX-License-Identifier: Apache-2.0
+// Internal pieces of the core: settings registry, URIs, fail points, strided packing, UTF-8
+// checks, the I/O engines and the buffer pool.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <numeric>
+
+#include <gtest/gtest.h>
+
+#include "core/buffer.h"
+#include "core/config.h"
+#include "core/failpoint.h"
+#include "core/registry.h"
+#include "core/tensor_pack.h"
+#include "core/uri.h"
+#include "io/file_io.h"
+#include "test_support.h"
+
+namespace weightbus::internal {
+namespace {
+
+const SettingTable& TestTable() {
+  static const SettingTable* t = new SettingTable{
+      "disk",
+      {{"retention", SettingType::kInt, "3", "doc"},
+       {"chunk_size", SettingType::kBytes, "4MiB", "doc"},
+       {"poll_interval", SettingType::kDuration, "100ms", "doc"},
+       {"fsync", SettingType::kBool, "true", "doc"},
+       {"io_engine", SettingType::kEnum, "uring", "doc", {"uring", "psync"}}}};
+  return *t;
+}
+
+TEST(ConfigTest, DefaultsEnvUriAndOptionsInIncreasingPrecedence) {
+  std::map<std::string, std::string> env = {{"WEIGHTBUS_DISK_RETENTION", "5"},
+                                            {"WEIGHTBUS_DISK_CHUNK_SIZE", "1MiB"},
+                                            {"WEIGHTBUS_DISK_FSYNC", "false"}};
+  auto lookup = [&](const char* n) -> const char* {
+    auto it = env.find(n);
+    return it == env.end() ? nullptr : it->second.c_str();
+  };
+  auto c = Config::Resolve({&TestTable()}, {{"retention", "7"}, {"chunk_size", "5GB"}},
+                           {{"retention", "9"}}, lookup);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->Int("retention"), 9);               // options beat the URI and env
+  EXPECT_EQ(c->Bytes("chunk_size"), 5000000000u);  // URI beats env
+  EXPECT_FALSE(c->Bool("fsync"));                  // env beats default
+  EXPECT_EQ(c->Duration("poll_interval"), absl::Milliseconds(100));
+  EXPECT_EQ(c->String("io_engine"), "uring");
+  EXPECT_NE(c->Dump().find("retention=9 (options)"), std::string::npos) << c->Dump();
+  EXPECT_NE(c->Dump().find("fsync=false (environment WEIGHTBUS_DISK_FSYNC)"), std::string::npos);
+}
+
+TEST(ConfigTest, MalformedAndUnknownSettingsAreErrorsNamingTheSource) {
+  auto none = [](const char*) -> const char* { return nullptr; };
+  auto bad_int = Config::Resolve({&TestTable()}, {{"retention", "three"}}, {}, none);
+  ASSERT_EQ(bad_int.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_int.status().message().find("retention=\"three\""), absl::string_view::npos);
+  EXPECT_NE(bad_int.status().message().find("URI query"), absl::string_view::npos);
+  auto bad_enum = Config::Resolve({&TestTable()}, {}, {{"io_engine", "aio"}}, none);
+  ASSERT_EQ(bad_enum.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_enum.status().message().find("enum(uring|psync)"), absl::string_view::npos);
+  auto unknown = Config::Resolve({&TestTable()}, {}, {{"retension", "1"}}, none);
+  ASSERT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(unknown.status().message().find("known: retention"), absl::string_view::npos);
+  auto env = [](const char* n) -> const char* {
+    return std::string(n) == "WEIGHTBUS_DISK_POLL_INTERVAL" ? "fast" : nullptr;
+  };
+  auto bad_env = Config::Resolve({&TestTable()}, {}, {}, env);
+  ASSERT_EQ(bad_env.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_env.status().message().find("WEIGHTBUS_DISK_POLL_INTERVAL"),
+            absl::string_view::npos);
+}
+
+TEST(ConfigTest, ByteSuffixes) {
+  const SettingSpec spec{"b", SettingType::kBytes, "0", ""};
+  auto bytes = [&](const char* t) { return std::get<uint64_t>(*ParseSettingValue(spec, t)); };
+  EXPECT_EQ(bytes("4096"), 4096u);
+  EXPECT_EQ(bytes("64KiB"), 65536u);
+  EXPECT_EQ(bytes("4mib"), 4u << 20);
+  EXPECT_EQ(bytes("2G"), 2ull << 30);
+  EXPECT_EQ(bytes("5GB"), 5000000000u);
+  EXPECT_FALSE(ParseSettingValue(spec, "lots").ok());
+  EXPECT_FALSE(ParseSettingValue(spec, "-1").ok());
+  EXPECT_FALSE(ParseSettingValue(spec, "99999999999TiB").ok());
+  EXPECT_EQ(EnvName("core", "bind_mode"), "WEIGHTBUS_BIND_MODE");
+  EXPECT_EQ(EnvName("disk", "queue_depth"), "WEIGHTBUS_DISK_QUEUE_DEPTH");
+}
+
+TEST(UriTest, Forms) {
+  auto disk = ParseUri("disk:///mnt/shared/my%20policy?retention=4&fsync=false");
+  ASSERT_TRUE(disk.ok()) << disk.status();
+  EXPECT_EQ(disk->scheme, "disk");
+  EXPECT_EQ(disk->authority, "");
+  EXPECT_EQ(disk->path, "/mnt/shared/my policy");
+  EXPECT_EQ(disk->query.at("retention"), "4");
+  EXPECT_EQ(disk->query.at("fsync"), "false");
+  EXPECT_EQ(disk->Display(), "disk:///mnt/shared/my policy");
+
+  auto ucx = ParseUri("ucx://10.0.0.1:13337/policy");
+  ASSERT_TRUE(ucx.ok());
+  EXPECT_EQ(ucx->host, "10.0.0.1");
+  EXPECT_EQ(ucx->port, 13337);
+  EXPECT_EQ(ucx->path, "/policy");
+  auto v6 = ParseUri("delta+ucx://[fe80::1%25eth0]:9000/p");
+  ASSERT_TRUE(v6.ok()) << v6.status();
+  EXPECT_EQ(v6->scheme, "delta+ucx");
+  EXPECT_EQ(v6->host, "fe80::1%25eth0");
+  EXPECT_EQ(v6->port, 9000);
+
+  for (const char* bad : {"/no/scheme", "disk:/x", "ucx://h:99999/c", "ucx://::1:9/c",
+                          "ucx://[::1/c", "disk:///x%zz", "disk:///x%2", "disk:///x?a=1&a=2"}) {
+    auto u = ParseUri(bad);
+    EXPECT_EQ(u.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(u.status().message().find(bad), absl::string_view::npos) << u.status();
+  }
+}
+
+TEST(FailPointsTest, FiresOnTheNthPassOnly) {
+  auto fp = FailPoints::Parse("a=error@2,b=delay:1");
+  ASSERT_TRUE(fp.ok());
+  EXPECT_TRUE(fp->Hit("a").ok());
+  EXPECT_EQ(fp->Hit("a").code(), absl::StatusCode::kInternal);
+  EXPECT_TRUE(fp->Hit("a").ok());
+  EXPECT_TRUE(fp->Hit("b").ok());
+  EXPECT_TRUE(fp->Hit("unlisted").ok());
+  EXPECT_FALSE(FailPoints::Parse("a=explode").ok());
+  EXPECT_FALSE(FailPoints::Parse("a=error@0").ok());
+  EXPECT_FALSE(FailPoints::Parse("=kill").ok());
+}
+
+TEST(TensorPackTest, PackAndUnpackAreInverseForAnyStrides) {
+  // A 2x3x4 int32 tensor viewed with permuted axes and a reversed middle axis.
+  std::vector<int32_t> base(24);
+  std::iota(base.begin(), base.end(), 0);
+  const std::vector<int64_t> shape = {4, 3, 2};          // permute (2, 1, 0)
+  const std::vector<int64_t> strides = {1, -4, 12};      // middle axis reversed
+  const int32_t* origin = base.data() + 8;               // element [0, 0, 0] = base[0*1 + 2*4]
+  std::vector<int32_t> packed(24);
+  PackStrided(origin, 4, shape, strides, reinterpret_cast<std::byte*>(packed.data()));
+  for (int64_t i = 0; i < 4; ++i) {
+    for (int64_t j = 0; j < 3; ++j) {
+      for (int64_t k = 0; k < 2; ++k) {
+        EXPECT_EQ(packed[(i * 3 + j) * 2 + k], origin[i * 1 + j * -4 + k * 12]);
+      }
+    }
+  }
+  std::vector<int32_t> back(24, -1);
+  UnpackStrided(reinterpret_cast<const std::byte*>(packed.data()), 4, shape, strides,
+                back.data() + 8);
+  EXPECT_EQ(back, base);
+  // 0-d and zero-size shapes.
+  int64_t scalar = 42, out = 0;
+  PackStrided(&scalar, 8, {}, {}, reinterpret_cast<std::byte*>(&out));
+  EXPECT_EQ(out, 42);
+  PackStrided(nullptr, 4, {0, 3}, {3, 1}, nullptr);  // nothing to touch
+}
+
+TEST(TensorPackTest, Utf8Validation) {
+  size_t at = 0;
+  EXPECT_TRUE(IsValidUtf8("plain.ascii/name with spaces"));
+  EXPECT_TRUE(IsValidUtf8("ünïcödé ✓ 😀"));
+  EXPECT_FALSE(IsValidUtf8("a\xff", &at));
+  EXPECT_EQ(at, 1u);
+  EXPECT_FALSE(IsValidUtf8("\xc0\xaf"));          // overlong '/'
+  EXPECT_FALSE(IsValidUtf8("\xed\xa0\x80"));      // surrogate
+  EXPECT_FALSE(IsValidUtf8("\xf4\x90\x80\x80"));  // > U+10FFFF
+  EXPECT_FALSE(IsValidUtf8("\xe2\x9c"));          // truncated
+}
+
+class FileIoTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(FileIoTest, WritesAndReadsManyRangesAtDepth) {
+  testing::ScratchDir dir;
+  const std::string path = dir / "data";
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT, 0644);
+  ASSERT_GE(fd, 0);
+  auto io = FileIo::Create(GetParam(), 8, 4096);
+  ASSERT_TRUE(io.ok()) << io.status();
+  // Ranges of odd sizes, some larger than a chunk, one empty, written out of order.
+  std::vector<std::vector<std::byte>> data;
+  std::vector<IoRequest> reqs;
+  uint64_t offset = 0;
+  for (size_t i = 0; i < 40; ++i) {
+    const size_t n = (i == 7) ? 0 : 1 + (i * 7919) % 50000;
+    data.push_back(testing::RandomBytes(n, i));
+    reqs.push_back(IoRequest{fd, offset, data.back().data(), n});
+    offset += n;
+  }
+  std::reverse(reqs.begin(), reqs.end());
+  std::vector<int> done(reqs.size(), 0);
+  auto describe = [](size_t i) { return "range " + std::to_string(i); };
+  ASSERT_TRUE((*io)->Write(reqs, absl::Now() + absl::Seconds(30), [&](size_t i) { ++done[i]; },
+                           describe)
+                  .ok());
+  EXPECT_EQ(done, std::vector<int>(reqs.size(), 1));
+  ASSERT_TRUE((*io)->Fsync(fd, absl::Now() + absl::Seconds(30), path).ok());
+  std::vector<std::vector<std::byte>> back;
+  std::vector<IoRequest> reads = reqs;
+  for (IoRequest& r : reads) {
+    back.emplace_back(r.length);
+    r.buffer = back.back().data();
+  }
+  ASSERT_TRUE((*io)->Read(reads, absl::Now() + absl::Seconds(30), [](size_t) {}, describe).ok());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_EQ(std::memcmp(back[i].data(), reqs[i].buffer, reqs[i].length), 0) << i;
+  }
+  // Reading past the end of the file is DataLoss naming the range.
+  std::vector<std::byte> over(100);
+  IoRequest past{fd, offset - 50, over.data(), 100};
+  absl::Status s = (*io)->Read({past}, absl::Now() + absl::Seconds(30), [](size_t) {}, describe);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("range 0 is truncated"), absl::string_view::npos) << s;
+  // A bad descriptor is an errno error naming the range.
+  IoRequest bad{-1, 0, over.data(), 100};
+  s = (*io)->Read({bad}, absl::Now() + absl::Seconds(30), [](size_t) {}, describe);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("range 0"), absl::string_view::npos) << s;
+  ::close(fd);
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, FileIoTest, ::testing::Values("uring", "psync"));
+
+TEST(FileIoTest, RejectsBadParameters) {
+  EXPECT_EQ(FileIo::Create("aio", 8, 4096).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(FileIo::Create("uring", 0, 4096).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(FileIo::Create("uring", 8, 100).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(BufferPoolTest, RecyclesBuffersAfterTheLastUserLetsGo) {
+  auto pool = BufferPool::Create(2);
+  std::byte* first = nullptr;
+  {
+    auto a = pool->Get(1 << 20);
+    ASSERT_TRUE(a.ok());
+    first = (*a)->data();
+    first[0] = std::byte{1};
+  }
+  auto b = pool->Get(1000);  // fits in the returned buffer
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ((*b)->data(), first);
+  auto c = pool->Get(2 << 20);  // does not fit: fresh
+  ASSERT_TRUE(c.ok());
+  EXPECT_NE((*c)->data(), first);
+  EXPECT_EQ((*c)->size(), 2u << 20);
+  // Buffers outliving the pool are freed, not returned.
+  pool.reset();
+  b->reset();
+}
+
+TEST(RegistryTest, DiskIsRegisteredWithItsSettings) {
+  const TransportDescriptor* disk = FindTransport("disk");
+  ASSERT_NE(disk, nullptr);
+  ASSERT_NE(disk->settings, nullptr);
+  EXPECT_EQ(disk->settings->scope, "disk");
+  auto uri = ParseUri("nope:///x");
+  EXPECT_EQ(TransportFor(*uri).status().code(), absl::StatusCode::kUnimplemented);
+}
+
+}  // namespace
+}  // namespace weightbus::internal

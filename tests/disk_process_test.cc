@@ -1,0 +1,285 @@
+// SPDX-License-Identifier: Apache-2.0
+// disk:// with real processes: several subscribers following one publisher, a publisher killed
+// mid-publish (between files, before commit), a re-publish over a crashed attempt's leftovers,
+// a full disk (a small tmpfs in a private mount namespace) and a > 2 GiB tensor.
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+
+#include <gtest/gtest.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "test_model.h"
+#include "test_support.h"
+#include "weightbus/weightbus.hpp"
+
+namespace weightbus {
+namespace {
+
+using ::weightbus::testing::Child;
+using ::weightbus::testing::MakeVersion;
+using ::weightbus::testing::ScratchDir;
+using ::weightbus::testing::Views;
+
+constexpr absl::Duration kTimeout = absl::Seconds(60);
+
+std::string Peer() { return testing::BinaryPath("tests/wb_test_peer"); }
+
+std::string ChannelUri(const ScratchDir& dir) { return "disk://" + dir.path() + "/channel"; }
+
+int ExitCode(int wait_status) {
+  if (WIFEXITED(wait_status)) return WEXITSTATUS(wait_status);
+  if (WIFSIGNALED(wait_status)) return 128 + WTERMSIG(wait_status);
+  return -1;
+}
+
+TEST(DiskProcessTest, TwoSubscriberProcessesFollowAPublisherProcessBitExact) {
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  const std::string n = "30";
+  std::vector<Child> subs;
+  for (int i = 0; i < 2; ++i) {
+    auto c = Child::Start({Peer(), "subscribe", uri, "--until", n, "--seed", "21", "--bytes",
+                           "262144", "--timeout-s", "60"},
+                          {}, dir / absl::StrFormat("sub%d.log", i));
+    ASSERT_TRUE(c.ok()) << c.status();
+    subs.push_back(*std::move(c));
+  }
+  auto pub = Child::Start({Peer(), "publish", uri, "--versions", n, "--seed", "21", "--bytes",
+                           "262144", "--interval-ms", "20"},
+                          {}, dir / "pub.log");
+  ASSERT_TRUE(pub.ok());
+  auto pub_status = pub->Wait(kTimeout);
+  ASSERT_TRUE(pub_status.ok());
+  EXPECT_EQ(ExitCode(*pub_status), 0) << testing::ReadFileOrDie(dir / "pub.log");
+  for (int i = 0; i < 2; ++i) {
+    auto s = subs[i].Wait(kTimeout);
+    ASSERT_TRUE(s.ok());
+    const std::string log = testing::ReadFileOrDie(dir / absl::StrFormat("sub%d.log", i));
+    EXPECT_EQ(ExitCode(*s), 0) << log;
+    EXPECT_NE(log.find("received 30 ok"), std::string::npos) << log;
+  }
+}
+
+// Publishes version 1 in-process, then runs a publisher process for version 2 that kills itself
+// at `failpoint`; returns the channel for inspection.
+void CrashDuringPublish(const ScratchDir& dir, const std::string& failpoint) {
+  {
+    auto pub = Publisher::Open(ChannelUri(dir));
+    ASSERT_TRUE(pub.ok());
+    auto v1 = MakeVersion(3, 1, 1 << 18);
+    ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  }
+  // Small shards so that version 2 spans several files.
+  auto crashed = Child::Start({Peer(), "publish", ChannelUri(dir), "--start", "2", "--versions",
+                               "1", "--seed", "3", "--bytes", "262144", "--set",
+                               "shard_size=64KiB", "--set", "failpoints=" + failpoint + "=kill"},
+                              {}, dir / "crash.log");
+  ASSERT_TRUE(crashed.ok());
+  auto status = crashed->Wait(kTimeout);
+  ASSERT_TRUE(status.ok());
+  ASSERT_EQ(ExitCode(*status), 128 + SIGKILL) << testing::ReadFileOrDie(dir / "crash.log");
+}
+
+void ExpectSubscriberSeesVersion(const ScratchDir& dir, uint64_t version, uint64_t seed) {
+  auto sub = Subscriber::Open(ChannelUri(dir));
+  ASSERT_TRUE(sub.ok());
+  auto u = (*sub)->WaitForVersion(0, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ((*u)->version(), version);
+  auto expected = MakeVersion(seed, version, 1 << 18);
+  for (const auto& t : expected) {
+    const TensorView* got = (*u)->Find(t.name);
+    ASSERT_NE(got, nullptr) << t.name;
+    if (!t.bytes.empty()) {
+      EXPECT_EQ(std::memcmp(got->data, t.bytes.data(), t.bytes.size()), 0) << t.name;
+    }
+  }
+}
+
+TEST(DiskProcessTest, WriterKilledBetweenFilesLeavesPreviousVersionAndRepublishWorks) {
+  ScratchDir dir;
+  CrashDuringPublish(dir, "disk.after_file");
+  // The crash left a partial temporary directory, invisible to subscribers.
+  bool leftover = false;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path() + "/channel/versions")) {
+    leftover |= absl::StartsWith(e.path().filename().string(), ".tmp-");
+  }
+  EXPECT_TRUE(leftover);
+  EXPECT_EQ(testing::ReadFileOrDie(dir.path() + "/channel/LATEST"), "1\n");
+  ExpectSubscriberSeesVersion(dir, 1, 3);
+
+  // A new publisher process cleans up and publishes version 2 (different content: seed 4).
+  auto ok = testing::RunCommand({Peer(), "publish", ChannelUri(dir), "--start", "2",
+                                 "--versions", "1", "--seed", "4", "--bytes", "262144", "--set",
+                                 "shard_size=64KiB"});
+  ASSERT_TRUE(ok.ok());
+  ASSERT_EQ(ok->exit_code, 0) << ok->output;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path() + "/channel/versions")) {
+    EXPECT_FALSE(absl::StartsWith(e.path().filename().string(), ".tmp-")) << e.path();
+  }
+  ExpectSubscriberSeesVersion(dir, 2, 4);
+}
+
+TEST(DiskProcessTest, WriterKilledAfterRenameBeforeCommitIsInvisibleAndReplaced) {
+  ScratchDir dir;
+  CrashDuringPublish(dir, "disk.before_commit");
+  // Version 2's directory is complete and in place, but LATEST was never moved to it.
+  EXPECT_TRUE(std::filesystem::exists(
+      dir.path() + absl::StrFormat("/channel/versions/v%020d/weightbus.manifest.json", 2)));
+  EXPECT_EQ(testing::ReadFileOrDie(dir.path() + "/channel/LATEST"), "1\n");
+  ExpectSubscriberSeesVersion(dir, 1, 3);
+  auto ok = testing::RunCommand({Peer(), "publish", ChannelUri(dir), "--start", "2",
+                                 "--versions", "1", "--seed", "4", "--bytes", "262144"});
+  ASSERT_TRUE(ok.ok());
+  ASSERT_EQ(ok->exit_code, 0) << ok->output;
+  ExpectSubscriberSeesVersion(dir, 2, 4);
+}
+
+TEST(DiskProcessTest, SubscriberKilledMidReadDoesNotBlockRetention) {
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir) + "?retention=1";
+  auto pub = Publisher::Open(uri);
+  auto v1 = MakeVersion(2, 1, 1 << 18);
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  // A subscriber process pins version 1 and stalls; we kill it there.
+  auto sub = Child::Start({Peer(), "subscribe", ChannelUri(dir), "--until", "1", "--seed", "2",
+                           "--bytes", "262144", "--set",
+                           "failpoints=disk.before_read=delay:60000"},
+                          {}, dir / "sub.log");
+  ASSERT_TRUE(sub.ok());
+  absl::SleepFor(absl::Milliseconds(500));
+  auto v2 = MakeVersion(2, 2, 1 << 18);
+  ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, kTimeout).ok());
+  const std::string v1_dir = dir.path() + absl::StrFormat("/channel/versions/v%020d", 1);
+  EXPECT_TRUE(std::filesystem::exists(v1_dir)) << "pinned by a live reader";
+  sub->Kill(SIGKILL);
+  ASSERT_TRUE(sub->Wait(kTimeout).ok());
+  auto v3 = MakeVersion(2, 3, 1 << 18);
+  ASSERT_TRUE((*pub)->Publish(3, Views(v3), {}, kTimeout).ok());
+  EXPECT_FALSE(std::filesystem::exists(v1_dir)) << "a dead reader's pin must not last";
+}
+
+// Runs `body` in a child process inside a private mount namespace with a `size`-byte tmpfs
+// mounted at `mountpoint`. Returns the child's exit code, or -1 when namespaces are unavailable.
+int RunWithSmallFilesystem(const std::string& mountpoint, const std::string& size,
+                           const std::function<int()>& body, std::string* why) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    int flags = CLONE_NEWNS;
+    if (geteuid() != 0) flags |= CLONE_NEWUSER;
+    if (unshare(flags) != 0) _exit(90);
+    if (flags & CLONE_NEWUSER) {
+      // Map ourselves to root inside the namespace so we may mount.
+      char map[64];
+      std::snprintf(map, sizeof(map), "0 %d 1", getuid());
+      int fd = open("/proc/self/setgroups", O_WRONLY);
+      if (fd >= 0) {
+        (void)!write(fd, "deny", 4);
+        close(fd);
+      }
+      fd = open("/proc/self/uid_map", O_WRONLY);
+      if (fd < 0 || write(fd, map, strlen(map)) < 0) _exit(91);
+      close(fd);
+    }
+    if (mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) _exit(92);
+    std::string opts = "size=" + size;
+    if (mount("tmpfs", mountpoint.c_str(), "tmpfs", 0, opts.c_str()) != 0) _exit(93);
+    _exit(body());
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  const int code = ExitCode(status);
+  if (code >= 90 && code <= 93) {
+    *why = absl::StrFormat("cannot create a private mount namespace with a tmpfs (step %d)",
+                           code - 90);
+    return -1;
+  }
+  return code;
+}
+
+TEST(DiskProcessTest, FullDiskFailsPublishAndKeepsPreviousVersion) {
+  ScratchDir dir;
+  const std::string mnt = dir / "small";
+  std::filesystem::create_directories(mnt);
+  const std::string log = dir / "enospc.log";
+  std::string why;
+  // The child checks everything and reports through its exit code and a log outside the tmpfs.
+  int code = RunWithSmallFilesystem(mnt, "4m", [&]() -> int {
+    FILE* out = fopen(log.c_str(), "w");
+    auto fail = [&](int c, const std::string& msg) {
+      fprintf(out, "%s\n", msg.c_str());
+      fclose(out);
+      return c;
+    };
+    const std::string uri = "disk://" + mnt + "/channel";
+    auto pub = Publisher::Open(uri);
+    if (!pub.ok()) return fail(10, pub.status().ToString());
+    auto v1 = MakeVersion(5, 1, 1 << 20);  // ~1 MiB fits
+    if (absl::Status s = (*pub)->Publish(1, Views(v1), {}, kTimeout); !s.ok()) {
+      return fail(11, s.ToString());
+    }
+    auto v2 = MakeVersion(5, 2, 8 << 20);  // ~8 MiB does not
+    absl::Status s = (*pub)->Publish(2, Views(v2), {}, kTimeout);
+    if (s.code() != absl::StatusCode::kResourceExhausted) return fail(12, s.ToString());
+    if (s.message().find("No space left on device") == absl::string_view::npos ||
+        s.message().find("version 2") == absl::string_view::npos) {
+      return fail(13, s.ToString());
+    }
+    auto sub = Subscriber::Open(uri);
+    auto u = (*sub)->WaitForVersion(0, kTimeout);
+    if (!u.ok()) return fail(14, u.status().ToString());
+    if ((*u)->version() != 1) return fail(15, "subscriber did not get version 1");
+    for (const auto& t : v1) {
+      const TensorView* got = (*u)->Find(t.name);
+      if (got == nullptr || (!t.bytes.empty() &&
+                             std::memcmp(got->data, t.bytes.data(), t.bytes.size()) != 0)) {
+        return fail(16, "version 1 differs: " + t.name);
+      }
+    }
+    // The failed attempt left nothing behind, so a smaller version 2 now fits.
+    auto small = MakeVersion(5, 2, 1 << 20);
+    if (absl::Status s2 = (*pub)->Publish(2, Views(small), {}, kTimeout); !s2.ok()) {
+      return fail(17, s2.ToString());
+    }
+    return fail(0, "ok: " + s.ToString());
+  }, &why);
+  if (code == -1) GTEST_SKIP() << why;
+  EXPECT_EQ(code, 0) << testing::ReadFileOrDie(log);
+}
+
+TEST(DiskProcessTest, TensorLargerThanTwoGiB) {
+  const uint64_t n = (uint64_t{1} << 31) + 4096 * 3 + 17;
+  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) GTEST_SKIP() << "cannot map " << n << " bytes";
+  auto* bytes = static_cast<uint8_t*>(p);
+  // A pattern that differs in every 4 KiB page, so misplaced chunks change the checksum.
+  for (uint64_t i = 0; i < n; i += 4096) std::memset(bytes + i, static_cast<int>(i / 4096), std::min<uint64_t>(4096, n - i));
+  const uint64_t expected = testing::Xxh3(bytes, n);
+  ScratchDir dir;
+  {
+    auto pub = Publisher::Open(ChannelUri(dir) + "?fsync=false");
+    ASSERT_TRUE(pub.ok());
+    TensorView big{"huge", DType::kU8, {static_cast<int64_t>(n)}, {}, bytes};
+    ASSERT_TRUE((*pub)->Publish(1, {big}, {}, absl::Seconds(300)).ok());
+  }
+  munmap(p, n);
+  auto sub = Subscriber::Open(ChannelUri(dir));
+  auto u = (*sub)->WaitForVersion(1, absl::Seconds(300));
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ((*u)->manifest().tensors[0].nbytes, n);
+  EXPECT_EQ((*u)->manifest().tensors[0].xxh3, expected);
+  EXPECT_EQ(testing::Xxh3((*u)->tensors()[0].data, n), expected);
+}
+
+}  // namespace
+}  // namespace weightbus

@@ -1,0 +1,562 @@
+// SPDX-License-Identifier: Apache-2.0
+// The disk:// transport through the public API: round trips, bindings, versions, retention,
+// sharded checkpoints, timeouts and corrupted versions. Real files in a scratch directory.
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "test_model.h"
+#include "test_support.h"
+#include "weightbus/safetensors.hpp"
+#include "weightbus/weightbus.hpp"
+
+namespace weightbus {
+namespace {
+
+using ::weightbus::testing::MakeVersion;
+using ::weightbus::testing::OwnedTensor;
+using ::weightbus::testing::ScratchDir;
+using ::weightbus::testing::Views;
+using ::weightbus::testing::Xxh3;
+
+constexpr absl::Duration kTimeout = absl::Seconds(30);
+
+std::string Uri(const ScratchDir& dir, const std::string& query = "") {
+  return "disk://" + dir.path() + "/channel" + (query.empty() ? "" : "?" + query);
+}
+
+std::string VersionDir(const ScratchDir& dir, uint64_t v) {
+  return absl::StrFormat("%s/channel/versions/v%020d", dir.path(), v);
+}
+
+// Asserts that `update` holds exactly `expected`, byte for byte.
+void ExpectSameTensors(const Update& update, const std::vector<OwnedTensor>& expected) {
+  ASSERT_EQ(update.tensors().size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const TensorView& got = update.tensors()[i];
+    const OwnedTensor& want = expected[i];
+    EXPECT_EQ(got.name, want.name);
+    EXPECT_EQ(got.dtype, want.dtype) << want.name;
+    EXPECT_EQ(got.shape, want.shape) << want.name;
+    EXPECT_EQ(update.manifest().tensors[i].xxh3, Xxh3(want.bytes.data(), want.bytes.size()))
+        << want.name;
+    if (!want.bytes.empty() && got.strides.empty()) {
+      EXPECT_EQ(std::memcmp(got.data, want.bytes.data(), want.bytes.size()), 0) << want.name;
+    }
+  }
+}
+
+TEST(DiskTransportTest, RoundTripsEveryDtypeAndEdgeShape) {
+  ScratchDir dir;
+  auto pub = Publisher::Open(Uri(dir));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = Subscriber::Open(Uri(dir));
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  for (uint64_t v = 1; v <= 3; ++v) {
+    auto tensors = MakeVersion(7, v, 1 << 20);
+    ASSERT_TRUE((*pub)->Publish(v, Views(tensors), {{"step", std::to_string(v)}}, kTimeout).ok());
+    auto update = (*sub)->WaitForVersion(v, kTimeout);
+    ASSERT_TRUE(update.ok()) << update.status();
+    EXPECT_EQ((*update)->version(), v);
+    EXPECT_EQ((*update)->manifest().metadata.at("step"), std::to_string(v));
+    EXPECT_EQ((*update)->manifest().publisher.pid, getpid());
+    ExpectSameTensors(**update, tensors);
+  }
+  EXPECT_EQ((*sub)->current_version(), std::optional<uint64_t>(3));
+}
+
+TEST(DiskTransportTest, VersionDirectoryIsAHuggingFaceCheckpoint) {
+  ScratchDir dir;
+  auto tensors = MakeVersion(3, 1, 4096);
+  auto pub = Publisher::Open(Uri(dir));
+  ASSERT_TRUE(pub.ok());
+  ASSERT_TRUE((*pub)->Publish(1, Views(tensors), {}, kTimeout).ok());
+  // Any safetensors reader sees the tensors; the metadata marks the PyTorch format.
+  auto file = safetensors::ReadFile(VersionDir(dir, 1) + "/model.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ(file->header.metadata.at("format"), "pt");
+  ASSERT_EQ(file->header.tensors.size(), tensors.size());
+  for (const OwnedTensor& t : tensors) {
+    const safetensors::Entry* e = file->header.Find(t.name);
+    ASSERT_NE(e, nullptr) << t.name;
+    std::span<const std::byte> b = file->Bytes(*e);
+    EXPECT_EQ(Xxh3(b.data(), b.size()), Xxh3(t.bytes.data(), t.bytes.size())) << t.name;
+    EXPECT_EQ(file->header.data_start % 8, 0u);
+    EXPECT_EQ(e->begin % DTypeSize(e->dtype), 0u) << "misaligned " << t.name;
+  }
+  EXPECT_EQ(testing::ReadFileOrDie(dir.path() + "/channel/LATEST"), "1\n");
+  EXPECT_TRUE(std::filesystem::exists(VersionDir(dir, 1) + "/weightbus.manifest.json"));
+}
+
+TEST(DiskTransportTest, ShardsLargeVersionsIntoIndexedFiles) {
+  ScratchDir dir;
+  auto tensors = MakeVersion(5, 1, 1 << 20);
+  auto pub = Publisher::Open(Uri(dir, "shard_size=64KiB"));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  ASSERT_TRUE((*pub)->Publish(1, Views(tensors), {}, kTimeout).ok());
+  const std::string index = VersionDir(dir, 1) + "/model.safetensors.index.json";
+  ASSERT_TRUE(std::filesystem::exists(index));
+  EXPECT_FALSE(std::filesystem::exists(VersionDir(dir, 1) + "/model.safetensors"));
+  int shards = 0;
+  for (const auto& e : std::filesystem::directory_iterator(VersionDir(dir, 1))) {
+    if (absl::StartsWith(e.path().filename().string(), "model-")) ++shards;
+  }
+  EXPECT_GE(shards, 2);
+  EXPECT_TRUE(std::filesystem::exists(
+      VersionDir(dir, 1) + absl::StrFormat("/model-00001-of-%05d.safetensors", shards)));
+  std::string text = testing::ReadFileOrDie(index);
+  EXPECT_NE(text.find("\"weight_map\""), std::string::npos);
+  EXPECT_NE(text.find("\"total_size\""), std::string::npos);
+  auto sub = Subscriber::Open(Uri(dir));
+  ASSERT_TRUE(sub.ok());
+  auto update = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(update.ok()) << update.status();
+  ExpectSameTensors(**update, tensors);
+}
+
+TEST(DiskTransportTest, PacksNonContiguousViews) {
+  ScratchDir dir;
+  // A 3x4 F32 matrix and its transpose, reversed rows and a broadcast column.
+  std::vector<float> m(12);
+  for (int i = 0; i < 12; ++i) m[i] = static_cast<float>(i);
+  TensorView transposed{"t", DType::kF32, {4, 3}, {1, 4}, m.data()};
+  TensorView reversed{"r", DType::kF32, {3, 4}, {-4, 1}, m.data() + 8};
+  TensorView broadcast{"b", DType::kF32, {2, 3}, {0, 1}, m.data()};
+  auto pub = Publisher::Open(Uri(dir));
+  ASSERT_TRUE(pub.ok());
+  ASSERT_TRUE((*pub)->Publish(1, {transposed, reversed, broadcast}, {}, kTimeout).ok());
+  auto sub = Subscriber::Open(Uri(dir));
+  auto update = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(update.ok()) << update.status();
+  auto values = [&](const char* name) {
+    const TensorView* v = (*update)->Find(name);
+    int64_t n = 1;
+    for (int64_t d : v->shape) n *= d;
+    const float* p = static_cast<const float*>(v->data);
+    return std::vector<float>(p, p + n);
+  };
+  EXPECT_EQ(values("t"), (std::vector<float>{0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11}));
+  EXPECT_EQ(values("r"), (std::vector<float>{8, 9, 10, 11, 4, 5, 6, 7, 0, 1, 2, 3}));
+  EXPECT_EQ(values("b"), (std::vector<float>{0, 1, 2, 0, 1, 2}));
+}
+
+class BindModeTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(BindModeTest, WritesIntoBoundDestinationsIncludingStridedOnes) {
+  ScratchDir dir;
+  auto tensors = MakeVersion(11, 1, 1 << 16);
+  auto pub = Publisher::Open(Uri(dir));
+  ASSERT_TRUE(pub.ok());
+  ASSERT_TRUE((*pub)->Publish(1, Views(tensors), {}, kTimeout).ok());
+  auto sub = Subscriber::Open(Uri(dir, "bind_mode=" + GetParam()));
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  const OwnedTensor& embed = tensors[0];  // BF16 [rows, 1024]
+  std::vector<std::byte> dest(embed.bytes.size());
+  ASSERT_TRUE((*sub)->Bind(embed.name, Destination{embed.dtype, embed.shape, {}, dest.data()}).ok());
+  // q_proj [64, 64] BF16 into the transpose of a column-major buffer.
+  const OwnedTensor& q = tensors[1];
+  std::vector<uint16_t> colmajor(64 * 64);
+  ASSERT_TRUE((*sub)->Bind(q.name, Destination{q.dtype, q.shape, {1, 64}, colmajor.data()}).ok());
+  auto update = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(update.ok()) << update.status();
+  EXPECT_EQ(std::memcmp(dest.data(), embed.bytes.data(), dest.size()), 0);
+  EXPECT_EQ((*update)->Find(embed.name)->data, dest.data());
+  const auto* qsrc = reinterpret_cast<const uint16_t*>(q.bytes.data());
+  for (int r = 0; r < 64; ++r) {
+    for (int c = 0; c < 64; ++c) ASSERT_EQ(colmajor[c * 64 + r], qsrc[r * 64 + c]);
+  }
+  EXPECT_EQ((*update)->Find(q.name)->strides, (std::vector<int64_t>{1, 64}));
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, BindModeTest, ::testing::Values("staged", "direct"));
+
+TEST(DiskTransportTest, MismatchedBindingFailsBeforeAnyByteIsWritten) {
+  ScratchDir dir;
+  auto tensors = MakeVersion(2, 1, 1 << 16);
+  auto pub = Publisher::Open(Uri(dir));
+  ASSERT_TRUE((*pub)->Publish(1, Views(tensors), {}, kTimeout).ok());
+  const OwnedTensor& embed = tensors[0];
+  for (const char* mode : {"staged", "direct"}) {
+    auto sub = Subscriber::Open(Uri(dir, std::string("bind_mode=") + mode));
+    ASSERT_TRUE(sub.ok());
+    std::vector<std::byte> ok_dest(tensors[1].bytes.size(), std::byte{0xAB});
+    std::vector<std::byte> bad_dest(embed.bytes.size(), std::byte{0xCD});
+    ASSERT_TRUE((*sub)->Bind(tensors[1].name, Destination{tensors[1].dtype, tensors[1].shape, {},
+                                                          ok_dest.data()})
+                    .ok());
+    // Right size, wrong dtype: F16 instead of BF16.
+    ASSERT_TRUE((*sub)->Bind(embed.name, Destination{DType::kF16, embed.shape, {},
+                                                     bad_dest.data()})
+                    .ok());
+    auto update = (*sub)->WaitForVersion(1, kTimeout);
+    ASSERT_EQ(update.status().code(), absl::StatusCode::kInvalidArgument) << update.status();
+    const std::string msg(update.status().message());
+    EXPECT_NE(msg.find(embed.name), std::string::npos) << msg;
+    EXPECT_NE(msg.find("BF16 [" + std::to_string(embed.shape[0]) + ", 1024]"), std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("F16 ["), std::string::npos) << msg;
+    for (std::byte b : ok_dest) ASSERT_EQ(b, std::byte{0xAB});
+    for (std::byte b : bad_dest) ASSERT_EQ(b, std::byte{0xCD});
+    EXPECT_FALSE((*sub)->current_version().has_value());
+
+    // Wrong shape.
+    ASSERT_TRUE((*sub)->Bind(embed.name, Destination{embed.dtype, {embed.shape[0] * 2, 512}, {},
+                                                     bad_dest.data()})
+                    .ok());
+    update = (*sub)->WaitForVersion(1, kTimeout);
+    ASSERT_EQ(update.status().code(), absl::StatusCode::kInvalidArgument);
+    // A name the version does not have.
+    (*sub)->UnbindAll();
+    ASSERT_TRUE((*sub)->Bind("no.such.tensor", Destination{DType::kF32, {1}, {}, ok_dest.data()})
+                    .ok());
+    update = (*sub)->WaitForVersion(1, kTimeout);
+    ASSERT_EQ(update.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(update.status().message().find("no.such.tensor"), absl::string_view::npos);
+    for (std::byte b : ok_dest) ASSERT_EQ(b, std::byte{0xAB});
+    (*sub)->UnbindAll();
+    EXPECT_TRUE((*sub)->WaitForVersion(1, kTimeout).ok());
+  }
+}
+
+TEST(DiskTransportTest, VersionsMustIncrease) {
+  ScratchDir dir;
+  auto tensors = MakeVersion(1, 1, 4096);
+  {
+    auto pub = Publisher::Open(Uri(dir));
+    ASSERT_TRUE((*pub)->Publish(5, Views(tensors), {}, kTimeout).ok());
+    for (uint64_t v : {5, 4}) {
+      absl::Status s = (*pub)->Publish(v, Views(tensors), {}, kTimeout);
+      ASSERT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+      EXPECT_NE(s.message().find(absl::StrFormat("version %d", v)), absl::string_view::npos) << s;
+      EXPECT_NE(s.message().find("already has version 5"), absl::string_view::npos) << s;
+    }
+  }
+  // A new publisher of the channel continues above the committed version.
+  auto pub = Publisher::Open(Uri(dir));
+  ASSERT_TRUE(pub.ok());
+  EXPECT_EQ((*pub)->latest_version(), std::optional<uint64_t>(5));
+  EXPECT_EQ((*pub)->Publish(3, Views(tensors), {}, kTimeout).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE((*pub)->Publish(6, Views(tensors), {}, kTimeout).ok());
+}
+
+TEST(DiskTransportTest, OneLivePublisherPerChannel) {
+  ScratchDir dir;
+  auto first = Publisher::Open(Uri(dir));
+  ASSERT_TRUE(first.ok());
+  auto second = Publisher::Open(Uri(dir));
+  ASSERT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(second.status().message().find(absl::StrFormat("pid %d", getpid())),
+            absl::string_view::npos)
+      << second.status();
+  first->reset();
+  EXPECT_TRUE(Publisher::Open(Uri(dir)).ok());
+}
+
+TEST(DiskTransportTest, InvalidTensorsAreRejectedByName) {
+  ScratchDir dir;
+  auto pub = Publisher::Open(Uri(dir));
+  float x = 1;
+  struct Case {
+    TensorView view;
+    absl::StatusCode code;
+    std::string needle;
+  };
+  std::vector<Case> cases = {
+      {{"", DType::kF32, {1}, {}, &x}, absl::StatusCode::kInvalidArgument, "empty name"},
+      {{"bad\xff", DType::kF32, {1}, {}, &x}, absl::StatusCode::kInvalidArgument, "UTF-8"},
+      {{"neg", DType::kF32, {-1}, {}, &x}, absl::StatusCode::kInvalidArgument, "negative"},
+      {{"null", DType::kF32, {4}, {}, nullptr}, absl::StatusCode::kInvalidArgument, "null"},
+      {{"strides", DType::kF32, {2, 2}, {1}, &x}, absl::StatusCode::kInvalidArgument, "strides"},
+      {{"gpu", DType::kF32, {1}, {}, &x, Device{DeviceType::kCuda, 0}},
+       absl::StatusCode::kUnimplemented, "CUDA"},
+      {{"shard", DType::kF32, {1}, {}, &x, {}, Shard{{4}, {4}}},
+       absl::StatusCode::kInvalidArgument, "global shape"},
+  };
+  for (const Case& c : cases) {
+    absl::Status s = (*pub)->Publish(1, {c.view}, {}, kTimeout);
+    EXPECT_EQ(s.code(), c.code) << c.view.name << ": " << s;
+    EXPECT_NE(s.message().find(c.needle), absl::string_view::npos) << s;
+  }
+  absl::Status dup = (*pub)->Publish(1, {TensorView{"a", DType::kF32, {1}, {}, &x},
+                                         TensorView{"a", DType::kF32, {1}, {}, &x}},
+                                     {}, kTimeout);
+  EXPECT_EQ(dup.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(dup.message().find("\"a\" appears twice"), absl::string_view::npos);
+  // Nothing was committed by any of them.
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/channel/LATEST"));
+  // A shard that fits is recorded in the manifest.
+  TensorView sharded{"w", DType::kF32, {1}, {}, &x, {}, Shard{{4}, {2}}};
+  ASSERT_TRUE((*pub)->Publish(1, {sharded}, {}, kTimeout).ok());
+  auto sub = Subscriber::Open(Uri(dir));
+  auto u = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok());
+  ASSERT_TRUE((*u)->manifest().tensors[0].shard.has_value());
+  EXPECT_EQ((*u)->manifest().tensors[0].shard->offsets, std::vector<int64_t>{2});
+}
+
+TEST(DiskTransportTest, WaitTimesOutNamingWhatItWaitedFor) {
+  ScratchDir dir;
+  auto sub = Subscriber::Open(Uri(dir));
+  ASSERT_TRUE(sub.ok());
+  const absl::Time start = absl::Now();
+  auto update = (*sub)->WaitForVersion(1, absl::Milliseconds(300));
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_EQ(update.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(update.status().message().find("no version >= 1"), absl::string_view::npos);
+  EXPECT_NE(update.status().message().find("newest committed: none"), absl::string_view::npos);
+  EXPECT_GE(took, absl::Milliseconds(300));
+  EXPECT_LT(took, absl::Seconds(10));  // bounded: never hangs
+
+  auto pub = Publisher::Open(Uri(dir));
+  auto tensors = MakeVersion(1, 1, 4096);
+  ASSERT_TRUE((*pub)->Publish(1, Views(tensors), {}, kTimeout).ok());
+  ASSERT_TRUE((*sub)->WaitForVersion(1, kTimeout).ok());
+  update = (*sub)->WaitForVersion(2, absl::Milliseconds(100));
+  ASSERT_EQ(update.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(update.status().message().find("newest committed: 1"), absl::string_view::npos);
+}
+
+TEST(DiskTransportTest, WakesOnCommitWhileWaiting) {
+  ScratchDir dir;
+  auto pub = Publisher::Open(Uri(dir));
+  ASSERT_TRUE(pub.ok());
+  auto tensors = MakeVersion(1, 1, 4096);
+  auto sub = Subscriber::Open(Uri(dir));
+  std::thread publisher([&] {
+    absl::SleepFor(absl::Milliseconds(200));
+    ASSERT_TRUE((*pub)->Publish(1, Views(tensors), {}, kTimeout).ok());
+  });
+  auto update = (*sub)->WaitForVersion(1, kTimeout);
+  publisher.join();
+  ASSERT_TRUE(update.ok()) << update.status();
+  ExpectSameTensors(**update, tensors);
+}
+
+TEST(DiskTransportTest, NeverHandsOverALowerVersionAfterAHigherOne) {
+  ScratchDir dir;
+  auto pub = Publisher::Open(Uri(dir, "retention=10"));
+  for (uint64_t v = 1; v <= 3; ++v) {
+    auto tensors = MakeVersion(1, v, 4096);
+    ASSERT_TRUE((*pub)->Publish(v, Views(tensors), {}, kTimeout).ok());
+  }
+  auto sub = Subscriber::Open(Uri(dir));
+  auto u = (*sub)->WaitForVersion(0, kTimeout);
+  ASSERT_TRUE(u.ok());
+  EXPECT_EQ((*u)->version(), 3u);
+  // The pointer goes back (an operator restoring an old LATEST): the subscriber refuses.
+  testing::WriteFileOrDie(dir.path() + "/channel/LATEST", "2\n");
+  auto again = (*sub)->WaitForVersion(0, absl::Milliseconds(200));
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kDeadlineExceeded) << again.status();
+  EXPECT_EQ((*sub)->current_version(), std::optional<uint64_t>(3));
+}
+
+TEST(DiskTransportTest, RetentionKeepsNewestVersionsAndThoseBeingRead) {
+  ScratchDir dir;
+  auto pub = Publisher::Open(Uri(dir, "retention=2"));
+  ASSERT_TRUE(pub.ok());
+  auto publish = [&](uint64_t v) {
+    auto tensors = MakeVersion(1, v, 4096);
+    ASSERT_TRUE((*pub)->Publish(v, Views(tensors), {}, kTimeout).ok());
+  };
+  publish(1);
+  // A reader pins version 1 exactly as subscribers do: a shared flock on .readers.lock.
+  int pin = ::open((VersionDir(dir, 1) + "/.readers.lock").c_str(), O_RDONLY);
+  ASSERT_GE(pin, 0);
+  ASSERT_EQ(::flock(pin, LOCK_SH), 0);
+  for (uint64_t v = 2; v <= 5; ++v) publish(v);
+  EXPECT_TRUE(std::filesystem::exists(VersionDir(dir, 1))) << "pinned version was deleted";
+  EXPECT_FALSE(std::filesystem::exists(VersionDir(dir, 2)));
+  EXPECT_FALSE(std::filesystem::exists(VersionDir(dir, 3)));
+  EXPECT_TRUE(std::filesystem::exists(VersionDir(dir, 4)));
+  EXPECT_TRUE(std::filesystem::exists(VersionDir(dir, 5)));
+  ::close(pin);
+  publish(6);
+  EXPECT_FALSE(std::filesystem::exists(VersionDir(dir, 1)));
+  EXPECT_FALSE(std::filesystem::exists(VersionDir(dir, 4)));
+  // No temporary or trash directories are left behind.
+  for (const auto& e : std::filesystem::directory_iterator(dir.path() + "/channel/versions")) {
+    EXPECT_EQ(e.path().filename().string()[0], 'v') << e.path();
+  }
+}
+
+TEST(DiskTransportTest, SlowReaderKeepsItsVersionWhilePublisherMovesOn) {
+  ScratchDir dir;
+  auto pub = Publisher::Open(Uri(dir, "retention=1"));
+  auto first = MakeVersion(9, 1, 1 << 18);
+  ASSERT_TRUE((*pub)->Publish(1, Views(first), {}, kTimeout).ok());
+  // The reader stalls 1.5 s between pinning version 1 and reading it.
+  auto sub = Subscriber::Open(Uri(dir, "failpoints=disk.before_read=delay:1500"));
+  std::thread reader([&] {
+    auto u = (*sub)->WaitForVersion(1, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    EXPECT_EQ((*u)->version(), 1u);
+    ExpectSameTensors(**u, first);
+  });
+  absl::SleepFor(absl::Milliseconds(500));
+  for (uint64_t v = 2; v <= 4; ++v) {
+    auto tensors = MakeVersion(9, v, 1 << 18);
+    ASSERT_TRUE((*pub)->Publish(v, Views(tensors), {}, kTimeout).ok());
+  }
+  reader.join();
+}
+
+// Corrupts the newest version in place and checks the subscriber refuses it and keeps the
+// previous one, with its bound destinations untouched (bind_mode=staged).
+class CorruptionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    pub_ = *Publisher::Open(Uri(dir_));
+    v1_ = MakeVersion(4, 1, 1 << 18);
+    v2_ = MakeVersion(4, 2, 1 << 18);
+    ASSERT_TRUE(pub_->Publish(1, Views(v1_), {}, kTimeout).ok());
+    sub_ = *Subscriber::Open(Uri(dir_));
+    dest_.resize(v1_[0].bytes.size());
+    ASSERT_TRUE(sub_->Bind(v1_[0].name, Destination{v1_[0].dtype, v1_[0].shape, {}, dest_.data()})
+                    .ok());
+    auto u = sub_->WaitForVersion(1, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    held_ = *std::move(u);
+    ASSERT_TRUE(pub_->Publish(2, Views(v2_), {}, kTimeout).ok());
+    file_ = VersionDir(dir_, 2) + "/model.safetensors";
+  }
+
+  void ExpectPreviousVersionKept() {
+    EXPECT_EQ(sub_->current_version(), std::optional<uint64_t>(1));
+    EXPECT_EQ(std::memcmp(dest_.data(), v1_[0].bytes.data(), dest_.size()), 0);
+    ExpectSameTensors(*held_, v1_);
+  }
+
+  ScratchDir dir_;
+  std::unique_ptr<Publisher> pub_;
+  std::unique_ptr<Subscriber> sub_;
+  std::vector<OwnedTensor> v1_, v2_;
+  std::vector<std::byte> dest_;
+  std::unique_ptr<Update> held_;
+  std::string file_;
+};
+
+TEST_F(CorruptionTest, TruncatedFileIsRefusedNamingFileAndTensor) {
+  auto file = safetensors::ReadFile(file_);
+  ASSERT_TRUE(file.ok());
+  ASSERT_EQ(::truncate(file_.c_str(), static_cast<off_t>(file->header.data_start +
+                                                          file->header.data_size - 1000)),
+            0);
+  auto update = sub_->WaitForVersion(2, absl::Seconds(5));
+  ASSERT_EQ(update.status().code(), absl::StatusCode::kDataLoss) << update.status();
+  const std::string msg(update.status().message());
+  EXPECT_NE(msg.find(file_), std::string::npos) << msg;
+  EXPECT_NE(msg.find("version 2"), std::string::npos) << msg;
+  ExpectPreviousVersionKept();
+}
+
+TEST_F(CorruptionTest, FlippedBitIsCaughtByTheChecksum) {
+  auto file = safetensors::ReadFile(file_);
+  ASSERT_TRUE(file.ok());
+  const safetensors::Entry* e = file->header.Find(v2_[0].name);
+  ASSERT_NE(e, nullptr);
+  const off_t at = static_cast<off_t>(file->header.data_start + e->begin + 12345);
+  int fd = ::open(file_.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  unsigned char b = 0;
+  ASSERT_EQ(::pread(fd, &b, 1, at), 1);
+  b ^= 0x10;
+  ASSERT_EQ(::pwrite(fd, &b, 1, at), 1);
+  ::close(fd);
+  auto update = sub_->WaitForVersion(2, absl::Seconds(5));
+  ASSERT_EQ(update.status().code(), absl::StatusCode::kDataLoss) << update.status();
+  const std::string msg(update.status().message());
+  EXPECT_NE(msg.find(v2_[0].name), std::string::npos) << msg;
+  EXPECT_NE(msg.find(file_), std::string::npos) << msg;
+  EXPECT_NE(msg.find("fails verification"), std::string::npos) << msg;
+  ExpectPreviousVersionKept();
+  // Repairing the file (a re-publish would do the same) lets the subscriber move on.
+  fd = ::open(file_.c_str(), O_RDWR);
+  b ^= 0x10;
+  ASSERT_EQ(::pwrite(fd, &b, 1, at), 1);
+  ::close(fd);
+  auto repaired = sub_->WaitForVersion(2, absl::Seconds(5));
+  ASSERT_TRUE(repaired.ok()) << repaired.status();
+  EXPECT_EQ(std::memcmp(dest_.data(), v2_[0].bytes.data(), dest_.size()), 0);
+}
+
+TEST_F(CorruptionTest, CorruptManifestIsRefused) {
+  testing::WriteFileOrDie(VersionDir(dir_, 2) + "/weightbus.manifest.json", "{\"format\": 1");
+  auto update = sub_->WaitForVersion(2, absl::Seconds(5));
+  ASSERT_EQ(update.status().code(), absl::StatusCode::kDataLoss) << update.status();
+  EXPECT_NE(update.status().message().find("weightbus.manifest.json"), absl::string_view::npos);
+  ExpectPreviousVersionKept();
+}
+
+TEST(DiskTransportTest, FailedPublishLeavesNothingVisible) {
+  ScratchDir dir;
+  auto good = MakeVersion(6, 1, 1 << 16);
+  {
+    auto pub = Publisher::Open(Uri(dir));
+    ASSERT_TRUE((*pub)->Publish(1, Views(good), {}, kTimeout).ok());
+  }
+  for (const char* point : {"disk.after_file", "disk.before_rename", "disk.before_commit"}) {
+    auto pub = Publisher::Open(Uri(dir, absl::StrFormat("failpoints=%s=error", point)));
+    ASSERT_TRUE(pub.ok()) << pub.status();
+    auto bad = MakeVersion(6, 2, 1 << 16);
+    absl::Status s = (*pub)->Publish(2, Views(bad), {}, kTimeout);
+    ASSERT_EQ(s.code(), absl::StatusCode::kInternal) << point << ": " << s;
+    EXPECT_EQ(testing::ReadFileOrDie(dir.path() + "/channel/LATEST"), "1\n") << point;
+    EXPECT_FALSE(std::filesystem::exists(VersionDir(dir, 2))) << point;
+    auto sub = Subscriber::Open(Uri(dir));
+    auto u = (*sub)->WaitForVersion(0, kTimeout);
+    ASSERT_TRUE(u.ok());
+    EXPECT_EQ((*u)->version(), 1u);
+    ExpectSameTensors(**u, good);
+  }
+}
+
+TEST(DiskTransportTest, PublishTimeoutIsEnforced) {
+  ScratchDir dir;
+  auto pub = Publisher::Open(Uri(dir, "failpoints=disk.after_file=delay:400"));
+  auto tensors = MakeVersion(1, 1, 4096);
+  absl::Status s = (*pub)->Publish(1, Views(tensors), {}, absl::Milliseconds(100));
+  ASSERT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/channel/LATEST"));
+}
+
+TEST(DiskTransportTest, UnknownSettingsAndBadUrisAreClearErrors) {
+  ScratchDir dir;
+  auto typo = Publisher::Open(Uri(dir, "retenton=3"));
+  ASSERT_EQ(typo.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(typo.status().message().find("unknown setting \"retenton\""), absl::string_view::npos);
+  EXPECT_NE(typo.status().message().find("retention"), absl::string_view::npos);
+  auto malformed = Subscriber::Open(Uri(dir), {{"poll_interval", "soon"}});
+  ASSERT_EQ(malformed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(malformed.status().message().find("poll_interval=\"soon\""), absl::string_view::npos);
+  auto scheme = Publisher::Open("nfs:///x");
+  ASSERT_EQ(scheme.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(scheme.status().message().find("disk"), absl::string_view::npos);
+  EXPECT_EQ(Publisher::Open("disk://host/x").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Publisher::Open("/just/a/path").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(DiskTransportTest, PsyncEngineRoundTrips) {
+  ScratchDir dir;
+  auto tensors = MakeVersion(8, 1, 1 << 18);
+  auto pub = Publisher::Open(Uri(dir, "io_engine=psync&chunk_size=64KiB"));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  ASSERT_TRUE((*pub)->Publish(1, Views(tensors), {}, kTimeout).ok());
+  auto sub = Subscriber::Open(Uri(dir, "io_engine=psync"));
+  auto u = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ExpectSameTensors(**u, tensors);
+}
+
+}  // namespace
+}  // namespace weightbus

@@ -1,0 +1,131 @@
+// SPDX-License-Identifier: Apache-2.0
+// wb_test_peer: a publisher or subscriber process for multi-process tests.
+//   wb_test_peer publish URI --versions N [--start S] [--seed X] [--bytes B] [--interval-ms M]
+//                [--set K=V]...
+//   wb_test_peer subscribe URI --until N [--seed X] [--bytes B] [--timeout-s T] [--set K=V]...
+// The subscriber regenerates each version it receives (test_model.h) and compares bytes, so
+// delivery is checked independently of the library's own checksums. Prints one line per version.
+// Exit codes: 0 all good, 1 error, 3 content mismatch or a version going backwards.
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/time/clock.h"
+#include "test_model.h"
+#include "weightbus/weightbus.hpp"
+
+namespace {
+
+struct Flags {
+  std::string role, uri;
+  uint64_t versions = 1, start = 1, seed = 1, bytes = 1 << 16, until = 1;
+  int interval_ms = 0;
+  double timeout_s = 30;
+  weightbus::Options options;
+};
+
+bool ParseFlags(int argc, char** argv, Flags* f) {
+  if (argc < 3) return false;
+  f->role = argv[1];
+  f->uri = argv[2];
+  for (int i = 3; i + 1 < argc; i += 2) {
+    std::string k = argv[i], v = argv[i + 1];
+    bool ok = true;
+    if (k == "--versions") ok = absl::SimpleAtoi(v, &f->versions);
+    else if (k == "--start") ok = absl::SimpleAtoi(v, &f->start);
+    else if (k == "--seed") ok = absl::SimpleAtoi(v, &f->seed);
+    else if (k == "--bytes") ok = absl::SimpleAtoi(v, &f->bytes);
+    else if (k == "--until") ok = absl::SimpleAtoi(v, &f->until);
+    else if (k == "--interval-ms") ok = absl::SimpleAtoi(v, &f->interval_ms);
+    else if (k == "--timeout-s") ok = absl::SimpleAtod(v, &f->timeout_s);
+    else if (k == "--set") {
+      size_t eq = v.find('=');
+      if (eq == std::string::npos) return false;
+      f->options[v.substr(0, eq)] = v.substr(eq + 1);
+    } else {
+      return false;
+    }
+    if (!ok) return false;
+  }
+  return true;
+}
+
+int Publish(const Flags& f) {
+  auto pub = weightbus::Publisher::Open(f.uri, f.options);
+  if (!pub.ok()) {
+    std::fprintf(stderr, "open: %s\n", pub.status().ToString().c_str());
+    return 1;
+  }
+  for (uint64_t v = f.start; v < f.start + f.versions; ++v) {
+    auto tensors = weightbus::testing::MakeVersion(f.seed, v, f.bytes);
+    absl::Status s = (*pub)->Publish(v, weightbus::testing::Views(tensors), {{"peer", "test"}},
+                                     absl::Seconds(f.timeout_s));
+    if (!s.ok()) {
+      std::fprintf(stderr, "publish %llu: %s\n", static_cast<unsigned long long>(v),
+                   s.ToString().c_str());
+      return 1;
+    }
+    std::printf("published %llu\n", static_cast<unsigned long long>(v));
+    std::fflush(stdout);
+    if (f.interval_ms > 0) absl::SleepFor(absl::Milliseconds(f.interval_ms));
+  }
+  return 0;
+}
+
+int Subscribe(const Flags& f) {
+  auto sub = weightbus::Subscriber::Open(f.uri, f.options);
+  if (!sub.ok()) {
+    std::fprintf(stderr, "open: %s\n", sub.status().ToString().c_str());
+    return 1;
+  }
+  uint64_t last = 0;
+  while (last < f.until) {
+    auto u = (*sub)->WaitForVersion(last + 1, absl::Seconds(f.timeout_s));
+    if (!u.ok()) {
+      std::fprintf(stderr, "wait for > %llu: %s\n", static_cast<unsigned long long>(last),
+                   u.status().ToString().c_str());
+      return 1;
+    }
+    const uint64_t v = (*u)->version();
+    if (v <= last) {
+      std::fprintf(stderr, "version went from %llu to %llu\n", static_cast<unsigned long long>(last),
+                   static_cast<unsigned long long>(v));
+      return 3;
+    }
+    auto expected = weightbus::testing::MakeVersion(f.seed, v, f.bytes);
+    if ((*u)->tensors().size() != expected.size()) {
+      std::fprintf(stderr, "version %llu has %zu tensors, expected %zu\n",
+                   static_cast<unsigned long long>(v), (*u)->tensors().size(), expected.size());
+      return 3;
+    }
+    for (const auto& e : expected) {
+      const weightbus::TensorView* got = (*u)->Find(e.name);
+      if (got == nullptr || got->dtype != e.dtype || got->shape != e.shape ||
+          (!e.bytes.empty() && std::memcmp(got->data, e.bytes.data(), e.bytes.size()) != 0)) {
+        std::fprintf(stderr, "version %llu: tensor %s differs\n",
+                     static_cast<unsigned long long>(v), e.name.c_str());
+        return 3;
+      }
+    }
+    std::printf("received %llu ok\n", static_cast<unsigned long long>(v));
+    std::fflush(stdout);
+    last = v;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  if (!ParseFlags(argc, argv, &f)) {
+    std::fprintf(stderr, "usage: wb_test_peer publish|subscribe URI [flags]\n");
+    return 2;
+  }
+  if (f.role == "publish") return Publish(f);
+  if (f.role == "subscribe") return Subscribe(f);
+  return 2;
+}

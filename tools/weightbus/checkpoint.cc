@@ -1,0 +1,110 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "weightbus/checkpoint.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
+
+namespace weightbus::tools {
+namespace {
+
+absl::StatusOr<std::string> ReadText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrFormat("cannot open %s", path));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& path) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (ec || !std::filesystem::exists(status)) {
+    return absl::NotFoundError(absl::StrFormat("%s does not exist", path));
+  }
+  Checkpoint ckpt;
+  if (std::filesystem::is_directory(status)) {
+    const std::string index = path + "/model.safetensors.index.json";
+    const std::string single = path + "/model.safetensors";
+    if (std::filesystem::exists(index)) {
+      absl::StatusOr<std::string> text = ReadText(index);
+      if (!text.ok()) return text.status();
+      nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
+      if (j.is_discarded() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
+        return absl::DataLossError(absl::StrFormat("%s has no weight_map object", index));
+      }
+      std::set<std::string> names;
+      for (const auto& [name, file] : j["weight_map"].items()) {
+        if (!file.is_string()) {
+          return absl::DataLossError(
+              absl::StrFormat("%s: weight_map[\"%s\"] is not a string", index, name));
+        }
+        names.insert(file.get<std::string>());
+      }
+      for (const std::string& n : names) ckpt.file_paths.push_back(path + "/" + n);
+    } else if (std::filesystem::exists(single)) {
+      ckpt.file_paths.push_back(single);
+    } else {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s holds neither model.safetensors nor model.safetensors.index.json", path));
+    }
+  } else {
+    ckpt.file_paths.push_back(path);
+  }
+  ckpt.files.reserve(ckpt.file_paths.size());
+  for (const std::string& p : ckpt.file_paths) {
+    absl::StatusOr<safetensors::File> f = safetensors::ReadFile(p);
+    if (!f.ok()) return f.status();
+    ckpt.files.push_back(*std::move(f));
+  }
+  std::set<std::string> seen;
+  for (size_t k = 0; k < ckpt.files.size(); ++k) {
+    const safetensors::File& f = ckpt.files[k];
+    for (const safetensors::Entry& e : f.header.tensors) {
+      if (!seen.insert(e.name).second) {
+        return absl::DataLossError(absl::StrFormat("tensor \"%s\" appears in more than one file "
+                                                   "of %s",
+                                                   e.name, path));
+      }
+      TensorView v;
+      v.name = e.name;
+      v.dtype = e.dtype;
+      v.shape = e.shape;
+      v.data = f.Bytes(e).data();
+      ckpt.tensors.push_back(std::move(v));
+    }
+  }
+  return ckpt;
+}
+
+absl::Status SaveCheckpoint(const std::string& dir, absl::Span<const TensorView> tensors,
+                            const Manifest* manifest) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return absl::InternalError(absl::StrFormat("create directory %s: %s", dir, ec.message()));
+  }
+  absl::Status s = safetensors::WriteFile(dir + "/model.safetensors", tensors, {{"format", "pt"}});
+  if (!s.ok() || manifest == nullptr) return s;
+  const std::string path = dir + "/weightbus.manifest.json";
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << manifest->ToJson();
+    if (!out) return absl::InternalError(absl::StrFormat("write %s failed", tmp));
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) return absl::InternalError(absl::StrFormat("rename %s: %s", tmp, ec.message()));
+  return absl::OkStatus();
+}
+
+}  // namespace weightbus::tools

@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "xxhash.h"
 
 extern char** environ;
@@ -163,6 +164,15 @@ std::vector<std::byte> RandomBytes(size_t n, uint64_t seed) {
 }
 
 uint64_t Xxh3(const void* data, size_t n) { return XXH3_64bits(data, n); }
+
+bool WaitUntil(const std::function<bool()>& condition, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (!condition()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
+}
 
 std::string ReadFileOrDie(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

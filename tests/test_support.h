@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -72,6 +73,10 @@ absl::StatusOr<RunResult> RunCommand(const std::vector<std::string>& argv,
 std::vector<std::byte> RandomBytes(size_t n, uint64_t seed);
 // XXH3-64 (seed 0) of `n` bytes at `data`, computed with libxxhash directly.
 uint64_t Xxh3(const void* data, size_t n);
+
+// Polls `condition` every few milliseconds until it holds (true) or `timeout` passes (false).
+// For effects that happen in the background, such as retention deleting old versions.
+bool WaitUntil(const std::function<bool()>& condition, absl::Duration timeout = absl::Seconds(10));
 
 std::string ReadFileOrDie(const std::string& path);
 void WriteFileOrDie(const std::string& path, const std::string& contents);

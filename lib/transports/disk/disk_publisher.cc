@@ -10,9 +10,12 @@
 #include <cerrno>
 #include <dirent.h>
 
+#include <thread>
+
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "core/failpoint.h"
 #include "core/logging.h"
@@ -81,7 +84,16 @@ class DiskPublisher final : public TransportPublisher {
                 int64_t retention, uint64_t shard_size, bool sync)
       : channel_(std::move(channel)), lock_(std::move(lock)), io_(std::move(io)),
         failpoints_(std::move(failpoints)), retention_(retention), shard_size_(shard_size),
-        sync_(sync) {}
+        sync_(sync), retention_thread_([this] { RetentionLoop(); }) {}
+
+  // Finishes pending retention work before the channel lock is released.
+  ~DiskPublisher() override {
+    {
+      absl::MutexLock lock(&retention_mu_);
+      stopping_ = true;
+    }
+    retention_thread_.join();
+  }
 
   absl::StatusOr<std::optional<uint64_t>> LatestVersion() override {
     return channel_.ReadLatest();
@@ -98,6 +110,9 @@ class DiskPublisher final : public TransportPublisher {
                          absl::Time deadline);
   absl::Status CheckDeadline(absl::Time deadline, uint64_t version, std::string_view step) const;
   void ApplyRetention(uint64_t latest);
+  // Deleting old versions is off the publish path: unlinking can take milliseconds (more with
+  // `discard` mounts) and no subscriber needs it.
+  void RetentionLoop();
 
   Channel channel_;
   UniqueFd lock_;
@@ -106,7 +121,29 @@ class DiskPublisher final : public TransportPublisher {
   int64_t retention_;
   uint64_t shard_size_;
   bool sync_;
+  absl::Mutex retention_mu_;
+  std::optional<uint64_t> retention_due_ ABSL_GUARDED_BY(retention_mu_);
+  bool stopping_ ABSL_GUARDED_BY(retention_mu_) = false;
+  std::thread retention_thread_;
 };
+
+void DiskPublisher::RetentionLoop() {
+  while (true) {
+    uint64_t latest;
+    {
+      absl::MutexLock lock(&retention_mu_);
+      retention_mu_.Await(absl::Condition(
+          +[](DiskPublisher* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->retention_mu_) {
+            return p->stopping_ || p->retention_due_.has_value();
+          },
+          this));
+      if (!retention_due_) return;  // stopping with nothing left to do
+      latest = *retention_due_;
+      retention_due_.reset();
+    }
+    ApplyRetention(latest);
+  }
+}
 
 absl::Status DiskPublisher::CheckDeadline(absl::Time deadline, uint64_t version,
                                           std::string_view step) const {
@@ -173,6 +210,7 @@ absl::Status DiskPublisher::Publish(PublishJob& job, absl::Time deadline) {
     if (renamed) (void)RemoveTree(final_dir);
   };
 
+  const absl::Time start = absl::Now();
   WB_ASSIGN_OR_RETURN(std::vector<FilePlan> files, PlanFiles(job.tensors(), shard_size_));
   for (const FilePlan& plan : files) {
     WB_RETURN_IF_ERROR(CheckDeadline(deadline, version, "writing " + plan.name));
@@ -180,6 +218,7 @@ absl::Status DiskPublisher::Publish(PublishJob& job, absl::Time deadline) {
     WB_RETURN_IF_ERROR(failpoints_.Hit("disk.after_file"));
   }
 
+  const absl::Time written = absl::Now();
   WB_ASSIGN_OR_RETURN(const Manifest* manifest, job.SealedManifest(deadline));
   WB_RETURN_IF_ERROR(WriteSmallFile(absl::StrFormat("%s/%s", tmp, kManifestFile),
                                     manifest->ToJson(), sync_));
@@ -196,6 +235,7 @@ absl::Status DiskPublisher::Publish(PublishJob& job, absl::Time deadline) {
   }
   WB_RETURN_IF_ERROR(WriteSmallFile(absl::StrFormat("%s/%s", tmp, kReaderLock), "", false));
   if (sync_) WB_RETURN_IF_ERROR(FsyncDir(tmp));
+  const absl::Time sealed = absl::Now();
   WB_RETURN_IF_ERROR(failpoints_.Hit("disk.before_rename"));
   WB_RETURN_IF_ERROR(CheckDeadline(deadline, version, "renaming it into place"));
 
@@ -208,9 +248,18 @@ absl::Status DiskPublisher::Publish(PublishJob& job, absl::Time deadline) {
   if (sync_) WB_RETURN_IF_ERROR(FsyncDir(versions));
   WB_RETURN_IF_ERROR(failpoints_.Hit("disk.before_commit"));
   WB_RETURN_IF_ERROR(CheckDeadline(deadline, version, "committing"));
+  const absl::Time renamed_at = absl::Now();
   WB_RETURN_IF_ERROR(channel_.WriteLatest(version, sync_));
   committed = true;
-  ApplyRetention(version);
+  {
+    absl::MutexLock lock(&retention_mu_);
+    retention_due_ = version;
+  }
+  Log(LogLevel::kDebug,
+      "disk://%s version %d: %d files written %s, manifest %s, rename %s, commit %s",
+      channel_.root(), version, files.size(), absl::FormatDuration(written - start),
+      absl::FormatDuration(sealed - written), absl::FormatDuration(renamed_at - sealed),
+      absl::FormatDuration(absl::Now() - renamed_at));
   return absl::OkStatus();
 }
 

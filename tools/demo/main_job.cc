@@ -1,0 +1,350 @@
+// SPDX-License-Identifier: Apache-2.0
+// weightbus-demo: the main job. A trainer process converts a real llama2.c checkpoint, checks the
+// conversion with two independent forward passes, then publishes a sequence of versions (an fp32
+// master copy updated Adam-style, cast to bf16) over a transport; replica processes follow the
+// channel, receive each version into their own parameter buffers, and check it bit-exact against
+// an independent local recomputation. Per version it prints the trainer stall, the time until
+// each replica held the verified version, the bytes and the bandwidth.
+//
+//   weightbus-demo [--checkpoint PATH] [--uri URI] [--versions N] [--replicas R] [--lr LR]
+//                  [--seed S] [--workdir DIR] [--keep]
+//
+// Exit status 0 only when the logits check passed and every replica verified every version.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "weightbus/args.h"
+#include "weightbus/bf16.h"
+#include "weightbus/llama2c.h"
+#include "weightbus/llama_forward.h"
+#include "weightbus/update_stream.h"
+#include "weightbus/weightbus.hpp"
+
+extern char** environ;
+
+namespace weightbus::tools {
+namespace {
+
+constexpr absl::Duration kStepTimeout = absl::Seconds(120);
+
+struct Options {
+  std::string checkpoint;
+  std::string uri;
+  std::string workdir;
+  uint64_t versions = 20;
+  int replicas = 2;
+  double lr = 1e-5;
+  uint64_t seed = 1;
+  bool keep = false;
+  // replica only
+  int index = -1;
+};
+
+[[noreturn]] void Die(const std::string& message) {
+  std::fprintf(stderr, "weightbus-demo: error: %s\n", message.c_str());
+  std::exit(1);
+}
+
+template <typename T>
+T OrDie(absl::StatusOr<T> v) {
+  if (!v.ok()) Die(std::string(v.status().message()));
+  return *std::move(v);
+}
+
+void OrDie(const absl::Status& s) {
+  if (!s.ok()) Die(std::string(s.message()));
+}
+
+// The stream every process derives independently: same checkpoint, seed and options give the
+// same versions bit for bit. Version 1 is the converted checkpoint; version k+1 follows k Adam
+// steps.
+UpdateStream MakeStream(const Options& o) {
+  Llama2cCheckpoint ckpt = OrDie(ReadLlama2c(o.checkpoint));
+  std::vector<OwnedTensor> master = OrDie(ConvertToHf(ckpt, DType::kF32));
+  AdamOptions adam;
+  adam.lr = o.lr;
+  adam.seed = o.seed;
+  return OrDie(UpdateStream::Create(master, adam));
+}
+
+std::vector<TensorView> ViewsOf(const std::vector<OwnedTensor>& tensors) {
+  std::vector<TensorView> views;
+  for (const OwnedTensor& t : tensors) views.push_back(t.view());
+  return views;
+}
+
+// ----- replica -----
+
+int RunReplica(const Options& o) {
+  UpdateStream expected = MakeStream(o);
+  std::vector<OwnedTensor> params = expected.Bf16();  // the replica's parameter buffers
+  auto sub = OrDie(Subscriber::Open(o.uri));
+  for (OwnedTensor& p : params) {
+    OrDie(sub->Bind(p.name, Destination{p.dtype, p.shape, {}, p.bytes.data()}));
+  }
+  uint64_t have = 0;
+  while (have < o.versions) {
+    auto update = sub->WaitForVersion(have + 1, kStepTimeout);
+    if (!update.ok()) {
+      std::printf("ERROR %s\n", std::string(update.status().message()).c_str());
+      std::fflush(stdout);
+      return 1;
+    }
+    const Update& u = **update;
+    const int64_t ready_ns = u.stats().ready_unix_ns;
+    // Independent check: recompute the version locally and compare every byte.
+    while (expected.step() + 1 < u.version()) expected.Step();
+    std::vector<OwnedTensor> want = expected.Bf16();
+    bool same = want.size() == params.size();
+    for (size_t i = 0; same && i < want.size(); ++i) {
+      same = want[i].bytes == params[i].bytes;
+    }
+    std::printf("READY %llu %lld %s\n", static_cast<unsigned long long>(u.version()),
+                static_cast<long long>(ready_ns - u.manifest().publish_start_unix_ns),
+                same ? "exact" : "MISMATCH");
+    std::fflush(stdout);
+    have = u.version();
+  }
+  return 0;
+}
+
+// ----- trainer -----
+
+struct Replica {
+  pid_t pid = -1;
+  int out = -1;  // read end of its stdout
+  std::string buffer;
+};
+
+Replica SpawnReplica(const std::string& self, const Options& o, int index) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) Die("pipe failed");
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], 1);
+  std::vector<std::string> args = {self,
+                                   "--role", "replica",
+                                   "--index", std::to_string(index),
+                                   "--checkpoint", o.checkpoint,
+                                   "--uri", o.uri,
+                                   "--versions", std::to_string(o.versions),
+                                   "--lr", absl::StrFormat("%.17g", o.lr),
+                                   "--seed", std::to_string(o.seed)};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  Replica r;
+  int rc = posix_spawn(&r.pid, self.c_str(), &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) Die(absl::StrFormat("cannot start replica: %s", strerror(rc)));
+  close(fds[1]);
+  r.out = fds[0];
+  return r;
+}
+
+// Reads lines from `r` until one reports `version` (or an error), up to `deadline`.
+// Returns {milliseconds from publish start to verified, exact?}.
+std::pair<double, bool> AwaitReport(Replica& r, uint64_t version, absl::Time deadline, int index) {
+  while (true) {
+    size_t nl;
+    while ((nl = r.buffer.find('\n')) != std::string::npos) {
+      std::string line = r.buffer.substr(0, nl);
+      r.buffer.erase(0, nl + 1);
+      std::vector<std::string> parts = absl::StrSplit(line, ' ');
+      if (parts.size() >= 1 && parts[0] == "ERROR") Die(absl::StrFormat("replica %d: %s", index, line));
+      uint64_t v = 0;
+      int64_t ns = 0;
+      if (parts.size() == 4 && parts[0] == "READY" && absl::SimpleAtoi(parts[1], &v) &&
+          absl::SimpleAtoi(parts[2], &ns) && v == version) {
+        return {ns / 1e6, parts[3] == "exact"};
+      }
+    }
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      Die(absl::StrFormat("replica %d did not report version %d in time", index, version));
+    }
+    pollfd p{r.out, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1) <= 0) continue;
+    char buf[4096];
+    ssize_t n = read(r.out, buf, sizeof(buf));
+    if (n <= 0) Die(absl::StrFormat("replica %d exited before reporting version %d", index, version));
+    r.buffer.append(buf, static_cast<size_t>(n));
+  }
+}
+
+// The same checkpoint with every weight rounded to bf16 (what a bf16 conversion stores).
+Llama2cCheckpoint RoundedToBf16(Llama2cCheckpoint c) {
+  for (std::vector<float>* a : {&c.token_embedding, &c.rms_att, &c.wq, &c.wk, &c.wv, &c.wo,
+                                &c.rms_ffn, &c.w1, &c.w2, &c.w3, &c.rms_final, &c.wcls}) {
+    for (float& x : *a) x = Bf16ToFloat(FloatToBf16(x));
+  }
+  return c;
+}
+
+// Runs llama2.c's own math on the original arrays and the HF-layout forward pass on the
+// converted tensors, for f32 and bf16 conversions. With bf16, the reference gets the same
+// bf16-rounded weights, so both sides compute the same function and must agree to float
+// rounding: a wrong permutation, name or transpose shows up as a large difference.
+bool CheckLogits(const Options& o, const std::string& hf_dir) {
+  const Llama2cCheckpoint ckpt = OrDie(ReadLlama2c(o.checkpoint));
+  const std::vector<int32_t> tokens = {1, 403, 411, 261, 360, 263, 280, 326,
+                                       259, 365, 268, 344, 290, 311, 275, 46};
+  std::string config_text;
+  {
+    FILE* f = std::fopen((hf_dir + "/config.json").c_str(), "r");
+    if (f == nullptr) Die("cannot read " + hf_dir + "/config.json");
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) config_text.append(buf, n);
+    std::fclose(f);
+  }
+  HfLlamaConfig config = OrDie(ParseHfLlamaConfig(config_text, hf_dir + "/config.json"));
+  bool ok = true;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    Logits reference = OrDie(
+        Llama2cForward(dtype == DType::kF32 ? ckpt : RoundedToBf16(ckpt), tokens));
+    std::vector<OwnedTensor> tensors = OrDie(ConvertToHf(ckpt, dtype));
+    Logits hf = OrDie(HfLlamaForward(config, ViewsOf(tensors), tokens));
+    LogitsComparison c = OrDie(CompareLogits(reference, hf));
+    const bool pass = c.max_abs_diff < 1e-3 && c.argmax_matches == c.positions;
+    ok &= pass;
+    std::printf("# logits check, %s weights: HF-layout forward vs llama2.c reference: %s  %s\n",
+                std::string(DTypeName(dtype)).c_str(), c.ToString().c_str(),
+                pass ? "OK" : "FAILED");
+  }
+  return ok;
+}
+
+int RunTrainer(const std::string& self, Options o) {
+  const bool own_workdir = o.workdir.empty();
+  if (own_workdir) {
+    o.workdir = absl::StrFormat("%s/weightbus-demo-%d",
+                                std::filesystem::temp_directory_path().string(), getpid());
+  }
+  std::filesystem::remove_all(o.workdir + "/channel");
+  std::filesystem::create_directories(o.workdir);
+  if (o.uri.empty()) o.uri = "disk://" + o.workdir + "/channel";
+
+  const std::string hf_dir = o.workdir + "/stories260K-hf";
+  OrDie(ConvertLlama2c(o.checkpoint, hf_dir, DType::kBF16));
+  UpdateStream stream = MakeStream(o);
+  uint64_t params = 0;
+  for (const OwnedTensor& t : stream.master()) params += t.bytes.size() / 4;
+  std::printf("# weightbus main job: %s -> %s\n", o.checkpoint.c_str(), o.uri.c_str());
+  std::printf("# converted to %s (Hugging Face Llama, %llu parameters); %d replicas, %llu "
+              "versions, Adam lr %.3g, bf16\n",
+              hf_dir.c_str(), static_cast<unsigned long long>(params), o.replicas,
+              static_cast<unsigned long long>(o.versions), o.lr);
+  const bool logits_ok = CheckLogits(o, hf_dir);
+
+  auto pub = OrDie(Publisher::Open(o.uri));
+  std::vector<Replica> replicas;
+  for (int i = 0; i < o.replicas; ++i) replicas.push_back(SpawnReplica(self, o, i));
+
+  std::string header = "# version  changed%      bytes  stall_ms";
+  for (int i = 0; i < o.replicas; ++i) header += absl::StrFormat("  replica%d_ms", i);
+  header += "  last_ms  GB/s  verified";
+  std::printf("%s\n", header.c_str());
+  std::vector<double> stalls, lasts;
+  uint64_t exact = 0, expected_reports = 0;
+  std::vector<OwnedTensor> previous;
+  for (uint64_t v = 1; v <= o.versions; ++v) {
+    if (v > 1) stream.Step();
+    std::vector<OwnedTensor> weights = stream.Bf16();
+    const double changed = previous.empty() ? 1.0 : ChangedFraction(previous, weights);
+    OrDie(pub->Publish(v, ViewsOf(weights), {{"step", std::to_string(stream.step())}},
+                       kStepTimeout));
+    const PublishStats st = pub->last_stats();
+    const absl::Time deadline = absl::Now() + kStepTimeout;
+    std::string row = absl::StrFormat("%9d  %7.3f%%  %9d  %8.2f", v, 100 * changed, st.bytes,
+                                      absl::ToDoubleMilliseconds(st.stall));
+    double last = 0;
+    int ok_here = 0;
+    for (int i = 0; i < o.replicas; ++i) {
+      auto [ms, same] = AwaitReport(replicas[i], v, deadline, i);
+      row += absl::StrFormat("  %11.2f", ms);
+      last = std::max(last, ms);
+      ok_here += same;
+    }
+    exact += ok_here;
+    expected_reports += o.replicas;
+    row += absl::StrFormat("  %7.2f  %4.2f  %d/%d", last, st.bytes / 1e9 / (last / 1e3), ok_here,
+                           o.replicas);
+    std::printf("%s\n", row.c_str());
+    std::fflush(stdout);
+    stalls.push_back(absl::ToDoubleMilliseconds(st.stall));
+    lasts.push_back(last);
+    previous = std::move(weights);
+  }
+  for (Replica& r : replicas) {
+    int status = 0;
+    waitpid(r.pid, &status, 0);
+    close(r.out);
+  }
+  auto median = [](std::vector<double> x) {
+    std::sort(x.begin(), x.end());
+    return x.empty() ? 0.0 : x[x.size() / 2];
+  };
+  std::printf("# median trainer stall %.2f ms; median time to last replica %.2f ms (max %.2f)\n",
+              median(stalls), median(lasts), *std::max_element(lasts.begin(), lasts.end()));
+  const bool all_exact = exact == expected_reports;
+  std::printf("# %s: %llu/%llu replica versions bit-exact, logits check %s\n",
+              all_exact && logits_ok ? "OK" : "FAILED", static_cast<unsigned long long>(exact),
+              static_cast<unsigned long long>(expected_reports), logits_ok ? "passed" : "FAILED");
+  if (own_workdir && !o.keep) std::filesystem::remove_all(o.workdir);
+  return all_exact && logits_ok ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace weightbus::tools
+
+int main(int argc, char** argv) {
+  using namespace weightbus::tools;
+  std::vector<std::string> argvec(argv + 1, argv + argc);
+  absl::StatusOr<Args> args = Args::Parse(argvec, {{"checkpoint"},
+                                                   {"uri"},
+                                                   {"workdir"},
+                                                   {"versions"},
+                                                   {"replicas"},
+                                                   {"lr"},
+                                                   {"seed"},
+                                                   {"keep", false},
+                                                   {"role"},
+                                                   {"index"}});
+  if (!args.ok() || !args->positional().empty()) {
+    std::fprintf(stderr,
+                 "usage: weightbus-demo [--checkpoint PATH] [--uri URI] [--versions N] "
+                 "[--replicas R] [--lr LR] [--seed S] [--workdir DIR] [--keep]\n%s\n",
+                 args.ok() ? "" : std::string(args.status().message()).c_str());
+    return 2;
+  }
+  Options o;
+  o.checkpoint = args->Get("checkpoint").value_or(WEIGHTBUS_DEFAULT_CHECKPOINT);
+  o.uri = args->Get("uri").value_or("");
+  o.workdir = args->Get("workdir").value_or("");
+  o.keep = args->Has("keep");
+  o.versions = OrDie(args->GetUint("versions", 20));
+  o.replicas = static_cast<int>(OrDie(args->GetUint("replicas", 2)));
+  o.seed = OrDie(args->GetUint("seed", 1));
+  if (auto lr = args->Get("lr"); lr && !absl::SimpleAtod(*lr, &o.lr)) Die("--lr is not a number");
+  if (o.versions < 1 || o.replicas < 1) Die("--versions and --replicas must be at least 1");
+  if (args->Get("role").value_or("trainer") == "replica") return RunReplica(o);
+  signal(SIGPIPE, SIG_IGN);
+  return RunTrainer(argv[0][0] == '/' ? argv[0] : std::filesystem::absolute(argv[0]).string(), o);
+}

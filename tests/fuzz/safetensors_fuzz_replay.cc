@@ -1,0 +1,287 @@
+// SPDX-License-Identifier: Apache-2.0
+// Replay driver for the safetensors fuzz target, for compilers without libFuzzer (and for CTest).
+//
+//   safetensors_fuzz_replay [--mutations=N] [--write-seeds=DIR] PATH...
+//
+// Runs LLVMFuzzerTestOneInput on built-in seeds, on every file given (a directory stands for the
+// regular files directly inside it), and on N deterministic mutations (fixed seed) of each of
+// them: bit flips, byte substitutions, truncations, insertions, deletions, duplicated ranges and
+// edits of digits, mostly inside the JSON header with the length prefix kept consistent so that
+// the mutants get past the first checks. A violated invariant aborts; the signal handler names
+// the input and saves it as ./safetensors-fuzz-crash.bin for reproduction.
+// --write-seeds=DIR writes the built-in seeds to DIR (a starting corpus for libFuzzer).
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// What is running, for the crash handler (which may only use async-signal-safe calls).
+const char* g_data = nullptr;
+size_t g_size = 0;
+char g_name[512] = "";
+
+void OnCrash(int sig) {
+  const char prefix[] = "\nsafetensors_fuzz_replay: crashed on input: ";
+  (void)!::write(2, prefix, sizeof(prefix) - 1);
+  (void)!::write(2, g_name, ::strlen(g_name));
+  const char saved[] = "\n(saved as ./safetensors-fuzz-crash.bin)\n";
+  const int fd = ::open("safetensors-fuzz-crash.bin", O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd >= 0) {
+    if (g_data != nullptr) (void)!::write(fd, g_data, g_size);
+    ::close(fd);
+    (void)!::write(2, saved, sizeof(saved) - 1);
+  }
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+struct Stats {
+  size_t runs = 0;
+};
+
+void Run(const std::string& name, const std::string& bytes, Stats& stats) {
+  g_data = bytes.data();
+  g_size = bytes.size();
+  std::snprintf(g_name, sizeof(g_name), "%s", name.c_str());
+  LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  ++stats.runs;
+}
+
+std::string Le64(uint64_t v) {
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+  return out;
+}
+
+std::string MakeFile(const std::string& header, const std::string& data = "") {
+  return Le64(header.size()) + header + data;
+}
+
+std::vector<std::pair<std::string, std::string>> BuiltinSeeds() {
+  const std::string t4 = R"("dtype":"U8","shape":[4])";
+  return {
+      {"empty", MakeFile("{}")},
+      {"empty-padded", MakeFile("{}      ")},
+      {"metadata-only", MakeFile(R"({"__metadata__":{"a":"b","":"\u00e9\n"}})")},
+      {"one", MakeFile(R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}})",
+                       std::string(16, '\x3f'))},
+      {"zero-size", MakeFile(R"({"z":{"dtype":"F64","shape":[0,3],"data_offsets":[0,0]},)"
+                             R"("a":{)" + t4 + R"(,"data_offsets":[0,4]},)"
+                             R"("y":{"dtype":"BOOL","shape":[0],"data_offsets":[4,4]}})",
+                             "abcd")},
+      {"scalars", MakeFile(R"({"__metadata__":{"k":"v"},"s":{"dtype":"I64","shape":[],)"
+                           R"("data_offsets":[0,8]},"t":{"dtype":"F8_E4M3","shape":[],)"
+                           R"("data_offsets":[8,9]},"u":{"dtype":"BF16","shape":[1,1],)"
+                           R"("data_offsets":[9,11]}})",
+                           std::string(11, '\x01'))},
+      {"weird-names", MakeFile(R"({"a.b/c d\"e\\f\n\u0001\ud83d\ude00":{)" + t4 +
+                               R"(,"data_offsets":[0,4]},"\u0000":{"dtype":"I8","shape":[1],)"
+                               R"("data_offsets":[4,5]}})",
+                               "12345")},
+      {"unknown-fields", MakeFile(R"({"w":{"x":[1,{"y":null}],)" + t4 +
+                                  R"(,"data_offsets":[0,4],"z":true}})",
+                                  "wxyz")},
+      {"duplicate", MakeFile(R"({"w":{)" + t4 + R"(,"data_offsets":[0,4]},"w":{)" + t4 +
+                             R"(,"data_offsets":[4,8]}})",
+                             "12345678")},
+      {"overlap", MakeFile(R"({"a":{)" + t4 + R"(,"data_offsets":[0,4]},"b":{)" + t4 +
+                           R"(,"data_offsets":[2,6]}})",
+                           "123456")},
+      {"hole", MakeFile(R"({"a":{)" + t4 + R"(,"data_offsets":[0,4]},"b":{)" + t4 +
+                        R"(,"data_offsets":[6,10]}})",
+                        "1234567890")},
+      {"trailing", MakeFile(R"({"a":{)" + t4 + R"(,"data_offsets":[0,4]}})", "123456")},
+      {"bad-size", MakeFile(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,4]}})", "1234")},
+      {"huge-dims", MakeFile(R"({"a":{"dtype":"F64","shape":[4611686018427387904,4],)"
+                             R"("data_offsets":[0,0]}})")},
+      {"huge-offsets", MakeFile(R"({"a":{"dtype":"U8","shape":[0],)"
+                                R"("data_offsets":[18446744073709551615,18446744073709551615]}})")},
+      {"bad-utf8", MakeFile("{\"\xed\xa0\x80\":{}}")},
+      {"nul", MakeFile(std::string("{}\0{}", 5))},
+      {"short", std::string("\x02\0\0", 3)},
+      {"huge-length", Le64(~uint64_t{0}) + "{}"},
+  };
+}
+
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t Next() {
+    state_ += 0x9e3779b97f4a7c15ull;
+    uint64_t z = state_;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  size_t Below(size_t n) { return n == 0 ? 0 : static_cast<size_t>(Next() % n); }
+
+ private:
+  uint64_t state_;
+};
+
+// Bytes that matter to the parser: JSON syntax, digits, signs, and UTF-8 edge bytes.
+constexpr char kInteresting[] =
+    "{}[]\":,0123456789-+.eE \\ntuf\x00\x7f\x80\xbf\xc0\xc3\xe0\xed\xf0\xf4\xff";
+
+char InterestingByte(Rng& rng) { return kInteresting[rng.Below(sizeof(kInteresting) - 1)]; }
+
+void MutateOnce(std::string& s, Rng& rng) {
+  switch (rng.Below(7)) {
+    case 0:  // flip a bit
+      if (!s.empty()) s[rng.Below(s.size())] ^= static_cast<char>(1u << rng.Below(8));
+      break;
+    case 1:  // substitute an interesting byte
+      if (!s.empty()) s[rng.Below(s.size())] = InterestingByte(rng);
+      break;
+    case 2:  // truncate
+      s.resize(rng.Below(s.size() + 1));
+      break;
+    case 3: {  // insert 1-8 bytes
+      std::string ins;
+      const size_t n = 1 + rng.Below(8);
+      for (size_t i = 0; i < n; ++i) {
+        ins.push_back(rng.Below(2) ? InterestingByte(rng) : static_cast<char>(rng.Next()));
+      }
+      s.insert(rng.Below(s.size() + 1), ins);
+      break;
+    }
+    case 4:  // delete 1-16 bytes
+      if (!s.empty()) {
+        const size_t at = rng.Below(s.size());
+        s.erase(at, 1 + rng.Below(16));
+      }
+      break;
+    case 5:  // copy a range elsewhere (duplicated keys, repeated entries)
+      if (!s.empty()) {
+        const size_t from = rng.Below(s.size());
+        const std::string piece = s.substr(from, 1 + rng.Below(64));
+        s.insert(rng.Below(s.size() + 1), piece);
+      }
+      break;
+    case 6: {  // change a digit (offsets, shapes)
+      std::vector<size_t> digits;
+      for (size_t i = 0; i < s.size(); ++i) {
+        if (s[i] >= '0' && s[i] <= '9') digits.push_back(i);
+      }
+      if (!digits.empty()) {
+        s[digits[rng.Below(digits.size())]] = static_cast<char>('0' + rng.Below(10));
+      }
+      break;
+    }
+  }
+}
+
+std::string Mutate(const std::string& input, Rng& rng) {
+  uint64_t n = 0;
+  bool framed = input.size() >= 8;
+  if (framed) {
+    for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(input[i]);
+    framed = n <= input.size() - 8;
+  }
+  const size_t ops = 1 + rng.Below(3);
+  const uint64_t choice = rng.Below(10);
+  if (!framed || choice < 2) {
+    // Raw bytes, length prefix included.
+    std::string s = input;
+    for (size_t i = 0; i < ops; ++i) MutateOnce(s, rng);
+    return s;
+  }
+  std::string header = input.substr(8, n);
+  std::string data = input.substr(8 + n);
+  if (choice < 8) {
+    for (size_t i = 0; i < ops; ++i) MutateOnce(header, rng);
+  } else {
+    for (size_t i = 0; i < ops; ++i) MutateOnce(data, rng);
+  }
+  std::string out = MakeFile(header, data);
+  if (rng.Below(8) == 0) {
+    // An inconsistent length prefix, near the right one or extreme.
+    const uint64_t len = rng.Below(2) ? header.size() + rng.Below(33) - 16 : rng.Next();
+    std::memcpy(out.data(), Le64(len).data(), 8);
+  }
+  return out;
+}
+
+bool ReadWhole(const fs::path& path, std::string* out) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  *out = ss.str();
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  size_t mutations = 64;
+  std::vector<std::pair<std::string, std::string>> inputs = BuiltinSeeds();
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.rfind("--mutations=", 0) == 0) {
+      mutations = std::strtoul(arg.c_str() + 12, nullptr, 10);
+      continue;
+    }
+    if (arg.rfind("--write-seeds=", 0) == 0) {
+      const fs::path dir = arg.substr(14);
+      fs::create_directories(dir);
+      for (const auto& [name, bytes] : BuiltinSeeds()) {
+        std::ofstream(dir / (name + ".safetensors"), std::ios::binary) << bytes;
+      }
+      continue;
+    }
+    std::error_code ec;
+    std::vector<fs::path> files;
+    if (fs::is_directory(arg, ec)) {
+      for (const auto& entry : fs::directory_iterator(arg)) {
+        if (entry.is_regular_file()) files.push_back(entry.path());
+      }
+      std::sort(files.begin(), files.end());
+    } else {
+      files.push_back(arg);
+    }
+    for (const fs::path& file : files) {
+      std::string bytes;
+      if (!ReadWhole(file, &bytes)) {
+        std::fprintf(stderr, "safetensors_fuzz_replay: cannot read %s\n", file.c_str());
+        return 2;
+      }
+      inputs.emplace_back(file.string(), std::move(bytes));
+    }
+  }
+
+  ::signal(SIGABRT, OnCrash);
+  ::signal(SIGSEGV, OnCrash);
+  ::signal(SIGBUS, OnCrash);
+  ::signal(SIGFPE, OnCrash);
+  ::signal(SIGILL, OnCrash);
+
+  Stats stats;
+  Rng rng(0x5afe7e45023);
+  for (const auto& [name, bytes] : inputs) {
+    Run(name, bytes, stats);
+    for (size_t m = 0; m < mutations; ++m) {
+      Run(name + " (mutation " + std::to_string(m) + ")", Mutate(bytes, rng), stats);
+    }
+  }
+  std::printf("safetensors_fuzz_replay: %zu inputs (%zu seeds, %zu mutations each), no failure\n",
+              stats.runs, inputs.size(), mutations);
+  return 0;
+}

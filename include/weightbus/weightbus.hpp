@@ -122,6 +122,7 @@ class WB_EXPORT Publisher {
 struct UpdateStats {
   uint64_t bytes = 0;           // tensor bytes received
   absl::Duration wait;          // until a new enough version was found
+  absl::Duration allocate;      // mapping library buffers (0 when recycled from earlier updates)
   absl::Duration fetch;         // receiving the bytes (checksums overlap with it)
   absl::Duration verify_wait;   // waiting for checksums after the last byte arrived
   absl::Duration copy_out;      // copying staged bytes into bound destinations (bind_mode=staged)

@@ -13,11 +13,15 @@ namespace weightbus::internal {
 
 absl::StatusOr<std::unique_ptr<HostBuffer>> HostBuffer::Allocate(size_t size) {
   if (size == 0) return std::unique_ptr<HostBuffer>(new HostBuffer(nullptr, 0));
-  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // MAP_POPULATE faults every page in now, in one call, rather than one fault at a time while a
+  // transfer writes into it. No MADV_HUGEPAGE: on a machine whose memory is fragmented by page
+  // cache, huge-page faults stall in direct compaction (measured: 0.1 s to 2.1 s per GiB,
+  // against a steady 0.3 s with 4 KiB pages).
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+                 -1, 0);
   if (p == MAP_FAILED) {
     return ErrnoStatus(errno, absl::StrFormat("mapping a %d-byte host buffer", size));
   }
-  if (size >= (size_t{2} << 20)) madvise(p, size, MADV_HUGEPAGE);
   return std::unique_ptr<HostBuffer>(new HostBuffer(static_cast<std::byte*>(p), size));
 }
 

@@ -272,6 +272,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
     }
   }
 
+  const absl::Time allocated = absl::Now();
   Verifier verifier(m, targets, *hashers);
   absl::Status fetch = failpoints.Hit("core.before_fetch");
   if (fetch.ok()) fetch = incoming->Fetch(targets, verifier, deadline);
@@ -330,8 +331,9 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
     impl->views.push_back(std::move(v));
   }
   impl->buffer = std::move(library);
-  impl->stats = UpdateStats{m.total_bytes(), found - start,   fetched - found,
-                            verified - fetched, end - verified, absl::ToUnixNanos(end)};
+  impl->stats = UpdateStats{m.total_bytes(),   found - start,      allocated - found,
+                            fetched - allocated, verified - fetched, end - verified,
+                            absl::ToUnixNanos(end)};
   current = m.version;
   return std::make_unique<Update>(std::move(impl));
 }

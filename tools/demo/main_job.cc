@@ -326,13 +326,22 @@ int main(int argc, char** argv) {
                                                    {"seed"},
                                                    {"keep", false},
                                                    {"role"},
-                                                   {"index"}});
-  if (!args.ok() || !args->positional().empty()) {
+                                                   {"index"},
+                                                   {"help", false}});
+  if (!args.ok() || !args->positional().empty() || args->Has("help")) {
     std::fprintf(stderr,
                  "usage: weightbus-demo [--checkpoint PATH] [--uri URI] [--versions N] "
-                 "[--replicas R] [--lr LR] [--seed S] [--workdir DIR] [--keep]\n%s\n",
-                 args.ok() ? "" : std::string(args.status().message()).c_str());
-    return 2;
+                 "[--replicas R] [--lr LR] [--seed S] [--workdir DIR] [--keep]\n"
+                 "  --checkpoint  llama2.c checkpoint (default: the stories260K fixture)\n"
+                 "  --uri         channel (default: disk://<workdir>/channel)\n"
+                 "  --versions    versions to publish (default 20); version 1 is the converted\n"
+                 "                checkpoint, each later one follows one Adam step\n"
+                 "  --replicas    replica processes (default 2)\n"
+                 "  --lr          Adam learning rate (default 1e-5)\n"
+                 "  --workdir     where to convert and keep the channel (default: a temporary\n"
+                 "                directory, removed at the end unless --keep)\n%s",
+                 args.ok() ? "" : (std::string(args.status().message()) + "\n").c_str());
+    return args.ok() && args->Has("help") ? 0 : 2;
   }
   Options o;
   o.checkpoint = args->Get("checkpoint").value_or(WEIGHTBUS_DEFAULT_CHECKPOINT);

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Installs the Debian packages weightbus needs (only those missing), then configures and builds
+# it in ./build. Extra packages can be named in WEIGHTBUS_EXTRA_PACKAGES.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(cmake ninja-build g++ pkg-config
+          libabsl-dev libzstd-dev libxxhash-dev liburing-dev nlohmann-json3-dev
+          libgtest-dev libbenchmark-dev libdlpack-dev ${WEIGHTBUS_EXTRA_PACKAGES:-})
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  echo "setup: installing ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+fi
+
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo ${WEIGHTBUS_CMAKE_ARGS:-} >/dev/null
+cmake --build build

@@ -1,0 +1,164 @@
+// SPDX-License-Identifier: Apache-2.0
+// The weightbus command-line tool, run as a user would: real processes, real files.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "nlohmann/json.hpp"
+#include "test_support.h"
+#include "weightbus/safetensors.hpp"
+
+namespace weightbus {
+namespace {
+
+using ::weightbus::testing::RunCommand;
+using ::weightbus::testing::ScratchDir;
+
+std::string CliPath() { return testing::BinaryPath("tools/weightbus"); }
+
+// Runs the CLI and returns {exit code, output}; fails the test if it hangs.
+testing::RunResult Cli(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {CliPath()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto r = RunCommand(argv, absl::Seconds(60));
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *r : testing::RunResult{};
+}
+
+int Lines(const std::string& s) {
+  return static_cast<int>(std::count(s.begin(), s.end(), '\n'));
+}
+
+TEST(CliTest, VersionListsTheLibraryAndTransports) {
+  auto r = Cli({"--version"});
+  EXPECT_EQ(r.exit_code, 0);
+  std::vector<std::string> lines = absl::StrSplit(r.output, '\n', absl::SkipEmpty());
+  ASSERT_GE(lines.size(), 2u) << r.output;
+  EXPECT_EQ(lines[0], "weightbus " WEIGHTBUS_VERSION_STRING_FOR_TESTS);
+  EXPECT_NE(std::find(lines.begin(), lines.end(), "disk"), lines.end()) << r.output;
+}
+
+TEST(CliTest, ConvertPublishSubscribeInspect) {
+  ScratchDir dir;
+  const std::string model = dir / "hf";
+  auto conv = Cli({"convert-llama2c", testing::FixturePath("stories260K.bin"), model, "--dtype",
+                   "bf16"});
+  ASSERT_EQ(conv.exit_code, 0) << conv.output;
+  EXPECT_TRUE(std::filesystem::exists(model + "/config.json"));
+
+  auto inspect = Cli({"inspect", model + "/model.safetensors", "--json"});
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.output;
+  nlohmann::json j = nlohmann::json::parse(inspect.output, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << inspect.output;
+  ASSERT_EQ(j.size(), 1u);
+  EXPECT_EQ(j[0]["tensors"].size(), 47u);  // embed + 5 x 9 per layer + final norm (tied head)
+  EXPECT_EQ(j[0]["total_bytes"], 520064u);
+  EXPECT_EQ(j[0]["tensors"][0]["dtype"], "BF16");
+
+  const std::string uri = "disk://" + dir.path() + "/channel";
+  auto pub = Cli({"publish", uri, "--from", model, "--version", "1", "--metadata", "step=1"});
+  ASSERT_EQ(pub.exit_code, 0) << pub.output;
+  EXPECT_NE(pub.output.find("published version 1"), std::string::npos) << pub.output;
+
+  auto sub = Cli({"subscribe", uri, "--to", dir / "replica", "--timeout", "10"});
+  ASSERT_EQ(sub.exit_code, 0) << sub.output;
+  EXPECT_NE(sub.output.find("version 1: 47 tensors"), std::string::npos) << sub.output;
+  auto original = safetensors::ReadFile(model + "/model.safetensors");
+  auto received = safetensors::ReadFile(dir / "replica/model.safetensors");
+  ASSERT_TRUE(original.ok() && received.ok());
+  ASSERT_EQ(received->header.tensors.size(), original->header.tensors.size());
+  for (const safetensors::Entry& e : original->header.tensors) {
+    const safetensors::Entry* r = received->header.Find(e.name);
+    ASSERT_NE(r, nullptr) << e.name;
+    auto a = original->Bytes(e);
+    auto b = received->Bytes(*r);
+    ASSERT_TRUE(std::equal(a.begin(), a.end(), b.begin(), b.end())) << e.name;
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir / "replica/weightbus.manifest.json"));
+
+  // The channel directory and the URI can both be inspected.
+  auto channel = Cli({"inspect", dir / "channel"});
+  EXPECT_EQ(channel.exit_code, 0) << channel.output;
+  EXPECT_NE(channel.output.find("latest committed version 1"), std::string::npos)
+      << channel.output;
+  auto via_uri = Cli({"inspect", uri});
+  EXPECT_EQ(via_uri.exit_code, 0) << via_uri.output;
+  EXPECT_NE(via_uri.output.find("version 1 (newest, verified)"), std::string::npos);
+  EXPECT_NE(via_uri.output.find("model.layers.4.mlp.down_proj.weight"), std::string::npos);
+}
+
+TEST(CliTest, FollowReceivesEachNewVersion) {
+  ScratchDir dir;
+  const std::string model = dir / "hf";
+  ASSERT_EQ(Cli({"convert-llama2c", testing::FixturePath("stories260K.bin"), model}).exit_code, 0);
+  const std::string uri = "disk://" + dir.path() + "/channel";
+  auto follower = testing::Child::Start(
+      {CliPath(), "subscribe", uri, "--to", dir / "replica", "--follow", "--count", "3", "--timeout",
+       "30"},
+      {}, dir / "follow.log");
+  ASSERT_TRUE(follower.ok());
+  for (int v = 1; v <= 3; ++v) {
+    ASSERT_EQ(Cli({"publish", uri, "--from", model, "--version", std::to_string(v)}).exit_code, 0);
+    // Wait until the follower has it, so it sees every version rather than only the newest.
+    ASSERT_TRUE(testing::WaitUntil([&] {
+      return testing::ReadFileOrDie(dir / "follow.log").find("version " + std::to_string(v) +
+                                                             ":") != std::string::npos;
+    }, absl::Seconds(30)));
+  }
+  auto status = follower->Wait(absl::Seconds(30));
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(*status, 0) << testing::ReadFileOrDie(dir / "follow.log");
+}
+
+TEST(CliTest, ErrorsAreOneLineAndNonZero) {
+  ScratchDir dir;
+  const std::string uri = "disk://" + dir.path() + "/channel";
+  struct Case {
+    std::vector<std::string> args;
+    int code;
+    std::vector<std::string> needles;
+  };
+  const std::string model = dir / "hf";
+  ASSERT_EQ(Cli({"convert-llama2c", testing::FixturePath("stories260K.bin"), model}).exit_code, 0);
+  ASSERT_EQ(Cli({"publish", uri, "--from", model, "--version", "5"}).exit_code, 0);
+  testing::WriteFileOrDie(dir / "bad.safetensors", std::string("\x10\0\0\0\0\0\0\0{\"a\":1}", 15));
+  std::vector<Case> cases = {
+      {{"publish", uri, "--from", model, "--version", "5"}, 1,
+       {"version 5", "already has version 5", "FAILED_PRECONDITION"}},
+      {{"publish", uri, "--from", dir / "missing", "--version", "6"}, 1,
+       {dir / "missing", "does not exist"}},
+      {{"subscribe", uri, "--to", dir / "out", "--min-version", "6", "--timeout", "0.2"}, 1,
+       {"no version >= 6", "newest committed: 5", "DEADLINE_EXCEEDED"}},
+      {{"inspect", dir / "bad.safetensors"}, 1, {dir / "bad.safetensors", "DATA_LOSS"}},
+      {{"convert-llama2c", dir / "bad.safetensors", dir / "x"}, 1, {dir / "bad.safetensors"}},
+      {{"publish", uri + "?retention=zero", "--from", model, "--version", "6"}, 1,
+       {"retention=\"zero\"", "INVALID_ARGUMENT"}},
+      {{"publish", uri, "--from", model}, 2, {"usage error", "--version"}},
+      {{"subscribe", uri, "--bogus"}, 2, {"unknown flag --bogus"}},
+      {{"frobnicate"}, 2, {"unknown command"}},
+  };
+  for (const Case& c : cases) {
+    auto r = Cli(c.args);
+    EXPECT_EQ(r.exit_code, c.code) << absl::StrJoin(c.args, " ") << "\n" << r.output;
+    EXPECT_EQ(Lines(r.output), 1) << absl::StrJoin(c.args, " ") << "\n" << r.output;
+    for (const std::string& n : c.needles) {
+      EXPECT_NE(r.output.find(n), std::string::npos)
+          << "missing \"" << n << "\" in: " << r.output;
+    }
+  }
+}
+
+TEST(CliTest, SettingsListsEveryKnobWithItsEnvironmentVariable) {
+  auto r = Cli({"settings"});
+  ASSERT_EQ(r.exit_code, 0);
+  for (const char* needle : {"bind_mode", "WEIGHTBUS_BIND_MODE", "retention",
+                             "WEIGHTBUS_DISK_RETENTION", "poll_interval", "enum(uring|psync)"}) {
+    EXPECT_NE(r.output.find(needle), std::string::npos) << needle << "\n" << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace weightbus

@@ -502,11 +502,19 @@ TEST_F(CorruptionTest, FlippedBitIsCaughtByTheChecksum) {
 }
 
 TEST_F(CorruptionTest, CorruptManifestIsRefused) {
-  testing::WriteFileOrDie(VersionDir(dir_, 2) + "/weightbus.manifest.json", "{\"format\": 1");
-  auto update = sub_->WaitForVersion(2, absl::Seconds(5));
-  ASSERT_EQ(update.status().code(), absl::StatusCode::kDataLoss) << update.status();
-  EXPECT_NE(update.status().message().find("weightbus.manifest.json"), absl::string_view::npos);
-  ExpectPreviousVersionKept();
+  const std::string path = VersionDir(dir_, 2) + "/weightbus.manifest.json";
+  const std::string good = testing::ReadFileOrDie(path);
+  for (const std::string& bad : {std::string("{\"format\": 1"), good + std::string("\0junk", 5),
+                                 std::string("{\"format\":\"weightbus.manifest/1\"}")}) {
+    testing::WriteFileOrDie(path, bad);
+    auto update = sub_->WaitForVersion(2, absl::Seconds(5));
+    ASSERT_EQ(update.status().code(), absl::StatusCode::kDataLoss) << update.status();
+    EXPECT_NE(update.status().message().find("weightbus.manifest.json"), absl::string_view::npos)
+        << update.status();
+    ExpectPreviousVersionKept();
+  }
+  testing::WriteFileOrDie(path, good);
+  EXPECT_TRUE(sub_->WaitForVersion(2, absl::Seconds(5)).ok());
 }
 
 TEST(DiskTransportTest, FailedPublishLeavesNothingVisible) {

@@ -112,6 +112,11 @@ std::string Manifest::ToJson() const {
 }
 
 absl::StatusOr<Manifest> Manifest::FromJson(std::string_view json, std::string_view source) {
+  // nlohmann's lexer takes a NUL byte for the end of input and would ignore what follows.
+  if (size_t nul = json.find('\0'); nul != std::string_view::npos) {
+    return absl::DataLossError(
+        absl::StrFormat("manifest %s has a NUL byte at offset %d", source, nul));
+  }
   ordered_json j = ordered_json::parse(json.begin(), json.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
     return absl::DataLossError(

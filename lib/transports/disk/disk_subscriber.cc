@@ -213,7 +213,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::OpenVersion(
   if (::access(index_path.c_str(), F_OK) == 0) {
     WB_ASSIGN_OR_RETURN(std::string index_text, ReadSmallFile(index_path, kMaxMetadataFile));
     nlohmann::json index = nlohmann::json::parse(index_text, nullptr, false);
-    if (index.is_discarded() || !index.is_object() || !index.contains("weight_map") ||
+    if (index_text.find('\0') != std::string::npos || index.is_discarded() || !index.is_object() || !index.contains("weight_map") ||
         !index["weight_map"].is_object()) {
       return absl::DataLossError(absl::StrFormat("%s has no weight_map object", index_path));
     }

@@ -3,6 +3,7 @@
 // sharded checkpoints, timeouts and corrupted versions. Real files in a scratch directory.
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -575,6 +576,173 @@ TEST(DiskTransportTest, PsyncEngineRoundTrips) {
   auto u = (*sub)->WaitForVersion(1, kTimeout);
   ASSERT_TRUE(u.ok()) << u.status();
   ExpectSameTensors(**u, tensors);
+}
+
+}  // namespace
+}  // namespace weightbus
+
+namespace weightbus {
+namespace {
+
+// Regressions found by review: each of these once hung, crashed or lost a version.
+class DiskRobustnessTest : public ::testing::Test {
+ protected:
+  void Publish(uint64_t v, const std::string& query = "") {
+    auto pub = Publisher::Open(Uri(dir_, query));
+    ASSERT_TRUE(pub.ok()) << pub.status();
+    auto tensors = MakeVersion(1, v, 1 << 16);
+    ASSERT_TRUE((*pub)->Publish(v, Views(tensors), {}, kTimeout).ok());
+  }
+  absl::Status Receive(uint64_t min_version, absl::Duration timeout = absl::Seconds(5)) {
+    auto sub = Subscriber::Open(Uri(dir_));
+    if (!sub.ok()) return sub.status();
+    return (*sub)->WaitForVersion(min_version, timeout).status();
+  }
+  ScratchDir dir_;
+};
+
+TEST_F(DiskRobustnessTest, MissingPiecesOfTheCommittedVersionAreDataLossNotAHang) {
+  Publish(1, "retention=10");
+  Publish(2, "retention=10");
+  const std::string v2 = VersionDir(dir_, 2);
+  struct Case {
+    std::string what;
+    std::function<void()> damage;
+    std::string needle;
+  };
+  std::vector<Case> cases = {
+      {"LATEST names a version that does not exist",
+       [&] { testing::WriteFileOrDie(dir_.path() + "/channel/LATEST", "7\n"); }, "version 7"},
+      {"manifest deleted", [&] { std::filesystem::remove(v2 + "/weightbus.manifest.json"); },
+       "weightbus.manifest.json"},
+      {"data file deleted", [&] { std::filesystem::remove(v2 + "/model.safetensors"); },
+       "model.safetensors"},
+      {"version directory deleted", [&] { std::filesystem::remove_all(v2); }, "is missing"},
+  };
+  for (const Case& c : cases) {
+    std::filesystem::remove_all(dir_.path() + "/channel");
+    Publish(1, "retention=10");
+    Publish(2, "retention=10");
+    c.damage();
+    const absl::Time start = absl::Now();
+    absl::Status s = Receive(0);
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << c.what << ": " << s;
+    EXPECT_NE(s.message().find(c.needle), absl::string_view::npos) << c.what << ": " << s;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << c.what;
+  }
+}
+
+TEST_F(DiskRobustnessTest, MissingShardNamedByTheIndexIsDataLoss) {
+  Publish(1, "shard_size=8KiB");
+  std::string second;
+  for (const auto& e : std::filesystem::directory_iterator(VersionDir(dir_, 1))) {
+    const std::string n = e.path().filename().string();
+    if (absl::StartsWith(n, "model-00002-of-")) second = e.path().string();
+  }
+  ASSERT_FALSE(second.empty()) << "expected several shards";
+  ASSERT_TRUE(std::filesystem::remove(second));
+  absl::Status s = Receive(0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find(second), absl::string_view::npos) << s;
+}
+
+TEST_F(DiskRobustnessTest, VersionsWhoseTensorsAreAllEmpty) {
+  auto pub = Publisher::Open(Uri(dir_));
+  TensorView empty{"empty", DType::kF32, {0, 4}, {}, nullptr};
+  ASSERT_TRUE((*pub)->Publish(1, {empty}, {}, kTimeout).ok());
+  auto sub = Subscriber::Open(Uri(dir_));
+  auto u = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ((*u)->tensors()[0].shape, (std::vector<int64_t>{0, 4}));
+  // An empty tensor bound to a null destination, next to a non-empty one, in both bind modes.
+  float w[4] = {1, 2, 3, 4};
+  TensorView weights{"w", DType::kF32, {4}, {}, w};
+  TensorView bias{"bias", DType::kF32, {0}, {}, nullptr};
+  ASSERT_TRUE((*pub)->Publish(2, {weights, bias}, {}, kTimeout).ok());
+  for (const char* mode : {"staged", "direct"}) {
+    auto s2 = Subscriber::Open(Uri(dir_, std::string("bind_mode=") + mode));
+    ASSERT_TRUE((*s2)->Bind("bias", Destination{DType::kF32, {0}, {}, nullptr}).ok());
+    auto u2 = (*s2)->WaitForVersion(2, kTimeout);
+    ASSERT_TRUE(u2.ok()) << mode << ": " << u2.status();
+    EXPECT_EQ(std::memcmp((*u2)->Find("w")->data, w, sizeof(w)), 0);
+  }
+}
+
+TEST_F(DiskRobustnessTest, FailedDurabilityStepAfterCommitDoesNotUndoTheVersion) {
+  Publish(1);
+  auto pub = Publisher::Open(Uri(dir_, "failpoints=disk.commit_fsync=error"));
+  auto v2 = MakeVersion(1, 2, 1 << 16);
+  // The version became visible when LATEST moved, so Publish reports success and keeps it.
+  ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, kTimeout).ok());
+  EXPECT_EQ(testing::ReadFileOrDie(dir_.path() + "/channel/LATEST"), "2\n");
+  EXPECT_TRUE(std::filesystem::exists(VersionDir(dir_, 2)));
+  auto sub = Subscriber::Open(Uri(dir_));
+  auto u = (*sub)->WaitForVersion(2, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ExpectSameTensors(**u, v2);
+}
+
+TEST_F(DiskRobustnessTest, MissingLatestKeepsVersionsAndVersionsNeverGoBack) {
+  for (uint64_t v = 1; v <= 3; ++v) Publish(v, "retention=10");
+  std::filesystem::remove(dir_.path() + "/channel/LATEST");
+  testing::WriteFileOrDie(dir_.path() + "/channel/.LATEST.tmp-99999", "4\n");
+  auto pub = Publisher::Open(Uri(dir_, "retention=10"));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  for (uint64_t v = 1; v <= 3; ++v) EXPECT_TRUE(std::filesystem::exists(VersionDir(dir_, v)));
+  EXPECT_FALSE(std::filesystem::exists(dir_.path() + "/channel/.LATEST.tmp-99999"));
+  EXPECT_EQ((*pub)->latest_version(), std::optional<uint64_t>(3));
+  auto tensors = MakeVersion(1, 1, 4096);
+  EXPECT_EQ((*pub)->Publish(1, Views(tensors), {}, kTimeout).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE((*pub)->Publish(4, Views(tensors), {}, kTimeout).ok());
+}
+
+TEST_F(DiskRobustnessTest, ThousandsOfShardsNeedFewFileDescriptors) {
+  std::vector<testing::OwnedTensor> many;
+  for (int i = 0; i < 300; ++i) {
+    testing::OwnedTensor t;
+    t.name = "t" + std::to_string(i);
+    t.dtype = DType::kU8;
+    t.shape = {16};
+    t.bytes = testing::RandomBytes(16, i);
+    many.push_back(std::move(t));
+  }
+  auto pub = Publisher::Open(Uri(dir_, "shard_size=1"));  // one file per tensor
+  ASSERT_TRUE((*pub)->Publish(1, Views(many), {}, kTimeout).ok());
+  rlimit old;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
+  rlimit low = old;
+  low.rlim_cur = 64;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  auto sub = Subscriber::Open(Uri(dir_));
+  auto u = (*sub)->WaitForVersion(1, kTimeout);
+  setrlimit(RLIMIT_NOFILE, &old);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ExpectSameTensors(**u, many);
+}
+
+TEST_F(DiskRobustnessTest, SettingsOutOfRangeAndEnvironmentTyposAreErrors) {
+  EXPECT_EQ(Subscriber::Open(Uri(dir_, "hash_threads=100000")).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Subscriber::Open(Uri(dir_, "hash_threads=-3")).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto chunk = Subscriber::Open(Uri(dir_, "chunk_size=1KiB"));
+  EXPECT_EQ(chunk.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(chunk.status().message().find("chunk_size"), absl::string_view::npos);
+  ::setenv("WEIGHTBUS_DISK_RETENTON", "1", 1);
+  auto typo = Subscriber::Open(Uri(dir_));
+  ::unsetenv("WEIGHTBUS_DISK_RETENTON");
+  EXPECT_EQ(typo.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(typo.status().message().find("WEIGHTBUS_DISK_RETENTON"), absl::string_view::npos);
+  EXPECT_TRUE(Subscriber::Open(Uri(dir_)).ok());
+}
+
+TEST_F(DiskRobustnessTest, OverlappingDestinationsAreRefused) {
+  auto sub = Subscriber::Open(Uri(dir_));
+  float x[4];
+  absl::Status s = (*sub)->Bind("w", Destination{DType::kF32, {4, 4}, {0, 1}, x});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("overlap"), absl::string_view::npos) << s;
 }
 
 }  // namespace

@@ -4,7 +4,7 @@
 //
 //   disk:///path/to/channel   a shared filesystem; each version is a safetensors checkpoint
 //
-// Settings (docs/SETTINGS.md, or `weightbus settings`) come, lowest precedence first, from their
+// Settings (`weightbus settings` lists them) come, lowest precedence first, from their
 // defaults, WEIGHTBUS_* environment variables, the URI's query (`disk:///x?retention=4`) and the
 // `options` map passed to Open. An unknown or malformed setting is an InvalidArgument error.
 //

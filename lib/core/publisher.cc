@@ -118,8 +118,14 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_
     absl::MutexLock lock(&impl->mu);
     impl->latest = latest;
   }
-  impl->hashers = std::make_unique<internal::WorkerPool>(
-      internal::WorkerPool::DefaultThreads(static_cast<int>(c.Int("hash_threads"))));
+  const int64_t hash_threads = c.Int("hash_threads");
+  if (hash_threads < 0 || hash_threads > internal::WorkerPool::kMaxThreads) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: setting hash_threads=%d is outside 0..%d", uri.Display(), hash_threads,
+        internal::WorkerPool::kMaxThreads));
+  }
+  WB_ASSIGN_OR_RETURN(impl->hashers, internal::WorkerPool::Create(internal::WorkerPool::DefaultThreads(
+                                         static_cast<int>(hash_threads))));
   return std::unique_ptr<Publisher>(new Publisher(std::move(impl)));
 }
 

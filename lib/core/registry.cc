@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "core/registry.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -8,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "core/status.h"
 
 namespace weightbus::internal {
 namespace {
@@ -40,6 +43,10 @@ const SettingTable& CoreSettings() {
           {"world_size", SettingType::kInt, "1", "number of trainer ranks, recorded likewise"},
           {"publisher_name", SettingType::kString, "",
            "free-form label recorded in each manifest's publisher identity"},
+          {"log_level", SettingType::kEnum, "warn",
+           "what goes to stderr: error|warn|info|debug; process-wide, read once from "
+           "WEIGHTBUS_LOG_LEVEL (a URI or Options value only validates)",
+           {"error", "warn", "info", "debug"}},
           {"failpoints", SettingType::kString, "",
            "test hook: comma-separated name=action[@n], action kill|error|delay:<ms>, fired at "
            "the n-th (default first) pass through the named point (docs/TESTING.md)"},
@@ -88,8 +95,37 @@ absl::StatusOr<const TransportDescriptor*> TransportFor(const Uri& uri) {
       schemes.empty() ? "none" : absl::StrJoin(schemes, ", ")));
 }
 
+// A WEIGHTBUS_* environment variable that no setting of any compiled transport uses is almost
+// always a typo; it is an error rather than silently ignored.
+static absl::Status CheckEnvironment() {
+  std::vector<const SettingTable*> tables = {&CoreSettings()};
+  for (const TransportDescriptor* t : RegisteredTransports()) {
+    if (t->settings != nullptr) tables.push_back(t->settings);
+  }
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string_view kv(*e);
+    if (kv.substr(0, 10) != "WEIGHTBUS_") continue;
+    std::string_view name = kv.substr(0, kv.find('='));
+    bool known = false;
+    std::vector<std::string> all;
+    for (const SettingTable* table : tables) {
+      for (const SettingSpec& spec : table->specs) {
+        all.push_back(EnvName(table->scope, spec.name));
+        known |= all.back() == name;
+      }
+    }
+    if (!known) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "environment variable %s is not a weightbus setting (known: %s)", name,
+          absl::StrJoin(all, ", ")));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Config> ResolveConfig(const TransportDescriptor& transport, const Uri& uri,
                                      const std::map<std::string, std::string>& options) {
+  WB_RETURN_IF_ERROR(CheckEnvironment());
   std::vector<const SettingTable*> tables = {&CoreSettings()};
   if (transport.settings != nullptr) tables.push_back(transport.settings);
   absl::StatusOr<Config> config = Config::Resolve(tables, uri.query, options);

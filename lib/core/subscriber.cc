@@ -130,8 +130,14 @@ absl::StatusOr<std::unique_ptr<Subscriber>> Subscriber::Open(std::string_view ur
   WB_ASSIGN_OR_RETURN(impl->failpoints, internal::FailPoints::Parse(c.String("failpoints")));
   impl->staged = c.String("bind_mode") == "staged";
   WB_ASSIGN_OR_RETURN(impl->backend, transport->open_subscriber(uri, c));
-  impl->hashers = std::make_unique<internal::WorkerPool>(
-      internal::WorkerPool::DefaultThreads(static_cast<int>(c.Int("hash_threads"))));
+  const int64_t hash_threads = c.Int("hash_threads");
+  if (hash_threads < 0 || hash_threads > internal::WorkerPool::kMaxThreads) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: setting hash_threads=%d is outside 0..%d", uri.Display(), hash_threads,
+        internal::WorkerPool::kMaxThreads));
+  }
+  WB_ASSIGN_OR_RETURN(impl->hashers, internal::WorkerPool::Create(internal::WorkerPool::DefaultThreads(
+                                         static_cast<int>(hash_threads))));
   return std::unique_ptr<Subscriber>(new Subscriber(std::move(impl)));
 }
 
@@ -258,12 +264,12 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
   for (size_t i = 0; i < n; ++i) {
     const uint64_t size = AlignUp(m.tensors[i].nbytes);
     switch (place[i]) {
-      case Place::kLibrary:
-        targets[i] = library->data() + library_off;
+      case Place::kLibrary:  // no buffer at all when every such tensor is empty
+        targets[i] = library ? library->data() + library_off : nullptr;
         library_off += size;
         break;
       case Place::kStaging:
-        targets[i] = staging->data() + staging_off;
+        targets[i] = staging ? staging->data() + staging_off : nullptr;
         staging_off += size;
         break;
       case Place::kDirect:
@@ -273,6 +279,13 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
   }
 
   const absl::Time allocated = absl::Now();
+  if (allocated > deadline) {
+    return absl::DeadlineExceededError(absl::StrFormat(
+        "%s: version %d found, but mapping %d bytes of receive buffers took until past the "
+        "deadline; version %s stays current",
+        uri.Display(), m.version, library_bytes + staging_bytes,
+        current ? std::to_string(*current) : "none"));
+  }
   Verifier verifier(m, targets, *hashers);
   absl::Status fetch = failpoints.Hit("core.before_fetch");
   if (fetch.ok()) fetch = incoming->Fetch(targets, verifier, deadline);
@@ -310,6 +323,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
   for (size_t i = 0; i < n; ++i) {
     if (place[i] != Place::kStaging) continue;
     const Destination& d = bound[i]->dest;
+    if (m.tensors[i].nbytes == 0) continue;
     if (IsContiguous(d.shape, d.strides)) {
       std::memcpy(d.data, targets[i], m.tensors[i].nbytes);
     } else {

@@ -3,6 +3,7 @@
 
 #include <cstring>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_format.h"
 
 namespace weightbus::internal {
@@ -131,7 +132,8 @@ absl::StatusOr<uint64_t> ValidateView(const TensorView& view) {
   size_t bad = 0;
   if (!IsValidUtf8(view.name, &bad)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "tensor name \"%s\" is not valid UTF-8 (bad byte at offset %d)", view.name, bad));
+        "tensor name \"%s\" is not valid UTF-8 (bad byte at offset %d)",
+        absl::CHexEscape(view.name), bad));
   }
   absl::StatusOr<uint64_t> nbytes = ByteSize(view.dtype, view.shape);
   if (!nbytes.ok()) {
@@ -170,6 +172,15 @@ absl::StatusOr<uint64_t> ValidateDestination(std::string_view name, const Destin
   if (!nbytes.ok()) {
     return absl::InvalidArgumentError(
         absl::StrFormat("destination for \"%s\": %s", name, nbytes.status().message()));
+  }
+  // Elements of a destination must not share memory; a zero stride on a dimension of size > 1
+  // would make several received elements land on one address.
+  for (size_t d = 0; d < dest.strides.size() && d < dest.shape.size(); ++d) {
+    if (dest.strides[d] == 0 && dest.shape[d] > 1 && *nbytes > 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "destination for \"%s\": stride 0 on dimension %d of shape %s makes elements overlap",
+          name, d, ShapeString(dest.shape)));
+    }
   }
   if (absl::Status s = CheckLayout(name, dest.shape, dest.strides, dest.data, *nbytes,
                                    dest.device);

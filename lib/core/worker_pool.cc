@@ -2,13 +2,27 @@
 #include "core/worker_pool.h"
 
 #include <algorithm>
+#include <system_error>
+
+#include "absl/strings/str_format.h"
 
 namespace weightbus::internal {
 
-WorkerPool::WorkerPool(int threads) {
-  threads = std::max(threads, 1);
-  threads_.reserve(threads);
-  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
+absl::StatusOr<std::unique_ptr<WorkerPool>> WorkerPool::Create(int threads) {
+  if (threads < 1 || threads > kMaxThreads) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%d worker threads is outside 1..%d", threads, kMaxThreads));
+  }
+  std::unique_ptr<WorkerPool> pool(new WorkerPool());
+  pool->threads_.reserve(threads);
+  try {
+    for (int i = 0; i < threads; ++i) pool->threads_.emplace_back([p = pool.get()] { p->Run(); });
+  } catch (const std::system_error& e) {
+    // The destructor joins the threads already started.
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("cannot start %d worker threads: %s", threads, e.what()));
+  }
+  return pool;
 }
 
 WorkerPool::~WorkerPool() {

@@ -4,10 +4,12 @@
 #pragma once
 
 #include <deque>
+#include <memory>
 #include <functional>
 #include <thread>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
@@ -15,8 +17,9 @@ namespace weightbus::internal {
 
 class WorkerPool {
  public:
-  // Starts `threads` workers (at least 1).
-  explicit WorkerPool(int threads);
+  // Starts `threads` workers (1..256). Errors: InvalidArgument out of range; ResourceExhausted
+  // when the system refuses a thread.
+  static absl::StatusOr<std::unique_ptr<WorkerPool>> Create(int threads);
   // Finishes queued tasks, then joins the workers.
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
@@ -24,11 +27,14 @@ class WorkerPool {
 
   void Submit(std::function<void()> task);
   int size() const { return static_cast<int>(threads_.size()); }
+  // Largest pool Create accepts.
+  static constexpr int kMaxThreads = 256;
 
   // Default number of workers for `requested` (0: hardware threads, capped at 8).
   static int DefaultThreads(int requested);
 
  private:
+  WorkerPool() = default;
   void Run();
   absl::Mutex mu_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);

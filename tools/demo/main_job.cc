@@ -56,8 +56,20 @@ struct Options {
   int index = -1;
 };
 
+// What the trainer must undo if it dies: replica processes, and its temporary work directory.
+std::vector<pid_t> g_replica_pids;
+std::string g_temporary_workdir;
+
 [[noreturn]] void Die(const std::string& message) {
   std::fprintf(stderr, "weightbus-demo: error: %s\n", message.c_str());
+  for (pid_t pid : g_replica_pids) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+  }
+  if (!g_temporary_workdir.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(g_temporary_workdir, ec);
+  }
   std::exit(1);
 }
 
@@ -237,6 +249,7 @@ int RunTrainer(const std::string& self, Options o) {
     o.workdir = absl::StrFormat("%s/weightbus-demo-%d",
                                 std::filesystem::temp_directory_path().string(), getpid());
   }
+  if (own_workdir && !o.keep) g_temporary_workdir = o.workdir;
   std::filesystem::remove_all(o.workdir + "/channel");
   std::filesystem::create_directories(o.workdir);
   if (o.uri.empty()) o.uri = "disk://" + o.workdir + "/channel";
@@ -255,7 +268,10 @@ int RunTrainer(const std::string& self, Options o) {
 
   auto pub = OrDie(Publisher::Open(o.uri));
   std::vector<Replica> replicas;
-  for (int i = 0; i < o.replicas; ++i) replicas.push_back(SpawnReplica(self, o, i));
+  for (int i = 0; i < o.replicas; ++i) {
+    replicas.push_back(SpawnReplica(self, o, i));
+    g_replica_pids.push_back(replicas.back().pid);
+  }
 
   std::string header = "# version  changed%      bytes  stall_ms";
   for (int i = 0; i < o.replicas; ++i) header += absl::StrFormat("  replica%d_ms", i);
@@ -297,6 +313,7 @@ int RunTrainer(const std::string& self, Options o) {
     waitpid(r.pid, &status, 0);
     close(r.out);
   }
+  g_replica_pids.clear();
   auto median = [](std::vector<double> x) {
     std::sort(x.begin(), x.end());
     return x.empty() ? 0.0 : x[x.size() / 2];

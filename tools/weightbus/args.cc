@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "weightbus/args.h"
 
+#include <cmath>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 
@@ -78,7 +80,7 @@ absl::StatusOr<absl::Duration> Args::GetSeconds(const std::string& name,
   std::optional<std::string> v = Get(name);
   if (!v) return default_value;
   double s = 0;
-  if (!absl::SimpleAtod(*v, &s) || s < 0) {
+  if (!absl::SimpleAtod(*v, &s) || !std::isfinite(s) || s < 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--%s=\"%s\" is not a number of seconds", name, *v));
   }

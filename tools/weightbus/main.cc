@@ -4,13 +4,20 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <limits>
 #include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
 #include <iostream>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -52,6 +59,12 @@ class UsageError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+
+// "1.23 GB/s", or "-" when the time is too short to give a meaningful rate.
+std::string Rate(uint64_t bytes, double seconds) {
+  if (seconds < 1e-3) return "-";
+  return absl::StrFormat("%.2f GB/s", bytes / 1e9 / seconds);
+}
 
 std::string HumanBytes(uint64_t b) {
   if (b >= (uint64_t{1} << 30)) return absl::StrFormat("%.2f GiB", b / double(1 << 30));
@@ -135,10 +148,10 @@ absl::Status PublishCommand(const std::vector<std::string>& argv) {
   absl::Status s = (*publisher)->Publish(*version, ckpt->tensors, *metadata, *timeout);
   if (!s.ok()) return s;
   const PublishStats st = (*publisher)->last_stats();
-  std::printf("published version %llu to %s: %zu tensors, %s in %.3f s (%.2f GB/s)\n",
+  std::printf("published version %llu to %s: %zu tensors, %s in %.3f s (%s)\n",
               static_cast<unsigned long long>(*version), uri.c_str(), ckpt->tensors.size(),
               HumanBytes(st.bytes).c_str(), absl::ToDoubleSeconds(st.stall),
-              st.bytes / 1e9 / std::max(absl::ToDoubleSeconds(st.stall), 1e-9));
+              Rate(st.bytes, absl::ToDoubleSeconds(st.stall)).c_str());
   return absl::OkStatus();
 }
 
@@ -183,16 +196,22 @@ absl::Status SubscribeCommand(const std::vector<std::string>& argv) {
     absl::Status s = SaveCheckpoint(dir, u.tensors(), &u.manifest());
     if (!s.ok()) return s;
     const UpdateStats& st = u.stats();
-    const double fetch_s = absl::ToDoubleSeconds(st.fetch + st.verify_wait + st.copy_out);
+    const double fetch_s =
+        absl::ToDoubleSeconds(st.allocate + st.fetch + st.verify_wait + st.copy_out);
     std::printf("version %llu: %zu tensors, %s, waited %.3f s, received and verified in %.3f s "
-                "(%.2f GB/s); wrote %s/model.safetensors\n",
+                "(%s); wrote %s/model.safetensors\n",
                 static_cast<unsigned long long>(u.version()), u.tensors().size(),
                 HumanBytes(st.bytes).c_str(), absl::ToDoubleSeconds(st.wait), fetch_s,
-                st.bytes / 1e9 / std::max(fetch_s, 1e-9), dir.c_str());
+                Rate(st.bytes, fetch_s).c_str(), dir.c_str());
     std::fflush(stdout);
     ++received;
-    want = u.version() + 1;
     if (!follow || (*count > 0 && received >= *count)) return absl::OkStatus();
+    if (u.version() == std::numeric_limits<uint64_t>::max()) {
+      std::printf("version %llu is the last possible one; stopping\n",
+                  static_cast<unsigned long long>(u.version()));
+      return absl::OkStatus();
+    }
+    want = u.version() + 1;
   }
 }
 
@@ -203,6 +222,7 @@ struct Row {
   std::vector<int64_t> shape;
   uint64_t nbytes;
   uint64_t xxh3;
+  std::string note;  // e.g. a checksum that differs from the manifest's
 };
 
 void PrintRows(const std::string& title, const std::vector<Row>& rows, const Metadata& metadata,
@@ -216,11 +236,13 @@ void PrintRows(const std::string& title, const std::vector<Row>& rows, const Met
     j["metadata"] = metadata;
     j["tensors"] = nlohmann::ordered_json::array();
     for (const Row& r : rows) {
-      j["tensors"].push_back({{"name", r.name},
-                              {"dtype", std::string(DTypeName(r.dtype))},
-                              {"shape", r.shape},
-                              {"nbytes", r.nbytes},
-                              {"xxh3", absl::StrFormat("%016x", r.xxh3)}});
+      nlohmann::ordered_json t = {{"name", r.name},
+                                  {"dtype", std::string(DTypeName(r.dtype))},
+                                  {"shape", r.shape},
+                                  {"nbytes", r.nbytes},
+                                  {"xxh3", absl::StrFormat("%016x", r.xxh3)}};
+      if (!r.note.empty()) t["problem"] = r.note;
+      j["tensors"].push_back(std::move(t));
     }
     json->push_back(std::move(j));
     return;
@@ -230,25 +252,55 @@ void PrintRows(const std::string& title, const std::vector<Row>& rows, const Met
   for (const auto& [k, v] : metadata) std::printf("#   metadata %s = %s\n", k.c_str(), v.c_str());
   std::printf("%-16s  %-8s  %-20s  %14s  %s\n", "# xxh3", "dtype", "shape", "bytes", "name");
   for (const Row& r : rows) {
-    std::printf("%016llx  %-8s  %-20s  %14llu  %s\n", static_cast<unsigned long long>(r.xxh3),
+    std::printf("%016llx  %-8s  %-20s  %14llu  %s%s\n", static_cast<unsigned long long>(r.xxh3),
                 std::string(DTypeName(r.dtype)).c_str(), ShapeString(r.shape).c_str(),
-                static_cast<unsigned long long>(r.nbytes), r.name.c_str());
+                static_cast<unsigned long long>(r.nbytes), r.name.c_str(),
+                r.note.empty() ? "" : ("  <-- " + r.note).c_str());
   }
 }
 
-absl::Status InspectCheckpoint(const std::string& path, nlohmann::ordered_json* json) {
+// Inspects a safetensors file or checkpoint directory, computing every checksum. When the
+// directory holds a weightbus manifest, its metadata is shown and every tensor is checked
+// against it; a mismatch is reported in the row and makes the command fail.
+absl::Status InspectCheckpoint(const std::string& path, const std::string& title,
+                               nlohmann::ordered_json* json) {
   absl::StatusOr<Checkpoint> ckpt = LoadCheckpoint(path);
   if (!ckpt.ok()) return ckpt.status();
+  std::optional<Manifest> manifest;
+  const std::string manifest_path = path + "/weightbus.manifest.json";
+  if (std::filesystem::is_directory(path) && std::filesystem::exists(manifest_path)) {
+    std::ifstream in(manifest_path, std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    absl::StatusOr<Manifest> m = Manifest::FromJson(text.str(), manifest_path);
+    if (!m.ok()) return m.status();
+    manifest = *std::move(m);
+  }
   std::vector<Row> rows;
-  for (size_t k = 0; k < ckpt->files.size(); ++k) {
-    const safetensors::File& f = ckpt->files[k];
+  int problems = 0;
+  for (const safetensors::File& f : ckpt->files) {
     for (const safetensors::Entry& e : f.header.tensors) {
       std::span<const std::byte> b = f.Bytes(e);
-      rows.push_back(Row{e.name, e.dtype, e.shape, e.nbytes(), XXH3_64bits(b.data(), b.size())});
+      Row row{e.name, e.dtype, e.shape, e.nbytes(), XXH3_64bits(b.data(), b.size()), ""};
+      if (manifest) {
+        const TensorInfo* t = manifest->Find(e.name);
+        if (t == nullptr) {
+          row.note = "not in the manifest";
+        } else if (t->xxh3 != row.xxh3) {
+          row.note = absl::StrFormat("manifest says xxh3 %016x", t->xxh3);
+        }
+        problems += !row.note.empty();
+      }
+      rows.push_back(std::move(row));
     }
   }
-  Metadata md = ckpt->files.empty() ? Metadata() : ckpt->files[0].header.metadata;
-  PrintRows(absl::StrJoin(ckpt->file_paths, ", "), rows, md, json);
+  Metadata md = manifest ? manifest->metadata
+                         : (ckpt->files.empty() ? Metadata() : ckpt->files[0].header.metadata);
+  PrintRows(title.empty() ? absl::StrJoin(ckpt->file_paths, ", ") : title, rows, md, json);
+  if (problems > 0) {
+    return absl::DataLossError(absl::StrFormat(
+        "%s: %d tensor(s) do not match the manifest %s", path, problems, manifest_path));
+  }
   return absl::OkStatus();
 }
 
@@ -268,41 +320,52 @@ absl::Status InspectCommand(const std::vector<std::string>& argv) {
     if (!u.ok()) return u.status();
     std::vector<Row> rows;
     for (const TensorInfo& t : (*u)->manifest().tensors) {
-      rows.push_back(Row{t.name, t.dtype, t.shape, t.nbytes, t.xxh3});
+      rows.push_back(Row{t.name, t.dtype, t.shape, t.nbytes, t.xxh3, ""});
     }
     PrintRows(absl::StrFormat("%s version %d (newest, verified)", target, (*u)->version()), rows,
               (*u)->manifest().metadata, out);
   } else if (std::filesystem::exists(target + "/LATEST") &&
              std::filesystem::is_directory(target + "/versions")) {
-    // A disk channel directory (docs/FORMAT.md): every version directory present.
-    std::vector<std::string> dirs;
+    // A disk channel directory (docs/FORMAT.md): its committed versions, newest last.
+    std::ifstream in(target + "/LATEST");
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    uint64_t latest = 0;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &latest)) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s/LATEST holds \"%s\", which is not a version number", target, absl::CHexEscape(text)));
+    }
+    std::vector<std::pair<uint64_t, std::string>> versions;
     for (const auto& e : std::filesystem::directory_iterator(target + "/versions")) {
       const std::string name = e.path().filename().string();
-      if (name.size() == 21 && name[0] == 'v') dirs.push_back(name);
-    }
-    std::sort(dirs.begin(), dirs.end());
-    std::string latest;
-    {
-      FILE* f = std::fopen((target + "/LATEST").c_str(), "r");
-      char buf[64] = {};
-      if (f != nullptr) {
-        if (std::fgets(buf, sizeof(buf), f) == nullptr) buf[0] = '\0';
-        std::fclose(f);
+      uint64_t v = 0;
+      if (name.size() == 21 && name[0] == 'v' && absl::SimpleAtoi(name.substr(1), &v)) {
+        versions.emplace_back(v, name);
       }
-      latest = buf;
-      while (!latest.empty() && (latest.back() == '\n' || latest.back() == ' ')) latest.pop_back();
     }
+    std::sort(versions.begin(), versions.end());
     if (out == nullptr) {
-      std::printf("# channel %s: latest committed version %s; %zu version directories\n",
-                  target.c_str(), latest.c_str(), dirs.size());
+      std::printf("# channel %s: latest committed version %llu\n", target.c_str(),
+                  static_cast<unsigned long long>(latest));
     }
-    for (const std::string& d : dirs) {
-      absl::Status s = InspectCheckpoint(target + "/versions/" + d, out);
-      if (!s.ok()) return s;
+    absl::Status worst;
+    for (const auto& [v, name] : versions) {
+      const std::string dir = target + "/versions/" + name;
+      if (v > latest) {
+        if (out == nullptr) {
+          std::printf("# %s: not committed (above LATEST; left by a crashed publisher)\n",
+                      dir.c_str());
+        }
+        continue;
+      }
+      absl::Status s = InspectCheckpoint(dir, absl::StrFormat("version %d (%s)", v, dir), out);
+      if (!s.ok() && worst.ok()) worst = s;
     }
+    if (out != nullptr) std::printf("%s\n", json.dump(1).c_str());
+    return worst;
   } else {
-    absl::Status s = InspectCheckpoint(target, out);
-    if (!s.ok()) return s;
+    absl::Status s = InspectCheckpoint(target, "", out);
+    if (out != nullptr) std::printf("%s\n", json.dump(1).c_str());
+    return s;
   }
   if (out != nullptr) std::printf("%s\n", json.dump(1).c_str());
   return absl::OkStatus();

@@ -134,14 +134,17 @@ absl::StatusOr<std::optional<uint64_t>> Channel::ReadLatest() const {
 }
 
 absl::Status Channel::WriteLatest(uint64_t version, bool sync) const {
-  const std::string tmp = Path(absl::StrFormat(".LATEST.tmp-%d", getpid()));
-  WB_RETURN_IF_ERROR(WriteSmallFile(tmp, absl::StrFormat("%d\n", version), sync));
+  const std::string tmp = Path(absl::StrFormat("%s%d", kLatestTmpPrefix, getpid()));
+  absl::Status written = WriteSmallFile(tmp, absl::StrFormat("%d\n", version), sync);
+  if (!written.ok()) {
+    ::unlink(tmp.c_str());
+    return written;
+  }
   if (::rename(tmp.c_str(), Path(kLatestFile).c_str()) != 0) {
     absl::Status s = ErrnoStatus(errno, absl::StrFormat("rename %s -> LATEST", tmp));
     ::unlink(tmp.c_str());
     return s;
   }
-  if (sync) return FsyncDir(root_);
   return absl::OkStatus();
 }
 

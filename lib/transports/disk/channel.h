@@ -3,6 +3,7 @@
 //
 //   <root>/LATEST                      decimal number of the newest committed version + '\n';
 //                                      replaced by rename(2): the commit point
+//   <root>/.LATEST.tmp-<pid>          LATEST being replaced (never read)
 //   <root>/publisher.lock              flock(LOCK_EX) by the one live publisher; holds its pid
 //   <root>/versions/v<20 digits>/      one committed version, a Hugging Face checkpoint:
 //       model.safetensors              or model-0000K-of-0000N.safetensors + index.json
@@ -35,6 +36,7 @@ inline constexpr char kIndexFile[] = "model.safetensors.index.json";
 inline constexpr char kSingleFile[] = "model.safetensors";
 inline constexpr char kTmpPrefix[] = ".tmp-";
 inline constexpr char kTrashPrefix[] = ".trash-";
+inline constexpr char kLatestTmpPrefix[] = ".LATEST.tmp-";
 
 // "v00000000000000000042" for 42: fixed width, so names sort like numbers.
 std::string VersionDirName(uint64_t version);
@@ -87,8 +89,9 @@ class Channel {
   // The committed version named by LATEST, or nullopt when there is none yet.
   // Errors: DataLoss when LATEST does not hold a number.
   absl::StatusOr<std::optional<uint64_t>> ReadLatest() const;
-  // Points LATEST at `version`: write a temporary file, fsync it (if `sync`), rename it over
-  // LATEST, fsync the root directory (if `sync`).
+  // Points LATEST at `version`: write a temporary file, fsync it (if `sync`) and rename it over
+  // LATEST. Once this returns OK the version is committed (visible); the caller then fsyncs the
+  // root directory to make the commit durable.
   absl::Status WriteLatest(uint64_t version, bool sync) const;
   // Numbers of the version directories present (committed or not), ascending.
   absl::StatusOr<std::vector<uint64_t>> ListVersionDirs() const;

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <dirent.h>
 
+#include <system_error>
 #include <thread>
 
 #include "absl/cleanup/cleanup.h"
@@ -96,7 +97,9 @@ class DiskPublisher final : public TransportPublisher {
   }
 
   absl::StatusOr<std::optional<uint64_t>> LatestVersion() override {
-    return channel_.ReadLatest();
+    WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, channel_.ReadLatest());
+    if (floor_ && (!latest || *latest < *floor_)) return floor_;
+    return latest;
   }
 
   absl::Status Publish(PublishJob& job, absl::Time deadline) override;
@@ -121,6 +124,7 @@ class DiskPublisher final : public TransportPublisher {
   int64_t retention_;
   uint64_t shard_size_;
   bool sync_;
+  std::optional<uint64_t> floor_;  // versions must go above this even without LATEST
   absl::Mutex retention_mu_;
   std::optional<uint64_t> retention_due_ ABSL_GUARDED_BY(retention_mu_);
   bool stopping_ ABSL_GUARDED_BY(retention_mu_) = false;
@@ -148,9 +152,7 @@ void DiskPublisher::RetentionLoop() {
 absl::Status DiskPublisher::CheckDeadline(absl::Time deadline, uint64_t version,
                                           std::string_view step) const {
   if (absl::Now() <= deadline) return absl::OkStatus();
-  return absl::DeadlineExceededError(absl::StrFormat(
-      "disk://%s: publish of version %d ran past its deadline before %s", channel_.root(),
-      version, step));
+  return absl::DeadlineExceededError(absl::StrFormat("deadline passed before %s", step));
 }
 
 absl::Status DiskPublisher::WriteFile(const std::string& dir, const FilePlan& plan,
@@ -250,7 +252,18 @@ absl::Status DiskPublisher::Publish(PublishJob& job, absl::Time deadline) {
   WB_RETURN_IF_ERROR(CheckDeadline(deadline, version, "committing"));
   const absl::Time renamed_at = absl::Now();
   WB_RETURN_IF_ERROR(channel_.WriteLatest(version, sync_));
+  // Committed: subscribers can see it now, so no later failure may undo it or report it failed.
   committed = true;
+  if (sync_) {
+    absl::Status s = failpoints_.Hit("disk.commit_fsync");
+    if (s.ok()) s = FsyncDir(channel_.root());
+    if (!s.ok()) {
+      Log(LogLevel::kError,
+          "disk://%s: version %d is committed, but making the commit durable failed (%s); it "
+          "may not survive a power loss",
+          channel_.root(), version, std::string(s.message()));
+    }
+  }
   {
     absl::MutexLock lock(&retention_mu_);
     retention_due_ = version;
@@ -298,22 +311,39 @@ void DiskPublisher::ApplyRetention(uint64_t latest) {
 
 absl::Status DiskPublisher::CleanLeftovers() {
   WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, channel_.ReadLatest());
-  const std::string versions = channel_.VersionsDir();
-  DIR* d = ::opendir(versions.c_str());
-  if (d == nullptr) return ErrnoStatus(errno, absl::StrFormat("list %s", versions));
-  std::vector<std::string> doomed;
-  while (dirent* e = ::readdir(d)) {
-    absl::string_view name = e->d_name;
-    std::optional<uint64_t> v = ParseVersionDirName(e->d_name);
-    if (absl::StartsWith(name, kTmpPrefix) || absl::StartsWith(name, kTrashPrefix) ||
-        (v && (!latest || *v > *latest))) {
-      doomed.emplace_back(name);
-    }
+  WB_ASSIGN_OR_RETURN(std::vector<uint64_t> dirs, channel_.ListVersionDirs());
+  if (!latest && !dirs.empty()) {
+    // Without LATEST (lost in a power cut with fsync=false, or deleted by hand) committed and
+    // uncommitted versions cannot be told apart: keep them all, and publish above them.
+    Log(LogLevel::kWarn,
+        "disk://%s has version directories up to %d but no LATEST; keeping them, new versions "
+        "must be above %d",
+        channel_.root(), dirs.back(), dirs.back());
+    floor_ = dirs.back();
   }
-  ::closedir(d);
-  for (const std::string& name : doomed) {
-    Log(LogLevel::kInfo, "removing leftover %s/%s of an earlier publisher", versions, name);
-    WB_RETURN_IF_ERROR(RemoveTree(absl::StrFormat("%s/%s", versions, name)));
+  std::vector<std::string> doomed;
+  auto scan = [&](const std::string& dir, auto&& is_leftover) -> absl::Status {
+    DIR* d = ::opendir(dir.c_str());
+    if (d == nullptr) return ErrnoStatus(errno, absl::StrFormat("list %s", dir));
+    while (dirent* e = ::readdir(d)) {
+      if (is_leftover(absl::string_view(e->d_name))) {
+        doomed.push_back(absl::StrFormat("%s/%s", dir, e->d_name));
+      }
+    }
+    ::closedir(d);
+    return absl::OkStatus();
+  };
+  WB_RETURN_IF_ERROR(scan(channel_.VersionsDir(), [&](absl::string_view name) {
+    std::optional<uint64_t> v = ParseVersionDirName(std::string_view(name.data(), name.size()));
+    return absl::StartsWith(name, kTmpPrefix) || absl::StartsWith(name, kTrashPrefix) ||
+           (v && latest && *v > *latest);
+  }));
+  WB_RETURN_IF_ERROR(scan(channel_.root(), [&](absl::string_view name) {
+    return absl::StartsWith(name, kLatestTmpPrefix);
+  }));
+  for (const std::string& path : doomed) {
+    Log(LogLevel::kInfo, "removing %s, left by an earlier publisher", path);
+    WB_RETURN_IF_ERROR(RemoveTree(path));
   }
   return absl::OkStatus();
 }
@@ -348,13 +378,16 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenDiskPublisher(const Uri&
     Log(LogLevel::kWarn, "could not record the holder in %s", channel.Path(kPublisherLock));
   }
   WB_ASSIGN_OR_RETURN(FailPoints failpoints, FailPoints::Parse(config.String("failpoints")));
-  WB_ASSIGN_OR_RETURN(std::unique_ptr<FileIo> io,
-                      FileIo::Create(config.String("io_engine"),
-                                     static_cast<unsigned>(config.Int("queue_depth")),
-                                     config.Bytes("chunk_size")));
-  auto publisher = std::make_unique<DiskPublisher>(
-      std::move(channel), std::move(lock), std::move(io), std::move(failpoints), retention,
-      std::max<uint64_t>(config.Bytes("shard_size"), 1), config.Bool("fsync"));
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<FileIo> io, MakeFileIo(uri, config));
+  std::unique_ptr<DiskPublisher> publisher;
+  try {  // starts the retention thread
+    publisher = std::make_unique<DiskPublisher>(
+        std::move(channel), std::move(lock), std::move(io), std::move(failpoints), retention,
+        std::max<uint64_t>(config.Bytes("shard_size"), 1), config.Bool("fsync"));
+  } catch (const std::system_error& e) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("%s: cannot start the retention thread: %s", uri.Display(), e.what()));
+  }
   WB_RETURN_IF_ERROR(publisher->CleanLeftovers());
   return std::unique_ptr<TransportPublisher>(std::move(publisher));
 }

@@ -30,9 +30,10 @@ namespace {
 // Largest manifest or index file read (a million tensors fit comfortably).
 constexpr size_t kMaxMetadataFile = size_t{512} << 20;
 
-struct OpenedFile {
+// A data file of a version; opened only while it is being read, so versions with thousands of
+// shards do not need thousands of descriptors.
+struct DataFile {
   std::string path;
-  UniqueFd fd;
   safetensors::Header header;
 };
 
@@ -44,7 +45,7 @@ struct Location {
 
 class DiskVersion final : public IncomingVersion {
  public:
-  DiskVersion(Manifest manifest, std::vector<OpenedFile> files, std::vector<Location> locations,
+  DiskVersion(Manifest manifest, std::vector<DataFile> files, std::vector<Location> locations,
               UniqueFd pin, FileIo* io, FailPoints* failpoints)
       : manifest_(std::move(manifest)), files_(std::move(files)),
         locations_(std::move(locations)), pin_(std::move(pin)), io_(io),
@@ -61,31 +62,38 @@ class DiskVersion final : public IncomingVersion {
   absl::Status Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
                      absl::Time deadline) override {
     WB_RETURN_IF_ERROR(failpoints_->Hit("disk.before_read"));
-    // Read in file order, sequentially within each file.
+    // File by file, sequentially within each file.
     std::vector<size_t> order(manifest_.tensors.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
     std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
       const Location &la = locations_[a], &lb = locations_[b];
       return la.file != lb.file ? la.file < lb.file : la.offset < lb.offset;
     });
-    std::vector<IoRequest> requests;
-    requests.reserve(order.size());
-    for (size_t i : order) {
-      requests.push_back(IoRequest{files_[locations_[i].file].fd.get(), locations_[i].offset,
-                                   targets[i], manifest_.tensors[i].nbytes});
+    for (size_t begin = 0; begin < order.size();) {
+      const size_t file = locations_[order[begin]].file;
+      size_t end = begin;
+      while (end < order.size() && locations_[order[end]].file == file) ++end;
+      WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(files_[file].path, O_RDONLY));
+      std::vector<IoRequest> requests;
+      requests.reserve(end - begin);
+      for (size_t k = begin; k < end; ++k) {
+        const size_t i = order[k];
+        requests.push_back(IoRequest{fd.get(), locations_[i].offset, targets[i],
+                                     manifest_.tensors[i].nbytes});
+      }
+      WB_RETURN_IF_ERROR(io_->Read(
+          requests, deadline, [&](size_t r) { sink.Landed(order[begin + r]); },
+          [&](size_t r) {
+            return absl::StrFormat("%s (tensor \"%s\", version %d)", files_[file].path,
+                                   manifest_.tensors[order[begin + r]].name, manifest_.version);
+          }));
+      begin = end;
     }
-    return io_->Read(
-        requests, deadline, [&](size_t r) { sink.Landed(order[r]); },
-        [&](size_t r) {
-          return absl::StrFormat("%s (tensor \"%s\", version %d)",
-                                 files_[locations_[order[r]].file].path,
-                                 manifest_.tensors[order[r]].name, manifest_.version);
-        });
-  }
+    return absl::OkStatus();  }
 
  private:
   Manifest manifest_;
-  std::vector<OpenedFile> files_;
+  std::vector<DataFile> files_;
   std::vector<Location> locations_;
   UniqueFd pin_;  // shared flock on .readers.lock: retention leaves this version alone
   FileIo* io_;
@@ -111,6 +119,8 @@ class DiskSubscriber final : public TransportSubscriber {
  private:
   // Opens and validates committed version `v`. NotFound means it was retired meanwhile.
   absl::StatusOr<std::unique_ptr<IncomingVersion>> OpenVersion(uint64_t v, absl::Time deadline);
+  // OpenVersion's work; Aborted means the version was retired before it could be pinned.
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> PinAndOpen(uint64_t v, absl::Time deadline);
   void WatchIfPossible();
   void Sleep(absl::Time deadline);
 
@@ -155,27 +165,47 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::WaitForVersion(
     WB_ASSIGN_OR_RETURN(newest, channel_.ReadLatest());
     if (newest && *newest >= min_version) {
       absl::StatusOr<std::unique_ptr<IncomingVersion>> v = OpenVersion(*newest, deadline);
-      if (!absl::IsNotFound(v.status())) return v;
+      if (!absl::IsAborted(v.status())) return v;
+      // Retired between reading LATEST and pinning it, which retention only does to versions
+      // older than the newest: LATEST must have moved on. If it has not, the channel is broken.
+      WB_ASSIGN_OR_RETURN(std::optional<uint64_t> now, channel_.ReadLatest());
+      if (now == newest) {
+        return absl::DataLossError(absl::StrFormat(
+            "disk://%s: LATEST names version %d but its directory %s is missing",
+            channel_.root(), *newest, channel_.VersionDir(*newest)));
+      }
       Log(LogLevel::kDebug, "version %d retired while opening it; re-reading LATEST", *newest);
-      continue;
     }
     if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError(absl::StrFormat(
           "disk://%s: no version >= %d was committed by the deadline (newest committed: %s)",
           channel_.root(), min_version, newest ? std::to_string(*newest) : "none"));
     }
-    Sleep(deadline);
+    if (!newest || *newest < min_version) Sleep(deadline);
   }
 }
 
 absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::OpenVersion(
     uint64_t v, absl::Time deadline) {
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> opened = PinAndOpen(v, deadline);
+  // A file missing from a pinned, committed version is corruption, not absence.
+  if (absl::IsNotFound(opened.status())) {
+    return absl::DataLossError(absl::StrFormat("disk://%s: committed version %d is incomplete: %s",
+                                               channel_.root(), v, opened.status().message()));
+  }
+  return opened;
+}
+
+absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(uint64_t v,
+                                                                            absl::Time deadline) {
   const std::string dir = channel_.VersionDir(v);
   const std::string lock_path = absl::StrFormat("%s/%s", dir, kReaderLock);
   absl::StatusOr<UniqueFd> pin = OpenFile(lock_path, O_RDONLY);
   if (absl::IsNotFound(pin.status())) {
     // Committed versions always have the lock file; a missing directory means retired.
-    if (::access(dir.c_str(), F_OK) != 0) return pin.status();
+    if (::access(dir.c_str(), F_OK) != 0) {
+      return absl::AbortedError(absl::StrFormat("version %d was retired", v));
+    }
     return absl::DataLossError(
         absl::StrFormat("version %d in %s has no %s file", v, dir, kReaderLock));
   }
@@ -195,7 +225,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::OpenVersion(
   struct stat ours, now;
   if (::fstat(pin->get(), &ours) != 0 || ::stat(lock_path.c_str(), &now) != 0 ||
       ours.st_ino != now.st_ino || ours.st_dev != now.st_dev) {
-    return absl::NotFoundError(absl::StrFormat("version %d was retired", v));
+    return absl::AbortedError(absl::StrFormat("version %d was retired", v));
   }
 
   const std::string manifest_path = absl::StrFormat("%s/%s", dir, kManifestFile);
@@ -235,19 +265,13 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::OpenVersion(
     names.push_back(kSingleFile);
   }
 
-  std::vector<OpenedFile> files;
+  std::vector<DataFile> files;
   absl::flat_hash_map<std::string, std::pair<size_t, const safetensors::Entry*>> where;
   files.reserve(names.size());
   for (const std::string& name : names) {
-    OpenedFile f;
+    DataFile f;
     f.path = absl::StrFormat("%s/%s", dir, name);
-    WB_ASSIGN_OR_RETURN(f.fd, OpenFile(f.path, O_RDONLY));
-    struct stat st;
-    if (::fstat(f.fd.get(), &st) != 0) {
-      return ErrnoStatus(errno, absl::StrFormat("stat %s", f.path));
-    }
-    absl::StatusOr<safetensors::Header> header =
-        safetensors::ReadHeader(f.fd.get(), static_cast<uint64_t>(st.st_size), f.path);
+    absl::StatusOr<safetensors::Header> header = safetensors::ReadHeader(f.path);
     if (!header.ok()) {
       return absl::Status(header.status().code(),
                           absl::StrFormat("version %d: %s", v, header.status().message()));
@@ -303,10 +327,7 @@ absl::StatusOr<std::unique_ptr<TransportSubscriber>> OpenDiskSubscriber(const Ur
                                                                         const Config& config) {
   WB_ASSIGN_OR_RETURN(std::string root, ChannelRoot(uri));
   WB_ASSIGN_OR_RETURN(FailPoints failpoints, FailPoints::Parse(config.String("failpoints")));
-  WB_ASSIGN_OR_RETURN(std::unique_ptr<FileIo> io,
-                      FileIo::Create(config.String("io_engine"),
-                                     static_cast<unsigned>(config.Int("queue_depth")),
-                                     config.Bytes("chunk_size")));
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<FileIo> io, MakeFileIo(uri, config));
   absl::Duration poll = config.Duration("poll_interval");
   if (poll <= absl::ZeroDuration()) poll = absl::Milliseconds(1);
   return std::unique_ptr<TransportSubscriber>(

@@ -10,6 +10,7 @@
 #include "core/config.h"
 #include "core/transport.h"
 #include "core/uri.h"
+#include "io/file_io.h"
 
 namespace weightbus::internal::disk {
 
@@ -18,6 +19,10 @@ const SettingTable& DiskSettings();
 // The channel root of a disk:// URI (authority empty or "localhost", absolute path).
 // Errors: InvalidArgument naming the URI.
 absl::StatusOr<std::string> ChannelRoot(const Uri& uri);
+
+// The I/O engine the settings ask for (io_engine, queue_depth, chunk_size), with errors naming
+// the URI and the setting.
+absl::StatusOr<std::unique_ptr<FileIo>> MakeFileIo(const Uri& uri, const Config& config);
 
 absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenDiskPublisher(const Uri& uri,
                                                                       const Config& config);

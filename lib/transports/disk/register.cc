@@ -2,6 +2,7 @@
 #include "absl/strings/str_format.h"
 #include "core/registry.h"
 #include "transports/disk/disk_transport.h"
+#include "io/file_io.h"
 
 namespace weightbus::internal::disk {
 
@@ -29,6 +30,20 @@ const SettingTable& DiskSettings() {
            "loss; for tmpfs and benchmarks)"},
       }};
   return *table;
+}
+
+absl::StatusOr<std::unique_ptr<FileIo>> MakeFileIo(const Uri& uri, const Config& config) {
+  const int64_t depth = config.Int("queue_depth");
+  const uint64_t chunk = config.Bytes("chunk_size");
+  if (depth < 1 || depth > 4096) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: setting queue_depth=%d is outside 1..4096", uri.Display(), depth));
+  }
+  if (chunk < 4096) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: setting chunk_size=%d bytes is below the minimum of 4KiB", uri.Display(), chunk));
+  }
+  return FileIo::Create(config.String("io_engine"), static_cast<unsigned>(depth), chunk);
 }
 
 absl::StatusOr<std::string> ChannelRoot(const Uri& uri) {

@@ -21,5 +21,11 @@ if ((${#missing[@]})); then
     "${missing[@]}" >/dev/null
 fi
 
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo ${WEIGHTBUS_CMAKE_ARGS:-} >/dev/null
-cmake --build build
+mkdir -p build
+echo "setup: building in ./build (log: build/build.log)"
+if ! { cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo ${WEIGHTBUS_CMAKE_ARGS:-} &&
+       cmake --build build; } > build/build.log 2>&1; then
+  tail -n 60 build/build.log
+  echo "setup: build failed; the whole log is build/build.log" >&2
+  exit 1
+fi

@@ -256,7 +256,63 @@ TEST(RegistryTest, DiskIsRegisteredWithItsSettings) {
   ASSERT_NE(disk->settings, nullptr);
   EXPECT_EQ(disk->settings->scope, "disk");
   auto uri = ParseUri("nope:///x");
-  EXPECT_EQ(TransportFor(*uri).status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(ResolveStack(*uri).status().code(), absl::StatusCode::kUnimplemented);
+  auto layered = ParseUri("disk+disk:///x");
+  EXPECT_EQ(ResolveStack(*layered).status().code(), absl::StatusCode::kInvalidArgument);
+  auto plain = ParseUri("disk:///x");
+  auto stack = ResolveStack(*plain);
+  ASSERT_TRUE(stack.ok());
+  ASSERT_EQ(stack->size(), 1u);
+  EXPECT_EQ((*stack)[0], disk);
+}
+
+}  // namespace
+}  // namespace weightbus::internal
+
+namespace weightbus::internal {
+namespace {
+
+// The optional capabilities layers build on, on the disk transport.
+TEST(DiskCapabilitiesTest, OpenExactVersionsListThemAndKeepAFloor) {
+  testing::ScratchDir dir;
+  auto uri = ParseUri("disk://" + dir.path() + "/ch?retention=1");
+  auto stack = ResolveStack(*uri);
+  ASSERT_TRUE(stack.ok());
+  auto config = ResolveConfig(*stack, *uri, {});
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto pub = OpenPublisherStack(*stack, *uri, *config);
+  auto sub = OpenSubscriberStack(*stack, *uri, *config);
+  ASSERT_TRUE(pub.ok() && sub.ok());
+  std::vector<std::byte> bytes = testing::RandomBytes(64, 1);
+  auto publish = [&](uint64_t v) {
+    Manifest m;
+    m.version = v;
+    m.tensors.push_back(TensorInfo{"t", DType::kU8, {64}, std::nullopt, 64,
+                                   testing::Xxh3(bytes.data(), 64)});
+    SealedPublishJob job(m, {bytes.data()});
+    ASSERT_TRUE((*pub)->Publish(job, absl::Now() + absl::Seconds(10)).ok());
+  };
+  publish(1);
+  (*pub)->KeepVersionsFrom(1);  // retention=1 would otherwise drop 1 and 2
+  publish(2);
+  publish(3);
+  auto listed = [&] {
+    auto l = (*sub)->ListVersions();
+    return l.ok() ? *l : std::vector<uint64_t>{};
+  };
+  absl::SleepFor(absl::Milliseconds(200));  // retention runs in the background
+  EXPECT_EQ(listed(), (std::vector<uint64_t>{1, 2, 3}));
+  auto v1 = (*sub)->OpenVersion(1, absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(v1.ok()) << v1.status();
+  EXPECT_EQ((*v1)->manifest().version, 1u);
+  v1->reset();
+  EXPECT_EQ((*sub)->OpenVersion(4, absl::Now() + absl::Seconds(1)).status().code(),
+            absl::StatusCode::kNotFound);
+  (*pub)->KeepVersionsFrom(3);
+  publish(4);
+  EXPECT_TRUE(testing::WaitUntil([&] { return listed() == std::vector<uint64_t>{3, 4}; }));
+  EXPECT_EQ((*sub)->OpenVersion(1, absl::Now() + absl::Seconds(1)).status().code(),
+            absl::StatusCode::kNotFound);
 }
 
 }  // namespace

@@ -137,6 +137,11 @@ absl::StatusOr<Config> Config::Resolve(const std::vector<const SettingTable*>& t
         return absl::InvalidArgumentError(
             absl::StrCat(value.status().message(), " (from ", source, ")"));
       }
+      if (config.entries_.count(spec.name)) {
+        return absl::InternalError(absl::StrFormat(
+            "setting \"%s\" is declared by two tables (scope %s and an earlier one)", spec.name,
+            table->scope));
+      }
       config.entries_[std::string(spec.name)] = Entry{&spec, *std::move(value), text, source};
     }
   }

@@ -97,8 +97,9 @@ class Publisher::Impl {
 absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_text,
                                                            const Options& options) {
   WB_ASSIGN_OR_RETURN(internal::Uri uri, internal::ParseUri(uri_text));
-  WB_ASSIGN_OR_RETURN(const internal::TransportDescriptor* transport, internal::TransportFor(uri));
-  WB_ASSIGN_OR_RETURN(internal::Config config, internal::ResolveConfig(*transport, uri, options));
+  WB_ASSIGN_OR_RETURN(std::vector<const internal::TransportDescriptor*> stack,
+                      internal::ResolveStack(uri));
+  WB_ASSIGN_OR_RETURN(internal::Config config, internal::ResolveConfig(stack, uri, options));
   auto impl = std::make_unique<Impl>();
   impl->uri_text = std::string(uri_text);
   impl->uri = uri;
@@ -112,7 +113,7 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_
   }
   impl->identity = PublisherIdentity{HostName(), getpid(), static_cast<int>(rank),
                                      static_cast<int>(world_size), c.String("publisher_name")};
-  WB_ASSIGN_OR_RETURN(impl->backend, transport->open_publisher(uri, c));
+  WB_ASSIGN_OR_RETURN(impl->backend, internal::OpenPublisherStack(stack, uri, c));
   WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, impl->backend->LatestVersion());
   {
     absl::MutexLock lock(&impl->mu);

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "core/status.h"
 
@@ -86,13 +87,80 @@ std::vector<const TransportDescriptor*> RegisteredTransports() {
   return out;
 }
 
-absl::StatusOr<const TransportDescriptor*> TransportFor(const Uri& uri) {
-  if (const TransportDescriptor* t = FindTransport(uri.scheme)) return t;
-  std::vector<std::string> schemes;
-  for (const TransportDescriptor* t : RegisteredTransports()) schemes.push_back(t->scheme);
-  return absl::UnimplementedError(absl::StrFormat(
-      "no transport for scheme \"%s\" in URI \"%s\" (this build has: %s)", uri.scheme, uri.text,
-      schemes.empty() ? "none" : absl::StrJoin(schemes, ", ")));
+absl::StatusOr<std::vector<const TransportDescriptor*>> ResolveStack(const Uri& uri) {
+  auto compiled = [] {
+    std::vector<std::string> schemes;
+    for (const TransportDescriptor* t : RegisteredTransports()) {
+      schemes.push_back(t->is_layer() ? t->scheme + "+<transport>" : t->scheme);
+    }
+    return schemes.empty() ? std::string("none") : absl::StrJoin(schemes, ", ");
+  };
+  std::vector<const TransportDescriptor*> stack;
+  std::vector<std::string> parts = absl::StrSplit(uri.scheme, '+');
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const TransportDescriptor* t = FindTransport(parts[i]);
+    if (t == nullptr) {
+      return absl::UnimplementedError(absl::StrFormat(
+          "no transport or layer \"%s\" for URI \"%s\" (this build has: %s)", parts[i],
+          uri.text, compiled()));
+    }
+    const bool last = i + 1 == parts.size();
+    if (last && t->is_layer()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "URI \"%s\": \"%s\" is a layer and needs a transport beneath it, e.g. %s+disk://...",
+          uri.text, parts[i], parts[i]));
+    }
+    if (!last && !t->is_layer()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "URI \"%s\": \"%s\" is a transport, not a layer; only the last scheme part may be "
+          "a transport",
+          uri.text, parts[i]));
+    }
+    stack.push_back(t);
+  }
+  return stack;
+}
+
+absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenPublisherStack(
+    const std::vector<const TransportDescriptor*>& stack, const Uri& uri, const Config& config) {
+  Uri inner_uri = uri;
+  inner_uri.scheme = stack.back()->scheme;
+  absl::StatusOr<std::unique_ptr<TransportPublisher>> p =
+      stack.back()->open_publisher(inner_uri, config);
+  for (size_t i = stack.size() - 1; p.ok() && i-- > 0;) {
+    p = stack[i]->wrap_publisher(uri, config, *std::move(p));
+  }
+  return p;
+}
+
+absl::StatusOr<std::unique_ptr<TransportSubscriber>> OpenSubscriberStack(
+    const std::vector<const TransportDescriptor*>& stack, const Uri& uri, const Config& config) {
+  Uri inner_uri = uri;
+  inner_uri.scheme = stack.back()->scheme;
+  absl::StatusOr<std::unique_ptr<TransportSubscriber>> s =
+      stack.back()->open_subscriber(inner_uri, config);
+  for (size_t i = stack.size() - 1; s.ok() && i-- > 0;) {
+    s = stack[i]->wrap_subscriber(uri, config, *std::move(s));
+  }
+  return s;
+}
+
+SealedPublishJob::SealedPublishJob(Manifest manifest, std::vector<const std::byte*> data)
+    : manifest_(std::move(manifest)) {
+  packed_.reserve(manifest_.tensors.size());
+  for (size_t i = 0; i < manifest_.tensors.size(); ++i) {
+    packed_.push_back(PackedTensor{&manifest_.tensors[i], i < data.size() ? data[i] : nullptr});
+  }
+}
+
+absl::StatusOr<std::unique_ptr<IncomingVersion>> TransportSubscriber::OpenVersion(uint64_t version,
+                                                                                  absl::Time) {
+  return absl::UnimplementedError(
+      absl::StrFormat("this transport cannot open a specific version (%d)", version));
+}
+
+absl::StatusOr<std::vector<uint64_t>> TransportSubscriber::ListVersions() {
+  return absl::UnimplementedError("this transport cannot list its versions");
 }
 
 // A WEIGHTBUS_* environment variable that no setting of any compiled transport uses is almost
@@ -123,11 +191,14 @@ static absl::Status CheckEnvironment() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Config> ResolveConfig(const TransportDescriptor& transport, const Uri& uri,
+absl::StatusOr<Config> ResolveConfig(const std::vector<const TransportDescriptor*>& stack,
+                                     const Uri& uri,
                                      const std::map<std::string, std::string>& options) {
   WB_RETURN_IF_ERROR(CheckEnvironment());
   std::vector<const SettingTable*> tables = {&CoreSettings()};
-  if (transport.settings != nullptr) tables.push_back(transport.settings);
+  for (const TransportDescriptor* t : stack) {
+    if (t->settings != nullptr) tables.push_back(t->settings);
+  }
   absl::StatusOr<Config> config = Config::Resolve(tables, uri.query, options);
   if (!config.ok()) {
     return absl::Status(config.status().code(),

@@ -19,14 +19,25 @@ namespace weightbus::internal {
 // Settings every channel has, whatever its transport (scope "core").
 const SettingTable& CoreSettings();
 
+// A transport (open_* set) or a layer (wrap_* set). A URI scheme names a stack: a transport
+// alone ("disk"), or layers over one ("delta+disk": delta wraps disk). Setting names must be
+// unique across the tables of a stack, since URI queries and Options name them without scope.
 struct TransportDescriptor {
-  std::string scheme;                 // e.g. "disk"
+  std::string scheme;                 // e.g. "disk", or "delta" for a layer
   std::string summary;                // one line for `weightbus --version` and docs
-  const SettingTable* settings = nullptr;  // the transport's own settings (scope == scheme)
+  const SettingTable* settings = nullptr;  // its own settings (scope == scheme)
   std::function<absl::StatusOr<std::unique_ptr<TransportPublisher>>(const Uri&, const Config&)>
       open_publisher;
   std::function<absl::StatusOr<std::unique_ptr<TransportSubscriber>>(const Uri&, const Config&)>
       open_subscriber;
+  std::function<absl::StatusOr<std::unique_ptr<TransportPublisher>>(
+      const Uri&, const Config&, std::unique_ptr<TransportPublisher> inner)>
+      wrap_publisher;
+  std::function<absl::StatusOr<std::unique_ptr<TransportSubscriber>>(
+      const Uri&, const Config&, std::unique_ptr<TransportSubscriber> inner)>
+      wrap_subscriber;
+
+  bool is_layer() const { return wrap_publisher != nullptr; }
 };
 
 // Adds `descriptor` to the process-wide registry. Registering a scheme twice aborts.
@@ -38,12 +49,22 @@ const TransportDescriptor* FindTransport(std::string_view scheme);
 // All registered transports, sorted by scheme.
 std::vector<const TransportDescriptor*> RegisteredTransports();
 
-// Resolves the settings of `uri` for `transport` (core table + the transport's table).
-absl::StatusOr<Config> ResolveConfig(const TransportDescriptor& transport, const Uri& uri,
+// The descriptors a URI's scheme names, outermost first: layers, then one transport.
+// Errors: Unimplemented listing what this build has; InvalidArgument for a layer used alone or a
+// transport used as a layer.
+absl::StatusOr<std::vector<const TransportDescriptor*>> ResolveStack(const Uri& uri);
+
+// Resolves the settings of `uri` for `stack` (core table + every descriptor's table).
+absl::StatusOr<Config> ResolveConfig(const std::vector<const TransportDescriptor*>& stack,
+                                     const Uri& uri,
                                      const std::map<std::string, std::string>& options);
 
-// Looks up the transport for `uri`'s scheme. Errors: Unimplemented listing compiled schemes.
-absl::StatusOr<const TransportDescriptor*> TransportFor(const Uri& uri);
+// Opens the stack: the transport at the bottom gets `uri` with its own scheme, then each layer
+// wraps what is beneath it.
+absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenPublisherStack(
+    const std::vector<const TransportDescriptor*>& stack, const Uri& uri, const Config& config);
+absl::StatusOr<std::unique_ptr<TransportSubscriber>> OpenSubscriberStack(
+    const std::vector<const TransportDescriptor*>& stack, const Uri& uri, const Config& config);
 
 }  // namespace weightbus::internal
 

@@ -120,8 +120,9 @@ class Subscriber::Impl {
 absl::StatusOr<std::unique_ptr<Subscriber>> Subscriber::Open(std::string_view uri_text,
                                                              const Options& options) {
   WB_ASSIGN_OR_RETURN(internal::Uri uri, internal::ParseUri(uri_text));
-  WB_ASSIGN_OR_RETURN(const internal::TransportDescriptor* transport, internal::TransportFor(uri));
-  WB_ASSIGN_OR_RETURN(internal::Config config, internal::ResolveConfig(*transport, uri, options));
+  WB_ASSIGN_OR_RETURN(std::vector<const internal::TransportDescriptor*> stack,
+                      internal::ResolveStack(uri));
+  WB_ASSIGN_OR_RETURN(internal::Config config, internal::ResolveConfig(stack, uri, options));
   auto impl = std::make_unique<Impl>();
   impl->uri_text = std::string(uri_text);
   impl->uri = uri;
@@ -129,7 +130,7 @@ absl::StatusOr<std::unique_ptr<Subscriber>> Subscriber::Open(std::string_view ur
   const internal::Config& c = *impl->config;
   WB_ASSIGN_OR_RETURN(impl->failpoints, internal::FailPoints::Parse(c.String("failpoints")));
   impl->staged = c.String("bind_mode") == "staged";
-  WB_ASSIGN_OR_RETURN(impl->backend, transport->open_subscriber(uri, c));
+  WB_ASSIGN_OR_RETURN(impl->backend, internal::OpenSubscriberStack(stack, uri, c));
   const int64_t hash_threads = c.Int("hash_threads");
   if (hash_threads < 0 || hash_threads > internal::WorkerPool::kMaxThreads) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -317,6 +318,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
         uri.Display(), m.version, t.name, incoming->DescribeSource(*bad), t.nbytes,
         verifier.actual(*bad), t.xxh3, direct_note, current ? std::to_string(*current) : "none"));
   }
+  incoming->Accepted();
   incoming.reset();  // releases the transport's pin on the version
 
   // Everything verified: only now touch staged destinations.

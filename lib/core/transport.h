@@ -13,6 +13,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -40,6 +41,20 @@ class PublishJob {
   virtual absl::StatusOr<const Manifest*> SealedManifest(absl::Time deadline) = 0;
 };
 
+// A PublishJob whose manifest is complete and whose bytes its creator owns: what a layer (such as
+// delta) hands to the transport beneath it. `data[i]` holds manifest.tensors[i].nbytes bytes.
+class SealedPublishJob final : public PublishJob {
+ public:
+  SealedPublishJob(Manifest manifest, std::vector<const std::byte*> data);
+  uint64_t version() const override { return manifest_.version; }
+  absl::Span<const PackedTensor> tensors() const override { return packed_; }
+  absl::StatusOr<const Manifest*> SealedManifest(absl::Time) override { return &manifest_; }
+
+ private:
+  Manifest manifest_;
+  std::vector<PackedTensor> packed_;
+};
+
 class TransportPublisher {
  public:
   virtual ~TransportPublisher() = default;
@@ -48,6 +63,11 @@ class TransportPublisher {
   // Makes job.version() available to subscribers, all or nothing. On error, nothing of the job
   // may ever become visible and earlier versions must be intact.
   virtual absl::Status Publish(PublishJob& job, absl::Time deadline) = 0;
+
+  // Optional capabilities (defaults: not supported / no effect).
+  // Keep every committed version >= `version` whatever the retention setting says (a delta
+  // chain needs its keyframe and every delta after it). A later call replaces the floor.
+  virtual void KeepVersionsFrom(uint64_t version) {}
 };
 
 // Receives notice that a tensor's bytes are complete, so verification overlaps the transfer.
@@ -70,6 +90,9 @@ class IncomingVersion {
                              absl::Time deadline) = 0;
   // Where tensor i's bytes come from, for messages, e.g. "/ch/v1/model.safetensors bytes [8, 24)".
   virtual std::string DescribeSource(size_t tensor_index) const = 0;
+  // Called by the core after every tensor passed verification, just before the version is
+  // handed over (a delta layer advances its base here). Not called for a rejected version.
+  virtual void Accepted() {}
 };
 
 class TransportSubscriber {
@@ -80,6 +103,14 @@ class TransportSubscriber {
   // DataLoss when the committed version's manifest or layout is corrupt.
   virtual absl::StatusOr<std::unique_ptr<IncomingVersion>> WaitForVersion(uint64_t min_version,
                                                                           absl::Time deadline) = 0;
+
+  // Optional capabilities (defaults: Unimplemented).
+  // Exactly version `version`, if the channel still holds it (NotFound otherwise): a delta layer
+  // replays a chain from its keyframe with it.
+  virtual absl::StatusOr<std::unique_ptr<IncomingVersion>> OpenVersion(uint64_t version,
+                                                                       absl::Time deadline);
+  // The committed versions the channel holds now, ascending.
+  virtual absl::StatusOr<std::vector<uint64_t>> ListVersions();
 };
 
 }  // namespace weightbus::internal

@@ -104,6 +104,11 @@ class DiskPublisher final : public TransportPublisher {
 
   absl::Status Publish(PublishJob& job, absl::Time deadline) override;
 
+  void KeepVersionsFrom(uint64_t version) override {
+    absl::MutexLock lock(&retention_mu_);
+    keep_from_ = version;
+  }
+
   // Removes what crashed publishers left: temporary and trash directories, and version
   // directories above LATEST (renamed into place but never committed).
   absl::Status CleanLeftovers();
@@ -127,6 +132,7 @@ class DiskPublisher final : public TransportPublisher {
   std::optional<uint64_t> floor_;  // versions must go above this even without LATEST
   absl::Mutex retention_mu_;
   std::optional<uint64_t> retention_due_ ABSL_GUARDED_BY(retention_mu_);
+  std::optional<uint64_t> keep_from_ ABSL_GUARDED_BY(retention_mu_);
   bool stopping_ ABSL_GUARDED_BY(retention_mu_) = false;
   std::thread retention_thread_;
 };
@@ -282,6 +288,11 @@ void DiskPublisher::ApplyRetention(uint64_t latest) {
     Log(LogLevel::kWarn, "retention: %s", std::string(dirs.status().message()));
     return;
   }
+  std::optional<uint64_t> keep_from;
+  {
+    absl::MutexLock lock(&retention_mu_);
+    keep_from = keep_from_;
+  }
   std::vector<uint64_t> committed;
   for (uint64_t v : *dirs) {
     if (v <= latest) committed.push_back(v);
@@ -289,6 +300,7 @@ void DiskPublisher::ApplyRetention(uint64_t latest) {
   if (committed.size() <= static_cast<size_t>(retention_)) return;
   committed.resize(committed.size() - static_cast<size_t>(retention_));  // the oldest ones
   for (uint64_t v : committed) {
+    if (keep_from && v >= *keep_from) continue;  // a layer still needs it
     const std::string dir = channel_.VersionDir(v);
     absl::StatusOr<UniqueFd> lock =
         OpenFile(absl::StrFormat("%s/%s", dir, kReaderLock), O_RDONLY);

@@ -118,10 +118,37 @@ class DiskSubscriber final : public TransportSubscriber {
   absl::StatusOr<std::unique_ptr<IncomingVersion>> WaitForVersion(uint64_t min_version,
                                                                   absl::Time deadline) override;
 
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> OpenVersion(uint64_t version,
+                                                               absl::Time deadline) override {
+    WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, channel_.ReadLatest());
+    if (!latest || version > *latest) {
+      return absl::NotFoundError(absl::StrFormat(
+          "disk://%s: version %d is not committed (newest committed: %s)", channel_.root(),
+          version, latest ? std::to_string(*latest) : "none"));
+    }
+    absl::StatusOr<std::unique_ptr<IncomingVersion>> v = OpenCommitted(version, deadline);
+    if (absl::IsAborted(v.status())) {
+      return absl::NotFoundError(absl::StrFormat(
+          "disk://%s: version %d is no longer kept (retention)", channel_.root(), version));
+    }
+    return v;
+  }
+
+  absl::StatusOr<std::vector<uint64_t>> ListVersions() override {
+    WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, channel_.ReadLatest());
+    WB_ASSIGN_OR_RETURN(std::vector<uint64_t> dirs, channel_.ListVersionDirs());
+    std::vector<uint64_t> out;
+    for (uint64_t v : dirs) {
+      if (latest && v <= *latest) out.push_back(v);
+    }
+    return out;
+  }
+
  private:
   // Opens and validates committed version `v`. NotFound means it was retired meanwhile.
-  absl::StatusOr<std::unique_ptr<IncomingVersion>> OpenVersion(uint64_t v, absl::Time deadline);
-  // OpenVersion's work; Aborted means the version was retired before it could be pinned.
+  // Opens committed version `v`; Aborted means retention retired it before it could be pinned.
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> OpenCommitted(uint64_t v, absl::Time deadline);
+  // OpenCommitted's work, before missing files are turned into DataLoss.
   absl::StatusOr<std::unique_ptr<IncomingVersion>> PinAndOpen(uint64_t v, absl::Time deadline);
   void WatchIfPossible();
   void Sleep(absl::Time deadline);
@@ -166,7 +193,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::WaitForVersion(
     WatchIfPossible();
     WB_ASSIGN_OR_RETURN(newest, channel_.ReadLatest());
     if (newest && *newest >= min_version) {
-      absl::StatusOr<std::unique_ptr<IncomingVersion>> v = OpenVersion(*newest, deadline);
+      absl::StatusOr<std::unique_ptr<IncomingVersion>> v = OpenCommitted(*newest, deadline);
       if (!absl::IsAborted(v.status())) return v;
       // Retired between reading LATEST and pinning it, which retention only does to versions
       // older than the newest: LATEST must have moved on. If it has not, the channel is broken.
@@ -187,7 +214,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::WaitForVersion(
   }
 }
 
-absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::OpenVersion(
+absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::OpenCommitted(
     uint64_t v, absl::Time deadline) {
   absl::StatusOr<std::unique_ptr<IncomingVersion>> opened = PinAndOpen(v, deadline);
   // A file missing from a pinned, committed version is corruption, not absence.

@@ -10,6 +10,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "core/buffer.h"
+#include "core/channel_setup.h"
 #include "core/failpoint.h"
 #include "core/registry.h"
 #include "core/status.h"
@@ -75,16 +76,11 @@ class Job final : public internal::PublishJob {
 
 }  // namespace
 
-class Publisher::Impl {
+class Publisher::Impl : public internal::ChannelSetup {
  public:
-  std::string uri_text;
-  internal::Uri uri;
-  std::unique_ptr<internal::Config> config;
   std::unique_ptr<internal::TransportPublisher> backend;
-  std::unique_ptr<internal::WorkerPool> hashers;
   std::shared_ptr<internal::BufferPool> pack_pool = internal::BufferPool::Create(1);
   PublisherIdentity identity;
-  internal::FailPoints failpoints;
 
   mutable absl::Mutex mu;
   std::optional<uint64_t> latest ABSL_GUARDED_BY(mu);
@@ -96,16 +92,11 @@ class Publisher::Impl {
 
 absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_text,
                                                            const Options& options) {
-  WB_ASSIGN_OR_RETURN(internal::Uri uri, internal::ParseUri(uri_text));
-  WB_ASSIGN_OR_RETURN(std::vector<const internal::TransportDescriptor*> stack,
-                      internal::ResolveStack(uri));
-  WB_ASSIGN_OR_RETURN(internal::Config config, internal::ResolveConfig(stack, uri, options));
   auto impl = std::make_unique<Impl>();
-  impl->uri_text = std::string(uri_text);
-  impl->uri = uri;
-  impl->config = std::make_unique<internal::Config>(std::move(config));
+  WB_ASSIGN_OR_RETURN(static_cast<internal::ChannelSetup&>(*impl),
+                      internal::SetUpChannel(uri_text, options));
   const internal::Config& c = *impl->config;
-  WB_ASSIGN_OR_RETURN(impl->failpoints, internal::FailPoints::Parse(c.String("failpoints")));
+  const internal::Uri& uri = impl->uri;
   const int64_t rank = c.Int("rank"), world_size = c.Int("world_size");
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -113,20 +104,12 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_
   }
   impl->identity = PublisherIdentity{HostName(), getpid(), static_cast<int>(rank),
                                      static_cast<int>(world_size), c.String("publisher_name")};
-  WB_ASSIGN_OR_RETURN(impl->backend, internal::OpenPublisherStack(stack, uri, c));
+  WB_ASSIGN_OR_RETURN(impl->backend, internal::OpenPublisherStack(impl->stack, uri, c));
   WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, impl->backend->LatestVersion());
   {
     absl::MutexLock lock(&impl->mu);
     impl->latest = latest;
   }
-  const int64_t hash_threads = c.Int("hash_threads");
-  if (hash_threads < 0 || hash_threads > internal::WorkerPool::kMaxThreads) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: setting hash_threads=%d is outside 0..%d", uri.Display(), hash_threads,
-        internal::WorkerPool::kMaxThreads));
-  }
-  WB_ASSIGN_OR_RETURN(impl->hashers, internal::WorkerPool::Create(internal::WorkerPool::DefaultThreads(
-                                         static_cast<int>(hash_threads))));
   return std::unique_ptr<Publisher>(new Publisher(std::move(impl)));
 }
 

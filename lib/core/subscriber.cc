@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "core/buffer.h"
+#include "core/channel_setup.h"
 #include "core/failpoint.h"
 #include "core/registry.h"
 #include "core/status.h"
@@ -97,15 +98,10 @@ const TensorView* Update::Find(std::string_view name) const {
   return it == impl_->index.end() ? nullptr : &impl_->views[it->second];
 }
 
-class Subscriber::Impl {
+class Subscriber::Impl : public internal::ChannelSetup {
  public:
-  std::string uri_text;
-  internal::Uri uri;
-  std::unique_ptr<internal::Config> config;
   std::unique_ptr<internal::TransportSubscriber> backend;
-  std::unique_ptr<internal::WorkerPool> hashers;
   std::shared_ptr<internal::BufferPool> pool = internal::BufferPool::Create(3);
-  internal::FailPoints failpoints;
   bool staged = true;
 
   mutable absl::Mutex mu;
@@ -119,26 +115,12 @@ class Subscriber::Impl {
 
 absl::StatusOr<std::unique_ptr<Subscriber>> Subscriber::Open(std::string_view uri_text,
                                                              const Options& options) {
-  WB_ASSIGN_OR_RETURN(internal::Uri uri, internal::ParseUri(uri_text));
-  WB_ASSIGN_OR_RETURN(std::vector<const internal::TransportDescriptor*> stack,
-                      internal::ResolveStack(uri));
-  WB_ASSIGN_OR_RETURN(internal::Config config, internal::ResolveConfig(stack, uri, options));
   auto impl = std::make_unique<Impl>();
-  impl->uri_text = std::string(uri_text);
-  impl->uri = uri;
-  impl->config = std::make_unique<internal::Config>(std::move(config));
-  const internal::Config& c = *impl->config;
-  WB_ASSIGN_OR_RETURN(impl->failpoints, internal::FailPoints::Parse(c.String("failpoints")));
-  impl->staged = c.String("bind_mode") == "staged";
-  WB_ASSIGN_OR_RETURN(impl->backend, internal::OpenSubscriberStack(stack, uri, c));
-  const int64_t hash_threads = c.Int("hash_threads");
-  if (hash_threads < 0 || hash_threads > internal::WorkerPool::kMaxThreads) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: setting hash_threads=%d is outside 0..%d", uri.Display(), hash_threads,
-        internal::WorkerPool::kMaxThreads));
-  }
-  WB_ASSIGN_OR_RETURN(impl->hashers, internal::WorkerPool::Create(internal::WorkerPool::DefaultThreads(
-                                         static_cast<int>(hash_threads))));
+  WB_ASSIGN_OR_RETURN(static_cast<internal::ChannelSetup&>(*impl),
+                      internal::SetUpChannel(uri_text, options));
+  impl->staged = impl->config->String("bind_mode") == "staged";
+  WB_ASSIGN_OR_RETURN(impl->backend,
+                      internal::OpenSubscriberStack(impl->stack, impl->uri, *impl->config));
   return std::unique_ptr<Subscriber>(new Subscriber(std::move(impl)));
 }
 

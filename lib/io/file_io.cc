@@ -42,25 +42,15 @@ class PsyncFileIo final : public FileIo {
   explicit PsyncFileIo(uint64_t chunk) : chunk_(chunk) {}
   std::string_view name() const override { return "psync"; }
 
-  absl::Status Read(absl::Span<const IoRequest> requests, absl::Time deadline,
-                    absl::FunctionRef<void(size_t)> on_complete,
-                    absl::FunctionRef<std::string(size_t)> describe) override {
-    return Run(false, requests, deadline, on_complete, describe);
-  }
-  absl::Status Write(absl::Span<const IoRequest> requests, absl::Time deadline,
-                     absl::FunctionRef<void(size_t)> on_complete,
-                     absl::FunctionRef<std::string(size_t)> describe) override {
-    return Run(true, requests, deadline, on_complete, describe);
-  }
   absl::Status Fsync(int fd, absl::Time deadline, std::string_view what) override {
     if (::fsync(fd) != 0) return ErrnoStatus(errno, absl::StrFormat("fsync %s", what));
     return absl::OkStatus();
   }
 
  private:
-  absl::Status Run(bool write, absl::Span<const IoRequest> requests, absl::Time deadline,
-                   absl::FunctionRef<void(size_t)> on_complete,
-                   absl::FunctionRef<std::string(size_t)> describe) {
+  absl::Status Transfer(bool write, absl::Span<const IoRequest> requests, absl::Time deadline,
+                        absl::FunctionRef<void(size_t)> on_complete,
+                        absl::FunctionRef<std::string(size_t)> describe) override {
     for (size_t i = 0; i < requests.size(); ++i) {
       const IoRequest& r = requests[i];
       uint64_t done = 0;
@@ -93,17 +83,6 @@ class UringFileIo final : public FileIo {
     if (!poisoned_) io_uring_queue_exit(&ring_);
   }
   std::string_view name() const override { return "uring"; }
-
-  absl::Status Read(absl::Span<const IoRequest> requests, absl::Time deadline,
-                    absl::FunctionRef<void(size_t)> on_complete,
-                    absl::FunctionRef<std::string(size_t)> describe) override {
-    return Run(false, requests, deadline, on_complete, describe);
-  }
-  absl::Status Write(absl::Span<const IoRequest> requests, absl::Time deadline,
-                     absl::FunctionRef<void(size_t)> on_complete,
-                     absl::FunctionRef<std::string(size_t)> describe) override {
-    return Run(true, requests, deadline, on_complete, describe);
-  }
 
   absl::Status Fsync(int fd, absl::Time deadline, std::string_view what) override {
     if (poisoned_) return Poisoned();
@@ -176,9 +155,9 @@ class UringFileIo final : public FileIo {
     io_uring_sqe_set_data64(sqe, slot_index);
   }
 
-  absl::Status Run(bool write, absl::Span<const IoRequest> requests, absl::Time deadline,
-                   absl::FunctionRef<void(size_t)> on_complete,
-                   absl::FunctionRef<std::string(size_t)> describe) {
+  absl::Status Transfer(bool write, absl::Span<const IoRequest> requests, absl::Time deadline,
+                        absl::FunctionRef<void(size_t)> on_complete,
+                        absl::FunctionRef<std::string(size_t)> describe) override {
     if (poisoned_) return Poisoned();
     std::vector<Slot> slots(depth_);
     std::vector<size_t> free_slots;

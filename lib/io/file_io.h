@@ -46,17 +46,27 @@ class FileIo {
   // is complete. End of file before a request is complete is DataLoss ("truncated").
   // Errors name `describe(i)` of the failing request: errno status, DataLoss, or
   // DeadlineExceeded (in-flight operations are cancelled before returning).
-  virtual absl::Status Read(absl::Span<const IoRequest> requests, absl::Time deadline,
-                            absl::FunctionRef<void(size_t)> on_complete,
-                            absl::FunctionRef<std::string(size_t)> describe) = 0;
+  absl::Status Read(absl::Span<const IoRequest> requests, absl::Time deadline,
+                    absl::FunctionRef<void(size_t)> on_complete,
+                    absl::FunctionRef<std::string(size_t)> describe) {
+    return Transfer(/*write=*/false, requests, deadline, on_complete, describe);
+  }
 
   // Writes every request completely; otherwise as Read. ENOSPC is ResourceExhausted.
-  virtual absl::Status Write(absl::Span<const IoRequest> requests, absl::Time deadline,
-                             absl::FunctionRef<void(size_t)> on_complete,
-                             absl::FunctionRef<std::string(size_t)> describe) = 0;
+  absl::Status Write(absl::Span<const IoRequest> requests, absl::Time deadline,
+                     absl::FunctionRef<void(size_t)> on_complete,
+                     absl::FunctionRef<std::string(size_t)> describe) {
+    return Transfer(/*write=*/true, requests, deadline, on_complete, describe);
+  }
 
   // fsync(fd), bounded by `deadline`. `what` names the file in errors.
   virtual absl::Status Fsync(int fd, absl::Time deadline, std::string_view what) = 0;
+
+ protected:
+  // Read or Write, as the engine does it.
+  virtual absl::Status Transfer(bool write, absl::Span<const IoRequest> requests,
+                                absl::Time deadline, absl::FunctionRef<void(size_t)> on_complete,
+                                absl::FunctionRef<std::string(size_t)> describe) = 0;
 };
 
 }  // namespace weightbus::internal

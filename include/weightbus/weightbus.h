@@ -272,6 +272,14 @@ WB_EXPORT wb_status_t wb_subscriber_unbind_all(wb_subscriber_t* subscriber);
 WB_EXPORT wb_status_t wb_subscriber_wait(wb_subscriber_t* subscriber, uint64_t min_version,
                                          int64_t timeout_ms, wb_update_t** update);
 
+/* Does not wait for a version to appear: if a version v >= max(min_version, current version)
+ * is available now, receives and verifies it (the newest) within `receive_timeout_ms` and
+ * returns it in *update; if none is, returns WB_OK with *update = NULL. What a replica calls
+ * between rollouts (pass the current version + 1 to ask for a newer one). Errors as
+ * wb_subscriber_wait; WB_DEADLINE_EXCEEDED means the receive took longer than allowed. */
+WB_EXPORT wb_status_t wb_subscriber_poll(wb_subscriber_t* subscriber, uint64_t min_version,
+                                         int64_t receive_timeout_ms, wb_update_t** update);
+
 /* The version of the last update handed over: *has_version = false before the first. */
 WB_EXPORT wb_status_t wb_subscriber_current_version(wb_subscriber_t* subscriber,
                                                     bool* has_version, uint64_t* version);

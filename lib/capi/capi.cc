@@ -409,14 +409,19 @@ absl::Status Publish(wb_publisher_t* publisher, uint64_t version, const char* co
   return publisher->impl->Publish(version, views, *metadata, Timeout(timeout_ms));
 }
 
-absl::Status Wait(wb_subscriber_t* subscriber, uint64_t min_version, int64_t timeout_ms,
-                  wb_update_t** update) {
-  constexpr const char* kFn = "wb_subscriber_wait";
-  WB_CHECK_ARG(kFn, subscriber);
-  WB_CHECK_ARG(kFn, update);
+// wb_subscriber_wait and, with `poll`, wb_subscriber_poll.
+absl::Status Wait(const char* function, wb_subscriber_t* subscriber, uint64_t min_version,
+                  int64_t timeout_ms, bool poll, wb_update_t** update) {
+  WB_CHECK_ARG(function, subscriber);
+  WB_CHECK_ARG(function, update);
   absl::StatusOr<std::unique_ptr<wb::Update>> received =
-      subscriber->impl->WaitForVersion(min_version, Timeout(timeout_ms));
+      poll ? subscriber->impl->Poll(min_version, Timeout(timeout_ms))
+           : subscriber->impl->WaitForVersion(min_version, Timeout(timeout_ms));
   if (!received.ok()) return received.status();
+  if (*received == nullptr) {  // polling, and nothing new enough
+    *update = nullptr;
+    return absl::OkStatus();
+  }
   auto state = std::make_shared<UpdateState>();
   state->update = std::move(*received);
   const absl::Span<const wb::TensorView> views = state->update->tensors();
@@ -647,8 +652,16 @@ wb_status_t wb_subscriber_unbind_all(wb_subscriber_t* subscriber) {
 
 wb_status_t wb_subscriber_wait(wb_subscriber_t* subscriber, uint64_t min_version,
                                int64_t timeout_ms, wb_update_t** update) {
-  return Guard("wb_subscriber_wait",
-               [&] { return Wait(subscriber, min_version, timeout_ms, update); });
+  constexpr const char* kFn = "wb_subscriber_wait";
+  return Guard(kFn, [&] { return Wait(kFn, subscriber, min_version, timeout_ms, false, update); });
+}
+
+wb_status_t wb_subscriber_poll(wb_subscriber_t* subscriber, uint64_t min_version,
+                               int64_t receive_timeout_ms, wb_update_t** update) {
+  constexpr const char* kFn = "wb_subscriber_poll";
+  return Guard(kFn, [&] {
+    return Wait(kFn, subscriber, min_version, receive_timeout_ms, true, update);
+  });
 }
 
 wb_status_t wb_subscriber_current_version(wb_subscriber_t* subscriber, bool* has_version,

@@ -89,6 +89,17 @@ def test_iterable_of_pairs_and_newest_version(channel):
         assert [(n, t.tolist()) for n, t in update] == [("w", [3.0, 3.0])]
 
 
+def test_poll_takes_what_is_there_without_waiting(channel):
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        assert sub.poll(1) is None                    # nothing committed: None, no error
+        pub.publish(1, {"w": torch.ones(2)})
+        pub.publish(2, {"w": torch.full((2,), 2.0)})
+        update = sub.poll(1)
+        assert update.version == 2 and update["w"].tolist() == [2.0, 2.0]
+        assert sub.poll(sub.current_version + 1) is None
+        assert sub.current_version == 2
+
+
 def _c_data_pointer(update, index):
     dl = ctypes.POINTER(_lib.DLTensor)()
     weightbus.errors.check(_lib.lib.wb_update_tensor(update._h(), index, None, None,

@@ -2,8 +2,6 @@
 """weightbus.vllm against the vLLM-shaped replica in weightbus.testing.llama, on the real
 stories260K weights: the worker extension (worker_extension_cls / collective_rpc) and the
 weight-transfer engine adapter."""
-import types
-
 import pytest
 import torch
 
@@ -13,30 +11,16 @@ import weightbus.vllm
 from conftest import fixtures_dir
 from weightbus.testing.llama import (HfLlamaForCausalLM, VllmStyleLlamaForCausalLM,
                                      load_hf_checkpoint)
+from weightbus.testing.worker import StandInWorker, collective_rpc, make_worker
 from weightbus.vllm import (WeightbusInitInfo, WeightbusUpdateInfo, WeightbusWeightTransferEngine,
                             WeightbusWorkerExtension)
 
 TOKENS = torch.tensor([[1, 403, 407, 261, 378, 290, 500, 13, 100, 50, 499, 2]])
 
 
-class _GpuWorkerStandIn:
-    """The attributes of vLLM's worker that extensions use (rlhf_utils.py does the same)."""
-
-    def __init__(self, model):
-        self.model_runner = types.SimpleNamespace(model=model)
-        self.model_config = None
-        self.device = torch.device("cpu")
-
-
 def _make_workers(config, n):
-    # vLLM's WorkerWrapperBase.init_worker appends worker_extension_cls to the worker's bases.
-    worker_cls = type("Worker", (_GpuWorkerStandIn, WeightbusWorkerExtension), {})
-    return [worker_cls(VllmStyleLlamaForCausalLM(config)) for _ in range(n)]
-
-
-def collective_rpc(workers, method, args=(), kwargs=None):
-    """What LLM.collective_rpc does: call `method` on every worker, return the results."""
-    return [getattr(w, method)(*args, **(kwargs or {})) for w in workers]
+    return [make_worker(VllmStyleLlamaForCausalLM(config), WeightbusWorkerExtension)
+            for _ in range(n)]
 
 
 def _reference(config, tensors):
@@ -90,7 +74,7 @@ def test_worker_extension_loads_fuses_and_post_processes(stories_dir, channel):
         # Version 2 differs everywhere; post-load processing must run for it to take effect.
         v2 = _scaled(tensors, 0.5)
         pub.publish(2, v2)
-        assert collective_rpc(workers, "weightbus_update", kwargs={"timeout": 30}) == [2, 2]
+        assert collective_rpc(workers, "weightbus_update") == [2, 2]  # committed: no wait
         with torch.no_grad():
             want2 = _reference(config, v2)(TOKENS)
         torch.testing.assert_close(workers[0].model_runner.model(TOKENS), want2, rtol=1e-5,
@@ -117,7 +101,8 @@ def test_worker_extension_loads_fuses_and_post_processes(stories_dir, channel):
 
 
 def test_worker_extension_requires_init():
-    worker = type("W", (_GpuWorkerStandIn, WeightbusWorkerExtension), {})(None)
+    worker = make_worker(None, WeightbusWorkerExtension)
+    assert isinstance(worker, StandInWorker)
     with pytest.raises(RuntimeError, match="weightbus_init"):
         worker.weightbus_update()
 

@@ -346,6 +346,20 @@ class Subscriber(_Handle):
         handle = ctypes.c_void_p()
         check(lib.wb_subscriber_wait(self._h(), min_version, _timeout_ms(timeout),
                                      ctypes.byref(handle)))
+        return self._received(handle)
+
+    def poll(self, min_version: int = 0,
+             receive_timeout: Optional[float] = 60.0) -> Optional[Update]:
+        """Does not wait for a version to appear: if a version >= max(min_version,
+        current_version) is available now, receives it (the newest; up to `receive_timeout`
+        seconds, GIL released) and returns it, else returns None. Pass current_version + 1 to
+        ask for a newer one, as a replica does between rollouts."""
+        handle = ctypes.c_void_p()
+        check(lib.wb_subscriber_poll(self._h(), min_version, _timeout_ms(receive_timeout),
+                                     ctypes.byref(handle)))
+        return self._received(handle) if handle.value else None
+
+    def _received(self, handle) -> Update:
         update = Update(handle, dict(self._bound))
         if self._staged:
             import torch

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from . import _api
-from .errors import DeadlineExceededError
 
 
 def process_weights_after_loading(model, model_config=None, device=None) -> None:
@@ -91,27 +90,28 @@ class WeightbusWorkerExtension:
         return True
 
     def weightbus_update(self, min_version: Optional[int] = None,
-                         timeout: Optional[float] = 0.0) -> Optional[int]:
-        """Applies the newest version on the channel if it is newer than the applied one, and
-        returns the version the model now holds (None before the first).
+                         timeout: Optional[float] = 60.0) -> Optional[int]:
+        """Applies the newest version on the channel if it is newer than the one the model
+        holds, and returns the version the model now holds (None before the first).
 
-        With min_version above the applied version, blocks up to `timeout` seconds (None:
-        forever) for a version >= min_version and raises DeadlineExceededError if none comes.
-        Otherwise it only looks for something newer for up to `timeout` seconds (default 0:
-        just check) and keeps the current version when there is nothing."""
+        Without min_version (or with one the model already holds) this never waits for a
+        version to appear (Subscriber.poll): it applies what is there now, which is what a
+        replica does between rollouts. With min_version above the applied version it blocks up
+        to `timeout` seconds (None: forever) for a version >= min_version, and raises
+        weightbus.DeadlineExceededError if none comes. `timeout` also bounds the receive."""
         subscriber = self._weightbus_require()
         current = self._weightbus_version
         floor = 0 if current is None else current + 1
         must_advance = min_version is not None and (current is None or current < min_version)
         start = time.perf_counter()
-        try:
-            update = subscriber.wait(max(floor, min_version or 0), timeout)
-        except DeadlineExceededError:
-            if must_advance:
-                raise
-            self._weightbus_last = AppliedVersion(current, False,
-                                                  receive_s=time.perf_counter() - start)
-            return current
+        if must_advance:
+            update = subscriber.wait(max(floor, min_version), timeout)
+        else:
+            update = subscriber.poll(floor, timeout)
+            if update is None:
+                self._weightbus_last = AppliedVersion(current, False,
+                                                      receive_s=time.perf_counter() - start)
+                return current
         received = time.perf_counter()
         with update:
             self._weightbus_load(update)

@@ -21,8 +21,8 @@ Two adapters, for the two ways vLLM lets weights be updated from outside:
    example (examples/offline_inference/rlhf_utils.py) does.
 
 2. WeightbusWeightTransferEngine, shaped for vLLM's native weight-transfer engine interface
-   (vllm/distributed/weight_transfer/base.py: WeightTransferEngine, first in vLLM 0.14, with
-   start_weight_update/finish_weight_update from about 0.2x): init_transfer_engine(init_info),
+   (vllm/distributed/weight_transfer/base.py: WeightTransferEngine; two-phase in vLLM 0.22,
+   with start_weight_update/finish_weight_update from 0.25): init_transfer_engine(init_info),
    start_weight_update(), receive_weights(update_info[, load_weights]) / update_weights(dict),
    finish_weight_update() -> version, shutdown(), and the static trainer_send_weights(iterator,
    trainer_args) that publishes. The constructor accepts both the (config, parallel_config[,

@@ -264,8 +264,8 @@ WB_EXPORT wb_status_t wb_subscriber_unbind(wb_subscriber_t* subscriber, const ch
 WB_EXPORT wb_status_t wb_subscriber_unbind_all(wb_subscriber_t* subscriber);
 
 /* Waits up to `timeout_ms` for a version v >= max(min_version, current version), receives and
- * verifies it (the newest such version when several are available), and returns it. Blocks;
- * releases no lock the caller holds. Errors: WB_DEADLINE_EXCEEDED (naming the version waited
+ * verifies it (the newest such version when several are available), and returns it.
+ * Errors: WB_DEADLINE_EXCEEDED (naming the version waited
  * for and the newest seen), WB_INVALID_ARGUMENT (a bound destination does not match; nothing
  * written), WB_DATA_LOSS (a malformed or corrupted version). The previous version stays
  * current on every error. Destroy the update with wb_update_destroy. */
@@ -317,7 +317,8 @@ WB_EXPORT wb_status_t wb_update_stats(const wb_update_t* update, wb_update_stats
 
 /* Tensor `index` as a DLManagedTensor for a framework to adopt (torch.utils.dlpack.from_dlpack,
  * numpy.from_dlpack): zero-copy, holding its own reference to the update's memory, which its
- * deleter releases (from any thread). The consumer must call the deleter exactly once. */
+ * deleter releases (from any thread). The consumer must call the deleter exactly once. A bound
+ * tensor's DLManagedTensor points at the caller's destination, which the caller keeps alive. */
 WB_EXPORT wb_status_t wb_update_export_dlpack(const wb_update_t* update, size_t index,
                                               DLManagedTensor** managed);
 

@@ -3,9 +3,11 @@
 // exceptions; every status goes through SetStatus, the one conversion from absl::StatusCode.
 #include "weightbus/weightbus.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string>
 #include <vector>
 

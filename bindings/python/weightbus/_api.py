@@ -196,8 +196,8 @@ class Update(_Handle):
     _destroy = staticmethod(lambda h: lib.wb_update_destroy(h))
 
     def __init__(self, handle, bound: Dict[str, Any]):
+        """Takes ownership of `handle` only if it returns (the caller destroys it otherwise)."""
         super().__init__()
-        self._handle = handle
         self._bound = bound
         value = ctypes.c_uint64()
         check(lib.wb_update_version(handle, ctypes.byref(value)))
@@ -219,6 +219,7 @@ class Update(_Handle):
         check(lib.wb_update_stats(handle, ctypes.byref(s)))
         self.stats = UpdateStats(s.bytes, s.wait_ns / 1e9, s.allocate_ns / 1e9, s.fetch_ns / 1e9,
                                  s.verify_wait_ns / 1e9, s.copy_out_ns / 1e9, s.ready_unix_ns)
+        self._handle = handle
 
     @property
     def manifest(self) -> Dict[str, Any]:
@@ -360,7 +361,11 @@ class Subscriber(_Handle):
         return self._received(handle) if handle.value else None
 
     def _received(self, handle) -> Update:
-        update = Update(handle, dict(self._bound))
+        try:
+            update = Update(handle, dict(self._bound))
+        except BaseException:
+            lib.wb_update_destroy(handle)
+            raise
         if self._staged:
             import torch
             for name, (target, host) in self._staged.items():

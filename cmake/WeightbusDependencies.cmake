@@ -3,6 +3,7 @@
 find_package(PkgConfig REQUIRED)
 find_package(Threads REQUIRED)
 find_package(absl REQUIRED)
+find_package(dlpack REQUIRED)  # libdlpack-dev: DLTensor in the C API
 find_package(nlohmann_json 3.10 REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
 pkg_check_modules(ZSTD REQUIRED IMPORTED_TARGET libzstd)

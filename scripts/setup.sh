@@ -5,9 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# python3-*: the Python bindings' tests and examples/rl_loop.py run with Debian's
+# /usr/bin/python3 (a pyenv or venv python3 first on PATH does not see these packages).
 packages=(cmake ninja-build g++ pkg-config
           libabsl-dev libzstd-dev libxxhash-dev liburing-dev nlohmann-json3-dev
-          libgtest-dev libbenchmark-dev libdlpack-dev ${WEIGHTBUS_EXTRA_PACKAGES:-})
+          libgtest-dev libbenchmark-dev libdlpack-dev
+          python3 python3-numpy python3-torch python3-pytest ${WEIGHTBUS_EXTRA_PACKAGES:-})
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

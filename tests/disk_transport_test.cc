@@ -328,6 +328,34 @@ TEST(DiskTransportTest, WaitTimesOutNamingWhatItWaitedFor) {
   EXPECT_NE(update.status().message().find("newest committed: 1"), absl::string_view::npos);
 }
 
+TEST(DiskTransportTest, PollReceivesWhatIsThereWithoutWaitingForMore) {
+  ScratchDir dir;
+  auto sub = Subscriber::Open(Uri(dir));
+  ASSERT_TRUE(sub.ok());
+  auto none = (*sub)->Poll(1, kTimeout);  // nothing committed: no error, no update
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(*none, nullptr);
+
+  auto pub = Publisher::Open(Uri(dir));
+  ASSERT_TRUE(pub.ok());
+  std::vector<std::vector<OwnedTensor>> versions;
+  for (uint64_t v = 1; v <= 2; ++v) {
+    versions.push_back(MakeVersion(3, v, 1 << 16));
+    ASSERT_TRUE((*pub)->Publish(v, Views(versions.back()), {}, kTimeout).ok());
+  }
+  // Committed versions are received in full although nothing is waited for: the newest one.
+  auto update = (*sub)->Poll(1, kTimeout);
+  ASSERT_TRUE(update.ok()) << update.status();
+  ASSERT_NE(*update, nullptr);
+  EXPECT_EQ((**update).version(), 2u);
+  ExpectSameTensors(**update, versions[1]);
+  EXPECT_EQ((*sub)->current_version(), std::optional<uint64_t>(2));
+  none = (*sub)->Poll(3, kTimeout);  // asking for a newer one than exists
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(*none, nullptr);
+  EXPECT_EQ((*sub)->current_version(), std::optional<uint64_t>(2));
+}
+
 TEST(DiskTransportTest, WakesOnCommitWhileWaiting) {
   ScratchDir dir;
   auto pub = Publisher::Open(Uri(dir));

@@ -192,6 +192,14 @@ class WB_EXPORT Subscriber {
   absl::StatusOr<std::unique_ptr<Update>> WaitForVersion(uint64_t min_version,
                                                          absl::Duration timeout);
 
+  // Does not wait for a version to appear: if a version v >= max(min_version,
+  // current_version()) is available now, receives and verifies it (the newest) within
+  // `receive_timeout` and returns it; if none is, returns nullptr. What a replica calls between
+  // rollouts (pass current_version() + 1 to ask for a newer one). Errors as WaitForVersion,
+  // DeadlineExceeded meaning the receive did not finish within `receive_timeout`.
+  absl::StatusOr<std::unique_ptr<Update>> Poll(uint64_t min_version,
+                                               absl::Duration receive_timeout);
+
   // The version of the last Update handed over, if any.
   std::optional<uint64_t> current_version() const;
   const std::string& uri() const;

@@ -108,7 +108,10 @@ class Subscriber::Impl : public internal::ChannelSetup {
   std::map<std::string, Binding, std::less<>> bindings ABSL_GUARDED_BY(mu);
   std::optional<uint64_t> current ABSL_GUARDED_BY(mu);
 
-  absl::StatusOr<std::unique_ptr<Update>> Wait(uint64_t min_version, absl::Duration timeout)
+  // Finds a version >= max(min_version, current) by `find_deadline` and receives it by
+  // `receive_deadline`. With `poll`, finding none by find_deadline returns nullptr.
+  absl::StatusOr<std::unique_ptr<Update>> Wait(uint64_t min_version, absl::Time find_deadline,
+                                               absl::Time receive_deadline, bool poll)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   absl::Status CheckBindings(const Manifest& m) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 };
@@ -156,7 +159,15 @@ const std::string& Subscriber::uri() const { return impl_->uri_text; }
 absl::StatusOr<std::unique_ptr<Update>> Subscriber::WaitForVersion(uint64_t min_version,
                                                                    absl::Duration timeout) {
   absl::MutexLock lock(&impl_->mu);
-  return impl_->Wait(min_version, timeout);
+  const absl::Time deadline = absl::Now() + timeout;
+  return impl_->Wait(min_version, deadline, deadline, /*poll=*/false);
+}
+
+absl::StatusOr<std::unique_ptr<Update>> Subscriber::Poll(uint64_t min_version,
+                                                         absl::Duration receive_timeout) {
+  absl::MutexLock lock(&impl_->mu);
+  const absl::Time now = absl::Now();
+  return impl_->Wait(min_version, now, now + receive_timeout, /*poll=*/true);
 }
 
 absl::Status Subscriber::Impl::CheckBindings(const Manifest& m) const {
@@ -199,13 +210,20 @@ static absl::Status CheckManifest(const internal::Uri& uri, const Manifest& m) {
 }
 
 absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_version,
-                                                               absl::Duration timeout) {
+                                                               absl::Time find_deadline,
+                                                               absl::Time receive_deadline,
+                                                               bool poll) {
   const absl::Time start = absl::Now();
-  const absl::Time deadline = start + timeout;
+  const absl::Time deadline = receive_deadline;
   const uint64_t floor = std::max(min_version, current.value_or(0));
 
-  WB_ASSIGN_OR_RETURN(std::unique_ptr<internal::IncomingVersion> incoming,
-                      backend->WaitForVersion(floor, deadline));
+  absl::StatusOr<std::unique_ptr<internal::IncomingVersion>> found_version =
+      backend->WaitForVersion(floor, find_deadline);
+  if (poll && absl::IsDeadlineExceeded(found_version.status())) {
+    return std::unique_ptr<Update>();  // nothing new enough yet: not an error when polling
+  }
+  if (!found_version.ok()) return found_version.status();
+  std::unique_ptr<internal::IncomingVersion> incoming = std::move(*found_version);
   const absl::Time found = absl::Now();
   auto impl = std::make_unique<Update::Impl>();
   impl->manifest = incoming->manifest();

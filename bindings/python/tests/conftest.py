@@ -1,0 +1,58 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared fixtures of the Python tests.
+
+Environment (CTest sets these; the defaults suit a source checkout built in ./build):
+  LIBWEIGHTBUS_PATH  the library under test (default: <repo>/build/lib/libweightbus.so)
+  WB_TEST_CLI        the weightbus CLI (default: <repo>/build/tools/weightbus)
+  WB_TEST_FIXTURES   ../shared/fixtures (stories260K.bin)
+Names do not start with WEIGHTBUS_: the library rejects unknown WEIGHTBUS_* variables.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]        # bindings/python
+REPO_ROOT = PACKAGE_ROOT.parents[1]
+sys.path.insert(0, str(PACKAGE_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # llama2c_reference
+
+
+def cli_path() -> Path:
+    return Path(os.environ.get("WB_TEST_CLI", REPO_ROOT / "build" / "tools" / "weightbus"))
+
+
+def fixtures_dir() -> Path:
+    return Path(os.environ.get("WB_TEST_FIXTURES", REPO_ROOT.parent / "shared" / "fixtures"))
+
+
+def child_env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def run_python(code: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter (a real process) and returns the finished process."""
+    return subprocess.run([sys.executable, "-c", code, *args], env=child_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def channel(tmp_path) -> str:
+    return f"disk://{tmp_path}/channel?fsync=false"
+
+
+@pytest.fixture(scope="session")
+def stories_dir(tmp_path_factory) -> Path:
+    """stories260K converted to a Hugging Face directory (f32) by the weightbus CLI."""
+    checkpoint = fixtures_dir() / "stories260K.bin"
+    if not checkpoint.exists():
+        pytest.fail(f"fixture {checkpoint} is missing (set WB_TEST_FIXTURES)")
+    out = tmp_path_factory.mktemp("stories260K")
+    subprocess.run([str(cli_path()), "convert-llama2c", str(checkpoint), str(out), "--dtype",
+                    "f32"], check=True, capture_output=True, timeout=120)
+    return out

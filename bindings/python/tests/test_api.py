@@ -1,0 +1,303 @@
+# SPDX-License-Identifier: Apache-2.0
+"""weightbus.Publisher / Subscriber / Update: dtypes, layouts, zero-copy, binding, errors, GIL."""
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import weightbus
+from weightbus import _api, _lib, _tensors
+
+
+def test_version_and_library():
+    assert weightbus.__version__ == _lib.lib.wb_version().decode()
+    assert weightbus.library_path.endswith(".so") or ".so." in weightbus.library_path
+    assert "BF16" in weightbus.DTYPES and "F8_E4M3" in weightbus.DTYPES
+
+
+def _sample_tensors():
+    base = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    return {
+        "f32": torch.randn(3, 4),
+        "f16": torch.randn(5).half(),
+        "bf16": torch.randn(2, 3).to(torch.bfloat16),
+        "f64": torch.randn(2, 2, dtype=torch.float64),
+        "i8": torch.tensor([-3, -2, -1, 0, 1, 2], dtype=torch.int8),
+        "i16": torch.tensor([-300, 300], dtype=torch.int16),
+        "i32": torch.tensor([[1, -2], [3, -4]], dtype=torch.int32),
+        "i64": torch.tensor([2**40, -(2**40)]),
+        "u8": torch.tensor([0, 255], dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "transposed": base.t(),                   # non-contiguous (strides)
+        "sliced": base[2:5, 1:7:2],               # storage offset + strides
+        "scalar": torch.tensor(3.5),              # 0-d
+        "empty": torch.empty(0, 4),
+        "param": torch.nn.Parameter(torch.ones(3)),  # requires grad
+        "np_f32": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "np_i64_reversed": np.arange(5, dtype=np.int64)[::-1],  # negative stride
+        "np_bool": np.array([True, False]),
+        "np_bf16_bits": np.array([0x3F80, 0xC000], dtype=np.uint16),  # bf16 1.0, -2.0
+    }
+
+
+def _expected(value):
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.array(value))  # a writable, contiguous copy
+    return value.detach()
+
+
+def test_roundtrip_every_dtype_and_layout(channel):
+    tensors = _sample_tensors()
+    readonly = np.arange(4, dtype=np.int32)
+    readonly.setflags(write=False)
+    tensors["np_readonly"] = readonly
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        stats = pub.publish(1, tensors, metadata={"step": 1, "ok": True},
+                            dtypes={"np_bf16_bits": "BF16"})
+        assert stats.version == 1 and stats.bytes > 0 and stats.stall > 0
+        assert pub.latest_version == 1
+        update = sub.wait(1, timeout=30)
+    assert update.version == 1
+    assert update.names == list(tensors)
+    assert update.metadata == {"step": "1", "ok": "true"}
+    assert update.dtypes["bool"] == "BOOL" and update.dtypes["np_bool"] == "BOOL"
+    assert update.dtypes["np_bf16_bits"] == "BF16" and update.dtypes["bf16"] == "BF16"
+    manifest = update.manifest
+    assert manifest["version"] == 1
+    assert [t["name"] for t in manifest["tensors"]] == list(tensors)
+    for name, value in tensors.items():
+        got = update[name]
+        if name == "np_bf16_bits":
+            assert got.dtype == torch.bfloat16
+            assert got.tolist() == [1.0, -2.0]
+            continue
+        want = _expected(value)
+        assert got.dtype == want.dtype, name
+        assert tuple(got.shape) == tuple(want.shape), name
+        assert torch.equal(got, want), name
+    assert update.stats.bytes == sum(t["nbytes"] for t in manifest["tensors"])
+
+
+def test_iterable_of_pairs_and_newest_version(channel):
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        for v in (1, 2, 3):
+            pub.publish(v, [("w", torch.full((2,), float(v)))])
+        update = sub.wait(0, timeout=30)  # the newest available, not the first
+        assert update.version == 3 and sub.current_version == 3
+        assert [(n, t.tolist()) for n, t in update] == [("w", [3.0, 3.0])]
+
+
+def test_poll_takes_what_is_there_without_waiting(channel):
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        assert sub.poll(1) is None                    # nothing committed: None, no error
+        pub.publish(1, {"w": torch.ones(2)})
+        pub.publish(2, {"w": torch.full((2,), 2.0)})
+        update = sub.poll(1)
+        assert update.version == 2 and update["w"].tolist() == [2.0, 2.0]
+        assert sub.poll(sub.current_version + 1) is None
+        assert sub.current_version == 2
+
+
+def _c_data_pointer(update, index):
+    dl = ctypes.POINTER(_lib.DLTensor)()
+    weightbus.errors.check(_lib.lib.wb_update_tensor(update._h(), index, None, None,
+                                                     ctypes.byref(dl)))
+    return dl.contents.data
+
+
+def test_receive_is_zero_copy_and_outlives_the_update(channel):
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, {"a": torch.arange(16, dtype=torch.float32), "b": torch.ones(3)})
+    sub = weightbus.Subscriber(channel)
+    update = sub.wait(1, timeout=30)
+    a = update["a"]
+    assert a.data_ptr() == _c_data_pointer(update, 0)       # a view of the library's buffer
+    assert update["a"] is a                                   # one view per tensor
+    assert update.numpy("a").ctypes.data == a.data_ptr()     # numpy view of the same bytes
+    update.close()
+    sub.close()
+    del update, sub
+    assert a.tolist() == list(range(16))  # the tensor keeps the memory alive
+
+
+def test_closed_update_and_subscriber_refuse_calls(channel):
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, {"a": torch.zeros(2)})
+    sub = weightbus.Subscriber(channel)
+    update = sub.wait(1, timeout=30)
+    update.close()
+    with pytest.raises(ValueError, match="Update is closed"):
+        update["a"]
+    sub.close()
+    with pytest.raises(ValueError, match="Subscriber is closed"):
+        sub.wait(0, timeout=0)
+
+
+def test_publish_reads_caller_memory_in_place():
+    t = torch.randn(4, 4)
+    arr = np.ones((3, 2), dtype=np.float32)
+    outgoing = _tensors.Outgoing(3)
+    outgoing.set(0, "t", t)
+    outgoing.set(1, "arr", arr)
+    outgoing.set(2, "col", t[:, 1])
+    assert outgoing.tensors[0].data == t.data_ptr()
+    assert outgoing.tensors[1].data == arr.ctypes.data
+    assert outgoing.tensors[2].data == t[:, 1].data_ptr()
+    assert [outgoing.tensors[2].strides[i] for i in range(1)] == [4]
+
+
+def test_bind_receives_into_existing_parameters(channel):
+    source = torch.nn.Linear(4, 3)
+    published = {k: v.detach().clone() for k, v in source.state_dict().items()}
+    replica = torch.nn.Linear(4, 3)
+    storage = torch.zeros(4, 3)
+    strided_dest = storage.t()              # [3, 4] non-contiguous destination
+    numpy_dest = np.zeros(3, dtype=np.float32)
+    bf16_bits = np.zeros(2, dtype=np.uint16)
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        sub.bind(dict(replica.named_parameters()))
+        sub.bind({"copy": strided_dest, "bias_np": numpy_dest})
+        sub.bind({"bits": bf16_bits}, dtypes={"bits": "BF16"})
+        pub.publish(1, {**published, "copy": published["weight"],
+                        "bias_np": published["bias"],
+                        "bits": torch.tensor([1.0, -2.0], dtype=torch.bfloat16)})
+        update = sub.wait(1, timeout=30)
+    assert torch.equal(replica.weight, published["weight"])
+    assert torch.equal(replica.bias, published["bias"])
+    assert update["weight"] is replica.weight        # bound names yield the caller's tensor
+    assert torch.equal(strided_dest, published["weight"])
+    assert np.array_equal(numpy_dest, published["bias"].numpy())
+    assert bf16_bits.tolist() == [0x3F80, 0xC000]
+
+
+def test_bind_mismatch_raises_and_writes_nothing(channel):
+    dest = torch.full((3, 2), 7.0)
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        pub.publish(1, {"w": torch.zeros(2, 3)})
+        sub.bind({"w": dest})
+        with pytest.raises(weightbus.InvalidArgumentError) as info:
+            sub.wait(1, timeout=30)
+        assert "is F32 [2, 3] but its bound destination is F32 [3, 2]" in str(info.value)
+        assert isinstance(info.value, ValueError) and not info.value.retryable
+        assert torch.equal(dest, torch.full((3, 2), 7.0))
+        sub.unbind("w")
+        assert sub.wait(1, timeout=30)["w"].shape == (2, 3)
+        with pytest.raises(ValueError, match="read-only"):
+            ro = np.zeros(2)
+            ro.setflags(write=False)
+            sub.bind({"ro": ro})
+
+
+def test_errors_are_typed_and_carry_the_message(channel, tmp_path):
+    with pytest.raises(weightbus.InvalidArgumentError, match="retentionn") as info:
+        weightbus.Publisher(channel, retentionn=3)
+    assert info.value.status == 100 and info.value.status_name == "WB_INVALID_ARGUMENT"
+    with pytest.raises(weightbus.UnimplementedError, match="disk") as info:
+        weightbus.Subscriber("nope:///x")
+    assert isinstance(info.value, NotImplementedError)
+    with weightbus.Publisher(channel, retention=2, fsync=False) as pub:
+        with pytest.raises(weightbus.FailedPreconditionError,
+                           match="another publisher holds the channel"):
+            weightbus.Publisher(channel)
+        pub.publish(5, {"x": torch.zeros(1)})
+        with pytest.raises(weightbus.FailedPreconditionError,
+                           match="cannot publish version 5: the channel already has version 5"):
+            pub.publish(5, {"x": torch.zeros(1)})
+        with pytest.raises(weightbus.InvalidArgumentError, match='"x": dtype override F32'):
+            pub.publish(6, {"x": np.zeros(2, np.uint8)}, dtypes={"x": "F32"})
+        with pytest.raises(TypeError, match="no safetensors element type"):
+            pub.publish(6, {"x": torch.zeros(2, dtype=torch.complex64)})
+        with pytest.raises(ValueError, match="dtypes names tensors that are not published"):
+            pub.publish(6, {"x": torch.zeros(1)}, dtypes={"y": "BF16"})
+    with weightbus.Subscriber(channel) as sub:
+        with pytest.raises(weightbus.DeadlineExceededError, match="no version >= 9") as info:
+            sub.wait(9, timeout=0.05)
+        assert info.value.retryable and isinstance(info.value, TimeoutError)
+    assert set(weightbus.errors.ERRORS) == {1, 2, 3, 4, 100, 101, 102, 103, 104, 105, 106, 107,
+                                            108, 200, 201}
+    for status, cls in weightbus.errors.ERRORS.items():
+        assert _lib.lib.wb_status_string(status).decode().startswith(cls.status_name)
+        assert cls.retryable == (1 <= status <= 99)
+
+
+def test_blocking_wait_releases_the_gil(channel):
+    """A thread blocks in wait(); this thread must still run Python (and publish what the
+    other waits for). If wait() held the GIL, the publish could only start after the wait
+    timed out, and the waiter would get DeadlineExceededError."""
+    results = {}
+    entered = threading.Event()
+    sub = weightbus.Subscriber(channel)
+
+    def waiter():
+        entered.set()
+        try:
+            results["version"] = sub.wait(1, timeout=60).version
+        except weightbus.WeightbusError as e:  # pragma: no cover - the failure being tested
+            results["error"] = e
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    entered.wait()
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, {"x": torch.ones(4)})
+    thread.join(timeout=120)
+    assert results == {"version": 1}
+    sub.close()
+
+
+def test_cuda_tensors_go_through_host_memory(channel, monkeypatch):
+    """The host-staging path used for CUDA tensors, exercised with CPU tensors standing in
+    (no GPU here); with a GPU, test_cuda_roundtrip covers the real thing."""
+    monkeypatch.setattr(_api, "_needs_host_staging", lambda t: _tensors.is_torch_tensor(t))
+    dest = torch.zeros(2, 3)
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        sub.bind({"w": dest})
+        assert "w" in sub._staged and sub._staged["w"][1] is not dest
+        pub.publish(1, {"w": torch.arange(6.0).reshape(2, 3)})
+        update = sub.wait(1, timeout=30)
+    assert dest.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert update["w"] is dest
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_roundtrip(channel):
+    source = torch.randn(4, 4, device="cuda")
+    dest = torch.zeros(4, 4, device="cuda")
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        sub.bind({"w": dest})
+        pub.publish(1, {"w": source})
+        sub.wait(1, timeout=30)
+    assert torch.equal(dest, source)
+
+
+class _DLPackOnly:
+    """An object that speaks only the DLPack protocol."""
+
+    def __init__(self, tensor):
+        self._tensor = tensor
+
+    def __dlpack__(self, stream=None):
+        return torch.utils.dlpack.to_dlpack(self._tensor)
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def test_any_dlpack_object_can_be_published(channel):
+    value = torch.arange(6, dtype=torch.int16).reshape(3, 2).t()
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        pub.publish(1, {"d": _DLPackOnly(value)})
+        assert torch.equal(sub.wait(1, timeout=30)["d"], value)
+
+
+def test_options_and_closed_objects(channel):
+    pub = weightbus.Publisher(channel, retention=1)
+    pub.publish(1, {"x": torch.zeros(1)})
+    pub.close()
+    pub.close()  # idempotent
+    with pytest.raises(ValueError, match="Publisher is closed"):
+        pub.publish(2, {"x": torch.zeros(1)})
+    with pytest.raises(ValueError, match="timeout must be"):
+        weightbus.Subscriber(channel).wait(0, timeout=-1)

@@ -1,0 +1,384 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Publisher, Subscriber and Update over the C API."""
+import ctypes
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Iterator, Optional, Tuple, Union
+
+from . import _lib, _tensors
+from ._lib import lib, new_params
+from .errors import check
+
+TensorsArg = Union[Mapping, Iterable[Tuple[str, Any]]]
+
+
+def _timeout_ms(timeout: Optional[float]) -> int:
+    """Seconds (None: forever) -> the C API's milliseconds (rounded up, so a positive timeout
+    never becomes 0)."""
+    if timeout is None:
+        return _lib.WB_TIMEOUT_INFINITE
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
+    return int(math.ceil(timeout * 1000))
+
+
+def _items(tensors: TensorsArg):
+    items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError("tensors must be a dict {name: tensor} or an iterable of "
+                            f"(name, tensor) pairs; got an element {item!r:.80}")
+    return items
+
+
+def _option_text(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _options_array(options: Mapping):
+    """A wb_option_t array (and what keeps its strings alive)."""
+    encoded = [(str(k).encode(), _option_text(v).encode()) for k, v in options.items()]
+    array = (_lib.wb_option_t * max(len(encoded), 1))(*[_lib.wb_option_t(k, v)
+                                                         for k, v in encoded])
+    return array, len(encoded), encoded
+
+
+def _open_params(options: Mapping):
+    params = new_params(_lib.wb_open_params_t)
+    array, count, keep = _options_array(options)
+    params.options = ctypes.cast(array, ctypes.POINTER(_lib.wb_option_t))
+    params.num_options = count
+    return params, (array, keep)
+
+
+def _needs_host_staging(tensor) -> bool:
+    """True for tensors this build's transports cannot read or write in place (CUDA memory:
+    every transport in this release moves host memory)."""
+    return _tensors.is_torch_tensor(tensor) and tensor.device.type != "cpu"
+
+
+@dataclass(frozen=True)
+class PublishStats:
+    """Figures of the last successful publish (seconds)."""
+    version: int
+    bytes: int
+    stall: float
+    pack: float
+    checksum_wait: float
+    transport: float
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """Timing of one received version (seconds; ready_unix_ns on CLOCK_REALTIME)."""
+    bytes: int
+    wait: float
+    allocate: float
+    fetch: float
+    verify_wait: float
+    copy_out: float
+    ready_unix_ns: int
+
+
+class _Handle:
+    """Owns one C handle; closes it once (close(), `with`, or garbage collection)."""
+
+    _destroy = None
+
+    def __init__(self):
+        self._handle = None
+
+    def _h(self):
+        if self._handle is None:
+            raise ValueError(f"{type(self).__name__} is closed")
+        return self._handle
+
+    def close(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None and lib is not None:
+            type(self)._destroy(handle)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class Publisher(_Handle):
+    """Publishes versions of named tensors to one channel.
+
+        with weightbus.Publisher("disk:///mnt/ch", retention=3) as pub:
+            pub.publish(step, model.state_dict(), metadata={"step": str(step)})
+
+    Options are settings by name (`weightbus settings` lists them); values may be str, int,
+    float or bool. Only one live publisher may hold a channel.
+    """
+
+    _destroy = staticmethod(lambda h: lib.wb_publisher_destroy(h))
+
+    def __init__(self, uri: str, **options):
+        super().__init__()
+        params, keep = _open_params(options)
+        handle = ctypes.c_void_p()
+        check(lib.wb_publisher_create(uri.encode(), ctypes.byref(params), ctypes.byref(handle)))
+        self._handle = handle
+        self.uri = uri
+
+    def publish(self, version: int, tensors: TensorsArg, metadata: Optional[Mapping] = None,
+                dtypes: Optional[Mapping[str, str]] = None,
+                timeout: Optional[float] = 60.0) -> PublishStats:
+        """Publishes `tensors` ({name: tensor} or (name, tensor) pairs: torch tensors, numpy
+        arrays or DLPack objects, any strides) as `version`, all or nothing. `version` must be
+        above every version on the channel. The bytes are read during the call only (zero-copy:
+        contiguous tensors are read in place, strided ones packed by the library); CUDA tensors
+        are copied to host memory first. `dtypes` overrides element types by name, e.g.
+        {"w": "BF16"} for a uint16 numpy array of bf16 bits. Blocks up to `timeout` seconds
+        (None: forever) with the GIL released. Returns the publish's figures."""
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        items = _items(tensors)
+        dtypes = dict(dtypes or {})
+        unknown = set(dtypes) - {name for name, _ in items}
+        if unknown:
+            raise ValueError(f"dtypes names tensors that are not published: {sorted(unknown)}")
+        outgoing = _tensors.Outgoing(len(items))
+        names = (ctypes.c_char_p * max(len(items), 1))()
+        for i, (name, obj) in enumerate(items):
+            if _needs_host_staging(obj):
+                obj = obj.detach().to("cpu")
+            names[i] = name.encode()
+            outgoing.set(i, name, obj, dtypes.get(name))
+        params = new_params(_lib.wb_publish_params_t)
+        meta_array, meta_count, meta_keep = _options_array(dict(metadata or {}))
+        params.metadata = ctypes.cast(meta_array, ctypes.POINTER(_lib.wb_option_t))
+        params.num_metadata = meta_count
+        params.dtypes = ctypes.cast(outgoing.overrides, ctypes.POINTER(ctypes.c_int))
+        check(lib.wb_publisher_publish(self._h(), version, names, outgoing.tensors, len(items),
+                                       ctypes.byref(params), _timeout_ms(timeout)))
+        del meta_keep, outgoing
+        return self.last_stats
+
+    @property
+    def latest_version(self) -> Optional[int]:
+        """The newest version on the channel (published by anyone), or None."""
+        has, version = ctypes.c_bool(), ctypes.c_uint64()
+        check(lib.wb_publisher_latest_version(self._h(), ctypes.byref(has),
+                                              ctypes.byref(version)))
+        return version.value if has.value else None
+
+    @property
+    def last_stats(self) -> PublishStats:
+        s = new_params(_lib.wb_publish_stats_t)
+        check(lib.wb_publisher_last_stats(self._h(), ctypes.byref(s)))
+        return PublishStats(s.version, s.bytes, s.stall_ns / 1e9, s.pack_ns / 1e9,
+                            s.checksum_wait_ns / 1e9, s.transport_ns / 1e9)
+
+
+class Update(_Handle):
+    """One received, verified version (immutable).
+
+    Iterating yields (name, torch.Tensor) in publish order: zero-copy views of library memory
+    (valid for as long as the tensor object lives, even after close()), or the caller's own
+    tensors for names bound with Subscriber.bind. Do not write into the library's views.
+    """
+
+    _destroy = staticmethod(lambda h: lib.wb_update_destroy(h))
+
+    def __init__(self, handle, bound: Dict[str, Any]):
+        """Takes ownership of `handle` only if it returns (the caller destroys it otherwise)."""
+        super().__init__()
+        self._bound = bound
+        value = ctypes.c_uint64()
+        check(lib.wb_update_version(handle, ctypes.byref(value)))
+        self.version: int = value.value
+        count = ctypes.c_size_t()
+        check(lib.wb_update_num_tensors(handle, ctypes.byref(count)))
+        self.names = []
+        self.dtypes: Dict[str, str] = {}
+        for i in range(count.value):
+            name, dtype = ctypes.c_char_p(), ctypes.c_int()
+            check(lib.wb_update_tensor(handle, i, ctypes.byref(name), ctypes.byref(dtype), None))
+            decoded = name.value.decode("utf-8")
+            self.names.append(decoded)
+            self.dtypes[decoded] = _lib.DTYPE_NAMES[dtype.value]
+        self._index = {name: i for i, name in enumerate(self.names)}
+        self._torch: Dict[str, Any] = {}
+        self._manifest = None
+        s = new_params(_lib.wb_update_stats_t)
+        check(lib.wb_update_stats(handle, ctypes.byref(s)))
+        self.stats = UpdateStats(s.bytes, s.wait_ns / 1e9, s.allocate_ns / 1e9, s.fetch_ns / 1e9,
+                                 s.verify_wait_ns / 1e9, s.copy_out_ns / 1e9, s.ready_unix_ns)
+        self._handle = handle
+
+    @property
+    def manifest(self) -> Dict[str, Any]:
+        """The manifest (docs/FORMAT.md, "weightbus.manifest/1") as a dict: tensors with dtype,
+        shape, nbytes and xxh3, publisher identity, timestamps, metadata."""
+        if self._manifest is None:
+            text, length = ctypes.c_char_p(), ctypes.c_size_t()
+            check(lib.wb_update_manifest_json(self._h(), ctypes.byref(text),
+                                              ctypes.byref(length)))
+            self._manifest = json.loads(text.value.decode("utf-8"))
+        return self._manifest
+
+    @property
+    def metadata(self) -> Dict[str, str]:
+        return dict(self.manifest.get("metadata", {}))
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name) -> bool:
+        return name in self._index
+
+    def __getitem__(self, name: str):
+        """The tensor `name` as a torch.Tensor (bound names: the caller's tensor)."""
+        if name in self._bound:
+            return self._bound[name]
+        if name not in self._torch:
+            if name not in self._index:
+                raise KeyError(f"version {self.version} has no tensor named {name!r}")
+            self._torch[name] = _tensors.export_torch(self._h(), self._index[name],
+                                                      self.dtypes[name])
+        return self._torch[name]
+
+    def __iter__(self) -> Iterator[Tuple[str, Any]]:
+        for name in self.names:
+            yield name, self[name]
+
+    def items(self):
+        return list(iter(self))
+
+    def numpy(self, name: str):
+        """The tensor `name` as a zero-copy numpy array (BF16 as uint16 bits)."""
+        if name not in self._index:
+            raise KeyError(f"version {self.version} has no tensor named {name!r}")
+        return _tensors.export_numpy(self._h(), self._index[name], self.dtypes[name])
+
+    def arrays(self) -> Iterator[Tuple[str, Any]]:
+        for name in self.names:
+            yield name, self.numpy(name)
+
+    def __repr__(self) -> str:
+        return f"<weightbus.Update version={self.version} tensors={len(self.names)}>"
+
+
+class Subscriber(_Handle):
+    """Receives versions from one channel.
+
+        sub = weightbus.Subscriber("disk:///mnt/ch")
+        sub.bind(dict(model.named_parameters()))     # optional: receive in place
+        update = sub.wait(min_version=1, timeout=30)
+        for name, tensor in update: ...
+
+    Options are settings by name, as for Publisher. The channel need not exist yet.
+    """
+
+    _destroy = staticmethod(lambda h: lib.wb_subscriber_destroy(h))
+
+    def __init__(self, uri: str, **options):
+        super().__init__()
+        params, keep = _open_params(options)
+        handle = ctypes.c_void_p()
+        check(lib.wb_subscriber_create(uri.encode(), ctypes.byref(params),
+                                       ctypes.byref(handle)))
+        self._handle = handle
+        self.uri = uri
+        self._bound: Dict[str, Any] = {}   # name -> what the library writes into
+        self._staged: Dict[str, Tuple[Any, Any]] = {}  # name -> (caller's tensor, host copy)
+
+    def bind(self, tensors: TensorsArg, dtypes: Optional[Mapping[str, str]] = None) -> None:
+        """Makes later updates write each named tensor straight into the given tensor (torch
+        CPU tensors, e.g. parameters, and writable numpy arrays, any strides) instead of library
+        memory. With the default bind_mode=staged, bytes are verified before a destination is
+        touched. A CUDA tensor is bound through a host buffer that each wait copies into it.
+        The tensors must keep their dtype, shape and memory while bound. A destination that no
+        longer matches the published tensor fails the wait (InvalidArgumentError, nothing
+        written)."""
+        dtypes = dict(dtypes or {})
+        for name, obj in _items(tensors):
+            if _tensors.is_numpy_array(obj) and not obj.flags.writeable:
+                raise ValueError(f"array {name!r} is read-only and cannot be a destination")
+            target = obj
+            if _needs_host_staging(obj):
+                import torch
+                obj = torch.empty_strided(tuple(obj.shape), tuple(obj.stride()), dtype=obj.dtype,
+                                          device="cpu", pin_memory=torch.cuda.is_available())
+            outgoing = _tensors.Outgoing(1)
+            outgoing.set(0, name, obj, dtypes.get(name))
+            params = new_params(_lib.wb_bind_params_t)
+            params.dtype = outgoing.overrides[0]
+            check(lib.wb_subscriber_bind(self._h(), name.encode(), outgoing.tensors,
+                                         ctypes.byref(params)))
+            self._bound[name] = target
+            if target is not obj:
+                self._staged[name] = (target, obj)
+            else:
+                self._staged.pop(name, None)
+
+    def unbind(self, name: Optional[str] = None) -> None:
+        """Removes the binding of `name`, or every binding when `name` is None."""
+        if name is None:
+            check(lib.wb_subscriber_unbind_all(self._h()))
+            self._bound.clear()
+            self._staged.clear()
+        else:
+            check(lib.wb_subscriber_unbind(self._h(), name.encode()))
+            self._bound.pop(name, None)
+            self._staged.pop(name, None)
+
+    def wait(self, min_version: int = 0, timeout: Optional[float] = 60.0) -> Update:
+        """Waits up to `timeout` seconds (None: forever), with the GIL released, for a version
+        >= max(min_version, current_version), receives and verifies it (the newest when several
+        are available) and returns it. Raises DeadlineExceededError (retryable) on timeout,
+        InvalidArgumentError for a bound tensor that does not match, DataLossError for a
+        corrupted version; the previous version stays current on every error."""
+        handle = ctypes.c_void_p()
+        check(lib.wb_subscriber_wait(self._h(), min_version, _timeout_ms(timeout),
+                                     ctypes.byref(handle)))
+        return self._received(handle)
+
+    def poll(self, min_version: int = 0,
+             receive_timeout: Optional[float] = 60.0) -> Optional[Update]:
+        """Does not wait for a version to appear: if a version >= max(min_version,
+        current_version) is available now, receives it (the newest; up to `receive_timeout`
+        seconds, GIL released) and returns it, else returns None. Pass current_version + 1 to
+        ask for a newer one, as a replica does between rollouts."""
+        handle = ctypes.c_void_p()
+        check(lib.wb_subscriber_poll(self._h(), min_version, _timeout_ms(receive_timeout),
+                                     ctypes.byref(handle)))
+        return self._received(handle) if handle.value else None
+
+    def _received(self, handle) -> Update:
+        try:
+            update = Update(handle, dict(self._bound))
+        except BaseException:
+            lib.wb_update_destroy(handle)
+            raise
+        if self._staged:
+            import torch
+            for name, (target, host) in self._staged.items():
+                if name in update:
+                    target.copy_(host, non_blocking=target.device.type == "cuda")
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the host buffers are rewritten by the next wait
+        return update
+
+    @property
+    def current_version(self) -> Optional[int]:
+        """The version of the last update handed over, or None."""
+        has, version = ctypes.c_bool(), ctypes.c_uint64()
+        check(lib.wb_subscriber_current_version(self._h(), ctypes.byref(has),
+                                                ctypes.byref(version)))
+        return version.value if has.value else None

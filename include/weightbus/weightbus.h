@@ -1,0 +1,327 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * weightbus C API: the stable ABI of libweightbus (C11, usable from C and any FFI).
+ *
+ * A trainer publishes versions of a set of named tensors to a channel named by a URI; inference
+ * replicas subscribe and receive each version whole and verified, or not at all:
+ *
+ *   disk:///path/to/channel   a shared filesystem; each version is a safetensors checkpoint
+ *
+ * Conventions (docs/CONVENTIONS.md, "The C API"):
+ *   - Every symbol starts with wb_ (WB_ for macros and enumerators); handles are typed and
+ *     opaque; every create has a destroy that accepts NULL.
+ *   - Every function that can fail returns wb_status_t. Outputs are the last parameters and are
+ *     written only when the call returns WB_OK. The full message of the last failed call on the
+ *     calling thread is wb_last_error_message().
+ *   - No C++ exception crosses this API; a bad_alloc becomes WB_RESOURCE_EXHAUSTED and any other
+ *     exception WB_INTERNAL.
+ *   - Parameter structs start with `struct_size`; initialize them with their WB_*_INIT macro.
+ *     A library reads only the first struct_size bytes (fields an older caller does not know
+ *     take their defaults) and rejects non-zero bytes beyond the fields it knows
+ *     (WB_UNIMPLEMENTED), so structs grow without breaking the ABI. A NULL params pointer means
+ *     every default.
+ *   - Tensors cross as DLPack 0.6 DLTensor (dlpack/dlpack.h) with their names alongside.
+ *     DLPack 0.6 has no code for BOOL, F8_E4M3 and F8_E5M2: pass such tensors as 8-bit unsigned
+ *     integers and name the real type in a wb_dtype_t override; received ones are exposed as
+ *     uint8 DLTensors whose wb_dtype_t says what they are. An override also lets a caller
+ *     publish, e.g., a uint16 array as BF16 (the element sizes must agree).
+ *   - Timeouts are in milliseconds; WB_TIMEOUT_INFINITE (any negative value) waits forever.
+ *
+ * Thread safety: every function may be called from any thread. Calls on one publisher or one
+ * subscriber are serialized internally. A wb_update_t is immutable and may be read from several
+ * threads at once.
+ */
+#pragma once
+
+#include <dlpack/dlpack.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "weightbus/export.h"
+#include "weightbus/version.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------------------------ */
+/* Status                                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+/*
+ * Result of every fallible call, in three ranges:
+ *   0         success
+ *   1..99     transient: the same call may succeed later (WB_STATUS_IS_RETRYABLE)
+ *   100..199  the call is wrong, conflicts with the channel's state, or the data is bad:
+ *             repeating the same call fails the same way
+ *   200..255  unexpected failure inside the library or the system; read the message
+ */
+typedef enum wb_status {
+  WB_OK = 0,
+
+  WB_DEADLINE_EXCEEDED = 1,   /* the timeout passed first */
+  WB_UNAVAILABLE = 2,         /* a peer is gone or not reachable yet */
+  WB_RESOURCE_EXHAUSTED = 3,  /* out of disk space or memory: retry after freeing some */
+  WB_ABORTED = 4,             /* interrupted by a concurrent operation */
+
+  WB_INVALID_ARGUMENT = 100,     /* the caller's input: tensor, URI, setting, binding */
+  WB_FAILED_PRECONDITION = 101,  /* channel state: version not above the latest, channel held */
+  WB_NOT_FOUND = 102,            /* a named file, tensor or channel does not exist */
+  WB_ALREADY_EXISTS = 103,       /* something to be created exists already */
+  WB_PERMISSION_DENIED = 104,    /* the system refused access (the message names the path) */
+  WB_OUT_OF_RANGE = 105,         /* an index or value past the valid range */
+  WB_UNIMPLEMENTED = 106,        /* a feature, transport, device or struct field not built in */
+  WB_DATA_LOSS = 107,            /* stored or received bytes are malformed or fail a checksum */
+  WB_CANCELLED = 108,            /* the operation was cancelled */
+
+  WB_INTERNAL = 200,  /* unexpected system error; the message carries the errno text */
+  WB_UNKNOWN = 201    /* an error the library could not classify */
+} wb_status_t;
+
+/* True for the transient range: the same call may succeed if repeated later. */
+#define WB_STATUS_IS_RETRYABLE(status) ((status) >= 1 && (status) <= 99)
+
+/* The enumerator's name and meaning, e.g. "WB_DEADLINE_EXCEEDED: the timeout passed first
+ * (retryable)". A static string, never NULL (also for values outside the enum). */
+WB_EXPORT const char* wb_status_string(wb_status_t status);
+
+/* The full message of the last wb_ call on this thread that returned a status: "" after a
+ * success, the error text (naming URI, tensor, version and both sides of a mismatch) after a
+ * failure. Valid until the next such call on this thread. Never NULL. */
+WB_EXPORT const char* wb_last_error_message(void);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Library version                                                                             */
+/* ------------------------------------------------------------------------------------------ */
+
+/* The library's version, "MAJOR.MINOR.PATCH" (WEIGHTBUS_VERSION_STRING when it was built). */
+WB_EXPORT const char* wb_version(void);
+
+/* The library's WEIGHTBUS_VERSION (major * 10000 + minor * 100 + patch). */
+WB_EXPORT uint32_t wb_version_number(void);
+
+/* WB_OK when this library can serve a program compiled against `compiled_version` (the
+ * program's WEIGHTBUS_VERSION): same major version, and a library at least as new. Otherwise
+ * WB_FAILED_PRECONDITION naming both versions. Call it as WB_CHECK_VERSION(). */
+WB_EXPORT wb_status_t wb_check_version(uint32_t compiled_version);
+#define WB_CHECK_VERSION() wb_check_version(WEIGHTBUS_VERSION)
+
+/* ------------------------------------------------------------------------------------------ */
+/* Element types                                                                               */
+/* ------------------------------------------------------------------------------------------ */
+
+/* The safetensors element types. WB_DTYPE_FROM_DLPACK (0) means "as the DLTensor says". */
+typedef enum wb_dtype {
+  WB_DTYPE_FROM_DLPACK = 0,
+  WB_DTYPE_BOOL = 1,
+  WB_DTYPE_U8 = 2,
+  WB_DTYPE_I8 = 3,
+  WB_DTYPE_U16 = 4,
+  WB_DTYPE_I16 = 5,
+  WB_DTYPE_F16 = 6,
+  WB_DTYPE_BF16 = 7,
+  WB_DTYPE_U32 = 8,
+  WB_DTYPE_I32 = 9,
+  WB_DTYPE_F32 = 10,
+  WB_DTYPE_U64 = 11,
+  WB_DTYPE_I64 = 12,
+  WB_DTYPE_F64 = 13,
+  WB_DTYPE_F8_E4M3 = 14,
+  WB_DTYPE_F8_E5M2 = 15
+} wb_dtype_t;
+
+/* The safetensors name of `dtype` ("BF16", "F8_E4M3", ...); "FROM_DLPACK" for 0 and "?" for a
+ * value outside the enum. A static string, never NULL. */
+WB_EXPORT const char* wb_dtype_name(wb_dtype_t dtype);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Parameters                                                                                  */
+/* ------------------------------------------------------------------------------------------ */
+
+#define WB_TIMEOUT_INFINITE ((int64_t)-1)
+
+/* A setting or metadata entry: NUL-terminated UTF-8 key and value, both non-NULL. */
+typedef struct wb_option {
+  const char* key;
+  const char* value;
+} wb_option_t;
+
+/* Parameters of wb_publisher_create and wb_subscriber_create. */
+typedef struct wb_open_params {
+  size_t struct_size;          /* sizeof(wb_open_params_t) */
+  const wb_option_t* options;  /* settings by name (as the URI query; these win), or NULL */
+  size_t num_options;          /* a key given twice is WB_INVALID_ARGUMENT */
+} wb_open_params_t;
+#define WB_OPEN_PARAMS_INIT {sizeof(wb_open_params_t), NULL, 0}
+
+/* Parameters of wb_publisher_publish. */
+typedef struct wb_publish_params {
+  size_t struct_size;           /* sizeof(wb_publish_params_t) */
+  const wb_option_t* metadata;  /* user metadata stored with the version, or NULL */
+  size_t num_metadata;
+  const wb_dtype_t* dtypes;     /* NULL, or one per tensor: FROM_DLPACK or an override */
+} wb_publish_params_t;
+#define WB_PUBLISH_PARAMS_INIT {sizeof(wb_publish_params_t), NULL, 0, NULL}
+
+/* Parameters of wb_subscriber_bind. */
+typedef struct wb_bind_params {
+  size_t struct_size;  /* sizeof(wb_bind_params_t) */
+  wb_dtype_t dtype;    /* FROM_DLPACK or an override of the destination's element type */
+} wb_bind_params_t;
+#define WB_BIND_PARAMS_INIT {sizeof(wb_bind_params_t), WB_DTYPE_FROM_DLPACK}
+
+/* Figures of the last successful publish (durations in nanoseconds). An output struct: set
+ * struct_size (WB_PUBLISH_STATS_INIT); the library fills the fields that fit in it. */
+typedef struct wb_publish_stats {
+  size_t struct_size;
+  uint64_t version;
+  uint64_t bytes;            /* tensor bytes published */
+  int64_t stall_ns;          /* wall time the publish call blocked its caller */
+  int64_t pack_ns;           /* packing non-contiguous tensors */
+  int64_t checksum_wait_ns;  /* waiting for checksums after the transport was done */
+  int64_t transport_ns;      /* the transport's part (disk: write, fsync, commit) */
+} wb_publish_stats_t;
+#define WB_PUBLISH_STATS_INIT {sizeof(wb_publish_stats_t), 0, 0, 0, 0, 0, 0}
+
+/* Timing of one received version (durations in nanoseconds). Output struct as above. */
+typedef struct wb_update_stats {
+  size_t struct_size;
+  uint64_t bytes;          /* tensor bytes received */
+  int64_t wait_ns;         /* until a new enough version was found */
+  int64_t allocate_ns;     /* mapping library buffers */
+  int64_t fetch_ns;        /* receiving the bytes (checksums overlap with it) */
+  int64_t verify_wait_ns;  /* waiting for checksums after the last byte arrived */
+  int64_t copy_out_ns;     /* copying staged bytes into bound destinations */
+  int64_t ready_unix_ns;   /* when the version was complete and verified (CLOCK_REALTIME) */
+} wb_update_stats_t;
+#define WB_UPDATE_STATS_INIT {sizeof(wb_update_stats_t), 0, 0, 0, 0, 0, 0, 0}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Publisher                                                                                   */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef struct wb_publisher wb_publisher_t;
+
+/* Opens `uri` for publishing. Errors: WB_INVALID_ARGUMENT (malformed URI or setting),
+ * WB_UNIMPLEMENTED (scheme not built in; the message lists those that are),
+ * WB_FAILED_PRECONDITION (another live publisher holds the channel), transport errors. */
+WB_EXPORT wb_status_t wb_publisher_create(const char* uri, const wb_open_params_t* params,
+                                          wb_publisher_t** publisher);
+
+/* Releases the channel (versions already published stay available). NULL is a no-op. */
+WB_EXPORT void wb_publisher_destroy(wb_publisher_t* publisher);
+
+/* Publishes `num_tensors` tensors as `version`, all or nothing. names[i] names tensors[i]
+ * (unique, non-empty UTF-8). The bytes are read during the call only (non-contiguous tensors,
+ * i.e. with strides, are packed first; byte_offset is honoured). `version` must be above every
+ * version on the channel. Errors: WB_FAILED_PRECONDITION (version not above the latest),
+ * WB_INVALID_ARGUMENT (a bad name, dtype, shape, strides or override, naming the tensor),
+ * WB_UNIMPLEMENTED (a device this build's transports do not accept, e.g. kDLCUDA without a GPU
+ * transport), WB_DEADLINE_EXCEEDED, WB_RESOURCE_EXHAUSTED (disk full), WB_INTERNAL. */
+WB_EXPORT wb_status_t wb_publisher_publish(wb_publisher_t* publisher, uint64_t version,
+                                           const char* const* names, const DLTensor* tensors,
+                                           size_t num_tensors, const wb_publish_params_t* params,
+                                           int64_t timeout_ms);
+
+/* The newest version on the channel (published by anyone): *has_version = false when there is
+ * none yet (then *version is 0). */
+WB_EXPORT wb_status_t wb_publisher_latest_version(wb_publisher_t* publisher, bool* has_version,
+                                                  uint64_t* version);
+
+/* Figures of the last successful publish (all zero before the first). */
+WB_EXPORT wb_status_t wb_publisher_last_stats(wb_publisher_t* publisher,
+                                              wb_publish_stats_t* stats);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Subscriber                                                                                  */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef struct wb_subscriber wb_subscriber_t;
+typedef struct wb_update wb_update_t;
+
+/* Opens `uri` for subscribing; the channel need not exist yet. Errors as wb_publisher_create. */
+WB_EXPORT wb_status_t wb_subscriber_create(const char* uri, const wb_open_params_t* params,
+                                           wb_subscriber_t** subscriber);
+
+/* Closes the subscriber. Updates it returned stay valid. NULL is a no-op. */
+WB_EXPORT void wb_subscriber_destroy(wb_subscriber_t* subscriber);
+
+/* Makes later updates write tensor `name` into `destination` (any non-overlapping strides)
+ * instead of library memory, replacing an earlier binding. The memory must stay valid while
+ * bound. Before any byte is written, each bound destination is checked against the manifest
+ * (dtype, shape): a mismatch fails the wait with WB_INVALID_ARGUMENT naming both sides, and
+ * nothing is written. Errors here: WB_INVALID_ARGUMENT (NULL data with a non-zero size, bad
+ * shape, strides or override), WB_UNIMPLEMENTED (a device this build does not accept). */
+WB_EXPORT wb_status_t wb_subscriber_bind(wb_subscriber_t* subscriber, const char* name,
+                                         const DLTensor* destination,
+                                         const wb_bind_params_t* params);
+
+/* Removes the binding of `name` (no error when there is none). */
+WB_EXPORT wb_status_t wb_subscriber_unbind(wb_subscriber_t* subscriber, const char* name);
+
+/* Removes every binding. */
+WB_EXPORT wb_status_t wb_subscriber_unbind_all(wb_subscriber_t* subscriber);
+
+/* Waits up to `timeout_ms` for a version v >= max(min_version, current version), receives and
+ * verifies it (the newest such version when several are available), and returns it.
+ * Errors: WB_DEADLINE_EXCEEDED (naming the version waited
+ * for and the newest seen), WB_INVALID_ARGUMENT (a bound destination does not match; nothing
+ * written), WB_DATA_LOSS (a malformed or corrupted version). The previous version stays
+ * current on every error. Destroy the update with wb_update_destroy. */
+WB_EXPORT wb_status_t wb_subscriber_wait(wb_subscriber_t* subscriber, uint64_t min_version,
+                                         int64_t timeout_ms, wb_update_t** update);
+
+/* Does not wait for a version to appear: if a version v >= max(min_version, current version)
+ * is available now, receives and verifies it (the newest) within `receive_timeout_ms` and
+ * returns it in *update; if none is, returns WB_OK with *update = NULL. What a replica calls
+ * between rollouts (pass the current version + 1 to ask for a newer one). Errors as
+ * wb_subscriber_wait; WB_DEADLINE_EXCEEDED means the receive took longer than allowed. */
+WB_EXPORT wb_status_t wb_subscriber_poll(wb_subscriber_t* subscriber, uint64_t min_version,
+                                         int64_t receive_timeout_ms, wb_update_t** update);
+
+/* The version of the last update handed over: *has_version = false before the first. */
+WB_EXPORT wb_status_t wb_subscriber_current_version(wb_subscriber_t* subscriber,
+                                                    bool* has_version, uint64_t* version);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Update: one received, verified version                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Releases the caller's reference. Tensors exported with wb_update_export_dlpack keep the
+ * update's memory alive until their deleters run. NULL is a no-op. */
+WB_EXPORT void wb_update_destroy(wb_update_t* update);
+
+WB_EXPORT wb_status_t wb_update_version(const wb_update_t* update, uint64_t* version);
+
+/* Number of tensors, in manifest (publish) order. */
+WB_EXPORT wb_status_t wb_update_num_tensors(const wb_update_t* update, size_t* num_tensors);
+
+/* Tensor `index` (WB_OUT_OF_RANGE past the end): its name, its element type, and a DLTensor
+ * view. Library-owned tensors are contiguous CPU memory (strides NULL); a bound tensor's view
+ * is the caller's destination. All three stay valid until wb_update_destroy. Any output
+ * pointer may be NULL when not wanted. */
+WB_EXPORT wb_status_t wb_update_tensor(const wb_update_t* update, size_t index,
+                                       const char** name, wb_dtype_t* dtype,
+                                       const DLTensor** tensor);
+
+/* The index of the tensor named `name`; WB_NOT_FOUND when the version has none. */
+WB_EXPORT wb_status_t wb_update_find(const wb_update_t* update, const char* name, size_t* index);
+
+/* The version's manifest as JSON (format "weightbus.manifest/1", docs/FORMAT.md): metadata,
+ * publisher identity, checksums, shards. NUL-terminated; valid until wb_update_destroy. */
+WB_EXPORT wb_status_t wb_update_manifest_json(const wb_update_t* update, const char** json,
+                                              size_t* length);
+
+WB_EXPORT wb_status_t wb_update_stats(const wb_update_t* update, wb_update_stats_t* stats);
+
+/* Tensor `index` as a DLManagedTensor for a framework to adopt (torch.utils.dlpack.from_dlpack,
+ * numpy.from_dlpack): zero-copy, holding its own reference to the update's memory, which its
+ * deleter releases (from any thread). The consumer must call the deleter exactly once. A bound
+ * tensor's DLManagedTensor points at the caller's destination, which the caller keeps alive. */
+WB_EXPORT wb_status_t wb_update_export_dlpack(const wb_update_t* update, size_t index,
+                                              DLManagedTensor** managed);
+
+#ifdef __cplusplus
+}  /* extern "C" */
+#endif

@@ -1,0 +1,524 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * The C API from plain C (compiled as C11, linking libweightbus.so as users do): a publisher in
+ * this process and a subscriber in a forked child process exchange versions over disk://;
+ * every byte, dtype, error code and message is checked. Uses nothing but weightbus.h.
+ */
+#define _XOPEN_SOURCE 700
+#include <dlpack/dlpack.h>
+#include <ftw.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "weightbus/weightbus.h"
+
+static int failures = 0;
+
+#define CHECK(cond)                                                              \
+  do {                                                                           \
+    if (!(cond)) {                                                               \
+      fprintf(stderr, "%s:%d: [pid %d] CHECK failed: %s\n", __FILE__, __LINE__, \
+              (int)getpid(), #cond);                                             \
+      ++failures;                                                                \
+    }                                                                            \
+  } while (0)
+
+/* Checks that `call` returned `expected` and that the thread's message contains `needle`. */
+#define CHECK_STATUS(call, expected, needle)                                                 \
+  do {                                                                                       \
+    wb_status_t s_ = (call);                                                                 \
+    const char* m_ = wb_last_error_message();                                                \
+    if (s_ != (expected) || strstr(m_, (needle)) == NULL) {                                  \
+      fprintf(stderr, "%s:%d: [pid %d] %s\n  returned %s\n  expected %s\n  message \"%s\"\n" \
+              "  should contain \"%s\"\n",                                                   \
+              __FILE__, __LINE__, (int)getpid(), #call, wb_status_string(s_),                \
+              wb_status_string(expected), m_, (needle));                                     \
+      ++failures;                                                                            \
+    }                                                                                        \
+  } while (0)
+
+#define CHECK_OK(call) CHECK_STATUS(call, WB_OK, "")
+
+/* A DLTensor on the CPU. */
+static DLTensor Tensor(void* data, int ndim, int64_t* shape, int64_t* strides, uint8_t code,
+                       uint8_t bits) {
+  DLTensor t;
+  memset(&t, 0, sizeof(t));
+  t.data = data;
+  t.device.device_type = kDLCPU;
+  t.device.device_id = 0;
+  t.ndim = ndim;
+  t.dtype.code = code;
+  t.dtype.bits = bits;
+  t.dtype.lanes = 1;
+  t.shape = shape;
+  t.strides = strides;
+  t.byte_offset = 0;
+  return t;
+}
+
+/* ---- What version 1 holds (the child recomputes it to compare) ---- */
+static float w_f32[2][3];          /* "w": F32 [2, 3] */
+static uint16_t e_bf16[4];         /* "e": BF16 [4] via kDLBfloat */
+static uint16_t u_bf16[2][2];      /* "u": BF16 [2, 2] as uint16 with a dtype override */
+static float big[3][4];            /* "t": F32 [4, 2]: the transpose of big[1..2][*] (strided) */
+static uint8_t flags[5];           /* "flags": BOOL [5] as uint8 with an override */
+static uint8_t fp8[3];             /* "fp8": F8_E4M3 [3] as uint8 with an override */
+static double scalar = 2.5;        /* "scalar": F64, 0-d */
+static int32_t empty_data[1];      /* "empty": I32 [0, 4] */
+
+static void Fill(uint32_t seed) {
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 3; ++j) w_f32[i][j] = (float)(seed * 100 + i * 3 + j) + 0.25f;
+  for (int i = 0; i < 4; ++i) e_bf16[i] = (uint16_t)(0x3f80 + seed + i);
+  for (int i = 0; i < 4; ++i) u_bf16[i / 2][i % 2] = (uint16_t)(0x4000 + seed * 7 + i);
+  for (int i = 0; i < 3; ++i)
+    for (int j = 0; j < 4; ++j) big[i][j] = (float)(seed * 1000 + i * 10 + j);
+  for (int i = 0; i < 5; ++i) flags[i] = (uint8_t)((i + seed) % 2);
+  for (int i = 0; i < 3; ++i) fp8[i] = (uint8_t)(0x38 + seed + i);
+  scalar = 2.5 + seed;
+}
+
+static int64_t shape_w[] = {2, 3}, shape_e[] = {4}, shape_u[] = {2, 2}, shape_t[] = {4, 2},
+               strides_t[] = {1, 4}, shape_flags[] = {5}, shape_fp8[] = {3},
+               shape_empty[] = {0, 4};
+static const char* const names[] = {"w", "e", "u", "t", "flags", "fp8", "scalar", "empty"};
+enum { kNumTensors = 8 };
+
+static wb_status_t PublishVersion(wb_publisher_t* publisher, uint64_t version) {
+  Fill((uint32_t)version);
+  DLTensor tensors[kNumTensors];
+  tensors[0] = Tensor(w_f32, 2, shape_w, NULL, kDLFloat, 32);
+  tensors[1] = Tensor(e_bf16, 1, shape_e, NULL, kDLBfloat, 16);
+  tensors[2] = Tensor(u_bf16, 2, shape_u, NULL, kDLUInt, 16);
+  /* t[i][j] = big[1 + j][i]: base pointer big, byte_offset one row, transposed strides. */
+  tensors[3] = Tensor(big, 2, shape_t, strides_t, kDLFloat, 32);
+  tensors[3].byte_offset = 4 * sizeof(float);
+  tensors[4] = Tensor(flags, 1, shape_flags, NULL, kDLUInt, 8);
+  tensors[5] = Tensor(fp8, 1, shape_fp8, NULL, kDLUInt, 8);
+  tensors[6] = Tensor(&scalar, 0, NULL, NULL, kDLFloat, 64);
+  tensors[7] = Tensor(empty_data, 2, shape_empty, NULL, kDLInt, 32);
+  const wb_dtype_t dtypes[kNumTensors] = {WB_DTYPE_FROM_DLPACK, WB_DTYPE_FROM_DLPACK,
+                                          WB_DTYPE_BF16,        WB_DTYPE_FROM_DLPACK,
+                                          WB_DTYPE_BOOL,        WB_DTYPE_F8_E4M3,
+                                          WB_DTYPE_FROM_DLPACK, WB_DTYPE_FROM_DLPACK};
+  char step[32];
+  snprintf(step, sizeof(step), "%llu", (unsigned long long)version);
+  const wb_option_t metadata[] = {{"step", step}, {"origin", "capi_test.c"}};
+  wb_publish_params_t params = WB_PUBLISH_PARAMS_INIT;
+  params.metadata = metadata;
+  params.num_metadata = 2;
+  params.dtypes = dtypes;
+  return wb_publisher_publish(publisher, version, names, tensors, kNumTensors, &params, 30000);
+}
+
+/* Checks every tensor of `update` against what PublishVersion(version) published. */
+static void CheckUpdate(const wb_update_t* update, uint64_t version) {
+  Fill((uint32_t)version);
+  uint64_t v = 0;
+  CHECK_OK(wb_update_version(update, &v));
+  CHECK(v == version);
+  size_t n = 0;
+  CHECK_OK(wb_update_num_tensors(update, &n));
+  CHECK(n == kNumTensors);
+  const wb_dtype_t expected_dtypes[kNumTensors] = {WB_DTYPE_F32,  WB_DTYPE_BF16,    WB_DTYPE_BF16,
+                                                   WB_DTYPE_F32,  WB_DTYPE_BOOL,    WB_DTYPE_F8_E4M3,
+                                                   WB_DTYPE_F64,  WB_DTYPE_I32};
+  for (size_t i = 0; i < n && i < kNumTensors; ++i) {
+    const char* name = NULL;
+    wb_dtype_t dtype = WB_DTYPE_FROM_DLPACK;
+    const DLTensor* t = NULL;
+    CHECK_OK(wb_update_tensor(update, i, &name, &dtype, &t));
+    CHECK(strcmp(name, names[i]) == 0);
+    CHECK(dtype == expected_dtypes[i]);
+    CHECK(t->device.device_type == kDLCPU);
+    size_t index = 99;
+    CHECK_OK(wb_update_find(update, names[i], &index));
+    CHECK(index == i);
+  }
+  const DLTensor* t = NULL;
+  /* w */
+  CHECK_OK(wb_update_tensor(update, 0, NULL, NULL, &t));
+  CHECK(t->ndim == 2 && t->shape[0] == 2 && t->shape[1] == 3);
+  CHECK(t->dtype.code == kDLFloat && t->dtype.bits == 32 && t->dtype.lanes == 1);
+  for (int i = 0; i < 2; ++i) {  /* strided when bound to a strided destination */
+    for (int j = 0; j < 3; ++j) {
+      const int64_t at = t->strides ? i * t->strides[0] + j * t->strides[1] : i * 3 + j;
+      CHECK(((const float*)t->data)[at] == w_f32[i][j]);
+    }
+  }
+  /* e: kDLBfloat both ways */
+  CHECK_OK(wb_update_tensor(update, 1, NULL, NULL, &t));
+  CHECK(t->dtype.code == kDLBfloat && t->dtype.bits == 16);
+  CHECK(memcmp(t->data, e_bf16, sizeof(e_bf16)) == 0);
+  /* u: published as uint16 + BF16 override, received as bfloat16 */
+  CHECK_OK(wb_update_tensor(update, 2, NULL, NULL, &t));
+  CHECK(t->dtype.code == kDLBfloat && t->dtype.bits == 16);
+  CHECK(memcmp(t->data, u_bf16, sizeof(u_bf16)) == 0);
+  /* t: the strided view arrives packed row-major */
+  CHECK_OK(wb_update_tensor(update, 3, NULL, NULL, &t));
+  CHECK(t->ndim == 2 && t->shape[0] == 4 && t->shape[1] == 2 && t->strides == NULL);
+  const float* packed = (const float*)t->data;
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 2; ++j) CHECK(packed[i * 2 + j] == big[1 + j][i]);
+  /* flags and fp8: uint8 on the wire of DLPack 0.6, the real type in the wb_dtype_t */
+  CHECK_OK(wb_update_tensor(update, 4, NULL, NULL, &t));
+  CHECK(t->dtype.code == kDLUInt && t->dtype.bits == 8);
+  CHECK(memcmp(t->data, flags, sizeof(flags)) == 0);
+  CHECK_OK(wb_update_tensor(update, 5, NULL, NULL, &t));
+  CHECK(t->dtype.code == kDLUInt && t->dtype.bits == 8);
+  CHECK(memcmp(t->data, fp8, sizeof(fp8)) == 0);
+  /* scalar: 0-d */
+  CHECK_OK(wb_update_tensor(update, 6, NULL, NULL, &t));
+  CHECK(t->ndim == 0 && *(const double*)t->data == scalar);
+  /* empty */
+  CHECK_OK(wb_update_tensor(update, 7, NULL, NULL, &t));
+  CHECK(t->ndim == 2 && t->shape[0] == 0 && t->shape[1] == 4);
+
+  const char* json = NULL;
+  size_t length = 0;
+  CHECK_OK(wb_update_manifest_json(update, &json, &length));
+  CHECK(strlen(json) == length);
+  CHECK(strstr(json, "\"origin\": \"capi_test.c\"") != NULL ||
+        strstr(json, "\"origin\":\"capi_test.c\"") != NULL);
+  CHECK(strstr(json, "F8_E4M3") != NULL);
+
+  wb_update_stats_t stats = WB_UPDATE_STATS_INIT;
+  CHECK_OK(wb_update_stats(update, &stats));
+  CHECK(stats.bytes == sizeof(w_f32) + sizeof(e_bf16) + sizeof(u_bf16) + 8 * sizeof(float) +
+                           sizeof(flags) + sizeof(fp8) + sizeof(double));
+  CHECK(stats.ready_unix_ns > 0);
+
+  CHECK_STATUS(wb_update_tensor(update, kNumTensors, NULL, NULL, &t), WB_OUT_OF_RANGE,
+               "tensor index 8 is past the end");
+  size_t index = 0;
+  CHECK_STATUS(wb_update_find(update, "nope", &index), WB_NOT_FOUND, "no tensor named \"nope\"");
+}
+
+/* The subscriber process: receives version 1, then binds and blocks for version 2, which the
+ * parent publishes only after the child said (through `ready_fd`) that it is waiting. */
+static int Child(const char* uri, int ready_fd) {
+  failures = 0; /* the exit status reports this process's checks only */
+  wb_subscriber_t* sub = NULL;
+  CHECK_OK(wb_subscriber_create(uri, NULL, &sub));
+  if (sub == NULL) return 1;
+  bool has = true;
+  uint64_t current = 7;
+  CHECK_OK(wb_subscriber_current_version(sub, &has, &current));
+  CHECK(!has && current == 0);
+
+  wb_update_t* update = NULL;
+  CHECK_OK(wb_subscriber_wait(sub, 1, 30000, &update));
+  if (update != NULL) CheckUpdate(update, 1);
+  CHECK_OK(wb_subscriber_current_version(sub, &has, &current));
+  CHECK(has && current == 1);
+
+  /* A binding that does not match version 1's "w" (F32 [2, 3]) fails the wait, naming both
+   * sides, and writes nothing. */
+  float wrong[3][2];
+  memset(wrong, 0x7f, sizeof(wrong));
+  int64_t wrong_shape[] = {3, 2};
+  DLTensor wrong_dest = Tensor(wrong, 2, wrong_shape, NULL, kDLFloat, 32);
+  CHECK_OK(wb_subscriber_bind(sub, "w", &wrong_dest, NULL));
+  wb_update_t* bad = NULL;
+  CHECK_STATUS(wb_subscriber_wait(sub, 1, 30000, &bad), WB_INVALID_ARGUMENT,
+               "is F32 [2, 3] but its bound destination is F32 [3, 2]; nothing was written");
+  CHECK(bad == NULL);
+  CHECK(((const uint8_t*)wrong)[0] == 0x7f);
+
+  /* Now bind "w" to a column-major (strided) buffer and "t" to a contiguous one. */
+  float w_colmajor[3][2];
+  int64_t w_shape[] = {2, 3}, w_strides[] = {1, 2};
+  DLTensor w_dest = Tensor(w_colmajor, 2, w_shape, w_strides, kDLFloat, 32);
+  CHECK_OK(wb_subscriber_bind(sub, "w", &w_dest, NULL));
+  float t_dest_data[4][2];
+  DLTensor t_dest = Tensor(t_dest_data, 2, shape_t, NULL, kDLFloat, 32);
+  CHECK_OK(wb_subscriber_bind(sub, "t", &t_dest, NULL));
+  /* Binding with a bf16 override over uint16 memory, then unbinding it again. */
+  uint16_t u_dest_data[2][2];
+  DLTensor u_dest = Tensor(u_dest_data, 2, shape_u, NULL, kDLUInt, 16);
+  wb_bind_params_t bind_params = WB_BIND_PARAMS_INIT;
+  bind_params.dtype = WB_DTYPE_BF16;
+  CHECK_OK(wb_subscriber_bind(sub, "u", &u_dest, &bind_params));
+  CHECK_OK(wb_subscriber_unbind(sub, "u"));
+
+  /* Nothing newer than 1 yet: a short wait times out (retryable). */
+  wb_update_t* none = NULL;
+  wb_status_t s = wb_subscriber_wait(sub, 2, 50, &none);
+  CHECK(s == WB_DEADLINE_EXCEEDED && WB_STATUS_IS_RETRYABLE(s) && none == NULL);
+  CHECK(strstr(wb_last_error_message(), "2") != NULL);
+
+  /* Polling does not wait: nothing newer than 1 gives WB_OK and no update. */
+  wb_update_t* polled = (wb_update_t*)0x1;
+  CHECK_OK(wb_subscriber_poll(sub, 2, 30000, &polled));
+  CHECK(polled == NULL);
+
+  char go = 'w';
+  CHECK(write(ready_fd, &go, 1) == 1);
+  wb_update_t* second = NULL;
+  CHECK_OK(wb_subscriber_wait(sub, 2, 30000, &second));
+  if (second != NULL) {
+    Fill(2);
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 3; ++j) CHECK(w_colmajor[j][i] == w_f32[i][j]);
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 2; ++j) CHECK(t_dest_data[i][j] == big[1 + j][i]);
+    /* The update's views of bound tensors are the destinations themselves. */
+    const DLTensor* t = NULL;
+    CHECK_OK(wb_update_tensor(second, 0, NULL, NULL, &t));
+    CHECK(t->data == (void*)w_colmajor && t->strides != NULL && t->strides[1] == 2);
+    CheckUpdate(second, 2);
+  }
+  wb_update_destroy(second);
+  wb_update_destroy(update);
+  wb_subscriber_destroy(sub);
+  return failures == 0 ? 0 : 1;
+}
+
+static int RemoveEntry(const char* path, const struct stat* sb, int flag, struct FTW* ftw) {
+  (void)sb;
+  (void)flag;
+  (void)ftw;
+  return remove(path);
+}
+
+static void TestVersionAndStatus(void) {
+  CHECK(strcmp(wb_version(), WEIGHTBUS_VERSION_STRING) == 0);
+  CHECK(wb_version_number() == WEIGHTBUS_VERSION);
+  CHECK_OK(WB_CHECK_VERSION());
+  CHECK_STATUS(wb_check_version(WEIGHTBUS_VERSION + 10000), WB_FAILED_PRECONDITION,
+               "major versions differ");
+  CHECK_STATUS(wb_check_version(WEIGHTBUS_VERSION + 1), WB_FAILED_PRECONDITION,
+               "older than the headers");
+
+  const wb_status_t all[] = {WB_OK,
+                             WB_DEADLINE_EXCEEDED,
+                             WB_UNAVAILABLE,
+                             WB_RESOURCE_EXHAUSTED,
+                             WB_ABORTED,
+                             WB_INVALID_ARGUMENT,
+                             WB_FAILED_PRECONDITION,
+                             WB_NOT_FOUND,
+                             WB_ALREADY_EXISTS,
+                             WB_PERMISSION_DENIED,
+                             WB_OUT_OF_RANGE,
+                             WB_UNIMPLEMENTED,
+                             WB_DATA_LOSS,
+                             WB_CANCELLED,
+                             WB_INTERNAL,
+                             WB_UNKNOWN};
+  for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); ++i) {
+    CHECK(strncmp(wb_status_string(all[i]), "WB_", 3) == 0);
+    const bool retryable = all[i] == WB_DEADLINE_EXCEEDED || all[i] == WB_UNAVAILABLE ||
+                           all[i] == WB_RESOURCE_EXHAUSTED || all[i] == WB_ABORTED;
+    CHECK(WB_STATUS_IS_RETRYABLE(all[i]) == retryable);
+  }
+  CHECK(strstr(wb_status_string(WB_DEADLINE_EXCEEDED), "retryable") != NULL);
+  CHECK(strcmp(wb_status_string((wb_status_t)77), "not a wb_status_t value") == 0);
+  CHECK(strcmp(wb_dtype_name(WB_DTYPE_BF16), "BF16") == 0);
+  CHECK(strcmp(wb_dtype_name(WB_DTYPE_F8_E5M2), "F8_E5M2") == 0);
+  CHECK(strcmp(wb_dtype_name((wb_dtype_t)99), "?") == 0);
+
+  /* Destroying NULL is a no-op. */
+  wb_publisher_destroy(NULL);
+  wb_subscriber_destroy(NULL);
+  wb_update_destroy(NULL);
+}
+
+static void TestOpenErrors(const char* dir) {
+  char uri[512];
+  snprintf(uri, sizeof(uri), "disk://%s/errors", dir);
+  wb_publisher_t* p = (wb_publisher_t*)0x1;
+  CHECK_STATUS(wb_publisher_create(NULL, NULL, &p), WB_INVALID_ARGUMENT,
+               "wb_publisher_create: uri is NULL");
+  CHECK(p == (wb_publisher_t*)0x1); /* outputs are written only on success */
+  CHECK_STATUS(wb_publisher_create(uri, NULL, NULL), WB_INVALID_ARGUMENT, "publisher is NULL");
+  CHECK_STATUS(wb_publisher_create("nope:///x", NULL, &p), WB_UNIMPLEMENTED, "disk");
+  CHECK(p == (wb_publisher_t*)0x1);
+
+  const wb_option_t bad[] = {{"retentionn", "3"}};
+  wb_open_params_t params = WB_OPEN_PARAMS_INIT;
+  params.options = bad;
+  params.num_options = 1;
+  wb_subscriber_t* s = NULL;
+  CHECK_STATUS(wb_subscriber_create(uri, &params, &s), WB_INVALID_ARGUMENT, "retentionn");
+  CHECK(s == NULL);
+  const wb_option_t twice[] = {{"retention", "3"}, {"retention", "4"}};
+  params.options = twice;
+  params.num_options = 2;
+  CHECK_STATUS(wb_publisher_create(uri, &params, &p), WB_INVALID_ARGUMENT,
+               "names \"retention\" twice");
+  params.options = NULL;
+  CHECK_STATUS(wb_publisher_create(uri, &params, &p), WB_INVALID_ARGUMENT,
+               "params.options is NULL but its count is 2");
+
+  /* struct_size: too small is an error; larger than this library knows is fine while the
+   * unknown bytes are zero, and WB_UNIMPLEMENTED when a field this library lacks is set. */
+  params = (wb_open_params_t)WB_OPEN_PARAMS_INIT;
+  params.struct_size = sizeof(size_t);
+  CHECK_STATUS(wb_publisher_create(uri, &params, &p), WB_INVALID_ARGUMENT,
+               "params.struct_size is 8");
+  struct {
+    wb_open_params_t known;
+    uint64_t future_field;
+  } newer;
+  memset(&newer, 0, sizeof(newer));
+  newer.known.struct_size = sizeof(newer);
+  newer.future_field = 1;
+  CHECK_STATUS(wb_publisher_create(uri, &newer.known, &p), WB_UNIMPLEMENTED,
+               "uses a field this library lacks");
+  newer.future_field = 0;
+  wb_publisher_t* ok = NULL;
+  CHECK_OK(wb_publisher_create(uri, &newer.known, &ok));
+  CHECK(ok != NULL);
+  CHECK(strcmp(wb_last_error_message(), "") == 0);
+  /* A second live publisher on the same channel is refused. */
+  wb_publisher_t* second = NULL;
+  CHECK_STATUS(wb_publisher_create(uri, NULL, &second), WB_FAILED_PRECONDITION,
+               "another publisher holds the channel");
+  CHECK(second == NULL);
+  wb_publisher_destroy(ok);
+}
+
+static void TestPublishErrors(wb_publisher_t* publisher) {
+  uint8_t bytes[4] = {0};
+  int64_t shape[] = {4};
+  DLTensor t = Tensor(bytes, 1, shape, NULL, kDLUInt, 8);
+  const char* name[] = {"x"};
+
+  wb_publish_params_t params = WB_PUBLISH_PARAMS_INIT;
+  const wb_dtype_t f32[] = {WB_DTYPE_F32};
+  params.dtypes = f32;
+  CHECK_STATUS(wb_publisher_publish(publisher, 100, name, &t, 1, &params, 1000),
+               WB_INVALID_ARGUMENT,
+               "tensor \"x\": dtype override F32 (4-byte elements) does not match the "
+               "DLTensor's element type uint8");
+  const wb_dtype_t junk[] = {(wb_dtype_t)42};
+  params.dtypes = junk;
+  CHECK_STATUS(wb_publisher_publish(publisher, 100, name, &t, 1, &params, 1000),
+               WB_INVALID_ARGUMENT, "42 is not a wb_dtype_t element type");
+
+  DLTensor complex = Tensor(bytes, 1, shape, NULL, kDLComplex, 64);
+  CHECK_STATUS(wb_publisher_publish(publisher, 100, name, &complex, 1, NULL, 1000),
+               WB_INVALID_ARGUMENT, "DLPack type complex64");
+  DLTensor lanes = Tensor(bytes, 1, shape, NULL, kDLFloat, 32);
+  lanes.dtype.lanes = 4;
+  CHECK_STATUS(wb_publisher_publish(publisher, 100, name, &lanes, 1, NULL, 1000),
+               WB_INVALID_ARGUMENT, "float32x4");
+  DLTensor cuda = Tensor(bytes, 1, shape, NULL, kDLUInt, 8);
+  cuda.device.device_type = kDLCUDA;
+  CHECK_STATUS(wb_publisher_publish(publisher, 100, name, &cuda, 1, NULL, 1000),
+               WB_UNIMPLEMENTED, "\"x\"");
+  DLTensor opencl = Tensor(bytes, 1, shape, NULL, kDLUInt, 8);
+  opencl.device.device_type = kDLOpenCL;
+  CHECK_STATUS(wb_publisher_publish(publisher, 100, name, &opencl, 1, NULL, 1000),
+               WB_UNIMPLEMENTED, "DLPack device type 4 is not supported");
+  DLTensor null_data = Tensor(NULL, 1, shape, NULL, kDLUInt, 8);
+  CHECK_STATUS(wb_publisher_publish(publisher, 100, name, &null_data, 1, NULL, 1000),
+               WB_INVALID_ARGUMENT, "\"x\"");
+  const char* null_name[] = {NULL};
+  CHECK_STATUS(wb_publisher_publish(publisher, 100, null_name, &t, 1, NULL, 1000),
+               WB_INVALID_ARGUMENT, "names[0] is NULL");
+  CHECK_STATUS(wb_publisher_publish(publisher, 100, NULL, &t, 1, NULL, 1000),
+               WB_INVALID_ARGUMENT, "names is NULL");
+  CHECK_STATUS(wb_publisher_publish(NULL, 100, name, &t, 1, NULL, 1000), WB_INVALID_ARGUMENT,
+               "publisher is NULL");
+  DLTensor two[2] = {t, t};
+  const char* same[] = {"x", "x"};
+  CHECK_STATUS(wb_publisher_publish(publisher, 100, same, two, 2, NULL, 1000),
+               WB_INVALID_ARGUMENT, "tensor name \"x\" appears twice");
+}
+
+int main(void) {
+  char dir[] = "/tmp/wb_capi_test_XXXXXX";
+  if (mkdtemp(dir) == NULL) {
+    perror("mkdtemp");
+    return 1;
+  }
+  char uri[512];
+  snprintf(uri, sizeof(uri), "disk://%s/channel?fsync=false", dir);
+
+  TestVersionAndStatus();
+  TestOpenErrors(dir);
+
+  wb_publisher_t* publisher = NULL;
+  CHECK_OK(wb_publisher_create(uri, NULL, &publisher));
+  if (publisher == NULL) return 1;
+  bool has = true;
+  uint64_t latest = 9;
+  CHECK_OK(wb_publisher_latest_version(publisher, &has, &latest));
+  CHECK(!has && latest == 0);
+  CHECK_OK(PublishVersion(publisher, 1));
+  CHECK_OK(wb_publisher_latest_version(publisher, &has, &latest));
+  CHECK(has && latest == 1);
+  wb_publish_stats_t stats = WB_PUBLISH_STATS_INIT;
+  CHECK_OK(wb_publisher_last_stats(publisher, &stats));
+  CHECK(stats.version == 1 && stats.bytes > 0 && stats.stall_ns > 0);
+  /* An older caller's smaller stats struct gets only the fields it has. */
+  struct {
+    size_t struct_size;
+    uint64_t version;
+  } old_stats = {sizeof(size_t) + sizeof(uint64_t), 0};
+  CHECK_STATUS(wb_publisher_last_stats(publisher, (wb_publish_stats_t*)&old_stats),
+               WB_INVALID_ARGUMENT, "stats.struct_size is 16");
+
+  /* Versions must increase; the message says which version the channel has. */
+  CHECK_STATUS(PublishVersion(publisher, 1), WB_FAILED_PRECONDITION,
+               "cannot publish version 1: the channel already has version 1");
+  CHECK(!WB_STATUS_IS_RETRYABLE(WB_FAILED_PRECONDITION));
+  TestPublishErrors(publisher);
+
+  /* In-process subscriber: an exported DLManagedTensor outlives its wb_update_t. Version 1
+   * is committed, so a poll receives it without waiting. */
+  wb_subscriber_t* local = NULL;
+  CHECK_OK(wb_subscriber_create(uri, NULL, &local));
+  wb_update_t* update = NULL;
+  CHECK_OK(wb_subscriber_poll(local, 1, 30000, &update));
+  CHECK(update != NULL);
+  if (update != NULL) {
+    DLManagedTensor* managed = NULL;
+    CHECK_OK(wb_update_export_dlpack(update, 0, &managed));
+    CHECK_STATUS(wb_update_export_dlpack(update, 42, &managed), WB_OUT_OF_RANGE, "index 42");
+    wb_update_destroy(update);
+    wb_subscriber_destroy(local);
+    local = NULL;
+    if (managed != NULL) {
+      CHECK(managed->dl_tensor.ndim == 2 && managed->dl_tensor.shape[1] == 3);
+      CHECK(memcmp(managed->dl_tensor.data, w_f32, sizeof(w_f32)) == 0);
+      managed->deleter(managed);
+    }
+  }
+  wb_subscriber_destroy(local);
+
+  /* The subscriber process. */
+  int pipe_fds[2];
+  CHECK(pipe(pipe_fds) == 0);
+  fflush(NULL);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(pipe_fds[0]);
+    _exit(Child(uri, pipe_fds[1]));
+  }
+  close(pipe_fds[1]);
+  char go = 0;
+  CHECK(read(pipe_fds[0], &go, 1) == 1 && go == 'w');
+  close(pipe_fds[0]);
+  CHECK_OK(PublishVersion(publisher, 2));
+  int status = 0;
+  CHECK(waitpid(pid, &status, 0) == pid);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+
+  wb_publisher_destroy(publisher);
+  nftw(dir, RemoveEntry, 16, FTW_DEPTH | FTW_PHYS);
+  if (failures != 0) {
+    fprintf(stderr, "capi_test: %d check(s) failed\n", failures);
+    return 1;
+  }
+  printf("capi_test: OK\n");
+  return 0;
+}

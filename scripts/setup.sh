@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Installs the Debian packages weightbus needs (only those missing), then configures and builds
-# it in ./build. Extra packages can be named in WEIGHTBUS_EXTRA_PACKAGES.
+# it in ./build. Extra packages can be named in SETUP_EXTRA_PACKAGES and extra CMake arguments
+# in SETUP_CMAKE_ARGS (not WEIGHTBUS_*: the library rejects unknown WEIGHTBUS_* variables).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,7 +11,7 @@ cd "$(dirname "$0")/.."
 packages=(cmake ninja-build g++ pkg-config
           libabsl-dev libzstd-dev libxxhash-dev liburing-dev nlohmann-json3-dev
           libgtest-dev libbenchmark-dev libdlpack-dev
-          python3 python3-numpy python3-torch python3-pytest ${WEIGHTBUS_EXTRA_PACKAGES:-})
+          python3 python3-numpy python3-torch python3-pytest ${SETUP_EXTRA_PACKAGES:-})
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -26,7 +27,7 @@ fi
 
 mkdir -p build
 echo "setup: building in ./build (log: build/build.log)"
-if ! { cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo ${WEIGHTBUS_CMAKE_ARGS:-} &&
+if ! { cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo ${SETUP_CMAKE_ARGS:-} &&
        cmake --build build; } > build/build.log 2>&1; then
   tail -n 60 build/build.log
   echo "setup: build failed; the whole log is build/build.log" >&2

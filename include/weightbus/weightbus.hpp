@@ -105,6 +105,15 @@ class WB_EXPORT Publisher {
   absl::Status Publish(uint64_t version, absl::Span<const TensorView> tensors,
                        const Metadata& metadata, absl::Duration timeout);
 
+  // Waits up to `timeout` until at least `count` distinct subscribers have received and
+  // verified `version` (or a newer version), e.g. to keep a one-shot publisher serving until its
+  // replicas have the weights. A subscriber counts once however often it reconnects while the
+  // same Subscriber object lives; one that received the version and left still counts.
+  // Errors: DeadlineExceeded naming how many had it; InvalidArgument for count < 1;
+  // Unimplemented for transports that cannot tell (disk://: subscribers never talk to the
+  // publisher).
+  absl::Status WaitForReceivers(uint64_t version, int count, absl::Duration timeout);
+
   // The newest version on the channel (published by anyone), if any.
   std::optional<uint64_t> latest_version() const;
   // Figures of the last successful Publish.

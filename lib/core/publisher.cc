@@ -217,6 +217,25 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   return absl::OkStatus();
 }
 
+absl::Status Publisher::WaitForReceivers(uint64_t version, int count, absl::Duration timeout) {
+  if (count < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: WaitForReceivers needs a count of at least 1, got %d", impl_->uri.Display(), count));
+  }
+  // Not under mu: Publish calls may go on while this waits.
+  absl::StatusOr<int> have =
+      impl_->backend->WaitForReceivers(version, count, absl::Now() + timeout);
+  if (!have.ok()) {
+    return internal::Annotate(have.status(), impl_->uri.Display());
+  }
+  if (*have < count) {
+    return absl::DeadlineExceededError(absl::StrFormat(
+        "%s: %d of the %d subscribers waited for had received version %d after %s",
+        impl_->uri.Display(), *have, count, version, absl::FormatDuration(timeout)));
+  }
+  return absl::OkStatus();
+}
+
 std::optional<uint64_t> Publisher::latest_version() const {
   absl::MutexLock lock(&impl_->mu);
   return impl_->latest;

@@ -159,6 +159,11 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> TransportSubscriber::OpenVersio
       absl::StrFormat("this transport cannot open a specific version (%d)", version));
 }
 
+absl::StatusOr<int> TransportPublisher::WaitForReceivers(uint64_t version, int, absl::Time) {
+  return absl::UnimplementedError(absl::StrFormat(
+      "this transport cannot tell which subscribers received version %d", version));
+}
+
 absl::StatusOr<std::vector<uint64_t>> TransportSubscriber::ListVersions() {
   return absl::UnimplementedError("this transport cannot list its versions");
 }

@@ -68,6 +68,10 @@ class TransportPublisher {
   // Keep every committed version >= `version` whatever the retention setting says (a delta
   // chain needs its keyframe and every delta after it). A later call replaces the floor.
   virtual void KeepVersionsFrom(uint64_t version) {}
+  // Waits until at least `count` distinct subscribers have received and verified `version` or
+  // a newer one, or until `deadline`, and returns how many have (possibly fewer than `count`).
+  // Only a transport that talks to its subscribers can tell (default: Unimplemented).
+  virtual absl::StatusOr<int> WaitForReceivers(uint64_t version, int count, absl::Time deadline);
 };
 
 // Receives notice that a tensor's bytes are complete, so verification overlaps the transfer.

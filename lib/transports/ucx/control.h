@@ -141,6 +141,7 @@ class ControlStream {
   ControlStream(Fd fd, std::string peer) : fd_(std::move(fd)), peer_(std::move(peer)) {}
   bool connected() const { return static_cast<bool>(fd_); }
   const std::string& peer() const { return peer_; }
+  void set_peer(std::string peer) { peer_ = std::move(peer); }
   int fd() const { return fd_.get(); }
 
   // Sends a frame completely. Errors: DeadlineExceeded, Unavailable (peer gone).

@@ -1,10 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "transports/ucx/ucp_util.h"
 
+#include <cstdarg>
+#include <cstdio>
 #include <cstring>
+#include <mutex>
+
+#include <ucs/debug/log_def.h>
 
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "core/logging.h"
 
 #ifdef WEIGHTBUS_UCX_CUDA
 #include <cuda_runtime_api.h>
@@ -239,6 +245,34 @@ absl::Status CopyBytes(void* dst, const void* src, size_t n) {
 }
 
 #endif
+
+namespace {
+
+thread_local bool quiet_ucx_errors = false;
+
+ucs_log_func_rc_t FilterUcxLog(const char* file, unsigned line, const char* function,
+                               ucs_log_level_t level,
+                               const ucs_log_component_config_t* comp_conf, const char* message,
+                               va_list ap) {
+  if (!quiet_ucx_errors || level > UCS_LOG_LEVEL_ERROR) return UCS_LOG_FUNC_RC_CONTINUE;
+  if (LogEnabled(LogLevel::kDebug)) {
+    char text[1024];
+    std::vsnprintf(text, sizeof(text), message, ap);
+    Log(LogLevel::kDebug, "UCX (expected, %s:%d): %s", file, line, text);
+  }
+  return UCS_LOG_FUNC_RC_STOP;
+}
+
+}  // namespace
+
+QuietUcxErrors::QuietUcxErrors() {
+  static std::once_flag pushed;
+  // UCX calls the most recently pushed handler first; this one passes everything else on.
+  std::call_once(pushed, [] { ucs_log_push_handler(&FilterUcxLog); });
+  quiet_ucx_errors = true;
+}
+
+QuietUcxErrors::~QuietUcxErrors() { quiet_ucx_errors = false; }
 
 ucs_status_t WaitRequest(ucp_worker_h worker, ucs_status_ptr_t request, absl::Time deadline) {
   if (request == nullptr) return UCS_OK;

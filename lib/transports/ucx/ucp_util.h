@@ -120,6 +120,17 @@ ucs_memory_type_t DetectMemoryType(const void* p);
 // Errors: Internal with the CUDA error text.
 absl::Status CopyBytes(void* dst, const void* src, size_t n);
 
+// While alive, UCX log lines of this thread at ERROR level or below are not printed but logged
+// by weightbus at debug level: for probes whose failure is expected and handled (an endpoint
+// with peer failure handling over transports that lack it makes UCX print an error).
+class QuietUcxErrors {
+ public:
+  QuietUcxErrors();
+  ~QuietUcxErrors();
+  QuietUcxErrors(const QuietUcxErrors&) = delete;
+  QuietUcxErrors& operator=(const QuietUcxErrors&) = delete;
+};
+
 // Waits until `request` (from a *_nbx call) completes, progressing `worker`, and frees it.
 // UCS_OK for a null request (completed at once). At `deadline` it gives up: the request is
 // handed to UCX to free when it completes, and UCS_ERR_TIMED_OUT is returned. Used for short

@@ -212,6 +212,9 @@ class UcxPublisher final : public TransportPublisher {
   // Why no slot is free, for DeadlineExceeded.
   std::string DescribeSlots() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RecomputeNewest() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Slots beyond staging_slots that nobody needs any more (they were kept for a version floor
+  // that has moved on), oldest first, removed from slots_ for the caller to free.
+  std::vector<std::unique_ptr<Slot>> TrimSlots() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Replaces `slot`'s memory by regions covering `size` bytes.
   absl::StatusOr<std::vector<Region>> AllocateRegions(uint64_t size);
   absl::Status CopyIntoSlot(const std::vector<Region>& regions,
@@ -255,6 +258,7 @@ class UcxPublisher final : public TransportPublisher {
   std::map<uint64_t, uint64_t> receivers_ ABSL_GUARDED_BY(mu_);  // subscriber id -> version
   uint64_t next_lease_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_conn_ ABSL_GUARDED_BY(mu_) = 1;
+  int next_slot_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_region_ = 1;  // Publish only
   uint64_t changes_ ABSL_GUARDED_BY(mu_) = 0;  // bumped whenever a slot or lease frees up
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
@@ -297,7 +301,7 @@ Slot* UcxPublisher::PickSlot() {
   if (best != nullptr && best->state == Slot::State::kFree) return best;
   if (unkept < options_.staging_slots) {
     auto slot = std::make_unique<Slot>();
-    slot->index = static_cast<int>(slots_.size());
+    slot->index = next_slot_++;
     slots_.push_back(std::move(slot));
     return slots_.back().get();
   }
@@ -334,6 +338,32 @@ void UcxPublisher::RecomputeNewest() {
     if (s->state == Slot::State::kReady && (newest_ == nullptr || s->version > newest_->version)) {
       newest_ = s.get();
     }
+  }
+}
+
+std::vector<std::unique_ptr<Slot>> UcxPublisher::TrimSlots() {
+  std::vector<std::unique_ptr<Slot>> out;
+  while (true) {
+    int unkept = 0;
+    Slot* oldest = nullptr;
+    for (const auto& s : slots_) {
+      if (Kept(*s)) continue;
+      ++unkept;
+      if (s.get() == newest_ || s->state == Slot::State::kWriting || s->leases > 0) continue;
+      if (oldest == nullptr || s->state == Slot::State::kFree ||
+          (oldest->state == Slot::State::kReady && s->version < oldest->version)) {
+        oldest = s.get();
+      }
+    }
+    if (unkept <= options_.staging_slots || oldest == nullptr) return out;
+    Log(LogLevel::kDebug, "%s: freeing staging slot %d (version %d): %d slots beyond the %d kept "
+        "for versions >= %d",
+        endpoint_.display, oldest->index, oldest->version, unkept - options_.staging_slots,
+        options_.staging_slots, keep_from_.value_or(0));
+    auto it = std::find_if(slots_.begin(), slots_.end(),
+                           [&](const auto& s) { return s.get() == oldest; });
+    out.push_back(std::move(*it));
+    slots_.erase(it);
   }
 }
 
@@ -509,6 +539,7 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
   WB_RETURN_IF_ERROR(failpoints_.Hit("ucx.after_copy"));
   WB_ASSIGN_OR_RETURN(const Manifest* manifest, job.SealedManifest(deadline));
   std::string body = BuildGrantBody(*slot, *manifest, offsets);
+  std::vector<std::unique_ptr<Slot>> surplus;
   {
     absl::MutexLock lock(&mu_);
     slot->version = version;
@@ -516,7 +547,9 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
     slot->state = Slot::State::kReady;
     newest_ = slot;
     ++changes_;
+    surplus = TrimSlots();
   }
+  surplus.clear();  // unregistered and freed outside the lock
   published = true;
   Wake();
   Log(LogLevel::kDebug, "%s: version %d staged in slot %d (%d bytes)", endpoint_.display, version,

@@ -189,7 +189,9 @@ class UcxSubscriber final : public TransportSubscriber {
   absl::StatusOr<Frame> Await(absl::Time deadline,
                               const std::function<bool(const Frame&)>& want)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status SessionLost(const absl::Status& why, std::string_view during)
+  // Closes the session after `why` broke it. The message is prefixed with the URI unless
+  // `in_fetch` (the core prefixes Fetch errors itself).
+  absl::Status SessionLost(const absl::Status& why, std::string_view during, bool in_fetch = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::unique_ptr<IncomingVersion>> ParseGrant(const Frame& f)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -245,14 +247,15 @@ void UcxSubscriber::CloseSession() {
   session_.reset();
 }
 
-absl::Status UcxSubscriber::SessionLost(const absl::Status& why, std::string_view during) {
-  const std::string publisher = session_ ? session_->publisher : endpoint_.display;
+absl::Status UcxSubscriber::SessionLost(const absl::Status& why, std::string_view during,
+                                        bool in_fetch) {
   CloseSession();
   if (absl::IsDeadlineExceeded(why)) return why;
   return absl::Status(
       absl::IsUnavailable(why) || absl::IsDataLoss(why) ? absl::StatusCode::kUnavailable
                                                         : why.code(),
-      absl::StrFormat("%s: lost the publisher %s: %s", endpoint_.display, during, why.message()));
+      absl::StrFormat("%s%s %s", in_fetch ? "" : endpoint_.display + ": ", why.message(),
+                      during));
 }
 
 absl::Status UcxSubscriber::EnsureSession(absl::Time deadline) {
@@ -324,10 +327,10 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline) {
   }
   if (has_newest) s->newest = newest;
   s->publisher = absl::StrFormat("publisher %s at %s", who, where);
+  s->control.set_peer(s->publisher);
 
   // Peer failure handling when the transports allow it (see Session::peer_errors); once a
-  // publisher turned out unreachable that way, later sessions skip the attempt (UCX logs an
-  // error line for it).
+  // publisher turned out unreachable that way, later sessions skip the attempt.
   ucs_status_t st = UCS_ERR_UNREACHABLE;
   for (const bool peer : {true, false}) {
     if (peer && !try_peer_errors_) continue;
@@ -340,7 +343,11 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline) {
       params.err_handler.cb = &OnEndpointError;
       params.err_handler.arg = s.get();
     }
-    st = ucp_ep_create(worker_->get(), &params, &s->ep);
+    {
+      std::optional<QuietUcxErrors> quiet;
+      if (peer) quiet.emplace();
+      st = ucp_ep_create(worker_->get(), &params, &s->ep);
+    }
     if (st == UCS_OK) {
       s->peer_errors = peer;
       break;
@@ -553,9 +560,9 @@ absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> ta
   if (!session_ || session_->generation != v.generation_) {
     v.released_ = true;
     return absl::UnavailableError(absl::StrFormat(
-        "%s: the connection to %s ended after version %d was granted (its hold on the version "
-        "went with it)",
-        endpoint_.display, v.source_, v.manifest_.version));
+        "the connection to %s ended after version %d was granted (its hold on the version went "
+        "with it)",
+        v.source_, v.manifest_.version));
   }
   uint64_t inflight = 0;
   absl::Status pulled = PullBytes(v, targets, sink, deadline, &inflight);
@@ -575,23 +582,21 @@ absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> ta
   v.released_ = true;
   absl::Status sent = session_->control.Send(
       Writer(MsgType::kRelease).U64(v.lease_id_).U8(1).Finish(), deadline);
-  if (!sent.ok()) return SessionLost(sent, "before confirming the transfer");
+  if (!sent.ok()) return SessionLost(sent, "before the transfer was confirmed", true);
   absl::StatusOr<Frame> f = Await(deadline, [&](const Frame& f) {
     Reader r(f.payload);
     return f.type == MsgType::kReleased && r.U64() == v.lease_id_;
   });
   if (!f.ok()) {
-    return SessionLost(f.status(), absl::StrFormat("before confirming the transfer of version %d",
-                                                   v.manifest_.version));
+    return SessionLost(f.status(), "before the transfer was confirmed", true);
   }
   Reader r(f->payload);
   r.U64();
   if (r.U8() == 0) {
     return absl::UnavailableError(absl::StrFormat(
-        "%s: the hold on version %d expired before the transfer finished (lease %s); %s may "
-        "have reused its memory, so the bytes are not trusted",
-        endpoint_.display, v.manifest_.version, absl::FormatDuration(session_->lease),
-        v.source_));
+        "the hold on version %d expired before the transfer finished (lease %s); %s may have "
+        "reused its memory, so the bytes are not trusted",
+        v.manifest_.version, absl::FormatDuration(session_->lease), v.source_));
   }
   return absl::OkStatus();
 }
@@ -662,10 +667,14 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
   uint64_t issued_bytes = 0;
   bool midpoint = false;
   absl::Time last_renew = v.granted_;
+  absl::Time last_check = absl::InfinitePast();
   absl::Status status;
-  uint64_t spins = 0;
   while (true) {
-    while (pull.error.ok() && pull.inflight < window && next < pull.ops.size()) {
+    // Issue a bounded burst: shared-memory gets complete inside ucp_get_nbx, and the checks
+    // below must still run while a large version streams in.
+    for (int burst = 0; burst < 16 && pull.error.ok() && pull.inflight < window &&
+                        next < pull.ops.size();
+         ++burst) {
       const GetOp& op = pull.ops[next];
       contexts[next] = GetContext{&pull, next};
       ucp_request_param_t param{};
@@ -696,28 +705,28 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
         break;
       }
     }
-    if (progressed != 0 && (++spins & 255) != 0) continue;
-    // Between bursts: the deadline, the publisher's liveness and the lease.
+    // Every millisecond (or when idle): the deadline, the publisher's liveness, the lease.
     const absl::Time now = absl::Now();
+    if (progressed != 0 && now - last_check < absl::Milliseconds(1)) continue;
+    last_check = now;
     if (s.ep_status != UCS_OK) {
       status = UcsError(s.ep_status,
-                        absl::StrFormat("%s: the UCX endpoint to %s failed while receiving "
-                                        "version %d",
-                                        endpoint_.display, s.publisher, m.version));
+                        absl::StrFormat("the UCX endpoint to %s failed while version %d was "
+                                        "being received",
+                                        s.publisher, m.version));
       break;
     }
     if (now > deadline) {
       status = absl::DeadlineExceededError(absl::StrFormat(
-          "%s: receiving version %d from %s did not finish by the deadline (%d of %d bytes "
+          "receiving version %d from %s did not finish by the deadline (%d of %d bytes "
           "requested)",
-          endpoint_.display, m.version, s.publisher, issued_bytes, total));
+          m.version, s.publisher, issued_bytes, total));
       break;
     }
     absl::StatusOr<std::optional<Frame>> f = s.control.Poll();
     if (!f.ok()) {
       status = absl::UnavailableError(absl::StrFormat(
-          "%s: %s while version %d was being received", endpoint_.display,
-          f.status().message(), m.version));
+          "%s while version %d was being received", f.status().message(), m.version));
       break;
     }
     if (f->has_value()) {
@@ -725,11 +734,18 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
         Reader r((*f)->payload);
         r.U32();
         status = absl::UnavailableError(absl::StrFormat(
-            "%s: %s ended the session while version %d was being received: %s",
-            endpoint_.display, s.publisher, m.version, r.Str()));
+            "%s ended the session while version %d was being received: %s", s.publisher,
+            m.version, r.Str()));
         break;
       }
+      const std::string publisher_name = s.publisher;
       HandleStray(**f);
+      if (!session_) {
+        status = absl::UnavailableError(absl::StrFormat(
+            "the session with %s ended while version %d was being received", publisher_name,
+            m.version));
+        break;
+      }
     }
     if (now - last_renew > s.lease / 4) {
       absl::Status renewed = s.control.Send(

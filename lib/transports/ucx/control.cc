@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -60,6 +61,12 @@ AddrInfoPtr Resolve(const std::string& host, int port, bool passive, std::string
 
 }  // namespace
 
+absl::Time MonotonicNow() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return absl::UnixEpoch() + absl::Seconds(ts.tv_sec) + absl::Nanoseconds(ts.tv_nsec);
+}
+
 std::string_view MsgTypeName(MsgType type) {
   switch (type) {
     case MsgType::kHello: return "HELLO";
@@ -75,6 +82,7 @@ std::string_view MsgTypeName(MsgType type) {
     case MsgType::kAccepted: return "ACCEPTED";
     case MsgType::kList: return "LIST";
     case MsgType::kVersions: return "VERSIONS";
+    case MsgType::kRenewed: return "RENEWED";
   }
   return "UNKNOWN";
 }

@@ -41,9 +41,14 @@ enum class MsgType : uint8_t {
   kAccepted = 11,  // sub -> pub: a version the subscriber verified and handed over
   kList = 12,      // sub -> pub: request id
   kVersions = 13,  // pub -> sub: request id, versions held, ascending
+  kRenewed = 14,   // pub -> sub: lease id, whether the lease was still valid (and now extended)
 };
 
 std::string_view MsgTypeName(MsgType type);
+
+// A monotonic clock as absl::Time (CLOCK_MONOTONIC since boot), for leases: wall-clock steps
+// must neither expire a lease early nor extend it.
+absl::Time MonotonicNow();
 
 // An owned file descriptor.
 class Fd {

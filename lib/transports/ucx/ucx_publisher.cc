@@ -94,7 +94,7 @@ struct Lease {
   Slot* slot = nullptr;
   uint64_t conn = 0;
   uint64_t version = 0;
-  absl::Time expiry;
+  absl::Time expiry;  // MonotonicNow() time
 };
 
 struct PendingWait {
@@ -112,7 +112,7 @@ struct Conn {
   bool greeted = false;
   bool dead = false;     // close now
   bool closing = false;  // close once `out` is flushed (after an ERROR)
-  absl::Time hello_deadline;
+  absl::Time hello_deadline;  // MonotonicNow() time
   uint64_t subscriber_id = 0;
   std::vector<PendingWait> waits;
 };
@@ -284,7 +284,7 @@ void UcxPublisher::ExpireLeases(absl::Time now) {
 }
 
 Slot* UcxPublisher::PickSlot() {
-  ExpireLeases(absl::Now());
+  ExpireLeases(MonotonicNow());
   Slot* best = nullptr;
   int unkept = 0;
   for (const auto& s : slots_) {
@@ -320,7 +320,7 @@ std::string UcxPublisher::DescribeSlots() const {
         auto c = conns_.find(l.conn);
         holders.push_back(absl::StrFormat(
             "%s (lease ends in %s)", c != conns_.end() ? c->second->peer : "?",
-            absl::FormatDuration(absl::Trunc(l.expiry - absl::Now(), absl::Milliseconds(1)))));
+            absl::FormatDuration(absl::Trunc(l.expiry - MonotonicNow(), absl::Milliseconds(1)))));
       }
       parts.push_back(absl::StrFormat("slot %d holds version %d%s%s", s->index, s->version,
                                       Kept(*s) ? " (kept: KeepVersionsFrom)" : "",
@@ -499,7 +499,8 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
     absl::MutexLock lock(&mu_);
     while ((slot = PickSlot()) == nullptr) {
       absl::Time wake = deadline;
-      for (const auto& [id, l] : leases_) wake = std::min(wake, l.expiry);
+      const absl::Time mono = MonotonicNow(), now = absl::Now();
+      for (const auto& [id, l] : leases_) wake = std::min(wake, now + (l.expiry - mono));
       if (absl::Now() >= deadline) {
         return absl::DeadlineExceededError(absl::StrFormat(
             "all %d staging slots are in use until past the deadline (%s); raise "
@@ -573,7 +574,8 @@ void UcxPublisher::Loop() {
       fds.push_back({wake_.get(), POLLIN, 0});
       fds.push_back({listener_.get(), POLLIN, 0});
       fds.push_back({efd_, POLLIN, 0});
-      absl::Time next = absl::Now() + absl::Seconds(1);
+      const absl::Time mono = MonotonicNow();
+      absl::Time next = mono + absl::Seconds(1);
       for (const auto& [id, c] : conns_) {
         short events = POLLIN;
         if (!c->out.empty()) events |= POLLOUT;
@@ -583,7 +585,7 @@ void UcxPublisher::Loop() {
       }
       for (const auto& [id, l] : leases_) next = std::min(next, l.expiry);
       timeout_ms = static_cast<int>(
-          std::clamp<int64_t>(absl::ToInt64Milliseconds(next - absl::Now()) + 1, 0, 1000));
+          std::clamp<int64_t>(absl::ToInt64Milliseconds(next - mono) + 1, 0, 1000));
     }
     // Sleep on the worker's event fd only when it is armed; otherwise it has more to do.
     const ucs_status_t armed = ucp_worker_arm(worker);
@@ -626,7 +628,7 @@ void UcxPublisher::Loop() {
         c.dead = true;
       }
     }
-    const absl::Time now = absl::Now();
+    const absl::Time now = MonotonicNow();
     ExpireLeases(now);
     for (auto it = conns_.begin(); it != conns_.end();) {
       Conn& c = *it->second;
@@ -668,7 +670,7 @@ void UcxPublisher::Accept() {
     c->id = next_conn_++;
     c->fd = Fd(fd);
     c->peer = "subscriber at " + DescribeSockaddr(reinterpret_cast<sockaddr*>(&addr), len);
-    c->hello_deadline = absl::Now() + options_.connect_timeout;
+    c->hello_deadline = MonotonicNow() + options_.connect_timeout;
     conns_[c->id] = std::move(c);
   }
 }
@@ -739,10 +741,12 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       break;
     }
     case MsgType::kRenew: {
-      auto it = leases_.find(r.U64());
-      if (r.ok() && it != leases_.end() && it->second.conn == c.id) {
-        it->second.expiry = absl::Now() + options_.lease;
-      }
+      const uint64_t id = r.U64();
+      if (!r.ok()) break;
+      auto it = leases_.find(id);
+      const bool valid = it != leases_.end() && it->second.conn == c.id;
+      if (valid) it->second.expiry = MonotonicNow() + options_.lease;
+      c.out += Writer(MsgType::kRenewed).U64(id).U8(valid).Finish();
       break;
     }
     case MsgType::kRelease: {
@@ -840,7 +844,7 @@ void UcxPublisher::Grant(Conn& c, const PendingWait& w, Slot& slot) {
     return;
   }
   const uint64_t id = next_lease_++;
-  leases_[id] = Lease{&slot, c.id, slot.version, absl::Now() + options_.lease};
+  leases_[id] = Lease{&slot, c.id, slot.version, MonotonicNow() + options_.lease};
   ++slot.leases;
   Writer g(MsgType::kGrant);
   g.U64(w.request).U64(id).U64(static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)));

@@ -120,10 +120,11 @@ class UcxSubscriber;
 class UcxVersion final : public IncomingVersion {
  public:
   UcxVersion(UcxSubscriber* owner, uint64_t generation, uint64_t lease_id, Manifest manifest,
-             std::vector<GrantRegion> regions, std::vector<uint64_t> offsets, std::string source)
+             std::vector<GrantRegion> regions, std::vector<uint64_t> offsets, std::string source,
+             absl::Time asked)
       : owner_(owner), generation_(generation), lease_id_(lease_id),
         manifest_(std::move(manifest)), regions_(std::move(regions)),
-        offsets_(std::move(offsets)), source_(std::move(source)), granted_(absl::Now()) {}
+        offsets_(std::move(offsets)), source_(std::move(source)), lease_base_(asked) {}
   ~UcxVersion() override;
 
   const Manifest& manifest() const override { return manifest_; }
@@ -144,7 +145,10 @@ class UcxVersion final : public IncomingVersion {
   std::vector<GrantRegion> regions_;  // ascending base, contiguous from 0
   std::vector<uint64_t> offsets_;     // per tensor, in the slot's byte range
   std::string source_;
-  absl::Time granted_;
+  // The publisher's lease runs from when it granted the version or from the last renewal it
+  // accepted (RENEWED valid); both happened after we sent the request or that renewal, so the
+  // lease certainly lasts until lease_base_ + lease, by our own MonotonicNow() clock.
+  absl::Time lease_base_;
   bool released_ = false;
 };
 
@@ -193,7 +197,7 @@ class UcxSubscriber final : public TransportSubscriber {
   // `in_fetch` (the core prefixes Fetch errors itself).
   absl::Status SessionLost(const absl::Status& why, std::string_view during, bool in_fetch = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<std::unique_ptr<IncomingVersion>> ParseGrant(const Frame& f)
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> ParseGrant(const Frame& f, absl::Time asked)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PullBytes(UcxVersion& v, absl::Span<std::byte* const> targets, LandingSink& sink,
                          absl::Time deadline, uint64_t* inflight_left)
@@ -425,6 +429,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::Request(uint64_t
   absl::MutexLock lock(&mu_);
   WB_RETURN_IF_ERROR(EnsureSession(deadline));
   const uint64_t request = next_request_++;
+  const absl::Time asked = MonotonicNow();
   absl::Status sent = session_->control.Send(
       Writer(MsgType::kWait).U64(request).U64(version).U8(exact).Finish(), deadline);
   if (!sent.ok()) return SessionLost(sent, "while asking for a version");
@@ -459,10 +464,11 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::Request(uint64_t
                         absl::StrFormat("%s: %s: %s", endpoint_.display, session_->publisher,
                                         message));
   }
-  return ParseGrant(*f);
+  return ParseGrant(*f, asked);
 }
 
-absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const Frame& f) {
+absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const Frame& f,
+                                                                            absl::Time asked) {
   Reader r(f.payload);
   r.U64();  // request id
   const uint64_t lease = r.U64();
@@ -522,7 +528,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const
   });
   return std::unique_ptr<IncomingVersion>(new UcxVersion(
       this, session_->generation, lease, *std::move(manifest), std::move(regions),
-      std::move(offsets), source));
+      std::move(offsets), source, asked));
 }
 
 absl::StatusOr<std::vector<uint64_t>> UcxSubscriber::ListVersions() {
@@ -577,9 +583,17 @@ absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> ta
     }
     return pulled;
   }
-  // Every byte is here. Release the lease and learn whether it held throughout: if it expired,
-  // the publisher may have reused the memory while we read it.
+  // Every byte is here. If the lease certainly held until now (see UcxVersion::lease_base_,
+  // with a 5% margin for clock rates), release it without waiting. Otherwise release it and
+  // learn from the publisher whether it held throughout: if it expired, the publisher may have
+  // reused the memory while we read it.
   v.released_ = true;
+  if (MonotonicNow() < v.lease_base_ + session_->lease * 0.95) {
+    absl::Status sent = session_->control.Send(
+        Writer(MsgType::kRelease).U64(v.lease_id_).U8(0).Finish(), deadline);
+    if (!sent.ok()) return SessionLost(sent, "after the transfer", true);
+    return absl::OkStatus();
+  }
   absl::Status sent = session_->control.Send(
       Writer(MsgType::kRelease).U64(v.lease_id_).U8(1).Finish(), deadline);
   if (!sent.ok()) return SessionLost(sent, "before the transfer was confirmed", true);
@@ -666,7 +680,7 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
   size_t next = 0;
   uint64_t issued_bytes = 0;
   bool midpoint = false;
-  absl::Time last_renew = v.granted_;
+  std::optional<absl::Time> renew_sent;  // a RENEW awaiting its RENEWED
   absl::Time last_check = absl::InfinitePast();
   absl::Status status;
   while (true) {
@@ -729,7 +743,22 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
           "%s while version %d was being received", f.status().message(), m.version));
       break;
     }
-    if (f->has_value()) {
+    if (f->has_value() && (*f)->type == MsgType::kRenewed) {
+      Reader r((*f)->payload);
+      const uint64_t id = r.U64();
+      const bool valid = r.U8() != 0;
+      if (r.ok() && id == v.lease_id_ && renew_sent) {
+        if (!valid) {
+          status = absl::UnavailableError(absl::StrFormat(
+              "the hold on version %d expired before the transfer finished (lease %s); %s may "
+              "have reused its memory, so the bytes are not trusted",
+              m.version, absl::FormatDuration(s.lease), s.publisher));
+          break;
+        }
+        v.lease_base_ = *renew_sent;
+        renew_sent.reset();
+      }
+    } else if (f->has_value()) {
       if ((*f)->type == MsgType::kError) {
         Reader r((*f)->payload);
         r.U32();
@@ -747,14 +776,15 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
         break;
       }
     }
-    if (now - last_renew > s.lease / 4) {
+    const absl::Time mono = MonotonicNow();
+    if (!renew_sent && mono - v.lease_base_ > s.lease / 4) {
       absl::Status renewed = s.control.Send(
           Writer(MsgType::kRenew).U64(v.lease_id_).Finish(), std::min(deadline, now + s.lease));
       if (!renewed.ok()) {
         status = renewed;
         break;
       }
-      last_renew = now;
+      renew_sent = mono;
     }
   }
   if (status.ok()) status = pull.error;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 
 #include "absl/strings/str_format.h"
@@ -150,6 +151,15 @@ SealedPublishJob::SealedPublishJob(Manifest manifest, std::vector<const std::byt
   packed_.reserve(manifest_.tensors.size());
   for (size_t i = 0; i < manifest_.tensors.size(); ++i) {
     packed_.push_back(PackedTensor{&manifest_.tensors[i], i < data.size() ? data[i] : nullptr});
+  }
+}
+
+void PublishJob::CopyWithChecksum(size_t i, absl::Span<const CopyTarget> pieces) {
+  const std::byte* src = tensors()[i].data;
+  for (const CopyTarget& p : pieces) {
+    if (p.size == 0) continue;
+    std::memcpy(p.data, src, p.size);
+    src += p.size;
   }
 }
 

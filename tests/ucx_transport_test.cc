@@ -627,6 +627,39 @@ TEST_P(UcxInternalTest, KeepVersionsFromOpenVersionAndListVersions) {
   EXPECT_EQ(listed(), (std::vector<uint64_t>{8, 9}));
 }
 
+// Bytes that do not match the manifest's checksum are caught by the chunk-by-chunk verification
+// of large tensors as well as by whole-tensor checks of small ones; nothing is handed over.
+TEST_P(UcxInternalTest, CorruptedBytesAreDataLossNamingTheTensor) {
+  const int port = weightbus::FreePort();
+  const std::string uri_text =
+      absl::StrFormat("ucx://127.0.0.1:%d/corrupt?get_chunk_size=64KiB&max_region=1MiB", port);
+  auto uri = ParseUri(uri_text);
+  auto stack = ResolveStack(*uri);
+  auto config = ResolveConfig(*stack, *uri, {});
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto pub = OpenPublisherStack(*stack, *uri, *config);
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = weightbus::Subscriber::Open(uri_text);
+  ASSERT_TRUE(sub.ok());
+  for (const uint64_t size : {uint64_t{3 << 20}, uint64_t{1000}}) {
+    SCOPED_TRACE(size);
+    const uint64_t version = size;  // increasing
+    std::vector<std::byte> bytes = testing::RandomBytes(size, 5);
+    Manifest m;
+    m.version = version;
+    const uint64_t right = testing::Xxh3(bytes.data(), size);
+    m.tensors.push_back(TensorInfo{"big", DType::kU8, {static_cast<int64_t>(size)}, std::nullopt,
+                                   size, right ^ 1});
+    SealedPublishJob job(m, {bytes.data()});
+    ASSERT_TRUE((*pub)->Publish(job, absl::Now() + absl::Seconds(10)).ok());
+    auto u = (*sub)->WaitForVersion(0, absl::Seconds(30));
+    ASSERT_EQ(u.status().code(), absl::StatusCode::kDataLoss) << u.status();
+    EXPECT_THAT(u.status().message(), HasSubstr("tensor \"big\""));
+    EXPECT_THAT(u.status().message(), HasSubstr(absl::StrFormat("%016x", right)));
+  }
+  EXPECT_EQ((*sub)->current_version(), std::nullopt);
+}
+
 INSTANTIATE_TEST_SUITE_P(Tls, UcxInternalTest, ::testing::Values(weightbus::kShm, weightbus::kTcp),
                          [](const ::testing::TestParamInfo<weightbus::Tls>& info) {
                            return info.param.name;

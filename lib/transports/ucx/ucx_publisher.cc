@@ -159,6 +159,9 @@ class UcxPublisher final : public TransportPublisher {
 
   absl::Status Publish(PublishJob& job, absl::Time deadline) override;
 
+  // Host staging copies compute the checksums as they go (the caller's bytes are read once).
+  bool CopiesWithChecksums() const override { return !options_.cuda_staging; }
+
   void KeepVersionsFrom(uint64_t version) override {
     absl::MutexLock lock(&mu_);
     keep_from_ = version;
@@ -217,8 +220,9 @@ class UcxPublisher final : public TransportPublisher {
   std::vector<std::unique_ptr<Slot>> TrimSlots() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Replaces `slot`'s memory by regions covering `size` bytes.
   absl::StatusOr<std::vector<Region>> AllocateRegions(uint64_t size);
-  absl::Status CopyIntoSlot(const std::vector<Region>& regions,
-                            absl::Span<const PackedTensor> tensors,
+  // Copies every tensor into the slot's regions on copy_threads threads, computing checksums on
+  // the way (PublishJob::CopyWithChecksum) for host staging.
+  absl::Status CopyIntoSlot(const std::vector<Region>& regions, PublishJob& job,
                             const std::vector<uint64_t>& offsets);
   std::string BuildGrantBody(const Slot& slot, const Manifest& manifest,
                              const std::vector<uint64_t>& offsets) const;
@@ -395,61 +399,58 @@ absl::StatusOr<std::vector<Region>> UcxPublisher::AllocateRegions(uint64_t size)
   return regions;
 }
 
-absl::Status UcxPublisher::CopyIntoSlot(const std::vector<Region>& regions,
-                                        absl::Span<const PackedTensor> tensors,
+absl::Status UcxPublisher::CopyIntoSlot(const std::vector<Region>& regions, PublishJob& job,
                                         const std::vector<uint64_t>& offsets) {
-  // The copy as pieces that never cross a region boundary.
-  struct Piece {
-    std::byte* dst;
-    const std::byte* src;
-    uint64_t n;
-  };
-  std::vector<Piece> pieces;
-  uint64_t total = 0;
+  absl::Span<const PackedTensor> tensors = job.tensors();
+  // Each tensor's destination as pieces that never cross a region boundary.
+  std::vector<std::vector<CopyTarget>> targets(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     uint64_t off = offsets[i], done = 0;
     const uint64_t n = tensors[i].info->nbytes;
     while (done < n) {
-      const size_t k = static_cast<size_t>(off / options_.max_region);
-      const Region& r = regions[k];
+      const Region& r = regions[static_cast<size_t>(off / options_.max_region)];
       const uint64_t in_region = off - r.base;
       const uint64_t len = std::min(n - done, r.mem->size() - in_region);
-      pieces.push_back(Piece{r.mem->data() + in_region, tensors[i].data + done, len});
+      targets[i].push_back(CopyTarget{r.mem->data() + in_region, len});
       off += len;
       done += len;
-      total += len;
     }
   }
-  // Split the bytes evenly over the copying threads (whole 64 KiB units per share).
   const int threads = copiers_ ? copiers_->size() + 1 : 1;
-  const uint64_t unit = 64 * 1024;
-  const uint64_t share = std::max<uint64_t>(unit, (total / threads + unit - 1) / unit * unit);
-  std::vector<std::vector<Piece>> work(threads);
-  {
-    int t = 0;
-    uint64_t filled = 0;
-    for (Piece p : pieces) {
-      while (p.n > 0) {
-        const uint64_t take = (t + 1 == threads) ? p.n : std::min(p.n, share - filled);
-        work[t].push_back(Piece{p.dst, p.src, take});
-        p.dst += take;
-        p.src += take;
-        p.n -= take;
-        filled += take;
-        if (filled >= share && t + 1 < threads) {
-          ++t;
-          filled = 0;
-        }
-      }
+  std::vector<std::vector<size_t>> work(threads);
+  if (options_.cuda_staging) {
+    // Device memory: cudaMemcpy per piece; the core checksums the source separately.
+    for (size_t i = 0; i < tensors.size(); ++i) work[i % threads].push_back(i);
+  } else {
+    // Whole tensors per thread (a checksum is one sequential pass), largest first, each to the
+    // least loaded thread.
+    std::vector<size_t> order(tensors.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return tensors[a].info->nbytes > tensors[b].info->nbytes;
+    });
+    std::vector<uint64_t> load(threads, 0);
+    for (size_t i : order) {
+      const size_t t = static_cast<size_t>(std::min_element(load.begin(), load.end()) -
+                                           load.begin());
+      work[t].push_back(i);
+      load[t] += tensors[i].info->nbytes + 4096;  // a little per tensor for its overhead
     }
   }
   std::vector<absl::Status> results(threads);
   auto run = [&](int t) {
-    for (const Piece& p : work[t]) {
-      absl::Status s = CopyBytes(p.dst, p.src, p.n);
-      if (!s.ok()) {
-        results[t] = s;
-        return;
+    for (size_t i : work[t]) {
+      if (!options_.cuda_staging) {
+        job.CopyWithChecksum(i, targets[i]);
+        continue;
+      }
+      const std::byte* src = tensors[i].data;
+      for (const CopyTarget& p : targets[i]) {
+        if (absl::Status s = CopyBytes(p.data, src, p.size); !s.ok()) {
+          results[t] = s;
+          return;
+        }
+        src += p.size;
       }
     }
   };
@@ -536,7 +537,7 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
   if (absl::Now() > deadline) {
     return absl::DeadlineExceededError("deadline passed before copying into the staging slot");
   }
-  WB_RETURN_IF_ERROR(CopyIntoSlot(slot->regions, tensors, offsets));
+  WB_RETURN_IF_ERROR(CopyIntoSlot(slot->regions, job, offsets));
   WB_RETURN_IF_ERROR(failpoints_.Hit("ucx.after_copy"));
   WB_ASSIGN_OR_RETURN(const Manifest* manifest, job.SealedManifest(deadline));
   std::string body = BuildGrantBody(*slot, *manifest, offsets);

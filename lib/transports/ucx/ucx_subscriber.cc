@@ -75,13 +75,16 @@ struct GetOp {
   std::byte* local;
   uint64_t length;
   ucp_mem_h memh;
+  uint64_t tensor_end;  // the tensor's bytes [0, tensor_end) are covered by it and earlier gets
 };
 
 // The gets of one Fetch and their completion bookkeeping (touched only by the fetching thread:
 // UCX calls completions from inside ucp_worker_progress).
 struct Pull {
-  std::vector<GetOp> ops;
-  std::vector<uint32_t> remaining;  // per tensor: gets not yet complete
+  std::vector<GetOp> ops;              // a tensor's gets are consecutive, in byte order
+  std::vector<uint32_t> remaining;     // per tensor: gets not yet complete
+  std::vector<size_t> next_in_order;   // per tensor: its first get not yet complete
+  std::vector<bool> done;              // per get
   uint64_t inflight = 0;
   absl::Status error;
   LandingSink* sink = nullptr;
@@ -100,7 +103,16 @@ struct Pull {
       }
       return;
     }
-    if (--remaining[op.tensor] == 0) sink->Landed(op.tensor);
+    done[k] = true;
+    if (--remaining[op.tensor] == 0) {
+      sink->Landed(op.tensor);
+      return;
+    }
+    // Report the complete prefix (gets over tcp may complete out of order).
+    size_t& next = next_in_order[op.tensor];
+    if (next != k) return;
+    while (next < ops.size() && ops[next].tensor == op.tensor && done[next]) ++next;
+    sink->LandedPrefix(op.tensor, ops[next - 1].tensor_end);
   }
 };
 
@@ -618,6 +630,7 @@ absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> ta
 absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const> targets,
                                       LandingSink& sink, absl::Time deadline,
                                       uint64_t* inflight_left) {
+  const absl::Time fetch_start = absl::Now();
   Session& s = *session_;
   const Manifest& m = v.manifest_;
   const size_t n = m.tensors.size();
@@ -641,6 +654,7 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
 
   Pull pull;
   pull.remaining.assign(n, 0);
+  pull.next_in_order.assign(n, 0);
   pull.sink = &sink;
   pull.manifest = &m;
   pull.source = absl::StrFormat("from %s", s.publisher);
@@ -662,8 +676,9 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
         const GrantRegion& g = v.regions_[k];
         const uint64_t len = std::min({options_.get_chunk_size, piece_len - done,
                                        g.base + g.length - off});
+        if (pull.remaining[i] == 0) pull.next_in_order[i] = pull.ops.size();
         pull.ops.push_back(GetOp{i, rkeys[k], g.address + (off - g.base),
-                                 targets[i] + piece + done, len, memh});
+                                 targets[i] + piece + done, len, memh, piece + done + len});
         ++pull.remaining[i];
         done += len;
         total += len;
@@ -674,6 +689,8 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
     if (m.tensors[i].nbytes == 0) sink.Landed(i);
   }
   std::vector<GetContext> contexts(pull.ops.size());
+  pull.done.assign(pull.ops.size(), false);
+  const absl::Time planned = absl::Now();
 
   ucp_worker_h worker = worker_->get();
   const uint64_t window = static_cast<uint64_t>(options_.gets_in_flight);
@@ -789,6 +806,11 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
   }
   if (status.ok()) status = pull.error;
   *inflight_left = pull.inflight;
+  Log(LogLevel::kDebug, "%s: version %d: %d gets of %d bytes in %s (%.2f GB/s), planned in %s",
+      endpoint_.display, m.version, pull.ops.size(), total,
+      absl::FormatDuration(absl::Now() - planned),
+      total / 1e9 / std::max(1e-9, absl::ToDoubleSeconds(absl::Now() - planned)),
+      absl::FormatDuration(planned - fetch_start));
   if (!status.ok() && pull.inflight > 0) {
     // Force-close the endpoint now, while `state` and the targets are alive: every outstanding
     // get completes (canceled) inside this.

@@ -264,9 +264,12 @@ int Main(int argc, char** argv) {
               "warm-up versions, medians\n",
               shapes_path.c_str(), u.release, std::thread::hardware_concurrency(), reps, warmup);
   std::printf("# perftest: %s\n", run_perftest ? (perftest + " -t ucp_get -s <model bytes>, "
-                                                            "client and server on 127.0.0.1")
+                                                            "client and server on 127.0.0.1, "
+                                                            "once per round")
                                                            .c_str()
                                                : "skipped");
+  std::printf("# checksums: XXH3-64 (%s); rounds interleave memcpy, ucx_perftest and ours\n",
+              "see docs/PERFORMANCE.md");
   std::fflush(stdout);
 
   std::vector<Row> rows;
@@ -293,82 +296,101 @@ int Main(int argc, char** argv) {
                   static_cast<unsigned long long>(bytes));
       std::fflush(stdout);
 
-      // memcpy of the same bytes into one resident buffer (first touch excluded).
-      std::vector<double> memcpy_s;
-      {
-        std::vector<std::byte> sink(bytes);
-        for (int r = 0; r < reps + 1; ++r) {
+      // Every round measures, in this order: one ucx_perftest run, a memcpy of the bytes into
+      // one resident buffer, and one version published to each subscriber configuration, so
+      // that the machine's slow and fast moments hit baselines and ours alike. The first
+      // `warmup` rounds are not recorded (first-touch page faults, UCX start-up).
+      struct Config {
+        int nsub;
+        std::unique_ptr<Publisher> pub;
+        std::vector<Proc> subs;
+        std::vector<double> stall, transport, checksum_wait, fetch, verified, aggregate;
+      };
+      std::vector<Config> configs;
+      for (int nsub : sub_counts) {
+        if (nsub > 1 && target > multi_max) {
+          std::printf("# %s %s: %d subscribers skipped (above --multi-max-bytes %s)\n",
+                      tls.c_str(), label.c_str(), nsub, Human(multi_max).c_str());
+          continue;
+        }
+        Config c;
+        c.nsub = nsub;
+        const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/bench", FreePort());
+        c.pub = OrDie(Publisher::Open(uri));
+        for (int i = 0; i < nsub; ++i) {
+          c.subs.push_back(Proc::Start({Self(), "--role", "subscriber", "--uri", uri, "--count",
+                                        std::to_string(warmup + reps)}));
+        }
+        configs.push_back(std::move(c));
+      }
+      std::vector<std::byte> sink(bytes);
+      std::memset(sink.data(), 1, sink.size());
+      std::vector<double> memcpy_s, perf;
+      std::string perf_why;
+      const int perf_iters = static_cast<int>(std::clamp<uint64_t>((2ull << 30) / bytes, 3, 20));
+      for (int round = 0; round < warmup + reps; ++round) {
+        const bool record = round >= warmup;
+        if (run_perftest && record) {
+          const double g = Perftest(perftest, bytes, perf_iters, &perf_why);
+          if (g > 0) perf.push_back(g);
+        }
+        // Twice, timing the second: on this VM memory left idle for a second or two is slow
+        // to touch again (host-level reclaim), which is not what a memcpy costs.
+        for (int pass = 0; pass < 2; ++pass) {
           const absl::Time t0 = absl::Now();
           size_t off = 0;
           for (const OwnedTensor& t : model) {
             std::memcpy(sink.data() + off, t.bytes.data(), t.bytes.size());
             off += t.bytes.size();
           }
-          if (r > 0) memcpy_s.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
+          if (record && pass == 1) memcpy_s.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
         }
-      }
-      const double memcpy_t = Median(memcpy_s);
-      rows.push_back({tls, label, "baseline: memcpy of the bytes", bytes, memcpy_t,
-                      bytes / 1e9 / memcpy_t, ""});
-
-      double perf_gbps = 0;
-      if (run_perftest) {
-        std::string why;
-        const int iters = static_cast<int>(std::clamp<uint64_t>((8ull << 30) / bytes, 5, 50));
-        perf_gbps = Perftest(perftest, bytes, iters, &why);
-        if (perf_gbps > 0) {
-          rows.push_back({tls, label, "baseline: ucx_perftest ucp_get", bytes, bytes / 1e9 / perf_gbps,
-                          perf_gbps, ""});
-        } else {
-          std::printf("# ucx_perftest failed: %s\n", why.c_str());
-        }
-      }
-
-      for (int nsub : sub_counts) {
-        if (nsub > 1 && bytes > multi_max) {
-          std::printf("# %s %s: %d subscribers skipped (above --multi-max-bytes %s)\n",
-                      tls.c_str(), label.c_str(), nsub, Human(multi_max).c_str());
-          continue;
-        }
-        const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/bench", FreePort());
-        auto pub = OrDie(Publisher::Open(uri));
-        const uint64_t count = warmup + reps;
-        std::vector<Proc> subs;
-        for (int i = 0; i < nsub; ++i) {
-          subs.push_back(Proc::Start({Self(), "--role", "subscriber", "--uri", uri, "--count",
-                                      std::to_string(count)}));
-        }
-        std::vector<double> stall, transport, checksum_wait, fetch, verified, aggregate;
-        for (uint64_t v = 1; v <= count; ++v) {
-          OrDie(pub->Publish(v, views, {}, absl::Seconds(600)));
-          const PublishStats ps = pub->last_stats();
+        const uint64_t v = round + 1;
+        for (Config& c : configs) {
+          OrDie(c.pub->Publish(v, views, {}, absl::Seconds(600)));
+          const PublishStats ps = c.pub->last_stats();
           double slowest = 0;
-          for (Proc& p : subs) {
+          for (Proc& p : c.subs) {
             const std::string line = p.Line();
             nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
             if (j.is_discarded() || j.contains("error") || j["version"] != v) {
               Die("subscriber failed: " + line);
             }
-            const double f = j["fetch"], all = double(j["allocate"]) + f + double(j["verify"]) +
-                                               double(j["copy"]);
-            if (v > uint64_t(warmup)) {
-              fetch.push_back(f);
-              verified.push_back(all);
+            const double f = j["fetch"];
+            const double all =
+                double(j["allocate"]) + f + double(j["verify"]) + double(j["copy"]);
+            if (record) {
+              c.fetch.push_back(f);
+              c.verified.push_back(all);
             }
             slowest = std::max(slowest, f);
           }
-          if (v > uint64_t(warmup)) {
-            stall.push_back(absl::ToDoubleSeconds(ps.stall));
-            transport.push_back(absl::ToDoubleSeconds(ps.transport));
-            checksum_wait.push_back(absl::ToDoubleSeconds(ps.checksum_wait));
-            aggregate.push_back(slowest);
+          if (record) {
+            c.stall.push_back(absl::ToDoubleSeconds(ps.stall));
+            c.transport.push_back(absl::ToDoubleSeconds(ps.transport));
+            c.checksum_wait.push_back(absl::ToDoubleSeconds(ps.checksum_wait));
+            c.aggregate.push_back(slowest);
           }
         }
-        for (Proc& p : subs) {
+      }
+      const double memcpy_t = Median(memcpy_s);
+      rows.push_back({tls, label, "baseline: memcpy of the bytes", bytes, memcpy_t,
+                      bytes / 1e9 / memcpy_t, ""});
+      const double perf_gbps = Median(perf);
+      if (perf_gbps > 0) {
+        rows.push_back({tls, label, "baseline: ucx_perftest ucp_get", bytes,
+                        bytes / 1e9 / perf_gbps, perf_gbps, ""});
+      } else if (run_perftest) {
+        std::printf("# ucx_perftest failed: %s\n", perf_why.c_str());
+      }
+      for (Config& c : configs) {
+        for (Proc& p : c.subs) {
           if (p.Wait() != 0) Die("a subscriber process failed");
         }
-        const double st = Median(stall);
-        if (nsub == sub_counts.front()) {
+        c.pub.reset();
+        const int nsub = c.nsub;
+        const double st = Median(c.stall);
+        if (&c == &configs.front()) {
           rows.push_back({tls, label, "weightbus: trainer stall (Publish)", bytes, st,
                           bytes / 1e9 / st, absl::StrFormat("%.2fx memcpy", st / memcpy_t)});
           if (st > 1.1 * memcpy_t) {
@@ -376,7 +398,7 @@ int Main(int argc, char** argv) {
                                                st / memcpy_t));
           }
         }
-        const double f = Median(fetch), all = Median(verified);
+        const double f = Median(c.fetch), all = Median(c.verified);
         const std::string who = absl::StrFormat("weightbus: receive, %d sub%s", nsub,
                                                 nsub > 1 ? "s (each)" : "");
         rows.push_back({tls, label, who, bytes, f, bytes / 1e9 / f,
@@ -385,7 +407,7 @@ int Main(int argc, char** argv) {
                             : ""});
         rows.push_back({tls, label, who + ", verified", bytes, all, bytes / 1e9 / all, ""});
         if (nsub > 1) {
-          const double agg = Median(aggregate);
+          const double agg = Median(c.aggregate);
           rows.push_back({tls, label, absl::StrFormat("weightbus: receive, %d subs (total)", nsub),
                           bytes * nsub, agg, bytes * nsub / 1e9 / agg,
                           perf_gbps > 0 ? absl::StrFormat("%.2fx perftest",
@@ -397,9 +419,9 @@ int Main(int argc, char** argv) {
                                              bytes / 1e9 / f / perf_gbps));
         }
         std::printf("#   %s %s %d sub: stall %.4f s (transport %.4f, checksum wait %.4f; memcpy "
-                    "%.4f), receive %.4f s%s\n",
-                    tls.c_str(), label.c_str(), nsub, st, Median(transport), Median(checksum_wait),
-                    memcpy_t, f,
+                    "%.4f), receive %.4f s, verified %.4f s%s\n",
+                    tls.c_str(), label.c_str(), nsub, st, Median(c.transport),
+                    Median(c.checksum_wait), memcpy_t, f, all,
                     perf_gbps > 0 ? absl::StrFormat(" (perftest %.2f GB/s)", perf_gbps).c_str()
                                   : "");
         std::fflush(stdout);

@@ -563,9 +563,16 @@ void UcxPublisher::Loop() {
   std::vector<pollfd> fds;
   std::vector<uint64_t> ids;
   ucp_worker_h worker = worker_->get();
+  // Transports without one-sided hardware support (tcp) serve gets in this thread: while gets
+  // are streaming, keep polling the worker instead of sleeping on its event fd between
+  // messages, for up to kSpin after the last one.
+  constexpr absl::Duration kSpin = absl::Microseconds(500);
+  absl::Time last_busy = absl::InfinitePast();
   while (true) {
-    while (ucp_worker_progress(worker) != 0) {
-    }
+    bool busy = false;
+    while (ucp_worker_progress(worker) != 0) busy = true;
+    if (busy) last_busy = MonotonicNow();
+    const bool spinning = MonotonicNow() - last_busy < kSpin;
     int timeout_ms = 1000;
     {
       absl::MutexLock lock(&mu_);
@@ -589,7 +596,7 @@ void UcxPublisher::Loop() {
           std::clamp<int64_t>(absl::ToInt64Milliseconds(next - mono) + 1, 0, 1000));
     }
     // Sleep on the worker's event fd only when it is armed; otherwise it has more to do.
-    const ucs_status_t armed = ucp_worker_arm(worker);
+    const ucs_status_t armed = spinning ? UCS_ERR_BUSY : ucp_worker_arm(worker);
     if (armed == UCS_ERR_BUSY) {
       timeout_ms = 0;
     } else if (armed != UCS_OK) {

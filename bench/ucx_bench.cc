@@ -7,7 +7,10 @@
 //
 //   weightbus-ucx-bench [--tls LIST]... [--sizes 64MiB,256MiB,1GiB,2GiB] [--subscribers 1,4]
 //                       [--multi-max-bytes 1GiB] [--reps N] [--warmup N] [--json FILE]
-//                       [--perftest PATH] [--no-perftest] [--shapes FILE]
+//                       [--perftest PATH] [--no-perftest] [--shapes FILE] [--read-weights]
+//
+// --read-weights: each subscriber reads every byte of a version before asking for the next, as a
+// replica serving inference does (its receive buffers are then warm when recycled).
 //
 // Each --tls value is one UCX_TLS setting (default: posix,sysv,cma,self and tcp; tcp runs with
 // UCX_NET_DEVICES=lo). Runs with more than one subscriber are limited to --multi-max-bytes
@@ -150,10 +153,24 @@ std::string Self() {
   return std::string(buf, n);
 }
 
-// --role subscriber: receives versions 1..count, one JSON line of figures per version.
-int SubscriberMain(const std::string& uri, uint64_t count) {
+// --role subscriber: receives versions 1..count, one JSON line of figures per version. With
+// `read_weights`, it reads every byte of each version before asking for the next, as an
+// inference replica does with its weights (the receive buffers are then recycled warm).
+int SubscriberMain(const std::string& uri, uint64_t count, bool read_weights) {
   auto sub = OrDie(Subscriber::Open(uri));
+  std::unique_ptr<Update> previous;
   for (uint64_t v = 1; v <= count; ++v) {
+    if (previous != nullptr && read_weights) {
+      uint64_t sum = 0;
+      for (const TensorView& t : previous->tensors()) {
+        const auto* p = static_cast<const uint64_t*>(t.data);
+        const uint64_t n = previous->manifest().Find(t.name)->nbytes / 8;
+        for (uint64_t k = 0; k < n; k += 8) sum += p[k];
+      }
+      static volatile uint64_t sink;
+      sink = sum;
+    }
+    previous.reset();
     auto u = (*sub).WaitForVersion(v, absl::Seconds(600));
     if (!u.ok()) {
       std::printf("{\"error\": %s}\n", nlohmann::json(std::string(u.status().message())).dump().c_str());
@@ -170,6 +187,7 @@ int SubscriberMain(const std::string& uri, uint64_t count) {
                         {"copy", absl::ToDoubleSeconds(s.copy_out)}};
     std::printf("%s\n", j.dump().c_str());
     std::fflush(stdout);
+    previous = *std::move(u);
   }
   return 0;
 }
@@ -224,9 +242,11 @@ int Main(int argc, char** argv) {
                                          {"shapes"},
                                          {"role"},
                                          {"uri"},
-                                         {"count"}}));
+                                         {"count"},
+                                         {"read-weights", false}}));
   if (args.Get("role") == "subscriber") {
-    return SubscriberMain(*args.Get("uri"), OrDie(args.GetUint("count", 1)));
+    return SubscriberMain(*args.Get("uri"), OrDie(args.GetUint("count", 1)),
+                          args.Has("read-weights"));
   }
   std::vector<std::string> tls_list = args.GetAll("tls");
   if (tls_list.empty()) tls_list = {"posix,sysv,cma,self", "tcp"};
@@ -318,8 +338,10 @@ int Main(int argc, char** argv) {
         const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/bench", FreePort());
         c.pub = OrDie(Publisher::Open(uri));
         for (int i = 0; i < nsub; ++i) {
-          c.subs.push_back(Proc::Start({Self(), "--role", "subscriber", "--uri", uri, "--count",
-                                        std::to_string(warmup + reps)}));
+          std::vector<std::string> argv = {Self(), "--role", "subscriber", "--uri", uri,
+                                           "--count", std::to_string(warmup + reps)};
+          if (args.Has("read-weights")) argv.push_back("--read-weights");
+          c.subs.push_back(Proc::Start(argv));
         }
         configs.push_back(std::move(c));
       }

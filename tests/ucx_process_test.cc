@@ -41,6 +41,8 @@ struct Tls {
   std::string name;
   std::map<std::string, std::string> env;
 };
+// Test names and messages show "shm" or "tcp", not the struct's bytes.
+void PrintTo(const Tls& tls, std::ostream* os) { *os << tls.name; }
 const Tls kShm{"shm", {{"UCX_TLS", "posix,sysv,cma,self"}}};
 const Tls kTcp{"tcp", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}};
 

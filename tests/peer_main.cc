@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // wb_test_peer: a publisher or subscriber process for multi-process tests.
 //   wb_test_peer publish URI --versions N [--start S] [--seed X] [--bytes B] [--interval-ms M]
-//                [--set K=V]...
+//                [--until-subscribers K] [--serve-ms M] [--timeout-s T] [--set K=V]...
+// A publisher keeps serving after its last version until K subscribers received it
+// (Publisher::WaitForReceivers) and then for M more milliseconds (transports such as ucx://
+// serve versions from the publisher's process).
 //   wb_test_peer subscribe URI --until N [--seed X] [--bytes B] [--timeout-s T] [--set K=V]...
 // The subscriber regenerates each version it receives (test_model.h) and compares bytes, so
 // delivery is checked independently of the library's own checksums. Prints one line per version.
@@ -23,6 +26,8 @@ struct Flags {
   std::string role, uri;
   uint64_t versions = 1, start = 1, seed = 1, bytes = 1 << 16, until = 1;
   int interval_ms = 0;
+  int until_subscribers = 0;
+  int serve_ms = 0;
   double timeout_s = 30;
   weightbus::Options options;
 };
@@ -40,6 +45,8 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     else if (k == "--bytes") ok = absl::SimpleAtoi(v, &f->bytes);
     else if (k == "--until") ok = absl::SimpleAtoi(v, &f->until);
     else if (k == "--interval-ms") ok = absl::SimpleAtoi(v, &f->interval_ms);
+    else if (k == "--until-subscribers") ok = absl::SimpleAtoi(v, &f->until_subscribers);
+    else if (k == "--serve-ms") ok = absl::SimpleAtoi(v, &f->serve_ms);
     else if (k == "--timeout-s") ok = absl::SimpleAtod(v, &f->timeout_s);
     else if (k == "--set") {
       size_t eq = v.find('=');
@@ -72,6 +79,20 @@ int Publish(const Flags& f) {
     std::fflush(stdout);
     if (f.interval_ms > 0) absl::SleepFor(absl::Milliseconds(f.interval_ms));
   }
+  if (f.until_subscribers > 0) {
+    const uint64_t last = f.start + f.versions - 1;
+    absl::Status s = (*pub)->WaitForReceivers(last, f.until_subscribers,
+                                              absl::Seconds(f.timeout_s));
+    if (!s.ok()) {
+      std::fprintf(stderr, "wait for %d subscribers: %s\n", f.until_subscribers,
+                   s.ToString().c_str());
+      return 1;
+    }
+    std::printf("%d subscribers have %llu\n", f.until_subscribers,
+                static_cast<unsigned long long>(last));
+    std::fflush(stdout);
+  }
+  if (f.serve_ms > 0) absl::SleepFor(absl::Milliseconds(f.serve_ms));
   return 0;
 }
 

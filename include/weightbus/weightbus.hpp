@@ -3,6 +3,7 @@
 // replicas. A transport is chosen by the URI scheme:
 //
 //   disk:///path/to/channel   a shared filesystem; each version is a safetensors checkpoint
+//   ucx://host:port/channel   UCX one-sided RDMA; the publisher serves versions on host:port
 //
 // Settings (`weightbus settings` lists them) come, lowest precedence first, from their
 // defaults, WEIGHTBUS_* environment variables, the URI's query (`disk:///x?retention=4`) and the
@@ -76,7 +77,8 @@ struct PublishStats {
 //
 // Thread safety: Publish calls are serialized internally; the object may be shared between
 // threads. Lifetime: destroying the Publisher releases the channel (other publishers may then
-// open it); versions already published stay available.
+// open it); versions already published stay available on disk://, while ucx:// serves them
+// from this object only (its subscribers then get Unavailable and keep what they have).
 class WB_EXPORT Publisher {
  public:
   // Opens `uri` for publishing. Errors: InvalidArgument for a malformed URI or setting;
@@ -90,8 +92,9 @@ class WB_EXPORT Publisher {
   Publisher& operator=(const Publisher&) = delete;
 
   // Publishes `tensors` as `version`, all or nothing: when this returns OK every subscriber can
-  // receive the version (for disk: it is durable on the filesystem); on any error no subscriber
-  // ever sees any part of it and the channel's previous versions are untouched.
+  // receive the version (for disk: it is durable on the filesystem; for ucx: it is staged in
+  // registered memory and served); on any error no subscriber ever sees any part of it and the
+  // channel's previous versions are untouched.
   //
   // `version` must be above every version already on the channel. The tensors' bytes are read
   // during the call only (non-contiguous views are packed first); the caller may modify them as
@@ -100,10 +103,20 @@ class WB_EXPORT Publisher {
   //
   // Errors: FailedPrecondition (version not above the latest, naming both); InvalidArgument for
   // an empty/duplicate/non-UTF-8 name, a bad shape, strides, shard or null data (naming the
-  // tensor); Unimplemented for a non-CPU tensor; DeadlineExceeded after `timeout`;
-  // ResourceExhausted when the disk is full; Internal for other system errors.
+  // tensor); Unimplemented for a non-CPU tensor; DeadlineExceeded after `timeout` (for ucx:
+  // also when every staging slot is still read by subscribers, naming them); ResourceExhausted
+  // when the disk or memory is full; Internal for other system errors.
   absl::Status Publish(uint64_t version, absl::Span<const TensorView> tensors,
                        const Metadata& metadata, absl::Duration timeout);
+
+  // Waits up to `timeout` until at least `count` distinct subscribers have received and
+  // verified `version` (or a newer version), e.g. to keep a one-shot publisher serving until its
+  // replicas have the weights. A subscriber counts once however often it reconnects while the
+  // same Subscriber object lives; one that received the version and left still counts.
+  // Errors: DeadlineExceeded naming how many had it; InvalidArgument for count < 1;
+  // Unimplemented for transports that cannot tell (disk://: subscribers never talk to the
+  // publisher).
+  absl::Status WaitForReceivers(uint64_t version, int count, absl::Duration timeout);
 
   // The newest version on the channel (published by anyone), if any.
   std::optional<uint64_t> latest_version() const;

@@ -4,6 +4,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
@@ -11,19 +16,48 @@
 #include "absl/time/clock.h"
 #include "core/buffer.h"
 #include "core/channel_setup.h"
+#include "core/checksum.h"
 #include "core/failpoint.h"
 #include "core/registry.h"
 #include "core/status.h"
 #include "core/tensor_pack.h"
 #include "core/worker_pool.h"
 #include "weightbus/weightbus.hpp"
-#include "xxhash.h"
 
 namespace weightbus {
 
 using internal::PackedTensor;
 
 namespace {
+
+// Copies with non-temporal stores where the CPU has them: staged bytes are read next by other
+// processes or devices, not by this core, so they need not displace the cache.
+void StreamCopy(std::byte* dst, const std::byte* src, size_t n) {
+#if defined(__SSE2__)
+  if (n >= 4096) {
+    const size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+    std::memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    const size_t body = n & ~size_t{63};
+    for (size_t k = 0; k < body; k += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + k), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + k + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + k + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + k + 48), d);
+    }
+    dst += body;
+    src += body;
+    n -= body;
+  }
+#endif
+  if (n > 0) std::memcpy(dst, src, n);
+}
 
 std::string HostName() {
   char buf[256] = {};
@@ -32,12 +66,16 @@ std::string HostName() {
 }
 
 // The core's side of one Publish: the manifest under construction and the packed bytes.
+// Checksums come from one of two places: a separate pass over the caller's bytes on the hashing
+// pool, started with the job (StartHashing), or, for transports that stage the bytes
+// (CopiesWithChecksums), the copy itself (CopyWithChecksum), which then reads them only once.
 class Job final : public internal::PublishJob {
  public:
   uint64_t version() const override { return manifest_.version; }
   absl::Span<const PackedTensor> tensors() const override { return packed_; }
 
   absl::StatusOr<const Manifest*> SealedManifest(absl::Time deadline) override {
+    if (copy_mode_) HashUnclaimed();  // tensors the transport did not copy with checksums
     if (!hashing_.WaitUntilZero(deadline)) {
       return absl::DeadlineExceededError(absl::StrFormat(
           "version %d: checksums of %d tensors not finished by the deadline", manifest_.version,
@@ -47,20 +85,34 @@ class Job final : public internal::PublishJob {
     return &manifest_;
   }
 
-  // Queues one checksum task per tensor on `pool`, largest first so the long ones start early.
-  void StartHashing(internal::WorkerPool& pool) {
-    std::vector<size_t> order(packed_.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::sort(order.begin(), order.end(), [this](size_t a, size_t b) {
-      return manifest_.tensors[a].nbytes > manifest_.tensors[b].nbytes;
-    });
-    hashing_.Add(static_cast<int>(order.size()));
-    for (size_t i : order) {
-      pool.Submit([this, i] {
-        manifest_.tensors[i].xxh3 = XXH3_64bits(packed_[i].data, manifest_.tensors[i].nbytes);
-        hashing_.Done();
-      });
+  void CopyWithChecksum(size_t i, absl::Span<const internal::CopyTarget> pieces) override {
+    // Whoever claims a tensor first computes its checksum.
+    const bool hash = !claimed_[i].exchange(true);
+    constexpr uint64_t kBlock = 256 * 1024;  // copied, then hashed while still in L2
+    std::optional<internal::Xxh3Stream> state;
+    if (hash) state.emplace();
+    const std::byte* src = packed_[i].data;
+    for (const internal::CopyTarget& p : pieces) {
+      for (uint64_t off = 0; off < p.size; off += kBlock) {
+        const uint64_t n = std::min(kBlock, p.size - off);
+        StreamCopy(p.data + off, src, n);
+        if (state) state->Update(src, n);
+        src += n;
+      }
     }
+#if defined(__SSE2__)
+    _mm_sfence();  // streaming stores visible before the transport publishes the slot
+#endif
+    if (state) manifest_.tensors[i].xxh3 = state->Digest();
+  }
+
+  // Prepares the job: queues one checksum task per tensor on `pool`, largest first so the long
+  // ones start early, unless the transport will compute them while copying (`copy_mode`).
+  void StartHashing(internal::WorkerPool& pool, bool copy_mode) {
+    pool_ = &pool;
+    copy_mode_ = copy_mode;
+    claimed_ = std::vector<std::atomic<bool>>(packed_.size());
+    if (!copy_mode_) HashUnclaimed();
   }
 
   // Checksum tasks read the caller's memory: Publish never returns before they end.
@@ -71,6 +123,26 @@ class Job final : public internal::PublishJob {
   std::shared_ptr<internal::HostBuffer> pack_buffer_;
 
  private:
+  void HashUnclaimed() {
+    std::vector<size_t> order;
+    for (size_t i = 0; i < packed_.size(); ++i) {
+      if (!claimed_[i].exchange(true)) order.push_back(i);
+    }
+    std::sort(order.begin(), order.end(), [this](size_t a, size_t b) {
+      return manifest_.tensors[a].nbytes > manifest_.tensors[b].nbytes;
+    });
+    hashing_.Add(static_cast<int>(order.size()));
+    for (size_t i : order) {
+      pool_->Submit([this, i] {
+        manifest_.tensors[i].xxh3 = internal::Xxh3(packed_[i].data, manifest_.tensors[i].nbytes);
+        hashing_.Done();
+      });
+    }
+  }
+
+  internal::WorkerPool* pool_ = nullptr;
+  bool copy_mode_ = false;
+  std::vector<std::atomic<bool>> claimed_;
   internal::TaskCounter hashing_;
 };
 
@@ -184,7 +256,7 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   }
   const absl::Duration pack_time = absl::Now() - pack_start;
 
-  job.StartHashing(*hashers);
+  job.StartHashing(*hashers, backend->CopiesWithChecksums());
   absl::Status status = failpoints.Hit("core.before_transport");
   if (status.ok()) status = backend->Publish(job, deadline);
   const absl::Time transport_end = absl::Now();
@@ -197,6 +269,25 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   const absl::Time end = absl::Now();
   stats = PublishStats{version,    m.total_bytes(), end - start, pack_time,
                        end - transport_end, transport_end - pack_start - pack_time};
+  return absl::OkStatus();
+}
+
+absl::Status Publisher::WaitForReceivers(uint64_t version, int count, absl::Duration timeout) {
+  if (count < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: WaitForReceivers needs a count of at least 1, got %d", impl_->uri.Display(), count));
+  }
+  // Not under mu: Publish calls may go on while this waits.
+  absl::StatusOr<int> have =
+      impl_->backend->WaitForReceivers(version, count, absl::Now() + timeout);
+  if (!have.ok()) {
+    return internal::Annotate(have.status(), impl_->uri.Display());
+  }
+  if (*have < count) {
+    return absl::DeadlineExceededError(absl::StrFormat(
+        "%s: %d of the %d subscribers waited for had received version %d after %s",
+        impl_->uri.Display(), *have, count, version, absl::FormatDuration(timeout)));
+  }
   return absl::OkStatus();
 }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 
 #include "absl/strings/str_format.h"
@@ -153,10 +154,24 @@ SealedPublishJob::SealedPublishJob(Manifest manifest, std::vector<const std::byt
   }
 }
 
+void PublishJob::CopyWithChecksum(size_t i, absl::Span<const CopyTarget> pieces) {
+  const std::byte* src = tensors()[i].data;
+  for (const CopyTarget& p : pieces) {
+    if (p.size == 0) continue;
+    std::memcpy(p.data, src, p.size);
+    src += p.size;
+  }
+}
+
 absl::StatusOr<std::unique_ptr<IncomingVersion>> TransportSubscriber::OpenVersion(uint64_t version,
                                                                                   absl::Time) {
   return absl::UnimplementedError(
       absl::StrFormat("this transport cannot open a specific version (%d)", version));
+}
+
+absl::StatusOr<int> TransportPublisher::WaitForReceivers(uint64_t version, int, absl::Time) {
+  return absl::UnimplementedError(absl::StrFormat(
+      "this transport cannot tell which subscribers received version %d", version));
 }
 
 absl::StatusOr<std::vector<uint64_t>> TransportSubscriber::ListVersions() {

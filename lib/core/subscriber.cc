@@ -12,13 +12,13 @@
 #include "absl/time/clock.h"
 #include "core/buffer.h"
 #include "core/channel_setup.h"
+#include "core/checksum.h"
 #include "core/failpoint.h"
 #include "core/registry.h"
 #include "core/status.h"
 #include "core/tensor_pack.h"
 #include "core/worker_pool.h"
 #include "weightbus/weightbus.hpp"
-#include "xxhash.h"
 
 namespace weightbus {
 namespace {
@@ -26,21 +26,34 @@ namespace {
 constexpr uint64_t kAlign = 64;
 uint64_t AlignUp(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
 
-// Verifies tensors as the transport reports them complete.
+// Verifies tensors as the transport reports them complete. A transport that also reports
+// growing prefixes of a tensor (LandedPrefix) gets that tensor hashed chunk by chunk right
+// behind the transfer, while the bytes are still in cache, instead of in one pass at the end.
 class Verifier final : public internal::LandingSink {
  public:
   Verifier(const Manifest& manifest, const std::vector<std::byte*>& targets,
            internal::WorkerPool& pool)
       : manifest_(manifest), targets_(targets), pool_(pool),
-        actual_(manifest.tensors.size(), 0), landed_(manifest.tensors.size()) {}
+        actual_(manifest.tensors.size(), 0), landed_(manifest.tensors.size()),
+        progress_(manifest.tensors.size()) {}
 
   void Landed(size_t i) override {
     if (landed_[i].exchange(true)) return;  // a transport reporting twice is harmless
+    if (progress_[i] != nullptr) {
+      Advance(i, manifest_.tensors[i].nbytes, /*complete=*/true);
+      return;
+    }
     pending_.Add();
     pool_.Submit([this, i] {
-      actual_[i] = XXH3_64bits(targets_[i], manifest_.tensors[i].nbytes);
+      actual_[i] = internal::Xxh3(targets_[i], manifest_.tensors[i].nbytes);
       pending_.Done();
     });
+  }
+
+  void LandedPrefix(size_t i, uint64_t bytes) override {
+    if (landed_[i].load() || bytes == 0 || bytes >= manifest_.tensors[i].nbytes) return;
+    if (progress_[i] == nullptr) progress_[i] = std::make_unique<Progress>();
+    Advance(i, bytes, /*complete=*/false);
   }
 
   // Waits for every queued checksum (they read buffers the caller may free afterwards).
@@ -63,11 +76,56 @@ class Verifier final : public internal::LandingSink {
   uint64_t actual(size_t i) const { return actual_[i]; }
 
  private:
+  // Streaming state of one tensor reported by prefixes. At most one pool task hashes it at a
+  // time (`running`), catching up with `landed` until it is complete.
+  struct Progress {
+    absl::Mutex mu;
+    uint64_t landed ABSL_GUARDED_BY(mu) = 0;
+    uint64_t hashed ABSL_GUARDED_BY(mu) = 0;
+    bool complete ABSL_GUARDED_BY(mu) = false;
+    bool running ABSL_GUARDED_BY(mu) = false;
+    internal::Xxh3Stream stream;  // used by the running task only
+  };
+
+  void Advance(size_t i, uint64_t bytes, bool complete) {
+    Progress& p = *progress_[i];
+    {
+      absl::MutexLock lock(&p.mu);
+      p.landed = std::max(p.landed, bytes);
+      p.complete |= complete;
+      if (p.running) return;
+      p.running = true;
+    }
+    pending_.Add();
+    pool_.Submit([this, i] {
+      Progress& p = *progress_[i];
+      while (true) {
+        uint64_t from, to;
+        {
+          absl::MutexLock lock(&p.mu);
+          if (p.hashed == p.landed) {
+            if (p.complete) actual_[i] = p.stream.Digest();
+            p.running = false;
+            break;
+          }
+          from = p.hashed;
+          to = p.landed;
+        }
+        p.stream.Update(targets_[i] + from, to - from);
+        absl::MutexLock lock(&p.mu);
+        p.hashed = to;
+      }
+      pending_.Done();
+    });
+  }
+
   const Manifest& manifest_;
   const std::vector<std::byte*>& targets_;
   internal::WorkerPool& pool_;
   std::vector<uint64_t> actual_;
   std::vector<std::atomic<bool>> landed_;
+  // Set by the transport's thread before the tensor's first prefix task; read by tasks after.
+  std::vector<std::unique_ptr<Progress>> progress_;
   internal::TaskCounter pending_;
 };
 

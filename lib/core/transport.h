@@ -29,6 +29,12 @@ struct PackedTensor {
   const std::byte* data = nullptr;   // info->nbytes bytes; valid until Publish returns
 };
 
+// A piece of host memory a tensor's bytes are copied into (see PublishJob::CopyWithChecksum).
+struct CopyTarget {
+  std::byte* data = nullptr;
+  uint64_t size = 0;
+};
+
 // One Publish call as a transport sees it. Implemented by the core.
 class PublishJob {
  public:
@@ -39,6 +45,12 @@ class PublishJob {
   // The manifest with every checksum filled in. Checksums are computed concurrently from the
   // start of the job; this waits for them, up to `deadline` (DeadlineExceeded).
   virtual absl::StatusOr<const Manifest*> SealedManifest(absl::Time deadline) = 0;
+  // Copies tensor i's bytes into `pieces` (host memory, in order, sizes summing to its nbytes)
+  // and, unless its checksum is already known, computes it from the bytes as they pass through
+  // the cache, so that staging a tensor reads the caller's memory once instead of twice. Safe to
+  // call from several threads for different tensors. Used by transports whose
+  // CopiesWithChecksums() is true; this default only copies.
+  virtual void CopyWithChecksum(size_t i, absl::Span<const CopyTarget> pieces);
 };
 
 // A PublishJob whose manifest is complete and whose bytes its creator owns: what a layer (such as
@@ -65,9 +77,17 @@ class TransportPublisher {
   virtual absl::Status Publish(PublishJob& job, absl::Time deadline) = 0;
 
   // Optional capabilities (defaults: not supported / no effect).
+  // True when Publish stages tensors with PublishJob::CopyWithChecksum: the core then does not
+  // checksum them in a separate pass (any tensor the transport does not copy that way is
+  // checksummed by SealedManifest).
+  virtual bool CopiesWithChecksums() const { return false; }
   // Keep every committed version >= `version` whatever the retention setting says (a delta
   // chain needs its keyframe and every delta after it). A later call replaces the floor.
   virtual void KeepVersionsFrom(uint64_t version) {}
+  // Waits until at least `count` distinct subscribers have received and verified `version` or
+  // a newer one, or until `deadline`, and returns how many have (possibly fewer than `count`).
+  // Only a transport that talks to its subscribers can tell (default: Unimplemented).
+  virtual absl::StatusOr<int> WaitForReceivers(uint64_t version, int count, absl::Time deadline);
 };
 
 // Receives notice that a tensor's bytes are complete, so verification overlaps the transfer.
@@ -76,6 +96,11 @@ class LandingSink {
  public:
   virtual ~LandingSink() = default;
   virtual void Landed(size_t tensor_index) = 0;
+  // Optional finer notice: the first `bytes` bytes of tensor i are in place. Calls for one
+  // tensor come from the thread that calls its Landed, with growing values; the core then
+  // checksums the tensor piece by piece right behind the transfer, while the bytes are still in
+  // cache. A transport that never calls it gets whole tensors checksummed after Landed.
+  virtual void LandedPrefix(size_t tensor_index, uint64_t bytes) {}
 };
 
 // A committed version a subscriber has found and may now receive. Holding it may pin the

@@ -38,7 +38,10 @@ commands:
       Convert a llama2.c checkpoint to OUT_DIR/model.safetensors + config.json
       (Hugging Face Llama names and layout).
   publish URI --from PATH --version N [--timeout SECONDS] [--metadata K=V]... [--set K=V]...
-      Publish a safetensors file or Hugging Face directory as version N.
+          [--serve SECONDS] [--until-subscribers K]
+      Publish a safetensors file or Hugging Face directory as version N. Transports that serve
+      versions from the publisher's process (ucx://) keep serving until --serve SECONDS elapse
+      or, with --until-subscribers K, until K subscribers hold the version (at most --timeout).
   subscribe URI --to DIR [--min-version N] [--timeout SECONDS] [--follow] [--count N]
             [--set K=V]...
       Receive the newest version >= N and write it to DIR/model.safetensors (with
@@ -53,6 +56,7 @@ commands:
       The library version and the transports compiled in, one per line.
 
 URIs: disk:///path/to/channel (settings as query parameters: disk:///x?retention=4)
+      ucx://HOST:PORT/CHANNEL (the publisher serves the channel on HOST:PORT; [::1] for IPv6)
 )";
 
 class UsageError : public std::runtime_error {
@@ -125,7 +129,9 @@ absl::Status PublishCommand(const std::vector<std::string>& argv) {
                                             {"version", true, false, ""},
                                             {"timeout", true, false, ""},
                                             {"metadata", true, true, ""},
-                                            {"set", true, true, ""}},
+                                            {"set", true, true, ""},
+                                            {"serve", true, false, ""},
+                                            {"until-subscribers", true, false, ""}},
                                            1, "publish");
   if (!args.Has("from") || !args.Has("version")) {
     throw UsageError("publish needs --from PATH and --version N");
@@ -134,6 +140,14 @@ absl::Status PublishCommand(const std::vector<std::string>& argv) {
   if (!version.ok()) return version.status();
   absl::StatusOr<absl::Duration> timeout = args.GetSeconds("timeout", absl::Seconds(300));
   if (!timeout.ok()) return timeout.status();
+  absl::StatusOr<absl::Duration> serve = args.GetSeconds("serve", absl::ZeroDuration());
+  if (!serve.ok()) return serve.status();
+  absl::StatusOr<uint64_t> until = args.GetUint("until-subscribers", 0);
+  if (!until.ok()) return until.status();
+  if (*until > 1000000) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--until-subscribers %d is not a plausible number of subscribers", *until));
+  }
   absl::StatusOr<std::map<std::string, std::string>> options = KeyValues(args.GetAll("set"), "set");
   if (!options.ok()) return options.status();
   absl::StatusOr<std::map<std::string, std::string>> metadata =
@@ -152,6 +166,23 @@ absl::Status PublishCommand(const std::vector<std::string>& argv) {
               static_cast<unsigned long long>(*version), uri.c_str(), ckpt->tensors.size(),
               HumanBytes(st.bytes).c_str(), absl::ToDoubleSeconds(st.stall),
               Rate(st.bytes, absl::ToDoubleSeconds(st.stall)).c_str());
+  std::fflush(stdout);
+  if (*until > 0) {
+    const absl::Time start = absl::Now();
+    s = (*publisher)->WaitForReceivers(*version, static_cast<int>(*until), *timeout);
+    if (!s.ok()) return s;
+    std::printf("%llu subscriber(s) hold version %llu (after %.3f s)\n",
+                static_cast<unsigned long long>(*until),
+                static_cast<unsigned long long>(*version),
+                absl::ToDoubleSeconds(absl::Now() - start));
+    std::fflush(stdout);
+  }
+  if (*serve > absl::ZeroDuration()) {
+    std::printf("serving version %llu for %s\n", static_cast<unsigned long long>(*version),
+                absl::FormatDuration(*serve).c_str());
+    std::fflush(stdout);
+    absl::SleepFor(*serve);
+  }
   return absl::OkStatus();
 }
 

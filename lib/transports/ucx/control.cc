@@ -1,0 +1,394 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "transports/ucx/control.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+
+namespace weightbus::internal::ucx {
+namespace {
+
+// Milliseconds until `deadline` for poll(2), rounded up, at least 0.
+int PollMs(absl::Time deadline) {
+  const absl::Duration left = deadline - absl::Now();
+  if (left <= absl::ZeroDuration()) return 0;
+  return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1 << 30));
+}
+
+bool IsUnspecified(const sockaddr* a) {
+  if (a->sa_family == AF_INET) {
+    return reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr == htonl(INADDR_ANY);
+  }
+  if (a->sa_family == AF_INET6) {
+    return IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr);
+  }
+  return false;
+}
+
+struct AddrInfoDeleter {
+  void operator()(addrinfo* a) const { freeaddrinfo(a); }
+};
+using AddrInfoPtr = std::unique_ptr<addrinfo, AddrInfoDeleter>;
+
+// getaddrinfo for a stream socket. `error` gets gai_strerror text on failure.
+AddrInfoPtr Resolve(const std::string& host, int port, bool passive, std::string* error) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+  addrinfo* result = nullptr;
+  const std::string service = std::to_string(port);
+  const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &result);
+  if (rc != 0) {
+    *error = rc == EAI_SYSTEM ? strerror(errno) : gai_strerror(rc);
+    return nullptr;
+  }
+  return AddrInfoPtr(result);
+}
+
+}  // namespace
+
+absl::Time MonotonicNow() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return absl::UnixEpoch() + absl::Seconds(ts.tv_sec) + absl::Nanoseconds(ts.tv_nsec);
+}
+
+std::string_view MsgTypeName(MsgType type) {
+  switch (type) {
+    case MsgType::kHello: return "HELLO";
+    case MsgType::kWelcome: return "WELCOME";
+    case MsgType::kError: return "ERROR";
+    case MsgType::kWait: return "WAIT";
+    case MsgType::kGrant: return "GRANT";
+    case MsgType::kRefused: return "REFUSED";
+    case MsgType::kCancel: return "CANCEL";
+    case MsgType::kRenew: return "RENEW";
+    case MsgType::kRelease: return "RELEASE";
+    case MsgType::kReleased: return "RELEASED";
+    case MsgType::kAccepted: return "ACCEPTED";
+    case MsgType::kList: return "LIST";
+    case MsgType::kVersions: return "VERSIONS";
+    case MsgType::kRenewed: return "RENEWED";
+  }
+  return "UNKNOWN";
+}
+
+Fd& Fd::operator=(Fd&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = o.release();
+  }
+  return *this;
+}
+
+Fd::~Fd() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::string DescribeSockaddr(const sockaddr* addr, socklen_t len) {
+  char host[NI_MAXHOST] = {}, serv[NI_MAXSERV] = {};
+  if (getnameinfo(addr, len, host, sizeof(host), serv, sizeof(serv),
+                  NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
+    return "an unprintable address";
+  }
+  const char* family = addr->sa_family == AF_INET    ? "IPv4"
+                       : addr->sa_family == AF_INET6 ? "IPv6"
+                                                     : "unknown family";
+  return absl::StrFormat("%s port %s (%s)", host, serv, family);
+}
+
+absl::StatusOr<Fd> Listen(const std::string& host, int port, std::string_view uri) {
+  std::string error;
+  AddrInfoPtr addrs = Resolve(host, port, /*passive=*/true, &error);
+  if (addrs == nullptr) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: cannot listen on host \"%s\" port %d: the name does not resolve (%s)", uri, host,
+        port, error));
+  }
+  std::vector<std::string> failures;
+  absl::StatusCode code = absl::StatusCode::kInternal;
+  for (addrinfo* a = addrs.get(); a != nullptr; a = a->ai_next) {
+    const std::string where = DescribeSockaddr(a->ai_addr, a->ai_addrlen);
+    Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
+    if (!fd) {
+      failures.push_back(absl::StrFormat("%s: socket: %s", where, strerror(errno)));
+      continue;
+    }
+    int one = 1;
+    (void)::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
+      const int err = errno;
+      if (err == EADDRINUSE) {
+        code = absl::StatusCode::kFailedPrecondition;
+        failures.push_back(absl::StrFormat(
+            "%s: %s (another publisher or program holds this port)", where, strerror(err)));
+      } else if (err == EADDRNOTAVAIL) {
+        code = absl::StatusCode::kInvalidArgument;
+        failures.push_back(
+            absl::StrFormat("%s: %s (not an address of this machine)", where, strerror(err)));
+      } else {
+        failures.push_back(absl::StrFormat("%s: bind: %s", where, strerror(err)));
+      }
+      continue;
+    }
+    if (::listen(fd.get(), 128) != 0) {
+      failures.push_back(absl::StrFormat("%s: listen: %s", where, strerror(errno)));
+      continue;
+    }
+    return fd;
+  }
+  return absl::Status(code, absl::StrFormat("%s: cannot listen on %s", uri,
+                                            absl::StrJoin(failures, "; ")));
+}
+
+absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadline,
+                           std::string_view uri) {
+  const absl::Time start = absl::Now();
+  absl::Duration backoff = absl::Milliseconds(10);
+  int attempts = 0;
+  std::vector<std::string> last;  // the last round's error per address
+  while (true) {
+    ++attempts;
+    last.clear();
+    std::string error;
+    AddrInfoPtr addrs = Resolve(host, port, /*passive=*/false, &error);
+    if (addrs == nullptr) {
+      last.push_back(absl::StrFormat("host \"%s\" does not resolve: %s", host, error));
+    }
+    for (addrinfo* a = addrs.get(); a != nullptr; a = a->ai_next) {
+      const std::string where = DescribeSockaddr(a->ai_addr, a->ai_addrlen);
+      if (IsUnspecified(a->ai_addr)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: host \"%s\" resolves to the wildcard address %s, which cannot be connected to; "
+            "name the publisher's host or address",
+            uri, host, where));
+      }
+      Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                     a->ai_protocol));
+      if (!fd) {
+        last.push_back(absl::StrFormat("%s: socket: %s", where, strerror(errno)));
+        continue;
+      }
+      int err = 0;
+      if (::connect(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
+        err = errno;
+        if (err == EINPROGRESS) {
+          pollfd p{fd.get(), POLLOUT, 0};
+          int rc;
+          do {
+            rc = ::poll(&p, 1, PollMs(deadline));
+          } while (rc < 0 && errno == EINTR);
+          if (rc == 0) {
+            err = ETIMEDOUT;
+          } else {
+            socklen_t len = sizeof(err);
+            if (::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+          }
+        }
+      }
+      if (err == 0) {
+        int one = 1;
+        (void)::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        return fd;
+      }
+      last.push_back(absl::StrFormat("%s: %s", where,
+                                     err == ETIMEDOUT ? "no answer (connection timed out)"
+                                                      : strerror(err)));
+    }
+    if (absl::Now() >= deadline) break;
+    absl::SleepFor(std::min(backoff, deadline - absl::Now()));
+    backoff = std::min(backoff * 2, absl::Milliseconds(250));
+  }
+  return absl::UnavailableError(absl::StrFormat(
+      "%s: cannot reach the publisher's rendezvous endpoint: %s (%d attempt(s) over %s, the "
+      "connect timeout)",
+      uri, absl::StrJoin(last, "; "), attempts, absl::FormatDuration(absl::Now() - start)));
+}
+
+Writer::Writer(MsgType type) {
+  buf_.resize(4);
+  buf_.push_back(static_cast<char>(type));
+}
+
+Writer& Writer::U8(uint8_t v) {
+  buf_.push_back(static_cast<char>(v));
+  return *this;
+}
+
+Writer& Writer::U32(uint32_t v) {
+  for (int i = 0; i < 4; ++i) buf_.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  return *this;
+}
+
+Writer& Writer::U64(uint64_t v) {
+  for (int i = 0; i < 8; ++i) buf_.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  return *this;
+}
+
+Writer& Writer::Str(std::string_view s) {
+  U32(static_cast<uint32_t>(s.size()));
+  buf_.append(s.data(), s.size());
+  return *this;
+}
+
+Writer& Writer::Raw(std::string_view bytes) {
+  buf_.append(bytes.data(), bytes.size());
+  return *this;
+}
+
+std::string Writer::Body() { return buf_.substr(5); }
+
+std::string Writer::Finish() {
+  const uint32_t n = static_cast<uint32_t>(buf_.size() - 4);
+  for (int i = 0; i < 4; ++i) buf_[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return std::move(buf_);
+}
+
+bool Reader::Take(size_t n, const char** p) {
+  if (!ok_ || rest_.size() < n) {
+    ok_ = false;
+    return false;
+  }
+  *p = rest_.data();
+  rest_.remove_prefix(n);
+  return true;
+}
+
+uint8_t Reader::U8() {
+  const char* p;
+  return Take(1, &p) ? static_cast<uint8_t>(*p) : 0;
+}
+
+uint32_t Reader::U32() {
+  const char* p;
+  if (!Take(4, &p)) return 0;
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= uint32_t{static_cast<uint8_t>(p[i])} << (8 * i);
+  return v;
+}
+
+uint64_t Reader::U64() {
+  const char* p;
+  if (!Take(8, &p)) return 0;
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= uint64_t{static_cast<uint8_t>(p[i])} << (8 * i);
+  return v;
+}
+
+std::string Reader::Str() {
+  const uint32_t n = U32();
+  const char* p;
+  if (!Take(n, &p)) return {};
+  return std::string(p, n);
+}
+
+absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer) {
+  if (buffer.size() < 4) return std::nullopt;
+  uint32_t n = 0;
+  for (int i = 0; i < 4; ++i) n |= uint32_t{static_cast<uint8_t>(buffer[i])} << (8 * i);
+  if (n == 0 || n > kMaxFrame) {
+    return absl::DataLossError(absl::StrFormat(
+        "malformed control frame: payload length %d (must be 1..%d)", n, kMaxFrame));
+  }
+  if (buffer.size() < 4 + size_t{n}) return std::nullopt;
+  Frame f{static_cast<MsgType>(static_cast<uint8_t>(buffer[4])), buffer.substr(5, n - 1)};
+  buffer.erase(0, 4 + size_t{n});
+  return f;
+}
+
+absl::StatusOr<bool> ReadAvailable(int fd, std::string& buffer) {
+  char chunk[64 * 1024];
+  while (true) {
+    const ssize_t n = ::recv(fd, chunk, sizeof(chunk), MSG_DONTWAIT);
+    if (n > 0) {
+      buffer.append(chunk, static_cast<size_t>(n));
+      continue;
+    }
+    if (n == 0) return false;
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
+    return absl::UnavailableError(absl::StrFormat("connection broke: %s", strerror(errno)));
+  }
+}
+
+absl::Status WriteAvailable(int fd, std::string& buffer) {
+  size_t done = 0;
+  while (done < buffer.size()) {
+    const ssize_t n =
+        ::send(fd, buffer.data() + done, buffer.size() - done, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+    buffer.erase(0, done);
+    return absl::UnavailableError(absl::StrFormat("connection broke: %s", strerror(errno)));
+  }
+  buffer.erase(0, done);
+  return absl::OkStatus();
+}
+
+absl::Status ControlStream::Send(std::string frame, absl::Time deadline) {
+  if (!fd_) return absl::UnavailableError(absl::StrFormat("%s: not connected", peer_));
+  while (true) {
+    absl::Status s = WriteAvailable(fd_.get(), frame);
+    if (!s.ok()) {
+      return absl::UnavailableError(absl::StrFormat("%s: %s", peer_, s.message()));
+    }
+    if (frame.empty()) return absl::OkStatus();
+    pollfd p{fd_.get(), POLLOUT, 0};
+    const int rc = ::poll(&p, 1, PollMs(deadline));
+    if (rc == 0 && absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrFormat("%s: could not send a control message by the deadline", peer_));
+    }
+  }
+}
+
+absl::StatusOr<std::optional<Frame>> ControlStream::Poll() {
+  if (!fd_) return absl::UnavailableError(absl::StrFormat("%s: not connected", peer_));
+  absl::StatusOr<std::optional<Frame>> f = TakeFrame(in_);
+  if (!f.ok() || f->has_value()) return f;
+  absl::StatusOr<bool> open = ReadAvailable(fd_.get(), in_);
+  if (!open.ok()) {
+    return absl::UnavailableError(absl::StrFormat("%s: %s", peer_, open.status().message()));
+  }
+  f = TakeFrame(in_);
+  if (!f.ok() || f->has_value()) return f;
+  if (!*open) {
+    return absl::UnavailableError(absl::StrFormat(
+        "%s closed the control connection (the publisher exited or crashed)", peer_));
+  }
+  return std::nullopt;
+}
+
+absl::StatusOr<Frame> ControlStream::Receive(absl::Time deadline) {
+  while (true) {
+    absl::StatusOr<std::optional<Frame>> f = Poll();
+    if (!f.ok()) return f.status();
+    if (f->has_value()) return **std::move(f);
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrFormat("%s: no answer by the deadline", peer_));
+    }
+    pollfd p{fd_.get(), POLLIN, 0};
+    (void)::poll(&p, 1, PollMs(deadline));
+  }
+}
+
+}  // namespace weightbus::internal::ucx

@@ -1,0 +1,167 @@
+// SPDX-License-Identifier: Apache-2.0
+// The rendezvous (control) protocol of ucx://: small framed messages over one TCP connection per
+// subscriber, to HOST:PORT of the URI. It carries the greeting, requests for versions, grants
+// (manifest, staging-slot addresses and packed rkeys), lease renewals and releases. No tensor
+// byte travels here: those move with one-sided UCP gets. Wire format: docs/FORMAT.md, "ucx://".
+//
+// Every integer is little-endian. A frame is a u32 payload length followed by the payload, whose
+// first byte is the message type. Strings and byte blobs are a u32 length and the bytes.
+#pragma once
+
+#include <sys/socket.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace weightbus::internal::ucx {
+
+inline constexpr char kMagic[] = "weightbus-ucx";
+inline constexpr uint32_t kProtocolVersion = 1;
+// Largest frame accepted (a manifest of a very large model fits many times over).
+inline constexpr uint32_t kMaxFrame = uint32_t{1} << 30;
+
+enum class MsgType : uint8_t {
+  kHello = 1,      // sub -> pub: magic, protocol, channel, subscriber id, description
+  kWelcome = 2,    // pub -> sub: protocol, session id, worker address, lease, newest, description
+  kError = 3,      // pub -> sub: status code and message; the publisher then closes
+  kWait = 4,       // sub -> pub: request id, version, exact flag
+  kGrant = 5,      // pub -> sub: the version, its manifest and where its bytes are
+  kRefused = 6,    // pub -> sub: request id, status code, message (e.g. exact version not held)
+  kCancel = 7,     // sub -> pub: request id (a WAIT whose caller gave up)
+  kRenew = 8,      // sub -> pub: lease id
+  kRelease = 9,    // sub -> pub: lease id, whether an acknowledgement is wanted
+  kReleased = 10,  // pub -> sub: lease id, whether the lease was still valid when released
+  kAccepted = 11,  // sub -> pub: a version the subscriber verified and handed over
+  kList = 12,      // sub -> pub: request id
+  kVersions = 13,  // pub -> sub: request id, versions held, ascending
+  kRenewed = 14,   // pub -> sub: lease id, whether the lease was still valid (and now extended)
+};
+
+std::string_view MsgTypeName(MsgType type);
+
+// A monotonic clock as absl::Time (CLOCK_MONOTONIC since boot), for leases: wall-clock steps
+// must neither expire a lease early nor extend it.
+absl::Time MonotonicNow();
+
+// An owned file descriptor.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept;
+  ~Fd();
+  int get() const { return fd_; }
+  int release() {
+    int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+  explicit operator bool() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
+// "127.0.0.1 port 5555 (IPv4)" or "::1 port 5555 (IPv6)".
+std::string DescribeSockaddr(const sockaddr* addr, socklen_t len);
+
+// Listens on host:port (a name, an address or a wildcard). Errors name the address, family and
+// port: FailedPrecondition when the port is in use, InvalidArgument when the host does not
+// resolve, Internal otherwise.
+absl::StatusOr<Fd> Listen(const std::string& host, int port, std::string_view uri);
+
+// Connects to host:port, trying every address the name resolves to, retrying refused and
+// unreachable attempts until `deadline` (a publisher may be starting). Refuses wildcard
+// addresses. Errors: Unavailable naming each address, family and port with the last error;
+// InvalidArgument for a wildcard or a name that does not resolve.
+absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadline,
+                           std::string_view uri);
+
+// Builds one frame.
+class Writer {
+ public:
+  explicit Writer(MsgType type);
+  Writer& U8(uint8_t v);
+  Writer& U32(uint32_t v);
+  Writer& U64(uint64_t v);
+  Writer& Str(std::string_view s);
+  // Appends bytes as they are (a part of a message built earlier by another Writer's Body()).
+  Writer& Raw(std::string_view bytes);
+  // What was written after the type byte (no length prefix), for Raw.
+  std::string Body();
+  // The complete frame (length prefix included).
+  std::string Finish();
+
+ private:
+  std::string buf_;
+};
+
+// Parses one frame's payload (after the type byte). Reads past the end or oversized lengths
+// make ok() false; callers check once at the end.
+class Reader {
+ public:
+  explicit Reader(std::string_view payload) : rest_(payload) {}
+  uint8_t U8();
+  uint32_t U32();
+  uint64_t U64();
+  std::string Str();
+  bool ok() const { return ok_; }
+  bool at_end() const { return rest_.empty(); }
+
+ private:
+  bool Take(size_t n, const char** p);
+  std::string_view rest_;
+  bool ok_ = true;
+};
+
+struct Frame {
+  MsgType type;
+  std::string payload;  // without the type byte
+};
+
+// Removes one complete frame from the front of `buffer`, if there is one.
+// Errors: DataLoss for a frame above kMaxFrame or without a type byte.
+absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer);
+
+// Reads whatever is available on non-blocking `fd` into `buffer`. Returns false on EOF.
+// Errors: Unavailable with the errno text (connection reset).
+absl::StatusOr<bool> ReadAvailable(int fd, std::string& buffer);
+
+// Writes as much of `buffer` as the socket takes now and erases it from the front.
+// Errors: Unavailable with the errno text.
+absl::Status WriteAvailable(int fd, std::string& buffer);
+
+// A blocking, deadline-bounded conversation over a connected socket (the subscriber's side).
+class ControlStream {
+ public:
+  ControlStream() = default;
+  ControlStream(Fd fd, std::string peer) : fd_(std::move(fd)), peer_(std::move(peer)) {}
+  bool connected() const { return static_cast<bool>(fd_); }
+  const std::string& peer() const { return peer_; }
+  void set_peer(std::string peer) { peer_ = std::move(peer); }
+  int fd() const { return fd_.get(); }
+
+  // Sends a frame completely. Errors: DeadlineExceeded, Unavailable (peer gone).
+  absl::Status Send(std::string frame, absl::Time deadline);
+  // The next frame. Errors: DeadlineExceeded when none arrived by `deadline`; Unavailable when
+  // the peer closed the connection or it broke; DataLoss for a malformed frame.
+  absl::StatusOr<Frame> Receive(absl::Time deadline);
+  // A frame if one is complete now (never blocks). Errors as Receive.
+  absl::StatusOr<std::optional<Frame>> Poll();
+  void Close() { fd_ = Fd(); }
+
+ private:
+  Fd fd_;
+  std::string peer_;
+  std::string in_;
+};
+
+}  // namespace weightbus::internal::ucx

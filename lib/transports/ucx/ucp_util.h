@@ -1,0 +1,140 @@
+// SPDX-License-Identifier: Apache-2.0
+// Owning wrappers of UCP handles (context, worker, memory registrations, rkeys), the mapping of
+// ucs_status_t to absl::Status, and memory-type helpers (CUDA when built with it). Every handle
+// is released by its destructor, so error paths cannot leak one.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace weightbus::internal::ucx {
+
+// A status for a failed UCX call: `what` followed by UCX's text. UCS_ERR_NO_MEMORY ->
+// ResourceExhausted; unreachable, reset, rejected, timed-out endpoints and cancellations ->
+// Unavailable; UCS_ERR_UNSUPPORTED -> Unimplemented; UCS_ERR_INVALID_PARAM -> InvalidArgument;
+// others -> Internal.
+absl::Status UcsError(ucs_status_t status, std::string_view what);
+
+// A UCP context with the RMA feature (and WAKEUP when asked), configured from UCX_* environment
+// variables (UCX_TLS, UCX_NET_DEVICES, ...) as every UCX program is.
+class Context {
+ public:
+  // Errors: Unavailable when UCX cannot initialize (no usable transport), naming `uri`.
+  static absl::StatusOr<std::shared_ptr<Context>> Create(bool wakeup, std::string_view uri);
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+  ucp_context_h get() const { return context_; }
+
+ private:
+  explicit Context(ucp_context_h c) : context_(c) {}
+  ucp_context_h context_;
+};
+
+// A UCP worker of `context`. Thread mode SERIALIZED: callers serialize access themselves.
+class Worker {
+ public:
+  static absl::StatusOr<std::unique_ptr<Worker>> Create(std::shared_ptr<Context> context,
+                                                        std::string_view uri);
+  ~Worker();
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+  ucp_worker_h get() const { return worker_; }
+  const std::shared_ptr<Context>& context() const { return context_; }
+  // The worker's address, as packed by ucp_worker_get_address (what a peer connects to).
+  absl::StatusOr<std::string> Address() const;
+  // The event file descriptor (needs a context created with wakeup).
+  absl::StatusOr<int> EventFd() const;
+
+ private:
+  Worker(std::shared_ptr<Context> c, ucp_worker_h w) : context_(std::move(c)), worker_(w) {}
+  std::shared_ptr<Context> context_;
+  ucp_worker_h worker_;
+};
+
+// One memory registration (ucp_mem_map), unmapped (and freed, when UCX allocated it) on
+// destruction.
+class MemRegion {
+ public:
+  // `length` bytes allocated and registered by UCX (UCP_MEM_MAP_ALLOCATE), so that shared-memory
+  // transports can map them into a peer directly; of `type` (host or CUDA).
+  static absl::StatusOr<std::unique_ptr<MemRegion>> Allocate(std::shared_ptr<Context> context,
+                                                            size_t length,
+                                                            ucs_memory_type_t type);
+  // Registers existing memory of `type`.
+  static absl::StatusOr<std::unique_ptr<MemRegion>> Register(std::shared_ptr<Context> context,
+                                                            void* address, size_t length,
+                                                            ucs_memory_type_t type);
+  ~MemRegion();
+  MemRegion(const MemRegion&) = delete;
+  MemRegion& operator=(const MemRegion&) = delete;
+
+  std::byte* data() const { return static_cast<std::byte*>(address_); }
+  size_t size() const { return length_; }
+  ucp_mem_h memh() const { return memh_; }
+  ucs_memory_type_t type() const { return type_; }
+  // The packed remote key a peer unpacks with ucp_ep_rkey_unpack.
+  absl::StatusOr<std::string> PackRkey() const;
+
+ private:
+  MemRegion(std::shared_ptr<Context> c, ucp_mem_h m, void* a, size_t n, ucs_memory_type_t t)
+      : context_(std::move(c)), memh_(m), address_(a), length_(n), type_(t) {}
+  std::shared_ptr<Context> context_;
+  ucp_mem_h memh_;
+  void* address_;
+  size_t length_;
+  ucs_memory_type_t type_;
+};
+
+// An unpacked remote key, destroyed with its owner (it must go before its endpoint).
+class RemoteKey {
+ public:
+  // Errors: Unavailable/Internal from ucp_ep_rkey_unpack, naming `what`.
+  static absl::StatusOr<std::unique_ptr<RemoteKey>> Unpack(ucp_ep_h ep, const std::string& packed,
+                                                          std::string_view what);
+  ~RemoteKey();
+  RemoteKey(const RemoteKey&) = delete;
+  RemoteKey& operator=(const RemoteKey&) = delete;
+  ucp_rkey_h get() const { return rkey_; }
+
+ private:
+  explicit RemoteKey(ucp_rkey_h r) : rkey_(r) {}
+  ucp_rkey_h rkey_;
+};
+
+// Whether this build can stage in and receive into CUDA memory.
+bool CudaSupported();
+// UCS_MEMORY_TYPE_CUDA for CUDA device memory (when built with CUDA and a device exists),
+// UCS_MEMORY_TYPE_HOST otherwise.
+ucs_memory_type_t DetectMemoryType(const void* p);
+// Copies `n` bytes between any two of host and CUDA memory (memcpy when both are host).
+// Errors: Internal with the CUDA error text.
+absl::Status CopyBytes(void* dst, const void* src, size_t n);
+
+// While alive, UCX log lines of this thread at ERROR level or below are not printed but logged
+// by weightbus at debug level: for probes whose failure is expected and handled (an endpoint
+// with peer failure handling over transports that lack it makes UCX print an error).
+class QuietUcxErrors {
+ public:
+  QuietUcxErrors();
+  ~QuietUcxErrors();
+  QuietUcxErrors(const QuietUcxErrors&) = delete;
+  QuietUcxErrors& operator=(const QuietUcxErrors&) = delete;
+};
+
+// Waits until `request` (from a *_nbx call) completes, progressing `worker`, and frees it.
+// UCS_OK for a null request (completed at once). At `deadline` it gives up: the request is
+// handed to UCX to free when it completes, and UCS_ERR_TIMED_OUT is returned. Used for short
+// control operations such as closing an endpoint.
+ucs_status_t WaitRequest(ucp_worker_h worker, ucs_status_ptr_t request, absl::Time deadline);
+
+}  // namespace weightbus::internal::ucx

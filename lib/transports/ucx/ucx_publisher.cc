@@ -1,0 +1,911 @@
+// SPDX-License-Identifier: Apache-2.0
+// Publishing side of ucx://: copy each version into a staging slot of registered memory (the
+// trainer's only stall), then serve it from a background thread that runs the rendezvous
+// endpoint: it greets subscribers, grants them the newest version with the slot's packed rkeys,
+// and tracks their leases so that a slot is reused only when nobody reads it any more.
+//
+// Threads: the caller's (Publish, KeepVersionsFrom, WaitForReceivers) and one progress thread
+// that owns the UCP worker and every socket. All shared state is guarded by mu_.
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <system_error>
+#include <thread>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "core/failpoint.h"
+#include "core/logging.h"
+#include "core/status.h"
+#include "core/worker_pool.h"
+#include "transports/ucx/control.h"
+#include "transports/ucx/ucp_util.h"
+#include "transports/ucx/ucx_transport.h"
+
+#ifdef WEIGHTBUS_UCX_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace weightbus::internal::ucx {
+namespace {
+
+constexpr uint64_t kTensorAlign = 64;
+
+std::string HostName() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
+  return buf;
+}
+
+uint64_t RandomId() {
+  uint64_t x = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())) ^
+               (static_cast<uint64_t>(getpid()) << 32);
+  // splitmix64, so ids of processes started together differ in every bit.
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// One piece of a staging slot: registered memory covering [base, base + size()) of the slot's
+// byte range.
+struct Region {
+  uint64_t id = 0;    // unique within this publisher process
+  uint64_t base = 0;  // offset of its first byte in the slot
+  std::unique_ptr<MemRegion> mem;
+  void* cuda_ptr = nullptr;  // cudaMalloc'ed memory behind `mem` (staging_memory=cuda)
+  std::string rkey;          // packed once, sent with every grant
+
+  Region() = default;
+  Region(Region&&) = default;
+  Region& operator=(Region&&) = default;
+  ~Region() {
+    mem.reset();  // unregister before freeing
+#ifdef WEIGHTBUS_UCX_CUDA
+    if (cuda_ptr != nullptr) (void)cudaFree(cuda_ptr);
+#endif
+  }
+};
+
+// A version's place in registered memory.
+struct Slot {
+  enum class State { kFree, kWriting, kReady };
+  int index = 0;
+  uint64_t capacity = 0;
+  std::vector<Region> regions;
+  State state = State::kFree;
+  uint64_t version = 0;          // when kReady
+  std::string grant_body;        // the version-specific part of every GRANT (kReady)
+  int leases = 0;                // outstanding leases on this slot's version
+};
+
+struct Lease {
+  Slot* slot = nullptr;
+  uint64_t conn = 0;
+  uint64_t version = 0;
+  absl::Time expiry;  // MonotonicNow() time
+};
+
+struct PendingWait {
+  uint64_t request = 0;
+  uint64_t version = 0;
+  bool exact = false;
+};
+
+// One subscriber's control connection.
+struct Conn {
+  uint64_t id = 0;
+  Fd fd;
+  std::string peer;  // "127.0.0.1 port 40000 (IPv4)", then with the subscriber's own words
+  std::string in, out;
+  bool greeted = false;
+  bool dead = false;     // close now
+  bool closing = false;  // close once `out` is flushed (after an ERROR)
+  absl::Time hello_deadline;  // MonotonicNow() time
+  uint64_t subscriber_id = 0;
+  std::vector<PendingWait> waits;
+};
+
+class UcxPublisher final : public TransportPublisher {
+ public:
+  UcxPublisher(Endpoint endpoint, UcxOptions options, FailPoints failpoints,
+               std::shared_ptr<Context> context, std::unique_ptr<Worker> worker, Fd listener,
+               Fd wake, int efd, std::string worker_address,
+               std::unique_ptr<WorkerPool> copiers)
+      : endpoint_(std::move(endpoint)), options_(options), failpoints_(std::move(failpoints)),
+        context_(std::move(context)), worker_(std::move(worker)), listener_(std::move(listener)),
+        wake_(std::move(wake)), efd_(efd), worker_address_(std::move(worker_address)),
+        copiers_(std::move(copiers)),
+        description_(absl::StrFormat("pid %d on %s", getpid(), HostName())) {}
+
+  ~UcxPublisher() override {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    Wake();
+    if (thread_.joinable()) thread_.join();
+    // Sockets close with conns_; regions unmap before the worker and context go.
+    conns_.clear();
+    slots_.clear();
+  }
+
+  // Starts the progress thread. Errors: ResourceExhausted when no thread can be made.
+  absl::Status Start() {
+    try {
+      thread_ = std::thread([this] { Loop(); });
+    } catch (const std::system_error& e) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "%s: cannot start the progress thread: %s", endpoint_.display, e.what()));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::optional<uint64_t>> LatestVersion() override {
+    absl::MutexLock lock(&mu_);
+    return newest_ ? std::optional<uint64_t>(newest_->version) : std::nullopt;
+  }
+
+  absl::Status Publish(PublishJob& job, absl::Time deadline) override;
+
+  // Host staging copies compute the checksums as they go (the caller's bytes are read once).
+  bool CopiesWithChecksums() const override { return !options_.cuda_staging; }
+
+  void KeepVersionsFrom(uint64_t version) override {
+    absl::MutexLock lock(&mu_);
+    keep_from_ = version;
+    ++changes_;
+  }
+
+  absl::StatusOr<int> WaitForReceivers(uint64_t version, int count, absl::Time deadline) override {
+    absl::MutexLock lock(&mu_);
+    while (Receivers(version) < count && !stopping_ && absl::Now() < deadline) {
+      AwaitChange(deadline);
+    }
+    return Receivers(version);
+  }
+
+ private:
+  // Waits until changes_ moves (a slot or lease freed, a receiver counted, shutdown) or `until`.
+  void AwaitChange(absl::Time until) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    struct Args {
+      const UcxPublisher* p;
+      uint64_t seen;
+    } args{this, changes_};
+    mu_.AwaitWithDeadline(absl::Condition(
+                              +[](Args* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                return a->p->changes_ != a->seen || a->p->stopping_;
+                              },
+                              &args),
+                          until);
+  }
+
+  // Subscribers whose newest verified version is >= `version`.
+  int Receivers(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    int n = 0;
+    for (const auto& [id, v] : receivers_) n += v >= version;
+    return n;
+  }
+
+  void Wake() {
+    const uint64_t one = 1;
+    (void)!::write(wake_.get(), &one, sizeof(one));
+  }
+
+  bool Kept(const Slot& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return s.state == Slot::State::kReady && keep_from_ && s.version >= *keep_from_;
+  }
+
+  // Drops leases whose holders stopped renewing them.
+  void ExpireLeases(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A slot Publish may overwrite now (creating one when fewer than staging_slots exist), or
+  // nullptr.
+  Slot* PickSlot() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why no slot is free, for DeadlineExceeded.
+  std::string DescribeSlots() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecomputeNewest() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Slots beyond staging_slots that nobody needs any more (they were kept for a version floor
+  // that has moved on), oldest first, removed from slots_ for the caller to free.
+  std::vector<std::unique_ptr<Slot>> TrimSlots() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Replaces `slot`'s memory by regions covering `size` bytes.
+  absl::StatusOr<std::vector<Region>> AllocateRegions(uint64_t size);
+  // Copies every tensor into the slot's regions on copy_threads threads, computing checksums on
+  // the way (PublishJob::CopyWithChecksum) for host staging.
+  absl::Status CopyIntoSlot(const std::vector<Region>& regions, PublishJob& job,
+                            const std::vector<uint64_t>& offsets);
+  std::string BuildGrantBody(const Slot& slot, const Manifest& manifest,
+                             const std::vector<uint64_t>& offsets) const;
+
+  // The progress thread.
+  void Loop();
+  void Accept() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Handle(Conn& c, const Frame& f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleHello(Conn& c, const Frame& f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendError(Conn& c, absl::StatusCode code, const std::string& message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ServeWaits(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Grant(Conn& c, const PendingWait& w, Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Drop(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const Endpoint endpoint_;
+  const UcxOptions options_;
+  FailPoints failpoints_;
+  std::shared_ptr<Context> context_;
+  std::unique_ptr<Worker> worker_;  // used by the progress thread only
+  Fd listener_;
+  Fd wake_;  // eventfd: Publish and the destructor wake the progress thread
+  int efd_;  // the worker's event fd (owned by the worker)
+  const std::string worker_address_;
+  std::unique_ptr<WorkerPool> copiers_;  // copy_threads - 1 helpers (the caller is one more)
+  const std::string description_;
+  const uint64_t session_id_ = RandomId();
+  std::thread thread_;
+
+  absl::Mutex publish_mu_;  // one Publish at a time (the core serializes them too)
+  mutable absl::Mutex mu_;
+  std::vector<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
+  Slot* newest_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::optional<uint64_t> keep_from_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, Lease> leases_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::unique_ptr<Conn>> conns_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, uint64_t> receivers_ ABSL_GUARDED_BY(mu_);  // subscriber id -> version
+  uint64_t next_lease_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_conn_ ABSL_GUARDED_BY(mu_) = 1;
+  int next_slot_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_region_ = 1;  // Publish only
+  uint64_t changes_ ABSL_GUARDED_BY(mu_) = 0;  // bumped whenever a slot or lease frees up
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+void UcxPublisher::ExpireLeases(absl::Time now) {
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    if (it->second.expiry > now) {
+      ++it;
+      continue;
+    }
+    const Lease& l = it->second;
+    auto conn = conns_.find(l.conn);
+    Log(LogLevel::kWarn,
+        "%s: %s held version %d without renewing its lease for %s; the lease expired and the "
+        "version's staging slot may be reused",
+        endpoint_.display, conn != conns_.end() ? conn->second->peer : "a subscriber", l.version,
+        absl::FormatDuration(options_.lease));
+    --l.slot->leases;
+    ++changes_;
+    it = leases_.erase(it);
+  }
+}
+
+Slot* UcxPublisher::PickSlot() {
+  ExpireLeases(MonotonicNow());
+  Slot* best = nullptr;
+  int unkept = 0;
+  for (const auto& s : slots_) {
+    if (Kept(*s)) continue;
+    ++unkept;
+    if (s->state == Slot::State::kWriting || s->leases > 0) continue;
+    // Free slots first, then the oldest version (the newest is overwritten only when it is the
+    // one slot nobody reads).
+    if (best == nullptr || (best->state == Slot::State::kReady &&
+                            (s->state == Slot::State::kFree || s->version < best->version))) {
+      best = s.get();
+    }
+  }
+  if (best != nullptr && best->state == Slot::State::kFree) return best;
+  if (unkept < options_.staging_slots) {
+    auto slot = std::make_unique<Slot>();
+    slot->index = next_slot_++;
+    slots_.push_back(std::move(slot));
+    return slots_.back().get();
+  }
+  return best;
+}
+
+std::string UcxPublisher::DescribeSlots() const {
+  std::vector<std::string> parts;
+  for (const auto& s : slots_) {
+    if (s->state == Slot::State::kWriting) {
+      parts.push_back(absl::StrFormat("slot %d is being written", s->index));
+    } else if (s->state == Slot::State::kReady) {
+      std::vector<std::string> holders;
+      for (const auto& [id, l] : leases_) {
+        if (l.slot != s.get()) continue;
+        auto c = conns_.find(l.conn);
+        holders.push_back(absl::StrFormat(
+            "%s (lease ends in %s)", c != conns_.end() ? c->second->peer : "?",
+            absl::FormatDuration(absl::Trunc(l.expiry - MonotonicNow(), absl::Milliseconds(1)))));
+      }
+      parts.push_back(absl::StrFormat("slot %d holds version %d%s%s", s->index, s->version,
+                                      Kept(*s) ? " (kept: KeepVersionsFrom)" : "",
+                                      holders.empty() ? ""
+                                                      : ", read by " +
+                                                            absl::StrJoin(holders, ", ")));
+    }
+  }
+  return absl::StrJoin(parts, "; ");
+}
+
+void UcxPublisher::RecomputeNewest() {
+  newest_ = nullptr;
+  for (const auto& s : slots_) {
+    if (s->state == Slot::State::kReady && (newest_ == nullptr || s->version > newest_->version)) {
+      newest_ = s.get();
+    }
+  }
+}
+
+std::vector<std::unique_ptr<Slot>> UcxPublisher::TrimSlots() {
+  std::vector<std::unique_ptr<Slot>> out;
+  while (true) {
+    int unkept = 0;
+    Slot* oldest = nullptr;
+    for (const auto& s : slots_) {
+      if (Kept(*s)) continue;
+      ++unkept;
+      if (s.get() == newest_ || s->state == Slot::State::kWriting || s->leases > 0) continue;
+      if (oldest == nullptr || s->state == Slot::State::kFree ||
+          (oldest->state == Slot::State::kReady && s->version < oldest->version)) {
+        oldest = s.get();
+      }
+    }
+    if (unkept <= options_.staging_slots || oldest == nullptr) return out;
+    Log(LogLevel::kDebug, "%s: freeing staging slot %d (version %d): %d slots beyond the %d kept "
+        "for versions >= %d",
+        endpoint_.display, oldest->index, oldest->version, unkept - options_.staging_slots,
+        options_.staging_slots, keep_from_.value_or(0));
+    auto it = std::find_if(slots_.begin(), slots_.end(),
+                           [&](const auto& s) { return s.get() == oldest; });
+    out.push_back(std::move(*it));
+    slots_.erase(it);
+  }
+}
+
+absl::StatusOr<std::vector<Region>> UcxPublisher::AllocateRegions(uint64_t size) {
+  std::vector<Region> regions;
+  for (uint64_t base = 0; base < size; base += options_.max_region) {
+    const uint64_t n = std::min(options_.max_region, size - base);
+    Region r;
+    r.id = next_region_++;
+    r.base = base;
+    if (options_.cuda_staging) {
+#ifdef WEIGHTBUS_UCX_CUDA
+      const cudaError_t e = cudaMalloc(&r.cuda_ptr, n);
+      if (e != cudaSuccess) {
+        r.cuda_ptr = nullptr;
+        return absl::ResourceExhaustedError(absl::StrFormat(
+            "%s: cudaMalloc of a %d-byte staging region: %s", endpoint_.display, n,
+            cudaGetErrorString(e)));
+      }
+      WB_ASSIGN_OR_RETURN(r.mem, MemRegion::Register(context_, r.cuda_ptr, n,
+                                                     UCS_MEMORY_TYPE_CUDA));
+#endif
+    } else {
+      WB_ASSIGN_OR_RETURN(r.mem, MemRegion::Allocate(context_, n, UCS_MEMORY_TYPE_HOST));
+    }
+    WB_ASSIGN_OR_RETURN(r.rkey, r.mem->PackRkey());
+    regions.push_back(std::move(r));
+  }
+  return regions;
+}
+
+absl::Status UcxPublisher::CopyIntoSlot(const std::vector<Region>& regions, PublishJob& job,
+                                        const std::vector<uint64_t>& offsets) {
+  absl::Span<const PackedTensor> tensors = job.tensors();
+  // Each tensor's destination as pieces that never cross a region boundary.
+  std::vector<std::vector<CopyTarget>> targets(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    uint64_t off = offsets[i], done = 0;
+    const uint64_t n = tensors[i].info->nbytes;
+    while (done < n) {
+      const Region& r = regions[static_cast<size_t>(off / options_.max_region)];
+      const uint64_t in_region = off - r.base;
+      const uint64_t len = std::min(n - done, r.mem->size() - in_region);
+      targets[i].push_back(CopyTarget{r.mem->data() + in_region, len});
+      off += len;
+      done += len;
+    }
+  }
+  const int threads = copiers_ ? copiers_->size() + 1 : 1;
+  std::vector<std::vector<size_t>> work(threads);
+  if (options_.cuda_staging) {
+    // Device memory: cudaMemcpy per piece; the core checksums the source separately.
+    for (size_t i = 0; i < tensors.size(); ++i) work[i % threads].push_back(i);
+  } else {
+    // Whole tensors per thread (a checksum is one sequential pass), largest first, each to the
+    // least loaded thread.
+    std::vector<size_t> order(tensors.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return tensors[a].info->nbytes > tensors[b].info->nbytes;
+    });
+    std::vector<uint64_t> load(threads, 0);
+    for (size_t i : order) {
+      const size_t t = static_cast<size_t>(std::min_element(load.begin(), load.end()) -
+                                           load.begin());
+      work[t].push_back(i);
+      load[t] += tensors[i].info->nbytes + 4096;  // a little per tensor for its overhead
+    }
+  }
+  std::vector<absl::Status> results(threads);
+  auto run = [&](int t) {
+    for (size_t i : work[t]) {
+      if (!options_.cuda_staging) {
+        job.CopyWithChecksum(i, targets[i]);
+        continue;
+      }
+      const std::byte* src = tensors[i].data;
+      for (const CopyTarget& p : targets[i]) {
+        if (absl::Status s = CopyBytes(p.data, src, p.size); !s.ok()) {
+          results[t] = s;
+          return;
+        }
+        src += p.size;
+      }
+    }
+  };
+  TaskCounter pending;
+  for (int t = 1; t < threads; ++t) {
+    if (work[t].empty()) continue;
+    pending.Add();
+    copiers_->Submit([&, t] {
+      run(t);
+      pending.Done();
+    });
+  }
+  run(0);
+  // Bounded CPU work reading the caller's memory: always outwaited.
+  pending.WaitUntilZero(absl::InfiniteFuture());
+  for (const absl::Status& s : results) WB_RETURN_IF_ERROR(s);
+  return absl::OkStatus();
+}
+
+std::string UcxPublisher::BuildGrantBody(const Slot& slot, const Manifest& manifest,
+                                         const std::vector<uint64_t>& offsets) const {
+  Writer w(MsgType::kGrant);
+  w.U64(manifest.version).Str(manifest.ToJson()).U32(static_cast<uint32_t>(slot.regions.size()));
+  for (const Region& r : slot.regions) {
+    w.U64(r.id).U64(r.base).U64(reinterpret_cast<uintptr_t>(r.mem->data())).U64(r.mem->size());
+    w.Str(r.rkey);
+  }
+  w.U32(static_cast<uint32_t>(offsets.size()));
+  for (uint64_t o : offsets) w.U64(o);
+  return std::move(w).Body();
+}
+
+absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
+  absl::MutexLock publish_lock(&publish_mu_);
+  const uint64_t version = job.version();
+  absl::Span<const PackedTensor> tensors = job.tensors();
+  std::vector<uint64_t> offsets(tensors.size());
+  uint64_t size = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    offsets[i] = size;
+    size += (tensors[i].info->nbytes + kTensorAlign - 1) / kTensorAlign * kTensorAlign;
+  }
+
+  // A slot nobody reads, waiting for releases or lease expiries up to the deadline.
+  Slot* slot = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    while ((slot = PickSlot()) == nullptr) {
+      absl::Time wake = deadline;
+      const absl::Time mono = MonotonicNow(), now = absl::Now();
+      for (const auto& [id, l] : leases_) wake = std::min(wake, now + (l.expiry - mono));
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(absl::StrFormat(
+            "all %d staging slots are in use until past the deadline (%s); raise "
+            "staging_slots or the timeout, or lower lease",
+            options_.staging_slots, DescribeSlots()));
+      }
+      if (stopping_) return absl::CancelledError("the publisher is shutting down");
+      AwaitChange(wake);
+    }
+    slot->state = Slot::State::kWriting;
+    if (newest_ == slot) RecomputeNewest();
+  }
+  bool published = false;
+  absl::Cleanup give_back = [&] {
+    if (published) return;
+    absl::MutexLock lock(&mu_);
+    slot->state = Slot::State::kFree;
+    ++changes_;
+  };
+
+  // Staging memory is registered once and reused; it grows only for a larger version.
+  if (slot->capacity < size) {
+    WB_ASSIGN_OR_RETURN(std::vector<Region> regions, AllocateRegions(size));
+    std::vector<Region> old;
+    {
+      absl::MutexLock lock(&mu_);
+      old = std::move(slot->regions);
+      slot->regions = std::move(regions);
+      slot->capacity = size;
+    }
+    old.clear();  // unregistered outside the lock
+  }
+  if (absl::Now() > deadline) {
+    return absl::DeadlineExceededError("deadline passed before copying into the staging slot");
+  }
+  WB_RETURN_IF_ERROR(CopyIntoSlot(slot->regions, job, offsets));
+  WB_RETURN_IF_ERROR(failpoints_.Hit("ucx.after_copy"));
+  WB_ASSIGN_OR_RETURN(const Manifest* manifest, job.SealedManifest(deadline));
+  std::string body = BuildGrantBody(*slot, *manifest, offsets);
+  std::vector<std::unique_ptr<Slot>> surplus;
+  {
+    absl::MutexLock lock(&mu_);
+    slot->version = version;
+    slot->grant_body = std::move(body);
+    slot->state = Slot::State::kReady;
+    newest_ = slot;
+    ++changes_;
+    surplus = TrimSlots();
+  }
+  surplus.clear();  // unregistered and freed outside the lock
+  published = true;
+  Wake();
+  Log(LogLevel::kDebug, "%s: version %d staged in slot %d (%d bytes)", endpoint_.display, version,
+      slot->index, size);
+  return absl::OkStatus();
+}
+
+void UcxPublisher::Loop() {
+  std::vector<pollfd> fds;
+  std::vector<uint64_t> ids;
+  ucp_worker_h worker = worker_->get();
+  // Transports without one-sided hardware support (tcp) serve gets in this thread: while gets
+  // are streaming, keep polling the worker instead of sleeping on its event fd between
+  // messages, for up to kSpin after the last one.
+  constexpr absl::Duration kSpin = absl::Microseconds(500);
+  absl::Time last_busy = absl::InfinitePast();
+  while (true) {
+    bool busy = false;
+    while (ucp_worker_progress(worker) != 0) busy = true;
+    if (busy) last_busy = MonotonicNow();
+    const bool spinning = MonotonicNow() - last_busy < kSpin;
+    int timeout_ms = 1000;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) break;
+      fds.clear();
+      ids.clear();
+      fds.push_back({wake_.get(), POLLIN, 0});
+      fds.push_back({listener_.get(), POLLIN, 0});
+      fds.push_back({efd_, POLLIN, 0});
+      const absl::Time mono = MonotonicNow();
+      absl::Time next = mono + absl::Seconds(1);
+      for (const auto& [id, c] : conns_) {
+        short events = POLLIN;
+        if (!c->out.empty()) events |= POLLOUT;
+        fds.push_back({c->fd.get(), events, 0});
+        ids.push_back(id);
+        if (!c->greeted) next = std::min(next, c->hello_deadline);
+      }
+      for (const auto& [id, l] : leases_) next = std::min(next, l.expiry);
+      timeout_ms = static_cast<int>(
+          std::clamp<int64_t>(absl::ToInt64Milliseconds(next - mono) + 1, 0, 1000));
+    }
+    // Sleep on the worker's event fd only when it is armed; otherwise it has more to do.
+    const ucs_status_t armed = spinning ? UCS_ERR_BUSY : ucp_worker_arm(worker);
+    if (armed == UCS_ERR_BUSY) {
+      timeout_ms = 0;
+    } else if (armed != UCS_OK) {
+      timeout_ms = std::min(timeout_ms, 1);
+    }
+    if (::poll(fds.data(), fds.size(), timeout_ms) < 0 && errno != EINTR) {
+      Log(LogLevel::kError, "%s: poll: %s", endpoint_.display, strerror(errno));
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+
+    absl::MutexLock lock(&mu_);
+    if (fds[0].revents != 0) {
+      uint64_t n;
+      (void)!::read(wake_.get(), &n, sizeof(n));
+    }
+    if (fds[1].revents != 0) Accept();
+    for (size_t k = 0; k < ids.size(); ++k) {
+      if (fds[k + 3].revents == 0) continue;
+      auto it = conns_.find(ids[k]);
+      if (it == conns_.end()) continue;
+      Conn& c = *it->second;
+      absl::StatusOr<bool> open = ReadAvailable(c.fd.get(), c.in);
+      while (!c.dead) {
+        absl::StatusOr<std::optional<Frame>> f = TakeFrame(c.in);
+        if (!f.ok()) {
+          Log(LogLevel::kWarn, "%s: %s sent a malformed message (%s); disconnecting it",
+              endpoint_.display, c.peer, std::string(f.status().message()));
+          c.dead = true;
+          break;
+        }
+        if (!f->has_value()) break;
+        Handle(c, **f);
+      }
+      if (!open.ok() || !*open) {
+        Log(LogLevel::kInfo, "%s: %s disconnected%s", endpoint_.display, c.peer,
+            open.ok() ? "" : " (" + std::string(open.status().message()) + ")");
+        c.dead = true;
+      }
+    }
+    const absl::Time now = MonotonicNow();
+    ExpireLeases(now);
+    for (auto it = conns_.begin(); it != conns_.end();) {
+      Conn& c = *it->second;
+      if (!c.greeted && now > c.hello_deadline && !c.dead) {
+        Log(LogLevel::kInfo, "%s: %s did not greet within %s; disconnecting it",
+            endpoint_.display, c.peer, absl::FormatDuration(options_.connect_timeout));
+        c.dead = true;
+      }
+      if (!c.dead && c.greeted && !c.closing) ServeWaits(c);
+      if (!c.dead && !c.out.empty()) {
+        if (absl::Status s = WriteAvailable(c.fd.get(), c.out); !s.ok()) c.dead = true;
+      }
+      if (c.closing && c.out.empty()) c.dead = true;
+      if (c.dead) {
+        Drop(c);
+        it = conns_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+}
+
+void UcxPublisher::Accept() {
+  while (true) {
+    sockaddr_storage addr{};
+    socklen_t len = sizeof(addr);
+    const int fd = ::accept4(listener_.get(), reinterpret_cast<sockaddr*>(&addr), &len,
+                             SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        Log(LogLevel::kWarn, "%s: accept: %s", endpoint_.display, strerror(errno));
+      }
+      return;
+    }
+    int one = 1;
+    (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    auto c = std::make_unique<Conn>();
+    c->id = next_conn_++;
+    c->fd = Fd(fd);
+    c->peer = "subscriber at " + DescribeSockaddr(reinterpret_cast<sockaddr*>(&addr), len);
+    c->hello_deadline = MonotonicNow() + options_.connect_timeout;
+    conns_[c->id] = std::move(c);
+  }
+}
+
+void UcxPublisher::SendError(Conn& c, absl::StatusCode code, const std::string& message) {
+  c.out += Writer(MsgType::kError).U32(static_cast<uint32_t>(code)).Str(message).Finish();
+  c.closing = true;
+}
+
+void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
+  Reader r(f.payload);
+  const std::string magic = r.Str();
+  const uint32_t protocol = r.U32();
+  const std::string channel = r.Str();
+  const uint64_t subscriber_id = r.U64();
+  const std::string who = r.Str();
+  if (!r.ok() || magic != kMagic) {
+    Log(LogLevel::kInfo, "%s: %s is not a weightbus subscriber; disconnecting it",
+        endpoint_.display, c.peer);
+    c.dead = true;
+    return;
+  }
+  c.peer = absl::StrFormat("subscriber %s at %s", who, c.peer.substr(strlen("subscriber at ")));
+  if (protocol != kProtocolVersion) {
+    SendError(c, absl::StatusCode::kFailedPrecondition,
+              absl::StrFormat("publisher %s speaks ucx control protocol %d, the subscriber %d",
+                              description_, kProtocolVersion, protocol));
+    return;
+  }
+  if (channel != endpoint_.channel) {
+    SendError(c, absl::StatusCode::kNotFound,
+              absl::StrFormat("the publisher at port %d (%s) serves channel \"%s\", not \"%s\"",
+                              endpoint_.port, description_, endpoint_.channel, channel));
+    return;
+  }
+  c.greeted = true;
+  c.subscriber_id = subscriber_id;
+  Writer w(MsgType::kWelcome);
+  w.U32(kProtocolVersion).U64(session_id_).Str(worker_address_);
+  w.U64(static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)));
+  w.U8(newest_ != nullptr).U64(newest_ ? newest_->version : 0).Str(description_);
+  c.out += std::move(w).Finish();
+  Log(LogLevel::kInfo, "%s: %s connected", endpoint_.display, c.peer);
+}
+
+void UcxPublisher::Handle(Conn& c, const Frame& f) {
+  if (!c.greeted) {
+    if (f.type != MsgType::kHello) {
+      c.dead = true;
+      return;
+    }
+    HandleHello(c, f);
+    return;
+  }
+  Reader r(f.payload);
+  switch (f.type) {
+    case MsgType::kWait: {
+      PendingWait w;
+      w.request = r.U64();
+      w.version = r.U64();
+      w.exact = r.U8() != 0;
+      if (r.ok()) c.waits.push_back(w);
+      break;
+    }
+    case MsgType::kCancel: {
+      const uint64_t request = r.U64();
+      std::erase_if(c.waits, [&](const PendingWait& w) { return w.request == request; });
+      break;
+    }
+    case MsgType::kRenew: {
+      const uint64_t id = r.U64();
+      if (!r.ok()) break;
+      auto it = leases_.find(id);
+      const bool valid = it != leases_.end() && it->second.conn == c.id;
+      if (valid) it->second.expiry = MonotonicNow() + options_.lease;
+      c.out += Writer(MsgType::kRenewed).U64(id).U8(valid).Finish();
+      break;
+    }
+    case MsgType::kRelease: {
+      const uint64_t id = r.U64();
+      const bool ack = r.U8() != 0;
+      if (!r.ok()) break;
+      auto it = leases_.find(id);
+      const bool valid = it != leases_.end() && it->second.conn == c.id;
+      if (valid) {
+        --it->second.slot->leases;
+        ++changes_;
+        leases_.erase(it);
+      }
+      if (ack) c.out += Writer(MsgType::kReleased).U64(id).U8(valid).Finish();
+      break;
+    }
+    case MsgType::kAccepted: {
+      const uint64_t v = r.U64();
+      if (!r.ok()) break;
+      auto [it, inserted] = receivers_.emplace(c.subscriber_id, v);
+      if (!inserted) it->second = std::max(it->second, v);
+      ++changes_;
+      break;
+    }
+    case MsgType::kList: {
+      const uint64_t request = r.U64();
+      std::vector<uint64_t> versions;
+      for (const auto& s : slots_) {
+        if (s->state == Slot::State::kReady) versions.push_back(s->version);
+      }
+      std::sort(versions.begin(), versions.end());
+      Writer w(MsgType::kVersions);
+      w.U64(request).U32(static_cast<uint32_t>(versions.size()));
+      for (uint64_t v : versions) w.U64(v);
+      c.out += std::move(w).Finish();
+      break;
+    }
+    default:
+      Log(LogLevel::kWarn, "%s: %s sent an unexpected %s message; disconnecting it",
+          endpoint_.display, c.peer, std::string(MsgTypeName(f.type)));
+      c.dead = true;
+      break;
+  }
+  if (!r.ok()) {
+    Log(LogLevel::kWarn, "%s: %s sent a truncated %s message; disconnecting it",
+        endpoint_.display, c.peer, std::string(MsgTypeName(f.type)));
+    c.dead = true;
+  }
+}
+
+void UcxPublisher::ServeWaits(Conn& c) {
+  for (auto it = c.waits.begin(); it != c.waits.end();) {
+    const PendingWait w = *it;
+    Slot* slot = nullptr;
+    if (w.exact) {
+      for (const auto& s : slots_) {
+        if (s->state == Slot::State::kReady && s->version == w.version) slot = s.get();
+      }
+      if (slot == nullptr) {
+        std::vector<uint64_t> held;
+        for (const auto& s : slots_) {
+          if (s->state == Slot::State::kReady) held.push_back(s->version);
+        }
+        std::sort(held.begin(), held.end());
+        c.out += Writer(MsgType::kRefused)
+                     .U64(w.request)
+                     .U32(static_cast<uint32_t>(absl::StatusCode::kNotFound))
+                     .Str(absl::StrFormat("the publisher no longer holds version %d (it holds: "
+                                          "%s)",
+                                          w.version,
+                                          held.empty() ? "none" : absl::StrJoin(held, ", ")))
+                     .Finish();
+        it = c.waits.erase(it);
+        continue;
+      }
+    } else if (newest_ != nullptr && newest_->version >= w.version) {
+      slot = newest_;
+    }
+    if (slot == nullptr) {
+      ++it;
+      continue;
+    }
+    it = c.waits.erase(it);
+    Grant(c, w, *slot);
+  }
+}
+
+void UcxPublisher::Grant(Conn& c, const PendingWait& w, Slot& slot) {
+  if (absl::Status s = failpoints_.Hit("ucx.before_grant"); !s.ok()) {
+    c.out += Writer(MsgType::kRefused)
+                 .U64(w.request)
+                 .U32(static_cast<uint32_t>(s.code()))
+                 .Str(std::string(s.message()))
+                 .Finish();
+    return;
+  }
+  const uint64_t id = next_lease_++;
+  leases_[id] = Lease{&slot, c.id, slot.version, MonotonicNow() + options_.lease};
+  ++slot.leases;
+  Writer g(MsgType::kGrant);
+  g.U64(w.request).U64(id).U64(static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)));
+  g.Raw(slot.grant_body);
+  std::vector<uint64_t> live;
+  for (const auto& s : slots_) {
+    for (const Region& r : s->regions) live.push_back(r.id);
+  }
+  g.U32(static_cast<uint32_t>(live.size()));
+  for (uint64_t l : live) g.U64(l);
+  c.out += std::move(g).Finish();
+}
+
+void UcxPublisher::Drop(Conn& c) {
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    if (it->second.conn == c.id) {
+      --it->second.slot->leases;
+      ++changes_;
+      it = leases_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& uri,
+                                                                    const Config& config) {
+  WB_ASSIGN_OR_RETURN(Endpoint endpoint, ParseEndpoint(uri, /*for_subscriber=*/false));
+  WB_ASSIGN_OR_RETURN(UcxOptions options, ReadOptions(endpoint, config));
+  if (options.cuda_staging && !CudaSupported()) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "%s: staging_memory=cuda needs a build with CUDA and a visible GPU", endpoint.display));
+  }
+  WB_ASSIGN_OR_RETURN(FailPoints failpoints, FailPoints::Parse(config.String("failpoints")));
+  WB_ASSIGN_OR_RETURN(std::shared_ptr<Context> context,
+                      Context::Create(/*wakeup=*/true, endpoint.display));
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(context, endpoint.display));
+  WB_ASSIGN_OR_RETURN(std::string address, worker->Address());
+  WB_ASSIGN_OR_RETURN(int efd, worker->EventFd());
+  WB_ASSIGN_OR_RETURN(Fd listener, Listen(endpoint.host, endpoint.port, endpoint.display));
+  Fd wake(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (!wake) return ErrnoStatus(errno, absl::StrFormat("%s: eventfd", endpoint.display));
+  std::unique_ptr<WorkerPool> copiers;
+  if (options.copy_threads > 1) {
+    WB_ASSIGN_OR_RETURN(copiers, WorkerPool::Create(static_cast<int>(options.copy_threads - 1)));
+  }
+  auto publisher = std::make_unique<UcxPublisher>(
+      std::move(endpoint), options, std::move(failpoints), std::move(context), std::move(worker),
+      std::move(listener), std::move(wake), efd, std::move(address), std::move(copiers));
+  WB_RETURN_IF_ERROR(publisher->Start());
+  return std::unique_ptr<TransportPublisher>(std::move(publisher));
+}
+
+}  // namespace weightbus::internal::ucx

@@ -1,0 +1,875 @@
+// SPDX-License-Identifier: Apache-2.0
+// Subscribing side of ucx://: connect to the publisher's rendezvous endpoint (lazily, retrying
+// within connect_timeout), ask for the newest version >= N, and pull the granted version's bytes
+// with pipelined one-sided gets (ucp_get_nbx) straight into the core's targets; then release the
+// lease and learn from the publisher whether it held for the whole transfer.
+//
+// Thread safety: every call is serialized by mu_; the UCP worker is progressed only by the
+// calling thread (no background thread). UcxVersion objects must not outlive their subscriber.
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "core/failpoint.h"
+#include "core/logging.h"
+#include "core/status.h"
+#include "transports/ucx/control.h"
+#include "transports/ucx/registration_cache.h"
+#include "transports/ucx/ucp_util.h"
+#include "transports/ucx/ucx_transport.h"
+
+namespace weightbus::internal::ucx {
+namespace {
+
+std::string HostName() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
+  return buf;
+}
+
+uint64_t RandomId() {
+  uint64_t x = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())) ^
+               (static_cast<uint64_t>(getpid()) << 32) ^ reinterpret_cast<uintptr_t>(&x);
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+struct GrantRegion {
+  uint64_t id = 0;
+  uint64_t base = 0;     // offset in the slot's byte range
+  uint64_t address = 0;  // in the publisher's address space
+  uint64_t length = 0;
+  std::string rkey;      // packed
+};
+
+// One connection to the publisher: the control stream and the UCP endpoint to its worker, with
+// the remote keys unpacked on it (cached by region id: unpacking may map shared memory).
+struct Session {
+  ControlStream control;
+  uint64_t generation = 0;
+  uint64_t session_id = 0;
+  std::string publisher;  // "publisher pid 12 on host-a at 10.0.0.1 port 5555 (IPv4)"
+  absl::Duration lease;
+  std::optional<uint64_t> newest;  // as of the greeting
+  ucp_ep_h ep = nullptr;
+  // UCP_ERR_HANDLING_MODE_PEER: UCX reports a dead peer and can cancel outstanding gets
+  // (UCP_EP_CLOSE_FLAG_FORCE). Shared-memory transports of UCX 1.13 lack it; without it the
+  // control connection alone detects a dead publisher.
+  bool peer_errors = false;
+  ucs_status_t ep_status = UCS_OK;  // set by the endpoint's error handler
+  std::map<uint64_t, std::unique_ptr<RemoteKey>> rkeys;
+};
+
+// One get of a Fetch: it crosses neither a remote region nor a local registration boundary.
+struct GetOp {
+  size_t tensor;
+  ucp_rkey_h rkey;
+  uint64_t remote;
+  std::byte* local;
+  uint64_t length;
+  ucp_mem_h memh;
+  uint64_t tensor_end;  // the tensor's bytes [0, tensor_end) are covered by it and earlier gets
+};
+
+// The gets of one Fetch and their completion bookkeeping (touched only by the fetching thread:
+// UCX calls completions from inside ucp_worker_progress).
+struct Pull {
+  std::vector<GetOp> ops;              // a tensor's gets are consecutive, in byte order
+  std::vector<uint32_t> remaining;     // per tensor: gets not yet complete
+  std::vector<size_t> next_in_order;   // per tensor: its first get not yet complete
+  std::vector<bool> done;              // per get
+  uint64_t inflight = 0;
+  absl::Status error;
+  LandingSink* sink = nullptr;
+  const Manifest* manifest = nullptr;
+  std::string source;  // for messages: "ucx://h:p/c: ... from publisher ..."
+
+  void Complete(size_t k, ucs_status_t status) {
+    --inflight;
+    const GetOp& op = ops[k];
+    if (status != UCS_OK) {
+      if (error.ok()) {
+        error = UcsError(status, absl::StrFormat("get of %d bytes of tensor \"%s\" (version %d) "
+                                                 "%s failed",
+                                                 op.length, manifest->tensors[op.tensor].name,
+                                                 manifest->version, source));
+      }
+      return;
+    }
+    done[k] = true;
+    if (--remaining[op.tensor] == 0) {
+      sink->Landed(op.tensor);
+      return;
+    }
+    // Report the complete prefix (gets over tcp may complete out of order).
+    size_t& next = next_in_order[op.tensor];
+    if (next != k) return;
+    while (next < ops.size() && ops[next].tensor == op.tensor && done[next]) ++next;
+    sink->LandedPrefix(op.tensor, ops[next - 1].tensor_end);
+  }
+};
+
+struct GetContext {
+  Pull* pull;
+  size_t op;
+};
+
+void OnGetDone(void* request, ucs_status_t status, void* user_data) {
+  auto* c = static_cast<GetContext*>(user_data);
+  c->pull->Complete(c->op, status);
+  ucp_request_free(request);
+}
+
+class UcxSubscriber;
+
+class UcxVersion final : public IncomingVersion {
+ public:
+  UcxVersion(UcxSubscriber* owner, uint64_t generation, uint64_t lease_id, Manifest manifest,
+             std::vector<GrantRegion> regions, std::vector<uint64_t> offsets, std::string source,
+             absl::Time asked)
+      : owner_(owner), generation_(generation), lease_id_(lease_id),
+        manifest_(std::move(manifest)), regions_(std::move(regions)),
+        offsets_(std::move(offsets)), source_(std::move(source)), lease_base_(asked) {}
+  ~UcxVersion() override;
+
+  const Manifest& manifest() const override { return manifest_; }
+  absl::Status Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
+                     absl::Time deadline) override;
+  std::string DescribeSource(size_t i) const override {
+    return absl::StrFormat("%s, staging bytes [%d, %d) of version %d", source_, offsets_[i],
+                           offsets_[i] + manifest_.tensors[i].nbytes, manifest_.version);
+  }
+  void Accepted() override;
+
+ private:
+  friend class UcxSubscriber;
+  UcxSubscriber* owner_;
+  uint64_t generation_;
+  uint64_t lease_id_;
+  Manifest manifest_;
+  std::vector<GrantRegion> regions_;  // ascending base, contiguous from 0
+  std::vector<uint64_t> offsets_;     // per tensor, in the slot's byte range
+  std::string source_;
+  // The publisher's lease runs from when it granted the version or from the last renewal it
+  // accepted (RENEWED valid); both happened after we sent the request or that renewal, so the
+  // lease certainly lasts until lease_base_ + lease, by our own MonotonicNow() clock.
+  absl::Time lease_base_;
+  bool released_ = false;
+};
+
+class UcxSubscriber final : public TransportSubscriber {
+ public:
+  UcxSubscriber(Endpoint endpoint, UcxOptions options, FailPoints failpoints,
+                std::shared_ptr<Context> context, std::unique_ptr<Worker> worker)
+      : endpoint_(std::move(endpoint)), options_(options), failpoints_(std::move(failpoints)),
+        context_(std::move(context)), worker_(std::move(worker)), registrations_(context_),
+        description_(absl::StrFormat("pid %d on %s", getpid(), HostName())) {}
+
+  ~UcxSubscriber() override {
+    absl::MutexLock lock(&mu_);
+    CloseSession();
+  }
+
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> WaitForVersion(uint64_t min_version,
+                                                                  absl::Time deadline) override {
+    return Request(min_version, /*exact=*/false, deadline);
+  }
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> OpenVersion(uint64_t version,
+                                                               absl::Time deadline) override {
+    return Request(version, /*exact=*/true, deadline);
+  }
+  absl::StatusOr<std::vector<uint64_t>> ListVersions() override;
+
+  absl::Status Fetch(UcxVersion& v, absl::Span<std::byte* const> targets, LandingSink& sink,
+                     absl::Time deadline);
+  void Release(UcxVersion& v);
+  void Accepted(UcxVersion& v);
+
+ private:
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> Request(uint64_t version, bool exact,
+                                                           absl::Time deadline);
+  // Connects (or reuses a live connection). Errors as Connect, plus the publisher's ERROR.
+  absl::Status EnsureSession(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CloseSession() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A frame nobody waits for: a grant for a request given up on is released at once.
+  void HandleStray(const Frame& f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Receives frames until `want` says one is the answer (it may return an error). Stray frames
+  // are handled; a broken connection closes the session.
+  absl::StatusOr<Frame> Await(absl::Time deadline,
+                              const std::function<bool(const Frame&)>& want)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Closes the session after `why` broke it. The message is prefixed with the URI unless
+  // `in_fetch` (the core prefixes Fetch errors itself).
+  absl::Status SessionLost(const absl::Status& why, std::string_view during, bool in_fetch = false)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> ParseGrant(const Frame& f, absl::Time asked)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status PullBytes(UcxVersion& v, absl::Span<std::byte* const> targets, LandingSink& sink,
+                         absl::Time deadline, uint64_t* inflight_left)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+    static_cast<Session*>(arg)->ep_status = status;
+  }
+
+  const Endpoint endpoint_;
+  const UcxOptions options_;
+  FailPoints failpoints_;
+  std::shared_ptr<Context> context_;
+  std::unique_ptr<Worker> worker_;
+  const uint64_t subscriber_id_ = RandomId();
+
+  absl::Mutex mu_;
+  RegistrationCache registrations_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Session> session_ ABSL_GUARDED_BY(mu_);
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_request_ ABSL_GUARDED_BY(mu_) = 1;
+  bool try_peer_errors_ ABSL_GUARDED_BY(mu_) = true;
+  const std::string description_;
+};
+
+UcxVersion::~UcxVersion() { owner_->Release(*this); }
+
+absl::Status UcxVersion::Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
+                               absl::Time deadline) {
+  return owner_->Fetch(*this, targets, sink, deadline);
+}
+
+void UcxVersion::Accepted() { owner_->Accepted(*this); }
+
+void UcxSubscriber::CloseSession() {
+  if (!session_) return;
+  Session& s = *session_;
+  s.rkeys.clear();  // before the endpoint, as UCX requires
+  if (s.ep != nullptr) {
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = s.peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    const ucs_status_t st = WaitRequest(worker_->get(), ucp_ep_close_nbx(s.ep, &param),
+                                        absl::Now() + absl::Seconds(5));
+    if (st != UCS_OK && st != UCS_ERR_CANCELED && st != UCS_ERR_CONNECTION_RESET &&
+        st != UCS_ERR_ENDPOINT_TIMEOUT) {
+      Log(LogLevel::kDebug, "%s: closing the endpoint to %s: %s", endpoint_.display, s.publisher,
+          ucs_status_string(st));
+    }
+  }
+  session_.reset();
+}
+
+absl::Status UcxSubscriber::SessionLost(const absl::Status& why, std::string_view during,
+                                        bool in_fetch) {
+  CloseSession();
+  if (absl::IsDeadlineExceeded(why)) return why;
+  return absl::Status(
+      absl::IsUnavailable(why) || absl::IsDataLoss(why) ? absl::StatusCode::kUnavailable
+                                                        : why.code(),
+      absl::StrFormat("%s%s %s", in_fetch ? "" : endpoint_.display + ": ", why.message(),
+                      during));
+}
+
+absl::Status UcxSubscriber::EnsureSession(absl::Time deadline) {
+  if (session_) {
+    // A live connection may have ended since the last call (publisher exited or restarted).
+    absl::Status alive = session_->ep_status == UCS_OK
+                             ? absl::OkStatus()
+                             : UcsError(session_->ep_status, "the UCX endpoint failed");
+    while (alive.ok()) {
+      absl::StatusOr<std::optional<Frame>> f = session_->control.Poll();
+      if (!f.ok()) {
+        alive = f.status();
+        break;
+      }
+      if (!f->has_value()) break;
+      HandleStray(**f);
+      if (!session_) return absl::OkStatus();  // an ERROR frame; caller reconnects below
+    }
+    if (alive.ok() && session_) return absl::OkStatus();
+    Log(LogLevel::kInfo, "%s: reconnecting (%s)", endpoint_.display, std::string(alive.message()));
+    CloseSession();
+  }
+  const absl::Time connect_deadline = std::min(deadline, absl::Now() + options_.connect_timeout);
+  WB_ASSIGN_OR_RETURN(Fd fd, Connect(endpoint_.host, endpoint_.port, connect_deadline,
+                                     endpoint_.display));
+  sockaddr_storage peer{};
+  socklen_t len = sizeof(peer);
+  std::string where = "?";
+  if (::getpeername(fd.get(), reinterpret_cast<sockaddr*>(&peer), &len) == 0) {
+    where = DescribeSockaddr(reinterpret_cast<sockaddr*>(&peer), len);
+  }
+  auto s = std::make_unique<Session>();
+  s->control = ControlStream(std::move(fd), "the publisher at " + where);
+  s->generation = ++generation_;
+  Writer hello(MsgType::kHello);
+  hello.Str(kMagic).U32(kProtocolVersion).Str(endpoint_.channel).U64(subscriber_id_);
+  hello.Str(description_);
+  absl::Status sent = s->control.Send(std::move(hello).Finish(), connect_deadline);
+  absl::StatusOr<Frame> answer =
+      sent.ok() ? s->control.Receive(connect_deadline) : absl::StatusOr<Frame>(sent);
+  if (!answer.ok()) {
+    return absl::UnavailableError(absl::StrFormat(
+        "%s: %s accepted the connection but did not greet within the connect timeout: %s",
+        endpoint_.display, s->control.peer(), answer.status().message()));
+  }
+  Reader r(answer->payload);
+  if (answer->type == MsgType::kError) {
+    const auto code = static_cast<absl::StatusCode>(r.U32());
+    const std::string message = r.Str();
+    return absl::Status(r.ok() ? code : absl::StatusCode::kUnavailable,
+                        absl::StrFormat("%s: %s", endpoint_.display, message));
+  }
+  if (answer->type != MsgType::kWelcome) {
+    return absl::UnavailableError(absl::StrFormat(
+        "%s: %s answered the greeting with %s, not WELCOME (is it a weightbus publisher?)",
+        endpoint_.display, s->control.peer(), MsgTypeName(answer->type)));
+  }
+  const uint32_t protocol = r.U32();
+  s->session_id = r.U64();
+  const std::string worker_address = r.Str();
+  s->lease = absl::Nanoseconds(static_cast<int64_t>(r.U64()));
+  const bool has_newest = r.U8() != 0;
+  const uint64_t newest = r.U64();
+  const std::string who = r.Str();
+  if (!r.ok() || protocol != kProtocolVersion || worker_address.empty()) {
+    return absl::UnavailableError(absl::StrFormat(
+        "%s: %s sent a malformed WELCOME (protocol %d, expected %d)", endpoint_.display,
+        s->control.peer(), protocol, kProtocolVersion));
+  }
+  if (has_newest) s->newest = newest;
+  s->publisher = absl::StrFormat("publisher %s at %s", who, where);
+  s->control.set_peer(s->publisher);
+
+  // Peer failure handling when the transports allow it (see Session::peer_errors); once a
+  // publisher turned out unreachable that way, later sessions skip the attempt.
+  ucs_status_t st = UCS_ERR_UNREACHABLE;
+  for (const bool peer : {true, false}) {
+    if (peer && !try_peer_errors_) continue;
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    params.address = reinterpret_cast<const ucp_address_t*>(worker_address.data());
+    params.err_mode = peer ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+    if (peer) {
+      params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      params.err_handler.cb = &OnEndpointError;
+      params.err_handler.arg = s.get();
+    }
+    {
+      std::optional<QuietUcxErrors> quiet;
+      if (peer) quiet.emplace();
+      st = ucp_ep_create(worker_->get(), &params, &s->ep);
+    }
+    if (st == UCS_OK) {
+      s->peer_errors = peer;
+      break;
+    }
+    s->ep = nullptr;
+    if (st != UCS_ERR_UNREACHABLE) break;
+    if (peer) {
+      try_peer_errors_ = false;
+      Log(LogLevel::kInfo,
+          "%s: the UCX transports reaching %s cannot report a dead peer (shared memory in this "
+          "UCX); the control connection watches the publisher instead",
+          endpoint_.display, s->publisher);
+    }
+  }
+  if (st != UCS_OK) {
+    absl::Status e = UcsError(
+        st, absl::StrFormat("%s: no UCX transport reaches %s from here (check UCX_TLS and "
+                            "UCX_NET_DEVICES on both sides)",
+                            endpoint_.display, s->publisher));
+    return absl::Status(absl::StatusCode::kUnavailable, e.message());
+  }
+  session_ = std::move(s);
+  Log(LogLevel::kInfo, "%s: connected to %s", endpoint_.display, session_->publisher);
+  return absl::OkStatus();
+}
+
+void UcxSubscriber::HandleStray(const Frame& f) {
+  Reader r(f.payload);
+  switch (f.type) {
+    case MsgType::kGrant: {
+      r.U64();  // request id
+      const uint64_t lease = r.U64();
+      if (r.ok()) {
+        (void)session_->control.Send(Writer(MsgType::kRelease).U64(lease).U8(0).Finish(),
+                                     absl::Now() + absl::Seconds(1));
+      }
+      break;
+    }
+    case MsgType::kError: {
+      const uint32_t code = r.U32();
+      const std::string message = r.Str();
+      Log(LogLevel::kWarn, "%s: %s ended the session: %s (code %d)", endpoint_.display,
+          session_->publisher, message, code);
+      CloseSession();
+      break;
+    }
+    default:  // late answers (RELEASED, VERSIONS, REFUSED) to requests given up on
+      break;
+  }
+}
+
+absl::StatusOr<Frame> UcxSubscriber::Await(absl::Time deadline,
+                                           const std::function<bool(const Frame&)>& want) {
+  while (true) {
+    if (!session_) return absl::UnavailableError("the session ended");
+    absl::StatusOr<Frame> f = session_->control.Receive(deadline);
+    if (!f.ok()) return f.status();
+    if (want(*f)) return f;
+    if (f->type == MsgType::kError) {
+      Reader r(f->payload);
+      const auto code = static_cast<absl::StatusCode>(r.U32());
+      const std::string message = r.Str();
+      const std::string publisher = session_->publisher;
+      CloseSession();
+      return absl::Status(r.ok() ? code : absl::StatusCode::kUnavailable,
+                          absl::StrFormat("%s: %s: %s", endpoint_.display, publisher, message));
+    }
+    HandleStray(*f);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::Request(uint64_t version,
+                                                                         bool exact,
+                                                                         absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  WB_RETURN_IF_ERROR(EnsureSession(deadline));
+  const uint64_t request = next_request_++;
+  const absl::Time asked = MonotonicNow();
+  absl::Status sent = session_->control.Send(
+      Writer(MsgType::kWait).U64(request).U64(version).U8(exact).Finish(), deadline);
+  if (!sent.ok()) return SessionLost(sent, "while asking for a version");
+  absl::StatusOr<Frame> f = Await(deadline, [&](const Frame& f) {
+    if (f.type != MsgType::kGrant && f.type != MsgType::kRefused) return false;
+    Reader r(f.payload);
+    return r.U64() == request;
+  });
+  if (!f.ok()) {
+    if (absl::IsDeadlineExceeded(f.status()) && session_) {
+      // The publisher may still grant it later; the late grant is then released unused.
+      (void)session_->control.Send(Writer(MsgType::kCancel).U64(request).Finish(),
+                                   absl::Now() + absl::Milliseconds(100));
+      const std::optional<uint64_t> newest = session_->newest;
+      return absl::DeadlineExceededError(absl::StrFormat(
+          "%s: %s published no version %s %d by the deadline (newest when connected: %s)",
+          endpoint_.display, session_->publisher, exact ? "==" : ">=", version,
+          newest ? std::to_string(*newest) : "none"));
+    }
+    if (!session_ && !absl::IsUnavailable(f.status()) && !absl::IsDataLoss(f.status())) {
+      return f.status();  // the publisher's ERROR, already worded
+    }
+    return SessionLost(f.status(), absl::StrFormat("while waiting for version %s %d",
+                                                   exact ? "==" : ">=", version));
+  }
+  if (f->type == MsgType::kRefused) {
+    Reader r(f->payload);
+    r.U64();
+    const auto code = static_cast<absl::StatusCode>(r.U32());
+    const std::string message = r.Str();
+    return absl::Status(r.ok() ? code : absl::StatusCode::kInternal,
+                        absl::StrFormat("%s: %s: %s", endpoint_.display, session_->publisher,
+                                        message));
+  }
+  return ParseGrant(*f, asked);
+}
+
+absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const Frame& f,
+                                                                            absl::Time asked) {
+  Reader r(f.payload);
+  r.U64();  // request id
+  const uint64_t lease = r.U64();
+  const uint64_t lease_ns = r.U64();
+  const uint64_t version = r.U64();
+  const std::string manifest_json = r.Str();
+  const uint32_t nregions = r.U32();
+  std::vector<GrantRegion> regions;
+  for (uint32_t k = 0; k < nregions && r.ok(); ++k) {
+    GrantRegion g;
+    g.id = r.U64();
+    g.base = r.U64();
+    g.address = r.U64();
+    g.length = r.U64();
+    g.rkey = r.Str();
+    regions.push_back(std::move(g));
+  }
+  const uint32_t ntensors = r.U32();
+  std::vector<uint64_t> offsets;
+  for (uint32_t k = 0; k < ntensors && r.ok(); ++k) offsets.push_back(r.U64());
+  const uint32_t nlive = r.U32();
+  std::vector<uint64_t> live;
+  for (uint32_t k = 0; k < nlive && r.ok(); ++k) live.push_back(r.U64());
+  const std::string source = session_->publisher;
+  auto malformed = [&](const std::string& why) {
+    (void)session_->control.Send(Writer(MsgType::kRelease).U64(lease).U8(0).Finish(),
+                                 absl::Now() + absl::Seconds(1));
+    return absl::DataLossError(absl::StrFormat("%s: %s sent a malformed grant of version %d: %s",
+                                               endpoint_.display, source, version, why));
+  };
+  if (!r.ok() || !r.at_end()) return malformed("truncated or oversized message");
+  session_->lease = absl::Nanoseconds(static_cast<int64_t>(lease_ns));
+  absl::StatusOr<Manifest> manifest =
+      Manifest::FromJson(manifest_json, absl::StrFormat("the manifest granted by %s", source));
+  if (!manifest.ok()) return malformed(std::string(manifest.status().message()));
+  if (manifest->version != version || manifest->tensors.size() != offsets.size()) {
+    return malformed(absl::StrFormat("manifest of version %d with %d tensors for %d offsets",
+                                     manifest->version, manifest->tensors.size(),
+                                     offsets.size()));
+  }
+  uint64_t covered = 0;
+  for (const GrantRegion& g : regions) {
+    if (g.base != covered || g.length == 0) return malformed("regions do not tile the slot");
+    covered += g.length;
+  }
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    const uint64_t n = manifest->tensors[i].nbytes;
+    if (n > 0 && (offsets[i] > covered || n > covered - offsets[i])) {
+      return malformed(absl::StrFormat("tensor \"%s\" lies outside the slot",
+                                       manifest->tensors[i].name));
+    }
+  }
+  // Forget remote keys of regions the publisher has freed (a mapped segment stays mapped until
+  // its key is destroyed).
+  std::erase_if(session_->rkeys, [&](const auto& kv) {
+    return std::find(live.begin(), live.end(), kv.first) == live.end();
+  });
+  return std::unique_ptr<IncomingVersion>(new UcxVersion(
+      this, session_->generation, lease, *std::move(manifest), std::move(regions),
+      std::move(offsets), source, asked));
+}
+
+absl::StatusOr<std::vector<uint64_t>> UcxSubscriber::ListVersions() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time deadline = absl::Now() + options_.connect_timeout;
+  WB_RETURN_IF_ERROR(EnsureSession(deadline));
+  const uint64_t request = next_request_++;
+  absl::Status sent =
+      session_->control.Send(Writer(MsgType::kList).U64(request).Finish(), deadline);
+  if (!sent.ok()) return SessionLost(sent, "while listing versions");
+  absl::StatusOr<Frame> f = Await(deadline, [&](const Frame& f) {
+    Reader r(f.payload);
+    return f.type == MsgType::kVersions && r.U64() == request;
+  });
+  if (!f.ok()) return SessionLost(f.status(), "while listing versions");
+  Reader r(f->payload);
+  r.U64();
+  const uint32_t n = r.U32();
+  std::vector<uint64_t> versions;
+  for (uint32_t k = 0; k < n && r.ok(); ++k) versions.push_back(r.U64());
+  if (!r.ok()) {
+    return absl::DataLossError(
+        absl::StrFormat("%s: malformed VERSIONS from %s", endpoint_.display, session_->publisher));
+  }
+  return versions;
+}
+
+absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> targets,
+                                  LandingSink& sink, absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  if (v.released_) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: version %d was already fetched or released", endpoint_.display, v.manifest_.version));
+  }
+  if (!session_ || session_->generation != v.generation_) {
+    v.released_ = true;
+    return absl::UnavailableError(absl::StrFormat(
+        "the connection to %s ended after version %d was granted (its hold on the version went "
+        "with it)",
+        v.source_, v.manifest_.version));
+  }
+  uint64_t inflight = 0;
+  absl::Status pulled = PullBytes(v, targets, sink, deadline, &inflight);
+  registrations_.EndFetch();
+  if (!pulled.ok()) {
+    v.released_ = true;
+    if (!session_ || absl::IsUnavailable(pulled) || absl::IsDeadlineExceeded(pulled)) {
+      CloseSession();  // a broken or abandoned connection: the next call reconnects
+    } else {
+      (void)session_->control.Send(Writer(MsgType::kRelease).U64(v.lease_id_).U8(0).Finish(),
+                                   absl::Now() + absl::Seconds(1));
+    }
+    return pulled;
+  }
+  // Every byte is here. If the lease certainly held until now (see UcxVersion::lease_base_,
+  // with a 5% margin for clock rates), release it without waiting. Otherwise release it and
+  // learn from the publisher whether it held throughout: if it expired, the publisher may have
+  // reused the memory while we read it.
+  v.released_ = true;
+  if (MonotonicNow() < v.lease_base_ + session_->lease * 0.95) {
+    absl::Status sent = session_->control.Send(
+        Writer(MsgType::kRelease).U64(v.lease_id_).U8(0).Finish(), deadline);
+    if (!sent.ok()) return SessionLost(sent, "after the transfer", true);
+    return absl::OkStatus();
+  }
+  absl::Status sent = session_->control.Send(
+      Writer(MsgType::kRelease).U64(v.lease_id_).U8(1).Finish(), deadline);
+  if (!sent.ok()) return SessionLost(sent, "before the transfer was confirmed", true);
+  absl::StatusOr<Frame> f = Await(deadline, [&](const Frame& f) {
+    Reader r(f.payload);
+    return f.type == MsgType::kReleased && r.U64() == v.lease_id_;
+  });
+  if (!f.ok()) {
+    return SessionLost(f.status(), "before the transfer was confirmed", true);
+  }
+  Reader r(f->payload);
+  r.U64();
+  if (r.U8() == 0) {
+    return absl::UnavailableError(absl::StrFormat(
+        "the hold on version %d expired before the transfer finished (lease %s); %s may have "
+        "reused its memory, so the bytes are not trusted",
+        v.manifest_.version, absl::FormatDuration(session_->lease), v.source_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const> targets,
+                                      LandingSink& sink, absl::Time deadline,
+                                      uint64_t* inflight_left) {
+  const absl::Time fetch_start = absl::Now();
+  Session& s = *session_;
+  const Manifest& m = v.manifest_;
+  const size_t n = m.tensors.size();
+  if (targets.size() != n) {
+    return absl::InternalError(absl::StrFormat("%d targets for %d tensors", targets.size(), n));
+  }
+  // Remote keys, unpacked once per region and session.
+  std::vector<ucp_rkey_h> rkeys(v.regions_.size());
+  for (size_t k = 0; k < v.regions_.size(); ++k) {
+    const GrantRegion& g = v.regions_[k];
+    auto it = s.rkeys.find(g.id);
+    if (it == s.rkeys.end()) {
+      WB_ASSIGN_OR_RETURN(std::unique_ptr<RemoteKey> key,
+                          RemoteKey::Unpack(s.ep, g.rkey,
+                                            absl::StrFormat("staging region %d of %s", g.id,
+                                                            s.publisher)));
+      it = s.rkeys.emplace(g.id, std::move(key)).first;
+    }
+    rkeys[k] = it->second->get();
+  }
+
+  Pull pull;
+  pull.remaining.assign(n, 0);
+  pull.next_in_order.assign(n, 0);
+  pull.sink = &sink;
+  pull.manifest = &m;
+  pull.source = absl::StrFormat("from %s", s.publisher);
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t nbytes = m.tensors[i].nbytes;
+    if (nbytes == 0) continue;
+    if (targets[i] == nullptr) {
+      return absl::InternalError(absl::StrFormat("no target for tensor \"%s\"", m.tensors[i].name));
+    }
+    for (uint64_t piece = 0; piece < nbytes; piece += options_.max_region) {
+      const uint64_t piece_len = std::min(options_.max_region, nbytes - piece);
+      ucp_mem_h memh = registrations_.Get(targets[i] + piece, piece_len);
+      for (uint64_t done = 0; done < piece_len;) {
+        const uint64_t off = v.offsets_[i] + piece + done;
+        auto region = std::upper_bound(v.regions_.begin(), v.regions_.end(), off,
+                                       [](uint64_t o, const GrantRegion& g) { return o < g.base; });
+        const size_t k = static_cast<size_t>(region - v.regions_.begin()) - 1;
+        const GrantRegion& g = v.regions_[k];
+        const uint64_t len = std::min({options_.get_chunk_size, piece_len - done,
+                                       g.base + g.length - off});
+        if (pull.remaining[i] == 0) pull.next_in_order[i] = pull.ops.size();
+        pull.ops.push_back(GetOp{i, rkeys[k], g.address + (off - g.base),
+                                 targets[i] + piece + done, len, memh, piece + done + len});
+        ++pull.remaining[i];
+        done += len;
+        total += len;
+      }
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (m.tensors[i].nbytes == 0) sink.Landed(i);
+  }
+  std::vector<GetContext> contexts(pull.ops.size());
+  pull.done.assign(pull.ops.size(), false);
+  const absl::Time planned = absl::Now();
+
+  ucp_worker_h worker = worker_->get();
+  const uint64_t window = static_cast<uint64_t>(options_.gets_in_flight);
+  size_t next = 0;
+  uint64_t issued_bytes = 0;
+  bool midpoint = false;
+  std::optional<absl::Time> renew_sent;  // a RENEW awaiting its RENEWED
+  absl::Time last_check = absl::InfinitePast();
+  absl::Status status;
+  while (true) {
+    // Issue a bounded burst: shared-memory gets complete inside ucp_get_nbx, and the checks
+    // below must still run while a large version streams in.
+    for (int burst = 0; burst < 16 && pull.error.ok() && pull.inflight < window &&
+                        next < pull.ops.size();
+         ++burst) {
+      const GetOp& op = pull.ops[next];
+      contexts[next] = GetContext{&pull, next};
+      ucp_request_param_t param{};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      param.cb.send = &OnGetDone;
+      param.user_data = &contexts[next];
+      if (op.memh != nullptr) {
+        param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        param.memh = op.memh;
+      }
+      ++pull.inflight;
+      ucs_status_ptr_t req = ucp_get_nbx(s.ep, op.local, op.length, op.remote, op.rkey, &param);
+      if (req == nullptr) {
+        pull.Complete(next, UCS_OK);
+      } else if (UCS_PTR_IS_ERR(req)) {
+        pull.Complete(next, UCS_PTR_STATUS(req));
+      }
+      issued_bytes += op.length;
+      ++next;
+    }
+    if (!pull.error.ok()) break;
+    if (next == pull.ops.size() && pull.inflight == 0) break;
+    const unsigned progressed = ucp_worker_progress(worker);
+    if (!midpoint && issued_bytes * 2 >= total && pull.inflight < next) {
+      midpoint = true;  // at least one get finished and half of the bytes are requested
+      if (absl::Status fp = failpoints_.Hit("ucx.during_get"); !fp.ok()) {
+        status = fp;
+        break;
+      }
+    }
+    // Every millisecond (or when idle): the deadline, the publisher's liveness, the lease.
+    const absl::Time now = absl::Now();
+    if (progressed != 0 && now - last_check < absl::Milliseconds(1)) continue;
+    last_check = now;
+    if (s.ep_status != UCS_OK) {
+      status = UcsError(s.ep_status,
+                        absl::StrFormat("the UCX endpoint to %s failed while version %d was "
+                                        "being received",
+                                        s.publisher, m.version));
+      break;
+    }
+    if (now > deadline) {
+      status = absl::DeadlineExceededError(absl::StrFormat(
+          "receiving version %d from %s did not finish by the deadline (%d of %d bytes "
+          "requested)",
+          m.version, s.publisher, issued_bytes, total));
+      break;
+    }
+    absl::StatusOr<std::optional<Frame>> f = s.control.Poll();
+    if (!f.ok()) {
+      status = absl::UnavailableError(absl::StrFormat(
+          "%s while version %d was being received", f.status().message(), m.version));
+      break;
+    }
+    if (f->has_value() && (*f)->type == MsgType::kRenewed) {
+      Reader r((*f)->payload);
+      const uint64_t id = r.U64();
+      const bool valid = r.U8() != 0;
+      if (r.ok() && id == v.lease_id_ && renew_sent) {
+        if (!valid) {
+          status = absl::UnavailableError(absl::StrFormat(
+              "the hold on version %d expired before the transfer finished (lease %s); %s may "
+              "have reused its memory, so the bytes are not trusted",
+              m.version, absl::FormatDuration(s.lease), s.publisher));
+          break;
+        }
+        v.lease_base_ = *renew_sent;
+        renew_sent.reset();
+      }
+    } else if (f->has_value()) {
+      if ((*f)->type == MsgType::kError) {
+        Reader r((*f)->payload);
+        r.U32();
+        status = absl::UnavailableError(absl::StrFormat(
+            "%s ended the session while version %d was being received: %s", s.publisher,
+            m.version, r.Str()));
+        break;
+      }
+      const std::string publisher_name = s.publisher;
+      HandleStray(**f);
+      if (!session_) {
+        status = absl::UnavailableError(absl::StrFormat(
+            "the session with %s ended while version %d was being received", publisher_name,
+            m.version));
+        break;
+      }
+    }
+    const absl::Time mono = MonotonicNow();
+    if (!renew_sent && mono - v.lease_base_ > s.lease / 4) {
+      absl::Status renewed = s.control.Send(
+          Writer(MsgType::kRenew).U64(v.lease_id_).Finish(), std::min(deadline, now + s.lease));
+      if (!renewed.ok()) {
+        status = renewed;
+        break;
+      }
+      renew_sent = mono;
+    }
+  }
+  if (status.ok()) status = pull.error;
+  *inflight_left = pull.inflight;
+  Log(LogLevel::kDebug, "%s: version %d: %d gets of %d bytes in %s (%.2f GB/s), planned in %s",
+      endpoint_.display, m.version, pull.ops.size(), total,
+      absl::FormatDuration(absl::Now() - planned),
+      total / 1e9 / std::max(1e-9, absl::ToDoubleSeconds(absl::Now() - planned)),
+      absl::FormatDuration(planned - fetch_start));
+  if (!status.ok() && pull.inflight > 0) {
+    // Force-close the endpoint now, while `state` and the targets are alive: every outstanding
+    // get completes (canceled) inside this.
+    const std::string publisher = s.publisher;
+    Session* gone = session_.get();
+    gone->rkeys.clear();
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = gone->peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    (void)WaitRequest(worker, ucp_ep_close_nbx(gone->ep, &param), absl::Now() + absl::Seconds(5));
+    gone->ep = nullptr;
+    // Without FORCE the close flushes: the gets complete or fail. Bounded CPU wait after that.
+    const absl::Time limit = absl::Now() + absl::Seconds(5);
+    while (pull.inflight > 0 && absl::Now() < limit) {
+      if (ucp_worker_progress(worker) == 0) absl::SleepFor(absl::Microseconds(50));
+    }
+    if (pull.inflight > 0) {
+      // Cannot happen with UCX's documented close semantics; never return while gets may
+      // still write into the caller's buffers.
+      Log(LogLevel::kError, "%s: %d gets still outstanding 5 s after closing the endpoint to "
+          "%s; waiting for them", endpoint_.display, pull.inflight, publisher);
+      while (pull.inflight > 0) {
+        if (ucp_worker_progress(worker) == 0) absl::SleepFor(absl::Milliseconds(1));
+      }
+    }
+    *inflight_left = 0;
+    CloseSession();
+  }
+  return status;
+}
+
+void UcxSubscriber::Release(UcxVersion& v) {
+  absl::MutexLock lock(&mu_);
+  if (v.released_) return;
+  v.released_ = true;
+  if (!session_ || session_->generation != v.generation_) return;
+  (void)session_->control.Send(Writer(MsgType::kRelease).U64(v.lease_id_).U8(0).Finish(),
+                               absl::Now() + absl::Seconds(1));
+}
+
+void UcxSubscriber::Accepted(UcxVersion& v) {
+  absl::MutexLock lock(&mu_);
+  if (!session_ || session_->generation != v.generation_) return;
+  (void)session_->control.Send(Writer(MsgType::kAccepted).U64(v.manifest_.version).Finish(),
+                               absl::Now() + absl::Seconds(1));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TransportSubscriber>> OpenUcxSubscriber(const Uri& uri,
+                                                                      const Config& config) {
+  WB_ASSIGN_OR_RETURN(Endpoint endpoint, ParseEndpoint(uri, /*for_subscriber=*/true));
+  WB_ASSIGN_OR_RETURN(UcxOptions options, ReadOptions(endpoint, config));
+  WB_ASSIGN_OR_RETURN(FailPoints failpoints, FailPoints::Parse(config.String("failpoints")));
+  WB_ASSIGN_OR_RETURN(std::shared_ptr<Context> context,
+                      Context::Create(/*wakeup=*/false, endpoint.display));
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(context, endpoint.display));
+  return std::unique_ptr<TransportSubscriber>(new UcxSubscriber(
+      std::move(endpoint), options, std::move(failpoints), std::move(context), std::move(worker)));
+}
+
+}  // namespace weightbus::internal::ucx

@@ -1,0 +1,53 @@
+// SPDX-License-Identifier: Apache-2.0
+// The ucx:// transport: the publisher stages each version in registered memory and serves a
+// rendezvous endpoint on HOST:PORT (control.h); subscribers connect, receive the manifest of the
+// newest version with the memory keys of its staging slot, and pull the bytes with one-sided
+// ucp_get_nbx straight into their destination buffers. Protocol: docs/FORMAT.md, "ucx://".
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "core/config.h"
+#include "core/transport.h"
+#include "core/uri.h"
+
+namespace weightbus::internal::ucx {
+
+const SettingTable& UcxSettings();
+
+// Where a channel is served: ucx://HOST:PORT/CHANNEL.
+struct Endpoint {
+  std::string host;     // a name, an IPv4 address or an IPv6 address without brackets
+  int port = 0;         // 1..65535
+  std::string channel;  // the URI path without its leading '/', non-empty
+  std::string display;  // the URI without its query, for messages
+};
+
+// Parses and checks a ucx:// URI. `for_subscriber` also refuses wildcard hosts (0.0.0.0, ::),
+// which a publisher may listen on but nobody can connect to.
+// Errors: InvalidArgument naming the URI and what is wrong.
+absl::StatusOr<Endpoint> ParseEndpoint(const Uri& uri, bool for_subscriber);
+
+// The transport's settings, checked once (InvalidArgument naming the URI and the setting).
+struct UcxOptions {
+  int64_t staging_slots = 2;
+  absl::Duration lease;
+  absl::Duration connect_timeout;
+  uint64_t get_chunk_size = 0;
+  int64_t gets_in_flight = 0;
+  uint64_t max_region = 0;
+  int64_t copy_threads = 0;
+  bool cuda_staging = false;
+};
+absl::StatusOr<UcxOptions> ReadOptions(const Endpoint& endpoint, const Config& config);
+
+absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& uri,
+                                                                    const Config& config);
+absl::StatusOr<std::unique_ptr<TransportSubscriber>> OpenUcxSubscriber(const Uri& uri,
+                                                                      const Config& config);
+
+}  // namespace weightbus::internal::ucx

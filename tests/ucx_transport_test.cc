@@ -1,0 +1,736 @@
+// SPDX-License-Identifier: Apache-2.0
+// The ucx:// transport in one process (publisher and subscribers as separate UCP contexts, talking
+// over real loopback endpoints), parameterized over UCX_TLS: shared memory
+// (posix,sysv,cma,self) and tcp on the loopback device. Covers round trips, slot reuse, leases,
+// bindings checked before any byte moves, edge shapes, timeouts, a publisher going away and
+// coming back, rendezvous address errors, the optional capabilities, the control framing and the
+// registration cache.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "core/registry.h"
+#include "test_model.h"
+#include "test_support.h"
+#include "transports/ucx/control.h"
+#include "transports/ucx/registration_cache.h"
+#include "transports/ucx/ucp_util.h"
+#include "weightbus/weightbus.hpp"
+
+namespace weightbus {
+namespace {
+
+using ::testing::HasSubstr;
+using ::weightbus::testing::MakeVersion;
+using ::weightbus::testing::OwnedTensor;
+using ::weightbus::testing::Views;
+using ::weightbus::testing::Xxh3;
+
+constexpr absl::Duration kTimeout = absl::Seconds(30);
+
+struct Tls {
+  std::string name;
+  std::map<std::string, std::string> env;
+};
+// Test names and messages show "shm" or "tcp", not the struct's bytes.
+void PrintTo(const Tls& tls, std::ostream* os) { *os << tls.name; }
+
+const Tls kShm{"shm", {{"UCX_TLS", "posix,sysv,cma,self"}}};
+const Tls kTcp{"tcp", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}};
+
+// A TCP port nobody listens on right now (bind port 0 and read it back).
+int FreePort(int family = AF_INET) {
+  int fd = socket(family, SOCK_STREAM, 0);
+  sockaddr_storage ss{};
+  socklen_t len;
+  if (family == AF_INET) {
+    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+    a->sin_family = AF_INET;
+    a->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    len = sizeof(*a);
+  } else {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    a->sin6_family = AF_INET6;
+    a->sin6_addr = in6addr_loopback;
+    len = sizeof(*a);
+  }
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  close(fd);
+  return ntohs(family == AF_INET ? reinterpret_cast<sockaddr_in*>(&ss)->sin_port
+                                 : reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
+}
+
+// Why UCX cannot run here with the current UCX_* environment, or "" when it can.
+std::string UcxUnavailableReason() {
+  auto context = internal::ucx::Context::Create(false, "probe");
+  if (!context.ok()) return std::string(context.status().message());
+  auto worker = internal::ucx::Worker::Create(*context, "probe");
+  if (!worker.ok()) return std::string(worker.status().message());
+  return "";
+}
+
+void ExpectSameTensors(const Update& update, const std::vector<OwnedTensor>& expected) {
+  ASSERT_EQ(update.tensors().size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const TensorView& got = update.tensors()[i];
+    const OwnedTensor& want = expected[i];
+    EXPECT_EQ(got.name, want.name);
+    EXPECT_EQ(got.dtype, want.dtype) << want.name;
+    EXPECT_EQ(got.shape, want.shape) << want.name;
+    EXPECT_EQ(update.manifest().tensors[i].xxh3, Xxh3(want.bytes.data(), want.bytes.size()))
+        << want.name;
+    if (!want.bytes.empty()) {
+      EXPECT_EQ(std::memcmp(got.data, want.bytes.data(), want.bytes.size()), 0) << want.name;
+    }
+  }
+}
+
+class UcxTransportTest : public ::testing::TestWithParam<Tls> {
+ protected:
+  void SetUp() override {
+    for (const auto& [k, v] : GetParam().env) setenv(k.c_str(), v.c_str(), 1);
+    const std::string why = UcxUnavailableReason();
+    if (!why.empty()) GTEST_SKIP() << "UCX cannot create a worker here: " << why;
+    port_ = FreePort();
+    ASSERT_GT(port_, 0);
+  }
+
+  std::string Uri(const std::string& query = "", const std::string& channel = "policy") const {
+    return absl::StrFormat("ucx://127.0.0.1:%d/%s%s", port_, channel,
+                           query.empty() ? "" : "?" + query);
+  }
+
+  int port_ = -1;
+};
+
+TEST_P(UcxTransportTest, RoundTripsEveryDtypeAndEdgeShapeBitExact) {
+  auto pub = Publisher::Open(Uri());
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = Subscriber::Open(Uri());
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  for (uint64_t v = 1; v <= 3; ++v) {
+    auto tensors = MakeVersion(7, v, 1 << 20);
+    ASSERT_TRUE((*pub)->Publish(v, Views(tensors), {{"step", std::to_string(v)}}, kTimeout).ok());
+    auto update = (*sub)->WaitForVersion(v, kTimeout);
+    ASSERT_TRUE(update.ok()) << update.status();
+    EXPECT_EQ((*update)->version(), v);
+    EXPECT_EQ((*update)->manifest().metadata.at("step"), std::to_string(v));
+    EXPECT_EQ((*update)->manifest().publisher.pid, getpid());
+    ExpectSameTensors(**update, tensors);
+  }
+  EXPECT_EQ((*pub)->latest_version(), std::optional<uint64_t>(3));
+}
+
+TEST_P(UcxTransportTest, FollowsManyVersionsThroughRecycledStagingSlots) {
+  for (const char* slots : {"1", "3"}) {
+    SCOPED_TRACE(slots);
+    port_ = FreePort();
+    // Small gets and regions, so versions span several regions and many gets.
+    const std::string q = absl::StrFormat(
+        "staging_slots=%s&get_chunk_size=64KiB&gets_in_flight=3&max_region=1MiB", slots);
+    auto pub = Publisher::Open(Uri(q));
+    ASSERT_TRUE(pub.ok()) << pub.status();
+    auto a = Subscriber::Open(Uri(q));
+    auto b = Subscriber::Open(Uri(q));
+    ASSERT_TRUE(a.ok() && b.ok());
+    for (uint64_t v = 1; v <= 12; ++v) {
+      // Sizes vary, so slots are grown and reused.
+      auto tensors = MakeVersion(11, v, (v % 3 + 1) * 700000);
+      ASSERT_TRUE((*pub)->Publish(v, Views(tensors), {}, kTimeout).ok()) << v;
+      for (auto* s : {&*a, &*b}) {
+        auto u = (*s)->WaitForVersion(v, kTimeout);
+        ASSERT_TRUE(u.ok()) << u.status();
+        ASSERT_EQ((*u)->version(), v);
+        ExpectSameTensors(**u, tensors);
+      }
+    }
+  }
+}
+
+TEST_P(UcxTransportTest, LateJoinerReceivesTheNewestVersion) {
+  auto pub = Publisher::Open(Uri());
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  std::vector<OwnedTensor> last;
+  for (uint64_t v = 1; v <= 5; ++v) {
+    last = MakeVersion(3, v, 1 << 18);
+    ASSERT_TRUE((*pub)->Publish(v, Views(last), {}, kTimeout).ok());
+  }
+  auto sub = Subscriber::Open(Uri());
+  ASSERT_TRUE(sub.ok());
+  auto u = (*sub)->WaitForVersion(0, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ((*u)->version(), 5u);
+  ExpectSameTensors(**u, last);
+}
+
+TEST_P(UcxTransportTest, MismatchedBindingIsRejectedBeforeAnyByteMoves) {
+  // One slot: a lease left behind by the rejected update would block the next Publish.
+  auto pub = Publisher::Open(Uri("staging_slots=1&lease=60s"));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto v1 = MakeVersion(5, 1, 1 << 16);
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  auto sub = Subscriber::Open(Uri());
+  ASSERT_TRUE(sub.ok());
+  std::vector<float> bias(64, 42.0f);  // manifest: F32 [64]
+  struct Case {
+    Destination dest;
+    std::string mismatch;
+  };
+  for (const Case& c : {Case{{DType::kF16, {64}, {}, bias.data()}, "F16 [64]"},
+                        Case{{DType::kF32, {8, 8}, {}, bias.data()}, "F32 [8, 8]"}}) {
+    ASSERT_TRUE((*sub)->Bind("model.layers.0.self_attn.q_proj.bias", c.dest).ok());
+    auto u = (*sub)->WaitForVersion(1, kTimeout);
+    ASSERT_FALSE(u.ok());
+    EXPECT_EQ(u.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(u.status().message(), HasSubstr("\"model.layers.0.self_attn.q_proj.bias\""));
+    EXPECT_THAT(u.status().message(), HasSubstr("F32 [64]"));
+    EXPECT_THAT(u.status().message(), HasSubstr(c.mismatch));
+    EXPECT_THAT(u.status().message(), HasSubstr("nothing was written"));
+    for (float f : bias) ASSERT_EQ(f, 42.0f);
+  }
+  EXPECT_EQ((*sub)->current_version(), std::nullopt);
+  // The refused version's hold was released: the single slot is free for version 2 at once.
+  auto v2 = MakeVersion(5, 2, 1 << 16);
+  ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, absl::Seconds(5)).ok());
+  ASSERT_TRUE(
+      (*sub)->Bind("model.layers.0.self_attn.q_proj.bias", {DType::kF32, {64}, {}, bias.data()})
+          .ok());
+  auto u = (*sub)->WaitForVersion(2, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ(std::memcmp(bias.data(), v2[2].bytes.data(), v2[2].bytes.size()), 0);
+}
+
+TEST_P(UcxTransportTest, NonContiguousViewsAndDestinations) {
+  // A 4x6 F32 matrix published through its transpose view (strides {1, 6}), received into a
+  // column-major destination, in both bind modes.
+  std::vector<float> base(24);
+  for (int i = 0; i < 24; ++i) base[i] = static_cast<float>(i) + 0.5f;
+  TensorView t{"t", DType::kF32, {6, 4}, {1, 6}, base.data()};
+  std::vector<float> row_major(24);  // what "t" is, contiguous
+  for (int r = 0; r < 6; ++r) {
+    for (int c = 0; c < 4; ++c) row_major[r * 4 + c] = base[c * 6 + r];
+  }
+  for (const char* mode : {"staged", "direct"}) {
+    SCOPED_TRACE(mode);
+    port_ = FreePort();
+    auto pub = Publisher::Open(Uri());
+    ASSERT_TRUE(pub.ok());
+    ASSERT_TRUE((*pub)->Publish(1, {t}, {}, kTimeout).ok());
+    auto sub = Subscriber::Open(Uri(std::string("bind_mode=") + mode));
+    ASSERT_TRUE(sub.ok());
+    std::vector<float> col_major(24, -1.0f);
+    ASSERT_TRUE((*sub)->Bind("t", {DType::kF32, {6, 4}, {1, 6}, col_major.data()}).ok());
+    auto u = (*sub)->WaitForVersion(1, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    EXPECT_EQ((*u)->manifest().tensors[0].xxh3, Xxh3(row_major.data(), 96));
+    EXPECT_EQ(col_major, base);
+  }
+}
+
+TEST_P(UcxTransportTest, ZeroSizeScalarAndEmptyVersions) {
+  auto pub = Publisher::Open(Uri());
+  ASSERT_TRUE(pub.ok());
+  auto sub = Subscriber::Open(Uri());
+  ASSERT_TRUE(sub.ok());
+  // Only edge shapes: a 0-d scalar, zero-size tensors (no bytes at all for those).
+  const int64_t scalar = -7;
+  TensorView s{"scalar", DType::kI64, {}, {}, &scalar};
+  TensorView z1{"zero", DType::kF32, {0}, {}, nullptr};
+  TensorView z2{"zero.rows", DType::kBF16, {3, 0, 2}, {}, nullptr};
+  ASSERT_TRUE((*pub)->Publish(1, {s, z1, z2}, {}, kTimeout).ok());
+  auto u = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ASSERT_EQ((*u)->tensors().size(), 3u);
+  EXPECT_EQ(*static_cast<const int64_t*>((*u)->Find("scalar")->data), -7);
+  EXPECT_EQ((*u)->Find("zero.rows")->shape, (std::vector<int64_t>{3, 0, 2}));
+  // Only zero-size tensors: a version of zero bytes, and one with no tensors at all.
+  ASSERT_TRUE((*pub)->Publish(2, {z1}, {}, kTimeout).ok());
+  u = (*sub)->WaitForVersion(2, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ((*u)->manifest().total_bytes(), 0u);
+  ASSERT_TRUE((*pub)->Publish(3, {}, {{"empty", "yes"}}, kTimeout).ok());
+  u = (*sub)->WaitForVersion(3, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_TRUE((*u)->tensors().empty());
+}
+
+TEST_P(UcxTransportTest, WaitTimesOutThenReceivesTheNextVersion) {
+  auto pub = Publisher::Open(Uri());
+  ASSERT_TRUE(pub.ok());
+  auto v1 = MakeVersion(2, 1, 1 << 16);
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  auto sub = Subscriber::Open(Uri());
+  ASSERT_TRUE(sub.ok());
+  ASSERT_TRUE((*sub)->WaitForVersion(1, kTimeout).ok());
+  const absl::Time start = absl::Now();
+  auto late = (*sub)->WaitForVersion(2, absl::Milliseconds(300));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  ASSERT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  EXPECT_THAT(late.status().message(), HasSubstr(">= 2"));
+  // The abandoned request must not leave a hold or a stray grant behind.
+  for (uint64_t v = 2; v <= 4; ++v) {
+    auto tensors = MakeVersion(2, v, 1 << 16);
+    ASSERT_TRUE((*pub)->Publish(v, Views(tensors), {}, kTimeout).ok());
+    auto u = (*sub)->WaitForVersion(v, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    EXPECT_EQ((*u)->version(), v);
+    ExpectSameTensors(**u, tensors);
+  }
+  // A wait that a later Publish satisfies.
+  std::thread later([&] {
+    absl::SleepFor(absl::Milliseconds(200));
+    auto tensors = MakeVersion(2, 5, 1 << 16);
+    EXPECT_TRUE((*pub)->Publish(5, Views(tensors), {}, kTimeout).ok());
+  });
+  auto u = (*sub)->WaitForVersion(5, kTimeout);
+  later.join();
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ((*u)->version(), 5u);
+}
+
+TEST_P(UcxTransportTest, PublishWaitsForAHeldSlotNoLongerThanItsDeadline) {
+  auto pub = Publisher::Open(Uri("staging_slots=1&lease=60s"));
+  ASSERT_TRUE(pub.ok());
+  auto v1 = MakeVersion(4, 1, 1 << 18);
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  // This subscriber stalls for 1.5 s in the middle of receiving version 1, renewing nothing.
+  auto sub = Subscriber::Open(Uri("failpoints=ucx.during_get=delay:1500"));
+  ASSERT_TRUE(sub.ok());
+  absl::StatusOr<std::unique_ptr<Update>> got;
+  std::thread reader([&] { got = (*sub)->WaitForVersion(1, kTimeout); });
+  absl::SleepFor(absl::Milliseconds(400));
+  auto v2 = MakeVersion(4, 2, 1 << 18);
+  const absl::Time start = absl::Now();
+  absl::Status s = (*pub)->Publish(2, Views(v2), {}, absl::Milliseconds(200));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_THAT(s.message(), HasSubstr("slot 0 holds version 1, read by subscriber pid"));
+  reader.join();
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectSameTensors(**got, v1);
+  // Released: now the slot is free.
+  ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, absl::Seconds(5)).ok());
+}
+
+TEST_P(UcxTransportTest, ExpiredLeaseLetsPublishProceedAndFailsTheStalledReader) {
+  auto pub = Publisher::Open(Uri("staging_slots=1&lease=300ms"));
+  ASSERT_TRUE(pub.ok());
+  auto v1 = MakeVersion(4, 1, 1 << 18);
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  auto sub = Subscriber::Open(Uri("failpoints=ucx.during_get=delay:2000"));
+  ASSERT_TRUE(sub.ok());
+  absl::StatusOr<std::unique_ptr<Update>> got;
+  std::thread reader([&] { got = (*sub)->WaitForVersion(1, kTimeout); });
+  absl::SleepFor(absl::Milliseconds(200));
+  // The reader holds the only slot but stops renewing; after its 300 ms lease the slot is
+  // reused.
+  auto v2 = MakeVersion(4, 2, 1 << 18);
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, absl::Seconds(20)).ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(15));
+  reader.join();
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+  EXPECT_THAT(got.status().message(), HasSubstr("expired"));
+  EXPECT_EQ((*sub)->current_version(), std::nullopt);
+  // It recovers with the next call.
+  auto u = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ((*u)->version(), 2u);
+  ExpectSameTensors(**u, v2);
+}
+
+TEST_P(UcxTransportTest, WaitForReceiversCountsSubscribersThatVerifiedTheVersion) {
+  auto pub = Publisher::Open(Uri());
+  ASSERT_TRUE(pub.ok());
+  auto v1 = MakeVersion(6, 1, 1 << 16);
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  EXPECT_EQ((*pub)->WaitForReceivers(1, 0, kTimeout).code(), absl::StatusCode::kInvalidArgument);
+  std::vector<std::unique_ptr<Subscriber>> subs;
+  for (int i = 0; i < 2; ++i) {
+    auto s = Subscriber::Open(Uri());
+    ASSERT_TRUE(s.ok());
+    ASSERT_TRUE((*s)->WaitForVersion(1, kTimeout).ok());
+    subs.push_back(*std::move(s));
+  }
+  EXPECT_TRUE((*pub)->WaitForReceivers(1, 2, kTimeout).ok());
+  subs.clear();  // a subscriber that received the version and left still counts
+  EXPECT_TRUE((*pub)->WaitForReceivers(1, 2, kTimeout).ok());
+  const absl::Time start = absl::Now();
+  absl::Status three = (*pub)->WaitForReceivers(1, 3, absl::Milliseconds(200));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(three.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(three.message(), HasSubstr("2 of the 3"));
+  EXPECT_EQ((*pub)->WaitForReceivers(2, 1, absl::Milliseconds(50)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST_P(UcxTransportTest, PublisherGoneIsUnavailableWithinTheTimeoutAndKeepsTheCurrentVersion) {
+  auto pub = Publisher::Open(Uri());
+  ASSERT_TRUE(pub.ok());
+  auto v1 = MakeVersion(8, 1, 1 << 18);
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  auto sub = Subscriber::Open(Uri("connect_timeout=1s"));
+  ASSERT_TRUE(sub.ok());
+  auto first = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::thread closer([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    pub->reset();
+  });
+  const absl::Time start = absl::Now();
+  auto next = (*sub)->WaitForVersion(2, absl::Seconds(20));
+  closer.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(15));
+  ASSERT_EQ(next.status().code(), absl::StatusCode::kUnavailable) << next.status();
+  EXPECT_THAT(next.status().message(), HasSubstr("127.0.0.1 port"));
+  EXPECT_EQ((*sub)->current_version(), std::optional<uint64_t>(1));
+  ExpectSameTensors(**first, v1);
+  // With nobody listening, a new wait fails within the connect timeout, naming the address.
+  const absl::Time again = absl::Now();
+  auto none = (*sub)->WaitForVersion(2, absl::Seconds(20));
+  EXPECT_LT(absl::Now() - again, absl::Seconds(10));
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kUnavailable) << none.status();
+  EXPECT_THAT(none.status().message(), HasSubstr(absl::StrFormat("port %d (IPv4)", port_)));
+}
+
+TEST_P(UcxTransportTest, RestartedPublisherContinuesAtAHigherVersionAndSubscribersReconnect) {
+  auto sub = Subscriber::Open(Uri());
+  ASSERT_TRUE(sub.ok());
+  {
+    auto pub = Publisher::Open(Uri());
+    ASSERT_TRUE(pub.ok());
+    for (uint64_t v = 1; v <= 3; ++v) {
+      auto t = MakeVersion(9, v, 1 << 16);
+      ASSERT_TRUE((*pub)->Publish(v, Views(t), {}, kTimeout).ok());
+    }
+    auto u = (*sub)->WaitForVersion(3, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+  }
+  auto pub = Publisher::Open(Uri());  // a new process would do the same
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto v4 = MakeVersion(9, 4, 1 << 16);
+  ASSERT_TRUE((*pub)->Publish(4, Views(v4), {}, kTimeout).ok());
+  auto u = (*sub)->WaitForVersion(4, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ((*u)->version(), 4u);
+  ExpectSameTensors(**u, v4);
+}
+
+TEST_P(UcxTransportTest, ChannelMismatchIsNotFoundNamingBothChannels) {
+  auto pub = Publisher::Open(Uri("", "b"));
+  ASSERT_TRUE(pub.ok());
+  auto sub = Subscriber::Open(Uri("", "a"));
+  ASSERT_TRUE(sub.ok());
+  auto u = (*sub)->WaitForVersion(0, kTimeout);
+  ASSERT_EQ(u.status().code(), absl::StatusCode::kNotFound) << u.status();
+  EXPECT_THAT(u.status().message(), HasSubstr("serves channel \"b\", not \"a\""));
+}
+
+TEST_P(UcxTransportTest, BracketedIpv6Works) {
+  const int port = FreePort(AF_INET6);
+  if (port < 0) GTEST_SKIP() << "no IPv6 loopback here";
+  const std::string uri = absl::StrFormat("ucx://[::1]:%d/v6", port);
+  auto pub = Publisher::Open(uri);
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto t = MakeVersion(1, 1, 1 << 16);
+  ASSERT_TRUE((*pub)->Publish(1, Views(t), {}, kTimeout).ok());
+  auto sub = Subscriber::Open(uri);
+  ASSERT_TRUE(sub.ok());
+  auto u = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ExpectSameTensors(**u, t);
+}
+
+TEST_P(UcxTransportTest, PortInUseNamesAddressFamilyAndPort) {
+  auto first = Publisher::Open(Uri());
+  ASSERT_TRUE(first.ok());
+  auto second = Publisher::Open(Uri());
+  ASSERT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
+  EXPECT_THAT(second.status().message(),
+              HasSubstr(absl::StrFormat("127.0.0.1 port %d (IPv4)", port_)));
+  EXPECT_THAT(second.status().message(), HasSubstr("in use"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Tls, UcxTransportTest, ::testing::Values(kShm, kTcp),
+                         [](const ::testing::TestParamInfo<Tls>& info) { return info.param.name; });
+
+// Rendezvous address errors: these fail before any UCX transfer, so one transport suffices.
+class UcxAddressTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (const auto& [k, v] : kTcp.env) setenv(k.c_str(), v.c_str(), 1);
+    const std::string why = UcxUnavailableReason();
+    if (!why.empty()) GTEST_SKIP() << "UCX cannot create a worker here: " << why;
+  }
+};
+
+TEST_F(UcxAddressTest, WildcardAddressIsRefusedAsAConnectTarget) {
+  for (const char* uri : {"ucx://0.0.0.0:7000/p", "ucx://[::]:7000/p"}) {
+    auto sub = Subscriber::Open(uri);
+    ASSERT_EQ(sub.status().code(), absl::StatusCode::kInvalidArgument) << uri;
+    EXPECT_THAT(sub.status().message(), HasSubstr("wildcard")) << uri;
+  }
+  // A publisher may listen on every interface.
+  const int port = FreePort();
+  auto pub = Publisher::Open(absl::StrFormat("ucx://0.0.0.0:%d/p", port));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto t = MakeVersion(1, 1, 1 << 12);
+  ASSERT_TRUE((*pub)->Publish(1, Views(t), {}, kTimeout).ok());
+  auto sub = Subscriber::Open(absl::StrFormat("ucx://localhost:%d/p", port));
+  ASSERT_TRUE(sub.ok());
+  auto u = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+}
+
+TEST_F(UcxAddressTest, RefusedPortFailsWithinTheConnectTimeoutNamingIt) {
+  const int port = FreePort();
+  auto sub = Subscriber::Open(absl::StrFormat("ucx://127.0.0.1:%d/p?connect_timeout=500ms", port));
+  ASSERT_TRUE(sub.ok());
+  const absl::Time start = absl::Now();
+  auto u = (*sub)->WaitForVersion(1, absl::Seconds(30));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  ASSERT_EQ(u.status().code(), absl::StatusCode::kUnavailable) << u.status();
+  EXPECT_THAT(u.status().message(), HasSubstr(absl::StrFormat("127.0.0.1 port %d (IPv4)", port)));
+  EXPECT_THAT(u.status().message(), HasSubstr("refused"));
+}
+
+TEST_F(UcxAddressTest, UnreachableHostFailsWithinTheConnectTimeoutNamingIt) {
+  // 192.0.2.1 is TEST-NET-1 (RFC 5737): never routed, so the connect times out or is refused by
+  // the network stack at once.
+  auto sub = Subscriber::Open("ucx://192.0.2.1:7/p?connect_timeout=700ms");
+  ASSERT_TRUE(sub.ok());
+  const absl::Time start = absl::Now();
+  auto u = (*sub)->WaitForVersion(1, absl::Seconds(30));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(6));
+  ASSERT_EQ(u.status().code(), absl::StatusCode::kUnavailable) << u.status();
+  EXPECT_THAT(u.status().message(), HasSubstr("192.0.2.1 port 7 (IPv4)"));
+}
+
+TEST_F(UcxAddressTest, MalformedUrisAndSettingsAreInvalidArguments) {
+  for (const char* uri :
+       {"ucx://127.0.0.1/p", "ucx://127.0.0.1:0/p", "ucx://127.0.0.1:7000", "ucx://127.0.0.1:7000/",
+        "ucx://:7000/p", "ucx://127.0.0.1:7000/p?staging_slots=0",
+        "ucx://127.0.0.1:7000/p?gets_in_flight=0", "ucx://127.0.0.1:7000/p?get_chunk_size=1",
+        "ucx://127.0.0.1:7000/p?max_region=4KiB", "ucx://127.0.0.1:7000/p?retention=2"}) {
+    auto sub = Subscriber::Open(uri);
+    EXPECT_EQ(sub.status().code(), absl::StatusCode::kInvalidArgument) << uri << sub.status();
+  }
+}
+
+TEST_F(UcxAddressTest, DiskCannotCountReceivers) {
+  testing::ScratchDir dir;
+  auto pub = Publisher::Open("disk://" + dir.path() + "/ch");
+  ASSERT_TRUE(pub.ok());
+  EXPECT_EQ((*pub)->WaitForReceivers(1, 1, absl::Milliseconds(10)).code(),
+            absl::StatusCode::kUnimplemented);
+}
+
+}  // namespace
+}  // namespace weightbus
+
+namespace weightbus::internal {
+namespace {
+
+using ::testing::HasSubstr;
+
+class UcxInternalTest : public ::testing::TestWithParam<weightbus::Tls> {
+ protected:
+  void SetUp() override {
+    for (const auto& [k, v] : GetParam().env) setenv(k.c_str(), v.c_str(), 1);
+    const std::string why = weightbus::UcxUnavailableReason();
+    if (!why.empty()) GTEST_SKIP() << "UCX cannot create a worker here: " << why;
+  }
+};
+
+// The capabilities a delta layer stacks on: a version floor kept beyond staging_slots, exact
+// versions, and the list of versions held.
+TEST_P(UcxInternalTest, KeepVersionsFromOpenVersionAndListVersions) {
+  const int port = weightbus::FreePort();
+  auto uri =
+      ParseUri(absl::StrFormat("ucx://127.0.0.1:%d/delta?staging_slots=2&lease=60s", port));
+  auto stack = ResolveStack(*uri);
+  ASSERT_TRUE(stack.ok());
+  auto config = ResolveConfig(*stack, *uri, {});
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto pub = OpenPublisherStack(*stack, *uri, *config);
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = OpenSubscriberStack(*stack, *uri, *config);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  auto bytes_of = [](uint64_t v) { return testing::RandomBytes(100000, v); };
+  std::vector<std::vector<std::byte>> kept(10);
+  auto publish = [&](uint64_t v) {
+    kept[v] = bytes_of(v);
+    Manifest m;
+    m.version = v;
+    m.tensors.push_back(TensorInfo{"t", DType::kU8, {100000}, std::nullopt, 100000,
+                                   testing::Xxh3(kept[v].data(), 100000)});
+    SealedPublishJob job(m, {kept[v].data()});
+    ASSERT_TRUE((*pub)->Publish(job, absl::Now() + absl::Seconds(10)).ok()) << v;
+  };
+  auto listed = [&] {
+    auto l = (*sub)->ListVersions();
+    EXPECT_TRUE(l.ok()) << l.status();
+    return l.ok() ? *l : std::vector<uint64_t>{};
+  };
+  publish(1);
+  (*pub)->KeepVersionsFrom(2);
+  for (uint64_t v = 2; v <= 5; ++v) publish(v);
+  // 2..5 are kept beyond the two staging slots (1 still holds one of the two).
+  EXPECT_EQ(listed(), (std::vector<uint64_t>{1, 2, 3, 4, 5}));
+  struct Sink : LandingSink {
+    std::vector<size_t> landed;
+    void Landed(size_t i) override { landed.push_back(i); }
+  };
+  for (uint64_t v : {2, 4}) {
+    auto opened = (*sub)->OpenVersion(v, absl::Now() + absl::Seconds(10));
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    EXPECT_EQ((*opened)->manifest().version, v);
+    std::vector<std::byte> out(100000);
+    std::byte* target = out.data();
+    Sink sink;
+    ASSERT_TRUE((*opened)->Fetch({&target, 1}, sink, absl::Now() + absl::Seconds(10)).ok());
+    EXPECT_EQ(sink.landed, std::vector<size_t>{0});
+    EXPECT_EQ(out, kept[v]);
+  }
+  // Moving the floor returns the older slots to rotation (two of them, staging_slots) and frees
+  // the surplus; 5 and every later version are kept.
+  (*pub)->KeepVersionsFrom(5);
+  publish(6);
+  EXPECT_EQ(listed(), (std::vector<uint64_t>{3, 4, 5, 6}));
+  publish(7);
+  EXPECT_EQ(listed(), (std::vector<uint64_t>{4, 5, 6, 7}));
+  auto gone = (*sub)->OpenVersion(2, absl::Now() + absl::Seconds(5));
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound) << gone.status();
+  EXPECT_THAT(gone.status().message(), HasSubstr("holds: 4, 5, 6, 7"));
+  // An unfetched grant is released when dropped: with the floor gone, both slots are usable.
+  auto dropped = (*sub)->OpenVersion(7, absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(dropped.ok());
+  dropped->reset();
+  (*pub)->KeepVersionsFrom(100);
+  // The release travels over the control connection, so the publisher may see it only after a
+  // publish or two; once it has, both slots rotate and only the newest two versions remain.
+  uint64_t next = 8;
+  EXPECT_TRUE(testing::WaitUntil(
+      [&] {
+        publish(next++);
+        return listed() == std::vector<uint64_t>{next - 2, next - 1};
+      },
+      absl::Seconds(10)))
+      << "the dropped grant of version 7 was never released";
+}
+
+// Bytes that do not match the manifest's checksum are caught by the chunk-by-chunk verification
+// of large tensors as well as by whole-tensor checks of small ones; nothing is handed over.
+TEST_P(UcxInternalTest, CorruptedBytesAreDataLossNamingTheTensor) {
+  const int port = weightbus::FreePort();
+  const std::string uri_text =
+      absl::StrFormat("ucx://127.0.0.1:%d/corrupt?get_chunk_size=64KiB&max_region=1MiB", port);
+  auto uri = ParseUri(uri_text);
+  auto stack = ResolveStack(*uri);
+  auto config = ResolveConfig(*stack, *uri, {});
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto pub = OpenPublisherStack(*stack, *uri, *config);
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = weightbus::Subscriber::Open(uri_text);
+  ASSERT_TRUE(sub.ok());
+  for (const uint64_t size : {uint64_t{3 << 20}, uint64_t{1000}}) {
+    SCOPED_TRACE(size);
+    const uint64_t version = size;  // increasing
+    std::vector<std::byte> bytes = testing::RandomBytes(size, 5);
+    Manifest m;
+    m.version = version;
+    const uint64_t right = testing::Xxh3(bytes.data(), size);
+    m.tensors.push_back(TensorInfo{"big", DType::kU8, {static_cast<int64_t>(size)}, std::nullopt,
+                                   size, right ^ 1});
+    SealedPublishJob job(m, {bytes.data()});
+    ASSERT_TRUE((*pub)->Publish(job, absl::Now() + absl::Seconds(10)).ok());
+    auto u = (*sub)->WaitForVersion(0, absl::Seconds(30));
+    ASSERT_EQ(u.status().code(), absl::StatusCode::kDataLoss) << u.status();
+    EXPECT_THAT(u.status().message(), HasSubstr("tensor \"big\""));
+    EXPECT_THAT(u.status().message(), HasSubstr(absl::StrFormat("%016x", right)));
+  }
+  EXPECT_EQ((*sub)->current_version(), std::nullopt);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tls, UcxInternalTest, ::testing::Values(weightbus::kShm, weightbus::kTcp),
+                         [](const ::testing::TestParamInfo<weightbus::Tls>& info) {
+                           return info.param.name;
+                         });
+
+TEST(UcxControlTest, FramesRoundTripAndMalformedOnesAreDataLoss) {
+  using namespace ucx;
+  std::string wire = Writer(MsgType::kWait).U64(7).U64(uint64_t{1} << 40).U8(1).Finish();
+  wire += Writer(MsgType::kError).U32(5).Str("gone \xe2\x9c\x93").Finish();
+  std::string partial = wire.substr(0, 10);
+  auto none = TakeFrame(partial);
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->has_value());
+  auto f = TakeFrame(wire);
+  ASSERT_TRUE(f.ok() && f->has_value());
+  EXPECT_EQ((*f)->type, MsgType::kWait);
+  Reader r((*f)->payload);
+  EXPECT_EQ(r.U64(), 7u);
+  EXPECT_EQ(r.U64(), uint64_t{1} << 40);
+  EXPECT_EQ(r.U8(), 1);
+  EXPECT_TRUE(r.ok() && r.at_end());
+  r.U8();
+  EXPECT_FALSE(r.ok());  // reading past the end
+  f = TakeFrame(wire);
+  ASSERT_TRUE(f.ok() && f->has_value());
+  Reader e((*f)->payload);
+  EXPECT_EQ(e.U32(), 5u);
+  EXPECT_EQ(e.Str(), "gone \xe2\x9c\x93");
+  EXPECT_TRUE(wire.empty());
+  std::string huge("\xff\xff\xff\x7f\x01", 5);
+  EXPECT_EQ(TakeFrame(huge).status().code(), absl::StatusCode::kDataLoss);
+  std::string empty("\0\0\0\0", 4);
+  EXPECT_EQ(TakeFrame(empty).status().code(), absl::StatusCode::kDataLoss);
+  Reader lying(std::string("\xff\xff\x00\x00", 4));
+  EXPECT_EQ(lying.Str(), "");
+  EXPECT_FALSE(lying.ok());
+}
+
+TEST(UcxRegistrationCacheTest, RegistersOnceAndDropsRegistrationsOfUnmappedMemory) {
+  for (const auto& [k, v] : weightbus::kTcp.env) setenv(k.c_str(), v.c_str(), 1);
+  auto context = ucx::Context::Create(false, "test");
+  if (!context.ok()) GTEST_SKIP() << context.status();
+  ucx::RegistrationCache cache(*context);
+  const size_t n = 1 << 20;
+  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  auto* b = static_cast<std::byte*>(p);
+  ASSERT_NE(cache.Get(b, n), nullptr);
+  ASSERT_NE(cache.Get(b, n), nullptr);
+  cache.EndFetch();
+  if (!cache.persistent()) GTEST_SKIP() << "UCX memory events are off here (UCX_MEM_EVENTS)";
+  EXPECT_EQ(cache.registrations(), 1u);
+  ASSERT_NE(cache.Get(b, n), nullptr);
+  EXPECT_EQ(cache.registrations(), 1u);  // recycled buffer: no new registration
+  ASSERT_EQ(munmap(p, n), 0);
+  // Whatever is mapped at that address now is other memory: it must be registered anew.
+  void* q = mmap(p, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(q, MAP_FAILED);
+  ASSERT_NE(cache.Get(static_cast<std::byte*>(q), n), nullptr);
+  EXPECT_EQ(cache.registrations(), 2u);
+  munmap(q, n);
+}
+
+}  // namespace
+}  // namespace weightbus::internal

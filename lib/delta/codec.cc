@@ -846,6 +846,44 @@ class BlockIndex {
   uint64_t total_at_least_[K] = {};
 };
 
+// Bit k set when element k of the len (<= 64 bytes' worth) at a and b differ.
+template <typename T>
+inline __attribute__((always_inline)) uint64_t ChangedMask(const std::byte* a, const std::byte* b,
+                                                           size_t len) {
+  constexpr size_t w = sizeof(T);
+  constexpr size_t kBlock = 64 / w;
+  uint64_t changed = 0;
+  if (len != kBlock) {
+    for (size_t k = 0; k < len; ++k) {
+      changed |= static_cast<uint64_t>(Load<T>(a + k * w) != Load<T>(b + k * w)) << k;
+    }
+    return changed;
+  }
+#if defined(__SSE2__)
+  if constexpr (w == 2) {
+    __m128i eq[4];
+    for (int k = 0; k < 4; ++k) {
+      eq[k] = _mm_cmpeq_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 16 * k)),
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * k)));
+    }
+    const uint32_t same =
+        static_cast<uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(eq[0], eq[1]))) |
+        (static_cast<uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(eq[2], eq[3]))) << 16);
+    return ~same & 0xffffffffULL;
+  }
+#endif
+  constexpr size_t kPerWord = 8 / w;
+  uint64_t x[8];
+  uint64_t any = 0;
+  for (size_t k = 0; k < 8; ++k) {
+    x[k] = Load<uint64_t>(a + 8 * k) ^ Load<uint64_t>(b + 8 * k);
+    any |= x[k];
+  }
+  if (any == 0) return 0;
+  for (size_t k = 0; k < 8; ++k) changed |= LaneMask<T>(x[k]) << (k * kPerWord);
+  return changed;
+}
+
 // Chooses the groups from a sample of the chunk (one 64-byte block in kClassSampleStride, all of
 // them in small chunks): class sizes from the base, change counts from base against target.
 template <typename T>
@@ -880,7 +918,6 @@ template <typename T, int K>
 size_t ScanRanked(absl::Span<const ChunkInput> spans, const Grouping& grouping, Scratch& s) {
   constexpr size_t w = sizeof(T);
   constexpr size_t kBlock = 64 / w;
-  constexpr size_t kPerWord = 8 / w;
   const uint8_t* t = grouping.threshold;
   T* values = reinterpret_cast<T*>(s.values.data());
   uint64_t before[K] = {};  // members of each group before the current block
@@ -891,39 +928,7 @@ size_t ScanRanked(absl::Span<const ChunkInput> spans, const Grouping& grouping, 
       const size_t len = std::min(kBlock, m - i);
       const std::byte* pa = span.base + i * w;
       const std::byte* pb = span.target + i * w;
-      uint64_t changed = 0;  // bit k: element k of the block differs
-#if defined(__SSE2__)
-      if constexpr (w == 2) {
-        if (len == kBlock) {
-          __m128i eq[4];
-          for (int k = 0; k < 4; ++k) {
-            eq[k] = _mm_cmpeq_epi16(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(pa + 16 * k)),
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 16 * k)));
-          }
-          changed = ~(static_cast<uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(eq[0], eq[1]))) |
-                      (static_cast<uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(eq[2], eq[3])))
-                       << 16)) &
-                    0xffffffffULL;
-        }
-      }
-      if (w != 2 || len != kBlock)
-#endif
-      if (len == kBlock) {
-        uint64_t x[8];
-        uint64_t any = 0;
-        for (size_t k = 0; k < 8; ++k) {
-          x[k] = Load<uint64_t>(pa + 8 * k) ^ Load<uint64_t>(pb + 8 * k);
-          any |= x[k];
-        }
-        if (any != 0) {
-          for (size_t k = 0; k < 8; ++k) changed |= LaneMask<T>(x[k]) << (k * kPerWord);
-        }
-      } else {
-        for (size_t k = 0; k < len; ++k) {
-          changed |= static_cast<uint64_t>(Load<T>(pa + k * w) != Load<T>(pb + k * w)) << k;
-        }
-      }
+      uint64_t changed = ChangedMask<T>(pa, pb, len);  // bit k: element k differs
       uint32_t at_least[K];
       CountBlock<T, K>(pa, len, t, at_least);
       while (changed != 0) {

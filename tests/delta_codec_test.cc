@@ -133,7 +133,9 @@ TEST(DeltaCodecTest, EveryDtypeRoundTripsAsKeyframeAndDeltaAtEveryDensity) {
   auto parallel = Threads(2);
   for (DType dtype : kAllDTypes) {
     for (double fraction : {0.0, 0.0005, 0.01, 0.2, 0.6, 1.0}) {
-      SCOPED_TRACE(absl::StrFormat("%s, %g changed", DTypeName(dtype), fraction));
+    for (int groups : {1, 4}) {
+      SCOPED_TRACE(absl::StrFormat("%s, %g changed, %d groups", DTypeName(dtype), fraction,
+                                   groups));
       Version a, b;
       const size_t elements = 40000 + 7;
       a.layout = b.layout = {{dtype, elements * DTypeSize(dtype)}};
@@ -141,6 +143,7 @@ TEST(DeltaCodecTest, EveryDtypeRoundTripsAsKeyframeAndDeltaAtEveryDensity) {
       b.tensors = {Mutate(a.tensors[0], dtype, fraction, rng)};
       EncodeOptions options;
       options.chunk_size = 64 << 10;
+      options.max_groups = groups;
       auto kf = Decode(Encode(kKeyframe, a, nullptr, options, *parallel), kKeyframe, a, nullptr,
                        *parallel);
       ASSERT_TRUE(kf.ok()) << kf.status();
@@ -154,6 +157,7 @@ TEST(DeltaCodecTest, EveryDtypeRoundTripsAsKeyframeAndDeltaAtEveryDensity) {
       if (fraction == 0.0) {
         for (const ChunkResult& r : d.results) EXPECT_EQ(r.method, Method::kSame);
       }
+    }
     }
   }
 }
@@ -298,7 +302,7 @@ TEST(DeltaCodecTest, MagnitudeGroupsShrinkRealisticDeltas) {
   auto parallel = Threads(2);
   const Version a = stream.Next(1e-6), b = stream.Next(1e-6);
   EncodeOptions plain, grouped;
-  plain.max_groups = 1;
+  grouped.max_groups = 4;
   const EncodedVersion p = Encode(kDelta, b, &a, plain, *parallel);
   const EncodedVersion g = Encode(kDelta, b, &a, grouped, *parallel);
   const double changed = static_cast<double>(g.changed_elements) / g.total_elements;
@@ -319,6 +323,7 @@ TEST(DeltaCodecTest, OutputIsTheSameForAnyThreadCount) {
   const Version a = stream.Next(1e-5), b = stream.Next(1e-5);
   EncodeOptions options;
   options.chunk_size = 64 << 10;
+  options.max_groups = 4;
   auto one = Threads(1), four = Threads(4);
   for (const bool keyframe : {true, false}) {
     const VersionIds ids = keyframe ? kKeyframe : kDelta;
@@ -336,6 +341,7 @@ TEST(DeltaCodecTest, HundredChainedDeltasInPlaceAreBitExact) {
   Version previous = first;
   EncodeOptions options;
   options.chunk_size = 4096;
+  options.max_groups = 4;
   for (uint64_t v = 2; v <= 100; ++v) {
     const Version next = stream.Next(3e-6);
     const VersionIds ids{false, v, v - 1, 1};
@@ -412,6 +418,7 @@ TEST(DeltaCodecTest, FlippedBitsAreRefusedOrChangeTheOutput) {
   b.tensors.push_back(Mutate(a.tensors.back(), DType::kU32, 0.9, rng));
   EncodeOptions options;
   options.chunk_size = 4096;
+  options.max_groups = 4;
   const EncodedVersion e = Encode(kDelta, b, &a, options, *parallel);
   std::map<Method, int> methods;
   for (const ChunkResult& r : e.results) ++methods[r.method];

@@ -137,7 +137,7 @@ TEST(DeltaTransportTest, RoundTripsEveryDtypeAndEdgeShape) {
 TEST(DeltaTransportTest, ThousandChainedVersionsAreBitExact) {
   ScratchDir dir;
   // One keyframe, then 999 deltas: every version is the previous one plus a delta.
-  auto pub = Publisher::Open(Uri(dir, "keyframe_interval=0"));
+  auto pub = Publisher::Open(Uri(dir, "keyframe_interval=0&delta_groups=4"));
   ASSERT_TRUE(pub.ok()) << pub.status();
   auto follower = Subscriber::Open(Uri(dir));
   ASSERT_TRUE(follower.ok());
@@ -446,7 +446,7 @@ TEST(DeltaTransportTest, SettingsChangeTheEncodingNotTheResult) {
   VersionStream stream(14, 1e-4);
   std::vector<std::vector<OwnedTensor>> versions;
   for (int v = 0; v < 4; ++v) versions.push_back(stream.Next());
-  for (const char* query : {"delta_chunk_size=64", "delta_chunk_size=4KiB&delta_groups=1",
+  for (const char* query : {"delta_chunk_size=64", "delta_chunk_size=4KiB&delta_groups=3",
                             "delta_zstd_level=19&delta_threads=1", "keyframe_interval=1"}) {
     SCOPED_TRACE(query);
     ScratchDir dir;

@@ -739,14 +739,20 @@ inline __attribute__((always_inline)) uint64_t MembersMask(const std::byte* p, s
 #if defined(__SSE2__)
   if constexpr (sizeof(T) == 2) {
     if (m == 32) {
-      // The class is in [lo, hi) for group g.
+      // The class is in [lo, hi) for group g; the first and last groups need one comparison.
       const __m128i lo = _mm_set1_epi16(static_cast<int16_t>(g > 0 ? t[g - 1] - 1 : -1));
       const __m128i hi = _mm_set1_epi16(static_cast<int16_t>(g < K - 1 ? t[g] : 256));
       __m128i in[4];
       for (int k = 0; k < 4; ++k) {
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * k));
         const __m128i c = _mm_and_si128(_mm_srli_epi16(v, 7), _mm_set1_epi16(0xff));
-        in[k] = _mm_and_si128(_mm_cmpgt_epi16(c, lo), _mm_cmplt_epi16(c, hi));
+        if (g == 0) {
+          in[k] = _mm_cmplt_epi16(c, hi);
+        } else if (g == K - 1) {
+          in[k] = _mm_cmpgt_epi16(c, lo);
+        } else {
+          in[k] = _mm_and_si128(_mm_cmpgt_epi16(c, lo), _mm_cmplt_epi16(c, hi));
+        }
       }
       return static_cast<uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(in[0], in[1]))) |
              (static_cast<uint64_t>(
@@ -1216,6 +1222,8 @@ absl::Status ApplyGrouped(absl::Span<const ChunkOutput> spans, const Grouping& g
       const size_t m = std::min(kWindow, n - i);
       const std::byte* base = span.base + i * w;
       std::byte* out = span.out + i * w;
+      // Copy first: it streams the window into the cache, where the index then reads it.
+      if (out != base) std::memcpy(out, base, m * w);
       const std::pair<const std::byte*, uint64_t> window[1] = {{base, m}};
       const BlockIndex<T, K> index(window, grouping, s);
       // Where this window's changes go: all found before any is applied, since base and out may
@@ -1236,7 +1244,6 @@ absl::Status ApplyGrouped(absl::Span<const ChunkOutput> spans, const Grouping& g
         }
         before[g] += members;
       }
-      if (out != base) std::memcpy(out, base, m * w);
       for (size_t k = 0; k < found; ++k) AddAt<T>(s.targets[k], values[k]);
     }
   }

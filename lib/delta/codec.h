@@ -110,8 +110,10 @@ struct EncodeOptions {
   // Encode every applicable method of every chunk and keep the smallest (for measurements; the
   // default skips methods that cannot win at the chunk's density of changes).
   bool try_all_methods = false;
-  // Most magnitude groups of the sparse method (1..4; 1 turns grouping off).
-  int max_groups = 4;
+  // Most magnitude groups of the sparse method (1..4). 1: plain positions, the fastest to decode;
+  // 2..4: changes located within groups of weights of similar magnitude, 15-30% fewer bytes on
+  // training deltas at a third of the decoding speed (BENCHMARKS.md).
+  int max_groups = 1;
 };
 
 // What happened to one chunk, for statistics and for the publisher's bookkeeping.

@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 
 packages=(cmake ninja-build g++ pkg-config
           libabsl-dev libzstd-dev libxxhash-dev liburing-dev nlohmann-json3-dev
-          libgtest-dev libbenchmark-dev libdlpack-dev ${WEIGHTBUS_EXTRA_PACKAGES:-})
+          libgtest-dev libbenchmark-dev libdlpack-dev
+          zstd python3-numpy python3-torch  # delta benchmark: zstd baselines, real-gradient stream
+          ${WEIGHTBUS_EXTRA_PACKAGES:-})
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -3,6 +3,8 @@
 // replicas. A transport is chosen by the URI scheme:
 //
 //   disk:///path/to/channel   a shared filesystem; each version is a safetensors checkpoint
+//   delta+disk:///path/...    the delta layer over disk: keyframes and deltas against the
+//                             previous version, losslessly compressed (any transport after +)
 //
 // Settings (`weightbus settings` lists them) come, lowest precedence first, from their
 // defaults, WEIGHTBUS_* environment variables, the URI's query (`disk:///x?retention=4`) and the

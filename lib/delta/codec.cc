@@ -88,9 +88,8 @@ size_t VarintSize(uint64_t v) {
 }
 
 void PutBytes(std::vector<std::byte>* out, const void* data, size_t n) {
-  const size_t at = out->size();
-  out->resize(at + n);
-  if (n > 0) std::memcpy(out->data() + at, data, n);
+  const std::byte* p = static_cast<const std::byte*>(data);
+  out->insert(out->end(), p, p + n);  // no zero-filling first, unlike resize
 }
 
 // Bounds-checked reading of a record or header; every failure is a DataLoss naming `what`.
@@ -507,10 +506,9 @@ void MergeAll(absl::Span<const ChunkOutput> spans, bool rotate, bool xor_base,
   }
 }
 
-// Record of the planes/xor methods: one stream per plane.
+// Appends the record of the planes/xor methods: one stream per plane.
 void EncodePlanesRecord(Method method, size_t w, size_t n, int level, Scratch& s,
                         std::vector<std::byte>* out, bool* all_stored) {
-  out->clear();
   PutByte(out, static_cast<uint8_t>(method));
   *all_stored = true;
   for (size_t b = 0; b < w; ++b) {
@@ -1105,12 +1103,9 @@ ChunkResult EncodeChunkT(DType dtype, absl::Span<const ChunkInput> spans, bool k
     r.changed = n;
     split(false);
     bool all_stored = false;
-    EncodePlanesRecord(Method::kPlanes, w, n, level, s, &s.record, &all_stored);
-    if (all_stored || s.record.size() >= 1 + r.raw_bytes) {
-      put_stored();
-    } else {
-      emit(Method::kPlanes, s.record);
-    }
+    EncodePlanesRecord(Method::kPlanes, w, n, level, s, out, &all_stored);  // in place
+    r.method = Method::kPlanes;
+    if (all_stored || out->size() - start >= 1 + r.raw_bytes) put_stored();
     r.encoded_bytes = out->size() - start;
     return r;
   }
@@ -1165,6 +1160,7 @@ ChunkResult EncodeChunkT(DType dtype, absl::Span<const ChunkInput> spans, bool k
     const uint64_t changed = split(true);
     if (!complete) r.changed = changed;
     bool all_stored = false;
+    s.record.clear();
     EncodePlanesRecord(Method::kXor, w, n, level, s, &s.record, &all_stored);
     r.xor_bytes = s.record.size();
     if (!have_sparse || s.record.size() < s.record2.size()) {
@@ -1523,17 +1519,12 @@ absl::StatusOr<EncodedVersion> EncodeVersion(const VersionIds& ids,
     total += r.size();
   }
   v.header_bytes = out.size();
-  std::vector<uint64_t> offsets(records.size());
-  uint64_t at = out.size();
-  for (size_t c = 0; c < records.size(); ++c) {
-    offsets[c] = at;
-    at += records[c].size();
+  const uint64_t at = out.size() + total;
+  out.reserve(at);
+  for (std::vector<std::byte>& r : records) {
+    out.insert(out.end(), r.begin(), r.end());
+    std::vector<std::byte>().swap(r);  // keyframes: give each record's memory back at once
   }
-  out.resize(at);
-  parallel.For(records.size(), [&](size_t c) {
-    if (!records[c].empty()) std::memcpy(out.data() + offsets[c], records[c].data(), records[c].size());
-    std::vector<std::byte>().swap(records[c]);
-  });
   for (const ChunkResult& r : v.results) v.changed_elements += r.changed;
   for (const TensorLayout& t : layout) v.total_elements += t.nbytes / DTypeSize(t.dtype);
   return v;

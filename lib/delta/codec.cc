@@ -1444,9 +1444,10 @@ void Parallel::For(size_t n, const std::function<void(size_t)>& fn) {
 }
 
 ChunkResult EncodeChunk(DType dtype, absl::Span<const ChunkInput> spans, bool keyframe,
-                        int zstd_level, std::vector<std::byte>* out) {
+                        const EncodeOptions& options, std::vector<std::byte>* out) {
   return WithElement(DTypeSize(dtype), [&](auto t) {
-    return EncodeChunkT<decltype(t)>(dtype, spans, keyframe, zstd_level, false, kMaxGroups, out);
+    return EncodeChunkT<decltype(t)>(dtype, spans, keyframe, options.zstd_level,
+                                     options.try_all_methods, options.max_groups, out);
   });
 }
 
@@ -1497,10 +1498,7 @@ absl::StatusOr<EncodedVersion> EncodeVersion(const VersionIds& ids,
       spans.push_back(ChunkInput{ids.keyframe ? nullptr : base[p.tensor] + p.offset,
                                  target[p.tensor] + p.offset, p.bytes});
     }
-    v.results[c] = WithElement(DTypeSize(chunk.dtype), [&](auto t) {
-      return EncodeChunkT<decltype(t)>(chunk.dtype, spans, ids.keyframe, options.zstd_level,
-                                       options.try_all_methods, options.max_groups, &records[c]);
-    });
+    v.results[c] = EncodeChunk(chunk.dtype, spans, ids.keyframe, options, &records[c]);
   });
   std::vector<std::byte>& out = v.bytes;
   PutBytes(&out, kMagic, 4);

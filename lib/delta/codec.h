@@ -194,7 +194,7 @@ struct ChunkInput {
   uint64_t bytes = 0;
 };
 ChunkResult EncodeChunk(DType dtype, absl::Span<const ChunkInput> spans, bool keyframe,
-                        int zstd_level, std::vector<std::byte>* out);
+                        const EncodeOptions& options, std::vector<std::byte>* out);
 
 struct ChunkOutput {
   const std::byte* base = nullptr;  // null in a keyframe; may equal `out`

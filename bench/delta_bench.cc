@@ -203,6 +203,11 @@ struct Block {
 
 double Ratio(uint64_t raw, uint64_t bytes) { return bytes == 0 ? 0 : double(raw) / double(bytes); }
 
+// "1.283x", or "-" for a figure not measured (--no-zstd-cli).
+std::string RatioText(uint64_t raw, uint64_t bytes) {
+  return bytes == 0 ? std::string("-") : absl::StrFormat("%.3fx", Ratio(raw, bytes));
+}
+
 // Runs one stream at one rate: `next(k)` fills version k (0 = the starting point).
 template <typename Next>
 Block RunBlock(const std::string& stream, const std::string& description, double lr, int steps,
@@ -237,10 +242,13 @@ Block RunBlock(const std::string& stream, const std::string& description, double
   std::printf("# %4s %10s %14s %8s %8s %9s %9s %9s %9s %8s %8s %6s\n", "", "(%)", "(bits/el)",
               "(bits/el)", "(bits/el)", "floor", "(x)", "(x)", "-1/-3 (x)", "(GB/s)", "(GB/s)",
               "");
-  std::printf("  %4s %10s %14s %8s %8.4f %9s %9.3f %9s %4.3f/%4.3f %8.2f %8.2f %6s\n", "key",
-              "-", "-", "-", 8.0 * b.keyframe_bytes / b.elements, "-",
-              Ratio(b.raw, b.keyframe_bytes), "-", Ratio(b.raw, b.full_zstd.level1),
-              Ratio(b.raw, b.full_zstd.level3), b.keyframe_enc_gbs, b.keyframe_dec_gbs,
+  const std::string full_zstd =
+      b.full_zstd.level1 == 0 ? std::string("-")
+                              : absl::StrFormat("%.3f/%.3f", Ratio(b.raw, b.full_zstd.level1),
+                                                Ratio(b.raw, b.full_zstd.level3));
+  std::printf("  %4s %10s %14s %8s %8.4f %9s %9.3f %9s %9s %8.2f %8.2f %6s\n", "key", "-", "-",
+              "-", 8.0 * b.keyframe_bytes / b.elements, "-", Ratio(b.raw, b.keyframe_bytes), "-",
+              full_zstd.c_str(), b.keyframe_enc_gbs, b.keyframe_dec_gbs,
               b.keyframe_exact ? "yes" : "NO");
   // The other side of the groups trade-off, for the "other" column.
   codec::EncodeOptions plain = options;
@@ -326,12 +334,12 @@ Block RunBlock(const std::string& stream, const std::string& description, double
               "(medians)\n",
               b.median_ratio, b.min_ratio, b.late_ratio, other_groups.c_str(), b.plain_ratio,
               b.vs_change_floor, b.vs_value_floor);
-  std::printf("# summary: keyframe %.3fx (zstd -1 %.3fx, -3 %.3fx of the same bytes); with a "
+  std::printf("# summary: keyframe %.3fx (zstd -1 %s, -3 %s of the same bytes); with a "
               "keyframe every %d versions %.1fx on average; one core encodes deltas at %.2f "
               "GB/s and decodes them at %.2f GB/s (keyframes %.2f / %.2f GB/s)\n",
-              Ratio(b.raw, b.keyframe_bytes), Ratio(b.raw, b.full_zstd.level1),
-              Ratio(b.raw, b.full_zstd.level3), keyframe_interval, b.averaged_ratio, b.enc_gbs,
-              b.dec_gbs, b.keyframe_enc_gbs, b.keyframe_dec_gbs);
+              Ratio(b.raw, b.keyframe_bytes), RatioText(b.raw, b.full_zstd.level1).c_str(),
+              RatioText(b.raw, b.full_zstd.level3).c_str(), keyframe_interval, b.averaged_ratio,
+              b.enc_gbs, b.dec_gbs, b.keyframe_enc_gbs, b.keyframe_dec_gbs);
   return b;
 }
 

@@ -197,8 +197,8 @@ struct Block {
   std::vector<StepRow> steps;
   std::string method_note;
   // Summary
-  double median_ratio = 0, min_ratio = 0, late_ratio = 0, vs_change_floor = 0,
-         vs_value_floor = 0, averaged_ratio = 0, enc_gbs = 0, dec_gbs = 0, plain_ratio = 0;
+  double median_ratio = 0, min_ratio = 0, late_ratio = 0, vs_change_floor = 0, vs_value_floor = 0,
+         averaged_ratio = 0, enc_gbs = 0, dec_gbs = 0, plain_ratio = 0;
 };
 
 double Ratio(uint64_t raw, uint64_t bytes) { return bytes == 0 ? 0 : double(raw) / double(bytes); }
@@ -232,22 +232,21 @@ Block RunBlock(const std::string& stream, const std::string& description, double
     b.keyframe_exact = kf.exact;
     if (zstd_cli) b.full_zstd = ZstdCli(prev, nullptr, dir);
   }
-  std::printf("#\n# %s, lr %g: %s; %llu bf16 elements, %llu bytes; %d steps\n", stream.c_str(),
-              lr, description.c_str(), static_cast<unsigned long long>(b.elements),
+  std::printf("#\n# %s, lr %g: %s; %llu bf16 elements, %llu bytes; %d steps\n", stream.c_str(), lr,
+              description.c_str(), static_cast<unsigned long long>(b.elements),
               static_cast<unsigned long long>(b.raw), steps);
   const std::string other_groups = options.max_groups == 1 ? "groups 4" : "groups 1";
   std::printf("# %4s %10s %14s %8s %8s %9s %9s %9s %9s %8s %8s %6s\n", "step", "unchanged",
-              "floor: values", "changes", "ours", "ours/", "ratio", other_groups.c_str(), "XOR zstd", "enc",
-              "dec", "exact");
+              "floor: values", "changes", "ours", "ours/", "ratio", other_groups.c_str(),
+              "XOR zstd", "enc", "dec", "exact");
   std::printf("# %4s %10s %14s %8s %8s %9s %9s %9s %9s %8s %8s %6s\n", "", "(%)", "(bits/el)",
-              "(bits/el)", "(bits/el)", "floor", "(x)", "(x)", "-1/-3 (x)", "(GB/s)", "(GB/s)",
-              "");
-  const std::string full_zstd =
-      b.full_zstd.level1 == 0 ? std::string("-")
-                              : absl::StrFormat("%.3f/%.3f", Ratio(b.raw, b.full_zstd.level1),
-                                                Ratio(b.raw, b.full_zstd.level3));
-  std::printf("  %4s %10s %14s %8s %8.4f %9s %9.3f %9s %9s %8.2f %8.2f %6s\n", "key", "-", "-",
-              "-", 8.0 * b.keyframe_bytes / b.elements, "-", Ratio(b.raw, b.keyframe_bytes), "-",
+              "(bits/el)", "(bits/el)", "floor", "(x)", "(x)", "-1/-3 (x)", "(GB/s)", "(GB/s)", "");
+  const std::string full_zstd = b.full_zstd.level1 == 0
+                                    ? std::string("-")
+                                    : absl::StrFormat("%.3f/%.3f", Ratio(b.raw, b.full_zstd.level1),
+                                                      Ratio(b.raw, b.full_zstd.level3));
+  std::printf("  %4s %10s %14s %8s %8.4f %9s %9.3f %9s %9s %8.2f %8.2f %6s\n", "key", "-", "-", "-",
+              8.0 * b.keyframe_bytes / b.elements, "-", Ratio(b.raw, b.keyframe_bytes), "-",
               full_zstd.c_str(), b.keyframe_enc_gbs, b.keyframe_dec_gbs,
               b.keyframe_exact ? "yes" : "NO");
   // The other side of the groups trade-off, for the "other" column.
@@ -289,10 +288,9 @@ Block RunBlock(const std::string& stream, const std::string& description, double
     }
     const double ours = 8.0 * row.bytes / b.elements;
     const std::string zstd_text =
-        row.xor_zstd.level1 == 0
-            ? std::string("-")
-            : absl::StrFormat("%.0f/%.0f", Ratio(b.raw, row.xor_zstd.level1),
-                              Ratio(b.raw, row.xor_zstd.level3));
+        row.xor_zstd.level1 == 0 ? std::string("-")
+                                 : absl::StrFormat("%.0f/%.0f", Ratio(b.raw, row.xor_zstd.level1),
+                                                   Ratio(b.raw, row.xor_zstd.level3));
     std::printf("  %4d %9.3f%% %14.4f %8.4f %8.4f %9.3f %9.1f %9.1f %9s %8.2f %8.2f %6s\n", k,
                 100.0 * (1 - row.stats.changed_fraction()), row.stats.floor_bits(),
                 row.stats.change_floor_bits(), ours,
@@ -329,17 +327,19 @@ Block RunBlock(const std::string& stream, const std::string& description, double
   const double k = std::max(1, keyframe_interval);
   b.averaged_ratio = k * b.raw / (b.keyframe_bytes + (k - 1) * mean_delta);
   std::printf("# %s\n", b.method_note.c_str());
-  std::printf("# summary: per-step ratio median %.1fx (min %.1fx, second half %.1fx; with %s "
-              "%.1fx); ours / floor: %.3f of the change floor, %.3f of the value floor "
-              "(medians)\n",
-              b.median_ratio, b.min_ratio, b.late_ratio, other_groups.c_str(), b.plain_ratio,
-              b.vs_change_floor, b.vs_value_floor);
-  std::printf("# summary: keyframe %.3fx (zstd -1 %s, -3 %s of the same bytes); with a "
-              "keyframe every %d versions %.1fx on average; one core encodes deltas at %.2f "
-              "GB/s and decodes them at %.2f GB/s (keyframes %.2f / %.2f GB/s)\n",
-              Ratio(b.raw, b.keyframe_bytes), RatioText(b.raw, b.full_zstd.level1).c_str(),
-              RatioText(b.raw, b.full_zstd.level3).c_str(), keyframe_interval, b.averaged_ratio,
-              b.enc_gbs, b.dec_gbs, b.keyframe_enc_gbs, b.keyframe_dec_gbs);
+  std::printf(
+      "# summary: per-step ratio median %.1fx (min %.1fx, second half %.1fx; with %s "
+      "%.1fx); ours / floor: %.3f of the change floor, %.3f of the value floor "
+      "(medians)\n",
+      b.median_ratio, b.min_ratio, b.late_ratio, other_groups.c_str(), b.plain_ratio,
+      b.vs_change_floor, b.vs_value_floor);
+  std::printf(
+      "# summary: keyframe %.3fx (zstd -1 %s, -3 %s of the same bytes); with a "
+      "keyframe every %d versions %.1fx on average; one core encodes deltas at %.2f "
+      "GB/s and decodes them at %.2f GB/s (keyframes %.2f / %.2f GB/s)\n",
+      Ratio(b.raw, b.keyframe_bytes), RatioText(b.raw, b.full_zstd.level1).c_str(),
+      RatioText(b.raw, b.full_zstd.level3).c_str(), keyframe_interval, b.averaged_ratio, b.enc_gbs,
+      b.dec_gbs, b.keyframe_enc_gbs, b.keyframe_dec_gbs);
   return b;
 }
 
@@ -367,8 +367,7 @@ std::string StoriesStream(const std::string& work, const std::string& python,
       python, WEIGHTBUS_BENCH_DIR, f32_dir, dir, lr, steps, seed, work);
   std::filesystem::create_directories(dir);
   if (std::system(cmd.c_str()) != 0) {
-    Die("the real-gradient stream generator failed: " + cmd + " (see " + work +
-        "/generator.log)");
+    Die("the real-gradient stream generator failed: " + cmd + " (see " + work + "/generator.log)");
   }
   return dir;
 }
@@ -489,14 +488,16 @@ int Main(int argc, char** argv) {
   std::printf("# weightbus-delta-bench (weightbus %s); kernel %s; %u cores\n",
               std::string(LibraryVersion()).c_str(), u.release,
               std::thread::hardware_concurrency());
-  std::printf("# codec: chunk %llu bytes, zstd level %d%s, at most %d magnitude groups; rates "
-              "are one core's: model bytes / CPU seconds of the one thread that encodes or "
-              "decodes (best of 5 runs for stories, 2 for qwen)\n",
-              static_cast<unsigned long long>(options.chunk_size), options.zstd_level,
-              options.zstd_level == 0 ? " (entropy mode)" : "", options.max_groups);
-  std::printf("# floors (bits per element, zero-order): values = H(p) + p H(new values of the "
-              "changed elements), changes = H(p) + p H(new - old); ours = encoded bits per "
-              "element; ratio = bf16 bytes / encoded bytes\n");
+  std::printf(
+      "# codec: chunk %llu bytes, zstd level %d%s, at most %d magnitude groups; rates "
+      "are one core's: model bytes / CPU seconds of the one thread that encodes or "
+      "decodes (best of 5 runs for stories, 2 for qwen)\n",
+      static_cast<unsigned long long>(options.chunk_size), options.zstd_level,
+      options.zstd_level == 0 ? " (entropy mode)" : "", options.max_groups);
+  std::printf(
+      "# floors (bits per element, zero-order): values = H(p) + p H(new values of the "
+      "changed elements), changes = H(p) + p H(new - old); ours = encoded bits per "
+      "element; ratio = bf16 bytes / encoded bytes\n");
 
   std::vector<Block> blocks;
   std::vector<std::string> failures;
@@ -512,10 +513,11 @@ int Main(int argc, char** argv) {
         if (forward_check.empty()) {
           double diff = 0;
           forward_check = CheckGeneratorForward(f32, dir, &diff);
-          std::printf("# stories generator: its torch forward pass vs weightbus's HF-layout "
-                      "reference (tools/weightbus/llama_forward.h), float32 weights, first "
-                      "sequence: %s\n",
-                      forward_check.c_str());
+          std::printf(
+              "# stories generator: its torch forward pass vs weightbus's HF-layout "
+              "reference (tools/weightbus/llama_forward.h), float32 weights, first "
+              "sequence: %s\n",
+              forward_check.c_str());
           if (diff > 1e-3) failures.push_back("torch forward of the stories generator disagrees");
         }
         std::ifstream sj(dir + "/stream.json");
@@ -570,10 +572,10 @@ int Main(int argc, char** argv) {
   }
 
   // Overall table and the targets.
-  std::printf("#\n# %-8s %7s %10s %8s %8s %9s %9s %9s %9s %9s\n", "stream", "lr", "per-step",
-              "min", "ours/", "keyframe", "avg w/ kf", "zstd -3", "enc", "dec");
-  std::printf("# %-8s %7s %10s %8s %8s %9s %9s %9s %9s %9s\n", "", "", "median(x)", "(x)",
-              "floor", "(x)", "(x)", "XOR (x)", "(GB/s)", "(GB/s)");
+  std::printf("#\n# %-8s %7s %10s %8s %8s %9s %9s %9s %9s %9s\n", "stream", "lr", "per-step", "min",
+              "ours/", "keyframe", "avg w/ kf", "zstd -3", "enc", "dec");
+  std::printf("# %-8s %7s %10s %8s %8s %9s %9s %9s %9s %9s\n", "", "", "median(x)", "(x)", "floor",
+              "(x)", "(x)", "XOR (x)", "(GB/s)", "(GB/s)");
   for (const Block& b : blocks) {
     std::vector<double> z3;
     for (const StepRow& r : b.steps) {
@@ -581,31 +583,30 @@ int Main(int argc, char** argv) {
     }
     std::printf("  %-8s %7g %10.1f %8.1f %8.3f %9.3f %9.1f %9.1f %9.2f %9.2f\n", b.stream.c_str(),
                 b.lr, b.median_ratio, b.min_ratio, b.vs_change_floor,
-                Ratio(b.raw, b.keyframe_bytes), b.averaged_ratio, Median(z3), b.enc_gbs,
-                b.dec_gbs);
+                Ratio(b.raw, b.keyframe_bytes), b.averaged_ratio, Median(z3), b.enc_gbs, b.dec_gbs);
     bool all_exact = b.keyframe_exact;
     for (const StepRow& r : b.steps) all_exact &= r.exact;
     if (!all_exact) failures.push_back(b.stream + ": not bit-exact");
     if (Ratio(b.raw, b.keyframe_bytes) < 1.45) {
-      failures.push_back(absl::StrFormat("%s keyframe %.3fx < 1.45x", b.stream,
-                                         Ratio(b.raw, b.keyframe_bytes)));
+      failures.push_back(
+          absl::StrFormat("%s keyframe %.3fx < 1.45x", b.stream, Ratio(b.raw, b.keyframe_bytes)));
     }
     if (b.lr == 1e-6) {
       if (b.median_ratio < 100) {
-        failures.push_back(absl::StrFormat("%s lr 1e-6: per-step ratio %.1fx < 100x", b.stream,
-                                           b.median_ratio));
+        failures.push_back(
+            absl::StrFormat("%s lr 1e-6: per-step ratio %.1fx < 100x", b.stream, b.median_ratio));
       }
       if (b.vs_change_floor > 1.2) {
-        failures.push_back(absl::StrFormat("%s lr 1e-6: %.2fx the entropy floor > 1.2x",
-                                           b.stream, b.vs_change_floor));
+        failures.push_back(absl::StrFormat("%s lr 1e-6: %.2fx the entropy floor > 1.2x", b.stream,
+                                           b.vs_change_floor));
       }
       if (b.enc_gbs < 2) {
-        failures.push_back(absl::StrFormat("%s lr 1e-6: encode %.2f GB/s < 2", b.stream,
-                                           b.enc_gbs));
+        failures.push_back(
+            absl::StrFormat("%s lr 1e-6: encode %.2f GB/s < 2", b.stream, b.enc_gbs));
       }
       if (b.dec_gbs < 4) {
-        failures.push_back(absl::StrFormat("%s lr 1e-6: decode %.2f GB/s < 4", b.stream,
-                                           b.dec_gbs));
+        failures.push_back(
+            absl::StrFormat("%s lr 1e-6: decode %.2f GB/s < 4", b.stream, b.dec_gbs));
       }
     }
   }

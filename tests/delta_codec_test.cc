@@ -2,7 +2,7 @@
 // The delta codec (lib/delta/codec.h) on its own: every dtype, empty and 0-d tensors, chunk and
 // piece boundaries, every method, adversarial data, determinism, in-place chains and corrupted
 // or truncated input.
-#include "delta/codec.h"
+#include <gtest/gtest.h>
 
 #include <bit>
 #include <cmath>
@@ -10,9 +10,8 @@
 #include <map>
 #include <random>
 
-#include <gtest/gtest.h>
-
 #include "absl/strings/str_format.h"
+#include "delta/codec.h"
 
 namespace weightbus::internal::delta {
 namespace {
@@ -116,8 +115,8 @@ absl::StatusOr<std::vector<Bytes>> Decode(const EncodedVersion& e, const Version
   std::vector<const std::byte*> b;
   if (base != nullptr) b = base->Pointers();
   std::vector<std::atomic<int>> done(layout_of.layout.size());
-  absl::Status s = DecodeVersion(e.bytes, ids, layout_of.layout, b, MutablePointers(out),
-                                 parallel, [&](size_t i) { done[i].fetch_add(1); });
+  absl::Status s = DecodeVersion(e.bytes, ids, layout_of.layout, b, MutablePointers(out), parallel,
+                                 [&](size_t i) { done[i].fetch_add(1); });
   if (done_counts != nullptr) {
     for (auto& d : done) done_counts->push_back(d.load());
   }
@@ -133,31 +132,31 @@ TEST(DeltaCodecTest, EveryDtypeRoundTripsAsKeyframeAndDeltaAtEveryDensity) {
   auto parallel = Threads(2);
   for (DType dtype : kAllDTypes) {
     for (double fraction : {0.0, 0.0005, 0.01, 0.2, 0.6, 1.0}) {
-    for (int groups : {1, 4}) {
-      SCOPED_TRACE(absl::StrFormat("%s, %g changed, %d groups", DTypeName(dtype), fraction,
-                                   groups));
-      Version a, b;
-      const size_t elements = 40000 + 7;
-      a.layout = b.layout = {{dtype, elements * DTypeSize(dtype)}};
-      a.tensors = {RandomTensor(dtype, elements, rng)};
-      b.tensors = {Mutate(a.tensors[0], dtype, fraction, rng)};
-      EncodeOptions options;
-      options.chunk_size = 64 << 10;
-      options.max_groups = groups;
-      auto kf = Decode(Encode(kKeyframe, a, nullptr, options, *parallel), kKeyframe, a, nullptr,
-                       *parallel);
-      ASSERT_TRUE(kf.ok()) << kf.status();
-      EXPECT_TRUE((*kf)[0] == a.tensors[0]);
-      const EncodedVersion d = Encode(kDelta, b, &a, options, *parallel);
-      auto out = Decode(d, kDelta, b, &a, *parallel);
-      ASSERT_TRUE(out.ok()) << out.status();
-      EXPECT_TRUE((*out)[0] == b.tensors[0]);
-      // Never much larger than the raw bytes, whatever the data.
-      EXPECT_LE(d.bytes.size(), b.layout[0].nbytes + 64 + d.results.size() * 8);
-      if (fraction == 0.0) {
-        for (const ChunkResult& r : d.results) EXPECT_EQ(r.method, Method::kSame);
+      for (int groups : {1, 4}) {
+        SCOPED_TRACE(
+            absl::StrFormat("%s, %g changed, %d groups", DTypeName(dtype), fraction, groups));
+        Version a, b;
+        const size_t elements = 40000 + 7;
+        a.layout = b.layout = {{dtype, elements * DTypeSize(dtype)}};
+        a.tensors = {RandomTensor(dtype, elements, rng)};
+        b.tensors = {Mutate(a.tensors[0], dtype, fraction, rng)};
+        EncodeOptions options;
+        options.chunk_size = 64 << 10;
+        options.max_groups = groups;
+        auto kf = Decode(Encode(kKeyframe, a, nullptr, options, *parallel), kKeyframe, a, nullptr,
+                         *parallel);
+        ASSERT_TRUE(kf.ok()) << kf.status();
+        EXPECT_TRUE((*kf)[0] == a.tensors[0]);
+        const EncodedVersion d = Encode(kDelta, b, &a, options, *parallel);
+        auto out = Decode(d, kDelta, b, &a, *parallel);
+        ASSERT_TRUE(out.ok()) << out.status();
+        EXPECT_TRUE((*out)[0] == b.tensors[0]);
+        // Never much larger than the raw bytes, whatever the data.
+        EXPECT_LE(d.bytes.size(), b.layout[0].nbytes + 64 + d.results.size() * 8);
+        if (fraction == 0.0) {
+          for (const ChunkResult& r : d.results) EXPECT_EQ(r.method, Method::kSame);
+        }
       }
-    }
     }
   }
 }
@@ -166,7 +165,7 @@ TEST(DeltaCodecTest, EmptyAndZeroDimensionalTensors) {
   std::mt19937_64 rng(2);
   auto parallel = Threads(2);
   Version a;
-  a.layout = {{DType::kF32, 0}, {DType::kBF16, 2}, {DType::kI64, 8},
+  a.layout = {{DType::kF32, 0}, {DType::kBF16, 2},   {DType::kI64, 8},
               {DType::kU8, 0},  {DType::kF8E4M3, 1}, {DType::kBool, 1}};
   for (const TensorLayout& t : a.layout) {
     a.tensors.push_back(RandomTensor(t.dtype, t.nbytes / DTypeSize(t.dtype), rng));
@@ -193,7 +192,7 @@ TEST(DeltaCodecTest, EmptyAndZeroDimensionalTensors) {
 }
 
 TEST(DeltaCodecTest, PlanGroupsDtypesAndCutsEveryChunkSize) {
-  std::vector<TensorLayout> layout = {{DType::kBF16, 100}, {DType::kF32, 64},  {DType::kBF16, 30},
+  std::vector<TensorLayout> layout = {{DType::kBF16, 100}, {DType::kF32, 64}, {DType::kBF16, 30},
                                       {DType::kBF16, 0},   {DType::kU8, 5},   {DType::kBF16, 200}};
   const std::vector<Chunk> chunks = PlanChunks(layout, 64);
   // BF16 (330 bytes) in dtype order comes after U8 (kAllDTypes order); every byte exactly once.
@@ -308,8 +307,8 @@ TEST(DeltaCodecTest, MagnitudeGroupsShrinkRealisticDeltas) {
   const double changed = static_cast<double>(g.changed_elements) / g.total_elements;
   EXPECT_GT(changed, 0.005);
   EXPECT_LT(changed, 0.2);
-  EXPECT_LT(g.bytes.size(), p.bytes.size() * 0.9) << "grouped " << g.bytes.size() << " vs "
-                                                  << p.bytes.size();
+  EXPECT_LT(g.bytes.size(), p.bytes.size() * 0.9)
+      << "grouped " << g.bytes.size() << " vs " << p.bytes.size();
   for (const EncodedVersion* e : {&p, &g}) {
     for (const ChunkResult& r : e->results) EXPECT_EQ(r.method, Method::kSparse);
     auto out = Decode(*e, kDelta, b, &a, *parallel);

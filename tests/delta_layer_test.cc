@@ -3,12 +3,12 @@
 // (keyframe, chain, delta on the base, duplicate), and the cases a filesystem channel cannot
 // produce, driven through an in-memory inner transport that delivers versions in any order and
 // may lack OpenVersion: out-of-order deltas, missed versions, wrong bases.
+#include <gtest/gtest.h>
+
 #include <cstring>
 #include <deque>
 #include <map>
 #include <random>
-
-#include <gtest/gtest.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
@@ -86,7 +86,8 @@ absl::StatusOr<Received> Receive(TransportSubscriber& sub, uint64_t min_version,
   }
   for (size_t i = 0; i < m.tensors.size(); ++i) {
     if (Xxh3(r.tensors[i].data(), r.tensors[i].size()) != m.tensors[i].xxh3) {
-      return absl::DataLossError(absl::StrFormat("tensor %s fails verification", m.tensors[i].name));
+      return absl::DataLossError(
+          absl::StrFormat("tensor %s fails verification", m.tensors[i].name));
     }
   }
   incoming->Accepted();
@@ -136,7 +137,8 @@ TEST(DeltaLayerTest, LateJoinerReplaysTheNewestKeyframeThenTakesDeltas) {
     auto next = Receive(*sub, v);
     ASSERT_TRUE(next.ok()) << next.status();
     EXPECT_TRUE(absl::StrContains(
-        next->source, absl::StrFormat("delta %d on this subscriber's copy of version %d", v, v - 1)))
+        next->source,
+        absl::StrFormat("delta %d on this subscriber's copy of version %d", v, v - 1)))
         << next->source;
     ExpectBytes(*next, version);
   }
@@ -147,8 +149,8 @@ TEST(DeltaLayerTest, LateJoinerReplaysTheNewestKeyframeThenTakesDeltas) {
   }
   auto skip = Receive(*sub, 54);
   ASSERT_TRUE(skip.ok()) << skip.status();
-  EXPECT_TRUE(absl::StrContains(skip->source,
-                                "deltas 54..56 on this subscriber's copy of version 53"))
+  EXPECT_TRUE(
+      absl::StrContains(skip->source, "deltas 54..56 on this subscriber's copy of version 53"))
       << skip->source;
   ExpectBytes(*skip, MakeStreamVersion(1, 56));
   // And the same version again is served from the subscriber's copy.
@@ -174,8 +176,7 @@ class FakeIncoming final : public IncomingVersion {
   FakeIncoming(Manifest m, std::vector<std::byte> bytes)
       : manifest_(std::move(m)), bytes_(std::move(bytes)) {}
   const Manifest& manifest() const override { return manifest_; }
-  absl::Status Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
-                     absl::Time) override {
+  absl::Status Fetch(absl::Span<std::byte* const> targets, LandingSink& sink, absl::Time) override {
     std::memcpy(targets[0], bytes_.data(), bytes_.size());
     sink.Landed(0);
     return absl::OkStatus();

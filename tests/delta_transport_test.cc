@@ -4,14 +4,13 @@
 // and received bit-exactly, 1000 chained versions, late joiners, corrupted deltas, a delta
 // against the wrong base, duplicates, bindings, keyframes, retention of chains, settings.
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <random>
-
-#include <gtest/gtest.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
@@ -56,7 +55,9 @@ class VersionStream {
     std::normal_distribution<float> normal(0.0f, 0.02f);
     std::vector<tools::OwnedTensor> master;
     for (const auto& [name, shape] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
-             {"stream.embed", {rows, 64}}, {"stream.norm", {64}}, {"stream.proj", {rows * 2, 32}}}) {
+             {"stream.embed", {rows, 64}},
+             {"stream.norm", {64}},
+             {"stream.proj", {rows * 2, 32}}}) {
       tools::OwnedTensor t{name, DType::kF32, shape, {}};
       int64_t n = 1;
       for (int64_t d : shape) n *= d;
@@ -347,8 +348,10 @@ TEST(DeltaTransportTest, BoundDestinationsInBothBindModes) {
     std::vector<std::vector<std::byte>> dest;
     for (const OwnedTensor& t : first) dest.emplace_back(t.bytes.size());
     for (size_t i = 0; i < first.size(); ++i) {
-      ASSERT_TRUE((*sub)->Bind(first[i].name, Destination{first[i].dtype, first[i].shape, {},
-                                                          dest[i].data()}).ok());
+      ASSERT_TRUE(
+          (*sub)
+              ->Bind(first[i].name, Destination{first[i].dtype, first[i].shape, {}, dest[i].data()})
+              .ok());
     }
     std::vector<OwnedTensor> version = first;
     for (uint64_t v = 1; v <= 6; ++v) {

@@ -3,16 +3,17 @@
 // (tools/weightbus/update_stream.h) and the real-gradient stories260K stream
 // (bench/real_grad_stream.py, Debian's python3-torch): Gaussian noise, Adam's first step,
 // determinism for any thread count and seed, and the per-step statistics.
+#include "weightbus/update_stream.h"
+
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 
-#include <gtest/gtest.h>
-
 #include "absl/strings/str_format.h"
 #include "test_support.h"
 #include "weightbus/llama2c.h"
-#include "weightbus/update_stream.h"
 
 namespace weightbus::tools {
 namespace {
@@ -34,7 +35,7 @@ TEST(UpdateStreamTest, StandardNormalsHaveTheMomentsOfAGaussian) {
   const double mean = sum / n, var = sum2 / n - mean * mean;
   EXPECT_NEAR(mean, 0.0, 0.003);
   EXPECT_NEAR(var, 1.0, 0.005);
-  EXPECT_NEAR(sum4 / n / (var * var), 3.0, 0.03);                     // kurtosis
+  EXPECT_NEAR(sum4 / n / (var * var), 3.0, 0.03);                    // kurtosis
   EXPECT_NEAR(static_cast<double>(beyond3) / n, 0.0026998, 0.0003);  // two-sided 3 sigma
   // Any split of the range gives the same values.
   std::vector<float> part(1000);
@@ -123,8 +124,8 @@ TEST(UpdateStreamTest, RealGradientStreamIsReproducible) {
     GTEST_SKIP() << "Debian's python3-torch is not importable by " << python;
   }
   ScratchDir dir;
-  ASSERT_TRUE(ConvertLlama2c(testing::FixturePath("stories260K.bin"), dir / "hf", DType::kF32)
-                  .ok());
+  ASSERT_TRUE(
+      ConvertLlama2c(testing::FixturePath("stories260K.bin"), dir / "hf", DType::kF32).ok());
   auto run = [&](const std::string& out, int seed) {
     auto r = testing::RunCommand(
         {python, std::string(WEIGHTBUS_SOURCE_DIR) + "/bench/real_grad_stream.py", "--model",

@@ -116,8 +116,8 @@ class Reader {
   }
   absl::StatusOr<const std::byte*> Bytes(uint64_t n, std::string_view what) {
     if (n > remaining()) {
-      return absl::DataLossError(absl::StrFormat("%s needs %d bytes but only %d remain", what, n,
-                                                 remaining()));
+      return absl::DataLossError(
+          absl::StrFormat("%s needs %d bytes but only %d remain", what, n, remaining()));
     }
     const std::byte* at = p_;
     p_ += n;
@@ -139,7 +139,7 @@ struct Scratch {
   ZSTD_CCtx* cctx = nullptr;
   ZSTD_DCtx* dctx = nullptr;
   int cctx_level = std::numeric_limits<int>::min();
-  std::vector<uint8_t> planes[8];   // encoder planes / decoder stream buffers
+  std::vector<uint8_t> planes[8];  // encoder planes / decoder stream buffers
   std::vector<uint8_t> gap_planes[4];
   std::vector<uint8_t> zbuf;        // compressed output
   std::vector<uint32_t> positions;  // sparse: changed element indices
@@ -149,11 +149,11 @@ struct Scratch {
   std::vector<uint32_t> sorted_ranks;
   std::vector<uint8_t> sorted_values;
   std::vector<uint8_t> value_planes[4][8];  // sparse decoding: value streams per group
-  std::vector<uint8_t> block_at_least[3];     // grouped sparse: class counts per 64-byte block
+  std::vector<uint8_t> block_at_least[3];   // grouped sparse: class counts per 64-byte block
   std::vector<uint8_t> block_len;
-  std::vector<std::byte*> targets;            // grouped sparse decoding: where each change goes
-  std::vector<uint8_t> target_values;         // and what is added there
-  std::vector<std::byte> record;    // candidate records
+  std::vector<std::byte*> targets;     // grouped sparse decoding: where each change goes
+  std::vector<uint8_t> target_values;  // and what is added there
+  std::vector<std::byte> record;       // candidate records
   std::vector<std::byte> record2;
 
   ~Scratch() {
@@ -285,11 +285,9 @@ absl::StatusOr<const uint8_t*> GetStream(Reader& r, size_t n, std::vector<uint8_
       WB_ASSIGN_OR_RETURN(const std::byte* at, r.Bytes(c, what));
       const size_t frame = ZSTD_findFrameCompressedSize(at, c);
       if (ZSTD_isError(frame) || frame != c) {
-        return absl::DataLossError(absl::StrFormat("%s: %d bytes are not one zstd frame (%s)",
-                                                   what, c,
-                                                   ZSTD_isError(frame)
-                                                       ? ZSTD_getErrorName(frame)
-                                                       : "trailing bytes"));
+        return absl::DataLossError(
+            absl::StrFormat("%s: %d bytes are not one zstd frame (%s)", what, c,
+                            ZSTD_isError(frame) ? ZSTD_getErrorName(frame) : "trailing bytes"));
       }
       const unsigned long long content = ZSTD_getFrameContentSize(at, c);
       if (content != n) {
@@ -302,9 +300,9 @@ absl::StatusOr<const uint8_t*> GetStream(Reader& r, size_t n, std::vector<uint8_
       Grow(buffer, n);
       const size_t d = ZSTD_decompressDCtx(s.Decompressor(), buffer.data(), n, at, c);
       if (ZSTD_isError(d) || d != n) {
-        return absl::DataLossError(absl::StrFormat(
-            "%s: zstd frame of %d bytes is corrupt (%s)", what, c,
-            ZSTD_isError(d) ? ZSTD_getErrorName(d) : "short output"));
+        return absl::DataLossError(
+            absl::StrFormat("%s: zstd frame of %d bytes is corrupt (%s)", what, c,
+                            ZSTD_isError(d) ? ZSTD_getErrorName(d) : "short output"));
       }
       return buffer.data();
     }
@@ -357,8 +355,8 @@ uint64_t SplitPlanes(const std::byte* base, const std::byte* target, size_t n,
 // out[i] = inverse transform of the planes, XORed with base[i] when kXor. `base` and `out` may
 // be the same array; they are accessed at the same index only.
 template <typename T, bool kRotate, bool kXor>
-void MergePlanes(const uint8_t* const* planes, size_t offset, const std::byte* base,
-                 std::byte* out, size_t n) {
+void MergePlanes(const uint8_t* const* planes, size_t offset, const std::byte* base, std::byte* out,
+                 size_t n) {
   constexpr size_t w = sizeof(T);
   const uint8_t* p[w];
   for (size_t b = 0; b < w; ++b) p[b] = planes[b] + offset;
@@ -374,7 +372,8 @@ void MergePlanes(const uint8_t* const* planes, size_t offset, const std::byte* b
 template <typename T>
 T ZigZag(T d) {
   using S = std::make_signed_t<T>;
-  return static_cast<T>(static_cast<T>(d << 1) ^ static_cast<T>(static_cast<S>(d) >> (sizeof(T) * 8 - 1)));
+  return static_cast<T>(static_cast<T>(d << 1) ^
+                        static_cast<T>(static_cast<S>(d) >> (sizeof(T) * 8 - 1)));
 }
 template <typename T>
 T UnZigZag(T z) {
@@ -410,8 +409,8 @@ template <typename T>
 bool ScanChanges(const std::byte* base, const std::byte* target, size_t n, uint64_t first_index,
                  size_t cap, uint32_t* positions, T* values, size_t* count) {
   constexpr size_t w = sizeof(T);
-  constexpr size_t kBlock = 64 / w;     // elements per 64-byte block
-  constexpr size_t kPerWord = 8 / w;    // elements per 64-bit word
+  constexpr size_t kBlock = 64 / w;   // elements per 64-byte block
+  constexpr size_t kPerWord = 8 / w;  // elements per 64-bit word
   size_t c = *count;
   auto record = [&](size_t k) {
     const T a = Load<T>(base + k * w), b = Load<T>(target + k * w);
@@ -514,7 +513,8 @@ void EncodePlanesRecord(Method method, size_t w, size_t n, int level, Scratch& s
   for (size_t b = 0; b < w; ++b) {
     const size_t before = out->size();
     PutStream(s.planes[b].data(), n, level, s, out);
-    if (n > 0 && static_cast<uint8_t>((*out)[before]) != static_cast<uint8_t>(StreamMode::kStored)) {
+    if (n > 0 &&
+        static_cast<uint8_t>((*out)[before]) != static_cast<uint8_t>(StreamMode::kStored)) {
       *all_stored = false;
     }
   }
@@ -699,7 +699,8 @@ inline uint32_t Select(uint64_t x, uint32_t r) {
 
 // at_least[j]: elements of the m (<= 64 bytes' worth) at p whose class >= t[j], j < K - 1.
 template <typename T, int K>
-inline __attribute__((always_inline)) void CountBlock(const std::byte* p, size_t m, const uint8_t* t, uint32_t* at_least) {
+inline __attribute__((always_inline)) void CountBlock(const std::byte* p, size_t m,
+                                                      const uint8_t* t, uint32_t* at_least) {
 #if defined(__SSE2__)
   if constexpr (sizeof(T) == 2) {
     if (m == 32) {
@@ -711,8 +712,10 @@ inline __attribute__((always_inline)) void CountBlock(const std::byte* p, size_t
       const __m128i zero = _mm_setzero_si128();
       for (int j = 0; j < K - 1; ++j) {
         const __m128i thr = _mm_set1_epi16(static_cast<int16_t>(t[j] - 1));
-        const __m128i lo = _mm_packs_epi16(_mm_cmpgt_epi16(cls[0], thr), _mm_cmpgt_epi16(cls[1], thr));
-        const __m128i hi = _mm_packs_epi16(_mm_cmpgt_epi16(cls[2], thr), _mm_cmpgt_epi16(cls[3], thr));
+        const __m128i lo =
+            _mm_packs_epi16(_mm_cmpgt_epi16(cls[0], thr), _mm_cmpgt_epi16(cls[1], thr));
+        const __m128i hi =
+            _mm_packs_epi16(_mm_cmpgt_epi16(cls[2], thr), _mm_cmpgt_epi16(cls[3], thr));
         // Comparison bytes are 0 or -1: their negated sum is the count.
         const __m128i ones = _mm_add_epi8(_mm_sub_epi8(zero, lo), _mm_sub_epi8(zero, hi));
         const __m128i sad = _mm_sad_epu8(ones, zero);
@@ -733,7 +736,8 @@ inline __attribute__((always_inline)) void CountBlock(const std::byte* p, size_t
 
 // Bit i set when element i of the m (<= 64 bytes' worth) at p is in group g.
 template <typename T, int K>
-inline __attribute__((always_inline)) uint64_t MembersMask(const std::byte* p, size_t m, const uint8_t* t, int g) {
+inline __attribute__((always_inline)) uint64_t MembersMask(const std::byte* p, size_t m,
+                                                           const uint8_t* t, int g) {
 #if defined(__SSE2__)
   if constexpr (sizeof(T) == 2) {
     if (m == 32) {
@@ -988,8 +992,8 @@ void EncodeSparseRecord(const Grouping& grouping, size_t count, int level, Scrat
     sorted_values[at] = values[k];
   }
   for (int g = 0; g < grouping.groups; ++g) {
-    PutGroup<T>(s.sorted_ranks.data() + start[g], sorted_values + start[g],
-                start[g + 1] - start[g], level, s, out);
+    PutGroup<T>(s.sorted_ranks.data() + start[g], sorted_values + start[g], start[g + 1] - start[g],
+                level, s, out);
   }
 }
 
@@ -1001,8 +1005,7 @@ struct DecodedGroup {
 };
 
 template <typename T>
-absl::Status GetGroup(Reader& r, size_t n, int g, Scratch& s, uint32_t* ranks,
-                      DecodedGroup* out) {
+absl::Status GetGroup(Reader& r, size_t n, int g, Scratch& s, uint32_t* ranks, DecodedGroup* out) {
   constexpr size_t w = sizeof(T);
   WB_ASSIGN_OR_RETURN(out->count, r.Varint("a sparse group's change count"));
   out->ranks = ranks;
@@ -1015,9 +1018,9 @@ absl::Status GetGroup(Reader& r, size_t n, int g, Scratch& s, uint32_t* ranks,
   // Every entry but escapes ends a gap and escapes add at least 255: more entries than this
   // cannot describe ranks inside the chunk.
   if (entries < out->count || entries > out->count + n / 255 + 1) {
-    return absl::DataLossError(absl::StrFormat(
-        "sparse group %d has %d gap entries for %d changes in %d elements", g, entries,
-        out->count, n));
+    return absl::DataLossError(
+        absl::StrFormat("sparse group %d has %d gap entries for %d changes in %d elements", g,
+                        entries, out->count, n));
   }
   const uint8_t* gaps[4];
   for (size_t b = 0; b < gw; ++b) {
@@ -1047,9 +1050,9 @@ absl::Status GetGroup(Reader& r, size_t n, int g, Scratch& s, uint32_t* ranks,
     next = rank + 1;
   }
   if (k != out->count || acc != 0) {
-    return absl::DataLossError(absl::StrFormat(
-        "sparse group %d: its gaps describe %d changes%s, but it claims %d", g, k,
-        acc != 0 ? " and end in an escape" : "", out->count));
+    return absl::DataLossError(
+        absl::StrFormat("sparse group %d: its gaps describe %d changes%s, but it claims %d", g, k,
+                        acc != 0 ? " and end in an escape" : "", out->count));
   }
   return absl::OkStatus();
 }
@@ -1070,8 +1073,8 @@ void AddAt(std::byte* at, T delta) {
 }
 
 template <typename T>
-ChunkResult EncodeChunkT(DType dtype, absl::Span<const ChunkInput> spans, bool keyframe,
-                         int level, bool try_all, int max_groups, std::vector<std::byte>* out) {
+ChunkResult EncodeChunkT(DType dtype, absl::Span<const ChunkInput> spans, bool keyframe, int level,
+                         bool try_all, int max_groups, std::vector<std::byte>* out) {
   constexpr size_t w = sizeof(T);
   Scratch& s = ThreadScratch();
   ChunkResult r;
@@ -1234,7 +1237,8 @@ absl::Status ApplyGrouped(absl::Span<const ChunkOutput> spans, const Grouping& g
           const uint64_t rank = group.ranks[next[g]];
           while (seen + index.Count(b, g) <= rank) seen += index.Count(b, g), ++b;
           const uint64_t bits = index.Members(0, b, g);
-          s.targets[found] = out + (b * kBlock + Select(bits, static_cast<uint32_t>(rank - seen))) * w;
+          s.targets[found] =
+              out + (b * kBlock + Select(bits, static_cast<uint32_t>(rank - seen))) * w;
           values[found] = GroupValue<T>(group, next[g]);
           ++found;
         }
@@ -1245,9 +1249,9 @@ absl::Status ApplyGrouped(absl::Span<const ChunkOutput> spans, const Grouping& g
   }
   for (int g = 0; g < K; ++g) {
     if (next[g] != groups[g].count) {
-      return absl::DataLossError(absl::StrFormat(
-          "sparse group %d: change at rank %d is beyond the group's %d elements", g,
-          groups[g].ranks[next[g]], before[g]));
+      return absl::DataLossError(
+          absl::StrFormat("sparse group %d: change at rank %d is beyond the group's %d elements", g,
+                          groups[g].ranks[next[g]], before[g]));
     }
   }
   return absl::OkStatus();
@@ -1265,9 +1269,8 @@ absl::Status DecodeSparse(Reader& r, absl::Span<const ChunkOutput> spans, DType 
   }
   WB_ASSIGN_OR_RETURN(uint8_t groups, r.Byte("sparse group count"));
   if (groups < 1 || groups > kMaxGroups || (groups > 1 && !(IsFloat(dtype) && w >= 2))) {
-    return absl::DataLossError(
-        absl::StrFormat("sparse record has %d groups (1..%d, more than 1 only for floats)",
-                        groups, kMaxGroups));
+    return absl::DataLossError(absl::StrFormat(
+        "sparse record has %d groups (1..%d, more than 1 only for floats)", groups, kMaxGroups));
   }
   Grouping grouping;
   grouping.groups = groups;
@@ -1286,8 +1289,8 @@ absl::Status DecodeSparse(Reader& r, absl::Span<const ChunkOutput> spans, DType 
     if (total > count) break;
   }
   if (total != count) {
-    return absl::DataLossError(absl::StrFormat(
-        "sparse record's groups hold %d changes, but it claims %d", total, count));
+    return absl::DataLossError(
+        absl::StrFormat("sparse record's groups hold %d changes, but it claims %d", total, count));
   }
   switch (groups) {
     case 1:  // ranks are positions
@@ -1318,8 +1321,8 @@ absl::Status DecodeChunkT(DType dtype, absl::Span<const ChunkOutput> spans, bool
   }
   const Method m = static_cast<Method>(method);
   if (keyframe && (m == Method::kSame || m == Method::kXor || m == Method::kSparse)) {
-    return absl::DataLossError(absl::StrFormat(
-        "chunk method %s needs a base, but this is a keyframe", MethodName(m)));
+    return absl::DataLossError(
+        absl::StrFormat("chunk method %s needs a base, but this is a keyframe", MethodName(m)));
   }
   auto copy_base = [&] {
     for (const ChunkOutput& span : spans) {
@@ -1351,8 +1354,8 @@ absl::Status DecodeChunkT(DType dtype, absl::Span<const ChunkOutput> spans, bool
       break;
   }
   if (r.remaining() != 0) {
-    return absl::DataLossError(absl::StrFormat("%d bytes left over after a %s record",
-                                               r.remaining(), MethodName(m)));
+    return absl::DataLossError(
+        absl::StrFormat("%d bytes left over after a %s record", r.remaining(), MethodName(m)));
   }
   return absl::OkStatus();
 }
@@ -1462,9 +1465,9 @@ namespace {
 
 absl::Status CheckChunkSize(uint64_t chunk_size) {
   if (chunk_size < kMinChunkSize || chunk_size > kMaxChunkSize || chunk_size % 64 != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "delta chunk size %d is not a multiple of 64 in [%d, %d]", chunk_size, kMinChunkSize,
-        kMaxChunkSize));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("delta chunk size %d is not a multiple of 64 in [%d, %d]", chunk_size,
+                        kMinChunkSize, kMaxChunkSize));
   }
   return absl::OkStatus();
 }
@@ -1483,9 +1486,9 @@ absl::StatusOr<EncodedVersion> EncodeVersion(const VersionIds& ids,
                                              const EncodeOptions& options, Parallel& parallel) {
   WB_RETURN_IF_ERROR(CheckChunkSize(options.chunk_size));
   if (target.size() != layout.size() || (!ids.keyframe && base.size() != layout.size())) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "delta encode: %d tensors in the layout, %d targets, %d bases", layout.size(),
-        target.size(), base.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("delta encode: %d tensors in the layout, %d targets, %d bases",
+                        layout.size(), target.size(), base.size()));
   }
   EncodedVersion v;
   v.chunks = PlanChunks(layout, options.chunk_size);
@@ -1536,9 +1539,9 @@ absl::StatusOr<VersionHeader> ParseHeader(absl::Span<const std::byte> bytes) {
   }
   WB_ASSIGN_OR_RETURN(uint8_t format, r.Byte("the format version"));
   if (format != kFormatVersion) {
-    return absl::UnimplementedError(absl::StrFormat(
-        "delta format version %d is not supported (this library reads version %d)", format,
-        kFormatVersion));
+    return absl::UnimplementedError(
+        absl::StrFormat("delta format version %d is not supported (this library reads version %d)",
+                        format, kFormatVersion));
   }
   VersionHeader h;
   WB_ASSIGN_OR_RETURN(uint8_t kind, r.Byte("the kind"));
@@ -1558,8 +1561,8 @@ absl::StatusOr<VersionHeader> ParseHeader(absl::Span<const std::byte> bytes) {
   }
   WB_ASSIGN_OR_RETURN(uint64_t chunks, r.Varint("the chunk count"));
   if (chunks > bytes.size()) {  // every record has at least one byte
-    return absl::DataLossError(absl::StrFormat("header claims %d chunks in %d bytes", chunks,
-                                               bytes.size()));
+    return absl::DataLossError(
+        absl::StrFormat("header claims %d chunks in %d bytes", chunks, bytes.size()));
   }
   h.record_sizes.resize(chunks);
   uint64_t total = 0;
@@ -1606,8 +1609,7 @@ absl::Status DecodeVersion(absl::Span<const std::byte> bytes, const VersionIds& 
   if (h.tensor_count != layout.size() || out.size() != layout.size() ||
       (!h.ids.keyframe && base.size() != layout.size())) {
     return absl::DataLossError(absl::StrFormat(
-        "encoded version has %d tensors but its manifest lists %d", h.tensor_count,
-        layout.size()));
+        "encoded version has %d tensors but its manifest lists %d", h.tensor_count, layout.size()));
   }
   if (h.layout_checksum != LayoutChecksum(layout)) {
     return absl::DataLossError(absl::StrFormat(
@@ -1656,8 +1658,8 @@ absl::Status DecodeVersion(absl::Span<const std::byte> bytes, const VersionIds& 
       absl::MutexLock lock(&mu);
       if (c < first_bad) {
         first_bad = c;
-        first_error = absl::DataLossError(
-            absl::StrFormat("%s: %s", DescribeChunk(chunk, c), s.message()));
+        first_error =
+            absl::DataLossError(absl::StrFormat("%s: %s", DescribeChunk(chunk, c), s.message()));
       }
       return;
     }

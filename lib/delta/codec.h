@@ -130,8 +130,8 @@ struct ChunkResult {
 // Identifies a version and what it applies to.
 struct VersionIds {
   bool keyframe = true;
-  uint64_t target = 0;    // the version this encodes
-  uint64_t base = 0;      // the version it applies to (deltas; 0 in a keyframe)
+  uint64_t target = 0;            // the version this encodes
+  uint64_t base = 0;              // the version it applies to (deltas; 0 in a keyframe)
   uint64_t keyframe_version = 0;  // the keyframe its chain starts from (== target for a keyframe)
   friend bool operator==(const VersionIds&, const VersionIds&) = default;
 };
@@ -189,7 +189,7 @@ std::vector<Method> ChunkMethods(absl::Span<const std::byte> bytes, const Versio
 // Lower-level: one chunk. `base` and `target` follow the chunk's pieces (their concatenation);
 // `base` is empty for keyframes. Appends the record to `out`.
 struct ChunkInput {
-  const std::byte* base = nullptr;    // null in a keyframe
+  const std::byte* base = nullptr;  // null in a keyframe
   const std::byte* target = nullptr;
   uint64_t bytes = 0;
 };

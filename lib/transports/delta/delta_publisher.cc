@@ -35,7 +35,9 @@ class DeltaPublisher final : public TransportPublisher {
  public:
   DeltaPublisher(std::string uri, LayerOptions options, std::unique_ptr<TransportPublisher> inner,
                  std::unique_ptr<Parallel> parallel)
-      : uri_(std::move(uri)), options_(options), inner_(std::move(inner)),
+      : uri_(std::move(uri)),
+        options_(options),
+        inner_(std::move(inner)),
         parallel_(std::move(parallel)) {}
 
   absl::StatusOr<std::optional<uint64_t>> LatestVersion() override {
@@ -72,7 +74,7 @@ class DeltaPublisher final : public TransportPublisher {
   std::unique_ptr<TransportPublisher> inner_;
   std::unique_ptr<Parallel> parallel_;
   std::optional<Base> base_;
-  std::optional<uint64_t> keyframe_;     // newest keyframe published
+  std::optional<uint64_t> keyframe_;  // newest keyframe published
   uint64_t deltas_since_keyframe_ = 0;
   uint64_t keyframe_bytes_ = 0;          // its encoded size
   std::optional<uint64_t> outer_floor_;  // from a layer above, if any
@@ -98,8 +100,8 @@ void DeltaPublisher::CommitBase(const Manifest& manifest, absl::Span<const Packe
   if (storage != nullptr) {
     Base b;
     b.offsets = std::move(storage->offsets);
-    b.buffer = storage->buffer ? std::move(storage->buffer)
-                               : (base_ ? std::move(base_->buffer) : nullptr);
+    b.buffer =
+        storage->buffer ? std::move(storage->buffer) : (base_ ? std::move(base_->buffer) : nullptr);
     base_ = std::move(b);
     base_->manifest = manifest;
     parallel_->For(data.size(), [&](size_t i) {
@@ -160,9 +162,9 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
 
   WB_ASSIGN_OR_RETURN(const Manifest* target_manifest, job.SealedManifest(deadline));
   if (target_manifest->metadata.count(std::string(kRecordKey)) > 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s version %d: metadata key \"%s\" is reserved for the delta layer", uri_, version,
-        kRecordKey));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s version %d: metadata key \"%s\" is reserved for the delta layer", uri_,
+                        version, kRecordKey));
   }
   Record record;
   record.keyframe = keyframe;
@@ -183,8 +185,10 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   inner.sealed_unix_ns = target_manifest->sealed_unix_ns;
   inner.metadata = target_manifest->metadata;
   inner.metadata[std::string(kRecordKey)] = RecordToJson(record);
-  inner.tensors.push_back(TensorInfo{std::string(kBlobName), DType::kU8,
-                                     {static_cast<int64_t>(encoded.bytes.size())}, std::nullopt,
+  inner.tensors.push_back(TensorInfo{std::string(kBlobName),
+                                     DType::kU8,
+                                     {static_cast<int64_t>(encoded.bytes.size())},
+                                     std::nullopt,
                                      encoded.bytes.size(),
                                      XXH3_64bits(encoded.bytes.data(), encoded.bytes.size())});
   std::optional<Storage> storage;
@@ -204,14 +208,14 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   } else {
     ++deltas_since_keyframe_;
   }
-  Log(LogLevel::kDebug, "%s version %d: %s of %d bytes for %d bytes of tensors (%.1fx), %d of %d "
+  Log(LogLevel::kDebug,
+      "%s version %d: %s of %d bytes for %d bytes of tensors (%.1fx), %d of %d "
       "elements changed, encoded in %s",
       uri_, version, keyframe ? "keyframe" : "delta", encoded.bytes.size(),
       target_manifest->total_bytes(),
       static_cast<double>(target_manifest->total_bytes()) /
           static_cast<double>(encoded.bytes.size()),
-      encoded.changed_elements, encoded.total_elements,
-      absl::FormatDuration(encoded_at - start));
+      encoded.changed_elements, encoded.total_elements, absl::FormatDuration(encoded_at - start));
   return absl::OkStatus();
 }
 

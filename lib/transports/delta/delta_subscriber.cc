@@ -118,9 +118,8 @@ class DeltaSubscriber final : public TransportSubscriber {
     return absl::StrFormat("%s version %d", uri_, version);
   }
   absl::StatusOr<Storage> PrepareStorage(const Manifest& manifest) const;
-  void AdoptBase(const Manifest& manifest, absl::Span<std::byte* const> targets,
-                 Storage* storage, const std::vector<Chunk>& chunks,
-                 const std::vector<Method>& methods);
+  void AdoptBase(const Manifest& manifest, absl::Span<std::byte* const> targets, Storage* storage,
+                 const std::vector<Chunk>& chunks, const std::vector<Method>& methods);
 
   std::string uri_;
   std::unique_ptr<TransportSubscriber> inner_;
@@ -137,9 +136,8 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::WaitForVersion
     absl::StatusOr<std::unique_ptr<IncomingVersion>> got = inner_->WaitForVersion(want, deadline);
     if (!got.ok()) {
       if (absl::IsDeadlineExceeded(got.status()) && !skipped.empty()) {
-        return absl::DeadlineExceededError(
-            absl::StrFormat("%s; waiting for a keyframe since: %s", got.status().message(),
-                            skipped));
+        return absl::DeadlineExceededError(absl::StrFormat("%s; waiting for a keyframe since: %s",
+                                                           got.status().message(), skipped));
       }
       return got.status();
     }
@@ -226,8 +224,8 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::Plan(
     }
     WB_ASSIGN_OR_RETURN(Record pr, ParseRecord((*previous)->manifest(), Source(base)));
     if (pr.version != base) {
-      return absl::DataLossError(absl::StrFormat("%s: asked for version %d, got version %d",
-                                                 uri_, base, pr.version));
+      return absl::DataLossError(
+          absl::StrFormat("%s: asked for version %d, got version %d", uri_, base, pr.version));
     }
     Manifest inner = (*previous)->manifest();
     if (steps.size() >= kKeepOpen) previous->reset();  // opened again when fetched
@@ -270,8 +268,8 @@ void DeltaSubscriber::AdoptBase(const Manifest& manifest, absl::Span<std::byte* 
   if (storage != nullptr) {
     Base b;
     b.offsets = std::move(storage->offsets);
-    b.buffer = storage->buffer ? std::move(storage->buffer)
-                               : (base_ ? std::move(base_->buffer) : nullptr);
+    b.buffer =
+        storage->buffer ? std::move(storage->buffer) : (base_ ? std::move(base_->buffer) : nullptr);
     base_ = std::move(b);
     parallel_->For(manifest.tensors.size(), [&](size_t i) {
       if (manifest.tensors[i].nbytes > 0) {
@@ -311,9 +309,9 @@ absl::Status DeltaIncoming::Fetch(absl::Span<std::byte* const> targets, LandingS
   }
   for (size_t k = 0; k < steps_.size(); ++k) {
     if (absl::Now() > deadline) {
-      return absl::DeadlineExceededError(absl::StrFormat(
-          "%s: the deadline passed after %d of the %d encoded versions of %s", owner_->uri_, k,
-          steps_.size(), Chain()));
+      return absl::DeadlineExceededError(
+          absl::StrFormat("%s: the deadline passed after %d of the %d encoded versions of %s",
+                          owner_->uri_, k, steps_.size(), Chain()));
     }
     WB_RETURN_IF_ERROR(FetchStep(k, targets, sink, deadline));
   }
@@ -364,16 +362,15 @@ absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> tar
       base.push_back(k == 0 ? owner_->base_->tensor(i) : targets[i]);
     }
   }
-  absl::Status decoded = DecodeVersion(
-      bytes, step.record.ids(), layout, base, targets, *owner_->parallel_,
-      last ? std::function<void(size_t)>([&sink](size_t i) { sink.Landed(i); })
-           : std::function<void(size_t)>());
+  absl::Status decoded =
+      DecodeVersion(bytes, step.record.ids(), layout, base, targets, *owner_->parallel_,
+                    last ? std::function<void(size_t)>([&sink](size_t i) { sink.Landed(i); })
+                         : std::function<void(size_t)>());
   if (!decoded.ok()) {
-    return absl::Status(decoded.code(),
-                        absl::StrFormat("%s: encoded version %d (%s, part of %s): %s",
-                                        owner_->uri_, step.version,
-                                        step.incoming->DescribeSource(0), Chain(),
-                                        decoded.message()));
+    return absl::Status(
+        decoded.code(),
+        absl::StrFormat("%s: encoded version %d (%s, part of %s): %s", owner_->uri_, step.version,
+                        step.incoming->DescribeSource(0), Chain(), decoded.message()));
   }
   if (last && from_base_ && steps_.size() == 1) {
     WB_ASSIGN_OR_RETURN(VersionHeader header, ParseHeader(bytes));
@@ -391,9 +388,10 @@ void DeltaIncoming::Accepted() {
 
 std::string DeltaIncoming::Chain() const {
   if (duplicate_) {
-    return absl::StrFormat("this subscriber's copy of version %d (delivered again, not applied "
-                           "again)",
-                           duplicate_->version);
+    return absl::StrFormat(
+        "this subscriber's copy of version %d (delivered again, not applied "
+        "again)",
+        duplicate_->version);
   }
   const uint64_t first = steps_.front().version, last = steps_.back().version;
   if (from_base_) {
@@ -403,17 +401,16 @@ std::string DeltaIncoming::Chain() const {
                : absl::StrFormat("deltas %d..%d on this subscriber's copy of version %d", first,
                                  last, steps_.front().record.base);
   }
-  return steps_.size() == 1 ? absl::StrFormat("keyframe %d", first)
-                            : absl::StrFormat("keyframe %d + %d deltas up to %d", first,
-                                              steps_.size() - 1, last);
+  return steps_.size() == 1
+             ? absl::StrFormat("keyframe %d", first)
+             : absl::StrFormat("keyframe %d + %d deltas up to %d", first, steps_.size() - 1, last);
 }
 
 std::string DeltaIncoming::DescribeSource(size_t tensor_index) const {
   const Step* last = duplicate_ ? nullptr : &steps_.back();
-  return absl::StrFormat("tensor %d decoded from %s%s", tensor_index, Chain(),
-                         last && last->incoming
-                             ? absl::StrFormat(" (%s)", last->incoming->DescribeSource(0))
-                             : "");
+  return absl::StrFormat(
+      "tensor %d decoded from %s%s", tensor_index, Chain(),
+      last && last->incoming ? absl::StrFormat(" (%s)", last->incoming->DescribeSource(0)) : "");
 }
 
 }  // namespace

@@ -48,10 +48,10 @@ absl::StatusOr<std::unique_ptr<TransportSubscriber>> WrapSubscriber(
 struct Record {
   bool keyframe = true;
   uint64_t version = 0;
-  uint64_t base = 0;              // deltas: the version they apply to
-  uint64_t keyframe_version = 0;  // the keyframe the chain starts from
-  uint64_t base_fingerprint = 0;  // deltas: Fingerprint of the base version's manifest
-  uint64_t encoded_bytes = 0;     // size of the blob
+  uint64_t base = 0;                // deltas: the version they apply to
+  uint64_t keyframe_version = 0;    // the keyframe the chain starts from
+  uint64_t base_fingerprint = 0;    // deltas: Fingerprint of the base version's manifest
+  uint64_t encoded_bytes = 0;       // size of the blob
   std::vector<TensorInfo> tensors;  // keyframes: the target's tensors
   std::vector<uint64_t> xxh3;       // deltas: the target's checksums, in the base's tensor order
 

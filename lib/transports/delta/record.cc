@@ -98,8 +98,8 @@ absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view sourc
         source, inner.version, kRecordKey));
   }
   auto bad = [&](std::string_view what) {
-    return absl::DataLossError(absl::StrFormat("%s: the delta record of version %d %s", source,
-                                               inner.version, what));
+    return absl::DataLossError(
+        absl::StrFormat("%s: the delta record of version %d %s", source, inner.version, what));
   };
   const ordered_json j = ordered_json::parse(it->second, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return bad("is not a JSON object");
@@ -121,8 +121,8 @@ absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view sourc
       ordered_json wrapper;
       wrapper["format"] = "weightbus.manifest/1";
       wrapper["version"] = r.version;
-      wrapper["publisher"] = {{"host", ""}, {"pid", 0}, {"rank", 0}, {"world_size", 1},
-                              {"name", ""}};
+      wrapper["publisher"] = {
+          {"host", ""}, {"pid", 0}, {"rank", 0}, {"world_size", 1}, {"name", ""}};
       wrapper["publish_start_unix_ns"] = 0;
       wrapper["sealed_unix_ns"] = 0;
       wrapper["total_bytes"] = 0;
@@ -138,8 +138,8 @@ absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view sourc
         return bad("has a malformed base_fingerprint");
       }
       if (r.base >= r.version || r.keyframe_version > r.base) {
-        return bad(absl::StrFormat("names base %d and keyframe %d, which are not below it",
-                                   r.base, r.keyframe_version));
+        return bad(absl::StrFormat("names base %d and keyframe %d, which are not below it", r.base,
+                                   r.keyframe_version));
       }
       for (const auto& x : j.at("xxh3")) {
         uint64_t v = 0;
@@ -154,9 +154,10 @@ absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view sourc
   }
   if (inner.tensors.size() != 1 || inner.tensors[0].name != kBlobName ||
       inner.tensors[0].dtype != DType::kU8 || inner.tensors[0].nbytes != r.encoded_bytes) {
-    return bad(absl::StrFormat("does not match its tensors (expected one U8 tensor \"%s\" of "
-                               "%d bytes)",
-                               kBlobName, r.encoded_bytes));
+    return bad(
+        absl::StrFormat("does not match its tensors (expected one U8 tensor \"%s\" of "
+                        "%d bytes)",
+                        kBlobName, r.encoded_bytes));
   }
   return r;
 }

@@ -39,15 +39,15 @@ absl::StatusOr<LayerOptions> ReadLayerOptions(const Uri& uri, const Config& conf
   const int64_t threads = config.Int("delta_threads");
   const int64_t groups = config.Int("delta_groups");
   auto bad = [&](std::string_view name, int64_t value, std::string_view range) {
-    return absl::InvalidArgumentError(absl::StrFormat("%s: setting %s=%d is outside %s",
-                                                      uri.Display(), name, value, range));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: setting %s=%d is outside %s", uri.Display(), name, value, range));
   };
   if (o.keyframe_interval < 0) return bad("keyframe_interval", o.keyframe_interval, "0..");
   if (o.encode.chunk_size < kMinChunkSize || o.encode.chunk_size > kMaxChunkSize ||
       o.encode.chunk_size % 64 != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: setting delta_chunk_size=%d is not a multiple of 64 from 64 to 1GiB", uri.Display(),
-        o.encode.chunk_size));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: setting delta_chunk_size=%d is not a multiple of 64 from 64 to 1GiB",
+                        uri.Display(), o.encode.chunk_size));
   }
   if (level < 0 || level > 22) return bad("delta_zstd_level", level, "0..22");
   if (threads < 0 || threads > WorkerPool::kMaxThreads) {
@@ -63,12 +63,10 @@ absl::StatusOr<LayerOptions> ReadLayerOptions(const Uri& uri, const Config& conf
 }  // namespace weightbus::internal::delta
 
 WEIGHTBUS_REGISTER_TRANSPORT(
-    delta, (::weightbus::internal::TransportDescriptor{
-               "delta",
-               "layer: sends keyframes and deltas against the previous version, losslessly "
-               "compressed (delta+<transport>://...)",
-               &::weightbus::internal::delta::DeltaSettings(),
-               nullptr,
-               nullptr,
-               ::weightbus::internal::delta::WrapPublisher,
-               ::weightbus::internal::delta::WrapSubscriber}))
+    delta,
+    (::weightbus::internal::TransportDescriptor{
+        "delta",
+        "layer: sends keyframes and deltas against the previous version, losslessly "
+        "compressed (delta+<transport>://...)",
+        &::weightbus::internal::delta::DeltaSettings(), nullptr, nullptr,
+        ::weightbus::internal::delta::WrapPublisher, ::weightbus::internal::delta::WrapSubscriber}))

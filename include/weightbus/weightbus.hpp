@@ -4,6 +4,8 @@
 //
 //   disk:///path/to/channel   a shared filesystem; each version is a safetensors checkpoint
 //   ucx://host:port/channel   UCX one-sided RDMA; the publisher serves versions on host:port
+//   delta+disk:///path/...    the delta layer over disk: keyframes and deltas against the
+//                             previous version, losslessly compressed (any transport after +)
 //
 // Settings (`weightbus settings` lists them) come, lowest precedence first, from their
 // defaults, WEIGHTBUS_* environment variables, the URI's query (`disk:///x?retention=4`) and the

@@ -1,0 +1,232 @@
+// SPDX-License-Identifier: Apache-2.0
+// Publishing side of the delta layer: encode each version as a keyframe or as a delta against
+// the version published before it (whose bytes this layer keeps: one copy of the model), and
+// publish the encoded blob through the transport beneath as a one-tensor version whose manifest
+// metadata carries the delta record. Keeps the chain from the newest keyframe alive with
+// KeepVersionsFrom, so that late joiners can replay it.
+#include <cstring>
+
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "core/buffer.h"
+#include "core/logging.h"
+#include "core/status.h"
+#include "transports/delta/delta_transport.h"
+#include "xxhash.h"
+
+namespace weightbus::internal::delta {
+namespace {
+
+constexpr uint64_t kAlign = 64;
+uint64_t AlignUp(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
+
+// The bytes of the last version published: what the next delta is computed against.
+struct Base {
+  Manifest manifest;
+  uint64_t fingerprint = 0;
+  std::unique_ptr<HostBuffer> buffer;
+  std::vector<uint64_t> offsets;  // of each tensor in `buffer`
+
+  const std::byte* tensor(size_t i) const { return buffer ? buffer->data() + offsets[i] : nullptr; }
+  std::byte* tensor(size_t i) { return buffer ? buffer->data() + offsets[i] : nullptr; }
+};
+
+class DeltaPublisher final : public TransportPublisher {
+ public:
+  DeltaPublisher(std::string uri, LayerOptions options, std::unique_ptr<TransportPublisher> inner,
+                 std::unique_ptr<Parallel> parallel)
+      : uri_(std::move(uri)),
+        options_(options),
+        inner_(std::move(inner)),
+        parallel_(std::move(parallel)) {}
+
+  absl::StatusOr<std::optional<uint64_t>> LatestVersion() override {
+    return inner_->LatestVersion();
+  }
+
+  absl::Status Publish(PublishJob& job, absl::Time deadline) override;
+
+  void KeepVersionsFrom(uint64_t version) override {
+    outer_floor_ = version;
+    ApplyFloor();
+  }
+
+ private:
+  void ApplyFloor() {
+    std::optional<uint64_t> floor = keyframe_;
+    if (outer_floor_ && (!floor || *outer_floor_ < *floor)) floor = outer_floor_;
+    if (floor) inner_->KeepVersionsFrom(*floor);
+  }
+  // Where a keyframe's tensors will be kept: allocated before publishing, so that nothing can
+  // fail once the version is visible.
+  struct Storage {
+    std::unique_ptr<HostBuffer> buffer;  // null: reuse the current base's buffer
+    std::vector<uint64_t> offsets;
+  };
+  absl::StatusOr<Storage> PrepareBase(const std::vector<TensorInfo>& tensors);
+  // Makes the base hold `manifest`'s tensors: all of them from `data` into `storage` (a
+  // keyframe), or only the chunks of `delta` that changed.
+  void CommitBase(const Manifest& manifest, absl::Span<const PackedTensor> data, Storage* storage,
+                  const EncodedVersion* delta);
+
+  std::string uri_;
+  LayerOptions options_;
+  std::unique_ptr<TransportPublisher> inner_;
+  std::unique_ptr<Parallel> parallel_;
+  std::optional<Base> base_;
+  std::optional<uint64_t> keyframe_;  // newest keyframe published
+  uint64_t deltas_since_keyframe_ = 0;
+  uint64_t keyframe_bytes_ = 0;          // its encoded size
+  std::optional<uint64_t> outer_floor_;  // from a layer above, if any
+};
+
+absl::StatusOr<DeltaPublisher::Storage> DeltaPublisher::PrepareBase(
+    const std::vector<TensorInfo>& tensors) {
+  Storage storage;
+  uint64_t total = 0;
+  for (const TensorInfo& t : tensors) {
+    storage.offsets.push_back(total);
+    total += AlignUp(t.nbytes);
+  }
+  // Keyframes of the same model reuse the buffer (it is overwritten only once published).
+  if (total > 0 && !(base_ && base_->buffer && base_->buffer->size() >= total)) {
+    WB_ASSIGN_OR_RETURN(storage.buffer, HostBuffer::Allocate(total));
+  }
+  return storage;
+}
+
+void DeltaPublisher::CommitBase(const Manifest& manifest, absl::Span<const PackedTensor> data,
+                                Storage* storage, const EncodedVersion* delta) {
+  if (storage != nullptr) {
+    Base b;
+    b.offsets = std::move(storage->offsets);
+    b.buffer =
+        storage->buffer ? std::move(storage->buffer) : (base_ ? std::move(base_->buffer) : nullptr);
+    base_ = std::move(b);
+    base_->manifest = manifest;
+    parallel_->For(data.size(), [&](size_t i) {
+      if (manifest.tensors[i].nbytes > 0) {
+        std::memcpy(base_->tensor(i), data[i].data, manifest.tensors[i].nbytes);
+      }
+    });
+  } else {
+    // A delta: only the chunks that changed.
+    base_->manifest = manifest;
+    parallel_->For(delta->chunks.size(), [&](size_t c) {
+      if (delta->results[c].method == Method::kSame) return;
+      for (const Piece& p : delta->chunks[c].pieces) {
+        std::memcpy(base_->tensor(p.tensor) + p.offset, data[p.tensor].data + p.offset, p.bytes);
+      }
+    });
+  }
+  base_->fingerprint = Fingerprint(manifest);
+}
+
+absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
+  const uint64_t version = job.version();
+  absl::Span<const PackedTensor> packed = job.tensors();
+  std::vector<TensorInfo> infos;
+  std::vector<const std::byte*> target;
+  infos.reserve(packed.size());
+  for (const PackedTensor& p : packed) {
+    infos.push_back(*p.info);
+    target.push_back(p.data);
+  }
+  const std::vector<TensorLayout> layout = LayoutOf(infos);
+
+  bool keyframe = !base_ || !SameLayout(base_->manifest.tensors, infos) ||
+                  (options_.keyframe_interval > 0 &&
+                   deltas_since_keyframe_ + 1 >= static_cast<uint64_t>(options_.keyframe_interval));
+  const absl::Time start = absl::Now();
+  auto encode = [&](bool as_keyframe) -> absl::StatusOr<EncodedVersion> {
+    VersionIds ids{as_keyframe, version, as_keyframe ? 0 : base_->manifest.version,
+                   as_keyframe ? version : *keyframe_};
+    std::vector<const std::byte*> base;
+    if (!as_keyframe) {
+      for (size_t i = 0; i < infos.size(); ++i) base.push_back(base_->tensor(i));
+    }
+    return EncodeVersion(ids, layout, base, target, options_.encode, *parallel_);
+  };
+  WB_ASSIGN_OR_RETURN(EncodedVersion encoded, encode(keyframe));
+  // A delta as large as the last keyframe helps no one: send a keyframe (which also shortens the
+  // chain a late joiner replays).
+  if (!keyframe && encoded.bytes.size() >= keyframe_bytes_) {
+    Log(LogLevel::kInfo,
+        "%s: the delta of version %d (%d bytes) is not smaller than the last keyframe (%d "
+        "bytes); publishing a keyframe instead",
+        uri_, version, encoded.bytes.size(), keyframe_bytes_);
+    keyframe = true;
+    WB_ASSIGN_OR_RETURN(encoded, encode(true));
+  }
+  const absl::Time encoded_at = absl::Now();
+
+  WB_ASSIGN_OR_RETURN(const Manifest* target_manifest, job.SealedManifest(deadline));
+  if (target_manifest->metadata.count(std::string(kRecordKey)) > 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s version %d: metadata key \"%s\" is reserved for the delta layer", uri_,
+                        version, kRecordKey));
+  }
+  Record record;
+  record.keyframe = keyframe;
+  record.version = version;
+  record.keyframe_version = keyframe ? version : *keyframe_;
+  record.encoded_bytes = encoded.bytes.size();
+  if (keyframe) {
+    record.tensors = target_manifest->tensors;
+  } else {
+    record.base = base_->manifest.version;
+    record.base_fingerprint = base_->fingerprint;
+    for (const TensorInfo& t : target_manifest->tensors) record.xxh3.push_back(t.xxh3);
+  }
+  Manifest inner;
+  inner.version = version;
+  inner.publisher = target_manifest->publisher;
+  inner.publish_start_unix_ns = target_manifest->publish_start_unix_ns;
+  inner.sealed_unix_ns = target_manifest->sealed_unix_ns;
+  inner.metadata = target_manifest->metadata;
+  inner.metadata[std::string(kRecordKey)] = RecordToJson(record);
+  inner.tensors.push_back(TensorInfo{std::string(kBlobName),
+                                     DType::kU8,
+                                     {static_cast<int64_t>(encoded.bytes.size())},
+                                     std::nullopt,
+                                     encoded.bytes.size(),
+                                     XXH3_64bits(encoded.bytes.data(), encoded.bytes.size())});
+  std::optional<Storage> storage;
+  if (keyframe) {
+    WB_ASSIGN_OR_RETURN(storage, PrepareBase(infos));
+  }
+  SealedPublishJob sealed(std::move(inner), {encoded.bytes.data()});
+  WB_RETURN_IF_ERROR(inner_->Publish(sealed, deadline));
+
+  // Published: from now on the next delta is against this version.
+  CommitBase(*target_manifest, packed, storage ? &*storage : nullptr, &encoded);
+  if (keyframe) {
+    keyframe_ = version;
+    keyframe_bytes_ = encoded.bytes.size();
+    deltas_since_keyframe_ = 0;
+    ApplyFloor();
+  } else {
+    ++deltas_since_keyframe_;
+  }
+  Log(LogLevel::kDebug,
+      "%s version %d: %s of %d bytes for %d bytes of tensors (%.1fx), %d of %d "
+      "elements changed, encoded in %s",
+      uri_, version, keyframe ? "keyframe" : "delta", encoded.bytes.size(),
+      target_manifest->total_bytes(),
+      static_cast<double>(target_manifest->total_bytes()) /
+          static_cast<double>(encoded.bytes.size()),
+      encoded.changed_elements, encoded.total_elements, absl::FormatDuration(encoded_at - start));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TransportPublisher>> WrapPublisher(
+    const Uri& uri, const Config& config, std::unique_ptr<TransportPublisher> inner) {
+  WB_ASSIGN_OR_RETURN(LayerOptions options, ReadLayerOptions(uri, config));
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<Parallel> parallel, Parallel::Create(options.threads));
+  return std::unique_ptr<TransportPublisher>(
+      new DeltaPublisher(uri.Display(), options, std::move(inner), std::move(parallel)));
+}
+
+}  // namespace weightbus::internal::delta

@@ -1,0 +1,426 @@
+// SPDX-License-Identifier: Apache-2.0
+// Subscribing side of the delta layer. The layer keeps its own copy of the last version the core
+// accepted (the base). A version is reconstructed from a chain of encoded versions:
+//   - a delta against the base: decoded on top of the base;
+//   - anything else (a late joiner, a subscriber that missed versions, a base from another
+//     history): the chain back to the newest keyframe or to the base, opened with the inner
+//     transport's OpenVersion and decoded in order; a transport that cannot open old versions
+//     makes the subscriber wait for the next keyframe instead;
+//   - the base's own version again: served from the base, never applied twice;
+//   - a version older than the base: refused.
+// The core verifies the result against the target manifest's checksums before Accepted() makes
+// it the new base.
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "core/buffer.h"
+#include "core/logging.h"
+#include "core/status.h"
+#include "transports/delta/delta_transport.h"
+#include "xxhash.h"
+
+namespace weightbus::internal::delta {
+namespace {
+
+constexpr uint64_t kAlign = 64;
+uint64_t AlignUp(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
+
+// Longest chain followed back from a version (a guard against a corrupt channel: every step goes
+// to a strictly lower version anyway).
+constexpr size_t kMaxChain = 100000;
+// Versions of a chain kept open (pinned) from the moment it is found; the others are opened
+// again one at a time while fetching, so that long chains do not hold hundreds of files.
+constexpr size_t kKeepOpen = 8;
+
+// The version this subscriber holds, in its own memory.
+struct Base {
+  Manifest manifest;
+  uint64_t fingerprint = 0;
+  std::unique_ptr<HostBuffer> buffer;
+  std::vector<uint64_t> offsets;
+
+  std::byte* tensor(size_t i) const { return buffer ? buffer->data() + offsets[i] : nullptr; }
+};
+
+// Storage for a new base, prepared before decoding so that accepting cannot fail.
+struct Storage {
+  std::unique_ptr<HostBuffer> buffer;  // null: reuse the current base's buffer
+  std::vector<uint64_t> offsets;
+};
+
+// One encoded version of a chain.
+struct Step {
+  uint64_t version = 0;
+  Record record;
+  Manifest inner;     // the inner manifest (publisher, times, metadata, blob checksum)
+  Manifest manifest;  // the version it reconstructs
+  std::unique_ptr<IncomingVersion> incoming;  // null until (re)opened for fetching
+};
+
+class DeltaSubscriber;
+
+class DeltaIncoming final : public IncomingVersion {
+ public:
+  // A chain; `from_base`: its first step applies to the subscriber's base.
+  DeltaIncoming(DeltaSubscriber* owner, std::vector<Step> steps, bool from_base)
+      : owner_(owner), steps_(std::move(steps)), from_base_(from_base) {}
+  // The base's own version, delivered again.
+  DeltaIncoming(DeltaSubscriber* owner, Manifest manifest)
+      : owner_(owner), duplicate_(std::move(manifest)) {}
+
+  const Manifest& manifest() const override {
+    return duplicate_ ? *duplicate_ : steps_.back().manifest;
+  }
+  absl::Status Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
+                     absl::Time deadline) override;
+  std::string DescribeSource(size_t tensor_index) const override;
+  void Accepted() override;
+
+ private:
+  absl::Status FetchStep(size_t k, absl::Span<std::byte* const> targets, LandingSink& sink,
+                         absl::Time deadline);
+  std::string Chain() const;
+
+  DeltaSubscriber* owner_;
+  std::vector<Step> steps_;
+  bool from_base_ = false;
+  std::optional<Manifest> duplicate_;
+  // Filled by Fetch for Accepted.
+  std::vector<std::byte*> targets_;
+  std::optional<Storage> storage_;
+  std::vector<Chunk> chunks_;    // of a single delta on the base
+  std::vector<Method> methods_;  // its chunks' methods
+  bool fetched_ = false;
+};
+
+class DeltaSubscriber final : public TransportSubscriber {
+ public:
+  DeltaSubscriber(std::string uri, std::unique_ptr<TransportSubscriber> inner,
+                  std::unique_ptr<Parallel> parallel)
+      : uri_(std::move(uri)), inner_(std::move(inner)), parallel_(std::move(parallel)) {}
+
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> WaitForVersion(uint64_t min_version,
+                                                                  absl::Time deadline) override;
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> OpenVersion(uint64_t version,
+                                                               absl::Time deadline) override;
+  absl::StatusOr<std::vector<uint64_t>> ListVersions() override { return inner_->ListVersions(); }
+
+ private:
+  friend class DeltaIncoming;
+
+  // What to do with inner version `incoming`: a duplicate, a refusal, or a chain. NotFound or
+  // Unimplemented mean the chain cannot be reached through this transport.
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> Plan(std::unique_ptr<IncomingVersion> incoming,
+                                                        absl::Time deadline);
+  std::string Source(uint64_t version) const {
+    return absl::StrFormat("%s version %d", uri_, version);
+  }
+  absl::StatusOr<Storage> PrepareStorage(const Manifest& manifest) const;
+  void AdoptBase(const Manifest& manifest, absl::Span<std::byte* const> targets, Storage* storage,
+                 const std::vector<Chunk>& chunks, const std::vector<Method>& methods);
+
+  std::string uri_;
+  std::unique_ptr<TransportSubscriber> inner_;
+  std::unique_ptr<Parallel> parallel_;
+  std::optional<Base> base_;
+  std::shared_ptr<BufferPool> blobs_ = BufferPool::Create(1);
+};
+
+absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::WaitForVersion(
+    uint64_t min_version, absl::Time deadline) {
+  uint64_t want = min_version;
+  std::string skipped;
+  while (true) {
+    absl::StatusOr<std::unique_ptr<IncomingVersion>> got = inner_->WaitForVersion(want, deadline);
+    if (!got.ok()) {
+      if (absl::IsDeadlineExceeded(got.status()) && !skipped.empty()) {
+        return absl::DeadlineExceededError(absl::StrFormat("%s; waiting for a keyframe since: %s",
+                                                           got.status().message(), skipped));
+      }
+      return got.status();
+    }
+    const uint64_t version = (*got)->manifest().version;
+    absl::StatusOr<std::unique_ptr<IncomingVersion>> planned = Plan(*std::move(got), deadline);
+    if (planned.ok() ||
+        !(absl::IsNotFound(planned.status()) || absl::IsUnimplemented(planned.status()))) {
+      return planned;
+    }
+    // The chain cannot be reached (the transport cannot open old versions, or no longer holds
+    // them): the next keyframe, or a delta on this subscriber's base, will do.
+    skipped = std::string(planned.status().message());
+    Log(LogLevel::kInfo, "%s", skipped);
+    want = version + 1;
+  }
+}
+
+absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::OpenVersion(uint64_t version,
+                                                                              absl::Time deadline) {
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<IncomingVersion> incoming,
+                      inner_->OpenVersion(version, deadline));
+  return Plan(std::move(incoming), deadline);
+}
+
+absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::Plan(
+    std::unique_ptr<IncomingVersion> incoming, absl::Time deadline) {
+  const uint64_t version = incoming->manifest().version;
+  WB_ASSIGN_OR_RETURN(Record record, ParseRecord(incoming->manifest(), Source(version)));
+
+  if (base_ && version < base_->manifest.version) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: refusing version %d, older than version %d which this subscriber holds (out of "
+        "order)",
+        uri_, version, base_->manifest.version));
+  }
+  if (base_ && version == base_->manifest.version) {
+    // Delivered again: the same bytes if its tensors and checksums are the base's.
+    bool same;
+    if (record.keyframe) {
+      Manifest again;
+      again.tensors = record.tensors;
+      same = Fingerprint(again) == base_->fingerprint;
+    } else {
+      same = record.xxh3.size() == base_->manifest.tensors.size() &&
+             std::equal(record.xxh3.begin(), record.xxh3.end(), base_->manifest.tensors.begin(),
+                        [](uint64_t x, const TensorInfo& t) { return x == t.xxh3; });
+    }
+    if (same) {
+      Manifest m = base_->manifest;
+      m.publisher = incoming->manifest().publisher;
+      m.publish_start_unix_ns = incoming->manifest().publish_start_unix_ns;
+      m.sealed_unix_ns = incoming->manifest().sealed_unix_ns;
+      m.metadata = incoming->manifest().metadata;
+      m.metadata.erase(std::string(kRecordKey));
+      return std::unique_ptr<IncomingVersion>(new DeltaIncoming(this, std::move(m)));
+    }
+  }
+
+  // Follow the chain back to a keyframe, or to a delta on this subscriber's base.
+  std::vector<Step> steps;
+  steps.push_back(Step{version, std::move(record), incoming->manifest(), {}, std::move(incoming)});
+  bool from_base = false;
+  while (true) {
+    const Record& r = steps.back().record;
+    if (r.keyframe) break;
+    if (base_ && r.base == base_->manifest.version && r.base_fingerprint == base_->fingerprint) {
+      from_base = true;
+      break;
+    }
+    if (steps.size() >= kMaxChain) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s: no keyframe within %d versions below version %d", uri_, kMaxChain, version));
+    }
+    const uint64_t base = r.base;
+    absl::StatusOr<std::unique_ptr<IncomingVersion>> previous = inner_->OpenVersion(base, deadline);
+    if (!previous.ok()) {
+      return absl::Status(
+          previous.status().code(),
+          absl::StrFormat("%s: version %d is a delta against version %d, which this subscriber "
+                          "does not hold (it holds %s) and cannot open: %s",
+                          uri_, steps.back().version, base,
+                          base_ ? std::to_string(base_->manifest.version) : "none",
+                          previous.status().message()));
+    }
+    WB_ASSIGN_OR_RETURN(Record pr, ParseRecord((*previous)->manifest(), Source(base)));
+    if (pr.version != base) {
+      return absl::DataLossError(
+          absl::StrFormat("%s: asked for version %d, got version %d", uri_, base, pr.version));
+    }
+    Manifest inner = (*previous)->manifest();
+    if (steps.size() >= kKeepOpen) previous->reset();  // opened again when fetched
+    steps.push_back(Step{base, std::move(pr), std::move(inner), {}, *std::move(previous)});
+  }
+  std::reverse(steps.begin(), steps.end());
+
+  // The manifest each step reconstructs; every delta must have been made against the bytes its
+  // predecessor reconstructs.
+  const Manifest* previous = from_base ? &base_->manifest : nullptr;
+  for (Step& step : steps) {
+    if (!step.record.keyframe && Fingerprint(*previous) != step.record.base_fingerprint) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s: the chain to version %d is broken: version %d is a delta against other bytes of "
+          "version %d than the channel holds",
+          uri_, version, step.version, step.record.base));
+    }
+    WB_ASSIGN_OR_RETURN(step.manifest, TargetManifest(step.inner, step.record, previous));
+    previous = &step.manifest;
+  }
+  return std::unique_ptr<IncomingVersion>(new DeltaIncoming(this, std::move(steps), from_base));
+}
+
+absl::StatusOr<Storage> DeltaSubscriber::PrepareStorage(const Manifest& manifest) const {
+  Storage storage;
+  uint64_t total = 0;
+  for (const TensorInfo& t : manifest.tensors) {
+    storage.offsets.push_back(total);
+    total += AlignUp(t.nbytes);
+  }
+  if (total > 0 && !(base_ && base_->buffer && base_->buffer->size() >= total)) {
+    WB_ASSIGN_OR_RETURN(storage.buffer, HostBuffer::Allocate(total));
+  }
+  return storage;
+}
+
+void DeltaSubscriber::AdoptBase(const Manifest& manifest, absl::Span<std::byte* const> targets,
+                                Storage* storage, const std::vector<Chunk>& chunks,
+                                const std::vector<Method>& methods) {
+  if (storage != nullptr) {
+    Base b;
+    b.offsets = std::move(storage->offsets);
+    b.buffer =
+        storage->buffer ? std::move(storage->buffer) : (base_ ? std::move(base_->buffer) : nullptr);
+    base_ = std::move(b);
+    parallel_->For(manifest.tensors.size(), [&](size_t i) {
+      if (manifest.tensors[i].nbytes > 0) {
+        std::memcpy(base_->tensor(i), targets[i], manifest.tensors[i].nbytes);
+      }
+    });
+  } else {
+    // A single delta on the base: only the chunks that changed.
+    parallel_->For(chunks.size(), [&](size_t c) {
+      if (methods[c] == Method::kSame) return;
+      for (const Piece& p : chunks[c].pieces) {
+        std::memcpy(base_->tensor(p.tensor) + p.offset, targets[p.tensor] + p.offset, p.bytes);
+      }
+    });
+  }
+  base_->manifest = manifest;
+  base_->fingerprint = Fingerprint(manifest);
+}
+
+absl::Status DeltaIncoming::Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
+                                  absl::Time deadline) {
+  targets_.assign(targets.begin(), targets.end());
+  const Manifest& m = manifest();
+  if (duplicate_) {
+    const Base& base = *owner_->base_;
+    owner_->parallel_->For(m.tensors.size(), [&](size_t i) {
+      if (m.tensors[i].nbytes > 0) std::memcpy(targets[i], base.tensor(i), m.tensors[i].nbytes);
+      sink.Landed(i);
+    });
+    fetched_ = true;
+    return absl::OkStatus();
+  }
+  // A single delta on the base only refreshes the chunks it changes; anything else replaces the
+  // whole base.
+  if (!(from_base_ && steps_.size() == 1)) {
+    WB_ASSIGN_OR_RETURN(storage_, owner_->PrepareStorage(m));
+  }
+  for (size_t k = 0; k < steps_.size(); ++k) {
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrFormat("%s: the deadline passed after %d of the %d encoded versions of %s",
+                          owner_->uri_, k, steps_.size(), Chain()));
+    }
+    WB_RETURN_IF_ERROR(FetchStep(k, targets, sink, deadline));
+  }
+  fetched_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> targets,
+                                      LandingSink& sink, absl::Time deadline) {
+  Step& step = steps_[k];
+  const bool last = k + 1 == steps_.size();
+  if (!step.incoming) {
+    absl::StatusOr<std::unique_ptr<IncomingVersion>> again =
+        owner_->inner_->OpenVersion(step.version, deadline);
+    if (!again.ok()) {
+      return absl::Status(again.status().code(),
+                          absl::StrFormat("%s: version %d of %s is gone: %s", owner_->uri_,
+                                          step.version, Chain(), again.status().message()));
+    }
+    if ((*again)->manifest() != step.inner) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s: version %d changed while its chain was being read", owner_->uri_, step.version));
+    }
+    step.incoming = *std::move(again);
+  }
+  // The encoded blob, checked against the checksum its inner manifest carries.
+  const TensorInfo& blob_info = step.inner.tensors[0];
+  WB_ASSIGN_OR_RETURN(std::shared_ptr<HostBuffer> blob, owner_->blobs_->Get(blob_info.nbytes));
+  struct Counter final : public LandingSink {
+    void Landed(size_t) override { ++landed; }
+    int landed = 0;
+  } counter;
+  std::byte* const blob_target[1] = {blob->data()};
+  WB_RETURN_IF_ERROR(step.incoming->Fetch(blob_target, counter, deadline));
+  const absl::Span<const std::byte> bytes(blob->data(), blob_info.nbytes);
+  const uint64_t sum = XXH3_64bits(bytes.data(), bytes.size());
+  if (counter.landed != 1 || sum != blob_info.xxh3) {
+    return absl::DataLossError(absl::StrFormat(
+        "%s: the encoded version %d (%s) fails verification: XXH3-64 of its %d bytes is %016x "
+        "but its manifest says %016x",
+        owner_->uri_, step.version, step.incoming->DescribeSource(0), bytes.size(), sum,
+        blob_info.xxh3));
+  }
+  const std::vector<TensorLayout> layout = LayoutOf(step.manifest.tensors);
+  std::vector<const std::byte*> base;
+  if (!step.record.keyframe) {
+    for (size_t i = 0; i < layout.size(); ++i) {
+      base.push_back(k == 0 ? owner_->base_->tensor(i) : targets[i]);
+    }
+  }
+  absl::Status decoded =
+      DecodeVersion(bytes, step.record.ids(), layout, base, targets, *owner_->parallel_,
+                    last ? std::function<void(size_t)>([&sink](size_t i) { sink.Landed(i); })
+                         : std::function<void(size_t)>());
+  if (!decoded.ok()) {
+    return absl::Status(
+        decoded.code(),
+        absl::StrFormat("%s: encoded version %d (%s, part of %s): %s", owner_->uri_, step.version,
+                        step.incoming->DescribeSource(0), Chain(), decoded.message()));
+  }
+  if (last && from_base_ && steps_.size() == 1) {
+    WB_ASSIGN_OR_RETURN(VersionHeader header, ParseHeader(bytes));
+    chunks_ = PlanChunks(layout, header.chunk_size);
+    methods_ = ChunkMethods(bytes, header);
+  }
+  if (!last) step.incoming.reset();  // releases the inner version's pin
+  return absl::OkStatus();
+}
+
+void DeltaIncoming::Accepted() {
+  if (duplicate_ || !fetched_) return;
+  owner_->AdoptBase(manifest(), targets_, storage_ ? &*storage_ : nullptr, chunks_, methods_);
+}
+
+std::string DeltaIncoming::Chain() const {
+  if (duplicate_) {
+    return absl::StrFormat(
+        "this subscriber's copy of version %d (delivered again, not applied "
+        "again)",
+        duplicate_->version);
+  }
+  const uint64_t first = steps_.front().version, last = steps_.back().version;
+  if (from_base_) {
+    return steps_.size() == 1
+               ? absl::StrFormat("delta %d on this subscriber's copy of version %d", last,
+                                 steps_.front().record.base)
+               : absl::StrFormat("deltas %d..%d on this subscriber's copy of version %d", first,
+                                 last, steps_.front().record.base);
+  }
+  return steps_.size() == 1
+             ? absl::StrFormat("keyframe %d", first)
+             : absl::StrFormat("keyframe %d + %d deltas up to %d", first, steps_.size() - 1, last);
+}
+
+std::string DeltaIncoming::DescribeSource(size_t tensor_index) const {
+  const Step* last = duplicate_ ? nullptr : &steps_.back();
+  return absl::StrFormat(
+      "tensor %d decoded from %s%s", tensor_index, Chain(),
+      last && last->incoming ? absl::StrFormat(" (%s)", last->incoming->DescribeSource(0)) : "");
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TransportSubscriber>> WrapSubscriber(
+    const Uri& uri, const Config& config, std::unique_ptr<TransportSubscriber> inner) {
+  WB_ASSIGN_OR_RETURN(LayerOptions options, ReadLayerOptions(uri, config));
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<Parallel> parallel, Parallel::Create(options.threads));
+  return std::unique_ptr<TransportSubscriber>(
+      new DeltaSubscriber(uri.Display(), std::move(inner), std::move(parallel)));
+}
+
+}  // namespace weightbus::internal::delta

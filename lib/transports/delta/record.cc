@@ -1,0 +1,190 @@
+// SPDX-License-Identifier: Apache-2.0
+// The delta record: the JSON text under the inner manifest's "weightbus.delta" metadata key that
+// says what an encoded version is (docs/FORMAT.md), and the target manifests it implies.
+#include <charconv>
+#include <cstring>
+
+#include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
+#include "transports/delta/delta_transport.h"
+#include "xxhash.h"
+
+namespace weightbus::internal::delta {
+namespace {
+
+using nlohmann::ordered_json;
+
+std::string Hex64(uint64_t v) { return absl::StrFormat("%016x", v); }
+
+bool ParseHex64(const std::string& s, uint64_t* v) {
+  if (s.size() != 16) return false;
+  const auto r = std::from_chars(s.data(), s.data() + s.size(), *v, 16);
+  return r.ec == std::errc() && r.ptr == s.data() + s.size();
+}
+
+void Append(std::string* out, const void* p, size_t n) {
+  out->append(static_cast<const char*>(p), n);
+}
+void AppendU64(std::string* out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out->push_back(static_cast<char>(v >> (8 * i)));
+}
+
+}  // namespace
+
+uint64_t Fingerprint(const Manifest& manifest) {
+  std::string text;
+  AppendU64(&text, manifest.tensors.size());
+  for (const TensorInfo& t : manifest.tensors) {
+    Append(&text, t.name.data(), t.name.size());
+    text.push_back('\0');
+    const std::string_view dtype = DTypeName(t.dtype);
+    Append(&text, dtype.data(), dtype.size());
+    text.push_back('\0');
+    AppendU64(&text, t.shape.size());
+    for (int64_t d : t.shape) AppendU64(&text, static_cast<uint64_t>(d));
+    AppendU64(&text, t.xxh3);
+  }
+  return XXH3_64bits(text.data(), text.size());
+}
+
+std::vector<TensorLayout> LayoutOf(const std::vector<TensorInfo>& tensors) {
+  std::vector<TensorLayout> out;
+  out.reserve(tensors.size());
+  for (const TensorInfo& t : tensors) out.push_back(TensorLayout{t.dtype, t.nbytes});
+  return out;
+}
+
+bool SameLayout(const std::vector<TensorInfo>& a, const std::vector<TensorInfo>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].name != b[i].name || a[i].dtype != b[i].dtype || a[i].shape != b[i].shape ||
+        a[i].shard != b[i].shard) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::string RecordToJson(const Record& r) {
+  ordered_json j;
+  j["format"] = kRecordFormat;
+  j["kind"] = r.keyframe ? "keyframe" : "delta";
+  if (!r.keyframe) {
+    j["base"] = r.base;
+    j["base_fingerprint"] = Hex64(r.base_fingerprint);
+  }
+  j["keyframe"] = r.keyframe_version;
+  j["encoded_bytes"] = r.encoded_bytes;
+  if (r.keyframe) {
+    Manifest m;
+    m.version = r.version;
+    m.tensors = r.tensors;
+    ordered_json tensors = ordered_json::parse(m.ToJson())["tensors"];
+    j["tensors"] = std::move(tensors);
+  } else {
+    ordered_json sums = ordered_json::array();
+    for (uint64_t x : r.xxh3) sums.push_back(Hex64(x));
+    j["xxh3"] = std::move(sums);
+  }
+  return j.dump();
+}
+
+absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view source) {
+  auto it = inner.metadata.find(std::string(kRecordKey));
+  if (it == inner.metadata.end()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: version %d was not published through the delta layer (its manifest has no \"%s\" "
+        "record); subscribe to it without \"delta+\", or publish with \"delta+\"",
+        source, inner.version, kRecordKey));
+  }
+  auto bad = [&](std::string_view what) {
+    return absl::DataLossError(
+        absl::StrFormat("%s: the delta record of version %d %s", source, inner.version, what));
+  };
+  const ordered_json j = ordered_json::parse(it->second, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return bad("is not a JSON object");
+  Record r;
+  r.version = inner.version;
+  try {
+    if (j.value("format", "") != kRecordFormat) {
+      return bad(absl::StrFormat("has format \"%s\", expected \"%s\"", j.value("format", ""),
+                                 kRecordFormat));
+    }
+    const std::string kind = j.at("kind").get<std::string>();
+    if (kind != "keyframe" && kind != "delta") return bad("has an unknown kind");
+    r.keyframe = kind == "keyframe";
+    r.keyframe_version = j.at("keyframe").get<uint64_t>();
+    r.encoded_bytes = j.at("encoded_bytes").get<uint64_t>();
+    if (r.keyframe) {
+      if (r.keyframe_version != r.version) return bad("is a keyframe naming another keyframe");
+      Manifest m;
+      ordered_json wrapper;
+      wrapper["format"] = "weightbus.manifest/1";
+      wrapper["version"] = r.version;
+      wrapper["publisher"] = {
+          {"host", ""}, {"pid", 0}, {"rank", 0}, {"world_size", 1}, {"name", ""}};
+      wrapper["publish_start_unix_ns"] = 0;
+      wrapper["sealed_unix_ns"] = 0;
+      wrapper["total_bytes"] = 0;
+      wrapper["metadata"] = ordered_json::object();
+      wrapper["tensors"] = j.at("tensors");
+      absl::StatusOr<Manifest> parsed =
+          Manifest::FromJson(wrapper.dump(), absl::StrFormat("%s (delta record)", source));
+      if (!parsed.ok()) return parsed.status();
+      r.tensors = std::move(parsed->tensors);
+    } else {
+      r.base = j.at("base").get<uint64_t>();
+      if (!ParseHex64(j.at("base_fingerprint").get<std::string>(), &r.base_fingerprint)) {
+        return bad("has a malformed base_fingerprint");
+      }
+      if (r.base >= r.version || r.keyframe_version > r.base) {
+        return bad(absl::StrFormat("names base %d and keyframe %d, which are not below it", r.base,
+                                   r.keyframe_version));
+      }
+      for (const auto& x : j.at("xxh3")) {
+        uint64_t v = 0;
+        if (!x.is_string() || !ParseHex64(x.get<std::string>(), &v)) {
+          return bad("has a malformed checksum");
+        }
+        r.xxh3.push_back(v);
+      }
+    }
+  } catch (const std::exception& e) {
+    return bad(absl::StrFormat("is malformed (%s)", e.what()));
+  }
+  if (inner.tensors.size() != 1 || inner.tensors[0].name != kBlobName ||
+      inner.tensors[0].dtype != DType::kU8 || inner.tensors[0].nbytes != r.encoded_bytes) {
+    return bad(
+        absl::StrFormat("does not match its tensors (expected one U8 tensor \"%s\" of "
+                        "%d bytes)",
+                        kBlobName, r.encoded_bytes));
+  }
+  return r;
+}
+
+absl::StatusOr<Manifest> TargetManifest(const Manifest& inner, const Record& record,
+                                        const Manifest* base) {
+  Manifest m;
+  m.version = inner.version;
+  m.publisher = inner.publisher;
+  m.publish_start_unix_ns = inner.publish_start_unix_ns;
+  m.sealed_unix_ns = inner.sealed_unix_ns;
+  m.metadata = inner.metadata;
+  m.metadata.erase(std::string(kRecordKey));
+  if (record.keyframe) {
+    m.tensors = record.tensors;
+    return m;
+  }
+  if (base == nullptr || record.xxh3.size() != base->tensors.size()) {
+    return absl::DataLossError(absl::StrFormat(
+        "the delta record of version %d lists %d checksums, but its base version %d has %d "
+        "tensors",
+        record.version, record.xxh3.size(), record.base,
+        base == nullptr ? 0 : base->tensors.size()));
+  }
+  m.tensors = base->tensors;
+  for (size_t i = 0; i < m.tensors.size(); ++i) m.tensors[i].xxh3 = record.xxh3[i];
+  return m;
+}
+
+}  // namespace weightbus::internal::delta

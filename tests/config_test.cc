@@ -106,6 +106,8 @@ TEST(ConfigTest, ByteSuffixes) {
   EXPECT_FALSE(ParseSettingValue(spec, "99999999999TiB").ok());
   EXPECT_EQ(EnvName("core", "bind_mode"), "WEIGHTBUS_BIND_MODE");
   EXPECT_EQ(EnvName("disk", "queue_depth"), "WEIGHTBUS_DISK_QUEUE_DEPTH");
+  EXPECT_EQ(EnvName("delta", "delta_threads"), "WEIGHTBUS_DELTA_THREADS");
+  EXPECT_EQ(EnvName("delta", "keyframe_interval"), "WEIGHTBUS_DELTA_KEYFRAME_INTERVAL");
 }
 
 TEST(UriTest, Forms) {

@@ -465,5 +465,50 @@ TEST(DeltaTransportTest, SettingsChangeTheEncodingNotTheResult) {
   }
 }
 
+// delta+ucx: the same layer over the UCX transport (shared memory here), which keeps the chain
+// from the newest keyframe in staging memory (KeepVersionsFrom) and lets a late joiner replay it
+// (OpenVersion). A follower takes every version as a delta; the late joiner, arriving after 35
+// versions, rebuilds the newest one from the keyframe at 31 and the deltas after it.
+TEST(DeltaTransportTest, OverUcxFollowersAndLateJoinersAreBitExact) {
+  const std::vector<std::string> built = Transports();
+  if (std::find(built.begin(), built.end(), "ucx") == built.end()) {
+    GTEST_SKIP() << "this build has no ucx transport";
+  }
+  ::setenv("UCX_TLS", "posix,sysv,cma,self", 1);
+  const int port = testing::FreePort();
+  ASSERT_GT(port, 0);
+  const std::string uri = absl::StrFormat("delta+ucx://127.0.0.1:%d/policy", port);
+  auto pub = Publisher::Open(uri + "?keyframe_interval=10");
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto follower = Subscriber::Open(uri);
+  ASSERT_TRUE(follower.ok()) << follower.status();
+  VersionStream stream(9, 1e-5);
+  std::vector<OwnedTensor> version;
+  for (uint64_t v = 1; v <= 35; ++v) {
+    version = stream.Next();
+    ASSERT_TRUE((*pub)->Publish(v, Views(version), {}, kTimeout).ok()) << v;
+    auto update = (*follower)->WaitForVersion(v, kTimeout);
+    ASSERT_TRUE(update.ok()) << v << ": " << update.status();
+    ASSERT_EQ((*update)->version(), v);
+    ExpectSameTensors(**update, version);
+  }
+  auto late = Subscriber::Open(uri);
+  ASSERT_TRUE(late.ok());
+  auto first = (*late)->WaitForVersion(0, kTimeout);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ((*first)->version(), 35u);
+  ExpectSameTensors(**first, version);
+  for (uint64_t v = 36; v <= 38; ++v) {
+    version = stream.Next();
+    ASSERT_TRUE((*pub)->Publish(v, Views(version), {}, kTimeout).ok());
+    for (auto* sub : {&*follower, &*late}) {
+      auto update = (*sub)->WaitForVersion(v, kTimeout);
+      ASSERT_TRUE(update.ok()) << update.status();
+      ExpectSameTensors(**update, version);
+    }
+  }
+  ::unsetenv("UCX_TLS");
+}
+
 }  // namespace
 }  // namespace weightbus

@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "test_support.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -147,6 +150,30 @@ absl::StatusOr<RunResult> RunCommand(const std::vector<std::string>& argv, absl:
     result.exit_code = 128 + WTERMSIG(*status);
   }
   return result;
+}
+
+int FreePort(int family) {
+  int fd = socket(family, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_storage ss{};
+  socklen_t len;
+  if (family == AF_INET) {
+    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+    a->sin_family = AF_INET;
+    a->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    len = sizeof(*a);
+  } else {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    a->sin6_family = AF_INET6;
+    a->sin6_addr = in6addr_loopback;
+    len = sizeof(*a);
+  }
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&ss), len) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) == 0;
+  close(fd);
+  if (!ok) return -1;
+  return ntohs(family == AF_INET ? reinterpret_cast<sockaddr_in*>(&ss)->sin_port
+                                 : reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
 }
 
 std::vector<std::byte> RandomBytes(size_t n, uint64_t seed) {

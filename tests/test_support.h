@@ -69,6 +69,10 @@ absl::StatusOr<RunResult> RunCommand(const std::vector<std::string>& argv,
                                      absl::Duration timeout = absl::Seconds(120),
                                      const std::map<std::string, std::string>& env = {});
 
+// A loopback TCP port nobody listens on right now (binds port 0 and reads it back), for tests
+// that start rendezvous servers; -1 on failure. `family` is AF_INET or AF_INET6.
+int FreePort(int family = 2 /* AF_INET */);
+
 // Deterministic pseudo-random bytes (splitmix64 of `seed`).
 std::vector<std::byte> RandomBytes(size_t n, uint64_t seed);
 // XXH3-64 (seed 0) of `n` bytes at `data`, computed with libxxhash directly.

@@ -49,20 +49,7 @@ const Tls kTcp{"tcp", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}};
 std::string Peer() { return testing::BinaryPath("tests/wb_test_peer"); }
 std::string Cli() { return testing::BinaryPath("tools/weightbus"); }
 
-int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), len) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    close(fd);
-    return -1;
-  }
-  close(fd);
-  return ntohs(a.sin_port);
-}
+using ::weightbus::testing::FreePort;
 
 int ExitCode(int wait_status) {
   if (WIFEXITED(wait_status)) return WEXITSTATUS(wait_status);

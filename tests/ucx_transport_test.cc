@@ -50,31 +50,7 @@ void PrintTo(const Tls& tls, std::ostream* os) { *os << tls.name; }
 const Tls kShm{"shm", {{"UCX_TLS", "posix,sysv,cma,self"}}};
 const Tls kTcp{"tcp", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}};
 
-// A TCP port nobody listens on right now (bind port 0 and read it back).
-int FreePort(int family = AF_INET) {
-  int fd = socket(family, SOCK_STREAM, 0);
-  sockaddr_storage ss{};
-  socklen_t len;
-  if (family == AF_INET) {
-    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
-    a->sin_family = AF_INET;
-    a->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    len = sizeof(*a);
-  } else {
-    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
-    a->sin6_family = AF_INET6;
-    a->sin6_addr = in6addr_loopback;
-    len = sizeof(*a);
-  }
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) {
-    if (fd >= 0) close(fd);
-    return -1;
-  }
-  close(fd);
-  return ntohs(family == AF_INET ? reinterpret_cast<sockaddr_in*>(&ss)->sin_port
-                                 : reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
-}
+using ::weightbus::testing::FreePort;
 
 // Why UCX cannot run here with the current UCX_* environment, or "" when it can.
 std::string UcxUnavailableReason() {

@@ -52,7 +52,11 @@ absl::StatusOr<uint64_t> ParseBytes(const SettingSpec& spec, std::string_view te
 
 std::string EnvName(std::string_view scope, std::string_view name) {
   std::string out = "WEIGHTBUS_";
-  if (scope != "core") absl::StrAppend(&out, absl::AsciiStrToUpper(AV(scope)), "_");
+  // A name that already starts with its scope ("delta_threads" in scope "delta") is not
+  // prefixed twice: WEIGHTBUS_DELTA_THREADS.
+  const bool prefixed = name.size() > scope.size() && name.substr(0, scope.size()) == scope &&
+                        name[scope.size()] == '_';
+  if (scope != "core" && !prefixed) absl::StrAppend(&out, absl::AsciiStrToUpper(AV(scope)), "_");
   absl::StrAppend(&out, absl::AsciiStrToUpper(AV(name)));
   return out;
 }

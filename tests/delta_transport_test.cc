@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
+#include "expect_tensors.h"
 #include "test_model.h"
 #include "test_support.h"
 #include "weightbus/update_stream.h"
@@ -100,20 +101,7 @@ class VersionStream {
   uint64_t count_ = 0;
 };
 
-void ExpectSameTensors(const Update& update, const std::vector<OwnedTensor>& expected) {
-  ASSERT_EQ(update.tensors().size(), expected.size());
-  for (size_t i = 0; i < expected.size(); ++i) {
-    const TensorView& got = update.tensors()[i];
-    const OwnedTensor& want = expected[i];
-    ASSERT_EQ(got.name, want.name);
-    ASSERT_EQ(got.dtype, want.dtype) << want.name;
-    ASSERT_EQ(got.shape, want.shape) << want.name;
-    ASSERT_EQ(update.manifest().tensors[i].xxh3, Xxh3(want.bytes.data(), want.bytes.size()));
-    if (!want.bytes.empty()) {
-      ASSERT_EQ(std::memcmp(got.data, want.bytes.data(), want.bytes.size()), 0) << want.name;
-    }
-  }
-}
+using ::weightbus::testing::ExpectSameTensors;
 
 TEST(DeltaTransportTest, RoundTripsEveryDtypeAndEdgeShape) {
   ScratchDir dir;

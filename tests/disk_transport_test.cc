@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "expect_tensors.h"
 #include "test_model.h"
 #include "test_support.h"
 #include "weightbus/safetensors.hpp"
@@ -40,22 +41,7 @@ std::string VersionDir(const ScratchDir& dir, uint64_t v) {
   return absl::StrFormat("%s/channel/versions/v%020d", dir.path(), v);
 }
 
-// Asserts that `update` holds exactly `expected`, byte for byte.
-void ExpectSameTensors(const Update& update, const std::vector<OwnedTensor>& expected) {
-  ASSERT_EQ(update.tensors().size(), expected.size());
-  for (size_t i = 0; i < expected.size(); ++i) {
-    const TensorView& got = update.tensors()[i];
-    const OwnedTensor& want = expected[i];
-    EXPECT_EQ(got.name, want.name);
-    EXPECT_EQ(got.dtype, want.dtype) << want.name;
-    EXPECT_EQ(got.shape, want.shape) << want.name;
-    EXPECT_EQ(update.manifest().tensors[i].xxh3, Xxh3(want.bytes.data(), want.bytes.size()))
-        << want.name;
-    if (!want.bytes.empty() && got.strides.empty()) {
-      EXPECT_EQ(std::memcmp(got.data, want.bytes.data(), want.bytes.size()), 0) << want.name;
-    }
-  }
-}
+using ::weightbus::testing::ExpectSameTensors;
 
 TEST(DiskTransportTest, RoundTripsEveryDtypeAndEdgeShape) {
   ScratchDir dir;

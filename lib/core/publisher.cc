@@ -20,6 +20,7 @@
 #include "core/failpoint.h"
 #include "core/registry.h"
 #include "core/status.h"
+#include "core/system.h"
 #include "core/tensor_pack.h"
 #include "core/worker_pool.h"
 #include "weightbus/weightbus.hpp"
@@ -57,12 +58,6 @@ void StreamCopy(std::byte* dst, const std::byte* src, size_t n) {
   }
 #endif
   if (n > 0) std::memcpy(dst, src, n);
-}
-
-std::string HostName() {
-  char buf[256] = {};
-  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
-  return buf;
 }
 
 // The core's side of one Publish: the manifest under construction and the packed bytes.
@@ -174,7 +169,7 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: rank %d is not in [0, world_size=%d)", uri.Display(), rank, world_size));
   }
-  impl->identity = PublisherIdentity{HostName(), getpid(), static_cast<int>(rank),
+  impl->identity = PublisherIdentity{internal::HostName(), getpid(), static_cast<int>(rank),
                                      static_cast<int>(world_size), c.String("publisher_name")};
   WB_ASSIGN_OR_RETURN(impl->backend, internal::OpenPublisherStack(impl->stack, uri, c));
   WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, impl->backend->LatestVersion());

@@ -13,16 +13,10 @@
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
 #include "weightbus/bf16.h"
+#include "weightbus/random.h"
 
 namespace weightbus::tools {
 namespace {
-
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 enum class Init { kNormal, kZero, kOne };
 

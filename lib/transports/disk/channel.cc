@@ -34,18 +34,6 @@ std::string ShardFileName(size_t k, size_t n) {
   return absl::StrFormat("model-%05d-of-%05d.safetensors", k, n);
 }
 
-UniqueFd& UniqueFd::operator=(UniqueFd&& o) noexcept {
-  if (this != &o) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = o.release();
-  }
-  return *this;
-}
-
-UniqueFd::~UniqueFd() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
 absl::StatusOr<UniqueFd> OpenFile(const std::string& path, int flags, mode_t mode) {
   int fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
   if (fd < 0) return ErrnoStatus(errno, absl::StrFormat("open %s", path));

@@ -24,6 +24,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/system.h"
 
 namespace weightbus::internal::disk {
 
@@ -43,26 +44,6 @@ std::string VersionDirName(uint64_t version);
 std::optional<uint64_t> ParseVersionDirName(std::string_view name);
 // "model.safetensors" when n == 1, else "model-0000K-of-0000N.safetensors" (k is 1-based).
 std::string ShardFileName(size_t k, size_t n);
-
-// An owned file descriptor.
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(UniqueFd&& o) noexcept : fd_(o.release()) {}
-  UniqueFd& operator=(UniqueFd&& o) noexcept;
-  ~UniqueFd();
-  int get() const { return fd_; }
-  int release() {
-    int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-  explicit operator bool() const { return fd_ >= 0; }
-
- private:
-  int fd_ = -1;
-};
 
 // open(2) with O_CLOEXEC; errors name `path`.
 absl::StatusOr<UniqueFd> OpenFile(const std::string& path, int flags, mode_t mode = 0644);

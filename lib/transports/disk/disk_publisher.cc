@@ -30,12 +30,6 @@
 namespace weightbus::internal::disk {
 namespace {
 
-std::string HostName() {
-  char buf[256] = {};
-  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
-  return buf;
-}
-
 // One safetensors file of a version and the tensors (manifest indices) it holds.
 struct FilePlan {
   std::string name;
@@ -384,7 +378,7 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenDiskPublisher(const Uri&
     }
     return ErrnoStatus(err, absl::StrFormat("lock %s", channel.Path(kPublisherLock)));
   }
-  const std::string holder = absl::StrFormat("pid %d on %s", getpid(), HostName());
+  const std::string holder = ProcessDescription();
   if (::ftruncate(lock.get(), 0) != 0 ||
       ::pwrite(lock.get(), holder.data(), holder.size(), 0) < 0) {
     Log(LogLevel::kWarn, "could not record the holder in %s", channel.Path(kPublisherLock));

@@ -87,18 +87,6 @@ std::string_view MsgTypeName(MsgType type) {
   return "UNKNOWN";
 }
 
-Fd& Fd::operator=(Fd&& o) noexcept {
-  if (this != &o) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = o.release();
-  }
-  return *this;
-}
-
-Fd::~Fd() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
 std::string DescribeSockaddr(const sockaddr* addr, socklen_t len) {
   char host[NI_MAXHOST] = {}, serv[NI_MAXSERV] = {};
   if (getnameinfo(addr, len, host, sizeof(host), serv, sizeof(serv),

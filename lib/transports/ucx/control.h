@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "core/system.h"
 
 namespace weightbus::internal::ucx {
 
@@ -50,25 +51,7 @@ std::string_view MsgTypeName(MsgType type);
 // must neither expire a lease early nor extend it.
 absl::Time MonotonicNow();
 
-// An owned file descriptor.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(o.release()) {}
-  Fd& operator=(Fd&& o) noexcept;
-  ~Fd();
-  int get() const { return fd_; }
-  int release() {
-    int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-  explicit operator bool() const { return fd_ >= 0; }
-
- private:
-  int fd_ = -1;
-};
+using Fd = ::weightbus::internal::UniqueFd;
 
 // "127.0.0.1 port 5555 (IPv4)" or "::1 port 5555 (IPv6)".
 std::string DescribeSockaddr(const sockaddr* addr, socklen_t len);

@@ -28,6 +28,7 @@
 #include "core/failpoint.h"
 #include "core/logging.h"
 #include "core/status.h"
+#include "core/system.h"
 #include "core/worker_pool.h"
 #include "transports/ucx/control.h"
 #include "transports/ucx/ucp_util.h"
@@ -41,22 +42,6 @@ namespace weightbus::internal::ucx {
 namespace {
 
 constexpr uint64_t kTensorAlign = 64;
-
-std::string HostName() {
-  char buf[256] = {};
-  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
-  return buf;
-}
-
-uint64_t RandomId() {
-  uint64_t x = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())) ^
-               (static_cast<uint64_t>(getpid()) << 32);
-  // splitmix64, so ids of processes started together differ in every bit.
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 // One piece of a staging slot: registered memory covering [base, base + size()) of the slot's
 // byte range.
@@ -127,7 +112,7 @@ class UcxPublisher final : public TransportPublisher {
         context_(std::move(context)), worker_(std::move(worker)), listener_(std::move(listener)),
         wake_(std::move(wake)), efd_(efd), worker_address_(std::move(worker_address)),
         copiers_(std::move(copiers)),
-        description_(absl::StrFormat("pid %d on %s", getpid(), HostName())) {}
+        description_(ProcessDescription()) {}
 
   ~UcxPublisher() override {
     {

@@ -18,6 +18,7 @@
 #include "core/failpoint.h"
 #include "core/logging.h"
 #include "core/status.h"
+#include "core/system.h"
 #include "transports/ucx/control.h"
 #include "transports/ucx/registration_cache.h"
 #include "transports/ucx/ucp_util.h"
@@ -25,21 +26,6 @@
 
 namespace weightbus::internal::ucx {
 namespace {
-
-std::string HostName() {
-  char buf[256] = {};
-  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
-  return buf;
-}
-
-uint64_t RandomId() {
-  uint64_t x = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())) ^
-               (static_cast<uint64_t>(getpid()) << 32) ^ reinterpret_cast<uintptr_t>(&x);
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 struct GrantRegion {
   uint64_t id = 0;
@@ -170,7 +156,7 @@ class UcxSubscriber final : public TransportSubscriber {
                 std::shared_ptr<Context> context, std::unique_ptr<Worker> worker)
       : endpoint_(std::move(endpoint)), options_(options), failpoints_(std::move(failpoints)),
         context_(std::move(context)), worker_(std::move(worker)), registrations_(context_),
-        description_(absl::StrFormat("pid %d on %s", getpid(), HostName())) {}
+        description_(ProcessDescription()) {}
 
   ~UcxSubscriber() override {
     absl::MutexLock lock(&mu_);

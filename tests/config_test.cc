@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Internal pieces of the core: settings registry, URIs, fail points, strided packing, UTF-8
-// checks, the I/O engines and the buffer pool.
+// checks, the I/O engines, the buffer pool and the codec figures layers report.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -18,6 +18,7 @@
 #include "core/uri.h"
 #include "io/file_io.h"
 #include "test_support.h"
+#include "weightbus/weightbus.hpp"
 
 namespace weightbus::internal {
 namespace {
@@ -335,6 +336,112 @@ TEST(DiskCapabilitiesTest, OpenExactVersionsListThemAndKeepAFloor) {
   EXPECT_TRUE(testing::WaitUntil([&] { return listed() == std::vector<uint64_t>{3, 4}; }));
   EXPECT_EQ((*sub)->OpenVersion(1, absl::Now() + absl::Seconds(1)).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace weightbus::internal
+
+namespace weightbus::internal {
+namespace {
+
+// A layer that passes versions through unchanged but reports codec figures, as the delta layer
+// does: the core must surface them in PublishStats/UpdateStats.
+class CodecReportingPublisher : public TransportPublisher {
+ public:
+  explicit CodecReportingPublisher(std::unique_ptr<TransportPublisher> inner)
+      : inner_(std::move(inner)) {}
+  absl::StatusOr<std::optional<uint64_t>> LatestVersion() override {
+    return inner_->LatestVersion();
+  }
+  absl::Status Publish(PublishJob& job, absl::Time deadline) override {
+    return inner_->Publish(job, deadline);
+  }
+  std::optional<CodecStats> LastCodecStats() const override {
+    return CodecStats{absl::Milliseconds(7), 42};
+  }
+
+ private:
+  std::unique_ptr<TransportPublisher> inner_;
+};
+
+class CodecReportingIncoming : public IncomingVersion {
+ public:
+  explicit CodecReportingIncoming(std::unique_ptr<IncomingVersion> inner)
+      : inner_(std::move(inner)) {}
+  const Manifest& manifest() const override { return inner_->manifest(); }
+  absl::Status Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
+                     absl::Time deadline) override {
+    return inner_->Fetch(targets, sink, deadline);
+  }
+  std::string DescribeSource(size_t i) const override { return inner_->DescribeSource(i); }
+  std::optional<CodecStats> FetchCodecStats() const override {
+    return CodecStats{absl::Milliseconds(3), 43};
+  }
+
+ private:
+  std::unique_ptr<IncomingVersion> inner_;
+};
+
+class CodecReportingSubscriber : public TransportSubscriber {
+ public:
+  explicit CodecReportingSubscriber(std::unique_ptr<TransportSubscriber> inner)
+      : inner_(std::move(inner)) {}
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> WaitForVersion(uint64_t min_version,
+                                                                  absl::Time deadline) override {
+    auto v = inner_->WaitForVersion(min_version, deadline);
+    if (!v.ok()) return v.status();
+    return std::make_unique<CodecReportingIncoming>(*std::move(v));
+  }
+
+ private:
+  std::unique_ptr<TransportSubscriber> inner_;
+};
+
+TEST(CodecStatsTest, LayersReportEncodeDecodeAndWireBytesPlainTransportsTheirBytes) {
+  static const bool registered = [] {
+    TransportDescriptor d;
+    d.scheme = "testcodec";
+    d.summary = "test layer reporting codec figures";
+    d.wrap_publisher = [](const Uri&, const Config&, std::unique_ptr<TransportPublisher> inner)
+        -> absl::StatusOr<std::unique_ptr<TransportPublisher>> {
+      return std::make_unique<CodecReportingPublisher>(std::move(inner));
+    };
+    d.wrap_subscriber = [](const Uri&, const Config&, std::unique_ptr<TransportSubscriber> inner)
+        -> absl::StatusOr<std::unique_ptr<TransportSubscriber>> {
+      return std::make_unique<CodecReportingSubscriber>(std::move(inner));
+    };
+    RegisterTransport(std::move(d));
+    return true;
+  }();
+  ASSERT_TRUE(registered);
+  testing::ScratchDir dir;
+  std::vector<std::byte> bytes = testing::RandomBytes(256, 3);
+  const TensorView t{"w", DType::kU8, {256}, {}, bytes.data()};
+  for (const std::string scheme : {"disk", "testcodec+disk"}) {
+    SCOPED_TRACE(scheme);
+    const std::string uri = scheme + "://" + dir.path() + "/" + scheme;
+    auto pub = Publisher::Open(uri);
+    auto sub = Subscriber::Open(uri);
+    ASSERT_TRUE(pub.ok() && sub.ok());
+    ASSERT_TRUE((*pub)->Publish(1, {t}, {}, absl::Seconds(10)).ok());
+    auto u = (*sub)->WaitForVersion(1, absl::Seconds(10));
+    ASSERT_TRUE(u.ok()) << u.status();
+    const PublishStats p = (*pub)->last_stats();
+    const UpdateStats& s = (*u)->stats();
+    EXPECT_EQ(p.bytes, 256u);
+    EXPECT_EQ(s.bytes, 256u);
+    if (scheme == "disk") {
+      EXPECT_EQ(p.wire_bytes, 256u);
+      EXPECT_EQ(p.encode, absl::ZeroDuration());
+      EXPECT_EQ(s.wire_bytes, 256u);
+      EXPECT_EQ(s.decode, absl::ZeroDuration());
+    } else {
+      EXPECT_EQ(p.wire_bytes, 42u);
+      EXPECT_EQ(p.encode, absl::Milliseconds(7));
+      EXPECT_EQ(s.wire_bytes, 43u);
+      EXPECT_EQ(s.decode, absl::Milliseconds(3));
+    }
+  }
 }
 
 }  // namespace

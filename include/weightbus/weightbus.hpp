@@ -73,6 +73,9 @@ struct PublishStats {
   absl::Duration pack;           // packing non-contiguous tensors
   absl::Duration checksum_wait;  // time spent waiting for checksums after the transport was done
   absl::Duration transport;      // the transport's part (for disk: write, fsync, commit)
+  absl::Duration encode;         // part of `transport` a layer (delta) spent encoding; 0 if none
+  uint64_t wire_bytes = 0;       // bytes the transport carried for the tensors: `bytes`, or what
+                                 // a layer encoded them to; 0 when a layer does not report it
 };
 
 // Publishes versions of a set of named tensors to one channel.
@@ -142,6 +145,9 @@ struct UpdateStats {
   absl::Duration verify_wait;   // waiting for checksums after the last byte arrived
   absl::Duration copy_out;      // copying staged bytes into bound destinations (bind_mode=staged)
   int64_t ready_unix_ns = 0;    // when the version was complete and verified (CLOCK_REALTIME)
+  absl::Duration decode;        // part of `fetch` a layer (delta) spent decoding; 0 if none
+  uint64_t wire_bytes = 0;      // bytes received for the tensors: `bytes`, or their encoded size
+                                // under a layer; 0 when a layer does not report it
 };
 
 // One received, verified version. Immutable. Views into library-owned buffers stay valid for

@@ -264,6 +264,13 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   const absl::Time end = absl::Now();
   stats = PublishStats{version,    m.total_bytes(), end - start, pack_time,
                        end - transport_end, transport_end - pack_start - pack_time};
+  // Wire bytes: the tensors' own for a plain transport; a layer reports what it encoded them to.
+  if (std::optional<internal::CodecStats> codec = backend->LastCodecStats()) {
+    stats.encode = codec->time;
+    stats.wire_bytes = codec->wire_bytes;
+  } else if (this->stack.size() == 1) {
+    stats.wire_bytes = m.total_bytes();
+  }
   return absl::OkStatus();
 }
 

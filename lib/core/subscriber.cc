@@ -377,6 +377,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
         verifier.actual(*bad), t.xxh3, direct_note, current ? std::to_string(*current) : "none"));
   }
   incoming->Accepted();
+  const std::optional<internal::CodecStats> codec = incoming->FetchCodecStats();
   incoming.reset();  // releases the transport's pin on the version
 
   // Everything verified: only now touch staged destinations.
@@ -408,6 +409,13 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
   impl->stats = UpdateStats{m.total_bytes(),   found - start,      allocated - found,
                             fetched - allocated, verified - fetched, end - verified,
                             absl::ToUnixNanos(end)};
+  // Wire bytes: the tensors' own for a plain transport; a layer reports its encoded size.
+  if (codec) {
+    impl->stats.decode = codec->time;
+    impl->stats.wire_bytes = codec->wire_bytes;
+  } else if (stack.size() == 1) {
+    impl->stats.wire_bytes = m.total_bytes();
+  }
   current = m.version;
   return std::make_unique<Update>(std::move(impl));
 }

@@ -67,6 +67,13 @@ class SealedPublishJob final : public PublishJob {
   std::vector<PackedTensor> packed_;
 };
 
+// What a layer (such as delta) did to one version on its way: surfaced as PublishStats::encode /
+// UpdateStats::decode and the wire_bytes of both.
+struct CodecStats {
+  absl::Duration time;      // encoding (publisher) or decoding (subscriber) time
+  uint64_t wire_bytes = 0;  // bytes of the version as the transport beneath carried it
+};
+
 class TransportPublisher {
  public:
   virtual ~TransportPublisher() = default;
@@ -88,6 +95,9 @@ class TransportPublisher {
   // a newer one, or until `deadline`, and returns how many have (possibly fewer than `count`).
   // Only a transport that talks to its subscribers can tell (default: Unimplemented).
   virtual absl::StatusOr<int> WaitForReceivers(uint64_t version, int count, absl::Time deadline);
+  // A layer's figures for its last successful Publish (default: none; the core then reports the
+  // tensor bytes as wire bytes for a plain transport and 0, unknown, under a layer).
+  virtual std::optional<CodecStats> LastCodecStats() const { return std::nullopt; }
 };
 
 // Receives notice that a tensor's bytes are complete, so verification overlaps the transfer.
@@ -118,6 +128,8 @@ class IncomingVersion {
   // Called by the core after every tensor passed verification, just before the version is
   // handed over (a delta layer advances its base here). Not called for a rejected version.
   virtual void Accepted() {}
+  // A layer's figures for the Fetch that just finished (default: none, as LastCodecStats).
+  virtual std::optional<CodecStats> FetchCodecStats() const { return std::nullopt; }
 };
 
 class TransportSubscriber {

@@ -188,6 +188,41 @@ TEST(DeltaTransportTest, LateJoinerAfterFiftyVersionsGetsKeyframeThenDeltas) {
   }
 }
 
+// PublishStats and UpdateStats report the layer's part: wire bytes are the encoded versions'
+// sizes as committed (a follower fetches one; a late joiner the whole chain from the keyframe),
+// and encode/decode time is part of the transport's and fetch's time.
+TEST(DeltaTransportTest, StatsReportEncodedBytesAndCodecTime) {
+  ScratchDir dir;
+  auto pub = Publisher::Open(Uri(dir, "keyframe_interval=4"));
+  ASSERT_TRUE(pub.ok());
+  auto follower = Subscriber::Open(Uri(dir));
+  ASSERT_TRUE(follower.ok());
+  VersionStream stream(5, 1e-5);
+  uint64_t chain_bytes = 0;  // versions 5.. (keyframe 5, deltas 6, 7)
+  for (uint64_t v = 1; v <= 7; ++v) {
+    std::vector<OwnedTensor> version = stream.Next();
+    ASSERT_TRUE((*pub)->Publish(v, Views(version), {}, kTimeout).ok());
+    const PublishStats ps = (*pub)->last_stats();
+    const uint64_t encoded = RecordOnDisk(dir, v)["encoded_bytes"].get<uint64_t>();
+    EXPECT_EQ(ps.wire_bytes, encoded) << "version " << v;
+    EXPECT_GT(ps.encode, absl::ZeroDuration());
+    EXPECT_LE(ps.encode, ps.transport);
+    if (RecordOnDisk(dir, v)["kind"] == "delta") EXPECT_LT(ps.wire_bytes, ps.bytes / 4);
+    if (v >= 5) chain_bytes += encoded;
+    auto update = (*follower)->WaitForVersion(v, kTimeout);
+    ASSERT_TRUE(update.ok()) << update.status();
+    EXPECT_EQ((*update)->stats().wire_bytes, encoded) << "version " << v;
+    EXPECT_GT((*update)->stats().decode, absl::ZeroDuration());
+    EXPECT_LE((*update)->stats().decode, (*update)->stats().fetch);
+  }
+  EXPECT_EQ(RecordOnDisk(dir, 5)["kind"], "keyframe");
+  auto late = Subscriber::Open(Uri(dir));
+  ASSERT_TRUE(late.ok());
+  auto update = (*late)->WaitForVersion(7, kTimeout);
+  ASSERT_TRUE(update.ok()) << update.status();
+  EXPECT_EQ((*update)->stats().wire_bytes, chain_bytes);
+}
+
 // Flips one bit in the data region of a committed version's file.
 void FlipBit(const std::string& path, uint64_t from_end) {
   const uint64_t size = std::filesystem::file_size(path);

@@ -51,6 +51,8 @@ class DeltaPublisher final : public TransportPublisher {
     ApplyFloor();
   }
 
+  std::optional<CodecStats> LastCodecStats() const override { return last_stats_; }
+
  private:
   void ApplyFloor() {
     std::optional<uint64_t> floor = keyframe_;
@@ -78,6 +80,7 @@ class DeltaPublisher final : public TransportPublisher {
   uint64_t deltas_since_keyframe_ = 0;
   uint64_t keyframe_bytes_ = 0;          // its encoded size
   std::optional<uint64_t> outer_floor_;  // from a layer above, if any
+  std::optional<CodecStats> last_stats_;  // of the last successful Publish
 };
 
 absl::StatusOr<DeltaPublisher::Storage> DeltaPublisher::PrepareBase(
@@ -138,6 +141,7 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
                   (options_.keyframe_interval > 0 &&
                    deltas_since_keyframe_ + 1 >= static_cast<uint64_t>(options_.keyframe_interval));
   const absl::Time start = absl::Now();
+  last_stats_.reset();
   auto encode = [&](bool as_keyframe) -> absl::StatusOr<EncodedVersion> {
     VersionIds ids{as_keyframe, version, as_keyframe ? 0 : base_->manifest.version,
                    as_keyframe ? version : *keyframe_};
@@ -208,6 +212,7 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   } else {
     ++deltas_since_keyframe_;
   }
+  last_stats_ = CodecStats{encoded_at - start, encoded.bytes.size()};
   Log(LogLevel::kDebug,
       "%s version %d: %s of %d bytes for %d bytes of tensors (%.1fx), %d of %d "
       "elements changed, encoded in %s",

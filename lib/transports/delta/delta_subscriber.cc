@@ -77,6 +77,12 @@ class DeltaIncoming final : public IncomingVersion {
                      absl::Time deadline) override;
   std::string DescribeSource(size_t tensor_index) const override;
   void Accepted() override;
+  // Decoding time and the encoded bytes fetched, over every step of the chain (a duplicate of
+  // the base moves nothing: 0 bytes).
+  std::optional<CodecStats> FetchCodecStats() const override {
+    if (!fetched_) return std::nullopt;
+    return codec_;
+  }
 
  private:
   absl::Status FetchStep(size_t k, absl::Span<std::byte* const> targets, LandingSink& sink,
@@ -93,6 +99,7 @@ class DeltaIncoming final : public IncomingVersion {
   std::vector<Chunk> chunks_;    // of a single delta on the base
   std::vector<Method> methods_;  // its chunks' methods
   bool fetched_ = false;
+  CodecStats codec_;
 };
 
 class DeltaSubscriber final : public TransportSubscriber {
@@ -355,6 +362,8 @@ absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> tar
         owner_->uri_, step.version, step.incoming->DescribeSource(0), bytes.size(), sum,
         blob_info.xxh3));
   }
+  codec_.wire_bytes += bytes.size();
+  const absl::Time decode_start = absl::Now();
   const std::vector<TensorLayout> layout = LayoutOf(step.manifest.tensors);
   std::vector<const std::byte*> base;
   if (!step.record.keyframe) {
@@ -366,6 +375,7 @@ absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> tar
       DecodeVersion(bytes, step.record.ids(), layout, base, targets, *owner_->parallel_,
                     last ? std::function<void(size_t)>([&sink](size_t i) { sink.Landed(i); })
                          : std::function<void(size_t)>());
+  codec_.time += absl::Now() - decode_start;
   if (!decoded.ok()) {
     return absl::Status(
         decoded.code(),

@@ -75,6 +75,14 @@ bool IsWildcard(const std::string& host) {
 
 }  // namespace
 
+bool IsLoopback(const std::string& host) {
+  in_addr v4;
+  in6_addr v6;
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) return IN6_IS_ADDR_LOOPBACK(&v6);
+  return host == "localhost";
+}
+
 absl::StatusOr<Endpoint> ParseEndpoint(const Uri& uri, bool for_subscriber) {
   Endpoint e;
   e.display = uri.Display();

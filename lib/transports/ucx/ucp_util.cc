@@ -3,6 +3,7 @@
 
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -51,11 +52,21 @@ absl::Status UcsError(ucs_status_t status, std::string_view what) {
   return absl::Status(code, absl::StrFormat("%s: %s", what, ucs_status_string(status)));
 }
 
-absl::StatusOr<std::shared_ptr<Context>> Context::Create(bool wakeup, std::string_view uri) {
+absl::StatusOr<std::shared_ptr<Context>> Context::Create(bool wakeup, std::string_view uri,
+                                                         bool one_host) {
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) {
     return UcsError(s, absl::StrFormat("%s: reading the UCX configuration (UCX_* variables)", uri));
+  }
+  if (one_host && std::getenv("UCX_TLS") == nullptr) {
+    s = ucp_config_modify(config, "TLS", "^tcp");
+    if (s != UCS_OK) {
+      ucp_config_release(config);
+      return UcsError(s, absl::StrFormat("%s: setting UCX_TLS=^tcp for a one-host channel", uri));
+    }
+    Log(LogLevel::kDebug, "%s: one host (loopback address), UCX_TLS unset: using UCX_TLS=^tcp",
+        uri);
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;

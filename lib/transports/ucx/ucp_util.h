@@ -28,8 +28,13 @@ absl::Status UcsError(ucs_status_t status, std::string_view what);
 // variables (UCX_TLS, UCX_NET_DEVICES, ...) as every UCX program is.
 class Context {
  public:
+  // `one_host`: every peer is on this host (the channel's address is a loopback one). Then,
+  // unless UCX_TLS is set, TCP is left out (UCX_TLS=^tcp): with UCX's defaults (UCX 1.13) a
+  // one-sided get between two processes of one host goes over TCP on lo at ~0.6 GB/s instead of
+  // shared memory or CMA at 3-6 GB/s (BENCHMARKS.md, "weightbus-bench").
   // Errors: Unavailable when UCX cannot initialize (no usable transport), naming `uri`.
-  static absl::StatusOr<std::shared_ptr<Context>> Create(bool wakeup, std::string_view uri);
+  static absl::StatusOr<std::shared_ptr<Context>> Create(bool wakeup, std::string_view uri,
+                                                         bool one_host);
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;

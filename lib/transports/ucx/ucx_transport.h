@@ -32,6 +32,10 @@ struct Endpoint {
 // Errors: InvalidArgument naming the URI and what is wrong.
 absl::StatusOr<Endpoint> ParseEndpoint(const Uri& uri, bool for_subscriber);
 
+// Whether `host` names this machine's loopback interface (127.0.0.0/8, ::1, "localhost"): a
+// publisher listening there can only be reached from its own host.
+bool IsLoopback(const std::string& host);
+
 // The transport's settings, checked once (InvalidArgument naming the URI and the setting).
 struct UcxOptions {
   int64_t staging_slots = 2;

@@ -1,0 +1,266 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "wbbench/common.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <limits>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+
+extern char** environ;
+
+namespace weightbus::bench {
+
+void Die(const std::string& message) {
+  std::fflush(stdout);
+  std::fprintf(stderr, "weightbus-bench: error: %s\n", message.c_str());
+  std::exit(2);
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return std::numeric_limits<double>::quiet_NaN();
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return std::numeric_limits<double>::quiet_NaN();
+  std::sort(v.begin(), v.end());
+  const double rank = std::ceil(p / 100.0 * static_cast<double>(v.size()));
+  const size_t index = static_cast<size_t>(std::clamp(rank, 1.0, double(v.size()))) - 1;
+  return v[index];
+}
+
+absl::StatusOr<uint64_t> ParseBytes(const std::string& text) {
+  static const std::vector<std::pair<std::string, double>> kSuffixes = {
+      {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+      {"KB", 1e3},     {"MB", 1e6},        {"GB", 1e9},           {"TB", 1e12},
+      {"K", 1024.0},   {"M", 1048576.0},   {"G", 1073741824.0},   {"B", 1.0}};
+  std::string num = text;
+  double mult = 1;
+  for (const auto& [suffix, m] : kSuffixes) {
+    if (num.size() > suffix.size() && num.compare(num.size() - suffix.size(), suffix.size(),
+                                                  suffix) == 0) {
+      num = num.substr(0, num.size() - suffix.size());
+      mult = m;
+      break;
+    }
+  }
+  double v = 0;
+  if (!absl::SimpleAtod(num, &v) || !(v >= 0) || !std::isfinite(v * mult)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "\"%s\" is not a size (e.g. 1000, 64MiB, 1.5GiB, 2GB)", text));
+  }
+  return static_cast<uint64_t>(std::llround(v * mult));
+}
+
+std::string HumanBytes(double b) {
+  if (b >= 1099511627776.0) return absl::StrFormat("%.2f TiB", b / 1099511627776.0);
+  if (b >= 1073741824.0) return absl::StrFormat("%.2f GiB", b / 1073741824.0);
+  if (b >= 1048576.0) return absl::StrFormat("%.1f MiB", b / 1048576.0);
+  if (b >= 1024.0) return absl::StrFormat("%.1f KiB", b / 1024.0);
+  return absl::StrFormat("%.0f B", b);
+}
+
+std::string SelfPath() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) Die("readlink /proc/self/exe failed");
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&a), len) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    Die("cannot find a free TCP port on 127.0.0.1");
+  }
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+int64_t SelfPeakRssBytes() {
+  std::ifstream f("/proc/self/status");
+  std::string key;
+  int64_t kib = 0;
+  while (f >> key) {
+    if (key == "VmHWM:") {
+      f >> kib;
+      return kib * 1024;
+    }
+    std::getline(f, key);
+  }
+  return 0;
+}
+
+double SelfCpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_utime.tv_sec + u.ru_utime.tv_usec / 1e6 + u.ru_stime.tv_sec +
+         u.ru_stime.tv_usec / 1e6;
+}
+
+absl::StatusOr<Child> Child::Start(const std::vector<std::string>& argv,
+                                   const std::string& log_path) {
+  int in[2], out[2];
+  if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) {
+    return absl::InternalError(absl::StrFormat("pipe: %s", strerror(errno)));
+  }
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, in[0], 0);
+  posix_spawn_file_actions_adddup2(&actions, out[1], 1);
+  posix_spawn_file_actions_addopen(&actions, 2, log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  Child c;
+  const int rc = posix_spawn(&c.pid_, argv[0].c_str(), &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  close(in[0]);
+  close(out[1]);
+  if (rc != 0) {
+    close(in[1]);
+    close(out[0]);
+    return absl::InternalError(absl::StrFormat("cannot start %s: %s", argv[0], strerror(rc)));
+  }
+  c.in_ = in[1];
+  c.out_ = out[0];
+  return c;
+}
+
+Child::Child(Child&& o) noexcept
+    : pid_(o.pid_), in_(o.in_), out_(o.out_), buffer_(std::move(o.buffer_)),
+      exited_(o.exited_),
+      exit_(o.exit_) {
+  o.pid_ = -1;
+  o.in_ = o.out_ = -1;
+}
+
+Child& Child::operator=(Child&& o) noexcept {
+  if (this != &o) {
+    this->~Child();
+    new (this) Child(std::move(o));
+  }
+  return *this;
+}
+
+Child::~Child() {
+  if (pid_ > 0 && !exited_) {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+  if (in_ >= 0) close(in_);
+  if (out_ >= 0) close(out_);
+}
+
+bool Child::Send(const std::string& line) {
+  if (in_ < 0) return false;
+  const std::string data = line + "\n";
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = write(in_, data.data() + done, data.size() - done);
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+void Child::CloseStdin() {
+  if (in_ >= 0) close(in_);
+  in_ = -1;
+}
+
+std::optional<std::string> Child::ReadLine(absl::Time deadline, bool* timed_out) {
+  if (timed_out != nullptr) *timed_out = false;
+  while (true) {
+    if (size_t nl = buffer_.find('\n'); nl != std::string::npos) {
+      std::string line = buffer_.substr(0, nl);
+      buffer_.erase(0, nl + 1);
+      return line;
+    }
+    if (out_ < 0) return std::nullopt;
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      if (timed_out != nullptr) *timed_out = true;
+      return std::nullopt;
+    }
+    pollfd p{out_, POLLIN, 0};
+    const int ms = static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1000));
+    if (poll(&p, 1, ms) <= 0) continue;
+    char buf[65536];
+    const ssize_t n = read(out_, buf, sizeof(buf));
+    if (n <= 0) {
+      close(out_);
+      out_ = -1;
+      continue;  // returns a last unterminated line, if any, then end of file
+    }
+    buffer_.append(buf, static_cast<size_t>(n));
+  }
+}
+
+Child::Exit Child::Wait(absl::Time deadline) {
+  if (pid_ <= 0 || exited_) return exit_;
+  Exit e;
+  CloseStdin();
+  rusage u{};
+  int status = 0;
+  while (true) {
+    const pid_t r = wait4(pid_, &status, absl::Now() < deadline ? WNOHANG : 0, &u);
+    if (r == pid_) break;
+    if (r < 0 && errno != EINTR) break;
+    if (absl::Now() >= deadline) {
+      kill(pid_, SIGKILL);
+    } else {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+  }
+  exited_ = true;
+  e.status = status;
+  e.cpu_s = u.ru_utime.tv_sec + u.ru_utime.tv_usec / 1e6 + u.ru_stime.tv_sec +
+            u.ru_stime.tv_usec / 1e6;
+  exit_ = e;
+  return e;
+}
+
+void Child::Kill() {
+  if (pid_ > 0 && !exited_) kill(pid_, SIGKILL);
+}
+
+std::string Child::Exit::Describe() const {
+  if (WIFEXITED(status)) return absl::StrFormat("exit %d", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return absl::StrFormat("killed by signal %d", WTERMSIG(status));
+  return "did not exit";
+}
+
+std::string FileTail(const std::string& path, size_t max_bytes) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return "";
+  std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (s.size() > max_bytes) s = "..." + s.substr(s.size() - max_bytes);
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  return s;
+}
+
+}  // namespace weightbus::bench

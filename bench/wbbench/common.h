@@ -1,0 +1,96 @@
+// SPDX-License-Identifier: Apache-2.0
+// Small helpers shared by weightbus-bench's subcommands: errors, statistics, sizes, child
+// processes talking JSON lines over pipes.
+#pragma once
+
+#include <sys/resource.h>
+#include <sys/types.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace weightbus::bench {
+
+// Prints "weightbus-bench: error: <message>" and exits with status 2 (a usage or setup error;
+// measurement failures end in "# FAILED: ..." and status 1 instead).
+[[noreturn]] void Die(const std::string& message);
+
+template <typename T>
+T OrDie(absl::StatusOr<T> v) {
+  if (!v.ok()) Die(std::string(v.status().message()));
+  return *std::move(v);
+}
+inline void OrDie(const absl::Status& s) {
+  if (!s.ok()) Die(std::string(s.message()));
+}
+
+// Median (the mean of the two middle values for an even count) and nearest-rank percentile
+// (p in (0, 100]: the smallest value with at least p% of the values at or below it); NaN when
+// empty.
+double Median(std::vector<double> v);
+double Percentile(std::vector<double> v, double p);
+
+// "64MiB", "1.5GiB", "2GB", "1000" -> bytes. Errors: InvalidArgument naming the text.
+absl::StatusOr<uint64_t> ParseBytes(const std::string& text);
+// 134217728 -> "128.0 MiB".
+std::string HumanBytes(double bytes);
+
+// This executable's path (/proc/self/exe).
+std::string SelfPath();
+// A TCP port on 127.0.0.1 that was free a moment ago.
+int FreePort();
+
+// CPU time (user + system) and peak resident set of this process so far.
+double SelfCpuSeconds();
+// Peak resident set of this process since it started (VmHWM of /proc/self/status), bytes; 0 if
+// unreadable. (wait4's ru_maxrss is not used for children: it keeps the parent's peak from
+// before exec.)
+int64_t SelfPeakRssBytes();
+
+// A child process with pipes to its stdin and from its stdout; stderr goes to a log file.
+class Child {
+ public:
+  // Starts argv[0] (a path). `log_path`: the child's stderr (and nothing else).
+  static absl::StatusOr<Child> Start(const std::vector<std::string>& argv,
+                                     const std::string& log_path);
+  Child() = default;
+  Child(Child&& other) noexcept;
+  Child& operator=(Child&& other) noexcept;
+  ~Child();
+
+  pid_t pid() const { return pid_; }
+  // Writes one line (a newline is added). False when the child's stdin is closed.
+  bool Send(const std::string& line);
+  void CloseStdin();
+  // Reads the next line of the child's stdout (without the newline) until `deadline`; nullopt
+  // at end of file or past the deadline (`timed_out` says which).
+  std::optional<std::string> ReadLine(absl::Time deadline, bool* timed_out = nullptr);
+  // Waits for the child to exit (SIGKILL after `deadline`) and collects its resource usage;
+  // once it has, returns the same again.
+  struct Exit {
+    int status = -1;       // raw wait status
+    double cpu_s = 0;      // user + system CPU seconds of the child
+    std::string Describe() const;  // "exit 0", "killed by signal 9", ...
+  };
+  Exit Wait(absl::Time deadline);
+  void Kill();
+
+ private:
+  pid_t pid_ = -1;
+  int in_ = -1;
+  int out_ = -1;
+  std::string buffer_;
+  bool exited_ = false;
+  Exit exit_;
+};
+
+// The last `max_bytes` bytes of a file (for error messages), "" when unreadable.
+std::string FileTail(const std::string& path, size_t max_bytes = 2000);
+
+}  // namespace weightbus::bench

@@ -1,0 +1,218 @@
+// SPDX-License-Identifier: Apache-2.0
+// The processes `weightbus-bench run` spawns for each transport (the same executable, run as
+// `weightbus-bench __worker publisher|subscriber ...`). They talk to the parent in JSON lines:
+//
+//   publisher:  stdin "publish N" -> loads version N from the store into its weights buffer (the
+//               trainer's parameters, updated in place), publishes it, prints its PublishStats;
+//               stdin "quit" (or end of file) -> prints {"done": true, ...} and exits.
+//   subscriber: binds its own parameter buffers (a replica), receives versions 1..count in order,
+//               and after each one hashes every tensor with libxxhash and compares it with the
+//               store's hash of what was published (independently of the library's checksums);
+//               prints its UpdateStats and the verdict per version, then {"done": true, ...}.
+//
+// Both report the CPU time of the bench's own work in them (loading versions, hashing), which
+// the parent subtracts from the process's CPU time.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "nlohmann/json.hpp"
+#include "wbbench/common.h"
+#include "wbbench/store.h"
+#include "weightbus/args.h"
+#include "weightbus/weightbus.hpp"
+
+namespace weightbus::bench {
+namespace {
+
+void Emit(const nlohmann::ordered_json& j) {
+  std::printf("%s\n", j.dump().c_str());
+  std::fflush(stdout);
+}
+
+// Page-aligned anonymous memory, touched once (a trainer's or replica's resident parameters).
+struct Buffer {
+  std::byte* data = nullptr;
+  size_t size = 0;
+  explicit Buffer(size_t n) : size(std::max<size_t>(n, 1)) {
+    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) Die(absl::StrFormat("cannot map %d bytes", size));
+    data = static_cast<std::byte*>(p);
+    std::memset(data, 0, size);
+  }
+  ~Buffer() { munmap(data, size); }
+};
+
+Options ParseSettings(const std::vector<std::string>& sets) {
+  Options options;
+  for (const std::string& kv : sets) {
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos) Die("--set takes KEY=VALUE, not " + kv);
+    options[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return options;
+}
+
+int PublisherMain(const tools::Args& args) {
+  const std::string uri = args.Get("uri").value_or("");
+  const std::string store = args.Get("store").value_or("");
+  const absl::Duration timeout = OrDie(args.GetSeconds("timeout-s", absl::Seconds(120)));
+  const uint64_t corrupt = OrDie(args.GetUint("corrupt-version", 0));
+  StoreIndex index = OrDie(ReadIndex(store));
+  Buffer weights(index.file_bytes);
+  const std::vector<TensorView> views = index.Views(weights.data);
+  absl::StatusOr<std::unique_ptr<Publisher>> pub =
+      Publisher::Open(uri, ParseSettings(args.GetAll("set")));
+  if (!pub.ok()) {
+    Emit({{"error", std::string(pub.status().message())}});
+    return 1;
+  }
+  Emit({{"ready", true}, {"pid", getpid()}});
+  double overhead = 0;
+  char line[256];
+  while (std::fgets(line, sizeof(line), stdin) != nullptr) {
+    std::vector<std::string> words = absl::StrSplit(line, absl::ByAnyChar(" \n"),
+                                                    absl::SkipEmpty());
+    if (words.empty()) continue;
+    if (words[0] == "quit") break;
+    uint64_t v = 0;
+    if (words[0] != "publish" || words.size() != 2 || !absl::SimpleAtoi(words[1], &v)) {
+      Emit({{"error", absl::StrFormat("bad command: %s", line)}});
+      return 1;
+    }
+    // The trainer's step: new weights in place (not timed, not counted as sync CPU).
+    const double c0 = SelfCpuSeconds();
+    if (absl::Status s = ReadWhole(index.VersionPath(store, v), weights.data, index.file_bytes);
+        !s.ok()) {
+      Emit({{"version", v}, {"error", std::string(s.message())}});
+      return 1;
+    }
+    if (v == corrupt && !index.tensors.empty()) {
+      // Testing the correctness column: publish bytes that differ from the store's hashes.
+      weights.data[index.tensors.back().offset] ^= std::byte{0x01};
+    }
+    overhead += SelfCpuSeconds() - c0;
+    const int64_t start_ns = absl::ToUnixNanos(absl::Now());
+    absl::Status s = (*pub)->Publish(v, views, {{"weightbus-bench", "1"}}, timeout);
+    if (!s.ok()) {
+      Emit({{"version", v}, {"error", std::string(s.message())}});
+      continue;
+    }
+    const PublishStats st = (*pub)->last_stats();
+    Emit({{"version", v},
+          {"call_start_unix_ns", start_ns},
+          {"stall_s", absl::ToDoubleSeconds(st.stall)},
+          {"pack_s", absl::ToDoubleSeconds(st.pack)},
+          {"transport_s", absl::ToDoubleSeconds(st.transport)},
+          {"checksum_wait_s", absl::ToDoubleSeconds(st.checksum_wait)},
+          {"encode_s", absl::ToDoubleSeconds(st.encode)},
+          {"bytes", st.bytes},
+          {"wire_bytes", st.wire_bytes}});
+  }
+  pub->reset();
+  Emit({{"done", true}, {"overhead_cpu_s", overhead}, {"peak_rss_bytes", SelfPeakRssBytes()}});
+  return 0;
+}
+
+int SubscriberMain(const tools::Args& args) {
+  const std::string uri = args.Get("uri").value_or("");
+  const std::string store = args.Get("store").value_or("");
+  const absl::Duration timeout = OrDie(args.GetSeconds("timeout-s", absl::Seconds(120)));
+  const uint64_t count = OrDie(args.GetUint("count", 1));
+  StoreIndex index = OrDie(ReadIndex(store));
+  Buffer params(index.file_bytes);
+  absl::StatusOr<std::unique_ptr<Subscriber>> sub =
+      Subscriber::Open(uri, ParseSettings(args.GetAll("set")));
+  if (!sub.ok()) {
+    Emit({{"error", std::string(sub.status().message())}});
+    return 1;
+  }
+  for (const StoredTensor& t : index.tensors) {
+    absl::Status s =
+        (*sub)->Bind(t.name, Destination{t.dtype, t.shape, {}, params.data + t.offset, {}});
+    if (!s.ok()) {
+      Emit({{"error", std::string(s.message())}});
+      return 1;
+    }
+  }
+  Emit({{"ready", true}, {"pid", getpid()}});
+  double overhead = 0;
+  for (uint64_t want = 1; want <= count; ++want) {
+    const int64_t call_ns = absl::ToUnixNanos(absl::Now());
+    absl::StatusOr<std::unique_ptr<Update>> u = (*sub)->WaitForVersion(want, timeout);
+    if (!u.ok()) {
+      Emit({{"version", want},
+            {"call_start_unix_ns", call_ns},
+            {"ok", false},
+            {"error", std::string(u.status().message())}});
+      if (absl::IsDeadlineExceeded(u.status())) return 1;
+      continue;  // a bad version: the next one may be fine
+    }
+    const Update& up = **u;
+    const UpdateStats& st = up.stats();
+    nlohmann::ordered_json j = {
+        {"version", up.version()},
+        {"call_start_unix_ns", call_ns},
+        {"publish_start_unix_ns", up.manifest().publish_start_unix_ns},
+        {"ready_unix_ns", st.ready_unix_ns},
+        {"wait_s", absl::ToDoubleSeconds(st.wait)},
+        {"allocate_s", absl::ToDoubleSeconds(st.allocate)},
+        {"fetch_s", absl::ToDoubleSeconds(st.fetch)},
+        {"decode_s", absl::ToDoubleSeconds(st.decode)},
+        {"verify_s", absl::ToDoubleSeconds(st.verify_wait)},
+        {"apply_s", absl::ToDoubleSeconds(st.copy_out)},
+        {"bytes", st.bytes},
+        {"wire_bytes", st.wire_bytes}};
+    // The independent check: every tensor of the replica's buffers against the store's hashes.
+    const double c0 = SelfCpuSeconds();
+    std::string bad;
+    if (up.version() != want) {
+      bad = absl::StrFormat("received version %d while waiting for %d", up.version(), want);
+    } else if (want > index.xxh3.size()) {
+      bad = absl::StrFormat("version %d is not in the store", want);
+    } else {
+      for (size_t i = 0; i < index.tensors.size() && bad.empty(); ++i) {
+        const StoredTensor& t = index.tensors[i];
+        const uint64_t h = Hash(params.data + t.offset, t.nbytes);
+        if (h != index.xxh3[want - 1][i]) {
+          bad = absl::StrFormat("tensor \"%s\" differs from what was published (XXH3 %016x, "
+                                "expected %016x)",
+                                t.name, h, index.xxh3[want - 1][i]);
+        }
+      }
+    }
+    overhead += SelfCpuSeconds() - c0;
+    j["ok"] = bad.empty();
+    j["error"] = bad;
+    Emit(j);
+    want = std::max(want, up.version());
+  }
+  Emit({{"done", true}, {"overhead_cpu_s", overhead}, {"peak_rss_bytes", SelfPeakRssBytes()}});
+  return 0;
+}
+
+}  // namespace
+
+int WorkerMain(const std::vector<std::string>& argv) {
+  tools::Args args = OrDie(tools::Args::Parse(argv, {{"uri"},
+                                                    {"store"},
+                                                    {"timeout-s"},
+                                                    {"count"},
+                                                    {"corrupt-version"},
+                                                    {"set", true, true}}));
+  if (args.positional().size() != 1) Die("__worker publisher|subscriber");
+  if (args.positional()[0] == "publisher") return PublisherMain(args);
+  if (args.positional()[0] == "subscriber") return SubscriberMain(args);
+  Die("__worker publisher|subscriber");
+}
+
+}  // namespace weightbus::bench

@@ -1,0 +1,844 @@
+// SPDX-License-Identifier: Apache-2.0
+// `weightbus-bench run`: one publisher and N subscriber processes per transport, the same
+// realistic versions through each, baselines in the same run; see main.cc for the usage and
+// docs/PERFORMANCE.md for the metrics.
+#include <sys/stat.h>
+#include <sys/utsname.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "nlohmann/json.hpp"
+#include "wbbench/baselines.h"
+#include "wbbench/common.h"
+#include "wbbench/report.h"
+#include "wbbench/results.h"
+#include "wbbench/store.h"
+#include "wbbench/svg.h"
+#include "wbbench/trace.h"
+#include "weightbus/args.h"
+#include "weightbus/checkpoint.h"
+#include "weightbus/llama2c.h"
+#include "weightbus/llama_forward.h"
+#include "weightbus/synthetic_model.h"
+#include "weightbus/update_stream.h"
+#include "weightbus/weightbus.hpp"
+
+namespace weightbus::bench {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct RunOptions {
+  std::vector<std::string> transports;
+  int subscribers = 2;
+  int versions = 6;
+  int warmup = 1;
+  std::string model;      // llama2.c .bin or safetensors file/dir; empty: synthetic
+  std::string shapes;     // shapes file for a synthetic model
+  uint64_t size = 128ull << 20;
+  double lr = 1e-5;
+  uint64_t seed = 1;
+  std::string dir, store;
+  bool keep = false;
+  std::vector<std::string> settings;
+  absl::Duration timeout = absl::Seconds(120);
+  bool baselines = true, torch = true, perftest = true;
+  std::string python = "/usr/bin/python3";
+  std::string perftest_path = "/usr/bin/ucx_perftest";
+  int perftest_reps = 3, torch_reps = 3;
+  uint64_t corrupt_version = 0;
+  std::optional<std::string> json, csv, trace, plot;
+  bool quick = false;
+};
+
+bool Contains(const std::vector<std::string>& v, const std::string& s) {
+  return std::find(v.begin(), v.end(), s) != v.end();
+}
+
+// ----- the model and its versions -----
+
+// The fp32 master copy the update stream starts from, and a line saying where it came from.
+std::vector<tools::OwnedTensor> LoadMaster(const RunOptions& o, std::string* source) {
+  if (!o.model.empty() && absl::EndsWith(o.model, ".bin")) {
+    tools::Llama2cCheckpoint ckpt = OrDie(tools::ReadLlama2c(o.model));
+    *source = o.model + " (llama2.c, converted to Hugging Face layout)";
+    return OrDie(tools::ConvertToHf(ckpt, DType::kF32));
+  }
+  if (!o.model.empty()) {
+    tools::Checkpoint ckpt = OrDie(tools::LoadCheckpoint(o.model));
+    std::vector<tools::OwnedTensor> out;
+    for (const TensorView& t : ckpt.tensors) {
+      absl::StatusOr<std::vector<float>> f = tools::TensorToFloats(t);
+      if (!f.ok()) {
+        Die(absl::StrFormat("--model %s: tensor \"%s\" is %s; the update stream needs F32 or "
+                            "BF16 tensors",
+                            o.model, t.name, DTypeName(t.dtype)));
+      }
+      tools::OwnedTensor o2{t.name, DType::kF32, t.shape, {}};
+      o2.bytes.resize(f->size() * 4);
+      std::memcpy(o2.bytes.data(), f->data(), o2.bytes.size());
+      out.push_back(std::move(o2));
+    }
+    *source = o.model + " (safetensors checkpoint)";
+    return out;
+  }
+  std::vector<tools::ShapeSpec> shapes = OrDie(tools::ReadShapes(o.shapes));
+  uint64_t base = 0;
+  for (const tools::ShapeSpec& s : shapes) {
+    uint64_t n = 1;
+    for (int64_t d : s.shape) n *= static_cast<uint64_t>(d);
+    base += 2 * n;
+  }
+  if (base == 0) Die("--shapes " + o.shapes + " has no elements");
+  shapes = tools::ScaleShapes(shapes, static_cast<double>(o.size) / static_cast<double>(base));
+  *source = absl::StrFormat("%s scaled to %s (synthetic, N(0, 0.02))",
+                            fs::path(o.shapes).filename().string(), HumanBytes(o.size));
+  return OrDie(tools::MakeSyntheticModel(shapes, DType::kF32, o.seed));
+}
+
+// Writes versions 1..count of the update stream into `dir` (version 1: the master cast to bf16;
+// version k+1: after k Adam steps) with their hashes.
+StoreIndex GenerateStore(const RunOptions& o, std::vector<tools::OwnedTensor> master,
+                         const std::string& dir, bool progress) {
+  tools::AdamOptions adam;
+  adam.lr = o.lr;
+  adam.seed = o.seed;
+  tools::UpdateStream stream = OrDie(tools::UpdateStream::Create(master, adam));
+  master.clear();
+  master.shrink_to_fit();
+  StoreIndex index;
+  std::vector<tools::OwnedTensor> previous;
+  for (int v = 1; v <= o.versions; ++v) {
+    if (progress) {
+      std::fprintf(stderr, "\r\033[Kgenerating version %d of %d (Adam steps on the fp32 master)",
+                   v, o.versions);
+    }
+    if (v > 1) stream.Step();
+    std::vector<tools::OwnedTensor> w = stream.Bf16();
+    if (index.tensors.empty()) {
+      uint64_t off = 0;
+      for (const tools::OwnedTensor& t : w) {
+        index.tensors.push_back({t.name, t.dtype, t.shape, off, t.bytes.size()});
+        index.tensor_bytes += t.bytes.size();
+        off += (t.bytes.size() + 63) & ~uint64_t{63};
+      }
+      index.file_bytes = std::max<uint64_t>(off, 1);
+    }
+    std::vector<std::byte> file(index.file_bytes);
+    std::vector<uint64_t> hashes;
+    for (size_t i = 0; i < w.size(); ++i) {
+      std::memcpy(file.data() + index.tensors[i].offset, w[i].bytes.data(), w[i].bytes.size());
+      hashes.push_back(Hash(w[i].bytes.data(), w[i].bytes.size()));
+    }
+    std::ofstream out(index.VersionPath(dir, v), std::ios::binary);
+    out.write(reinterpret_cast<const char*>(file.data()), static_cast<std::streamsize>(file.size()));
+    if (!out) Die("cannot write " + index.VersionPath(dir, v));
+    index.xxh3.push_back(std::move(hashes));
+    index.changed_fraction.push_back(previous.empty() ? 1.0
+                                                      : tools::ChangedFraction(previous, w));
+    previous = std::move(w);
+  }
+  if (progress) std::fprintf(stderr, "\r\033[K");
+  OrDie(WriteIndex(dir, index));
+  return index;
+}
+
+uint64_t DirectoryBytes(const std::string& path) {
+  std::error_code ec;
+  uint64_t total = 0;
+  for (fs::recursive_directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->is_regular_file(ec)) total += it->file_size(ec);
+  }
+  return total;
+}
+
+// ----- one transport's processes -----
+
+class Session {
+ public:
+  Session(std::string name, std::string uri, std::string channel_dir)
+      : channel_dir_(std::move(channel_dir)) {
+    result.name = std::move(name);
+    result.uri = std::move(uri);
+  }
+
+  TransportResult result;
+
+  bool alive() const { return alive_; }
+
+  void Start(const RunOptions& o, const std::string& store, const std::string& log_dir) {
+    std::vector<std::string> common = {"--uri", result.uri, "--store", store, "--timeout-s",
+                                       absl::StrFormat("%.3f", absl::ToDoubleSeconds(o.timeout))};
+    for (const std::string& s : o.settings) {
+      common.push_back("--set");
+      common.push_back(s);
+    }
+    const std::string tag = Sanitize(result.name);
+    std::vector<std::string> argv = {SelfPath(), "__worker", "publisher"};
+    argv.insert(argv.end(), common.begin(), common.end());
+    if (o.corrupt_version > 0) {
+      argv.push_back("--corrupt-version");
+      argv.push_back(std::to_string(o.corrupt_version));
+    }
+    logs_.push_back(absl::StrFormat("%s/%s-publisher.log", log_dir, tag));
+    roles_.push_back("publisher");
+    if (!Spawn(argv, logs_.back())) return;
+    for (int i = 0; i < o.subscribers; ++i) {
+      std::vector<std::string> a = {SelfPath(), "__worker", "subscriber", "--count",
+                                    std::to_string(o.versions)};
+      a.insert(a.end(), common.begin(), common.end());
+      logs_.push_back(absl::StrFormat("%s/%s-subscriber-%d.log", log_dir, tag, i));
+      roles_.push_back(absl::StrFormat("subscriber %d", i));
+      if (!Spawn(a, logs_.back())) return;
+    }
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    for (size_t i = 0; i < procs_.size(); ++i) {
+      std::optional<nlohmann::json> j = ReadJson(i, deadline);
+      if (!j) return;
+      if (j->contains("error") || !j->contains("ready")) {
+        Fail(absl::StrFormat("%s could not open the channel: %s", roles_[i],
+                             j->value("error", j->dump())));
+        return;
+      }
+    }
+  }
+
+  // Publishes `v` and collects every replica's report.
+  void Step(uint64_t v, bool measured, const absl::Duration timeout) {
+    if (!alive_) return;
+    VersionRecord rec;
+    rec.version = v;
+    rec.expected_replicas = procs_.size() - 1;
+    rec.measured = measured;
+    const absl::Time deadline = absl::Now() + timeout;
+    if (!procs_[0].Send(absl::StrFormat("publish %d", v))) {
+      Fail("the publisher's stdin is closed: " + FileTail(logs_[0], 300));
+      return;
+    }
+    std::optional<nlohmann::json> p = ReadJson(0, deadline);
+    if (!p) return;
+    if (p->contains("error")) {
+      rec.error = (*p)["error"].get<std::string>();
+      result.versions.push_back(rec);
+      Fail(absl::StrFormat("publishing version %d failed: %s", v, rec.error));
+      return;
+    }
+    rec.published = true;
+    rec.publish_start_unix_ns = p->value("call_start_unix_ns", int64_t{0});
+    rec.stall_s = p->value("stall_s", 0.0);
+    rec.pack_s = p->value("pack_s", 0.0);
+    rec.transport_s = p->value("transport_s", 0.0);
+    rec.checksum_wait_s = p->value("checksum_wait_s", 0.0);
+    rec.encode_s = p->value("encode_s", 0.0);
+    rec.wire_bytes = p->value("wire_bytes", uint64_t{0});
+    if (!channel_dir_.empty()) {
+      rec.stored_bytes =
+          DirectoryBytes(absl::StrFormat("%s/versions/v%020d", channel_dir_, v));
+    }
+    for (size_t i = 1; i < procs_.size(); ++i) {
+      std::optional<nlohmann::json> j = ReadJson(i, deadline);
+      if (!j) {
+        result.versions.push_back(rec);
+        return;
+      }
+      ReplicaRecord r;
+      r.index = static_cast<int>(i) - 1;
+      r.ok = j->value("ok", false);
+      r.error = j->value("error", std::string());
+      r.call_start_unix_ns = j->value("call_start_unix_ns", int64_t{0});
+      const int64_t start = j->value("publish_start_unix_ns", int64_t{0});
+      const int64_t ready = j->value("ready_unix_ns", int64_t{0});
+      if (start > 0) rec.publish_start_unix_ns = start;  // the manifest's own timestamp
+      r.ready_s = ready > 0 && start > 0 ? (ready - start) / 1e9 : 0;
+      r.wait_s = j->value("wait_s", 0.0);
+      r.allocate_s = j->value("allocate_s", 0.0);
+      r.fetch_s = j->value("fetch_s", 0.0);
+      r.decode_s = j->value("decode_s", 0.0);
+      r.verify_s = j->value("verify_s", 0.0);
+      r.apply_s = j->value("apply_s", 0.0);
+      r.wire_bytes = j->value("wire_bytes", uint64_t{0});
+      if (j->value("version", uint64_t{0}) != v && r.error.empty()) {
+        r.ok = false;
+        r.error = absl::StrFormat("reported version %s instead of %d", (*j)["version"].dump(), v);
+      }
+      rec.replicas.push_back(std::move(r));
+    }
+    result.versions.push_back(std::move(rec));
+  }
+
+  // Stops the processes and records their CPU time and peak RSS.
+  void Finish(int expected_versions) {
+    std::vector<double> overhead(procs_.size(), 0);
+    std::vector<int64_t> peak_rss(procs_.size(), 0);
+    if (alive_) {
+      procs_[0].Send("quit");
+      const absl::Time deadline = absl::Now() + absl::Seconds(60);
+      for (size_t i = 0; i < procs_.size(); ++i) {
+        std::optional<nlohmann::json> j = ReadJson(i, deadline);
+        if (!j) break;
+        overhead[i] = j->value("overhead_cpu_s", 0.0);
+        peak_rss[i] = j->value("peak_rss_bytes", int64_t{0});
+      }
+    }
+    for (size_t i = 0; i < procs_.size(); ++i) {
+      const Child::Exit e = procs_[i].Wait(absl::Now() + absl::Seconds(30));
+      ProcessRecord p;
+      p.role = roles_[i];
+      p.pid = procs_[i].pid();
+      p.exit = e.Describe();
+      p.cpu_s = e.cpu_s;
+      p.overhead_cpu_s = overhead[i];
+      p.peak_rss_bytes = peak_rss[i];  // 0 (unknown) when it did not say
+      if (alive_ && !(WIFEXITED(e.status) && WEXITSTATUS(e.status) == 0)) {
+        Fail(absl::StrFormat("%s ended with %s: %s", p.role, p.exit, FileTail(logs_[i], 300)));
+      }
+      result.processes.push_back(std::move(p));
+    }
+    result.completed =
+        result.failure.empty() && static_cast<int>(result.versions.size()) == expected_versions;
+  }
+
+ private:
+  static std::string Sanitize(const std::string& s) {
+    std::string out = s;
+    for (char& c : out) {
+      if (c == '+') c = '_';
+    }
+    return out;
+  }
+
+  bool Spawn(const std::vector<std::string>& argv, const std::string& log) {
+    absl::StatusOr<Child> c = Child::Start(argv, log);
+    if (!c.ok()) {
+      Fail(std::string(c.status().message()));
+      return false;
+    }
+    procs_.push_back(*std::move(c));
+    return true;
+  }
+
+  std::optional<nlohmann::json> ReadJson(size_t i, absl::Time deadline) {
+    bool timed_out = false;
+    std::optional<std::string> line;
+    // Libraries may print to stdout too (UCX logs there by default): the protocol's lines are
+    // the ones that start with '{'; others go to the process's log.
+    while ((line = procs_[i].ReadLine(deadline, &timed_out)) && !absl::StartsWith(*line, "{")) {
+      std::ofstream(logs_[i], std::ios::app) << "[stdout] " << *line << "\n";
+    }
+    if (!line) {
+      std::string what = "did not answer in time";
+      if (!timed_out) {  // its stdout closed: it ended (or is about to)
+        what = "ended early (" + procs_[i].Wait(absl::Now() + absl::Seconds(5)).Describe() + ")";
+      }
+      const std::string log = FileTail(logs_[i], 300);
+      Fail(absl::StrFormat("%s %s%s%s", roles_[i], what, log.empty() ? "" : ": ", log));
+      return std::nullopt;
+    }
+    nlohmann::json j = nlohmann::json::parse(*line, nullptr, false);
+    if (j.is_discarded()) {
+      Fail(absl::StrFormat("%s printed something that is not JSON: %s", roles_[i], *line));
+      return std::nullopt;
+    }
+    return j;
+  }
+
+  void Fail(const std::string& why) {
+    if (result.failure.empty()) result.failure = why;
+    alive_ = false;
+    for (Child& c : procs_) c.Kill();
+  }
+
+  std::string channel_dir_;  // disk-backed channels: the channel's directory
+  std::vector<Child> procs_;  // [0] publisher, then subscribers
+  std::vector<std::string> roles_, logs_;
+  bool alive_ = true;
+};
+
+// ----- progress -----
+
+class Progress {
+ public:
+  Progress(bool enabled, int total) : enabled_(enabled), total_(total) {}
+  void Update(int done, const std::string& what) {
+    if (!enabled_) return;
+    const int width = 30;
+    const int filled = total_ > 0 ? width * done / total_ : width;
+    std::fprintf(stderr, "\r\033[K[%s%s] %d/%d %s", std::string(filled, '#').c_str(),
+                 std::string(width - filled, '.').c_str(), done, total_, what.c_str());
+    std::fflush(stderr);
+  }
+  void Clear() {
+    if (enabled_) std::fprintf(stderr, "\r\033[K");
+  }
+
+ private:
+  bool enabled_;
+  int total_;
+};
+
+Summary SummaryOf(const std::vector<double>& v) {
+  Summary s;
+  s.count = static_cast<int>(v.size());
+  if (!v.empty()) {
+    s.median = Median(v);
+    s.p99 = Percentile(v, 99);
+  }
+  return s;
+}
+
+bool WriteText(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary);
+  f << text;
+  return static_cast<bool>(f);
+}
+
+std::string FsType(const std::string& path) {
+  std::string best;
+  size_t best_len = 0;
+  std::ifstream m("/proc/mounts");
+  std::string dev, mnt, type, rest;
+  while (m >> dev >> mnt >> type && std::getline(m, rest)) {
+    if (absl::StartsWith(path, mnt) && mnt.size() >= best_len) {
+      best = type;
+      best_len = mnt.size();
+    }
+  }
+  return best.empty() ? "?" : best;
+}
+
+}  // namespace
+
+int RunMain(const std::vector<std::string>& argv) {
+  tools::Args args = OrDie(tools::Args::Parse(
+      argv, {{"transports"},    {"subscribers"},   {"versions"},     {"warmup"},
+             {"model"},         {"shapes"},        {"size"},         {"lr"},
+             {"seed"},          {"dir"},           {"store"},        {"keep", false},
+             {"set", true, true}, {"timeout"},     {"no-baselines", false},
+             {"no-torch", false}, {"no-perftest", false}, {"python"}, {"perftest"},
+             {"perftest-reps"}, {"torch-reps"},    {"corrupt-version"}, {"json"},
+             {"csv"},           {"trace"},         {"plot"},         {"quick", false}}));
+  if (!args.positional().empty()) Die("run takes no positional arguments (see --help)");
+  RunOptions o;
+  o.quick = args.Has("quick");
+  if (o.quick) {
+    o.model = WEIGHTBUS_STORIES_FILE;
+    o.versions = 4;
+    o.perftest_reps = 1;
+    o.torch_reps = 1;
+  }
+  o.shapes = args.Get("shapes").value_or(WEIGHTBUS_SHAPES_FILE);
+  if (args.Has("shapes") || args.Has("size")) o.model.clear();
+  o.model = args.Get("model").value_or(o.model);
+  if (auto s = args.Get("size")) o.size = OrDie(ParseBytes(*s));
+  o.subscribers = static_cast<int>(OrDie(args.GetUint("subscribers", o.subscribers)));
+  o.versions = static_cast<int>(OrDie(args.GetUint("versions", o.versions)));
+  o.warmup = static_cast<int>(OrDie(args.GetUint("warmup", o.warmup)));
+  if (auto lr = args.Get("lr"); lr && (!absl::SimpleAtod(*lr, &o.lr) || !(o.lr > 0))) {
+    Die("--lr must be a positive number");
+  }
+  o.seed = OrDie(args.GetUint("seed", o.seed));
+  o.keep = args.Has("keep");
+  o.settings = args.GetAll("set");
+  o.timeout = OrDie(args.GetSeconds("timeout", o.timeout));
+  o.baselines = !args.Has("no-baselines");
+  o.torch = o.baselines && !args.Has("no-torch");
+  o.perftest = o.baselines && !args.Has("no-perftest");
+  o.python = args.Get("python").value_or(o.python);
+  o.perftest_path = args.Get("perftest").value_or(o.perftest_path);
+  o.perftest_reps = static_cast<int>(OrDie(args.GetUint("perftest-reps", o.perftest_reps)));
+  o.torch_reps = static_cast<int>(OrDie(args.GetUint("torch-reps", o.torch_reps)));
+  o.corrupt_version = OrDie(args.GetUint("corrupt-version", 0));
+  o.json = args.Get("json");
+  o.csv = args.Get("csv");
+  o.trace = args.Get("trace");
+  o.plot = args.Get("plot");
+  if (o.subscribers < 1) Die("--subscribers must be at least 1");
+  if (o.versions < 1 || o.warmup >= o.versions) {
+    Die("--versions must be at least 1 and above --warmup (the warm-up versions are not measured)");
+  }
+  if (o.size < 1024) Die("--size must be at least 1KiB");
+  for (const std::string& s : o.settings) {
+    if (s.find('=') == std::string::npos) Die("--set takes KEY=VALUE, not " + s);
+  }
+
+  // What this build can run.
+  const std::vector<std::string> built = Transports();
+  const bool have_disk = Contains(built, "disk"), have_ucx = Contains(built, "ucx");
+  const bool have_delta = Contains(built, "delta");
+  std::vector<std::string> available;
+  RunResult r;
+  if (have_disk) available.push_back("disk");
+  if (have_ucx) available.push_back("ucx");
+  if (have_delta && have_disk) available.push_back("delta+disk");
+  if (have_delta && have_ucx) available.push_back("delta+ucx");
+  const bool gpu = access("/dev/nvidia0", F_OK) == 0;
+  r.skipped.push_back(
+      {"nccl", Contains(built, "nccl")
+                   ? "weightbus-bench does not drive nccl:// yet"
+                   : absl::StrFormat("no nccl transport in this build (not built in this tree "
+                                     "yet)%s",
+                                     gpu ? "" : "; no GPU on this machine")});
+  if (!have_delta) {
+    r.skipped.push_back({"delta+disk, delta+ucx", "no delta layer in this build"});
+  }
+  if (!have_ucx) r.skipped.push_back({"ucx", "not built (WEIGHTBUS_WITH_UCX)"});
+  if (auto list = args.Get("transports")) {
+    for (const std::string& t : std::vector<std::string>(absl::StrSplit(*list, ','))) {
+      if (!Contains(available, t)) {
+        Die(absl::StrFormat("--transports: \"%s\" is not available in this build (available: %s)",
+                            t, absl::StrJoin(available, ", ")));
+      }
+      if (!Contains(o.transports, t)) o.transports.push_back(t);
+    }
+  } else {
+    o.transports = available;
+  }
+  if (o.transports.empty()) Die("no transport to measure in this build");
+
+  // Directories.
+  const std::string tmp = fs::temp_directory_path().string();
+  // A fresh wbbench-PID directory inside --dir and --store (or $TMPDIR and /dev/shm), removed
+  // afterwards unless --keep: nothing else in the user's directories is touched.
+  const std::string run_name = absl::StrFormat("wbbench-%d", getpid());
+  o.dir = args.Get("dir").value_or(tmp) + "/" + run_name;
+  const bool shm = fs::is_directory("/dev/shm");
+  o.store = args.Has("store") ? *args.Get("store") + "/" + run_name
+            : shm              ? "/dev/shm/" + run_name
+                               : o.dir + "/store";
+  if (fs::exists(o.dir) || fs::exists(o.store)) Die(o.dir + " or " + o.store + " exists already");
+  std::error_code ec;
+  fs::create_directories(o.dir, ec);
+  if (ec) Die("cannot create " + o.dir + ": " + ec.message());
+  fs::create_directories(o.store, ec);
+  if (ec) Die("cannot create " + o.store + ": " + ec.message());
+  const std::string log_dir = o.dir + "/logs";
+  fs::create_directories(log_dir);
+  const bool progress = isatty(STDOUT_FILENO) && isatty(STDERR_FILENO);
+
+  // The model and its versions.
+  std::string source;
+  std::vector<tools::OwnedTensor> master = LoadMaster(o, &source);
+  uint64_t params = 0;
+  for (const tools::OwnedTensor& t : master) params += t.bytes.size() / 4;
+  const StoreIndex index = GenerateStore(o, std::move(master), o.store, progress);
+  r.model_bytes = index.tensor_bytes;
+  r.tensors = static_cast<int>(index.tensors.size());
+  r.subscribers = o.subscribers;
+  r.versions = o.versions;
+  r.warmup = o.warmup;
+  r.changed_fraction = index.changed_fraction;
+  std::vector<double> changed_measured(index.changed_fraction.begin() + 1,
+                                       index.changed_fraction.end());
+
+  // Banner.
+  utsname u{};
+  uname(&u);
+  const double mem_gib = sysconf(_SC_PHYS_PAGES) * double(sysconf(_SC_PAGESIZE)) / (1 << 30);
+  const char* ucx_tls = getenv("UCX_TLS");
+  std::string banner;
+  absl::StrAppendFormat(&banner,
+                        "# weightbus-bench run (weightbus %s): one publisher and %d subscriber "
+                        "processes per transport, baselines in the same run\n",
+                        std::string(LibraryVersion()), o.subscribers);
+  absl::StrAppendFormat(&banner, "# host: %s %s %s, %u cores, %.1f GiB; dir %s (%s); store %s\n",
+                        u.sysname, u.release, u.machine, std::thread::hardware_concurrency(),
+                        mem_gib, o.dir, FsType(o.dir), o.store);
+  absl::StrAppendFormat(&banner, "# model: %s: %d tensors, BF16, %d bytes (%s), %d parameters\n",
+                        source, r.tensors, r.model_bytes, HumanBytes(r.model_bytes), params);
+  absl::StrAppendFormat(
+      &banner,
+      "# versions: %d from the update stream (fp32 master, Adam lr %g, betas 0.9/0.95, seed %d, "
+      "cast to bf16), the first %d not measured; elements changed per version: median %.3f%%\n",
+      o.versions, o.lr, o.seed, o.warmup,
+      changed_measured.empty() ? 100.0 : 100 * Median(changed_measured));
+  absl::StrAppendFormat(
+      &banner,
+      "# replicas: each subscriber binds its own parameter buffers; after each version it "
+      "hashes every tensor (XXH3, libxxhash) against the published bytes (#wrong)\n");
+  absl::StrAppendFormat(&banner, "# transports: %s (built: %s); settings: %s; UCX_TLS=%s\n",
+                        absl::StrJoin(o.transports, " "), absl::StrJoin(built, ", "),
+                        o.settings.empty() ? "defaults" : absl::StrJoin(o.settings, " "),
+                        ucx_tls != nullptr ? ucx_tls : "(UCX default)");
+  r.config = {{"weightbus", std::string(LibraryVersion())},
+              {"host", {{"system", u.sysname}, {"release", u.release}, {"machine", u.machine},
+                        {"cores", std::thread::hardware_concurrency()},
+                        {"memory_gib", mem_gib}}},
+              {"dir", o.dir},
+              {"filesystem", FsType(o.dir)},
+              {"store", o.store},
+              {"model", {{"source", source}, {"parameters", params}, {"dtype", "BF16"}}},
+              {"stream", {{"lr", o.lr}, {"beta1", 0.9}, {"beta2", 0.95}, {"seed", o.seed}}},
+              {"transports", o.transports},
+              {"built", built},
+              {"settings", o.settings},
+              {"ucx_tls", ucx_tls != nullptr ? ucx_tls : ""},
+              {"timeout_s", absl::ToDoubleSeconds(o.timeout)}};
+
+  // Baselines' set-up.
+  std::vector<std::byte> src(index.file_bytes), sink(index.file_bytes);
+  OrDie(ReadWhole(index.VersionPath(o.store, 1), src.data(), index.file_bytes));
+  std::memset(sink.data(), 1, sink.size());
+  const bool want_perftest =
+      o.perftest && (Contains(o.transports, "ucx") || Contains(o.transports, "delta+ucx"));
+  BaselineResult b_memcpy{"memcpy", "one memcpy of the bytes into a resident buffer"};
+  BaselineResult b_file{"write+read", "write(2)+fsync of the bytes to a file in dir, pread back"};
+  BaselineResult b_perf{"ucx_perftest",
+                        absl::StrFormat("%s -t ucp_get -s <bytes>, 127.0.0.1", o.perftest_path)};
+  BaselineResult b_save{"torch.save",
+                        "torch.save+fsync by rank 0, torch.load by every reader, same dir"};
+  BaselineResult b_bcast{"gloo bcast", "torch.distributed.broadcast over gloo from rank 0"};
+  std::vector<double> memcpy_s, file_write, file_last, file_read, perf_gbs;
+  std::vector<double> save_stall, save_first, save_last, save_load, bcast_stall, bcast_first,
+      bcast_last;
+  int file_wrong = 0;
+  TorchBaselines torch;
+  bool torch_ok = false;
+  if (!o.baselines) {
+    for (BaselineResult* b : {&b_memcpy, &b_file, &b_perf, &b_save, &b_bcast}) {
+      b->note = "--no-baselines";
+    }
+  }
+  if (o.torch) {
+    std::string why;
+    torch_ok = torch.Start(o.python, std::string(WEIGHTBUS_BENCH_DIR) + "/torch_baselines.py",
+                           o.store, o.dir, o.subscribers, log_dir + "/torch.log", &why);
+    if (!torch_ok) b_save.note = b_bcast.note = why;
+  } else if (o.baselines) {
+    b_save.note = b_bcast.note = "--no-torch";
+  }
+  if (o.baselines && !want_perftest) {
+    b_perf.note = o.perftest ? "no ucx transport measured" : "--no-perftest";
+  } else if (want_perftest && access(o.perftest_path.c_str(), X_OK) != 0) {
+    b_perf.note = o.perftest_path + " not found (Debian package ucx-utils)";
+  }
+  const bool perftest_ok = want_perftest && b_perf.note.empty();
+  std::string baseline_line = "# baselines:";
+  if (o.baselines) {
+    baseline_line += " memcpy; write(2)+fsync and pread";
+    if (perftest_ok) baseline_line += "; ucx_perftest -t ucp_get";
+    if (torch_ok) {
+      baseline_line += absl::StrFormat("; torch %s save/load and gloo broadcast (%s)",
+                                       torch.version(), o.python);
+    }
+  } else {
+    baseline_line += " none (--no-baselines)";
+  }
+  banner += baseline_line + "\n";
+  banner +=
+      "# order: each version goes through every transport and the baselines in turn, rotating "
+      "the order from version to version\n#\n";
+  std::fputs(banner.c_str(), stdout);
+  std::fflush(stdout);
+
+  // Processes.
+  std::vector<std::unique_ptr<Session>> sessions;
+  for (const std::string& t : o.transports) {
+    std::string uri, channel_dir;
+    if (absl::EndsWith(t, "disk")) {
+      channel_dir = absl::StrFormat("%s/%s", o.dir, t == "disk" ? "disk-channel" : "delta-channel");
+      uri = t + "://" + channel_dir;
+    } else {
+      uri = absl::StrFormat("%s://127.0.0.1:%d/wbbench", t, FreePort());
+    }
+    auto s = std::make_unique<Session>(t, uri, channel_dir);
+    s->Start(o, o.store, log_dir);
+    sessions.push_back(std::move(s));
+  }
+
+  // The versions, every transport and the baselines in turn.
+  Progress bar(progress, o.versions * static_cast<int>(sessions.size() + 1));
+  int done = 0;
+  const int units = static_cast<int>(sessions.size()) + 1;  // the last unit: the baselines
+  int perftest_runs = 0, torch_runs = 0;
+  for (int v = 1; v <= o.versions; ++v) {
+    const bool measured = v > o.warmup;
+    for (int k = 0; k < units; ++k) {
+      const int unit = (k + v - 1) % units;
+      if (unit < static_cast<int>(sessions.size())) {
+        Session& s = *sessions[unit];
+        bar.Update(done, absl::StrFormat("%s version %d", s.result.name, v));
+        s.Step(v, measured, o.timeout);
+      } else if (o.baselines && measured) {
+        bar.Update(done, absl::StrFormat("baselines, round %d", v));
+        memcpy_s.push_back(MemcpySeconds(src.data(), sink.data(), src.size()));
+        absl::StatusOr<FileTimes> f = WriteFsyncRead(o.dir, src.data(), sink.data(), src.size());
+        if (f.ok()) {
+          file_write.push_back(f->write_fsync_s);
+          file_read.push_back(f->read_s);
+          file_last.push_back(f->write_fsync_s + f->read_s);
+          file_wrong += std::memcmp(src.data(), sink.data(), src.size()) != 0;
+        } else {
+          b_file.note = std::string(f.status().message());
+        }
+        if (perftest_ok && perftest_runs < o.perftest_reps) {
+          ++perftest_runs;
+          const int iters = static_cast<int>(std::clamp<uint64_t>(
+              (1ull << 30) / std::max<uint64_t>(index.tensor_bytes, 1), 3, 200));
+          absl::StatusOr<double> g =
+              UcxPerftest(o.perftest_path, index.tensor_bytes, iters, log_dir);
+          if (g.ok()) {
+            perf_gbs.push_back(*g);
+          } else {
+            b_perf.note = std::string(g.status().message());
+          }
+        }
+        if (torch_ok && torch_runs < o.torch_reps) {
+          ++torch_runs;
+          for (const char* what : {"save", "broadcast"}) {
+            absl::StatusOr<nlohmann::json> j = torch.Run(what, o.timeout);
+            if (!j.ok()) {
+              torch_ok = false;
+              b_save.note = b_bcast.note = std::string(j.status().message());
+              break;
+            }
+            const std::vector<double> ready = (*j)["ready_s"].get<std::vector<double>>();
+            const std::vector<bool> ok = (*j)["ok"].get<std::vector<bool>>();
+            const bool all_ok = std::all_of(ok.begin(), ok.end(), [](bool b) { return b; });
+            BaselineResult& b = std::string(what) == "save" ? b_save : b_bcast;
+            b.wrong += all_ok ? 0 : 1;
+            const double stall = (*j)["stall_s"];
+            (std::string(what) == "save" ? save_stall : bcast_stall).push_back(stall);
+            (std::string(what) == "save" ? save_first : bcast_first)
+                .push_back(*std::min_element(ready.begin(), ready.end()));
+            (std::string(what) == "save" ? save_last : bcast_last)
+                .push_back(*std::max_element(ready.begin(), ready.end()));
+            if (std::string(what) == "save") {
+              for (double x : ready) save_load.push_back(x - stall);
+            }
+            b.raw["reps"].push_back(nlohmann::ordered_json::parse(j->dump()));
+          }
+        }
+      }
+      ++done;
+    }
+  }
+  bar.Update(done, "stopping processes");
+  for (auto& s : sessions) s->Finish(o.versions);
+  torch.Stop();
+  bar.Clear();
+
+  // Results.
+  for (auto& s : sessions) {
+    Summarize(s->result, r.model_bytes, o.versions);
+    r.transports.push_back(std::move(s->result));
+  }
+  const double bytes = static_cast<double>(r.model_bytes);
+  if (!memcpy_s.empty()) {
+    b_memcpy.ran = true;
+    b_memcpy.last = SummaryOf(memcpy_s);
+    b_memcpy.rate_gbs = bytes / 1e9 / Median(memcpy_s);
+    b_memcpy.raw["seconds"] = memcpy_s;
+  }
+  if (!file_last.empty()) {
+    b_file.ran = true;
+    b_file.readers = 1;
+    b_file.stall = SummaryOf(file_write);
+    b_file.first = b_file.last = SummaryOf(file_last);
+    b_file.rate_gbs = bytes / 1e9 / Median(file_read);
+    b_file.wrong = file_wrong;
+    b_file.raw["write_fsync_s"] = file_write;
+    b_file.raw["read_s"] = file_read;
+    b_file.raw["write_gbs"] = bytes / 1e9 / Median(file_write);
+    b_file.raw["read_gbs"] = bytes / 1e9 / Median(file_read);
+  }
+  if (!perf_gbs.empty()) {
+    b_perf.ran = true;
+    b_perf.readers = 1;
+    std::vector<double> t;
+    for (double g : perf_gbs) t.push_back(bytes / 1e9 / g);
+    b_perf.first = b_perf.last = SummaryOf(t);
+    b_perf.rate_gbs = Median(perf_gbs);
+    b_perf.raw["gbs"] = perf_gbs;
+  }
+  if (!save_last.empty()) {
+    b_save.ran = true;
+    b_save.readers = o.subscribers;
+    b_save.stall = SummaryOf(save_stall);
+    b_save.first = SummaryOf(save_first);
+    b_save.last = SummaryOf(save_last);
+    b_save.rate_gbs = bytes / 1e9 / Median(save_load);
+    b_save.raw["torch"] = torch.version();
+  }
+  if (!bcast_last.empty()) {
+    b_bcast.ran = true;
+    b_bcast.readers = o.subscribers;
+    b_bcast.stall = SummaryOf(bcast_stall);
+    b_bcast.first = SummaryOf(bcast_first);
+    b_bcast.last = SummaryOf(bcast_last);
+    b_bcast.rate_gbs = bytes / 1e9 / Median(bcast_last);
+    b_bcast.raw["torch"] = torch.version();
+  }
+  if (o.baselines) {
+    r.baselines = {b_memcpy, b_file};
+    if (want_perftest) r.baselines.push_back(b_perf);
+    if (o.torch) {
+      r.baselines.push_back(b_save);
+      r.baselines.push_back(b_bcast);
+    }
+  }
+
+  // Verdict.
+  for (const TransportResult& t : r.transports) {
+    if (!t.failure.empty()) r.failures.push_back(t.name + ": " + t.failure);
+    if (t.wrong_versions > 0) {
+      std::string first;
+      for (const VersionRecord& v : t.versions) {
+        for (const ReplicaRecord& p : v.replicas) {
+          if (!p.ok && first.empty()) {
+            first = absl::StrFormat("version %d, replica %d: %s", v.version, p.index, p.error);
+          }
+        }
+      }
+      r.failures.push_back(absl::StrFormat("%s: %d of %d versions failed verification (%s)",
+                                           t.name, t.wrong_versions, t.versions.size(), first));
+    }
+  }
+  for (const BaselineResult& b : r.baselines) {
+    if (b.wrong > 0) {
+      r.failures.push_back(absl::StrFormat("baseline %s: %d repetitions delivered wrong bytes",
+                                           b.name, b.wrong));
+    }
+  }
+
+  std::fputs(FormatTable(r).c_str(), stdout);
+  std::fflush(stdout);
+  bool io_ok = true;
+  auto write = [&](const std::optional<std::string>& path, const std::string& text) {
+    if (path && !WriteText(*path, text)) {
+      std::fprintf(stderr, "weightbus-bench: cannot write %s\n", path->c_str());
+      io_ok = false;
+    }
+  };
+  write(o.json, ToJson(r).dump(1) + "\n");
+  write(o.csv, ToCsv(r));
+  write(o.trace, ChromeTrace(r).dump() + "\n");
+  write(o.plot, BarChartSvg(absl::StrFormat("weightbus-bench run: %s BF16 model, %d subscribers",
+                                            HumanBytes(r.model_bytes), o.subscribers),
+                            BarsOf(r)));
+  if (!o.keep) {
+    fs::remove_all(o.store, ec);
+    fs::remove_all(o.dir, ec);
+  }
+  if (!io_ok) return 2;
+  return r.failures.empty() ? 0 : 1;
+}
+
+}  // namespace weightbus::bench

@@ -99,6 +99,28 @@ void Summarize(TransportResult& t, uint64_t model_bytes, int versions) {
   t.cpu_s_per_version = versions > 0 ? t.cpu_s / versions : 0;
 }
 
+Ratios RatiosOf(const RunResult& r, const TransportResult& t) {
+  Ratios out;
+  if (t.last.count == 0) return out;
+  auto last_of = [&](const std::string& name) -> double {
+    for (const BaselineResult& b : r.baselines) {
+      if (b.name == name && b.ran && b.last.count > 0 && b.last.median > 0) return b.last.median;
+    }
+    return NAN;
+  };
+  const std::string base = t.name.substr(t.name.find('+') + 1);  // "delta+ucx" -> "ucx"
+  out.limit = base == "disk" ? "write+read" : base == "ucx" ? "ucx_perftest" : "";
+  if (!out.limit.empty()) out.vs_limit = t.last.median / last_of(out.limit);
+  for (const char* name : {"torch.save", "gloo bcast"}) {
+    const double x = last_of(name);
+    if (!std::isnan(x) && (std::isnan(out.vs_torch) || x / t.last.median < out.vs_torch)) {
+      out.vs_torch = x / t.last.median;
+      out.torch = name;
+    }
+  }
+  return out;
+}
+
 std::string FinalLine(const RunResult& r) {
   if (r.failures.empty()) return "# OK";
   return "# FAILED: " + absl::StrJoin(r.failures, "; ");
@@ -106,18 +128,19 @@ std::string FinalLine(const RunResult& r) {
 
 std::string FormatTable(const RunResult& r) {
   std::string out;
-  absl::StrAppendFormat(&out, "# %-12s %-9s %4s %4s %9s %9s %9s %9s %9s %9s %8s %10s %8s %8s %6s\n",
+  absl::StrAppendFormat(&out, "# %-12s %-9s %4s %4s %9s %9s %9s %9s %9s %9s %8s %10s %8s %8s %6s %7s %7s\n",
                         "transport", "kind", "subs", "vers", "stall", "stall", "first", "first",
-                        "last", "last", "receive", "wire", "cpu", "peak", "#wrong");
-  absl::StrAppendFormat(&out, "# %-12s %-9s %4s %4s %9s %9s %9s %9s %9s %9s %8s %10s %8s %8s %6s\n",
+                        "last", "last", "receive", "wire", "cpu", "peak", "#wrong", "last/", "torch/");
+  absl::StrAppendFormat(&out, "# %-12s %-9s %4s %4s %9s %9s %9s %9s %9s %9s %8s %10s %8s %8s %6s %7s %7s\n",
                         "", "", "", "", "median", "p99", "median", "p99", "median", "p99", "rate",
-                        "per ver", "per ver", "RSS", "");
-  absl::StrAppendFormat(&out, "# %-12s %-9s %4s %4s %9s %9s %9s %9s %9s %9s %8s %10s %8s %8s %6s\n",
+                        "per ver", "per ver", "RSS", "", "limit", "last");
+  absl::StrAppendFormat(&out, "# %-12s %-9s %4s %4s %9s %9s %9s %9s %9s %9s %8s %10s %8s %8s %6s %7s %7s\n",
                         "", "", "", "", "(ms)", "(ms)", "(ms)", "(ms)", "(ms)", "(ms)", "(GB/s)",
-                        "(MB)", "(s)", "(MiB)", "");
+                        "(MB)", "(s)", "(MiB)", "", "(x)", "(x)");
   for (const TransportResult& t : r.transports) {
+    const Ratios ratios = RatiosOf(r, t);
     absl::StrAppendFormat(
-        &out, "  %-12s %-9s %4d %4d %s %s %s %s %s %s %s %s %s %s %6d\n", t.name, "weightbus",
+        &out, "  %-12s %-9s %4d %4d %s %s %s %s %s %s %s %s %s %s %6d %s %s\n", t.name, "weightbus",
         r.subscribers, t.stall.count, Cell(t.stall.median * 1e3, 9, 2, t.stall.count > 0),
         Cell(t.stall.p99 * 1e3, 9, 2, t.stall.count > 0),
         Cell(t.first.median * 1e3, 9, 2, t.first.count > 0),
@@ -125,12 +148,14 @@ std::string FormatTable(const RunResult& r) {
         Cell(t.last.median * 1e3, 9, 2, t.last.count > 0),
         Cell(t.last.p99 * 1e3, 9, 2, t.last.count > 0), Cell(t.receive_gbs, 8, 2, t.receive_gbs > 0),
         Cell(t.wire_bytes / 1e6, 10, 3, t.wire_bytes > 0), Cell(t.cpu_s_per_version, 8, 3),
-        Cell(t.peak_rss_bytes / 1048576.0, 8, 1), t.wrong_versions);
+        Cell(t.peak_rss_bytes / 1048576.0, 8, 1), t.wrong_versions, Cell(ratios.vs_limit, 7, 2),
+        Cell(ratios.vs_torch, 7, 1));
   }
   for (const BaselineResult& b : r.baselines) {
     if (!b.ran) continue;
     absl::StrAppendFormat(
-        &out, "  %-12s %-9s %4s %4d %s %s %s %s %s %s %s %10s %8s %8s %6s\n", b.name, "baseline",
+        &out, "  %-12s %-9s %4s %4d %s %s %s %s %s %s %s %10s %8s %8s %6s %7s %7s\n", b.name,
+        "baseline",
         b.readers > 0 ? std::to_string(b.readers) : "-", b.last.count,
         Cell(b.stall.median * 1e3, 9, 2, b.stall.count > 0),
         Cell(b.stall.p99 * 1e3, 9, 2, b.stall.count > 0),
@@ -138,8 +163,12 @@ std::string FormatTable(const RunResult& r) {
         Cell(b.first.p99 * 1e3, 9, 2, b.first.count > 0),
         Cell(b.last.median * 1e3, 9, 2, b.last.count > 0),
         Cell(b.last.p99 * 1e3, 9, 2, b.last.count > 0), Cell(b.rate_gbs, 8, 2, b.rate_gbs > 0),
-        "-", "-", "-", b.readers > 0 ? std::to_string(b.wrong) : "-");
+        "-", "-", "-", b.readers > 0 ? std::to_string(b.wrong) : "-", "-", "-");
   }
+  out +=
+      "# last/limit: time to last replica / the baseline bounding the transport (disk: "
+      "write+read, ucx: ucx_perftest); torch/last: the faster torch baseline / time to last "
+      "replica\n";
   for (const BaselineResult& b : r.baselines) {
     if (!b.ran) absl::StrAppendFormat(&out, "# baseline %s skipped: %s\n", b.name, b.note);
   }
@@ -185,6 +214,16 @@ nlohmann::ordered_json ToJson(const RunResult& r) {
     tj["publisher_peak_rss_bytes"] = t.publisher_peak_rss_bytes;
     tj["wrong_versions"] = t.wrong_versions;
     tj["wrong_deliveries"] = t.wrong_deliveries;
+    const Ratios ratios = RatiosOf(r, t);
+    auto number = [](double x) {
+      return std::isnan(x) ? nlohmann::ordered_json() : nlohmann::ordered_json(x);
+    };
+    tj["last_vs_limit"] = nlohmann::ordered_json::object();
+    tj["last_vs_limit"]["baseline"] = ratios.limit;
+    tj["last_vs_limit"]["ratio"] = number(ratios.vs_limit);
+    tj["torch_vs_last"] = nlohmann::ordered_json::object();
+    tj["torch_vs_last"]["baseline"] = ratios.torch;
+    tj["torch_vs_last"]["ratio"] = number(ratios.vs_torch);
     tj["processes"] = nlohmann::ordered_json::array();
     for (const ProcessRecord& p : t.processes) {
       tj["processes"].push_back({{"role", p.role},
@@ -293,6 +332,13 @@ std::string ToCsv(const RunResult& r) {
     row("transport", t.name, "", "", "cpu_per_version", t.cpu_s_per_version, "s");
     row("transport", t.name, "", "", "peak_rss", static_cast<double>(t.peak_rss_bytes), "B");
     row("transport", t.name, "", "", "wrong_versions", t.wrong_versions, "");
+    const Ratios ratios = RatiosOf(r, t);
+    if (!std::isnan(ratios.vs_limit)) {
+      row("transport", t.name, "", "", "last_vs_" + ratios.limit, ratios.vs_limit, "x");
+    }
+    if (!std::isnan(ratios.vs_torch)) {
+      row("transport", t.name, "", "", ratios.torch + "_vs_last", ratios.vs_torch, "x");
+    }
     for (const ProcessRecord& p : t.processes) {
       row("process", t.name, "", p.role, "cpu", p.cpu_s, "s");
       row("process", t.name, "", p.role, "overhead_cpu", p.overhead_cpu_s, "s");

@@ -106,7 +106,7 @@ run_expect_failure() {
 
 # Replicas receive bytes that differ from what was meant: the independent check must see it.
 run_expect_failure corrupt 'version 3, replica [01]: tensor ".*" differs from what was published' \
-  --corrupt-version 3
+  --corrupt-version 3 --order sequential
 # A subscriber dies before fetching its third version (the library's fail point, SIGKILL).
 run_expect_failure subscriber-killed 'subscriber [01] ended early \(killed by signal 9\)' \
   --transports disk --set failpoints=core.before_fetch=kill@3

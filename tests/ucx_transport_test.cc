@@ -28,6 +28,7 @@
 #include "transports/ucx/control.h"
 #include "transports/ucx/registration_cache.h"
 #include "transports/ucx/ucp_util.h"
+#include "transports/ucx/ucx_transport.h"
 #include "weightbus/weightbus.hpp"
 
 namespace weightbus {
@@ -50,12 +51,25 @@ void PrintTo(const Tls& tls, std::ostream* os) { *os << tls.name; }
 
 const Tls kShm{"shm", {{"UCX_TLS", "posix,sysv,cma,self"}}};
 const Tls kTcp{"tcp", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}};
+// UCX's own defaults (UCX_TLS unset: the transport leaves TCP out for a loopback channel).
+const Tls kDefault{"default", {{"UCX_TLS", ""}, {"UCX_NET_DEVICES", ""}}};
+
+// Sets (or, for an empty value, unsets) the variables of `tls`.
+void ApplyEnv(const Tls& tls) {
+  for (const auto& [k, v] : tls.env) {
+    if (v.empty()) {
+      unsetenv(k.c_str());
+    } else {
+      setenv(k.c_str(), v.c_str(), 1);
+    }
+  }
+}
 
 using ::weightbus::testing::FreePort;
 
 // Why UCX cannot run here with the current UCX_* environment, or "" when it can.
 std::string UcxUnavailableReason() {
-  auto context = internal::ucx::Context::Create(false, "probe");
+  auto context = internal::ucx::Context::Create(false, "probe", false);
   if (!context.ok()) return std::string(context.status().message());
   auto worker = internal::ucx::Worker::Create(*context, "probe");
   if (!worker.ok()) return std::string(worker.status().message());
@@ -67,7 +81,7 @@ using ::weightbus::testing::ExpectSameTensors;
 class UcxTransportTest : public ::testing::TestWithParam<Tls> {
  protected:
   void SetUp() override {
-    for (const auto& [k, v] : GetParam().env) setenv(k.c_str(), v.c_str(), 1);
+    ApplyEnv(GetParam());
     const std::string why = UcxUnavailableReason();
     if (!why.empty()) GTEST_SKIP() << "UCX cannot create a worker here: " << why;
     port_ = FreePort();
@@ -431,7 +445,7 @@ TEST_P(UcxTransportTest, PortInUseNamesAddressFamilyAndPort) {
   EXPECT_THAT(second.status().message(), HasSubstr("in use"));
 }
 
-INSTANTIATE_TEST_SUITE_P(Tls, UcxTransportTest, ::testing::Values(kShm, kTcp),
+INSTANTIATE_TEST_SUITE_P(Tls, UcxTransportTest, ::testing::Values(kShm, kTcp, kDefault),
                          [](const ::testing::TestParamInfo<Tls>& info) { return info.param.name; });
 
 // Rendezvous address errors: these fail before any UCX transfer, so one transport suffices.
@@ -637,6 +651,16 @@ INSTANTIATE_TEST_SUITE_P(Tls, UcxInternalTest, ::testing::Values(weightbus::kShm
                            return info.param.name;
                          });
 
+TEST(UcxEndpointTest, OnlyLoopbackHostsCountAsOneHost) {
+  for (const char* host : {"127.0.0.1", "127.1.2.3", "::1", "localhost"}) {
+    EXPECT_TRUE(ucx::IsLoopback(host)) << host;
+  }
+  for (const char* host : {"128.0.0.1", "10.0.0.1", "0.0.0.0", "::", "::ffff:10.0.0.1",
+                           "localhost.example.com", "fe80::1"}) {
+    EXPECT_FALSE(ucx::IsLoopback(host)) << host;
+  }
+}
+
 TEST(UcxControlTest, FramesRoundTripAndMalformedOnesAreDataLoss) {
   using namespace ucx;
   std::string wire = Writer(MsgType::kWait).U64(7).U64(uint64_t{1} << 40).U8(1).Finish();
@@ -672,7 +696,7 @@ TEST(UcxControlTest, FramesRoundTripAndMalformedOnesAreDataLoss) {
 
 TEST(UcxRegistrationCacheTest, RegistersOnceAndDropsRegistrationsOfUnmappedMemory) {
   for (const auto& [k, v] : weightbus::kTcp.env) setenv(k.c_str(), v.c_str(), 1);
-  auto context = ucx::Context::Create(false, "test");
+  auto context = ucx::Context::Create(false, "test", false);
   if (!context.ok()) GTEST_SKIP() << context.status();
   ucx::RegistrationCache cache(*context);
   const size_t n = 1 << 20;

@@ -39,6 +39,10 @@ same run. Output in the style of nccl-tests; ends with "# OK" or "# FAILED: reas
   --json FILE --csv FILE every figure; --trace FILE a Chrome/Perfetto trace of every phase;
   --plot FILE.svg        a bar chart of time until the last replica, with the baselines
   --quick                the stories260K checkpoint, 4 versions, 1 rep of each baseline
+  --order auto|interleaved|sequential   interleaved: each version through every transport
+                         and the baselines in turn (all processes alive at once: noise hits all
+                         alike); sequential: one transport after the other; auto (default):
+                         interleaved when it fits in memory (about 5 model sizes per process)
   --keep                 keep --dir and --store afterwards
   --corrupt-version N    fault injection: every publisher flips one bit of version N before
                          publishing it, so replicas receive bytes that differ from what the

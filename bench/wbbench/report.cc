@@ -10,7 +10,9 @@
 namespace weightbus::bench {
 namespace {
 
-Summary Summarize(const std::vector<double>& v) {
+}  // namespace
+
+Summary SummaryOf(const std::vector<double>& v) {
   Summary s;
   s.count = static_cast<int>(v.size());
   if (!v.empty()) {
@@ -19,6 +21,8 @@ Summary Summarize(const std::vector<double>& v) {
   }
   return s;
 }
+
+namespace {
 
 // A cell: the value with `precision` decimals, or "-" for "not measured" (NaN or count 0).
 std::string Cell(double v, int width, int precision, bool present = true) {
@@ -73,9 +77,9 @@ void Summarize(TransportResult& t, uint64_t model_bytes, int versions) {
       last.push_back(hi);
     }
   }
-  t.stall = Summarize(stall);
-  t.first = Summarize(first);
-  t.last = Summarize(last);
+  t.stall = SummaryOf(stall);
+  t.first = SummaryOf(first);
+  t.last = SummaryOf(last);
   t.receive_gbs = receive.empty() ? 0 : model_bytes / 1e9 / Median(receive);
   if (wire_known && !wire_reported.empty()) {
     t.wire_bytes = Median(wire_reported);

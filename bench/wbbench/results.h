@@ -109,6 +109,9 @@ struct RunResult {
   std::vector<std::string> failures;     // the "# FAILED:" reasons; empty means OK
 };
 
+// The median and p99 of `v` (count 0 when empty).
+Summary SummaryOf(const std::vector<double>& v);
+
 // Fills the summaries of `t` from its records.
 void Summarize(TransportResult& t, uint64_t model_bytes, int versions);
 

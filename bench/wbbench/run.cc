@@ -67,7 +67,23 @@ struct RunOptions {
   uint64_t corrupt_version = 0;
   std::optional<std::string> json, csv, trace, plot;
   bool quick = false;
+  std::string order = "auto";  // auto, interleaved, sequential
 };
+
+// MemAvailable of /proc/meminfo, bytes (0 if unknown).
+uint64_t AvailableMemory() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  while (f >> key) {
+    if (key == "MemAvailable:") {
+      f >> kib;
+      return kib * 1024;
+    }
+    std::getline(f, key);
+  }
+  return 0;
+}
 
 bool Contains(const std::vector<std::string>& v, const std::string& s) {
   return std::find(v.begin(), v.end(), s) != v.end();
@@ -394,16 +410,6 @@ class Progress {
   int total_;
 };
 
-Summary SummaryOf(const std::vector<double>& v) {
-  Summary s;
-  s.count = static_cast<int>(v.size());
-  if (!v.empty()) {
-    s.median = Median(v);
-    s.p99 = Percentile(v, 99);
-  }
-  return s;
-}
-
 bool WriteText(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);
   f << text;
@@ -434,7 +440,8 @@ int RunMain(const std::vector<std::string>& argv) {
              {"set", true, true}, {"timeout"},     {"no-baselines", false},
              {"no-torch", false}, {"no-perftest", false}, {"python"}, {"perftest"},
              {"perftest-reps"}, {"torch-reps"},    {"corrupt-version"}, {"json"},
-             {"csv"},           {"trace"},         {"plot"},         {"quick", false}}));
+             {"csv"},           {"trace"},         {"plot"},         {"quick", false},
+             {"order"}}));
   if (!args.positional().empty()) Die("run takes no positional arguments (see --help)");
   RunOptions o;
   o.quick = args.Has("quick");
@@ -470,6 +477,10 @@ int RunMain(const std::vector<std::string>& argv) {
   o.csv = args.Get("csv");
   o.trace = args.Get("trace");
   o.plot = args.Get("plot");
+  o.order = args.Get("order").value_or(o.order);
+  if (o.order != "auto" && o.order != "interleaved" && o.order != "sequential") {
+    Die("--order takes auto, interleaved or sequential, not " + o.order);
+  }
   if (o.subscribers < 1) Die("--subscribers must be at least 1");
   if (o.versions < 1 || o.warmup >= o.versions) {
     Die("--versions must be at least 1 and above --warmup (the warm-up versions are not measured)");
@@ -630,6 +641,16 @@ int RunMain(const std::vector<std::string>& argv) {
     b_perf.note = o.perftest_path + " not found (Debian package ucx-utils)";
   }
   const bool perftest_ok = want_perftest && b_perf.note.empty();
+  // Every transport's processes alive at once (interleaved) need about 5 model-sized buffers
+  // each at their peak (parameters, staging or receive buffers, a delta layer's base and its
+  // encoded versions: measured peak RSS 2x to 5x the model); if that does not fit, one transport
+  // runs after the other.
+  const uint64_t available_memory = AvailableMemory();
+  const uint64_t need = o.transports.size() * (1 + o.subscribers) * 5 * index.file_bytes;
+  const bool interleaved =
+      o.order == "interleaved" ||
+      (o.order == "auto" && (available_memory == 0 || need <= available_memory * 8 / 10));
+  r.config["order"] = interleaved ? "interleaved" : "sequential";
   std::string baseline_line = "# baselines:";
   if (o.baselines) {
     baseline_line += " memcpy; write(2)+fsync and pread";
@@ -642,9 +663,16 @@ int RunMain(const std::vector<std::string>& argv) {
     baseline_line += " none (--no-baselines)";
   }
   banner += baseline_line + "\n";
-  banner +=
-      "# order: each version goes through every transport and the baselines in turn, rotating "
-      "the order from version to version\n#\n";
+  banner += interleaved
+                ? "# order: each version goes through every transport and the baselines in turn, "
+                  "rotating the order from version to version\n#\n"
+                : absl::StrFormat(
+                      "# order: one transport after the other, then the baselines (%s)\n#\n",
+                      o.order == "sequential"
+                          ? "--order sequential"
+                          : absl::StrFormat("their processes need about %s together, more than "
+                                            "the %s available; --order interleaved to insist",
+                                            HumanBytes(need), HumanBytes(available_memory)));
   std::fputs(banner.c_str(), stdout);
   std::fflush(stdout);
 
@@ -658,80 +686,96 @@ int RunMain(const std::vector<std::string>& argv) {
     } else {
       uri = absl::StrFormat("%s://127.0.0.1:%d/wbbench", t, FreePort());
     }
-    auto s = std::make_unique<Session>(t, uri, channel_dir);
-    s->Start(o, o.store, log_dir);
-    sessions.push_back(std::move(s));
+    sessions.push_back(std::make_unique<Session>(t, uri, channel_dir));
   }
 
-  // The versions, every transport and the baselines in turn.
-  Progress bar(progress, o.versions * static_cast<int>(sessions.size() + 1));
-  int done = 0;
-  const int units = static_cast<int>(sessions.size()) + 1;  // the last unit: the baselines
+  // One round of the baselines (measured versions only).
   int perftest_runs = 0, torch_runs = 0;
-  for (int v = 1; v <= o.versions; ++v) {
-    const bool measured = v > o.warmup;
-    for (int k = 0; k < units; ++k) {
-      const int unit = (k + v - 1) % units;
-      if (unit < static_cast<int>(sessions.size())) {
-        Session& s = *sessions[unit];
-        bar.Update(done, absl::StrFormat("%s version %d", s.result.name, v));
-        s.Step(v, measured, o.timeout);
-      } else if (o.baselines && measured) {
-        bar.Update(done, absl::StrFormat("baselines, round %d", v));
-        memcpy_s.push_back(MemcpySeconds(src.data(), sink.data(), src.size()));
-        absl::StatusOr<FileTimes> f = WriteFsyncRead(o.dir, src.data(), sink.data(), src.size());
-        if (f.ok()) {
-          file_write.push_back(f->write_fsync_s);
-          file_read.push_back(f->read_s);
-          file_last.push_back(f->write_fsync_s + f->read_s);
-          file_wrong += std::memcmp(src.data(), sink.data(), src.size()) != 0;
-        } else {
-          b_file.note = std::string(f.status().message());
-        }
-        if (perftest_ok && perftest_runs < o.perftest_reps) {
-          ++perftest_runs;
-          const int iters = static_cast<int>(std::clamp<uint64_t>(
-              (1ull << 30) / std::max<uint64_t>(index.tensor_bytes, 1), 3, 200));
-          absl::StatusOr<double> g =
-              UcxPerftest(o.perftest_path, index.tensor_bytes, iters, log_dir);
-          if (g.ok()) {
-            perf_gbs.push_back(*g);
-          } else {
-            b_perf.note = std::string(g.status().message());
-          }
-        }
-        if (torch_ok && torch_runs < o.torch_reps) {
-          ++torch_runs;
-          for (const char* what : {"save", "broadcast"}) {
-            absl::StatusOr<nlohmann::json> j = torch.Run(what, o.timeout);
-            if (!j.ok()) {
-              torch_ok = false;
-              b_save.note = b_bcast.note = std::string(j.status().message());
-              break;
-            }
-            const std::vector<double> ready = (*j)["ready_s"].get<std::vector<double>>();
-            const std::vector<bool> ok = (*j)["ok"].get<std::vector<bool>>();
-            const bool all_ok = std::all_of(ok.begin(), ok.end(), [](bool b) { return b; });
-            BaselineResult& b = std::string(what) == "save" ? b_save : b_bcast;
-            b.wrong += all_ok ? 0 : 1;
-            const double stall = (*j)["stall_s"];
-            (std::string(what) == "save" ? save_stall : bcast_stall).push_back(stall);
-            (std::string(what) == "save" ? save_first : bcast_first)
-                .push_back(*std::min_element(ready.begin(), ready.end()));
-            (std::string(what) == "save" ? save_last : bcast_last)
-                .push_back(*std::max_element(ready.begin(), ready.end()));
-            if (std::string(what) == "save") {
-              for (double x : ready) save_load.push_back(x - stall);
-            }
-            b.raw["reps"].push_back(nlohmann::ordered_json::parse(j->dump()));
-          }
-        }
+  auto baseline_round = [&]() {
+    memcpy_s.push_back(MemcpySeconds(src.data(), sink.data(), src.size()));
+    absl::StatusOr<FileTimes> f = WriteFsyncRead(o.dir, src.data(), sink.data(), src.size());
+    if (f.ok()) {
+      file_write.push_back(f->write_fsync_s);
+      file_read.push_back(f->read_s);
+      file_last.push_back(f->write_fsync_s + f->read_s);
+      file_wrong += std::memcmp(src.data(), sink.data(), src.size()) != 0;
+    } else {
+      b_file.note = std::string(f.status().message());
+    }
+    if (perftest_ok && perftest_runs < o.perftest_reps) {
+      ++perftest_runs;
+      const int iters = static_cast<int>(std::clamp<uint64_t>(
+          (1ull << 30) / std::max<uint64_t>(index.tensor_bytes, 1), 3, 200));
+      absl::StatusOr<double> g =
+          UcxPerftest(o.perftest_path, index.tensor_bytes, iters, log_dir);
+      if (g.ok()) {
+        perf_gbs.push_back(*g);
+      } else {
+        b_perf.note = std::string(g.status().message());
       }
-      ++done;
+    }
+    if (torch_ok && torch_runs < o.torch_reps) {
+      ++torch_runs;
+      for (const char* what : {"save", "broadcast"}) {
+        absl::StatusOr<nlohmann::json> j = torch.Run(what, o.timeout);
+        if (!j.ok()) {
+          torch_ok = false;
+          b_save.note = b_bcast.note = std::string(j.status().message());
+          break;
+        }
+        const std::vector<double> ready = (*j)["ready_s"].get<std::vector<double>>();
+        const std::vector<bool> ok = (*j)["ok"].get<std::vector<bool>>();
+        const bool all_ok = std::all_of(ok.begin(), ok.end(), [](bool b) { return b; });
+        BaselineResult& b = std::string(what) == "save" ? b_save : b_bcast;
+        b.wrong += all_ok ? 0 : 1;
+        const double stall = (*j)["stall_s"];
+        (std::string(what) == "save" ? save_stall : bcast_stall).push_back(stall);
+        (std::string(what) == "save" ? save_first : bcast_first)
+            .push_back(*std::min_element(ready.begin(), ready.end()));
+        (std::string(what) == "save" ? save_last : bcast_last)
+            .push_back(*std::max_element(ready.begin(), ready.end()));
+        if (std::string(what) == "save") {
+          for (double x : ready) save_load.push_back(x - stall);
+        }
+        b.raw["reps"].push_back(nlohmann::ordered_json::parse(j->dump()));
+      }
+    }
+  };
+
+  // The versions: interleaved, every transport and the baselines in turn for each version, or
+  // (when their processes would not fit in memory together) one transport after the other.
+  const int units = static_cast<int>(sessions.size()) + 1;  // the last unit: the baselines
+  Progress bar(progress, o.versions * units);
+  int done = 0;
+  auto step = [&](int unit, int v) {
+    const bool measured = v > o.warmup;
+    if (unit < static_cast<int>(sessions.size())) {
+      Session& s = *sessions[unit];
+      bar.Update(done, absl::StrFormat("%s version %d", s.result.name, v));
+      s.Step(v, measured, o.timeout);
+    } else if (o.baselines && measured) {
+      bar.Update(done, absl::StrFormat("baselines, round %d", v));
+      baseline_round();
+    }
+    ++done;
+  };
+  if (interleaved) {
+    for (auto& s : sessions) s->Start(o, o.store, log_dir);
+    for (int v = 1; v <= o.versions; ++v) {
+      for (int k = 0; k < units; ++k) step((k + v - 1) % units, v);
+    }
+    bar.Update(done, "stopping processes");
+    for (auto& s : sessions) s->Finish(o.versions);
+  } else {
+    for (int unit = 0; unit < units; ++unit) {
+      if (unit < static_cast<int>(sessions.size())) {
+        bar.Update(done, "starting " + sessions[unit]->result.name);
+        sessions[unit]->Start(o, o.store, log_dir);
+      }
+      for (int v = 1; v <= o.versions; ++v) step(unit, v);
+      if (unit < static_cast<int>(sessions.size())) sessions[unit]->Finish(o.versions);
     }
   }
-  bar.Update(done, "stopping processes");
-  for (auto& s : sessions) s->Finish(o.versions);
   torch.Stop();
   bar.Clear();
 
@@ -768,24 +812,21 @@ int RunMain(const std::vector<std::string>& argv) {
     b_perf.rate_gbs = Median(perf_gbs);
     b_perf.raw["gbs"] = perf_gbs;
   }
-  if (!save_last.empty()) {
-    b_save.ran = true;
-    b_save.readers = o.subscribers;
-    b_save.stall = SummaryOf(save_stall);
-    b_save.first = SummaryOf(save_first);
-    b_save.last = SummaryOf(save_last);
-    b_save.rate_gbs = bytes / 1e9 / Median(save_load);
-    b_save.raw["torch"] = torch.version();
-  }
-  if (!bcast_last.empty()) {
-    b_bcast.ran = true;
-    b_bcast.readers = o.subscribers;
-    b_bcast.stall = SummaryOf(bcast_stall);
-    b_bcast.first = SummaryOf(bcast_first);
-    b_bcast.last = SummaryOf(bcast_last);
-    b_bcast.rate_gbs = bytes / 1e9 / Median(bcast_last);
-    b_bcast.raw["torch"] = torch.version();
-  }
+  // torch.save's rate is the loads' (the save is its stall); the broadcast's, the whole.
+  auto torch_result = [&](BaselineResult& b, const std::vector<double>& stall,
+                          const std::vector<double>& first, const std::vector<double>& last,
+                          const std::vector<double>& rate_times) {
+    if (last.empty()) return;
+    b.ran = true;
+    b.readers = o.subscribers;
+    b.stall = SummaryOf(stall);
+    b.first = SummaryOf(first);
+    b.last = SummaryOf(last);
+    b.rate_gbs = bytes / 1e9 / Median(rate_times);
+    b.raw["torch"] = torch.version();
+  };
+  torch_result(b_save, save_stall, save_first, save_last, save_load);
+  torch_result(b_bcast, bcast_stall, bcast_first, bcast_last, bcast_last);
   if (o.baselines) {
     r.baselines = {b_memcpy, b_file};
     if (want_perftest) r.baselines.push_back(b_perf);

@@ -96,8 +96,8 @@ double PreadSeconds(const std::string& path, std::vector<std::byte>& buffer) {
   if (fd < 0) Die("open " + path);
   size_t done = 0;
   while (done < buffer.size()) {
-    ssize_t n = ::pread(fd, buffer.data() + done, std::min<size_t>(4 << 20, buffer.size() - done),
-                        done);
+    ssize_t n =
+        ::pread(fd, buffer.data() + done, std::min<size_t>(4 << 20, buffer.size() - done), done);
     if (n <= 0) Die("pread " + path);
     done += static_cast<size_t>(n);
   }
@@ -108,12 +108,13 @@ double PreadSeconds(const std::string& path, std::vector<std::byte>& buffer) {
 // One comment line with where the time of a publish and a subscribe went.
 void PrintStats(const char* what, int rep, const Update& u, const PublishStats& p) {
   const UpdateStats& s = u.stats();
-  std::printf("# rep %d %-4s publish %.3f s (transport %.3f, checksum wait %.3f); subscribe: "
-              "wait %.3f allocate %.3f fetch %.3f verify %.3f copy %.3f s\n",
-              rep, what, absl::ToDoubleSeconds(p.stall), absl::ToDoubleSeconds(p.transport),
-              absl::ToDoubleSeconds(p.checksum_wait), absl::ToDoubleSeconds(s.wait),
-              absl::ToDoubleSeconds(s.allocate), absl::ToDoubleSeconds(s.fetch),
-              absl::ToDoubleSeconds(s.verify_wait), absl::ToDoubleSeconds(s.copy_out));
+  std::printf(
+      "# rep %d %-4s publish %.3f s (transport %.3f, checksum wait %.3f); subscribe: "
+      "wait %.3f allocate %.3f fetch %.3f verify %.3f copy %.3f s\n",
+      rep, what, absl::ToDoubleSeconds(p.stall), absl::ToDoubleSeconds(p.transport),
+      absl::ToDoubleSeconds(p.checksum_wait), absl::ToDoubleSeconds(s.wait),
+      absl::ToDoubleSeconds(s.allocate), absl::ToDoubleSeconds(s.fetch),
+      absl::ToDoubleSeconds(s.verify_wait), absl::ToDoubleSeconds(s.copy_out));
 }
 
 // write(2) of the model's bytes, tensor after tensor in 4 MiB pieces, then fsync: the raw cost of
@@ -125,7 +126,8 @@ double RawWriteSeconds(const std::string& path, const std::vector<OwnedTensor>& 
   for (const OwnedTensor& t : model) {
     size_t done = 0;
     while (done < t.bytes.size()) {
-      ssize_t n = ::write(fd, t.bytes.data() + done, std::min<size_t>(4 << 20, t.bytes.size() - done));
+      ssize_t n =
+          ::write(fd, t.bytes.data() + done, std::min<size_t>(4 << 20, t.bytes.size() - done));
       if (n <= 0) Die("write " + path);
       done += static_cast<size_t>(n);
     }
@@ -226,9 +228,8 @@ int Main(int argc, char** argv) {
   utsname u;
   uname(&u);
   std::printf("# weightbus-disk-bench (weightbus %s)\n", std::string(LibraryVersion()).c_str());
-  std::printf("# model: %s x%.3g, %zu tensors, BF16, %llu bytes (%.2f GiB)\n",
-              shapes_path.c_str(), scale, model.size(), static_cast<unsigned long long>(bytes),
-              bytes / double(1 << 30));
+  std::printf("# model: %s x%.3g, %zu tensors, BF16, %llu bytes (%.2f GiB)\n", shapes_path.c_str(),
+              scale, model.size(), static_cast<unsigned long long>(bytes), bytes / double(1 << 30));
   std::printf("# dir: %s; kernel %s; %u cores; %d reps, medians\n", dir.c_str(), u.release,
               std::thread::hardware_concurrency(), reps);
 
@@ -275,9 +276,10 @@ int Main(int argc, char** argv) {
   bool torch_ok = false;
   if (!args.Has("no-torch")) {
     std::string why;
-    torch_ok = torch.Start(python, absl::StrFormat("%s/torch_baseline.py --shapes %s --scale %.17g "
-                                                   "--dir %s",
-                                                   WEIGHTBUS_BENCH_DIR, shapes_path, scale, dir),
+    torch_ok = torch.Start(python,
+                           absl::StrFormat("%s/torch_baseline.py --shapes %s --scale %.17g "
+                                           "--dir %s",
+                                           WEIGHTBUS_BENCH_DIR, shapes_path, scale, dir),
                            &why);
     if (!torch_ok) std::printf("# torch rows skipped: %s\n", why.c_str());
   }
@@ -291,8 +293,8 @@ int Main(int argc, char** argv) {
       ::sync();
       switch ((r + k) % 3) {
         case 0:
-          dd_write.push_back(DdSeconds(Shell(absl::StrFormat(
-              "dd if=%s of=%s/dd-%d.bin bs=4M conv=fsync", shm, dir, r))));
+          dd_write.push_back(DdSeconds(
+              Shell(absl::StrFormat("dd if=%s of=%s/dd-%d.bin bs=4M conv=fsync", shm, dir, r))));
           break;
         case 1:
           raw_write.push_back(RawWriteSeconds(raw, model));
@@ -339,8 +341,7 @@ int Main(int argc, char** argv) {
         std::printf("# cold-cache rows skipped: cannot write /proc/sys/vm/drop_caches\n");
         continue;
       }
-      dd_read_cold.push_back(
-          DdSeconds(Shell(absl::StrFormat("dd if=%s of=/dev/null bs=4M", raw))));
+      dd_read_cold.push_back(DdSeconds(Shell(absl::StrFormat("dd if=%s of=/dev/null bs=4M", raw))));
       DropCaches();
       pread_cold.push_back(PreadSeconds(raw, sink));
       // Publishing the same bytes as a new version, then dropping caches, gives a cold read.
@@ -367,24 +368,24 @@ int Main(int argc, char** argv) {
   rows.push_back({"publish", "weightbus disk:// (durable)", Median(publish), bytes,
                   ratio(Median(publish), write_base) + " of the faster baseline"});
   rows.push_back({"read, hot", "baseline: dd bs=4M to /dev/null", Median(dd_read_hot), bytes, ""});
-  rows.push_back({"read, hot", "baseline: pread 4MiB into one buffer", Median(pread_hot), bytes,
-                  ""});
+  rows.push_back(
+      {"read, hot", "baseline: pread 4MiB into one buffer", Median(pread_hot), bytes, ""});
   rows.push_back({"subscribe, hot", "weightbus (verified)", Median(sub_hot), bytes,
                   ratio(Median(sub_hot), Median(pread_hot)) + " of pread, " +
                       ratio(Median(sub_hot), Median(dd_read_hot)) + " of dd"});
   if (cold && !sub_cold.empty()) {
-    rows.push_back({"read, cold", "baseline: dd bs=4M to /dev/null", Median(dd_read_cold), bytes,
-                    ""});
-    rows.push_back({"read, cold", "baseline: pread 4MiB into one buffer", Median(pread_cold),
-                    bytes, ""});
+    rows.push_back(
+        {"read, cold", "baseline: dd bs=4M to /dev/null", Median(dd_read_cold), bytes, ""});
+    rows.push_back(
+        {"read, cold", "baseline: pread 4MiB into one buffer", Median(pread_cold), bytes, ""});
     rows.push_back({"subscribe, cold", "weightbus (verified)", Median(sub_cold), bytes,
                     ratio(Median(sub_cold), Median(pread_cold)) + " of pread, " +
                         ratio(Median(sub_cold), Median(dd_read_cold)) + " of dd"});
   }
-  rows.push_back({"publish", "weightbus, fsync=false (not durable)", Median(fast_publish), bytes,
-                  ""});
-  rows.push_back({"subscribe", "weightbus, fsync=false channel", Median(fast_subscribe), bytes,
-                  ""});
+  rows.push_back(
+      {"publish", "weightbus, fsync=false (not durable)", Median(fast_publish), bytes, ""});
+  rows.push_back(
+      {"subscribe", "weightbus, fsync=false channel", Median(fast_subscribe), bytes, ""});
   if (torch_ok) {
     const double save = Median(torch_save), load = Median(torch_load);
     const double save_fsync = Median(torch_save_fsync);
@@ -393,8 +394,8 @@ int Main(int argc, char** argv) {
     rows.push_back({"torch.load", "baseline: torch.load", load, bytes, ""});
     const double durable = Median(publish) + Median(sub_hot);
     const double fast = Median(fast_publish) + Median(fast_subscribe);
-    rows.push_back({"round trip", "baseline: torch.save + fsync + load", save_fsync + load,
-                    bytes, ""});
+    rows.push_back(
+        {"round trip", "baseline: torch.save + fsync + load", save_fsync + load, bytes, ""});
     rows.push_back({"round trip", "weightbus durable publish + subscribe", durable, bytes,
                     absl::StrFormat("%.2fx faster", (save_fsync + load) / durable)});
     rows.push_back({"round trip", "baseline: torch.save + torch.load", save + load, bytes, ""});
@@ -427,8 +428,11 @@ int Main(int argc, char** argv) {
     j["tensors"] = model.size();
     j["reps"] = reps;
     for (const Row& r : rows) {
-      j["rows"].push_back({{"operation", r.op}, {"what", r.what}, {"seconds", r.seconds},
-                           {"gb_per_s", r.bytes / 1e9 / r.seconds}, {"ratio", r.ratio}});
+      j["rows"].push_back({{"operation", r.op},
+                           {"what", r.what},
+                           {"seconds", r.seconds},
+                           {"gb_per_s", r.bytes / 1e9 / r.seconds},
+                           {"ratio", r.ratio}});
     }
     if (torch_ok) j["torch_version"] = torch.version();
     FILE* f = std::fopen(path->c_str(), "w");

@@ -173,7 +173,8 @@ int SubscriberMain(const std::string& uri, uint64_t count, bool read_weights) {
     previous.reset();
     auto u = (*sub).WaitForVersion(v, absl::Seconds(600));
     if (!u.ok()) {
-      std::printf("{\"error\": %s}\n", nlohmann::json(std::string(u.status().message())).dump().c_str());
+      std::printf("{\"error\": %s}\n",
+                  nlohmann::json(std::string(u.status().message())).dump().c_str());
       std::fflush(stdout);
       return 1;
     }
@@ -280,13 +281,14 @@ int Main(int argc, char** argv) {
   uname(&u);
   std::printf("# weightbus-ucx-bench (weightbus %s, UCX from libucx-dev)\n",
               std::string(LibraryVersion()).c_str());
-  std::printf("# model: %s scaled to each size, BF16; kernel %s; %u cores; %d reps after %d "
-              "warm-up versions, medians\n",
-              shapes_path.c_str(), u.release, std::thread::hardware_concurrency(), reps, warmup);
+  std::printf(
+      "# model: %s scaled to each size, BF16; kernel %s; %u cores; %d reps after %d "
+      "warm-up versions, medians\n",
+      shapes_path.c_str(), u.release, std::thread::hardware_concurrency(), reps, warmup);
   std::printf("# perftest: %s\n", run_perftest ? (perftest + " -t ucp_get -s <model bytes>, "
-                                                            "client and server on 127.0.0.1, "
-                                                            "once per round")
-                                                           .c_str()
+                                                             "client and server on 127.0.0.1, "
+                                                             "once per round")
+                                                     .c_str()
                                                : "skipped");
   std::printf("# checksums: XXH3-64 (%s); rounds interleave memcpy, ucx_perftest and ours\n",
               "see docs/PERFORMANCE.md");
@@ -302,9 +304,8 @@ int Main(int argc, char** argv) {
       unsetenv("UCX_NET_DEVICES");
     }
     for (uint64_t target : sizes) {
-      std::vector<OwnedTensor> model =
-          OrDie(MakeSyntheticModel(ScaleShapes(base_shapes, double(target) / base_bytes),
-                                   DType::kBF16, 42));
+      std::vector<OwnedTensor> model = OrDie(MakeSyntheticModel(
+          ScaleShapes(base_shapes, double(target) / base_bytes), DType::kBF16, 42));
       std::vector<TensorView> views;
       uint64_t bytes = 0;
       for (const OwnedTensor& t : model) {
@@ -329,8 +330,8 @@ int Main(int argc, char** argv) {
       std::vector<Config> configs;
       for (int nsub : sub_counts) {
         if (nsub > 1 && target > multi_max) {
-          std::printf("# %s %s: %d subscribers skipped (above --multi-max-bytes %s)\n",
-                      tls.c_str(), label.c_str(), nsub, Human(multi_max).c_str());
+          std::printf("# %s %s: %d subscribers skipped (above --multi-max-bytes %s)\n", tls.c_str(),
+                      label.c_str(), nsub, Human(multi_max).c_str());
           continue;
         }
         Config c;
@@ -338,8 +339,13 @@ int Main(int argc, char** argv) {
         const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/bench", FreePort());
         c.pub = OrDie(Publisher::Open(uri));
         for (int i = 0; i < nsub; ++i) {
-          std::vector<std::string> argv = {Self(), "--role", "subscriber", "--uri", uri,
-                                           "--count", std::to_string(warmup + reps)};
+          std::vector<std::string> argv = {Self(),
+                                           "--role",
+                                           "subscriber",
+                                           "--uri",
+                                           uri,
+                                           "--count",
+                                           std::to_string(warmup + reps)};
           if (args.Has("read-weights")) argv.push_back("--read-weights");
           c.subs.push_back(Proc::Start(argv));
         }
@@ -379,8 +385,7 @@ int Main(int argc, char** argv) {
               Die("subscriber failed: " + line);
             }
             const double f = j["fetch"];
-            const double all =
-                double(j["allocate"]) + f + double(j["verify"]) + double(j["copy"]);
+            const double all = double(j["allocate"]) + f + double(j["verify"]) + double(j["copy"]);
             if (record) {
               c.fetch.push_back(f);
               c.verified.push_back(all);
@@ -416,17 +421,16 @@ int Main(int argc, char** argv) {
           rows.push_back({tls, label, "weightbus: trainer stall (Publish)", bytes, st,
                           bytes / 1e9 / st, absl::StrFormat("%.2fx memcpy", st / memcpy_t)});
           if (st > 1.1 * memcpy_t) {
-            failures.push_back(absl::StrFormat("%s %s stall %.2fx memcpy", tls, label,
-                                               st / memcpy_t));
+            failures.push_back(
+                absl::StrFormat("%s %s stall %.2fx memcpy", tls, label, st / memcpy_t));
           }
         }
         const double f = Median(c.fetch), all = Median(c.verified);
-        const std::string who = absl::StrFormat("weightbus: receive, %d sub%s", nsub,
-                                                nsub > 1 ? "s (each)" : "");
-        rows.push_back({tls, label, who, bytes, f, bytes / 1e9 / f,
-                        perf_gbps > 0
-                            ? absl::StrFormat("%.2fx perftest", bytes / 1e9 / f / perf_gbps)
-                            : ""});
+        const std::string who =
+            absl::StrFormat("weightbus: receive, %d sub%s", nsub, nsub > 1 ? "s (each)" : "");
+        rows.push_back(
+            {tls, label, who, bytes, f, bytes / 1e9 / f,
+             perf_gbps > 0 ? absl::StrFormat("%.2fx perftest", bytes / 1e9 / f / perf_gbps) : ""});
         rows.push_back({tls, label, who + ", verified", bytes, all, bytes / 1e9 / all, ""});
         if (nsub > 1) {
           const double agg = Median(c.aggregate);
@@ -440,12 +444,12 @@ int Main(int argc, char** argv) {
           failures.push_back(absl::StrFormat("%s %s receive %.2fx perftest", tls, label,
                                              bytes / 1e9 / f / perf_gbps));
         }
-        std::printf("#   %s %s %d sub: stall %.4f s (transport %.4f, checksum wait %.4f; memcpy "
-                    "%.4f), receive %.4f s, verified %.4f s%s\n",
-                    tls.c_str(), label.c_str(), nsub, st, Median(c.transport),
-                    Median(c.checksum_wait), memcpy_t, f, all,
-                    perf_gbps > 0 ? absl::StrFormat(" (perftest %.2f GB/s)", perf_gbps).c_str()
-                                  : "");
+        std::printf(
+            "#   %s %s %d sub: stall %.4f s (transport %.4f, checksum wait %.4f; memcpy "
+            "%.4f), receive %.4f s, verified %.4f s%s\n",
+            tls.c_str(), label.c_str(), nsub, st, Median(c.transport), Median(c.checksum_wait),
+            memcpy_t, f, all,
+            perf_gbps > 0 ? absl::StrFormat(" (perftest %.2f GB/s)", perf_gbps).c_str() : "");
         std::fflush(stdout);
       }
     }
@@ -455,14 +459,19 @@ int Main(int argc, char** argv) {
               "ratio");
   std::printf("# %-20s %-9s %-40s %9s %8s  %s\n", "", "", "", "(s)", "(GB/s)", "");
   for (const Row& r : rows) {
-    std::printf("  %-20s %-9s %-40s %9.4f %8.2f  %s\n", r.tls.c_str(), r.op.c_str(),
-                r.what.c_str(), r.seconds, r.gbps, r.ratio.c_str());
+    std::printf("  %-20s %-9s %-40s %9.4f %8.2f  %s\n", r.tls.c_str(), r.op.c_str(), r.what.c_str(),
+                r.seconds, r.gbps, r.ratio.c_str());
   }
   if (auto path = args.Get("json")) {
     nlohmann::ordered_json j;
     for (const Row& r : rows) {
-      j["rows"].push_back({{"tls", r.tls}, {"size", r.op}, {"what", r.what}, {"bytes", r.bytes},
-                           {"seconds", r.seconds}, {"gb_per_s", r.gbps}, {"ratio", r.ratio}});
+      j["rows"].push_back({{"tls", r.tls},
+                           {"size", r.op},
+                           {"what", r.what},
+                           {"bytes", r.bytes},
+                           {"seconds", r.seconds},
+                           {"gb_per_s", r.gbps},
+                           {"ratio", r.ratio}});
     }
     FILE* f = std::fopen(path->c_str(), "w");
     if (f != nullptr) {

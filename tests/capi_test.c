@@ -19,27 +19,28 @@
 
 static int failures = 0;
 
-#define CHECK(cond)                                                              \
-  do {                                                                           \
-    if (!(cond)) {                                                               \
-      fprintf(stderr, "%s:%d: [pid %d] CHECK failed: %s\n", __FILE__, __LINE__, \
-              (int)getpid(), #cond);                                             \
-      ++failures;                                                                \
-    }                                                                            \
+#define CHECK(cond)                                                                            \
+  do {                                                                                         \
+    if (!(cond)) {                                                                             \
+      fprintf(stderr, "%s:%d: [pid %d] CHECK failed: %s\n", __FILE__, __LINE__, (int)getpid(), \
+              #cond);                                                                          \
+      ++failures;                                                                              \
+    }                                                                                          \
   } while (0)
 
 /* Checks that `call` returned `expected` and that the thread's message contains `needle`. */
-#define CHECK_STATUS(call, expected, needle)                                                 \
-  do {                                                                                       \
-    wb_status_t s_ = (call);                                                                 \
-    const char* m_ = wb_last_error_message();                                                \
-    if (s_ != (expected) || strstr(m_, (needle)) == NULL) {                                  \
-      fprintf(stderr, "%s:%d: [pid %d] %s\n  returned %s\n  expected %s\n  message \"%s\"\n" \
-              "  should contain \"%s\"\n",                                                   \
-              __FILE__, __LINE__, (int)getpid(), #call, wb_status_string(s_),                \
-              wb_status_string(expected), m_, (needle));                                     \
-      ++failures;                                                                            \
-    }                                                                                        \
+#define CHECK_STATUS(call, expected, needle)                                         \
+  do {                                                                               \
+    wb_status_t s_ = (call);                                                         \
+    const char* m_ = wb_last_error_message();                                        \
+    if (s_ != (expected) || strstr(m_, (needle)) == NULL) {                          \
+      fprintf(stderr,                                                                \
+              "%s:%d: [pid %d] %s\n  returned %s\n  expected %s\n  message \"%s\"\n" \
+              "  should contain \"%s\"\n",                                           \
+              __FILE__, __LINE__, (int)getpid(), #call, wb_status_string(s_),        \
+              wb_status_string(expected), m_, (needle));                             \
+      ++failures;                                                                    \
+    }                                                                                \
   } while (0)
 
 #define CHECK_OK(call) CHECK_STATUS(call, WB_OK, "")
@@ -63,14 +64,14 @@ static DLTensor Tensor(void* data, int ndim, int64_t* shape, int64_t* strides, u
 }
 
 /* ---- What version 1 holds (the child recomputes it to compare) ---- */
-static float w_f32[2][3];          /* "w": F32 [2, 3] */
-static uint16_t e_bf16[4];         /* "e": BF16 [4] via kDLBfloat */
-static uint16_t u_bf16[2][2];      /* "u": BF16 [2, 2] as uint16 with a dtype override */
-static float big[3][4];            /* "t": F32 [4, 2]: the transpose of big[1..2][*] (strided) */
-static uint8_t flags[5];           /* "flags": BOOL [5] as uint8 with an override */
-static uint8_t fp8[3];             /* "fp8": F8_E4M3 [3] as uint8 with an override */
-static double scalar = 2.5;        /* "scalar": F64, 0-d */
-static int32_t empty_data[1];      /* "empty": I32 [0, 4] */
+static float w_f32[2][3];     /* "w": F32 [2, 3] */
+static uint16_t e_bf16[4];    /* "e": BF16 [4] via kDLBfloat */
+static uint16_t u_bf16[2][2]; /* "u": BF16 [2, 2] as uint16 with a dtype override */
+static float big[3][4];       /* "t": F32 [4, 2]: the transpose of big[1..2][*] (strided) */
+static uint8_t flags[5];      /* "flags": BOOL [5] as uint8 with an override */
+static uint8_t fp8[3];        /* "fp8": F8_E4M3 [3] as uint8 with an override */
+static double scalar = 2.5;   /* "scalar": F64, 0-d */
+static int32_t empty_data[1]; /* "empty": I32 [0, 4] */
 
 static void Fill(uint32_t seed) {
   for (int i = 0; i < 2; ++i)
@@ -85,8 +86,7 @@ static void Fill(uint32_t seed) {
 }
 
 static int64_t shape_w[] = {2, 3}, shape_e[] = {4}, shape_u[] = {2, 2}, shape_t[] = {4, 2},
-               strides_t[] = {1, 4}, shape_flags[] = {5}, shape_fp8[] = {3},
-               shape_empty[] = {0, 4};
+               strides_t[] = {1, 4}, shape_flags[] = {5}, shape_fp8[] = {3}, shape_empty[] = {0, 4};
 static const char* const names[] = {"w", "e", "u", "t", "flags", "fp8", "scalar", "empty"};
 enum { kNumTensors = 8 };
 
@@ -103,10 +103,9 @@ static wb_status_t PublishVersion(wb_publisher_t* publisher, uint64_t version) {
   tensors[5] = Tensor(fp8, 1, shape_fp8, NULL, kDLUInt, 8);
   tensors[6] = Tensor(&scalar, 0, NULL, NULL, kDLFloat, 64);
   tensors[7] = Tensor(empty_data, 2, shape_empty, NULL, kDLInt, 32);
-  const wb_dtype_t dtypes[kNumTensors] = {WB_DTYPE_FROM_DLPACK, WB_DTYPE_FROM_DLPACK,
-                                          WB_DTYPE_BF16,        WB_DTYPE_FROM_DLPACK,
-                                          WB_DTYPE_BOOL,        WB_DTYPE_F8_E4M3,
-                                          WB_DTYPE_FROM_DLPACK, WB_DTYPE_FROM_DLPACK};
+  const wb_dtype_t dtypes[kNumTensors] = {
+      WB_DTYPE_FROM_DLPACK, WB_DTYPE_FROM_DLPACK, WB_DTYPE_BF16,        WB_DTYPE_FROM_DLPACK,
+      WB_DTYPE_BOOL,        WB_DTYPE_F8_E4M3,     WB_DTYPE_FROM_DLPACK, WB_DTYPE_FROM_DLPACK};
   char step[32];
   snprintf(step, sizeof(step), "%llu", (unsigned long long)version);
   const wb_option_t metadata[] = {{"step", step}, {"origin", "capi_test.c"}};
@@ -126,9 +125,9 @@ static void CheckUpdate(const wb_update_t* update, uint64_t version) {
   size_t n = 0;
   CHECK_OK(wb_update_num_tensors(update, &n));
   CHECK(n == kNumTensors);
-  const wb_dtype_t expected_dtypes[kNumTensors] = {WB_DTYPE_F32,  WB_DTYPE_BF16,    WB_DTYPE_BF16,
-                                                   WB_DTYPE_F32,  WB_DTYPE_BOOL,    WB_DTYPE_F8_E4M3,
-                                                   WB_DTYPE_F64,  WB_DTYPE_I32};
+  const wb_dtype_t expected_dtypes[kNumTensors] = {WB_DTYPE_F32, WB_DTYPE_BF16, WB_DTYPE_BF16,
+                                                   WB_DTYPE_F32, WB_DTYPE_BOOL, WB_DTYPE_F8_E4M3,
+                                                   WB_DTYPE_F64, WB_DTYPE_I32};
   for (size_t i = 0; i < n && i < kNumTensors; ++i) {
     const char* name = NULL;
     wb_dtype_t dtype = WB_DTYPE_FROM_DLPACK;
@@ -146,7 +145,7 @@ static void CheckUpdate(const wb_update_t* update, uint64_t version) {
   CHECK_OK(wb_update_tensor(update, 0, NULL, NULL, &t));
   CHECK(t->ndim == 2 && t->shape[0] == 2 && t->shape[1] == 3);
   CHECK(t->dtype.code == kDLFloat && t->dtype.bits == 32 && t->dtype.lanes == 1);
-  for (int i = 0; i < 2; ++i) {  /* strided when bound to a strided destination */
+  for (int i = 0; i < 2; ++i) { /* strided when bound to a strided destination */
     for (int j = 0; j < 3; ++j) {
       const int64_t at = t->strides ? i * t->strides[0] + j * t->strides[1] : i * 3 + j;
       CHECK(((const float*)t->data)[at] == w_f32[i][j]);
@@ -412,26 +411,26 @@ static void TestPublishErrors(wb_publisher_t* publisher) {
                WB_INVALID_ARGUMENT, "float32x4");
   DLTensor cuda = Tensor(bytes, 1, shape, NULL, kDLUInt, 8);
   cuda.device.device_type = kDLCUDA;
-  CHECK_STATUS(wb_publisher_publish(publisher, 100, name, &cuda, 1, NULL, 1000),
-               WB_UNIMPLEMENTED, "\"x\"");
+  CHECK_STATUS(wb_publisher_publish(publisher, 100, name, &cuda, 1, NULL, 1000), WB_UNIMPLEMENTED,
+               "\"x\"");
   DLTensor opencl = Tensor(bytes, 1, shape, NULL, kDLUInt, 8);
   opencl.device.device_type = kDLOpenCL;
-  CHECK_STATUS(wb_publisher_publish(publisher, 100, name, &opencl, 1, NULL, 1000),
-               WB_UNIMPLEMENTED, "DLPack device type 4 is not supported");
+  CHECK_STATUS(wb_publisher_publish(publisher, 100, name, &opencl, 1, NULL, 1000), WB_UNIMPLEMENTED,
+               "DLPack device type 4 is not supported");
   DLTensor null_data = Tensor(NULL, 1, shape, NULL, kDLUInt, 8);
   CHECK_STATUS(wb_publisher_publish(publisher, 100, name, &null_data, 1, NULL, 1000),
                WB_INVALID_ARGUMENT, "\"x\"");
   const char* null_name[] = {NULL};
   CHECK_STATUS(wb_publisher_publish(publisher, 100, null_name, &t, 1, NULL, 1000),
                WB_INVALID_ARGUMENT, "names[0] is NULL");
-  CHECK_STATUS(wb_publisher_publish(publisher, 100, NULL, &t, 1, NULL, 1000),
-               WB_INVALID_ARGUMENT, "names is NULL");
+  CHECK_STATUS(wb_publisher_publish(publisher, 100, NULL, &t, 1, NULL, 1000), WB_INVALID_ARGUMENT,
+               "names is NULL");
   CHECK_STATUS(wb_publisher_publish(NULL, 100, name, &t, 1, NULL, 1000), WB_INVALID_ARGUMENT,
                "publisher is NULL");
   DLTensor two[2] = {t, t};
   const char* same[] = {"x", "x"};
-  CHECK_STATUS(wb_publisher_publish(publisher, 100, same, two, 2, NULL, 1000),
-               WB_INVALID_ARGUMENT, "tensor name \"x\" appears twice");
+  CHECK_STATUS(wb_publisher_publish(publisher, 100, same, two, 2, NULL, 1000), WB_INVALID_ARGUMENT,
+               "tensor name \"x\" appears twice");
 }
 
 int main(void) {

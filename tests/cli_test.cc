@@ -28,9 +28,7 @@ testing::RunResult Cli(const std::vector<std::string>& args) {
   return r.ok() ? *r : testing::RunResult{};
 }
 
-int Lines(const std::string& s) {
-  return static_cast<int>(std::count(s.begin(), s.end(), '\n'));
-}
+int Lines(const std::string& s) { return static_cast<int>(std::count(s.begin(), s.end(), '\n')); }
 
 TEST(CliTest, VersionListsTheLibraryAndTransports) {
   auto r = Cli({"--version"});
@@ -44,8 +42,8 @@ TEST(CliTest, VersionListsTheLibraryAndTransports) {
 TEST(CliTest, ConvertPublishSubscribeInspect) {
   ScratchDir dir;
   const std::string model = dir / "hf";
-  auto conv = Cli({"convert-llama2c", testing::FixturePath("stories260K.bin"), model, "--dtype",
-                   "bf16"});
+  auto conv =
+      Cli({"convert-llama2c", testing::FixturePath("stories260K.bin"), model, "--dtype", "bf16"});
   ASSERT_EQ(conv.exit_code, 0) << conv.output;
   EXPECT_TRUE(std::filesystem::exists(model + "/config.json"));
 
@@ -82,8 +80,7 @@ TEST(CliTest, ConvertPublishSubscribeInspect) {
   // The channel directory and the URI can both be inspected.
   auto channel = Cli({"inspect", dir / "channel"});
   EXPECT_EQ(channel.exit_code, 0) << channel.output;
-  EXPECT_NE(channel.output.find("latest committed version 1"), std::string::npos)
-      << channel.output;
+  EXPECT_NE(channel.output.find("latest committed version 1"), std::string::npos) << channel.output;
   auto via_uri = Cli({"inspect", uri});
   EXPECT_EQ(via_uri.exit_code, 0) << via_uri.output;
   EXPECT_NE(via_uri.output.find("version 1 (newest, verified)"), std::string::npos);
@@ -95,18 +92,19 @@ TEST(CliTest, FollowReceivesEachNewVersion) {
   const std::string model = dir / "hf";
   ASSERT_EQ(Cli({"convert-llama2c", testing::FixturePath("stories260K.bin"), model}).exit_code, 0);
   const std::string uri = "disk://" + dir.path() + "/channel";
-  auto follower = testing::Child::Start(
-      {CliPath(), "subscribe", uri, "--to", dir / "replica", "--follow", "--count", "3", "--timeout",
-       "30"},
-      {}, dir / "follow.log");
+  auto follower = testing::Child::Start({CliPath(), "subscribe", uri, "--to", dir / "replica",
+                                         "--follow", "--count", "3", "--timeout", "30"},
+                                        {}, dir / "follow.log");
   ASSERT_TRUE(follower.ok());
   for (int v = 1; v <= 3; ++v) {
     ASSERT_EQ(Cli({"publish", uri, "--from", model, "--version", std::to_string(v)}).exit_code, 0);
     // Wait until the follower has it, so it sees every version rather than only the newest.
-    ASSERT_TRUE(testing::WaitUntil([&] {
-      return testing::ReadFileOrDie(dir / "follow.log").find("version " + std::to_string(v) +
-                                                             ":") != std::string::npos;
-    }, absl::Seconds(30)));
+    ASSERT_TRUE(testing::WaitUntil(
+        [&] {
+          return testing::ReadFileOrDie(dir / "follow.log")
+                     .find("version " + std::to_string(v) + ":") != std::string::npos;
+        },
+        absl::Seconds(30)));
   }
   auto status = follower->Wait(absl::Seconds(30));
   ASSERT_TRUE(status.ok());
@@ -126,15 +124,19 @@ TEST(CliTest, ErrorsAreOneLineAndNonZero) {
   ASSERT_EQ(Cli({"publish", uri, "--from", model, "--version", "5"}).exit_code, 0);
   testing::WriteFileOrDie(dir / "bad.safetensors", std::string("\x10\0\0\0\0\0\0\0{\"a\":1}", 15));
   std::vector<Case> cases = {
-      {{"publish", uri, "--from", model, "--version", "5"}, 1,
+      {{"publish", uri, "--from", model, "--version", "5"},
+       1,
        {"version 5", "already has version 5", "FAILED_PRECONDITION"}},
-      {{"publish", uri, "--from", dir / "missing", "--version", "6"}, 1,
+      {{"publish", uri, "--from", dir / "missing", "--version", "6"},
+       1,
        {dir / "missing", "does not exist"}},
-      {{"subscribe", uri, "--to", dir / "out", "--min-version", "6", "--timeout", "0.2"}, 1,
+      {{"subscribe", uri, "--to", dir / "out", "--min-version", "6", "--timeout", "0.2"},
+       1,
        {"no version >= 6", "newest committed: 5", "DEADLINE_EXCEEDED"}},
       {{"inspect", dir / "bad.safetensors"}, 1, {dir / "bad.safetensors", "DATA_LOSS"}},
       {{"convert-llama2c", dir / "bad.safetensors", dir / "x"}, 1, {dir / "bad.safetensors"}},
-      {{"publish", uri + "?retention=zero", "--from", model, "--version", "6"}, 1,
+      {{"publish", uri + "?retention=zero", "--from", model, "--version", "6"},
+       1,
        {"retention=\"zero\"", "INVALID_ARGUMENT"}},
       {{"publish", uri, "--from", model}, 2, {"usage error", "--version"}},
       {{"subscribe", uri, "--bogus"}, 2, {"unknown flag --bogus"}},
@@ -145,8 +147,7 @@ TEST(CliTest, ErrorsAreOneLineAndNonZero) {
     EXPECT_EQ(r.exit_code, c.code) << absl::StrJoin(c.args, " ") << "\n" << r.output;
     EXPECT_EQ(Lines(r.output), 1) << absl::StrJoin(c.args, " ") << "\n" << r.output;
     for (const std::string& n : c.needles) {
-      EXPECT_NE(r.output.find(n), std::string::npos)
-          << "missing \"" << n << "\" in: " << r.output;
+      EXPECT_NE(r.output.find(n), std::string::npos) << "missing \"" << n << "\" in: " << r.output;
     }
   }
 }

@@ -43,13 +43,13 @@ TEST(ChecksumTest, VectorizedXxh3MatchesLibxxhashInOneGoAndInPieces) {
 }
 
 const SettingTable& TestTable() {
-  static const SettingTable* t = new SettingTable{
-      "disk",
-      {{"retention", SettingType::kInt, "3", "doc"},
-       {"chunk_size", SettingType::kBytes, "4MiB", "doc"},
-       {"poll_interval", SettingType::kDuration, "100ms", "doc"},
-       {"fsync", SettingType::kBool, "true", "doc"},
-       {"io_engine", SettingType::kEnum, "uring", "doc", {"uring", "psync"}}}};
+  static const SettingTable* t =
+      new SettingTable{"disk",
+                       {{"retention", SettingType::kInt, "3", "doc"},
+                        {"chunk_size", SettingType::kBytes, "4MiB", "doc"},
+                        {"poll_interval", SettingType::kDuration, "100ms", "doc"},
+                        {"fsync", SettingType::kBool, "true", "doc"},
+                        {"io_engine", SettingType::kEnum, "uring", "doc", {"uring", "psync"}}}};
   return *t;
 }
 
@@ -157,9 +157,9 @@ TEST(TensorPackTest, PackAndUnpackAreInverseForAnyStrides) {
   // A 2x3x4 int32 tensor viewed with permuted axes and a reversed middle axis.
   std::vector<int32_t> base(24);
   std::iota(base.begin(), base.end(), 0);
-  const std::vector<int64_t> shape = {4, 3, 2};          // permute (2, 1, 0)
-  const std::vector<int64_t> strides = {1, -4, 12};      // middle axis reversed
-  const int32_t* origin = base.data() + 8;               // element [0, 0, 0] = base[0*1 + 2*4]
+  const std::vector<int64_t> shape = {4, 3, 2};      // permute (2, 1, 0)
+  const std::vector<int64_t> strides = {1, -4, 12};  // middle axis reversed
+  const int32_t* origin = base.data() + 8;           // element [0, 0, 0] = base[0*1 + 2*4]
   std::vector<int32_t> packed(24);
   PackStrided(origin, 4, shape, strides, reinterpret_cast<std::byte*>(packed.data()));
   for (int64_t i = 0; i < 4; ++i) {
@@ -214,8 +214,9 @@ TEST_P(FileIoTest, WritesAndReadsManyRangesAtDepth) {
   std::reverse(reqs.begin(), reqs.end());
   std::vector<int> done(reqs.size(), 0);
   auto describe = [](size_t i) { return "range " + std::to_string(i); };
-  ASSERT_TRUE((*io)->Write(reqs, absl::Now() + absl::Seconds(30), [&](size_t i) { ++done[i]; },
-                           describe)
+  ASSERT_TRUE((*io)
+                  ->Write(
+                      reqs, absl::Now() + absl::Seconds(30), [&](size_t i) { ++done[i]; }, describe)
                   .ok());
   EXPECT_EQ(done, std::vector<int>(reqs.size(), 1));
   ASSERT_TRUE((*io)->Fsync(fd, absl::Now() + absl::Seconds(30), path).ok());
@@ -225,19 +226,24 @@ TEST_P(FileIoTest, WritesAndReadsManyRangesAtDepth) {
     back.emplace_back(r.length);
     r.buffer = back.back().data();
   }
-  ASSERT_TRUE((*io)->Read(reads, absl::Now() + absl::Seconds(30), [](size_t) {}, describe).ok());
+  ASSERT_TRUE((*io)
+                  ->Read(
+                      reads, absl::Now() + absl::Seconds(30), [](size_t) {}, describe)
+                  .ok());
   for (size_t i = 0; i < reqs.size(); ++i) {
     ASSERT_EQ(std::memcmp(back[i].data(), reqs[i].buffer, reqs[i].length), 0) << i;
   }
   // Reading past the end of the file is DataLoss naming the range.
   std::vector<std::byte> over(100);
   IoRequest past{fd, offset - 50, over.data(), 100};
-  absl::Status s = (*io)->Read({past}, absl::Now() + absl::Seconds(30), [](size_t) {}, describe);
+  absl::Status s = (*io)->Read(
+      {past}, absl::Now() + absl::Seconds(30), [](size_t) {}, describe);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_NE(s.message().find("range 0 is truncated"), absl::string_view::npos) << s;
   // A bad descriptor is an errno error naming the range.
   IoRequest bad{-1, 0, over.data(), 100};
-  s = (*io)->Read({bad}, absl::Now() + absl::Seconds(30), [](size_t) {}, describe);
+  s = (*io)->Read(
+      {bad}, absl::Now() + absl::Seconds(30), [](size_t) {}, describe);
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("range 0"), absl::string_view::npos) << s;
   ::close(fd);
@@ -247,8 +253,7 @@ INSTANTIATE_TEST_SUITE_P(Engines, FileIoTest, ::testing::Values("uring", "psync"
 
 TEST(FileIoTest, RejectsBadParameters) {
   EXPECT_EQ(FileIo::Create("aio", 8, 4096).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(FileIo::Create("uring", 0, 4096).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(FileIo::Create("uring", 0, 4096).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(FileIo::Create("uring", 8, 100).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
@@ -310,8 +315,8 @@ TEST(DiskCapabilitiesTest, OpenExactVersionsListThemAndKeepAFloor) {
   auto publish = [&](uint64_t v) {
     Manifest m;
     m.version = v;
-    m.tensors.push_back(TensorInfo{"t", DType::kU8, {64}, std::nullopt, 64,
-                                   testing::Xxh3(bytes.data(), 64)});
+    m.tensors.push_back(
+        TensorInfo{"t", DType::kU8, {64}, std::nullopt, 64, testing::Xxh3(bytes.data(), 64)});
     SealedPublishJob job(m, {bytes.data()});
     ASSERT_TRUE((*pub)->Publish(job, absl::Now() + absl::Seconds(10)).ok());
   };

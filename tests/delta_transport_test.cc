@@ -14,8 +14,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
-#include "nlohmann/json.hpp"
 #include "expect_tensors.h"
+#include "nlohmann/json.hpp"
 #include "test_model.h"
 #include "test_support.h"
 #include "weightbus/update_stream.h"

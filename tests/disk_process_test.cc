@@ -81,8 +81,8 @@ void CrashDuringPublish(const ScratchDir& dir, const std::string& failpoint) {
   }
   // Small shards so that version 2 spans several files.
   auto crashed = Child::Start({Peer(), "publish", ChannelUri(dir), "--start", "2", "--versions",
-                               "1", "--seed", "3", "--bytes", "262144", "--set",
-                               "shard_size=64KiB", "--set", "failpoints=" + failpoint + "=kill"},
+                               "1", "--seed", "3", "--bytes", "262144", "--set", "shard_size=64KiB",
+                               "--set", "failpoints=" + failpoint + "=kill"},
                               {}, dir / "crash.log");
   ASSERT_TRUE(crashed.ok());
   auto status = crashed->Wait(kTimeout);
@@ -119,9 +119,9 @@ TEST(DiskProcessTest, WriterKilledBetweenFilesLeavesPreviousVersionAndRepublishW
   ExpectSubscriberSeesVersion(dir, 1, 3);
 
   // A new publisher process cleans up and publishes version 2 (different content: seed 4).
-  auto ok = testing::RunCommand({Peer(), "publish", ChannelUri(dir), "--start", "2",
-                                 "--versions", "1", "--seed", "4", "--bytes", "262144", "--set",
-                                 "shard_size=64KiB"});
+  auto ok =
+      testing::RunCommand({Peer(), "publish", ChannelUri(dir), "--start", "2", "--versions", "1",
+                           "--seed", "4", "--bytes", "262144", "--set", "shard_size=64KiB"});
   ASSERT_TRUE(ok.ok());
   ASSERT_EQ(ok->exit_code, 0) << ok->output;
   for (const auto& e : std::filesystem::directory_iterator(dir.path() + "/channel/versions")) {
@@ -138,8 +138,8 @@ TEST(DiskProcessTest, WriterKilledAfterRenameBeforeCommitIsInvisibleAndReplaced)
       dir.path() + absl::StrFormat("/channel/versions/v%020d/weightbus.manifest.json", 2)));
   EXPECT_EQ(testing::ReadFileOrDie(dir.path() + "/channel/LATEST"), "1\n");
   ExpectSubscriberSeesVersion(dir, 1, 3);
-  auto ok = testing::RunCommand({Peer(), "publish", ChannelUri(dir), "--start", "2",
-                                 "--versions", "1", "--seed", "4", "--bytes", "262144"});
+  auto ok = testing::RunCommand({Peer(), "publish", ChannelUri(dir), "--start", "2", "--versions",
+                                 "1", "--seed", "4", "--bytes", "262144"});
   ASSERT_TRUE(ok.ok());
   ASSERT_EQ(ok->exit_code, 0) << ok->output;
   ExpectSubscriberSeesVersion(dir, 2, 4);
@@ -153,8 +153,7 @@ TEST(DiskProcessTest, SubscriberKilledMidReadDoesNotBlockRetention) {
   ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
   // A subscriber process pins version 1 and stalls; we kill it there.
   auto sub = Child::Start({Peer(), "subscribe", ChannelUri(dir), "--until", "1", "--seed", "2",
-                           "--bytes", "262144", "--set",
-                           "failpoints=disk.before_read=delay:60000"},
+                           "--bytes", "262144", "--set", "failpoints=disk.before_read=delay:60000"},
                           {}, dir / "sub.log");
   ASSERT_TRUE(sub.ok());
   absl::SleepFor(absl::Milliseconds(500));
@@ -217,45 +216,48 @@ TEST(DiskProcessTest, FullDiskFailsPublishAndKeepsPreviousVersion) {
   const std::string log = dir / "enospc.log";
   std::string why;
   // The child checks everything and reports through its exit code and a log outside the tmpfs.
-  int code = RunWithSmallFilesystem(mnt, "4m", [&]() -> int {
-    FILE* out = fopen(log.c_str(), "w");
-    auto fail = [&](int c, const std::string& msg) {
-      fprintf(out, "%s\n", msg.c_str());
-      fclose(out);
-      return c;
-    };
-    const std::string uri = "disk://" + mnt + "/channel";
-    auto pub = Publisher::Open(uri);
-    if (!pub.ok()) return fail(10, pub.status().ToString());
-    auto v1 = MakeVersion(5, 1, 1 << 20);  // ~1 MiB fits
-    if (absl::Status s = (*pub)->Publish(1, Views(v1), {}, kTimeout); !s.ok()) {
-      return fail(11, s.ToString());
-    }
-    auto v2 = MakeVersion(5, 2, 8 << 20);  // ~8 MiB does not
-    absl::Status s = (*pub)->Publish(2, Views(v2), {}, kTimeout);
-    if (s.code() != absl::StatusCode::kResourceExhausted) return fail(12, s.ToString());
-    if (s.message().find("No space left on device") == absl::string_view::npos ||
-        s.message().find("version 2") == absl::string_view::npos) {
-      return fail(13, s.ToString());
-    }
-    auto sub = Subscriber::Open(uri);
-    auto u = (*sub)->WaitForVersion(0, kTimeout);
-    if (!u.ok()) return fail(14, u.status().ToString());
-    if ((*u)->version() != 1) return fail(15, "subscriber did not get version 1");
-    for (const auto& t : v1) {
-      const TensorView* got = (*u)->Find(t.name);
-      if (got == nullptr || (!t.bytes.empty() &&
-                             std::memcmp(got->data, t.bytes.data(), t.bytes.size()) != 0)) {
-        return fail(16, "version 1 differs: " + t.name);
-      }
-    }
-    // The failed attempt left nothing behind, so a smaller version 2 now fits.
-    auto small = MakeVersion(5, 2, 1 << 20);
-    if (absl::Status s2 = (*pub)->Publish(2, Views(small), {}, kTimeout); !s2.ok()) {
-      return fail(17, s2.ToString());
-    }
-    return fail(0, "ok: " + s.ToString());
-  }, &why);
+  int code = RunWithSmallFilesystem(
+      mnt, "4m",
+      [&]() -> int {
+        FILE* out = fopen(log.c_str(), "w");
+        auto fail = [&](int c, const std::string& msg) {
+          fprintf(out, "%s\n", msg.c_str());
+          fclose(out);
+          return c;
+        };
+        const std::string uri = "disk://" + mnt + "/channel";
+        auto pub = Publisher::Open(uri);
+        if (!pub.ok()) return fail(10, pub.status().ToString());
+        auto v1 = MakeVersion(5, 1, 1 << 20);  // ~1 MiB fits
+        if (absl::Status s = (*pub)->Publish(1, Views(v1), {}, kTimeout); !s.ok()) {
+          return fail(11, s.ToString());
+        }
+        auto v2 = MakeVersion(5, 2, 8 << 20);  // ~8 MiB does not
+        absl::Status s = (*pub)->Publish(2, Views(v2), {}, kTimeout);
+        if (s.code() != absl::StatusCode::kResourceExhausted) return fail(12, s.ToString());
+        if (s.message().find("No space left on device") == absl::string_view::npos ||
+            s.message().find("version 2") == absl::string_view::npos) {
+          return fail(13, s.ToString());
+        }
+        auto sub = Subscriber::Open(uri);
+        auto u = (*sub)->WaitForVersion(0, kTimeout);
+        if (!u.ok()) return fail(14, u.status().ToString());
+        if ((*u)->version() != 1) return fail(15, "subscriber did not get version 1");
+        for (const auto& t : v1) {
+          const TensorView* got = (*u)->Find(t.name);
+          if (got == nullptr ||
+              (!t.bytes.empty() && std::memcmp(got->data, t.bytes.data(), t.bytes.size()) != 0)) {
+            return fail(16, "version 1 differs: " + t.name);
+          }
+        }
+        // The failed attempt left nothing behind, so a smaller version 2 now fits.
+        auto small = MakeVersion(5, 2, 1 << 20);
+        if (absl::Status s2 = (*pub)->Publish(2, Views(small), {}, kTimeout); !s2.ok()) {
+          return fail(17, s2.ToString());
+        }
+        return fail(0, "ok: " + s.ToString());
+      },
+      &why);
   if (code == -1) GTEST_SKIP() << why;
   EXPECT_EQ(code, 0) << testing::ReadFileOrDie(log);
 }
@@ -266,7 +268,8 @@ TEST(DiskProcessTest, TensorLargerThanTwoGiB) {
   if (p == MAP_FAILED) GTEST_SKIP() << "cannot map " << n << " bytes";
   auto* bytes = static_cast<uint8_t*>(p);
   // A pattern that differs in every 4 KiB page, so misplaced chunks change the checksum.
-  for (uint64_t i = 0; i < n; i += 4096) std::memset(bytes + i, static_cast<int>(i / 4096), std::min<uint64_t>(4096, n - i));
+  for (uint64_t i = 0; i < n; i += 4096)
+    std::memset(bytes + i, static_cast<int>(i / 4096), std::min<uint64_t>(4096, n - i));
   const uint64_t expected = testing::Xxh3(bytes, n);
   ScratchDir dir;
   {

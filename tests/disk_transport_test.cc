@@ -99,8 +99,8 @@ TEST(DiskTransportTest, ShardsLargeVersionsIntoIndexedFiles) {
     if (absl::StartsWith(e.path().filename().string(), "model-")) ++shards;
   }
   EXPECT_GE(shards, 2);
-  EXPECT_TRUE(std::filesystem::exists(
-      VersionDir(dir, 1) + absl::StrFormat("/model-00001-of-%05d.safetensors", shards)));
+  EXPECT_TRUE(std::filesystem::exists(VersionDir(dir, 1) +
+                                      absl::StrFormat("/model-00001-of-%05d.safetensors", shards)));
   std::string text = testing::ReadFileOrDie(index);
   EXPECT_NE(text.find("\"weight_map\""), std::string::npos);
   EXPECT_NE(text.find("\"total_size\""), std::string::npos);
@@ -149,7 +149,8 @@ TEST_P(BindModeTest, WritesIntoBoundDestinationsIncludingStridedOnes) {
   ASSERT_TRUE(sub.ok()) << sub.status();
   const OwnedTensor& embed = tensors[0];  // BF16 [rows, 1024]
   std::vector<std::byte> dest(embed.bytes.size());
-  ASSERT_TRUE((*sub)->Bind(embed.name, Destination{embed.dtype, embed.shape, {}, dest.data()}).ok());
+  ASSERT_TRUE(
+      (*sub)->Bind(embed.name, Destination{embed.dtype, embed.shape, {}, dest.data()}).ok());
   // q_proj [64, 64] BF16 into the transpose of a column-major buffer.
   const OwnedTensor& q = tensors[1];
   std::vector<uint16_t> colmajor(64 * 64);
@@ -178,13 +179,13 @@ TEST(DiskTransportTest, MismatchedBindingFailsBeforeAnyByteIsWritten) {
     ASSERT_TRUE(sub.ok());
     std::vector<std::byte> ok_dest(tensors[1].bytes.size(), std::byte{0xAB});
     std::vector<std::byte> bad_dest(embed.bytes.size(), std::byte{0xCD});
-    ASSERT_TRUE((*sub)->Bind(tensors[1].name, Destination{tensors[1].dtype, tensors[1].shape, {},
-                                                          ok_dest.data()})
+    ASSERT_TRUE((*sub)
+                    ->Bind(tensors[1].name,
+                           Destination{tensors[1].dtype, tensors[1].shape, {}, ok_dest.data()})
                     .ok());
     // Right size, wrong dtype: F16 instead of BF16.
-    ASSERT_TRUE((*sub)->Bind(embed.name, Destination{DType::kF16, embed.shape, {},
-                                                     bad_dest.data()})
-                    .ok());
+    ASSERT_TRUE(
+        (*sub)->Bind(embed.name, Destination{DType::kF16, embed.shape, {}, bad_dest.data()}).ok());
     auto update = (*sub)->WaitForVersion(1, kTimeout);
     ASSERT_EQ(update.status().code(), absl::StatusCode::kInvalidArgument) << update.status();
     const std::string msg(update.status().message());
@@ -197,15 +198,16 @@ TEST(DiskTransportTest, MismatchedBindingFailsBeforeAnyByteIsWritten) {
     EXPECT_FALSE((*sub)->current_version().has_value());
 
     // Wrong shape.
-    ASSERT_TRUE((*sub)->Bind(embed.name, Destination{embed.dtype, {embed.shape[0] * 2, 512}, {},
-                                                     bad_dest.data()})
+    ASSERT_TRUE((*sub)
+                    ->Bind(embed.name,
+                           Destination{embed.dtype, {embed.shape[0] * 2, 512}, {}, bad_dest.data()})
                     .ok());
     update = (*sub)->WaitForVersion(1, kTimeout);
     ASSERT_EQ(update.status().code(), absl::StatusCode::kInvalidArgument);
     // A name the version does not have.
     (*sub)->UnbindAll();
-    ASSERT_TRUE((*sub)->Bind("no.such.tensor", Destination{DType::kF32, {1}, {}, ok_dest.data()})
-                    .ok());
+    ASSERT_TRUE(
+        (*sub)->Bind("no.such.tensor", Destination{DType::kF32, {1}, {}, ok_dest.data()}).ok());
     update = (*sub)->WaitForVersion(1, kTimeout);
     ASSERT_EQ(update.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(update.status().message().find("no.such.tensor"), absl::string_view::npos);
@@ -266,18 +268,20 @@ TEST(DiskTransportTest, InvalidTensorsAreRejectedByName) {
       {{"null", DType::kF32, {4}, {}, nullptr}, absl::StatusCode::kInvalidArgument, "null"},
       {{"strides", DType::kF32, {2, 2}, {1}, &x}, absl::StatusCode::kInvalidArgument, "strides"},
       {{"gpu", DType::kF32, {1}, {}, &x, Device{DeviceType::kCuda, 0}},
-       absl::StatusCode::kUnimplemented, "CUDA"},
+       absl::StatusCode::kUnimplemented,
+       "CUDA"},
       {{"shard", DType::kF32, {1}, {}, &x, {}, Shard{{4}, {4}}},
-       absl::StatusCode::kInvalidArgument, "global shape"},
+       absl::StatusCode::kInvalidArgument,
+       "global shape"},
   };
   for (const Case& c : cases) {
     absl::Status s = (*pub)->Publish(1, {c.view}, {}, kTimeout);
     EXPECT_EQ(s.code(), c.code) << c.view.name << ": " << s;
     EXPECT_NE(s.message().find(c.needle), absl::string_view::npos) << s;
   }
-  absl::Status dup = (*pub)->Publish(1, {TensorView{"a", DType::kF32, {1}, {}, &x},
-                                         TensorView{"a", DType::kF32, {1}, {}, &x}},
-                                     {}, kTimeout);
+  absl::Status dup = (*pub)->Publish(
+      1, {TensorView{"a", DType::kF32, {1}, {}, &x}, TensorView{"a", DType::kF32, {1}, {}, &x}}, {},
+      kTimeout);
   EXPECT_EQ(dup.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(dup.message().find("\"a\" appears twice"), absl::string_view::npos);
   // Nothing was committed by any of them.
@@ -448,8 +452,8 @@ class CorruptionTest : public ::testing::Test {
     ASSERT_TRUE(pub_->Publish(1, Views(v1_), {}, kTimeout).ok());
     sub_ = *Subscriber::Open(Uri(dir_));
     dest_.resize(v1_[0].bytes.size());
-    ASSERT_TRUE(sub_->Bind(v1_[0].name, Destination{v1_[0].dtype, v1_[0].shape, {}, dest_.data()})
-                    .ok());
+    ASSERT_TRUE(
+        sub_->Bind(v1_[0].name, Destination{v1_[0].dtype, v1_[0].shape, {}, dest_.data()}).ok());
     auto u = sub_->WaitForVersion(1, kTimeout);
     ASSERT_TRUE(u.ok()) << u.status();
     held_ = *std::move(u);
@@ -475,8 +479,8 @@ class CorruptionTest : public ::testing::Test {
 TEST_F(CorruptionTest, TruncatedFileIsRefusedNamingFileAndTensor) {
   auto file = safetensors::ReadFile(file_);
   ASSERT_TRUE(file.ok());
-  ASSERT_EQ(::truncate(file_.c_str(), static_cast<off_t>(file->header.data_start +
-                                                          file->header.data_size - 1000)),
+  ASSERT_EQ(::truncate(file_.c_str(),
+                       static_cast<off_t>(file->header.data_start + file->header.data_size - 1000)),
             0);
   auto update = sub_->WaitForVersion(2, absl::Seconds(5));
   ASSERT_EQ(update.status().code(), absl::StatusCode::kDataLoss) << update.status();

@@ -39,15 +39,24 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
   for (int i = 3; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     bool ok = true;
-    if (k == "--versions") ok = absl::SimpleAtoi(v, &f->versions);
-    else if (k == "--start") ok = absl::SimpleAtoi(v, &f->start);
-    else if (k == "--seed") ok = absl::SimpleAtoi(v, &f->seed);
-    else if (k == "--bytes") ok = absl::SimpleAtoi(v, &f->bytes);
-    else if (k == "--until") ok = absl::SimpleAtoi(v, &f->until);
-    else if (k == "--interval-ms") ok = absl::SimpleAtoi(v, &f->interval_ms);
-    else if (k == "--until-subscribers") ok = absl::SimpleAtoi(v, &f->until_subscribers);
-    else if (k == "--serve-ms") ok = absl::SimpleAtoi(v, &f->serve_ms);
-    else if (k == "--timeout-s") ok = absl::SimpleAtod(v, &f->timeout_s);
+    if (k == "--versions")
+      ok = absl::SimpleAtoi(v, &f->versions);
+    else if (k == "--start")
+      ok = absl::SimpleAtoi(v, &f->start);
+    else if (k == "--seed")
+      ok = absl::SimpleAtoi(v, &f->seed);
+    else if (k == "--bytes")
+      ok = absl::SimpleAtoi(v, &f->bytes);
+    else if (k == "--until")
+      ok = absl::SimpleAtoi(v, &f->until);
+    else if (k == "--interval-ms")
+      ok = absl::SimpleAtoi(v, &f->interval_ms);
+    else if (k == "--until-subscribers")
+      ok = absl::SimpleAtoi(v, &f->until_subscribers);
+    else if (k == "--serve-ms")
+      ok = absl::SimpleAtoi(v, &f->serve_ms);
+    else if (k == "--timeout-s")
+      ok = absl::SimpleAtod(v, &f->timeout_s);
     else if (k == "--set") {
       size_t eq = v.find('=');
       if (eq == std::string::npos) return false;
@@ -81,8 +90,8 @@ int Publish(const Flags& f) {
   }
   if (f.until_subscribers > 0) {
     const uint64_t last = f.start + f.versions - 1;
-    absl::Status s = (*pub)->WaitForReceivers(last, f.until_subscribers,
-                                              absl::Seconds(f.timeout_s));
+    absl::Status s =
+        (*pub)->WaitForReceivers(last, f.until_subscribers, absl::Seconds(f.timeout_s));
     if (!s.ok()) {
       std::fprintf(stderr, "wait for %d subscribers: %s\n", f.until_subscribers,
                    s.ToString().c_str());
@@ -112,8 +121,8 @@ int Subscribe(const Flags& f) {
     }
     const uint64_t v = (*u)->version();
     if (v <= last) {
-      std::fprintf(stderr, "version went from %llu to %llu\n", static_cast<unsigned long long>(last),
-                   static_cast<unsigned long long>(v));
+      std::fprintf(stderr, "version went from %llu to %llu\n",
+                   static_cast<unsigned long long>(last), static_cast<unsigned long long>(v));
       return 3;
     }
     auto expected = weightbus::testing::MakeVersion(f.seed, v, f.bytes);

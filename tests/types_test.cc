@@ -8,9 +8,9 @@ namespace {
 
 TEST(DTypeTest, NamesRoundTripAndSizesMatchSafetensors) {
   const std::map<std::string, size_t> expected = {
-      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"U16", 2}, {"I16", 2},      {"F16", 2},
-      {"BF16", 2}, {"U32", 4}, {"I32", 4}, {"F32", 4}, {"U64", 8},      {"I64", 8},
-      {"F64", 8},  {"F8_E4M3", 1}, {"F8_E5M2", 1}};
+      {"BOOL", 1}, {"U8", 1},   {"I8", 1},  {"U16", 2},     {"I16", 2},
+      {"F16", 2},  {"BF16", 2}, {"U32", 4}, {"I32", 4},     {"F32", 4},
+      {"U64", 8},  {"I64", 8},  {"F64", 8}, {"F8_E4M3", 1}, {"F8_E5M2", 1}};
   ASSERT_EQ(kAllDTypes.size(), expected.size());
   for (DType dtype : kAllDTypes) {
     std::string name(DTypeName(dtype));

@@ -82,10 +82,10 @@ TEST_P(UcxFollowTest, SubscriberProcessesFollowFiftyVersionsBitExactAndALateJoin
     return a;
   };
   // The publisher serves until every subscriber and the late joiner verified version 50.
-  auto pub = Child::Start(args({Peer(), "publish", uri, "--versions", "50", "--interval-ms", "10",
-                                "--until-subscribers", std::to_string(subscribers + 1),
-                                "--timeout-s", "60"}),
-                          tls.env, dir / "pub.log");
+  auto pub = Child::Start(
+      args({Peer(), "publish", uri, "--versions", "50", "--interval-ms", "10",
+            "--until-subscribers", std::to_string(subscribers + 1), "--timeout-s", "60"}),
+      tls.env, dir / "pub.log");
   ASSERT_TRUE(pub.ok()) << pub.status();
   std::vector<Child> subs;
   for (int i = 0; i < subscribers; ++i) {
@@ -119,12 +119,13 @@ TEST_P(UcxFollowTest, SubscriberProcessesFollowFiftyVersionsBitExactAndALateJoin
               HasSubstr(absl::StrFormat("%d subscribers have 50", subscribers + 1)));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Tls, UcxFollowTest, ::testing::Combine(::testing::Values(kShm, kTcp), ::testing::Values(1, 2, 4)),
-    [](const ::testing::TestParamInfo<std::tuple<Tls, int>>& info) {
-      return absl::StrFormat("%s_%dsubscribers", std::get<0>(info.param).name,
-                             std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Tls, UcxFollowTest,
+                         ::testing::Combine(::testing::Values(kShm, kTcp),
+                                            ::testing::Values(1, 2, 4)),
+                         [](const ::testing::TestParamInfo<std::tuple<Tls, int>>& info) {
+                           return absl::StrFormat("%s_%dsubscribers", std::get<0>(info.param).name,
+                                                  std::get<1>(info.param));
+                         });
 
 class UcxProcessTest : public ::testing::TestWithParam<Tls> {
  protected:
@@ -201,8 +202,7 @@ TEST_P(UcxProcessTest, PublisherKilledMidTransferFailsSubscribersInTimeKeepingTh
   waiter.join();
   ASSERT_FALSE(second.ok()) << "version 2 handed over from a publisher killed mid-transfer";
   EXPECT_THAT(second.status().code(),
-              ::testing::AnyOf(absl::StatusCode::kUnavailable,
-                               absl::StatusCode::kDeadlineExceeded))
+              ::testing::AnyOf(absl::StatusCode::kUnavailable, absl::StatusCode::kDeadlineExceeded))
       << second.status();
   EXPECT_LT(done - killed, absl::Seconds(20)) << "must fail within its timeout";
   EXPECT_EQ((*sub)->current_version(), std::optional<uint64_t>(1));

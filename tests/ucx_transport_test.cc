@@ -186,7 +186,8 @@ TEST_P(UcxTransportTest, MismatchedBindingIsRejectedBeforeAnyByteMoves) {
   auto v2 = MakeVersion(5, 2, 1 << 16);
   ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, absl::Seconds(5)).ok());
   ASSERT_TRUE(
-      (*sub)->Bind("model.layers.0.self_attn.q_proj.bias", {DType::kF32, {64}, {}, bias.data()})
+      (*sub)
+          ->Bind("model.layers.0.self_attn.q_proj.bias", {DType::kF32, {64}, {}, bias.data()})
           .ok());
   auto u = (*sub)->WaitForVersion(2, kTimeout);
   ASSERT_TRUE(u.ok()) << u.status();
@@ -540,8 +541,7 @@ class UcxInternalTest : public ::testing::TestWithParam<weightbus::Tls> {
 // versions, and the list of versions held.
 TEST_P(UcxInternalTest, KeepVersionsFromOpenVersionAndListVersions) {
   const int port = weightbus::FreePort();
-  auto uri =
-      ParseUri(absl::StrFormat("ucx://127.0.0.1:%d/delta?staging_slots=2&lease=60s", port));
+  auto uri = ParseUri(absl::StrFormat("ucx://127.0.0.1:%d/delta?staging_slots=2&lease=60s", port));
   auto stack = ResolveStack(*uri);
   ASSERT_TRUE(stack.ok());
   auto config = ResolveConfig(*stack, *uri, {});
@@ -556,8 +556,8 @@ TEST_P(UcxInternalTest, KeepVersionsFromOpenVersionAndListVersions) {
     kept[v] = bytes_of(v);
     Manifest m;
     m.version = v;
-    m.tensors.push_back(TensorInfo{"t", DType::kU8, {100000}, std::nullopt, 100000,
-                                   testing::Xxh3(kept[v].data(), 100000)});
+    m.tensors.push_back(TensorInfo{
+        "t", DType::kU8, {100000}, std::nullopt, 100000, testing::Xxh3(kept[v].data(), 100000)});
     SealedPublishJob job(m, {kept[v].data()});
     ASSERT_TRUE((*pub)->Publish(job, absl::Now() + absl::Seconds(10)).ok()) << v;
   };
@@ -634,8 +634,8 @@ TEST_P(UcxInternalTest, CorruptedBytesAreDataLossNamingTheTensor) {
     Manifest m;
     m.version = version;
     const uint64_t right = testing::Xxh3(bytes.data(), size);
-    m.tensors.push_back(TensorInfo{"big", DType::kU8, {static_cast<int64_t>(size)}, std::nullopt,
-                                   size, right ^ 1});
+    m.tensors.push_back(
+        TensorInfo{"big", DType::kU8, {static_cast<int64_t>(size)}, std::nullopt, size, right ^ 1});
     SealedPublishJob job(m, {bytes.data()});
     ASSERT_TRUE((*pub)->Publish(job, absl::Now() + absl::Seconds(10)).ok());
     auto u = (*sub)->WaitForVersion(0, absl::Seconds(30));

@@ -73,10 +73,10 @@ absl::StatusOr<double> UcxPerftest(const std::string& perftest, uint64_t bytes, 
       Child::Start({perftest, "-p", port}, log_dir + "/ucx_perftest-server.log");
   if (!server.ok()) return server.status();
   absl::SleepFor(absl::Milliseconds(300));
-  absl::StatusOr<Child> client = Child::Start(
-      {perftest, "127.0.0.1", "-p", port, "-t", "ucp_get", "-s", std::to_string(bytes), "-n",
-       std::to_string(iterations), "-w", "2", "-f"},
-      log_dir + "/ucx_perftest-client.log");
+  absl::StatusOr<Child> client =
+      Child::Start({perftest, "127.0.0.1", "-p", port, "-t", "ucp_get", "-s", std::to_string(bytes),
+                    "-n", std::to_string(iterations), "-w", "2", "-f"},
+                   log_dir + "/ucx_perftest-client.log");
   if (!client.ok()) return client.status();
   const absl::Time deadline = absl::Now() + absl::Seconds(120);
   std::string last;
@@ -86,9 +86,9 @@ absl::StatusOr<double> UcxPerftest(const std::string& perftest, uint64_t bytes, 
   const Child::Exit ce = client->Wait(deadline);
   const Child::Exit se = server->Wait(absl::Now() + absl::Seconds(10));
   if (!WIFEXITED(ce.status) || WEXITSTATUS(ce.status) != 0) {
-    return absl::UnavailableError(absl::StrFormat(
-        "ucx_perftest client: %s; %s", ce.Describe(),
-        FileTail(log_dir + "/ucx_perftest-client.log", 300)));
+    return absl::UnavailableError(
+        absl::StrFormat("ucx_perftest client: %s; %s", ce.Describe(),
+                        FileTail(log_dir + "/ucx_perftest-client.log", 300)));
   }
   // Last line: iterations, latency (typical, avg, overall), bandwidth (avg, overall) in MB/s
   // (which ucx_perftest means as MiB/s), message rate.
@@ -119,8 +119,8 @@ bool TorchBaselines::Start(const std::string& python, const std::string& script,
   }
   child_ = *std::move(c);
   std::optional<std::string> line = child_->ReadLine(absl::Now() + absl::Seconds(300));
-  nlohmann::json j =
-      line ? nlohmann::json::parse(*line, nullptr, false) : nlohmann::json(nlohmann::json::value_t::discarded);
+  nlohmann::json j = line ? nlohmann::json::parse(*line, nullptr, false)
+                          : nlohmann::json(nlohmann::json::value_t::discarded);
   if (j.is_discarded() || !j.contains("ready")) {
     *why = !j.is_discarded() && j.contains("skipped")
                ? j["skipped"].get<std::string>()

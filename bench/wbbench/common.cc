@@ -55,8 +55,8 @@ absl::StatusOr<uint64_t> ParseBytes(const std::string& text) {
   std::string num = text;
   double mult = 1;
   for (const auto& [suffix, m] : kSuffixes) {
-    if (num.size() > suffix.size() && num.compare(num.size() - suffix.size(), suffix.size(),
-                                                  suffix) == 0) {
+    if (num.size() > suffix.size() &&
+        num.compare(num.size() - suffix.size(), suffix.size(), suffix) == 0) {
       num = num.substr(0, num.size() - suffix.size());
       mult = m;
       break;
@@ -64,8 +64,8 @@ absl::StatusOr<uint64_t> ParseBytes(const std::string& text) {
   }
   double v = 0;
   if (!absl::SimpleAtod(num, &v) || !(v >= 0) || !std::isfinite(v * mult)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "\"%s\" is not a size (e.g. 1000, 64MiB, 1.5GiB, 2GB)", text));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("\"%s\" is not a size (e.g. 1000, 64MiB, 1.5GiB, 2GB)", text));
   }
   return static_cast<uint64_t>(std::llround(v * mult));
 }
@@ -151,7 +151,10 @@ absl::StatusOr<Child> Child::Start(const std::vector<std::string>& argv,
 }
 
 Child::Child(Child&& o) noexcept
-    : pid_(o.pid_), in_(o.in_), out_(o.out_), buffer_(std::move(o.buffer_)),
+    : pid_(o.pid_),
+      in_(o.in_),
+      out_(o.out_),
+      buffer_(std::move(o.buffer_)),
       exited_(o.exited_),
       exit_(o.exit_) {
   o.pid_ = -1;
@@ -238,8 +241,8 @@ Child::Exit Child::Wait(absl::Time deadline) {
   }
   exited_ = true;
   e.status = status;
-  e.cpu_s = u.ru_utime.tv_sec + u.ru_utime.tv_usec / 1e6 + u.ru_stime.tv_sec +
-            u.ru_stime.tv_usec / 1e6;
+  e.cpu_s =
+      u.ru_utime.tv_sec + u.ru_utime.tv_usec / 1e6 + u.ru_stime.tv_sec + u.ru_stime.tv_usec / 1e6;
   exit_ = e;
   return e;
 }

@@ -74,8 +74,8 @@ class Child {
   // Waits for the child to exit (SIGKILL after `deadline`) and collects its resource usage;
   // once it has, returns the same again.
   struct Exit {
-    int status = -1;       // raw wait status
-    double cpu_s = 0;      // user + system CPU seconds of the child
+    int status = -1;               // raw wait status
+    double cpu_s = 0;              // user + system CPU seconds of the child
     std::string Describe() const;  // "exit 0", "killed by signal 9", ...
   };
   Exit Wait(absl::Time deadline);

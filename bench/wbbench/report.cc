@@ -8,9 +8,7 @@
 #include "wbbench/common.h"
 
 namespace weightbus::bench {
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 
 Summary SummaryOf(const std::vector<double>& v) {
   Summary s;
@@ -132,15 +130,18 @@ std::string FinalLine(const RunResult& r) {
 
 std::string FormatTable(const RunResult& r) {
   std::string out;
-  absl::StrAppendFormat(&out, "# %-12s %-9s %4s %4s %9s %9s %9s %9s %9s %9s %8s %10s %8s %8s %6s %7s %7s\n",
-                        "transport", "kind", "subs", "vers", "stall", "stall", "first", "first",
-                        "last", "last", "receive", "wire", "cpu", "peak", "#wrong", "last/", "torch/");
-  absl::StrAppendFormat(&out, "# %-12s %-9s %4s %4s %9s %9s %9s %9s %9s %9s %8s %10s %8s %8s %6s %7s %7s\n",
-                        "", "", "", "", "median", "p99", "median", "p99", "median", "p99", "rate",
-                        "per ver", "per ver", "RSS", "", "limit", "last");
-  absl::StrAppendFormat(&out, "# %-12s %-9s %4s %4s %9s %9s %9s %9s %9s %9s %8s %10s %8s %8s %6s %7s %7s\n",
-                        "", "", "", "", "(ms)", "(ms)", "(ms)", "(ms)", "(ms)", "(ms)", "(GB/s)",
-                        "(MB)", "(s)", "(MiB)", "", "(x)", "(x)");
+  absl::StrAppendFormat(
+      &out, "# %-12s %-9s %4s %4s %9s %9s %9s %9s %9s %9s %8s %10s %8s %8s %6s %7s %7s\n",
+      "transport", "kind", "subs", "vers", "stall", "stall", "first", "first", "last", "last",
+      "receive", "wire", "cpu", "peak", "#wrong", "last/", "torch/");
+  absl::StrAppendFormat(
+      &out, "# %-12s %-9s %4s %4s %9s %9s %9s %9s %9s %9s %8s %10s %8s %8s %6s %7s %7s\n", "", "",
+      "", "", "median", "p99", "median", "p99", "median", "p99", "rate", "per ver", "per ver",
+      "RSS", "", "limit", "last");
+  absl::StrAppendFormat(
+      &out, "# %-12s %-9s %4s %4s %9s %9s %9s %9s %9s %9s %8s %10s %8s %8s %6s %7s %7s\n", "", "",
+      "", "", "(ms)", "(ms)", "(ms)", "(ms)", "(ms)", "(ms)", "(GB/s)", "(MB)", "(s)", "(MiB)", "",
+      "(x)", "(x)");
   for (const TransportResult& t : r.transports) {
     const Ratios ratios = RatiosOf(r, t);
     absl::StrAppendFormat(
@@ -150,7 +151,8 @@ std::string FormatTable(const RunResult& r) {
         Cell(t.first.median * 1e3, 9, 2, t.first.count > 0),
         Cell(t.first.p99 * 1e3, 9, 2, t.first.count > 0),
         Cell(t.last.median * 1e3, 9, 2, t.last.count > 0),
-        Cell(t.last.p99 * 1e3, 9, 2, t.last.count > 0), Cell(t.receive_gbs, 8, 2, t.receive_gbs > 0),
+        Cell(t.last.p99 * 1e3, 9, 2, t.last.count > 0),
+        Cell(t.receive_gbs, 8, 2, t.receive_gbs > 0),
         Cell(t.wire_bytes / 1e6, 10, 3, t.wire_bytes > 0), Cell(t.cpu_s_per_version, 8, 3),
         Cell(t.peak_rss_bytes / 1048576.0, 8, 1), t.wrong_versions, Cell(ratios.vs_limit, 7, 2),
         Cell(ratios.vs_torch, 7, 1));
@@ -159,15 +161,14 @@ std::string FormatTable(const RunResult& r) {
     if (!b.ran) continue;
     absl::StrAppendFormat(
         &out, "  %-12s %-9s %4s %4d %s %s %s %s %s %s %s %10s %8s %8s %6s %7s %7s\n", b.name,
-        "baseline",
-        b.readers > 0 ? std::to_string(b.readers) : "-", b.last.count,
+        "baseline", b.readers > 0 ? std::to_string(b.readers) : "-", b.last.count,
         Cell(b.stall.median * 1e3, 9, 2, b.stall.count > 0),
         Cell(b.stall.p99 * 1e3, 9, 2, b.stall.count > 0),
         Cell(b.first.median * 1e3, 9, 2, b.first.count > 0),
         Cell(b.first.p99 * 1e3, 9, 2, b.first.count > 0),
         Cell(b.last.median * 1e3, 9, 2, b.last.count > 0),
-        Cell(b.last.p99 * 1e3, 9, 2, b.last.count > 0), Cell(b.rate_gbs, 8, 2, b.rate_gbs > 0),
-        "-", "-", "-", b.readers > 0 ? std::to_string(b.wrong) : "-", "-", "-");
+        Cell(b.last.p99 * 1e3, 9, 2, b.last.count > 0), Cell(b.rate_gbs, 8, 2, b.rate_gbs > 0), "-",
+        "-", "-", b.readers > 0 ? std::to_string(b.wrong) : "-", "-", "-");
   }
   out +=
       "# last/limit: time to last replica / the baseline bounding the transport (disk: "
@@ -287,7 +288,8 @@ nlohmann::ordered_json ToJson(const RunResult& r) {
                               {"raw", b.raw}});
   }
   j["skipped"] = nlohmann::ordered_json::array();
-  for (const Skipped& s : r.skipped) j["skipped"].push_back({{"name", s.name}, {"reason", s.reason}});
+  for (const Skipped& s : r.skipped)
+    j["skipped"].push_back({{"name", s.name}, {"reason", s.reason}});
   j["ok"] = r.failures.empty();
   j["failures"] = r.failures;
   return j;

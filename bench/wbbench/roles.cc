@@ -80,8 +80,8 @@ int PublisherMain(const tools::Args& args) {
   double overhead = 0;
   char line[256];
   while (std::fgets(line, sizeof(line), stdin) != nullptr) {
-    std::vector<std::string> words = absl::StrSplit(line, absl::ByAnyChar(" \n"),
-                                                    absl::SkipEmpty());
+    std::vector<std::string> words =
+        absl::StrSplit(line, absl::ByAnyChar(" \n"), absl::SkipEmpty());
     if (words.empty()) continue;
     if (words[0] == "quit") break;
     uint64_t v = 0;
@@ -159,19 +159,18 @@ int SubscriberMain(const tools::Args& args) {
     }
     const Update& up = **u;
     const UpdateStats& st = up.stats();
-    nlohmann::ordered_json j = {
-        {"version", up.version()},
-        {"call_start_unix_ns", call_ns},
-        {"publish_start_unix_ns", up.manifest().publish_start_unix_ns},
-        {"ready_unix_ns", st.ready_unix_ns},
-        {"wait_s", absl::ToDoubleSeconds(st.wait)},
-        {"allocate_s", absl::ToDoubleSeconds(st.allocate)},
-        {"fetch_s", absl::ToDoubleSeconds(st.fetch)},
-        {"decode_s", absl::ToDoubleSeconds(st.decode)},
-        {"verify_s", absl::ToDoubleSeconds(st.verify_wait)},
-        {"apply_s", absl::ToDoubleSeconds(st.copy_out)},
-        {"bytes", st.bytes},
-        {"wire_bytes", st.wire_bytes}};
+    nlohmann::ordered_json j = {{"version", up.version()},
+                                {"call_start_unix_ns", call_ns},
+                                {"publish_start_unix_ns", up.manifest().publish_start_unix_ns},
+                                {"ready_unix_ns", st.ready_unix_ns},
+                                {"wait_s", absl::ToDoubleSeconds(st.wait)},
+                                {"allocate_s", absl::ToDoubleSeconds(st.allocate)},
+                                {"fetch_s", absl::ToDoubleSeconds(st.fetch)},
+                                {"decode_s", absl::ToDoubleSeconds(st.decode)},
+                                {"verify_s", absl::ToDoubleSeconds(st.verify_wait)},
+                                {"apply_s", absl::ToDoubleSeconds(st.copy_out)},
+                                {"bytes", st.bytes},
+                                {"wire_bytes", st.wire_bytes}};
     // The independent check: every tensor of the replica's buffers against the store's hashes.
     const double c0 = SelfCpuSeconds();
     std::string bad;
@@ -184,9 +183,10 @@ int SubscriberMain(const tools::Args& args) {
         const StoredTensor& t = index.tensors[i];
         const uint64_t h = Hash(params.data + t.offset, t.nbytes);
         if (h != index.xxh3[want - 1][i]) {
-          bad = absl::StrFormat("tensor \"%s\" differs from what was published (XXH3 %016x, "
-                                "expected %016x)",
-                                t.name, h, index.xxh3[want - 1][i]);
+          bad = absl::StrFormat(
+              "tensor \"%s\" differs from what was published (XXH3 %016x, "
+              "expected %016x)",
+              t.name, h, index.xxh3[want - 1][i]);
         }
       }
     }
@@ -203,12 +203,9 @@ int SubscriberMain(const tools::Args& args) {
 }  // namespace
 
 int WorkerMain(const std::vector<std::string>& argv) {
-  tools::Args args = OrDie(tools::Args::Parse(argv, {{"uri"},
-                                                    {"store"},
-                                                    {"timeout-s"},
-                                                    {"count"},
-                                                    {"corrupt-version"},
-                                                    {"set", true, true}}));
+  tools::Args args = OrDie(tools::Args::Parse(
+      argv,
+      {{"uri"}, {"store"}, {"timeout-s"}, {"count"}, {"corrupt-version"}, {"set", true, true}}));
   if (args.positional().size() != 1) Die("__worker publisher|subscriber");
   if (args.positional()[0] == "publisher") return PublisherMain(args);
   if (args.positional()[0] == "subscriber") return SubscriberMain(args);

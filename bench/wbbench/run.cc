@@ -51,8 +51,8 @@ struct RunOptions {
   int subscribers = 2;
   int versions = 6;
   int warmup = 1;
-  std::string model;      // llama2.c .bin or safetensors file/dir; empty: synthetic
-  std::string shapes;     // shapes file for a synthetic model
+  std::string model;   // llama2.c .bin or safetensors file/dir; empty: synthetic
+  std::string shapes;  // shapes file for a synthetic model
   uint64_t size = 128ull << 20;
   double lr = 1e-5;
   uint64_t seed = 1;
@@ -104,7 +104,8 @@ std::vector<tools::OwnedTensor> LoadMaster(const RunOptions& o, std::string* sou
     for (const TensorView& t : ckpt.tensors) {
       absl::StatusOr<std::vector<float>> f = tools::TensorToFloats(t);
       if (!f.ok()) {
-        Die(absl::StrFormat("--model %s: tensor \"%s\" is %s; the update stream needs F32 or "
+        Die(
+            absl::StrFormat("--model %s: tensor \"%s\" is %s; the update stream needs F32 or "
                             "BF16 tensors",
                             o.model, t.name, DTypeName(t.dtype)));
       }
@@ -144,8 +145,8 @@ StoreIndex GenerateStore(const RunOptions& o, std::vector<tools::OwnedTensor> ma
   std::vector<tools::OwnedTensor> previous;
   for (int v = 1; v <= o.versions; ++v) {
     if (progress) {
-      std::fprintf(stderr, "\r\033[Kgenerating version %d of %d (Adam steps on the fp32 master)",
-                   v, o.versions);
+      std::fprintf(stderr, "\r\033[Kgenerating version %d of %d (Adam steps on the fp32 master)", v,
+                   o.versions);
     }
     if (v > 1) stream.Step();
     std::vector<tools::OwnedTensor> w = stream.Bf16();
@@ -165,11 +166,11 @@ StoreIndex GenerateStore(const RunOptions& o, std::vector<tools::OwnedTensor> ma
       hashes.push_back(Hash(w[i].bytes.data(), w[i].bytes.size()));
     }
     std::ofstream out(index.VersionPath(dir, v), std::ios::binary);
-    out.write(reinterpret_cast<const char*>(file.data()), static_cast<std::streamsize>(file.size()));
+    out.write(reinterpret_cast<const char*>(file.data()),
+              static_cast<std::streamsize>(file.size()));
     if (!out) Die("cannot write " + index.VersionPath(dir, v));
     index.xxh3.push_back(std::move(hashes));
-    index.changed_fraction.push_back(previous.empty() ? 1.0
-                                                      : tools::ChangedFraction(previous, w));
+    index.changed_fraction.push_back(previous.empty() ? 1.0 : tools::ChangedFraction(previous, w));
     previous = std::move(w);
   }
   if (progress) std::fprintf(stderr, "\r\033[K");
@@ -201,8 +202,9 @@ class Session {
   bool alive() const { return alive_; }
 
   void Start(const RunOptions& o, const std::string& store, const std::string& log_dir) {
-    std::vector<std::string> common = {"--uri", result.uri, "--store", store, "--timeout-s",
-                                       absl::StrFormat("%.3f", absl::ToDoubleSeconds(o.timeout))};
+    std::vector<std::string> common = {
+        "--uri", result.uri,    "--store",
+        store,   "--timeout-s", absl::StrFormat("%.3f", absl::ToDoubleSeconds(o.timeout))};
     for (const std::string& s : o.settings) {
       common.push_back("--set");
       common.push_back(s);
@@ -266,8 +268,7 @@ class Session {
     rec.encode_s = p->value("encode_s", 0.0);
     rec.wire_bytes = p->value("wire_bytes", uint64_t{0});
     if (!channel_dir_.empty()) {
-      rec.stored_bytes =
-          DirectoryBytes(absl::StrFormat("%s/versions/v%020d", channel_dir_, v));
+      rec.stored_bytes = DirectoryBytes(absl::StrFormat("%s/versions/v%020d", channel_dir_, v));
     }
     for (size_t i = 1; i < procs_.size(); ++i) {
       std::optional<nlohmann::json> j = ReadJson(i, deadline);
@@ -382,7 +383,7 @@ class Session {
     for (Child& c : procs_) c.Kill();
   }
 
-  std::string channel_dir_;  // disk-backed channels: the channel's directory
+  std::string channel_dir_;   // disk-backed channels: the channel's directory
   std::vector<Child> procs_;  // [0] publisher, then subscribers
   std::vector<std::string> roles_, logs_;
   bool alive_ = true;
@@ -433,15 +434,34 @@ std::string FsType(const std::string& path) {
 }  // namespace
 
 int RunMain(const std::vector<std::string>& argv) {
-  tools::Args args = OrDie(tools::Args::Parse(
-      argv, {{"transports"},    {"subscribers"},   {"versions"},     {"warmup"},
-             {"model"},         {"shapes"},        {"size"},         {"lr"},
-             {"seed"},          {"dir"},           {"store"},        {"keep", false},
-             {"set", true, true}, {"timeout"},     {"no-baselines", false},
-             {"no-torch", false}, {"no-perftest", false}, {"python"}, {"perftest"},
-             {"perftest-reps"}, {"torch-reps"},    {"corrupt-version"}, {"json"},
-             {"csv"},           {"trace"},         {"plot"},         {"quick", false},
-             {"order"}}));
+  tools::Args args = OrDie(tools::Args::Parse(argv, {{"transports"},
+                                                     {"subscribers"},
+                                                     {"versions"},
+                                                     {"warmup"},
+                                                     {"model"},
+                                                     {"shapes"},
+                                                     {"size"},
+                                                     {"lr"},
+                                                     {"seed"},
+                                                     {"dir"},
+                                                     {"store"},
+                                                     {"keep", false},
+                                                     {"set", true, true},
+                                                     {"timeout"},
+                                                     {"no-baselines", false},
+                                                     {"no-torch", false},
+                                                     {"no-perftest", false},
+                                                     {"python"},
+                                                     {"perftest"},
+                                                     {"perftest-reps"},
+                                                     {"torch-reps"},
+                                                     {"corrupt-version"},
+                                                     {"json"},
+                                                     {"csv"},
+                                                     {"trace"},
+                                                     {"plot"},
+                                                     {"quick", false},
+                                                     {"order"}}));
   if (!args.positional().empty()) Die("run takes no positional arguments (see --help)");
   RunOptions o;
   o.quick = args.Has("quick");
@@ -532,8 +552,8 @@ int RunMain(const std::vector<std::string>& argv) {
   o.dir = args.Get("dir").value_or(tmp) + "/" + run_name;
   const bool shm = fs::is_directory("/dev/shm");
   o.store = args.Has("store") ? *args.Get("store") + "/" + run_name
-            : shm              ? "/dev/shm/" + run_name
-                               : o.dir + "/store";
+            : shm             ? "/dev/shm/" + run_name
+                              : o.dir + "/store";
   if (fs::exists(o.dir) || fs::exists(o.store)) Die(o.dir + " or " + o.store + " exists already");
   std::error_code ec;
   fs::create_directories(o.dir, ec);
@@ -589,9 +609,12 @@ int RunMain(const std::vector<std::string>& argv) {
                         o.settings.empty() ? "defaults" : absl::StrJoin(o.settings, " "),
                         ucx_tls != nullptr ? ucx_tls : "(UCX default)");
   r.config = {{"weightbus", std::string(LibraryVersion())},
-              {"host", {{"system", u.sysname}, {"release", u.release}, {"machine", u.machine},
-                        {"cores", std::thread::hardware_concurrency()},
-                        {"memory_gib", mem_gib}}},
+              {"host",
+               {{"system", u.sysname},
+                {"release", u.release},
+                {"machine", u.machine},
+                {"cores", std::thread::hardware_concurrency()},
+                {"memory_gib", mem_gib}}},
               {"dir", o.dir},
               {"filesystem", FsType(o.dir)},
               {"store", o.store},
@@ -704,10 +727,9 @@ int RunMain(const std::vector<std::string>& argv) {
     }
     if (perftest_ok && perftest_runs < o.perftest_reps) {
       ++perftest_runs;
-      const int iters = static_cast<int>(std::clamp<uint64_t>(
-          (1ull << 30) / std::max<uint64_t>(index.tensor_bytes, 1), 3, 200));
-      absl::StatusOr<double> g =
-          UcxPerftest(o.perftest_path, index.tensor_bytes, iters, log_dir);
+      const int iters = static_cast<int>(
+          std::clamp<uint64_t>((1ull << 30) / std::max<uint64_t>(index.tensor_bytes, 1), 3, 200));
+      absl::StatusOr<double> g = UcxPerftest(o.perftest_path, index.tensor_bytes, iters, log_dir);
       if (g.ok()) {
         perf_gbs.push_back(*g);
       } else {
@@ -848,14 +870,14 @@ int RunMain(const std::vector<std::string>& argv) {
           }
         }
       }
-      r.failures.push_back(absl::StrFormat("%s: %d of %d versions failed verification (%s)",
-                                           t.name, t.wrong_versions, t.versions.size(), first));
+      r.failures.push_back(absl::StrFormat("%s: %d of %d versions failed verification (%s)", t.name,
+                                           t.wrong_versions, t.versions.size(), first));
     }
   }
   for (const BaselineResult& b : r.baselines) {
     if (b.wrong > 0) {
-      r.failures.push_back(absl::StrFormat("baseline %s: %d repetitions delivered wrong bytes",
-                                           b.name, b.wrong));
+      r.failures.push_back(
+          absl::StrFormat("baseline %s: %d repetitions delivered wrong bytes", b.name, b.wrong));
     }
   }
 

@@ -42,9 +42,8 @@ absl::Status WriteIndex(const std::string& dir, const StoreIndex& index) {
   for (size_t v = 0; v < index.xxh3.size(); ++v) {
     std::vector<std::string> hex;
     for (uint64_t h : index.xxh3[v]) hex.push_back(absl::StrFormat("%016x", h));
-    j["versions"].push_back({{"version", v + 1},
-                             {"xxh3", hex},
-                             {"changed_fraction", index.changed_fraction[v]}});
+    j["versions"].push_back(
+        {{"version", v + 1}, {"xxh3", hex}, {"changed_fraction", index.changed_fraction[v]}});
   }
   std::ofstream out(dir + "/index.json");
   out << j.dump(1);
@@ -96,8 +95,8 @@ absl::Status ReadWhole(const std::string& path, std::byte* out, uint64_t size) {
     const ssize_t n = pread(fd, out + done, std::min<uint64_t>(size - done, 8 << 20), done);
     if (n <= 0) {
       close(fd);
-      return absl::DataLossError(absl::StrFormat("read %s: %s", path,
-                                                 n == 0 ? "file too short" : strerror(errno)));
+      return absl::DataLossError(
+          absl::StrFormat("read %s: %s", path, n == 0 ? "file too short" : strerror(errno)));
     }
     done += static_cast<uint64_t>(n);
   }

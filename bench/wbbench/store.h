@@ -24,8 +24,8 @@ struct StoredTensor {
 
 struct StoreIndex {
   std::vector<StoredTensor> tensors;
-  uint64_t file_bytes = 0;    // size of each v<N>.bin
-  uint64_t tensor_bytes = 0;  // sum of nbytes
+  uint64_t file_bytes = 0;                  // size of each v<N>.bin
+  uint64_t tensor_bytes = 0;                // sum of nbytes
   std::vector<std::vector<uint64_t>> xxh3;  // [version - 1][tensor]
   std::vector<double> changed_fraction;     // [version - 1]
 

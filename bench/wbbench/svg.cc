@@ -13,11 +13,20 @@ std::string Escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -105,8 +114,8 @@ std::string BarChartSvg(const std::string& title, const std::vector<Bar>& bars) 
     const int y = top + row * static_cast<int>(i);
     const char* fill = b.baseline ? "#a0a0a0" : "#2b6cb0";
     const double x0 = log_scale ? x(axis_lo) : left;
-    absl::StrAppendFormat(&s, "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">%s%s</text>\n",
-                          left - 8, y + 18, Escape(b.label), b.baseline ? " (baseline)" : "");
+    absl::StrAppendFormat(&s, "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">%s%s</text>\n", left - 8,
+                          y + 18, Escape(b.label), b.baseline ? " (baseline)" : "");
     absl::StrAppendFormat(&s,
                           "<rect x=\"%.1f\" y=\"%d\" width=\"%.1f\" height=\"%d\" fill=\"%s\">"
                           "<title>%s: %s</title></rect>\n",

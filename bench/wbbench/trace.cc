@@ -48,9 +48,15 @@ nlohmann::ordered_json ChromeTrace(const RunResult& r) {
       sub_pids.push_back(PidOf(t, absl::StrFormat("subscriber %d", i), synthetic_pid++));
     }
     auto name_process = [&](int pid, const std::string& name) {
-      events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", pid}, {"tid", 1},
+      events.push_back({{"name", "process_name"},
+                        {"ph", "M"},
+                        {"pid", pid},
+                        {"tid", 1},
                         {"args", {{"name", name}}}});
-      events.push_back({{"name", "process_sort_index"}, {"ph", "M"}, {"pid", pid}, {"tid", 1},
+      events.push_back({{"name", "process_sort_index"},
+                        {"ph", "M"},
+                        {"pid", pid},
+                        {"tid", 1},
                         {"args", {{"sort_index", sort_index++}}}});
     };
     name_process(pub_pid, absl::StrFormat("%s publisher (pid %d)", t.name, pub_pid));
@@ -61,13 +67,25 @@ nlohmann::ordered_json ChromeTrace(const RunResult& r) {
     // Lays out `spans` one after another from `start_us`, inside an enclosing span.
     auto emit = [&](int pid, const std::string& outer, double start_us, double total_s,
                     const std::vector<Span>& spans, const nlohmann::ordered_json& args) {
-      events.push_back({{"name", outer}, {"cat", t.name}, {"ph", "X"}, {"ts", start_us},
-                        {"dur", total_s * 1e6}, {"pid", pid}, {"tid", 1}, {"args", args}});
+      events.push_back({{"name", outer},
+                        {"cat", t.name},
+                        {"ph", "X"},
+                        {"ts", start_us},
+                        {"dur", total_s * 1e6},
+                        {"pid", pid},
+                        {"tid", 1},
+                        {"args", args}});
       double at = start_us;
       for (const Span& s : spans) {
         if (s.seconds <= 0) continue;
-        events.push_back({{"name", s.name}, {"cat", t.name}, {"ph", "X"}, {"ts", at},
-                          {"dur", s.seconds * 1e6}, {"pid", pid}, {"tid", 1}, {"args", args}});
+        events.push_back({{"name", s.name},
+                          {"cat", t.name},
+                          {"ph", "X"},
+                          {"ts", at},
+                          {"dur", s.seconds * 1e6},
+                          {"pid", pid},
+                          {"tid", 1},
+                          {"args", args}});
         at += s.seconds * 1e6;
       }
     };
@@ -86,8 +104,8 @@ nlohmann::ordered_json ChromeTrace(const RunResult& r) {
         const double total = p.wait_s + p.receive_s();
         nlohmann::ordered_json a = args;
         a["ok"] = p.ok;
-        emit(sub_pids[p.index], absl::StrFormat("receive v%d", v.version),
-             us(p.call_start_unix_ns), total,
+        emit(sub_pids[p.index], absl::StrFormat("receive v%d", v.version), us(p.call_start_unix_ns),
+             total,
              {{"wait", p.wait_s},
               {"allocate", p.allocate_s},
               {"transfer", p.fetch_s - p.decode_s},

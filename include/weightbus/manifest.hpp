@@ -22,20 +22,20 @@ using Metadata = std::map<std::string, std::string>;
 struct TensorInfo {
   std::string name;
   DType dtype = DType::kF32;
-  std::vector<int64_t> shape;   // elements; empty for 0-d
-  std::optional<Shard> shard;   // set when the publisher described a shard
-  uint64_t nbytes = 0;          // = DTypeSize(dtype) * NumElements(shape), contiguous row-major
-  uint64_t xxh3 = 0;            // XXH3-64 (seed 0) of the nbytes contiguous bytes
+  std::vector<int64_t> shape;  // elements; empty for 0-d
+  std::optional<Shard> shard;  // set when the publisher described a shard
+  uint64_t nbytes = 0;         // = DTypeSize(dtype) * NumElements(shape), contiguous row-major
+  uint64_t xxh3 = 0;           // XXH3-64 (seed 0) of the nbytes contiguous bytes
   friend bool operator==(const TensorInfo&, const TensorInfo&) = default;
 };
 
 // Who published a version.
 struct PublisherIdentity {
-  std::string host;     // gethostname()
+  std::string host;  // gethostname()
   int64_t pid = 0;
-  int rank = 0;         // trainer rank that published (setting `rank`)
-  int world_size = 1;   // number of trainer ranks (setting `world_size`)
-  std::string name;     // free-form label (setting `publisher_name`), may be empty
+  int rank = 0;        // trainer rank that published (setting `rank`)
+  int world_size = 1;  // number of trainer ranks (setting `world_size`)
+  std::string name;    // free-form label (setting `publisher_name`), may be empty
   friend bool operator==(const PublisherIdentity&, const PublisherIdentity&) = default;
 };
 

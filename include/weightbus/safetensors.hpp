@@ -43,10 +43,10 @@ struct Entry {
 
 // A validated header.
 struct WB_EXPORT Header {
-  uint64_t header_size = 0;  // N: JSON bytes including any trailing space padding
-  uint64_t data_start = 0;   // 8 + N: file offset of the data region
-  uint64_t data_size = 0;    // bytes in the data region
-  Metadata metadata;         // "__metadata__", empty when absent
+  uint64_t header_size = 0;    // N: JSON bytes including any trailing space padding
+  uint64_t data_start = 0;     // 8 + N: file offset of the data region
+  uint64_t data_size = 0;      // bytes in the data region
+  Metadata metadata;           // "__metadata__", empty when absent
   std::vector<Entry> tensors;  // in the header's order
 
   // The entry named `name`, or nullptr. Linear time.
@@ -87,9 +87,9 @@ struct Layout {
   // The first data_start bytes of the file: the 8-byte length and the JSON header, padded with
   // spaces so that the data region starts at a multiple of 8 bytes.
   std::string prefix;
-  uint64_t data_start = 0;            // == prefix.size()
-  uint64_t data_size = 0;             // bytes in the data region
-  std::vector<uint64_t> begin;        // per input tensor: offset in the data region
+  uint64_t data_start = 0;      // == prefix.size()
+  uint64_t data_size = 0;       // bytes in the data region
+  std::vector<uint64_t> begin;  // per input tensor: offset in the data region
   uint64_t file_size() const { return data_start + data_size; }
 };
 

@@ -38,8 +38,8 @@ enum class DType : uint8_t {
 };
 
 inline constexpr std::array<DType, 15> kAllDTypes = {
-    DType::kBool, DType::kU8,  DType::kI8,  DType::kU16, DType::kI16,
-    DType::kF16,  DType::kBF16, DType::kU32, DType::kI32, DType::kF32,
+    DType::kBool, DType::kU8,   DType::kI8,  DType::kU16,    DType::kI16,
+    DType::kF16,  DType::kBF16, DType::kU32, DType::kI32,    DType::kF32,
     DType::kU64,  DType::kI64,  DType::kF64, DType::kF8E4M3, DType::kF8E5M2};
 
 // The safetensors name of `dtype`, e.g. "BF16", "F8_E4M3". Never empty.

@@ -60,23 +60,23 @@ extern "C" {
 typedef enum wb_status {
   WB_OK = 0,
 
-  WB_DEADLINE_EXCEEDED = 1,   /* the timeout passed first */
-  WB_UNAVAILABLE = 2,         /* a peer is gone or not reachable yet */
-  WB_RESOURCE_EXHAUSTED = 3,  /* out of disk space or memory: retry after freeing some */
-  WB_ABORTED = 4,             /* interrupted by a concurrent operation */
+  WB_DEADLINE_EXCEEDED = 1,  /* the timeout passed first */
+  WB_UNAVAILABLE = 2,        /* a peer is gone or not reachable yet */
+  WB_RESOURCE_EXHAUSTED = 3, /* out of disk space or memory: retry after freeing some */
+  WB_ABORTED = 4,            /* interrupted by a concurrent operation */
 
-  WB_INVALID_ARGUMENT = 100,     /* the caller's input: tensor, URI, setting, binding */
-  WB_FAILED_PRECONDITION = 101,  /* channel state: version not above the latest, channel held */
-  WB_NOT_FOUND = 102,            /* a named file, tensor or channel does not exist */
-  WB_ALREADY_EXISTS = 103,       /* something to be created exists already */
-  WB_PERMISSION_DENIED = 104,    /* the system refused access (the message names the path) */
-  WB_OUT_OF_RANGE = 105,         /* an index or value past the valid range */
-  WB_UNIMPLEMENTED = 106,        /* a feature, transport, device or struct field not built in */
-  WB_DATA_LOSS = 107,            /* stored or received bytes are malformed or fail a checksum */
-  WB_CANCELLED = 108,            /* the operation was cancelled */
+  WB_INVALID_ARGUMENT = 100,    /* the caller's input: tensor, URI, setting, binding */
+  WB_FAILED_PRECONDITION = 101, /* channel state: version not above the latest, channel held */
+  WB_NOT_FOUND = 102,           /* a named file, tensor or channel does not exist */
+  WB_ALREADY_EXISTS = 103,      /* something to be created exists already */
+  WB_PERMISSION_DENIED = 104,   /* the system refused access (the message names the path) */
+  WB_OUT_OF_RANGE = 105,        /* an index or value past the valid range */
+  WB_UNIMPLEMENTED = 106,       /* a feature, transport, device or struct field not built in */
+  WB_DATA_LOSS = 107,           /* stored or received bytes are malformed or fail a checksum */
+  WB_CANCELLED = 108,           /* the operation was cancelled */
 
-  WB_INTERNAL = 200,  /* unexpected system error; the message carries the errno text */
-  WB_UNKNOWN = 201    /* an error the library could not classify */
+  WB_INTERNAL = 200, /* unexpected system error; the message carries the errno text */
+  WB_UNKNOWN = 201   /* an error the library could not classify */
 } wb_status_t;
 
 /* True for the transient range: the same call may succeed if repeated later. */
@@ -149,53 +149,58 @@ typedef struct wb_option {
 
 /* Parameters of wb_publisher_create and wb_subscriber_create. */
 typedef struct wb_open_params {
-  size_t struct_size;          /* sizeof(wb_open_params_t) */
-  const wb_option_t* options;  /* settings by name (as the URI query; these win), or NULL */
-  size_t num_options;          /* a key given twice is WB_INVALID_ARGUMENT */
+  size_t struct_size;         /* sizeof(wb_open_params_t) */
+  const wb_option_t* options; /* settings by name (as the URI query; these win), or NULL */
+  size_t num_options;         /* a key given twice is WB_INVALID_ARGUMENT */
 } wb_open_params_t;
-#define WB_OPEN_PARAMS_INIT {sizeof(wb_open_params_t), NULL, 0}
+#define WB_OPEN_PARAMS_INIT \
+  { sizeof(wb_open_params_t), NULL, 0 }
 
 /* Parameters of wb_publisher_publish. */
 typedef struct wb_publish_params {
-  size_t struct_size;           /* sizeof(wb_publish_params_t) */
-  const wb_option_t* metadata;  /* user metadata stored with the version, or NULL */
+  size_t struct_size;          /* sizeof(wb_publish_params_t) */
+  const wb_option_t* metadata; /* user metadata stored with the version, or NULL */
   size_t num_metadata;
-  const wb_dtype_t* dtypes;     /* NULL, or one per tensor: FROM_DLPACK or an override */
+  const wb_dtype_t* dtypes; /* NULL, or one per tensor: FROM_DLPACK or an override */
 } wb_publish_params_t;
-#define WB_PUBLISH_PARAMS_INIT {sizeof(wb_publish_params_t), NULL, 0, NULL}
+#define WB_PUBLISH_PARAMS_INIT \
+  { sizeof(wb_publish_params_t), NULL, 0, NULL }
 
 /* Parameters of wb_subscriber_bind. */
 typedef struct wb_bind_params {
-  size_t struct_size;  /* sizeof(wb_bind_params_t) */
-  wb_dtype_t dtype;    /* FROM_DLPACK or an override of the destination's element type */
+  size_t struct_size; /* sizeof(wb_bind_params_t) */
+  wb_dtype_t dtype;   /* FROM_DLPACK or an override of the destination's element type */
 } wb_bind_params_t;
-#define WB_BIND_PARAMS_INIT {sizeof(wb_bind_params_t), WB_DTYPE_FROM_DLPACK}
+#define WB_BIND_PARAMS_INIT \
+  { sizeof(wb_bind_params_t), WB_DTYPE_FROM_DLPACK }
 
 /* Figures of the last successful publish (durations in nanoseconds). An output struct: set
  * struct_size (WB_PUBLISH_STATS_INIT); the library fills the fields that fit in it. */
 typedef struct wb_publish_stats {
   size_t struct_size;
   uint64_t version;
-  uint64_t bytes;            /* tensor bytes published */
-  int64_t stall_ns;          /* wall time the publish call blocked its caller */
-  int64_t pack_ns;           /* packing non-contiguous tensors */
-  int64_t checksum_wait_ns;  /* waiting for checksums after the transport was done */
-  int64_t transport_ns;      /* the transport's part (disk: write, fsync, commit) */
+  uint64_t bytes;           /* tensor bytes published */
+  int64_t stall_ns;         /* wall time the publish call blocked its caller */
+  int64_t pack_ns;          /* packing non-contiguous tensors */
+  int64_t checksum_wait_ns; /* waiting for checksums after the transport was done */
+  int64_t transport_ns;     /* the transport's part (disk: write, fsync, commit) */
 } wb_publish_stats_t;
-#define WB_PUBLISH_STATS_INIT {sizeof(wb_publish_stats_t), 0, 0, 0, 0, 0, 0}
+#define WB_PUBLISH_STATS_INIT \
+  { sizeof(wb_publish_stats_t), 0, 0, 0, 0, 0, 0 }
 
 /* Timing of one received version (durations in nanoseconds). Output struct as above. */
 typedef struct wb_update_stats {
   size_t struct_size;
-  uint64_t bytes;          /* tensor bytes received */
-  int64_t wait_ns;         /* until a new enough version was found */
-  int64_t allocate_ns;     /* mapping library buffers */
-  int64_t fetch_ns;        /* receiving the bytes (checksums overlap with it) */
-  int64_t verify_wait_ns;  /* waiting for checksums after the last byte arrived */
-  int64_t copy_out_ns;     /* copying staged bytes into bound destinations */
-  int64_t ready_unix_ns;   /* when the version was complete and verified (CLOCK_REALTIME) */
+  uint64_t bytes;         /* tensor bytes received */
+  int64_t wait_ns;        /* until a new enough version was found */
+  int64_t allocate_ns;    /* mapping library buffers */
+  int64_t fetch_ns;       /* receiving the bytes (checksums overlap with it) */
+  int64_t verify_wait_ns; /* waiting for checksums after the last byte arrived */
+  int64_t copy_out_ns;    /* copying staged bytes into bound destinations */
+  int64_t ready_unix_ns;  /* when the version was complete and verified (CLOCK_REALTIME) */
 } wb_update_stats_t;
-#define WB_UPDATE_STATS_INIT {sizeof(wb_update_stats_t), 0, 0, 0, 0, 0, 0, 0}
+#define WB_UPDATE_STATS_INIT \
+  { sizeof(wb_update_stats_t), 0, 0, 0, 0, 0, 0, 0 }
 
 /* ------------------------------------------------------------------------------------------ */
 /* Publisher                                                                                   */
@@ -230,8 +235,7 @@ WB_EXPORT wb_status_t wb_publisher_latest_version(wb_publisher_t* publisher, boo
                                                   uint64_t* version);
 
 /* Figures of the last successful publish (all zero before the first). */
-WB_EXPORT wb_status_t wb_publisher_last_stats(wb_publisher_t* publisher,
-                                              wb_publish_stats_t* stats);
+WB_EXPORT wb_status_t wb_publisher_last_stats(wb_publisher_t* publisher, wb_publish_stats_t* stats);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Subscriber                                                                                  */
@@ -281,8 +285,8 @@ WB_EXPORT wb_status_t wb_subscriber_poll(wb_subscriber_t* subscriber, uint64_t m
                                          int64_t receive_timeout_ms, wb_update_t** update);
 
 /* The version of the last update handed over: *has_version = false before the first. */
-WB_EXPORT wb_status_t wb_subscriber_current_version(wb_subscriber_t* subscriber,
-                                                    bool* has_version, uint64_t* version);
+WB_EXPORT wb_status_t wb_subscriber_current_version(wb_subscriber_t* subscriber, bool* has_version,
+                                                    uint64_t* version);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Update: one received, verified version                                                      */
@@ -301,9 +305,8 @@ WB_EXPORT wb_status_t wb_update_num_tensors(const wb_update_t* update, size_t* n
  * view. Library-owned tensors are contiguous CPU memory (strides NULL); a bound tensor's view
  * is the caller's destination. All three stay valid until wb_update_destroy. Any output
  * pointer may be NULL when not wanted. */
-WB_EXPORT wb_status_t wb_update_tensor(const wb_update_t* update, size_t index,
-                                       const char** name, wb_dtype_t* dtype,
-                                       const DLTensor** tensor);
+WB_EXPORT wb_status_t wb_update_tensor(const wb_update_t* update, size_t index, const char** name,
+                                       wb_dtype_t* dtype, const DLTensor** tensor);
 
 /* The index of the tensor named `name`; WB_NOT_FOUND when the version has none. */
 WB_EXPORT wb_status_t wb_update_find(const wb_update_t* update, const char* name, size_t* index);
@@ -323,5 +326,5 @@ WB_EXPORT wb_status_t wb_update_export_dlpack(const wb_update_t* update, size_t 
                                               DLManagedTensor** managed);
 
 #ifdef __cplusplus
-}  /* extern "C" */
+} /* extern "C" */
 #endif

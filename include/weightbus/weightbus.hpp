@@ -138,16 +138,16 @@ class WB_EXPORT Publisher {
 
 // Timing of one received version.
 struct UpdateStats {
-  uint64_t bytes = 0;           // tensor bytes received
-  absl::Duration wait;          // until a new enough version was found
-  absl::Duration allocate;      // mapping library buffers (0 when recycled from earlier updates)
-  absl::Duration fetch;         // receiving the bytes (checksums overlap with it)
-  absl::Duration verify_wait;   // waiting for checksums after the last byte arrived
-  absl::Duration copy_out;      // copying staged bytes into bound destinations (bind_mode=staged)
-  int64_t ready_unix_ns = 0;    // when the version was complete and verified (CLOCK_REALTIME)
-  absl::Duration decode;        // part of `fetch` a layer (delta) spent decoding; 0 if none
-  uint64_t wire_bytes = 0;      // bytes received for the tensors: `bytes`, or their encoded size
-                                // under a layer; 0 when a layer does not report it
+  uint64_t bytes = 0;          // tensor bytes received
+  absl::Duration wait;         // until a new enough version was found
+  absl::Duration allocate;     // mapping library buffers (0 when recycled from earlier updates)
+  absl::Duration fetch;        // receiving the bytes (checksums overlap with it)
+  absl::Duration verify_wait;  // waiting for checksums after the last byte arrived
+  absl::Duration copy_out;     // copying staged bytes into bound destinations (bind_mode=staged)
+  int64_t ready_unix_ns = 0;   // when the version was complete and verified (CLOCK_REALTIME)
+  absl::Duration decode;       // part of `fetch` a layer (delta) spent decoding; 0 if none
+  uint64_t wire_bytes = 0;     // bytes received for the tensors: `bytes`, or their encoded size
+                               // under a layer; 0 when a layer does not report it
 };
 
 // One received, verified version. Immutable. Views into library-owned buffers stay valid for

@@ -65,24 +65,42 @@ thread_local std::string last_error;
 // THE conversion from absl::StatusCode to wb_status_t (docs/CONVENTIONS.md has the table).
 wb_status_t ToCStatus(absl::StatusCode code) {
   switch (code) {
-    case absl::StatusCode::kOk: return WB_OK;
-    case absl::StatusCode::kDeadlineExceeded: return WB_DEADLINE_EXCEEDED;
-    case absl::StatusCode::kUnavailable: return WB_UNAVAILABLE;
-    case absl::StatusCode::kResourceExhausted: return WB_RESOURCE_EXHAUSTED;
-    case absl::StatusCode::kAborted: return WB_ABORTED;
-    case absl::StatusCode::kInvalidArgument: return WB_INVALID_ARGUMENT;
-    case absl::StatusCode::kFailedPrecondition: return WB_FAILED_PRECONDITION;
-    case absl::StatusCode::kNotFound: return WB_NOT_FOUND;
-    case absl::StatusCode::kAlreadyExists: return WB_ALREADY_EXISTS;
-    case absl::StatusCode::kPermissionDenied: return WB_PERMISSION_DENIED;
-    case absl::StatusCode::kUnauthenticated: return WB_PERMISSION_DENIED;
-    case absl::StatusCode::kOutOfRange: return WB_OUT_OF_RANGE;
-    case absl::StatusCode::kUnimplemented: return WB_UNIMPLEMENTED;
-    case absl::StatusCode::kDataLoss: return WB_DATA_LOSS;
-    case absl::StatusCode::kCancelled: return WB_CANCELLED;
-    case absl::StatusCode::kInternal: return WB_INTERNAL;
-    case absl::StatusCode::kUnknown: return WB_UNKNOWN;
-    default: return WB_UNKNOWN;  // absl's enum is not ours: codes added later land here
+    case absl::StatusCode::kOk:
+      return WB_OK;
+    case absl::StatusCode::kDeadlineExceeded:
+      return WB_DEADLINE_EXCEEDED;
+    case absl::StatusCode::kUnavailable:
+      return WB_UNAVAILABLE;
+    case absl::StatusCode::kResourceExhausted:
+      return WB_RESOURCE_EXHAUSTED;
+    case absl::StatusCode::kAborted:
+      return WB_ABORTED;
+    case absl::StatusCode::kInvalidArgument:
+      return WB_INVALID_ARGUMENT;
+    case absl::StatusCode::kFailedPrecondition:
+      return WB_FAILED_PRECONDITION;
+    case absl::StatusCode::kNotFound:
+      return WB_NOT_FOUND;
+    case absl::StatusCode::kAlreadyExists:
+      return WB_ALREADY_EXISTS;
+    case absl::StatusCode::kPermissionDenied:
+      return WB_PERMISSION_DENIED;
+    case absl::StatusCode::kUnauthenticated:
+      return WB_PERMISSION_DENIED;
+    case absl::StatusCode::kOutOfRange:
+      return WB_OUT_OF_RANGE;
+    case absl::StatusCode::kUnimplemented:
+      return WB_UNIMPLEMENTED;
+    case absl::StatusCode::kDataLoss:
+      return WB_DATA_LOSS;
+    case absl::StatusCode::kCancelled:
+      return WB_CANCELLED;
+    case absl::StatusCode::kInternal:
+      return WB_INTERNAL;
+    case absl::StatusCode::kUnknown:
+      return WB_UNKNOWN;
+    default:
+      return WB_UNKNOWN;  // absl's enum is not ours: codes added later land here
   }
 }
 
@@ -104,8 +122,8 @@ wb_status_t Guard(const char* function, Body&& body) {
     return SetStatus(absl::InternalError(
         absl::StrFormat("%s: unexpected C++ exception: %s", function, e.what())));
   } catch (...) {
-    return SetStatus(
-        absl::InternalError(absl::StrFormat("%s: unexpected non-standard C++ exception", function)));
+    return SetStatus(absl::InternalError(
+        absl::StrFormat("%s: unexpected non-standard C++ exception", function)));
   }
 }
 
@@ -113,8 +131,8 @@ absl::Status NullArgument(const char* function, const char* parameter) {
   return absl::InvalidArgumentError(absl::StrFormat("%s: %s is NULL", function, parameter));
 }
 
-#define WB_CHECK_ARG(function, parameter)                               \
-  do {                                                                  \
+#define WB_CHECK_ARG(function, parameter)                                  \
+  do {                                                                     \
     if ((parameter) == nullptr) return NullArgument(function, #parameter); \
   } while (0)
 
@@ -188,8 +206,8 @@ absl::StatusOr<wb::Options> ReadOptions(const char* function, const char* what,
           absl::StrFormat("%s: %s[%d] has a NULL key or value", function, what, i));
     }
     if (!out.emplace(options[i].key, options[i].value).second) {
-      return absl::InvalidArgumentError(absl::StrFormat("%s: %s names \"%s\" twice", function,
-                                                        what, options[i].key));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: %s names \"%s\" twice", function, what, options[i].key));
     }
   }
   return out;
@@ -198,22 +216,38 @@ absl::StatusOr<wb::Options> ReadOptions(const char* function, const char* what,
 // wb_dtype_t <-> weightbus::DType (exhaustive both ways).
 absl::StatusOr<wb::DType> FromCDType(wb_dtype_t dtype) {
   switch (dtype) {
-    case WB_DTYPE_BOOL: return wb::DType::kBool;
-    case WB_DTYPE_U8: return wb::DType::kU8;
-    case WB_DTYPE_I8: return wb::DType::kI8;
-    case WB_DTYPE_U16: return wb::DType::kU16;
-    case WB_DTYPE_I16: return wb::DType::kI16;
-    case WB_DTYPE_F16: return wb::DType::kF16;
-    case WB_DTYPE_BF16: return wb::DType::kBF16;
-    case WB_DTYPE_U32: return wb::DType::kU32;
-    case WB_DTYPE_I32: return wb::DType::kI32;
-    case WB_DTYPE_F32: return wb::DType::kF32;
-    case WB_DTYPE_U64: return wb::DType::kU64;
-    case WB_DTYPE_I64: return wb::DType::kI64;
-    case WB_DTYPE_F64: return wb::DType::kF64;
-    case WB_DTYPE_F8_E4M3: return wb::DType::kF8E4M3;
-    case WB_DTYPE_F8_E5M2: return wb::DType::kF8E5M2;
-    case WB_DTYPE_FROM_DLPACK: break;
+    case WB_DTYPE_BOOL:
+      return wb::DType::kBool;
+    case WB_DTYPE_U8:
+      return wb::DType::kU8;
+    case WB_DTYPE_I8:
+      return wb::DType::kI8;
+    case WB_DTYPE_U16:
+      return wb::DType::kU16;
+    case WB_DTYPE_I16:
+      return wb::DType::kI16;
+    case WB_DTYPE_F16:
+      return wb::DType::kF16;
+    case WB_DTYPE_BF16:
+      return wb::DType::kBF16;
+    case WB_DTYPE_U32:
+      return wb::DType::kU32;
+    case WB_DTYPE_I32:
+      return wb::DType::kI32;
+    case WB_DTYPE_F32:
+      return wb::DType::kF32;
+    case WB_DTYPE_U64:
+      return wb::DType::kU64;
+    case WB_DTYPE_I64:
+      return wb::DType::kI64;
+    case WB_DTYPE_F64:
+      return wb::DType::kF64;
+    case WB_DTYPE_F8_E4M3:
+      return wb::DType::kF8E4M3;
+    case WB_DTYPE_F8_E5M2:
+      return wb::DType::kF8E5M2;
+    case WB_DTYPE_FROM_DLPACK:
+      break;
   }
   return absl::InvalidArgumentError(
       absl::StrFormat("%d is not a wb_dtype_t element type", static_cast<int>(dtype)));
@@ -221,21 +255,36 @@ absl::StatusOr<wb::DType> FromCDType(wb_dtype_t dtype) {
 
 wb_dtype_t ToCDType(wb::DType dtype) {
   switch (dtype) {
-    case wb::DType::kBool: return WB_DTYPE_BOOL;
-    case wb::DType::kU8: return WB_DTYPE_U8;
-    case wb::DType::kI8: return WB_DTYPE_I8;
-    case wb::DType::kU16: return WB_DTYPE_U16;
-    case wb::DType::kI16: return WB_DTYPE_I16;
-    case wb::DType::kF16: return WB_DTYPE_F16;
-    case wb::DType::kBF16: return WB_DTYPE_BF16;
-    case wb::DType::kU32: return WB_DTYPE_U32;
-    case wb::DType::kI32: return WB_DTYPE_I32;
-    case wb::DType::kF32: return WB_DTYPE_F32;
-    case wb::DType::kU64: return WB_DTYPE_U64;
-    case wb::DType::kI64: return WB_DTYPE_I64;
-    case wb::DType::kF64: return WB_DTYPE_F64;
-    case wb::DType::kF8E4M3: return WB_DTYPE_F8_E4M3;
-    case wb::DType::kF8E5M2: return WB_DTYPE_F8_E5M2;
+    case wb::DType::kBool:
+      return WB_DTYPE_BOOL;
+    case wb::DType::kU8:
+      return WB_DTYPE_U8;
+    case wb::DType::kI8:
+      return WB_DTYPE_I8;
+    case wb::DType::kU16:
+      return WB_DTYPE_U16;
+    case wb::DType::kI16:
+      return WB_DTYPE_I16;
+    case wb::DType::kF16:
+      return WB_DTYPE_F16;
+    case wb::DType::kBF16:
+      return WB_DTYPE_BF16;
+    case wb::DType::kU32:
+      return WB_DTYPE_U32;
+    case wb::DType::kI32:
+      return WB_DTYPE_I32;
+    case wb::DType::kF32:
+      return WB_DTYPE_F32;
+    case wb::DType::kU64:
+      return WB_DTYPE_U64;
+    case wb::DType::kI64:
+      return WB_DTYPE_I64;
+    case wb::DType::kF64:
+      return WB_DTYPE_F64;
+    case wb::DType::kF8E4M3:
+      return WB_DTYPE_F8_E4M3;
+    case wb::DType::kF8E5M2:
+      return WB_DTYPE_F8_E5M2;
   }
   return WB_DTYPE_FROM_DLPACK;
 }
@@ -247,21 +296,36 @@ DLDataType ToDLDataType(wb::DType dtype) {
     return DLDataType{static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1};
   };
   switch (dtype) {
-    case wb::DType::kBool: return make(kDLUInt, 8);
-    case wb::DType::kU8: return make(kDLUInt, 8);
-    case wb::DType::kI8: return make(kDLInt, 8);
-    case wb::DType::kU16: return make(kDLUInt, 16);
-    case wb::DType::kI16: return make(kDLInt, 16);
-    case wb::DType::kF16: return make(kDLFloat, 16);
-    case wb::DType::kBF16: return make(kDLBfloat, 16);
-    case wb::DType::kU32: return make(kDLUInt, 32);
-    case wb::DType::kI32: return make(kDLInt, 32);
-    case wb::DType::kF32: return make(kDLFloat, 32);
-    case wb::DType::kU64: return make(kDLUInt, 64);
-    case wb::DType::kI64: return make(kDLInt, 64);
-    case wb::DType::kF64: return make(kDLFloat, 64);
-    case wb::DType::kF8E4M3: return make(kDLUInt, 8);
-    case wb::DType::kF8E5M2: return make(kDLUInt, 8);
+    case wb::DType::kBool:
+      return make(kDLUInt, 8);
+    case wb::DType::kU8:
+      return make(kDLUInt, 8);
+    case wb::DType::kI8:
+      return make(kDLInt, 8);
+    case wb::DType::kU16:
+      return make(kDLUInt, 16);
+    case wb::DType::kI16:
+      return make(kDLInt, 16);
+    case wb::DType::kF16:
+      return make(kDLFloat, 16);
+    case wb::DType::kBF16:
+      return make(kDLBfloat, 16);
+    case wb::DType::kU32:
+      return make(kDLUInt, 32);
+    case wb::DType::kI32:
+      return make(kDLInt, 32);
+    case wb::DType::kF32:
+      return make(kDLFloat, 32);
+    case wb::DType::kU64:
+      return make(kDLUInt, 64);
+    case wb::DType::kI64:
+      return make(kDLInt, 64);
+    case wb::DType::kF64:
+      return make(kDLFloat, 64);
+    case wb::DType::kF8E4M3:
+      return make(kDLUInt, 8);
+    case wb::DType::kF8E5M2:
+      return make(kDLUInt, 8);
   }
   return make(kDLUInt, 8);
 }
@@ -269,13 +333,26 @@ DLDataType ToDLDataType(wb::DType dtype) {
 std::string DLDataTypeString(DLDataType t) {
   const char* code = "code?";
   switch (t.code) {
-    case kDLInt: code = "int"; break;
-    case kDLUInt: code = "uint"; break;
-    case kDLFloat: code = "float"; break;
-    case kDLBfloat: code = "bfloat"; break;
-    case kDLOpaqueHandle: code = "opaque"; break;
-    case kDLComplex: code = "complex"; break;
-    default: break;
+    case kDLInt:
+      code = "int";
+      break;
+    case kDLUInt:
+      code = "uint";
+      break;
+    case kDLFloat:
+      code = "float";
+      break;
+    case kDLBfloat:
+      code = "bfloat";
+      break;
+    case kDLOpaqueHandle:
+      code = "opaque";
+      break;
+    case kDLComplex:
+      code = "complex";
+      break;
+    default:
+      break;
   }
   return t.lanes == 1 ? absl::StrFormat("%s%d", code, t.bits)
                       : absl::StrFormat("%s%dx%d", code, t.bits, t.lanes);
@@ -345,10 +422,10 @@ absl::StatusOr<wb::Device> DeviceOf(std::string_view name, DLDevice d) {
     default:
       break;
   }
-  return absl::UnimplementedError(absl::StrFormat(
-      "tensor \"%s\": DLPack device type %d is not supported (kDLCPU, kDLCUDAHost, "
-      "kDLCUDAManaged and kDLCUDA are)",
-      name, static_cast<int>(d.device_type)));
+  return absl::UnimplementedError(
+      absl::StrFormat("tensor \"%s\": DLPack device type %d is not supported (kDLCPU, kDLCUDAHost, "
+                      "kDLCUDAManaged and kDLCUDA are)",
+                      name, static_cast<int>(d.device_type)));
 }
 
 // The parts of a DLTensor that TensorView and Destination share.
@@ -362,9 +439,9 @@ struct Layout {
 
 absl::StatusOr<Layout> LayoutOf(std::string_view name, const DLTensor& t, wb_dtype_t override) {
   if (t.ndim < 0 || (t.ndim > 0 && t.shape == nullptr)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "tensor \"%s\": DLTensor has ndim %d and %s shape", name, t.ndim,
-        t.shape == nullptr ? "a NULL" : "a"));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tensor \"%s\": DLTensor has ndim %d and %s shape", name, t.ndim,
+                        t.shape == nullptr ? "a NULL" : "a"));
   }
   absl::StatusOr<wb::DType> dtype = DTypeOf(name, t.dtype, override);
   if (!dtype.ok()) return dtype.status();
@@ -394,8 +471,8 @@ absl::Status Publish(wb_publisher_t* publisher, uint64_t version, const char* co
   views.reserve(num_tensors);
   for (size_t i = 0; i < num_tensors; ++i) {
     if (names[i] == nullptr) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s: %s version %d: names[%d] is NULL", kFn, publisher->impl->uri(), version, i));
+      return absl::InvalidArgumentError(absl::StrFormat("%s: %s version %d: names[%d] is NULL", kFn,
+                                                        publisher->impl->uri(), version, i));
     }
     const wb_dtype_t override = params.dtypes ? params.dtypes[i] : WB_DTYPE_FROM_DLPACK;
     absl::StatusOr<Layout> layout = LayoutOf(names[i], tensors[i], override);
@@ -450,16 +527,14 @@ absl::Status Wait(const char* function, wb_subscriber_t* subscriber, uint64_t mi
 
 absl::Status CheckIndex(const char* function, const wb_update_t* update, size_t index) {
   if (index >= update->state->tensors.size()) {
-    return absl::OutOfRangeError(absl::StrFormat(
-        "%s: tensor index %d is past the end of version %d (%d tensors)", function, index,
-        update->state->update->version(), update->state->tensors.size()));
+    return absl::OutOfRangeError(
+        absl::StrFormat("%s: tensor index %d is past the end of version %d (%d tensors)", function,
+                        index, update->state->update->version(), update->state->tensors.size()));
   }
   return absl::OkStatus();
 }
 
-void DeleteExported(DLManagedTensor* self) {
-  delete reinterpret_cast<ExportedTensor*>(self);
-}
+void DeleteExported(DLManagedTensor* self) { delete reinterpret_cast<ExportedTensor*>(self); }
 
 }  // namespace
 
@@ -467,27 +542,38 @@ extern "C" {
 
 const char* wb_status_string(wb_status_t status) {
   switch (status) {
-    case WB_OK: return "WB_OK: success";
-    case WB_DEADLINE_EXCEEDED: return "WB_DEADLINE_EXCEEDED: the timeout passed first (retryable)";
-    case WB_UNAVAILABLE: return "WB_UNAVAILABLE: a peer is gone or not reachable yet (retryable)";
+    case WB_OK:
+      return "WB_OK: success";
+    case WB_DEADLINE_EXCEEDED:
+      return "WB_DEADLINE_EXCEEDED: the timeout passed first (retryable)";
+    case WB_UNAVAILABLE:
+      return "WB_UNAVAILABLE: a peer is gone or not reachable yet (retryable)";
     case WB_RESOURCE_EXHAUSTED:
       return "WB_RESOURCE_EXHAUSTED: out of disk space or memory (retryable after freeing some)";
-    case WB_ABORTED: return "WB_ABORTED: interrupted by a concurrent operation (retryable)";
+    case WB_ABORTED:
+      return "WB_ABORTED: interrupted by a concurrent operation (retryable)";
     case WB_INVALID_ARGUMENT:
       return "WB_INVALID_ARGUMENT: the caller's input is wrong (tensor, URI, setting, binding)";
     case WB_FAILED_PRECONDITION:
       return "WB_FAILED_PRECONDITION: the call conflicts with the channel's state";
-    case WB_NOT_FOUND: return "WB_NOT_FOUND: a named file, tensor or channel does not exist";
-    case WB_ALREADY_EXISTS: return "WB_ALREADY_EXISTS: something to be created exists already";
-    case WB_PERMISSION_DENIED: return "WB_PERMISSION_DENIED: the system refused access";
-    case WB_OUT_OF_RANGE: return "WB_OUT_OF_RANGE: an index or value past the valid range";
+    case WB_NOT_FOUND:
+      return "WB_NOT_FOUND: a named file, tensor or channel does not exist";
+    case WB_ALREADY_EXISTS:
+      return "WB_ALREADY_EXISTS: something to be created exists already";
+    case WB_PERMISSION_DENIED:
+      return "WB_PERMISSION_DENIED: the system refused access";
+    case WB_OUT_OF_RANGE:
+      return "WB_OUT_OF_RANGE: an index or value past the valid range";
     case WB_UNIMPLEMENTED:
       return "WB_UNIMPLEMENTED: the feature, transport, device or field is not built in";
     case WB_DATA_LOSS:
       return "WB_DATA_LOSS: stored or received bytes are malformed or fail their checksum";
-    case WB_CANCELLED: return "WB_CANCELLED: the operation was cancelled";
-    case WB_INTERNAL: return "WB_INTERNAL: unexpected system error";
-    case WB_UNKNOWN: return "WB_UNKNOWN: unclassified error";
+    case WB_CANCELLED:
+      return "WB_CANCELLED: the operation was cancelled";
+    case WB_INTERNAL:
+      return "WB_INTERNAL: unexpected system error";
+    case WB_UNKNOWN:
+      return "WB_UNKNOWN: unclassified error";
   }
   return "not a wb_status_t value";
 }
@@ -623,13 +709,13 @@ wb_status_t wb_subscriber_bind(wb_subscriber_t* subscriber, const char* name,
     if (absl::Status s = ReadParams(kFn, params_in, kBindParamsV1, &params); !s.ok()) return s;
     absl::StatusOr<Layout> layout = LayoutOf(name, *destination, params.dtype);
     if (!layout.ok()) {
-      return absl::Status(layout.status().code(),
-                          absl::StrFormat("%s: binding %s", subscriber->impl->uri(),
-                                          layout.status().message()));
+      return absl::Status(
+          layout.status().code(),
+          absl::StrFormat("%s: binding %s", subscriber->impl->uri(), layout.status().message()));
     }
     return subscriber->impl->Bind(
-        name, wb::Destination{layout->dtype, std::move(layout->shape),
-                              std::move(layout->strides), layout->data, layout->device});
+        name, wb::Destination{layout->dtype, std::move(layout->shape), std::move(layout->strides),
+                              layout->data, layout->device});
   });
 }
 
@@ -661,9 +747,8 @@ wb_status_t wb_subscriber_wait(wb_subscriber_t* subscriber, uint64_t min_version
 wb_status_t wb_subscriber_poll(wb_subscriber_t* subscriber, uint64_t min_version,
                                int64_t receive_timeout_ms, wb_update_t** update) {
   constexpr const char* kFn = "wb_subscriber_poll";
-  return Guard(kFn, [&] {
-    return Wait(kFn, subscriber, min_version, receive_timeout_ms, true, update);
-  });
+  return Guard(
+      kFn, [&] { return Wait(kFn, subscriber, min_version, receive_timeout_ms, true, update); });
 }
 
 wb_status_t wb_subscriber_current_version(wb_subscriber_t* subscriber, bool* has_version,
@@ -729,16 +814,15 @@ wb_status_t wb_update_find(const wb_update_t* update, const char* name, size_t* 
     WB_CHECK_ARG(kFn, index);
     const wb::TensorView* view = update->state->update->Find(name);
     if (view == nullptr) {
-      return absl::NotFoundError(absl::StrFormat("%s: version %d has no tensor named \"%s\"",
-                                                 kFn, update->state->update->version(), name));
+      return absl::NotFoundError(absl::StrFormat("%s: version %d has no tensor named \"%s\"", kFn,
+                                                 update->state->update->version(), name));
     }
     *index = static_cast<size_t>(view - update->state->update->tensors().data());
     return absl::OkStatus();
   });
 }
 
-wb_status_t wb_update_manifest_json(const wb_update_t* update, const char** json,
-                                    size_t* length) {
+wb_status_t wb_update_manifest_json(const wb_update_t* update, const char** json, size_t* length) {
   constexpr const char* kFn = "wb_update_manifest_json";
   return Guard(kFn, [&]() -> absl::Status {
     WB_CHECK_ARG(kFn, update);

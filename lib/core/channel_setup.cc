@@ -20,8 +20,8 @@ absl::StatusOr<ChannelSetup> SetUpChannel(std::string_view uri_text, const Optio
         absl::StrFormat("%s: setting hash_threads=%d is outside 0..%d", s.uri.Display(),
                         hash_threads, WorkerPool::kMaxThreads));
   }
-  WB_ASSIGN_OR_RETURN(s.hashers,
-                      WorkerPool::Create(WorkerPool::DefaultThreads(static_cast<int>(hash_threads))));
+  WB_ASSIGN_OR_RETURN(
+      s.hashers, WorkerPool::Create(WorkerPool::DefaultThreads(static_cast<int>(hash_threads))));
   return s;
 }
 

@@ -19,8 +19,8 @@ namespace {
 absl::string_view AV(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 absl::Status Malformed(const SettingSpec& spec, std::string_view text, std::string_view expected) {
-  return absl::InvalidArgumentError(absl::StrFormat(
-      "setting %s=\"%s\" is malformed: expected %s", spec.name, text, expected));
+  return absl::InvalidArgumentError(
+      absl::StrFormat("setting %s=\"%s\" is malformed: expected %s", spec.name, text, expected));
 }
 
 absl::StatusOr<uint64_t> ParseBytes(const SettingSpec& spec, std::string_view text) {
@@ -30,9 +30,9 @@ absl::StatusOr<uint64_t> ParseBytes(const SettingSpec& spec, std::string_view te
     uint64_t mult;
   };
   static constexpr Suffix kSuffixes[] = {
-      {"kib", 1ULL << 10}, {"mib", 1ULL << 20}, {"gib", 1ULL << 30}, {"tib", 1ULL << 40},
+      {"kib", 1ULL << 10}, {"mib", 1ULL << 20}, {"gib", 1ULL << 30},   {"tib", 1ULL << 40},
       {"kb", 1000ULL},     {"mb", 1000000ULL},  {"gb", 1000000000ULL}, {"tb", 1000000000000ULL},
-      {"k", 1ULL << 10},   {"m", 1ULL << 20},   {"g", 1ULL << 30},   {"b", 1}};
+      {"k", 1ULL << 10},   {"m", 1ULL << 20},   {"g", 1ULL << 30},     {"b", 1}};
   uint64_t mult = 1;
   for (const Suffix& s : kSuffixes) {
     if (absl::EndsWith(t, s.s)) {
@@ -63,11 +63,16 @@ std::string EnvName(std::string_view scope, std::string_view name) {
 
 std::string TypeName(const SettingSpec& spec) {
   switch (spec.type) {
-    case SettingType::kBool: return "bool";
-    case SettingType::kInt: return "int";
-    case SettingType::kBytes: return "bytes";
-    case SettingType::kDuration: return "duration";
-    case SettingType::kString: return "string";
+    case SettingType::kBool:
+      return "bool";
+    case SettingType::kInt:
+      return "int";
+    case SettingType::kBytes:
+      return "bytes";
+    case SettingType::kDuration:
+      return "duration";
+    case SettingType::kString:
+      return "string";
     case SettingType::kEnum: {
       std::vector<std::string> c(spec.choices.begin(), spec.choices.end());
       return absl::StrCat("enum(", absl::StrJoin(c, "|"), ")");

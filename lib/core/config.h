@@ -25,11 +25,11 @@ enum class SettingType {
   kBytes,     // 4096, 64KiB, 4MiB, 1GiB, 5GB (SI), case-insensitive suffix
   kDuration,  // absl duration: 100ms, 2.5s, 1m
   kString,
-  kEnum,      // one of `choices`
+  kEnum,  // one of `choices`
 };
 
 struct SettingSpec {
-  std::string_view name;           // e.g. "retention"
+  std::string_view name;  // e.g. "retention"
   SettingType type;
   std::string_view default_value;  // parsed like any other value
   std::string_view doc;

@@ -25,8 +25,7 @@ std::vector<SettingInfo> DescribeSettings() {
     for (const internal::SettingSpec& spec : table->specs) {
       out.push_back(SettingInfo{std::string(table->scope), std::string(spec.name),
                                 internal::TypeName(spec), std::string(spec.default_value),
-                                internal::EnvName(table->scope, spec.name),
-                                std::string(spec.doc)});
+                                internal::EnvName(table->scope, spec.name), std::string(spec.doc)});
     }
   }
   return out;

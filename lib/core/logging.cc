@@ -21,8 +21,10 @@ LogLevel Threshold() {
     if (std::strcmp(env, "warn") == 0) return LogLevel::kWarn;
     if (std::strcmp(env, "info") == 0) return LogLevel::kInfo;
     if (std::strcmp(env, "debug") == 0) return LogLevel::kDebug;
-    std::fprintf(stderr, "weightbus: WEIGHTBUS_LOG_LEVEL=\"%s\" is not error|warn|info|debug; "
-                 "using warn\n", env);
+    std::fprintf(stderr,
+                 "weightbus: WEIGHTBUS_LOG_LEVEL=\"%s\" is not error|warn|info|debug; "
+                 "using warn\n",
+                 env);
     return LogLevel::kWarn;
   }();
   return level;

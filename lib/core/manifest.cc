@@ -27,8 +27,7 @@ class Reader {
   explicit Reader(std::string_view source) : source_(source) {}
 
   absl::Status Error(std::string_view path, std::string_view what) const {
-    return absl::DataLossError(
-        absl::StrFormat("manifest %s: field %s %s", source_, path, what));
+    return absl::DataLossError(absl::StrFormat("manifest %s: field %s %s", source_, path, what));
   }
 
   template <typename T>
@@ -117,7 +116,8 @@ absl::StatusOr<Manifest> Manifest::FromJson(std::string_view json, std::string_v
     return absl::DataLossError(
         absl::StrFormat("manifest %s has a NUL byte at offset %d", source, nul));
   }
-  ordered_json j = ordered_json::parse(json.begin(), json.end(), nullptr, /*allow_exceptions=*/false);
+  ordered_json j =
+      ordered_json::parse(json.begin(), json.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
     return absl::DataLossError(
         absl::StrFormat("manifest %s is not a valid JSON object (%d bytes)", source, json.size()));
@@ -141,8 +141,8 @@ absl::StatusOr<Manifest> Manifest::FromJson(std::string_view json, std::string_v
   auto rank = r.Get<int>(pub, "rank", ".publisher");
   auto world = r.Get<int>(pub, "world_size", ".publisher");
   auto name = r.Get<std::string>(pub, "name", ".publisher");
-  for (const absl::Status& s : {host.status(), pid.status(), rank.status(), world.status(),
-                                name.status()}) {
+  for (const absl::Status& s :
+       {host.status(), pid.status(), rank.status(), world.status(), name.status()}) {
     if (!s.ok()) return s;
   }
   m.publisher = PublisherIdentity{*host, *pid, *rank, *world, *name};
@@ -192,8 +192,8 @@ absl::StatusOr<Manifest> Manifest::FromJson(std::string_view json, std::string_v
     absl::StatusOr<uint64_t> expected = ByteSize(t.dtype, t.shape);
     if (!expected.ok() || *expected != t.nbytes) {
       return r.Error(path + ".nbytes",
-                     absl::StrFormat("is %d but tensor \"%s\" of %s %s needs %s", t.nbytes,
-                                     t.name, DTypeName(t.dtype), ShapeString(t.shape),
+                     absl::StrFormat("is %d but tensor \"%s\" of %s %s needs %s", t.nbytes, t.name,
+                                     DTypeName(t.dtype), ShapeString(t.shape),
                                      expected.ok() ? std::to_string(*expected)
                                                    : std::string(expected.status().message())));
     }

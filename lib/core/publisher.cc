@@ -72,9 +72,9 @@ class Job final : public internal::PublishJob {
   absl::StatusOr<const Manifest*> SealedManifest(absl::Time deadline) override {
     if (copy_mode_) HashUnclaimed();  // tensors the transport did not copy with checksums
     if (!hashing_.WaitUntilZero(deadline)) {
-      return absl::DeadlineExceededError(absl::StrFormat(
-          "version %d: checksums of %d tensors not finished by the deadline", manifest_.version,
-          manifest_.tensors.size()));
+      return absl::DeadlineExceededError(
+          absl::StrFormat("version %d: checksums of %d tensors not finished by the deadline",
+                          manifest_.version, manifest_.tensors.size()));
     }
     if (manifest_.sealed_unix_ns == 0) manifest_.sealed_unix_ns = absl::ToUnixNanos(absl::Now());
     return &manifest_;
@@ -166,8 +166,8 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_
   const internal::Uri& uri = impl->uri;
   const int64_t rank = c.Int("rank"), world_size = c.Int("world_size");
   if (world_size < 1 || rank < 0 || rank >= world_size) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: rank %d is not in [0, world_size=%d)", uri.Display(), rank, world_size));
+    return absl::InvalidArgumentError(absl::StrFormat("%s: rank %d is not in [0, world_size=%d)",
+                                                      uri.Display(), rank, world_size));
   }
   impl->identity = PublisherIdentity{internal::HostName(), getpid(), static_cast<int>(rank),
                                      static_cast<int>(world_size), c.String("publisher_name")};
@@ -224,9 +224,9 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   }
   for (const auto& [key, value] : metadata) {
     if (!internal::IsValidUtf8(key) || !internal::IsValidUtf8(value)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s version %d: metadata key \"%s\" or its value is not valid UTF-8", uri.Display(),
-          version, key));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s version %d: metadata key \"%s\" or its value is not valid UTF-8",
+                          uri.Display(), version, key));
     }
   }
 
@@ -257,13 +257,13 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   const absl::Time transport_end = absl::Now();
   job.WaitHashingDone();
   if (!status.ok()) {
-    return internal::Annotate(status, absl::StrFormat("%s: publish of version %d failed",
-                                                      uri.Display(), version));
+    return internal::Annotate(
+        status, absl::StrFormat("%s: publish of version %d failed", uri.Display(), version));
   }
   latest = version;
   const absl::Time end = absl::Now();
-  stats = PublishStats{version,    m.total_bytes(), end - start, pack_time,
-                       end - transport_end, transport_end - pack_start - pack_time};
+  stats = PublishStats{version,   m.total_bytes(),     end - start,
+                       pack_time, end - transport_end, transport_end - pack_start - pack_time};
   // Wire bytes: the tensors' own for a plain transport; a layer reports what it encoded them to.
   if (std::optional<internal::CodecStats> codec = backend->LastCodecStats()) {
     stats.encode = codec->time;

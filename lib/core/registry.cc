@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -33,7 +33,9 @@ const SettingTable& CoreSettings() {
   static const SettingTable* table = new SettingTable{
       "core",
       {
-          {"bind_mode", SettingType::kEnum, "staged",
+          {"bind_mode",
+           SettingType::kEnum,
+           "staged",
            "staged: receive and verify in library memory, then copy into bound destinations "
            "(a failed update never touches them); direct: receive straight into bound "
            "destinations (one copy fewer; contents unspecified after a failed verification)",
@@ -45,7 +47,9 @@ const SettingTable& CoreSettings() {
           {"world_size", SettingType::kInt, "1", "number of trainer ranks, recorded likewise"},
           {"publisher_name", SettingType::kString, "",
            "free-form label recorded in each manifest's publisher identity"},
-          {"log_level", SettingType::kEnum, "warn",
+          {"log_level",
+           SettingType::kEnum,
+           "warn",
            "what goes to stderr: error|warn|info|debug; process-wide, read once from "
            "WEIGHTBUS_LOG_LEVEL (a URI or Options value only validates)",
            {"error", "warn", "info", "debug"}},
@@ -101,9 +105,9 @@ absl::StatusOr<std::vector<const TransportDescriptor*>> ResolveStack(const Uri& 
   for (size_t i = 0; i < parts.size(); ++i) {
     const TransportDescriptor* t = FindTransport(parts[i]);
     if (t == nullptr) {
-      return absl::UnimplementedError(absl::StrFormat(
-          "no transport or layer \"%s\" for URI \"%s\" (this build has: %s)", parts[i],
-          uri.text, compiled()));
+      return absl::UnimplementedError(
+          absl::StrFormat("no transport or layer \"%s\" for URI \"%s\" (this build has: %s)",
+                          parts[i], uri.text, compiled()));
     }
     const bool last = i + 1 == parts.size();
     if (last && t->is_layer()) {
@@ -170,8 +174,8 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> TransportSubscriber::OpenVersio
 }
 
 absl::StatusOr<int> TransportPublisher::WaitForReceivers(uint64_t version, int, absl::Time) {
-  return absl::UnimplementedError(absl::StrFormat(
-      "this transport cannot tell which subscribers received version %d", version));
+  return absl::UnimplementedError(
+      absl::StrFormat("this transport cannot tell which subscribers received version %d", version));
 }
 
 absl::StatusOr<std::vector<uint64_t>> TransportSubscriber::ListVersions() {
@@ -198,9 +202,9 @@ static absl::Status CheckEnvironment() {
       }
     }
     if (!known) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "environment variable %s is not a weightbus setting (known: %s)", name,
-          absl::StrJoin(all, ", ")));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("environment variable %s is not a weightbus setting (known: %s)", name,
+                          absl::StrJoin(all, ", ")));
     }
   }
   return absl::OkStatus();

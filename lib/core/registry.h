@@ -23,8 +23,8 @@ const SettingTable& CoreSettings();
 // alone ("disk"), or layers over one ("delta+disk": delta wraps disk). Setting names must be
 // unique across the tables of a stack, since URI queries and Options name them without scope.
 struct TransportDescriptor {
-  std::string scheme;                 // e.g. "disk", or "delta" for a layer
-  std::string summary;                // one line for `weightbus --version` and docs
+  std::string scheme;                      // e.g. "disk", or "delta" for a layer
+  std::string summary;                     // one line for `weightbus --version` and docs
   const SettingTable* settings = nullptr;  // its own settings (scope == scheme)
   std::function<absl::StatusOr<std::unique_ptr<TransportPublisher>>(const Uri&, const Config&)>
       open_publisher;
@@ -69,10 +69,10 @@ absl::StatusOr<std::unique_ptr<TransportSubscriber>> OpenSubscriberStack(
 }  // namespace weightbus::internal
 
 // Registers a transport at load time: WEIGHTBUS_REGISTER_TRANSPORT(disk, MakeDiskDescriptor())
-#define WEIGHTBUS_REGISTER_TRANSPORT(tag, descriptor_expr)                       \
-  namespace {                                                                    \
-  [[maybe_unused]] const bool weightbus_transport_registered_##tag = [] {        \
-    ::weightbus::internal::RegisterTransport(descriptor_expr);                   \
-    return true;                                                                 \
-  }();                                                                           \
+#define WEIGHTBUS_REGISTER_TRANSPORT(tag, descriptor_expr)                \
+  namespace {                                                             \
+  [[maybe_unused]] const bool weightbus_transport_registered_##tag = [] { \
+    ::weightbus::internal::RegisterTransport(descriptor_expr);            \
+    return true;                                                          \
+  }();                                                                    \
   }

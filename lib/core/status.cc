@@ -47,9 +47,8 @@ absl::Status ErrnoStatus(int err, std::string what) {
 
 absl::Status Annotate(const absl::Status& status, std::string_view prefix) {
   if (status.ok()) return status;
-  return absl::Status(status.code(),
-                      absl::StrCat(absl::string_view(prefix.data(), prefix.size()), ": ",
-                                   status.message()));
+  return absl::Status(status.code(), absl::StrCat(absl::string_view(prefix.data(), prefix.size()),
+                                                  ": ", status.message()));
 }
 
 }  // namespace weightbus::internal

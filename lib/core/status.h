@@ -10,10 +10,10 @@
 #include "absl/strings/str_format.h"
 
 // Returns from the enclosing function if `expr` (an absl::Status) is not OK.
-#define WB_RETURN_IF_ERROR(expr)                    \
-  do {                                              \
-    ::absl::Status wb_status_ = (expr);             \
-    if (!wb_status_.ok()) return wb_status_;        \
+#define WB_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::absl::Status wb_status_ = (expr);      \
+    if (!wb_status_.ok()) return wb_status_; \
   } while (0)
 
 #define WB_STATUS_CONCAT_INNER_(a, b) a##b

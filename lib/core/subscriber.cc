@@ -33,8 +33,11 @@ class Verifier final : public internal::LandingSink {
  public:
   Verifier(const Manifest& manifest, const std::vector<std::byte*>& targets,
            internal::WorkerPool& pool)
-      : manifest_(manifest), targets_(targets), pool_(pool),
-        actual_(manifest.tensors.size(), 0), landed_(manifest.tensors.size()),
+      : manifest_(manifest),
+        targets_(targets),
+        pool_(pool),
+        actual_(manifest.tensors.size(), 0),
+        landed_(manifest.tensors.size()),
         progress_(manifest.tensors.size()) {}
 
   void Landed(size_t i) override {
@@ -287,9 +290,9 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
   impl->manifest = incoming->manifest();
   const Manifest& m = impl->manifest;
   if (m.version < floor) {
-    return absl::InternalError(absl::StrFormat(
-        "%s: transport offered version %d while waiting for >= %d", uri.Display(), m.version,
-        floor));
+    return absl::InternalError(
+        absl::StrFormat("%s: transport offered version %d while waiting for >= %d", uri.Display(),
+                        m.version, floor));
   }
   WB_RETURN_IF_ERROR(CheckManifest(uri, m));
   WB_RETURN_IF_ERROR(CheckBindings(m));
@@ -356,19 +359,19 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
       any_direct ? " (bind_mode=direct: bound destinations may hold partial data of this version)"
                  : "";
   if (!fetch.ok()) {
-    return absl::Status(fetch.code(), absl::StrFormat("%s: receiving version %d failed: %s%s; "
-                                                      "version %s stays current",
-                                                      uri.Display(), m.version, fetch.message(),
-                                                      direct_note,
-                                                      current ? std::to_string(*current) : "none"));
+    return absl::Status(fetch.code(),
+                        absl::StrFormat("%s: receiving version %d failed: %s%s; "
+                                        "version %s stays current",
+                                        uri.Display(), m.version, fetch.message(), direct_note,
+                                        current ? std::to_string(*current) : "none"));
   }
   bool never_landed = false;
   if (std::optional<size_t> bad = verifier.FirstFailure(&never_landed)) {
     const TensorInfo& t = m.tensors[*bad];
     if (never_landed) {
-      return absl::InternalError(absl::StrFormat(
-          "%s version %d: transport finished without delivering tensor \"%s\"", uri.Display(),
-          m.version, t.name));
+      return absl::InternalError(
+          absl::StrFormat("%s version %d: transport finished without delivering tensor \"%s\"",
+                          uri.Display(), m.version, t.name));
     }
     return absl::DataLossError(absl::StrFormat(
         "%s version %d: tensor \"%s\" from %s fails verification: XXH3-64 of the received %d "
@@ -406,9 +409,9 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
     impl->views.push_back(std::move(v));
   }
   impl->buffer = std::move(library);
-  impl->stats = UpdateStats{m.total_bytes(),   found - start,      allocated - found,
-                            fetched - allocated, verified - fetched, end - verified,
-                            absl::ToUnixNanos(end)};
+  impl->stats =
+      UpdateStats{m.total_bytes(),    found - start,  allocated - found,     fetched - allocated,
+                  verified - fetched, end - verified, absl::ToUnixNanos(end)};
   // Wire bytes: the tensors' own for a plain transport; a layer reports its encoded size.
   if (codec) {
     impl->stats.decode = codec->time;

@@ -33,8 +33,8 @@ std::string ProcessDescription() { return absl::StrFormat("pid %d on %s", getpid
 uint64_t RandomId() {
   static std::atomic<uint64_t> counter{0};
   uint64_t x = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())) ^
-               (static_cast<uint64_t>(getpid()) << 32) ^
-               reinterpret_cast<uintptr_t>(&counter) ^ (counter.fetch_add(1) << 48);
+               (static_cast<uint64_t>(getpid()) << 32) ^ reinterpret_cast<uintptr_t>(&counter) ^
+               (counter.fetch_add(1) << 48);
   x += 0x9e3779b97f4a7c15ULL;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;

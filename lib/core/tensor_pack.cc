@@ -108,9 +108,9 @@ static absl::Status CheckLayout(std::string_view name, const std::vector<int64_t
                                 const std::vector<int64_t>& strides, const void* data,
                                 uint64_t nbytes, Device device) {
   if (!strides.empty() && strides.size() != shape.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "tensor \"%s\": %d strides for a shape %s of rank %d", name, strides.size(),
-        ShapeString(shape), shape.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tensor \"%s\": %d strides for a shape %s of rank %d", name, strides.size(),
+                        ShapeString(shape), shape.size()));
   }
   if (data == nullptr && nbytes != 0) {
     return absl::InvalidArgumentError(
@@ -118,9 +118,9 @@ static absl::Status CheckLayout(std::string_view name, const std::vector<int64_t
                         ShapeString(shape), nbytes));
   }
   if (device.type != DeviceType::kCpu) {
-    return absl::UnimplementedError(absl::StrFormat(
-        "tensor \"%s\" is on CUDA device %d; this build accepts CPU tensors only", name,
-        device.index));
+    return absl::UnimplementedError(
+        absl::StrFormat("tensor \"%s\" is on CUDA device %d; this build accepts CPU tensors only",
+                        name, device.index));
   }
   return absl::OkStatus();
 }
@@ -131,17 +131,17 @@ absl::StatusOr<uint64_t> ValidateView(const TensorView& view) {
   }
   size_t bad = 0;
   if (!IsValidUtf8(view.name, &bad)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "tensor name \"%s\" is not valid UTF-8 (bad byte at offset %d)",
-        absl::CHexEscape(view.name), bad));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tensor name \"%s\" is not valid UTF-8 (bad byte at offset %d)",
+                        absl::CHexEscape(view.name), bad));
   }
   absl::StatusOr<uint64_t> nbytes = ByteSize(view.dtype, view.shape);
   if (!nbytes.ok()) {
     return absl::InvalidArgumentError(
         absl::StrFormat("tensor \"%s\": %s", view.name, nbytes.status().message()));
   }
-  if (absl::Status s = CheckLayout(view.name, view.shape, view.strides, view.data, *nbytes,
-                                   view.device);
+  if (absl::Status s =
+          CheckLayout(view.name, view.shape, view.strides, view.data, *nbytes, view.device);
       !s.ok()) {
     return s;
   }
@@ -182,8 +182,7 @@ absl::StatusOr<uint64_t> ValidateDestination(std::string_view name, const Destin
           name, d, ShapeString(dest.shape)));
     }
   }
-  if (absl::Status s = CheckLayout(name, dest.shape, dest.strides, dest.data, *nbytes,
-                                   dest.device);
+  if (absl::Status s = CheckLayout(name, dest.shape, dest.strides, dest.data, *nbytes, dest.device);
       !s.ok()) {
     return s;
   }

@@ -11,21 +11,36 @@ namespace weightbus {
 
 std::string_view DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kBool: return "BOOL";
-    case DType::kU8: return "U8";
-    case DType::kI8: return "I8";
-    case DType::kU16: return "U16";
-    case DType::kI16: return "I16";
-    case DType::kF16: return "F16";
-    case DType::kBF16: return "BF16";
-    case DType::kU32: return "U32";
-    case DType::kI32: return "I32";
-    case DType::kF32: return "F32";
-    case DType::kU64: return "U64";
-    case DType::kI64: return "I64";
-    case DType::kF64: return "F64";
-    case DType::kF8E4M3: return "F8_E4M3";
-    case DType::kF8E5M2: return "F8_E5M2";
+    case DType::kBool:
+      return "BOOL";
+    case DType::kU8:
+      return "U8";
+    case DType::kI8:
+      return "I8";
+    case DType::kU16:
+      return "U16";
+    case DType::kI16:
+      return "I16";
+    case DType::kF16:
+      return "F16";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kU32:
+      return "U32";
+    case DType::kI32:
+      return "I32";
+    case DType::kF32:
+      return "F32";
+    case DType::kU64:
+      return "U64";
+    case DType::kI64:
+      return "I64";
+    case DType::kF64:
+      return "F64";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
+    case DType::kF8E5M2:
+      return "F8_E5M2";
   }
   return "INVALID";
 }
@@ -61,8 +76,8 @@ absl::StatusOr<DType> DTypeFromName(std::string_view name) {
   }
   std::vector<std::string> names;
   for (DType dtype : kAllDTypes) names.emplace_back(DTypeName(dtype));
-  return absl::InvalidArgumentError(absl::StrFormat(
-      "unknown dtype \"%s\" (expected one of %s)", name, absl::StrJoin(names, ", ")));
+  return absl::InvalidArgumentError(absl::StrFormat("unknown dtype \"%s\" (expected one of %s)",
+                                                    name, absl::StrJoin(names, ", ")));
 }
 
 absl::StatusOr<int64_t> NumElements(const std::vector<int64_t>& shape) {
@@ -86,9 +101,8 @@ absl::StatusOr<uint64_t> ByteSize(DType dtype, const std::vector<int64_t>& shape
   if (!n.ok()) return n.status();
   const uint64_t elem = DTypeSize(dtype);
   if (static_cast<uint64_t>(*n) > std::numeric_limits<uint64_t>::max() / elem) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("shape %s of %s overflows a 64-bit byte count", ShapeString(shape),
-                        DTypeName(dtype)));
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "shape %s of %s overflows a 64-bit byte count", ShapeString(shape), DTypeName(dtype)));
   }
   return static_cast<uint64_t>(*n) * elem;
 }

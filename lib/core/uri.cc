@@ -29,8 +29,8 @@ absl::StatusOr<std::string> PercentDecode(std::string_view uri, std::string_view
     }
     int hi = hex(in[i + 1]), lo = hex(in[i + 2]);
     if (hi < 0 || lo < 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "URI \"%s\": bad percent-escape \"%s\"", uri, in.substr(i, 3)));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("URI \"%s\": bad percent-escape \"%s\"", uri, in.substr(i, 3)));
     }
     out.push_back(static_cast<char>(hi * 16 + lo));
     i += 2;
@@ -40,9 +40,7 @@ absl::StatusOr<std::string> PercentDecode(std::string_view uri, std::string_view
 
 }  // namespace
 
-std::string Uri::Display() const {
-  return absl::StrFormat("%s://%s%s", scheme, authority, path);
-}
+std::string Uri::Display() const { return absl::StrFormat("%s://%s%s", scheme, authority, path); }
 
 absl::StatusOr<Uri> ParseUri(std::string_view text) {
   Uri uri;
@@ -113,8 +111,8 @@ absl::StatusOr<Uri> ParseUri(std::string_view text) {
   uri.path = *std::move(decoded_path);
 
   if (!query.empty()) {
-    for (absl::string_view pair : absl::StrSplit(absl::string_view(query.data(), query.size()),
-                                                 '&', absl::SkipEmpty())) {
+    for (absl::string_view pair :
+         absl::StrSplit(absl::string_view(query.data(), query.size()), '&', absl::SkipEmpty())) {
       size_t eq = pair.find('=');
       absl::StatusOr<std::string> key =
           PercentDecode(text, std::string_view(pair.data(), std::min(eq, pair.size())));

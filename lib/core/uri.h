@@ -15,12 +15,12 @@
 namespace weightbus::internal {
 
 struct Uri {
-  std::string text;       // as given
-  std::string scheme;     // lower-case, e.g. "disk" or "delta+ucx"
-  std::string authority;  // raw, e.g. "host:1234" or "[::1]:1234"; may be empty
-  std::string host;       // without brackets; empty when no authority
-  int port = -1;          // -1 when absent
-  std::string path;       // decoded, starts with '/' when present
+  std::string text;                          // as given
+  std::string scheme;                        // lower-case, e.g. "disk" or "delta+ucx"
+  std::string authority;                     // raw, e.g. "host:1234" or "[::1]:1234"; may be empty
+  std::string host;                          // without brackets; empty when no authority
+  int port = -1;                             // -1 when absent
+  std::string path;                          // decoded, starts with '/' when present
   std::map<std::string, std::string> query;  // decoded
 
   // The URI without its query, for messages.

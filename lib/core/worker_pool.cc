@@ -50,9 +50,8 @@ void WorkerPool::Run() {
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](WorkerPool* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) {
-            return p->stopping_ || !p->queue_.empty();
-          },
+          +[](WorkerPool* p)
+               ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) { return p->stopping_ || !p->queue_.empty(); },
           this));
       if (queue_.empty()) return;  // stopping and drained
       task = std::move(queue_.front());
@@ -74,10 +73,9 @@ void TaskCounter::Done() {
 
 bool TaskCounter::WaitUntilZero(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  return mu_.AwaitWithDeadline(
-      absl::Condition(
-          +[](int* pending) { return *pending == 0; }, &pending_),
-      deadline);
+  return mu_.AwaitWithDeadline(absl::Condition(
+                                   +[](int* pending) { return *pending == 0; }, &pending_),
+                               deadline);
 }
 
 }  // namespace weightbus::internal

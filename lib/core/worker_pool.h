@@ -4,8 +4,8 @@
 #pragma once
 
 #include <deque>
-#include <memory>
 #include <functional>
+#include <memory>
 #include <thread>
 #include <vector>
 

@@ -23,18 +23,18 @@ constexpr uint64_t kMaxOpBytes = (uint64_t{1} << 31) - 4096;
 
 absl::Status ShortTransfer(bool write, const std::string& what, uint64_t at, uint64_t want) {
   if (write) {
-    return absl::InternalError(absl::StrFormat(
-        "%s: write made no progress at byte %d (%d bytes left)", what, at, want));
+    return absl::InternalError(
+        absl::StrFormat("%s: write made no progress at byte %d (%d bytes left)", what, at, want));
   }
   return absl::DataLossError(absl::StrFormat(
-      "%s is truncated: end of file at byte %d with %d bytes of the range still to read", what,
-      at, want));
+      "%s is truncated: end of file at byte %d with %d bytes of the range still to read", what, at,
+      want));
 }
 
 absl::Status Deadline(bool write, const std::string& what, absl::Time deadline) {
-  return absl::DeadlineExceededError(
-      absl::StrFormat("%s: %s did not finish by the deadline (%s)", what,
-                      write ? "write" : "read", absl::FormatTime(deadline)));
+  return absl::DeadlineExceededError(absl::StrFormat("%s: %s did not finish by the deadline (%s)",
+                                                     what, write ? "write" : "read",
+                                                     absl::FormatTime(deadline)));
 }
 
 class PsyncFileIo final : public FileIo {
@@ -61,9 +61,9 @@ class PsyncFileIo final : public FileIo {
                           : ::pread(r.fd, r.buffer + done, len, r.file_offset + done);
         if (n < 0) {
           if (errno == EINTR || errno == EAGAIN) continue;
-          return ErrnoStatus(errno, absl::StrFormat("%s: %s at file offset %d", describe(i),
-                                                    write ? "write" : "read",
-                                                    r.file_offset + done));
+          return ErrnoStatus(errno,
+                             absl::StrFormat("%s: %s at file offset %d", describe(i),
+                                             write ? "write" : "read", r.file_offset + done));
         }
         if (n == 0) return ShortTransfer(write, describe(i), r.file_offset + done, r.length - done);
         done += static_cast<uint64_t>(n);
@@ -226,10 +226,9 @@ class UringFileIo final : public FileIo {
           }
         } else if (res < 0) {
           if (error.ok()) {
-            error = ErrnoStatus(-res, absl::StrFormat("%s: %s at file offset %d",
-                                                      describe(slot.request),
-                                                      write ? "write" : "read",
-                                                      r.file_offset + slot.offset));
+            error = ErrnoStatus(
+                -res, absl::StrFormat("%s: %s at file offset %d", describe(slot.request),
+                                      write ? "write" : "read", r.file_offset + slot.offset));
           }
         } else if (res == 0) {
           if (error.ok()) {
@@ -296,8 +295,7 @@ class UringFileIo final : public FileIo {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<FileIo>> FileIo::Create(std::string_view engine,
-                                                       unsigned queue_depth,
-                                                       uint64_t chunk_bytes) {
+                                                       unsigned queue_depth, uint64_t chunk_bytes) {
   if (queue_depth < 1 || queue_depth > 4096) {
     return absl::InvalidArgumentError(
         absl::StrFormat("queue depth %d is outside 1..4096", queue_depth));

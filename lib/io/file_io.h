@@ -35,8 +35,7 @@ class FileIo {
   // "psync". `queue_depth` >= 1 chunks in flight; `chunk_bytes` >= 4096 bytes per operation.
   // Errors: InvalidArgument for an unknown engine or bad sizes.
   static absl::StatusOr<std::unique_ptr<FileIo>> Create(std::string_view engine,
-                                                        unsigned queue_depth,
-                                                        uint64_t chunk_bytes);
+                                                        unsigned queue_depth, uint64_t chunk_bytes);
   virtual ~FileIo() = default;
 
   // Which engine is in use: "uring" or "psync".

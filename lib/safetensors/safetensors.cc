@@ -62,10 +62,18 @@ std::string Quoted(std::string_view s) {
       continue;
     }
     switch (c) {
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default: absl::StrAppendFormat(&out, "\\x%02x", u); break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      default:
+        absl::StrAppendFormat(&out, "\\x%02x", u);
+        break;
     }
   }
   out.push_back('\'');
@@ -80,7 +88,7 @@ std::string OffsetsString(uint64_t begin, uint64_t end) {
 // UTF-8
 
 struct Utf8Error {
-  size_t offset = 0;       // of the first byte of the offending sequence
+  size_t offset = 0;  // of the first byte of the offending sequence
   const char* reason = "";
 };
 
@@ -152,14 +160,22 @@ enum class Kind : uint8_t { kNull, kBool, kInteger, kFloat, kString, kBinary, kA
 
 const char* KindName(Kind kind) {
   switch (kind) {
-    case Kind::kNull: return "null";
-    case Kind::kBool: return "a boolean";
-    case Kind::kInteger: return "an integer";
-    case Kind::kFloat: return "a non-integer number";
-    case Kind::kString: return "a string";
-    case Kind::kBinary: return "binary";
-    case Kind::kArray: return "an array";
-    case Kind::kObject: return "an object";
+    case Kind::kNull:
+      return "null";
+    case Kind::kBool:
+      return "a boolean";
+    case Kind::kInteger:
+      return "an integer";
+    case Kind::kFloat:
+      return "a non-integer number";
+    case Kind::kString:
+      return "a string";
+    case Kind::kBinary:
+      return "binary";
+    case Kind::kArray:
+      return "an array";
+    case Kind::kObject:
+      return "an object";
   }
   return "?";
 }
@@ -167,8 +183,8 @@ const char* KindName(Kind kind) {
 // One JSON value as seen by the SAX handler. `text` renders a scalar for messages.
 struct Value {
   Kind kind = Kind::kNull;
-  int64_t i = 0;        // kInteger, when !is_unsigned
-  uint64_t u = 0;       // kInteger, when is_unsigned
+  int64_t i = 0;   // kInteger, when !is_unsigned
+  uint64_t u = 0;  // kInteger, when is_unsigned
   bool is_unsigned = false;
   std::string* str = nullptr;  // kString (may be moved from)
   std::string text;
@@ -215,9 +231,7 @@ class HeaderSax final : public nlohmann::json_sax<json> {
   bool number_float(number_float_t, const string_t& s) override {
     return Scalar(Value{Kind::kFloat, 0, 0, false, nullptr, s});
   }
-  bool string(string_t& s) override {
-    return Scalar(Value{Kind::kString, 0, 0, false, &s, ""});
-  }
+  bool string(string_t& s) override { return Scalar(Value{Kind::kString, 0, 0, false, &s, ""}); }
   bool binary(binary_t&) override {
     return Scalar(Value{Kind::kBinary, 0, 0, false, nullptr, "binary"});
   }
@@ -286,8 +300,8 @@ class HeaderSax final : public nlohmann::json_sax<json> {
 
   std::vector<Ctx> ctx_;
   absl::flat_hash_set<std::string> names_;  // top-level keys seen
-  bool pending_metadata_ = false;  // the top-level key just read is "__metadata__"
-  std::string pending_name_;       // the top-level key just read (a tensor name)
+  bool pending_metadata_ = false;           // the top-level key just read is "__metadata__"
+  std::string pending_name_;                // the top-level key just read (a tensor name)
   Field pending_field_ = Field::kOther;
   std::string pending_metadata_key_;
   RawTensor raw_;
@@ -357,9 +371,10 @@ HeaderSax::Ctx HeaderSax::OnValue(const Value& v) {
         return Ctx::kMetadata;
       }
       if (v.kind != Kind::kObject) {
-        Fail("safetensors file %s: tensor %s is %s, expected an object with \"dtype\", "
-             "\"shape\" and \"data_offsets\"",
-             Quoted(pending_name_), KindName(v.kind));
+        Fail(
+            "safetensors file %s: tensor %s is %s, expected an object with \"dtype\", "
+            "\"shape\" and \"data_offsets\"",
+            Quoted(pending_name_), KindName(v.kind));
         return Ctx::kSkip;
       }
       raw_ = RawTensor();
@@ -413,9 +428,8 @@ HeaderSax::Ctx HeaderSax::OnValue(const Value& v) {
         }
       } else {
         if (!raw_.bad_dim) {
-          raw_.bad_dim.emplace(index, v.kind == Kind::kString
-                                          ? absl::StrFormat("\"%s\"", *v.str)
-                                          : v.text);
+          raw_.bad_dim.emplace(
+              index, v.kind == Kind::kString ? absl::StrFormat("\"%s\"", *v.str) : v.text);
         }
         raw_.shape.push_back(0);
       }
@@ -427,9 +441,8 @@ HeaderSax::Ctx HeaderSax::OnValue(const Value& v) {
       if (v.kind == Kind::kInteger && (v.is_unsigned || v.i >= 0)) {
         raw_.offsets.push_back(v.is_unsigned ? v.u : static_cast<uint64_t>(v.i));
       } else if (!raw_.bad_offset) {
-        raw_.bad_offset.emplace(index, v.kind == Kind::kString
-                                           ? absl::StrFormat("\"%s\"", *v.str)
-                                           : v.text);
+        raw_.bad_offset.emplace(
+            index, v.kind == Kind::kString ? absl::StrFormat("\"%s\"", *v.str) : v.text);
       }
       return Ctx::kSkip;
     }
@@ -463,13 +476,15 @@ void HeaderSax::FinishTensor() {
   }
   if (t.bad_dim) {
     if (t.bad_dim_too_large) {
-      Fail("safetensors file %s: tensor %s has dimension %s at index %d of \"shape\", which "
-           "does not fit in a signed 64-bit integer",
-           name, t.bad_dim->second, t.bad_dim->first);
+      Fail(
+          "safetensors file %s: tensor %s has dimension %s at index %d of \"shape\", which "
+          "does not fit in a signed 64-bit integer",
+          name, t.bad_dim->second, t.bad_dim->first);
     } else {
-      Fail("safetensors file %s: tensor %s has a non-integer dimension %s at index %d of "
-           "\"shape\"",
-           name, t.bad_dim->second, t.bad_dim->first);
+      Fail(
+          "safetensors file %s: tensor %s has a non-integer dimension %s at index %d of "
+          "\"shape\"",
+          name, t.bad_dim->second, t.bad_dim->first);
     }
     return;
   }
@@ -478,20 +493,22 @@ void HeaderSax::FinishTensor() {
     return;
   }
   if (t.offsets_bad_kind) {
-    Fail("safetensors file %s: tensor %s field \"data_offsets\" is %s, expected [begin, end]",
-         name, KindName(*t.offsets_bad_kind));
+    Fail("safetensors file %s: tensor %s field \"data_offsets\" is %s, expected [begin, end]", name,
+         KindName(*t.offsets_bad_kind));
     return;
   }
   if (t.bad_offset) {
-    Fail("safetensors file %s: tensor %s field \"data_offsets\" holds %s at index %d, expected "
-         "two non-negative integers [begin, end]",
-         name, t.bad_offset->second, t.bad_offset->first);
+    Fail(
+        "safetensors file %s: tensor %s field \"data_offsets\" holds %s at index %d, expected "
+        "two non-negative integers [begin, end]",
+        name, t.bad_offset->second, t.bad_offset->first);
     return;
   }
   if (t.offsets_count != 2) {
-    Fail("safetensors file %s: tensor %s field \"data_offsets\" has %d elements, expected two "
-         "[begin, end]",
-         name, t.offsets_count);
+    Fail(
+        "safetensors file %s: tensor %s field \"data_offsets\" has %d elements, expected two "
+        "[begin, end]",
+        name, t.offsets_count);
     return;
   }
   absl::StatusOr<DType> dtype = DTypeFromName(t.dtype);
@@ -515,16 +532,18 @@ void HeaderSax::FinishTensor() {
   }
   absl::StatusOr<uint64_t> nbytes = ByteSize(*dtype, t.shape);
   if (!nbytes.ok()) {
-    Fail("safetensors file %s: tensor %s has dtype %s and shape %s, whose byte size overflows "
-         "64 bits, but data_offsets %s span %d bytes",
-         name, DTypeName(*dtype), ShapeString(t.shape), OffsetsString(begin, end), end - begin);
+    Fail(
+        "safetensors file %s: tensor %s has dtype %s and shape %s, whose byte size overflows "
+        "64 bits, but data_offsets %s span %d bytes",
+        name, DTypeName(*dtype), ShapeString(t.shape), OffsetsString(begin, end), end - begin);
     return;
   }
   if (*nbytes != end - begin) {
-    Fail("safetensors file %s: tensor %s has dtype %s and shape %s = %d bytes but data_offsets "
-         "%s span %d bytes",
-         name, DTypeName(*dtype), ShapeString(t.shape), *nbytes, OffsetsString(begin, end),
-         end - begin);
+    Fail(
+        "safetensors file %s: tensor %s has dtype %s and shape %s = %d bytes but data_offsets "
+        "%s span %d bytes",
+        name, DTypeName(*dtype), ShapeString(t.shape), *nbytes, OffsetsString(begin, end),
+        end - begin);
     return;
   }
   Entry e;
@@ -545,8 +564,7 @@ absl::Status CheckTiling(const Header& h, uint64_t region, uint64_t file_size,
       return absl::DataLossError(absl::StrFormat(
           "safetensors file %s: tensor %s data_offsets %s extend beyond the data region of %d "
           "bytes (file size %d, data region starts at %d)",
-          source, Quoted(e.name), OffsetsString(e.begin, e.end), region, file_size,
-          h.data_start));
+          source, Quoted(e.name), OffsetsString(e.begin, e.end), region, file_size, h.data_start));
     }
   }
   std::vector<uint32_t> order(ts.size());
@@ -592,8 +610,7 @@ absl::Status CheckTiling(const Header& h, uint64_t region, uint64_t file_size,
     return absl::DataLossError(absl::StrFormat(
         "safetensors file %s: %d bytes after the last tensor: tensor %s ends at data offset %d "
         "but the data region holds %d bytes (file size %d, data region starts at %d)",
-        source, region - expected, Quoted(prev->name), expected, region, file_size,
-        h.data_start));
+        source, region - expected, Quoted(prev->name), expected, region, file_size, h.data_start));
   }
   return absl::OkStatus();
 }
@@ -602,9 +619,9 @@ absl::Status CheckTiling(const Header& h, uint64_t region, uint64_t file_size,
 absl::StatusOr<uint64_t> CheckLength(std::string_view prefix, uint64_t file_size,
                                      std::string_view source) {
   if (file_size < kLengthBytes) {
-    return absl::DataLossError(absl::StrFormat(
-        "safetensors file %s is %d bytes, shorter than the 8-byte header length", source,
-        file_size));
+    return absl::DataLossError(
+        absl::StrFormat("safetensors file %s is %d bytes, shorter than the 8-byte header length",
+                        source, file_size));
   }
   if (prefix.size() < kLengthBytes) {
     return absl::DataLossError(absl::StrFormat(
@@ -614,9 +631,9 @@ absl::StatusOr<uint64_t> CheckLength(std::string_view prefix, uint64_t file_size
   }
   const uint64_t n = LoadLe64(prefix.data());
   if (n > kMaxHeaderSize) {
-    return absl::DataLossError(absl::StrFormat(
-        "safetensors file %s: header length %d exceeds the maximum of %d bytes", source, n,
-        kMaxHeaderSize));
+    return absl::DataLossError(
+        absl::StrFormat("safetensors file %s: header length %d exceeds the maximum of %d bytes",
+                        source, n, kMaxHeaderSize));
   }
   if (n > file_size - kLengthBytes) {
     return absl::DataLossError(absl::StrFormat(
@@ -747,13 +764,20 @@ void Gather(char* dst, const char* src, int64_t stride_bytes, int64_t count) {
   }
 }
 
-void GatherElements(char* dst, const char* src, int64_t stride_bytes, int64_t count,
-                    size_t elem) {
+void GatherElements(char* dst, const char* src, int64_t stride_bytes, int64_t count, size_t elem) {
   switch (elem) {
-    case 1: Gather<1>(dst, src, stride_bytes, count); return;
-    case 2: Gather<2>(dst, src, stride_bytes, count); return;
-    case 4: Gather<4>(dst, src, stride_bytes, count); return;
-    case 8: Gather<8>(dst, src, stride_bytes, count); return;
+    case 1:
+      Gather<1>(dst, src, stride_bytes, count);
+      return;
+    case 2:
+      Gather<2>(dst, src, stride_bytes, count);
+      return;
+    case 4:
+      Gather<4>(dst, src, stride_bytes, count);
+      return;
+    case 8:
+      Gather<8>(dst, src, stride_bytes, count);
+      return;
     default:
       for (int64_t j = 0; j < count; ++j) {
         std::memcpy(dst + j * static_cast<int64_t>(elem), src + j * stride_bytes, elem);
@@ -818,13 +842,27 @@ void AppendJsonString(std::string_view s, std::string* out) {
   for (char c : s) {
     const auto u = static_cast<unsigned char>(c);
     switch (c) {
-      case '"': *out += "\\\""; break;
-      case '\\': *out += "\\\\"; break;
-      case '\b': *out += "\\b"; break;
-      case '\f': *out += "\\f"; break;
-      case '\n': *out += "\\n"; break;
-      case '\r': *out += "\\r"; break;
-      case '\t': *out += "\\t"; break;
+      case '"':
+        *out += "\\\"";
+        break;
+      case '\\':
+        *out += "\\\\";
+        break;
+      case '\b':
+        *out += "\\b";
+        break;
+      case '\f':
+        *out += "\\f";
+        break;
+      case '\n':
+        *out += "\\n";
+        break;
+      case '\r':
+        *out += "\\r";
+        break;
+      case '\t':
+        *out += "\\t";
+        break;
       default:
         if (u < 0x20) {
           absl::StrAppendFormat(out, "\\u%04x", u);
@@ -853,9 +891,9 @@ absl::StatusOr<Header> ParseHeader(std::string_view prefix, uint64_t file_size,
   if (!length.ok()) return length.status();
   const uint64_t n = *length;
   if (prefix.size() - kLengthBytes < n) {
-    return absl::DataLossError(absl::StrFormat(
-        "safetensors file %s: only %d of the %d header bytes were given", source,
-        prefix.size() - kLengthBytes, n));
+    return absl::DataLossError(
+        absl::StrFormat("safetensors file %s: only %d of the %d header bytes were given", source,
+                        prefix.size() - kLengthBytes, n));
   }
   const std::string_view text = prefix.substr(kLengthBytes, n);
   if (std::optional<Utf8Error> bad = FindInvalidUtf8(text)) {
@@ -869,9 +907,9 @@ absl::StatusOr<Header> ParseHeader(std::string_view prefix, uint64_t file_size,
     return absl::DataLossError(absl::StrFormat(
         "safetensors file %s: header does not start with '{' (it must be a JSON object; %s)",
         source,
-        text.empty() ? std::string("the header is empty")
-                     : absl::StrFormat("first byte is 0x%02x",
-                                       static_cast<unsigned char>(text[0]))));
+        text.empty()
+            ? std::string("the header is empty")
+            : absl::StrFormat("first byte is 0x%02x", static_cast<unsigned char>(text[0]))));
   }
 
   // nlohmann's lexer takes a NUL byte for the end of the input and would ignore whatever
@@ -891,8 +929,8 @@ absl::StatusOr<Header> ParseHeader(std::string_view prefix, uint64_t file_size,
   try {
     json::sax_parse(text.data(), text.data() + text.size(), &sax);
   } catch (const std::exception& e) {
-    return absl::DataLossError(absl::StrFormat(
-        "safetensors file %s: header is not valid JSON: %s", source, e.what()));
+    return absl::DataLossError(
+        absl::StrFormat("safetensors file %s: header is not valid JSON: %s", source, e.what()));
   }
   if (!sax.status().ok()) return sax.status();
 
@@ -934,8 +972,8 @@ absl::StatusOr<File> ReadFile(const std::string& path) {
   File file;
   file.header = *std::move(header);
   file.data.resize(file.header.data_size);
-  WB_RETURN_IF_ERROR(PreadAll(fd->get(), file.data.data(), file.header.data_size,
-                              file.header.data_start, path));
+  WB_RETURN_IF_ERROR(
+      PreadAll(fd->get(), file.data.data(), file.header.data_size, file.header.data_start, path));
   return file;
 }
 
@@ -960,9 +998,9 @@ absl::StatusOr<Layout> PlanFile(absl::Span<const TensorSpec> tensors, const Meta
           absl::StrFormat("tensor %d of %d has an empty name", i, count));
     }
     if (std::optional<Utf8Error> bad = FindInvalidUtf8(t.name)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "tensor %d has a name that is not valid UTF-8 at byte %d (%s): %s", i, bad->offset,
-          bad->reason, Quoted(t.name)));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("tensor %d has a name that is not valid UTF-8 at byte %d (%s): %s", i,
+                          bad->offset, bad->reason, Quoted(t.name)));
     }
     if (t.name == kMetadataKey) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -974,8 +1012,8 @@ absl::StatusOr<Layout> PlanFile(absl::Span<const TensorSpec> tensors, const Meta
           "duplicate tensor name %s (tensors %d and %d)", Quoted(t.name), it->second, i));
     }
     if (DTypeSize(t.dtype) == 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "tensor %s has an invalid dtype (%d)", Quoted(t.name), static_cast<int>(t.dtype)));
+      return absl::InvalidArgumentError(absl::StrFormat("tensor %s has an invalid dtype (%d)",
+                                                        Quoted(t.name), static_cast<int>(t.dtype)));
     }
     absl::StatusOr<uint64_t> size = ByteSize(t.dtype, t.shape);
     if (!size.ok()) {
@@ -986,14 +1024,14 @@ absl::StatusOr<Layout> PlanFile(absl::Span<const TensorSpec> tensors, const Meta
   }
   for (const auto& [k, v] : metadata) {
     if (std::optional<Utf8Error> bad = FindInvalidUtf8(k)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "metadata key %s is not valid UTF-8 at byte %d (%s)", Quoted(k), bad->offset,
-          bad->reason));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("metadata key %s is not valid UTF-8 at byte %d (%s)", Quoted(k),
+                          bad->offset, bad->reason));
     }
     if (std::optional<Utf8Error> bad = FindInvalidUtf8(v)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "metadata value of key %s is not valid UTF-8 at byte %d (%s)", Quoted(k), bad->offset,
-          bad->reason));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("metadata value of key %s is not valid UTF-8 at byte %d (%s)", Quoted(k),
+                          bad->offset, bad->reason));
     }
   }
 
@@ -1008,9 +1046,9 @@ absl::StatusOr<Layout> PlanFile(absl::Span<const TensorSpec> tensors, const Meta
   uint64_t offset = 0;
   for (size_t i : order) {
     if (nbytes[i] > std::numeric_limits<uint64_t>::max() - offset) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "the tensors' total size overflows a 64-bit byte count (at tensor %s)",
-          Quoted(tensors[i].name)));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("the tensors' total size overflows a 64-bit byte count (at tensor %s)",
+                          Quoted(tensors[i].name)));
     }
     layout.begin[i] = offset;
     offset += nbytes[i];
@@ -1069,9 +1107,9 @@ absl::Status WriteFile(const std::string& path, absl::Span<const TensorView> ten
           path, Quoted(v.name), static_cast<int>(v.device.type), v.device.index));
     }
     if (!v.strides.empty() && v.strides.size() != v.shape.size()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "WriteFile %s: tensor %s has %d strides for shape %s of rank %d", path, Quoted(v.name),
-          v.strides.size(), ShapeString(v.shape), v.shape.size()));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("WriteFile %s: tensor %s has %d strides for shape %s of rank %d", path,
+                          Quoted(v.name), v.strides.size(), ShapeString(v.shape), v.shape.size()));
     }
     specs.push_back(TensorSpec{v.name, v.dtype, v.shape});
   }
@@ -1082,9 +1120,9 @@ absl::Status WriteFile(const std::string& path, absl::Span<const TensorView> ten
   for (const TensorView& v : tensors) {
     // PlanFile validated the shape, so the element count is known to be fine.
     if (v.data == nullptr && *NumElements(v.shape) != 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "WriteFile %s: tensor %s of shape %s has null data", path, Quoted(v.name),
-          ShapeString(v.shape)));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("WriteFile %s: tensor %s of shape %s has null data", path, Quoted(v.name),
+                          ShapeString(v.shape)));
     }
   }
 

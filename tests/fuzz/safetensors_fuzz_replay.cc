@@ -83,8 +83,10 @@ std::vector<std::pair<std::string, std::string>> BuiltinSeeds() {
       {"one", MakeFile(R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}})",
                        std::string(16, '\x3f'))},
       {"zero-size", MakeFile(R"({"z":{"dtype":"F64","shape":[0,3],"data_offsets":[0,0]},)"
-                             R"("a":{)" + t4 + R"(,"data_offsets":[0,4]},)"
-                             R"("y":{"dtype":"BOOL","shape":[0],"data_offsets":[4,4]}})",
+                             R"("a":{)" +
+                                 t4 +
+                                 R"(,"data_offsets":[0,4]},)"
+                                 R"("y":{"dtype":"BOOL","shape":[0],"data_offsets":[4,4]}})",
                              "abcd")},
       {"scalars", MakeFile(R"({"__metadata__":{"k":"v"},"s":{"dtype":"I64","shape":[],)"
                            R"("data_offsets":[0,8]},"t":{"dtype":"F8_E4M3","shape":[],)"
@@ -92,20 +94,20 @@ std::vector<std::pair<std::string, std::string>> BuiltinSeeds() {
                            R"("data_offsets":[9,11]}})",
                            std::string(11, '\x01'))},
       {"weird-names", MakeFile(R"({"a.b/c d\"e\\f\n\u0001\ud83d\ude00":{)" + t4 +
-                               R"(,"data_offsets":[0,4]},"\u0000":{"dtype":"I8","shape":[1],)"
-                               R"("data_offsets":[4,5]}})",
+                                   R"(,"data_offsets":[0,4]},"\u0000":{"dtype":"I8","shape":[1],)"
+                                   R"("data_offsets":[4,5]}})",
                                "12345")},
-      {"unknown-fields", MakeFile(R"({"w":{"x":[1,{"y":null}],)" + t4 +
-                                  R"(,"data_offsets":[0,4],"z":true}})",
-                                  "wxyz")},
+      {"unknown-fields",
+       MakeFile(R"({"w":{"x":[1,{"y":null}],)" + t4 + R"(,"data_offsets":[0,4],"z":true}})",
+                "wxyz")},
       {"duplicate", MakeFile(R"({"w":{)" + t4 + R"(,"data_offsets":[0,4]},"w":{)" + t4 +
-                             R"(,"data_offsets":[4,8]}})",
+                                 R"(,"data_offsets":[4,8]}})",
                              "12345678")},
       {"overlap", MakeFile(R"({"a":{)" + t4 + R"(,"data_offsets":[0,4]},"b":{)" + t4 +
-                           R"(,"data_offsets":[2,6]}})",
+                               R"(,"data_offsets":[2,6]}})",
                            "123456")},
       {"hole", MakeFile(R"({"a":{)" + t4 + R"(,"data_offsets":[0,4]},"b":{)" + t4 +
-                        R"(,"data_offsets":[6,10]}})",
+                            R"(,"data_offsets":[6,10]}})",
                         "1234567890")},
       {"trailing", MakeFile(R"({"a":{)" + t4 + R"(,"data_offsets":[0,4]}})", "123456")},
       {"bad-size", MakeFile(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,4]}})", "1234")},

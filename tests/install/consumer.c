@@ -6,13 +6,13 @@
 
 #include "weightbus/weightbus.h"
 
-#define TRY(call)                                                                  \
-  do {                                                                             \
-    wb_status_t s_ = (call);                                                       \
-    if (s_ != WB_OK) {                                                             \
+#define TRY(call)                                                                            \
+  do {                                                                                       \
+    wb_status_t s_ = (call);                                                                 \
+    if (s_ != WB_OK) {                                                                       \
       fprintf(stderr, "%s: %s: %s\n", #call, wb_status_string(s_), wb_last_error_message()); \
-      return 1;                                                                    \
-    }                                                                              \
+      return 1;                                                                              \
+    }                                                                                        \
   } while (0)
 
 int main(int argc, char** argv) {

@@ -13,8 +13,8 @@ int main(int argc, char** argv) {
   const float data[3] = {4.0f, 5.0f, 6.0f};
   auto pub = weightbus::Publisher::Open(uri);
   if (!pub.ok()) return std::fprintf(stderr, "%s\n", pub.status().ToString().c_str()), 1;
-  weightbus::TensorView view{.name = "w", .dtype = weightbus::DType::kF32, .shape = {3},
-                             .data = data};
+  weightbus::TensorView view{
+      .name = "w", .dtype = weightbus::DType::kF32, .shape = {3}, .data = data};
   absl::Status s = (*pub)->Publish(1, {view}, {}, absl::Seconds(10));
   if (!s.ok()) return std::fprintf(stderr, "%s\n", s.ToString().c_str()), 1;
   auto sub = weightbus::Subscriber::Open(uri);

@@ -151,13 +151,20 @@ Replica SpawnReplica(const std::string& self, const Options& o, int index) {
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, fds[1], 1);
   std::vector<std::string> args = {self,
-                                   "--role", "replica",
-                                   "--index", std::to_string(index),
-                                   "--checkpoint", o.checkpoint,
-                                   "--uri", o.uri,
-                                   "--versions", std::to_string(o.versions),
-                                   "--lr", absl::StrFormat("%.17g", o.lr),
-                                   "--seed", std::to_string(o.seed)};
+                                   "--role",
+                                   "replica",
+                                   "--index",
+                                   std::to_string(index),
+                                   "--checkpoint",
+                                   o.checkpoint,
+                                   "--uri",
+                                   o.uri,
+                                   "--versions",
+                                   std::to_string(o.versions),
+                                   "--lr",
+                                   absl::StrFormat("%.17g", o.lr),
+                                   "--seed",
+                                   std::to_string(o.seed)};
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -179,7 +186,8 @@ std::pair<double, bool> AwaitReport(Replica& r, uint64_t version, absl::Time dea
       std::string line = r.buffer.substr(0, nl);
       r.buffer.erase(0, nl + 1);
       std::vector<std::string> parts = absl::StrSplit(line, ' ');
-      if (parts.size() >= 1 && parts[0] == "ERROR") Die(absl::StrFormat("replica %d: %s", index, line));
+      if (parts.size() >= 1 && parts[0] == "ERROR")
+        Die(absl::StrFormat("replica %d: %s", index, line));
       uint64_t v = 0;
       int64_t ns = 0;
       if (parts.size() == 4 && parts[0] == "READY" && absl::SimpleAtoi(parts[1], &v) &&
@@ -195,7 +203,8 @@ std::pair<double, bool> AwaitReport(Replica& r, uint64_t version, absl::Time dea
     if (poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1) <= 0) continue;
     char buf[4096];
     ssize_t n = read(r.out, buf, sizeof(buf));
-    if (n <= 0) Die(absl::StrFormat("replica %d exited before reporting version %d", index, version));
+    if (n <= 0)
+      Die(absl::StrFormat("replica %d exited before reporting version %d", index, version));
     r.buffer.append(buf, static_cast<size_t>(n));
   }
 }
@@ -215,7 +224,7 @@ Llama2cCheckpoint RoundedToBf16(Llama2cCheckpoint c) {
 // rounding: a wrong permutation, name or transpose shows up as a large difference.
 bool CheckLogits(const Options& o, const std::string& hf_dir) {
   const Llama2cCheckpoint ckpt = OrDie(ReadLlama2c(o.checkpoint));
-  const std::vector<int32_t> tokens = {1, 403, 411, 261, 360, 263, 280, 326,
+  const std::vector<int32_t> tokens = {1,   403, 411, 261, 360, 263, 280, 326,
                                        259, 365, 268, 344, 290, 311, 275, 46};
   std::string config_text;
   {
@@ -229,8 +238,8 @@ bool CheckLogits(const Options& o, const std::string& hf_dir) {
   HfLlamaConfig config = OrDie(ParseHfLlamaConfig(config_text, hf_dir + "/config.json"));
   bool ok = true;
   for (DType dtype : {DType::kF32, DType::kBF16}) {
-    Logits reference = OrDie(
-        Llama2cForward(dtype == DType::kF32 ? ckpt : RoundedToBf16(ckpt), tokens));
+    Logits reference =
+        OrDie(Llama2cForward(dtype == DType::kF32 ? ckpt : RoundedToBf16(ckpt), tokens));
     std::vector<OwnedTensor> tensors = OrDie(ConvertToHf(ckpt, dtype));
     Logits hf = OrDie(HfLlamaForward(config, ViewsOf(tensors), tokens));
     LogitsComparison c = OrDie(CompareLogits(reference, hf));
@@ -260,10 +269,11 @@ int RunTrainer(const std::string& self, Options o) {
   uint64_t params = 0;
   for (const OwnedTensor& t : stream.master()) params += t.bytes.size() / 4;
   std::printf("# weightbus main job: %s -> %s\n", o.checkpoint.c_str(), o.uri.c_str());
-  std::printf("# converted to %s (Hugging Face Llama, %llu parameters); %d replicas, %llu "
-              "versions, Adam lr %.3g, bf16\n",
-              hf_dir.c_str(), static_cast<unsigned long long>(params), o.replicas,
-              static_cast<unsigned long long>(o.versions), o.lr);
+  std::printf(
+      "# converted to %s (Hugging Face Llama, %llu parameters); %d replicas, %llu "
+      "versions, Adam lr %.3g, bf16\n",
+      hf_dir.c_str(), static_cast<unsigned long long>(params), o.replicas,
+      static_cast<unsigned long long>(o.versions), o.lr);
   const bool logits_ok = CheckLogits(o, hf_dir);
 
   auto pub = OrDie(Publisher::Open(o.uri));
@@ -284,8 +294,8 @@ int RunTrainer(const std::string& self, Options o) {
     if (v > 1) stream.Step();
     std::vector<OwnedTensor> weights = stream.Bf16();
     const double changed = previous.empty() ? 1.0 : ChangedFraction(previous, weights);
-    OrDie(pub->Publish(v, ViewsOf(weights), {{"step", std::to_string(stream.step())}},
-                       kStepTimeout));
+    OrDie(
+        pub->Publish(v, ViewsOf(weights), {{"step", std::to_string(stream.step())}}, kStepTimeout));
     const PublishStats st = pub->last_stats();
     const absl::Time deadline = absl::Now() + kStepTimeout;
     std::string row = absl::StrFormat("%9d  %7.3f%%  %9d  %8.2f", v, 100 * changed, st.bytes,

@@ -14,7 +14,7 @@
 namespace weightbus::tools {
 
 struct FlagSpec {
-  std::string name;        // without dashes
+  std::string name;  // without dashes
   bool takes_value = true;
   bool repeatable = false;
   std::string help;

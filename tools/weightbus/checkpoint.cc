@@ -71,9 +71,10 @@ absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& path) {
     const safetensors::File& f = ckpt.files[k];
     for (const safetensors::Entry& e : f.header.tensors) {
       if (!seen.insert(e.name).second) {
-        return absl::DataLossError(absl::StrFormat("tensor \"%s\" appears in more than one file "
-                                                   "of %s",
-                                                   e.name, path));
+        return absl::DataLossError(
+            absl::StrFormat("tensor \"%s\" appears in more than one file "
+                            "of %s",
+                            e.name, path));
       }
       TensorView v;
       v.name = e.name;

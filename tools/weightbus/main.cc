@@ -4,13 +4,13 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <limits>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <limits>
+#include <map>
 #include <optional>
 #include <sstream>
-#include <iostream>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -83,8 +83,7 @@ absl::StatusOr<std::map<std::string, std::string>> KeyValues(const std::vector<s
   for (const std::string& kv : kvs) {
     size_t eq = kv.find('=');
     if (eq == std::string::npos || eq == 0) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("--%s \"%s\" is not KEY=VALUE", flag, kv));
+      return absl::InvalidArgumentError(absl::StrFormat("--%s \"%s\" is not KEY=VALUE", flag, kv));
     }
     out[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
@@ -119,20 +118,21 @@ absl::Status ConvertCommand(const std::vector<std::string>& argv) {
   const std::string& in = args.positional()[0];
   const std::string& out = args.positional()[1];
   absl::Status s = ConvertLlama2c(in, out, dtype);
-  if (s.ok()) std::printf("wrote %s/model.safetensors and %s/config.json\n", out.c_str(), out.c_str());
+  if (s.ok())
+    std::printf("wrote %s/model.safetensors and %s/config.json\n", out.c_str(), out.c_str());
   return s;
 }
 
 absl::Status PublishCommand(const std::vector<std::string>& argv) {
   const Args args = ParseOrUsage(argv,
-                                           {{"from", true, false, ""},
-                                            {"version", true, false, ""},
-                                            {"timeout", true, false, ""},
-                                            {"metadata", true, true, ""},
-                                            {"set", true, true, ""},
-                                            {"serve", true, false, ""},
-                                            {"until-subscribers", true, false, ""}},
-                                           1, "publish");
+                                 {{"from", true, false, ""},
+                                  {"version", true, false, ""},
+                                  {"timeout", true, false, ""},
+                                  {"metadata", true, true, ""},
+                                  {"set", true, true, ""},
+                                  {"serve", true, false, ""},
+                                  {"until-subscribers", true, false, ""}},
+                                 1, "publish");
   if (!args.Has("from") || !args.Has("version")) {
     throw UsageError("publish needs --from PATH and --version N");
   }
@@ -172,8 +172,7 @@ absl::Status PublishCommand(const std::vector<std::string>& argv) {
     s = (*publisher)->WaitForReceivers(*version, static_cast<int>(*until), *timeout);
     if (!s.ok()) return s;
     std::printf("%llu subscriber(s) hold version %llu (after %.3f s)\n",
-                static_cast<unsigned long long>(*until),
-                static_cast<unsigned long long>(*version),
+                static_cast<unsigned long long>(*until), static_cast<unsigned long long>(*version),
                 absl::ToDoubleSeconds(absl::Now() - start));
     std::fflush(stdout);
   }
@@ -188,13 +187,13 @@ absl::Status PublishCommand(const std::vector<std::string>& argv) {
 
 absl::Status SubscribeCommand(const std::vector<std::string>& argv) {
   const Args args = ParseOrUsage(argv,
-                                           {{"to", true, false, ""},
-                                            {"min-version", true, false, ""},
-                                            {"timeout", true, false, ""},
-                                            {"follow", false, false, ""},
-                                            {"count", true, false, ""},
-                                            {"set", true, true, ""}},
-                                           1, "subscribe");
+                                 {{"to", true, false, ""},
+                                  {"min-version", true, false, ""},
+                                  {"timeout", true, false, ""},
+                                  {"follow", false, false, ""},
+                                  {"count", true, false, ""},
+                                  {"set", true, true, ""}},
+                                 1, "subscribe");
   if (!args.Has("to")) throw UsageError("subscribe needs --to DIR");
   absl::StatusOr<uint64_t> min_version = args.GetUint("min-version", 0);
   if (!min_version.ok()) return min_version.status();
@@ -229,11 +228,12 @@ absl::Status SubscribeCommand(const std::vector<std::string>& argv) {
     const UpdateStats& st = u.stats();
     const double fetch_s =
         absl::ToDoubleSeconds(st.allocate + st.fetch + st.verify_wait + st.copy_out);
-    std::printf("version %llu: %zu tensors, %s, waited %.3f s, received and verified in %.3f s "
-                "(%s); wrote %s/model.safetensors\n",
-                static_cast<unsigned long long>(u.version()), u.tensors().size(),
-                HumanBytes(st.bytes).c_str(), absl::ToDoubleSeconds(st.wait), fetch_s,
-                Rate(st.bytes, fetch_s).c_str(), dir.c_str());
+    std::printf(
+        "version %llu: %zu tensors, %s, waited %.3f s, received and verified in %.3f s "
+        "(%s); wrote %s/model.safetensors\n",
+        static_cast<unsigned long long>(u.version()), u.tensors().size(),
+        HumanBytes(st.bytes).c_str(), absl::ToDoubleSeconds(st.wait), fetch_s,
+        Rate(st.bytes, fetch_s).c_str(), dir.c_str());
     std::fflush(stdout);
     ++received;
     if (!follow || (*count > 0 && received >= *count)) return absl::OkStatus();
@@ -329,15 +329,15 @@ absl::Status InspectCheckpoint(const std::string& path, const std::string& title
                          : (ckpt->files.empty() ? Metadata() : ckpt->files[0].header.metadata);
   PrintRows(title.empty() ? absl::StrJoin(ckpt->file_paths, ", ") : title, rows, md, json);
   if (problems > 0) {
-    return absl::DataLossError(absl::StrFormat(
-        "%s: %d tensor(s) do not match the manifest %s", path, problems, manifest_path));
+    return absl::DataLossError(absl::StrFormat("%s: %d tensor(s) do not match the manifest %s",
+                                               path, problems, manifest_path));
   }
   return absl::OkStatus();
 }
 
 absl::Status InspectCommand(const std::vector<std::string>& argv) {
-  const Args args = ParseOrUsage(
-      argv, {{"json", false, false, ""}, {"timeout", true, false, ""}}, 1, "inspect");
+  const Args args =
+      ParseOrUsage(argv, {{"json", false, false, ""}, {"timeout", true, false, ""}}, 1, "inspect");
   absl::StatusOr<absl::Duration> timeout = args.GetSeconds("timeout", absl::Seconds(10));
   if (!timeout.ok()) return timeout.status();
   const std::string target = args.positional()[0];
@@ -407,8 +407,8 @@ absl::Status SettingsCommand(const std::vector<std::string>& argv) {
   std::printf("%-6s %-16s %-22s %-8s %-30s %s\n", "# scope", "name", "type", "default", "env",
               "meaning");
   for (const SettingInfo& s : DescribeSettings()) {
-    std::printf("%-7s %-16s %-22s %-8s %-30s %s\n", s.scope.c_str(), s.name.c_str(),
-                s.type.c_str(), s.default_value.c_str(), s.env.c_str(), s.doc.c_str());
+    std::printf("%-7s %-16s %-22s %-8s %-30s %s\n", s.scope.c_str(), s.name.c_str(), s.type.c_str(),
+                s.default_value.c_str(), s.env.c_str(), s.doc.c_str());
   }
   return absl::OkStatus();
 }

@@ -40,7 +40,7 @@ void Fill(float* dst, size_t begin, size_t n, Init init, uint64_t key) {
     const double u2 = static_cast<double>(b >> 11) * 0x1.0p-53;
     const double r = std::sqrt(-2.0 * std::log(u1)) * 0.02;
     dst[i - begin] = static_cast<float>((i % 2 == 0) ? r * std::cos(2 * M_PI * u2)
-                                             : r * std::sin(2 * M_PI * u2));
+                                                     : r * std::sin(2 * M_PI * u2));
   }
 }
 

@@ -29,7 +29,7 @@ struct AdamOptions {
   double grad_scale = 1e-3;  // standard deviation of the noise part of each gradient element
   double snr = 0.1;          // std(persistent part) / std(noise part)
   uint64_t seed = 1;
-  int threads = 0;           // 0: one per hardware thread; the output does not depend on it
+  int threads = 0;  // 0: one per hardware thread; the output does not depend on it
 };
 
 class UpdateStream {

@@ -78,8 +78,8 @@ class DeltaPublisher final : public TransportPublisher {
   std::optional<Base> base_;
   std::optional<uint64_t> keyframe_;  // newest keyframe published
   uint64_t deltas_since_keyframe_ = 0;
-  uint64_t keyframe_bytes_ = 0;          // its encoded size
-  std::optional<uint64_t> outer_floor_;  // from a layer above, if any
+  uint64_t keyframe_bytes_ = 0;           // its encoded size
+  std::optional<uint64_t> outer_floor_;   // from a layer above, if any
   std::optional<CodecStats> last_stats_;  // of the last successful Publish
 };
 

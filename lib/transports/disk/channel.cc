@@ -82,8 +82,8 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path, size_t max_by
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, absl::StrFormat("stat %s", path));
   if (static_cast<uint64_t>(st.st_size) > max_bytes) {
-    return absl::DataLossError(absl::StrFormat("%s has %d bytes, more than the %d allowed", path,
-                                               st.st_size, max_bytes));
+    return absl::DataLossError(
+        absl::StrFormat("%s has %d bytes, more than the %d allowed", path, st.st_size, max_bytes));
   }
   std::string out(static_cast<size_t>(st.st_size), '\0');
   size_t done = 0;
@@ -115,8 +115,8 @@ absl::StatusOr<std::optional<uint64_t>> Channel::ReadLatest() const {
   if (!text.ok()) return text.status();
   uint64_t v = 0;
   if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(*text), &v)) {
-    return absl::DataLossError(absl::StrFormat(
-        "%s holds \"%s\", which is not a version number", path, absl::CHexEscape(*text)));
+    return absl::DataLossError(absl::StrFormat("%s holds \"%s\", which is not a version number",
+                                               path, absl::CHexEscape(*text)));
   }
   return std::optional<uint64_t>(v);
 }

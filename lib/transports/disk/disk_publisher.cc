@@ -6,9 +6,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <dirent.h>
 #include <algorithm>
 #include <cerrno>
-#include <dirent.h>
 
 #include <system_error>
 #include <thread>
@@ -77,9 +77,14 @@ class DiskPublisher final : public TransportPublisher {
  public:
   DiskPublisher(Channel channel, UniqueFd lock, std::unique_ptr<FileIo> io, FailPoints failpoints,
                 int64_t retention, uint64_t shard_size, bool sync)
-      : channel_(std::move(channel)), lock_(std::move(lock)), io_(std::move(io)),
-        failpoints_(std::move(failpoints)), retention_(retention), shard_size_(shard_size),
-        sync_(sync), retention_thread_([this] { RetentionLoop(); }) {}
+      : channel_(std::move(channel)),
+        lock_(std::move(lock)),
+        io_(std::move(io)),
+        failpoints_(std::move(failpoints)),
+        retention_(retention),
+        shard_size_(shard_size),
+        sync_(sync),
+        retention_thread_([this] { RetentionLoop(); }) {}
 
   // Finishes pending retention work before the channel lock is released.
   ~DiskPublisher() override {
@@ -155,8 +160,8 @@ absl::Status DiskPublisher::CheckDeadline(absl::Time deadline, uint64_t version,
   return absl::DeadlineExceededError(absl::StrFormat("deadline passed before %s", step));
 }
 
-absl::Status DiskPublisher::WriteFile(const std::string& dir, const FilePlan& plan,
-                                      PublishJob& job, absl::Time deadline) {
+absl::Status DiskPublisher::WriteFile(const std::string& dir, const FilePlan& plan, PublishJob& job,
+                                      absl::Time deadline) {
   const std::string path = absl::StrFormat("%s/%s", dir, plan.name);
   WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_WRONLY | O_CREAT | O_EXCL));
   const uint64_t size = plan.layout.file_size();
@@ -164,17 +169,16 @@ absl::Status DiskPublisher::WriteFile(const std::string& dir, const FilePlan& pl
   if (size > 0) {
     if (::fallocate(fd.get(), 0, 0, static_cast<off_t>(size)) != 0 && errno != EOPNOTSUPP &&
         errno != ENOSYS) {
-      return ErrnoStatus(errno, absl::StrFormat("reserving %d bytes for %s (version %d)", size, path,
-                                             job.version()));
+      return ErrnoStatus(errno, absl::StrFormat("reserving %d bytes for %s (version %d)", size,
+                                                path, job.version()));
     }
   }
   absl::Span<const PackedTensor> tensors = job.tensors();
   std::vector<IoRequest> requests;
   requests.reserve(plan.tensors.size() + 1);
-  requests.push_back(IoRequest{fd.get(), 0,
-                               reinterpret_cast<std::byte*>(
-                                   const_cast<char*>(plan.layout.prefix.data())),
-                               plan.layout.prefix.size()});
+  requests.push_back(IoRequest{
+      fd.get(), 0, reinterpret_cast<std::byte*>(const_cast<char*>(plan.layout.prefix.data())),
+      plan.layout.prefix.size()});
   for (size_t k = 0; k < plan.tensors.size(); ++k) {
     const PackedTensor& t = tensors[plan.tensors[k]];
     requests.push_back(IoRequest{fd.get(), plan.layout.data_start + plan.layout.begin[k],
@@ -185,7 +189,8 @@ absl::Status DiskPublisher::WriteFile(const std::string& dir, const FilePlan& pl
     return absl::StrFormat("%s (tensor \"%s\", version %d)", path,
                            tensors[plan.tensors[r - 1]].info->name, job.version());
   };
-  WB_RETURN_IF_ERROR(io_->Write(requests, deadline, [](size_t) {}, describe));
+  WB_RETURN_IF_ERROR(io_->Write(
+      requests, deadline, [](size_t) {}, describe));
   if (sync_) {
     WB_RETURN_IF_ERROR(io_->Fsync(fd.get(), deadline, path));
   }
@@ -222,8 +227,8 @@ absl::Status DiskPublisher::Publish(PublishJob& job, absl::Time deadline) {
 
   const absl::Time written = absl::Now();
   WB_ASSIGN_OR_RETURN(const Manifest* manifest, job.SealedManifest(deadline));
-  WB_RETURN_IF_ERROR(WriteSmallFile(absl::StrFormat("%s/%s", tmp, kManifestFile),
-                                    manifest->ToJson(), sync_));
+  WB_RETURN_IF_ERROR(
+      WriteSmallFile(absl::StrFormat("%s/%s", tmp, kManifestFile), manifest->ToJson(), sync_));
   if (files.size() > 1) {
     nlohmann::ordered_json index;
     index["metadata"]["total_size"] = manifest->total_bytes();
@@ -296,14 +301,13 @@ void DiskPublisher::ApplyRetention(uint64_t latest) {
   for (uint64_t v : committed) {
     if (keep_from && v >= *keep_from) continue;  // a layer still needs it
     const std::string dir = channel_.VersionDir(v);
-    absl::StatusOr<UniqueFd> lock =
-        OpenFile(absl::StrFormat("%s/%s", dir, kReaderLock), O_RDONLY);
+    absl::StatusOr<UniqueFd> lock = OpenFile(absl::StrFormat("%s/%s", dir, kReaderLock), O_RDONLY);
     if (lock.ok() && ::flock(lock->get(), LOCK_EX | LOCK_NB) != 0) {
       Log(LogLevel::kDebug, "retention: version %d is being read; keeping it for now", v);
       continue;
     }
-    const std::string trash = absl::StrFormat("%s/%s%s-%d", channel_.VersionsDir(),
-                                              kTrashPrefix, VersionDirName(v), getpid());
+    const std::string trash = absl::StrFormat("%s/%s%s-%d", channel_.VersionsDir(), kTrashPrefix,
+                                              VersionDirName(v), getpid());
     if (::rename(dir.c_str(), trash.c_str()) != 0) {
       Log(LogLevel::kWarn, "retention: rename %s: %s", dir, strerror(errno));
       continue;
@@ -366,15 +370,14 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenDiskPublisher(const Uri&
   }
   Channel channel(root);
   WB_RETURN_IF_ERROR(MakeDirs(channel.VersionsDir()));
-  WB_ASSIGN_OR_RETURN(UniqueFd lock,
-                      OpenFile(channel.Path(kPublisherLock), O_RDWR | O_CREAT));
+  WB_ASSIGN_OR_RETURN(UniqueFd lock, OpenFile(channel.Path(kPublisherLock), O_RDWR | O_CREAT));
   if (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     absl::StatusOr<std::string> holder = ReadSmallFile(channel.Path(kPublisherLock), 4096);
     if (err == EWOULDBLOCK) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "%s: another publisher holds the channel (%s)", uri.Display(),
-          holder.ok() && !holder->empty() ? *holder : "holder unknown"));
+      return absl::FailedPreconditionError(
+          absl::StrFormat("%s: another publisher holds the channel (%s)", uri.Display(),
+                          holder.ok() && !holder->empty() ? *holder : "holder unknown"));
     }
     return ErrnoStatus(err, absl::StrFormat("lock %s", channel.Path(kPublisherLock)));
   }

@@ -47,8 +47,11 @@ class DiskVersion final : public IncomingVersion {
  public:
   DiskVersion(Manifest manifest, std::vector<DataFile> files, std::vector<Location> locations,
               UniqueFd pin, FileIo* io, FailPoints* failpoints)
-      : manifest_(std::move(manifest)), files_(std::move(files)),
-        locations_(std::move(locations)), pin_(std::move(pin)), io_(io),
+      : manifest_(std::move(manifest)),
+        files_(std::move(files)),
+        locations_(std::move(locations)),
+        pin_(std::move(pin)),
+        io_(io),
         failpoints_(failpoints) {}
 
   const Manifest& manifest() const override { return manifest_; }
@@ -80,8 +83,8 @@ class DiskVersion final : public IncomingVersion {
       requests.reserve(end - begin);
       for (size_t k = begin; k < end; ++k) {
         const size_t i = order[k];
-        requests.push_back(IoRequest{fd.get(), locations_[i].offset, targets[i],
-                                     manifest_.tensors[i].nbytes});
+        requests.push_back(
+            IoRequest{fd.get(), locations_[i].offset, targets[i], manifest_.tensors[i].nbytes});
       }
       WB_RETURN_IF_ERROR(io_->Read(
           requests, deadline, [&](size_t r) { sink.Landed(order[begin + r]); },
@@ -91,7 +94,8 @@ class DiskVersion final : public IncomingVersion {
           }));
       begin = end;
     }
-    return absl::OkStatus();  }
+    return absl::OkStatus();
+  }
 
  private:
   Manifest manifest_;
@@ -106,7 +110,9 @@ class DiskSubscriber final : public TransportSubscriber {
  public:
   DiskSubscriber(Channel channel, std::unique_ptr<FileIo> io, FailPoints failpoints,
                  absl::Duration poll_interval)
-      : channel_(std::move(channel)), io_(std::move(io)), failpoints_(std::move(failpoints)),
+      : channel_(std::move(channel)),
+        io_(std::move(io)),
+        failpoints_(std::move(failpoints)),
         poll_interval_(poll_interval) {
     inotify_ = UniqueFd(inotify_init1(IN_NONBLOCK | IN_CLOEXEC));
     if (!inotify_) {
@@ -122,9 +128,9 @@ class DiskSubscriber final : public TransportSubscriber {
                                                                absl::Time deadline) override {
     WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, channel_.ReadLatest());
     if (!latest || version > *latest) {
-      return absl::NotFoundError(absl::StrFormat(
-          "disk://%s: version %d is not committed (newest committed: %s)", channel_.root(),
-          version, latest ? std::to_string(*latest) : "none"));
+      return absl::NotFoundError(
+          absl::StrFormat("disk://%s: version %d is not committed (newest committed: %s)",
+                          channel_.root(), version, latest ? std::to_string(*latest) : "none"));
     }
     absl::StatusOr<std::unique_ptr<IncomingVersion>> v = OpenCommitted(version, deadline);
     if (absl::IsAborted(v.status())) {
@@ -199,9 +205,9 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::WaitForVersion(
       // older than the newest: LATEST must have moved on. If it has not, the channel is broken.
       WB_ASSIGN_OR_RETURN(std::optional<uint64_t> now, channel_.ReadLatest());
       if (now == newest) {
-        return absl::DataLossError(absl::StrFormat(
-            "disk://%s: LATEST names version %d but its directory %s is missing",
-            channel_.root(), *newest, channel_.VersionDir(*newest)));
+        return absl::DataLossError(
+            absl::StrFormat("disk://%s: LATEST names version %d but its directory %s is missing",
+                            channel_.root(), *newest, channel_.VersionDir(*newest)));
       }
       Log(LogLevel::kDebug, "version %d retired while opening it; re-reading LATEST", *newest);
     }
@@ -261,9 +267,10 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(uint
   WB_ASSIGN_OR_RETURN(std::string manifest_text, ReadSmallFile(manifest_path, kMaxMetadataFile));
   WB_ASSIGN_OR_RETURN(Manifest manifest, Manifest::FromJson(manifest_text, manifest_path));
   if (manifest.version != v) {
-    return absl::DataLossError(absl::StrFormat("%s says version %d but lies in the directory of "
-                                               "version %d",
-                                               manifest_path, manifest.version, v));
+    return absl::DataLossError(
+        absl::StrFormat("%s says version %d but lies in the directory of "
+                        "version %d",
+                        manifest_path, manifest.version, v));
   }
 
   // Which files: the index's weight_map when sharded, else the single file.
@@ -272,8 +279,8 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(uint
   if (::access(index_path.c_str(), F_OK) == 0) {
     WB_ASSIGN_OR_RETURN(std::string index_text, ReadSmallFile(index_path, kMaxMetadataFile));
     nlohmann::json index = nlohmann::json::parse(index_text, nullptr, false);
-    if (index_text.find('\0') != std::string::npos || index.is_discarded() || !index.is_object() || !index.contains("weight_map") ||
-        !index["weight_map"].is_object()) {
+    if (index_text.find('\0') != std::string::npos || index.is_discarded() || !index.is_object() ||
+        !index.contains("weight_map") || !index["weight_map"].is_object()) {
       return absl::DataLossError(absl::StrFormat("%s has no weight_map object", index_path));
     }
     for (const auto& [name, file] : index["weight_map"].items()) {
@@ -283,9 +290,8 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(uint
       }
       const std::string f = file.get<std::string>();
       if (f.find('/') != std::string::npos || f.empty() || f[0] == '.') {
-        return absl::DataLossError(
-            absl::StrFormat("%s: weight_map names \"%s\", not a file of the version", index_path,
-                            f));
+        return absl::DataLossError(absl::StrFormat(
+            "%s: weight_map names \"%s\", not a file of the version", index_path, f));
       }
       if (std::find(names.begin(), names.end(), f) == names.end()) names.push_back(f);
     }
@@ -331,9 +337,9 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(uint
   for (const TensorInfo& t : manifest.tensors) {
     auto it = where.find(t.name);
     if (it == where.end()) {
-      return absl::DataLossError(absl::StrFormat(
-          "version %d: manifest tensor \"%s\" is in none of the files (%d files)", v, t.name,
-          files.size()));
+      return absl::DataLossError(
+          absl::StrFormat("version %d: manifest tensor \"%s\" is in none of the files (%d files)",
+                          v, t.name, files.size()));
     }
     const auto& [k, e] = it->second;
     if (e->dtype != t.dtype || e->shape != t.shape || e->nbytes() != t.nbytes) {

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "absl/strings/str_format.h"
 #include "core/registry.h"
-#include "transports/disk/disk_transport.h"
 #include "io/file_io.h"
+#include "transports/disk/disk_transport.h"
 
 namespace weightbus::internal::disk {
 
@@ -16,7 +16,9 @@ const SettingTable& DiskSettings() {
           {"shard_size", SettingType::kBytes, "5GB",
            "largest safetensors file; bigger versions are split into "
            "model-0000K-of-0000N.safetensors with an index (a tensor is never split)"},
-          {"io_engine", SettingType::kEnum, "uring",
+          {"io_engine",
+           SettingType::kEnum,
+           "uring",
            "uring: io_uring at depth (falls back to psync when unavailable); psync: "
            "pread/pwrite",
            {"uring", "psync"}},
@@ -36,8 +38,8 @@ absl::StatusOr<std::unique_ptr<FileIo>> MakeFileIo(const Uri& uri, const Config&
   const int64_t depth = config.Int("queue_depth");
   const uint64_t chunk = config.Bytes("chunk_size");
   if (depth < 1 || depth > 4096) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: setting queue_depth=%d is outside 1..4096", uri.Display(), depth));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: setting queue_depth=%d is outside 1..4096", uri.Display(), depth));
   }
   if (chunk < 4096) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -48,14 +50,13 @@ absl::StatusOr<std::unique_ptr<FileIo>> MakeFileIo(const Uri& uri, const Config&
 
 absl::StatusOr<std::string> ChannelRoot(const Uri& uri) {
   if (!uri.authority.empty() && uri.authority != "localhost") {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "URI \"%s\": disk:// takes no host (\"%s\"); write disk:///absolute/path", uri.text,
-        uri.authority));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("URI \"%s\": disk:// takes no host (\"%s\"); write disk:///absolute/path",
+                        uri.text, uri.authority));
   }
   if (uri.path.empty() || uri.path == "/") {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "URI \"%s\": disk:// needs a channel directory, e.g. disk:///mnt/shared/policy",
-        uri.text));
+        "URI \"%s\": disk:// needs a channel directory, e.g. disk:///mnt/shared/policy", uri.text));
   }
   std::string root = uri.path;
   while (root.size() > 1 && root.back() == '/') root.pop_back();
@@ -65,9 +66,9 @@ absl::StatusOr<std::string> ChannelRoot(const Uri& uri) {
 }  // namespace weightbus::internal::disk
 
 WEIGHTBUS_REGISTER_TRANSPORT(
-    disk, (::weightbus::internal::TransportDescriptor{
-              "disk",
-              "shared filesystem; each version a safetensors checkpoint written with io_uring",
-              &::weightbus::internal::disk::DiskSettings(),
-              ::weightbus::internal::disk::OpenDiskPublisher,
-              ::weightbus::internal::disk::OpenDiskSubscriber}))
+    disk,
+    (::weightbus::internal::TransportDescriptor{
+        "disk", "shared filesystem; each version a safetensors checkpoint written with io_uring",
+        &::weightbus::internal::disk::DiskSettings(),
+        ::weightbus::internal::disk::OpenDiskPublisher,
+        ::weightbus::internal::disk::OpenDiskSubscriber}))

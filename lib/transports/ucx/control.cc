@@ -69,20 +69,34 @@ absl::Time MonotonicNow() {
 
 std::string_view MsgTypeName(MsgType type) {
   switch (type) {
-    case MsgType::kHello: return "HELLO";
-    case MsgType::kWelcome: return "WELCOME";
-    case MsgType::kError: return "ERROR";
-    case MsgType::kWait: return "WAIT";
-    case MsgType::kGrant: return "GRANT";
-    case MsgType::kRefused: return "REFUSED";
-    case MsgType::kCancel: return "CANCEL";
-    case MsgType::kRenew: return "RENEW";
-    case MsgType::kRelease: return "RELEASE";
-    case MsgType::kReleased: return "RELEASED";
-    case MsgType::kAccepted: return "ACCEPTED";
-    case MsgType::kList: return "LIST";
-    case MsgType::kVersions: return "VERSIONS";
-    case MsgType::kRenewed: return "RENEWED";
+    case MsgType::kHello:
+      return "HELLO";
+    case MsgType::kWelcome:
+      return "WELCOME";
+    case MsgType::kError:
+      return "ERROR";
+    case MsgType::kWait:
+      return "WAIT";
+    case MsgType::kGrant:
+      return "GRANT";
+    case MsgType::kRefused:
+      return "REFUSED";
+    case MsgType::kCancel:
+      return "CANCEL";
+    case MsgType::kRenew:
+      return "RENEW";
+    case MsgType::kRelease:
+      return "RELEASE";
+    case MsgType::kReleased:
+      return "RELEASED";
+    case MsgType::kAccepted:
+      return "ACCEPTED";
+    case MsgType::kList:
+      return "LIST";
+    case MsgType::kVersions:
+      return "VERSIONS";
+    case MsgType::kRenewed:
+      return "RENEWED";
   }
   return "UNKNOWN";
 }
@@ -103,9 +117,9 @@ absl::StatusOr<Fd> Listen(const std::string& host, int port, std::string_view ur
   std::string error;
   AddrInfoPtr addrs = Resolve(host, port, /*passive=*/true, &error);
   if (addrs == nullptr) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: cannot listen on host \"%s\" port %d: the name does not resolve (%s)", uri, host,
-        port, error));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: cannot listen on host \"%s\" port %d: the name does not resolve (%s)",
+                        uri, host, port, error));
   }
   std::vector<std::string> failures;
   absl::StatusCode code = absl::StatusCode::kInternal;
@@ -122,8 +136,8 @@ absl::StatusOr<Fd> Listen(const std::string& host, int port, std::string_view ur
       const int err = errno;
       if (err == EADDRINUSE) {
         code = absl::StatusCode::kFailedPrecondition;
-        failures.push_back(absl::StrFormat(
-            "%s: %s (another publisher or program holds this port)", where, strerror(err)));
+        failures.push_back(absl::StrFormat("%s: %s (another publisher or program holds this port)",
+                                           where, strerror(err)));
       } else if (err == EADDRNOTAVAIL) {
         code = absl::StatusCode::kInvalidArgument;
         failures.push_back(
@@ -139,8 +153,8 @@ absl::StatusOr<Fd> Listen(const std::string& host, int port, std::string_view ur
     }
     return fd;
   }
-  return absl::Status(code, absl::StrFormat("%s: cannot listen on %s", uri,
-                                            absl::StrJoin(failures, "; ")));
+  return absl::Status(
+      code, absl::StrFormat("%s: cannot listen on %s", uri, absl::StrJoin(failures, "; ")));
 }
 
 absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadline,
@@ -165,8 +179,7 @@ absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadlin
             "name the publisher's host or address",
             uri, host, where));
       }
-      Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
-                     a->ai_protocol));
+      Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
       if (!fd) {
         last.push_back(absl::StrFormat("%s: socket: %s", where, strerror(errno)));
         continue;
@@ -193,9 +206,8 @@ absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadlin
         (void)::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
         return fd;
       }
-      last.push_back(absl::StrFormat("%s: %s", where,
-                                     err == ETIMEDOUT ? "no answer (connection timed out)"
-                                                      : strerror(err)));
+      last.push_back(absl::StrFormat(
+          "%s: %s", where, err == ETIMEDOUT ? "no answer (connection timed out)" : strerror(err)));
     }
     if (absl::Now() >= deadline) break;
     absl::SleepFor(std::min(backoff, deadline - absl::Now()));
@@ -371,8 +383,7 @@ absl::StatusOr<Frame> ControlStream::Receive(absl::Time deadline) {
     if (!f.ok()) return f.status();
     if (f->has_value()) return **std::move(f);
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrFormat("%s: no answer by the deadline", peer_));
+      return absl::DeadlineExceededError(absl::StrFormat("%s: no answer by the deadline", peer_));
     }
     pollfd p{fd_.get(), POLLIN, 0};
     (void)::poll(&p, 1, PollMs(deadline));

@@ -33,7 +33,9 @@ const SettingTable& UcxSettings() {
            "maximum region size when that is smaller"},
           {"copy_threads", SettingType::kInt, "2",
            "threads copying a version into its staging slot during Publish (1..16)"},
-          {"staging_memory", SettingType::kEnum, "host",
+          {"staging_memory",
+           SettingType::kEnum,
+           "host",
            "where staging slots live: host memory, or cuda (GPU memory, served with cuda_ipc or "
            "GPUDirect RDMA; needs a build with CUDA)",
            {"host", "cuda"}},
@@ -92,10 +94,10 @@ absl::StatusOr<Endpoint> ParseEndpoint(const Uri& uri, bool for_subscriber) {
         uri.text));
   }
   if (uri.port <= 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "URI \"%s\": ucx:// needs a port in 1..65535, e.g. ucx://%s:13337%s", uri.text,
-        uri.authority.front() == '[' ? "[" + uri.host + "]" : uri.host,
-        uri.path.empty() ? "/policy" : uri.path));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("URI \"%s\": ucx:// needs a port in 1..65535, e.g. ucx://%s:13337%s",
+                        uri.text, uri.authority.front() == '[' ? "[" + uri.host + "]" : uri.host,
+                        uri.path.empty() ? "/policy" : uri.path));
   }
   e.port = uri.port;
   absl::StatusOr<std::string> host = DecodeHost(uri);
@@ -123,8 +125,8 @@ absl::StatusOr<Endpoint> ParseEndpoint(const Uri& uri, bool for_subscriber) {
 absl::StatusOr<UcxOptions> ReadOptions(const Endpoint& endpoint, const Config& config) {
   UcxOptions o;
   auto bad = [&](std::string_view name, const std::string& value, std::string_view range) {
-    return absl::InvalidArgumentError(absl::StrFormat("%s: setting %s=%s is outside %s",
-                                                      endpoint.display, name, value, range));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: setting %s=%s is outside %s", endpoint.display, name, value, range));
   };
   o.staging_slots = config.Int("staging_slots");
   if (o.staging_slots < 1 || o.staging_slots > 64) {
@@ -162,10 +164,10 @@ absl::StatusOr<UcxOptions> ReadOptions(const Endpoint& endpoint, const Config& c
 }  // namespace weightbus::internal::ucx
 
 WEIGHTBUS_REGISTER_TRANSPORT(
-    ucx, (::weightbus::internal::TransportDescriptor{
-             "ucx",
-             "UCX (UCP) one-sided RDMA: subscribers pull each version from the publisher's "
-             "registered staging memory (InfiniBand, RoCE, shared memory, TCP)",
-             &::weightbus::internal::ucx::UcxSettings(),
-             ::weightbus::internal::ucx::OpenUcxPublisher,
-             ::weightbus::internal::ucx::OpenUcxSubscriber}))
+    ucx,
+    (::weightbus::internal::TransportDescriptor{
+        "ucx",
+        "UCX (UCP) one-sided RDMA: subscribers pull each version from the publisher's "
+        "registered staging memory (InfiniBand, RoCE, shared memory, TCP)",
+        &::weightbus::internal::ucx::UcxSettings(), ::weightbus::internal::ucx::OpenUcxPublisher,
+        ::weightbus::internal::ucx::OpenUcxSubscriber}))

@@ -64,7 +64,7 @@ class RegistrationCache {
   std::shared_ptr<Context> context_;
   bool events_ = false;
   std::array<Watch, kMaxEntries> watches_;
-  std::atomic<size_t> high_water_{0};  // watches_[0, high_water_) may be in use
+  std::atomic<size_t> high_water_{0};   // watches_[0, high_water_) may be in use
   std::map<uintptr_t, Entry> entries_;  // by begin address; owner thread only
   uint64_t clock_ = 0;
   uint64_t registrations_ = 0;

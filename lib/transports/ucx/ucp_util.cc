@@ -123,12 +123,11 @@ absl::StatusOr<int> Worker::EventFd() const {
 
 namespace {
 
-absl::StatusOr<std::unique_ptr<MemRegion>> Map(std::shared_ptr<Context> context, void* address,
-                                              size_t length, ucs_memory_type_t type,
-                                              bool allocate,
-                                              std::unique_ptr<MemRegion> (*make)(
-                                                  std::shared_ptr<Context>, ucp_mem_h, void*,
-                                                  size_t, ucs_memory_type_t)) {
+absl::StatusOr<std::unique_ptr<MemRegion>> Map(
+    std::shared_ptr<Context> context, void* address, size_t length, ucs_memory_type_t type,
+    bool allocate,
+    std::unique_ptr<MemRegion> (*make)(std::shared_ptr<Context>, ucp_mem_h, void*, size_t,
+                                       ucs_memory_type_t)) {
   ucp_mem_map_params_t params{};
   params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                       UCP_MEM_MAP_PARAM_FIELD_FLAGS | UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
@@ -185,8 +184,7 @@ absl::StatusOr<std::string> MemRegion::PackRkey() const {
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<RemoteKey>> RemoteKey::Unpack(ucp_ep_h ep,
-                                                             const std::string& packed,
+absl::StatusOr<std::unique_ptr<RemoteKey>> RemoteKey::Unpack(ucp_ep_h ep, const std::string& packed,
                                                              std::string_view what) {
   ucp_rkey_h rkey = nullptr;
   ucs_status_t s = ucp_ep_rkey_unpack(ep, packed.data(), &rkey);
@@ -262,9 +260,8 @@ namespace {
 thread_local bool quiet_ucx_errors = false;
 
 ucs_log_func_rc_t FilterUcxLog(const char* file, unsigned line, const char* function,
-                               ucs_log_level_t level,
-                               const ucs_log_component_config_t* comp_conf, const char* message,
-                               va_list ap) {
+                               ucs_log_level_t level, const ucs_log_component_config_t* comp_conf,
+                               const char* message, va_list ap) {
   if (!quiet_ucx_errors || level > UCS_LOG_LEVEL_ERROR) return UCS_LOG_FUNC_RC_CONTINUE;
   if (LogEnabled(LogLevel::kDebug)) {
     char text[1024];

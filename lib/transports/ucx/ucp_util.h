@@ -73,12 +73,11 @@ class MemRegion {
   // `length` bytes allocated and registered by UCX (UCP_MEM_MAP_ALLOCATE), so that shared-memory
   // transports can map them into a peer directly; of `type` (host or CUDA).
   static absl::StatusOr<std::unique_ptr<MemRegion>> Allocate(std::shared_ptr<Context> context,
-                                                            size_t length,
-                                                            ucs_memory_type_t type);
+                                                             size_t length, ucs_memory_type_t type);
   // Registers existing memory of `type`.
   static absl::StatusOr<std::unique_ptr<MemRegion>> Register(std::shared_ptr<Context> context,
-                                                            void* address, size_t length,
-                                                            ucs_memory_type_t type);
+                                                             void* address, size_t length,
+                                                             ucs_memory_type_t type);
   ~MemRegion();
   MemRegion(const MemRegion&) = delete;
   MemRegion& operator=(const MemRegion&) = delete;
@@ -105,7 +104,7 @@ class RemoteKey {
  public:
   // Errors: Unavailable/Internal from ucp_ep_rkey_unpack, naming `what`.
   static absl::StatusOr<std::unique_ptr<RemoteKey>> Unpack(ucp_ep_h ep, const std::string& packed,
-                                                          std::string_view what);
+                                                           std::string_view what);
   ~RemoteKey();
   RemoteKey(const RemoteKey&) = delete;
   RemoteKey& operator=(const RemoteKey&) = delete;

@@ -70,9 +70,9 @@ struct Slot {
   uint64_t capacity = 0;
   std::vector<Region> regions;
   State state = State::kFree;
-  uint64_t version = 0;          // when kReady
-  std::string grant_body;        // the version-specific part of every GRANT (kReady)
-  int leases = 0;                // outstanding leases on this slot's version
+  uint64_t version = 0;    // when kReady
+  std::string grant_body;  // the version-specific part of every GRANT (kReady)
+  int leases = 0;          // outstanding leases on this slot's version
 };
 
 struct Lease {
@@ -95,8 +95,8 @@ struct Conn {
   std::string peer;  // "127.0.0.1 port 40000 (IPv4)", then with the subscriber's own words
   std::string in, out;
   bool greeted = false;
-  bool dead = false;     // close now
-  bool closing = false;  // close once `out` is flushed (after an ERROR)
+  bool dead = false;          // close now
+  bool closing = false;       // close once `out` is flushed (after an ERROR)
   absl::Time hello_deadline;  // MonotonicNow() time
   uint64_t subscriber_id = 0;
   std::vector<PendingWait> waits;
@@ -106,11 +106,16 @@ class UcxPublisher final : public TransportPublisher {
  public:
   UcxPublisher(Endpoint endpoint, UcxOptions options, FailPoints failpoints,
                std::shared_ptr<Context> context, std::unique_ptr<Worker> worker, Fd listener,
-               Fd wake, int efd, std::string worker_address,
-               std::unique_ptr<WorkerPool> copiers)
-      : endpoint_(std::move(endpoint)), options_(options), failpoints_(std::move(failpoints)),
-        context_(std::move(context)), worker_(std::move(worker)), listener_(std::move(listener)),
-        wake_(std::move(wake)), efd_(efd), worker_address_(std::move(worker_address)),
+               Fd wake, int efd, std::string worker_address, std::unique_ptr<WorkerPool> copiers)
+      : endpoint_(std::move(endpoint)),
+        options_(options),
+        failpoints_(std::move(failpoints)),
+        context_(std::move(context)),
+        worker_(std::move(worker)),
+        listener_(std::move(listener)),
+        wake_(std::move(wake)),
+        efd_(efd),
+        worker_address_(std::move(worker_address)),
         copiers_(std::move(copiers)),
         description_(ProcessDescription()) {}
 
@@ -131,8 +136,8 @@ class UcxPublisher final : public TransportPublisher {
     try {
       thread_ = std::thread([this] { Loop(); });
     } catch (const std::system_error& e) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "%s: cannot start the progress thread: %s", endpoint_.display, e.what()));
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("%s: cannot start the progress thread: %s", endpoint_.display, e.what()));
     }
     return absl::OkStatus();
   }
@@ -248,7 +253,7 @@ class UcxPublisher final : public TransportPublisher {
   uint64_t next_lease_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_conn_ ABSL_GUARDED_BY(mu_) = 1;
   int next_slot_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t next_region_ = 1;  // Publish only
+  uint64_t next_region_ = 1;                   // Publish only
   uint64_t changes_ ABSL_GUARDED_BY(mu_) = 0;  // bumped whenever a slot or lease frees up
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };
@@ -311,11 +316,10 @@ std::string UcxPublisher::DescribeSlots() const {
             "%s (lease ends in %s)", c != conns_.end() ? c->second->peer : "?",
             absl::FormatDuration(absl::Trunc(l.expiry - MonotonicNow(), absl::Milliseconds(1)))));
       }
-      parts.push_back(absl::StrFormat("slot %d holds version %d%s%s", s->index, s->version,
-                                      Kept(*s) ? " (kept: KeepVersionsFrom)" : "",
-                                      holders.empty() ? ""
-                                                      : ", read by " +
-                                                            absl::StrJoin(holders, ", ")));
+      parts.push_back(
+          absl::StrFormat("slot %d holds version %d%s%s", s->index, s->version,
+                          Kept(*s) ? " (kept: KeepVersionsFrom)" : "",
+                          holders.empty() ? "" : ", read by " + absl::StrJoin(holders, ", ")));
     }
   }
   return absl::StrJoin(parts, "; ");
@@ -345,7 +349,8 @@ std::vector<std::unique_ptr<Slot>> UcxPublisher::TrimSlots() {
       }
     }
     if (unkept <= options_.staging_slots || oldest == nullptr) return out;
-    Log(LogLevel::kDebug, "%s: freeing staging slot %d (version %d): %d slots beyond the %d kept "
+    Log(LogLevel::kDebug,
+        "%s: freeing staging slot %d (version %d): %d slots beyond the %d kept "
         "for versions >= %d",
         endpoint_.display, oldest->index, oldest->version, unkept - options_.staging_slots,
         options_.staging_slots, keep_from_.value_or(0));
@@ -368,12 +373,12 @@ absl::StatusOr<std::vector<Region>> UcxPublisher::AllocateRegions(uint64_t size)
       const cudaError_t e = cudaMalloc(&r.cuda_ptr, n);
       if (e != cudaSuccess) {
         r.cuda_ptr = nullptr;
-        return absl::ResourceExhaustedError(absl::StrFormat(
-            "%s: cudaMalloc of a %d-byte staging region: %s", endpoint_.display, n,
-            cudaGetErrorString(e)));
+        return absl::ResourceExhaustedError(
+            absl::StrFormat("%s: cudaMalloc of a %d-byte staging region: %s", endpoint_.display, n,
+                            cudaGetErrorString(e)));
       }
-      WB_ASSIGN_OR_RETURN(r.mem, MemRegion::Register(context_, r.cuda_ptr, n,
-                                                     UCS_MEMORY_TYPE_CUDA));
+      WB_ASSIGN_OR_RETURN(r.mem,
+                          MemRegion::Register(context_, r.cuda_ptr, n, UCS_MEMORY_TYPE_CUDA));
 #endif
     } else {
       WB_ASSIGN_OR_RETURN(r.mem, MemRegion::Allocate(context_, n, UCS_MEMORY_TYPE_HOST));
@@ -416,8 +421,8 @@ absl::Status UcxPublisher::CopyIntoSlot(const std::vector<Region>& regions, Publ
     });
     std::vector<uint64_t> load(threads, 0);
     for (size_t i : order) {
-      const size_t t = static_cast<size_t>(std::min_element(load.begin(), load.end()) -
-                                           load.begin());
+      const size_t t =
+          static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
       work[t].push_back(i);
       load[t] += tensors[i].info->nbytes + 4096;  // a little per tensor for its overhead
     }
@@ -488,10 +493,10 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
       const absl::Time mono = MonotonicNow(), now = absl::Now();
       for (const auto& [id, l] : leases_) wake = std::min(wake, now + (l.expiry - mono));
       if (absl::Now() >= deadline) {
-        return absl::DeadlineExceededError(absl::StrFormat(
-            "all %d staging slots are in use until past the deadline (%s); raise "
-            "staging_slots or the timeout, or lower lease",
-            options_.staging_slots, DescribeSlots()));
+        return absl::DeadlineExceededError(
+            absl::StrFormat("all %d staging slots are in use until past the deadline (%s); raise "
+                            "staging_slots or the timeout, or lower lease",
+                            options_.staging_slots, DescribeSlots()));
       }
       if (stopping_) return absl::CancelledError("the publisher is shutting down");
       AwaitChange(wake);
@@ -626,8 +631,8 @@ void UcxPublisher::Loop() {
     for (auto it = conns_.begin(); it != conns_.end();) {
       Conn& c = *it->second;
       if (!c.greeted && now > c.hello_deadline && !c.dead) {
-        Log(LogLevel::kInfo, "%s: %s did not greet within %s; disconnecting it",
-            endpoint_.display, c.peer, absl::FormatDuration(options_.connect_timeout));
+        Log(LogLevel::kInfo, "%s: %s did not greet within %s; disconnecting it", endpoint_.display,
+            c.peer, absl::FormatDuration(options_.connect_timeout));
         c.dead = true;
       }
       if (!c.dead && c.greeted && !c.closing) ServeWaits(c);
@@ -784,8 +789,8 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       break;
   }
   if (!r.ok()) {
-    Log(LogLevel::kWarn, "%s: %s sent a truncated %s message; disconnecting it",
-        endpoint_.display, c.peer, std::string(MsgTypeName(f.type)));
+    Log(LogLevel::kWarn, "%s: %s sent a truncated %s message; disconnecting it", endpoint_.display,
+        c.peer, std::string(MsgTypeName(f.type)));
     c.dead = true;
   }
 }
@@ -804,14 +809,14 @@ void UcxPublisher::ServeWaits(Conn& c) {
           if (s->state == Slot::State::kReady) held.push_back(s->version);
         }
         std::sort(held.begin(), held.end());
-        c.out += Writer(MsgType::kRefused)
-                     .U64(w.request)
-                     .U32(static_cast<uint32_t>(absl::StatusCode::kNotFound))
-                     .Str(absl::StrFormat("the publisher no longer holds version %d (it holds: "
-                                          "%s)",
-                                          w.version,
-                                          held.empty() ? "none" : absl::StrJoin(held, ", ")))
-                     .Finish();
+        c.out +=
+            Writer(MsgType::kRefused)
+                .U64(w.request)
+                .U32(static_cast<uint32_t>(absl::StatusCode::kNotFound))
+                .Str(absl::StrFormat("the publisher no longer holds version %d (it holds: "
+                                     "%s)",
+                                     w.version, held.empty() ? "none" : absl::StrJoin(held, ", ")))
+                .Finish();
         it = c.waits.erase(it);
         continue;
       }
@@ -866,7 +871,7 @@ void UcxPublisher::Drop(Conn& c) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& uri,
-                                                                    const Config& config) {
+                                                                     const Config& config) {
   WB_ASSIGN_OR_RETURN(Endpoint endpoint, ParseEndpoint(uri, /*for_subscriber=*/false));
   WB_ASSIGN_OR_RETURN(UcxOptions options, ReadOptions(endpoint, config));
   if (options.cuda_staging && !CudaSupported()) {
@@ -874,8 +879,9 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& 
         "%s: staging_memory=cuda needs a build with CUDA and a visible GPU", endpoint.display));
   }
   WB_ASSIGN_OR_RETURN(FailPoints failpoints, FailPoints::Parse(config.String("failpoints")));
-  WB_ASSIGN_OR_RETURN(std::shared_ptr<Context> context,
-                      Context::Create(/*wakeup=*/true, endpoint.display, IsLoopback(endpoint.host)));
+  WB_ASSIGN_OR_RETURN(
+      std::shared_ptr<Context> context,
+      Context::Create(/*wakeup=*/true, endpoint.display, IsLoopback(endpoint.host)));
   WB_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(context, endpoint.display));
   WB_ASSIGN_OR_RETURN(std::string address, worker->Address());
   WB_ASSIGN_OR_RETURN(int efd, worker->EventFd());

@@ -32,7 +32,7 @@ struct GrantRegion {
   uint64_t base = 0;     // offset in the slot's byte range
   uint64_t address = 0;  // in the publisher's address space
   uint64_t length = 0;
-  std::string rkey;      // packed
+  std::string rkey;  // packed
 };
 
 // One connection to the publisher: the control stream and the UCP endpoint to its worker, with
@@ -67,10 +67,10 @@ struct GetOp {
 // The gets of one Fetch and their completion bookkeeping (touched only by the fetching thread:
 // UCX calls completions from inside ucp_worker_progress).
 struct Pull {
-  std::vector<GetOp> ops;              // a tensor's gets are consecutive, in byte order
-  std::vector<uint32_t> remaining;     // per tensor: gets not yet complete
-  std::vector<size_t> next_in_order;   // per tensor: its first get not yet complete
-  std::vector<bool> done;              // per get
+  std::vector<GetOp> ops;             // a tensor's gets are consecutive, in byte order
+  std::vector<uint32_t> remaining;    // per tensor: gets not yet complete
+  std::vector<size_t> next_in_order;  // per tensor: its first get not yet complete
+  std::vector<bool> done;             // per get
   uint64_t inflight = 0;
   absl::Status error;
   LandingSink* sink = nullptr;
@@ -120,9 +120,14 @@ class UcxVersion final : public IncomingVersion {
   UcxVersion(UcxSubscriber* owner, uint64_t generation, uint64_t lease_id, Manifest manifest,
              std::vector<GrantRegion> regions, std::vector<uint64_t> offsets, std::string source,
              absl::Time asked)
-      : owner_(owner), generation_(generation), lease_id_(lease_id),
-        manifest_(std::move(manifest)), regions_(std::move(regions)),
-        offsets_(std::move(offsets)), source_(std::move(source)), lease_base_(asked) {}
+      : owner_(owner),
+        generation_(generation),
+        lease_id_(lease_id),
+        manifest_(std::move(manifest)),
+        regions_(std::move(regions)),
+        offsets_(std::move(offsets)),
+        source_(std::move(source)),
+        lease_base_(asked) {}
   ~UcxVersion() override;
 
   const Manifest& manifest() const override { return manifest_; }
@@ -154,8 +159,12 @@ class UcxSubscriber final : public TransportSubscriber {
  public:
   UcxSubscriber(Endpoint endpoint, UcxOptions options, FailPoints failpoints,
                 std::shared_ptr<Context> context, std::unique_ptr<Worker> worker)
-      : endpoint_(std::move(endpoint)), options_(options), failpoints_(std::move(failpoints)),
-        context_(std::move(context)), worker_(std::move(worker)), registrations_(context_),
+      : endpoint_(std::move(endpoint)),
+        options_(options),
+        failpoints_(std::move(failpoints)),
+        context_(std::move(context)),
+        worker_(std::move(worker)),
+        registrations_(context_),
         description_(ProcessDescription()) {}
 
   ~UcxSubscriber() override {
@@ -188,8 +197,7 @@ class UcxSubscriber final : public TransportSubscriber {
   void HandleStray(const Frame& f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Receives frames until `want` says one is the answer (it may return an error). Stray frames
   // are handled; a broken connection closes the session.
-  absl::StatusOr<Frame> Await(absl::Time deadline,
-                              const std::function<bool(const Frame&)>& want)
+  absl::StatusOr<Frame> Await(absl::Time deadline, const std::function<bool(const Frame&)>& want)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Closes the session after `why` broke it. The message is prefixed with the URI unless
   // `in_fetch` (the core prefixes Fetch errors itself).
@@ -238,8 +246,8 @@ void UcxSubscriber::CloseSession() {
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     param.flags = s.peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    const ucs_status_t st = WaitRequest(worker_->get(), ucp_ep_close_nbx(s.ep, &param),
-                                        absl::Now() + absl::Seconds(5));
+    const ucs_status_t st =
+        WaitRequest(worker_->get(), ucp_ep_close_nbx(s.ep, &param), absl::Now() + absl::Seconds(5));
     if (st != UCS_OK && st != UCS_ERR_CANCELED && st != UCS_ERR_CONNECTION_RESET &&
         st != UCS_ERR_ENDPOINT_TIMEOUT) {
       Log(LogLevel::kDebug, "%s: closing the endpoint to %s: %s", endpoint_.display, s.publisher,
@@ -256,8 +264,7 @@ absl::Status UcxSubscriber::SessionLost(const absl::Status& why, std::string_vie
   return absl::Status(
       absl::IsUnavailable(why) || absl::IsDataLoss(why) ? absl::StatusCode::kUnavailable
                                                         : why.code(),
-      absl::StrFormat("%s%s %s", in_fetch ? "" : endpoint_.display + ": ", why.message(),
-                      during));
+      absl::StrFormat("%s%s %s", in_fetch ? "" : endpoint_.display + ": ", why.message(), during));
 }
 
 absl::Status UcxSubscriber::EnsureSession(absl::Time deadline) {
@@ -281,8 +288,8 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline) {
     CloseSession();
   }
   const absl::Time connect_deadline = std::min(deadline, absl::Now() + options_.connect_timeout);
-  WB_ASSIGN_OR_RETURN(Fd fd, Connect(endpoint_.host, endpoint_.port, connect_deadline,
-                                     endpoint_.display));
+  WB_ASSIGN_OR_RETURN(Fd fd,
+                      Connect(endpoint_.host, endpoint_.port, connect_deadline, endpoint_.display));
   sockaddr_storage peer{};
   socklen_t len = sizeof(peer);
   std::string where = "?";
@@ -323,9 +330,9 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline) {
   const uint64_t newest = r.U64();
   const std::string who = r.Str();
   if (!r.ok() || protocol != kProtocolVersion || worker_address.empty()) {
-    return absl::UnavailableError(absl::StrFormat(
-        "%s: %s sent a malformed WELCOME (protocol %d, expected %d)", endpoint_.display,
-        s->control.peer(), protocol, kProtocolVersion));
+    return absl::UnavailableError(
+        absl::StrFormat("%s: %s sent a malformed WELCOME (protocol %d, expected %d)",
+                        endpoint_.display, s->control.peer(), protocol, kProtocolVersion));
   }
   if (has_newest) s->newest = newest;
   s->publisher = absl::StrFormat("publisher %s at %s", who, where);
@@ -365,10 +372,10 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline) {
     }
   }
   if (st != UCS_OK) {
-    absl::Status e = UcsError(
-        st, absl::StrFormat("%s: no UCX transport reaches %s from here (check UCX_TLS and "
-                            "UCX_NET_DEVICES on both sides)",
-                            endpoint_.display, s->publisher));
+    absl::Status e =
+        UcsError(st, absl::StrFormat("%s: no UCX transport reaches %s from here (check UCX_TLS and "
+                                     "UCX_NET_DEVICES on both sides)",
+                                     endpoint_.display, s->publisher));
     return absl::Status(absl::StatusCode::kUnavailable, e.message());
   }
   session_ = std::move(s);
@@ -422,8 +429,8 @@ absl::StatusOr<Frame> UcxSubscriber::Await(absl::Time deadline,
 }
 
 absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::Request(uint64_t version,
-                                                                         bool exact,
-                                                                         absl::Time deadline) {
+                                                                        bool exact,
+                                                                        absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   WB_RETURN_IF_ERROR(EnsureSession(deadline));
   const uint64_t request = next_request_++;
@@ -458,15 +465,15 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::Request(uint64_t
     r.U64();
     const auto code = static_cast<absl::StatusCode>(r.U32());
     const std::string message = r.Str();
-    return absl::Status(r.ok() ? code : absl::StatusCode::kInternal,
-                        absl::StrFormat("%s: %s: %s", endpoint_.display, session_->publisher,
-                                        message));
+    return absl::Status(
+        r.ok() ? code : absl::StatusCode::kInternal,
+        absl::StrFormat("%s: %s: %s", endpoint_.display, session_->publisher, message));
   }
   return ParseGrant(*f, asked);
 }
 
 absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const Frame& f,
-                                                                            absl::Time asked) {
+                                                                           absl::Time asked) {
   Reader r(f.payload);
   r.U64();  // request id
   const uint64_t lease = r.U64();
@@ -504,8 +511,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const
   if (!manifest.ok()) return malformed(std::string(manifest.status().message()));
   if (manifest->version != version || manifest->tensors.size() != offsets.size()) {
     return malformed(absl::StrFormat("manifest of version %d with %d tensors for %d offsets",
-                                     manifest->version, manifest->tensors.size(),
-                                     offsets.size()));
+                                     manifest->version, manifest->tensors.size(), offsets.size()));
   }
   uint64_t covered = 0;
   for (const GrantRegion& g : regions) {
@@ -515,8 +521,8 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const
   for (size_t i = 0; i < offsets.size(); ++i) {
     const uint64_t n = manifest->tensors[i].nbytes;
     if (n > 0 && (offsets[i] > covered || n > covered - offsets[i])) {
-      return malformed(absl::StrFormat("tensor \"%s\" lies outside the slot",
-                                       manifest->tensors[i].name));
+      return malformed(
+          absl::StrFormat("tensor \"%s\" lies outside the slot", manifest->tensors[i].name));
     }
   }
   // Forget remote keys of regions the publisher has freed (a mapped segment stays mapped until
@@ -524,9 +530,9 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const
   std::erase_if(session_->rkeys, [&](const auto& kv) {
     return std::find(live.begin(), live.end(), kv.first) == live.end();
   });
-  return std::unique_ptr<IncomingVersion>(new UcxVersion(
-      this, session_->generation, lease, *std::move(manifest), std::move(regions),
-      std::move(offsets), source, asked));
+  return std::unique_ptr<IncomingVersion>(new UcxVersion(this, session_->generation, lease,
+                                                         *std::move(manifest), std::move(regions),
+                                                         std::move(offsets), source, asked));
 }
 
 absl::StatusOr<std::vector<uint64_t>> UcxSubscriber::ListVersions() {
@@ -587,13 +593,13 @@ absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> ta
   // reused the memory while we read it.
   v.released_ = true;
   if (MonotonicNow() < v.lease_base_ + session_->lease * 0.95) {
-    absl::Status sent = session_->control.Send(
-        Writer(MsgType::kRelease).U64(v.lease_id_).U8(0).Finish(), deadline);
+    absl::Status sent =
+        session_->control.Send(Writer(MsgType::kRelease).U64(v.lease_id_).U8(0).Finish(), deadline);
     if (!sent.ok()) return SessionLost(sent, "after the transfer", true);
     return absl::OkStatus();
   }
-  absl::Status sent = session_->control.Send(
-      Writer(MsgType::kRelease).U64(v.lease_id_).U8(1).Finish(), deadline);
+  absl::Status sent =
+      session_->control.Send(Writer(MsgType::kRelease).U64(v.lease_id_).U8(1).Finish(), deadline);
   if (!sent.ok()) return SessionLost(sent, "before the transfer was confirmed", true);
   absl::StatusOr<Frame> f = Await(deadline, [&](const Frame& f) {
     Reader r(f.payload);
@@ -629,10 +635,10 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
     const GrantRegion& g = v.regions_[k];
     auto it = s.rkeys.find(g.id);
     if (it == s.rkeys.end()) {
-      WB_ASSIGN_OR_RETURN(std::unique_ptr<RemoteKey> key,
-                          RemoteKey::Unpack(s.ep, g.rkey,
-                                            absl::StrFormat("staging region %d of %s", g.id,
-                                                            s.publisher)));
+      WB_ASSIGN_OR_RETURN(
+          std::unique_ptr<RemoteKey> key,
+          RemoteKey::Unpack(s.ep, g.rkey,
+                            absl::StrFormat("staging region %d of %s", g.id, s.publisher)));
       it = s.rkeys.emplace(g.id, std::move(key)).first;
     }
     rkeys[k] = it->second->get();
@@ -660,11 +666,11 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
                                        [](uint64_t o, const GrantRegion& g) { return o < g.base; });
         const size_t k = static_cast<size_t>(region - v.regions_.begin()) - 1;
         const GrantRegion& g = v.regions_[k];
-        const uint64_t len = std::min({options_.get_chunk_size, piece_len - done,
-                                       g.base + g.length - off});
+        const uint64_t len =
+            std::min({options_.get_chunk_size, piece_len - done, g.base + g.length - off});
         if (pull.remaining[i] == 0) pull.next_in_order[i] = pull.ops.size();
-        pull.ops.push_back(GetOp{i, rkeys[k], g.address + (off - g.base),
-                                 targets[i] + piece + done, len, memh, piece + done + len});
+        pull.ops.push_back(GetOp{i, rkeys[k], g.address + (off - g.base), targets[i] + piece + done,
+                                 len, memh, piece + done + len});
         ++pull.remaining[i];
         done += len;
         total += len;
@@ -689,8 +695,8 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
   while (true) {
     // Issue a bounded burst: shared-memory gets complete inside ucp_get_nbx, and the checks
     // below must still run while a large version streams in.
-    for (int burst = 0; burst < 16 && pull.error.ok() && pull.inflight < window &&
-                        next < pull.ops.size();
+    for (int burst = 0;
+         burst < 16 && pull.error.ok() && pull.inflight < window && next < pull.ops.size();
          ++burst) {
       const GetOp& op = pull.ops[next];
       contexts[next] = GetContext{&pull, next};
@@ -742,8 +748,8 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
     }
     absl::StatusOr<std::optional<Frame>> f = s.control.Poll();
     if (!f.ok()) {
-      status = absl::UnavailableError(absl::StrFormat(
-          "%s while version %d was being received", f.status().message(), m.version));
+      status = absl::UnavailableError(absl::StrFormat("%s while version %d was being received",
+                                                      f.status().message(), m.version));
       break;
     }
     if (f->has_value() && (*f)->type == MsgType::kRenewed) {
@@ -765,24 +771,24 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
       if ((*f)->type == MsgType::kError) {
         Reader r((*f)->payload);
         r.U32();
-        status = absl::UnavailableError(absl::StrFormat(
-            "%s ended the session while version %d was being received: %s", s.publisher,
-            m.version, r.Str()));
+        status = absl::UnavailableError(
+            absl::StrFormat("%s ended the session while version %d was being received: %s",
+                            s.publisher, m.version, r.Str()));
         break;
       }
       const std::string publisher_name = s.publisher;
       HandleStray(**f);
       if (!session_) {
-        status = absl::UnavailableError(absl::StrFormat(
-            "the session with %s ended while version %d was being received", publisher_name,
-            m.version));
+        status = absl::UnavailableError(
+            absl::StrFormat("the session with %s ended while version %d was being received",
+                            publisher_name, m.version));
         break;
       }
     }
     const absl::Time mono = MonotonicNow();
     if (!renew_sent && mono - v.lease_base_ > s.lease / 4) {
-      absl::Status renewed = s.control.Send(
-          Writer(MsgType::kRenew).U64(v.lease_id_).Finish(), std::min(deadline, now + s.lease));
+      absl::Status renewed = s.control.Send(Writer(MsgType::kRenew).U64(v.lease_id_).Finish(),
+                                            std::min(deadline, now + s.lease));
       if (!renewed.ok()) {
         status = renewed;
         break;
@@ -816,8 +822,10 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
     if (pull.inflight > 0) {
       // Cannot happen with UCX's documented close semantics; never return while gets may
       // still write into the caller's buffers.
-      Log(LogLevel::kError, "%s: %d gets still outstanding 5 s after closing the endpoint to "
-          "%s; waiting for them", endpoint_.display, pull.inflight, publisher);
+      Log(LogLevel::kError,
+          "%s: %d gets still outstanding 5 s after closing the endpoint to "
+          "%s; waiting for them",
+          endpoint_.display, pull.inflight, publisher);
       while (pull.inflight > 0) {
         if (ucp_worker_progress(worker) == 0) absl::SleepFor(absl::Milliseconds(1));
       }
@@ -847,12 +855,13 @@ void UcxSubscriber::Accepted(UcxVersion& v) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TransportSubscriber>> OpenUcxSubscriber(const Uri& uri,
-                                                                      const Config& config) {
+                                                                       const Config& config) {
   WB_ASSIGN_OR_RETURN(Endpoint endpoint, ParseEndpoint(uri, /*for_subscriber=*/true));
   WB_ASSIGN_OR_RETURN(UcxOptions options, ReadOptions(endpoint, config));
   WB_ASSIGN_OR_RETURN(FailPoints failpoints, FailPoints::Parse(config.String("failpoints")));
-  WB_ASSIGN_OR_RETURN(std::shared_ptr<Context> context,
-                      Context::Create(/*wakeup=*/false, endpoint.display, IsLoopback(endpoint.host)));
+  WB_ASSIGN_OR_RETURN(
+      std::shared_ptr<Context> context,
+      Context::Create(/*wakeup=*/false, endpoint.display, IsLoopback(endpoint.host)));
   WB_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(context, endpoint.display));
   return std::unique_ptr<TransportSubscriber>(new UcxSubscriber(
       std::move(endpoint), options, std::move(failpoints), std::move(context), std::move(worker)));

@@ -50,8 +50,8 @@ struct UcxOptions {
 absl::StatusOr<UcxOptions> ReadOptions(const Endpoint& endpoint, const Config& config);
 
 absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& uri,
-                                                                    const Config& config);
+                                                                     const Config& config);
 absl::StatusOr<std::unique_ptr<TransportSubscriber>> OpenUcxSubscriber(const Uri& uri,
-                                                                      const Config& config);
+                                                                       const Config& config);
 
 }  // namespace weightbus::internal::ucx

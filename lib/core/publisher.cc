@@ -262,8 +262,13 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   }
   latest = version;
   const absl::Time end = absl::Now();
-  stats = PublishStats{version,   m.total_bytes(),     end - start,
-                       pack_time, end - transport_end, transport_end - pack_start - pack_time};
+  stats = PublishStats{};
+  stats.version = version;
+  stats.bytes = m.total_bytes();
+  stats.stall = end - start;
+  stats.pack = pack_time;
+  stats.checksum_wait = end - transport_end;
+  stats.transport = transport_end - pack_start - pack_time;
   // Wire bytes: the tensors' own for a plain transport; a layer reports what it encoded them to.
   if (std::optional<internal::CodecStats> codec = backend->LastCodecStats()) {
     stats.encode = codec->time;

@@ -409,9 +409,14 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
     impl->views.push_back(std::move(v));
   }
   impl->buffer = std::move(library);
-  impl->stats =
-      UpdateStats{m.total_bytes(),    found - start,  allocated - found,     fetched - allocated,
-                  verified - fetched, end - verified, absl::ToUnixNanos(end)};
+  impl->stats = UpdateStats{};
+  impl->stats.bytes = m.total_bytes();
+  impl->stats.wait = found - start;
+  impl->stats.allocate = allocated - found;
+  impl->stats.fetch = fetched - allocated;
+  impl->stats.verify_wait = verified - fetched;
+  impl->stats.copy_out = end - verified;
+  impl->stats.ready_unix_ns = absl::ToUnixNanos(end);
   // Wire bytes: the tensors' own for a plain transport; a layer reports its encoded size.
   if (codec) {
     impl->stats.decode = codec->time;

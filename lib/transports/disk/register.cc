@@ -71,4 +71,5 @@ WEIGHTBUS_REGISTER_TRANSPORT(
         "disk", "shared filesystem; each version a safetensors checkpoint written with io_uring",
         &::weightbus::internal::disk::DiskSettings(),
         ::weightbus::internal::disk::OpenDiskPublisher,
-        ::weightbus::internal::disk::OpenDiskSubscriber}))
+        ::weightbus::internal::disk::OpenDiskSubscriber, /*wrap_publisher=*/nullptr,
+        /*wrap_subscriber=*/nullptr}))

@@ -170,4 +170,5 @@ WEIGHTBUS_REGISTER_TRANSPORT(
         "UCX (UCP) one-sided RDMA: subscribers pull each version from the publisher's "
         "registered staging memory (InfiniBand, RoCE, shared memory, TCP)",
         &::weightbus::internal::ucx::UcxSettings(), ::weightbus::internal::ucx::OpenUcxPublisher,
-        ::weightbus::internal::ucx::OpenUcxSubscriber}))
+        ::weightbus::internal::ucx::OpenUcxSubscriber, /*wrap_publisher=*/nullptr,
+        /*wrap_subscriber=*/nullptr}))

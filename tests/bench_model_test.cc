@@ -295,6 +295,33 @@ TEST(BenchModelTest, BandwidthForIsTheSmallestThatReachesTheTarget) {
   }
 }
 
+TEST(BenchModelTest, BandwidthForIsFiniteWhenTheGivenBandwidthIsInfinite) {
+  // With --network-gbs inf (or infinite storage) the target is met, and the answer is the same
+  // finite bandwidth as when starting from any finite one.
+  ModelInputs finite = SevenB(), infinite = SevenB();
+  infinite.node_gbs = kInf;
+  infinite.storage_write_gbs = infinite.storage_read_gbs = infinite.storage_aggregate_gbs = kInf;
+  int finite_answers = 0;
+  for (const std::string t : {"ucx", "nccl", "disk", "delta+ucx"}) {
+    for (double target : {0.9, 0.99}) {
+      const double want = BandwidthFor(finite, t, target);
+      finite_answers += std::isfinite(want);
+      const double got = BandwidthFor(infinite, t, target);
+      if (std::isinf(want)) {  // the other terms alone miss the target: no bandwidth helps
+        EXPECT_TRUE(std::isinf(got)) << t << " " << target;
+        continue;
+      }
+      ASSERT_TRUE(std::isfinite(got)) << t << " " << target;
+      if (t != "disk") {
+        EXPECT_NEAR(got, want, want * 1e-6) << t << " " << target;
+      } else {  // disk scales write, read and total together: from equal ones here
+        EXPECT_GT(got, 0) << t;
+      }
+    }
+  }
+  EXPECT_GE(finite_answers, 6);
+}
+
 TEST(BenchModelTest, BandwidthForIsInfiniteWhenTheStallAloneIsTooLong) {
   // Encoding 14 GB at 0.1 GB/s takes 140 s: no network makes a 60 s step 90% busy.
   ModelInputs in = SevenB();

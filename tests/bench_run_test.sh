@@ -113,4 +113,38 @@ run_expect_failure subscriber-killed 'subscriber [01] ended early \(killed by si
 # The publisher dies in its third Publish.
 run_expect_failure publisher-killed 'publisher ended early \(killed by signal 9\)' \
   --transports disk --set failpoints=core.before_transport=kill@3
+
+echo "== set-up errors: one line, status 2, nothing left behind"
+for args in "--set bogus=1" "--store $work/missing" "--timeout 0" "--corrupt-version 9" \
+    "--model $work/missing.safetensors"; do
+  set +e
+  # shellcheck disable=SC2086
+  out=$("$bench" run --quick --dir "$work" $args 2>&1)
+  rc=$?
+  set -e
+  echo "$args -> $out"
+  [[ $rc -eq 2 && $(wc -l <<< "$out") -eq 1 && "$out" == "weightbus-bench: error: "* ]] ||
+    fail "run $args: status $rc, output: $out"
+  [[ -z "$(ls "$work" | grep wbbench- || true)" ]] || fail "run $args left its directory behind"
+done
+
+echo "== SIGTERM mid-run: workers stopped, the run's directories removed"
+"$bench" run --quick --versions 200 --no-baselines --dir "$work" > "$work/term.txt" 2>&1 &
+pid=$!
+for _ in $(seq 1 100); do
+  pgrep -f -- "--parent-pid $pid" > /dev/null && break
+  sleep 0.2
+done
+pgrep -f -- "--parent-pid $pid" > /dev/null || fail "no worker of $pid started"
+sleep 1
+kill -TERM "$pid"
+set +e
+wait "$pid"
+rc=$?
+set -e
+[[ $rc -eq 143 ]] || fail "after SIGTERM: status $rc, not 143"
+sleep 0.5
+if pgrep -f -- "--parent-pid $pid" > /dev/null; then fail "workers of $pid outlived it"; fi
+[[ ! -e "$work/wbbench-$pid" && ! -e "/dev/shm/wbbench-$pid" ]] ||
+  fail "the run's directories are still there"
 echo "bench_run_test: OK"

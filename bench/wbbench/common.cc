@@ -15,20 +15,80 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 
 extern char** environ;
 
 namespace weightbus::bench {
 
+namespace {
+
+struct Cleanup {
+  absl::Mutex mu;
+  std::vector<std::string> paths ABSL_GUARDED_BY(mu);
+  std::vector<pid_t> children ABSL_GUARDED_BY(mu);
+};
+
+Cleanup& TheCleanup() {
+  static auto* c = new Cleanup;
+  return *c;
+}
+
+}  // namespace
+
+void RemoveOnExit(const std::string& path) {
+  absl::MutexLock lock(&TheCleanup().mu);
+  TheCleanup().paths.push_back(path);
+}
+
+void KeepOnExit(const std::string& path) {
+  absl::MutexLock lock(&TheCleanup().mu);
+  std::vector<std::string>& p = TheCleanup().paths;
+  p.erase(std::remove(p.begin(), p.end(), path), p.end());
+}
+
+void RunCleanup() {
+  Cleanup& c = TheCleanup();
+  absl::MutexLock lock(&c.mu);
+  for (pid_t pid : c.children) kill(pid, SIGKILL);
+  for (pid_t pid : c.children) waitpid(pid, nullptr, 0);
+  c.children.clear();
+  for (const std::string& p : c.paths) {
+    std::error_code ec;
+    std::filesystem::remove_all(p, ec);
+  }
+  c.paths.clear();
+}
+
+void HandleSignalsWithCleanup() {
+  sigset_t set;
+  sigemptyset(&set);
+  for (int s : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, s);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::thread([set] {
+    int sig = 0;
+    if (sigwait(&set, &sig) != 0) return;
+    std::fprintf(stderr,
+                 "\nweightbus-bench: %s: stopping the processes, removing the run's "
+                 "directories\n",
+                 strsignal(sig));
+    RunCleanup();
+    _exit(128 + sig);
+  }).detach();
+}
+
 void Die(const std::string& message) {
   std::fflush(stdout);
   std::fprintf(stderr, "weightbus-bench: error: %s\n", message.c_str());
+  RunCleanup();
   std::exit(2);
 }
 
@@ -135,9 +195,21 @@ absl::StatusOr<Child> Child::Start(const std::vector<std::string>& argv,
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  // The child starts with every signal unblocked and default dispositions for the ones the
+  // parent handles (HandleSignalsWithCleanup blocks them here).
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none, defaults;
+  sigemptyset(&none);
+  sigemptyset(&defaults);
+  for (int s : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaddset(&defaults, s);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
   Child c;
-  const int rc = posix_spawn(&c.pid_, argv[0].c_str(), &actions, nullptr, args.data(), environ);
+  const int rc = posix_spawn(&c.pid_, argv[0].c_str(), &actions, &attr, args.data(), environ);
   posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
   close(in[0]);
   close(out[1]);
   if (rc != 0) {
@@ -147,6 +219,10 @@ absl::StatusOr<Child> Child::Start(const std::vector<std::string>& argv,
   }
   c.in_ = in[1];
   c.out_ = out[0];
+  {
+    absl::MutexLock lock(&TheCleanup().mu);
+    TheCleanup().children.push_back(c.pid_);
+  }
   return c;
 }
 
@@ -173,6 +249,9 @@ Child::~Child() {
   if (pid_ > 0 && !exited_) {
     kill(pid_, SIGKILL);
     waitpid(pid_, nullptr, 0);
+    absl::MutexLock lock(&TheCleanup().mu);
+    std::vector<pid_t>& v = TheCleanup().children;
+    v.erase(std::remove(v.begin(), v.end(), pid_), v.end());
   }
   if (in_ >= 0) close(in_);
   if (out_ >= 0) close(out_);
@@ -240,6 +319,11 @@ Child::Exit Child::Wait(absl::Time deadline) {
     }
   }
   exited_ = true;
+  {
+    absl::MutexLock lock(&TheCleanup().mu);
+    std::vector<pid_t>& v = TheCleanup().children;
+    v.erase(std::remove(v.begin(), v.end(), pid_), v.end());
+  }
   e.status = status;
   e.cpu_s =
       u.ru_utime.tv_sec + u.ru_utime.tv_usec / 1e6 + u.ru_stime.tv_sec + u.ru_stime.tv_usec / 1e6;

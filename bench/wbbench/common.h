@@ -18,8 +18,19 @@
 namespace weightbus::bench {
 
 // Prints "weightbus-bench: error: <message>" and exits with status 2 (a usage or setup error;
-// measurement failures end in "# FAILED: ..." and status 1 instead).
+// measurement failures end in "# FAILED: ..." and status 1 instead), after the cleanup below.
 [[noreturn]] void Die(const std::string& message);
+
+// What the parent process leaves behind when it ends early: directories to remove and child
+// processes to kill. Die() and the signals below run it; a normal end removes what it made
+// itself. Thread-safe.
+void RemoveOnExit(const std::string& path);
+void KeepOnExit(const std::string& path);
+void RunCleanup();
+// Blocks SIGINT, SIGTERM and SIGHUP in this process and starts a thread that waits for them,
+// runs the cleanup and exits with 128 + the signal. Call before starting other threads or
+// children (children start with every signal unblocked again).
+void HandleSignalsWithCleanup();
 
 template <typename T>
 T OrDie(absl::StatusOr<T> v) {

@@ -30,7 +30,8 @@ same run. Output in the style of nccl-tests; ends with "# OK" or "# FAILED: reas
   --lr X --seed N        the update stream: Adam steps of this learning rate (default 1e-5)
   --dir DIR              where channels and baselines write (in DIR/wbbench-PID; default $TMPDIR)
   --store DIR            the pre-generated versions (in DIR/wbbench-PID; default /dev/shm)
-  --set KEY=VALUE        a channel option for every transport (repeatable)
+  --set KEY=VALUE        a channel setting (repeatable), given to every transport whose stack
+                         has it (core settings to all; `weightbus settings` lists them)
   --timeout SECONDS      per version (default 120)
   --no-baselines --no-torch --no-perftest   leave baselines out
   --python PATH          interpreter with torch for its baselines (default /usr/bin/python3)

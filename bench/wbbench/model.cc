@@ -421,11 +421,18 @@ double BandwidthFor(const ModelInputs& in, const std::string& transport, double 
     return std::numeric_limits<double>::quiet_NaN();
   }
   const bool storage = base == "disk";
-  const double current = storage ? in.storage_read_gbs : in.node_gbs;
+  // An infinite bandwidth (--network-gbs inf) is searched from 10^6 GB/s down instead: the
+  // answer is still the smallest finite bandwidth that reaches the target.
+  ModelInputs finite = in;
+  for (double* v : {&finite.node_gbs, &finite.storage_write_gbs, &finite.storage_read_gbs,
+                    &finite.storage_aggregate_gbs}) {
+    if (!std::isfinite(*v)) *v = 1e6;
+  }
+  const double current = storage ? finite.storage_read_gbs : finite.node_gbs;
   // Utilisation with the relevant bandwidths set to x times the current ones (storage: write,
   // read and aggregate alike).
   auto utilisation = [&](double x) {
-    ModelInputs m = in;
+    ModelInputs m = finite;
     if (storage) {
       m.storage_write_gbs *= x;
       m.storage_read_gbs *= x;
@@ -435,9 +442,6 @@ double BandwidthFor(const ModelInputs& in, const std::string& transport, double 
     }
     return m.step_s / (m.step_s + Exposed(m, Sum(Terms(m, delta, base, nullptr))));
   };
-  if (!std::isfinite(current)) {
-    return utilisation(1) >= target ? current : kInf;
-  }
   double lo = 1e-9, hi = 1e6;
   if (utilisation(hi) < target) return kInf;
   if (utilisation(lo) >= target) return lo * current;

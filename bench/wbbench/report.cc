@@ -49,8 +49,10 @@ void Summarize(TransportResult& t, uint64_t model_bytes, int versions) {
     for (const ReplicaRecord& r : v.replicas) {
       if (!r.ok) {
         all_ok = false;
-        any_wrong = true;
-        ++t.wrong_deliveries;
+        if (!r.timed_out) {  // a timeout is the run's failure, not a wrong version
+          any_wrong = true;
+          ++t.wrong_deliveries;
+        }
         continue;
       }
       lo = std::min(lo, r.ready_s);

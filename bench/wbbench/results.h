@@ -21,6 +21,7 @@ struct ReplicaRecord {
   int64_t call_start_unix_ns = 0;  // when its WaitForVersion began
   double wait_s = 0, allocate_s = 0, fetch_s = 0, decode_s = 0, verify_s = 0, apply_s = 0;
   uint64_t wire_bytes = 0;  // as UpdateStats reports (0: unknown)
+  bool timed_out = false;   // WaitForVersion's deadline passed: not delivered, not wrong
   double receive_s() const { return allocate_s + fetch_s + verify_s + apply_s; }
 };
 

@@ -12,7 +12,9 @@
 //
 // Both report the CPU time of the bench's own work in them (loading versions, hashing), which
 // the parent subtracts from the process's CPU time.
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -126,7 +128,9 @@ int PublisherMain(const tools::Args& args) {
 int SubscriberMain(const tools::Args& args) {
   const std::string uri = args.Get("uri").value_or("");
   const std::string store = args.Get("store").value_or("");
-  const absl::Duration timeout = OrDie(args.GetSeconds("timeout-s", absl::Seconds(120)));
+  // Waiting for the next version may take a whole round of the other transports and the
+  // baselines; the parent bounds each of them by --timeout itself.
+  const absl::Duration timeout = OrDie(args.GetSeconds("wait-timeout-s", absl::Seconds(120)));
   const uint64_t count = OrDie(args.GetUint("count", 1));
   StoreIndex index = OrDie(ReadIndex(store));
   Buffer params(index.file_bytes);
@@ -153,6 +157,7 @@ int SubscriberMain(const tools::Args& args) {
       Emit({{"version", want},
             {"call_start_unix_ns", call_ns},
             {"ok", false},
+            {"timed_out", absl::IsDeadlineExceeded(u.status())},
             {"error", std::string(u.status().message())}});
       if (absl::IsDeadlineExceeded(u.status())) return 1;
       continue;  // a bad version: the next one may be fine
@@ -203,9 +208,18 @@ int SubscriberMain(const tools::Args& args) {
 }  // namespace
 
 int WorkerMain(const std::vector<std::string>& argv) {
-  tools::Args args = OrDie(tools::Args::Parse(
-      argv,
-      {{"uri"}, {"store"}, {"timeout-s"}, {"count"}, {"corrupt-version"}, {"set", true, true}}));
+  tools::Args args = OrDie(tools::Args::Parse(argv, {{"uri"},
+                                                     {"store"},
+                                                     {"timeout-s"},
+                                                     {"wait-timeout-s"},
+                                                     {"count"},
+                                                     {"corrupt-version"},
+                                                     {"parent-pid"},
+                                                     {"set", true, true}}));
+  // A worker never outlives the bench: killed with it, even by SIGKILL.
+  const uint64_t parent = OrDie(args.GetUint("parent-pid", 0));
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (parent != 0 && getppid() != static_cast<pid_t>(parent)) return 1;
   if (args.positional().size() != 1) Die("__worker publisher|subscriber");
   if (args.positional()[0] == "publisher") return PublisherMain(args);
   if (args.positional()[0] == "subscriber") return SubscriberMain(args);

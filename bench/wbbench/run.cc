@@ -2,11 +2,13 @@
 // `weightbus-bench run`: one publisher and N subscriber processes per transport, the same
 // realistic versions through each, baselines in the same run; see main.cc for the usage and
 // docs/PERFORMANCE.md for the metrics.
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/utsname.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -168,7 +170,7 @@ StoreIndex GenerateStore(const RunOptions& o, std::vector<tools::OwnedTensor> ma
     std::ofstream out(index.VersionPath(dir, v), std::ios::binary);
     out.write(reinterpret_cast<const char*>(file.data()),
               static_cast<std::streamsize>(file.size()));
-    if (!out) Die("cannot write " + index.VersionPath(dir, v));
+    if (!out) Die("cannot write " + index.VersionPath(dir, v) + ": " + std::strerror(errno));
     index.xxh3.push_back(std::move(hashes));
     index.changed_fraction.push_back(previous.empty() ? 1.0 : tools::ChangedFraction(previous, w));
     previous = std::move(w);
@@ -201,11 +203,22 @@ class Session {
 
   bool alive() const { return alive_; }
 
-  void Start(const RunOptions& o, const std::string& store, const std::string& log_dir) {
+  // `wait_timeout`: how long a subscriber may wait for the next version (a whole round of the
+  // other transports and the baselines when interleaved). `settings`: this transport's --set.
+  void Start(const RunOptions& o, const std::string& store, const std::string& log_dir,
+             absl::Duration wait_timeout, const std::vector<std::string>& settings) {
     std::vector<std::string> common = {
-        "--uri", result.uri,    "--store",
-        store,   "--timeout-s", absl::StrFormat("%.3f", absl::ToDoubleSeconds(o.timeout))};
-    for (const std::string& s : o.settings) {
+        "--uri",
+        result.uri,
+        "--store",
+        store,
+        "--timeout-s",
+        absl::StrFormat("%.3f", absl::ToDoubleSeconds(o.timeout)),
+        "--parent-pid",
+        std::to_string(getpid()),
+        "--wait-timeout-s",
+        absl::StrFormat("%.3f", absl::ToDoubleSeconds(wait_timeout))};
+    for (const std::string& s : settings) {
       common.push_back("--set");
       common.push_back(s);
     }
@@ -292,11 +305,19 @@ class Session {
       r.verify_s = j->value("verify_s", 0.0);
       r.apply_s = j->value("apply_s", 0.0);
       r.wire_bytes = j->value("wire_bytes", uint64_t{0});
+      r.timed_out = j->value("timed_out", false);
       if (j->value("version", uint64_t{0}) != v && r.error.empty()) {
         r.ok = false;
         r.error = absl::StrFormat("reported version %s instead of %d", (*j)["version"].dump(), v);
       }
+      const bool timed_out = r.timed_out;
       rec.replicas.push_back(std::move(r));
+      if (timed_out) {  // not a wrong version: the transport did not deliver in time
+        result.versions.push_back(std::move(rec));
+        Fail(absl::StrFormat("%s gave up waiting for version %d: %s", roles_[i], v,
+                             rec.replicas.back().error));
+        return;
+      }
     }
     result.versions.push_back(std::move(rec));
   }
@@ -411,10 +432,14 @@ class Progress {
   int total_;
 };
 
-bool WriteText(const std::string& path, const std::string& text) {
+// Writes `text` to `path`; the reason (strerror) if it cannot.
+std::optional<std::string> WriteText(const std::string& path, const std::string& text) {
+  errno = 0;
   std::ofstream f(path, std::ios::binary);
   f << text;
-  return static_cast<bool>(f);
+  f.close();
+  if (f) return std::nullopt;
+  return errno != 0 ? std::strerror(errno) : "write failed";
 }
 
 std::string FsType(const std::string& path) {
@@ -472,6 +497,9 @@ int RunMain(const std::vector<std::string>& argv) {
     o.torch_reps = 1;
   }
   o.shapes = args.Get("shapes").value_or(WEIGHTBUS_SHAPES_FILE);
+  if (args.Has("model") && (args.Has("shapes") || args.Has("size"))) {
+    Die("--size and --shapes describe a synthetic model: not with --model");
+  }
   if (args.Has("shapes") || args.Has("size")) o.model.clear();
   o.model = args.Get("model").value_or(o.model);
   if (auto s = args.Get("size")) o.size = OrDie(ParseBytes(*s));
@@ -506,9 +534,40 @@ int RunMain(const std::vector<std::string>& argv) {
     Die("--versions must be at least 1 and above --warmup (the warm-up versions are not measured)");
   }
   if (o.size < 1024) Die("--size must be at least 1KiB");
-  for (const std::string& s : o.settings) {
-    if (s.find('=') == std::string::npos) Die("--set takes KEY=VALUE, not " + s);
+  if (o.timeout < absl::Seconds(1)) Die("--timeout must be at least 1 second (per version)");
+  if (o.corrupt_version > static_cast<uint64_t>(o.versions)) {
+    Die(absl::StrFormat("--corrupt-version %d: the run publishes versions 1 to %d",
+                        o.corrupt_version, o.versions));
   }
+  // Every output file writable before anything runs (opened without truncating; a file this
+  // creates is overwritten at the end).
+  for (const std::optional<std::string>& path : {o.json, o.csv, o.trace, o.plot}) {
+    if (!path) continue;
+    const int fd = ::open(path->c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) Die(absl::StrFormat("cannot write %s: %s", *path, std::strerror(errno)));
+    ::close(fd);
+  }
+  // --set KEY=VALUE goes to the transports whose stack has the setting (core settings to all);
+  // a key no measured transport knows is an error now, not when the channels open.
+  std::map<std::string, std::string> scope_of;  // setting name -> "core" or a scheme
+  for (const SettingInfo& info : DescribeSettings()) scope_of[info.name] = info.scope;
+  for (const std::string& s : o.settings) {
+    const size_t eq = s.find('=');
+    if (eq == std::string::npos) Die("--set takes KEY=VALUE, not " + s);
+    if (scope_of.count(s.substr(0, eq)) == 0) {
+      Die(absl::StrFormat("--set %s: no setting \"%s\" (`weightbus settings` lists them)", s,
+                          s.substr(0, eq)));
+    }
+  }
+  auto settings_for = [&](const std::string& transport) {
+    std::vector<std::string> out;
+    const std::vector<std::string> stack = absl::StrSplit(transport, '+');
+    for (const std::string& s : o.settings) {
+      const std::string& scope = scope_of[s.substr(0, s.find('='))];
+      if (scope == "core" || Contains(stack, scope)) out.push_back(s);
+    }
+    return out;
+  };
 
   // What this build can run.
   const std::vector<std::string> built = Transports();
@@ -543,23 +602,42 @@ int RunMain(const std::vector<std::string>& argv) {
     o.transports = available;
   }
   if (o.transports.empty()) Die("no transport to measure in this build");
+  for (const std::string& s : o.settings) {
+    bool used = false;
+    for (const std::string& t : o.transports) used = used || Contains(settings_for(t), s);
+    if (!used) {
+      Die(absl::StrFormat("--set %s: a %s setting, and no %s transport is measured", s,
+                          scope_of[s.substr(0, s.find('='))], scope_of[s.substr(0, s.find('='))]));
+    }
+  }
 
   // Directories.
   const std::string tmp = fs::temp_directory_path().string();
   // A fresh wbbench-PID directory inside --dir and --store (or $TMPDIR and /dev/shm), removed
   // afterwards unless --keep: nothing else in the user's directories is touched.
   const std::string run_name = absl::StrFormat("wbbench-%d", getpid());
-  o.dir = args.Get("dir").value_or(tmp) + "/" + run_name;
+  auto parent_dir = [](const char* flag, const std::string& path) {
+    std::error_code ec;
+    if (!fs::is_directory(path, ec)) {
+      Die(absl::StrFormat("--%s %s: not an existing directory", flag, path));
+    }
+    return fs::absolute(path, ec).lexically_normal().string();
+  };
+  o.dir = (args.Has("dir") ? parent_dir("dir", *args.Get("dir")) : tmp) + "/" + run_name;
   const bool shm = fs::is_directory("/dev/shm");
-  o.store = args.Has("store") ? *args.Get("store") + "/" + run_name
+  o.store = args.Has("store") ? parent_dir("store", *args.Get("store")) + "/" + run_name
             : shm             ? "/dev/shm/" + run_name
                               : o.dir + "/store";
   if (fs::exists(o.dir) || fs::exists(o.store)) Die(o.dir + " or " + o.store + " exists already");
+  // From here on an early end (an error, Ctrl-C) removes what this run made.
+  HandleSignalsWithCleanup();
   std::error_code ec;
-  fs::create_directories(o.dir, ec);
+  fs::create_directory(o.dir, ec);
   if (ec) Die("cannot create " + o.dir + ": " + ec.message());
+  if (!o.keep) RemoveOnExit(o.dir);
   fs::create_directories(o.store, ec);
   if (ec) Die("cannot create " + o.store + ": " + ec.message());
+  if (!o.keep) RemoveOnExit(o.store);
   const std::string log_dir = o.dir + "/logs";
   fs::create_directories(log_dir);
   const bool progress = isatty(STDOUT_FILENO) && isatty(STDERR_FILENO);
@@ -694,7 +772,8 @@ int RunMain(const std::vector<std::string>& argv) {
                       o.order == "sequential"
                           ? "--order sequential"
                           : absl::StrFormat("their processes need about %s together, more than "
-                                            "the %s available; --order interleaved to insist",
+                                            "80%% of the %s available; --order interleaved to "
+                                            "insist",
                                             HumanBytes(need), HumanBytes(available_memory)));
   std::fputs(banner.c_str(), stdout);
   std::fflush(stdout);
@@ -782,7 +861,9 @@ int RunMain(const std::vector<std::string>& argv) {
     ++done;
   };
   if (interleaved) {
-    for (auto& s : sessions) s->Start(o, o.store, log_dir);
+    // A subscriber waits for its next version while every other unit takes its turn.
+    const absl::Duration wait = o.timeout * (units + 3);
+    for (auto& s : sessions) s->Start(o, o.store, log_dir, wait, settings_for(s->result.name));
     for (int v = 1; v <= o.versions; ++v) {
       for (int k = 0; k < units; ++k) step((k + v - 1) % units, v);
     }
@@ -792,7 +873,8 @@ int RunMain(const std::vector<std::string>& argv) {
     for (int unit = 0; unit < units; ++unit) {
       if (unit < static_cast<int>(sessions.size())) {
         bar.Update(done, "starting " + sessions[unit]->result.name);
-        sessions[unit]->Start(o, o.store, log_dir);
+        sessions[unit]->Start(o, o.store, log_dir, o.timeout,
+                              settings_for(sessions[unit]->result.name));
       }
       for (int v = 1; v <= o.versions; ++v) step(unit, v);
       if (unit < static_cast<int>(sessions.size())) sessions[unit]->Finish(o.versions);
@@ -885,8 +967,9 @@ int RunMain(const std::vector<std::string>& argv) {
   std::fflush(stdout);
   bool io_ok = true;
   auto write = [&](const std::optional<std::string>& path, const std::string& text) {
-    if (path && !WriteText(*path, text)) {
-      std::fprintf(stderr, "weightbus-bench: cannot write %s\n", path->c_str());
+    if (!path) return;
+    if (std::optional<std::string> why = WriteText(*path, text)) {
+      std::fprintf(stderr, "weightbus-bench: cannot write %s: %s\n", path->c_str(), why->c_str());
       io_ok = false;
     }
   };
@@ -896,10 +979,7 @@ int RunMain(const std::vector<std::string>& argv) {
   write(o.plot, BarChartSvg(absl::StrFormat("weightbus-bench run: %s BF16 model, %d subscribers",
                                             HumanBytes(r.model_bytes), o.subscribers),
                             BarsOf(r)));
-  if (!o.keep) {
-    fs::remove_all(o.store, ec);
-    fs::remove_all(o.dir, ec);
-  }
+  RunCleanup();  // the run's directories, unless --keep
   if (!io_ok) return 2;
   return r.failures.empty() ? 0 : 1;
 }

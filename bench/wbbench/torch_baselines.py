@@ -41,6 +41,13 @@ DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "I8": "int8", 
           "I16": "int16", "I32": "int32", "I64": "int64", "F64": "float64"}
 
 
+def die_with_parent():
+    """In a reader process before exec: SIGKILL it when rank 0 dies (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+
+
 def load_store(torch, store, fill):
     with open(os.path.join(store, "index.json")) as f:
         index = json.load(f)
@@ -82,7 +89,7 @@ def main():
             children.append(subprocess.Popen(
                 [sys.executable, __file__, "--store", a.store, "--dir", a.dir, "--readers",
                  str(a.readers), "--port", str(a.port), "--rank", str(r)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank,
                             world_size=world)
     state = load_store(torch, a.store, fill=a.rank == 0)

@@ -114,6 +114,24 @@ run_expect_failure subscriber-killed 'subscriber [01] ended early \(killed by si
 run_expect_failure publisher-killed 'publisher ended early \(killed by signal 9\)' \
   --transports disk --set failpoints=core.before_transport=kill@3
 
+echo "== a sweep of sizes: one run per size, output files named by size"
+"$bench" run --min-size 1MiB --max-size 4MiB --factor 4 --versions 2 --no-baselines \
+  --transports disk,ucx --dir "$work" --json "$work/sweep.json" > "$work/sweep.txt" 2>&1 ||
+  { cat "$work/sweep.txt"; fail "the sweep failed"; }
+[[ $(grep -c '^# OK$' "$work/sweep.txt") -eq 2 ]] || fail "the sweep did not end in two '# OK'"
+check "$work/sweep-1.0MiB.json" "$work/sweep-4.0MiB.json" <<'EOF'
+import json, sys
+sizes = []
+for path in sys.argv[1:]:
+    r = json.load(open(path))
+    assert r["ok"], path
+    sizes.append(r["model_bytes"])
+# Qwen2.5-0.5B's shapes scaled: within 15% above the size asked for (rounded dimensions).
+for got, want in zip(sizes, [1 << 20, 4 << 20]):
+    assert want <= got <= want * 1.15, sizes
+print("sweep: model bytes", sizes)
+EOF
+
 echo "== set-up errors: one line, status 2, nothing left behind"
 for args in "--set bogus=1" "--store $work/missing" "--timeout 0" "--corrupt-version 9" \
     "--model $work/missing.safetensors"; do

@@ -58,8 +58,19 @@ void KeepOnExit(const std::string& path) {
 void RunCleanup() {
   Cleanup& c = TheCleanup();
   absl::MutexLock lock(&c.mu);
-  for (pid_t pid : c.children) kill(pid, SIGKILL);
-  for (pid_t pid : c.children) waitpid(pid, nullptr, 0);
+  // SIGTERM first (a child `run` of a sweep then cleans up after itself), SIGKILL after 10 s.
+  for (pid_t pid : c.children) kill(pid, SIGTERM);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  for (pid_t pid : c.children) {
+    while (waitpid(pid, nullptr, WNOHANG) == 0) {
+      if (absl::Now() > deadline) {
+        kill(pid, SIGKILL);
+        waitpid(pid, nullptr, 0);
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  }
   c.children.clear();
   for (const std::string& p : c.paths) {
     std::error_code ec;
@@ -339,6 +350,40 @@ std::string Child::Exit::Describe() const {
   if (WIFEXITED(status)) return absl::StrFormat("exit %d", WEXITSTATUS(status));
   if (WIFSIGNALED(status)) return absl::StrFormat("killed by signal %d", WTERMSIG(status));
   return "did not exit";
+}
+
+absl::StatusOr<pid_t> SpawnInheriting(const std::vector<std::string>& argv) {
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none, defaults;
+  sigemptyset(&none);
+  sigemptyset(&defaults);
+  for (int s : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaddset(&defaults, s);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, argv[0].c_str(), nullptr, &attr, args.data(), environ);
+  posix_spawnattr_destroy(&attr);
+  if (rc != 0) {
+    return absl::InternalError(absl::StrFormat("cannot start %s: %s", argv[0], strerror(rc)));
+  }
+  absl::MutexLock lock(&TheCleanup().mu);
+  TheCleanup().children.push_back(pid);
+  return pid;
+}
+
+int WaitChild(pid_t pid) {
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  absl::MutexLock lock(&TheCleanup().mu);
+  std::vector<pid_t>& v = TheCleanup().children;
+  v.erase(std::remove(v.begin(), v.end(), pid), v.end());
+  return status;
 }
 
 std::string FileTail(const std::string& path, size_t max_bytes) {

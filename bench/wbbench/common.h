@@ -101,6 +101,12 @@ class Child {
   Exit exit_;
 };
 
+// Starts argv[0] (a path) with this process's stdin, stdout and stderr, all signals unblocked,
+// registered for the cleanup above. WaitChild waits for it (retrying on EINTR) and returns the
+// raw wait status.
+absl::StatusOr<pid_t> SpawnInheriting(const std::vector<std::string>& argv);
+int WaitChild(pid_t pid);
+
 // The last `max_bytes` bytes of a file (for error messages), "" when unreadable.
 std::string FileTail(const std::string& path, size_t max_bytes = 2000);
 

@@ -26,7 +26,11 @@ same run. Output in the style of nccl-tests; ends with "# OK" or "# FAILED: reas
   --versions N           versions to publish (default 6); --warmup N not measured (default 1)
   --model PATH           a llama2.c .bin or safetensors file/directory (the weights to sync)
   --size BYTES           a synthetic model of this size (e.g. 256MiB), shaped like --shapes
-                         (default: Qwen2.5-0.5B's tensor shapes, scaled); default 128MiB
+                         (default: Qwen2.5-0.5B's tensor shapes, scaled); default 128MiB.
+                         A list (--size 64MiB,1GiB) is a sweep, as is
+  --min-size A --max-size B [--factor F]   A, A x F, ... up to B (default F 2): one whole run
+                         per size, one after the other; output files get the size in their
+                         name (run.json -> run-64.0MiB.json); the status is the worst
   --lr X --seed N        the update stream: Adam steps of this learning rate (default 1e-5)
   --dir DIR              where channels and baselines write (in DIR/wbbench-PID; default $TMPDIR)
   --store DIR            the pre-generated versions (in DIR/wbbench-PID; default /dev/shm)

@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/utsname.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -458,6 +459,90 @@ std::string FsType(const std::string& path) {
 
 }  // namespace
 
+namespace {
+
+// The sizes of a sweep: --size A,B,C, or --min-size/--max-size/--factor (nccl-tests' -b/-e/-f:
+// min, min x factor, ... up to max). Empty without either; one size for a plain --size.
+std::vector<uint64_t> SweepSizes(const tools::Args& args) {
+  std::vector<uint64_t> sizes;
+  const bool range = args.Has("min-size") || args.Has("max-size") || args.Has("factor");
+  if (range && args.Has("size")) Die("--size or --min-size/--max-size/--factor, not both");
+  if (range) {
+    if (!args.Has("min-size") || !args.Has("max-size")) {
+      Die("a sweep takes --min-size and --max-size (and --factor, default 2)");
+    }
+    const uint64_t lo = OrDie(ParseBytes(*args.Get("min-size")));
+    const uint64_t hi = OrDie(ParseBytes(*args.Get("max-size")));
+    const uint64_t factor = OrDie(args.GetUint("factor", 2));
+    if (lo < 1024 || hi < lo) Die("--min-size must be at least 1KiB and at most --max-size");
+    if (factor < 2) Die("--factor must be at least 2");
+    for (uint64_t x = lo; x <= hi; x = x > hi / factor ? hi + 1 : x * factor) sizes.push_back(x);
+  } else if (std::optional<std::string> list = args.Get("size")) {
+    for (const std::string& piece : std::vector<std::string>(absl::StrSplit(*list, ','))) {
+      sizes.push_back(OrDie(ParseBytes(piece)));
+    }
+  }
+  if (sizes.size() > 1 && args.Has("model"))
+    Die("a sweep of sizes is of synthetic models, not --model");
+  if (sizes.size() > 1 && args.Has("quick")) Die("--quick is one size (stories260K)");
+  return sizes;
+}
+
+// "64MiB", "1.5GiB": a size as a file name part.
+std::string SizeTag(uint64_t bytes) {
+  std::string t = HumanBytes(static_cast<double>(bytes));
+  t.erase(std::remove(t.begin(), t.end(), ' '), t.end());
+  return t;
+}
+
+// Runs `weightbus-bench run` once per size with the same arguments (less the size flags; output
+// files get the size before their extension: run.json -> run-64.0MiB.json), each a complete run
+// with its own banner, table and final line, its stdout and stderr passed through. The status
+// is the worst of them.
+int RunSweep(const std::vector<std::string>& argv, const std::vector<uint64_t>& sizes) {
+  static const std::vector<std::string> kSizeFlags = {"--size", "--min-size", "--max-size",
+                                                      "--factor"};
+  static const std::vector<std::string> kOutputs = {"--json", "--csv", "--trace", "--plot"};
+  HandleSignalsWithCleanup();  // stops the run in progress on SIGINT/SIGTERM/SIGHUP
+  int worst = 0;
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    const uint64_t size = sizes[k];
+    std::vector<std::string> a = {SelfPath(), "run", "--size", std::to_string(size)};
+    for (size_t i = 0; i < argv.size(); ++i) {
+      const std::string& tok = argv[i];
+      const std::string name = tok.substr(0, tok.find('='));
+      const bool inline_value = tok.find('=') != std::string::npos;
+      if (Contains(kSizeFlags, name)) {
+        if (!inline_value) ++i;
+        continue;
+      }
+      if (Contains(kOutputs, name)) {
+        std::string path = inline_value ? tok.substr(tok.find('=') + 1) : argv.at(++i);
+        const fs::path p(path);
+        path =
+            (p.parent_path() / (p.stem().string() + "-" + SizeTag(size) + p.extension().string()))
+                .string();
+        a.push_back(name);
+        a.push_back(path);
+        continue;
+      }
+      a.push_back(tok);
+    }
+    std::printf("# sweep: %s (%zu of %zu)\n", HumanBytes(static_cast<double>(size)).c_str(), k + 1,
+                sizes.size());
+    std::fflush(stdout);
+    absl::StatusOr<pid_t> pid = SpawnInheriting(a);
+    if (!pid.ok()) Die(std::string(pid.status().message()));
+    const int status = WaitChild(*pid);
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    worst = std::max(worst, code);
+    if (code >= 2) break;  // a set-up error repeats at every size
+  }
+  return worst;
+}
+
+}  // namespace
+
 int RunMain(const std::vector<std::string>& argv) {
   tools::Args args = OrDie(tools::Args::Parse(argv, {{"transports"},
                                                      {"subscribers"},
@@ -486,8 +571,14 @@ int RunMain(const std::vector<std::string>& argv) {
                                                      {"trace"},
                                                      {"plot"},
                                                      {"quick", false},
-                                                     {"order"}}));
+                                                     {"order"},
+                                                     {"min-size"},
+                                                     {"max-size"},
+                                                     {"factor"}}));
   if (!args.positional().empty()) Die("run takes no positional arguments (see --help)");
+  // A sweep of sizes: one whole run per size, one after the other (see RunSweep).
+  const std::vector<uint64_t> sizes = SweepSizes(args);
+  if (sizes.size() > 1) return RunSweep(argv, sizes);
   RunOptions o;
   o.quick = args.Has("quick");
   if (o.quick) {
@@ -500,9 +591,9 @@ int RunMain(const std::vector<std::string>& argv) {
   if (args.Has("model") && (args.Has("shapes") || args.Has("size"))) {
     Die("--size and --shapes describe a synthetic model: not with --model");
   }
-  if (args.Has("shapes") || args.Has("size")) o.model.clear();
+  if (args.Has("shapes") || !sizes.empty()) o.model.clear();
   o.model = args.Get("model").value_or(o.model);
-  if (auto s = args.Get("size")) o.size = OrDie(ParseBytes(*s));
+  if (!sizes.empty()) o.size = sizes[0];
   o.subscribers = static_cast<int>(OrDie(args.GetUint("subscribers", o.subscribers)));
   o.versions = static_cast<int>(OrDie(args.GetUint("versions", o.versions)));
   o.warmup = static_cast<int>(OrDie(args.GetUint("warmup", o.warmup)));

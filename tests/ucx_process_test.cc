@@ -266,3 +266,28 @@ INSTANTIATE_TEST_SUITE_P(Tls, UcxProcessTest, ::testing::Values(kShm, kTcp),
 
 }  // namespace
 }  // namespace weightbus
+
+namespace weightbus {
+namespace {
+
+// UCX's own log handler prints to stdout, the host program's (a vLLM server's, a trainer's):
+// its warnings must reach weightbus's log on stderr instead.
+TEST(UcxLogTest, UcxWarningsGoToStderrNotTheHostsStdout) {
+  if (const std::string why = UseTls(kShm); !why.empty()) GTEST_SKIP() << why;
+  testing::ScratchDir dir;
+  const std::string err = dir.path() + "/stderr.txt";
+  std::map<std::string, std::string> env = kShm.env;
+  env["UCX_WB_TEST_UNUSED_VARIABLE"] = "1";  // UCX warns about unknown UCX_* variables
+  auto run = testing::RunCommand(
+      {"/bin/sh", "-c",
+       absl::StrFormat("%s subscribe ucx://127.0.0.1:%d/none --to %s/replica --timeout 1 2>%s",
+                       Cli(), FreePort(), dir.path(), err)},
+      absl::Seconds(60), env);
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->exit_code, 1) << run->output;  // nobody publishes there
+  EXPECT_THAT(run->output, ::testing::Not(HasSubstr("UCX_WB_TEST_UNUSED_VARIABLE")));
+  EXPECT_THAT(ReadLog(err), HasSubstr("unused env variable: UCX_WB_TEST_UNUSED_VARIABLE"));
+}
+
+}  // namespace
+}  // namespace weightbus

@@ -52,8 +52,13 @@ absl::Status UcsError(ucs_status_t status, std::string_view what) {
   return absl::Status(code, absl::StrFormat("%s: %s", what, ucs_status_string(status)));
 }
 
+namespace {
+void RouteUcxLogs();
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<Context>> Context::Create(bool wakeup, std::string_view uri,
                                                          bool one_host) {
+  RouteUcxLogs();  // before UCX reads its configuration (it warns about unknown UCX_* there)
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) {
@@ -259,10 +264,22 @@ namespace {
 
 thread_local bool quiet_ucx_errors = false;
 
+// UCX's own handler prints to stdout (UCX_LOG_FILE's default), which is the host program's:
+// warnings and errors go to weightbus's log (stderr) instead, and errors of a QuietUcxErrors
+// scope to its debug level. Other levels (UCX_LOG_LEVEL=info and up) go on to UCX's handler.
 ucs_log_func_rc_t FilterUcxLog(const char* file, unsigned line, const char* function,
                                ucs_log_level_t level, const ucs_log_component_config_t* comp_conf,
                                const char* message, va_list ap) {
-  if (!quiet_ucx_errors || level > UCS_LOG_LEVEL_ERROR) return UCS_LOG_FUNC_RC_CONTINUE;
+  if (level > UCS_LOG_LEVEL_WARN) return UCS_LOG_FUNC_RC_CONTINUE;
+  if (!quiet_ucx_errors || level > UCS_LOG_LEVEL_ERROR) {
+    const LogLevel ours = level == UCS_LOG_LEVEL_WARN ? LogLevel::kWarn : LogLevel::kError;
+    if (LogEnabled(ours)) {
+      char text[1024];
+      std::vsnprintf(text, sizeof(text), message, ap);
+      Log(ours, "UCX (%s:%d): %s", file, line, text);
+    }
+    return UCS_LOG_FUNC_RC_STOP;
+  }
   if (LogEnabled(LogLevel::kDebug)) {
     char text[1024];
     std::vsnprintf(text, sizeof(text), message, ap);
@@ -271,12 +288,16 @@ ucs_log_func_rc_t FilterUcxLog(const char* file, unsigned line, const char* func
   return UCS_LOG_FUNC_RC_STOP;
 }
 
+void RouteUcxLogs() {
+  static std::once_flag pushed;
+  // UCX calls the most recently pushed handler first; this one passes the rest on.
+  std::call_once(pushed, [] { ucs_log_push_handler(&FilterUcxLog); });
+}
+
 }  // namespace
 
 QuietUcxErrors::QuietUcxErrors() {
-  static std::once_flag pushed;
-  // UCX calls the most recently pushed handler first; this one passes everything else on.
-  std::call_once(pushed, [] { ucs_log_push_handler(&FilterUcxLog); });
+  RouteUcxLogs();
   quiet_ucx_errors = true;
 }
 

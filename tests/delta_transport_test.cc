@@ -530,6 +530,10 @@ TEST(DeltaTransportTest, OverUcxFollowersAndLateJoinersAreBitExact) {
       ExpectSameTensors(**update, version);
     }
   }
+  // The publisher counts the subscribers that verified a version through the layer.
+  EXPECT_TRUE((*pub)->WaitForReceivers(38, 2, kTimeout).ok());
+  absl::Status three = (*pub)->WaitForReceivers(38, 3, absl::Milliseconds(200));
+  EXPECT_EQ(three.code(), absl::StatusCode::kDeadlineExceeded) << three;
   ::unsetenv("UCX_TLS");
 }
 

@@ -53,6 +53,13 @@ class DeltaPublisher final : public TransportPublisher {
 
   std::optional<CodecStats> LastCodecStats() const override { return last_stats_; }
 
+  // Encoded versions carry the version numbers of the versions they encode, and a delta
+  // subscriber accepts the inner one only once the decoded version passed verification
+  // (DeltaIncoming::Accepted), so the transport beneath counts receivers for this layer.
+  absl::StatusOr<int> WaitForReceivers(uint64_t version, int count, absl::Time deadline) override {
+    return inner_->WaitForReceivers(version, count, deadline);
+  }
+
  private:
   void ApplyFloor() {
     std::optional<uint64_t> floor = keyframe_;

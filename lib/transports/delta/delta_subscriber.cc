@@ -394,6 +394,9 @@ absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> tar
 void DeltaIncoming::Accepted() {
   if (duplicate_ || !fetched_) return;
   owner_->AdoptBase(manifest(), targets_, storage_ ? &*storage_ : nullptr, chunks_, methods_);
+  // The encoded version of the one delivered (not the chain's earlier ones) is accepted beneath
+  // too: a transport that reports receipts to its publisher (ucx) counts this subscriber.
+  if (steps_.back().incoming) steps_.back().incoming->Accepted();
 }
 
 std::string DeltaIncoming::Chain() const {

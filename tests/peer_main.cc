@@ -27,6 +27,7 @@ struct Flags {
   uint64_t versions = 1, start = 1, seed = 1, bytes = 1 << 16, until = 1;
   int interval_ms = 0;
   int until_subscribers = 0;
+  int first_subscribers = 0;  // after the first version: wait until this many hold it
   int serve_ms = 0;
   double timeout_s = 30;
   weightbus::Options options;
@@ -53,6 +54,8 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
       ok = absl::SimpleAtoi(v, &f->interval_ms);
     else if (k == "--until-subscribers")
       ok = absl::SimpleAtoi(v, &f->until_subscribers);
+    else if (k == "--first-subscribers")
+      ok = absl::SimpleAtoi(v, &f->first_subscribers);
     else if (k == "--serve-ms")
       ok = absl::SimpleAtoi(v, &f->serve_ms);
     else if (k == "--timeout-s")
@@ -86,6 +89,15 @@ int Publish(const Flags& f) {
     }
     std::printf("published %llu\n", static_cast<unsigned long long>(v));
     std::fflush(stdout);
+    if (v == f.start && f.first_subscribers > 0) {
+      // Every subscriber is in before the rest: none of them can miss versions by starting late.
+      s = (*pub)->WaitForReceivers(v, f.first_subscribers, absl::Seconds(f.timeout_s));
+      if (!s.ok()) {
+        std::fprintf(stderr, "wait for %d subscribers of the first version: %s\n",
+                     f.first_subscribers, s.ToString().c_str());
+        return 1;
+      }
+    }
     if (f.interval_ms > 0) absl::SleepFor(absl::Milliseconds(f.interval_ms));
   }
   if (f.until_subscribers > 0) {

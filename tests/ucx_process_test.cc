@@ -148,10 +148,13 @@ TEST_P(UcxProcessTest, SubscriberKilledMidTransferBlocksNeitherThePublisherNorOt
     return a;
   };
   const absl::Time start = absl::Now();
-  auto pub = Child::Start(args({Peer(), "publish", uri_, "--versions", "20", "--interval-ms", "20",
-                                "--until-subscribers", "1", "--timeout-s", "40", "--set",
-                                "staging_slots=1", "--set", "lease=60s"}),
-                          GetParam().env, dir_ / "pub.log");
+  // Both subscribers hold version 1 before the rest is published, so the victim's second fetch
+  // (where its fail point kills it) is always a transfer, however late it started.
+  auto pub =
+      Child::Start(args({Peer(), "publish", uri_, "--versions", "20", "--interval-ms", "20",
+                         "--first-subscribers", "2", "--until-subscribers", "1", "--timeout-s",
+                         "40", "--set", "staging_slots=1", "--set", "lease=60s"}),
+                   GetParam().env, dir_ / "pub.log");
   ASSERT_TRUE(pub.ok());
   auto victim = Child::Start(args({Peer(), "subscribe", uri_, "--until", "20", "--set",
                                    "failpoints=ucx.during_get=kill@2"}),

@@ -7,12 +7,14 @@
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <initializer_list>
 #include <limits>
 #include <map>
@@ -1057,6 +1059,36 @@ TEST(SafetensorsWriteTest, NamesWithAnyCharactersRoundTrip) {
     ASSERT_NE(e, nullptr);
     EXPECT_EQ(BytesOf(*file, *e), RawBytes(data[i]));
   }
+}
+
+// A writer killed mid-write leaves "<path>.tmp.<host>.<pid>"; the next write removes those of
+// dead processes of this host, and leaves other hosts' (a shared filesystem) and live ones.
+TEST(SafetensorsWriteTest, TemporariesOfKilledWritersAreRemovedOthersKept) {
+  ScratchDir dir;
+  const std::string path = dir.path() + "/model.safetensors";
+  char host[256] = {};
+  ASSERT_EQ(gethostname(host, sizeof(host) - 1), 0);
+  const pid_t dead = fork();
+  ASSERT_GE(dead, 0);
+  if (dead == 0) _exit(0);
+  ASSERT_EQ(waitpid(dead, nullptr, 0), dead);
+  const std::string stale = absl::StrFormat("%s.tmp.%s.%d", path, host, dead);
+  const std::string live = absl::StrFormat("%s.tmp.%s.%d", path, host, getppid());
+  const std::string other_host = absl::StrFormat("%s.tmp.other-host.%d", path, dead);
+  const std::string other_file =
+      absl::StrFormat("%s/config.json.tmp.%s.%d", dir.path(), host, dead);
+  for (const std::string& p : {stale, live, other_host, other_file}) {
+    std::ofstream(p) << "partial";
+  }
+  const std::vector<float> vec = {1.5f, -2.25f};
+  ASSERT_TRUE(WriteFile(path, {View("vec", DType::kF32, {2}, vec.data())}, {}).ok());
+  EXPECT_FALSE(std::filesystem::exists(stale));
+  EXPECT_TRUE(std::filesystem::exists(live));
+  EXPECT_TRUE(std::filesystem::exists(other_host));
+  EXPECT_TRUE(std::filesystem::exists(other_file));
+  auto back = ReadFile(path);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->header.tensors.size(), 1u);
 }
 
 TEST(SafetensorsWriteTest, ScalarsAndZeroSizeTensorsRoundTrip) {

@@ -118,8 +118,9 @@ WB_EXPORT absl::StatusOr<File> ReadFile(const std::string& path);
 WB_EXPORT absl::StatusOr<File> ParseFile(std::string_view bytes, std::string_view source);
 
 // Writes `tensors` (packing non-contiguous views) and `metadata` to `path` with plain writes,
-// through a temporary file in the same directory that is fsynced and renamed into place, so a
-// crash never leaves a partial file at `path`. CPU tensors only.
+// through a temporary file in the same directory (`<path>.tmp.<host>.<pid>`) that is fsynced and
+// renamed into place, so a crash never leaves a partial file at `path`; temporaries that killed
+// processes of this host left next to `path` are removed first. CPU tensors only.
 // Errors: InvalidArgument as PlanFile or for a non-CPU tensor; the errno text of a failed
 // open/write/fsync/rename (ResourceExhausted for ENOSPC, Internal otherwise) naming the path.
 WB_EXPORT absl::Status WriteFile(const std::string& path, absl::Span<const TensorView> tensors,

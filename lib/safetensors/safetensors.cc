@@ -8,9 +8,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <signal.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -20,10 +23,12 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/status.h"
+#include "core/system.h"
 #include "nlohmann/json.hpp"
 
 namespace weightbus::safetensors {
@@ -1094,6 +1099,34 @@ absl::StatusOr<Layout> PlanFile(absl::Span<const TensorSpec> tensors, const Meta
   return layout;
 }
 
+namespace {
+
+// "<path>.tmp.<host>.<pid>": the temporary file of WriteFile in this process.
+std::string TemporaryName(const std::string& path, const std::string& host, pid_t pid) {
+  return absl::StrFormat("%s.tmp.%s.%d", path, host, static_cast<int>(pid));
+}
+
+// Removes temporaries of `path` that processes of this host left when they were killed while
+// writing (their pid is gone). Those of other hosts (a shared filesystem) are left alone.
+void RemoveStaleTemporaries(const std::string& path, const std::string& host) {
+  std::error_code ec;
+  const std::filesystem::path p(path);
+  const std::string prefix = p.filename().string() + ".tmp." + host + ".";
+  std::filesystem::directory_iterator it(p.has_parent_path() ? p.parent_path() : ".", ec);
+  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    int pid = 0;
+    if (!absl::SimpleAtoi(name.substr(prefix.size()), &pid) || pid <= 0) continue;
+    if (::kill(pid, 0) != 0 && errno == ESRCH) {
+      std::error_code ignored;
+      std::filesystem::remove(it->path(), ignored);
+    }
+  }
+}
+
+}  // namespace
+
 absl::Status WriteFile(const std::string& path, absl::Span<const TensorView> tensors,
                        const Metadata& metadata) {
   std::vector<TensorSpec> specs;
@@ -1131,7 +1164,9 @@ absl::Status WriteFile(const std::string& path, absl::Span<const TensorView> ten
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return layout->begin[a] < layout->begin[b]; });
 
-  const std::string tmp = absl::StrFormat("%s.tmp.%d", path, static_cast<int>(::getpid()));
+  const std::string host = internal::HostName();
+  RemoveStaleTemporaries(path, host);
+  const std::string tmp = TemporaryName(path, host, ::getpid());
   const int raw = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (raw < 0) {
     return internal::ErrnoStatus(

@@ -251,6 +251,9 @@ static int Child(const char* uri, int ready_fd) {
   wb_status_t s = wb_subscriber_wait(sub, 2, 50, &none);
   CHECK(s == WB_DEADLINE_EXCEEDED && WB_STATUS_IS_RETRYABLE(s) && none == NULL);
   CHECK(strstr(wb_last_error_message(), "2") != NULL);
+  /* The same with separate find and receive bounds. */
+  s = wb_subscriber_wait_then_receive(sub, 2, 50, 10000, &none);
+  CHECK(s == WB_DEADLINE_EXCEEDED && none == NULL);
 
   /* Polling does not wait: nothing newer than 1 gives WB_OK and no update. */
   wb_update_t* polled = (wb_update_t*)0x1;

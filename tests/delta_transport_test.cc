@@ -4,6 +4,7 @@
 // and received bit-exactly, 1000 chained versions, late joiners, corrupted deltas, a delta
 // against the wrong base, duplicates, bindings, keyframes, retention of chains, settings.
 #include <fcntl.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -441,6 +442,29 @@ TEST(DeltaTransportTest, ChannelsOfTheOtherKindAreNamedAsSuch) {
   EXPECT_NE(update.status().message().find("not published through the delta layer"),
             std::string::npos)
       << update.status();
+
+  // And the other way round: a plain subscriber on a delta channel would get the encoded blob
+  // as the "model"; it is refused, naming the URI to use. The delta subscriber's manifests do
+  // not show the layer's mark.
+  ScratchDir dir2;
+  auto layered = Publisher::Open(Uri(dir2));
+  ASSERT_TRUE(layered.ok());
+  ASSERT_TRUE((*layered)->Publish(1, Views(v1), {{"step", "1"}}, kTimeout).ok());
+  auto plain_sub = Subscriber::Open("disk://" + dir2.path() + "/channel");
+  ASSERT_TRUE(plain_sub.ok());
+  auto refused = (*plain_sub)->WaitForVersion(1, kTimeout);
+  EXPECT_TRUE(absl::IsFailedPrecondition(refused.status())) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::HasSubstr("published through the \"delta\" layer"));
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::HasSubstr("subscribe to delta+disk://" + dir2.path() + "/channel"));
+  auto right = (*Subscriber::Open(Uri(dir2)))->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(right.ok()) << right.status();
+  ExpectSameTensors(**right, v1);
+  EXPECT_EQ((*right)->manifest().metadata, (Metadata{{"step", "1"}}));
+  // Users' metadata cannot carry the layers' mark.
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      (*layered)->Publish(2, Views(v1), {{"weightbus.layer", "x"}}, kTimeout)));
 }
 
 TEST(DeltaTransportTest, ReservedMetadataKeyAndBadSettingsAreRefused) {

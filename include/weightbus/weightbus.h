@@ -276,6 +276,15 @@ WB_EXPORT wb_status_t wb_subscriber_unbind_all(wb_subscriber_t* subscriber);
 WB_EXPORT wb_status_t wb_subscriber_wait(wb_subscriber_t* subscriber, uint64_t min_version,
                                          int64_t timeout_ms, wb_update_t** update);
 
+/* As wb_subscriber_wait with two bounds: up to `find_timeout_ms` for a new enough version to
+ * appear (WB_DEADLINE_EXCEEDED if none did; nothing is lost), then `receive_timeout_ms` more
+ * (from the end of `find_timeout_ms` at the latest) to receive and verify it. For bindings that
+ * wait in short slices to stay interruptible. Added in 0.1 (ABI: a new symbol). */
+WB_EXPORT wb_status_t wb_subscriber_wait_then_receive(wb_subscriber_t* subscriber,
+                                                      uint64_t min_version, int64_t find_timeout_ms,
+                                                      int64_t receive_timeout_ms,
+                                                      wb_update_t** update);
+
 /* Does not wait for a version to appear: if a version v >= max(min_version, current version)
  * is available now, receives and verifies it (the newest) within `receive_timeout_ms` and
  * returns it in *update; if none is, returns WB_OK with *update = NULL. What a replica calls

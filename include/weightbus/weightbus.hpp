@@ -213,6 +213,15 @@ class WB_EXPORT Subscriber {
   absl::StatusOr<std::unique_ptr<Update>> WaitForVersion(uint64_t min_version,
                                                          absl::Duration timeout);
 
+  // As above with two bounds: up to `find_timeout` for a new enough version to appear, then
+  // `receive_timeout` more (counted from the end of `find_timeout` at the latest) to receive and
+  // verify it. DeadlineExceeded when none appeared within `find_timeout`; nothing is lost then.
+  // Bindings that wait in short slices to stay interruptible (Python's Ctrl-C) use it so that a
+  // version found late in a slice still gets its whole receive time.
+  absl::StatusOr<std::unique_ptr<Update>> WaitForVersion(uint64_t min_version,
+                                                         absl::Duration find_timeout,
+                                                         absl::Duration receive_timeout);
+
   // Does not wait for a version to appear: if a version v >= max(min_version,
   // current_version()) is available now, receives and verifies it (the newest) within
   // `receive_timeout` and returns it; if none is, returns nullptr. What a replica calls between

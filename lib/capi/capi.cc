@@ -489,13 +489,17 @@ absl::Status Publish(wb_publisher_t* publisher, uint64_t version, const char* co
 }
 
 // wb_subscriber_wait and, with `poll`, wb_subscriber_poll.
+// `receive_timeout_ms` >= 0: wb_subscriber_wait_then_receive (timeout_ms finds, it receives).
 absl::Status Wait(const char* function, wb_subscriber_t* subscriber, uint64_t min_version,
-                  int64_t timeout_ms, bool poll, wb_update_t** update) {
+                  int64_t timeout_ms, bool poll, wb_update_t** update,
+                  std::optional<int64_t> receive_timeout_ms = std::nullopt) {
   WB_CHECK_ARG(function, subscriber);
   WB_CHECK_ARG(function, update);
   absl::StatusOr<std::unique_ptr<wb::Update>> received =
-      poll ? subscriber->impl->Poll(min_version, Timeout(timeout_ms))
-           : subscriber->impl->WaitForVersion(min_version, Timeout(timeout_ms));
+      poll                 ? subscriber->impl->Poll(min_version, Timeout(timeout_ms))
+      : receive_timeout_ms ? subscriber->impl->WaitForVersion(min_version, Timeout(timeout_ms),
+                                                              Timeout(*receive_timeout_ms))
+                           : subscriber->impl->WaitForVersion(min_version, Timeout(timeout_ms));
   if (!received.ok()) return received.status();
   if (*received == nullptr) {  // polling, and nothing new enough
     *update = nullptr;
@@ -742,6 +746,15 @@ wb_status_t wb_subscriber_wait(wb_subscriber_t* subscriber, uint64_t min_version
                                int64_t timeout_ms, wb_update_t** update) {
   constexpr const char* kFn = "wb_subscriber_wait";
   return Guard(kFn, [&] { return Wait(kFn, subscriber, min_version, timeout_ms, false, update); });
+}
+
+wb_status_t wb_subscriber_wait_then_receive(wb_subscriber_t* subscriber, uint64_t min_version,
+                                            int64_t find_timeout_ms, int64_t receive_timeout_ms,
+                                            wb_update_t** update) {
+  constexpr const char* kFn = "wb_subscriber_wait_then_receive";
+  return Guard(kFn, [&] {
+    return Wait(kFn, subscriber, min_version, find_timeout_ms, false, update, receive_timeout_ms);
+  });
 }
 
 wb_status_t wb_subscriber_poll(wb_subscriber_t* subscriber, uint64_t min_version,

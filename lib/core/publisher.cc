@@ -223,6 +223,11 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
     if (!IsContiguous(view.shape, view.strides)) pack_bytes += (*nbytes + 63) & ~uint64_t{63};
   }
   for (const auto& [key, value] : metadata) {
+    if (key == internal::kLayerMetadataKey) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s version %d: metadata key \"%s\" is reserved for layers",
+                          uri.Display(), version, key));
+    }
     if (!internal::IsValidUtf8(key) || !internal::IsValidUtf8(value)) {
       return absl::InvalidArgumentError(
           absl::StrFormat("%s version %d: metadata key \"%s\" or its value is not valid UTF-8",

@@ -224,6 +224,15 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::WaitForVersion(uint64_t min_
   return impl_->Wait(min_version, deadline, deadline, /*poll=*/false);
 }
 
+absl::StatusOr<std::unique_ptr<Update>> Subscriber::WaitForVersion(uint64_t min_version,
+                                                                   absl::Duration find_timeout,
+                                                                   absl::Duration receive_timeout) {
+  absl::MutexLock lock(&impl_->mu);
+  const absl::Time find_deadline = absl::Now() + find_timeout;
+  return impl_->Wait(min_version, find_deadline, find_deadline + receive_timeout,
+                     /*poll=*/false);
+}
+
 absl::StatusOr<std::unique_ptr<Update>> Subscriber::Poll(uint64_t min_version,
                                                          absl::Duration receive_timeout) {
   absl::MutexLock lock(&impl_->mu);
@@ -295,6 +304,13 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
                         m.version, floor));
   }
   WB_RETURN_IF_ERROR(CheckManifest(uri, m));
+  if (auto layer = m.metadata.find(std::string(internal::kLayerMetadataKey));
+      layer != m.metadata.end()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: version %d was published through the \"%s\" layer, which this subscriber does not "
+        "have (its tensors are the layer's encoding, not the model); subscribe to %s+%s",
+        uri.Display(), m.version, layer->second, layer->second, uri.Display()));
+  }
   WB_RETURN_IF_ERROR(CheckBindings(m));
 
   // Decide where each tensor lands: library memory (kept by the Update), staging (copied into a

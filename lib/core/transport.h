@@ -67,6 +67,12 @@ class SealedPublishJob final : public PublishJob {
   std::vector<PackedTensor> packed_;
 };
 
+// A layer marks the inner manifests it publishes with its scheme under this metadata key and
+// removes it from the manifests it hands up. A manifest that reaches the core still marked was
+// published through a layer the subscriber lacks (its tensors are the layer's encoding, not the
+// model's): the core refuses it, naming the URI to use. Users' metadata may not use the key.
+inline constexpr std::string_view kLayerMetadataKey = "weightbus.layer";
+
 // What a layer (such as delta) did to one version on its way: surfaced as PublishStats::encode /
 // UpdateStats::decode and the wire_bytes of both.
 struct CodecStats {

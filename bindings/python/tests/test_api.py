@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """weightbus.Publisher / Subscriber / Update: dtypes, layouts, zero-copy, binding, errors, GIL."""
 import ctypes
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -244,6 +246,25 @@ def test_blocking_wait_releases_the_gil(channel):
         pub.publish(1, {"x": torch.ones(4)})
     thread.join(timeout=120)
     assert results == {"version": 1}
+    sub.close()
+
+
+def test_ctrl_c_interrupts_a_long_wait(channel):
+    """SIGINT while wait() blocks raises KeyboardInterrupt at once, not after the timeout; the
+    subscriber is still usable afterwards, and a timeout says how long it waited in all."""
+    sub = weightbus.Subscriber(channel)
+    timer = threading.Timer(0.3, lambda: signal.pthread_kill(threading.main_thread().ident,
+                                                             signal.SIGINT))
+    start = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        sub.wait(1, timeout=60)
+    assert time.monotonic() - start < 30  # the wait's own timeout is 60 s
+    with pytest.raises(weightbus.DeadlineExceededError, match=r"waited 0.35 s in all"):
+        sub.wait(1, timeout=0.35)
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, {"x": torch.ones(4)})
+    assert sub.wait(1, timeout=30).version == 1
     sub.close()
 
 

@@ -3,15 +3,20 @@
 import ctypes
 import json
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, Optional, Tuple, Union
 
 from . import _lib, _tensors
 from ._lib import lib, new_params
-from .errors import check
+from .errors import DeadlineExceededError, check
 
 TensorsArg = Union[Mapping, Iterable[Tuple[str, Any]]]
+
+
+# Subscriber.wait waits in slices of this many seconds, so that Ctrl-C interrupts it promptly.
+_WAIT_SLICE = 0.1
 
 
 def _timeout_ms(timeout: Optional[float]) -> int:
@@ -344,10 +349,26 @@ class Subscriber(_Handle):
         are available) and returns it. Raises DeadlineExceededError (retryable) on timeout,
         InvalidArgumentError for a bound tensor that does not match, DataLossError for a
         corrupted version; the previous version stays current on every error."""
+        # Waits in slices of _WAIT_SLICE seconds so that Ctrl-C (KeyboardInterrupt) interrupts
+        # it within a slice; a version found late in a slice still gets the whole remaining
+        # time to be received (wb_subscriber_wait_then_receive).
+        _timeout_ms(timeout)  # validates
+        deadline = None if timeout is None else time.monotonic() + timeout
         handle = ctypes.c_void_p()
-        check(lib.wb_subscriber_wait(self._h(), min_version, _timeout_ms(timeout),
-                                     ctypes.byref(handle)))
-        return self._received(handle)
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            find = _WAIT_SLICE if remaining is None else min(_WAIT_SLICE, remaining)
+            status = lib.wb_subscriber_wait_then_receive(
+                self._h(), min_version, _timeout_ms(find), _timeout_ms(remaining),
+                ctypes.byref(handle))
+            if (status == DeadlineExceededError.status and not handle.value and
+                    (deadline is None or time.monotonic() < deadline)):
+                continue  # nothing yet; Python runs pending signal handlers here
+            try:
+                check(status)
+            except DeadlineExceededError as e:
+                raise DeadlineExceededError(f"{e.message} (waited {timeout} s in all)") from None
+            return self._received(handle)
 
     def poll(self, min_version: int = 0,
              receive_timeout: Optional[float] = 60.0) -> Optional[Update]:

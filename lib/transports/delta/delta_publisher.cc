@@ -196,6 +196,7 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   inner.sealed_unix_ns = target_manifest->sealed_unix_ns;
   inner.metadata = target_manifest->metadata;
   inner.metadata[std::string(kRecordKey)] = RecordToJson(record);
+  inner.metadata[std::string(kLayerMetadataKey)] = "delta";
   inner.tensors.push_back(TensorInfo{std::string(kBlobName),
                                      DType::kU8,
                                      {static_cast<int64_t>(encoded.bytes.size())},

@@ -199,6 +199,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::Plan(
       m.sealed_unix_ns = incoming->manifest().sealed_unix_ns;
       m.metadata = incoming->manifest().metadata;
       m.metadata.erase(std::string(kRecordKey));
+      m.metadata.erase(std::string(kLayerMetadataKey));
       return std::unique_ptr<IncomingVersion>(new DeltaIncoming(this, std::move(m)));
     }
   }

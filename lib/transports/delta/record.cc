@@ -171,6 +171,7 @@ absl::StatusOr<Manifest> TargetManifest(const Manifest& inner, const Record& rec
   m.sealed_unix_ns = inner.sealed_unix_ns;
   m.metadata = inner.metadata;
   m.metadata.erase(std::string(kRecordKey));
+  m.metadata.erase(std::string(kLayerMetadataKey));
   if (record.keyframe) {
     m.tensors = record.tensors;
     return m;

@@ -485,6 +485,9 @@ TEST(DeltaTransportTest, ReservedMetadataKeyAndBadSettingsAreRefused) {
     EXPECT_TRUE(absl::IsInvalidArgument(q.status())) << query << ": " << q.status();
   }
   EXPECT_TRUE(absl::IsInvalidArgument(Publisher::Open("delta://" + dir.path()).status()));
+  const absl::Status twice = Publisher::Open("delta+delta+disk://" + dir.path()).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(twice)) << twice;
+  EXPECT_THAT(std::string(twice.message()), ::testing::HasSubstr("appears twice"));
   bool listed = false;
   for (const SettingInfo& info : DescribeSettings()) {
     if (info.scope == "delta" && info.name == "keyframe_interval") listed = true;

@@ -306,6 +306,9 @@ TEST(DiskTransportTest, WaitTimesOutNamingWhatItWaitedFor) {
   ASSERT_EQ(update.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_NE(update.status().message().find("no version >= 1"), absl::string_view::npos);
   EXPECT_NE(update.status().message().find("newest committed: none"), absl::string_view::npos);
+  EXPECT_NE(update.status().message().find("the channel directory does not exist"),
+            absl::string_view::npos)
+      << update.status();
   EXPECT_GE(took, absl::Milliseconds(300));
   EXPECT_LT(took, absl::Seconds(10));  // bounded: never hangs
 
@@ -316,6 +319,7 @@ TEST(DiskTransportTest, WaitTimesOutNamingWhatItWaitedFor) {
   update = (*sub)->WaitForVersion(2, absl::Milliseconds(100));
   ASSERT_EQ(update.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_NE(update.status().message().find("newest committed: 1"), absl::string_view::npos);
+  EXPECT_EQ(update.status().message().find("does not exist"), absl::string_view::npos);
 }
 
 TEST(DiskTransportTest, PollReceivesWhatIsThereWithoutWaitingForMore) {

@@ -121,6 +121,11 @@ absl::StatusOr<std::vector<const TransportDescriptor*>> ResolveStack(const Uri& 
           "a transport",
           uri.text, parts[i]));
     }
+    if (std::find(stack.begin(), stack.end(), t) != stack.end()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "URI \"%s\": the \"%s\" layer appears twice; a layer can be stacked only once", uri.text,
+          parts[i]));
+    }
     stack.push_back(t);
   }
   return stack;

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <filesystem>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_format.h"
@@ -212,9 +213,13 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::WaitForVersion(
       Log(LogLevel::kDebug, "version %d retired while opening it; re-reading LATEST", *newest);
     }
     if (absl::Now() >= deadline) {
+      // A mistyped path looks like an idle publisher: say when the channel does not exist.
+      std::error_code ec;
+      const bool exists = std::filesystem::exists(channel_.root(), ec);
       return absl::DeadlineExceededError(absl::StrFormat(
-          "disk://%s: no version >= %d was committed by the deadline (newest committed: %s)",
-          channel_.root(), min_version, newest ? std::to_string(*newest) : "none"));
+          "disk://%s: no version >= %d was committed by the deadline (newest committed: %s)%s",
+          channel_.root(), min_version, newest ? std::to_string(*newest) : "none",
+          exists ? "" : "; the channel directory does not exist (yet): is the path right?"));
     }
     if (!newest || *newest < min_version) Sleep(deadline);
   }

@@ -50,6 +50,7 @@
 #include "nlohmann/json.hpp"
 #include "weightbus/args.h"
 #include "weightbus/checkpoint.h"
+#include "weightbus/fatal.h"
 #include "weightbus/llama2c.h"
 #include "weightbus/llama_forward.h"
 #include "weightbus/synthetic_model.h"
@@ -60,19 +61,6 @@ namespace weightbus::tools {
 namespace {
 
 namespace codec = ::weightbus::internal::delta;
-
-[[noreturn]] void Die(const std::string& m) {
-  std::fprintf(stderr, "weightbus-delta-bench: error: %s\n", m.c_str());
-  std::exit(1);
-}
-template <typename T>
-T OrDie(absl::StatusOr<T> v) {
-  if (!v.ok()) Die(std::string(v.status().message()));
-  return *std::move(v);
-}
-void OrDie(const absl::Status& s) {
-  if (!s.ok()) Die(std::string(s.message()));
-}
 
 double Median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -443,6 +431,7 @@ std::string EndToEnd(const std::string& work, const std::string& stream_dir, int
 }
 
 int Main(int argc, char** argv) {
+  SetFatalErrorPolicy({"weightbus-delta-bench", 1, nullptr});
   std::vector<std::string> argvec(argv + 1, argv + argc);
   Args args = OrDie(Args::Parse(argvec, {{"streams"},
                                          {"lrs"},

@@ -31,24 +31,12 @@
 #include "absl/time/clock.h"
 #include "nlohmann/json.hpp"
 #include "weightbus/args.h"
+#include "weightbus/fatal.h"
 #include "weightbus/synthetic_model.h"
 #include "weightbus/weightbus.hpp"
 
 namespace weightbus::tools {
 namespace {
-
-[[noreturn]] void Die(const std::string& m) {
-  std::fprintf(stderr, "weightbus-disk-bench: error: %s\n", m.c_str());
-  std::exit(1);
-}
-template <typename T>
-T OrDie(absl::StatusOr<T> v) {
-  if (!v.ok()) Die(std::string(v.status().message()));
-  return *std::move(v);
-}
-void OrDie(const absl::Status& s) {
-  if (!s.ok()) Die(std::string(s.message()));
-}
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -197,6 +185,7 @@ struct Row {
 };
 
 int Main(int argc, char** argv) {
+  SetFatalErrorPolicy({"weightbus-disk-bench", 1, nullptr});
   std::vector<std::string> argvec(argv + 1, argv + argc);
   Args args = OrDie(Args::Parse(argvec, {{"dir"},
                                          {"shapes"},

@@ -24,6 +24,7 @@
 #include "absl/time/clock.h"
 #include "test_model.h"
 #include "test_support.h"
+#include "ucx_tls.h"
 #include "weightbus/safetensors.hpp"
 #include "weightbus/weightbus.hpp"
 
@@ -37,14 +38,10 @@ using ::weightbus::testing::ReadFileOrDie;
 using ::weightbus::testing::ScratchDir;
 using ::weightbus::testing::Views;
 
-struct Tls {
-  std::string name;
-  std::map<std::string, std::string> env;
-};
-// Test names and messages show "shm" or "tcp", not the struct's bytes.
-void PrintTo(const Tls& tls, std::ostream* os) { *os << tls.name; }
-const Tls kShm{"shm", {{"UCX_TLS", "posix,sysv,cma,self"}}};
-const Tls kTcp{"tcp", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}};
+using ::weightbus::testing::ApplyEnv;
+using ::weightbus::testing::kShm;
+using ::weightbus::testing::kTcp;
+using ::weightbus::testing::Tls;
 
 std::string Peer() { return testing::BinaryPath("tests/wb_test_peer"); }
 std::string Cli() { return testing::BinaryPath("tools/weightbus"); }
@@ -64,7 +61,7 @@ std::string ReadLog(const std::string& path) {
 
 // Sets this process's UCX environment and says why UCX cannot run here ("" when it can).
 std::string UseTls(const Tls& tls) {
-  for (const auto& [k, v] : tls.env) setenv(k.c_str(), v.c_str(), 1);
+  ApplyEnv(tls);
   auto probe = Subscriber::Open(absl::StrFormat("ucx://127.0.0.1:%d/probe", FreePort()));
   return probe.ok() ? "" : std::string(probe.status().message());
 }

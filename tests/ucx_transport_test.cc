@@ -29,6 +29,7 @@
 #include "transports/ucx/registration_cache.h"
 #include "transports/ucx/ucp_util.h"
 #include "transports/ucx/ucx_transport.h"
+#include "ucx_tls.h"
 #include "weightbus/weightbus.hpp"
 
 namespace weightbus {
@@ -42,28 +43,11 @@ using ::weightbus::testing::Xxh3;
 
 constexpr absl::Duration kTimeout = absl::Seconds(30);
 
-struct Tls {
-  std::string name;
-  std::map<std::string, std::string> env;
-};
-// Test names and messages show "shm" or "tcp", not the struct's bytes.
-void PrintTo(const Tls& tls, std::ostream* os) { *os << tls.name; }
-
-const Tls kShm{"shm", {{"UCX_TLS", "posix,sysv,cma,self"}}};
-const Tls kTcp{"tcp", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}};
-// UCX's own defaults (UCX_TLS unset: the transport leaves TCP out for a loopback channel).
-const Tls kDefault{"default", {{"UCX_TLS", ""}, {"UCX_NET_DEVICES", ""}}};
-
-// Sets (or, for an empty value, unsets) the variables of `tls`.
-void ApplyEnv(const Tls& tls) {
-  for (const auto& [k, v] : tls.env) {
-    if (v.empty()) {
-      unsetenv(k.c_str());
-    } else {
-      setenv(k.c_str(), v.c_str(), 1);
-    }
-  }
-}
+using ::weightbus::testing::ApplyEnv;
+using ::weightbus::testing::kDefault;
+using ::weightbus::testing::kShm;
+using ::weightbus::testing::kTcp;
+using ::weightbus::testing::Tls;
 
 using ::weightbus::testing::FreePort;
 
@@ -453,7 +437,7 @@ INSTANTIATE_TEST_SUITE_P(Tls, UcxTransportTest, ::testing::Values(kShm, kTcp, kD
 class UcxAddressTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    for (const auto& [k, v] : kTcp.env) setenv(k.c_str(), v.c_str(), 1);
+    ApplyEnv(kTcp);
     const std::string why = UcxUnavailableReason();
     if (!why.empty()) GTEST_SKIP() << "UCX cannot create a worker here: " << why;
   }
@@ -528,10 +512,10 @@ namespace {
 
 using ::testing::HasSubstr;
 
-class UcxInternalTest : public ::testing::TestWithParam<weightbus::Tls> {
+class UcxInternalTest : public ::testing::TestWithParam<weightbus::testing::Tls> {
  protected:
   void SetUp() override {
-    for (const auto& [k, v] : GetParam().env) setenv(k.c_str(), v.c_str(), 1);
+    weightbus::testing::ApplyEnv(GetParam());
     const std::string why = weightbus::UcxUnavailableReason();
     if (!why.empty()) GTEST_SKIP() << "UCX cannot create a worker here: " << why;
   }
@@ -646,8 +630,9 @@ TEST_P(UcxInternalTest, CorruptedBytesAreDataLossNamingTheTensor) {
   EXPECT_EQ((*sub)->current_version(), std::nullopt);
 }
 
-INSTANTIATE_TEST_SUITE_P(Tls, UcxInternalTest, ::testing::Values(weightbus::kShm, weightbus::kTcp),
-                         [](const ::testing::TestParamInfo<weightbus::Tls>& info) {
+INSTANTIATE_TEST_SUITE_P(Tls, UcxInternalTest,
+                         ::testing::Values(weightbus::testing::kShm, weightbus::testing::kTcp),
+                         [](const ::testing::TestParamInfo<weightbus::testing::Tls>& info) {
                            return info.param.name;
                          });
 
@@ -695,7 +680,7 @@ TEST(UcxControlTest, FramesRoundTripAndMalformedOnesAreDataLoss) {
 }
 
 TEST(UcxRegistrationCacheTest, RegistersOnceAndDropsRegistrationsOfUnmappedMemory) {
-  for (const auto& [k, v] : weightbus::kTcp.env) setenv(k.c_str(), v.c_str(), 1);
+  weightbus::testing::ApplyEnv(weightbus::testing::kTcp);
   auto context = ucx::Context::Create(false, "test", false);
   if (!context.ok()) GTEST_SKIP() << context.status();
   ucx::RegistrationCache cache(*context);

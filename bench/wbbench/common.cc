@@ -42,17 +42,46 @@ Cleanup& TheCleanup() {
   return *c;
 }
 
+// Drops `pid` from the children the cleanup would stop (it was waited for).
+void ForgetChild(pid_t pid) {
+  absl::MutexLock lock(&TheCleanup().mu);
+  std::vector<pid_t>& v = TheCleanup().children;
+  v.erase(std::remove(v.begin(), v.end(), pid), v.end());
+}
+
+// posix_spawn of argv[0] (a path) with `actions` (may be null), registered for the cleanup. The
+// child starts with every signal unblocked and default dispositions for the ones the parent
+// handles (HandleSignalsWithCleanup blocks them here).
+absl::StatusOr<pid_t> SpawnWith(const std::vector<std::string>& argv,
+                                const posix_spawn_file_actions_t* actions) {
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none, defaults;
+  sigemptyset(&none);
+  sigemptyset(&defaults);
+  for (int s : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaddset(&defaults, s);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, argv[0].c_str(), actions, &attr, args.data(), environ);
+  posix_spawnattr_destroy(&attr);
+  if (rc != 0) {
+    return absl::InternalError(absl::StrFormat("cannot start %s: %s", argv[0], strerror(rc)));
+  }
+  absl::MutexLock lock(&TheCleanup().mu);
+  TheCleanup().children.push_back(pid);
+  return pid;
+}
+
 }  // namespace
 
 void RemoveOnExit(const std::string& path) {
   absl::MutexLock lock(&TheCleanup().mu);
   TheCleanup().paths.push_back(path);
-}
-
-void KeepOnExit(const std::string& path) {
-  absl::MutexLock lock(&TheCleanup().mu);
-  std::vector<std::string>& p = TheCleanup().paths;
-  p.erase(std::remove(p.begin(), p.end(), path), p.end());
 }
 
 void RunCleanup() {
@@ -94,13 +123,6 @@ void HandleSignalsWithCleanup() {
     RunCleanup();
     _exit(128 + sig);
   }).detach();
-}
-
-void Die(const std::string& message) {
-  std::fflush(stdout);
-  std::fprintf(stderr, "weightbus-bench: error: %s\n", message.c_str());
-  RunCleanup();
-  std::exit(2);
 }
 
 double Median(std::vector<double> v) {
@@ -170,19 +192,21 @@ int FreePort() {
   return ntohs(a.sin_port);
 }
 
-int64_t SelfPeakRssBytes() {
-  std::ifstream f("/proc/self/status");
-  std::string key;
+int64_t ProcKiBField(const std::string& file, const std::string& key) {
+  std::ifstream f(file);
+  std::string word;
   int64_t kib = 0;
-  while (f >> key) {
-    if (key == "VmHWM:") {
+  while (f >> word) {
+    if (word == key + ":") {
       f >> kib;
       return kib * 1024;
     }
-    std::getline(f, key);
+    std::getline(f, word);
   }
   return 0;
 }
+
+int64_t SelfPeakRssBytes() { return ProcKiBField("/proc/self/status", "VmHWM"); }
 
 double SelfCpuSeconds() {
   rusage u{};
@@ -203,37 +227,19 @@ absl::StatusOr<Child> Child::Start(const std::vector<std::string>& argv,
   posix_spawn_file_actions_adddup2(&actions, out[1], 1);
   posix_spawn_file_actions_addopen(&actions, 2, log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
                                    0644);
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  // The child starts with every signal unblocked and default dispositions for the ones the
-  // parent handles (HandleSignalsWithCleanup blocks them here).
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t none, defaults;
-  sigemptyset(&none);
-  sigemptyset(&defaults);
-  for (int s : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaddset(&defaults, s);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setsigdefault(&attr, &defaults);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-  Child c;
-  const int rc = posix_spawn(&c.pid_, argv[0].c_str(), &actions, &attr, args.data(), environ);
+  absl::StatusOr<pid_t> pid = SpawnWith(argv, &actions);
   posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attr);
   close(in[0]);
   close(out[1]);
-  if (rc != 0) {
+  if (!pid.ok()) {
     close(in[1]);
     close(out[0]);
-    return absl::InternalError(absl::StrFormat("cannot start %s: %s", argv[0], strerror(rc)));
+    return pid.status();
   }
+  Child c;
+  c.pid_ = *pid;
   c.in_ = in[1];
   c.out_ = out[0];
-  {
-    absl::MutexLock lock(&TheCleanup().mu);
-    TheCleanup().children.push_back(c.pid_);
-  }
   return c;
 }
 
@@ -260,9 +266,7 @@ Child::~Child() {
   if (pid_ > 0 && !exited_) {
     kill(pid_, SIGKILL);
     waitpid(pid_, nullptr, 0);
-    absl::MutexLock lock(&TheCleanup().mu);
-    std::vector<pid_t>& v = TheCleanup().children;
-    v.erase(std::remove(v.begin(), v.end(), pid_), v.end());
+    ForgetChild(pid_);
   }
   if (in_ >= 0) close(in_);
   if (out_ >= 0) close(out_);
@@ -330,11 +334,7 @@ Child::Exit Child::Wait(absl::Time deadline) {
     }
   }
   exited_ = true;
-  {
-    absl::MutexLock lock(&TheCleanup().mu);
-    std::vector<pid_t>& v = TheCleanup().children;
-    v.erase(std::remove(v.begin(), v.end(), pid_), v.end());
-  }
+  ForgetChild(pid_);
   e.status = status;
   e.cpu_s =
       u.ru_utime.tv_sec + u.ru_utime.tv_usec / 1e6 + u.ru_stime.tv_sec + u.ru_stime.tv_usec / 1e6;
@@ -353,36 +353,14 @@ std::string Child::Exit::Describe() const {
 }
 
 absl::StatusOr<pid_t> SpawnInheriting(const std::vector<std::string>& argv) {
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t none, defaults;
-  sigemptyset(&none);
-  sigemptyset(&defaults);
-  for (int s : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaddset(&defaults, s);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setsigdefault(&attr, &defaults);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, argv[0].c_str(), nullptr, &attr, args.data(), environ);
-  posix_spawnattr_destroy(&attr);
-  if (rc != 0) {
-    return absl::InternalError(absl::StrFormat("cannot start %s: %s", argv[0], strerror(rc)));
-  }
-  absl::MutexLock lock(&TheCleanup().mu);
-  TheCleanup().children.push_back(pid);
-  return pid;
+  return SpawnWith(argv, nullptr);
 }
 
 int WaitChild(pid_t pid) {
   int status = 0;
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
-  absl::MutexLock lock(&TheCleanup().mu);
-  std::vector<pid_t>& v = TheCleanup().children;
-  v.erase(std::remove(v.begin(), v.end(), pid), v.end());
+  ForgetChild(pid);
   return status;
 }
 

@@ -14,32 +14,24 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "weightbus/fatal.h"
 
 namespace weightbus::bench {
 
-// Prints "weightbus-bench: error: <message>" and exits with status 2 (a usage or setup error;
-// measurement failures end in "# FAILED: ..." and status 1 instead), after the cleanup below.
-[[noreturn]] void Die(const std::string& message);
+// Die and OrDie: tools/weightbus/fatal.h (main sets "weightbus-bench", status 2 for a usage or
+// set-up error, and RunCleanup below; measurement failures end in "# FAILED: ..." and status 1).
+using tools::Die;
+using tools::OrDie;
 
 // What the parent process leaves behind when it ends early: directories to remove and child
 // processes to kill. Die() and the signals below run it; a normal end removes what it made
 // itself. Thread-safe.
 void RemoveOnExit(const std::string& path);
-void KeepOnExit(const std::string& path);
 void RunCleanup();
 // Blocks SIGINT, SIGTERM and SIGHUP in this process and starts a thread that waits for them,
 // runs the cleanup and exits with 128 + the signal. Call before starting other threads or
 // children (children start with every signal unblocked again).
 void HandleSignalsWithCleanup();
-
-template <typename T>
-T OrDie(absl::StatusOr<T> v) {
-  if (!v.ok()) Die(std::string(v.status().message()));
-  return *std::move(v);
-}
-inline void OrDie(const absl::Status& s) {
-  if (!s.ok()) Die(std::string(s.message()));
-}
 
 // Median (the mean of the two middle values for an even count) and nearest-rank percentile
 // (p in (0, 100]: the smallest value with at least p% of the values at or below it); NaN when
@@ -63,6 +55,8 @@ double SelfCpuSeconds();
 // unreadable. (wait4's ru_maxrss is not used for children: it keeps the parent's peak from
 // before exec.)
 int64_t SelfPeakRssBytes();
+// A "Key: N kB" line of a /proc file (/proc/meminfo, /proc/self/status) in bytes; 0 if absent.
+int64_t ProcKiBField(const std::string& file, const std::string& key);
 
 // A child process with pipes to its stdin and from its stdout; stderr goes to a log file.
 class Child {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "wbbench/common.h"
 #include "wbbench/subcommands.h"
 
 namespace {
@@ -64,6 +65,7 @@ int main(int argc, char** argv) {
   // A child that died closes its pipe: writing to it must fail with EPIPE (reported as that
   // child's failure), not kill the bench.
   signal(SIGPIPE, SIG_IGN);
+  weightbus::tools::SetFatalErrorPolicy({"weightbus-bench", 2, weightbus::bench::RunCleanup});
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
     std::fputs(kUsage, args.empty() ? stderr : stdout);

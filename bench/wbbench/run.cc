@@ -75,17 +75,7 @@ struct RunOptions {
 
 // MemAvailable of /proc/meminfo, bytes (0 if unknown).
 uint64_t AvailableMemory() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  uint64_t kib = 0;
-  while (f >> key) {
-    if (key == "MemAvailable:") {
-      f >> kib;
-      return kib * 1024;
-    }
-    std::getline(f, key);
-  }
-  return 0;
+  return static_cast<uint64_t>(ProcKiBField("/proc/meminfo", "MemAvailable"));
 }
 
 bool Contains(const std::vector<std::string>& v, const std::string& s) {
@@ -202,8 +192,6 @@ class Session {
 
   TransportResult result;
 
-  bool alive() const { return alive_; }
-
   // `wait_timeout`: how long a subscriber may wait for the next version (a whole round of the
   // other transports and the baselines when interleaved). `settings`: this transport's --set.
   void Start(const RunOptions& o, const std::string& store, const std::string& log_dir,
@@ -311,14 +299,15 @@ class Session {
         r.ok = false;
         r.error = absl::StrFormat("reported version %s instead of %d", (*j)["version"].dump(), v);
       }
-      const bool timed_out = r.timed_out;
-      rec.replicas.push_back(std::move(r));
-      if (timed_out) {  // not a wrong version: the transport did not deliver in time
+      if (r.timed_out) {  // not a wrong version: the transport did not deliver in time
+        const std::string why =
+            absl::StrFormat("%s gave up waiting for version %d: %s", roles_[i], v, r.error);
+        rec.replicas.push_back(std::move(r));
         result.versions.push_back(std::move(rec));
-        Fail(absl::StrFormat("%s gave up waiting for version %d: %s", roles_[i], v,
-                             rec.replicas.back().error));
+        Fail(why);
         return;
       }
+      rec.replicas.push_back(std::move(r));
     }
     result.versions.push_back(std::move(rec));
   }

@@ -31,6 +31,7 @@
 #include "absl/time/clock.h"
 #include "weightbus/args.h"
 #include "weightbus/bf16.h"
+#include "weightbus/fatal.h"
 #include "weightbus/llama2c.h"
 #include "weightbus/llama_forward.h"
 #include "weightbus/update_stream.h"
@@ -60,8 +61,8 @@ struct Options {
 std::vector<pid_t> g_replica_pids;
 std::string g_temporary_workdir;
 
-[[noreturn]] void Die(const std::string& message) {
-  std::fprintf(stderr, "weightbus-demo: error: %s\n", message.c_str());
+// Die's cleanup (tools/weightbus/fatal.h).
+void KillReplicasAndRemoveWorkdir() {
   for (pid_t pid : g_replica_pids) {
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
@@ -70,17 +71,6 @@ std::string g_temporary_workdir;
     std::error_code ec;
     std::filesystem::remove_all(g_temporary_workdir, ec);
   }
-  std::exit(1);
-}
-
-template <typename T>
-T OrDie(absl::StatusOr<T> v) {
-  if (!v.ok()) Die(std::string(v.status().message()));
-  return *std::move(v);
-}
-
-void OrDie(const absl::Status& s) {
-  if (!s.ok()) Die(std::string(s.message()));
 }
 
 // The stream every process derives independently: same checkpoint, seed and options give the
@@ -343,6 +333,7 @@ int RunTrainer(const std::string& self, Options o) {
 
 int main(int argc, char** argv) {
   using namespace weightbus::tools;
+  SetFatalErrorPolicy({"weightbus-demo", 1, KillReplicasAndRemoveWorkdir});
   std::vector<std::string> argvec(argv + 1, argv + argc);
   absl::StatusOr<Args> args = Args::Parse(argvec, {{"checkpoint"},
                                                    {"uri"},

@@ -1,0 +1,36 @@
+// SPDX-License-Identifier: Apache-2.0
+// The UCX transport settings the ucx:// suites run each case under (UCX reads them from the
+// environment when a publisher or subscriber opens).
+#pragma once
+
+#include <cstdlib>
+#include <map>
+#include <ostream>
+#include <string>
+
+namespace weightbus::testing {
+
+struct Tls {
+  std::string name;
+  std::map<std::string, std::string> env;  // an empty value unsets the variable
+};
+// Test names and messages show "shm" or "tcp", not the struct's bytes.
+inline void PrintTo(const Tls& tls, std::ostream* os) { *os << tls.name; }
+
+inline const Tls kShm{"shm", {{"UCX_TLS", "posix,sysv,cma,self"}}};
+inline const Tls kTcp{"tcp", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}};
+// UCX's own defaults (UCX_TLS unset: the transport leaves TCP out for a loopback channel).
+inline const Tls kDefault{"default", {{"UCX_TLS", ""}, {"UCX_NET_DEVICES", ""}}};
+
+// Sets (or, for an empty value, unsets) the variables of `tls` in this process.
+inline void ApplyEnv(const Tls& tls) {
+  for (const auto& [k, v] : tls.env) {
+    if (v.empty()) {
+      unsetenv(k.c_str());
+    } else {
+      setenv(k.c_str(), v.c_str(), 1);
+    }
+  }
+}
+
+}  // namespace weightbus::testing

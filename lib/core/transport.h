@@ -104,6 +104,12 @@ class TransportPublisher {
   // A layer's figures for its last successful Publish (default: none; the core then reports the
   // tensor bytes as wire bytes for a plain transport and 0, unknown, under a layer).
   virtual std::optional<CodecStats> LastCodecStats() const { return std::nullopt; }
+  // Called from another thread when the Publisher is being destroyed while a call may be in
+  // flight: a Publish or WaitForReceivers waiting (for staging slots, receivers, ...) should
+  // return Cancelled promptly (within about 100 ms), and so should every later call. Bytes
+  // already being written may finish first. Must be safe to call concurrently with any other
+  // method, and more than once. Layers forward it beneath. Default: no effect.
+  virtual void Cancel() {}
 };
 
 // Receives notice that a tensor's bytes are complete, so verification overlaps the transfer.
@@ -154,6 +160,13 @@ class TransportSubscriber {
                                                                        absl::Time deadline);
   // The committed versions the channel holds now, ascending.
   virtual absl::StatusOr<std::vector<uint64_t>> ListVersions();
+  // Called from another thread when the Subscriber is being destroyed while a call may be in
+  // flight: a WaitForVersion (or OpenVersion) waiting for a version should return Cancelled
+  // promptly (within about 100 ms), and so should every later call. A Fetch under way may run
+  // to its deadline. Must be safe to call concurrently with any other method, and more than
+  // once. Layers forward it to the transport beneath. Default: no effect (a wait in flight
+  // runs to its deadline).
+  virtual void Cancel() {}
 };
 
 }  // namespace weightbus::internal

@@ -36,6 +36,11 @@ struct PublisherIdentity {
   int rank = 0;        // trainer rank that published (setting `rank`)
   int world_size = 1;  // number of trainer ranks (setting `world_size`)
   std::string name;    // free-form label (setting `publisher_name`), may be empty
+  // The publishing session: 16 lowercase hex digits, random per Publisher::Open. Within one
+  // channel a version number names one content; a subscriber offered a version number it holds
+  // with other content (a restarted publisher reusing numbers) refuses it naming both sessions.
+  // Empty in manifests written before sessions existed.
+  std::string session;
   friend bool operator==(const PublisherIdentity&, const PublisherIdentity&) = default;
 };
 

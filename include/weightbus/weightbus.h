@@ -28,8 +28,13 @@
  *   - Timeouts are in milliseconds; WB_TIMEOUT_INFINITE (any negative value) waits forever.
  *
  * Thread safety: every function may be called from any thread. Calls on one publisher or one
- * subscriber are serialized internally. A wb_update_t is immutable and may be read from several
- * threads at once.
+ * subscriber are serialized internally; destroy and cancel may come from another thread while a
+ * call is in flight (see wb_subscriber_destroy). A wb_update_t is immutable and may be read from
+ * several threads at once.
+ *
+ * fork(): a handle belongs to the process that created it. In a forked child every call on an
+ * inherited publisher or subscriber fails at once with WB_FAILED_PRECONDITION (create a new
+ * handle in the child); destroy there frees nothing. The parent is never affected.
  */
 #pragma once
 
@@ -214,8 +219,19 @@ typedef struct wb_publisher wb_publisher_t;
 WB_EXPORT wb_status_t wb_publisher_create(const char* uri, const wb_open_params_t* params,
                                           wb_publisher_t** publisher);
 
-/* Releases the channel (versions already published stay available). NULL is a no-op. */
+/* Releases the channel (versions already published stay available). NULL is a no-op.
+ * May be called while other threads are inside calls on `publisher`: it first cancels as
+ * wb_publisher_cancel does, then waits for those calls to return (a wait for staging slots or
+ * receivers ends promptly with WB_CANCELLED; bytes already being written finish first, bounded
+ * by that call's timeout), then frees. No call may start on `publisher` once destroy returned.
+ * In a process forked from the one that created it, frees nothing (the parent's handle is
+ * unaffected). */
 WB_EXPORT void wb_publisher_destroy(wb_publisher_t* publisher);
+
+/* Makes calls in flight on `publisher` in other threads return WB_CANCELLED promptly where they
+ * wait, and every later call fail with WB_CANCELLED; the handle stays valid until destroyed.
+ * Returns at once. For a host that must stop other threads' calls before destroying. */
+WB_EXPORT wb_status_t wb_publisher_cancel(wb_publisher_t* publisher);
 
 /* Publishes `num_tensors` tensors as `version`, all or nothing. names[i] names tensors[i]
  * (unique, non-empty UTF-8). The bytes are read during the call only (non-contiguous tensors,
@@ -248,8 +264,17 @@ typedef struct wb_update wb_update_t;
 WB_EXPORT wb_status_t wb_subscriber_create(const char* uri, const wb_open_params_t* params,
                                            wb_subscriber_t** subscriber);
 
-/* Closes the subscriber. Updates it returned stay valid. NULL is a no-op. */
+/* Closes the subscriber. Updates it returned stay valid. NULL is a no-op. May be called while
+ * other threads are inside calls on `subscriber`: it first cancels as wb_subscriber_cancel does
+ * (a wait for a version returns WB_CANCELLED promptly), then waits for those calls to return (a
+ * receive already under way finishes or fails by its own deadline), then frees. No call may
+ * start on `subscriber` once destroy returned. In a forked child, frees nothing. */
 WB_EXPORT void wb_subscriber_destroy(wb_subscriber_t* subscriber);
+
+/* Makes a wait in flight on `subscriber` in another thread return WB_CANCELLED promptly, and
+ * every later call fail with WB_CANCELLED; the handle stays valid until destroyed. Returns at
+ * once. */
+WB_EXPORT wb_status_t wb_subscriber_cancel(wb_subscriber_t* subscriber);
 
 /* Makes later updates write tensor `name` into `destination` (any non-overlapping strides)
  * instead of library memory, replacing an earlier binding. The memory must stay valid while

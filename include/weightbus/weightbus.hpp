@@ -84,6 +84,17 @@ struct PublishStats {
 // threads. Lifetime: destroying the Publisher releases the channel (other publishers may then
 // open it); versions already published stay available on disk://, while ucx:// serves them
 // from this object only (its subscribers then get Unavailable and keep what they have).
+//
+// Closing while a call is in flight (docs/CONVENTIONS.md, "Closing and fork"): the destructor
+// first cancels (Cancel()), then waits for the calls in flight on other threads to return. A
+// call waiting (for staging slots, for receivers) returns Cancelled promptly; bytes already
+// being written or staged finish first, bounded by that call's timeout. A Publish that returns
+// Cancelled published nothing unless the version is on the channel when it returns.
+//
+// fork(): a Publisher belongs to the process that opened it. In a forked child every call on
+// the inherited object fails at once with FailedPrecondition (open a new one in the child), its
+// accessors return empty values, and its destructor frees nothing (the parent's object is
+// unaffected).
 class WB_EXPORT Publisher {
  public:
   // Opens `uri` for publishing. Errors: InvalidArgument for a malformed URI or setting;
@@ -122,6 +133,11 @@ class WB_EXPORT Publisher {
   // Unimplemented for transports that cannot tell (disk://: subscribers never talk to the
   // publisher).
   absl::Status WaitForReceivers(uint64_t version, int count, absl::Duration timeout);
+
+  // Makes calls in flight on other threads return Cancelled promptly where they wait, and
+  // every later call fail with Cancelled; the object stays valid until destroyed. Thread-safe;
+  // returns at once. What a host calls before destroying a Publisher other threads still use.
+  void Cancel();
 
   // The newest version on the channel (published by anyone), if any.
   std::optional<uint64_t> latest_version() const;
@@ -188,6 +204,12 @@ class WB_EXPORT Update {
 //
 // Thread safety: calls are serialized internally. Lifetime: destinations must stay valid while
 // bound; Updates may outlive the Subscriber.
+//
+// Closing while a call is in flight: the destructor first cancels (Cancel()), then waits for
+// the calls in flight on other threads to return. A call still waiting for a version returns
+// Cancelled promptly; a receive already under way finishes or fails by its own deadline (bound
+// destinations then hold what bind_mode promises for a failed update). fork(): as for Publisher,
+// an inherited Subscriber fails every call in the child with FailedPrecondition.
 class WB_EXPORT Subscriber {
  public:
   // Opens `uri` for subscribing; the channel need not exist yet. Errors as Publisher::Open.
@@ -229,6 +251,10 @@ class WB_EXPORT Subscriber {
   // DeadlineExceeded meaning the receive did not finish within `receive_timeout`.
   absl::StatusOr<std::unique_ptr<Update>> Poll(uint64_t min_version,
                                                absl::Duration receive_timeout);
+
+  // Makes a wait in flight on another thread return Cancelled promptly, and every later call
+  // fail with Cancelled; the object stays valid until destroyed. Thread-safe; returns at once.
+  void Cancel();
 
   // The version of the last Update handed over, if any.
   std::optional<uint64_t> current_version() const;

@@ -3,6 +3,8 @@
 // exceptions; every status goes through SetStatus, the one conversion from absl::StatusCode.
 #include "weightbus/weightbus.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -19,10 +21,12 @@ namespace wb = ::weightbus;
 
 struct wb_publisher {
   std::unique_ptr<wb::Publisher> impl;
+  pid_t pid = getpid();  // the creating process: a forked child may not use the handle
 };
 
 struct wb_subscriber {
   std::unique_ptr<wb::Subscriber> impl;
+  pid_t pid = getpid();
 };
 
 namespace {
@@ -134,6 +138,20 @@ absl::Status NullArgument(const char* function, const char* parameter) {
 #define WB_CHECK_ARG(function, parameter)                                  \
   do {                                                                     \
     if ((parameter) == nullptr) return NullArgument(function, #parameter); \
+  } while (0)
+
+absl::Status ForkedHandle(const char* function, const char* parameter, pid_t creator) {
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "%s: %s was created by process %d and this is process %d, a forked child: a handle "
+      "cannot be used across fork(); create a new one in the child",
+      function, parameter, creator, getpid()));
+}
+
+// A publisher or subscriber handle: not NULL, and created by this process.
+#define WB_CHECK_HANDLE(function, handle)                                                 \
+  do {                                                                                    \
+    WB_CHECK_ARG(function, handle);                                                       \
+    if ((handle)->pid != getpid()) return ForkedHandle(function, #handle, (handle)->pid); \
   } while (0)
 
 // Reads a caller's parameter struct whose first member is `size_t struct_size` into `*out`
@@ -457,7 +475,7 @@ absl::Status Publish(wb_publisher_t* publisher, uint64_t version, const char* co
                      const DLTensor* tensors, size_t num_tensors,
                      const wb_publish_params_t* params_in, int64_t timeout_ms) {
   constexpr const char* kFn = "wb_publisher_publish";
-  WB_CHECK_ARG(kFn, publisher);
+  WB_CHECK_HANDLE(kFn, publisher);
   if (num_tensors > 0) {
     WB_CHECK_ARG(kFn, names);
     WB_CHECK_ARG(kFn, tensors);
@@ -493,7 +511,7 @@ absl::Status Publish(wb_publisher_t* publisher, uint64_t version, const char* co
 absl::Status Wait(const char* function, wb_subscriber_t* subscriber, uint64_t min_version,
                   int64_t timeout_ms, bool poll, wb_update_t** update,
                   std::optional<int64_t> receive_timeout_ms = std::nullopt) {
-  WB_CHECK_ARG(function, subscriber);
+  WB_CHECK_HANDLE(function, subscriber);
   WB_CHECK_ARG(function, update);
   absl::StatusOr<std::unique_ptr<wb::Update>> received =
       poll                 ? subscriber->impl->Poll(min_version, Timeout(timeout_ms))
@@ -637,6 +655,15 @@ void wb_publisher_destroy(wb_publisher_t* publisher) {
   }
 }
 
+wb_status_t wb_publisher_cancel(wb_publisher_t* publisher) {
+  constexpr const char* kFn = "wb_publisher_cancel";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_HANDLE(kFn, publisher);
+    publisher->impl->Cancel();
+    return absl::OkStatus();
+  });
+}
+
 wb_status_t wb_publisher_publish(wb_publisher_t* publisher, uint64_t version,
                                  const char* const* names, const DLTensor* tensors,
                                  size_t num_tensors, const wb_publish_params_t* params,
@@ -650,7 +677,7 @@ wb_status_t wb_publisher_latest_version(wb_publisher_t* publisher, bool* has_ver
                                         uint64_t* version) {
   constexpr const char* kFn = "wb_publisher_latest_version";
   return Guard(kFn, [&]() -> absl::Status {
-    WB_CHECK_ARG(kFn, publisher);
+    WB_CHECK_HANDLE(kFn, publisher);
     WB_CHECK_ARG(kFn, has_version);
     WB_CHECK_ARG(kFn, version);
     const std::optional<uint64_t> latest = publisher->impl->latest_version();
@@ -663,7 +690,7 @@ wb_status_t wb_publisher_latest_version(wb_publisher_t* publisher, bool* has_ver
 wb_status_t wb_publisher_last_stats(wb_publisher_t* publisher, wb_publish_stats_t* stats) {
   constexpr const char* kFn = "wb_publisher_last_stats";
   return Guard(kFn, [&]() -> absl::Status {
-    WB_CHECK_ARG(kFn, publisher);
+    WB_CHECK_HANDLE(kFn, publisher);
     WB_CHECK_ARG(kFn, stats);
     const wb::PublishStats s = publisher->impl->last_stats();
     wb_publish_stats_t value{sizeof(wb_publish_stats_t),
@@ -702,11 +729,20 @@ void wb_subscriber_destroy(wb_subscriber_t* subscriber) {
   }
 }
 
+wb_status_t wb_subscriber_cancel(wb_subscriber_t* subscriber) {
+  constexpr const char* kFn = "wb_subscriber_cancel";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_HANDLE(kFn, subscriber);
+    subscriber->impl->Cancel();
+    return absl::OkStatus();
+  });
+}
+
 wb_status_t wb_subscriber_bind(wb_subscriber_t* subscriber, const char* name,
                                const DLTensor* destination, const wb_bind_params_t* params_in) {
   constexpr const char* kFn = "wb_subscriber_bind";
   return Guard(kFn, [&]() -> absl::Status {
-    WB_CHECK_ARG(kFn, subscriber);
+    WB_CHECK_HANDLE(kFn, subscriber);
     WB_CHECK_ARG(kFn, name);
     WB_CHECK_ARG(kFn, destination);
     wb_bind_params_t params;
@@ -726,7 +762,7 @@ wb_status_t wb_subscriber_bind(wb_subscriber_t* subscriber, const char* name,
 wb_status_t wb_subscriber_unbind(wb_subscriber_t* subscriber, const char* name) {
   constexpr const char* kFn = "wb_subscriber_unbind";
   return Guard(kFn, [&]() -> absl::Status {
-    WB_CHECK_ARG(kFn, subscriber);
+    WB_CHECK_HANDLE(kFn, subscriber);
     WB_CHECK_ARG(kFn, name);
     subscriber->impl->Unbind(name);
     return absl::OkStatus();
@@ -736,7 +772,7 @@ wb_status_t wb_subscriber_unbind(wb_subscriber_t* subscriber, const char* name) 
 wb_status_t wb_subscriber_unbind_all(wb_subscriber_t* subscriber) {
   constexpr const char* kFn = "wb_subscriber_unbind_all";
   return Guard(kFn, [&]() -> absl::Status {
-    WB_CHECK_ARG(kFn, subscriber);
+    WB_CHECK_HANDLE(kFn, subscriber);
     subscriber->impl->UnbindAll();
     return absl::OkStatus();
   });
@@ -768,7 +804,7 @@ wb_status_t wb_subscriber_current_version(wb_subscriber_t* subscriber, bool* has
                                           uint64_t* version) {
   constexpr const char* kFn = "wb_subscriber_current_version";
   return Guard(kFn, [&]() -> absl::Status {
-    WB_CHECK_ARG(kFn, subscriber);
+    WB_CHECK_HANDLE(kFn, subscriber);
     WB_CHECK_ARG(kFn, has_version);
     WB_CHECK_ARG(kFn, version);
     const std::optional<uint64_t> current = subscriber->impl->current_version();

@@ -83,6 +83,7 @@ std::string Manifest::ToJson() const {
   pub["rank"] = publisher.rank;
   pub["world_size"] = publisher.world_size;
   pub["name"] = publisher.name;
+  pub["session"] = publisher.session;
   j["publisher"] = std::move(pub);
   j["publish_start_unix_ns"] = publish_start_unix_ns;
   j["sealed_unix_ns"] = sealed_unix_ns;
@@ -145,7 +146,12 @@ absl::StatusOr<Manifest> Manifest::FromJson(std::string_view json, std::string_v
        {host.status(), pid.status(), rank.status(), world.status(), name.status()}) {
     if (!s.ok()) return s;
   }
-  m.publisher = PublisherIdentity{*host, *pid, *rank, *world, *name};
+  m.publisher = PublisherIdentity{*host, *pid, *rank, *world, *name, ""};
+  if (pub.contains("session")) {  // absent in manifests written before sessions existed
+    auto session = r.Get<std::string>(pub, "session", ".publisher");
+    if (!session.ok()) return session.status();
+    m.publisher.session = *session;
+  }
 
   auto start = r.Get<int64_t>(j, "publish_start_unix_ns", "");
   if (!start.ok()) return start.status();

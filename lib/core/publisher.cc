@@ -15,8 +15,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "core/buffer.h"
+#include "core/call_gate.h"
 #include "core/channel_setup.h"
 #include "core/checksum.h"
+#include "core/content.h"
 #include "core/failpoint.h"
 #include "core/registry.h"
 #include "core/status.h"
@@ -146,15 +148,22 @@ class Job final : public internal::PublishJob {
 class Publisher::Impl : public internal::ChannelSetup {
  public:
   std::unique_ptr<internal::TransportPublisher> backend;
+  std::unique_ptr<internal::CallGate> gate;
   std::shared_ptr<internal::BufferPool> pack_pool = internal::BufferPool::Create(1);
   PublisherIdentity identity;
 
   mutable absl::Mutex mu;
   std::optional<uint64_t> latest ABSL_GUARDED_BY(mu);
   PublishStats stats ABSL_GUARDED_BY(mu);
+  // The manifest of this object's last successful Publish (its tensors, for retries).
+  std::optional<Manifest> last_manifest ABSL_GUARDED_BY(mu);
 
   absl::Status Publish(uint64_t version, absl::Span<const TensorView> tensors,
                        const Metadata& metadata, absl::Duration timeout);
+  // Publish of the version the channel already has as its latest: OK, writing nothing, when
+  // `job` holds the same tensors; FailedPrecondition naming the first difference otherwise.
+  absl::Status Republish(Job& job, absl::Time start, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 };
 
 absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_text,
@@ -169,8 +178,11 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_
     return absl::InvalidArgumentError(absl::StrFormat("%s: rank %d is not in [0, world_size=%d)",
                                                       uri.Display(), rank, world_size));
   }
-  impl->identity = PublisherIdentity{internal::HostName(), getpid(), static_cast<int>(rank),
-                                     static_cast<int>(world_size), c.String("publisher_name")};
+  impl->identity =
+      PublisherIdentity{internal::HostName(),       getpid(),
+                        static_cast<int>(rank),     static_cast<int>(world_size),
+                        c.String("publisher_name"), absl::StrFormat("%016x", internal::RandomId())};
+  impl->gate = std::make_unique<internal::CallGate>(uri.Display() + " publisher");
   WB_ASSIGN_OR_RETURN(impl->backend, internal::OpenPublisherStack(impl->stack, uri, c));
   WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, impl->backend->LatestVersion());
   {
@@ -181,10 +193,27 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_
 }
 
 Publisher::Publisher(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-Publisher::~Publisher() = default;
+Publisher::~Publisher() {
+  if (impl_->gate->Forked()) {
+    // A copy inherited across fork(): its threads do not exist here and its locks may be held,
+    // so it is left as it is (the parent's publisher is unaffected).
+    (void)impl_.release();
+    return;
+  }
+  Cancel();
+  impl_->gate->CloseAndWait();
+}
+
+void Publisher::Cancel() {
+  if (impl_->gate->Forked()) return;
+  impl_->gate->MarkClosing();
+  impl_->backend->Cancel();
+}
 
 absl::Status Publisher::Publish(uint64_t version, absl::Span<const TensorView> tensors,
                                 const Metadata& metadata, absl::Duration timeout) {
+  internal::CallScope scope(*impl_->gate, "Publish");
+  if (!scope.status().ok()) return scope.status();
   return impl_->Publish(version, tensors, metadata, timeout);
 }
 
@@ -193,7 +222,8 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   const absl::Time start = absl::Now();
   const absl::Time deadline = start + timeout;
   absl::MutexLock lock(&mu);
-  if (latest && version <= *latest) {
+  WB_RETURN_IF_ERROR(gate->CheckNotClosing("Publish"));
+  if (latest && version < *latest) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "%s: cannot publish version %d: the channel already has version %d (versions must "
         "increase)",
@@ -256,6 +286,7 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   }
   const absl::Duration pack_time = absl::Now() - pack_start;
 
+  if (latest && version == *latest) return Republish(job, start, deadline);
   job.StartHashing(*hashers, backend->CopiesWithChecksums());
   absl::Status status = failpoints.Hit("core.before_transport");
   if (status.ok()) status = backend->Publish(job, deadline);
@@ -266,6 +297,7 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
         status, absl::StrFormat("%s: publish of version %d failed", uri.Display(), version));
   }
   latest = version;
+  last_manifest = m;
   const absl::Time end = absl::Now();
   stats = PublishStats{};
   stats.version = version;
@@ -284,7 +316,46 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   return absl::OkStatus();
 }
 
+absl::Status Publisher::Impl::Republish(Job& job, absl::Time start, absl::Time deadline) {
+  const uint64_t version = job.version();
+  absl::StatusOr<Manifest> committed = absl::UnimplementedError("");
+  if (last_manifest && last_manifest->version == version) {
+    committed = *last_manifest;
+  } else {
+    committed = backend->CommittedManifest(version);
+  }
+  if (!committed.ok()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: cannot publish version %d: the channel already has version %d (versions must "
+        "increase; a retry of the same bytes is accepted only where the channel's manifest of "
+        "that version can be read: %s)",
+        uri.Display(), version, version,
+        committed.status().message().empty() ? "not by this transport"
+                                             : committed.status().message()));
+  }
+  job.StartHashing(*hashers, /*copy_mode=*/false);
+  absl::StatusOr<const Manifest*> sealed = job.SealedManifest(deadline);
+  job.WaitHashingDone();
+  if (!sealed.ok()) return internal::Annotate(sealed.status(), uri.Display());
+  if (std::optional<std::string> diff = internal::ContentDifference(
+          (*sealed)->tensors, "this call", committed->tensors, "published")) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: cannot publish version %d again with other content: %s; the channel keeps the "
+        "version %d it has (publish the new weights as a higher version)",
+        uri.Display(), version, *diff, version));
+  }
+  // The same tensors: a retry (e.g. after a timeout whose publish did commit). Nothing is
+  // written; the version keeps its first manifest, metadata included.
+  stats = PublishStats{};
+  stats.version = version;
+  stats.bytes = (*sealed)->total_bytes();
+  stats.stall = absl::Now() - start;
+  return absl::OkStatus();
+}
+
 absl::Status Publisher::WaitForReceivers(uint64_t version, int count, absl::Duration timeout) {
+  internal::CallScope scope(*impl_->gate, "WaitForReceivers");
+  if (!scope.status().ok()) return scope.status();
   if (count < 1) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: WaitForReceivers needs a count of at least 1, got %d", impl_->uri.Display(), count));
@@ -304,11 +375,13 @@ absl::Status Publisher::WaitForReceivers(uint64_t version, int count, absl::Dura
 }
 
 std::optional<uint64_t> Publisher::latest_version() const {
+  if (impl_->gate->Forked()) return std::nullopt;
   absl::MutexLock lock(&impl_->mu);
   return impl_->latest;
 }
 
 PublishStats Publisher::last_stats() const {
+  if (impl_->gate->Forked()) return PublishStats{};
   absl::MutexLock lock(&impl_->mu);
   return impl_->stats;
 }

@@ -183,6 +183,11 @@ absl::StatusOr<int> TransportPublisher::WaitForReceivers(uint64_t version, int, 
       absl::StrFormat("this transport cannot tell which subscribers received version %d", version));
 }
 
+absl::StatusOr<Manifest> TransportPublisher::CommittedManifest(uint64_t version) {
+  return absl::UnimplementedError(
+      absl::StrFormat("this transport cannot read back the manifest of version %d", version));
+}
+
 absl::StatusOr<std::vector<uint64_t>> TransportSubscriber::ListVersions() {
   return absl::UnimplementedError("this transport cannot list its versions");
 }

@@ -11,8 +11,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "core/buffer.h"
+#include "core/call_gate.h"
 #include "core/channel_setup.h"
 #include "core/checksum.h"
+#include "core/content.h"
 #include "core/failpoint.h"
 #include "core/registry.h"
 #include "core/status.h"
@@ -162,12 +164,16 @@ const TensorView* Update::Find(std::string_view name) const {
 class Subscriber::Impl : public internal::ChannelSetup {
  public:
   std::unique_ptr<internal::TransportSubscriber> backend;
+  std::unique_ptr<internal::CallGate> gate;
   std::shared_ptr<internal::BufferPool> pool = internal::BufferPool::Create(3);
   bool staged = true;
 
   mutable absl::Mutex mu;
   std::map<std::string, Binding, std::less<>> bindings ABSL_GUARDED_BY(mu);
   std::optional<uint64_t> current ABSL_GUARDED_BY(mu);
+  // What the current version holds, to refuse other content under the same version number.
+  std::string held_session ABSL_GUARDED_BY(mu);
+  std::vector<TensorInfo> held_tensors ABSL_GUARDED_BY(mu);
 
   // Finds a version >= max(min_version, current) by `find_deadline` and receives it by
   // `receive_deadline`. With `poll`, finding none by find_deadline returns nullptr.
@@ -183,15 +189,33 @@ absl::StatusOr<std::unique_ptr<Subscriber>> Subscriber::Open(std::string_view ur
   WB_ASSIGN_OR_RETURN(static_cast<internal::ChannelSetup&>(*impl),
                       internal::SetUpChannel(uri_text, options));
   impl->staged = impl->config->String("bind_mode") == "staged";
+  impl->gate = std::make_unique<internal::CallGate>(impl->uri.Display() + " subscriber");
   WB_ASSIGN_OR_RETURN(impl->backend,
                       internal::OpenSubscriberStack(impl->stack, impl->uri, *impl->config));
   return std::unique_ptr<Subscriber>(new Subscriber(std::move(impl)));
 }
 
 Subscriber::Subscriber(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-Subscriber::~Subscriber() = default;
+Subscriber::~Subscriber() {
+  if (impl_->gate->Forked()) {
+    // A copy inherited across fork(): its threads do not exist here and its locks may be held,
+    // so it is left as it is (the parent's subscriber is unaffected).
+    (void)impl_.release();
+    return;
+  }
+  Cancel();
+  impl_->gate->CloseAndWait();
+}
+
+void Subscriber::Cancel() {
+  if (impl_->gate->Forked()) return;
+  impl_->gate->MarkClosing();
+  impl_->backend->Cancel();
+}
 
 absl::Status Subscriber::Bind(std::string name, Destination dest) {
+  internal::CallScope scope(*impl_->gate, "Bind");
+  if (!scope.status().ok()) return scope.status();
   absl::StatusOr<uint64_t> nbytes = internal::ValidateDestination(name, dest);
   if (!nbytes.ok()) return nbytes.status();
   absl::MutexLock lock(&impl_->mu);
@@ -200,17 +224,22 @@ absl::Status Subscriber::Bind(std::string name, Destination dest) {
 }
 
 void Subscriber::Unbind(std::string_view name) {
+  internal::CallScope scope(*impl_->gate, "Unbind");
+  if (!scope.status().ok()) return;
   absl::MutexLock lock(&impl_->mu);
   auto it = impl_->bindings.find(name);
   if (it != impl_->bindings.end()) impl_->bindings.erase(it);
 }
 
 void Subscriber::UnbindAll() {
+  internal::CallScope scope(*impl_->gate, "UnbindAll");
+  if (!scope.status().ok()) return;
   absl::MutexLock lock(&impl_->mu);
   impl_->bindings.clear();
 }
 
 std::optional<uint64_t> Subscriber::current_version() const {
+  if (impl_->gate->Forked()) return std::nullopt;
   absl::MutexLock lock(&impl_->mu);
   return impl_->current;
 }
@@ -219,6 +248,8 @@ const std::string& Subscriber::uri() const { return impl_->uri_text; }
 
 absl::StatusOr<std::unique_ptr<Update>> Subscriber::WaitForVersion(uint64_t min_version,
                                                                    absl::Duration timeout) {
+  internal::CallScope scope(*impl_->gate, "WaitForVersion");
+  if (!scope.status().ok()) return scope.status();
   absl::MutexLock lock(&impl_->mu);
   const absl::Time deadline = absl::Now() + timeout;
   return impl_->Wait(min_version, deadline, deadline, /*poll=*/false);
@@ -227,6 +258,8 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::WaitForVersion(uint64_t min_
 absl::StatusOr<std::unique_ptr<Update>> Subscriber::WaitForVersion(uint64_t min_version,
                                                                    absl::Duration find_timeout,
                                                                    absl::Duration receive_timeout) {
+  internal::CallScope scope(*impl_->gate, "WaitForVersion");
+  if (!scope.status().ok()) return scope.status();
   absl::MutexLock lock(&impl_->mu);
   const absl::Time find_deadline = absl::Now() + find_timeout;
   return impl_->Wait(min_version, find_deadline, find_deadline + receive_timeout,
@@ -235,6 +268,8 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::WaitForVersion(uint64_t min_
 
 absl::StatusOr<std::unique_ptr<Update>> Subscriber::Poll(uint64_t min_version,
                                                          absl::Duration receive_timeout) {
+  internal::CallScope scope(*impl_->gate, "Poll");
+  if (!scope.status().ok()) return scope.status();
   absl::MutexLock lock(&impl_->mu);
   const absl::Time now = absl::Now();
   return impl_->Wait(min_version, now, now + receive_timeout, /*poll=*/true);
@@ -283,6 +318,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
                                                                absl::Time find_deadline,
                                                                absl::Time receive_deadline,
                                                                bool poll) {
+  WB_RETURN_IF_ERROR(gate->CheckNotClosing(poll ? "Poll" : "WaitForVersion"));
   const absl::Time start = absl::Now();
   const absl::Time deadline = receive_deadline;
   const uint64_t floor = std::max(min_version, current.value_or(0));
@@ -310,6 +346,19 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
         "%s: version %d was published through the \"%s\" layer, which this subscriber does not "
         "have (its tensors are the layer's encoding, not the model); subscribe to %s+%s",
         uri.Display(), m.version, layer->second, layer->second, uri.Display()));
+  }
+  if (current && m.version == *current) {
+    if (std::optional<std::string> diff =
+            internal::ContentDifference(m.tensors, "offered", held_tensors, "held")) {
+      auto session = [](const std::string& id) { return id.empty() ? "(unnamed)" : id.c_str(); };
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s: version %d offered by publisher session %s (pid %d on %s) is not the version %d "
+          "this subscriber holds, from session %s: %s. A publisher reused a version number (a "
+          "restarted ucx:// publisher keeps no history); it must publish above version %d, or "
+          "open a new Subscriber to follow a new history; version %d stays current",
+          uri.Display(), m.version, session(m.publisher.session), m.publisher.pid, m.publisher.host,
+          *current, session(held_session), *diff, *current, *current));
+    }
   }
   WB_RETURN_IF_ERROR(CheckBindings(m));
 
@@ -441,6 +490,8 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
     impl->stats.wire_bytes = m.total_bytes();
   }
   current = m.version;
+  held_session = m.publisher.session;
+  held_tensors = m.tensors;
   return std::make_unique<Update>(std::move(impl));
 }
 

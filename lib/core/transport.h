@@ -101,6 +101,11 @@ class TransportPublisher {
   // a newer one, or until `deadline`, and returns how many have (possibly fewer than `count`).
   // Only a transport that talks to its subscribers can tell (default: Unimplemented).
   virtual absl::StatusOr<int> WaitForReceivers(uint64_t version, int count, absl::Time deadline);
+  // The manifest of committed version `version` as subscribers receive it, if the channel still
+  // holds it (NotFound otherwise): the core compares a re-publish of the latest version with it
+  // (the same tensors are a no-op success). Default: Unimplemented (the core then compares only
+  // with what its own Publisher object published last).
+  virtual absl::StatusOr<Manifest> CommittedManifest(uint64_t version);
   // A layer's figures for its last successful Publish (default: none; the core then reports the
   // tensor bytes as wire bytes for a plain transport and 0, unknown, under a layer).
   virtual std::optional<CodecStats> LastCodecStats() const { return std::nullopt; }

@@ -103,6 +103,13 @@ class DiskPublisher final : public TransportPublisher {
 
   absl::Status Publish(PublishJob& job, absl::Time deadline) override;
 
+  // The committed version's weightbus.manifest.json (a retried publish is compared with it).
+  absl::StatusOr<Manifest> CommittedManifest(uint64_t version) override {
+    const std::string path = absl::StrFormat("%s/%s", channel_.VersionDir(version), kManifestFile);
+    WB_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, size_t{512} << 20));
+    return Manifest::FromJson(text, path);
+  }
+
   void KeepVersionsFrom(uint64_t version) override {
     absl::MutexLock lock(&retention_mu_);
     keep_from_ = version;

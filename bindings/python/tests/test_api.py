@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """weightbus.Publisher / Subscriber / Update: dtypes, layouts, zero-copy, binding, errors, GIL."""
 import ctypes
+import re
 import signal
 import threading
 import time
@@ -56,7 +57,7 @@ def test_roundtrip_every_dtype_and_layout(channel):
     readonly.setflags(write=False)
     tensors["np_readonly"] = readonly
     with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
-        stats = pub.publish(1, tensors, metadata={"step": 1, "ok": True},
+        stats = pub.publish(1, tensors, metadata={"step": "1", "ok": "true"},
                             dtypes={"np_bf16_bits": "BF16"})
         assert stats.version == 1 and stats.bytes > 0 and stats.stall > 0
         assert pub.latest_version == 1
@@ -322,3 +323,35 @@ def test_options_and_closed_objects(channel):
         pub.publish(2, {"x": torch.zeros(1)})
     with pytest.raises(ValueError, match="timeout must be"):
         weightbus.Subscriber(channel).wait(0, timeout=-1)
+
+
+# ---- metadata: strings only (issue 10, item 9) ----
+
+@pytest.mark.parametrize("metadata, key", [
+    ({"step": 1}, "'step'"),
+    ({"ok": True}, "'ok'"),
+    ({"none": None}, "'none'"),
+    ({"nested": {"a": 1}}, "'nested'"),
+    ({"raw": b"\x00\xff"}, "'raw'"),
+    ({"fine": "x", 7: "seven"}, "7"),
+    ({b"bytes-key": "x"}, "b'bytes-key'"),
+])
+def test_metadata_must_be_strings(channel, metadata, key):
+    """Non-string metadata values or keys are refused with a TypeError naming the key, and
+    nothing is published; string metadata arrives exactly as given."""
+    with weightbus.Publisher(channel) as pub:
+        with pytest.raises(TypeError, match=r"metadata.*" + re.escape(key)) as info:
+            pub.publish(1, {"w": torch.ones(2)}, metadata=metadata)
+        assert "str" in str(info.value)
+        assert pub.latest_version is None
+        pub.publish(1, {"w": torch.ones(2)}, metadata={"step": "1", "note": "ünï {\"json\": 1}"})
+    with weightbus.Subscriber(channel) as sub:
+        assert sub.wait(1, timeout=30).metadata == {"step": "1", "note": "ünï {\"json\": 1}"}
+
+
+def test_metadata_must_be_a_mapping(channel):
+    with weightbus.Publisher(channel) as pub:
+        with pytest.raises(TypeError, match="metadata must be a mapping"):
+            pub.publish(1, {"w": torch.ones(2)}, metadata=[("step", "1")])
+        assert pub.latest_version is None
+

@@ -52,6 +52,27 @@ def _options_array(options: Mapping):
     return array, len(encoded), encoded
 
 
+def _metadata_array(metadata: Optional[Mapping]):
+    """A wb_option_t array of publish metadata (and what keeps its strings alive). Keys and
+    values must be str: anything else is a TypeError naming the key, never str(v) (which would
+    turn None into "None" and bytes into "b'...'"); encode structured values yourself, e.g.
+    with json.dumps, and decode them on the way out."""
+    if metadata is None:
+        return _options_array({})
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a mapping of str to str, got "
+                        f"{type(metadata).__name__}")
+    for key, value in metadata.items():
+        if not isinstance(key, str):
+            raise TypeError(f"metadata key {key!r} is {type(key).__name__}; metadata keys and "
+                            "values must be str")
+        if not isinstance(value, str):
+            raise TypeError(f"metadata {key!r} is {type(value).__name__} ({value!r:.60}); "
+                            "metadata values must be str (encode others yourself, e.g. "
+                            "json.dumps)")
+    return _options_array(metadata)
+
+
 def _open_params(options: Mapping):
     params = new_params(_lib.wb_open_params_t)
     array, count, keep = _options_array(options)
@@ -127,7 +148,8 @@ class Publisher(_Handle):
             pub.publish(step, model.state_dict(), metadata={"step": str(step)})
 
     Options are settings by name (`weightbus settings` lists them); values may be str, int,
-    float or bool. Only one live publisher may hold a channel.
+    float or bool (metadata, unlike options, is str only). Only one live publisher may hold a
+    channel.
     """
 
     _destroy = staticmethod(lambda h: lib.wb_publisher_destroy(h))
@@ -140,18 +162,24 @@ class Publisher(_Handle):
         self._handle = handle
         self.uri = uri
 
-    def publish(self, version: int, tensors: TensorsArg, metadata: Optional[Mapping] = None,
+    def publish(self, version: int, tensors: TensorsArg,
+                metadata: Optional[Mapping[str, str]] = None,
                 dtypes: Optional[Mapping[str, str]] = None,
                 timeout: Optional[float] = 60.0) -> PublishStats:
         """Publishes `tensors` ({name: tensor} or (name, tensor) pairs: torch tensors, numpy
         arrays or DLPack objects, any strides) as `version`, all or nothing. `version` must be
         above every version on the channel. The bytes are read during the call only (zero-copy:
         contiguous tensors are read in place, strided ones packed by the library); CUDA tensors
-        are copied to host memory first. `dtypes` overrides element types by name, e.g.
-        {"w": "BF16"} for a uint16 numpy array of bf16 bits. Blocks up to `timeout` seconds
-        (None: forever) with the GIL released. Returns the publish's figures."""
+        are copied to host memory first. `metadata` is a mapping of str to str stored in the
+        manifest as given (Update.metadata returns it); a key or value that is not a str raises
+        TypeError naming the key, before anything is published (no str() conversion: encode
+        numbers or structures yourself, e.g. str(step) or json.dumps). `dtypes` overrides
+        element types by name, e.g. {"w": "BF16"} for a uint16 numpy array of bf16 bits.
+        Blocks up to `timeout` seconds (None: forever) with the GIL released. Returns the
+        publish's figures."""
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
+        meta_array, meta_count, meta_keep = _metadata_array(metadata)
         items = _items(tensors)
         dtypes = dict(dtypes or {})
         unknown = set(dtypes) - {name for name, _ in items}
@@ -165,7 +193,6 @@ class Publisher(_Handle):
             names[i] = name.encode()
             outgoing.set(i, name, obj, dtypes.get(name))
         params = new_params(_lib.wb_publish_params_t)
-        meta_array, meta_count, meta_keep = _options_array(dict(metadata or {}))
         params.metadata = ctypes.cast(meta_array, ctypes.POINTER(_lib.wb_option_t))
         params.num_metadata = meta_count
         params.dtypes = ctypes.cast(outgoing.overrides, ctypes.POINTER(ctypes.c_int))
@@ -239,6 +266,7 @@ class Update(_Handle):
 
     @property
     def metadata(self) -> Dict[str, str]:
+        """The publisher's metadata (str keys and str values, as published), a new dict."""
         return dict(self.manifest.get("metadata", {}))
 
     def __len__(self) -> int:

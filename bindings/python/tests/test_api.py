@@ -355,3 +355,85 @@ def test_metadata_must_be_a_mapping(channel):
             pub.publish(1, {"w": torch.ones(2)}, metadata=[("step", "1")])
         assert pub.latest_version is None
 
+
+# ---- host staging (the CUDA path, run with CPU tensors): issue 10, item 8 ----
+
+def _force_staging(monkeypatch):
+    monkeypatch.setattr(_api, "_needs_host_staging", lambda t: _tensors.is_torch_tensor(t))
+
+
+def test_staged_copy_into_parameters_that_require_grad(channel, monkeypatch):
+    """README's own `sub.bind(dict(model.named_parameters()))` through the staging path:
+    parameters that require grad are written (under no_grad) and keep requiring grad."""
+    _force_staging(monkeypatch)
+    source, replica = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        sub.bind(dict(replica.named_parameters()))
+        assert set(sub._staged) == {"weight", "bias"}
+        pub.publish(1, {k: v.detach() for k, v in source.named_parameters()})
+        update = sub.wait(1, timeout=30)
+        assert update.version == 1 and sub.current_version == 1
+    for name, param in replica.named_parameters():
+        assert torch.equal(param.detach(), getattr(source, name).detach()), name
+        assert param.requires_grad and param.grad_fn is None and param.is_leaf
+
+
+def test_staged_copy_into_inference_mode_tensors(channel, monkeypatch):
+    """Inference tensors (created under torch.inference_mode, as an inference server may hold
+    its weights) are written under inference mode."""
+    _force_staging(monkeypatch)
+    with torch.inference_mode():
+        dest = torch.zeros(2, 3)
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        sub.bind({"w": dest})
+        pub.publish(1, {"w": torch.arange(6.0).reshape(2, 3)})
+        assert sub.wait(1, timeout=30).version == 1 and sub.current_version == 1
+    assert dest.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+class _CopyFailsOnce(torch.Tensor):
+    """A destination whose next copy_ raises (the fault injected into the staging copy)."""
+    failures = 0
+
+    def copy_(self, *args, **kwargs):
+        if type(self).failures > 0:
+            type(self).failures -= 1
+            raise RuntimeError("injected: this destination refuses the copy")
+        return super().copy_(*args, **kwargs)
+
+
+def test_staging_failure_keeps_the_previous_version_current(channel, monkeypatch):
+    """A staging copy that fails after the first destination was written: the wait raises
+    naming the tensor and both versions, current_version stays at the previous version, and
+    poll(current_version + 1) delivers the version again and applies it to every destination."""
+    _force_staging(monkeypatch)
+    first = torch.nn.Parameter(torch.zeros(3))          # requires grad
+    second = torch.zeros(2).as_subclass(_CopyFailsOnce)
+
+    def version(v):
+        return {"first": torch.full((3,), float(v)), "second": torch.full((2,), 10.0 * v)}
+
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        sub.bind({"first": first, "second": second})
+        assert list(sub._staged) == ["first", "second"]
+        pub.publish(1, version(1))
+        assert sub.wait(1, timeout=30).version == 1 and sub.current_version == 1
+        pub.publish(2, version(2))
+        _CopyFailsOnce.failures = 1
+        with pytest.raises(weightbus.InvalidArgumentError) as info:
+            sub.wait(2, timeout=30)
+        message = str(info.value)
+        assert 'tensor "second" of version 2' in message, message
+        assert "injected: this destination refuses the copy" in message, message
+        assert "version 1 stays current" in message, message
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert sub.current_version == 1                  # not advanced past the model
+        # Documented: destinations before the failing one already hold the new version.
+        assert first.tolist() == [2.0] * 3 and second.tolist() == [10.0] * 2
+        update = sub.poll(sub.current_version + 1)
+        assert update is not None and update.version == 2
+        assert sub.current_version == 2
+        assert first.tolist() == [2.0] * 3 and second.tolist() == [20.0] * 2
+        assert update["second"] is second
+        assert sub.poll(sub.current_version + 1) is None  # nothing newer
+

@@ -10,7 +10,7 @@ from typing import Any, Dict, Iterable, Iterator, Optional, Tuple, Union
 
 from . import _lib, _tensors
 from ._lib import lib, new_params
-from .errors import DeadlineExceededError, check
+from .errors import DeadlineExceededError, InvalidArgumentError, check
 
 TensorsArg = Union[Mapping, Iterable[Tuple[str, Any]]]
 
@@ -330,15 +330,19 @@ class Subscriber(_Handle):
         self.uri = uri
         self._bound: Dict[str, Any] = {}   # name -> what the library writes into
         self._staged: Dict[str, Tuple[Any, Any]] = {}  # name -> (caller's tensor, host copy)
+        self._current: Optional[int] = None  # see current_version
 
     def bind(self, tensors: TensorsArg, dtypes: Optional[Mapping[str, str]] = None) -> None:
         """Makes later updates write each named tensor straight into the given tensor (torch
         CPU tensors, e.g. parameters, and writable numpy arrays, any strides) instead of library
         memory. With the default bind_mode=staged, bytes are verified before a destination is
-        touched. A CUDA tensor is bound through a host buffer that each wait copies into it.
-        The tensors must keep their dtype, shape and memory while bound. A destination that no
-        longer matches the published tensor fails the wait (InvalidArgumentError, nothing
-        written)."""
+        touched. A CUDA tensor is bound through a host buffer (pinned when CUDA is available)
+        that each wait/poll copies into it after verification, under torch.no_grad() (so
+        parameters that require grad can be bound) or torch.inference_mode() for inference
+        tensors, then synchronizes; current_version advances only once every such copy is
+        done (see current_version for a copy that fails). The tensors must keep their dtype,
+        shape and memory while bound. A destination that no longer matches the published
+        tensor fails the wait (InvalidArgumentError, nothing written)."""
         dtypes = dict(dtypes or {})
         for name, obj in _items(tensors):
             if _tensors.is_numpy_array(obj) and not obj.flags.writeable:
@@ -410,24 +414,63 @@ class Subscriber(_Handle):
         return self._received(handle) if handle.value else None
 
     def _received(self, handle) -> Update:
+        """Wraps a received handle in an Update, copies host staging buffers into their
+        (CUDA) destinations, and only then makes the version current (self._current)."""
         try:
             update = Update(handle, dict(self._bound))
         except BaseException:
             lib.wb_update_destroy(handle)
             raise
         if self._staged:
-            import torch
+            try:
+                self._copy_out_staged(update)
+            except BaseException:
+                update.close()
+                raise
+        self._current = update.version
+        return update
+
+    def _copy_out_staged(self, update: Update) -> None:
+        """Copies each staged tensor of `update` from its host buffer into the caller's tensor:
+        under torch.no_grad() (parameters that require grad are leaves autograd must not see
+        written), or torch.inference_mode() for inference tensors. A copy that fails raises
+        InvalidArgumentError naming the tensor and both versions, chained to the cause; the
+        destinations copied before it hold the new version already, the others the old one."""
+        import torch
+        try:
             for name, (target, host) in self._staged.items():
-                if name in update:
+                if name not in update:
+                    continue
+                mode = torch.inference_mode() if target.is_inference() else torch.no_grad()
+                with mode:
                     target.copy_(host, non_blocking=target.device.type == "cuda")
+        except Exception as e:
+            current = "none" if self._current is None else str(self._current)
+            raise InvalidArgumentError(
+                f"{self.uri}: copying tensor \"{name}\" of version {update.version} from its "
+                f"host staging buffer into the bound {target.device.type} tensor failed: "
+                f"{type(e).__name__}: {e}; version {current} stays current (bound tensors "
+                f"copied before \"{name}\" hold version {update.version} already); the next "
+                f"wait or poll delivers version {update.version} again") from e
+        finally:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the host buffers are rewritten by the next wait
-        return update
 
     @property
     def current_version(self) -> Optional[int]:
-        """The version of the last update handed over, or None."""
-        has, version = ctypes.c_bool(), ctypes.c_uint64()
-        check(lib.wb_subscriber_current_version(self._h(), ctypes.byref(has),
-                                                ctypes.byref(version)))
-        return version.value if has.value else None
+        """The version of the last update handed over, or None: the version every bound
+        destination holds. It advances only when wait()/poll() return, after the bytes of every
+        bound tensor are in place, host-staged (CUDA) ones included, so it never runs ahead of
+        the model.
+
+        Tracked by this object, not read from the C library: the library makes a version
+        current once it has verified it into its buffers, before the copies from host staging
+        buffers into CUDA destinations that this layer does. When such a copy fails, the
+        library already holds the version but this property still reports the previous one;
+        since wait and poll return a version >= max(min_version, the library's current
+        version), and the version the library holds qualifies, the next
+        wait(current_version + 1) or poll(current_version + 1) delivers that version again
+        and copies it into every destination. Raises ValueError once the subscriber is
+        closed."""
+        self._h()
+        return self._current

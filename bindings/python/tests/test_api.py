@@ -3,6 +3,8 @@
 import ctypes
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -12,6 +14,7 @@ import torch
 
 import weightbus
 from weightbus import _api, _lib, _tensors
+from conftest import SliceWatch, child_env, late_uri
 
 
 def test_version_and_library():
@@ -437,3 +440,61 @@ def test_staging_failure_keeps_the_previous_version_current(channel, monkeypatch
         assert update["second"] is second
         assert sub.poll(sub.current_version + 1) is None  # nothing newer
 
+
+# ---- waits wait their whole timeout for a publisher that is not there yet: item 4 ----
+
+LATE_PUBLISHER = r'''
+import sys, torch, weightbus
+with weightbus.Publisher(sys.argv[1]) as pub:
+    pub.publish(1, {"w": torch.arange(6, dtype=torch.float32)})
+    print("published", flush=True)
+    sys.stdin.readline()  # keeps serving (ucx) until the test has received
+'''
+
+
+@pytest.mark.parametrize("transport", ["ucx", "disk"])
+def test_wait_waits_for_a_publisher_that_starts_later(transport, tmp_path, monkeypatch):
+    """A replica started before its trainer: wait() keeps waiting while the publisher is not
+    there (slices ending in Unavailable or DeadlineExceeded are "not yet"), and receives the
+    version of a publisher process started only after a slice of the wait found nothing."""
+    uri = late_uri(transport, tmp_path)
+    watch = SliceWatch(monkeypatch)
+    sub = weightbus.Subscriber(uri)
+    children = []
+
+    def start_publisher():
+        watch.not_yet.wait()
+        children.append(subprocess.Popen(
+            [sys.executable, "-c", LATE_PUBLISHER, uri], env=child_env(), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+
+    starter = threading.Thread(target=start_publisher)
+    starter.start()
+    try:
+        update = sub.wait(1, timeout=120)
+        assert update.version == 1 and update["w"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+        assert sub.current_version == 1
+    finally:
+        watch.not_yet.set()
+        starter.join()
+        out, err = children[0].communicate("\n", timeout=120)
+        sub.close()
+    assert children[0].returncode == 0, err
+    assert out == "published\n"
+    not_yet = {weightbus.UnavailableError.status, weightbus.DeadlineExceededError.status}
+    assert watch.statuses[0] in not_yet and watch.statuses[-1] == 0, watch.statuses
+
+
+def test_wait_without_a_publisher_raises_its_last_error_after_the_whole_timeout(tmp_path):
+    """No publisher at all: the wait lasts its whole timeout (not one slice), then raises the
+    last slice's error with the library's message and how long it waited in all."""
+    uri = late_uri("ucx", tmp_path)
+    with weightbus.Subscriber(uri) as sub:
+        start = time.monotonic()
+        with pytest.raises((weightbus.UnavailableError, weightbus.DeadlineExceededError)) as info:
+            sub.wait(1, timeout=0.5)
+        assert time.monotonic() - start >= 0.5
+        message = str(info.value)
+        assert uri.split("//")[1].split("/")[0] in message, message   # names the peer
+        assert message.endswith("(waited 0.5 s in all)"), message
+        assert info.value.retryable

@@ -2,13 +2,15 @@
 """weightbus.vllm against the vLLM-shaped replica in weightbus.testing.llama, on the real
 stories260K weights: the worker extension (worker_extension_cls / collective_rpc) and the
 weight-transfer engine adapter."""
+import threading
+
 import pytest
 import torch
 
 import llama2c_reference
 import weightbus
 import weightbus.vllm
-from conftest import fixtures_dir
+from conftest import SliceWatch, fixtures_dir, late_uri
 from weightbus.testing.llama import (HfLlamaForCausalLM, VllmStyleLlamaForCausalLM,
                                      load_hf_checkpoint)
 from weightbus.testing.worker import StandInWorker, collective_rpc, make_worker
@@ -151,3 +153,41 @@ def test_weight_transfer_engine_two_phase_with_load_weights(stories_dir, channel
     engine.receive_weights(WeightbusUpdateInfo(timeout=30), load_weights)
     assert engine.applied_version == 1 and loaded == list(tensors)
     engine.shutdown()
+
+
+def test_worker_extension_waits_for_a_trainer_that_starts_later(stories_dir, tmp_path,
+                                                                 monkeypatch):
+    """Replicas start before the trainer: weightbus_update(min_version=1, timeout) on ucx://
+    keeps waiting while nobody serves the channel, and applies the version of a publisher that
+    comes up only after a slice of the wait found nothing (issue 10, item 4)."""
+    uri = late_uri("ucx", tmp_path)
+    config, tensors = load_hf_checkpoint(stories_dir)
+    v1 = {k: v.to(torch.bfloat16) for k, v in tensors.items()}
+    watch = SliceWatch(monkeypatch)
+    worker = _make_workers(config, 1)[0]
+    worker.weightbus_init(uri)
+    received, errors = threading.Event(), []
+
+    def trainer():
+        watch.not_yet.wait()
+        try:
+            with weightbus.Publisher(uri) as pub:
+                pub.publish(1, v1)
+                received.wait()   # serve until the replica has it
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        assert worker.weightbus_update(min_version=1, timeout=120) == 1
+    finally:
+        received.set()
+        watch.not_yet.set()
+        thread.join()
+        worker.weightbus_close()
+    assert errors == []
+    for name, t in worker.model_runner.model.hf_state_dict().items():
+        assert torch.equal(t.to(torch.bfloat16), v1[name]), name
+    assert watch.statuses[0] != 0 and watch.statuses[-1] == 0, watch.statuses
+

@@ -10,13 +10,15 @@ from typing import Any, Dict, Iterable, Iterator, Optional, Tuple, Union
 
 from . import _lib, _tensors
 from ._lib import lib, new_params
-from .errors import DeadlineExceededError, InvalidArgumentError, check
+from .errors import ERRORS, DeadlineExceededError, InvalidArgumentError, UnavailableError, check
 
 TensorsArg = Union[Mapping, Iterable[Tuple[str, Any]]]
 
 
 # Subscriber.wait waits in slices of this many seconds, so that Ctrl-C interrupts it promptly.
 _WAIT_SLICE = 0.1
+# Statuses of a slice that found no version yet: retried until the wait's own deadline.
+_NOT_YET = (DeadlineExceededError.status, UnavailableError.status)
 
 
 def _timeout_ms(timeout: Optional[float]) -> int:
@@ -380,10 +382,19 @@ class Subscriber(_Handle):
         >= max(min_version, current_version), receives and verifies it (the newest when several
         are available) and returns it. Raises DeadlineExceededError (retryable) on timeout,
         InvalidArgumentError for a bound tensor that does not match, DataLossError for a
-        corrupted version; the previous version stays current on every error."""
-        # Waits in slices of _WAIT_SLICE seconds so that Ctrl-C (KeyboardInterrupt) interrupts
-        # it within a slice; a version found late in a slice still gets the whole remaining
-        # time to be received (wb_subscriber_wait_then_receive).
+        corrupted version; the previous version stays current on every error.
+
+        The wait lasts its whole timeout also while no publisher is there yet (a replica
+        started before its trainer): a ucx:// rendezvous that refuses the connection, or a disk
+        channel directory that does not exist yet, is "not yet", retried until the deadline.
+        When the deadline passes, the last such error is raised (UnavailableError or
+        DeadlineExceededError, both retryable) with the library's message and how long the
+        wait lasted in all. Ctrl-C (KeyboardInterrupt) interrupts the wait within a slice."""
+        # Waits in slices of _WAIT_SLICE seconds so that Ctrl-C interrupts it within a slice; a
+        # version found late in a slice still gets the whole remaining time to be received
+        # (wb_subscriber_wait_then_receive). A slice cut short while the publisher is not
+        # reachable reports Unavailable (or DeadlineExceeded): both mean "not yet" until the
+        # overall deadline.
         _timeout_ms(timeout)  # validates
         deadline = None if timeout is None else time.monotonic() + timeout
         handle = ctypes.c_void_p()
@@ -393,13 +404,12 @@ class Subscriber(_Handle):
             status = lib.wb_subscriber_wait_then_receive(
                 self._h(), min_version, _timeout_ms(find), _timeout_ms(remaining),
                 ctypes.byref(handle))
-            if (status == DeadlineExceededError.status and not handle.value and
-                    (deadline is None or time.monotonic() < deadline)):
-                continue  # nothing yet; Python runs pending signal handlers here
-            try:
-                check(status)
-            except DeadlineExceededError as e:
-                raise DeadlineExceededError(f"{e.message} (waited {timeout} s in all)") from None
+            if status in _NOT_YET and not handle.value:
+                message = lib.wb_last_error_message().decode("utf-8", "replace")
+                if deadline is None or time.monotonic() < deadline:
+                    continue  # nothing yet; Python runs pending signal handlers here
+                raise ERRORS[status](f"{message} (waited {timeout} s in all)")
+            check(status)
             return self._received(handle)
 
     def poll(self, min_version: int = 0,

@@ -97,8 +97,10 @@ class WeightbusWorkerExtension:
         Without min_version (or with one the model already holds) this never waits for a
         version to appear (Subscriber.poll): it applies what is there now, which is what a
         replica does between rollouts. With min_version above the applied version it blocks up
-        to `timeout` seconds (None: forever) for a version >= min_version, and raises
-        weightbus.DeadlineExceededError if none comes. `timeout` also bounds the receive."""
+        to `timeout` seconds (None: forever) for a version >= min_version, also while no
+        publisher is there yet (Subscriber.wait: replicas may start before the trainer), and
+        raises weightbus.DeadlineExceededError (or UnavailableError when the publisher was never
+        reachable) once the whole timeout has passed. `timeout` also bounds the receive."""
         subscriber = self._weightbus_require()
         current = self._weightbus_version
         floor = 0 if current is None else current + 1
@@ -248,7 +250,8 @@ class WeightbusWeightTransferEngine(_EngineBase):
                         load_weights: Optional[Callable[[List[Tuple[str, Any]]], None]] = None
                         ) -> None:
         """Receives the version update_info asks for and loads it: through `load_weights` when
-        vLLM passes one (older interface), else the engine's model.load_weights."""
+        vLLM passes one (older interface), else the engine's model.load_weights. Waits as
+        Subscriber.wait does (the whole timeout, also before the publisher exists)."""
         if isinstance(update_info, dict):
             update_info = self.parse_update_info(update_info)
         if self._subscriber is None:

@@ -8,8 +8,10 @@ Environment (CTest sets these; the defaults suit a source checkout built in ./bu
 Names do not start with WEIGHTBUS_: the library rejects unknown WEIGHTBUS_* variables.
 """
 import os
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,52 @@ def stories_dir(tmp_path_factory) -> Path:
     subprocess.run([str(cli_path()), "convert-llama2c", str(checkpoint), str(out), "--dtype",
                     "f32"], check=True, capture_output=True, timeout=120)
     return out
+
+
+class SliceWatch:
+    """Wraps the real library's wb_subscriber_wait_then_receive (each slice of wait()) to record
+    each slice's status and to signal once a slice came back without a version."""
+
+    def __init__(self, monkeypatch, module=None):
+        if module is None:
+            from weightbus import _api as module
+        self.statuses = []
+        self.not_yet = threading.Event()
+        real_lib = module.lib
+        real = real_lib.wb_subscriber_wait_then_receive
+        watch = self
+
+        def wait_then_receive(*args):
+            status = real(*args)
+            watch.statuses.append(status)
+            if status != 0:
+                watch.not_yet.set()
+            return status
+
+        class Lib:
+            def __getattr__(self, name):
+                return getattr(real_lib, name)
+
+        proxy = Lib()
+        proxy.wb_subscriber_wait_then_receive = wait_then_receive
+        monkeypatch.setattr(module, "lib", proxy)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def late_uri(transport, tmp_path) -> str:
+    """A channel with no publisher yet: a disk directory that does not exist, or a ucx
+    rendezvous on a free loopback port (skips the test when ucx:// is not built)."""
+    if transport == "disk":
+        return f"disk://{tmp_path}/late?fsync=false"  # the directory does not exist yet
+    uri = f"ucx://127.0.0.1:{_free_port()}/late"
+    import weightbus
+    try:
+        weightbus.Subscriber(uri).close()
+    except weightbus.UnimplementedError as e:
+        pytest.skip(f"ucx:// not built: {e}")
+    return uri

@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """weightbus.Publisher / Subscriber / Update: dtypes, layouts, zero-copy, binding, errors, GIL."""
 import ctypes
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -11,6 +14,7 @@ import torch
 
 import weightbus
 from weightbus import _api, _lib, _tensors
+from conftest import SliceWatch, child_env, late_uri
 
 
 def test_version_and_library():
@@ -56,7 +60,7 @@ def test_roundtrip_every_dtype_and_layout(channel):
     readonly.setflags(write=False)
     tensors["np_readonly"] = readonly
     with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
-        stats = pub.publish(1, tensors, metadata={"step": 1, "ok": True},
+        stats = pub.publish(1, tensors, metadata={"step": "1", "ok": "true"},
                             dtypes={"np_bf16_bits": "BF16"})
         assert stats.version == 1 and stats.bytes > 0 and stats.stall > 0
         assert pub.latest_version == 1
@@ -322,3 +326,175 @@ def test_options_and_closed_objects(channel):
         pub.publish(2, {"x": torch.zeros(1)})
     with pytest.raises(ValueError, match="timeout must be"):
         weightbus.Subscriber(channel).wait(0, timeout=-1)
+
+
+# ---- metadata: strings only (issue 10, item 9) ----
+
+@pytest.mark.parametrize("metadata, key", [
+    ({"step": 1}, "'step'"),
+    ({"ok": True}, "'ok'"),
+    ({"none": None}, "'none'"),
+    ({"nested": {"a": 1}}, "'nested'"),
+    ({"raw": b"\x00\xff"}, "'raw'"),
+    ({"fine": "x", 7: "seven"}, "7"),
+    ({b"bytes-key": "x"}, "b'bytes-key'"),
+])
+def test_metadata_must_be_strings(channel, metadata, key):
+    """Non-string metadata values or keys are refused with a TypeError naming the key, and
+    nothing is published; string metadata arrives exactly as given."""
+    with weightbus.Publisher(channel) as pub:
+        with pytest.raises(TypeError, match=r"metadata.*" + re.escape(key)) as info:
+            pub.publish(1, {"w": torch.ones(2)}, metadata=metadata)
+        assert "str" in str(info.value)
+        assert pub.latest_version is None
+        pub.publish(1, {"w": torch.ones(2)}, metadata={"step": "1", "note": "ünï {\"json\": 1}"})
+    with weightbus.Subscriber(channel) as sub:
+        assert sub.wait(1, timeout=30).metadata == {"step": "1", "note": "ünï {\"json\": 1}"}
+
+
+def test_metadata_must_be_a_mapping(channel):
+    with weightbus.Publisher(channel) as pub:
+        with pytest.raises(TypeError, match="metadata must be a mapping"):
+            pub.publish(1, {"w": torch.ones(2)}, metadata=[("step", "1")])
+        assert pub.latest_version is None
+
+
+# ---- host staging (the CUDA path, run with CPU tensors): issue 10, item 8 ----
+
+def _force_staging(monkeypatch):
+    monkeypatch.setattr(_api, "_needs_host_staging", lambda t: _tensors.is_torch_tensor(t))
+
+
+def test_staged_copy_into_parameters_that_require_grad(channel, monkeypatch):
+    """README's own `sub.bind(dict(model.named_parameters()))` through the staging path:
+    parameters that require grad are written (under no_grad) and keep requiring grad."""
+    _force_staging(monkeypatch)
+    source, replica = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        sub.bind(dict(replica.named_parameters()))
+        assert set(sub._staged) == {"weight", "bias"}
+        pub.publish(1, {k: v.detach() for k, v in source.named_parameters()})
+        update = sub.wait(1, timeout=30)
+        assert update.version == 1 and sub.current_version == 1
+    for name, param in replica.named_parameters():
+        assert torch.equal(param.detach(), getattr(source, name).detach()), name
+        assert param.requires_grad and param.grad_fn is None and param.is_leaf
+
+
+def test_staged_copy_into_inference_mode_tensors(channel, monkeypatch):
+    """Inference tensors (created under torch.inference_mode, as an inference server may hold
+    its weights) are written under inference mode."""
+    _force_staging(monkeypatch)
+    with torch.inference_mode():
+        dest = torch.zeros(2, 3)
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        sub.bind({"w": dest})
+        pub.publish(1, {"w": torch.arange(6.0).reshape(2, 3)})
+        assert sub.wait(1, timeout=30).version == 1 and sub.current_version == 1
+    assert dest.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+class _CopyFailsOnce(torch.Tensor):
+    """A destination whose next copy_ raises (the fault injected into the staging copy)."""
+    failures = 0
+
+    def copy_(self, *args, **kwargs):
+        if type(self).failures > 0:
+            type(self).failures -= 1
+            raise RuntimeError("injected: this destination refuses the copy")
+        return super().copy_(*args, **kwargs)
+
+
+def test_staging_failure_keeps_the_previous_version_current(channel, monkeypatch):
+    """A staging copy that fails after the first destination was written: the wait raises
+    naming the tensor and both versions, current_version stays at the previous version, and
+    poll(current_version + 1) delivers the version again and applies it to every destination."""
+    _force_staging(monkeypatch)
+    first = torch.nn.Parameter(torch.zeros(3))          # requires grad
+    second = torch.zeros(2).as_subclass(_CopyFailsOnce)
+
+    def version(v):
+        return {"first": torch.full((3,), float(v)), "second": torch.full((2,), 10.0 * v)}
+
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        sub.bind({"first": first, "second": second})
+        assert list(sub._staged) == ["first", "second"]
+        pub.publish(1, version(1))
+        assert sub.wait(1, timeout=30).version == 1 and sub.current_version == 1
+        pub.publish(2, version(2))
+        _CopyFailsOnce.failures = 1
+        with pytest.raises(weightbus.InvalidArgumentError) as info:
+            sub.wait(2, timeout=30)
+        message = str(info.value)
+        assert 'tensor "second" of version 2' in message, message
+        assert "injected: this destination refuses the copy" in message, message
+        assert "version 1 stays current" in message, message
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert sub.current_version == 1                  # not advanced past the model
+        # Documented: destinations before the failing one already hold the new version.
+        assert first.tolist() == [2.0] * 3 and second.tolist() == [10.0] * 2
+        update = sub.poll(sub.current_version + 1)
+        assert update is not None and update.version == 2
+        assert sub.current_version == 2
+        assert first.tolist() == [2.0] * 3 and second.tolist() == [20.0] * 2
+        assert update["second"] is second
+        assert sub.poll(sub.current_version + 1) is None  # nothing newer
+
+
+# ---- waits wait their whole timeout for a publisher that is not there yet: item 4 ----
+
+LATE_PUBLISHER = r'''
+import sys, torch, weightbus
+with weightbus.Publisher(sys.argv[1]) as pub:
+    pub.publish(1, {"w": torch.arange(6, dtype=torch.float32)})
+    print("published", flush=True)
+    sys.stdin.readline()  # keeps serving (ucx) until the test has received
+'''
+
+
+@pytest.mark.parametrize("transport", ["ucx", "disk"])
+def test_wait_waits_for_a_publisher_that_starts_later(transport, tmp_path, monkeypatch):
+    """A replica started before its trainer: wait() keeps waiting while the publisher is not
+    there (slices ending in Unavailable or DeadlineExceeded are "not yet"), and receives the
+    version of a publisher process started only after a slice of the wait found nothing."""
+    uri = late_uri(transport, tmp_path)
+    watch = SliceWatch(monkeypatch)
+    sub = weightbus.Subscriber(uri)
+    children = []
+
+    def start_publisher():
+        watch.not_yet.wait()
+        children.append(subprocess.Popen(
+            [sys.executable, "-c", LATE_PUBLISHER, uri], env=child_env(), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+
+    starter = threading.Thread(target=start_publisher)
+    starter.start()
+    try:
+        update = sub.wait(1, timeout=120)
+        assert update.version == 1 and update["w"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+        assert sub.current_version == 1
+    finally:
+        watch.not_yet.set()
+        starter.join()
+        out, err = children[0].communicate("\n", timeout=120)
+        sub.close()
+    assert children[0].returncode == 0, err
+    assert out == "published\n"
+    not_yet = {weightbus.UnavailableError.status, weightbus.DeadlineExceededError.status}
+    assert watch.statuses[0] in not_yet and watch.statuses[-1] == 0, watch.statuses
+
+
+def test_wait_without_a_publisher_raises_its_last_error_after_the_whole_timeout(tmp_path):
+    """No publisher at all: the wait lasts its whole timeout (not one slice), then raises the
+    last slice's error with the library's message and how long it waited in all."""
+    uri = late_uri("ucx", tmp_path)
+    with weightbus.Subscriber(uri) as sub:
+        start = time.monotonic()
+        with pytest.raises((weightbus.UnavailableError, weightbus.DeadlineExceededError)) as info:
+            sub.wait(1, timeout=0.5)
+        assert time.monotonic() - start >= 0.5
+        message = str(info.value)
+        assert uri.split("//")[1].split("/")[0] in message, message   # names the peer
+        assert message.endswith("(waited 0.5 s in all)"), message
+        assert info.value.retryable

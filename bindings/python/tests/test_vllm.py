@@ -2,14 +2,16 @@
 """weightbus.vllm against the vLLM-shaped replica in weightbus.testing.llama, on the real
 stories260K weights: the worker extension (worker_extension_cls / collective_rpc) and the
 weight-transfer engine adapter."""
+import threading
+
 import pytest
 import torch
 
 import llama2c_reference
 import weightbus
 import weightbus.vllm
-from conftest import fixtures_dir
-from weightbus.testing.llama import (HfLlamaForCausalLM, VllmStyleLlamaForCausalLM,
+from conftest import SliceWatch, fixtures_dir, late_uri
+from weightbus.testing.llama import (HfLlamaForCausalLM, LlamaConfig, VllmStyleLlamaForCausalLM,
                                      load_hf_checkpoint)
 from weightbus.testing.worker import StandInWorker, collective_rpc, make_worker
 from weightbus.vllm import (WeightbusInitInfo, WeightbusUpdateInfo, WeightbusWeightTransferEngine,
@@ -150,4 +152,127 @@ def test_weight_transfer_engine_two_phase_with_load_weights(stories_dir, channel
 
     engine.receive_weights(WeightbusUpdateInfo(timeout=30), load_weights)
     assert engine.applied_version == 1 and loaded == list(tensors)
+    engine.shutdown()
+
+
+def test_worker_extension_waits_for_a_trainer_that_starts_later(stories_dir, tmp_path,
+                                                                 monkeypatch):
+    """Replicas start before the trainer: weightbus_update(min_version=1, timeout) on ucx://
+    keeps waiting while nobody serves the channel, and applies the version of a publisher that
+    comes up only after a slice of the wait found nothing (issue 10, item 4)."""
+    uri = late_uri("ucx", tmp_path)
+    config, tensors = load_hf_checkpoint(stories_dir)
+    v1 = {k: v.to(torch.bfloat16) for k, v in tensors.items()}
+    watch = SliceWatch(monkeypatch)
+    worker = _make_workers(config, 1)[0]
+    worker.weightbus_init(uri)
+    received, errors = threading.Event(), []
+
+    def trainer():
+        watch.not_yet.wait()
+        try:
+            with weightbus.Publisher(uri) as pub:
+                pub.publish(1, v1)
+                received.wait()   # serve until the replica has it
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        assert worker.weightbus_update(min_version=1, timeout=120) == 1
+    finally:
+        received.set()
+        watch.not_yet.set()
+        thread.join()
+        worker.weightbus_close()
+    assert errors == []
+    for name, t in worker.model_runner.model.hf_state_dict().items():
+        assert torch.equal(t.to(torch.bfloat16), v1[name]), name
+    assert watch.statuses[0] != 0 and watch.statuses[-1] == 0, watch.statuses
+
+
+# ---- tied embeddings (issue 10, item 7) ----
+
+TIED = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+
+
+def _tied_version(seed):
+    torch.manual_seed(seed)
+    return {k: v.detach().clone() for k, v in HfLlamaForCausalLM(TIED).state_dict().items()}
+
+
+def test_tied_embeddings_accept_the_embedding_alone_or_an_identical_copy(channel):
+    worker = _make_workers(TIED, 1)[0]
+    worker.weightbus_init(channel)
+    model = worker.model_runner.model
+    with weightbus.Publisher(channel) as pub:
+        v1 = _tied_version(1)
+        assert "lm_head.weight" not in v1
+        pub.publish(1, v1)
+        assert worker.weightbus_update(min_version=1, timeout=30) == 1
+        assert torch.equal(model.lm_head.weight, v1["model.embed_tokens.weight"])
+        v2 = _tied_version(2)
+        v2["lm_head.weight"] = v2["model.embed_tokens.weight"].clone()
+        pub.publish(2, v2)
+        assert worker.weightbus_update(min_version=2, timeout=30) == 2
+        assert torch.equal(model.lm_head.weight, v2["lm_head.weight"])
+    worker.weightbus_close()
+
+
+def test_tied_embeddings_refuse_an_lm_head_that_differs(channel):
+    """A version whose lm_head.weight differs from model.embed_tokens.weight on a replica that
+    ties them is refused, naming both tensors, before anything is loaded: the model keeps the
+    version it held. Also when lm_head.weight comes without the embedding."""
+    worker = _make_workers(TIED, 1)[0]
+    worker.weightbus_init(channel)
+    model = worker.model_runner.model
+    with weightbus.Publisher(channel) as pub:
+        v1 = _tied_version(1)
+        pub.publish(1, v1)
+        assert worker.weightbus_update(min_version=1, timeout=30) == 1
+        v2 = _tied_version(2)
+        v2["lm_head.weight"] = v2["model.embed_tokens.weight"].clone()
+        v2["lm_head.weight"][3, 5] += 1.0
+        pub.publish(2, v2)
+        with pytest.raises(weightbus.InvalidArgumentError) as info:
+            worker.weightbus_update(min_version=2, timeout=30)
+        message = str(info.value)
+        assert '"lm_head.weight"' in message and '"model.embed_tokens.weight"' in message
+        assert "version 2" in message and "[3, 5]" in message and "tie" in message, message
+        assert worker.weightbus_version() == 1
+        for name, t in model.hf_state_dict().items():
+            assert torch.equal(t, v1[name]), name          # nothing of version 2 loaded
+        # A differing dtype or shape is named with both sides.
+        v3 = _tied_version(3)
+        v3["lm_head.weight"] = v3["model.embed_tokens.weight"].to(torch.bfloat16)
+        pub.publish(3, v3)
+        with pytest.raises(weightbus.InvalidArgumentError, match=r"BF16 \[32, 16\].*F32 "
+                           r"\[32, 16\]|F32 \[32, 16\].*BF16 \[32, 16\]"):
+            worker.weightbus_update()
+        v4 = _tied_version(4)
+        v4["lm_head.weight"] = v4.pop("model.embed_tokens.weight")
+        pub.publish(4, v4)
+        with pytest.raises(weightbus.InvalidArgumentError,
+                           match=r'version 4 has "lm_head.weight" but no '
+                                 r'"model.embed_tokens.weight"'):
+            worker.weightbus_update()
+        assert worker.weightbus_version() == 1
+        for name, t in model.hf_state_dict().items():
+            assert torch.equal(t, v1[name]), name
+    worker.weightbus_close()
+
+
+def test_weight_transfer_engine_refuses_an_untied_lm_head_too(channel):
+    replica = VllmStyleLlamaForCausalLM(TIED)
+    engine = WeightbusWeightTransferEngine(None, None, torch.device("cpu"), replica)
+    engine.init_transfer_engine({"uri": channel})
+    v1 = _tied_version(1)
+    v1["lm_head.weight"] = torch.zeros_like(v1["model.embed_tokens.weight"])
+    WeightbusWeightTransferEngine.trainer_send_weights(iter(v1.items()),
+                                                       {"uri": channel, "version": 1})
+    with pytest.raises(weightbus.InvalidArgumentError, match='"lm_head.weight".*differs'):
+        engine.receive_weights(WeightbusUpdateInfo(timeout=30))
+    assert engine.applied_version is None
     engine.shutdown()

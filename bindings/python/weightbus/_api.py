@@ -10,13 +10,15 @@ from typing import Any, Dict, Iterable, Iterator, Optional, Tuple, Union
 
 from . import _lib, _tensors
 from ._lib import lib, new_params
-from .errors import DeadlineExceededError, check
+from .errors import ERRORS, DeadlineExceededError, InvalidArgumentError, UnavailableError, check
 
 TensorsArg = Union[Mapping, Iterable[Tuple[str, Any]]]
 
 
 # Subscriber.wait waits in slices of this many seconds, so that Ctrl-C interrupts it promptly.
 _WAIT_SLICE = 0.1
+# Statuses of a slice that found no version yet: retried until the wait's own deadline.
+_NOT_YET = (DeadlineExceededError.status, UnavailableError.status)
 
 
 def _timeout_ms(timeout: Optional[float]) -> int:
@@ -50,6 +52,27 @@ def _options_array(options: Mapping):
     array = (_lib.wb_option_t * max(len(encoded), 1))(*[_lib.wb_option_t(k, v)
                                                          for k, v in encoded])
     return array, len(encoded), encoded
+
+
+def _metadata_array(metadata: Optional[Mapping]):
+    """A wb_option_t array of publish metadata (and what keeps its strings alive). Keys and
+    values must be str: anything else is a TypeError naming the key, never str(v) (which would
+    turn None into "None" and bytes into "b'...'"); encode structured values yourself, e.g.
+    with json.dumps, and decode them on the way out."""
+    if metadata is None:
+        return _options_array({})
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a mapping of str to str, got "
+                        f"{type(metadata).__name__}")
+    for key, value in metadata.items():
+        if not isinstance(key, str):
+            raise TypeError(f"metadata key {key!r} is {type(key).__name__}; metadata keys and "
+                            "values must be str")
+        if not isinstance(value, str):
+            raise TypeError(f"metadata {key!r} is {type(value).__name__} ({value!r:.60}); "
+                            "metadata values must be str (encode others yourself, e.g. "
+                            "json.dumps)")
+    return _options_array(metadata)
 
 
 def _open_params(options: Mapping):
@@ -127,7 +150,8 @@ class Publisher(_Handle):
             pub.publish(step, model.state_dict(), metadata={"step": str(step)})
 
     Options are settings by name (`weightbus settings` lists them); values may be str, int,
-    float or bool. Only one live publisher may hold a channel.
+    float or bool (metadata, unlike options, is str only). Only one live publisher may hold a
+    channel.
     """
 
     _destroy = staticmethod(lambda h: lib.wb_publisher_destroy(h))
@@ -140,18 +164,24 @@ class Publisher(_Handle):
         self._handle = handle
         self.uri = uri
 
-    def publish(self, version: int, tensors: TensorsArg, metadata: Optional[Mapping] = None,
+    def publish(self, version: int, tensors: TensorsArg,
+                metadata: Optional[Mapping[str, str]] = None,
                 dtypes: Optional[Mapping[str, str]] = None,
                 timeout: Optional[float] = 60.0) -> PublishStats:
         """Publishes `tensors` ({name: tensor} or (name, tensor) pairs: torch tensors, numpy
         arrays or DLPack objects, any strides) as `version`, all or nothing. `version` must be
         above every version on the channel. The bytes are read during the call only (zero-copy:
         contiguous tensors are read in place, strided ones packed by the library); CUDA tensors
-        are copied to host memory first. `dtypes` overrides element types by name, e.g.
-        {"w": "BF16"} for a uint16 numpy array of bf16 bits. Blocks up to `timeout` seconds
-        (None: forever) with the GIL released. Returns the publish's figures."""
+        are copied to host memory first. `metadata` is a mapping of str to str stored in the
+        manifest as given (Update.metadata returns it); a key or value that is not a str raises
+        TypeError naming the key, before anything is published (no str() conversion: encode
+        numbers or structures yourself, e.g. str(step) or json.dumps). `dtypes` overrides
+        element types by name, e.g. {"w": "BF16"} for a uint16 numpy array of bf16 bits.
+        Blocks up to `timeout` seconds (None: forever) with the GIL released. Returns the
+        publish's figures."""
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
+        meta_array, meta_count, meta_keep = _metadata_array(metadata)
         items = _items(tensors)
         dtypes = dict(dtypes or {})
         unknown = set(dtypes) - {name for name, _ in items}
@@ -165,7 +195,6 @@ class Publisher(_Handle):
             names[i] = name.encode()
             outgoing.set(i, name, obj, dtypes.get(name))
         params = new_params(_lib.wb_publish_params_t)
-        meta_array, meta_count, meta_keep = _options_array(dict(metadata or {}))
         params.metadata = ctypes.cast(meta_array, ctypes.POINTER(_lib.wb_option_t))
         params.num_metadata = meta_count
         params.dtypes = ctypes.cast(outgoing.overrides, ctypes.POINTER(ctypes.c_int))
@@ -239,6 +268,7 @@ class Update(_Handle):
 
     @property
     def metadata(self) -> Dict[str, str]:
+        """The publisher's metadata (str keys and str values, as published), a new dict."""
         return dict(self.manifest.get("metadata", {}))
 
     def __len__(self) -> int:
@@ -302,15 +332,19 @@ class Subscriber(_Handle):
         self.uri = uri
         self._bound: Dict[str, Any] = {}   # name -> what the library writes into
         self._staged: Dict[str, Tuple[Any, Any]] = {}  # name -> (caller's tensor, host copy)
+        self._current: Optional[int] = None  # see current_version
 
     def bind(self, tensors: TensorsArg, dtypes: Optional[Mapping[str, str]] = None) -> None:
         """Makes later updates write each named tensor straight into the given tensor (torch
         CPU tensors, e.g. parameters, and writable numpy arrays, any strides) instead of library
         memory. With the default bind_mode=staged, bytes are verified before a destination is
-        touched. A CUDA tensor is bound through a host buffer that each wait copies into it.
-        The tensors must keep their dtype, shape and memory while bound. A destination that no
-        longer matches the published tensor fails the wait (InvalidArgumentError, nothing
-        written)."""
+        touched. A CUDA tensor is bound through a host buffer (pinned when CUDA is available)
+        that each wait/poll copies into it after verification, under torch.no_grad() (so
+        parameters that require grad can be bound) or torch.inference_mode() for inference
+        tensors, then synchronizes; current_version advances only once every such copy is
+        done (see current_version for a copy that fails). The tensors must keep their dtype,
+        shape and memory while bound. A destination that no longer matches the published
+        tensor fails the wait (InvalidArgumentError, nothing written)."""
         dtypes = dict(dtypes or {})
         for name, obj in _items(tensors):
             if _tensors.is_numpy_array(obj) and not obj.flags.writeable:
@@ -348,10 +382,19 @@ class Subscriber(_Handle):
         >= max(min_version, current_version), receives and verifies it (the newest when several
         are available) and returns it. Raises DeadlineExceededError (retryable) on timeout,
         InvalidArgumentError for a bound tensor that does not match, DataLossError for a
-        corrupted version; the previous version stays current on every error."""
-        # Waits in slices of _WAIT_SLICE seconds so that Ctrl-C (KeyboardInterrupt) interrupts
-        # it within a slice; a version found late in a slice still gets the whole remaining
-        # time to be received (wb_subscriber_wait_then_receive).
+        corrupted version; the previous version stays current on every error.
+
+        The wait lasts its whole timeout also while no publisher is there yet (a replica
+        started before its trainer): a ucx:// rendezvous that refuses the connection, or a disk
+        channel directory that does not exist yet, is "not yet", retried until the deadline.
+        When the deadline passes, the last such error is raised (UnavailableError or
+        DeadlineExceededError, both retryable) with the library's message and how long the
+        wait lasted in all. Ctrl-C (KeyboardInterrupt) interrupts the wait within a slice."""
+        # Waits in slices of _WAIT_SLICE seconds so that Ctrl-C interrupts it within a slice; a
+        # version found late in a slice still gets the whole remaining time to be received
+        # (wb_subscriber_wait_then_receive). A slice cut short while the publisher is not
+        # reachable reports Unavailable (or DeadlineExceeded): both mean "not yet" until the
+        # overall deadline.
         _timeout_ms(timeout)  # validates
         deadline = None if timeout is None else time.monotonic() + timeout
         handle = ctypes.c_void_p()
@@ -361,13 +404,12 @@ class Subscriber(_Handle):
             status = lib.wb_subscriber_wait_then_receive(
                 self._h(), min_version, _timeout_ms(find), _timeout_ms(remaining),
                 ctypes.byref(handle))
-            if (status == DeadlineExceededError.status and not handle.value and
-                    (deadline is None or time.monotonic() < deadline)):
-                continue  # nothing yet; Python runs pending signal handlers here
-            try:
-                check(status)
-            except DeadlineExceededError as e:
-                raise DeadlineExceededError(f"{e.message} (waited {timeout} s in all)") from None
+            if status in _NOT_YET and not handle.value:
+                message = lib.wb_last_error_message().decode("utf-8", "replace")
+                if deadline is None or time.monotonic() < deadline:
+                    continue  # nothing yet; Python runs pending signal handlers here
+                raise ERRORS[status](f"{message} (waited {timeout} s in all)")
+            check(status)
             return self._received(handle)
 
     def poll(self, min_version: int = 0,
@@ -382,24 +424,63 @@ class Subscriber(_Handle):
         return self._received(handle) if handle.value else None
 
     def _received(self, handle) -> Update:
+        """Wraps a received handle in an Update, copies host staging buffers into their
+        (CUDA) destinations, and only then makes the version current (self._current)."""
         try:
             update = Update(handle, dict(self._bound))
         except BaseException:
             lib.wb_update_destroy(handle)
             raise
         if self._staged:
-            import torch
+            try:
+                self._copy_out_staged(update)
+            except BaseException:
+                update.close()
+                raise
+        self._current = update.version
+        return update
+
+    def _copy_out_staged(self, update: Update) -> None:
+        """Copies each staged tensor of `update` from its host buffer into the caller's tensor:
+        under torch.no_grad() (parameters that require grad are leaves autograd must not see
+        written), or torch.inference_mode() for inference tensors. A copy that fails raises
+        InvalidArgumentError naming the tensor and both versions, chained to the cause; the
+        destinations copied before it hold the new version already, the others the old one."""
+        import torch
+        try:
             for name, (target, host) in self._staged.items():
-                if name in update:
+                if name not in update:
+                    continue
+                mode = torch.inference_mode() if target.is_inference() else torch.no_grad()
+                with mode:
                     target.copy_(host, non_blocking=target.device.type == "cuda")
+        except Exception as e:
+            current = "none" if self._current is None else str(self._current)
+            raise InvalidArgumentError(
+                f"{self.uri}: copying tensor \"{name}\" of version {update.version} from its "
+                f"host staging buffer into the bound {target.device.type} tensor failed: "
+                f"{type(e).__name__}: {e}; version {current} stays current (bound tensors "
+                f"copied before \"{name}\" hold version {update.version} already); the next "
+                f"wait or poll delivers version {update.version} again") from e
+        finally:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the host buffers are rewritten by the next wait
-        return update
 
     @property
     def current_version(self) -> Optional[int]:
-        """The version of the last update handed over, or None."""
-        has, version = ctypes.c_bool(), ctypes.c_uint64()
-        check(lib.wb_subscriber_current_version(self._h(), ctypes.byref(has),
-                                                ctypes.byref(version)))
-        return version.value if has.value else None
+        """The version of the last update handed over, or None: the version every bound
+        destination holds. It advances only when wait()/poll() return, after the bytes of every
+        bound tensor are in place, host-staged (CUDA) ones included, so it never runs ahead of
+        the model.
+
+        Tracked by this object, not read from the C library: the library makes a version
+        current once it has verified it into its buffers, before the copies from host staging
+        buffers into CUDA destinations that this layer does. When such a copy fails, the
+        library already holds the version but this property still reports the previous one;
+        since wait and poll return a version >= max(min_version, the library's current
+        version), and the version the library holds qualifies, the next
+        wait(current_version + 1) or poll(current_version + 1) delivers that version again
+        and copies it into every destination. Raises ValueError once the subscriber is
+        closed."""
+        self._h()
+        return self._current

@@ -40,6 +40,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from . import _api
+from .errors import InvalidArgumentError
+
+# The checkpoint names of the output projection and of the input embedding it may be tied to.
+LM_HEAD = "lm_head.weight"
+EMBED_TOKENS = "model.embed_tokens.weight"
 
 
 def process_weights_after_loading(model, model_config=None, device=None) -> None:
@@ -58,6 +63,68 @@ def process_weights_after_loading(model, model_config=None, device=None) -> None
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+
+
+def ties_word_embeddings(model, model_config=None) -> bool:
+    """Whether `model` ties lm_head.weight to model.embed_tokens.weight: its config (vLLM's
+    models keep the Hugging Face config as `model.config`), else vLLM's ModelConfig
+    (`hf_text_config` / `hf_config`) says tie_word_embeddings, or the two modules share one
+    weight tensor (vLLM's lm_head.tie_weights(embed_tokens))."""
+    configs = (getattr(model, "config", None), getattr(model_config, "hf_text_config", None),
+               getattr(model_config, "hf_config", None))
+    for config in configs:
+        tie = getattr(config, "tie_word_embeddings", None)
+        if tie is not None:
+            return bool(tie)
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    embed = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)
+    return head is not None and head is embed
+
+
+def check_tied_embeddings(update, uri: Optional[str] = None) -> None:
+    """For a replica that ties lm_head.weight to model.embed_tokens.weight (so its
+    load_weights skips lm_head.weight, as vLLM's do): raises InvalidArgumentError, naming both
+    tensors, when the received `update` (a weightbus.Update) has an lm_head.weight the model
+    would silently ignore: one without model.embed_tokens.weight, or one whose dtype, shape or
+    bytes differ from it. The embedding alone, or an identical copy (bit for bit), is
+    accepted. Call it before anything is loaded: when it raises, the model is untouched.
+    Messages start with `uri` (the channel) when given."""
+    if LM_HEAD not in update:
+        return
+    where = f"{uri}: " if uri else ""
+    tie = ("this replica ties lm_head.weight to model.embed_tokens.weight "
+           "(tie_word_embeddings) and would ignore lm_head.weight, computing with the embedding")
+    if EMBED_TOKENS not in update:
+        raise InvalidArgumentError(
+            f'{where}version {update.version} has "{LM_HEAD}" but no "{EMBED_TOKENS}": '
+            f"{tie}; publish the embedding (alone, or with an identical lm_head.weight)")
+    head, embed = update[LM_HEAD], update[EMBED_TOKENS]
+    sides = [(update.dtypes[LM_HEAD], list(head.shape)),
+             (update.dtypes[EMBED_TOKENS], list(embed.shape))]
+    if sides[0] != sides[1]:
+        raise InvalidArgumentError(
+            f'{where}version {update.version}: "{LM_HEAD}" is {sides[0][0]} {sides[0][1]} but '
+            f'"{EMBED_TOKENS}" is {sides[1][0]} {sides[1][1]}: {tie}; publish identical '
+            f"tensors or the embedding alone")
+    count = head.numel()
+    if count == 0:
+        return
+    import torch
+    head_flat, embed_flat = head.reshape(-1), embed.reshape(-1)
+    # Bit for bit (NaN == NaN, -0.0 != 0.0): each element as its bytes.
+    differ = (head_flat.view(torch.uint8).reshape(count, -1) !=
+              embed_flat.view(torch.uint8).reshape(count, -1)).any(dim=1)
+    if bool(differ.any()):
+        flat = int(differ.nonzero()[0])
+        index, rest = [], flat
+        for size in reversed(head.shape):
+            rest, i = divmod(rest, size)
+            index.insert(0, i)
+        raise InvalidArgumentError(
+            f'{where}version {update.version}: "{LM_HEAD}" differs from "{EMBED_TOKENS}" '
+            f"(first at element {index}: {head_flat[flat].item()!r} vs "
+            f"{embed_flat[flat].item()!r}): {tie}; publish identical tensors or the embedding "
+            f"alone")
 
 
 def _synchronize(device) -> None:
@@ -97,8 +164,13 @@ class WeightbusWorkerExtension:
         Without min_version (or with one the model already holds) this never waits for a
         version to appear (Subscriber.poll): it applies what is there now, which is what a
         replica does between rollouts. With min_version above the applied version it blocks up
-        to `timeout` seconds (None: forever) for a version >= min_version, and raises
-        weightbus.DeadlineExceededError if none comes. `timeout` also bounds the receive."""
+        to `timeout` seconds (None: forever) for a version >= min_version, also while no
+        publisher is there yet (Subscriber.wait: replicas may start before the trainer), and
+        raises weightbus.DeadlineExceededError (or UnavailableError when the publisher was never
+        reachable) once the whole timeout has passed. `timeout` also bounds the receive.
+        A model that ties lm_head.weight to model.embed_tokens.weight refuses a version whose
+        lm_head.weight differs (check_tied_embeddings: InvalidArgumentError, nothing loaded,
+        the applied version stays)."""
         subscriber = self._weightbus_require()
         current = self._weightbus_version
         floor = 0 if current is None else current + 1
@@ -148,6 +220,8 @@ class WeightbusWorkerExtension:
 
     def _weightbus_load(self, update) -> None:
         model = self.model_runner.model
+        if ties_word_embeddings(model, getattr(self, "model_config", None)):
+            check_tied_embeddings(update, self._weightbus_subscriber.uri)
         model.load_weights(weights=list(update))
         process_weights_after_loading(model, getattr(self, "model_config", None),
                                       getattr(self, "device", None))
@@ -248,7 +322,10 @@ class WeightbusWeightTransferEngine(_EngineBase):
                         load_weights: Optional[Callable[[List[Tuple[str, Any]]], None]] = None
                         ) -> None:
         """Receives the version update_info asks for and loads it: through `load_weights` when
-        vLLM passes one (older interface), else the engine's model.load_weights."""
+        vLLM passes one (older interface), else the engine's model.load_weights. Waits as
+        Subscriber.wait does (the whole timeout, also before the publisher exists). With a
+        model (or vllm_config) that ties lm_head.weight to model.embed_tokens.weight, a version
+        whose lm_head.weight differs is refused first (check_tied_embeddings)."""
         if isinstance(update_info, dict):
             update_info = self.parse_update_info(update_info)
         if self._subscriber is None:
@@ -259,6 +336,8 @@ class WeightbusWeightTransferEngine(_EngineBase):
         floor = 0 if self._version is None else self._version + 1
         want = floor if update_info.version is None else max(floor, update_info.version)
         with self._subscriber.wait(want, update_info.timeout) as update:
+            if ties_word_embeddings(self.model, self.model_config):
+                check_tied_embeddings(update, self._subscriber.uri)
             weights = list(update)
             if load_weights is not None:
                 load_weights(weights)

@@ -469,9 +469,12 @@ int main(void) {
   CHECK_STATUS(wb_publisher_last_stats(publisher, (wb_publish_stats_t*)&old_stats),
                WB_INVALID_ARGUMENT, "stats.struct_size is 16");
 
-  /* Versions must increase; the message says which version the channel has. */
-  CHECK_STATUS(PublishVersion(publisher, 1), WB_FAILED_PRECONDITION,
-               "cannot publish version 1: the channel already has version 1");
+  /* Versions must increase; the message says which version the channel has. Publishing the
+   * latest version again with the same bytes is a retry: a success that writes nothing. */
+  CHECK_OK(PublishVersion(publisher, 1));
+  CHECK_STATUS(PublishVersion(publisher, 0), WB_FAILED_PRECONDITION,
+               "cannot publish version 0: the channel already has version 1");
+  Fill(1); /* PublishVersion(0) refilled the buffers with version 0's values */
   CHECK(!WB_STATUS_IS_RETRYABLE(WB_FAILED_PRECONDITION));
   TestPublishErrors(publisher);
 
@@ -497,6 +500,13 @@ int main(void) {
   }
   wb_subscriber_destroy(local);
 
+  /* Cancel: later calls fail with WB_CANCELLED; the handle stays valid until destroyed. */
+  wb_subscriber_t* cancelled = NULL;
+  CHECK_OK(wb_subscriber_create(uri, NULL, &cancelled));
+  CHECK_OK(wb_subscriber_cancel(cancelled));
+  CHECK_STATUS(wb_subscriber_poll(cancelled, 1, 30000, &update), WB_CANCELLED, "being closed");
+  wb_subscriber_destroy(cancelled);
+
   /* The subscriber process. */
   int pipe_fds[2];
   CHECK(pipe(pipe_fds) == 0);
@@ -504,6 +514,14 @@ int main(void) {
   const pid_t pid = fork();
   if (pid == 0) {
     close(pipe_fds[0]);
+    /* A handle inherited across fork() fails at once in the child (the parent's is fine). */
+    bool inherited_has = false;
+    uint64_t inherited_latest = 0;
+    if (wb_publisher_latest_version(publisher, &inherited_has, &inherited_latest) !=
+            WB_FAILED_PRECONDITION ||
+        strstr(wb_last_error_message(), "fork") == NULL) {
+      _exit(3);
+    }
     _exit(Child(uri, pipe_fds[1]));
   }
   close(pipe_fds[1]);

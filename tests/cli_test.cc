@@ -124,9 +124,9 @@ TEST(CliTest, ErrorsAreOneLineAndNonZero) {
   ASSERT_EQ(Cli({"publish", uri, "--from", model, "--version", "5"}).exit_code, 0);
   testing::WriteFileOrDie(dir / "bad.safetensors", std::string("\x10\0\0\0\0\0\0\0{\"a\":1}", 15));
   std::vector<Case> cases = {
-      {{"publish", uri, "--from", model, "--version", "5"},
+      {{"publish", uri, "--from", model, "--version", "4"},
        1,
-       {"version 5", "already has version 5", "FAILED_PRECONDITION"}},
+       {"version 4", "already has version 5", "FAILED_PRECONDITION"}},
       {{"publish", uri, "--from", dir / "missing", "--version", "6"},
        1,
        {dir / "missing", "does not exist"}},
@@ -150,6 +150,28 @@ TEST(CliTest, ErrorsAreOneLineAndNonZero) {
       EXPECT_NE(r.output.find(n), std::string::npos) << "missing \"" << n << "\" in: " << r.output;
     }
   }
+}
+
+// A trainer (or a script) retrying its last publish: the same bytes are a success that writes
+// nothing; other bytes under the same number are refused, naming the tensor.
+TEST(CliTest, RepublishingTheLatestVersionIsANoOpOnlyWithTheSameBytes) {
+  ScratchDir dir;
+  const std::string uri = "disk://" + dir.path() + "/channel";
+  const std::string model = dir / "hf";
+  ASSERT_EQ(Cli({"convert-llama2c", testing::FixturePath("stories260K.bin"), model}).exit_code, 0);
+  ASSERT_EQ(Cli({"publish", uri, "--from", model, "--version", "5"}).exit_code, 0);
+  auto again = Cli({"publish", uri, "--from", model, "--version", "5"});
+  EXPECT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("nothing written"), std::string::npos) << again.output;
+
+  // The last byte of the file is the last byte of some tensor's data: flip it.
+  std::string bytes = testing::ReadFileOrDie(model + "/model.safetensors");
+  bytes.back() = static_cast<char>(bytes.back() ^ 0x01);
+  testing::WriteFileOrDie(model + "/model.safetensors", bytes);
+  auto other = Cli({"publish", uri, "--from", model, "--version", "5"});
+  EXPECT_EQ(other.exit_code, 1) << other.output;
+  EXPECT_NE(other.output.find("with other content: tensor \""), std::string::npos) << other.output;
+  EXPECT_NE(other.output.find("FAILED_PRECONDITION"), std::string::npos) << other.output;
 }
 
 TEST(CliTest, SettingsListsEveryKnobWithItsEnvironmentVariable) {

@@ -76,6 +76,8 @@ struct PublishStats {
   absl::Duration encode;         // part of `transport` a layer (delta) spent encoding; 0 if none
   uint64_t wire_bytes = 0;       // bytes the transport carried for the tensors: `bytes`, or what
                                  // a layer encoded them to; 0 when a layer does not report it
+  bool unchanged = false;        // the call re-published the latest version with the same
+                                 // tensors (a retry): nothing was written
 };
 
 // Publishes versions of a set of named tensors to one channel.
@@ -112,9 +114,15 @@ class WB_EXPORT Publisher {
   // registered memory and served); on any error no subscriber ever sees any part of it and the
   // channel's previous versions are untouched.
   //
-  // `version` must be above every version already on the channel. The tensors' bytes are read
-  // during the call only (non-contiguous views are packed first); the caller may modify them as
-  // soon as Publish returns. Checksums (XXH3-64) are computed here, concurrently with the
+  // `version` must be above every version already on the channel, or equal to the latest with
+  // the same tensors (names, dtypes, shapes, shards, bytes): such a retry, e.g. after a timeout
+  // whose publish did commit or by a restarted trainer, returns OK and writes nothing
+  // (last_stats().unchanged; the version keeps its first metadata). Other bytes under the
+  // latest number are FailedPrecondition naming the first tensor that differs. The comparison
+  // needs the version's manifest: from this object, or read back from the channel (disk://);
+  // where neither is there (a new ucx:// publisher) the retry is refused. The tensors' bytes are
+  // read during the call only (non-contiguous views are packed first); the caller may modify them
+  // as soon as Publish returns. Checksums (XXH3-64) are computed here, concurrently with the
   // transport's work.
   //
   // Errors: FailedPrecondition (version not above the latest, naming both); InvalidArgument for

@@ -340,9 +340,9 @@ absl::Status Publisher::Impl::Republish(Job& job, absl::Time start, absl::Time d
   if (std::optional<std::string> diff = internal::ContentDifference(
           (*sealed)->tensors, "this call", committed->tensors, "published")) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "%s: cannot publish version %d again with other content: %s; the channel keeps the "
-        "version %d it has (publish the new weights as a higher version)",
-        uri.Display(), version, *diff, version));
+        "%s: cannot publish version %d: the channel already has version %d with other "
+        "content: %s; it keeps the version it has (publish new weights as a higher version)",
+        uri.Display(), version, version, *diff));
   }
   // The same tensors: a retry (e.g. after a timeout whose publish did commit). Nothing is
   // written; the version keeps its first manifest, metadata included.
@@ -350,6 +350,7 @@ absl::Status Publisher::Impl::Republish(Job& job, absl::Time start, absl::Time d
   stats.version = version;
   stats.bytes = (*sealed)->total_bytes();
   stats.stall = absl::Now() - start;
+  stats.unchanged = true;
   return absl::OkStatus();
 }
 

@@ -162,10 +162,16 @@ absl::Status PublishCommand(const std::vector<std::string>& argv) {
   absl::Status s = (*publisher)->Publish(*version, ckpt->tensors, *metadata, *timeout);
   if (!s.ok()) return s;
   const PublishStats st = (*publisher)->last_stats();
-  std::printf("published version %llu to %s: %zu tensors, %s in %.3f s (%s)\n",
-              static_cast<unsigned long long>(*version), uri.c_str(), ckpt->tensors.size(),
-              HumanBytes(st.bytes).c_str(), absl::ToDoubleSeconds(st.stall),
-              Rate(st.bytes, absl::ToDoubleSeconds(st.stall)).c_str());
+  if (st.unchanged) {
+    std::printf("version %llu of %s already holds these %zu tensors (%s): nothing written\n",
+                static_cast<unsigned long long>(*version), uri.c_str(), ckpt->tensors.size(),
+                HumanBytes(st.bytes).c_str());
+  } else {
+    std::printf("published version %llu to %s: %zu tensors, %s in %.3f s (%s)\n",
+                static_cast<unsigned long long>(*version), uri.c_str(), ckpt->tensors.size(),
+                HumanBytes(st.bytes).c_str(), absl::ToDoubleSeconds(st.stall),
+                Rate(st.bytes, absl::ToDoubleSeconds(st.stall)).c_str());
+  }
   std::fflush(stdout);
   if (*until > 0) {
     const absl::Time start = absl::Now();

@@ -85,22 +85,37 @@ class Job final : public internal::PublishJob {
   void CopyWithChecksum(size_t i, absl::Span<const internal::CopyTarget> pieces) override {
     // Whoever claims a tensor first computes its checksum.
     const bool hash = !claimed_[i].exchange(true);
-    constexpr uint64_t kBlock = 256 * 1024;  // copied, then hashed while still in L2
     std::optional<internal::Xxh3Stream> state;
     if (hash) state.emplace();
     const std::byte* src = packed_[i].data;
+    uint64_t at = 0;  // bytes of the tensor copied so far
     for (const internal::CopyTarget& p : pieces) {
       for (uint64_t off = 0; off < p.size; off += kBlock) {
         const uint64_t n = std::min(kBlock, p.size - off);
-        StreamCopy(p.data + off, src, n);
-        if (state) state->Update(src, n);
-        src += n;
+        if (src != nullptr) {
+          StreamCopy(p.data + off, src + at, n);
+          if (state) state->Update(src + at, n);
+        } else {  // a strided view, gathered straight into place (then hashed from cache)
+          CopyRange(i, at, n, p.data + off);
+          if (state) state->Update(p.data + off, n);
+        }
+        at += n;
       }
     }
 #if defined(__SSE2__)
     _mm_sfence();  // streaming stores visible before the transport publishes the slot
 #endif
     if (state) manifest_.tensors[i].xxh3 = state->Digest();
+  }
+
+  void CopyRange(size_t i, uint64_t offset, uint64_t size, std::byte* dst) const override {
+    if (size == 0) return;
+    if (packed_[i].data != nullptr) {
+      std::memcpy(dst, packed_[i].data + offset, size);
+      return;
+    }
+    const TensorView& v = *views_[i];
+    internal::PackStridedRange(v.data, DTypeSize(v.dtype), v.shape, v.strides, offset, size, dst);
   }
 
   // Prepares the job: queues one checksum task per tensor on `pool`, largest first so the long
@@ -117,9 +132,12 @@ class Job final : public internal::PublishJob {
 
   Manifest manifest_;
   std::vector<PackedTensor> packed_;
-  std::shared_ptr<internal::HostBuffer> pack_buffer_;
+  std::vector<const TensorView*> views_;  // the caller's views, for gathering strided ones
+  std::unique_ptr<internal::HostBuffer> pack_buffer_;
 
  private:
+  static constexpr uint64_t kBlock = 256 * 1024;  // copied or gathered, then hashed from L2
+
   void HashUnclaimed() {
     std::vector<size_t> order;
     for (size_t i = 0; i < packed_.size(); ++i) {
@@ -131,7 +149,19 @@ class Job final : public internal::PublishJob {
     hashing_.Add(static_cast<int>(order.size()));
     for (size_t i : order) {
       pool_->Submit([this, i] {
-        manifest_.tensors[i].xxh3 = internal::Xxh3(packed_[i].data, manifest_.tensors[i].nbytes);
+        const uint64_t n = manifest_.tensors[i].nbytes;
+        if (packed_[i].data != nullptr || n == 0) {
+          manifest_.tensors[i].xxh3 = internal::Xxh3(packed_[i].data, n);
+        } else {  // a strided view: gathered block by block into a small scratch buffer
+          std::vector<std::byte> scratch(std::min(kBlock, n));
+          internal::Xxh3Stream state;
+          for (uint64_t at = 0; at < n; at += kBlock) {
+            const uint64_t len = std::min(kBlock, n - at);
+            CopyRange(i, at, len, scratch.data());
+            state.Update(scratch.data(), len);
+          }
+          manifest_.tensors[i].xxh3 = state.Digest();
+        }
         hashing_.Done();
       });
     }
@@ -149,7 +179,6 @@ class Publisher::Impl : public internal::ChannelSetup {
  public:
   std::unique_ptr<internal::TransportPublisher> backend;
   std::unique_ptr<internal::CallGate> gate;
-  std::shared_ptr<internal::BufferPool> pack_pool = internal::BufferPool::Create(1);
   PublisherIdentity identity;
 
   mutable absl::Mutex mu;
@@ -265,20 +294,26 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
     }
   }
 
-  // Pack non-contiguous views into one pooled buffer; contiguous ones are used in place.
+  // Contiguous views are used in place. Strided ones are gathered by the transport as it reads
+  // them (ReadsStridedViews: no extra memory), or else packed into one buffer that lives only
+  // as long as this call.
   const absl::Time pack_start = absl::Now();
-  if (pack_bytes > 0) {
-    WB_ASSIGN_OR_RETURN(job.pack_buffer_, pack_pool->Get(pack_bytes));
+  const bool pack = pack_bytes > 0 && !backend->ReadsStridedViews();
+  if (pack) {
+    WB_ASSIGN_OR_RETURN(job.pack_buffer_, internal::HostBuffer::Allocate(pack_bytes));
   }
   job.packed_.resize(tensors.size());
+  job.views_.resize(tensors.size());
   uint64_t pack_offset = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorView& v = tensors[i];
     job.packed_[i].info = &m.tensors[i];
+    job.views_[i] = &v;
     if (IsContiguous(v.shape, v.strides)) {
       job.packed_[i].data = static_cast<const std::byte*>(v.data);
       continue;
     }
+    if (!pack) continue;  // data stays nullptr: read through CopyRange
     std::byte* dst = job.pack_buffer_->data() + pack_offset;
     internal::PackStrided(v.data, DTypeSize(v.dtype), v.shape, v.strides, dst);
     job.packed_[i].data = dst;

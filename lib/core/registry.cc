@@ -172,6 +172,10 @@ void PublishJob::CopyWithChecksum(size_t i, absl::Span<const CopyTarget> pieces)
   }
 }
 
+void PublishJob::CopyRange(size_t i, uint64_t offset, uint64_t size, std::byte* dst) const {
+  if (size > 0) std::memcpy(dst, tensors()[i].data + offset, size);
+}
+
 absl::StatusOr<std::unique_ptr<IncomingVersion>> TransportSubscriber::OpenVersion(uint64_t version,
                                                                                   absl::Time) {
   return absl::UnimplementedError(

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "core/tensor_pack.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/escaping.h"
@@ -205,6 +206,79 @@ void PackStrided(const void* src, size_t elem_size, const std::vector<int64_t>& 
                           elem_size);
             }
           });
+}
+
+void PackStridedRange(const void* src, size_t elem_size, const std::vector<int64_t>& shape,
+                      const std::vector<int64_t>& strides_in, uint64_t first, uint64_t count,
+                      std::byte* dst) {
+  if (count == 0) return;
+  const auto* base = static_cast<const std::byte*>(src);
+  const uint64_t es = elem_size;
+  if (shape.empty()) {  // 0-d: one element
+    std::memcpy(dst, base + first, count);
+    return;
+  }
+  const size_t rank = shape.size();
+  std::vector<int64_t> strides = strides_in;
+  if (strides.empty()) {
+    strides.resize(rank);
+    int64_t s = 1;
+    for (size_t d = rank; d-- > 0;) {
+      strides[d] = s;
+      s *= shape[d];
+    }
+  }
+  // The multi-index of the element holding byte `first`, and its offset in elements.
+  std::vector<int64_t> idx(rank);
+  uint64_t rem = first / es;
+  for (size_t d = rank; d-- > 0;) {
+    idx[d] = static_cast<int64_t>(rem % static_cast<uint64_t>(shape[d]));
+    rem /= static_cast<uint64_t>(shape[d]);
+  }
+  int64_t off = 0;
+  for (size_t d = 0; d < rank; ++d) off += idx[d] * strides[d];
+  uint64_t skip = first % es;  // bytes of the first element before the range
+  uint64_t left = count;
+  const int64_t inner = shape.back(), stride = strides.back();
+  while (left > 0) {
+    while (idx.back() < inner && left > 0) {
+      const std::byte* el = base + off * static_cast<int64_t>(es);
+      if (skip > 0 || left < es) {  // a partial element at either end of the range
+        const uint64_t n = std::min(es - skip, left);
+        std::memcpy(dst, el + skip, n);
+        dst += n;
+        left -= n;
+        skip = 0;
+        ++idx.back();
+        off += stride;
+        continue;
+      }
+      const int64_t run = std::min<int64_t>(inner - idx.back(), static_cast<int64_t>(left / es));
+      if (stride == 1) {
+        std::memcpy(dst, el, static_cast<size_t>(run) * es);
+      } else {
+        for (int64_t k = 0; k < run; ++k) {
+          std::memcpy(dst + k * static_cast<int64_t>(es),
+                      el + k * stride * static_cast<int64_t>(es), es);
+        }
+      }
+      dst += static_cast<size_t>(run) * es;
+      left -= static_cast<uint64_t>(run) * es;
+      idx.back() += run;
+      off += run * stride;
+    }
+    if (left == 0) break;
+    // Next row: carry into the outer dimensions.
+    off -= idx.back() * stride;
+    idx.back() = 0;
+    for (size_t d = rank - 1; d-- > 0;) {
+      ++idx[d];
+      off += strides[d];
+      if (idx[d] < shape[d]) break;
+      off -= idx[d] * strides[d];
+      idx[d] = 0;
+    }
+  }
 }
 
 void UnpackStrided(const std::byte* src, size_t elem_size, const std::vector<int64_t>& shape,

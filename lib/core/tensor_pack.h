@@ -32,6 +32,13 @@ absl::StatusOr<uint64_t> ValidateDestination(std::string_view name, const Destin
 void PackStrided(const void* src, size_t elem_size, const std::vector<int64_t>& shape,
                  const std::vector<int64_t>& strides, std::byte* dst);
 
+// Bytes [first, first + count) of what PackStrided would write, written to `dst`: a window of
+// the packed image, so a strided tensor can be streamed without packing it whole. The range may
+// start and end inside an element; it must lie within the tensor's packed size.
+void PackStridedRange(const void* src, size_t elem_size, const std::vector<int64_t>& shape,
+                      const std::vector<int64_t>& strides, uint64_t first, uint64_t count,
+                      std::byte* dst);
+
 // The inverse: scatters contiguous row-major `src` into the strided tensor at `dst`.
 void UnpackStrided(const std::byte* src, size_t elem_size, const std::vector<int64_t>& shape,
                    const std::vector<int64_t>& strides, void* dst);

@@ -26,7 +26,10 @@ namespace weightbus::internal {
 // One tensor's contiguous row-major bytes, as the core hands them to a transport.
 struct PackedTensor {
   const TensorInfo* info = nullptr;  // entry of the job's manifest (checksum may be pending)
-  const std::byte* data = nullptr;   // info->nbytes bytes; valid until Publish returns
+  // info->nbytes bytes, valid until Publish returns; nullptr for a strided (non-contiguous)
+  // view handed to a transport whose ReadsStridedViews() is true: read its bytes with
+  // PublishJob::CopyRange or CopyWithChecksum, which gather them from the caller's strides.
+  const std::byte* data = nullptr;
 };
 
 // A piece of host memory a tensor's bytes are copied into (see PublishJob::CopyWithChecksum).
@@ -51,6 +54,10 @@ class PublishJob {
   // call from several threads for different tensors. Used by transports whose
   // CopiesWithChecksums() is true; this default only copies.
   virtual void CopyWithChecksum(size_t i, absl::Span<const CopyTarget> pieces);
+  // Copies bytes [offset, offset + size) of tensor i's contiguous row-major image into `dst`
+  // (host memory): a memcpy for contiguous tensors, a gather for strided views. Safe to call
+  // from several threads. This default copies from tensors()[i].data.
+  virtual void CopyRange(size_t i, uint64_t offset, uint64_t size, std::byte* dst) const;
 };
 
 // A PublishJob whose manifest is complete and whose bytes its creator owns: what a layer (such as
@@ -94,6 +101,11 @@ class TransportPublisher {
   // checksum them in a separate pass (any tensor the transport does not copy that way is
   // checksummed by SealedManifest).
   virtual bool CopiesWithChecksums() const { return false; }
+  // True when the transport reads every tensor through PublishJob::CopyRange/CopyWithChecksum
+  // where PackedTensor::data is nullptr: the core then hands strided views over unpacked and
+  // needs no memory for them. Otherwise the core packs them into one buffer per Publish (the
+  // sum of their sizes, freed when Publish returns).
+  virtual bool ReadsStridedViews() const { return false; }
   // Keep every committed version >= `version` whatever the retention setting says (a delta
   // chain needs its keyframe and every delta after it). A later call replaces the floor.
   virtual void KeepVersionsFrom(uint64_t version) {}

@@ -14,7 +14,7 @@ import torch
 
 import weightbus
 from weightbus import _api, _lib, _tensors
-from conftest import SliceWatch, child_env, late_uri
+from conftest import SliceWatch, child_env, late_uri, run_python
 
 
 def test_version_and_library():
@@ -208,9 +208,11 @@ def test_errors_are_typed_and_carry_the_message(channel, tmp_path):
                            match="another publisher holds the channel"):
             weightbus.Publisher(channel)
         pub.publish(5, {"x": torch.zeros(1)})
+        pub.publish(5, {"x": torch.zeros(1)})  # a retry of the same bytes: a no-op success
         with pytest.raises(weightbus.FailedPreconditionError,
-                           match="cannot publish version 5: the channel already has version 5"):
-            pub.publish(5, {"x": torch.zeros(1)})
+                           match="cannot publish version 5: the channel already has version 5 "
+                                 "with other content: tensor \"x\""):
+            pub.publish(5, {"x": torch.ones(1)})
         with pytest.raises(weightbus.InvalidArgumentError, match='"x": dtype override F32'):
             pub.publish(6, {"x": np.zeros(2, np.uint8)}, dtypes={"x": "F32"})
         with pytest.raises(TypeError, match="no safetensors element type"):
@@ -498,3 +500,78 @@ def test_wait_without_a_publisher_raises_its_last_error_after_the_whole_timeout(
         assert uri.split("//")[1].split("/")[0] in message, message   # names the peer
         assert message.endswith("(waited 0.5 s in all)"), message
         assert info.value.retryable
+
+
+def test_close_from_another_thread_cancels_a_wait_in_flight(channel, monkeypatch):
+    """close() while another thread waits: the wait raises CancelledError, close() returns
+    once the wait has left the library, and the handle is destroyed only then (issue 10,
+    item 1: this segfaulted)."""
+    watch = SliceWatch(monkeypatch)
+    sub = weightbus.Subscriber(channel)
+    outcome = []
+
+    def waiter():
+        try:
+            sub.wait(min_version=5, timeout=60)
+            outcome.append(None)
+        except BaseException as e:  # noqa: B902 - the test inspects whatever was raised
+            outcome.append(e)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    assert watch.not_yet.wait(30), "the wait never ran a slice"
+    sub.close()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], weightbus.CancelledError), outcome
+    with pytest.raises(ValueError, match="Subscriber is closed"):
+        sub.wait(timeout=0)
+
+
+def test_close_during_publish_and_cancel_from_c():
+    """Cancel through the C API makes later calls fail with CancelledError; close() after it
+    destroys the handle."""
+    pub = weightbus.Publisher("disk:///tmp/wb-never-created-" + str(time.time_ns()))
+    assert _lib.lib.wb_publisher_cancel(pub._h()) == 0
+    with pytest.raises(weightbus.CancelledError, match="being closed"):
+        pub.publish(1, {"w": torch.zeros(4)})
+    pub.close()
+
+
+def test_inherited_handles_fail_in_a_forked_child(channel):
+    """A subscriber and publisher inherited across os.fork() refuse every call in the child
+    with FailedPreconditionError at once (this hung past its timeout); the parent's keep
+    working (issue 10, item 2)."""
+    code = f"""
+import os, sys, torch, weightbus
+pub = weightbus.Publisher({channel!r})
+sub = weightbus.Subscriber({channel!r})
+pub.publish(1, {{"w": torch.arange(6.0)}})
+assert sub.wait(1, timeout=30).version == 1
+pid = os.fork()
+if pid == 0:
+    code = 0
+    for call in (lambda: sub.wait(2, timeout=3), lambda: sub.poll(), lambda: sub.current_version,
+                 lambda: pub.publish(2, {{"w": torch.zeros(6)}}, timeout=3)):
+        try:
+            call()
+            code = 1
+        except weightbus.FailedPreconditionError as e:
+            if "fork" not in str(e):
+                code = 2
+        except BaseException as e:
+            print("child:", type(e).__name__, e, file=sys.stderr)
+            code = 3
+    sub.close()
+    pub.close()
+    os._exit(code)
+_, status = os.waitpid(pid, 0)
+assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+pub.publish(2, {{"w": torch.ones(6)}})
+update = sub.wait(2, timeout=30)
+assert torch.equal(update["w"], torch.ones(6))
+print("parent ok")
+"""
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert "parent ok" in result.stdout

@@ -1,8 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Publisher, Subscriber and Update over the C API."""
+import contextlib
 import ctypes
 import json
 import math
+import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -10,7 +13,8 @@ from typing import Any, Dict, Iterable, Iterator, Optional, Tuple, Union
 
 from . import _lib, _tensors
 from ._lib import lib, new_params
-from .errors import ERRORS, DeadlineExceededError, InvalidArgumentError, UnavailableError, check
+from .errors import (ERRORS, CancelledError, DeadlineExceededError, FailedPreconditionError,
+                     InvalidArgumentError, UnavailableError, check)
 
 TensorsArg = Union[Mapping, Iterable[Tuple[str, Any]]]
 
@@ -113,21 +117,74 @@ class UpdateStats:
 
 
 class _Handle:
-    """Owns one C handle; closes it once (close(), `with`, or garbage collection)."""
+    """Owns one C handle; closes it once (close(), `with`, or garbage collection).
+
+    close() may come from another thread while calls on the handle are in flight: it marks the
+    handle closing (calls that start later raise CancelledError, or ValueError once it is
+    closed), cancels the calls in flight through the C API where the handle type has a cancel
+    (a wait for a version then raises CancelledError promptly), waits for them to return, and
+    only then destroys the C handle, so no call ever uses a freed handle."""
 
     _destroy = None
+    _cancel = None
 
     def __init__(self):
         self._handle = None
+        self._pid = os.getpid()  # a handle belongs to the process that opened it
+        self._state = threading.Condition(threading.Lock())
+        self._calls = 0         # calls inside the C library on this handle
+        self._closing = False
+
+    def _check_process(self):
+        # Before any lock: another thread of the parent may have held it at fork() time.
+        if os.getpid() != self._pid:
+            raise FailedPreconditionError(
+                f"{type(self).__name__} was opened by process {self._pid} and this is process "
+                f"{os.getpid()}, a forked child: a handle cannot be used across fork(); open a "
+                "new one in the child")
 
     def _h(self):
+        self._check_process()
         if self._handle is None:
             raise ValueError(f"{type(self).__name__} is closed")
         return self._handle
 
+    @contextlib.contextmanager
+    def _use(self):
+        """The C handle, counted as in use until the block ends."""
+        self._check_process()
+        with self._state:
+            if self._closing and self._handle is not None:
+                raise CancelledError(f"{type(self).__name__} is being closed")
+            handle = self._h()
+            self._calls += 1
+        try:
+            yield handle
+        finally:
+            with self._state:
+                self._calls -= 1
+                if self._calls == 0:
+                    self._state.notify_all()
+
+    def _call(self, fn, *args):
+        with self._use() as handle:
+            return fn(handle, *args)
+
     def close(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None and lib is not None:
+        if os.getpid() != self._pid:
+            self._handle = None  # the parent's: nothing of it is freed here
+            return
+        with self._state:
+            handle = self._handle
+            if handle is None or self._closing:
+                return
+            self._closing = True
+            if self._calls and type(self)._cancel is not None and lib is not None:
+                type(self)._cancel(handle)
+            while self._calls:
+                self._state.wait()
+            self._handle = None
+        if lib is not None:
             type(self)._destroy(handle)
 
     def __enter__(self):
@@ -155,6 +212,7 @@ class Publisher(_Handle):
     """
 
     _destroy = staticmethod(lambda h: lib.wb_publisher_destroy(h))
+    _cancel = staticmethod(lambda h: lib.wb_publisher_cancel(h))
 
     def __init__(self, uri: str, **options):
         super().__init__()
@@ -198,7 +256,7 @@ class Publisher(_Handle):
         params.metadata = ctypes.cast(meta_array, ctypes.POINTER(_lib.wb_option_t))
         params.num_metadata = meta_count
         params.dtypes = ctypes.cast(outgoing.overrides, ctypes.POINTER(ctypes.c_int))
-        check(lib.wb_publisher_publish(self._h(), version, names, outgoing.tensors, len(items),
+        check(self._call(lib.wb_publisher_publish, version, names, outgoing.tensors, len(items),
                                        ctypes.byref(params), _timeout_ms(timeout)))
         del meta_keep, outgoing
         return self.last_stats
@@ -207,14 +265,14 @@ class Publisher(_Handle):
     def latest_version(self) -> Optional[int]:
         """The newest version on the channel (published by anyone), or None."""
         has, version = ctypes.c_bool(), ctypes.c_uint64()
-        check(lib.wb_publisher_latest_version(self._h(), ctypes.byref(has),
+        check(self._call(lib.wb_publisher_latest_version, ctypes.byref(has),
                                               ctypes.byref(version)))
         return version.value if has.value else None
 
     @property
     def last_stats(self) -> PublishStats:
         s = new_params(_lib.wb_publish_stats_t)
-        check(lib.wb_publisher_last_stats(self._h(), ctypes.byref(s)))
+        check(self._call(lib.wb_publisher_last_stats, ctypes.byref(s)))
         return PublishStats(s.version, s.bytes, s.stall_ns / 1e9, s.pack_ns / 1e9,
                             s.checksum_wait_ns / 1e9, s.transport_ns / 1e9)
 
@@ -261,7 +319,7 @@ class Update(_Handle):
         shape, nbytes and xxh3, publisher identity, timestamps, metadata."""
         if self._manifest is None:
             text, length = ctypes.c_char_p(), ctypes.c_size_t()
-            check(lib.wb_update_manifest_json(self._h(), ctypes.byref(text),
+            check(self._call(lib.wb_update_manifest_json, ctypes.byref(text),
                                               ctypes.byref(length)))
             self._manifest = json.loads(text.value.decode("utf-8"))
         return self._manifest
@@ -284,7 +342,7 @@ class Update(_Handle):
         if name not in self._torch:
             if name not in self._index:
                 raise KeyError(f"version {self.version} has no tensor named {name!r}")
-            self._torch[name] = _tensors.export_torch(self._h(), self._index[name],
+            self._torch[name] = self._call(_tensors.export_torch, self._index[name],
                                                       self.dtypes[name])
         return self._torch[name]
 
@@ -299,7 +357,7 @@ class Update(_Handle):
         """The tensor `name` as a zero-copy numpy array (BF16 as uint16 bits)."""
         if name not in self._index:
             raise KeyError(f"version {self.version} has no tensor named {name!r}")
-        return _tensors.export_numpy(self._h(), self._index[name], self.dtypes[name])
+        return self._call(_tensors.export_numpy, self._index[name], self.dtypes[name])
 
     def arrays(self) -> Iterator[Tuple[str, Any]]:
         for name in self.names:
@@ -321,6 +379,7 @@ class Subscriber(_Handle):
     """
 
     _destroy = staticmethod(lambda h: lib.wb_subscriber_destroy(h))
+    _cancel = staticmethod(lambda h: lib.wb_subscriber_cancel(h))
 
     def __init__(self, uri: str, **options):
         super().__init__()
@@ -358,7 +417,7 @@ class Subscriber(_Handle):
             outgoing.set(0, name, obj, dtypes.get(name))
             params = new_params(_lib.wb_bind_params_t)
             params.dtype = outgoing.overrides[0]
-            check(lib.wb_subscriber_bind(self._h(), name.encode(), outgoing.tensors,
+            check(self._call(lib.wb_subscriber_bind, name.encode(), outgoing.tensors,
                                          ctypes.byref(params)))
             self._bound[name] = target
             if target is not obj:
@@ -369,11 +428,11 @@ class Subscriber(_Handle):
     def unbind(self, name: Optional[str] = None) -> None:
         """Removes the binding of `name`, or every binding when `name` is None."""
         if name is None:
-            check(lib.wb_subscriber_unbind_all(self._h()))
+            check(self._call(lib.wb_subscriber_unbind_all))
             self._bound.clear()
             self._staged.clear()
         else:
-            check(lib.wb_subscriber_unbind(self._h(), name.encode()))
+            check(self._call(lib.wb_subscriber_unbind, name.encode()))
             self._bound.pop(name, None)
             self._staged.pop(name, None)
 
@@ -398,12 +457,16 @@ class Subscriber(_Handle):
         _timeout_ms(timeout)  # validates
         deadline = None if timeout is None else time.monotonic() + timeout
         handle = ctypes.c_void_p()
+        first_slice = True
         while True:
+            if self._closing and not first_slice:  # closed by another thread between slices
+                raise CancelledError("Subscriber.wait: the subscriber was closed while waiting")
+            first_slice = False
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             find = _WAIT_SLICE if remaining is None else min(_WAIT_SLICE, remaining)
-            status = lib.wb_subscriber_wait_then_receive(
-                self._h(), min_version, _timeout_ms(find), _timeout_ms(remaining),
-                ctypes.byref(handle))
+            status = self._call(lib.wb_subscriber_wait_then_receive, min_version,
+                                _timeout_ms(find), _timeout_ms(remaining),
+                                ctypes.byref(handle))
             if status in _NOT_YET and not handle.value:
                 message = lib.wb_last_error_message().decode("utf-8", "replace")
                 if deadline is None or time.monotonic() < deadline:
@@ -419,7 +482,7 @@ class Subscriber(_Handle):
         seconds, GIL released) and returns it, else returns None. Pass current_version + 1 to
         ask for a newer one, as a replica does between rollouts."""
         handle = ctypes.c_void_p()
-        check(lib.wb_subscriber_poll(self._h(), min_version, _timeout_ms(receive_timeout),
+        check(self._call(lib.wb_subscriber_poll, min_version, _timeout_ms(receive_timeout),
                                      ctypes.byref(handle)))
         return self._received(handle) if handle.value else None
 

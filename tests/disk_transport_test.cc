@@ -430,7 +430,11 @@ TEST(DiskTransportTest, SlowReaderKeepsItsVersionWhilePublisherMovesOn) {
   auto first = MakeVersion(9, 1, 1 << 18);
   ASSERT_TRUE((*pub)->Publish(1, Views(first), {}, kTimeout).ok());
   // The reader stalls 1.5 s between pinning version 1 and reading it.
-  auto sub = Subscriber::Open(Uri(dir, "failpoints=disk.before_read=delay:1500"));
+  auto sub = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", "disk.before_read=delay:1500");
+    return Subscriber::Open(Uri(dir));
+  }();
+  ASSERT_TRUE(sub.ok()) << sub.status();
   std::thread reader([&] {
     auto u = (*sub)->WaitForVersion(1, kTimeout);
     ASSERT_TRUE(u.ok()) << u.status();
@@ -548,7 +552,10 @@ TEST(DiskTransportTest, FailedPublishLeavesNothingVisible) {
     ASSERT_TRUE((*pub)->Publish(1, Views(good), {}, kTimeout).ok());
   }
   for (const char* point : {"disk.after_file", "disk.before_rename", "disk.before_commit"}) {
-    auto pub = Publisher::Open(Uri(dir, absl::StrFormat("failpoints=%s=error", point)));
+    auto pub = [&] {
+      testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", absl::StrFormat("%s=error", point));
+      return Publisher::Open(Uri(dir));
+    }();
     ASSERT_TRUE(pub.ok()) << pub.status();
     auto bad = MakeVersion(6, 2, 1 << 16);
     absl::Status s = (*pub)->Publish(2, Views(bad), {}, kTimeout);
@@ -565,7 +572,11 @@ TEST(DiskTransportTest, FailedPublishLeavesNothingVisible) {
 
 TEST(DiskTransportTest, PublishTimeoutIsEnforced) {
   ScratchDir dir;
-  auto pub = Publisher::Open(Uri(dir, "failpoints=disk.after_file=delay:400"));
+  auto pub = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", "disk.after_file=delay:400");
+    return Publisher::Open(Uri(dir));
+  }();
+  ASSERT_TRUE(pub.ok()) << pub.status();
   auto tensors = MakeVersion(1, 1, 4096);
   absl::Status s = (*pub)->Publish(1, Views(tensors), {}, absl::Milliseconds(100));
   ASSERT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
@@ -692,7 +703,11 @@ TEST_F(DiskRobustnessTest, VersionsWhoseTensorsAreAllEmpty) {
 
 TEST_F(DiskRobustnessTest, FailedDurabilityStepAfterCommitDoesNotUndoTheVersion) {
   Publish(1);
-  auto pub = Publisher::Open(Uri(dir_, "failpoints=disk.commit_fsync=error"));
+  auto pub = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", "disk.commit_fsync=error");
+    return Publisher::Open(Uri(dir_));
+  }();
+  ASSERT_TRUE(pub.ok()) << pub.status();
   auto v2 = MakeVersion(1, 2, 1 << 16);
   // The version became visible when LATEST moved, so Publish reports success and keeps it.
   ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, kTimeout).ok());

@@ -954,5 +954,31 @@ TEST_F(DiskSymlinkTest, SubscriberRefusesAVersionDirectoryOrFileThatIsALink) {
       << u2.status();
 }
 
+// Not links, but as hostile: a FIFO planted as LATEST or as a version's file would block an
+// open(2) for ever; the subscriber refuses it at once.
+TEST_F(DiskSymlinkTest, PlantedFifosAreRefusedNotWaitedOn) {
+  {
+    auto pub = Publisher::Open(Uri(dir_));
+    ASSERT_TRUE(pub.ok());
+    auto t = MakeVersion(16, 1, 1 << 12);
+    ASSERT_TRUE((*pub)->Publish(1, Views(t), {}, kTimeout).ok());
+  }
+  const std::string lock = VersionDir(dir_, 1) + "/.readers.lock";
+  ASSERT_EQ(::unlink(lock.c_str()), 0);
+  ASSERT_EQ(::mkfifo(lock.c_str(), 0644), 0);
+  auto sub = Subscriber::Open(Uri(dir_));
+  auto u = (*sub)->WaitForVersion(0, kTimeout);
+  EXPECT_EQ(u.status().code(), absl::StatusCode::kDataLoss) << u.status();
+  ASSERT_EQ(::unlink(lock.c_str()), 0);
+  testing::WriteFileOrDie(lock, "");
+  const std::string latest = channel_ + "/LATEST";
+  ASSERT_EQ(::unlink(latest.c_str()), 0);
+  ASSERT_EQ(::mkfifo(latest.c_str(), 0644), 0);
+  auto u2 = (*sub)->WaitForVersion(0, kTimeout);
+  EXPECT_EQ(u2.status().code(), absl::StatusCode::kDataLoss) << u2.status();
+  EXPECT_NE(u2.status().message().find("not a regular file"), absl::string_view::npos)
+      << u2.status();
+}
+
 }  // namespace
 }  // namespace weightbus

@@ -51,7 +51,9 @@ absl::Status OpenError(int err, const std::string& path) {
 
 absl::StatusOr<UniqueFd> OpenAt(int dirfd, const std::string& name, int flags,
                                 const std::string& path, mode_t mode) {
-  int fd = ::openat(dirfd, name.c_str(), flags | O_NOFOLLOW | O_CLOEXEC, mode);
+  // O_NONBLOCK so that a FIFO planted in the channel cannot block the open; cleared right
+  // after (io_uring would otherwise answer EAGAIN on this file).
+  int fd = ::openat(dirfd, name.c_str(), flags | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, mode);
   if (fd < 0) {
     const int err = errno;
     // O_DIRECTORY|O_NOFOLLOW on a link to a directory fails with ENOTDIR on some kernels.
@@ -62,7 +64,12 @@ absl::StatusOr<UniqueFd> OpenAt(int dirfd, const std::string& name, int flags,
     }
     return OpenError(err, path);
   }
-  return UniqueFd(fd);
+  UniqueFd out(fd);
+  const int fl = ::fcntl(fd, F_GETFL);
+  if (fl < 0 || ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+    return ErrnoStatus(errno, absl::StrFormat("fcntl %s", path));
+  }
+  return out;
 }
 
 absl::StatusOr<UniqueFd> OpenDirAt(int dirfd, const std::string& name, const std::string& path) {

@@ -53,7 +53,9 @@ std::string ShardFileName(size_t k, size_t n);
 // root's own path, which the user names, is resolved like any path. Errors name `path`, the
 // file's path for messages.
 
-// openat(dirfd, name, flags | O_NOFOLLOW | O_CLOEXEC, mode).
+// openat(dirfd, name, flags | O_NOFOLLOW | O_CLOEXEC, mode); opened with O_NONBLOCK (cleared
+// once open) so that a FIFO planted in the channel cannot block. Callers that read check the
+// file is regular.
 absl::StatusOr<UniqueFd> OpenAt(int dirfd, const std::string& name, int flags,
                                 const std::string& path, mode_t mode = 0644);
 // A directory below `dirfd` (O_DIRECTORY | O_NOFOLLOW).

@@ -297,6 +297,11 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(cons
         absl::StrFormat("version %d in %s has no %s file", v, dir, kReaderLock));
   }
   if (!pin.ok()) return pin.status();
+  struct stat pin_stat;
+  if (::fstat(pin->get(), &pin_stat) != 0 || !S_ISREG(pin_stat.st_mode)) {
+    return absl::DataLossError(
+        absl::StrFormat("version %d: %s is not a regular file", v, lock_path));
+  }
   // Retention holds LOCK_EX only while renaming a version away; wait that out.
   while (::flock(pin->get(), LOCK_SH | LOCK_NB) != 0) {
     if (errno != EWOULDBLOCK && errno != EINTR) {

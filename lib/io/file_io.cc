@@ -19,6 +19,9 @@ namespace {
 
 constexpr uint64_t kCancelTag = ~uint64_t{0};
 constexpr uint64_t kFsyncTagBit = uint64_t{1} << 62;
+// Every tag carries the pid of the process that queued the operation (bits 32..61), so that
+// completions of another process sharing the ring (a forked child) are never taken for ours.
+uint64_t PidTag() { return static_cast<uint64_t>(static_cast<uint32_t>(::getpid())) << 32; }
 // io_uring and pread/pwrite move at most MAX_RW_COUNT (2 GiB - 4 KiB) per operation.
 constexpr uint64_t kMaxOpBytes = (uint64_t{1} << 31) - 4096;
 
@@ -199,7 +202,7 @@ class UringFileIo final : public FileIo {
 
   absl::Status Fsync(int fd, absl::Time deadline, std::string_view what) override {
     WB_RETURN_IF_ERROR(Ready());
-    const uint64_t tag = kFsyncTagBit | ++fsync_serial_;
+    const uint64_t tag = kFsyncTagBit | PidTag() | (++fsync_serial_ & 0xffffffff);
     io_uring_sqe* sqe = GetSqe();
     if (sqe == nullptr) return NoSqe(absl::StrFormat("fsync %s", what));
     io_uring_prep_fsync(sqe, fd, 0);
@@ -314,7 +317,7 @@ class UringFileIo final : public FileIo {
       io_uring_prep_readv(sqe, r.fd, slot.pieces.data(), static_cast<unsigned>(slot.pieces.size()),
                           at);
     }
-    io_uring_sqe_set_data64(sqe, index);
+    io_uring_sqe_set_data64(sqe, tag_ | index);
     ++counters_.operations;
     return true;
   }
@@ -323,6 +326,7 @@ class UringFileIo final : public FileIo {
                         absl::FunctionRef<void(size_t)> on_complete,
                         absl::FunctionRef<std::string(size_t)> describe) override {
     WB_RETURN_IF_ERROR(Ready());
+    tag_ = PidTag();
     std::vector<Slot> slots(depth_);
     std::vector<size_t> free_slots;
     for (size_t i = depth_; i-- > 0;) free_slots.push_back(i);
@@ -383,8 +387,10 @@ class UringFileIo final : public FileIo {
       unsigned seen = 0;
       io_uring_for_each_cqe(&ring_, head, cqe) {
         ++seen;
-        const uint64_t data = io_uring_cqe_get_data64(cqe);
-        if (data >= slots.size() || !slots[data].busy) continue;  // cancel or abandoned op
+        const uint64_t tagged = io_uring_cqe_get_data64(cqe);
+        if ((tagged & ~uint64_t{0xffffffff}) != tag_) continue;  // cancel, fsync, other process
+        const uint64_t data = tagged & 0xffffffff;
+        if (data >= slots.size() || !slots[data].busy) continue;  // abandoned op
         Slot& slot = slots[data];
         const int res = cqe->res;
         if (res == -EAGAIN || res == -EINTR) {
@@ -433,7 +439,7 @@ class UringFileIo final : public FileIo {
       if (!slots[i].busy) continue;
       io_uring_sqe* sqe = GetSqe();
       if (sqe == nullptr) break;  // the grace period below still waits for them
-      io_uring_prep_cancel64(sqe, i, 0);
+      io_uring_prep_cancel64(sqe, tag_ | i, 0);
       io_uring_sqe_set_data64(sqe, kCancelTag);
     }
     const absl::Time grace = absl::Now() + absl::Seconds(5);
@@ -442,9 +448,10 @@ class UringFileIo final : public FileIo {
       int rc = SubmitAndWait(grace, &cqe);
       if (rc == -EINTR) continue;
       if (rc < 0) break;
-      const uint64_t data = io_uring_cqe_get_data64(cqe);
+      const uint64_t tagged = io_uring_cqe_get_data64(cqe);
       io_uring_cqe_seen(&ring_, cqe);
-      if (data < slots.size() && slots[data].busy) {
+      const uint64_t data = tagged & 0xffffffff;
+      if ((tagged & ~uint64_t{0xffffffff}) == tag_ && data < slots.size() && slots[data].busy) {
         slots[data].busy = false;
         --inflight;
       }
@@ -461,6 +468,7 @@ class UringFileIo final : public FileIo {
   unsigned depth_;
   uint64_t chunk_;
   uint64_t fsync_serial_ = 0;
+  uint64_t tag_ = 0;  // PidTag() of the Transfer in progress
   bool poisoned_ = false;
   FileIoCounters counters_;
 };

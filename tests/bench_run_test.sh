@@ -107,12 +107,15 @@ run_expect_failure() {
 # Replicas receive bytes that differ from what was meant: the independent check must see it.
 run_expect_failure corrupt 'version 3, replica [01]: tensor ".*" differs from what was published' \
   --corrupt-version 3 --order sequential
-# A subscriber dies before fetching its third version (the library's fail point, SIGKILL).
-run_expect_failure subscriber-killed 'subscriber [01] ended early \(killed by signal 9\)' \
-  --transports disk --set failpoints=core.before_fetch=kill@3
+# A subscriber dies before fetching its third version (the library's fail point, SIGKILL; fail
+# points come only from the environment, which every role of the run inherits).
+WEIGHTBUS_FAILPOINTS=core.before_fetch=kill@3 \
+  run_expect_failure subscriber-killed 'subscriber [01] ended early \(killed by signal 9\)' \
+  --transports disk
 # The publisher dies in its third Publish.
-run_expect_failure publisher-killed 'publisher ended early \(killed by signal 9\)' \
-  --transports disk --set failpoints=core.before_transport=kill@3
+WEIGHTBUS_FAILPOINTS=core.before_transport=kill@3 \
+  run_expect_failure publisher-killed 'publisher ended early \(killed by signal 9\)' \
+  --transports disk
 
 echo "== a sweep of sizes: one run per size, output files named by size"
 "$bench" run --min-size 1MiB --max-size 4MiB --factor 4 --versions 2 --no-baselines \

@@ -2,6 +2,8 @@
 // The weightbus command-line tool, run as a user would: real processes, real files.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <filesystem>
 
 #include "absl/strings/match.h"
@@ -172,6 +174,106 @@ TEST(CliTest, RepublishingTheLatestVersionIsANoOpOnlyWithTheSameBytes) {
   EXPECT_EQ(other.exit_code, 1) << other.output;
   EXPECT_NE(other.output.find("with other content: tensor \""), std::string::npos) << other.output;
   EXPECT_NE(other.output.find("FAILED_PRECONDITION"), std::string::npos) << other.output;
+
+// Issue 10, item 21: `inspect` of a channel directory fails, as every subscriber does, when a
+// committed version lacks its manifest or its reader lock, or LATEST names a missing version.
+TEST(CliTest, InspectOfAChannelFailsWhenACommittedVersionIsIncomplete) {
+  ScratchDir dir;
+  const std::string model = dir / "hf";
+  ASSERT_EQ(Cli({"convert-llama2c", testing::FixturePath("stories260K.bin"), model}).exit_code, 0);
+  const std::string uri = "disk://" + dir.path() + "/channel?retention=5";
+  for (const char* v : {"1", "2"}) {
+    ASSERT_EQ(Cli({"publish", uri, "--from", model, "--version", v}).exit_code, 0);
+  }
+  const std::string v2 = dir.path() + "/channel/versions/v00000000000000000002";
+  ASSERT_EQ(Cli({"inspect", dir / "channel"}).exit_code, 0);
+  struct Case {
+    std::string file;
+    std::string needle;
+  };
+  for (const Case& c : {Case{"weightbus.manifest.json", "weightbus.manifest.json"},
+                        Case{".readers.lock", ".readers.lock"}}) {
+    const std::string path = v2 + "/" + c.file;
+    const std::string saved = testing::ReadFileOrDie(path);
+    ASSERT_EQ(::unlink(path.c_str()), 0);
+    auto r = Cli({"inspect", dir / "channel"});
+    EXPECT_EQ(r.exit_code, 1) << c.file << "\n" << r.output;
+    EXPECT_NE(r.output.find(path), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("DATA_LOSS"), std::string::npos) << r.output;
+    // A subscriber agrees.
+    auto sub = Cli({"subscribe", uri, "--to", dir / "replica", "--timeout", "5"});
+    EXPECT_EQ(sub.exit_code, 1) << sub.output;
+    EXPECT_NE(sub.output.find("DATA_LOSS"), std::string::npos) << sub.output;
+    testing::WriteFileOrDie(path, saved);
+  }
+  std::filesystem::rename(v2, dir / "moved");
+  auto missing = Cli({"inspect", dir / "channel"});
+  EXPECT_EQ(missing.exit_code, 1) << missing.output;
+  EXPECT_NE(missing.output.find("LATEST names version 2"), std::string::npos) << missing.output;
+  EXPECT_NE(missing.output.find("DATA_LOSS"), std::string::npos) << missing.output;
+}
+
+// Issue 10, item 21: a checkpoint index whose weight_map names a file outside the checkpoint
+// directory ("../x.safetensors") is refused, naming it, by every command that loads one.
+TEST(CliTest, CheckpointIndexNamingFilesOutsideItsDirectoryIsRefused) {
+  ScratchDir dir;
+  const std::string model = dir / "hf";
+  ASSERT_EQ(Cli({"convert-llama2c", testing::FixturePath("stories260K.bin"), model}).exit_code, 0);
+  // A perfectly valid file, outside the checkpoint directory that the index points into.
+  std::filesystem::rename(model + "/model.safetensors", dir / "outside.safetensors");
+  auto file = safetensors::ReadFile(dir / "outside.safetensors");
+  ASSERT_TRUE(file.ok());
+  nlohmann::json index;
+  for (const safetensors::Entry& e : file->header.tensors) {
+    index["weight_map"][e.name] = "../outside.safetensors";
+  }
+  testing::WriteFileOrDie(model + "/model.safetensors.index.json", index.dump());
+  const std::string uri = "disk://" + dir.path() + "/channel";
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"inspect", model},
+        std::vector<std::string>{"publish", uri, "--from", model, "--version", "1"}}) {
+    auto r = Cli(args);
+    EXPECT_EQ(r.exit_code, 1) << absl::StrJoin(args, " ") << "\n" << r.output;
+    EXPECT_NE(r.output.find("\"../outside.safetensors\""), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("DATA_LOSS"), std::string::npos) << r.output;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir / "channel/LATEST"));
+}
+
+// Issue 10, item 21: `subscribe --to` writes model.safetensors and weightbus.manifest.json with
+// two renames; the model records which manifest it belongs to (weightbus.version and
+// weightbus.manifest_xxh3 in its __metadata__), so the pair a kill between the renames leaves
+// (new model, previous manifest) is detected by `inspect`. The test builds exactly that state.
+TEST(CliTest, SubscribeToPairLeftByAnInterruptedWriteIsDetected) {
+  ScratchDir dir;
+  const std::string model = dir / "hf";
+  ASSERT_EQ(Cli({"convert-llama2c", testing::FixturePath("stories260K.bin"), model}).exit_code, 0);
+  const std::string uri = "disk://" + dir.path() + "/channel";
+  const std::string replica = dir / "replica";
+  // Same bytes in both versions, so only the pairing, not a checksum, can tell them apart.
+  ASSERT_EQ(
+      Cli({"publish", uri, "--from", model, "--version", "1", "--metadata", "step=1"}).exit_code,
+      0);
+  ASSERT_EQ(Cli({"subscribe", uri, "--to", replica, "--timeout", "10"}).exit_code, 0);
+  const std::string manifest_v1 = testing::ReadFileOrDie(replica + "/weightbus.manifest.json");
+  ASSERT_EQ(
+      Cli({"publish", uri, "--from", model, "--version", "2", "--metadata", "step=2"}).exit_code,
+      0);
+  ASSERT_EQ(Cli({"subscribe", uri, "--to", replica, "--timeout", "10"}).exit_code, 0);
+  auto good = Cli({"inspect", replica});
+  EXPECT_EQ(good.exit_code, 0) << good.output;
+  auto written = safetensors::ReadFile(replica + "/model.safetensors");
+  ASSERT_TRUE(written.ok());
+  ASSERT_EQ(written->header.metadata.count("weightbus.version"), 1u);
+  EXPECT_EQ(written->header.metadata.at("weightbus.version"), "2");
+
+  // Killed after renaming the new model into place, before renaming the new manifest.
+  testing::WriteFileOrDie(replica + "/weightbus.manifest.json", manifest_v1);
+  auto r = Cli({"inspect", replica});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("version 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("version 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("DATA_LOSS"), std::string::npos) << r.output;
 }
 
 TEST(CliTest, SettingsListsEveryKnobWithItsEnvironmentVariable) {

@@ -140,6 +140,54 @@ TEST(UriTest, Forms) {
   }
 }
 
+// Decoded path segments are checked: an encoded '/' or NUL, or a "." or ".." segment (encoded or
+// not), would let a channel name leave the directory it names (issue 10, item 20).
+TEST(UriTest, PathsThatClimbOutOfTheirBaseAreRefused) {
+  for (const char* bad :
+       {"disk:///base/ch%2F..%2F..%2Fetc", "disk:///base/ch%2f..%2fx", "disk:///base/%2E%2E/x",
+        "disk:///base/../x", "disk:///base/./x", "disk:///base/..", "disk:///base/x%00y",
+        "ucx://h:9/%2E%2E%2Fetc", "delta+disk:///base/..%2Fx"}) {
+    auto u = ParseUri(bad);
+    EXPECT_EQ(u.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(u.status().message().find(bad), absl::string_view::npos) << u.status();
+  }
+  // Dots inside a name and percent-encoded ordinary characters stay fine.
+  for (const char* good :
+       {"disk:///base/a..b/.hidden/v1.2", "disk:///base/my%20ch%2Dx", "ucx://h:9/policy.v2"}) {
+    EXPECT_TRUE(ParseUri(good).ok()) << good << ": " << ParseUri(good).status();
+  }
+}
+
+// Fail points come only from the environment (WEIGHTBUS_FAILPOINTS): a URI query or an Options
+// entry that names them is refused before anything is opened, so a URI can never make a process
+// kill itself (issue 10, item 20).
+TEST(FailPointsTest, ComeOnlyFromTheEnvironmentNeverFromAUriOrOptions) {
+  testing::ScratchDir dir;
+  const std::string uri = "disk://" + dir.path() + "/ch";
+  auto from_uri = Publisher::Open(uri + "?failpoints=core.before_transport%3Dkill");
+  ASSERT_EQ(from_uri.status().code(), absl::StatusCode::kInvalidArgument) << from_uri.status();
+  EXPECT_NE(from_uri.status().message().find("WEIGHTBUS_FAILPOINTS"), absl::string_view::npos)
+      << from_uri.status();
+  auto sub_from_uri = Subscriber::Open(uri + "?failpoints=disk.before_read%3Dkill");
+  EXPECT_EQ(sub_from_uri.status().code(), absl::StatusCode::kInvalidArgument);
+  auto from_options = Publisher::Open(uri, {{"failpoints", "core.before_transport=kill"}});
+  ASSERT_EQ(from_options.status().code(), absl::StatusCode::kInvalidArgument)
+      << from_options.status();
+  EXPECT_NE(from_options.status().message().find("WEIGHTBUS_FAILPOINTS"), absl::string_view::npos);
+
+  // From the environment they fire.
+  ASSERT_EQ(::setenv("WEIGHTBUS_FAILPOINTS", "core.before_transport=error", 1), 0);
+  auto pub = Publisher::Open(uri);
+  ::unsetenv("WEIGHTBUS_FAILPOINTS");
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  std::vector<std::byte> bytes = testing::RandomBytes(64, 3);
+  TensorView t{"t", DType::kU8, {64}, {}, bytes.data()};
+  absl::Status s = (*pub)->Publish(1, {t}, {}, absl::Seconds(10));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_NE(s.message().find("failpoint core.before_transport fired"), absl::string_view::npos)
+      << s;
+}
+
 TEST(FailPointsTest, FiresOnTheNthPassOnly) {
   auto fp = FailPoints::Parse("a=error@2,b=delay:1");
   ASSERT_TRUE(fp.ok());

@@ -80,10 +80,10 @@ void CrashDuringPublish(const ScratchDir& dir, const std::string& failpoint) {
     ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
   }
   // Small shards so that version 2 spans several files.
-  auto crashed = Child::Start({Peer(), "publish", ChannelUri(dir), "--start", "2", "--versions",
-                               "1", "--seed", "3", "--bytes", "262144", "--set", "shard_size=64KiB",
-                               "--set", "failpoints=" + failpoint + "=kill"},
-                              {}, dir / "crash.log");
+  auto crashed =
+      Child::Start({Peer(), "publish", ChannelUri(dir), "--start", "2", "--versions", "1", "--seed",
+                    "3", "--bytes", "262144", "--set", "shard_size=64KiB"},
+                   {{"WEIGHTBUS_FAILPOINTS", failpoint + "=kill"}}, dir / "crash.log");
   ASSERT_TRUE(crashed.ok());
   auto status = crashed->Wait(kTimeout);
   ASSERT_TRUE(status.ok());
@@ -152,9 +152,9 @@ TEST(DiskProcessTest, SubscriberKilledMidReadDoesNotBlockRetention) {
   auto v1 = MakeVersion(2, 1, 1 << 18);
   ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
   // A subscriber process pins version 1 and stalls; we kill it there.
-  auto sub = Child::Start({Peer(), "subscribe", ChannelUri(dir), "--until", "1", "--seed", "2",
-                           "--bytes", "262144", "--set", "failpoints=disk.before_read=delay:60000"},
-                          {}, dir / "sub.log");
+  auto sub = Child::Start(
+      {Peer(), "subscribe", ChannelUri(dir), "--until", "1", "--seed", "2", "--bytes", "262144"},
+      {{"WEIGHTBUS_FAILPOINTS", "disk.before_read=delay:60000"}}, dir / "sub.log");
   ASSERT_TRUE(sub.ok());
   absl::SleepFor(absl::Milliseconds(500));
   auto v2 = MakeVersion(2, 2, 1 << 18);

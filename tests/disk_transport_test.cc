@@ -433,7 +433,11 @@ TEST(DiskTransportTest, SlowReaderKeepsItsVersionWhilePublisherMovesOn) {
   auto first = MakeVersion(9, 1, 1 << 18);
   ASSERT_TRUE((*pub)->Publish(1, Views(first), {}, kTimeout).ok());
   // The reader stalls 1.5 s between pinning version 1 and reading it.
-  auto sub = Subscriber::Open(Uri(dir, "failpoints=disk.before_read=delay:1500"));
+  auto sub = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", "disk.before_read=delay:1500");
+    return Subscriber::Open(Uri(dir));
+  }();
+  ASSERT_TRUE(sub.ok()) << sub.status();
   std::thread reader([&] {
     auto u = (*sub)->WaitForVersion(1, kTimeout);
     ASSERT_TRUE(u.ok()) << u.status();
@@ -551,7 +555,10 @@ TEST(DiskTransportTest, FailedPublishLeavesNothingVisible) {
     ASSERT_TRUE((*pub)->Publish(1, Views(good), {}, kTimeout).ok());
   }
   for (const char* point : {"disk.after_file", "disk.before_rename", "disk.before_commit"}) {
-    auto pub = Publisher::Open(Uri(dir, absl::StrFormat("failpoints=%s=error", point)));
+    auto pub = [&] {
+      testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", absl::StrFormat("%s=error", point));
+      return Publisher::Open(Uri(dir));
+    }();
     ASSERT_TRUE(pub.ok()) << pub.status();
     auto bad = MakeVersion(6, 2, 1 << 16);
     absl::Status s = (*pub)->Publish(2, Views(bad), {}, kTimeout);
@@ -568,7 +575,11 @@ TEST(DiskTransportTest, FailedPublishLeavesNothingVisible) {
 
 TEST(DiskTransportTest, PublishTimeoutIsEnforced) {
   ScratchDir dir;
-  auto pub = Publisher::Open(Uri(dir, "failpoints=disk.after_file=delay:400"));
+  auto pub = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", "disk.after_file=delay:400");
+    return Publisher::Open(Uri(dir));
+  }();
+  ASSERT_TRUE(pub.ok()) << pub.status();
   auto tensors = MakeVersion(1, 1, 4096);
   absl::Status s = (*pub)->Publish(1, Views(tensors), {}, absl::Milliseconds(100));
   ASSERT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
@@ -695,7 +706,11 @@ TEST_F(DiskRobustnessTest, VersionsWhoseTensorsAreAllEmpty) {
 
 TEST_F(DiskRobustnessTest, FailedDurabilityStepAfterCommitDoesNotUndoTheVersion) {
   Publish(1);
-  auto pub = Publisher::Open(Uri(dir_, "failpoints=disk.commit_fsync=error"));
+  auto pub = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", "disk.commit_fsync=error");
+    return Publisher::Open(Uri(dir_));
+  }();
+  ASSERT_TRUE(pub.ok()) << pub.status();
   auto v2 = MakeVersion(1, 2, 1 << 16);
   // The version became visible when LATEST moved, so Publish reports success and keeps it.
   ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, kTimeout).ok());
@@ -768,6 +783,204 @@ TEST_F(DiskRobustnessTest, OverlappingDestinationsAreRefused) {
   absl::Status s = (*sub)->Bind("w", Destination{DType::kF32, {4, 4}, {0, 1}, x});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find("overlap"), absl::string_view::npos) << s;
+}
+
+}  // namespace
+}  // namespace weightbus
+
+namespace weightbus {
+namespace {
+
+// Issue 10, item 18: deleting the channel directory while a publisher runs let a second
+// publisher open the recreated directory and both wrote it. A publisher checks, before each
+// commit, that the path still names the directory (and publisher.lock) it locked.
+TEST(DiskOwnershipTest, PublisherWhoseDirectoryWasReplacedFailsAndLatestNeverGoesBack) {
+  ScratchDir dir;
+  const std::string channel = dir.path() + "/channel";
+  // retention=10: no background deletion races with the test's own.
+  auto first = Publisher::Open(Uri(dir, "retention=10"));
+  ASSERT_TRUE(first.ok()) << first.status();
+  for (uint64_t v = 1; v <= 5; ++v) {
+    auto t = MakeVersion(11, v, 1 << 14);
+    ASSERT_TRUE((*first)->Publish(v, Views(t), {}, kTimeout).ok()) << v;
+  }
+  std::filesystem::remove_all(channel);
+  // Deleted: the first publisher's next publish fails, and writes nothing anywhere.
+  auto v6 = MakeVersion(11, 6, 1 << 14);
+  absl::Status deleted = (*first)->Publish(6, Views(v6), {}, kTimeout);
+  EXPECT_EQ(deleted.code(), absl::StatusCode::kFailedPrecondition) << deleted;
+  EXPECT_NE(deleted.message().find("deleted"), absl::string_view::npos) << deleted;
+  EXPECT_FALSE(std::filesystem::exists(channel));
+
+  // Recreated by a second publisher, which publishes 1 and 2 there.
+  auto second = Publisher::Open(Uri(dir));
+  ASSERT_TRUE(second.ok()) << second.status();
+  for (uint64_t v = 1; v <= 2; ++v) {
+    auto t = MakeVersion(12, v, 1 << 14);
+    ASSERT_TRUE((*second)->Publish(v, Views(t), {}, kTimeout).ok()) << v;
+  }
+  absl::Status replaced = (*first)->Publish(6, Views(v6), {}, kTimeout);
+  EXPECT_EQ(replaced.code(), absl::StatusCode::kFailedPrecondition) << replaced;
+  EXPECT_NE(replaced.message().find("deleted and recreated"), absl::string_view::npos) << replaced;
+  EXPECT_EQ(testing::ReadFileOrDie(channel + "/LATEST"), "2\n");
+  EXPECT_FALSE(std::filesystem::exists(VersionDir(dir, 6)));
+
+  // The second publisher carries on; a subscriber sees its versions only.
+  auto v3 = MakeVersion(12, 3, 1 << 14);
+  ASSERT_TRUE((*second)->Publish(3, Views(v3), {}, kTimeout).ok());
+  EXPECT_EQ(testing::ReadFileOrDie(channel + "/LATEST"), "3\n");
+  auto sub = Subscriber::Open(Uri(dir));
+  ASSERT_TRUE(sub.ok());
+  auto u = (*sub)->WaitForVersion(0, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ((*u)->version(), 3u);
+  ExpectSameTensors(**u, v3);
+}
+
+// The same when only publisher.lock is deleted: a second publisher can then lock a new file, so
+// the first one must stop.
+TEST(DiskOwnershipTest, PublisherWhoseLockFileWasDeletedFails) {
+  ScratchDir dir;
+  auto first = Publisher::Open(Uri(dir));
+  ASSERT_TRUE(first.ok());
+  auto v1 = MakeVersion(13, 1, 1 << 12);
+  ASSERT_TRUE((*first)->Publish(1, Views(v1), {}, kTimeout).ok());
+  ASSERT_EQ(::unlink((dir.path() + "/channel/publisher.lock").c_str()), 0);
+  auto second = Publisher::Open(Uri(dir));
+  ASSERT_TRUE(second.ok()) << second.status();
+  auto v2 = MakeVersion(13, 2, 1 << 12);
+  absl::Status s = (*first)->Publish(2, Views(v2), {}, kTimeout);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("publisher.lock"), absl::string_view::npos) << s;
+  EXPECT_EQ(testing::ReadFileOrDie(dir.path() + "/channel/LATEST"), "1\n");
+  ASSERT_TRUE((*second)->Publish(2, Views(v2), {}, kTimeout).ok());
+}
+
+// Issue 10, item 19: links planted in a channel are never followed; what they point at is left
+// exactly as it was.
+class DiskSymlinkTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::filesystem::create_directories(channel_);
+    testing::WriteFileOrDie(victim_, "precious\n");
+    std::filesystem::create_directories(victim_dir_);
+    testing::WriteFileOrDie(victim_dir_ + "/keep", "precious\n");
+  }
+  void ExpectVictimsUntouched() {
+    EXPECT_EQ(testing::ReadFileOrDie(victim_), "precious\n");
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(victim_dir_)) {
+      names.push_back(e.path().filename().string());
+    }
+    EXPECT_EQ(names, std::vector<std::string>{"keep"});
+    EXPECT_EQ(testing::ReadFileOrDie(victim_dir_ + "/keep"), "precious\n");
+  }
+  void Plant(const std::string& target, const std::string& rel) {
+    ASSERT_EQ(::symlink(target.c_str(), (channel_ + "/" + rel).c_str()), 0) << rel;
+  }
+  ScratchDir dir_;
+  const std::string channel_ = dir_.path() + "/channel";
+  const std::string victim_ = dir_.path() + "/victim.txt";
+  const std::string victim_dir_ = dir_.path() + "/victim_dir";
+};
+
+TEST_F(DiskSymlinkTest, PublisherLockLinkIsRefused) {
+  Plant(victim_, "publisher.lock");
+  auto pub = Publisher::Open(Uri(dir_));
+  ASSERT_EQ(pub.status().code(), absl::StatusCode::kFailedPrecondition) << pub.status();
+  EXPECT_NE(pub.status().message().find("publisher.lock is a symbolic link"),
+            absl::string_view::npos)
+      << pub.status();
+  ExpectVictimsUntouched();
+}
+
+TEST_F(DiskSymlinkTest, VersionsDirectoryLinkIsRefused) {
+  Plant(victim_dir_, "versions");
+  auto pub = Publisher::Open(Uri(dir_));
+  ASSERT_EQ(pub.status().code(), absl::StatusCode::kFailedPrecondition) << pub.status();
+  EXPECT_NE(pub.status().message().find("versions is a symbolic link"), absl::string_view::npos)
+      << pub.status();
+  ExpectVictimsUntouched();
+}
+
+TEST_F(DiskSymlinkTest, LatestTemporaryAndUncommittedVersionLinksAreReplacedNotFollowed) {
+  auto pub = Publisher::Open(Uri(dir_));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  // Planted behind the live publisher's back: the LATEST temporary it will write next, and the
+  // directory its next version will be renamed to.
+  Plant(victim_, absl::StrFormat(".LATEST.tmp-%d", getpid()));
+  Plant(victim_dir_, absl::StrFormat("versions/v%020d", 1));
+  auto v1 = MakeVersion(14, 1, 1 << 12);
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  ExpectVictimsUntouched();
+  struct stat st;
+  ASSERT_EQ(::lstat((channel_ + "/LATEST").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode)) << "LATEST must be a file, not the planted link";
+  EXPECT_EQ(testing::ReadFileOrDie(channel_ + "/LATEST"), "1\n");
+  ASSERT_EQ(::lstat(VersionDir(dir_, 1).c_str(), &st), 0);
+  EXPECT_TRUE(S_ISDIR(st.st_mode));
+  auto sub = Subscriber::Open(Uri(dir_));
+  auto u = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ExpectSameTensors(**u, v1);
+}
+
+TEST_F(DiskSymlinkTest, SubscriberRefusesAVersionDirectoryOrFileThatIsALink) {
+  {
+    auto pub = Publisher::Open(Uri(dir_, "retention=10"));
+    ASSERT_TRUE(pub.ok());
+    for (uint64_t v = 1; v <= 2; ++v) {
+      auto t = MakeVersion(15, v, 1 << 12);
+      ASSERT_TRUE((*pub)->Publish(v, Views(t), {}, kTimeout).ok());
+    }
+  }
+  // A forged, complete checkpoint outside the channel, linked in place of version 2.
+  const std::string forged = dir_.path() + "/forged";
+  std::filesystem::rename(VersionDir(dir_, 2), forged);
+  ASSERT_EQ(::symlink(forged.c_str(), VersionDir(dir_, 2).c_str()), 0);
+  auto sub = Subscriber::Open(Uri(dir_));
+  auto u = (*sub)->WaitForVersion(0, absl::Seconds(5));
+  ASSERT_EQ(u.status().code(), absl::StatusCode::kDataLoss) << u.status();
+  EXPECT_NE(u.status().message().find("symbolic link"), absl::string_view::npos) << u.status();
+
+  // A data file of a real version directory replaced by a link.
+  ASSERT_EQ(::unlink(VersionDir(dir_, 2).c_str()), 0);
+  std::filesystem::rename(forged, VersionDir(dir_, 2));
+  const std::string file = VersionDir(dir_, 2) + "/model.safetensors";
+  std::filesystem::rename(file, dir_.path() + "/outside.safetensors");
+  ASSERT_EQ(::symlink((dir_.path() + "/outside.safetensors").c_str(), file.c_str()), 0);
+  auto sub2 = Subscriber::Open(Uri(dir_));
+  auto u2 = (*sub2)->WaitForVersion(0, absl::Seconds(5));
+  ASSERT_EQ(u2.status().code(), absl::StatusCode::kDataLoss) << u2.status();
+  EXPECT_NE(u2.status().message().find("model.safetensors is a symbolic link"),
+            absl::string_view::npos)
+      << u2.status();
+}
+
+// Not links, but as hostile: a FIFO planted as LATEST or as a version's file would block an
+// open(2) for ever; the subscriber refuses it at once.
+TEST_F(DiskSymlinkTest, PlantedFifosAreRefusedNotWaitedOn) {
+  {
+    auto pub = Publisher::Open(Uri(dir_));
+    ASSERT_TRUE(pub.ok());
+    auto t = MakeVersion(16, 1, 1 << 12);
+    ASSERT_TRUE((*pub)->Publish(1, Views(t), {}, kTimeout).ok());
+  }
+  const std::string lock = VersionDir(dir_, 1) + "/.readers.lock";
+  ASSERT_EQ(::unlink(lock.c_str()), 0);
+  ASSERT_EQ(::mkfifo(lock.c_str(), 0644), 0);
+  auto sub = Subscriber::Open(Uri(dir_));
+  auto u = (*sub)->WaitForVersion(0, kTimeout);
+  EXPECT_EQ(u.status().code(), absl::StatusCode::kDataLoss) << u.status();
+  ASSERT_EQ(::unlink(lock.c_str()), 0);
+  testing::WriteFileOrDie(lock, "");
+  const std::string latest = channel_ + "/LATEST";
+  ASSERT_EQ(::unlink(latest.c_str()), 0);
+  ASSERT_EQ(::mkfifo(latest.c_str(), 0644), 0);
+  auto u2 = (*sub)->WaitForVersion(0, kTimeout);
+  EXPECT_EQ(u2.status().code(), absl::StatusCode::kDataLoss) << u2.status();
+  EXPECT_NE(u2.status().message().find("not a regular file"), absl::string_view::npos)
+      << u2.status();
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <optional>
@@ -29,6 +30,30 @@ class ScratchDir {
 
  private:
   std::string path_;
+};
+
+// Sets an environment variable for its lifetime and restores the previous value (or its absence)
+// on destruction. Fail points come only from WEIGHTBUS_FAILPOINTS, read when a channel is opened:
+// in-process tests wrap the Open call in one; child processes get it in their environment.
+class ScopedEnv {
+ public:
+  ScopedEnv(std::string name, const std::string& value) : name_(std::move(name)) {
+    if (const char* old = ::getenv(name_.c_str())) old_ = old;
+    ::setenv(name_.c_str(), value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      ::setenv(name_.c_str(), old_->c_str(), 1);
+    } else {
+      ::unsetenv(name_.c_str());
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_;
+  std::optional<std::string> old_;
 };
 
 // Path of a file in ../shared/fixtures (WEIGHTBUS_FIXTURES_DIR at configure time).

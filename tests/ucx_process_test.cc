@@ -153,9 +153,10 @@ TEST_P(UcxProcessTest, SubscriberKilledMidTransferBlocksNeitherThePublisherNorOt
                          "40", "--set", "staging_slots=1", "--set", "lease=60s"}),
                    GetParam().env, dir_ / "pub.log");
   ASSERT_TRUE(pub.ok());
-  auto victim = Child::Start(args({Peer(), "subscribe", uri_, "--until", "20", "--set",
-                                   "failpoints=ucx.during_get=kill@2"}),
-                             GetParam().env, dir_ / "victim.log");
+  auto victim_env = GetParam().env;  // fail points come only from the environment
+  victim_env["WEIGHTBUS_FAILPOINTS"] = "ucx.during_get=kill@2";
+  auto victim = Child::Start(args({Peer(), "subscribe", uri_, "--until", "20"}), victim_env,
+                             dir_ / "victim.log");
   auto survivor = Child::Start(args({Peer(), "subscribe", uri_, "--until", "20"}), GetParam().env,
                                dir_ / "survivor.log");
   ASSERT_TRUE(victim.ok() && survivor.ok());
@@ -180,7 +181,10 @@ TEST_P(UcxProcessTest, PublisherKilledMidTransferFailsSubscribersInTimeKeepingTh
                            "--seed", "8", "--bytes", "1048576", "--serve-ms", "60000"},
                           GetParam().env, dir_ / "pub.log");
   ASSERT_TRUE(pub.ok());
-  auto sub = Subscriber::Open(uri_ + "?failpoints=ucx.during_get=delay:3000@2");
+  auto sub = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", "ucx.during_get=delay:3000@2");
+    return Subscriber::Open(uri_);
+  }();
   ASSERT_TRUE(sub.ok());
   auto first = (*sub)->WaitForVersion(1, absl::Seconds(30));
   ASSERT_TRUE(first.ok()) << first.status();

@@ -272,7 +272,10 @@ TEST_P(UcxTransportTest, PublishWaitsForAHeldSlotNoLongerThanItsDeadline) {
   auto v1 = MakeVersion(4, 1, 1 << 18);
   ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
   // This subscriber stalls for 1.5 s in the middle of receiving version 1, renewing nothing.
-  auto sub = Subscriber::Open(Uri("failpoints=ucx.during_get=delay:1500"));
+  auto sub = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", "ucx.during_get=delay:1500");
+    return Subscriber::Open(Uri());
+  }();
   ASSERT_TRUE(sub.ok());
   absl::StatusOr<std::unique_ptr<Update>> got;
   std::thread reader([&] { got = (*sub)->WaitForVersion(1, kTimeout); });
@@ -295,7 +298,10 @@ TEST_P(UcxTransportTest, ExpiredLeaseLetsPublishProceedAndFailsTheStalledReader)
   ASSERT_TRUE(pub.ok());
   auto v1 = MakeVersion(4, 1, 1 << 18);
   ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
-  auto sub = Subscriber::Open(Uri("failpoints=ucx.during_get=delay:2000"));
+  auto sub = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", "ucx.during_get=delay:2000");
+    return Subscriber::Open(Uri());
+  }();
   ASSERT_TRUE(sub.ok());
   absl::StatusOr<std::unique_ptr<Update>> got;
   std::thread reader([&] { got = (*sub)->WaitForVersion(1, kTimeout); });

@@ -634,6 +634,11 @@ int RunMain(const std::vector<std::string>& argv) {
   for (const std::string& s : o.settings) {
     const size_t eq = s.find('=');
     if (eq == std::string::npos) Die("--set takes KEY=VALUE, not " + s);
+    if (s.substr(0, eq) == "failpoints") {
+      Die("--set failpoints: fail points come only from the environment; run with "
+          "WEIGHTBUS_FAILPOINTS=" +
+          s.substr(eq + 1) + " (every role inherits it)");
+    }
     if (scope_of.count(s.substr(0, eq)) == 0) {
       Die(absl::StrFormat("--set %s: no setting \"%s\" (`weightbus settings` lists them)", s,
                           s.substr(0, eq)));

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Fault injection at named points in the code (in the manner of FreeBSD fail(9) and TiKV's
 // fail-rs), so tests can prove failure paths with real processes: a writer killed between two
-// files, a commit that errors, a transfer that stalls. Configured per channel by the core
-// setting `failpoints`, e.g. "disk.after_file=kill@2,disk.before_commit=error".
+// files, a commit that errors, a transfer that stalls. Configured per channel, when it is opened,
+// from the environment variable WEIGHTBUS_FAILPOINTS (the core setting `failpoints`, which a URI
+// query or Options may not set), e.g. "disk.after_file=kill@2,disk.before_commit=error".
 #pragma once
 
 #include <atomic>

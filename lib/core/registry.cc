@@ -54,8 +54,9 @@ const SettingTable& CoreSettings() {
            "WEIGHTBUS_LOG_LEVEL (a URI or Options value only validates)",
            {"error", "warn", "info", "debug"}},
           {"failpoints", SettingType::kString, "",
-           "test hook: comma-separated name=action[@n], action kill|error|delay:<ms>, fired at "
-           "the n-th (default first) pass through the named point (docs/TESTING.md)"},
+           "test hook, only from the environment (WEIGHTBUS_FAILPOINTS; a URI query or Options "
+           "entry is refused): comma-separated name=action[@n], action kill|error|delay:<ms>, "
+           "fired at the n-th (default first) pass through the named point (docs/TESTING.md)"},
       }};
   return *table;
 }

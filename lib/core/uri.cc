@@ -5,6 +5,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "core/status.h"
 
 namespace weightbus::internal {
 namespace {
@@ -36,6 +37,32 @@ absl::StatusOr<std::string> PercentDecode(std::string_view uri, std::string_view
     i += 2;
   }
   return out;
+}
+
+// The path names a directory (disk) or a channel (ucx) exactly as written: segments are
+// separated by literal '/' only, and none may climb or stay put ("." or ".."), so that a name
+// never leaves the base it appears to be under. `raw` is the path before decoding.
+absl::Status CheckPath(std::string_view uri, std::string_view raw, std::string_view decoded) {
+  for (size_t i = 0; i + 2 < raw.size(); ++i) {
+    if (raw[i] != '%') continue;
+    const char hi = raw[i + 1], lo = static_cast<char>(absl::ascii_tolower(raw[i + 2]));
+    if ((hi == '2' && lo == 'f') || (hi == '0' && lo == '0')) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "URI \"%s\": the path may not contain an encoded '/' or NUL (\"%s\"); write "
+          "path separators as '/'",
+          uri, raw.substr(i, 3)));
+    }
+  }
+  for (absl::string_view segment :
+       absl::StrSplit(absl::string_view(decoded.data(), decoded.size()), '/')) {
+    if (segment == "." || segment == "..") {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "URI \"%s\": the path may not have a \"%s\" segment; name the channel directory "
+          "directly",
+          uri, std::string(segment)));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -109,6 +136,7 @@ absl::StatusOr<Uri> ParseUri(std::string_view text) {
   absl::StatusOr<std::string> decoded_path = PercentDecode(text, path);
   if (!decoded_path.ok()) return decoded_path.status();
   uri.path = *std::move(decoded_path);
+  WB_RETURN_IF_ERROR(CheckPath(text, path, uri.path));
 
   if (!query.empty()) {
     for (absl::string_view pair :

@@ -3,7 +3,9 @@
 //   disk:///abs/path/to/channel        (authority empty or "localhost")
 //   ucx://host:port/channel, ucx://[::1]:port/channel
 //   delta+disk:///path                  (layered scheme)
-// Path and query are percent-decoded.
+// Path and query are percent-decoded. The path may not contain an encoded '/' or NUL
+// (%2F, %00) nor a "." or ".." segment (written or encoded): a channel name never climbs out
+// of the directory it is written under.
 #pragma once
 
 #include <map>
@@ -28,7 +30,8 @@ struct Uri {
 };
 
 // Errors: InvalidArgument naming the URI and what is wrong (missing "://", bad port, bad
-// percent-escape, unterminated '[', duplicate query key).
+// percent-escape, unterminated '[', duplicate query key, a path segment "." or "..", an encoded
+// '/', '\\' or NUL in the path).
 absl::StatusOr<Uri> ParseUri(std::string_view text);
 
 }  // namespace weightbus::internal

@@ -2,6 +2,7 @@
 #include "io/file_io.h"
 
 #include <liburing.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,6 +19,9 @@ namespace {
 
 constexpr uint64_t kCancelTag = ~uint64_t{0};
 constexpr uint64_t kFsyncTagBit = uint64_t{1} << 62;
+// Every tag carries the pid of the process that queued the operation (bits 32..61), so that
+// completions of another process sharing the ring (a forked child) are never taken for ours.
+uint64_t PidTag() { return static_cast<uint64_t>(static_cast<uint32_t>(::getpid())) << 32; }
 // io_uring and pread/pwrite move at most MAX_RW_COUNT (2 GiB - 4 KiB) per operation.
 constexpr uint64_t kMaxOpBytes = (uint64_t{1} << 31) - 4096;
 
@@ -37,10 +41,100 @@ absl::Status Deadline(bool write, const std::string& what, absl::Time deadline) 
                                                      absl::FormatTime(deadline)));
 }
 
+// At most this many pieces in one vectored operation (Linux's IOV_MAX).
+constexpr size_t kMaxPieces = 1024;
+
+// One operation: either a chunk of one request (count == 1, `offset` within it) or several whole
+// requests that are contiguous in the same file (count > 1, offset 0), moved with one
+// preadv/pwritev (IORING_OP_READV/WRITEV). Batching the latter is what makes the number of
+// operations, and of io_uring submissions, follow the bytes rather than the number of tensors.
+struct Op {
+  size_t first = 0;
+  size_t count = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+// The next operation from position (*next_request, *next_offset), advancing it. Zero-length
+// requests are skipped by the caller.
+Op NextOp(absl::Span<const IoRequest> requests, size_t* next_request, uint64_t* next_offset,
+          uint64_t chunk) {
+  const IoRequest& r = requests[*next_request];
+  Op op{*next_request, 1, *next_offset, std::min({chunk, r.length - *next_offset, kMaxOpBytes})};
+  if (*next_offset == 0 && r.length < chunk) {
+    // Gather the following small requests that continue this one in the same file.
+    size_t k = *next_request + 1;
+    uint64_t end = r.file_offset + r.length;
+    while (k < requests.size() && op.count < kMaxPieces && requests[k].fd == r.fd &&
+           requests[k].length > 0 && requests[k].file_offset == end &&
+           op.length + requests[k].length <= chunk) {
+      op.length += requests[k].length;
+      end += requests[k].length;
+      ++op.count;
+      ++k;
+    }
+  }
+  if (op.count > 1) {
+    *next_request += op.count;
+    *next_offset = 0;
+  } else {
+    *next_offset += op.length;
+    if (*next_offset == r.length) {
+      ++*next_request;
+      *next_offset = 0;
+    }
+  }
+  return op;
+}
+
+// The pieces of `op` that remain after its first `done` bytes, into *out.
+void Pieces(absl::Span<const IoRequest> requests, const Op& op, uint64_t done,
+            std::vector<iovec>* out) {
+  out->clear();
+  if (op.count == 1) {
+    const IoRequest& r = requests[op.first];
+    out->push_back(iovec{r.buffer + op.offset + done, static_cast<size_t>(op.length - done)});
+    return;
+  }
+  for (size_t k = op.first; k < op.first + op.count; ++k) {
+    const IoRequest& r = requests[k];
+    if (done >= r.length) {
+      done -= r.length;
+      continue;
+    }
+    out->push_back(iovec{r.buffer + done, static_cast<size_t>(r.length - done)});
+    done = 0;
+  }
+}
+
+// The request that holds byte `done` of `op`, for messages.
+size_t RequestAt(absl::Span<const IoRequest> requests, const Op& op, uint64_t done) {
+  for (size_t k = op.first; k + 1 < op.first + op.count; ++k) {
+    if (done < requests[k].length) return k;
+    done -= requests[k].length;
+  }
+  return op.first + op.count - 1;
+}
+
+// Accounts a finished `op`: its requests are complete once all their bytes are.
+void FinishOp(const Op& op, std::vector<uint64_t>& remaining,
+              absl::FunctionRef<void(size_t)> on_complete) {
+  if (op.count == 1) {
+    remaining[op.first] -= op.length;
+    if (remaining[op.first] == 0) on_complete(op.first);
+    return;
+  }
+  for (size_t k = op.first; k < op.first + op.count; ++k) {
+    remaining[k] = 0;
+    on_complete(k);
+  }
+}
+
 class PsyncFileIo final : public FileIo {
  public:
   explicit PsyncFileIo(uint64_t chunk) : chunk_(chunk) {}
   std::string_view name() const override { return "psync"; }
+  FileIoCounters counters() const override { return counters_; }
 
   absl::Status Fsync(int fd, absl::Time deadline, std::string_view what) override {
     if (::fsync(fd) != 0) return ErrnoStatus(errno, absl::StrFormat("fsync %s", what));
@@ -51,28 +145,49 @@ class PsyncFileIo final : public FileIo {
   absl::Status Transfer(bool write, absl::Span<const IoRequest> requests, absl::Time deadline,
                         absl::FunctionRef<void(size_t)> on_complete,
                         absl::FunctionRef<std::string(size_t)> describe) override {
-    for (size_t i = 0; i < requests.size(); ++i) {
-      const IoRequest& r = requests[i];
+    std::vector<uint64_t> remaining(requests.size());
+    for (size_t i = 0; i < requests.size(); ++i) remaining[i] = requests[i].length;
+    std::vector<iovec> pieces;
+    size_t next_request = 0;
+    uint64_t next_offset = 0;
+    while (next_request < requests.size()) {
+      if (requests[next_request].length == 0) {
+        on_complete(next_request++);
+        continue;
+      }
+      const Op op = NextOp(requests, &next_request, &next_offset, chunk_);
+      const IoRequest& r = requests[op.first];
+      const uint64_t start = r.file_offset + op.offset;
       uint64_t done = 0;
-      while (done < r.length) {
-        if (absl::Now() > deadline) return Deadline(write, describe(i), deadline);
-        const uint64_t len = std::min({chunk_, r.length - done, kMaxOpBytes});
-        ssize_t n = write ? ::pwrite(r.fd, r.buffer + done, len, r.file_offset + done)
-                          : ::pread(r.fd, r.buffer + done, len, r.file_offset + done);
+      while (done < op.length) {
+        if (absl::Now() > deadline) {
+          return Deadline(write, describe(RequestAt(requests, op, done)), deadline);
+        }
+        Pieces(requests, op, done, &pieces);
+        ++counters_.operations;
+        ++counters_.submissions;
+        ssize_t n = write ? ::pwritev(r.fd, pieces.data(), static_cast<int>(pieces.size()),
+                                      static_cast<off_t>(start + done))
+                          : ::preadv(r.fd, pieces.data(), static_cast<int>(pieces.size()),
+                                     static_cast<off_t>(start + done));
         if (n < 0) {
           if (errno == EINTR || errno == EAGAIN) continue;
-          return ErrnoStatus(errno,
-                             absl::StrFormat("%s: %s at file offset %d", describe(i),
-                                             write ? "write" : "read", r.file_offset + done));
+          return ErrnoStatus(errno, absl::StrFormat("%s: %s at file offset %d",
+                                                    describe(RequestAt(requests, op, done)),
+                                                    write ? "write" : "read", start + done));
         }
-        if (n == 0) return ShortTransfer(write, describe(i), r.file_offset + done, r.length - done);
+        if (n == 0) {
+          const size_t at = RequestAt(requests, op, done);
+          return ShortTransfer(write, describe(at), start + done, remaining[at]);
+        }
         done += static_cast<uint64_t>(n);
       }
-      on_complete(i);
+      FinishOp(op, remaining, on_complete);
     }
     return absl::OkStatus();
   }
   uint64_t chunk_;
+  FileIoCounters counters_;
 };
 
 class UringFileIo final : public FileIo {
@@ -83,13 +198,16 @@ class UringFileIo final : public FileIo {
     if (!poisoned_) io_uring_queue_exit(&ring_);
   }
   std::string_view name() const override { return "uring"; }
+  FileIoCounters counters() const override { return counters_; }
 
   absl::Status Fsync(int fd, absl::Time deadline, std::string_view what) override {
-    if (poisoned_) return Poisoned();
-    const uint64_t tag = kFsyncTagBit | ++fsync_serial_;
+    WB_RETURN_IF_ERROR(Ready());
+    const uint64_t tag = kFsyncTagBit | PidTag() | (++fsync_serial_ & 0xffffffff);
     io_uring_sqe* sqe = GetSqe();
+    if (sqe == nullptr) return NoSqe(absl::StrFormat("fsync %s", what));
     io_uring_prep_fsync(sqe, fd, 0);
     io_uring_sqe_set_data64(sqe, tag);
+    ++counters_.operations;
     while (true) {
       io_uring_cqe* cqe = nullptr;
       int rc = SubmitAndWait(deadline, &cqe);
@@ -111,10 +229,10 @@ class UringFileIo final : public FileIo {
 
  private:
   struct Slot {
-    size_t request = 0;
-    uint64_t offset = 0;  // within the request
-    uint64_t length = 0;
+    Op op;
+    uint64_t done = 0;  // bytes of op already transferred (short transfers)
     bool busy = false;
+    std::vector<iovec> pieces;  // what the operation in flight moves; alive until it completes
   };
 
   static absl::Status Poisoned() {
@@ -122,19 +240,53 @@ class UringFileIo final : public FileIo {
         "io_uring instance unusable: operations from an earlier timed-out call never finished");
   }
 
+  static absl::Status NoSqe(std::string_view what) {
+    return absl::InternalError(absl::StrFormat(
+        "%s: the io_uring submission queue has no free entry even after submitting (its shared "
+        "state was changed from outside this call, e.g. by a forked child using the ring)",
+        what));
+  }
+
+  // Called at the start of every call, when nothing of ours is in flight. A submission queue
+  // whose kernel head has run past our tail was used by someone else (a forked child shares the
+  // ring's memory): every io_uring_get_sqe would return NULL. The ring is then replaced by a
+  // fresh one. Completions left in the queue belong to nobody waiting: they are dropped.
+  absl::Status Ready() {
+    if (poisoned_) return Poisoned();
+    if (io_uring_sq_ready(&ring_) > ring_.sq.ring_entries) {
+      const unsigned entries = ring_.sq.ring_entries;
+      Log(LogLevel::kWarn,
+          "io_uring submission queue out of step with this process (used by a forked child?); "
+          "replacing the ring");
+      io_uring_queue_exit(&ring_);
+      const int rc = io_uring_queue_init(entries, &ring_, 0);
+      if (rc < 0) {
+        poisoned_ = true;  // nothing to free any more
+        return ErrnoStatus(-rc, "io_uring_queue_init (replacing a ring used by another process)");
+      }
+    }
+    if (const unsigned stale = io_uring_cq_ready(&ring_); stale > 0) {
+      io_uring_cq_advance(&ring_, stale);
+    }
+    return absl::OkStatus();
+  }
+
+  // A free submission entry, or nullptr when there is none even after submitting what is
+  // queued (never dereferenced by callers).
   io_uring_sqe* GetSqe() {
     io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
     if (sqe == nullptr) {
-      io_uring_submit(&ring_);
+      if (io_uring_submit(&ring_) > 0) ++counters_.submissions;
       sqe = io_uring_get_sqe(&ring_);
     }
-    return sqe;  // non-null: the SQ has depth_ entries and we never queue more than that
+    return sqe;
   }
 
   // Submits queued SQEs and waits for one completion until `deadline`. Returns 0 with *cqe set,
   // -ETIME at the deadline, or another -errno.
   int SubmitAndWait(absl::Time deadline, io_uring_cqe** cqe) {
     int rc = io_uring_submit(&ring_);
+    if (rc > 0) ++counters_.submissions;
     if (rc < 0 && rc != -EINTR && rc != -EBUSY && rc != -EAGAIN) return rc;
     absl::Duration left = std::max(deadline - absl::Now(), absl::ZeroDuration());
     __kernel_timespec ts;
@@ -143,22 +295,38 @@ class UringFileIo final : public FileIo {
     return io_uring_wait_cqe_timeout(&ring_, cqe, &ts);
   }
 
-  void Issue(bool write, const IoRequest& r, size_t slot_index, const Slot& slot) {
+  // Queues what is left of slot `index`'s operation. False when no submission entry is free.
+  bool Issue(bool write, absl::Span<const IoRequest> requests, size_t index, Slot& slot) {
     io_uring_sqe* sqe = GetSqe();
-    if (write) {
-      io_uring_prep_write(sqe, r.fd, r.buffer + slot.offset, static_cast<unsigned>(slot.length),
-                          r.file_offset + slot.offset);
+    if (sqe == nullptr) return false;
+    const IoRequest& r = requests[slot.op.first];
+    const uint64_t at = r.file_offset + slot.op.offset + slot.done;
+    Pieces(requests, slot.op, slot.done, &slot.pieces);
+    if (slot.pieces.size() == 1) {
+      if (write) {
+        io_uring_prep_write(sqe, r.fd, slot.pieces[0].iov_base,
+                            static_cast<unsigned>(slot.pieces[0].iov_len), at);
+      } else {
+        io_uring_prep_read(sqe, r.fd, slot.pieces[0].iov_base,
+                           static_cast<unsigned>(slot.pieces[0].iov_len), at);
+      }
+    } else if (write) {
+      io_uring_prep_writev(sqe, r.fd, slot.pieces.data(), static_cast<unsigned>(slot.pieces.size()),
+                           at);
     } else {
-      io_uring_prep_read(sqe, r.fd, r.buffer + slot.offset, static_cast<unsigned>(slot.length),
-                         r.file_offset + slot.offset);
+      io_uring_prep_readv(sqe, r.fd, slot.pieces.data(), static_cast<unsigned>(slot.pieces.size()),
+                          at);
     }
-    io_uring_sqe_set_data64(sqe, slot_index);
+    io_uring_sqe_set_data64(sqe, tag_ | index);
+    ++counters_.operations;
+    return true;
   }
 
   absl::Status Transfer(bool write, absl::Span<const IoRequest> requests, absl::Time deadline,
                         absl::FunctionRef<void(size_t)> on_complete,
                         absl::FunctionRef<std::string(size_t)> describe) override {
-    if (poisoned_) return Poisoned();
+    WB_RETURN_IF_ERROR(Ready());
+    tag_ = PidTag();
     std::vector<Slot> slots(depth_);
     std::vector<size_t> free_slots;
     for (size_t i = depth_; i-- > 0;) free_slots.push_back(i);
@@ -169,25 +337,30 @@ class UringFileIo final : public FileIo {
     uint64_t next_offset = 0;
     unsigned inflight = 0;
     absl::Status error;
+    auto where = [&](const Slot& slot) {
+      return describe(RequestAt(requests, slot.op, slot.done));
+    };
+    auto no_sqe = [&](const Slot& slot) {
+      if (error.ok()) error = NoSqe(where(slot));
+    };
 
     while (true) {
       while (error.ok() && !free_slots.empty() && next_request < requests.size()) {
-        const IoRequest& r = requests[next_request];
-        if (r.length == 0) {
+        if (requests[next_request].length == 0) {
           on_complete(next_request++);
           continue;
         }
         const size_t s = free_slots.back();
-        free_slots.pop_back();
-        const uint64_t len = std::min({chunk_, r.length - next_offset, kMaxOpBytes});
-        slots[s] = Slot{next_request, next_offset, len, true};
-        Issue(write, r, s, slots[s]);
-        ++inflight;
-        next_offset += len;
-        if (next_offset == r.length) {
-          ++next_request;
-          next_offset = 0;
+        Slot& slot = slots[s];
+        slot.op = NextOp(requests, &next_request, &next_offset, chunk_);
+        slot.done = 0;
+        if (!Issue(write, requests, s, slot)) {
+          no_sqe(slot);
+          break;
         }
+        free_slots.pop_back();
+        slot.busy = true;
+        ++inflight;
       }
       if (inflight == 0) break;
 
@@ -199,7 +372,7 @@ class UringFileIo final : public FileIo {
         size_t culprit = 0;
         for (const Slot& s : slots) {
           if (s.busy) {
-            culprit = s.request;
+            culprit = RequestAt(requests, s.op, s.done);
             break;
           }
         }
@@ -214,37 +387,41 @@ class UringFileIo final : public FileIo {
       unsigned seen = 0;
       io_uring_for_each_cqe(&ring_, head, cqe) {
         ++seen;
-        const uint64_t data = io_uring_cqe_get_data64(cqe);
-        if (data >= slots.size() || !slots[data].busy) continue;  // cancel or abandoned op
+        const uint64_t tagged = io_uring_cqe_get_data64(cqe);
+        if ((tagged & ~uint64_t{0xffffffff}) != tag_) continue;  // cancel, fsync, other process
+        const uint64_t data = tagged & 0xffffffff;
+        if (data >= slots.size() || !slots[data].busy) continue;  // abandoned op
         Slot& slot = slots[data];
-        const IoRequest& r = requests[slot.request];
         const int res = cqe->res;
         if (res == -EAGAIN || res == -EINTR) {
           if (error.ok()) {
-            Issue(write, r, data, slot);
-            continue;
+            if (Issue(write, requests, data, slot)) continue;
+            no_sqe(slot);
           }
         } else if (res < 0) {
           if (error.ok()) {
-            error = ErrnoStatus(
-                -res, absl::StrFormat("%s: %s at file offset %d", describe(slot.request),
-                                      write ? "write" : "read", r.file_offset + slot.offset));
+            const IoRequest& r = requests[slot.op.first];
+            error = ErrnoStatus(-res, absl::StrFormat("%s: %s at file offset %d", where(slot),
+                                                      write ? "write" : "read",
+                                                      r.file_offset + slot.op.offset + slot.done));
           }
         } else if (res == 0) {
           if (error.ok()) {
-            error = ShortTransfer(write, describe(slot.request), r.file_offset + slot.offset,
-                                  remaining[slot.request]);
+            const size_t at = RequestAt(requests, slot.op, slot.done);
+            const IoRequest& r = requests[slot.op.first];
+            error = ShortTransfer(write, describe(at), r.file_offset + slot.op.offset + slot.done,
+                                  remaining[at]);
           }
         } else {
-          const uint64_t n = static_cast<uint64_t>(res);
-          remaining[slot.request] -= n;
-          if (n < slot.length && error.ok()) {  // short transfer: issue the rest
-            slot.offset += n;
-            slot.length -= n;
-            Issue(write, r, data, slot);
-            continue;
+          slot.done += static_cast<uint64_t>(res);
+          if (slot.done < slot.op.length) {  // short transfer: issue the rest
+            if (error.ok()) {
+              if (Issue(write, requests, data, slot)) continue;
+              no_sqe(slot);
+            }
+          } else {
+            FinishOp(slot.op, remaining, on_complete);
           }
-          if (remaining[slot.request] == 0) on_complete(slot.request);
         }
         slot.busy = false;
         free_slots.push_back(data);
@@ -261,7 +438,8 @@ class UringFileIo final : public FileIo {
     for (size_t i = 0; i < slots.size(); ++i) {
       if (!slots[i].busy) continue;
       io_uring_sqe* sqe = GetSqe();
-      io_uring_prep_cancel64(sqe, i, 0);
+      if (sqe == nullptr) break;  // the grace period below still waits for them
+      io_uring_prep_cancel64(sqe, tag_ | i, 0);
       io_uring_sqe_set_data64(sqe, kCancelTag);
     }
     const absl::Time grace = absl::Now() + absl::Seconds(5);
@@ -270,9 +448,10 @@ class UringFileIo final : public FileIo {
       int rc = SubmitAndWait(grace, &cqe);
       if (rc == -EINTR) continue;
       if (rc < 0) break;
-      const uint64_t data = io_uring_cqe_get_data64(cqe);
+      const uint64_t tagged = io_uring_cqe_get_data64(cqe);
       io_uring_cqe_seen(&ring_, cqe);
-      if (data < slots.size() && slots[data].busy) {
+      const uint64_t data = tagged & 0xffffffff;
+      if ((tagged & ~uint64_t{0xffffffff}) == tag_ && data < slots.size() && slots[data].busy) {
         slots[data].busy = false;
         --inflight;
       }
@@ -289,7 +468,9 @@ class UringFileIo final : public FileIo {
   unsigned depth_;
   uint64_t chunk_;
   uint64_t fsync_serial_ = 0;
+  uint64_t tag_ = 0;  // PidTag() of the Transfer in progress
   bool poisoned_ = false;
+  FileIoCounters counters_;
 };
 
 }  // namespace

@@ -2,7 +2,10 @@
 // Bulk file I/O at depth: many byte ranges read or written in chunks with many requests in
 // flight, every wait bounded by a deadline. Two engines:
 //   uring  io_uring (liburing): chunks submitted up to queue_depth at a time; timeouts cancel
-//          what is in flight (IORING_OP_ASYNC_CANCEL).
+//          what is in flight (IORING_OP_ASYNC_CANCEL). A submission queue with no free entry
+//          after submitting is an Internal error, never dereferenced; one whose shared state
+//          was moved by another process (a forked child using the ring) is replaced by a fresh
+//          ring at the start of the next call.
 //   psync  pread/pwrite, one chunk at a time, for kernels or sandboxes without io_uring (Docker's
 //          default seccomp profile blocks it); deadlines are checked between chunks.
 #pragma once
@@ -29,6 +32,12 @@ struct IoRequest {
   uint64_t length = 0;
 };
 
+// What an engine has done since it was created, for tests and benchmarks.
+struct FileIoCounters {
+  uint64_t operations = 0;   // reads/writes (each a chunk or a batch of small ranges) and fsyncs
+  uint64_t submissions = 0;  // io_uring_submit calls that submitted something (psync: syscalls)
+};
+
 class FileIo {
  public:
   // `engine` is "uring" (falls back to psync, logging once, when io_uring cannot be set up) or
@@ -40,8 +49,13 @@ class FileIo {
 
   // Which engine is in use: "uring" or "psync".
   virtual std::string_view name() const = 0;
+  // Not thread-safe with a call in flight (like every method: one call at a time).
+  virtual FileIoCounters counters() const = 0;
 
-  // Reads every request completely. `on_complete(i)` runs on this thread as soon as request i
+  // Reads every request completely. Requests that are contiguous in one file (the next starts
+  // where the previous ends, same fd) and smaller than the chunk are moved together, up to a
+  // chunk (and 1024 ranges) per vectored operation, so the number of operations follows the
+  // bytes, not the number of requests. `on_complete(i)` runs on this thread as soon as request i
   // is complete. End of file before a request is complete is DataLoss ("truncated").
   // Errors name `describe(i)` of the failing request: errno status, DataLoss, or
   // DeadlineExceeded (in-flight operations are cancelled before returning).

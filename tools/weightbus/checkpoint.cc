@@ -2,6 +2,7 @@
 #include "weightbus/checkpoint.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -11,6 +12,7 @@
 
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
+#include "xxhash.h"
 
 namespace weightbus::tools {
 namespace {
@@ -48,7 +50,15 @@ absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& path) {
           return absl::DataLossError(
               absl::StrFormat("%s: weight_map[\"%s\"] is not a string", index, name));
         }
-        names.insert(file.get<std::string>());
+        const std::string f = file.get<std::string>();
+        // Shards are files of this directory: no path, nothing hidden ("..", ".x").
+        if (f.empty() || f[0] == '.' || f.find('/') != std::string::npos) {
+          return absl::DataLossError(absl::StrFormat(
+              "%s: weight_map[\"%s\"] names \"%s\", which is not a file of %s (a shard name may "
+              "not contain '/' or start with '.')",
+              index, name, f, path));
+        }
+        names.insert(f);
       }
       for (const std::string& n : names) ckpt.file_paths.push_back(path + "/" + n);
     } else if (std::filesystem::exists(single)) {
@@ -94,18 +104,46 @@ absl::Status SaveCheckpoint(const std::string& dir, absl::Span<const TensorView>
   if (ec) {
     return absl::InternalError(absl::StrFormat("create directory %s: %s", dir, ec.message()));
   }
-  absl::Status s = safetensors::WriteFile(dir + "/model.safetensors", tensors, {{"format", "pt"}});
+  Metadata metadata = {{"format", "pt"}};
+  std::string manifest_json;
+  if (manifest != nullptr) {
+    // The model names the manifest it belongs to (docs: subscribe --to), so that a pair left
+    // by a write interrupted between the two renames is detected (VerifyCheckpointPair).
+    manifest_json = manifest->ToJson();
+    metadata[kVersionKey] = std::to_string(manifest->version);
+    metadata[kManifestHashKey] =
+        absl::StrFormat("%016x", XXH3_64bits(manifest_json.data(), manifest_json.size()));
+  }
+  absl::Status s = safetensors::WriteFile(dir + "/model.safetensors", tensors, metadata);
   if (!s.ok() || manifest == nullptr) return s;
   const std::string path = dir + "/weightbus.manifest.json";
-  const std::string tmp = path + ".tmp";
+  const std::string tmp = absl::StrFormat("%s.tmp-%d", path, getpid());
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << manifest->ToJson();
+    out << manifest_json;
+    out.flush();
     if (!out) return absl::InternalError(absl::StrFormat("write %s failed", tmp));
   }
   std::filesystem::rename(tmp, path, ec);
   if (ec) return absl::InternalError(absl::StrFormat("rename %s: %s", tmp, ec.message()));
   return absl::OkStatus();
+}
+
+absl::Status VerifyCheckpointPair(const safetensors::Header& model, const std::string& model_path,
+                                  const std::string& manifest_json,
+                                  const std::string& manifest_path, uint64_t manifest_version) {
+  auto hash = model.metadata.find(kManifestHashKey);
+  if (hash == model.metadata.end()) return absl::OkStatus();  // not written by subscribe --to
+  const std::string actual =
+      absl::StrFormat("%016x", XXH3_64bits(manifest_json.data(), manifest_json.size()));
+  if (hash->second == actual) return absl::OkStatus();
+  auto version = model.metadata.find(kVersionKey);
+  return absl::DataLossError(absl::StrFormat(
+      "%s holds version %s (manifest xxh3 %s) but %s is the manifest of version %d (xxh3 %s): "
+      "the two do not belong together (a write interrupted between them?); receive the "
+      "version again",
+      model_path, version == model.metadata.end() ? "?" : version->second, hash->second,
+      manifest_path, manifest_version, actual));
 }
 
 }  // namespace weightbus::tools

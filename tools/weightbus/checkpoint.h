@@ -26,9 +26,23 @@ struct Checkpoint {
 // directory with no checkpoint.
 absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& path);
 
+// Keys of model.safetensors' __metadata__ that tie it to its weightbus.manifest.json.
+inline constexpr char kVersionKey[] = "weightbus.version";
+inline constexpr char kManifestHashKey[] = "weightbus.manifest_xxh3";  // of the file's bytes
+
 // Writes `tensors` as `dir`/model.safetensors (created atomically) and, when `manifest` is
-// given, `dir`/weightbus.manifest.json. Creates `dir` if needed.
+// given, `dir`/weightbus.manifest.json (atomically, after the model). The two cannot be replaced
+// together by one rename, so the model's metadata records the manifest's version and the XXH3-64
+// of its bytes: a pair left by a writer killed between the two renames (new model, previous
+// manifest) is detected by VerifyCheckpointPair. Creates `dir` if needed.
 absl::Status SaveCheckpoint(const std::string& dir, absl::Span<const TensorView> tensors,
                             const Manifest* manifest);
+
+// DataLoss naming both files and both versions when `model` (whose header records a manifest
+// hash) was written with a different manifest than `manifest_json`; OK when it matches or the
+// model records none.
+absl::Status VerifyCheckpointPair(const safetensors::Header& model, const std::string& model_path,
+                                  const std::string& manifest_json,
+                                  const std::string& manifest_path, uint64_t manifest_version);
 
 }  // namespace weightbus::tools

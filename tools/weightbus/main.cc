@@ -46,7 +46,9 @@ commands:
             [--set K=V]...
       Receive the newest version >= N and write it to DIR/model.safetensors (with
       DIR/weightbus.manifest.json); --follow keeps receiving newer versions until none comes
-      within the timeout or --count versions were received.
+      within the timeout or --count versions were received. Each file is replaced atomically,
+      the model first; the model's metadata names its manifest (weightbus.version,
+      weightbus.manifest_xxh3), so `inspect DIR` detects a pair left by an interrupted write.
   inspect PATH_OR_URI [--json] [--timeout SECONDS]
       List versions, tensors, dtypes, shapes, bytes and XXH3-64 checksums of a safetensors
       file, a checkpoint directory, a disk channel directory, or a channel URI.
@@ -304,6 +306,7 @@ absl::Status InspectCheckpoint(const std::string& path, const std::string& title
   absl::StatusOr<Checkpoint> ckpt = LoadCheckpoint(path);
   if (!ckpt.ok()) return ckpt.status();
   std::optional<Manifest> manifest;
+  absl::Status pairing;
   const std::string manifest_path = path + "/weightbus.manifest.json";
   if (std::filesystem::is_directory(path) && std::filesystem::exists(manifest_path)) {
     std::ifstream in(manifest_path, std::ios::binary);
@@ -312,6 +315,12 @@ absl::Status InspectCheckpoint(const std::string& path, const std::string& title
     absl::StatusOr<Manifest> m = Manifest::FromJson(text.str(), manifest_path);
     if (!m.ok()) return m.status();
     manifest = *std::move(m);
+    // A model written by `subscribe --to` names the manifest it belongs to.
+    for (size_t k = 0; k < ckpt->files.size(); ++k) {
+      absl::Status s = VerifyCheckpointPair(ckpt->files[k].header, ckpt->file_paths[k], text.str(),
+                                            manifest_path, manifest->version);
+      if (!s.ok() && pairing.ok()) pairing = s;
+    }
   }
   std::vector<Row> rows;
   int problems = 0;
@@ -334,6 +343,7 @@ absl::Status InspectCheckpoint(const std::string& path, const std::string& title
   Metadata md = manifest ? manifest->metadata
                          : (ckpt->files.empty() ? Metadata() : ckpt->files[0].header.metadata);
   PrintRows(title.empty() ? absl::StrJoin(ckpt->file_paths, ", ") : title, rows, md, json);
+  if (!pairing.ok()) return pairing;
   if (problems > 0) {
     return absl::DataLossError(absl::StrFormat("%s: %d tensor(s) do not match the manifest %s",
                                                path, problems, manifest_path));
@@ -385,6 +395,15 @@ absl::Status InspectCommand(const std::vector<std::string>& argv) {
                   static_cast<unsigned long long>(latest));
     }
     absl::Status worst;
+    // What subscribers require of committed versions (docs/FORMAT.md): the newest exists, and
+    // each has its manifest and reader lock; otherwise they fail with DataLoss, and so does this.
+    if (std::none_of(versions.begin(), versions.end(),
+                     [&](const auto& e) { return e.first == latest; })) {
+      worst = absl::DataLossError(
+          absl::StrFormat("%s: LATEST names version %d but its directory %s/versions/v%020d is "
+                          "missing",
+                          target, latest, target, latest));
+    }
     for (const auto& [v, name] : versions) {
       const std::string dir = target + "/versions/" + name;
       if (v > latest) {
@@ -394,7 +413,16 @@ absl::Status InspectCommand(const std::vector<std::string>& argv) {
         }
         continue;
       }
-      absl::Status s = InspectCheckpoint(dir, absl::StrFormat("version %d (%s)", v, dir), out);
+      absl::Status s;
+      for (const char* required : {"weightbus.manifest.json", ".readers.lock"}) {
+        const std::string file = dir + "/" + required;
+        if (s.ok() && !std::filesystem::exists(std::filesystem::symlink_status(file))) {
+          s = absl::DataLossError(absl::StrFormat(
+              "committed version %d is incomplete: %s is missing (subscribers refuse it)", v,
+              file));
+        }
+      }
+      if (s.ok()) s = InspectCheckpoint(dir, absl::StrFormat("version %d (%s)", v, dir), out);
       if (!s.ok() && worst.ok()) worst = s;
     }
     if (out != nullptr) std::printf("%s\n", json.dump(1).c_str());

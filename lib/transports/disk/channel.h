@@ -45,28 +45,53 @@ std::optional<uint64_t> ParseVersionDirName(std::string_view name);
 // "model.safetensors" when n == 1, else "model-0000K-of-0000N.safetensors" (k is 1-based).
 std::string ShardFileName(size_t k, size_t n);
 
-// open(2) with O_CLOEXEC; errors name `path`.
-absl::StatusOr<UniqueFd> OpenFile(const std::string& path, int flags, mode_t mode = 0644);
-// fsync of a directory (so a rename or create in it is durable).
-absl::Status FsyncDir(const std::string& path);
-// mkdir -p. Errors name the path.
-absl::Status MakeDirs(const std::string& path);
-// Removes a file or a directory tree; a missing path is fine.
-absl::Status RemoveTree(const std::string& path);
-// Writes a small file with write(2) and, if `sync`, fsyncs it. Creates or truncates.
-absl::Status WriteSmallFile(const std::string& path, std::string_view contents, bool sync);
-// Reads a whole small file of at most `max_bytes`. Errors: NotFound, DataLoss if larger.
-absl::StatusOr<std::string> ReadSmallFile(const std::string& path, size_t max_bytes);
+// Every file and directory inside a channel is reached with the *at() calls relative to a
+// descriptor of the directory holding it, and opened with O_NOFOLLOW (O_CLOEXEC too): a symbolic
+// link planted in a channel (publisher.lock, a LATEST temporary, `versions`, a version directory
+// or a file in one) is never followed, so it cannot make the library write, truncate or read
+// anything outside the channel. Such a link is FailedPrecondition naming it. Only the channel
+// root's own path, which the user names, is resolved like any path. Errors name `path`, the
+// file's path for messages.
 
-// Paths and the commit pointer of one channel.
+// openat(dirfd, name, flags | O_NOFOLLOW | O_CLOEXEC, mode); opened with O_NONBLOCK (cleared
+// once open) so that a FIFO planted in the channel cannot block. Callers that read check the
+// file is regular.
+absl::StatusOr<UniqueFd> OpenAt(int dirfd, const std::string& name, int flags,
+                                const std::string& path, mode_t mode = 0644);
+// A directory below `dirfd` (O_DIRECTORY | O_NOFOLLOW).
+absl::StatusOr<UniqueFd> OpenDirAt(int dirfd, const std::string& name, const std::string& path);
+// fsync of an open file or directory (so a rename or create in it is durable).
+absl::Status FsyncFd(int fd, const std::string& path);
+// mkdir -p of a path the user names (the channel root; links in it are followed).
+absl::Status MakeDirs(const std::string& path);
+// Removes `name` below `dirfd`, a file, link or directory tree (never following a link); a
+// missing name is fine.
+absl::Status RemoveTreeAt(int dirfd, const std::string& name, const std::string& path);
+// Creates `name` below `dirfd` (O_EXCL: it must not exist), writes `contents` and, if `sync`,
+// fsyncs it.
+absl::Status WriteSmallFileAt(int dirfd, const std::string& name, std::string_view contents,
+                              bool sync, const std::string& path);
+// Reads a whole small file of at most `max_bytes`. Errors: NotFound, DataLoss if larger.
+absl::StatusOr<std::string> ReadSmallFileAt(int dirfd, const std::string& name, size_t max_bytes,
+                                            const std::string& path);
+// Names of the entries of directory `dirfd` (without "." and "..").
+absl::StatusOr<std::vector<std::string>> ListDirAt(int dirfd, const std::string& path);
+
+// One channel directory, held open: every operation is relative to this descriptor, so a
+// publisher keeps working on the directory it locked even if the path comes to name another.
 class Channel {
  public:
-  explicit Channel(std::string root) : root_(std::move(root)) {}
+  // Opens the directory `root` (it must exist). Errors: NotFound when it does not.
+  static absl::StatusOr<Channel> Open(std::string root);
   const std::string& root() const { return root_; }
+  int fd() const { return fd_.get(); }
+  // Paths for messages.
   std::string Path(std::string_view rel) const;
   std::string VersionsDir() const { return Path(kVersionsDir); }
   std::string VersionDir(uint64_t version) const;
 
+  // The `versions` directory. Errors: NotFound when it does not exist (yet).
+  absl::StatusOr<UniqueFd> OpenVersionsDir() const;
   // The committed version named by LATEST, or nullopt when there is none yet.
   // Errors: DataLoss when LATEST does not hold a number.
   absl::StatusOr<std::optional<uint64_t>> ReadLatest() const;
@@ -76,9 +101,15 @@ class Channel {
   absl::Status WriteLatest(uint64_t version, bool sync) const;
   // Numbers of the version directories present (committed or not), ascending.
   absl::StatusOr<std::vector<uint64_t>> ListVersionDirs() const;
+  // OK while the path root() still names the directory this object holds and `name` in it is
+  // still the file `fd` (when fd >= 0). FailedPrecondition otherwise: the channel directory (or
+  // the file) was deleted or replaced since it was opened.
+  absl::Status CheckStillAt(int fd, const std::string& name) const;
 
  private:
+  Channel(std::string root, UniqueFd fd) : root_(std::move(root)), fd_(std::move(fd)) {}
   std::string root_;
+  UniqueFd fd_;
 };
 
 }  // namespace weightbus::internal::disk

@@ -75,9 +75,10 @@ absl::StatusOr<std::vector<FilePlan>> PlanFiles(absl::Span<const PackedTensor> t
 
 class DiskPublisher final : public TransportPublisher {
  public:
-  DiskPublisher(Channel channel, UniqueFd lock, std::unique_ptr<FileIo> io, FailPoints failpoints,
-                int64_t retention, uint64_t shard_size, bool sync)
+  DiskPublisher(Channel channel, UniqueFd versions, UniqueFd lock, std::unique_ptr<FileIo> io,
+                FailPoints failpoints, int64_t retention, uint64_t shard_size, bool sync)
       : channel_(std::move(channel)),
+        versions_(std::move(versions)),
         lock_(std::move(lock)),
         io_(std::move(io)),
         failpoints_(std::move(failpoints)),
@@ -104,9 +105,14 @@ class DiskPublisher final : public TransportPublisher {
   absl::Status Publish(PublishJob& job, absl::Time deadline) override;
 
   // The committed version's weightbus.manifest.json (a retried publish is compared with it).
+  // Read relative to the held versions/ directory, following no link (as everything else).
   absl::StatusOr<Manifest> CommittedManifest(uint64_t version) override {
-    const std::string path = absl::StrFormat("%s/%s", channel_.VersionDir(version), kManifestFile);
-    WB_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, size_t{512} << 20));
+    const std::string dir_path = channel_.VersionDir(version);
+    WB_ASSIGN_OR_RETURN(UniqueFd dir,
+                        OpenDirAt(versions_.get(), VersionDirName(version), dir_path));
+    const std::string path = absl::StrFormat("%s/%s", dir_path, kManifestFile);
+    WB_ASSIGN_OR_RETURN(std::string text,
+                        ReadSmallFileAt(dir.get(), kManifestFile, size_t{512} << 20, path));
     return Manifest::FromJson(text, path);
   }
 
@@ -120,8 +126,13 @@ class DiskPublisher final : public TransportPublisher {
   absl::Status CleanLeftovers();
 
  private:
-  absl::Status WriteFile(const std::string& dir, const FilePlan& plan, PublishJob& job,
+  absl::Status WriteFile(int dir_fd, const std::string& dir, const FilePlan& plan, PublishJob& job,
                          absl::Time deadline);
+  // FailedPrecondition unless the channel path still names the directory (and the
+  // publisher.lock) this publisher locked, and LATEST is below `version`: checked before each
+  // commit, so a publisher whose directory was deleted and recreated under it never writes into
+  // the new one, and LATEST never moves backwards.
+  absl::Status CheckStillOwner(uint64_t version) const;
   absl::Status CheckDeadline(absl::Time deadline, uint64_t version, std::string_view step) const;
   void ApplyRetention(uint64_t latest);
   // Deleting old versions is off the publish path: unlinking can take milliseconds (more with
@@ -129,6 +140,7 @@ class DiskPublisher final : public TransportPublisher {
   void RetentionLoop();
 
   Channel channel_;
+  UniqueFd versions_;  // channel_/versions
   UniqueFd lock_;
   std::unique_ptr<FileIo> io_;
   FailPoints failpoints_;
@@ -167,10 +179,23 @@ absl::Status DiskPublisher::CheckDeadline(absl::Time deadline, uint64_t version,
   return absl::DeadlineExceededError(absl::StrFormat("deadline passed before %s", step));
 }
 
-absl::Status DiskPublisher::WriteFile(const std::string& dir, const FilePlan& plan, PublishJob& job,
-                                      absl::Time deadline) {
+absl::Status DiskPublisher::CheckStillOwner(uint64_t version) const {
+  WB_RETURN_IF_ERROR(channel_.CheckStillAt(lock_.get(), kPublisherLock));
+  WB_RETURN_IF_ERROR(channel_.CheckStillAt(versions_.get(), kVersionsDir));
+  WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, channel_.ReadLatest());
+  if (latest && *latest >= version) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "disk://%s: LATEST already names version %d, not below version %d: another writer moved "
+        "it while this publisher held the channel; nothing was committed",
+        channel_.root(), *latest, version));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DiskPublisher::WriteFile(int dir_fd, const std::string& dir, const FilePlan& plan,
+                                      PublishJob& job, absl::Time deadline) {
   const std::string path = absl::StrFormat("%s/%s", dir, plan.name);
-  WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_WRONLY | O_CREAT | O_EXCL));
+  WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenAt(dir_fd, plan.name, O_WRONLY | O_CREAT | O_EXCL, path));
   const uint64_t size = plan.layout.file_size();
   // Reserve every block first: a full disk fails here, before any data moves.
   if (size > 0) {
@@ -210,32 +235,39 @@ absl::Status DiskPublisher::WriteFile(const std::string& dir, const FilePlan& pl
 absl::Status DiskPublisher::Publish(PublishJob& job, absl::Time deadline) {
   const uint64_t version = job.version();
   const std::string versions = channel_.VersionsDir();
-  const std::string tmp =
-      absl::StrFormat("%s/%s%s-%d", versions, kTmpPrefix, VersionDirName(version), getpid());
+  const std::string tmp_name =
+      absl::StrFormat("%s%s-%d", kTmpPrefix, VersionDirName(version), getpid());
+  const std::string tmp = absl::StrFormat("%s/%s", versions, tmp_name);
+  const std::string final_name = VersionDirName(version);
   const std::string final_dir = channel_.VersionDir(version);
-  WB_RETURN_IF_ERROR(RemoveTree(tmp));
-  if (::mkdir(tmp.c_str(), 0755) != 0) {
+  const int vfd = versions_.get();
+  // Checked first (a deleted directory cannot even hold the temporary) and again before the
+  // rename and the commit.
+  WB_RETURN_IF_ERROR(CheckStillOwner(version));
+  WB_RETURN_IF_ERROR(RemoveTreeAt(vfd, tmp_name, tmp));
+  if (::mkdirat(vfd, tmp_name.c_str(), 0755) != 0) {
     return ErrnoStatus(errno, absl::StrFormat("create %s", tmp));
   }
   bool renamed = false, committed = false;
   absl::Cleanup cleanup = [&] {
     if (committed) return;
-    (void)RemoveTree(tmp);
-    if (renamed) (void)RemoveTree(final_dir);
+    (void)RemoveTreeAt(vfd, tmp_name, tmp);
+    if (renamed) (void)RemoveTreeAt(vfd, final_name, final_dir);
   };
+  WB_ASSIGN_OR_RETURN(UniqueFd tmp_fd, OpenDirAt(vfd, tmp_name, tmp));
 
   const absl::Time start = absl::Now();
   WB_ASSIGN_OR_RETURN(std::vector<FilePlan> files, PlanFiles(job.tensors(), shard_size_));
   for (const FilePlan& plan : files) {
     WB_RETURN_IF_ERROR(CheckDeadline(deadline, version, "writing " + plan.name));
-    WB_RETURN_IF_ERROR(WriteFile(tmp, plan, job, deadline));
+    WB_RETURN_IF_ERROR(WriteFile(tmp_fd.get(), tmp, plan, job, deadline));
     WB_RETURN_IF_ERROR(failpoints_.Hit("disk.after_file"));
   }
 
   const absl::Time written = absl::Now();
   WB_ASSIGN_OR_RETURN(const Manifest* manifest, job.SealedManifest(deadline));
-  WB_RETURN_IF_ERROR(
-      WriteSmallFile(absl::StrFormat("%s/%s", tmp, kManifestFile), manifest->ToJson(), sync_));
+  WB_RETURN_IF_ERROR(WriteSmallFileAt(tmp_fd.get(), kManifestFile, manifest->ToJson(), sync_,
+                                      absl::StrFormat("%s/%s", tmp, kManifestFile)));
   if (files.size() > 1) {
     nlohmann::ordered_json index;
     index["metadata"]["total_size"] = manifest->total_bytes();
@@ -244,31 +276,34 @@ absl::Status DiskPublisher::Publish(PublishJob& job, absl::Time deadline) {
     for (const FilePlan& plan : files) {
       for (size_t i : plan.tensors) map[manifest->tensors[i].name] = plan.name;
     }
-    WB_RETURN_IF_ERROR(
-        WriteSmallFile(absl::StrFormat("%s/%s", tmp, kIndexFile), index.dump(2), sync_));
+    WB_RETURN_IF_ERROR(WriteSmallFileAt(tmp_fd.get(), kIndexFile, index.dump(2), sync_,
+                                        absl::StrFormat("%s/%s", tmp, kIndexFile)));
   }
-  WB_RETURN_IF_ERROR(WriteSmallFile(absl::StrFormat("%s/%s", tmp, kReaderLock), "", false));
-  if (sync_) WB_RETURN_IF_ERROR(FsyncDir(tmp));
+  WB_RETURN_IF_ERROR(WriteSmallFileAt(tmp_fd.get(), kReaderLock, "", false,
+                                      absl::StrFormat("%s/%s", tmp, kReaderLock)));
+  if (sync_) WB_RETURN_IF_ERROR(FsyncFd(tmp_fd.get(), tmp));
   const absl::Time sealed = absl::Now();
   WB_RETURN_IF_ERROR(failpoints_.Hit("disk.before_rename"));
   WB_RETURN_IF_ERROR(CheckDeadline(deadline, version, "renaming it into place"));
+  WB_RETURN_IF_ERROR(CheckStillOwner(version));
 
   // A directory of this number can only be an uncommitted leftover (versions only increase).
-  WB_RETURN_IF_ERROR(RemoveTree(final_dir));
-  if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+  WB_RETURN_IF_ERROR(RemoveTreeAt(vfd, final_name, final_dir));
+  if (::renameat(vfd, tmp_name.c_str(), vfd, final_name.c_str()) != 0) {
     return ErrnoStatus(errno, absl::StrFormat("rename %s -> %s", tmp, final_dir));
   }
   renamed = true;
-  if (sync_) WB_RETURN_IF_ERROR(FsyncDir(versions));
+  if (sync_) WB_RETURN_IF_ERROR(FsyncFd(vfd, versions));
   WB_RETURN_IF_ERROR(failpoints_.Hit("disk.before_commit"));
   WB_RETURN_IF_ERROR(CheckDeadline(deadline, version, "committing"));
+  WB_RETURN_IF_ERROR(CheckStillOwner(version));
   const absl::Time renamed_at = absl::Now();
   WB_RETURN_IF_ERROR(channel_.WriteLatest(version, sync_));
   // Committed: subscribers can see it now, so no later failure may undo it or report it failed.
   committed = true;
   if (sync_) {
     absl::Status s = failpoints_.Hit("disk.commit_fsync");
-    if (s.ok()) s = FsyncDir(channel_.root());
+    if (s.ok()) s = FsyncFd(channel_.fd(), channel_.root());
     if (!s.ok()) {
       Log(LogLevel::kError,
           "disk://%s: version %d is committed, but making the commit durable failed (%s); it "
@@ -307,20 +342,25 @@ void DiskPublisher::ApplyRetention(uint64_t latest) {
   committed.resize(committed.size() - static_cast<size_t>(retention_));  // the oldest ones
   for (uint64_t v : committed) {
     if (keep_from && v >= *keep_from) continue;  // a layer still needs it
+    const std::string name = VersionDirName(v);
     const std::string dir = channel_.VersionDir(v);
-    absl::StatusOr<UniqueFd> lock = OpenFile(absl::StrFormat("%s/%s", dir, kReaderLock), O_RDONLY);
+    absl::StatusOr<UniqueFd> vdir = OpenDirAt(versions_.get(), name, dir);
+    absl::StatusOr<UniqueFd> lock = vdir.ok() ? OpenAt(vdir->get(), kReaderLock, O_RDONLY,
+                                                       absl::StrFormat("%s/%s", dir, kReaderLock))
+                                              : absl::StatusOr<UniqueFd>(vdir.status());
     if (lock.ok() && ::flock(lock->get(), LOCK_EX | LOCK_NB) != 0) {
       Log(LogLevel::kDebug, "retention: version %d is being read; keeping it for now", v);
       continue;
     }
-    const std::string trash = absl::StrFormat("%s/%s%s-%d", channel_.VersionsDir(), kTrashPrefix,
-                                              VersionDirName(v), getpid());
-    if (::rename(dir.c_str(), trash.c_str()) != 0) {
+    const std::string trash_name =
+        absl::StrFormat("%s%s-%d", kTrashPrefix, VersionDirName(v), getpid());
+    const std::string trash = absl::StrFormat("%s/%s", channel_.VersionsDir(), trash_name);
+    if (::renameat(versions_.get(), name.c_str(), versions_.get(), trash_name.c_str()) != 0) {
       Log(LogLevel::kWarn, "retention: rename %s: %s", dir, strerror(errno));
       continue;
     }
     lock = absl::StatusOr<UniqueFd>(UniqueFd());  // release the lock before deleting
-    if (absl::Status s = RemoveTree(trash); !s.ok()) {
+    if (absl::Status s = RemoveTreeAt(versions_.get(), trash_name, trash); !s.ok()) {
       Log(LogLevel::kWarn, "retention: %s", std::string(s.message()));
     }
   }
@@ -338,29 +378,23 @@ absl::Status DiskPublisher::CleanLeftovers() {
         channel_.root(), dirs.back(), dirs.back());
     floor_ = dirs.back();
   }
-  std::vector<std::string> doomed;
-  auto scan = [&](const std::string& dir, auto&& is_leftover) -> absl::Status {
-    DIR* d = ::opendir(dir.c_str());
-    if (d == nullptr) return ErrnoStatus(errno, absl::StrFormat("list %s", dir));
-    while (dirent* e = ::readdir(d)) {
-      if (is_leftover(absl::string_view(e->d_name))) {
-        doomed.push_back(absl::StrFormat("%s/%s", dir, e->d_name));
-      }
+  WB_ASSIGN_OR_RETURN(std::vector<std::string> in_versions,
+                      ListDirAt(versions_.get(), channel_.VersionsDir()));
+  for (const std::string& name : in_versions) {
+    std::optional<uint64_t> v = ParseVersionDirName(name);
+    if (absl::StartsWith(name, kTmpPrefix) || absl::StartsWith(name, kTrashPrefix) ||
+        (v && latest && *v > *latest)) {
+      const std::string path = absl::StrFormat("%s/%s", channel_.VersionsDir(), name);
+      Log(LogLevel::kInfo, "removing %s, left by an earlier publisher", path);
+      WB_RETURN_IF_ERROR(RemoveTreeAt(versions_.get(), name, path));
     }
-    ::closedir(d);
-    return absl::OkStatus();
-  };
-  WB_RETURN_IF_ERROR(scan(channel_.VersionsDir(), [&](absl::string_view name) {
-    std::optional<uint64_t> v = ParseVersionDirName(std::string_view(name.data(), name.size()));
-    return absl::StartsWith(name, kTmpPrefix) || absl::StartsWith(name, kTrashPrefix) ||
-           (v && latest && *v > *latest);
-  }));
-  WB_RETURN_IF_ERROR(scan(channel_.root(), [&](absl::string_view name) {
-    return absl::StartsWith(name, kLatestTmpPrefix);
-  }));
-  for (const std::string& path : doomed) {
+  }
+  WB_ASSIGN_OR_RETURN(std::vector<std::string> in_root, ListDirAt(channel_.fd(), channel_.root()));
+  for (const std::string& name : in_root) {
+    if (!absl::StartsWith(name, kLatestTmpPrefix)) continue;
+    const std::string path = channel_.Path(name);
     Log(LogLevel::kInfo, "removing %s, left by an earlier publisher", path);
-    WB_RETURN_IF_ERROR(RemoveTree(path));
+    WB_RETURN_IF_ERROR(RemoveTreeAt(channel_.fd(), name, path));
   }
   return absl::OkStatus();
 }
@@ -375,31 +409,45 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenDiskPublisher(const Uri&
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: retention=%d must be at least 1", uri.Display(), retention));
   }
-  Channel channel(root);
-  WB_RETURN_IF_ERROR(MakeDirs(channel.VersionsDir()));
-  WB_ASSIGN_OR_RETURN(UniqueFd lock, OpenFile(channel.Path(kPublisherLock), O_RDWR | O_CREAT));
+  // The root's own path is the user's to name (links in it are followed); inside it nothing is.
+  WB_RETURN_IF_ERROR(MakeDirs(root));
+  WB_ASSIGN_OR_RETURN(Channel channel, Channel::Open(root));
+  if (::mkdirat(channel.fd(), kVersionsDir, 0755) != 0 && errno != EEXIST) {
+    return ErrnoStatus(errno, absl::StrFormat("create directory %s", channel.VersionsDir()));
+  }
+  WB_ASSIGN_OR_RETURN(UniqueFd versions, channel.OpenVersionsDir());
+  const std::string lock_path = channel.Path(kPublisherLock);
+  WB_ASSIGN_OR_RETURN(UniqueFd lock,
+                      OpenAt(channel.fd(), kPublisherLock, O_RDWR | O_CREAT, lock_path));
+  struct stat lock_stat;
+  if (::fstat(lock.get(), &lock_stat) != 0 || !S_ISREG(lock_stat.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("%s is not a regular file; remove it", lock_path));
+  }
   if (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
-    absl::StatusOr<std::string> holder = ReadSmallFile(channel.Path(kPublisherLock), 4096);
+    absl::StatusOr<std::string> holder =
+        ReadSmallFileAt(channel.fd(), kPublisherLock, 4096, lock_path);
     if (err == EWOULDBLOCK) {
       return absl::FailedPreconditionError(
           absl::StrFormat("%s: another publisher holds the channel (%s)", uri.Display(),
                           holder.ok() && !holder->empty() ? *holder : "holder unknown"));
     }
-    return ErrnoStatus(err, absl::StrFormat("lock %s", channel.Path(kPublisherLock)));
+    return ErrnoStatus(err, absl::StrFormat("lock %s", lock_path));
   }
   const std::string holder = ProcessDescription();
   if (::ftruncate(lock.get(), 0) != 0 ||
       ::pwrite(lock.get(), holder.data(), holder.size(), 0) < 0) {
-    Log(LogLevel::kWarn, "could not record the holder in %s", channel.Path(kPublisherLock));
+    Log(LogLevel::kWarn, "could not record the holder in %s", lock_path);
   }
   WB_ASSIGN_OR_RETURN(FailPoints failpoints, FailPoints::Parse(config.String("failpoints")));
   WB_ASSIGN_OR_RETURN(std::unique_ptr<FileIo> io, MakeFileIo(uri, config));
   std::unique_ptr<DiskPublisher> publisher;
   try {  // starts the retention thread
     publisher = std::make_unique<DiskPublisher>(
-        std::move(channel), std::move(lock), std::move(io), std::move(failpoints), retention,
-        std::max<uint64_t>(config.Bytes("shard_size"), 1), config.Bool("fsync"));
+        std::move(channel), std::move(versions), std::move(lock), std::move(io),
+        std::move(failpoints), retention, std::max<uint64_t>(config.Bytes("shard_size"), 1),
+        config.Bool("fsync"));
   } catch (const std::system_error& e) {
     return absl::ResourceExhaustedError(
         absl::StrFormat("%s: cannot start the retention thread: %s", uri.Display(), e.what()));

@@ -4,12 +4,14 @@
 // safetensors headers with its manifest, and read the bytes with io_uring at depth.
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/file.h>
 #include <sys/inotify.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <filesystem>
 
@@ -34,7 +36,8 @@ constexpr size_t kMaxMetadataFile = size_t{512} << 20;
 // A data file of a version; opened only while it is being read, so versions with thousands of
 // shards do not need thousands of descriptors.
 struct DataFile {
-  std::string path;
+  std::string name;  // in the version directory
+  std::string path;  // for messages
   safetensors::Header header;
 };
 
@@ -46,9 +49,10 @@ struct Location {
 
 class DiskVersion final : public IncomingVersion {
  public:
-  DiskVersion(Manifest manifest, std::vector<DataFile> files, std::vector<Location> locations,
-              UniqueFd pin, FileIo* io, FailPoints* failpoints)
+  DiskVersion(Manifest manifest, UniqueFd dir, std::vector<DataFile> files,
+              std::vector<Location> locations, UniqueFd pin, FileIo* io, FailPoints* failpoints)
       : manifest_(std::move(manifest)),
+        dir_(std::move(dir)),
         files_(std::move(files)),
         locations_(std::move(locations)),
         pin_(std::move(pin)),
@@ -77,7 +81,8 @@ class DiskVersion final : public IncomingVersion {
       const size_t file = locations_[order[begin]].file;
       size_t end = begin;
       while (end < order.size() && locations_[order[end]].file == file) ++end;
-      WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(files_[file].path, O_RDONLY));
+      WB_ASSIGN_OR_RETURN(UniqueFd fd,
+                          OpenAt(dir_.get(), files_[file].name, O_RDONLY, files_[file].path));
       // Whole-file sequential reads: let the kernel read ahead further on a cold cache.
       (void)::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
       std::vector<IoRequest> requests;
@@ -100,6 +105,7 @@ class DiskVersion final : public IncomingVersion {
 
  private:
   Manifest manifest_;
+  UniqueFd dir_;  // the version directory, held open: files are opened relative to it
   std::vector<DataFile> files_;
   std::vector<Location> locations_;
   UniqueFd pin_;  // shared flock on .readers.lock: retention leaves this version alone
@@ -109,17 +115,26 @@ class DiskVersion final : public IncomingVersion {
 
 class DiskSubscriber final : public TransportSubscriber {
  public:
-  DiskSubscriber(Channel channel, std::unique_ptr<FileIo> io, FailPoints failpoints,
-                 absl::Duration poll_interval)
-      : channel_(std::move(channel)),
+  DiskSubscriber(std::string root, std::unique_ptr<FileIo> io, FailPoints failpoints,
+                 absl::Duration poll_interval, UniqueFd cancel)
+      : root_(std::move(root)),
         io_(std::move(io)),
         failpoints_(std::move(failpoints)),
-        poll_interval_(poll_interval) {
+        poll_interval_(poll_interval),
+        cancel_(std::move(cancel)) {
     inotify_ = UniqueFd(inotify_init1(IN_NONBLOCK | IN_CLOEXEC));
     if (!inotify_) {
-      Log(LogLevel::kInfo, "inotify unavailable (%s); polling %s every %s", strerror(errno),
-          channel_.root(), absl::FormatDuration(poll_interval_));
+      Log(LogLevel::kInfo, "inotify unavailable (%s); polling %s every %s", strerror(errno), root_,
+          absl::FormatDuration(poll_interval_));
     }
+  }
+
+  // Wakes a WaitForVersion sleeping in poll(2) through the eventfd in its poll set; this and
+  // every later call then return Cancelled.
+  void Cancel() override {
+    cancelled_.store(true);
+    const uint64_t one = 1;
+    (void)!::write(cancel_.get(), &one, sizeof(one));
   }
 
   absl::StatusOr<std::unique_ptr<IncomingVersion>> WaitForVersion(uint64_t min_version,
@@ -127,23 +142,29 @@ class DiskSubscriber final : public TransportSubscriber {
 
   absl::StatusOr<std::unique_ptr<IncomingVersion>> OpenVersion(uint64_t version,
                                                                absl::Time deadline) override {
-    WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, channel_.ReadLatest());
+    WB_RETURN_IF_ERROR(CheckCancelled());
+    WB_ASSIGN_OR_RETURN(Channel channel, Channel::Open(root_));
+    WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, channel.ReadLatest());
     if (!latest || version > *latest) {
       return absl::NotFoundError(
-          absl::StrFormat("disk://%s: version %d is not committed (newest committed: %s)",
-                          channel_.root(), version, latest ? std::to_string(*latest) : "none"));
+          absl::StrFormat("disk://%s: version %d is not committed (newest committed: %s)", root_,
+                          version, latest ? std::to_string(*latest) : "none"));
     }
-    absl::StatusOr<std::unique_ptr<IncomingVersion>> v = OpenCommitted(version, deadline);
+    absl::StatusOr<std::unique_ptr<IncomingVersion>> v = OpenCommitted(channel, version, deadline);
     if (absl::IsAborted(v.status())) {
-      return absl::NotFoundError(absl::StrFormat(
-          "disk://%s: version %d is no longer kept (retention)", channel_.root(), version));
+      return absl::NotFoundError(
+          absl::StrFormat("disk://%s: version %d is no longer kept (retention)", root_, version));
     }
     return v;
   }
 
   absl::StatusOr<std::vector<uint64_t>> ListVersions() override {
-    WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, channel_.ReadLatest());
-    WB_ASSIGN_OR_RETURN(std::vector<uint64_t> dirs, channel_.ListVersionDirs());
+    WB_RETURN_IF_ERROR(CheckCancelled());
+    absl::StatusOr<Channel> channel = Channel::Open(root_);
+    if (absl::IsNotFound(channel.status())) return std::vector<uint64_t>();
+    if (!channel.ok()) return channel.status();
+    WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, channel->ReadLatest());
+    WB_ASSIGN_OR_RETURN(std::vector<uint64_t> dirs, channel->ListVersionDirs());
     std::vector<uint64_t> out;
     for (uint64_t v : dirs) {
       if (latest && v <= *latest) out.push_back(v);
@@ -154,16 +175,25 @@ class DiskSubscriber final : public TransportSubscriber {
  private:
   // Opens and validates committed version `v`. NotFound means it was retired meanwhile.
   // Opens committed version `v`; Aborted means retention retired it before it could be pinned.
-  absl::StatusOr<std::unique_ptr<IncomingVersion>> OpenCommitted(uint64_t v, absl::Time deadline);
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> OpenCommitted(const Channel& channel, uint64_t v,
+                                                                 absl::Time deadline);
   // OpenCommitted's work, before missing files are turned into DataLoss.
-  absl::StatusOr<std::unique_ptr<IncomingVersion>> PinAndOpen(uint64_t v, absl::Time deadline);
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> PinAndOpen(const Channel& channel, uint64_t v,
+                                                              absl::Time deadline);
   void WatchIfPossible();
   void Sleep(absl::Time deadline);
+  absl::Status CheckCancelled() const {
+    if (!cancelled_.load()) return absl::OkStatus();
+    return absl::CancelledError(
+        absl::StrFormat("disk://%s: the subscriber was cancelled (it is being destroyed)", root_));
+  }
 
-  Channel channel_;
+  std::string root_;
   std::unique_ptr<FileIo> io_;
   FailPoints failpoints_;
   absl::Duration poll_interval_;
+  UniqueFd cancel_;  // eventfd: Cancel() makes it readable
+  std::atomic<bool> cancelled_{false};
   UniqueFd inotify_;
   bool watching_ = false;
 };
@@ -171,8 +201,8 @@ class DiskSubscriber final : public TransportSubscriber {
 void DiskSubscriber::WatchIfPossible() {
   if (watching_ || !inotify_) return;
   // LATEST is replaced by rename: IN_MOVED_TO on the root directory announces each commit.
-  if (inotify_add_watch(inotify_.get(), channel_.root().c_str(),
-                        IN_MOVED_TO | IN_CREATE | IN_CLOSE_WRITE) >= 0) {
+  if (inotify_add_watch(inotify_.get(), root_.c_str(), IN_MOVED_TO | IN_CREATE | IN_CLOSE_WRITE) >=
+      0) {
     watching_ = true;
   }
 }
@@ -180,16 +210,13 @@ void DiskSubscriber::WatchIfPossible() {
 void DiskSubscriber::Sleep(absl::Time deadline) {
   const absl::Duration wait =
       std::max(std::min(deadline - absl::Now(), poll_interval_), absl::ZeroDuration());
-  if (watching_) {
-    pollfd p{inotify_.get(), POLLIN, 0};
-    int ms = static_cast<int>(absl::ToInt64Milliseconds(wait + absl::Milliseconds(1)) - 1);
-    if (::poll(&p, 1, std::max(ms, 0)) > 0) {
-      char buf[4096];
-      while (::read(inotify_.get(), buf, sizeof(buf)) > 0) {
-      }
+  // The cancel eventfd is always in the set; inotify when the channel is watched.
+  pollfd p[2] = {{cancel_.get(), POLLIN, 0}, {watching_ ? inotify_.get() : -1, POLLIN, 0}};
+  int ms = static_cast<int>(absl::ToInt64Milliseconds(wait + absl::Milliseconds(1)) - 1);
+  if (::poll(p, 2, std::max(ms, 0)) > 0 && (p[1].revents & POLLIN) != 0) {
+    char buf[4096];
+    while (::read(inotify_.get(), buf, sizeof(buf)) > 0) {
     }
-  } else {
-    absl::SleepFor(wait);
   }
 }
 
@@ -197,79 +224,107 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::WaitForVersion(
     uint64_t min_version, absl::Time deadline) {
   std::optional<uint64_t> newest;
   while (true) {
+    WB_RETURN_IF_ERROR(CheckCancelled());
     WatchIfPossible();
-    WB_ASSIGN_OR_RETURN(newest, channel_.ReadLatest());
+    // Opened afresh each time: the path may come to name a new directory (deleted and
+    // recreated), or exist only later.
+    absl::StatusOr<Channel> channel = Channel::Open(root_);
+    if (channel.ok()) {
+      WB_ASSIGN_OR_RETURN(newest, channel->ReadLatest());
+    } else if (absl::IsNotFound(channel.status())) {
+      newest.reset();
+    } else {
+      return channel.status();
+    }
     if (newest && *newest >= min_version) {
-      absl::StatusOr<std::unique_ptr<IncomingVersion>> v = OpenCommitted(*newest, deadline);
+      absl::StatusOr<std::unique_ptr<IncomingVersion>> v =
+          OpenCommitted(*channel, *newest, deadline);
       if (!absl::IsAborted(v.status())) return v;
       // Retired between reading LATEST and pinning it, which retention only does to versions
       // older than the newest: LATEST must have moved on. If it has not, the channel is broken.
-      WB_ASSIGN_OR_RETURN(std::optional<uint64_t> now, channel_.ReadLatest());
+      WB_ASSIGN_OR_RETURN(std::optional<uint64_t> now, channel->ReadLatest());
       if (now == newest) {
         return absl::DataLossError(
             absl::StrFormat("disk://%s: LATEST names version %d but its directory %s is missing",
-                            channel_.root(), *newest, channel_.VersionDir(*newest)));
+                            root_, *newest, channel->VersionDir(*newest)));
       }
       Log(LogLevel::kDebug, "version %d retired while opening it; re-reading LATEST", *newest);
     }
     if (absl::Now() >= deadline) {
       // A mistyped path looks like an idle publisher: say when the channel does not exist.
-      std::error_code ec;
-      const bool exists = std::filesystem::exists(channel_.root(), ec);
       return absl::DeadlineExceededError(absl::StrFormat(
           "disk://%s: no version >= %d was committed by the deadline (newest committed: %s)%s",
-          channel_.root(), min_version, newest ? std::to_string(*newest) : "none",
-          exists ? "" : "; the channel directory does not exist (yet): is the path right?"));
+          root_, min_version, newest ? std::to_string(*newest) : "none",
+          channel.ok() ? "" : "; the channel directory does not exist (yet): is the path right?"));
     }
     if (!newest || *newest < min_version) Sleep(deadline);
   }
 }
 
 absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::OpenCommitted(
-    uint64_t v, absl::Time deadline) {
-  absl::StatusOr<std::unique_ptr<IncomingVersion>> opened = PinAndOpen(v, deadline);
-  // A file missing from a pinned, committed version is corruption, not absence.
-  if (absl::IsNotFound(opened.status())) {
+    const Channel& channel, uint64_t v, absl::Time deadline) {
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> opened = PinAndOpen(channel, v, deadline);
+  // A file missing from a pinned, committed version is corruption, not absence; so is a link
+  // planted where a file of the version belongs.
+  if (absl::IsNotFound(opened.status()) || absl::IsFailedPrecondition(opened.status())) {
     return absl::DataLossError(absl::StrFormat("disk://%s: committed version %d is incomplete: %s",
-                                               channel_.root(), v, opened.status().message()));
+                                               root_, v, opened.status().message()));
   }
   return opened;
 }
 
-absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(uint64_t v,
+absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(const Channel& channel,
+                                                                            uint64_t v,
                                                                             absl::Time deadline) {
-  const std::string dir = channel_.VersionDir(v);
+  const std::string name = VersionDirName(v);
+  const std::string dir = channel.VersionDir(v);
   const std::string lock_path = absl::StrFormat("%s/%s", dir, kReaderLock);
-  absl::StatusOr<UniqueFd> pin = OpenFile(lock_path, O_RDONLY);
+  absl::StatusOr<UniqueFd> versions = channel.OpenVersionsDir();
+  if (absl::IsNotFound(versions.status())) {
+    return absl::AbortedError(absl::StrFormat("version %d was retired", v));
+  }
+  if (!versions.ok()) return versions.status();
+  absl::StatusOr<UniqueFd> dir_fd = OpenDirAt(versions->get(), name, dir);
+  // Committed versions always have the lock file; a missing directory means retired.
+  if (absl::IsNotFound(dir_fd.status())) {
+    return absl::AbortedError(absl::StrFormat("version %d was retired", v));
+  }
+  if (!dir_fd.ok()) return dir_fd.status();
+  const int dfd = dir_fd->get();
+  absl::StatusOr<UniqueFd> pin = OpenAt(dfd, kReaderLock, O_RDONLY, lock_path);
   if (absl::IsNotFound(pin.status())) {
-    // Committed versions always have the lock file; a missing directory means retired.
-    if (::access(dir.c_str(), F_OK) != 0) {
-      return absl::AbortedError(absl::StrFormat("version %d was retired", v));
-    }
     return absl::DataLossError(
         absl::StrFormat("version %d in %s has no %s file", v, dir, kReaderLock));
   }
   if (!pin.ok()) return pin.status();
+  struct stat pin_stat;
+  if (::fstat(pin->get(), &pin_stat) != 0 || !S_ISREG(pin_stat.st_mode)) {
+    return absl::DataLossError(
+        absl::StrFormat("version %d: %s is not a regular file", v, lock_path));
+  }
   // Retention holds LOCK_EX only while renaming a version away; wait that out.
   while (::flock(pin->get(), LOCK_SH | LOCK_NB) != 0) {
     if (errno != EWOULDBLOCK && errno != EINTR) {
       return ErrnoStatus(errno, absl::StrFormat("lock %s", lock_path));
     }
+    WB_RETURN_IF_ERROR(CheckCancelled());
     if (absl::Now() > deadline) {
-      return absl::DeadlineExceededError(absl::StrFormat(
-          "disk://%s: could not pin version %d by the deadline", channel_.root(), v));
+      return absl::DeadlineExceededError(
+          absl::StrFormat("disk://%s: could not pin version %d by the deadline", root_, v));
     }
     absl::SleepFor(absl::Milliseconds(1));
   }
-  // If retention renamed the directory before we locked, the path no longer leads to our file.
+  // If retention renamed the directory before we locked, the name no longer leads to ours.
   struct stat ours, now;
-  if (::fstat(pin->get(), &ours) != 0 || ::stat(lock_path.c_str(), &now) != 0 ||
+  if (::fstat(dfd, &ours) != 0 ||
+      ::fstatat(versions->get(), name.c_str(), &now, AT_SYMLINK_NOFOLLOW) != 0 ||
       ours.st_ino != now.st_ino || ours.st_dev != now.st_dev) {
     return absl::AbortedError(absl::StrFormat("version %d was retired", v));
   }
 
   const std::string manifest_path = absl::StrFormat("%s/%s", dir, kManifestFile);
-  WB_ASSIGN_OR_RETURN(std::string manifest_text, ReadSmallFile(manifest_path, kMaxMetadataFile));
+  WB_ASSIGN_OR_RETURN(std::string manifest_text,
+                      ReadSmallFileAt(dfd, kManifestFile, kMaxMetadataFile, manifest_path));
   WB_ASSIGN_OR_RETURN(Manifest manifest, Manifest::FromJson(manifest_text, manifest_path));
   if (manifest.version != v) {
     return absl::DataLossError(
@@ -281,8 +336,11 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(uint
   // Which files: the index's weight_map when sharded, else the single file.
   std::vector<std::string> names;
   const std::string index_path = absl::StrFormat("%s/%s", dir, kIndexFile);
-  if (::access(index_path.c_str(), F_OK) == 0) {
-    WB_ASSIGN_OR_RETURN(std::string index_text, ReadSmallFile(index_path, kMaxMetadataFile));
+  absl::StatusOr<std::string> index_read =
+      ReadSmallFileAt(dfd, kIndexFile, kMaxMetadataFile, index_path);
+  if (!index_read.ok() && !absl::IsNotFound(index_read.status())) return index_read.status();
+  if (index_read.ok()) {
+    const std::string& index_text = *index_read;
     nlohmann::json index = nlohmann::json::parse(index_text, nullptr, false);
     if (index_text.find('\0') != std::string::npos || index.is_discarded() || !index.is_object() ||
         !index.contains("weight_map") || !index["weight_map"].is_object()) {
@@ -310,8 +368,17 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(uint
   files.reserve(names.size());
   for (const std::string& name : names) {
     DataFile f;
+    f.name = name;
     f.path = absl::StrFormat("%s/%s", dir, name);
-    absl::StatusOr<safetensors::Header> header = safetensors::ReadHeader(f.path);
+    WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenAt(dfd, name, O_RDONLY, f.path));
+    struct stat st;
+    if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, absl::StrFormat("stat %s", f.path));
+    if (!S_ISREG(st.st_mode)) {
+      return absl::DataLossError(
+          absl::StrFormat("version %d: %s is not a regular file", v, f.path));
+    }
+    absl::StatusOr<safetensors::Header> header =
+        safetensors::ReadHeader(fd.get(), static_cast<uint64_t>(st.st_size), f.path);
     if (!header.ok()) {
       return absl::Status(header.status().code(),
                           absl::StrFormat("version %d: %s", v, header.status().message()));
@@ -356,9 +423,9 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(uint
     }
     locations.push_back(Location{k, files[k].header.data_start + e->begin});
   }
-  return std::unique_ptr<IncomingVersion>(new DiskVersion(std::move(manifest), std::move(files),
-                                                          std::move(locations), *std::move(pin),
-                                                          io_.get(), &failpoints_));
+  return std::unique_ptr<IncomingVersion>(
+      new DiskVersion(std::move(manifest), *std::move(dir_fd), std::move(files),
+                      std::move(locations), *std::move(pin), io_.get(), &failpoints_));
 }
 
 }  // namespace
@@ -370,8 +437,12 @@ absl::StatusOr<std::unique_ptr<TransportSubscriber>> OpenDiskSubscriber(const Ur
   WB_ASSIGN_OR_RETURN(std::unique_ptr<FileIo> io, MakeFileIo(uri, config));
   absl::Duration poll = config.Duration("poll_interval");
   if (poll <= absl::ZeroDuration()) poll = absl::Milliseconds(1);
-  return std::unique_ptr<TransportSubscriber>(
-      new DiskSubscriber(Channel(root), std::move(io), std::move(failpoints), poll));
+  UniqueFd cancel(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (!cancel) {
+    return ErrnoStatus(errno, absl::StrFormat("%s: eventfd for cancellation", uri.Display()));
+  }
+  return std::unique_ptr<TransportSubscriber>(new DiskSubscriber(
+      std::move(root), std::move(io), std::move(failpoints), poll, std::move(cancel)));
 }
 
 }  // namespace weightbus::internal::disk

@@ -174,6 +174,7 @@ TEST(CliTest, RepublishingTheLatestVersionIsANoOpOnlyWithTheSameBytes) {
   EXPECT_EQ(other.exit_code, 1) << other.output;
   EXPECT_NE(other.output.find("with other content: tensor \""), std::string::npos) << other.output;
   EXPECT_NE(other.output.find("FAILED_PRECONDITION"), std::string::npos) << other.output;
+}
 
 // Issue 10, item 21: `inspect` of a channel directory fails, as every subscriber does, when a
 // committed version lacks its manifest or its reader lock, or LATEST names a missing version.

@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "core/buffer.h"
 #include "core/failpoint.h"
 #include "core/logging.h"
 #include "core/status.h"
@@ -29,6 +30,9 @@
 
 namespace weightbus::internal::disk {
 namespace {
+
+// Bytes of a strided view gathered and written at a time: the extra memory such views cost.
+constexpr uint64_t kStridedWindow = uint64_t{16} << 20;
 
 // One safetensors file of a version and the tensors (manifest indices) it holds.
 struct FilePlan {
@@ -106,6 +110,9 @@ class DiskPublisher final : public TransportPublisher {
 
   // The committed version's weightbus.manifest.json (a retried publish is compared with it).
   // Read relative to the held versions/ directory, following no link (as everything else).
+  // Strided views are gathered through a bounce window (WriteFile): no packing buffer.
+  bool ReadsStridedViews() const override { return true; }
+
   absl::StatusOr<Manifest> CommittedManifest(uint64_t version) override {
     const std::string dir_path = channel_.VersionDir(version);
     WB_ASSIGN_OR_RETURN(UniqueFd dir,
@@ -211,18 +218,51 @@ absl::Status DiskPublisher::WriteFile(int dir_fd, const std::string& dir, const 
   requests.push_back(IoRequest{
       fd.get(), 0, reinterpret_cast<std::byte*>(const_cast<char*>(plan.layout.prefix.data())),
       plan.layout.prefix.size()});
+  std::vector<size_t> request_tensor = {0};  // plan.tensors index + 1 of each request; 0: header
+  std::vector<size_t> strided;               // plan.tensors indices of strided views
   for (size_t k = 0; k < plan.tensors.size(); ++k) {
     const PackedTensor& t = tensors[plan.tensors[k]];
+    if (t.data == nullptr && t.info->nbytes > 0) {
+      strided.push_back(k);
+      continue;
+    }
     requests.push_back(IoRequest{fd.get(), plan.layout.data_start + plan.layout.begin[k],
                                  const_cast<std::byte*>(t.data), t.info->nbytes});
+    request_tensor.push_back(k + 1);
   }
-  auto describe = [&](size_t r) {
-    if (r == 0) return absl::StrFormat("%s (header, version %d)", path, job.version());
+  auto describe_tensor = [&](size_t k) {
     return absl::StrFormat("%s (tensor \"%s\", version %d)", path,
-                           tensors[plan.tensors[r - 1]].info->name, job.version());
+                           tensors[plan.tensors[k]].info->name, job.version());
+  };
+  auto describe = [&](size_t r) {
+    if (request_tensor[r] == 0) {
+      return absl::StrFormat("%s (header, version %d)", path, job.version());
+    }
+    return describe_tensor(request_tensor[r] - 1);
   };
   WB_RETURN_IF_ERROR(io_->Write(
       requests, deadline, [](size_t) {}, describe));
+  // Strided views: gathered window by window into one bounce buffer, never packed whole.
+  std::unique_ptr<HostBuffer> bounce;
+  for (size_t k : strided) {
+    const size_t i = plan.tensors[k];
+    const uint64_t n = tensors[i].info->nbytes;
+    if (!bounce) {
+      WB_ASSIGN_OR_RETURN(bounce, HostBuffer::Allocate(std::min(n, kStridedWindow)));
+    } else if (bounce->size() < std::min(n, kStridedWindow)) {
+      bounce.reset();
+      WB_ASSIGN_OR_RETURN(bounce, HostBuffer::Allocate(std::min(n, kStridedWindow)));
+    }
+    for (uint64_t at = 0; at < n; at += bounce->size()) {
+      const uint64_t len = std::min<uint64_t>(bounce->size(), n - at);
+      job.CopyRange(i, at, len, bounce->data());
+      const IoRequest window{fd.get(), plan.layout.data_start + plan.layout.begin[k] + at,
+                             bounce->data(), len};
+      WB_RETURN_IF_ERROR(io_->Write(
+          absl::MakeConstSpan(&window, 1), deadline, [](size_t) {},
+          [&](size_t) { return describe_tensor(k); }));
+    }
+  }
   if (sync_) {
     WB_RETURN_IF_ERROR(io_->Fsync(fd.get(), deadline, path));
   }

@@ -7,12 +7,17 @@
 // registration cache.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <array>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <thread>
 
 #include <gmock/gmock.h>
@@ -674,9 +679,140 @@ TEST(UcxControlTest, FramesRoundTripAndMalformedOnesAreDataLoss) {
   EXPECT_EQ(TakeFrame(huge).status().code(), absl::StatusCode::kDataLoss);
   std::string empty("\0\0\0\0", 4);
   EXPECT_EQ(TakeFrame(empty).status().code(), absl::StatusCode::kDataLoss);
-  Reader lying(std::string("\xff\xff\x00\x00", 4));
+  // A Reader views its payload: the bytes must outlive it.
+  const std::string lying_bytes("\xff\xff\x00\x00", 4);
+  Reader lying(lying_bytes);
   EXPECT_EQ(lying.Str(), "");
   EXPECT_FALSE(lying.ok());
+}
+
+// A publisher that speaks the control protocol by hand (this thread's own UCX worker supplies a
+// real address and a real 4 KiB registration), so that a test can send grants no real publisher
+// would: one crafted GRANT per WAIT, then it keeps the connection open until told to stop.
+class HandwrittenPublisher {
+ public:
+  // `grant_body` follows the lease fields of a GRANT (see UcxPublisher::Grant).
+  using GrantBody = std::function<std::string(const ucx::MemRegion& region)>;
+
+  static std::unique_ptr<HandwrittenPublisher> Start(int port, GrantBody body) {
+    auto p = std::unique_ptr<HandwrittenPublisher>(new HandwrittenPublisher);
+    auto context = ucx::Context::Create(false, "handwritten", true);
+    EXPECT_TRUE(context.ok()) << context.status();
+    if (!context.ok()) return nullptr;
+    p->context_ = *context;
+    auto worker = ucx::Worker::Create(p->context_, "handwritten");
+    EXPECT_TRUE(worker.ok()) << worker.status();
+    if (!worker.ok()) return nullptr;
+    p->worker_ = *std::move(worker);
+    auto region = ucx::MemRegion::Allocate(p->context_, 4096, UCS_MEMORY_TYPE_HOST);
+    EXPECT_TRUE(region.ok()) << region.status();
+    if (!region.ok()) return nullptr;
+    p->region_ = *std::move(region);
+    auto listener = ucx::Listen("127.0.0.1", port, "handwritten");
+    EXPECT_TRUE(listener.ok()) << listener.status();
+    if (!listener.ok()) return nullptr;
+    p->listener_ = *std::move(listener);
+    p->body_ = std::move(body);
+    p->thread_ = std::thread([q = p.get()] { q->Serve(); });
+    return p;
+  }
+  ~HandwrittenPublisher() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  const ucx::MemRegion& region() const { return *region_; }
+
+ private:
+  HandwrittenPublisher() = default;
+  void Serve() {
+    using namespace ucx;
+    const absl::Time end = absl::Now() + absl::Seconds(60);
+    while (!stop_ && absl::Now() < end) {
+      pollfd p{listener_.get(), POLLIN, 0};
+      if (::poll(&p, 1, 20) <= 0) continue;
+      const int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) continue;
+      ControlStream c(Fd(fd), "the test's subscriber");
+      auto address = worker_->Address();
+      auto rkey = region_->PackRkey();
+      if (!address.ok() || !rkey.ok()) return;
+      while (!stop_) {
+        absl::StatusOr<Frame> f = c.Receive(absl::Now() + absl::Milliseconds(20));
+        if (absl::IsDeadlineExceeded(f.status())) continue;
+        if (!f.ok()) break;
+        Reader r(f->payload);
+        if (f->type == MsgType::kHello) {
+          Writer w(MsgType::kWelcome);
+          w.U32(kProtocolVersion).U64(1).Str(*address).U64(absl::ToInt64Nanoseconds(kTimeout));
+          w.U8(1).U64(1).Str("handwritten publisher").U8(/*bytes_over_control=*/0);
+          (void)c.Send(std::move(w).Finish(), absl::Now() + absl::Seconds(5));
+        } else if (f->type == MsgType::kWait) {
+          Writer g(MsgType::kGrant);
+          g.U64(r.U64()).U64(/*lease=*/7).U64(absl::ToInt64Nanoseconds(kTimeout));
+          g.Raw(body_(*region_));
+          (void)c.Send(std::move(g).Finish(), absl::Now() + absl::Seconds(5));
+        }
+      }
+    }
+  }
+  std::shared_ptr<ucx::Context> context_;
+  std::unique_ptr<ucx::Worker> worker_;
+  std::unique_ptr<ucx::MemRegion> region_;
+  ucx::Fd listener_;
+  GrantBody body_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// A grant whose regions' lengths, or a region's address plus its length, wrap around 64 bits
+// must not pass the bounds check: the subscriber refuses it with DataLoss before any get.
+TEST(UcxGrantTest, RegionSumsThatWrapAround64BitsAreDataLoss) {
+  weightbus::testing::ApplyEnv(weightbus::testing::kShm);
+  if (const std::string why = weightbus::UcxUnavailableReason(); !why.empty()) GTEST_SKIP() << why;
+  const std::vector<std::byte> bytes = testing::RandomBytes(8, 3);
+  Manifest m;
+  m.version = 1;
+  m.tensors.push_back(
+      TensorInfo{"t", DType::kU8, {8}, std::nullopt, 8, testing::Xxh3(bytes.data(), 8)});
+  struct Case {
+    std::string name;
+    std::vector<std::array<uint64_t, 3>> regions;  // base, address (0: the real one), length
+    std::string why;
+  };
+  const uint64_t max = std::numeric_limits<uint64_t>::max();
+  for (const Case& c : {
+           // The first two regions' lengths sum to 2^64: the running end wraps to 0, where a
+           // third region then "tiles" on, and the tensor seems to lie inside the slot.
+           Case{"lengths", {{0, 0, 16}, {16, 1, max - 15}, {0, 0, 16}}, "ends beyond 2^64"},
+           // One region whose address plus length wraps.
+           Case{"address", {{0, max - 3, 4096}}, "ends beyond 2^64"},
+       }) {
+    SCOPED_TRACE(c.name);
+    const int port = weightbus::FreePort();
+    auto pub = HandwrittenPublisher::Start(port, [&](const ucx::MemRegion& region) {
+      std::memcpy(region.data(), bytes.data(), bytes.size());
+      auto rkey = region.PackRkey();
+      ucx::Writer w(ucx::MsgType::kGrant);
+      w.U64(1).Str(m.ToJson()).U32(static_cast<uint32_t>(c.regions.size()));
+      uint64_t id = 1;
+      for (const auto& [base, address, length] : c.regions) {
+        w.U64(id++).U64(base);
+        w.U64(address != 0 ? address : reinterpret_cast<uintptr_t>(region.data()));
+        w.U64(length).Str(rkey.ok() ? *rkey : "");
+      }
+      w.U32(1).U64(0);  // the tensor's offset
+      w.U32(0);         // live regions
+      return std::move(w).Body();
+    });
+    ASSERT_NE(pub, nullptr);
+    auto sub = weightbus::Subscriber::Open(absl::StrFormat("ucx://127.0.0.1:%d/p", port));
+    ASSERT_TRUE(sub.ok()) << sub.status();
+    auto u = (*sub)->WaitForVersion(0, absl::Seconds(20));
+    ASSERT_EQ(u.status().code(), absl::StatusCode::kDataLoss) << u.status();
+    EXPECT_THAT(u.status().message(), HasSubstr("malformed grant of version 1"));
+    EXPECT_THAT(u.status().message(), HasSubstr(c.why));
+    EXPECT_EQ((*sub)->current_version(), std::nullopt);
+  }
 }
 
 TEST(UcxRegistrationCacheTest, RegistersOnceAndDropsRegistrationsOfUnmappedMemory) {

@@ -24,7 +24,7 @@
 namespace weightbus::internal::ucx {
 
 inline constexpr char kMagic[] = "weightbus-ucx";
-inline constexpr uint32_t kProtocolVersion = 1;
+inline constexpr uint32_t kProtocolVersion = 2;
 // Largest frame accepted (a manifest of a very large model fits many times over).
 inline constexpr uint32_t kMaxFrame = uint32_t{1} << 30;
 
@@ -43,6 +43,9 @@ enum class MsgType : uint8_t {
   kList = 12,      // sub -> pub: request id
   kVersions = 13,  // pub -> sub: request id, versions held, ascending
   kRenewed = 14,   // pub -> sub: lease id, whether the lease was still valid (and now extended)
+  kRead = 15,      // sub -> pub: request id, lease id, offset in the slot, length (bytes over
+                   // the control connection, when WELCOME said so)
+  kData = 16,      // pub -> sub: request id, ok flag, the bytes (or, not ok, why not)
 };
 
 std::string_view MsgTypeName(MsgType type);
@@ -55,6 +58,10 @@ using Fd = ::weightbus::internal::UniqueFd;
 
 // "127.0.0.1 port 5555 (IPv4)" or "::1 port 5555 (IPv6)".
 std::string DescribeSockaddr(const sockaddr* addr, socklen_t len);
+
+// Whether the peer of connected socket `fd` is on this host: its address is a loopback one or
+// the socket's own local address.
+bool PeerIsLocal(int fd);
 
 // Listens on host:port (a name, an address or a wildcard). Errors name the address, family and
 // port: FailedPrecondition when the port is in use, InvalidArgument when the host does not

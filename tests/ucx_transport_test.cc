@@ -8,14 +8,17 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <thread>
@@ -633,6 +636,84 @@ TEST_P(UcxInternalTest, CorruptedBytesAreDataLossNamingTheTensor) {
     EXPECT_THAT(u.status().message(), HasSubstr(absl::StrFormat("%016x", right)));
   }
   EXPECT_EQ((*sub)->current_version(), std::nullopt);
+}
+
+// The state letter of process `pid` in /proc/PID/stat ('T' once a SIGSTOP took effect).
+char ProcessState(pid_t pid) {
+  std::ifstream in(absl::StrFormat("/proc/%d/stat", pid));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t paren = text.rfind(')');
+  return paren != std::string::npos && paren + 2 < text.size() ? text[paren + 2] : '?';
+}
+
+// Item 3 of issue 10: a publisher process stalled (SIGSTOP) while a subscriber asks it for bytes;
+// the subscriber gives up and goes away during the stall; when the publisher resumes it must
+// keep publishing and serving others. With UCX_TLS=tcp, UCX 1.13's software-emulated gets made
+// the resumed publisher abort (ucp_get_req_handler: "unexpected error: Endpoint timeout") while
+// it answered the vanished subscriber's queued get requests.
+TEST_P(UcxInternalTest, PublisherStalledWhileASubscriberGivesUpAndLeavesKeepsServingOthers) {
+  testing::ScratchDir dir;
+  const int port = weightbus::FreePort();
+  const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/stall", port);
+  const uint64_t bytes = 8 << 20;
+  // Version 1, then versions 2 and 3 once one subscriber holds version 1 (none does until the
+  // survivor below: the victim never completes its transfer).
+  auto pub = testing::Child::Start(
+      {testing::BinaryPath("tests/wb_test_peer"), "publish", uri, "--versions", "3", "--bytes",
+       std::to_string(bytes), "--first-subscribers", "1", "--until-subscribers", "1", "--timeout-s",
+       "60"},
+      GetParam().env, dir / "pub.log");
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  // The victim: small reads so that many are outstanding when it gives up.
+  auto victim_uri = ParseUri(uri + "?get_chunk_size=64KiB&gets_in_flight=16");
+  auto stack = ResolveStack(*victim_uri);
+  ASSERT_TRUE(stack.ok());
+  auto config = ResolveConfig(*stack, *victim_uri, {});
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto victim = OpenSubscriberStack(*stack, *victim_uri, *config);
+  ASSERT_TRUE(victim.ok()) << victim.status();
+  auto granted = (*victim)->WaitForVersion(1, absl::Now() + absl::Seconds(30));
+  ASSERT_TRUE(granted.ok()) << granted.status();
+  ASSERT_EQ((*granted)->manifest().version, 1u);
+
+  pub->Kill(SIGSTOP);
+  ASSERT_TRUE(testing::WaitUntil([&] { return ProcessState(pub->pid()) == 'T'; }));
+  struct Sink : LandingSink {
+    void Landed(size_t) override {}
+  } sink;
+  std::vector<std::vector<std::byte>> buffers;
+  std::vector<std::byte*> targets;
+  for (const TensorInfo& t : (*granted)->manifest().tensors) {
+    buffers.emplace_back(t.nbytes);
+    targets.push_back(buffers.back().data());
+  }
+  // Over tcp nothing can arrive from a stopped publisher; shared memory needs no help from it.
+  absl::Status fetched = (*granted)->Fetch(targets, sink, absl::Now() + absl::Milliseconds(500));
+  if (GetParam().name == "tcp") {
+    EXPECT_EQ(fetched.code(), absl::StatusCode::kDeadlineExceeded) << fetched;
+  }
+  granted->reset();
+  victim->reset();  // what its exit does: every connection to the publisher closes
+
+  pub->Kill(SIGCONT);
+  auto survivor =
+      testing::Child::Start({testing::BinaryPath("tests/wb_test_peer"), "subscribe", uri, "--until",
+                             "3", "--bytes", std::to_string(bytes), "--timeout-s", "60"},
+                            GetParam().env, dir / "survivor.log");
+  ASSERT_TRUE(survivor.ok());
+  auto s = survivor->Wait(absl::Seconds(120));
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::string survivor_log = testing::ReadFileOrDie(dir / "survivor.log");
+  EXPECT_TRUE(WIFEXITED(*s) && WEXITSTATUS(*s) == 0) << survivor_log;
+  EXPECT_THAT(survivor_log, HasSubstr("received 3 ok"));
+  auto p = pub->Wait(absl::Seconds(60));
+  ASSERT_TRUE(p.ok()) << p.status();
+  const std::string pub_log = testing::ReadFileOrDie(dir / "pub.log");
+  EXPECT_TRUE(WIFEXITED(*p) && WEXITSTATUS(*p) == 0)
+      << "the publisher ended with wait status " << *p << ":\n"
+      << pub_log;
+  EXPECT_THAT(pub_log, HasSubstr("published 3"));
+  EXPECT_THAT(pub_log, HasSubstr("1 subscribers have 3"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, UcxInternalTest,

@@ -438,6 +438,78 @@ TEST_P(UcxTransportTest, PortInUseNamesAddressFamilyAndPort) {
   EXPECT_THAT(second.status().message(), HasSubstr("in use"));
 }
 
+// Poll finds every version committed before it (the first poll on a new subscriber included)
+// and returns the version a subscriber already holds again, as on disk (weightbus.hpp: a version
+// v >= max(min_version, current_version())). 50 rounds, no sleeps.
+TEST_P(UcxTransportTest, PollFindsEveryVersionCommittedBeforeItAndTheHeldOneAgain) {
+  auto pub = Publisher::Open(Uri());
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  std::unique_ptr<Subscriber> sub;
+  for (uint64_t v = 1; v <= 50; ++v) {
+    auto tensors = MakeVersion(13, v, 1 << 12);
+    ASSERT_TRUE((*pub)->Publish(v, Views(tensors), {}, kTimeout).ok()) << v;
+    if (v % 10 == 1) {  // now and then a new subscriber, whose first call is a poll
+      auto s = Subscriber::Open(Uri());
+      ASSERT_TRUE(s.ok()) << s.status();
+      sub = *std::move(s);
+    }
+    auto u = sub->Poll(v, kTimeout);
+    ASSERT_TRUE(u.ok()) << v << ": " << u.status();
+    ASSERT_NE(*u, nullptr) << "version " << v << " was committed before the poll";
+    EXPECT_EQ((*u)->version(), v);
+    ExpectSameTensors(**u, tensors);
+    auto again = sub->Poll(0, kTimeout);
+    ASSERT_TRUE(again.ok()) << again.status();
+    ASSERT_NE(*again, nullptr) << "the held version " << v << " is not returned again";
+    EXPECT_EQ((*again)->version(), v);
+  }
+  auto newer = sub->Poll(51, kTimeout);
+  ASSERT_TRUE(newer.ok()) << newer.status();
+  EXPECT_EQ(*newer, nullptr);
+  EXPECT_EQ(sub->current_version(), std::optional<uint64_t>(50));
+}
+
+// Item 4 of issue 10: a wait whose deadline comes before connect_timeout ends while no
+// publisher is reachable yet is DeadlineExceeded (naming channel, version and connect error),
+// so that callers waiting in slices keep waiting; a publisher that comes up is then found.
+TEST_P(UcxTransportTest, WaitInSlicesBeforeThePublisherStartsIsDeadlineExceededUntilItIsUp) {
+  auto sub = Subscriber::Open(Uri("connect_timeout=60s"));
+  ASSERT_TRUE(sub.ok());
+  std::unique_ptr<Publisher> pub;
+  std::vector<OwnedTensor> v1;
+  for (int slice = 0;; ++slice) {
+    ASSERT_LT(slice, 1000);
+    auto u = (*sub)->WaitForVersion(1, absl::Milliseconds(100));
+    if (u.ok()) {
+      ASSERT_NE(pub, nullptr) << "a version before any publisher";
+      EXPECT_EQ((*u)->version(), 1u);
+      ExpectSameTensors(**u, v1);
+      break;
+    }
+    ASSERT_EQ(u.status().code(), absl::StatusCode::kDeadlineExceeded) << u.status();
+    if (pub == nullptr) {
+      EXPECT_THAT(u.status().message(), HasSubstr(Uri("connect_timeout=60s").substr(0, 6)));
+      EXPECT_THAT(u.status().message(), HasSubstr("/policy"));
+      EXPECT_THAT(u.status().message(), HasSubstr("version >= 1"));
+      EXPECT_THAT(u.status().message(), HasSubstr("refused"));
+    }
+    if (slice == 3) {  // the publisher comes up after three slices ran out
+      auto p = Publisher::Open(Uri());
+      ASSERT_TRUE(p.ok()) << p.status();
+      pub = *std::move(p);
+      v1 = MakeVersion(14, 1, 1 << 14);
+      ASSERT_TRUE(pub->Publish(1, Views(v1), {}, kTimeout).ok());
+    }
+  }
+  // A poll with nobody listening finds nothing (it is not an error to poll early).
+  pub.reset();
+  auto early = Subscriber::Open(Uri());
+  ASSERT_TRUE(early.ok());
+  auto none = (*early)->Poll(0, kTimeout);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(*none, nullptr);
+}
+
 INSTANTIATE_TEST_SUITE_P(Tls, UcxTransportTest, ::testing::Values(kShm, kTcp, kDefault),
                          [](const ::testing::TestParamInfo<Tls>& info) { return info.param.name; });
 

@@ -184,7 +184,7 @@ absl::StatusOr<Fd> Listen(const std::string& host, int port, std::string_view ur
 }
 
 absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadline,
-                           std::string_view uri) {
+                           std::string_view uri, bool once) {
   const absl::Time start = absl::Now();
   absl::Duration backoff = absl::Milliseconds(10);
   int attempts = 0;
@@ -235,7 +235,7 @@ absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadlin
       last.push_back(absl::StrFormat(
           "%s: %s", where, err == ETIMEDOUT ? "no answer (connection timed out)" : strerror(err)));
     }
-    if (absl::Now() >= deadline) break;
+    if (once || absl::Now() >= deadline) break;
     absl::SleepFor(std::min(backoff, deadline - absl::Now()));
     backoff = std::min(backoff * 2, absl::Milliseconds(250));
   }

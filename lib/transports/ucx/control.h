@@ -32,7 +32,7 @@ enum class MsgType : uint8_t {
   kHello = 1,      // sub -> pub: magic, protocol, channel, subscriber id, description
   kWelcome = 2,    // pub -> sub: protocol, session id, worker address, lease, newest, description
   kError = 3,      // pub -> sub: status code and message; the publisher then closes
-  kWait = 4,       // sub -> pub: request id, version, exact flag
+  kWait = 4,       // sub -> pub: request id, version, mode (0 newest >=, 1 exact, 2 newest >= now)
   kGrant = 5,      // pub -> sub: the version, its manifest and where its bytes are
   kRefused = 6,    // pub -> sub: request id, status code, message (e.g. exact version not held)
   kCancel = 7,     // sub -> pub: request id (a WAIT whose caller gave up)
@@ -72,8 +72,10 @@ absl::StatusOr<Fd> Listen(const std::string& host, int port, std::string_view ur
 // unreachable attempts until `deadline` (a publisher may be starting). Refuses wildcard
 // addresses. Errors: Unavailable naming each address, family and port with the last error;
 // InvalidArgument for a wildcard or a name that does not resolve.
+// With `once`, a single round of attempts is made (a refused one fails at once; one in progress
+// may take until `deadline`).
 absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadline,
-                           std::string_view uri);
+                           std::string_view uri, bool once = false);
 
 // Builds one frame.
 class Writer {

@@ -95,6 +95,7 @@ struct PendingWait {
   uint64_t request = 0;
   uint64_t version = 0;
   bool exact = false;
+  bool now = false;  // answer at once: a grant or REFUSED DeadlineExceeded (a poll)
 };
 
 // One subscriber's control connection.
@@ -758,7 +759,9 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       PendingWait w;
       w.request = r.U64();
       w.version = r.U64();
-      w.exact = r.U8() != 0;
+      const uint8_t mode = r.U8();
+      w.exact = mode == 1;
+      w.now = mode == 2;
       if (r.ok()) c.waits.push_back(w);
       break;
     }
@@ -860,6 +863,15 @@ void UcxPublisher::ServeWaits(Conn& c) {
       }
     } else if (newest_ != nullptr && newest_->version >= w.version) {
       slot = newest_;
+    } else if (w.now) {
+      c.out += Writer(MsgType::kRefused)
+                   .U64(w.request)
+                   .U32(static_cast<uint32_t>(absl::StatusCode::kDeadlineExceeded))
+                   .Str(absl::StrFormat("no version >= %d yet (newest: %s)", w.version,
+                                        newest_ ? std::to_string(newest_->version) : "none"))
+                   .Finish();
+      it = c.waits.erase(it);
+      continue;
     }
     if (slot == nullptr) {
       ++it;

@@ -194,8 +194,12 @@ class UcxSubscriber final : public TransportSubscriber {
  private:
   absl::StatusOr<std::unique_ptr<IncomingVersion>> Request(uint64_t version, bool exact,
                                                            absl::Time deadline);
-  // Connects (or reuses a live connection). Errors as Connect, plus the publisher's ERROR.
-  absl::Status EnsureSession(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Connects (or reuses a live connection). Errors as Connect, plus the publisher's ERROR; but
+  // when `deadline` comes before connect_timeout ends and no publisher could be reached by
+  // then, DeadlineExceeded naming `waiting_for` ("version >= 3") and the connect error (unless
+  // `waiting_for` is empty). `once`: a single connect attempt (a poll).
+  absl::Status EnsureSession(absl::Time deadline, std::string_view waiting_for = "",
+                             bool once = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CloseSession() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A frame nobody waits for: a grant for a request given up on is released at once.
   void HandleStray(const Frame& f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -275,7 +279,8 @@ absl::Status UcxSubscriber::SessionLost(const absl::Status& why, std::string_vie
       absl::StrFormat("%s%s %s", in_fetch ? "" : endpoint_.display + ": ", why.message(), during));
 }
 
-absl::Status UcxSubscriber::EnsureSession(absl::Time deadline) {
+absl::Status UcxSubscriber::EnsureSession(absl::Time deadline, std::string_view waiting_for,
+                                          bool once) {
   if (session_) {
     // A live connection may have ended since the last call (publisher exited or restarted).
     absl::Status alive = session_->ep_status == UCS_OK
@@ -295,9 +300,23 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline) {
     Log(LogLevel::kInfo, "%s: reconnecting (%s)", endpoint_.display, std::string(alive.message()));
     CloseSession();
   }
-  const absl::Time connect_deadline = std::min(deadline, absl::Now() + options_.connect_timeout);
-  WB_ASSIGN_OR_RETURN(Fd fd,
-                      Connect(endpoint_.host, endpoint_.port, connect_deadline, endpoint_.display));
+  const absl::Time connect_end = absl::Now() + options_.connect_timeout;
+  const absl::Time connect_deadline = std::min(deadline, connect_end);
+  absl::StatusOr<Fd> connected =
+      Connect(endpoint_.host, endpoint_.port, connect_deadline, endpoint_.display, once);
+  if (!connected.ok()) {
+    // The caller's deadline, not connect_timeout, ended the attempts: nobody is there yet, so
+    // this is a wait that timed out (callers that wait in slices keep waiting), not a
+    // publisher that went away.
+    if (absl::IsUnavailable(connected.status()) && !waiting_for.empty() &&
+        (once || deadline < connect_end)) {
+      return absl::DeadlineExceededError(
+          absl::StrFormat("%s: no %s by the deadline: no publisher could be reached yet (%s)",
+                          endpoint_.display, waiting_for, connected.status().message()));
+    }
+    return connected.status();
+  }
+  Fd fd = *std::move(connected);
   sockaddr_storage peer{};
   socklen_t len = sizeof(peer);
   std::string where = "?";
@@ -447,11 +466,18 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::Request(uint64_t
                                                                         bool exact,
                                                                         absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  WB_RETURN_IF_ERROR(EnsureSession(deadline));
+  // A deadline already past is a poll: it still gets one round trip to the publisher (bounded
+  // by connect_timeout), which answers at once with the newest version >= `version` or says
+  // there is none, so that a version committed before the poll is found by it.
+  const bool poll = !exact && deadline <= absl::Now();
+  if (poll) deadline = absl::Now() + options_.connect_timeout;
+  const std::string waiting_for = absl::StrFormat("version %s %d", exact ? "==" : ">=", version);
+  WB_RETURN_IF_ERROR(EnsureSession(deadline, waiting_for, poll));
   const uint64_t request = next_request_++;
   const absl::Time asked = MonotonicNow();
+  const uint8_t mode = exact ? 1 : poll ? 2 : 0;
   absl::Status sent = session_->control.Send(
-      Writer(MsgType::kWait).U64(request).U64(version).U8(exact).Finish(), deadline);
+      Writer(MsgType::kWait).U64(request).U64(version).U8(mode).Finish(), deadline);
   if (!sent.ok()) return SessionLost(sent, "while asking for a version");
   absl::StatusOr<Frame> f = Await(deadline, [&](const Frame& f) {
     if (f.type != MsgType::kGrant && f.type != MsgType::kRefused) return false;

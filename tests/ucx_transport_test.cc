@@ -788,6 +788,59 @@ TEST_P(UcxInternalTest, PublisherStalledWhileASubscriberGivesUpAndLeavesKeepsSer
   EXPECT_THAT(pub_log, HasSubstr("1 subscribers have 3"));
 }
 
+// TransportSubscriber/TransportPublisher::Cancel (lib/core/transport.h): a wait in flight, a
+// Publish waiting for a staging slot and a WaitForReceivers return Cancelled long before their
+// deadlines, and so does every later call. (Cancel may land before or after the call starts.)
+TEST_P(UcxInternalTest, CancelEndsWaitsInFlightAndEveryLaterCall) {
+  const int port = weightbus::FreePort();
+  auto uri = ParseUri(absl::StrFormat("ucx://127.0.0.1:%d/cancel?staging_slots=1&lease=60s", port));
+  auto stack = ResolveStack(*uri);
+  auto config = ResolveConfig(*stack, *uri, {});
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto pub = OpenPublisherStack(*stack, *uri, *config);
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = OpenSubscriberStack(*stack, *uri, *config);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  std::vector<std::byte> bytes = testing::RandomBytes(4096, 1);
+  Manifest m;
+  m.version = 1;
+  m.tensors.push_back(
+      TensorInfo{"t", DType::kU8, {4096}, std::nullopt, 4096, testing::Xxh3(bytes.data(), 4096)});
+  SealedPublishJob job1(m, {bytes.data()});
+  ASSERT_TRUE((*pub)->Publish(job1, absl::Now() + absl::Seconds(10)).ok());
+
+  // The subscriber waits for a version nobody publishes.
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> waited;
+  std::thread waiter([&] { waited = (*sub)->WaitForVersion(2, absl::Now() + absl::Seconds(120)); });
+  (*sub)->Cancel();
+  waiter.join();
+  EXPECT_EQ(waited.status().code(), absl::StatusCode::kCancelled) << waited.status();
+  EXPECT_EQ((*sub)->WaitForVersion(1, absl::Now() + absl::Seconds(5)).status().code(),
+            absl::StatusCode::kCancelled);
+  EXPECT_EQ((*sub)->ListVersions().status().code(), absl::StatusCode::kCancelled);
+
+  // A grant held by a second subscriber pins the only slot: Publish waits for it.
+  auto holder = OpenSubscriberStack(*stack, *uri, *config);
+  ASSERT_TRUE(holder.ok());
+  auto held = (*holder)->WaitForVersion(1, absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(held.ok()) << held.status();
+  m.version = 2;
+  SealedPublishJob job2(m, {bytes.data()});
+  absl::Status published;
+  absl::StatusOr<int> receivers;
+  std::thread publisher([&] {
+    published = (*pub)->Publish(job2, absl::Now() + absl::Seconds(120));
+    receivers = (*pub)->WaitForReceivers(1, 5, absl::Now() + absl::Seconds(120));
+  });
+  (*pub)->Cancel();
+  publisher.join();
+  EXPECT_EQ(published.code(), absl::StatusCode::kCancelled) << published;
+  EXPECT_EQ(receivers.status().code(), absl::StatusCode::kCancelled) << receivers.status();
+  held->reset();
+  EXPECT_EQ((*pub)->Publish(job2, absl::Now() + absl::Seconds(5)).code(),
+            absl::StatusCode::kCancelled);
+}
+
 INSTANTIATE_TEST_SUITE_P(Tls, UcxInternalTest,
                          ::testing::Values(weightbus::testing::kShm, weightbus::testing::kTcp),
                          [](const ::testing::TestParamInfo<weightbus::testing::Tls>& info) {

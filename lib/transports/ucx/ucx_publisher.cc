@@ -176,13 +176,27 @@ class UcxPublisher final : public TransportPublisher {
 
   absl::StatusOr<int> WaitForReceivers(uint64_t version, int count, absl::Time deadline) override {
     absl::MutexLock lock(&mu_);
-    while (Receivers(version) < count && !stopping_ && absl::Now() < deadline) {
+    while (Receivers(version) < count && !stopping_ && !cancelled_ && absl::Now() < deadline) {
       AwaitChange(deadline);
     }
+    if (cancelled_) return Cancelled();
     return Receivers(version);
   }
 
+  // Wakes a Publish waiting for a staging slot and a WaitForReceivers at once; they and every
+  // later call return Cancelled. The progress thread serves on until destruction.
+  void Cancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    ++changes_;
+  }
+
  private:
+  absl::Status Cancelled() const {
+    return absl::CancelledError(
+        absl::StrFormat("%s: the publisher is being closed (Cancel)", endpoint_.display));
+  }
+
   // Waits until changes_ moves (a slot or lease freed, a receiver counted, shutdown) or `until`.
   void AwaitChange(absl::Time until) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     struct Args {
@@ -191,7 +205,8 @@ class UcxPublisher final : public TransportPublisher {
     } args{this, changes_};
     mu_.AwaitWithDeadline(absl::Condition(
                               +[](Args* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                return a->p->changes_ != a->seen || a->p->stopping_;
+                                return a->p->changes_ != a->seen || a->p->stopping_ ||
+                                       a->p->cancelled_;
                               },
                               &args),
                           until);
@@ -276,6 +291,7 @@ class UcxPublisher final : public TransportPublisher {
   uint64_t next_region_ = 1;                   // Publish only
   uint64_t changes_ ABSL_GUARDED_BY(mu_) = 0;  // bumped whenever a slot or lease frees up
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 void UcxPublisher::ExpireLeases(absl::Time now) {
@@ -508,6 +524,7 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
   Slot* slot = nullptr;
   {
     absl::MutexLock lock(&mu_);
+    if (cancelled_) return Cancelled();
     while ((slot = PickSlot()) == nullptr) {
       absl::Time wake = deadline;
       const absl::Time mono = MonotonicNow(), now = absl::Now();
@@ -519,7 +536,9 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
                             options_.staging_slots, DescribeSlots()));
       }
       if (stopping_) return absl::CancelledError("the publisher is shutting down");
+      if (cancelled_) return Cancelled();
       AwaitChange(wake);
+      if (cancelled_) return Cancelled();
     }
     slot->state = Slot::State::kWriting;
     if (newest_ == slot) RecomputeNewest();

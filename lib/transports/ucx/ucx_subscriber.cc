@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 
 #include "absl/strings/str_format.h"
@@ -185,6 +186,9 @@ class UcxSubscriber final : public TransportSubscriber {
     return Request(version, /*exact=*/true, deadline);
   }
   absl::StatusOr<std::vector<uint64_t>> ListVersions() override;
+  // A wait in flight returns Cancelled within about 50 ms (Await receives in slices and checks
+  // the flag); so does every later call. Only sets an atomic flag: safe from any thread.
+  void Cancel() override { cancelled_.store(true); }
 
   absl::Status Fetch(UcxVersion& v, absl::Span<std::byte* const> targets, LandingSink& sink,
                      absl::Time deadline);
@@ -238,6 +242,11 @@ class UcxSubscriber final : public TransportSubscriber {
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_request_ ABSL_GUARDED_BY(mu_) = 1;
   bool try_peer_errors_ ABSL_GUARDED_BY(mu_) = true;
+  std::atomic<bool> cancelled_{false};
+  absl::Status CancelledStatus() const {
+    return absl::CancelledError(
+        absl::StrFormat("%s: the subscriber is being closed (Cancel)", endpoint_.display));
+  }
   const std::string description_;
 };
 
@@ -446,7 +455,10 @@ absl::StatusOr<Frame> UcxSubscriber::Await(absl::Time deadline,
                                            const std::function<bool(const Frame&)>& want) {
   while (true) {
     if (!session_) return absl::UnavailableError("the session ended");
-    absl::StatusOr<Frame> f = session_->control.Receive(deadline);
+    if (cancelled_.load()) return CancelledStatus();
+    absl::StatusOr<Frame> f =
+        session_->control.Receive(std::min(deadline, absl::Now() + absl::Milliseconds(50)));
+    if (absl::IsDeadlineExceeded(f.status()) && absl::Now() < deadline) continue;
     if (!f.ok()) return f.status();
     if (want(*f)) return f;
     if (f->type == MsgType::kError) {
@@ -466,6 +478,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::Request(uint64_t
                                                                         bool exact,
                                                                         absl::Time deadline) {
   absl::MutexLock lock(&mu_);
+  if (cancelled_.load()) return CancelledStatus();
   // A deadline already past is a poll: it still gets one round trip to the publisher (bounded
   // by connect_timeout), which answers at once with the newest version >= `version` or says
   // there is none, so that a version committed before the poll is found by it.
@@ -586,6 +599,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const
 
 absl::StatusOr<std::vector<uint64_t>> UcxSubscriber::ListVersions() {
   absl::MutexLock lock(&mu_);
+  if (cancelled_.load()) return CancelledStatus();
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
   WB_RETURN_IF_ERROR(EnsureSession(deadline));
   const uint64_t request = next_request_++;

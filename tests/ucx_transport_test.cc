@@ -819,6 +819,20 @@ TEST_P(UcxInternalTest, CancelEndsWaitsInFlightAndEveryLaterCall) {
             absl::StatusCode::kCancelled);
   EXPECT_EQ((*sub)->ListVersions().status().code(), absl::StatusCode::kCancelled);
 
+  // A subscriber still trying to reach a publisher that is not up (connect_timeout 120 s).
+  auto nowhere = ParseUri(
+      absl::StrFormat("ucx://127.0.0.1:%d/cancel?connect_timeout=120s", weightbus::FreePort()));
+  auto nowhere_config = ResolveConfig(*stack, *nowhere, {});
+  ASSERT_TRUE(nowhere_config.ok()) << nowhere_config.status();
+  auto lonely = OpenSubscriberStack(*stack, *nowhere, *nowhere_config);
+  ASSERT_TRUE(lonely.ok()) << lonely.status();
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> connecting;
+  std::thread dialer(
+      [&] { connecting = (*lonely)->WaitForVersion(1, absl::Now() + absl::Seconds(120)); });
+  (*lonely)->Cancel();
+  dialer.join();
+  EXPECT_EQ(connecting.status().code(), absl::StatusCode::kCancelled) << connecting.status();
+
   // A grant held by a second subscriber pins the only slot: Publish waits for it.
   auto holder = OpenSubscriberStack(*stack, *uri, *config);
   ASSERT_TRUE(holder.ok());

@@ -184,7 +184,7 @@ absl::StatusOr<Fd> Listen(const std::string& host, int port, std::string_view ur
 }
 
 absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadline,
-                           std::string_view uri, bool once) {
+                           std::string_view uri, bool once, const std::atomic<bool>* cancelled) {
   const absl::Time start = absl::Now();
   absl::Duration backoff = absl::Milliseconds(10);
   int attempts = 0;
@@ -236,7 +236,14 @@ absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadlin
           "%s: %s", where, err == ETIMEDOUT ? "no answer (connection timed out)" : strerror(err)));
     }
     if (once || absl::Now() >= deadline) break;
-    absl::SleepFor(std::min(backoff, deadline - absl::Now()));
+    const absl::Time wake = std::min(absl::Now() + backoff, deadline);
+    while (absl::Now() < wake && (cancelled == nullptr || !cancelled->load())) {
+      absl::SleepFor(std::min(absl::Milliseconds(50), wake - absl::Now()));
+    }
+    if (cancelled != nullptr && cancelled->load()) {
+      return absl::CancelledError(
+          absl::StrFormat("%s: cancelled while connecting to the publisher", uri));
+    }
     backoff = std::min(backoff * 2, absl::Milliseconds(250));
   }
   return absl::UnavailableError(absl::StrFormat(

@@ -10,6 +10,7 @@
 
 #include <sys/socket.h>
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -73,9 +74,11 @@ absl::StatusOr<Fd> Listen(const std::string& host, int port, std::string_view ur
 // addresses. Errors: Unavailable naming each address, family and port with the last error;
 // InvalidArgument for a wildcard or a name that does not resolve.
 // With `once`, a single round of attempts is made (a refused one fails at once; one in progress
-// may take until `deadline`).
+// may take until `deadline`). When `*cancelled` becomes true, retrying stops within about 50 ms
+// (Cancelled).
 absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadline,
-                           std::string_view uri, bool once = false);
+                           std::string_view uri, bool once = false,
+                           const std::atomic<bool>* cancelled = nullptr);
 
 // Builds one frame.
 class Writer {

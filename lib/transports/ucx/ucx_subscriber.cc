@@ -311,8 +311,8 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline, std::string_view 
   }
   const absl::Time connect_end = absl::Now() + options_.connect_timeout;
   const absl::Time connect_deadline = std::min(deadline, connect_end);
-  absl::StatusOr<Fd> connected =
-      Connect(endpoint_.host, endpoint_.port, connect_deadline, endpoint_.display, once);
+  absl::StatusOr<Fd> connected = Connect(endpoint_.host, endpoint_.port, connect_deadline,
+                                         endpoint_.display, once, &cancelled_);
   if (!connected.ok()) {
     // The caller's deadline, not connect_timeout, ended the attempts: nobody is there yet, so
     // this is a wait that timed out (callers that wait in slices keep waiting), not a

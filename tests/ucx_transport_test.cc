@@ -16,11 +16,14 @@
 
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
+#include <optional>
 #include <thread>
 
 #include <gmock/gmock.h>
@@ -718,76 +721,6 @@ char ProcessState(pid_t pid) {
   return paren != std::string::npos && paren + 2 < text.size() ? text[paren + 2] : '?';
 }
 
-// Item 3 of issue 10: a publisher process stalled (SIGSTOP) while a subscriber asks it for bytes;
-// the subscriber gives up and goes away during the stall; when the publisher resumes it must
-// keep publishing and serving others. With UCX_TLS=tcp, UCX 1.13's software-emulated gets made
-// the resumed publisher abort (ucp_get_req_handler: "unexpected error: Endpoint timeout") while
-// it answered the vanished subscriber's queued get requests.
-TEST_P(UcxInternalTest, PublisherStalledWhileASubscriberGivesUpAndLeavesKeepsServingOthers) {
-  testing::ScratchDir dir;
-  const int port = weightbus::FreePort();
-  const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/stall", port);
-  const uint64_t bytes = 8 << 20;
-  // Version 1, then versions 2 and 3 once one subscriber holds version 1 (none does until the
-  // survivor below: the victim never completes its transfer).
-  auto pub = testing::Child::Start(
-      {testing::BinaryPath("tests/wb_test_peer"), "publish", uri, "--versions", "3", "--bytes",
-       std::to_string(bytes), "--first-subscribers", "1", "--until-subscribers", "1", "--timeout-s",
-       "60"},
-      GetParam().env, dir / "pub.log");
-  ASSERT_TRUE(pub.ok()) << pub.status();
-  // The victim: small reads so that many are outstanding when it gives up.
-  auto victim_uri = ParseUri(uri + "?get_chunk_size=64KiB&gets_in_flight=16");
-  auto stack = ResolveStack(*victim_uri);
-  ASSERT_TRUE(stack.ok());
-  auto config = ResolveConfig(*stack, *victim_uri, {});
-  ASSERT_TRUE(config.ok()) << config.status();
-  auto victim = OpenSubscriberStack(*stack, *victim_uri, *config);
-  ASSERT_TRUE(victim.ok()) << victim.status();
-  auto granted = (*victim)->WaitForVersion(1, absl::Now() + absl::Seconds(30));
-  ASSERT_TRUE(granted.ok()) << granted.status();
-  ASSERT_EQ((*granted)->manifest().version, 1u);
-
-  pub->Kill(SIGSTOP);
-  ASSERT_TRUE(testing::WaitUntil([&] { return ProcessState(pub->pid()) == 'T'; }));
-  struct Sink : LandingSink {
-    void Landed(size_t) override {}
-  } sink;
-  std::vector<std::vector<std::byte>> buffers;
-  std::vector<std::byte*> targets;
-  for (const TensorInfo& t : (*granted)->manifest().tensors) {
-    buffers.emplace_back(t.nbytes);
-    targets.push_back(buffers.back().data());
-  }
-  // Over tcp nothing can arrive from a stopped publisher; shared memory needs no help from it.
-  absl::Status fetched = (*granted)->Fetch(targets, sink, absl::Now() + absl::Milliseconds(500));
-  if (GetParam().name == "tcp") {
-    EXPECT_EQ(fetched.code(), absl::StatusCode::kDeadlineExceeded) << fetched;
-  }
-  granted->reset();
-  victim->reset();  // what its exit does: every connection to the publisher closes
-
-  pub->Kill(SIGCONT);
-  auto survivor =
-      testing::Child::Start({testing::BinaryPath("tests/wb_test_peer"), "subscribe", uri, "--until",
-                             "3", "--bytes", std::to_string(bytes), "--timeout-s", "60"},
-                            GetParam().env, dir / "survivor.log");
-  ASSERT_TRUE(survivor.ok());
-  auto s = survivor->Wait(absl::Seconds(120));
-  ASSERT_TRUE(s.ok()) << s.status();
-  const std::string survivor_log = testing::ReadFileOrDie(dir / "survivor.log");
-  EXPECT_TRUE(WIFEXITED(*s) && WEXITSTATUS(*s) == 0) << survivor_log;
-  EXPECT_THAT(survivor_log, HasSubstr("received 3 ok"));
-  auto p = pub->Wait(absl::Seconds(60));
-  ASSERT_TRUE(p.ok()) << p.status();
-  const std::string pub_log = testing::ReadFileOrDie(dir / "pub.log");
-  EXPECT_TRUE(WIFEXITED(*p) && WEXITSTATUS(*p) == 0)
-      << "the publisher ended with wait status " << *p << ":\n"
-      << pub_log;
-  EXPECT_THAT(pub_log, HasSubstr("published 3"));
-  EXPECT_THAT(pub_log, HasSubstr("1 subscribers have 3"));
-}
-
 // TransportSubscriber/TransportPublisher::Cancel (lib/core/transport.h): a wait in flight, a
 // Publish waiting for a staging slot and a WaitForReceivers return Cancelled long before their
 // deadlines, and so does every later call. (Cancel may land before or after the call starts.)
@@ -860,6 +793,179 @@ INSTANTIATE_TEST_SUITE_P(Tls, UcxInternalTest,
                          [](const ::testing::TestParamInfo<weightbus::testing::Tls>& info) {
                            return info.param.name;
                          });
+
+// Item 3 of issue 10: a publisher process stalled (SIGSTOP) while a subscriber asks it for bytes;
+// the subscriber gives up and goes away during the stall (it exits, or is SIGKILLed); when the
+// publisher resumes it must keep publishing and serving others. With UCX_TLS=tcp the old data
+// path (a UCP endpoint with software-emulated gets) made the resumed publisher abort 3 of 3
+// times: ucp_request.c:684 "got REP message", or "unexpected error: Endpoint timeout" in
+// ucp_get_req_handler while it answered the vanished subscriber's queued get requests.
+class UcxStallTest : public UcxInternalTest {
+ protected:
+  static constexpr uint64_t kBytes = 8 << 20;
+
+  void SetUp() override {
+    UcxInternalTest::SetUp();
+    if (IsSkipped()) return;
+    uri_ = absl::StrFormat("ucx://127.0.0.1:%d/stall", weightbus::FreePort());
+    // Version 1, then versions 2 and 3 once one subscriber holds version 1 (none does until the
+    // survivor below: the victim never completes its transfer).
+    auto pub = testing::Child::Start(
+        {testing::BinaryPath("tests/wb_test_peer"), "publish", uri_, "--versions", "3", "--bytes",
+         std::to_string(kBytes), "--first-subscribers", "1", "--until-subscribers", "1",
+         "--timeout-s", "60"},
+        GetParam().env, dir_ / "pub.log");
+    ASSERT_TRUE(pub.ok()) << pub.status();
+    pub_.emplace(*std::move(pub));
+  }
+
+  // The victim's URI: small reads, so that many are outstanding when it gives up.
+  std::string VictimUri() const { return uri_ + "?get_chunk_size=64KiB&gets_in_flight=16"; }
+
+  void StopPublisher() {
+    pub_->Kill(SIGSTOP);
+    ASSERT_TRUE(testing::WaitUntil([&] { return ProcessState(pub_->pid()) == 'T'; }));
+  }
+
+  // Resumes the publisher; it must publish versions 2 and 3, serve them to a new subscriber
+  // process, and exit 0.
+  void ExpectPublisherServesOnAfterResuming() {
+    pub_->Kill(SIGCONT);
+    auto survivor = testing::Child::Start(
+        {testing::BinaryPath("tests/wb_test_peer"), "subscribe", uri_, "--until", "3", "--bytes",
+         std::to_string(kBytes), "--timeout-s", "60"},
+        GetParam().env, dir_ / "survivor.log");
+    ASSERT_TRUE(survivor.ok());
+    auto s = survivor->Wait(absl::Seconds(120));
+    ASSERT_TRUE(s.ok()) << s.status();
+    const std::string survivor_log = testing::ReadFileOrDie(dir_ / "survivor.log");
+    EXPECT_TRUE(WIFEXITED(*s) && WEXITSTATUS(*s) == 0) << survivor_log;
+    EXPECT_THAT(survivor_log, HasSubstr("received 3 ok"));
+    auto p = pub_->Wait(absl::Seconds(60));
+    ASSERT_TRUE(p.ok()) << p.status();
+    const std::string pub_log = testing::ReadFileOrDie(dir_ / "pub.log");
+    EXPECT_TRUE(WIFEXITED(*p) && WEXITSTATUS(*p) == 0)
+        << "the publisher ended with wait status " << *p << ":\n"
+        << pub_log;
+    EXPECT_THAT(pub_log, HasSubstr("published 3"));
+    EXPECT_THAT(pub_log, HasSubstr("1 subscribers have 3"));
+  }
+
+  testing::ScratchDir dir_;
+  std::string uri_;
+  std::optional<testing::Child> pub_;
+};
+
+struct NoSink : LandingSink {
+  void Landed(size_t) override {}
+};
+
+// Buffers for every tensor of `m`, and pointers to them.
+struct Targets {
+  explicit Targets(const Manifest& m) {
+    for (const TensorInfo& t : m.tensors) {
+      buffers.emplace_back(t.nbytes);
+      pointers.push_back(buffers.back().data());
+    }
+  }
+  std::vector<std::vector<std::byte>> buffers;
+  std::vector<std::byte*> pointers;
+};
+
+TEST_P(UcxStallTest, SubscriberThatTimesOutAndExitsDuringTheStall) {
+  auto victim_uri = ParseUri(VictimUri());
+  auto stack = ResolveStack(*victim_uri);
+  ASSERT_TRUE(stack.ok());
+  auto config = ResolveConfig(*stack, *victim_uri, {});
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto victim = OpenSubscriberStack(*stack, *victim_uri, *config);
+  ASSERT_TRUE(victim.ok()) << victim.status();
+  auto granted = (*victim)->WaitForVersion(1, absl::Now() + absl::Seconds(30));
+  ASSERT_TRUE(granted.ok()) << granted.status();
+  ASSERT_EQ((*granted)->manifest().version, 1u);
+  StopPublisher();
+  NoSink sink;
+  Targets targets((*granted)->manifest());
+  // Over tcp nothing can arrive from a stopped publisher; shared memory needs no help from it.
+  absl::Status fetched =
+      (*granted)->Fetch(targets.pointers, sink, absl::Now() + absl::Milliseconds(500));
+  if (GetParam().name == "tcp") {
+    EXPECT_EQ(fetched.code(), absl::StatusCode::kDeadlineExceeded) << fetched;
+  }
+  granted->reset();
+  victim->reset();  // what its exit does: every connection to the publisher closes
+  ExpectPublisherServesOnAfterResuming();
+}
+
+TEST_P(UcxStallTest, SubscriberSigkilledDuringTheStallWithATransferOutstanding) {
+  // The victim is this test binary running the victim case below in another process.
+  const std::string go = dir_ / "go";
+  std::map<std::string, std::string> env = GetParam().env;
+  env["WB_TEST_VICTIM_URI"] = VictimUri();
+  env["WB_TEST_VICTIM_GO"] = go;
+  auto victim =
+      testing::Child::Start({"/proc/self/exe", "--gtest_filter=UcxVictim.DISABLED_FetchesWhenTold",
+                             "--gtest_also_run_disabled_tests"},
+                            env, dir_ / "victim.log");
+  ASSERT_TRUE(victim.ok()) << victim.status();
+  ASSERT_TRUE(testing::WaitUntil(
+      [&] { return absl::StrContains(testing::ReadFileOrDie(dir_ / "victim.log"), "granted 1"); },
+      absl::Seconds(60)))
+      << testing::ReadFileOrDie(dir_ / "victim.log");
+  StopPublisher();
+  { std::ofstream(go) << "go"; }
+  // Its requests are out once it sleeps in poll() waiting for their answers (reads over the
+  // control connection), or while it spins progressing its UCP worker (gets).
+  ASSERT_TRUE(testing::WaitUntil(
+      [&] {
+        std::ifstream wchan(absl::StrFormat("/proc/%d/wchan", victim->pid()));
+        std::string w;
+        wchan >> w;
+        return absl::StrContains(testing::ReadFileOrDie(dir_ / "victim.log"), "fetching") &&
+               (absl::StrContains(w, "poll") || w == "0" || GetParam().name != "tcp");
+      },
+      absl::Seconds(60)))
+      << testing::ReadFileOrDie(dir_ / "victim.log");
+  victim->Kill(SIGKILL);
+  auto v = victim->Wait(absl::Seconds(30));
+  ASSERT_TRUE(v.ok());
+  ExpectPublisherServesOnAfterResuming();
+}
+
+INSTANTIATE_TEST_SUITE_P(Tls, UcxStallTest,
+                         ::testing::Values(weightbus::testing::kShm, weightbus::testing::kTcp),
+                         [](const ::testing::TestParamInfo<weightbus::testing::Tls>& info) {
+                           return info.param.name;
+                         });
+
+// The victim process of SubscriberSigkilledDuringTheStallWithATransferOutstanding (run only
+// from there: its URI and go-file come from the environment): takes a grant of version 1, then,
+// once the go-file exists, fetches it with a long deadline (it is killed meanwhile).
+TEST(UcxVictim, DISABLED_FetchesWhenTold) {
+  const char* uri_text = std::getenv("WB_TEST_VICTIM_URI");
+  const char* go = std::getenv("WB_TEST_VICTIM_GO");
+  if (uri_text == nullptr || go == nullptr) GTEST_SKIP() << "run by UcxStallTest only";
+  auto uri = ParseUri(uri_text);
+  ASSERT_TRUE(uri.ok()) << uri.status();
+  auto stack = ResolveStack(*uri);
+  ASSERT_TRUE(stack.ok());
+  auto config = ResolveConfig(*stack, *uri, {});
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto sub = OpenSubscriberStack(*stack, *uri, *config);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  auto granted = (*sub)->WaitForVersion(1, absl::Now() + absl::Seconds(30));
+  ASSERT_TRUE(granted.ok()) << granted.status();
+  std::printf("granted %llu\n", static_cast<unsigned long long>((*granted)->manifest().version));
+  std::fflush(stdout);
+  ASSERT_TRUE(testing::WaitUntil([&] { return std::ifstream(go).good(); }, absl::Seconds(60)));
+  std::printf("fetching\n");
+  std::fflush(stdout);
+  NoSink sink;
+  Targets targets((*granted)->manifest());
+  absl::Status fetched =
+      (*granted)->Fetch(targets.pointers, sink, absl::Now() + absl::Seconds(120));
+  std::printf("fetched: %s\n", fetched.ToString().c_str());
+}
 
 TEST(UcxEndpointTest, OnlyLoopbackHostsCountAsOneHost) {
   for (const char* host : {"127.0.0.1", "127.1.2.3", "::1", "localhost"}) {

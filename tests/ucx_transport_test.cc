@@ -967,6 +967,28 @@ TEST(UcxVictim, DISABLED_FetchesWhenTold) {
   std::printf("fetched: %s\n", fetched.ToString().c_str());
 }
 
+// A publisher with shared memory and a subscriber of the same host limited to tcp (UCX_TLS
+// differs): the subscriber reads the bytes over the control connection (it would otherwise use
+// software-emulated gets, item 3), and the publisher serves them.
+TEST(UcxMixedTlsTest, TcpOnlySubscriberOfAShmPublisherReceivesBitExact) {
+  weightbus::testing::ApplyEnv(weightbus::testing::kShm);
+  if (const std::string why = weightbus::UcxUnavailableReason(); !why.empty()) GTEST_SKIP() << why;
+  const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/mixed", weightbus::FreePort());
+  auto pub = weightbus::Publisher::Open(uri);
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  weightbus::testing::ApplyEnv(weightbus::testing::kTcp);
+  auto sub = weightbus::Subscriber::Open(uri + "?get_chunk_size=64KiB");
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  for (uint64_t v = 1; v <= 3; ++v) {
+    auto tensors = testing::MakeVersion(17, v, 1 << 20);
+    ASSERT_TRUE((*pub)->Publish(v, testing::Views(tensors), {}, weightbus::kTimeout).ok());
+    auto u = (*sub)->WaitForVersion(v, weightbus::kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    EXPECT_EQ((*u)->version(), v);
+    weightbus::testing::ExpectSameTensors(**u, tensors);
+  }
+}
+
 TEST(UcxEndpointTest, OnlyLoopbackHostsCountAsOneHost) {
   for (const char* host : {"127.0.0.1", "127.1.2.3", "::1", "localhost"}) {
     EXPECT_TRUE(ucx::IsLoopback(host)) << host;

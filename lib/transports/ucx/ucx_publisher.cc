@@ -826,7 +826,14 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       read.lease = r.U64();
       read.offset = r.U64();
       read.length = r.U64();
-      if (r.ok()) c.reads.push_back(read);
+      if (!r.ok()) break;
+      if (c.reads.size() >= 4096) {  // a subscriber keeps at most gets_in_flight (<= 1024) out
+        Log(LogLevel::kWarn, "%s: %s has more than 4096 READs outstanding; disconnecting it",
+            endpoint_.display, c.peer);
+        c.dead = true;
+        break;
+      }
+      c.reads.push_back(read);
       break;
     }
     case MsgType::kList: {

@@ -169,6 +169,7 @@ class UcxSubscriber final : public TransportSubscriber {
         failpoints_(std::move(failpoints)),
         context_(std::move(context)),
         worker_(std::move(worker)),
+        rma_(ContextRmaTransports(*context_)),
         registrations_(context_),
         description_(ProcessDescription()) {}
 
@@ -235,6 +236,7 @@ class UcxSubscriber final : public TransportSubscriber {
   std::shared_ptr<Context> context_;
   std::unique_ptr<Worker> worker_;
   const uint64_t subscriber_id_ = RandomId();
+  const RmaTransports rma_;  // this process's one-sided transports (Session::bytes_over_control)
 
   absl::Mutex mu_;
   RegistrationCache registrations_ ABSL_GUARDED_BY(mu_);
@@ -365,7 +367,13 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline, std::string_view 
   const bool has_newest = r.U8() != 0;
   const uint64_t newest = r.U64();
   const std::string who = r.Str();
+  // The publisher says so when only software RMA reaches this subscriber from its side; this
+  // subscriber's own transports may be the limit instead (UCX_TLS differs between the two).
   s->bytes_over_control = r.U8() != 0;
+  if (!s->bytes_over_control) {
+    const bool local = PeerIsLocal(s->control.fd());
+    s->bytes_over_control = local ? !(rma_.one_host || rma_.network) : !rma_.network;
+  }
   if (!r.ok() || protocol != kProtocolVersion || worker_address.empty()) {
     return absl::UnavailableError(
         absl::StrFormat("%s: %s sent a malformed WELCOME (protocol %d, expected %d)",

@@ -924,6 +924,10 @@ absl::Status UcxSubscriber::ReadOverControl(UcxVersion& v, Pull& pull, uint64_t 
   Session& s = *session_;
   const Manifest& m = v.manifest_;
   const uint64_t window = static_cast<uint64_t>(options_.gets_in_flight);
+  // Request ids unique within the session: DATA still arriving for an earlier Fetch that failed
+  // is told apart and ignored.
+  const uint64_t base = next_request_;
+  next_request_ += pull.ops.size();
   size_t next = 0;
   uint64_t issued_bytes = 0;
   bool midpoint = false;
@@ -932,7 +936,7 @@ absl::Status UcxSubscriber::ReadOverControl(UcxVersion& v, Pull& pull, uint64_t 
     while (pull.inflight < window && next < pull.ops.size()) {
       const GetOp& op = pull.ops[next];
       absl::Status sent = s.control.Send(Writer(MsgType::kRead)
-                                             .U64(next)
+                                             .U64(base + next)
                                              .U64(v.lease_id_)
                                              .U64(op.slot_offset)
                                              .U64(op.length)
@@ -969,9 +973,11 @@ absl::Status UcxSubscriber::ReadOverControl(UcxVersion& v, Pull& pull, uint64_t 
     }
     Reader r(f->payload);
     if (f->type == MsgType::kData) {
-      const uint64_t k = r.U64();
+      const uint64_t id = r.U64();
       const bool ok = r.U8() != 0;
       const std::string bytes = r.Str();
+      if (r.ok() && (id < base || id - base >= pull.ops.size())) continue;  // an earlier Fetch's
+      const uint64_t k = id - base;
       if (!r.ok() || k >= next || pull.done[k] || (ok && bytes.size() != pull.ops[k].length)) {
         return absl::DataLossError(
             absl::StrFormat("%s sent a malformed DATA message while version %d was being received",

@@ -962,6 +962,15 @@ void UcxPublisher::ServeReads(Conn& c) {
     }
     const char* bytes =
         reinterpret_cast<const char*>(region->mem->data()) + (read.offset - region->base);
+    std::string host;  // GPU staging memory is copied to the host first
+    if (options_.cuda_staging) {
+      host.resize(read.length);
+      if (absl::Status s = CopyBytes(host.data(), bytes, read.length); !s.ok()) {
+        refuse(std::string(s.message()));
+        continue;
+      }
+      bytes = host.data();
+    }
     c.out += Writer(MsgType::kData)
                  .U64(read.request)
                  .U8(1)

@@ -97,6 +97,10 @@ std::string_view MsgTypeName(MsgType type) {
       return "VERSIONS";
     case MsgType::kRenewed:
       return "RENEWED";
+    case MsgType::kRead:
+      return "READ";
+    case MsgType::kData:
+      return "DATA";
   }
   return "UNKNOWN";
 }
@@ -111,6 +115,28 @@ std::string DescribeSockaddr(const sockaddr* addr, socklen_t len) {
                        : addr->sa_family == AF_INET6 ? "IPv6"
                                                      : "unknown family";
   return absl::StrFormat("%s port %s (%s)", host, serv, family);
+}
+
+bool PeerIsLocal(int fd) {
+  sockaddr_storage self{}, peer{};
+  socklen_t self_len = sizeof(self), peer_len = sizeof(peer);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&self), &self_len) != 0 ||
+      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0 ||
+      self.ss_family != peer.ss_family) {
+    return false;
+  }
+  if (peer.ss_family == AF_INET) {
+    const auto& a = reinterpret_cast<const sockaddr_in&>(self);
+    const auto& b = reinterpret_cast<const sockaddr_in&>(peer);
+    return (ntohl(b.sin_addr.s_addr) >> 24) == 127 || a.sin_addr.s_addr == b.sin_addr.s_addr;
+  }
+  if (peer.ss_family == AF_INET6) {
+    const auto& a = reinterpret_cast<const sockaddr_in6&>(self);
+    const auto& b = reinterpret_cast<const sockaddr_in6&>(peer);
+    return IN6_IS_ADDR_LOOPBACK(&b.sin6_addr) ||
+           std::memcmp(&a.sin6_addr, &b.sin6_addr, sizeof(in6_addr)) == 0;
+  }
+  return false;
 }
 
 absl::StatusOr<Fd> Listen(const std::string& host, int port, std::string_view uri) {
@@ -158,7 +184,7 @@ absl::StatusOr<Fd> Listen(const std::string& host, int port, std::string_view ur
 }
 
 absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadline,
-                           std::string_view uri) {
+                           std::string_view uri, bool once, const std::atomic<bool>* cancelled) {
   const absl::Time start = absl::Now();
   absl::Duration backoff = absl::Milliseconds(10);
   int attempts = 0;
@@ -209,8 +235,15 @@ absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadlin
       last.push_back(absl::StrFormat(
           "%s: %s", where, err == ETIMEDOUT ? "no answer (connection timed out)" : strerror(err)));
     }
-    if (absl::Now() >= deadline) break;
-    absl::SleepFor(std::min(backoff, deadline - absl::Now()));
+    if (once || absl::Now() >= deadline) break;
+    const absl::Time wake = std::min(absl::Now() + backoff, deadline);
+    while (absl::Now() < wake && (cancelled == nullptr || !cancelled->load())) {
+      absl::SleepFor(std::min(absl::Milliseconds(50), wake - absl::Now()));
+    }
+    if (cancelled != nullptr && cancelled->load()) {
+      return absl::CancelledError(
+          absl::StrFormat("%s: cancelled while connecting to the publisher", uri));
+    }
     backoff = std::min(backoff * 2, absl::Milliseconds(250));
   }
   return absl::UnavailableError(absl::StrFormat(

@@ -10,6 +10,7 @@
 
 #include <sys/socket.h>
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -24,7 +25,7 @@
 namespace weightbus::internal::ucx {
 
 inline constexpr char kMagic[] = "weightbus-ucx";
-inline constexpr uint32_t kProtocolVersion = 1;
+inline constexpr uint32_t kProtocolVersion = 2;
 // Largest frame accepted (a manifest of a very large model fits many times over).
 inline constexpr uint32_t kMaxFrame = uint32_t{1} << 30;
 
@@ -32,7 +33,7 @@ enum class MsgType : uint8_t {
   kHello = 1,      // sub -> pub: magic, protocol, channel, subscriber id, description
   kWelcome = 2,    // pub -> sub: protocol, session id, worker address, lease, newest, description
   kError = 3,      // pub -> sub: status code and message; the publisher then closes
-  kWait = 4,       // sub -> pub: request id, version, exact flag
+  kWait = 4,       // sub -> pub: request id, version, mode (0 newest >=, 1 exact, 2 newest >= now)
   kGrant = 5,      // pub -> sub: the version, its manifest and where its bytes are
   kRefused = 6,    // pub -> sub: request id, status code, message (e.g. exact version not held)
   kCancel = 7,     // sub -> pub: request id (a WAIT whose caller gave up)
@@ -43,6 +44,9 @@ enum class MsgType : uint8_t {
   kList = 12,      // sub -> pub: request id
   kVersions = 13,  // pub -> sub: request id, versions held, ascending
   kRenewed = 14,   // pub -> sub: lease id, whether the lease was still valid (and now extended)
+  kRead = 15,      // sub -> pub: request id, lease id, offset in the slot, length (bytes over
+                   // the control connection, when WELCOME said so)
+  kData = 16,      // pub -> sub: request id, ok flag, the bytes (or, not ok, why not)
 };
 
 std::string_view MsgTypeName(MsgType type);
@@ -56,6 +60,10 @@ using Fd = ::weightbus::internal::UniqueFd;
 // "127.0.0.1 port 5555 (IPv4)" or "::1 port 5555 (IPv6)".
 std::string DescribeSockaddr(const sockaddr* addr, socklen_t len);
 
+// Whether the peer of connected socket `fd` is on this host: its address is a loopback one or
+// the socket's own local address.
+bool PeerIsLocal(int fd);
+
 // Listens on host:port (a name, an address or a wildcard). Errors name the address, family and
 // port: FailedPrecondition when the port is in use, InvalidArgument when the host does not
 // resolve, Internal otherwise.
@@ -65,8 +73,12 @@ absl::StatusOr<Fd> Listen(const std::string& host, int port, std::string_view ur
 // unreachable attempts until `deadline` (a publisher may be starting). Refuses wildcard
 // addresses. Errors: Unavailable naming each address, family and port with the last error;
 // InvalidArgument for a wildcard or a name that does not resolve.
+// With `once`, a single round of attempts is made (a refused one fails at once; one in progress
+// may take until `deadline`). When `*cancelled` becomes true, retrying stops within about 50 ms
+// (Cancelled).
 absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadline,
-                           std::string_view uri);
+                           std::string_view uri, bool once = false,
+                           const std::atomic<bool>* cancelled = nullptr);
 
 // Builds one frame.
 class Writer {

@@ -9,7 +9,9 @@
 
 #include <ucs/debug/log_def.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "core/logging.h"
 
@@ -204,6 +206,35 @@ absl::StatusOr<std::unique_ptr<RemoteKey>> RemoteKey::Unpack(ucp_ep_h ep, const 
 }
 
 RemoteKey::~RemoteKey() { ucp_rkey_destroy(rkey_); }
+
+RmaTransports ContextRmaTransports(const Context& context) {
+  RmaTransports out;
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* f = open_memstream(&text, &size);
+  if (f == nullptr) return out;
+  ucp_context_print_info(context.get(), f);
+  std::fclose(f);
+  // Lines such as "#      resource 2  :  md 1  dev 2  flags -- tcp/lo".
+  for (absl::string_view line : absl::StrSplit(absl::string_view(text, size), '\n')) {
+    if (!absl::StrContains(line, "resource")) continue;
+    const size_t at = line.find("-- ");
+    if (at == absl::string_view::npos) continue;
+    absl::string_view tl = line.substr(at + 3);
+    tl = tl.substr(0, tl.find('/'));
+    if (tl == "self" || tl == "tcp" || absl::StartsWith(tl, "ud") || absl::EndsWith(tl, "_copy")) {
+      continue;  // no RMA to a peer (self: this worker only; cuda_copy, gdr_copy: local memory)
+    }
+    if (tl == "posix" || tl == "sysv" || tl == "cma" || tl == "knem" || tl == "xpmem" ||
+        tl == "cuda_ipc" || tl == "rocm_ipc") {
+      out.one_host = true;
+    } else {
+      out.network = true;
+    }
+  }
+  std::free(text);
+  return out;
+}
 
 #ifdef WEIGHTBUS_UCX_CUDA
 

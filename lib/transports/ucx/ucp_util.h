@@ -115,6 +115,16 @@ class RemoteKey {
   ucp_rkey_h rkey_;
 };
 
+// The kinds of one-sided (RMA) transports a context has, from its resources
+// (ucp_context_print_info). Transports that lack RMA (tcp, ud) make UCP emulate gets with
+// active messages that the peer's worker answers (software RMA).
+struct RmaTransports {
+  bool one_host = false;  // shared memory or cross-memory attach: posix, sysv, cma, knem, xpmem,
+                          // cuda_ipc, rocm_ipc
+  bool network = false;   // hardware RMA between hosts (rc, dc, ...): any other transport
+};
+RmaTransports ContextRmaTransports(const Context& context);
+
 // Whether this build can stage in and receive into CUDA memory.
 bool CudaSupported();
 // UCS_MEMORY_TYPE_CUDA for CUDA device memory (when built with CUDA and a device exists),

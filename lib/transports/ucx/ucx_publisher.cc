@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <system_error>
 #include <thread>
@@ -82,10 +83,19 @@ struct Lease {
   absl::Time expiry;  // MonotonicNow() time
 };
 
+// A READ of slot bytes over the control connection (Conn::bytes_over_control).
+struct PendingRead {
+  uint64_t request = 0;
+  uint64_t lease = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
 struct PendingWait {
   uint64_t request = 0;
   uint64_t version = 0;
   bool exact = false;
+  bool now = false;  // answer at once: a grant or REFUSED DeadlineExceeded (a poll)
 };
 
 // One subscriber's control connection.
@@ -100,13 +110,18 @@ struct Conn {
   absl::Time hello_deadline;  // MonotonicNow() time
   uint64_t subscriber_id = 0;
   std::vector<PendingWait> waits;
+  // The subscriber reads the bytes with READ over this connection instead of UCP gets: no
+  // UCP transport with one-sided hardware support reaches it (see UcxPublisher::HandleHello).
+  bool bytes_over_control = false;
+  std::deque<PendingRead> reads;
 };
 
 class UcxPublisher final : public TransportPublisher {
  public:
   UcxPublisher(Endpoint endpoint, UcxOptions options, FailPoints failpoints,
                std::shared_ptr<Context> context, std::unique_ptr<Worker> worker, Fd listener,
-               Fd wake, int efd, std::string worker_address, std::unique_ptr<WorkerPool> copiers)
+               Fd wake, int efd, std::string worker_address, std::unique_ptr<WorkerPool> copiers,
+               RmaTransports rma)
       : endpoint_(std::move(endpoint)),
         options_(options),
         failpoints_(std::move(failpoints)),
@@ -117,6 +132,7 @@ class UcxPublisher final : public TransportPublisher {
         efd_(efd),
         worker_address_(std::move(worker_address)),
         copiers_(std::move(copiers)),
+        rma_(rma),
         description_(ProcessDescription()) {}
 
   ~UcxPublisher() override {
@@ -163,13 +179,27 @@ class UcxPublisher final : public TransportPublisher {
 
   absl::StatusOr<int> WaitForReceivers(uint64_t version, int count, absl::Time deadline) override {
     absl::MutexLock lock(&mu_);
-    while (Receivers(version) < count && !stopping_ && absl::Now() < deadline) {
+    while (Receivers(version) < count && !stopping_ && !cancelled_ && absl::Now() < deadline) {
       AwaitChange(deadline);
     }
+    if (cancelled_) return Cancelled();
     return Receivers(version);
   }
 
+  // Wakes a Publish waiting for a staging slot and a WaitForReceivers at once; they and every
+  // later call return Cancelled. The progress thread serves on until destruction.
+  void Cancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    ++changes_;
+  }
+
  private:
+  absl::Status Cancelled() const {
+    return absl::CancelledError(
+        absl::StrFormat("%s: the publisher is being closed (Cancel)", endpoint_.display));
+  }
+
   // Waits until changes_ moves (a slot or lease freed, a receiver counted, shutdown) or `until`.
   void AwaitChange(absl::Time until) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     struct Args {
@@ -178,7 +208,8 @@ class UcxPublisher final : public TransportPublisher {
     } args{this, changes_};
     mu_.AwaitWithDeadline(absl::Condition(
                               +[](Args* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                return a->p->changes_ != a->seen || a->p->stopping_;
+                                return a->p->changes_ != a->seen || a->p->stopping_ ||
+                                       a->p->cancelled_;
                               },
                               &args),
                           until);
@@ -229,6 +260,9 @@ class UcxPublisher final : public TransportPublisher {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ServeWaits(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Grant(Conn& c, const PendingWait& w, Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers queued READs while the connection's output is short (bounded memory per
+  // subscriber: at most kReadBacklog bytes queued beyond one DATA frame).
+  void ServeReads(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Drop(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Endpoint endpoint_;
@@ -241,6 +275,7 @@ class UcxPublisher final : public TransportPublisher {
   int efd_;  // the worker's event fd (owned by the worker)
   const std::string worker_address_;
   std::unique_ptr<WorkerPool> copiers_;  // copy_threads - 1 helpers (the caller is one more)
+  const RmaTransports rma_;
   const std::string description_;
   const uint64_t session_id_ = RandomId();
   std::thread thread_;
@@ -259,6 +294,7 @@ class UcxPublisher final : public TransportPublisher {
   uint64_t next_region_ = 1;                   // Publish only
   uint64_t changes_ ABSL_GUARDED_BY(mu_) = 0;  // bumped whenever a slot or lease frees up
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 void UcxPublisher::ExpireLeases(absl::Time now) {
@@ -491,6 +527,7 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
   Slot* slot = nullptr;
   {
     absl::MutexLock lock(&mu_);
+    if (cancelled_) return Cancelled();
     while ((slot = PickSlot()) == nullptr) {
       absl::Time wake = deadline;
       const absl::Time mono = MonotonicNow(), now = absl::Now();
@@ -502,7 +539,9 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
                             options_.staging_slots, DescribeSlots()));
       }
       if (stopping_) return absl::CancelledError("the publisher is shutting down");
+      if (cancelled_) return Cancelled();
       AwaitChange(wake);
+      if (cancelled_) return Cancelled();
     }
     slot->state = Slot::State::kWriting;
     if (newest_ == slot) RecomputeNewest();
@@ -639,6 +678,7 @@ void UcxPublisher::Loop() {
         c.dead = true;
       }
       if (!c.dead && c.greeted && !c.closing) ServeWaits(c);
+      if (!c.dead && c.greeted && !c.closing) ServeReads(c);
       if (!c.dead && !c.out.empty()) {
         if (absl::Status s = WriteAvailable(c.fd.get(), c.out); !s.ok()) c.dead = true;
       }
@@ -709,10 +749,19 @@ void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
   }
   c.greeted = true;
   c.subscriber_id = subscriber_id;
+  // Where UCP would emulate gets in software (tcp, ud), this worker would answer them, and UCX
+  // 1.13 aborts the process when it answers a get of a subscriber that is gone (a get request
+  // still queued on the socket of a subscriber that timed out or was killed while this process
+  // was stalled: ucs_fatal "unexpected error: Endpoint timeout" in ucp_get_req_handler, or an
+  // assertion in uct_tcp_ep_pending_purge). Such a subscriber reads the bytes over this
+  // connection instead, and no UCP endpoint connects the two.
+  const bool local = PeerIsLocal(c.fd.get());
+  c.bytes_over_control = local ? !(rma_.one_host || rma_.network) : !rma_.network;
   Writer w(MsgType::kWelcome);
   w.U32(kProtocolVersion).U64(session_id_).Str(worker_address_);
   w.U64(static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)));
   w.U8(newest_ != nullptr).U64(newest_ ? newest_->version : 0).Str(description_);
+  w.U8(c.bytes_over_control);
   c.out += std::move(w).Finish();
   Log(LogLevel::kInfo, "%s: %s connected", endpoint_.display, c.peer);
 }
@@ -732,7 +781,9 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       PendingWait w;
       w.request = r.U64();
       w.version = r.U64();
-      w.exact = r.U8() != 0;
+      const uint8_t mode = r.U8();
+      w.exact = mode == 1;
+      w.now = mode == 2;
       if (r.ok()) c.waits.push_back(w);
       break;
     }
@@ -770,6 +821,22 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       auto [it, inserted] = receivers_.emplace(c.subscriber_id, v);
       if (!inserted) it->second = std::max(it->second, v);
       ++changes_;
+      break;
+    }
+    case MsgType::kRead: {
+      PendingRead read;
+      read.request = r.U64();
+      read.lease = r.U64();
+      read.offset = r.U64();
+      read.length = r.U64();
+      if (!r.ok()) break;
+      if (c.reads.size() >= 4096) {  // a subscriber keeps at most gets_in_flight (<= 1024) out
+        Log(LogLevel::kWarn, "%s: %s has more than 4096 READs outstanding; disconnecting it",
+            endpoint_.display, c.peer);
+        c.dead = true;
+        break;
+      }
+      c.reads.push_back(read);
       break;
     }
     case MsgType::kList: {
@@ -825,6 +892,15 @@ void UcxPublisher::ServeWaits(Conn& c) {
       }
     } else if (newest_ != nullptr && newest_->version >= w.version) {
       slot = newest_;
+    } else if (w.now) {
+      c.out += Writer(MsgType::kRefused)
+                   .U64(w.request)
+                   .U32(static_cast<uint32_t>(absl::StatusCode::kDeadlineExceeded))
+                   .Str(absl::StrFormat("no version >= %d yet (newest: %s)", w.version,
+                                        newest_ ? std::to_string(newest_->version) : "none"))
+                   .Finish();
+      it = c.waits.erase(it);
+      continue;
     }
     if (slot == nullptr) {
       ++it;
@@ -859,6 +935,53 @@ void UcxPublisher::Grant(Conn& c, const PendingWait& w, Slot& slot) {
   c.out += std::move(g).Finish();
 }
 
+void UcxPublisher::ServeReads(Conn& c) {
+  constexpr size_t kReadBacklog = size_t{4} << 20;
+  while (!c.reads.empty() && c.out.size() < kReadBacklog) {
+    const PendingRead read = c.reads.front();
+    c.reads.pop_front();
+    auto refuse = [&](const std::string& why) {
+      c.out += Writer(MsgType::kData).U64(read.request).U8(0).Str(why).Finish();
+    };
+    auto it = leases_.find(read.lease);
+    if (it == leases_.end() || it->second.conn != c.id) {
+      refuse(absl::StrFormat("lease %d is not held (it expired or was released)", read.lease));
+      continue;
+    }
+    const Slot& slot = *it->second.slot;
+    // One region holds the whole read (subscribers split reads at region boundaries); every
+    // sum is checked against wrapping.
+    const Region* region = nullptr;
+    for (const Region& g : slot.regions) {
+      if (read.offset >= g.base && read.offset - g.base < g.mem->size()) region = &g;
+    }
+    uint64_t end = 0;
+    if (region == nullptr || read.length == 0 || read.length > kMaxFrame / 2 ||
+        __builtin_add_overflow(read.offset - region->base, read.length, &end) ||
+        end > region->mem->size()) {
+      refuse(absl::StrFormat("bytes [%d, +%d) are not within one region of the slot of version %d",
+                             read.offset, read.length, slot.version));
+      continue;
+    }
+    const char* bytes =
+        reinterpret_cast<const char*>(region->mem->data()) + (read.offset - region->base);
+    std::string host;  // GPU staging memory is copied to the host first
+    if (options_.cuda_staging) {
+      host.resize(read.length);
+      if (absl::Status s = CopyBytes(host.data(), bytes, read.length); !s.ok()) {
+        refuse(std::string(s.message()));
+        continue;
+      }
+      bytes = host.data();
+    }
+    c.out += Writer(MsgType::kData)
+                 .U64(read.request)
+                 .U8(1)
+                 .Str(std::string_view(bytes, read.length))
+                 .Finish();
+  }
+}
+
 void UcxPublisher::Drop(Conn& c) {
   for (auto it = leases_.begin(); it != leases_.end();) {
     if (it->second.conn == c.id) {
@@ -888,6 +1011,7 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& 
   WB_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(context, endpoint.display));
   WB_ASSIGN_OR_RETURN(std::string address, worker->Address());
   WB_ASSIGN_OR_RETURN(int efd, worker->EventFd());
+  const RmaTransports rma = ContextRmaTransports(*context);
   WB_ASSIGN_OR_RETURN(Fd listener, Listen(endpoint.host, endpoint.port, endpoint.display));
   Fd wake(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!wake) return ErrnoStatus(errno, absl::StrFormat("%s: eventfd", endpoint.display));
@@ -897,7 +1021,7 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& 
   }
   auto publisher = std::make_unique<UcxPublisher>(
       std::move(endpoint), options, std::move(failpoints), std::move(context), std::move(worker),
-      std::move(listener), std::move(wake), efd, std::move(address), std::move(copiers));
+      std::move(listener), std::move(wake), efd, std::move(address), std::move(copiers), rma);
   WB_RETURN_IF_ERROR(publisher->Start());
   return std::unique_ptr<TransportPublisher>(std::move(publisher));
 }

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 
 #include "absl/strings/str_format.h"
@@ -50,6 +51,9 @@ struct Session {
   // control connection alone detects a dead publisher.
   bool peer_errors = false;
   ucs_status_t ep_status = UCS_OK;  // set by the endpoint's error handler
+  // The publisher serves the bytes over the control connection (READ/DATA) instead of UCP gets
+  // (WELCOME says so where only software-emulated RMA would reach it); no UCP endpoint then.
+  bool bytes_over_control = false;
   std::map<uint64_t, std::unique_ptr<RemoteKey>> rkeys;
 };
 
@@ -60,6 +64,7 @@ struct GetOp {
   uint64_t remote;
   std::byte* local;
   uint64_t length;
+  uint64_t slot_offset;  // where the bytes start in the slot (READ over the control connection)
   ucp_mem_h memh;
   uint64_t tensor_end;  // the tensor's bytes [0, tensor_end) are covered by it and earlier gets
 };
@@ -164,6 +169,7 @@ class UcxSubscriber final : public TransportSubscriber {
         failpoints_(std::move(failpoints)),
         context_(std::move(context)),
         worker_(std::move(worker)),
+        rma_(ContextRmaTransports(*context_)),
         registrations_(context_),
         description_(ProcessDescription()) {}
 
@@ -181,6 +187,9 @@ class UcxSubscriber final : public TransportSubscriber {
     return Request(version, /*exact=*/true, deadline);
   }
   absl::StatusOr<std::vector<uint64_t>> ListVersions() override;
+  // A wait in flight returns Cancelled within about 50 ms (Await receives in slices and checks
+  // the flag); so does every later call. Only sets an atomic flag: safe from any thread.
+  void Cancel() override { cancelled_.store(true); }
 
   absl::Status Fetch(UcxVersion& v, absl::Span<std::byte* const> targets, LandingSink& sink,
                      absl::Time deadline);
@@ -190,8 +199,12 @@ class UcxSubscriber final : public TransportSubscriber {
  private:
   absl::StatusOr<std::unique_ptr<IncomingVersion>> Request(uint64_t version, bool exact,
                                                            absl::Time deadline);
-  // Connects (or reuses a live connection). Errors as Connect, plus the publisher's ERROR.
-  absl::Status EnsureSession(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Connects (or reuses a live connection). Errors as Connect, plus the publisher's ERROR; but
+  // when `deadline` comes before connect_timeout ends and no publisher could be reached by
+  // then, DeadlineExceeded naming `waiting_for` ("version >= 3") and the connect error (unless
+  // `waiting_for` is empty). `once`: a single connect attempt (a poll).
+  absl::Status EnsureSession(absl::Time deadline, std::string_view waiting_for = "",
+                             bool once = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CloseSession() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A frame nobody waits for: a grant for a request given up on is released at once.
   void HandleStray(const Frame& f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -208,6 +221,10 @@ class UcxSubscriber final : public TransportSubscriber {
   absl::Status PullBytes(UcxVersion& v, absl::Span<std::byte* const> targets, LandingSink& sink,
                          absl::Time deadline, uint64_t* inflight_left)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // PullBytes for a session with bytes_over_control: READs, gets_in_flight outstanding, each
+  // answered by a DATA frame copied into its target.
+  absl::Status ReadOverControl(UcxVersion& v, Pull& pull, uint64_t total, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
     static_cast<Session*>(arg)->ep_status = status;
@@ -219,6 +236,7 @@ class UcxSubscriber final : public TransportSubscriber {
   std::shared_ptr<Context> context_;
   std::unique_ptr<Worker> worker_;
   const uint64_t subscriber_id_ = RandomId();
+  const RmaTransports rma_;  // this process's one-sided transports (Session::bytes_over_control)
 
   absl::Mutex mu_;
   RegistrationCache registrations_ ABSL_GUARDED_BY(mu_);
@@ -226,6 +244,11 @@ class UcxSubscriber final : public TransportSubscriber {
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_request_ ABSL_GUARDED_BY(mu_) = 1;
   bool try_peer_errors_ ABSL_GUARDED_BY(mu_) = true;
+  std::atomic<bool> cancelled_{false};
+  absl::Status CancelledStatus() const {
+    return absl::CancelledError(
+        absl::StrFormat("%s: the subscriber is being closed (Cancel)", endpoint_.display));
+  }
   const std::string description_;
 };
 
@@ -267,7 +290,8 @@ absl::Status UcxSubscriber::SessionLost(const absl::Status& why, std::string_vie
       absl::StrFormat("%s%s %s", in_fetch ? "" : endpoint_.display + ": ", why.message(), during));
 }
 
-absl::Status UcxSubscriber::EnsureSession(absl::Time deadline) {
+absl::Status UcxSubscriber::EnsureSession(absl::Time deadline, std::string_view waiting_for,
+                                          bool once) {
   if (session_) {
     // A live connection may have ended since the last call (publisher exited or restarted).
     absl::Status alive = session_->ep_status == UCS_OK
@@ -287,9 +311,23 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline) {
     Log(LogLevel::kInfo, "%s: reconnecting (%s)", endpoint_.display, std::string(alive.message()));
     CloseSession();
   }
-  const absl::Time connect_deadline = std::min(deadline, absl::Now() + options_.connect_timeout);
-  WB_ASSIGN_OR_RETURN(Fd fd,
-                      Connect(endpoint_.host, endpoint_.port, connect_deadline, endpoint_.display));
+  const absl::Time connect_end = absl::Now() + options_.connect_timeout;
+  const absl::Time connect_deadline = std::min(deadline, connect_end);
+  absl::StatusOr<Fd> connected = Connect(endpoint_.host, endpoint_.port, connect_deadline,
+                                         endpoint_.display, once, &cancelled_);
+  if (!connected.ok()) {
+    // The caller's deadline, not connect_timeout, ended the attempts: nobody is there yet, so
+    // this is a wait that timed out (callers that wait in slices keep waiting), not a
+    // publisher that went away.
+    if (absl::IsUnavailable(connected.status()) && !waiting_for.empty() &&
+        (once || deadline < connect_end)) {
+      return absl::DeadlineExceededError(
+          absl::StrFormat("%s: no %s by the deadline: no publisher could be reached yet (%s)",
+                          endpoint_.display, waiting_for, connected.status().message()));
+    }
+    return connected.status();
+  }
+  Fd fd = *std::move(connected);
   sockaddr_storage peer{};
   socklen_t len = sizeof(peer);
   std::string where = "?";
@@ -329,6 +367,13 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline) {
   const bool has_newest = r.U8() != 0;
   const uint64_t newest = r.U64();
   const std::string who = r.Str();
+  // The publisher says so when only software RMA reaches this subscriber from its side; this
+  // subscriber's own transports may be the limit instead (UCX_TLS differs between the two).
+  s->bytes_over_control = r.U8() != 0;
+  if (!s->bytes_over_control) {
+    const bool local = PeerIsLocal(s->control.fd());
+    s->bytes_over_control = local ? !(rma_.one_host || rma_.network) : !rma_.network;
+  }
   if (!r.ok() || protocol != kProtocolVersion || worker_address.empty()) {
     return absl::UnavailableError(
         absl::StrFormat("%s: %s sent a malformed WELCOME (protocol %d, expected %d)",
@@ -337,6 +382,12 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline) {
   if (has_newest) s->newest = newest;
   s->publisher = absl::StrFormat("publisher %s at %s", who, where);
   s->control.set_peer(s->publisher);
+  if (s->bytes_over_control) {
+    session_ = std::move(s);
+    Log(LogLevel::kInfo, "%s: connected to %s (bytes over the control connection)",
+        endpoint_.display, session_->publisher);
+    return absl::OkStatus();
+  }
 
   // Peer failure handling when the transports allow it (see Session::peer_errors); once a
   // publisher turned out unreachable that way, later sessions skip the attempt.
@@ -412,7 +463,10 @@ absl::StatusOr<Frame> UcxSubscriber::Await(absl::Time deadline,
                                            const std::function<bool(const Frame&)>& want) {
   while (true) {
     if (!session_) return absl::UnavailableError("the session ended");
-    absl::StatusOr<Frame> f = session_->control.Receive(deadline);
+    if (cancelled_.load()) return CancelledStatus();
+    absl::StatusOr<Frame> f =
+        session_->control.Receive(std::min(deadline, absl::Now() + absl::Milliseconds(50)));
+    if (absl::IsDeadlineExceeded(f.status()) && absl::Now() < deadline) continue;
     if (!f.ok()) return f.status();
     if (want(*f)) return f;
     if (f->type == MsgType::kError) {
@@ -432,11 +486,19 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::Request(uint64_t
                                                                         bool exact,
                                                                         absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  WB_RETURN_IF_ERROR(EnsureSession(deadline));
+  if (cancelled_.load()) return CancelledStatus();
+  // A deadline already past is a poll: it still gets one round trip to the publisher (bounded
+  // by connect_timeout), which answers at once with the newest version >= `version` or says
+  // there is none, so that a version committed before the poll is found by it.
+  const bool poll = !exact && deadline <= absl::Now();
+  if (poll) deadline = absl::Now() + options_.connect_timeout;
+  const std::string waiting_for = absl::StrFormat("version %s %d", exact ? "==" : ">=", version);
+  WB_RETURN_IF_ERROR(EnsureSession(deadline, waiting_for, poll));
   const uint64_t request = next_request_++;
   const absl::Time asked = MonotonicNow();
+  const uint8_t mode = exact ? 1 : poll ? 2 : 0;
   absl::Status sent = session_->control.Send(
-      Writer(MsgType::kWait).U64(request).U64(version).U8(exact).Finish(), deadline);
+      Writer(MsgType::kWait).U64(request).U64(version).U8(mode).Finish(), deadline);
   if (!sent.ok()) return SessionLost(sent, "while asking for a version");
   absl::StatusOr<Frame> f = Await(deadline, [&](const Frame& f) {
     if (f.type != MsgType::kGrant && f.type != MsgType::kRefused) return false;
@@ -513,10 +575,18 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const
     return malformed(absl::StrFormat("manifest of version %d with %d tensors for %d offsets",
                                      manifest->version, manifest->tensors.size(), offsets.size()));
   }
+  // Every sum below is checked for wrapping around 64 bits: a region or tensor whose end
+  // overflows would pass a plain comparison.
   uint64_t covered = 0;
   for (const GrantRegion& g : regions) {
     if (g.base != covered || g.length == 0) return malformed("regions do not tile the slot");
-    covered += g.length;
+    uint64_t end = 0;
+    if (__builtin_add_overflow(covered, g.length, &covered) ||
+        __builtin_add_overflow(g.address, g.length, &end)) {
+      return malformed(
+          absl::StrFormat("region %d (base %d, address 0x%x, %d bytes) ends beyond 2^64", g.id,
+                          g.base, g.address, g.length));
+    }
   }
   for (size_t i = 0; i < offsets.size(); ++i) {
     const uint64_t n = manifest->tensors[i].nbytes;
@@ -537,6 +607,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const
 
 absl::StatusOr<std::vector<uint64_t>> UcxSubscriber::ListVersions() {
   absl::MutexLock lock(&mu_);
+  if (cancelled_.load()) return CancelledStatus();
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
   WB_RETURN_IF_ERROR(EnsureSession(deadline));
   const uint64_t request = next_request_++;
@@ -631,7 +702,7 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
   }
   // Remote keys, unpacked once per region and session.
   std::vector<ucp_rkey_h> rkeys(v.regions_.size());
-  for (size_t k = 0; k < v.regions_.size(); ++k) {
+  for (size_t k = 0; k < v.regions_.size() && !s.bytes_over_control; ++k) {
     const GrantRegion& g = v.regions_[k];
     auto it = s.rkeys.find(g.id);
     if (it == s.rkeys.end()) {
@@ -651,6 +722,10 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
   pull.manifest = &m;
   pull.source = absl::StrFormat("from %s", s.publisher);
   uint64_t total = 0;
+  // A DATA frame carries at most 16 MiB (frames are held whole in memory on both sides).
+  const uint64_t chunk = s.bytes_over_control
+                             ? std::min<uint64_t>(options_.get_chunk_size, 16 << 20)
+                             : options_.get_chunk_size;
   for (size_t i = 0; i < n; ++i) {
     const uint64_t nbytes = m.tensors[i].nbytes;
     if (nbytes == 0) continue;
@@ -659,18 +734,18 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
     }
     for (uint64_t piece = 0; piece < nbytes; piece += options_.max_region) {
       const uint64_t piece_len = std::min(options_.max_region, nbytes - piece);
-      ucp_mem_h memh = registrations_.Get(targets[i] + piece, piece_len);
+      ucp_mem_h memh =
+          s.bytes_over_control ? nullptr : registrations_.Get(targets[i] + piece, piece_len);
       for (uint64_t done = 0; done < piece_len;) {
         const uint64_t off = v.offsets_[i] + piece + done;
         auto region = std::upper_bound(v.regions_.begin(), v.regions_.end(), off,
                                        [](uint64_t o, const GrantRegion& g) { return o < g.base; });
         const size_t k = static_cast<size_t>(region - v.regions_.begin()) - 1;
         const GrantRegion& g = v.regions_[k];
-        const uint64_t len =
-            std::min({options_.get_chunk_size, piece_len - done, g.base + g.length - off});
+        const uint64_t len = std::min({chunk, piece_len - done, g.base + g.length - off});
         if (pull.remaining[i] == 0) pull.next_in_order[i] = pull.ops.size();
         pull.ops.push_back(GetOp{i, rkeys[k], g.address + (off - g.base), targets[i] + piece + done,
-                                 len, memh, piece + done + len});
+                                 len, off, memh, piece + done + len});
         ++pull.remaining[i];
         done += len;
         total += len;
@@ -683,6 +758,14 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
   std::vector<GetContext> contexts(pull.ops.size());
   pull.done.assign(pull.ops.size(), false);
   const absl::Time planned = absl::Now();
+  if (s.bytes_over_control) {
+    absl::Status status = ReadOverControl(v, pull, total, deadline);
+    *inflight_left = 0;  // nothing but this thread writes into the targets
+    Log(LogLevel::kDebug, "%s: version %d: %d reads of %d bytes over the control connection in %s",
+        endpoint_.display, m.version, pull.ops.size(), total,
+        absl::FormatDuration(absl::Now() - planned));
+    return status;
+  }
 
   ucp_worker_h worker = worker_->get();
   const uint64_t window = static_cast<uint64_t>(options_.gets_in_flight);
@@ -834,6 +917,108 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
     CloseSession();
   }
   return status;
+}
+
+absl::Status UcxSubscriber::ReadOverControl(UcxVersion& v, Pull& pull, uint64_t total,
+                                            absl::Time deadline) {
+  Session& s = *session_;
+  const Manifest& m = v.manifest_;
+  const uint64_t window = static_cast<uint64_t>(options_.gets_in_flight);
+  // Request ids unique within the session: DATA still arriving for an earlier Fetch that failed
+  // is told apart and ignored.
+  const uint64_t base = next_request_;
+  next_request_ += pull.ops.size();
+  size_t next = 0;
+  uint64_t issued_bytes = 0;
+  bool midpoint = false;
+  std::optional<absl::Time> renew_sent;
+  while (pull.error.ok() && (next < pull.ops.size() || pull.inflight > 0)) {
+    while (pull.inflight < window && next < pull.ops.size()) {
+      const GetOp& op = pull.ops[next];
+      absl::Status sent = s.control.Send(Writer(MsgType::kRead)
+                                             .U64(base + next)
+                                             .U64(v.lease_id_)
+                                             .U64(op.slot_offset)
+                                             .U64(op.length)
+                                             .Finish(),
+                                         deadline);
+      if (!sent.ok()) return sent;
+      ++pull.inflight;
+      issued_bytes += op.length;
+      ++next;
+    }
+    if (!midpoint && issued_bytes * 2 >= total && pull.inflight < next) {
+      midpoint = true;  // at least one read finished and half of the bytes are requested
+      WB_RETURN_IF_ERROR(failpoints_.Hit("ucx.during_get"));
+    }
+    const absl::Time mono = MonotonicNow();
+    if (!renew_sent && mono - v.lease_base_ > s.lease / 4) {
+      WB_RETURN_IF_ERROR(s.control.Send(Writer(MsgType::kRenew).U64(v.lease_id_).Finish(),
+                                        std::min(deadline, absl::Now() + s.lease)));
+      renew_sent = mono;
+    }
+    // Wake at least every quarter lease to renew it.
+    absl::StatusOr<Frame> f = s.control.Receive(
+        std::min(deadline, absl::Now() + std::max(s.lease / 8, absl::Milliseconds(1))));
+    if (!f.ok()) {
+      if (absl::IsDeadlineExceeded(f.status()) && absl::Now() < deadline) continue;
+      if (absl::IsDeadlineExceeded(f.status())) {
+        return absl::DeadlineExceededError(absl::StrFormat(
+            "receiving version %d from %s did not finish by the deadline (%d of %d bytes "
+            "requested)",
+            m.version, s.publisher, issued_bytes, total));
+      }
+      return absl::UnavailableError(absl::StrFormat("%s while version %d was being received",
+                                                    f.status().message(), m.version));
+    }
+    Reader r(f->payload);
+    if (f->type == MsgType::kData) {
+      const uint64_t id = r.U64();
+      const bool ok = r.U8() != 0;
+      const std::string bytes = r.Str();
+      if (r.ok() && (id < base || id - base >= pull.ops.size())) continue;  // an earlier Fetch's
+      const uint64_t k = id - base;
+      if (!r.ok() || k >= next || pull.done[k] || (ok && bytes.size() != pull.ops[k].length)) {
+        return absl::DataLossError(
+            absl::StrFormat("%s sent a malformed DATA message while version %d was being received",
+                            s.publisher, m.version));
+      }
+      if (!ok) {
+        return absl::UnavailableError(
+            absl::StrFormat("%s could not serve bytes of version %d: %s; the bytes are not trusted",
+                            s.publisher, m.version, bytes));
+      }
+      WB_RETURN_IF_ERROR(CopyBytes(pull.ops[k].local, bytes.data(), bytes.size()));
+      pull.Complete(k, UCS_OK);
+    } else if (f->type == MsgType::kRenewed) {
+      const uint64_t id = r.U64();
+      const bool valid = r.U8() != 0;
+      if (r.ok() && id == v.lease_id_ && renew_sent) {
+        if (!valid) {
+          return absl::UnavailableError(absl::StrFormat(
+              "the hold on version %d expired before the transfer finished (lease %s); %s may "
+              "have reused its memory, so the bytes are not trusted",
+              m.version, absl::FormatDuration(s.lease), s.publisher));
+        }
+        v.lease_base_ = *renew_sent;
+        renew_sent.reset();
+      }
+    } else if (f->type == MsgType::kError) {
+      r.U32();
+      return absl::UnavailableError(
+          absl::StrFormat("%s ended the session while version %d was being received: %s",
+                          s.publisher, m.version, r.Str()));
+    } else {
+      const std::string publisher_name = s.publisher;
+      HandleStray(*f);
+      if (!session_) {
+        return absl::UnavailableError(
+            absl::StrFormat("the session with %s ended while version %d was being received",
+                            publisher_name, m.version));
+      }
+    }
+  }
+  return pull.error;
 }
 
 void UcxSubscriber::Release(UcxVersion& v) {

@@ -53,6 +53,9 @@ class DeltaPublisher final : public TransportPublisher {
 
   std::optional<CodecStats> LastCodecStats() const override { return last_stats_; }
 
+  // Encoding is not interrupted; the transport beneath returns Cancelled promptly.
+  void Cancel() override { inner_->Cancel(); }
+
   // Encoded versions carry the version numbers of the versions they encode, and a delta
   // subscriber accepts the inner one only once the decoded version passed verification
   // (DeltaIncoming::Accepted), so the transport beneath counts receivers for this layer.

@@ -3,6 +3,15 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <map>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "nlohmann/json.hpp"
+#include "weightbus/manifest.hpp"
+
 namespace weightbus {
 namespace {
 
@@ -53,5 +62,103 @@ TEST(ShapeTest, Contiguity) {
   EXPECT_FALSE(IsContiguous({2, 3}, {1}));     // rank mismatch
 }
 
+// Issue 10, item 16: integer fields of a manifest holding a float, a fraction, a value beyond 64
+// bits, a negative value where none is allowed, or a string are DataLoss naming the field (they
+// were converted with undefined behaviour, fractions silently truncated).
+namespace manifest_integers {
+
+using nlohmann::ordered_json;
+
+ordered_json GoodManifest() {
+  Manifest m;
+  m.version = 7;
+  m.publisher = PublisherIdentity{"host", 1234, 0, 2, "trainer"};
+  m.publish_start_unix_ns = 1700000000000000000;
+  m.sealed_unix_ns = 1700000000000000001;
+  TensorInfo t;
+  t.name = "w";
+  t.dtype = DType::kBF16;
+  t.shape = {2, 3};
+  t.nbytes = 12;
+  t.xxh3 = 0x0123456789abcdefULL;
+  t.shard = Shard{{4, 3}, {2, 0}};
+  m.tensors.push_back(t);
+  return ordered_json::parse(m.ToJson());
+}
+
+// JSON texts of the values every integer field is tried with.
+const std::vector<std::string>& BadValues() {
+  static const std::vector<std::string> v = {"1.5",   "1e30", "-1", "18446744073709551616",
+                                             "\"7\"", "2.0"};
+  return v;
+}
+
+// Sets the field at `path` (object keys and array indices) to the JSON text `value`.
+std::string WithField(const std::vector<std::variant<std::string, size_t>>& path,
+                      const std::string& value) {
+  ordered_json j = GoodManifest();
+  ordered_json* at = &j;
+  for (const auto& p : path) {
+    at = std::holds_alternative<std::string>(p) ? &(*at)[std::get<std::string>(p)]
+                                                : &(*at)[std::get<size_t>(p)];
+  }
+  *at = ordered_json::parse(value);
+  return j.dump();
+}
+
+struct Field {
+  std::vector<std::variant<std::string, size_t>> path;
+  std::string name;        // as the error names it
+  bool signed_64 = false;  // -1 is a valid value
+};
+
+TEST(ManifestIntegerFieldsTest, FloatsFractionsOutOfRangeAndStringsAreDataLossNamingTheField) {
+  ASSERT_TRUE(Manifest::FromJson(GoodManifest().dump(), "good").ok());
+  const std::vector<Field> fields = {
+      {{"version"}, ".version"},
+      {{"publisher", "pid"}, ".publisher.pid", true},
+      {{"publisher", "rank"}, ".publisher.rank"},
+      {{"publisher", "world_size"}, ".publisher.world_size"},
+      {{"publish_start_unix_ns"}, ".publish_start_unix_ns", true},
+      {{"sealed_unix_ns"}, ".sealed_unix_ns", true},
+      {{"tensors", size_t{0}, "nbytes"}, ".tensors[0].nbytes"},
+      {{"tensors", size_t{0}, "shape", size_t{1}}, ".tensors[0].shape[1]"},
+      {{"tensors", size_t{0}, "shard", "global_shape", size_t{0}},
+       ".tensors[0].shard.global_shape[0]"},
+      {{"tensors", size_t{0}, "shard", "offsets", size_t{0}}, ".tensors[0].shard.offsets[0]"},
+  };
+  for (const Field& f : fields) {
+    for (const std::string& value : BadValues()) {
+      SCOPED_TRACE(f.name + " = " + value);
+      absl::StatusOr<Manifest> m = Manifest::FromJson(WithField(f.path, value), "test-source");
+      if (f.signed_64 && value == "-1") {
+        ASSERT_TRUE(m.ok()) << m.status();
+        continue;
+      }
+      EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss) << m.status();
+      if (m.ok()) continue;
+      EXPECT_NE(m.status().message().find("test-source"), absl::string_view::npos) << m.status();
+      EXPECT_NE(m.status().message().find("field " + f.name + " "), absl::string_view::npos)
+          << m.status();
+    }
+  }
+  // Limits that fit are kept exactly.
+  absl::StatusOr<Manifest> big =
+      Manifest::FromJson(WithField({"version"}, "18446744073709551615"), "max");
+  ASSERT_TRUE(big.ok()) << big.status();
+  EXPECT_EQ(big->version, 18446744073709551615ULL);
+  absl::StatusOr<Manifest> early =
+      Manifest::FromJson(WithField({"publish_start_unix_ns"}, "-9223372036854775808"), "min");
+  ASSERT_TRUE(early.ok()) << early.status();
+  EXPECT_EQ(early->publish_start_unix_ns, std::numeric_limits<int64_t>::min());
+  absl::StatusOr<Manifest> wide =
+      Manifest::FromJson(WithField({"publisher", "rank"}, "2147483648"), "int");
+  EXPECT_EQ(wide.status().code(), absl::StatusCode::kDataLoss) << wide.status();
+  absl::StatusOr<Manifest> huge_pid =
+      Manifest::FromJson(WithField({"publisher", "pid"}, "9223372036854775808"), "pid");
+  EXPECT_EQ(huge_pid.status().code(), absl::StatusCode::kDataLoss) << huge_pid.status();
+}
+
+}  // namespace manifest_integers
 }  // namespace
 }  // namespace weightbus

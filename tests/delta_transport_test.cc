@@ -479,6 +479,49 @@ TEST(DeltaTransportTest, RetentionKeepsTheChainFromTheNewestKeyframe) {
   ExpectSameTensors(**update, version);
 }
 
+size_t VersionDirCount(const ScratchDir& dir) {
+  size_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path() + "/channel/versions")) {
+    if (e.path().filename().string().rfind("v", 0) == 0) ++n;
+  }
+  return n;
+}
+
+// Issue 10, item 12: with keyframe_interval=0 the floor kept for the chain (the first keyframe)
+// never moved, so retention=1 kept every version (1,000 versions, 1,000 directories). Now a
+// chain holds at most delta_max_chain deltas: then a keyframe, and the floor moves to it. A
+// channel keeps at most max(retention, delta_max_chain + 2) versions (README.md).
+TEST(DeltaTransportTest, ChainsWithoutAKeyframeIntervalStayBounded) {
+  ScratchDir dir;
+  constexpr uint64_t kMaxChain = 4, kVersions = 23;  // the cap is passed four times
+  auto pub = Publisher::Open(
+      Uri(dir, absl::StrFormat("keyframe_interval=0&retention=1&delta_max_chain=%d", kMaxChain)));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  VersionStream stream(16, 1e-4, 8);
+  std::vector<OwnedTensor> version;
+  for (uint64_t v = 1; v <= kVersions; ++v) {
+    version = stream.Next();
+    ASSERT_TRUE((*pub)->Publish(v, Views(version), {}, kTimeout).ok()) << v;
+    // Keyframes at 1, 6, 11, 16, 21: four deltas after each.
+    const uint64_t keyframe = v - (v - 1) % (kMaxChain + 1);
+    EXPECT_EQ(RecordOnDisk(dir, v)["kind"], v == keyframe ? "keyframe" : "delta") << v;
+    EXPECT_EQ(RecordOnDisk(dir, v)["keyframe"], keyframe) << v;
+  }
+  pub->reset();  // finishes the retention work under way
+  const size_t bound = std::max<size_t>(1, kMaxChain + 2);
+  EXPECT_LE(VersionDirCount(dir), bound);
+  // What is kept is the chain from the newest keyframe: enough for a late joiner.
+  for (uint64_t v = 21; v <= kVersions; ++v)
+    EXPECT_TRUE(std::filesystem::exists(VersionDir(dir, v)));
+  EXPECT_FALSE(std::filesystem::exists(VersionDir(dir, 15)));
+  auto late = Subscriber::Open(Uri(dir));
+  ASSERT_TRUE(late.ok());
+  auto update = (*late)->WaitForVersion(0, kTimeout);
+  ASSERT_TRUE(update.ok()) << update.status();
+  EXPECT_EQ((*update)->version(), kVersions);
+  ExpectSameTensors(**update, version);
+}
+
 TEST(DeltaTransportTest, NewTensorLayoutStartsWithAKeyframe) {
   ScratchDir dir;
   auto pub = Publisher::Open(Uri(dir));
@@ -545,8 +588,9 @@ TEST(DeltaTransportTest, ReservedMetadataKeyAndBadSettingsAreRefused) {
   EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
   EXPECT_FALSE(std::filesystem::exists(VersionDir(dir, 1)));
   pub->reset();  // releases the channel
-  for (const char* query : {"keyframe_interval=-1", "delta_chunk_size=100", "delta_chunk_size=0",
-                            "delta_groups=5", "delta_zstd_level=23", "delta_threads=-2"}) {
+  for (const char* query :
+       {"keyframe_interval=-1", "delta_chunk_size=100", "delta_chunk_size=0", "delta_groups=5",
+        "delta_zstd_level=23", "delta_threads=-2", "delta_max_chain=0"}) {
     auto p = Publisher::Open(Uri(dir, query));
     EXPECT_TRUE(absl::IsInvalidArgument(p.status())) << query << ": " << p.status();
     auto q = Subscriber::Open(Uri(dir, query));

@@ -15,20 +15,49 @@
 namespace weightbus {
 namespace {
 
+// Issue 10, item 14: every dtype of safetensors' Dtype enum (safetensors/src/tensor.rs: BOOL,
+// F4, F6_E2M3, F6_E3M2, U8, I8, F8_E5M2, F8_E4M3, F8_E8M0, F8_E4M3FNUZ, F8_E5M2FNUZ, I16, U16,
+// F16, BF16, I32, U32, F32, C64, F64, I64, U64) with its bit size (Dtype::bitsize).
 TEST(DTypeTest, NamesRoundTripAndSizesMatchSafetensors) {
-  const std::map<std::string, size_t> expected = {
-      {"BOOL", 1}, {"U8", 1},   {"I8", 1},  {"U16", 2},     {"I16", 2},
-      {"F16", 2},  {"BF16", 2}, {"U32", 4}, {"I32", 4},     {"F32", 4},
-      {"U64", 8},  {"I64", 8},  {"F64", 8}, {"F8_E4M3", 1}, {"F8_E5M2", 1}};
-  ASSERT_EQ(kAllDTypes.size(), expected.size());
+  const std::map<std::string, size_t> bits = {
+      {"BOOL", 8},        {"F4", 4},      {"F6_E2M3", 6}, {"F6_E3M2", 6}, {"U8", 8},
+      {"I8", 8},          {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8},
+      {"F8_E5M2FNUZ", 8}, {"I16", 16},    {"U16", 16},    {"F16", 16},    {"BF16", 16},
+      {"I32", 32},        {"U32", 32},    {"F32", 32},    {"C64", 64},    {"F64", 64},
+      {"I64", 64},        {"U64", 64}};
+  ASSERT_EQ(kAllDTypes.size(), bits.size());
   for (DType dtype : kAllDTypes) {
     std::string name(DTypeName(dtype));
-    ASSERT_TRUE(expected.count(name)) << name;
-    EXPECT_EQ(DTypeSize(dtype), expected.at(name)) << name;
+    ASSERT_TRUE(bits.count(name)) << name;
+    EXPECT_EQ(DTypeBits(dtype), bits.at(name)) << name;
+    EXPECT_EQ(DTypeSize(dtype), (bits.at(name) + 7) / 8) << name;
+    EXPECT_EQ(IsSubByte(dtype), bits.at(name) % 8 != 0) << name;
     absl::StatusOr<DType> parsed = DTypeFromName(name);
     ASSERT_TRUE(parsed.ok()) << parsed.status();
     EXPECT_EQ(*parsed, dtype);
   }
+}
+
+// Sub-byte tensors: a whole number of bytes (safetensors refuses the rest as misaligned).
+TEST(DTypeTest, SubByteTensorsHoldWholeBytes) {
+  EXPECT_EQ(*ByteSize(DType::kF4, {2, 3}), 3u);
+  EXPECT_EQ(*ByteSize(DType::kF4, {0}), 0u);
+  EXPECT_EQ(*ByteSize(DType::kF6E2M3, {4}), 3u);
+  EXPECT_EQ(*ByteSize(DType::kF6E3M2, {2, 8}), 12u);
+  EXPECT_EQ(*ByteSize(DType::kC64, {3}), 24u);
+  EXPECT_EQ(*ByteSize(DType::kF8E8M0, {5}), 5u);
+  for (auto [dtype, shape] : std::vector<std::pair<DType, std::vector<int64_t>>>{
+           {DType::kF4, {3}}, {DType::kF4, {}}, {DType::kF6E2M3, {2}}, {DType::kF6E3M2, {1, 5}}}) {
+    absl::StatusOr<uint64_t> n = ByteSize(dtype, shape);
+    ASSERT_EQ(n.status().code(), absl::StatusCode::kInvalidArgument) << DTypeName(dtype);
+    EXPECT_NE(n.status().message().find("not a whole number of bytes"), absl::string_view::npos)
+        << n.status();
+    EXPECT_NE(std::string(n.status().message()).find(DTypeName(dtype)), std::string::npos)
+        << n.status();
+  }
+  // 2^62 F4 elements are 2^61 bytes: no overflow on the way.
+  EXPECT_EQ(*ByteSize(DType::kF4, {int64_t{1} << 62}), uint64_t{1} << 61);
+  EXPECT_EQ(*ByteSize(DType::kF64, {int64_t{1} << 60}), uint64_t{1} << 63);
 }
 
 TEST(DTypeTest, UnknownNameIsInvalidArgumentListingNames) {

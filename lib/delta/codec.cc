@@ -56,6 +56,13 @@ bool IsFloat(DType d) {
     case DType::kI64:
     case DType::kF8E4M3:
     case DType::kF8E5M2:
+    case DType::kF8E8M0:
+    case DType::kF8E4M3FNUZ:
+    case DType::kF8E5M2FNUZ:
+    case DType::kC64:  // two F32: coded as 8-byte integers, bit-exact all the same
+    case DType::kF4:   // sub-byte: coded as bytes
+    case DType::kF6E2M3:
+    case DType::kF6E3M2:
       return false;
   }
   return false;
@@ -1535,7 +1542,10 @@ absl::StatusOr<EncodedVersion> EncodeVersion(const VersionIds& ids,
     std::vector<std::byte>().swap(r);  // keyframes: give each record's memory back at once
   }
   for (const ChunkResult& r : v.results) v.changed_elements += r.changed;
-  for (const TensorLayout& t : layout) v.total_elements += t.nbytes / DTypeSize(t.dtype);
+  for (const TensorLayout& t : layout) {
+    const uint64_t bits = DTypeBits(t.dtype);  // elements of sub-byte dtypes too
+    v.total_elements += t.nbytes / bits * 8 + t.nbytes % bits * 8 / bits;
+  }
   return v;
 }
 

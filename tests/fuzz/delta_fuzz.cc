@@ -11,6 +11,7 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
@@ -209,10 +210,16 @@ std::vector<TensorLayout> LayoutOf(const std::vector<FuzzTensor>& tensors) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
-  if (data[0] % 2 == 0) {
-    weightbus::delta_fuzz::FuzzChunk(data, size);
-  } else {
-    weightbus::delta_fuzz::FuzzVersion(data, size);
-  }
+  // Each input is decoded on a fresh thread: the decoder's per-thread scratch buffers start
+  // empty, as in a subscriber's first decode, so that a write past what a count sized them for
+  // is a write past a heap block (which AddressSanitizer reports) instead of into capacity left
+  // by an earlier input.
+  std::thread([&] {
+    if (data[0] % 2 == 0) {
+      weightbus::delta_fuzz::FuzzChunk(data, size);
+    } else {
+      weightbus::delta_fuzz::FuzzVersion(data, size);
+    }
+  }).join();
   return 0;
 }

@@ -405,9 +405,15 @@ static void TestPublishErrors(wb_publisher_t* publisher) {
   CHECK_STATUS(wb_publisher_publish(publisher, 100, name, &t, 1, &params, 1000),
                WB_INVALID_ARGUMENT, "42 is not a wb_dtype_t element type");
 
-  DLTensor complex = Tensor(bytes, 1, shape, NULL, kDLComplex, 64);
+  /* complex64 is C64; complex128 has no safetensors type. */
+  DLTensor complex = Tensor(bytes, 1, shape, NULL, kDLComplex, 128);
   CHECK_STATUS(wb_publisher_publish(publisher, 100, name, &complex, 1, NULL, 1000),
-               WB_INVALID_ARGUMENT, "DLPack type complex64");
+               WB_INVALID_ARGUMENT, "DLPack type complex128");
+  /* Sub-byte dtypes cannot be described by a DLPack 0.6 tensor. */
+  const wb_dtype_t f4[] = {WB_DTYPE_F4};
+  params.dtypes = f4;
+  CHECK_STATUS(wb_publisher_publish(publisher, 100, name, &t, 1, &params, 1000), WB_UNIMPLEMENTED,
+               "tensor \"x\" has dtype F4 (4-bit elements, packed)");
   DLTensor lanes = Tensor(bytes, 1, shape, NULL, kDLFloat, 32);
   lanes.dtype.lanes = 4;
   CHECK_STATUS(wb_publisher_publish(publisher, 100, name, &lanes, 1, NULL, 1000),

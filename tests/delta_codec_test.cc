@@ -9,6 +9,7 @@
 #include <cstring>
 #include <map>
 #include <random>
+#include <thread>
 
 #include "absl/strings/str_format.h"
 #include "delta/codec.h"
@@ -399,6 +400,95 @@ TEST(DeltaCodecTest, TruncationAndExtraBytesAreDataLoss) {
   EncodedVersion longer = e;
   longer.bytes.push_back(std::byte{0});
   EXPECT_TRUE(absl::IsDataLoss(Decode(longer, kDelta, b, &a, *parallel).status()));
+}
+
+// Little-endian base-128, as the format writes sizes and counts.
+void AppendVarint(Bytes* out, uint64_t v) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<std::byte>((v & 0x7f) | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<std::byte>(v));
+}
+
+// A delta version (kDelta) of `layout` in one chunk whose record is `record`, with a correct
+// header: what a hostile or broken publisher can put on the wire.
+Bytes CraftVersion(absl::Span<const TensorLayout> layout, uint64_t chunk_size,
+                   const Bytes& record) {
+  Bytes out;
+  for (char c : kMagic) out.push_back(static_cast<std::byte>(c));
+  out.push_back(std::byte{kFormatVersion});
+  out.push_back(std::byte{1});  // delta
+  AppendVarint(&out, kDelta.target);
+  AppendVarint(&out, kDelta.base);
+  AppendVarint(&out, kDelta.keyframe_version);
+  AppendVarint(&out, chunk_size);
+  AppendVarint(&out, layout.size());
+  const uint64_t sum = LayoutChecksum(layout);
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<std::byte>(sum >> (8 * i)));
+  AppendVarint(&out, 1);
+  AppendVarint(&out, record.size());
+  out.insert(out.end(), record.begin(), record.end());
+  return out;
+}
+
+// Issue 10, item 15: a sparse record claiming one change whose only group claims 2^20 of them
+// (ranks 0, 1, 2, ... from a constant gap stream). The ranks buffer was sized from the record's
+// total and the group's count checked only after writing 2^20 ranks into it: a heap overflow
+// ("malloc(): corrupted top size"). It must be DataLoss before anything is written.
+Bytes OverclaimingSparseRecord() {
+  Bytes r;
+  r.push_back(std::byte{static_cast<uint8_t>(Method::kSparse)});
+  AppendVarint(&r, 1);        // the record's changes
+  r.push_back(std::byte{1});  // groups
+  AppendVarint(&r, 1 << 20);  // group 0's changes
+  r.push_back(std::byte{1});  // gap width
+  AppendVarint(&r, 1 << 20);  // gap entries
+  r.push_back(std::byte{0});  // gap plane: constant...
+  r.push_back(std::byte{0});  // ...0
+  r.push_back(std::byte{0});  // value plane: constant...
+  r.push_back(std::byte{1});  // ...1
+  return r;
+}
+
+TEST(DeltaCodecTest, SparseGroupClaimingMoreChangesThanTheRecordIsDataLoss) {
+  const Bytes record = OverclaimingSparseRecord();
+  ASSERT_EQ(record.size(), 14u);
+  const size_t n = size_t{1} << 20;
+  Bytes base(n, std::byte{7}), out(n, std::byte{0});
+  // A fresh thread has fresh (empty) scratch buffers, as a subscriber's decoding threads do.
+  absl::Status chunk_status;
+  std::thread([&] {
+    const ChunkOutput span{base.data(), out.data(), n};
+    chunk_status = DecodeChunk(DType::kU8, {&span, 1}, /*keyframe=*/false, record);
+  }).join();
+  EXPECT_TRUE(absl::IsDataLoss(chunk_status)) << chunk_status;
+  EXPECT_NE(chunk_status.message().find("claims 1048576 changes"), std::string::npos)
+      << chunk_status;
+
+  // The same through the version decoder, for every element size.
+  for (DType dtype : {DType::kU8, DType::kBF16, DType::kF32, DType::kU64}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const uint64_t bytes = n * DTypeSize(dtype);
+    const std::vector<TensorLayout> layout = {{dtype, bytes}};
+    Bytes rec = record;
+    // One value plane per byte of the element: append the missing constant planes.
+    for (size_t b = 1; b < DTypeSize(dtype); ++b) {
+      rec.push_back(std::byte{0});
+      rec.push_back(std::byte{0});
+    }
+    const Bytes blob = CraftVersion(layout, bytes, rec);
+    Bytes b2(bytes, std::byte{7}), o2(bytes);
+    const std::byte* bp = b2.data();
+    std::byte* op = o2.data();
+    absl::Status s;
+    std::thread([&] {
+      auto parallel = Threads(1);
+      s = DecodeVersion(blob, kDelta, layout, {&bp, 1}, {&op, 1}, *parallel, nullptr);
+    }).join();
+    EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+    EXPECT_NE(s.message().find("chunk 0"), std::string::npos) << s;
+  }
 }
 
 // Every single-bit flip of a small delta (grouped sparse, xor and stored chunks) is either

@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "core/registry.h"
 #include "core/status.h"
+#include "nlohmann/json.hpp"
 #include "test_model.h"
 #include "test_support.h"
 #include "transports/delta/delta_transport.h"
@@ -403,5 +404,65 @@ TEST(DeltaLayerTest, MalformedRecordsAreDataLoss) {
   EXPECT_TRUE(absl::IsDataLoss(Receive(*sub, 1).status()));
 }
 
+namespace record_integers {
+
+// Issue 10, item 16: integer fields of a delta record holding a float, a fraction, a value
+// beyond 64 bits, a negative value or a string are DataLoss naming the field (nlohmann's
+// get<uint64_t> converted them with undefined behaviour or truncated them).
+Manifest InnerWithRecord(const nlohmann::ordered_json& record, uint64_t version = 9) {
+  Manifest m;
+  m.version = version;
+  m.metadata[std::string(kRecordKey)] = record.dump();
+  m.tensors.push_back(TensorInfo{std::string(kBlobName), DType::kU8, {100}, std::nullopt, 100, 0});
+  return m;
+}
+
+nlohmann::ordered_json GoodDelta() {
+  return nlohmann::ordered_json::parse(
+      R"({"format":"weightbus.delta/1","kind":"delta","base":8,)"
+      R"("base_fingerprint":"0123456789abcdef","keyframe":5,"encoded_bytes":100,"xxh3":[]})");
+}
+
+nlohmann::ordered_json GoodKeyframe() {
+  return nlohmann::ordered_json::parse(
+      R"({"format":"weightbus.delta/1","kind":"keyframe","keyframe":9,"encoded_bytes":100,)"
+      R"("tensors":[{"name":"w","dtype":"BF16","shape":[2,3],"nbytes":12,)"
+      R"("xxh3":"0123456789abcdef"}]})");
+}
+
+TEST(DeltaRecordTest, IntegerFieldsRefuseFloatsFractionsOutOfRangeAndStrings) {
+  ASSERT_TRUE(ParseRecord(InnerWithRecord(GoodDelta()), "src").ok());
+  ASSERT_TRUE(ParseRecord(InnerWithRecord(GoodKeyframe()), "src").ok());
+  const std::vector<std::string> values = {"1.5",   "1e30", "-1", "18446744073709551616",
+                                           "\"7\"", "2.0"};
+  for (const auto& [good, field] : std::vector<std::pair<nlohmann::ordered_json, std::string>>{
+           {GoodDelta(), "base"},
+           {GoodDelta(), "keyframe"},
+           {GoodDelta(), "encoded_bytes"},
+           {GoodKeyframe(), "keyframe"},
+           {GoodKeyframe(), "encoded_bytes"}}) {
+    for (const std::string& value : values) {
+      SCOPED_TRACE(
+          absl::StrFormat("%s record, %s = %s", good["kind"].get<std::string>(), field, value));
+      nlohmann::ordered_json r = good;
+      r[field] = nlohmann::ordered_json::parse(value);
+      absl::StatusOr<Record> parsed = ParseRecord(InnerWithRecord(r), "src");
+      EXPECT_EQ(parsed.status().code(), absl::StatusCode::kDataLoss) << parsed.status();
+      if (parsed.ok()) continue;
+      EXPECT_NE(parsed.status().message().find(absl::StrFormat("field \"%s\"", field)),
+                std::string::npos)
+          << parsed.status();
+    }
+  }
+  // The tensors of a keyframe record are a manifest's: the same rules, naming the field.
+  nlohmann::ordered_json k = GoodKeyframe();
+  k["tensors"][0]["nbytes"] = 12.5;
+  absl::StatusOr<Record> parsed = ParseRecord(InnerWithRecord(k), "src");
+  ASSERT_EQ(parsed.status().code(), absl::StatusCode::kDataLoss) << parsed.status();
+  EXPECT_NE(parsed.status().message().find(".tensors[0].nbytes"), std::string::npos)
+      << parsed.status();
+}
+
+}  // namespace record_integers
 }  // namespace
 }  // namespace weightbus::internal::delta

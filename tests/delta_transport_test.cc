@@ -303,6 +303,74 @@ TEST(DeltaTransportTest, CorruptDeltaWithAMatchingBlobChecksumIsStillRefused) {
   EXPECT_EQ((*sub)->current_version(), std::optional<uint64_t>(1));
 }
 
+// Issue 10, item 15: a hostile delta record in a delta+disk channel. Its sparse group claims
+// 2^20 changes where the record claims one: the decoder wrote 2^20 ranks into a buffer sized
+// for one ("malloc(): corrupted top size" in every subscriber, late joiners included). The blob
+// checksum in the inner manifest is rewritten to match, so only the decoder stands in the way.
+TEST(DeltaTransportTest, OverclaimingSparseGroupInAChannelIsDataLossForEverySubscriber) {
+  ScratchDir dir;
+  auto pub = Publisher::Open(Uri(dir));
+  auto follower = Subscriber::Open(Uri(dir));
+  ASSERT_TRUE(pub.ok() && follower.ok());
+  const size_t n = size_t{1} << 20;
+  std::vector<OwnedTensor> v1 = {{"w", DType::kU8, {static_cast<int64_t>(n)}, {}}};
+  std::mt19937_64 rng(15);
+  v1[0].bytes.resize(n);
+  for (std::byte& b : v1[0].bytes) b = static_cast<std::byte>(rng());  // a stored keyframe
+  std::vector<OwnedTensor> v2 = v1;
+  for (size_t i = 0; i < n; i += 997) v2[0].bytes[i] ^= std::byte{1};  // a sparse delta
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  ASSERT_TRUE((*follower)->WaitForVersion(1, kTimeout).ok());
+  ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, kTimeout).ok());
+  ASSERT_EQ(RecordOnDisk(dir, 2)["kind"], "delta");
+
+  // The blob is the data region of model.safetensors: the header (magic, format, kind, five
+  // varints, the layout checksum, the chunk count, one record size), then the one record.
+  const std::string file = VersionDir(dir, 2) + "/model.safetensors";
+  std::string bytes = testing::ReadFileOrDie(file);
+  uint64_t json_size = 0;
+  std::memcpy(&json_size, bytes.data(), 8);
+  const size_t blob = 8 + json_size;
+  size_t at = blob + 6;
+  auto varint = [&] {
+    uint64_t v = 0;
+    for (int shift = 0;; shift += 7) {
+      const uint8_t b = static_cast<uint8_t>(bytes.at(at++));
+      v |= uint64_t{b & 0x7fu} << shift;
+      if ((b & 0x80) == 0) return v;
+    }
+  };
+  for (int i = 0; i < 5; ++i) varint();
+  at += 8;
+  ASSERT_EQ(varint(), 1u);  // chunks
+  const uint64_t record_size = varint();
+  ASSERT_EQ(at + record_size, bytes.size());
+  ASSERT_EQ(bytes[at], 4) << "the record is not sparse";
+  // method sparse, 1 change, 1 group; the group: 2^20 changes, gap width 1, 2^20 entries, gap
+  // plane constant 0, value plane constant 1. What is left of the real record stays as padding.
+  const std::string crafted("\x04\x01\x01\x80\x80\x40\x01\x80\x80\x40\x00\x00\x00\x01", 14);
+  ASSERT_GE(record_size, crafted.size());
+  bytes.replace(at, crafted.size(), crafted);
+  testing::WriteFileOrDie(file, bytes);
+  const std::string manifest_path = VersionDir(dir, 2) + "/weightbus.manifest.json";
+  auto manifest = nlohmann::json::parse(testing::ReadFileOrDie(manifest_path));
+  manifest["tensors"][0]["xxh3"] =
+      absl::StrFormat("%016x", Xxh3(bytes.data() + blob, bytes.size() - blob));
+  testing::WriteFileOrDie(manifest_path, manifest.dump(1));
+
+  auto update = (*follower)->WaitForVersion(2, absl::Seconds(5));
+  ASSERT_TRUE(absl::IsDataLoss(update.status())) << update.status();
+  EXPECT_NE(update.status().message().find("claims 1048576 changes"), std::string::npos)
+      << update.status();
+  EXPECT_EQ((*follower)->current_version(), std::optional<uint64_t>(1));
+  // A late joiner replays keyframe 1 and the hostile delta 2: refused the same way.
+  auto late = Subscriber::Open(Uri(dir));
+  ASSERT_TRUE(late.ok());
+  auto joined = (*late)->WaitForVersion(2, absl::Seconds(5));
+  ASSERT_TRUE(absl::IsDataLoss(joined.status())) << joined.status();
+  EXPECT_EQ((*late)->current_version(), std::nullopt);
+}
+
 TEST(DeltaTransportTest, DeltaAgainstAWrongBaseIsNeverApplied) {
   ScratchDir dir;
   auto sub = Subscriber::Open(Uri(dir));
@@ -411,6 +479,49 @@ TEST(DeltaTransportTest, RetentionKeepsTheChainFromTheNewestKeyframe) {
   ExpectSameTensors(**update, version);
 }
 
+size_t VersionDirCount(const ScratchDir& dir) {
+  size_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path() + "/channel/versions")) {
+    if (e.path().filename().string().rfind("v", 0) == 0) ++n;
+  }
+  return n;
+}
+
+// Issue 10, item 12: with keyframe_interval=0 the floor kept for the chain (the first keyframe)
+// never moved, so retention=1 kept every version (1,000 versions, 1,000 directories). Now a
+// chain holds at most delta_max_chain deltas: then a keyframe, and the floor moves to it. A
+// channel keeps at most max(retention, delta_max_chain + 2) versions (README.md).
+TEST(DeltaTransportTest, ChainsWithoutAKeyframeIntervalStayBounded) {
+  ScratchDir dir;
+  constexpr uint64_t kMaxChain = 4, kVersions = 23;  // the cap is passed four times
+  auto pub = Publisher::Open(
+      Uri(dir, absl::StrFormat("keyframe_interval=0&retention=1&delta_max_chain=%d", kMaxChain)));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  VersionStream stream(16, 1e-4, 8);
+  std::vector<OwnedTensor> version;
+  for (uint64_t v = 1; v <= kVersions; ++v) {
+    version = stream.Next();
+    ASSERT_TRUE((*pub)->Publish(v, Views(version), {}, kTimeout).ok()) << v;
+    // Keyframes at 1, 6, 11, 16, 21: four deltas after each.
+    const uint64_t keyframe = v - (v - 1) % (kMaxChain + 1);
+    EXPECT_EQ(RecordOnDisk(dir, v)["kind"], v == keyframe ? "keyframe" : "delta") << v;
+    EXPECT_EQ(RecordOnDisk(dir, v)["keyframe"], keyframe) << v;
+  }
+  pub->reset();  // finishes the retention work under way
+  const size_t bound = std::max<size_t>(1, kMaxChain + 2);
+  EXPECT_LE(VersionDirCount(dir), bound);
+  // What is kept is the chain from the newest keyframe: enough for a late joiner.
+  for (uint64_t v = 21; v <= kVersions; ++v)
+    EXPECT_TRUE(std::filesystem::exists(VersionDir(dir, v)));
+  EXPECT_FALSE(std::filesystem::exists(VersionDir(dir, 15)));
+  auto late = Subscriber::Open(Uri(dir));
+  ASSERT_TRUE(late.ok());
+  auto update = (*late)->WaitForVersion(0, kTimeout);
+  ASSERT_TRUE(update.ok()) << update.status();
+  EXPECT_EQ((*update)->version(), kVersions);
+  ExpectSameTensors(**update, version);
+}
+
 TEST(DeltaTransportTest, NewTensorLayoutStartsWithAKeyframe) {
   ScratchDir dir;
   auto pub = Publisher::Open(Uri(dir));
@@ -477,8 +588,9 @@ TEST(DeltaTransportTest, ReservedMetadataKeyAndBadSettingsAreRefused) {
   EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
   EXPECT_FALSE(std::filesystem::exists(VersionDir(dir, 1)));
   pub->reset();  // releases the channel
-  for (const char* query : {"keyframe_interval=-1", "delta_chunk_size=100", "delta_chunk_size=0",
-                            "delta_groups=5", "delta_zstd_level=23", "delta_threads=-2"}) {
+  for (const char* query :
+       {"keyframe_interval=-1", "delta_chunk_size=100", "delta_chunk_size=0", "delta_groups=5",
+        "delta_zstd_level=23", "delta_threads=-2", "delta_max_chain=0"}) {
     auto p = Publisher::Open(Uri(dir, query));
     EXPECT_TRUE(absl::IsInvalidArgument(p.status())) << query << ": " << p.status();
     auto q = Subscriber::Open(Uri(dir, query));

@@ -20,13 +20,17 @@
 #include <map>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "expect_tensors.h"
+#include "test_model.h"
 #include "test_support.h"
+#include "weightbus/weightbus.hpp"
 
 namespace weightbus::safetensors {
 namespace {
@@ -462,19 +466,98 @@ TEST(SafetensorsParseTest, ZeroSizeTensorsMaySitAtTheSameOffsetAndAtTheEnds) {
 TEST(SafetensorsParseTest, ScalarAndEveryDTypeParse) {
   std::vector<std::string> fields;
   uint64_t offset = 0;
+  // Scalars, but 4 elements of the sub-byte dtypes (one would not fill a byte).
+  auto shape_of = [](DType dtype) {
+    return IsSubByte(dtype) ? std::vector<int64_t>{4} : std::vector<int64_t>{};
+  };
   for (DType dtype : kAllDTypes) {
-    const uint64_t size = DTypeSize(dtype);
-    fields.push_back(absl::StrFormat(R"("t_%s":{"dtype":"%s","shape":[],"data_offsets":[%d,%d]})",
-                                     DTypeName(dtype), DTypeName(dtype), offset, offset + size));
+    const uint64_t size = *ByteSize(dtype, shape_of(dtype));
+    fields.push_back(absl::StrFormat(R"("t_%s":{"dtype":"%s","shape":%s,"data_offsets":[%d,%d]})",
+                                     DTypeName(dtype), DTypeName(dtype),
+                                     ShapeString(shape_of(dtype)), offset, offset + size));
     offset += size;
   }
   File file = ParseOk(MakeFile("{" + absl::StrJoin(fields, ",") + "}", Zeros(offset)));
   ASSERT_EQ(file.header.tensors.size(), kAllDTypes.size());
   for (size_t i = 0; i < kAllDTypes.size(); ++i) {
     EXPECT_EQ(file.header.tensors[i].dtype, kAllDTypes[i]);
-    EXPECT_TRUE(file.header.tensors[i].shape.empty());
-    EXPECT_EQ(file.header.tensors[i].nbytes(), DTypeSize(kAllDTypes[i]));
+    EXPECT_EQ(file.header.tensors[i].shape, shape_of(kAllDTypes[i]));
+    EXPECT_EQ(file.header.tensors[i].nbytes(), *ByteSize(kAllDTypes[i], shape_of(kAllDTypes[i])));
   }
+}
+
+// Issue 10, item 14: files with the dtypes safetensors added (F8_E8M0 scales as in
+// DeepSeek-V3.2, MXFP4's F4, F6, C64, the FNUZ FP8 variants) were refused with DataLoss. They
+// parse, with sizes from their bits (F4: 2 elements per byte, F6: 4 per 3 bytes), and their bytes
+// are handed over as they are.
+TEST(SafetensorsParseTest, NewSafetensorsDTypesParseWithTheirBytes) {
+  const std::vector<std::tuple<std::string, std::string, uint64_t>> tensors = {
+      {"scale", "F8_E8M0", 3},     {"mx4", "F4", 3},    {"mx6a", "F6_E2M3", 3},
+      {"mx6b", "F6_E3M2", 6},      {"cplx", "C64", 16}, {"e4fnuz", "F8_E4M3FNUZ", 1},
+      {"e5fnuz", "F8_E5M2FNUZ", 2}};
+  const std::vector<std::string> shapes = {"[3]", "[2,3]", "[4]", "[2,4]", "[2]", "[]", "[1,2]"};
+  std::vector<std::string> fields;
+  std::string data;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& [name, dtype, bytes] = tensors[i];
+    fields.push_back(absl::StrFormat(R"("%s":{"dtype":"%s","shape":%s,"data_offsets":[%d,%d]})",
+                                     name, dtype, shapes[i], data.size(), data.size() + bytes));
+    for (uint64_t b = 0; b < bytes; ++b) data.push_back(static_cast<char>(0x11 * (i + 1) + b));
+  }
+  const std::string text = MakeFile("{" + absl::StrJoin(fields, ",") + "}", data);
+  absl::StatusOr<File> file = ParseFile(text, "new-dtypes.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_EQ(file->header.tensors.size(), tensors.size());
+  uint64_t at = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& [name, dtype, bytes] = tensors[i];
+    const Entry* e = file->header.Find(name);
+    ASSERT_NE(e, nullptr) << name;
+    EXPECT_EQ(DTypeName(e->dtype), dtype);
+    EXPECT_EQ(e->nbytes(), bytes) << name;
+    EXPECT_EQ(BytesOf(*file, *e), data.substr(at, bytes)) << name;
+    at += bytes;
+  }
+  // Written back by the writer and read again: the same.
+  ScratchDir dir;
+  std::vector<TensorView> views;
+  for (const Entry& e : file->header.tensors) {
+    views.push_back(TensorView{e.name, e.dtype, e.shape, {}, file->Bytes(e).data()});
+  }
+  const std::string path = dir.path() + "/new.safetensors";
+  ASSERT_TRUE(WriteFile(path, views, {}).ok());
+  absl::StatusOr<File> again = ReadFile(path);
+  ASSERT_TRUE(again.ok()) << again.status();
+  for (const Entry& e : file->header.tensors) {
+    const Entry* f = again->header.Find(e.name);
+    ASSERT_NE(f, nullptr);
+    EXPECT_EQ(f->dtype, e.dtype);
+    EXPECT_EQ(f->shape, e.shape);
+    EXPECT_EQ(BytesOf(*again, *f), BytesOf(*file, e));
+  }
+}
+
+TEST(SafetensorsMalformedTest, SubByteTensorsOfPartialBytesAreDataLoss) {
+  // 3 F4 elements are 12 bits: safetensors refuses such a tensor as misaligned.
+  EXPECT_REJECTED(MakeFile(R"({"w":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}})", Zeros(2)),
+                  "tensor 'w'", "F4", "not a whole number of bytes");
+  EXPECT_REJECTED(
+      MakeFile(R"({"w":{"dtype":"F6_E3M2","shape":[1,2],"data_offsets":[0,2]}})", Zeros(2)),
+      "tensor 'w'", "F6_E3M2", "not a whole number of bytes");
+  // The right number of bytes for its bits, or DataLoss as for any dtype.
+  EXPECT_REJECTED(MakeFile(R"({"w":{"dtype":"F4","shape":[4],"data_offsets":[0,4]}})", Zeros(4)),
+                  "tensor 'w'", "= 2 bytes");
+}
+
+TEST(SafetensorsWriteTest, NonContiguousSubByteViewsAreUnimplemented) {
+  ScratchDir dir;
+  const std::string bytes(4, '\x5a');
+  const TensorView v{"packed", DType::kF4, {2, 4}, {1, 2}, bytes.data()};
+  const absl::Status s = WriteFile(dir.path() + "/x.safetensors", {&v, 1}, {});
+  ASSERT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "'packed'")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "F4")) << s;
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/x.safetensors"));
 }
 
 TEST(SafetensorsParseTest, ValidUtf8EdgeCodePointsAreAccepted) {
@@ -694,8 +777,8 @@ TEST(SafetensorsMalformedTest, IllTypedFields) {
 }
 
 TEST(SafetensorsMalformedTest, UnknownDType) {
-  EXPECT_REJECTED(MakeFile(R"({"w":{"dtype":"F4","shape":[4],"data_offsets":[0,2]}})", Zeros(2)),
-                  "tensor 'w' has unknown dtype \"F4\"", "BF16");
+  EXPECT_REJECTED(MakeFile(R"({"w":{"dtype":"F3","shape":[4],"data_offsets":[0,2]}})", Zeros(2)),
+                  "tensor 'w' has unknown dtype \"F3\"", "BF16", "F8_E8M0", "F4", "C64");
   // Names are case-sensitive.
   EXPECT_REJECTED(MakeFile(R"({"w":{"dtype":"f32","shape":[1],"data_offsets":[0,4]}})", Zeros(4)),
                   "unknown dtype \"f32\"");
@@ -941,8 +1024,9 @@ TEST(SafetensorsPlanTest, RandomLayoutsAreAlignedAndParse) {
       std::vector<int64_t> shape;
       const int rank = static_cast<int>(next() % 4);
       for (int d = 0; d < rank; ++d) shape.push_back(static_cast<int64_t>(next() % 5));
-      specs.push_back(
-          TensorSpec{absl::StrFormat("t%d", i), kAllDTypes[next() % kAllDTypes.size()], shape});
+      const DType dtype = kAllDTypes[next() % kAllDTypes.size()];
+      if (IsSubByte(dtype)) shape.push_back(4);  // 4 elements of 4 or 6 bits: whole bytes
+      specs.push_back(TensorSpec{absl::StrFormat("t%d", i), dtype, shape});
     }
     Metadata md;
     if (next() % 2) md["round"] = absl::StrCat(round);
@@ -1326,6 +1410,85 @@ TEST(SafetensorsWriteTest, FailedWriteKeepsThePreviousFileAndRemovesTheTemporary
   EXPECT_STATUS(s, absl::StatusCode::kResourceExhausted, path, "write", "File too large");
   EXPECT_EQ(ReadFileOrDie(path), before);
   EXPECT_EQ(FilesIn(dir.path()), std::vector<std::string>{"model.safetensors"});
+}
+
+}  // namespace
+}  // namespace weightbus::safetensors
+
+namespace weightbus::safetensors {
+namespace {
+
+// Issue 10, item 14, end to end: tensors of the new dtypes published over disk:// (and through
+// the delta layer) reach a subscriber bit-exact; sub-byte views must be contiguous.
+std::vector<testing::OwnedTensor> NewDTypeVersion(uint64_t version) {
+  std::vector<testing::OwnedTensor> out;
+  for (const auto& [name, dtype, shape] :
+       std::vector<std::tuple<std::string, DType, std::vector<int64_t>>>{
+           {"experts.w1.blocks", DType::kF4, {64, 32}},
+           {"experts.w1.scales", DType::kF8E8M0, {64, 1}},
+           {"mx6.e2m3", DType::kF6E2M3, {16, 8}},
+           {"mx6.e3m2", DType::kF6E3M2, {4}},
+           {"rotary.freqs", DType::kC64, {7}},
+           {"fp8.fnuz", DType::kF8E4M3FNUZ, {5}},
+           {"fp8.e5fnuz", DType::kF8E5M2FNUZ, {3}}}) {
+    testing::OwnedTensor t{name, dtype, shape, {}};
+    t.bytes.resize(*ByteSize(dtype, shape));
+    for (size_t i = 0; i < t.bytes.size(); ++i) {
+      t.bytes[i] = static_cast<std::byte>((i * 131 + version * 7 + name.size()) & 0xff);
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+TEST(NewDTypesTest, RoundTripOverDiskAndDeltaBitExact) {
+  for (const char* scheme : {"disk://", "delta+disk://"}) {
+    SCOPED_TRACE(scheme);
+    ScratchDir dir;
+    const std::string uri = std::string(scheme) + dir.path() + "/channel?fsync=false";
+    auto pub = Publisher::Open(uri);
+    ASSERT_TRUE(pub.ok()) << pub.status();
+    auto sub = Subscriber::Open(uri);
+    ASSERT_TRUE(sub.ok()) << sub.status();
+    for (uint64_t v = 1; v <= 3; ++v) {
+      const std::vector<testing::OwnedTensor> version = NewDTypeVersion(v);
+      const absl::Status s = (*pub)->Publish(v, testing::Views(version), {}, absl::Seconds(30));
+      ASSERT_TRUE(s.ok()) << s;
+      auto update = (*sub)->WaitForVersion(v, absl::Seconds(30));
+      ASSERT_TRUE(update.ok()) << update.status();
+      ASSERT_EQ((*update)->version(), v);
+      testing::ExpectSameTensors(**update, version);
+    }
+    if (std::string(scheme) == "disk://") {
+      // The version on disk is a safetensors file naming the dtypes as safetensors does.
+      absl::StatusOr<File> file =
+          ReadFile(dir.path() + "/channel/versions/v00000000000000000003/model.safetensors");
+      ASSERT_TRUE(file.ok()) << file.status();
+      const Entry* blocks = file->header.Find("experts.w1.blocks");
+      ASSERT_NE(blocks, nullptr);
+      EXPECT_EQ(DTypeName(blocks->dtype), "F4");
+      EXPECT_EQ(blocks->nbytes(), 64u * 32u / 2u);
+    }
+  }
+}
+
+TEST(NewDTypesTest, StridedSubByteViewsAreUnimplementedNamingTensorAndDtype) {
+  ScratchDir dir;
+  auto pub = Publisher::Open("disk://" + dir.path() + "/channel?fsync=false");
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  const std::vector<std::byte> bytes(16);
+  const TensorView view{"experts.w2.blocks", DType::kF4, {4, 8}, {1, 4}, bytes.data()};
+  const absl::Status s = (*pub)->Publish(1, {view}, {}, absl::Seconds(30));
+  ASSERT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "experts.w2.blocks")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "F4")) << s;
+  // A contiguous view of the same bytes is fine; a shape of partial bytes is InvalidArgument.
+  const TensorView contiguous{"experts.w2.blocks", DType::kF4, {4, 8}, {}, bytes.data()};
+  EXPECT_TRUE((*pub)->Publish(1, {contiguous}, {}, absl::Seconds(30)).ok());
+  const TensorView partial{"odd", DType::kF4, {3}, {}, bytes.data()};
+  const absl::Status odd = (*pub)->Publish(2, {partial}, {}, absl::Seconds(30));
+  EXPECT_EQ(odd.code(), absl::StatusCode::kInvalidArgument) << odd;
+  EXPECT_TRUE(absl::StrContains(odd.message(), "whole number of bytes")) << odd;
 }
 
 }  // namespace

@@ -3,23 +3,61 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <map>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "nlohmann/json.hpp"
+#include "weightbus/manifest.hpp"
+
 namespace weightbus {
 namespace {
 
+// Issue 10, item 14: every dtype of safetensors' Dtype enum (safetensors/src/tensor.rs: BOOL,
+// F4, F6_E2M3, F6_E3M2, U8, I8, F8_E5M2, F8_E4M3, F8_E8M0, F8_E4M3FNUZ, F8_E5M2FNUZ, I16, U16,
+// F16, BF16, I32, U32, F32, C64, F64, I64, U64) with its bit size (Dtype::bitsize).
 TEST(DTypeTest, NamesRoundTripAndSizesMatchSafetensors) {
-  const std::map<std::string, size_t> expected = {
-      {"BOOL", 1}, {"U8", 1},   {"I8", 1},  {"U16", 2},     {"I16", 2},
-      {"F16", 2},  {"BF16", 2}, {"U32", 4}, {"I32", 4},     {"F32", 4},
-      {"U64", 8},  {"I64", 8},  {"F64", 8}, {"F8_E4M3", 1}, {"F8_E5M2", 1}};
-  ASSERT_EQ(kAllDTypes.size(), expected.size());
+  const std::map<std::string, size_t> bits = {
+      {"BOOL", 8},        {"F4", 4},      {"F6_E2M3", 6}, {"F6_E3M2", 6}, {"U8", 8},
+      {"I8", 8},          {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8},
+      {"F8_E5M2FNUZ", 8}, {"I16", 16},    {"U16", 16},    {"F16", 16},    {"BF16", 16},
+      {"I32", 32},        {"U32", 32},    {"F32", 32},    {"C64", 64},    {"F64", 64},
+      {"I64", 64},        {"U64", 64}};
+  ASSERT_EQ(kAllDTypes.size(), bits.size());
   for (DType dtype : kAllDTypes) {
     std::string name(DTypeName(dtype));
-    ASSERT_TRUE(expected.count(name)) << name;
-    EXPECT_EQ(DTypeSize(dtype), expected.at(name)) << name;
+    ASSERT_TRUE(bits.count(name)) << name;
+    EXPECT_EQ(DTypeBits(dtype), bits.at(name)) << name;
+    EXPECT_EQ(DTypeSize(dtype), (bits.at(name) + 7) / 8) << name;
+    EXPECT_EQ(IsSubByte(dtype), bits.at(name) % 8 != 0) << name;
     absl::StatusOr<DType> parsed = DTypeFromName(name);
     ASSERT_TRUE(parsed.ok()) << parsed.status();
     EXPECT_EQ(*parsed, dtype);
   }
+}
+
+// Sub-byte tensors: a whole number of bytes (safetensors refuses the rest as misaligned).
+TEST(DTypeTest, SubByteTensorsHoldWholeBytes) {
+  EXPECT_EQ(*ByteSize(DType::kF4, {2, 3}), 3u);
+  EXPECT_EQ(*ByteSize(DType::kF4, {0}), 0u);
+  EXPECT_EQ(*ByteSize(DType::kF6E2M3, {4}), 3u);
+  EXPECT_EQ(*ByteSize(DType::kF6E3M2, {2, 8}), 12u);
+  EXPECT_EQ(*ByteSize(DType::kC64, {3}), 24u);
+  EXPECT_EQ(*ByteSize(DType::kF8E8M0, {5}), 5u);
+  for (auto [dtype, shape] : std::vector<std::pair<DType, std::vector<int64_t>>>{
+           {DType::kF4, {3}}, {DType::kF4, {}}, {DType::kF6E2M3, {2}}, {DType::kF6E3M2, {1, 5}}}) {
+    absl::StatusOr<uint64_t> n = ByteSize(dtype, shape);
+    ASSERT_EQ(n.status().code(), absl::StatusCode::kInvalidArgument) << DTypeName(dtype);
+    EXPECT_NE(n.status().message().find("not a whole number of bytes"), absl::string_view::npos)
+        << n.status();
+    EXPECT_NE(std::string(n.status().message()).find(DTypeName(dtype)), std::string::npos)
+        << n.status();
+  }
+  // 2^62 F4 elements are 2^61 bytes: no overflow on the way.
+  EXPECT_EQ(*ByteSize(DType::kF4, {int64_t{1} << 62}), uint64_t{1} << 61);
+  EXPECT_EQ(*ByteSize(DType::kF64, {int64_t{1} << 60}), uint64_t{1} << 63);
 }
 
 TEST(DTypeTest, UnknownNameIsInvalidArgumentListingNames) {
@@ -53,5 +91,103 @@ TEST(ShapeTest, Contiguity) {
   EXPECT_FALSE(IsContiguous({2, 3}, {1}));     // rank mismatch
 }
 
+// Issue 10, item 16: integer fields of a manifest holding a float, a fraction, a value beyond 64
+// bits, a negative value where none is allowed, or a string are DataLoss naming the field (they
+// were converted with undefined behaviour, fractions silently truncated).
+namespace manifest_integers {
+
+using nlohmann::ordered_json;
+
+ordered_json GoodManifest() {
+  Manifest m;
+  m.version = 7;
+  m.publisher = PublisherIdentity{"host", 1234, 0, 2, "trainer"};
+  m.publish_start_unix_ns = 1700000000000000000;
+  m.sealed_unix_ns = 1700000000000000001;
+  TensorInfo t;
+  t.name = "w";
+  t.dtype = DType::kBF16;
+  t.shape = {2, 3};
+  t.nbytes = 12;
+  t.xxh3 = 0x0123456789abcdefULL;
+  t.shard = Shard{{4, 3}, {2, 0}};
+  m.tensors.push_back(t);
+  return ordered_json::parse(m.ToJson());
+}
+
+// JSON texts of the values every integer field is tried with.
+const std::vector<std::string>& BadValues() {
+  static const std::vector<std::string> v = {"1.5",   "1e30", "-1", "18446744073709551616",
+                                             "\"7\"", "2.0"};
+  return v;
+}
+
+// Sets the field at `path` (object keys and array indices) to the JSON text `value`.
+std::string WithField(const std::vector<std::variant<std::string, size_t>>& path,
+                      const std::string& value) {
+  ordered_json j = GoodManifest();
+  ordered_json* at = &j;
+  for (const auto& p : path) {
+    at = std::holds_alternative<std::string>(p) ? &(*at)[std::get<std::string>(p)]
+                                                : &(*at)[std::get<size_t>(p)];
+  }
+  *at = ordered_json::parse(value);
+  return j.dump();
+}
+
+struct Field {
+  std::vector<std::variant<std::string, size_t>> path;
+  std::string name;        // as the error names it
+  bool signed_64 = false;  // -1 is a valid value
+};
+
+TEST(ManifestIntegerFieldsTest, FloatsFractionsOutOfRangeAndStringsAreDataLossNamingTheField) {
+  ASSERT_TRUE(Manifest::FromJson(GoodManifest().dump(), "good").ok());
+  const std::vector<Field> fields = {
+      {{"version"}, ".version"},
+      {{"publisher", "pid"}, ".publisher.pid", true},
+      {{"publisher", "rank"}, ".publisher.rank"},
+      {{"publisher", "world_size"}, ".publisher.world_size"},
+      {{"publish_start_unix_ns"}, ".publish_start_unix_ns", true},
+      {{"sealed_unix_ns"}, ".sealed_unix_ns", true},
+      {{"tensors", size_t{0}, "nbytes"}, ".tensors[0].nbytes"},
+      {{"tensors", size_t{0}, "shape", size_t{1}}, ".tensors[0].shape[1]"},
+      {{"tensors", size_t{0}, "shard", "global_shape", size_t{0}},
+       ".tensors[0].shard.global_shape[0]"},
+      {{"tensors", size_t{0}, "shard", "offsets", size_t{0}}, ".tensors[0].shard.offsets[0]"},
+  };
+  for (const Field& f : fields) {
+    for (const std::string& value : BadValues()) {
+      SCOPED_TRACE(f.name + " = " + value);
+      absl::StatusOr<Manifest> m = Manifest::FromJson(WithField(f.path, value), "test-source");
+      if (f.signed_64 && value == "-1") {
+        ASSERT_TRUE(m.ok()) << m.status();
+        continue;
+      }
+      EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss) << m.status();
+      if (m.ok()) continue;
+      EXPECT_NE(m.status().message().find("test-source"), absl::string_view::npos) << m.status();
+      EXPECT_NE(m.status().message().find("field " + f.name + " "), absl::string_view::npos)
+          << m.status();
+    }
+  }
+  // Limits that fit are kept exactly.
+  absl::StatusOr<Manifest> big =
+      Manifest::FromJson(WithField({"version"}, "18446744073709551615"), "max");
+  ASSERT_TRUE(big.ok()) << big.status();
+  EXPECT_EQ(big->version, 18446744073709551615ULL);
+  absl::StatusOr<Manifest> early =
+      Manifest::FromJson(WithField({"publish_start_unix_ns"}, "-9223372036854775808"), "min");
+  ASSERT_TRUE(early.ok()) << early.status();
+  EXPECT_EQ(early->publish_start_unix_ns, std::numeric_limits<int64_t>::min());
+  absl::StatusOr<Manifest> wide =
+      Manifest::FromJson(WithField({"publisher", "rank"}, "2147483648"), "int");
+  EXPECT_EQ(wide.status().code(), absl::StatusCode::kDataLoss) << wide.status();
+  absl::StatusOr<Manifest> huge_pid =
+      Manifest::FromJson(WithField({"publisher", "pid"}, "9223372036854775808"), "pid");
+  EXPECT_EQ(huge_pid.status().code(), absl::StatusCode::kDataLoss) << huge_pid.status();
+}
+
+}  // namespace manifest_integers
 }  // namespace
 }  // namespace weightbus

@@ -17,8 +17,15 @@
 namespace weightbus {
 
 // Element types, named and sized exactly as in the safetensors format
-// (https://github.com/huggingface/safetensors, `Dtype`). F8_E4M3 and F8_E5M2 are the OCP FP8
-// formats (1 byte each). BOOL is one byte per element.
+// (https://github.com/huggingface/safetensors, `Dtype` in safetensors/src/tensor.rs, which lists
+// exactly these). F8_E4M3 and F8_E5M2 are the OCP FP8 formats, F8_E4M3FNUZ and F8_E5M2FNUZ
+// their variants without negative zero and infinities, F8_E8M0 the OCP MX scale format (an
+// exponent only), all 1 byte each. BOOL is one byte per element. C64 is a complex number of two
+// F32 (real, imaginary), 8 bytes. F4 (E2M1) and F6_E2M3 / F6_E3M2 are the OCP MX sub-byte
+// formats: 4 and 6 bits per element, packed without padding, so a tensor of them must hold a
+// whole number of bytes (ByteSize). weightbus moves bytes and never does arithmetic on
+// elements, so every dtype is carried bit-exactly; values are added at the end to keep the
+// numbering stable.
 enum class DType : uint8_t {
   kBool,
   kU8,
@@ -35,18 +42,36 @@ enum class DType : uint8_t {
   kF64,
   kF8E4M3,
   kF8E5M2,
+  kF8E8M0,
+  kF8E4M3FNUZ,
+  kF8E5M2FNUZ,
+  kC64,
+  kF4,
+  kF6E2M3,
+  kF6E3M2,
 };
 
-inline constexpr std::array<DType, 15> kAllDTypes = {
-    DType::kBool, DType::kU8,   DType::kI8,  DType::kU16,    DType::kI16,
-    DType::kF16,  DType::kBF16, DType::kU32, DType::kI32,    DType::kF32,
-    DType::kU64,  DType::kI64,  DType::kF64, DType::kF8E4M3, DType::kF8E5M2};
+inline constexpr std::array<DType, 22> kAllDTypes = {
+    DType::kBool,   DType::kU8,         DType::kI8,         DType::kU16,    DType::kI16,
+    DType::kF16,    DType::kBF16,       DType::kU32,        DType::kI32,    DType::kF32,
+    DType::kU64,    DType::kI64,        DType::kF64,        DType::kF8E4M3, DType::kF8E5M2,
+    DType::kF8E8M0, DType::kF8E4M3FNUZ, DType::kF8E5M2FNUZ, DType::kC64,    DType::kF4,
+    DType::kF6E2M3, DType::kF6E3M2};
 
-// The safetensors name of `dtype`, e.g. "BF16", "F8_E4M3". Never empty.
+// The safetensors name of `dtype`, e.g. "BF16", "F8_E4M3", "F6_E2M3". Never empty.
 WB_EXPORT std::string_view DTypeName(DType dtype);
 
-// Size of one element in bytes (1, 2, 4 or 8).
+// Bits of one element: 4 (F4), 6 (F6_*), 8, 16, 32 or 64 (as safetensors' Dtype::bitsize).
+WB_EXPORT size_t DTypeBits(DType dtype);
+
+// Bytes of one element, rounded up: 1, 2, 4 or 8; 1 for the sub-byte F4 and F6_* types, whose
+// sizes only ByteSize (from DTypeBits) gives exactly. Use it as the element size of byte-sized
+// dtypes; tensors of sub-byte dtypes have no per-element byte address (IsSubByte).
 WB_EXPORT size_t DTypeSize(DType dtype);
+
+// True for dtypes whose elements are smaller than a byte (F4, F6_E2M3, F6_E3M2): such tensors
+// are moved as whole contiguous byte ranges only (strided views of them are Unimplemented).
+WB_EXPORT bool IsSubByte(DType dtype);
 
 // Parses a safetensors dtype name (case-sensitive, e.g. "F32").
 // Errors: InvalidArgument naming the unknown string and listing the accepted names.
@@ -111,7 +136,9 @@ struct Destination {
 // dimension or a product that overflows int64.
 WB_EXPORT absl::StatusOr<int64_t> NumElements(const std::vector<int64_t>& shape);
 
-// Byte size of a contiguous tensor of `dtype` and `shape`, with the same errors as NumElements.
+// Byte size of a contiguous tensor of `dtype` and `shape`: elements * DTypeBits / 8. Errors as
+// NumElements, and InvalidArgument when the bits of a sub-byte tensor are not a whole number of
+// bytes (e.g. F4 of shape [3]: 12 bits), as safetensors refuses them.
 WB_EXPORT absl::StatusOr<uint64_t> ByteSize(DType dtype, const std::vector<int64_t>& shape);
 
 // Renders a shape as "[2, 3]" (and "[]" for a 0-d scalar), for messages.

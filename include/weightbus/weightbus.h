@@ -21,7 +21,7 @@
  *     (WB_UNIMPLEMENTED), so structs grow without breaking the ABI. A NULL params pointer means
  *     every default.
  *   - Tensors cross as DLPack 0.6 DLTensor (dlpack/dlpack.h) with their names alongside.
- *     DLPack 0.6 has no code for BOOL, F8_E4M3 and F8_E5M2: pass such tensors as 8-bit unsigned
+ *     DLPack 0.6 has no code for BOOL and the F8 types: pass such tensors as 8-bit unsigned
  *     integers and name the real type in a wb_dtype_t override; received ones are exposed as
  *     uint8 DLTensors whose wb_dtype_t says what they are. An override also lets a caller
  *     publish, e.g., a uint16 array as BF16 (the element sizes must agree).
@@ -133,7 +133,17 @@ typedef enum wb_dtype {
   WB_DTYPE_I64 = 12,
   WB_DTYPE_F64 = 13,
   WB_DTYPE_F8_E4M3 = 14,
-  WB_DTYPE_F8_E5M2 = 15
+  WB_DTYPE_F8_E5M2 = 15,
+  WB_DTYPE_F8_E8M0 = 16,
+  WB_DTYPE_F8_E4M3FNUZ = 17,
+  WB_DTYPE_F8_E5M2FNUZ = 18,
+  WB_DTYPE_C64 = 19, /* complex of two F32: DLPack kDLComplex, 64 bits */
+  /* Sub-byte types (4 and 6 bits per element, packed): channels carry them (C++ API), but a
+   * DLPack 0.6 tensor cannot describe them, so the C API refuses them with WB_UNIMPLEMENTED
+   * naming the tensor and dtype, both as overrides and when a received tensor is asked for. */
+  WB_DTYPE_F4 = 20,
+  WB_DTYPE_F6_E2M3 = 21,
+  WB_DTYPE_F6_E3M2 = 22
 } wb_dtype_t;
 
 /* The safetensors name of `dtype` ("BF16", "F8_E4M3", ...); "FROM_DLPACK" for 0 and "?" for a

@@ -264,6 +264,20 @@ absl::StatusOr<wb::DType> FromCDType(wb_dtype_t dtype) {
       return wb::DType::kF8E4M3;
     case WB_DTYPE_F8_E5M2:
       return wb::DType::kF8E5M2;
+    case WB_DTYPE_F8_E8M0:
+      return wb::DType::kF8E8M0;
+    case WB_DTYPE_F8_E4M3FNUZ:
+      return wb::DType::kF8E4M3FNUZ;
+    case WB_DTYPE_F8_E5M2FNUZ:
+      return wb::DType::kF8E5M2FNUZ;
+    case WB_DTYPE_C64:
+      return wb::DType::kC64;
+    case WB_DTYPE_F4:
+      return wb::DType::kF4;
+    case WB_DTYPE_F6_E2M3:
+      return wb::DType::kF6E2M3;
+    case WB_DTYPE_F6_E3M2:
+      return wb::DType::kF6E3M2;
     case WB_DTYPE_FROM_DLPACK:
       break;
   }
@@ -303,6 +317,20 @@ wb_dtype_t ToCDType(wb::DType dtype) {
       return WB_DTYPE_F8_E4M3;
     case wb::DType::kF8E5M2:
       return WB_DTYPE_F8_E5M2;
+    case wb::DType::kF8E8M0:
+      return WB_DTYPE_F8_E8M0;
+    case wb::DType::kF8E4M3FNUZ:
+      return WB_DTYPE_F8_E4M3FNUZ;
+    case wb::DType::kF8E5M2FNUZ:
+      return WB_DTYPE_F8_E5M2FNUZ;
+    case wb::DType::kC64:
+      return WB_DTYPE_C64;
+    case wb::DType::kF4:
+      return WB_DTYPE_F4;
+    case wb::DType::kF6E2M3:
+      return WB_DTYPE_F6_E2M3;
+    case wb::DType::kF6E3M2:
+      return WB_DTYPE_F6_E3M2;
   }
   return WB_DTYPE_FROM_DLPACK;
 }
@@ -343,6 +371,15 @@ DLDataType ToDLDataType(wb::DType dtype) {
     case wb::DType::kF8E4M3:
       return make(kDLUInt, 8);
     case wb::DType::kF8E5M2:
+    case wb::DType::kF8E8M0:
+    case wb::DType::kF8E4M3FNUZ:
+    case wb::DType::kF8E5M2FNUZ:
+      return make(kDLUInt, 8);
+    case wb::DType::kC64:
+      return make(kDLComplex, 64);
+    case wb::DType::kF4:  // never exposed (SubByteUnimplemented); the packed bytes
+    case wb::DType::kF6E2M3:
+    case wb::DType::kF6E3M2:
       return make(kDLUInt, 8);
   }
   return make(kDLUInt, 8);
@@ -376,6 +413,15 @@ std::string DLDataTypeString(DLDataType t) {
                       : absl::StrFormat("%s%dx%d", code, t.bits, t.lanes);
 }
 
+// Tensors of 4- and 6-bit elements cannot be described by a DLPack 0.6 DLTensor (its shape
+// counts elements of a whole number of bytes).
+absl::Status SubByteUnimplemented(std::string_view name, wb::DType dtype) {
+  return absl::UnimplementedError(absl::StrFormat(
+      "tensor \"%s\" has dtype %s (%d-bit elements, packed), which a DLPack 0.6 tensor cannot "
+      "describe; the C API does not support sub-byte dtypes (the C++ API does)",
+      name, wb::DTypeName(dtype), wb::DTypeBits(dtype)));
+}
+
 // The weightbus element type of a DLTensor, applying `override` (FROM_DLPACK: none).
 absl::StatusOr<wb::DType> DTypeOf(std::string_view name, DLDataType t, wb_dtype_t override) {
   std::optional<wb::DType> native;
@@ -401,6 +447,9 @@ absl::StatusOr<wb::DType> DTypeOf(std::string_view name, DLDataType t, wb_dtype_
       case kDLBfloat:
         if (t.bits == 16) native = wb::DType::kBF16;
         break;
+      case kDLComplex:
+        if (t.bits == 64) native = wb::DType::kC64;
+        break;
       default:
         break;
     }
@@ -420,6 +469,7 @@ absl::StatusOr<wb::DType> DTypeOf(std::string_view name, DLDataType t, wb_dtype_
     return absl::InvalidArgumentError(
         absl::StrFormat("tensor \"%s\": dtype override %s", name, dtype.status().message()));
   }
+  if (wb::IsSubByte(*dtype)) return SubByteUnimplemented(name, *dtype);
   if (t.lanes != 1 || t.bits % 8 != 0 || t.bits / 8 != wb::DTypeSize(*dtype)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "tensor \"%s\": dtype override %s (%d-byte elements) does not match the DLTensor's "
@@ -553,6 +603,8 @@ absl::Status CheckIndex(const char* function, const wb_update_t* update, size_t 
         absl::StrFormat("%s: tensor index %d is past the end of version %d (%d tensors)", function,
                         index, update->state->update->version(), update->state->tensors.size()));
   }
+  const wb::TensorView& v = update->state->update->tensors()[index];
+  if (wb::IsSubByte(v.dtype)) return SubByteUnimplemented(v.name, v.dtype);
   return absl::OkStatus();
 }
 

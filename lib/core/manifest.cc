@@ -2,6 +2,9 @@
 #include "weightbus/manifest.hpp"
 
 #include <charconv>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
 
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
@@ -35,21 +38,63 @@ class Reader {
     auto it = obj.find(key);
     std::string full = absl::StrFormat("%s.%s", path, key);
     if (it == obj.end()) return Error(full, "is missing");
-    try {
-      return it->template get<T>();
-    } catch (const std::exception& e) {
-      return Error(full, absl::StrFormat("has the wrong type (%s)", it->type_name()));
+    if constexpr (std::is_integral_v<T>) {
+      return Integer<T>(*it, full, IntegerMin<T>());
+    } else {
+      try {
+        return it->template get<T>();
+      } catch (const std::exception& e) {
+        return Error(full, absl::StrFormat("has the wrong type (%s)", it->type_name()));
+      }
+    }
+  }
+
+  // An integer field: a JSON integer (not a float such as 1.5, 2.0 or 1e30; integers beyond 64
+  // bits are floats to the parser) in [min, max of T]. Converting anything else would be
+  // undefined behaviour or silent truncation.
+  template <typename T>
+  absl::StatusOr<T> Integer(const ordered_json& v, std::string_view path, T min) const {
+    if (v.is_number_float()) {
+      return Error(path, absl::StrFormat("is %s, not an integer of at most 64 bits", v.dump()));
+    }
+    if (!v.is_number_integer()) {
+      return Error(path,
+                   absl::StrFormat("has the wrong type (%s), expected an integer", v.type_name()));
+    }
+    bool fits;
+    if (v.is_number_unsigned()) {
+      fits = v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max()) &&
+             (min <= 0 || v.get<uint64_t>() >= static_cast<uint64_t>(min));
+    } else {  // negative
+      const int64_t i = v.get<int64_t>();
+      fits = min < 0 && i >= static_cast<int64_t>(min);
+    }
+    if (!fits) {
+      return Error(path, absl::StrFormat("is %s, outside [%d, %d]", v.dump(), min,
+                                         std::numeric_limits<T>::max()));
+    }
+    return v.is_number_unsigned() ? static_cast<T>(v.get<uint64_t>())
+                                  : static_cast<T>(v.get<int64_t>());
+  }
+
+  // The least value of an integer field of type T: counts (`int`: rank, world_size) and
+  // unsigned fields are non-negative; int64 fields (pid, times) take any int64.
+  template <typename T>
+  static constexpr T IntegerMin() {
+    if constexpr (std::is_same_v<T, int64_t>) {
+      return std::numeric_limits<T>::min();
+    } else {
+      return 0;
     }
   }
 
   absl::StatusOr<std::vector<int64_t>> Shape(const ordered_json& v, std::string_view path) const {
     if (!v.is_array()) return Error(path, "is not an array");
     std::vector<int64_t> out;
-    for (const auto& d : v) {
-      if (!d.is_number_integer() || d.get<int64_t>() < 0) {
-        return Error(path, "holds a value that is not a non-negative integer");
-      }
-      out.push_back(d.get<int64_t>());
+    for (size_t i = 0; i < v.size(); ++i) {
+      absl::StatusOr<int64_t> d = Integer<int64_t>(v[i], absl::StrFormat("%s[%d]", path, i), 0);
+      if (!d.ok()) return d.status();
+      out.push_back(*d);
     }
     return out;
   }

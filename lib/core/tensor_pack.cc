@@ -126,6 +126,20 @@ static absl::Status CheckLayout(std::string_view name, const std::vector<int64_t
   return absl::OkStatus();
 }
 
+// Elements of sub-byte dtypes (F4, F6_*) have no byte address: only contiguous tensors of them
+// can be moved (as their packed bytes).
+static absl::Status CheckSubByteContiguous(std::string_view name, DType dtype,
+                                           const std::vector<int64_t>& shape,
+                                           const std::vector<int64_t>& strides) {
+  if (IsSubByte(dtype) && !IsContiguous(shape, strides)) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "tensor \"%s\" of %s (%d-bit elements, packed) has non-contiguous strides; only "
+        "contiguous tensors of sub-byte dtypes are supported",
+        name, DTypeName(dtype), DTypeBits(dtype)));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<uint64_t> ValidateView(const TensorView& view) {
   if (view.name.empty()) {
     return absl::InvalidArgumentError("a tensor has an empty name");
@@ -143,6 +157,10 @@ absl::StatusOr<uint64_t> ValidateView(const TensorView& view) {
   }
   if (absl::Status s =
           CheckLayout(view.name, view.shape, view.strides, view.data, *nbytes, view.device);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = CheckSubByteContiguous(view.name, view.dtype, view.shape, view.strides);
       !s.ok()) {
     return s;
   }
@@ -184,6 +202,10 @@ absl::StatusOr<uint64_t> ValidateDestination(std::string_view name, const Destin
     }
   }
   if (absl::Status s = CheckLayout(name, dest.shape, dest.strides, dest.data, *nbytes, dest.device);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = CheckSubByteContiguous(name, dest.dtype, dest.shape, dest.strides);
       !s.ok()) {
     return s;
   }

@@ -41,9 +41,37 @@ std::string_view DTypeName(DType dtype) {
       return "F8_E4M3";
     case DType::kF8E5M2:
       return "F8_E5M2";
+    case DType::kF8E8M0:
+      return "F8_E8M0";
+    case DType::kF8E4M3FNUZ:
+      return "F8_E4M3FNUZ";
+    case DType::kF8E5M2FNUZ:
+      return "F8_E5M2FNUZ";
+    case DType::kC64:
+      return "C64";
+    case DType::kF4:
+      return "F4";
+    case DType::kF6E2M3:
+      return "F6_E2M3";
+    case DType::kF6E3M2:
+      return "F6_E3M2";
   }
   return "INVALID";
 }
+
+size_t DTypeBits(DType dtype) {
+  switch (dtype) {
+    case DType::kF4:
+      return 4;
+    case DType::kF6E2M3:
+    case DType::kF6E3M2:
+      return 6;
+    default:
+      return 8 * DTypeSize(dtype);
+  }
+}
+
+bool IsSubByte(DType dtype) { return DTypeBits(dtype) % 8 != 0; }
 
 size_t DTypeSize(DType dtype) {
   switch (dtype) {
@@ -52,6 +80,12 @@ size_t DTypeSize(DType dtype) {
     case DType::kI8:
     case DType::kF8E4M3:
     case DType::kF8E5M2:
+    case DType::kF8E8M0:
+    case DType::kF8E4M3FNUZ:
+    case DType::kF8E5M2FNUZ:
+    case DType::kF4:  // sub-byte: rounded up (DTypeBits is exact)
+    case DType::kF6E2M3:
+    case DType::kF6E3M2:
       return 1;
     case DType::kU16:
     case DType::kI16:
@@ -65,6 +99,7 @@ size_t DTypeSize(DType dtype) {
     case DType::kU64:
     case DType::kI64:
     case DType::kF64:
+    case DType::kC64:
       return 8;
   }
   return 0;
@@ -99,12 +134,25 @@ absl::StatusOr<int64_t> NumElements(const std::vector<int64_t>& shape) {
 absl::StatusOr<uint64_t> ByteSize(DType dtype, const std::vector<int64_t>& shape) {
   absl::StatusOr<int64_t> n = NumElements(shape);
   if (!n.ok()) return n.status();
-  const uint64_t elem = DTypeSize(dtype);
-  if (static_cast<uint64_t>(*n) > std::numeric_limits<uint64_t>::max() / elem) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "shape %s of %s overflows a 64-bit byte count", ShapeString(shape), DTypeName(dtype)));
+  const uint64_t elements = static_cast<uint64_t>(*n);
+  const uint64_t bits = DTypeBits(dtype);
+  if (bits % 8 == 0) {
+    const uint64_t elem = bits / 8;
+    if (elements > std::numeric_limits<uint64_t>::max() / elem) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "shape %s of %s overflows a 64-bit byte count", ShapeString(shape), DTypeName(dtype)));
+    }
+    return elements * elem;
   }
-  return static_cast<uint64_t>(*n) * elem;
+  // Sub-byte (elements < 2^63, bits < 8: no overflow): whole groups of 8 elements, then the rest,
+  // whose bits must make whole bytes.
+  if (elements % 8 * bits % 8 != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "shape %s of %s (%d-bit elements) holds %d elements, whose bits are not a whole number of "
+        "bytes",
+        ShapeString(shape), DTypeName(dtype), bits, elements));
+  }
+  return elements / 8 * bits + elements % 8 * bits / 8;
 }
 
 std::string ShapeString(const std::vector<int64_t>& shape) {

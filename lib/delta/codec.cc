@@ -56,6 +56,13 @@ bool IsFloat(DType d) {
     case DType::kI64:
     case DType::kF8E4M3:
     case DType::kF8E5M2:
+    case DType::kF8E8M0:
+    case DType::kF8E4M3FNUZ:
+    case DType::kF8E5M2FNUZ:
+    case DType::kC64:  // two F32: coded as 8-byte integers, bit-exact all the same
+    case DType::kF4:   // sub-byte: coded as bytes
+    case DType::kF6E2M3:
+    case DType::kF6E3M2:
       return false;
   }
   return false;
@@ -1004,11 +1011,20 @@ struct DecodedGroup {
   const uint8_t* values[8] = {};
 };
 
+// Reads group g of a sparse record over n elements into `ranks`, which has room for `room`
+// ranks (the record's changes not yet claimed by earlier groups): a group claiming more is
+// refused before any rank is written.
 template <typename T>
-absl::Status GetGroup(Reader& r, size_t n, int g, Scratch& s, uint32_t* ranks, DecodedGroup* out) {
+absl::Status GetGroup(Reader& r, size_t n, int g, Scratch& s, uint32_t* ranks, uint64_t room,
+                      DecodedGroup* out) {
   constexpr size_t w = sizeof(T);
   WB_ASSIGN_OR_RETURN(out->count, r.Varint("a sparse group's change count"));
   out->ranks = ranks;
+  if (out->count > room) {
+    return absl::DataLossError(absl::StrFormat(
+        "sparse group %d claims %d changes, but only %d of the record's changes are left for it", g,
+        out->count, room));
+  }
   if (out->count == 0) return absl::OkStatus();
   WB_ASSIGN_OR_RETURN(uint8_t gw, r.Byte("sparse gap width"));
   if (gw != 1 && gw != 2 && gw != 4) {
@@ -1282,11 +1298,10 @@ absl::Status DecodeSparse(Reader& r, absl::Span<const ChunkOutput> spans, DType 
   }
   Grow(s.ranks, count);
   DecodedGroup decoded[kMaxGroups];
-  uint64_t total = 0;
+  uint64_t total = 0;  // <= count: each group gets the room the earlier ones left
   for (int g = 0; g < groups; ++g) {
-    WB_RETURN_IF_ERROR(GetGroup<T>(r, n, g, s, s.ranks.data() + total, &decoded[g]));
+    WB_RETURN_IF_ERROR(GetGroup<T>(r, n, g, s, s.ranks.data() + total, count - total, &decoded[g]));
     total += decoded[g].count;
-    if (total > count) break;
   }
   if (total != count) {
     return absl::DataLossError(
@@ -1527,7 +1542,10 @@ absl::StatusOr<EncodedVersion> EncodeVersion(const VersionIds& ids,
     std::vector<std::byte>().swap(r);  // keyframes: give each record's memory back at once
   }
   for (const ChunkResult& r : v.results) v.changed_elements += r.changed;
-  for (const TensorLayout& t : layout) v.total_elements += t.nbytes / DTypeSize(t.dtype);
+  for (const TensorLayout& t : layout) {
+    const uint64_t bits = DTypeBits(t.dtype);  // elements of sub-byte dtypes too
+    v.total_elements += t.nbytes / bits * 8 + t.nbytes % bits * 8 / bits;
+  }
   return v;
 }
 
@@ -1568,7 +1586,7 @@ absl::StatusOr<VersionHeader> ParseHeader(absl::Span<const std::byte> bytes) {
   uint64_t total = 0;
   for (uint64_t& size : h.record_sizes) {
     WB_ASSIGN_OR_RETURN(size, r.Varint("a record size"));
-    if (size == 0 || size > bytes.size()) {
+    if (size == 0 || size > bytes.size() - total) {  // total <= bytes.size(): no wrap
       return absl::DataLossError(absl::StrFormat("record size %d is impossible", size));
     }
     total += size;

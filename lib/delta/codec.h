@@ -18,8 +18,10 @@
 //           both split into byte planes and zstd-compressed (deltas only)
 //
 // Everything is bit-exact for any dtype: differences wrap, XOR is its own inverse, planes only
-// reorder bytes. Decoding never trusts the input: every size, count and position is checked and
-// a malformed version is a DataLoss error naming the chunk.
+// reorder bytes. Elements are DTypeSize bytes wide; sub-byte dtypes (F4, F6_*) are coded as
+// bytes (and their "elements" in ChunkResult::changed are bytes). Decoding never trusts the input:
+// every size, count and position is checked and a malformed version is a DataLoss error naming the
+// chunk.
 #pragma once
 
 #include <cstddef>

@@ -23,6 +23,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -536,6 +537,12 @@ void HeaderSax::FinishTensor() {
     return;
   }
   absl::StatusOr<uint64_t> nbytes = ByteSize(*dtype, t.shape);
+  if (!nbytes.ok() && IsSubByte(*dtype) &&
+      absl::StrContains(nbytes.status().message(), "whole number of bytes")) {
+    Fail("safetensors file %s: tensor %s: %s (data_offsets %s span %d bytes)", name,
+         std::string(nbytes.status().message()), OffsetsString(begin, end), end - begin);
+    return;
+  }
   if (!nbytes.ok()) {
     Fail(
         "safetensors file %s: tensor %s has dtype %s and shape %s, whose byte size overflows "
@@ -1016,7 +1023,7 @@ absl::StatusOr<Layout> PlanFile(absl::Span<const TensorSpec> tensors, const Meta
       return absl::InvalidArgumentError(absl::StrFormat(
           "duplicate tensor name %s (tensors %d and %d)", Quoted(t.name), it->second, i));
     }
-    if (DTypeSize(t.dtype) == 0) {
+    if (DTypeName(t.dtype) == "INVALID") {
       return absl::InvalidArgumentError(absl::StrFormat("tensor %s has an invalid dtype (%d)",
                                                         Quoted(t.name), static_cast<int>(t.dtype)));
     }
@@ -1143,6 +1150,12 @@ absl::Status WriteFile(const std::string& path, absl::Span<const TensorView> ten
       return absl::InvalidArgumentError(
           absl::StrFormat("WriteFile %s: tensor %s has %d strides for shape %s of rank %d", path,
                           Quoted(v.name), v.strides.size(), ShapeString(v.shape), v.shape.size()));
+    }
+    if (IsSubByte(v.dtype) && !IsContiguous(v.shape, v.strides)) {
+      return absl::UnimplementedError(absl::StrFormat(
+          "WriteFile %s: tensor %s of %s (%d-bit elements, packed) has non-contiguous strides; "
+          "only contiguous tensors of sub-byte dtypes can be written",
+          path, Quoted(v.name), DTypeName(v.dtype), DTypeBits(v.dtype)));
     }
     specs.push_back(TensorSpec{v.name, v.dtype, v.shape});
   }

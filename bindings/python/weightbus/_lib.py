@@ -90,7 +90,10 @@ def new_params(struct_type):
 # wb_dtype_t: safetensors names <-> enum values.
 DTYPE_FROM_DLPACK = 0
 DTYPES = {"BOOL": 1, "U8": 2, "I8": 3, "U16": 4, "I16": 5, "F16": 6, "BF16": 7, "U32": 8,
-          "I32": 9, "F32": 10, "U64": 11, "I64": 12, "F64": 13, "F8_E4M3": 14, "F8_E5M2": 15}
+          "I32": 9, "F32": 10, "U64": 11, "I64": 12, "F64": 13, "F8_E4M3": 14, "F8_E5M2": 15,
+          "F8_E8M0": 16, "F8_E4M3FNUZ": 17, "F8_E5M2FNUZ": 18, "C64": 19,
+          # sub-byte: WB_UNIMPLEMENTED through the C API (include/weightbus/weightbus.h)
+          "F4": 20, "F6_E2M3": 21, "F6_E3M2": 22}
 DTYPE_NAMES = {value: name for name, value in DTYPES.items()}
 
 

@@ -53,6 +53,9 @@ class DeltaPublisher final : public TransportPublisher {
 
   std::optional<CodecStats> LastCodecStats() const override { return last_stats_; }
 
+  // Encoding is not interrupted; the transport beneath returns Cancelled promptly.
+  void Cancel() override { inner_->Cancel(); }
+
   // Encoded versions carry the version numbers of the versions they encode, and a delta
   // subscriber accepts the inner one only once the decoded version passed verification
   // (DeltaIncoming::Accepted), so the transport beneath counts receivers for this layer.
@@ -144,9 +147,13 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   }
   const std::vector<TensorLayout> layout = LayoutOf(infos);
 
-  bool keyframe = !base_ || !SameLayout(base_->manifest.tensors, infos) ||
-                  (options_.keyframe_interval > 0 &&
-                   deltas_since_keyframe_ + 1 >= static_cast<uint64_t>(options_.keyframe_interval));
+  // A chain never exceeds max_chain deltas: the floor kept for it (KeepVersionsFrom) then moves
+  // on, and the channel holds at most max(retention, max_chain + 2) versions (README.md).
+  bool keyframe =
+      !base_ || !SameLayout(base_->manifest.tensors, infos) ||
+      (options_.keyframe_interval > 0 &&
+       deltas_since_keyframe_ + 1 >= static_cast<uint64_t>(options_.keyframe_interval)) ||
+      deltas_since_keyframe_ >= static_cast<uint64_t>(options_.max_chain);
   const absl::Time start = absl::Now();
   last_stats_.reset();
   auto encode = [&](bool as_keyframe) -> absl::StatusOr<EncodedVersion> {

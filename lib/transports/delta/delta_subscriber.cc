@@ -113,6 +113,7 @@ class DeltaSubscriber final : public TransportSubscriber {
   absl::StatusOr<std::unique_ptr<IncomingVersion>> OpenVersion(uint64_t version,
                                                                absl::Time deadline) override;
   absl::StatusOr<std::vector<uint64_t>> ListVersions() override { return inner_->ListVersions(); }
+  void Cancel() override { inner_->Cancel(); }
 
  private:
   friend class DeltaIncoming;

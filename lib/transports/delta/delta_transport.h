@@ -32,6 +32,9 @@ const SettingTable& DeltaSettings();
 
 struct LayerOptions {
   int64_t keyframe_interval = 50;
+  // Most deltas after a keyframe (setting delta_max_chain): a chain never grows longer, so that
+  // the versions kept for it (KeepVersionsFrom) stay bounded even with keyframe_interval 0.
+  int64_t max_chain = 1000;
   EncodeOptions encode;
   int threads = 0;
 };

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
+#include "core/status.h"
 #include "nlohmann/json.hpp"
 #include "transports/delta/delta_transport.h"
 #include "xxhash.h"
@@ -103,6 +104,19 @@ absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view sourc
   };
   const ordered_json j = ordered_json::parse(it->second, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return bad("is not a JSON object");
+  // An unsigned 64-bit field: a JSON integer >= 0 (not a float such as 1.5, 2.0 or 1e30;
+  // integers beyond 64 bits are floats to the parser), which get<uint64_t> would convert with
+  // undefined behaviour or truncate.
+  auto u64 = [&](std::string_view key, uint64_t* out) -> absl::Status {
+    auto f = j.find(key);
+    if (f == j.end()) return bad(absl::StrFormat("lacks field \"%s\"", key));
+    if (!f->is_number_unsigned()) {
+      return bad(
+          absl::StrFormat("has field \"%s\" = %s, not an integer in [0, 2^64)", key, f->dump()));
+    }
+    *out = f->get<uint64_t>();
+    return absl::OkStatus();
+  };
   Record r;
   r.version = inner.version;
   try {
@@ -113,8 +127,8 @@ absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view sourc
     const std::string kind = j.at("kind").get<std::string>();
     if (kind != "keyframe" && kind != "delta") return bad("has an unknown kind");
     r.keyframe = kind == "keyframe";
-    r.keyframe_version = j.at("keyframe").get<uint64_t>();
-    r.encoded_bytes = j.at("encoded_bytes").get<uint64_t>();
+    WB_RETURN_IF_ERROR(u64("keyframe", &r.keyframe_version));
+    WB_RETURN_IF_ERROR(u64("encoded_bytes", &r.encoded_bytes));
     if (r.keyframe) {
       if (r.keyframe_version != r.version) return bad("is a keyframe naming another keyframe");
       Manifest m;
@@ -133,7 +147,7 @@ absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view sourc
       if (!parsed.ok()) return parsed.status();
       r.tensors = std::move(parsed->tensors);
     } else {
-      r.base = j.at("base").get<uint64_t>();
+      WB_RETURN_IF_ERROR(u64("base", &r.base));
       if (!ParseHex64(j.at("base_fingerprint").get<std::string>(), &r.base_fingerprint)) {
         return bad("has a malformed base_fingerprint");
       }

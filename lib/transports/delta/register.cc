@@ -12,8 +12,12 @@ const SettingTable& DeltaSettings() {
       {
           {"keyframe_interval", SettingType::kInt, "50",
            "a keyframe (the whole version, compressed) every N versions and deltas in between; "
-           "0: keyframes only when needed (first version, new tensor layout). A late joiner "
-           "replays the newest keyframe and the deltas after it"},
+           "0: keyframes only when needed (first version, new tensor layout, delta_max_chain "
+           "reached). A late joiner replays the newest keyframe and the deltas after it"},
+          {"delta_max_chain", SettingType::kInt, "1000",
+           "most deltas after a keyframe (1..): the next version is a keyframe whatever "
+           "keyframe_interval says. Bounds what a late joiner replays and what the channel "
+           "keeps: at most max(retention, delta_max_chain + 2) versions"},
           {"delta_chunk_size", SettingType::kBytes, "4MiB",
            "bytes per independently encoded chunk (a multiple of 64 from 64 to 1GiB): the unit "
            "of parallel encoding and decoding"},
@@ -43,6 +47,8 @@ absl::StatusOr<LayerOptions> ReadLayerOptions(const Uri& uri, const Config& conf
         absl::StrFormat("%s: setting %s=%d is outside %s", uri.Display(), name, value, range));
   };
   if (o.keyframe_interval < 0) return bad("keyframe_interval", o.keyframe_interval, "0..");
+  o.max_chain = config.Int("delta_max_chain");
+  if (o.max_chain < 1) return bad("delta_max_chain", o.max_chain, "1..");
   if (o.encode.chunk_size < kMinChunkSize || o.encode.chunk_size > kMaxChunkSize ||
       o.encode.chunk_size % 64 != 0) {
     return absl::InvalidArgumentError(

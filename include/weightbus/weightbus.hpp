@@ -121,8 +121,10 @@ class WB_EXPORT Publisher {
   // latest number are FailedPrecondition naming the first tensor that differs. The comparison
   // needs the version's manifest: from this object, or read back from the channel (disk://);
   // where neither is there (a new ucx:// publisher) the retry is refused. The tensors' bytes are
-  // read during the call only (non-contiguous views are packed first); the caller may modify them
-  // as soon as Publish returns. Checksums (XXH3-64) are computed here, concurrently with the
+  // read during the call only (non-contiguous views are gathered as the transport reads them:
+  // disk:// through a 16 MiB window, ucx:// straight into its staging slot; a layer such as delta
+  // packs them into a buffer freed before Publish returns); the caller may modify them as soon
+  // as Publish returns. Checksums (XXH3-64) are computed here, concurrently with the
   // transport's work.
   //
   // Errors: FailedPrecondition (version not above the latest, naming both); InvalidArgument for

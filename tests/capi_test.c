@@ -9,6 +9,7 @@
 #include <ftw.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -474,10 +475,18 @@ int main(void) {
   } old_stats = {sizeof(size_t) + sizeof(uint64_t), 0};
   CHECK_STATUS(wb_publisher_last_stats(publisher, (wb_publish_stats_t*)&old_stats),
                WB_INVALID_ARGUMENT, "stats.struct_size is 16");
+  /* A caller compiled before `flags` existed gets every field it has. */
+  wb_publish_stats_t before_flags = WB_PUBLISH_STATS_INIT;
+  before_flags.struct_size = offsetof(wb_publish_stats_t, flags);
+  before_flags.flags = 42; /* beyond its struct_size: must stay untouched */
+  CHECK_OK(wb_publisher_last_stats(publisher, &before_flags));
+  CHECK(before_flags.version == 1 && before_flags.flags == 42);
 
   /* Versions must increase; the message says which version the channel has. Publishing the
    * latest version again with the same bytes is a retry: a success that writes nothing. */
   CHECK_OK(PublishVersion(publisher, 1));
+  CHECK_OK(wb_publisher_last_stats(publisher, &stats));
+  CHECK(stats.version == 1 && (stats.flags & WB_PUBLISH_UNCHANGED) != 0);
   CHECK_STATUS(PublishVersion(publisher, 0), WB_FAILED_PRECONDITION,
                "cannot publish version 0: the channel already has version 1");
   Fill(1); /* PublishVersion(0) refilled the buffers with version 0's values */

@@ -199,9 +199,12 @@ typedef struct wb_publish_stats {
   int64_t pack_ns;          /* packing non-contiguous tensors */
   int64_t checksum_wait_ns; /* waiting for checksums after the transport was done */
   int64_t transport_ns;     /* the transport's part (disk: write, fsync, commit) */
+  uint64_t flags;           /* WB_PUBLISH_UNCHANGED: the call re-published the channel's latest
+                               version with the same bytes (a retry); nothing was written */
 } wb_publish_stats_t;
 #define WB_PUBLISH_STATS_INIT \
-  { sizeof(wb_publish_stats_t), 0, 0, 0, 0, 0, 0 }
+  { sizeof(wb_publish_stats_t), 0, 0, 0, 0, 0, 0, 0 }
+#define WB_PUBLISH_UNCHANGED ((uint64_t)1)
 
 /* Timing of one received version (durations in nanoseconds). Output struct as above. */
 typedef struct wb_update_stats {

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -204,7 +205,7 @@ absl::Status WriteStats(const char* function, const T& value, T* out, size_t fir
 constexpr size_t kOpenParamsV1 = sizeof(wb_open_params_t);
 constexpr size_t kPublishParamsV1 = sizeof(wb_publish_params_t);
 constexpr size_t kBindParamsV1 = sizeof(wb_bind_params_t);
-constexpr size_t kPublishStatsV1 = sizeof(wb_publish_stats_t);
+constexpr size_t kPublishStatsV1 = offsetof(wb_publish_stats_t, flags);  // before `flags`
 constexpr size_t kUpdateStatsV1 = sizeof(wb_update_stats_t);
 
 absl::Duration Timeout(int64_t timeout_ms) {
@@ -751,7 +752,8 @@ wb_status_t wb_publisher_last_stats(wb_publisher_t* publisher, wb_publish_stats_
                              absl::ToInt64Nanoseconds(s.stall),
                              absl::ToInt64Nanoseconds(s.pack),
                              absl::ToInt64Nanoseconds(s.checksum_wait),
-                             absl::ToInt64Nanoseconds(s.transport)};
+                             absl::ToInt64Nanoseconds(s.transport),
+                             s.unchanged ? WB_PUBLISH_UNCHANGED : 0};
     return WriteStats(kFn, value, stats, kPublishStatsV1);
   });
 }

@@ -208,7 +208,8 @@ def test_errors_are_typed_and_carry_the_message(channel, tmp_path):
                            match="another publisher holds the channel"):
             weightbus.Publisher(channel)
         pub.publish(5, {"x": torch.zeros(1)})
-        pub.publish(5, {"x": torch.zeros(1)})  # a retry of the same bytes: a no-op success
+        assert not pub.last_stats.unchanged
+        assert pub.publish(5, {"x": torch.zeros(1)}).unchanged  # a retry: nothing written
         with pytest.raises(weightbus.FailedPreconditionError,
                            match="cannot publish version 5: the channel already has version 5 "
                                  "with other content: tensor \"x\""):

@@ -102,6 +102,7 @@ class PublishStats:
     pack: float
     checksum_wait: float
     transport: float
+    unchanged: bool = False  # a retry of the latest version with the same bytes: nothing written
 
 
 @dataclass(frozen=True)
@@ -274,7 +275,8 @@ class Publisher(_Handle):
         s = new_params(_lib.wb_publish_stats_t)
         check(self._call(lib.wb_publisher_last_stats, ctypes.byref(s)))
         return PublishStats(s.version, s.bytes, s.stall_ns / 1e9, s.pack_ns / 1e9,
-                            s.checksum_wait_ns / 1e9, s.transport_ns / 1e9)
+                            s.checksum_wait_ns / 1e9, s.transport_ns / 1e9,
+                            bool(s.flags & _lib.WB_PUBLISH_UNCHANGED))
 
 
 class Update(_Handle):

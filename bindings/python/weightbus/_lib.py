@@ -71,7 +71,10 @@ class wb_bind_params_t(Structure):
 class wb_publish_stats_t(Structure):
     _fields_ = [("struct_size", c_size_t), ("version", c_uint64), ("bytes", c_uint64),
                 ("stall_ns", c_int64), ("pack_ns", c_int64), ("checksum_wait_ns", c_int64),
-                ("transport_ns", c_int64)]
+                ("transport_ns", c_int64), ("flags", c_uint64)]
+
+
+WB_PUBLISH_UNCHANGED = 1
 
 
 class wb_update_stats_t(Structure):

@@ -8,8 +8,8 @@
 #include <dlpack/dlpack.h>
 #include <ftw.h>
 #include <stdbool.h>
-#include <stdint.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

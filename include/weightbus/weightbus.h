@@ -250,10 +250,11 @@ WB_EXPORT wb_status_t wb_publisher_cancel(wb_publisher_t* publisher);
  * (unique, non-empty UTF-8). The bytes are read during the call only (non-contiguous tensors,
  * i.e. with strides, are gathered as they are sent, with at most a bounded window of extra
  * memory; byte_offset is honoured). `version` must be above every version on the channel, or
- * equal to the latest with the same bytes (a retry: WB_OK, nothing written). Errors: WB_FAILED_PRECONDITION (version not above the latest),
- * WB_INVALID_ARGUMENT (a bad name, dtype, shape, strides or override, naming the tensor),
- * WB_UNIMPLEMENTED (a device this build's transports do not accept, e.g. kDLCUDA without a GPU
- * transport), WB_DEADLINE_EXCEEDED, WB_RESOURCE_EXHAUSTED (disk full), WB_INTERNAL. */
+ * equal to the latest with the same bytes (a retry: WB_OK, nothing written). Errors:
+ * WB_FAILED_PRECONDITION (version not above the latest), WB_INVALID_ARGUMENT (a bad name, dtype,
+ * shape, strides or override, naming the tensor), WB_UNIMPLEMENTED (a device this build's
+ * transports do not accept, e.g. kDLCUDA without a GPU transport), WB_DEADLINE_EXCEEDED,
+ * WB_RESOURCE_EXHAUSTED (disk full), WB_INTERNAL. */
 WB_EXPORT wb_status_t wb_publisher_publish(wb_publisher_t* publisher, uint64_t version,
                                            const char* const* names, const DLTensor* tensors,
                                            size_t num_tensors, const wb_publish_params_t* params,

@@ -72,7 +72,8 @@ class Job final : public internal::PublishJob {
   absl::Span<const PackedTensor> tensors() const override { return packed_; }
 
   absl::StatusOr<const Manifest*> SealedManifest(absl::Time deadline) override {
-    if (copy_mode_) HashUnclaimed();  // tensors the transport did not copy with checksums
+    // Tensors the transport did not checksum as it copied or gathered them.
+    if (copy_mode_ || deferred_) HashUnclaimed();
     if (!hashing_.WaitUntilZero(deadline)) {
       return absl::DeadlineExceededError(
           absl::StrFormat("version %d: checksums of %d tensors not finished by the deadline",
@@ -120,12 +121,21 @@ class Job final : public internal::PublishJob {
 
   // Prepares the job: queues one checksum task per tensor on `pool`, largest first so the long
   // ones start early, unless the transport will compute them while copying (`copy_mode`).
+  // Unpacked strided views (data == nullptr) are left to the transport, which checksums them as
+  // it gathers them (ClaimChecksum), so their strides are walked once, not twice.
   void StartHashing(internal::WorkerPool& pool, bool copy_mode) {
     pool_ = &pool;
     copy_mode_ = copy_mode;
     claimed_ = std::vector<std::atomic<bool>>(packed_.size());
-    if (!copy_mode_) HashUnclaimed();
+    if (copy_mode_) return;
+    for (size_t i = 0; i < packed_.size(); ++i) {
+      if (packed_[i].data == nullptr && manifest_.tensors[i].nbytes > 0) deferred_ = true;
+    }
+    HashUnclaimed(/*skip_strided=*/true);
   }
+
+  bool ClaimChecksum(size_t i) override { return !claimed_[i].exchange(true); }
+  void SetChecksum(size_t i, uint64_t xxh3) override { manifest_.tensors[i].xxh3 = xxh3; }
 
   // Checksum tasks read the caller's memory: Publish never returns before they end.
   void WaitHashingDone() { hashing_.WaitUntilZero(absl::InfiniteFuture()); }
@@ -138,9 +148,10 @@ class Job final : public internal::PublishJob {
  private:
   static constexpr uint64_t kBlock = 256 * 1024;  // copied or gathered, then hashed from L2
 
-  void HashUnclaimed() {
+  void HashUnclaimed(bool skip_strided = false) {
     std::vector<size_t> order;
     for (size_t i = 0; i < packed_.size(); ++i) {
+      if (skip_strided && packed_[i].data == nullptr && manifest_.tensors[i].nbytes > 0) continue;
       if (!claimed_[i].exchange(true)) order.push_back(i);
     }
     std::sort(order.begin(), order.end(), [this](size_t a, size_t b) {
@@ -169,6 +180,7 @@ class Job final : public internal::PublishJob {
 
   internal::WorkerPool* pool_ = nullptr;
   bool copy_mode_ = false;
+  bool deferred_ = false;  // strided views left for the transport to checksum
   std::vector<std::atomic<bool>> claimed_;
   internal::TaskCounter hashing_;
 };

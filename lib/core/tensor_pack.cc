@@ -212,6 +212,41 @@ absl::StatusOr<uint64_t> ValidateDestination(std::string_view name, const Destin
   return *nbytes;
 }
 
+namespace {
+
+// Copies `count` elements of `es` bytes from `in` (every `stride` elements) to `out`
+// (contiguous), with fixed-size copies for the common element sizes (a memcpy call per element
+// would dominate a transposed gather).
+template <size_t kSize>
+void GatherFixed(std::byte* out, const std::byte* in, int64_t count, int64_t stride) {
+  for (int64_t i = 0; i < count; ++i) {
+    std::memcpy(out + i * static_cast<int64_t>(kSize),
+                in + i * stride * static_cast<int64_t>(kSize), kSize);
+  }
+}
+
+void Gather(std::byte* out, const std::byte* in, int64_t count, int64_t stride, size_t es) {
+  switch (es) {
+    case 1:
+      return GatherFixed<1>(out, in, count, stride);
+    case 2:
+      return GatherFixed<2>(out, in, count, stride);
+    case 4:
+      return GatherFixed<4>(out, in, count, stride);
+    case 8:
+      return GatherFixed<8>(out, in, count, stride);
+    case 16:
+      return GatherFixed<16>(out, in, count, stride);
+    default:
+      for (int64_t i = 0; i < count; ++i) {
+        std::memcpy(out + i * static_cast<int64_t>(es), in + i * stride * static_cast<int64_t>(es),
+                    es);
+      }
+  }
+}
+
+}  // namespace
+
 void PackStrided(const void* src, size_t elem_size, const std::vector<int64_t>& shape,
                  const std::vector<int64_t>& strides, std::byte* dst) {
   const auto* base = static_cast<const std::byte*>(src);
@@ -223,10 +258,7 @@ void PackStrided(const void* src, size_t elem_size, const std::vector<int64_t>& 
               std::memcpy(out, in, count * elem_size);
               return;
             }
-            for (int64_t i = 0; i < count; ++i) {
-              std::memcpy(out + i * elem_size, in + i * stride * static_cast<int64_t>(elem_size),
-                          elem_size);
-            }
+            Gather(out, in, count, stride, elem_size);
           });
 }
 
@@ -279,10 +311,7 @@ void PackStridedRange(const void* src, size_t elem_size, const std::vector<int64
       if (stride == 1) {
         std::memcpy(dst, el, static_cast<size_t>(run) * es);
       } else {
-        for (int64_t k = 0; k < run; ++k) {
-          std::memcpy(dst + k * static_cast<int64_t>(es),
-                      el + k * stride * static_cast<int64_t>(es), es);
-        }
+        Gather(dst, el, run, stride, es);
       }
       dst += static_cast<size_t>(run) * es;
       left -= static_cast<uint64_t>(run) * es;

@@ -58,6 +58,13 @@ class PublishJob {
   // (host memory): a memcpy for contiguous tensors, a gather for strided views. Safe to call
   // from several threads. This default copies from tensors()[i].data.
   virtual void CopyRange(size_t i, uint64_t offset, uint64_t size, std::byte* dst) const;
+  // For a strided view (data == nullptr) that the transport gathers with CopyRange in order, all
+  // of it: true when the caller is to compute its XXH3-64 from the gathered bytes and report it
+  // with SetChecksum before SealedManifest is called (the strides are then walked once); false
+  // when the checksum is someone else's. A tensor nobody claims is checksummed by
+  // SealedManifest. Defaults: false / no effect (the checksums are known).
+  virtual bool ClaimChecksum(size_t i) { return false; }
+  virtual void SetChecksum(size_t i, uint64_t xxh3) {}
 };
 
 // A PublishJob whose manifest is complete and whose bytes its creator owns: what a layer (such as

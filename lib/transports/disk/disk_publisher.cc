@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 
+#include <future>
 #include <system_error>
 #include <thread>
 
@@ -19,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "core/buffer.h"
+#include "core/checksum.h"
 #include "core/failpoint.h"
 #include "core/logging.h"
 #include "core/status.h"
@@ -31,8 +33,11 @@
 namespace weightbus::internal::disk {
 namespace {
 
-// Bytes of a strided view gathered and written at a time: the extra memory such views cost.
-constexpr uint64_t kStridedWindow = uint64_t{16} << 20;
+// Bytes of a strided view gathered and written at a time; two such windows are the extra memory
+// strided views cost.
+// A thread when one can be started, else inline at get() (libstdc++ falls back to deferred).
+constexpr std::launch kGatherLaunch = std::launch::async | std::launch::deferred;
+constexpr uint64_t kStridedWindow = uint64_t{8} << 20;  // two of them in use
 
 // One safetensors file of a version and the tensors (manifest indices) it holds.
 struct FilePlan {
@@ -133,6 +138,8 @@ class DiskPublisher final : public TransportPublisher {
   absl::Status CleanLeftovers();
 
  private:
+  // Fsyncs (if durable) and closes a written data file.
+  absl::Status FinishFile(UniqueFd& fd, const std::string& path, absl::Time deadline);
   absl::Status WriteFile(int dir_fd, const std::string& dir, const FilePlan& plan, PublishJob& job,
                          absl::Time deadline);
   // FailedPrecondition unless the channel path still names the directory (and the
@@ -242,27 +249,61 @@ absl::Status DiskPublisher::WriteFile(int dir_fd, const std::string& dir, const 
   };
   WB_RETURN_IF_ERROR(io_->Write(
       requests, deadline, [](size_t) {}, describe));
-  // Strided views: gathered window by window into one bounce buffer, never packed whole.
-  std::unique_ptr<HostBuffer> bounce;
+  // Strided views: gathered window by window into two bounce buffers, never packed whole; the
+  // next window is gathered (and checksummed, in order) on another thread while this one is
+  // written.
+  std::vector<std::pair<size_t, uint64_t>> windows;  // (k, offset) of every window, in order
   for (size_t k : strided) {
-    const size_t i = plan.tensors[k];
-    const uint64_t n = tensors[i].info->nbytes;
-    if (!bounce) {
-      WB_ASSIGN_OR_RETURN(bounce, HostBuffer::Allocate(std::min(n, kStridedWindow)));
-    } else if (bounce->size() < std::min(n, kStridedWindow)) {
-      bounce.reset();
-      WB_ASSIGN_OR_RETURN(bounce, HostBuffer::Allocate(std::min(n, kStridedWindow)));
-    }
-    for (uint64_t at = 0; at < n; at += bounce->size()) {
-      const uint64_t len = std::min<uint64_t>(bounce->size(), n - at);
-      job.CopyRange(i, at, len, bounce->data());
-      const IoRequest window{fd.get(), plan.layout.data_start + plan.layout.begin[k] + at,
-                             bounce->data(), len};
-      WB_RETURN_IF_ERROR(io_->Write(
-          absl::MakeConstSpan(&window, 1), deadline, [](size_t) {},
-          [&](size_t) { return describe_tensor(k); }));
-    }
+    const uint64_t n = tensors[plan.tensors[k]].info->nbytes;
+    for (uint64_t at = 0; at < n; at += kStridedWindow) windows.emplace_back(k, at);
   }
+  if (windows.empty()) return FinishFile(fd, path, deadline);
+  uint64_t bounce_size = 0;
+  for (size_t w = 0; w < windows.size(); ++w) {
+    const auto [k, at] = windows[w];
+    bounce_size =
+        std::max(bounce_size, std::min(kStridedWindow, tensors[plan.tensors[k]].info->nbytes - at));
+  }
+  std::unique_ptr<HostBuffer> bounce[2];
+  for (auto& b : bounce) {
+    WB_ASSIGN_OR_RETURN(b, HostBuffer::Allocate(bounce_size));
+  }
+  std::vector<std::optional<Xxh3Stream>> checksums(plan.tensors.size());
+  for (size_t k : strided) {
+    if (job.ClaimChecksum(plan.tensors[k])) checksums[k].emplace();
+  }
+  auto window_size = [&](size_t w) {
+    const auto [k, at] = windows[w];
+    return std::min(kStridedWindow, tensors[plan.tensors[k]].info->nbytes - at);
+  };
+  auto gather = [&](size_t w) {
+    const auto [k, at] = windows[w];
+    std::byte* dst = bounce[w % 2]->data();
+    job.CopyRange(plan.tensors[k], at, window_size(w), dst);
+    if (checksums[k]) checksums[k]->Update(dst, window_size(w));
+  };
+  std::future<void> gathering = std::async(kGatherLaunch, gather, 0);
+  // Never leave with a gather still writing into a bounce buffer.
+  absl::Cleanup wait_gather = [&] {
+    if (gathering.valid()) gathering.wait();
+  };
+  for (size_t w = 0; w < windows.size(); ++w) {
+    gathering.get();
+    if (w + 1 < windows.size()) gathering = std::async(kGatherLaunch, gather, w + 1);
+    const auto [k, at] = windows[w];
+    const IoRequest window{fd.get(), plan.layout.data_start + plan.layout.begin[k] + at,
+                           bounce[w % 2]->data(), window_size(w)};
+    WB_RETURN_IF_ERROR(io_->Write(
+        absl::MakeConstSpan(&window, 1), deadline, [](size_t) {},
+        [&](size_t) { return describe_tensor(k); }));
+  }
+  for (size_t k : strided) {
+    if (checksums[k]) job.SetChecksum(plan.tensors[k], checksums[k]->Digest());
+  }
+  return FinishFile(fd, path, deadline);
+}
+
+absl::Status DiskPublisher::FinishFile(UniqueFd& fd, const std::string& path, absl::Time deadline) {
   if (sync_) {
     WB_RETURN_IF_ERROR(io_->Fsync(fd.get(), deadline, path));
   }

@@ -353,7 +353,8 @@ WB_EXPORT wb_status_t wb_update_num_tensors(const wb_update_t* update, size_t* n
 /* Tensor `index` (WB_OUT_OF_RANGE past the end): its name, its element type, and a DLTensor
  * view. Library-owned tensors are contiguous CPU memory (strides NULL); a bound tensor's view
  * is the caller's destination. All three stay valid until wb_update_destroy. Any output
- * pointer may be NULL when not wanted. */
+ * pointer may be NULL when not wanted. A sub-byte tensor (F4, F6_*) has a name and dtype but no
+ * DLTensor: asking for `tensor` is WB_UNIMPLEMENTED naming it (the C++ API carries its bytes). */
 WB_EXPORT wb_status_t wb_update_tensor(const wb_update_t* update, size_t index, const char** name,
                                        wb_dtype_t* dtype, const DLTensor** tensor);
 

@@ -598,14 +598,17 @@ absl::Status Wait(const char* function, wb_subscriber_t* subscriber, uint64_t mi
   return absl::OkStatus();
 }
 
-absl::Status CheckIndex(const char* function, const wb_update_t* update, size_t index) {
+// `dlpack`: the caller wants the tensor as a DLTensor, which a sub-byte dtype cannot be (its
+// name and dtype are still available).
+absl::Status CheckIndex(const char* function, const wb_update_t* update, size_t index,
+                        bool dlpack = true) {
   if (index >= update->state->tensors.size()) {
     return absl::OutOfRangeError(
         absl::StrFormat("%s: tensor index %d is past the end of version %d (%d tensors)", function,
                         index, update->state->update->version(), update->state->tensors.size()));
   }
   const wb::TensorView& v = update->state->update->tensors()[index];
-  if (wb::IsSubByte(v.dtype)) return SubByteUnimplemented(v.name, v.dtype);
+  if (dlpack && wb::IsSubByte(v.dtype)) return SubByteUnimplemented(v.name, v.dtype);
   return absl::OkStatus();
 }
 
@@ -900,7 +903,9 @@ wb_status_t wb_update_tensor(const wb_update_t* update, size_t index, const char
   constexpr const char* kFn = "wb_update_tensor";
   return Guard(kFn, [&]() -> absl::Status {
     WB_CHECK_ARG(kFn, update);
-    if (absl::Status s = CheckIndex(kFn, update, index); !s.ok()) return s;
+    if (absl::Status s = CheckIndex(kFn, update, index, /*dlpack=*/tensor != nullptr); !s.ok()) {
+      return s;
+    }
     const CTensor& t = update->state->tensors[index];
     if (name != nullptr) *name = t.name.c_str();
     if (dtype != nullptr) *dtype = t.dtype;

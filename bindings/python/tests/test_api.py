@@ -14,7 +14,7 @@ import torch
 
 import weightbus
 from weightbus import _api, _lib, _tensors
-from conftest import SliceWatch, child_env, late_uri, run_python
+from conftest import SliceWatch, child_env, cli_path, late_uri, run_python
 
 
 def test_version_and_library():
@@ -217,7 +217,7 @@ def test_errors_are_typed_and_carry_the_message(channel, tmp_path):
         with pytest.raises(weightbus.InvalidArgumentError, match='"x": dtype override F32'):
             pub.publish(6, {"x": np.zeros(2, np.uint8)}, dtypes={"x": "F32"})
         with pytest.raises(TypeError, match="no safetensors element type"):
-            pub.publish(6, {"x": torch.zeros(2, dtype=torch.complex64)})
+            pub.publish(6, {"x": torch.zeros(2, dtype=torch.complex128)})
         with pytest.raises(ValueError, match="dtypes names tensors that are not published"):
             pub.publish(6, {"x": torch.zeros(1)}, dtypes={"y": "BF16"})
     with weightbus.Subscriber(channel) as sub:
@@ -353,6 +353,55 @@ def test_metadata_must_be_strings(channel, metadata, key):
         pub.publish(1, {"w": torch.ones(2)}, metadata={"step": "1", "note": "ünï {\"json\": 1}"})
     with weightbus.Subscriber(channel) as sub:
         assert sub.wait(1, timeout=30).metadata == {"step": "1", "note": "ünï {\"json\": 1}"}
+
+
+@pytest.mark.parametrize("metadata, what", [
+    ({"k": "a\x00b"}, "value of 'k' contains a NUL"),
+    ({"k\x00x": "v"}, "key of 'k\\x00x' contains a NUL"),
+    ({"k": "\udc80"}, "value of 'k' is not valid UTF-8"),
+])
+def test_metadata_that_c_strings_cannot_carry_is_refused(channel, metadata, what):
+    """A NUL would cut the C string short and a lone surrogate is not UTF-8: ValueError naming
+    the key, nothing published (they used to arrive truncated)."""
+    with weightbus.Publisher(channel) as pub:
+        with pytest.raises(ValueError, match=re.escape(what)):
+            pub.publish(1, {"w": torch.ones(2)}, metadata=metadata)
+        assert pub.latest_version is None
+
+
+def test_complex64_round_trips_and_sub_byte_tensors_are_listed(channel, tmp_path):
+    """torch.complex64 publishes as C64 and comes back bit-exact; a version holding an F4 tensor
+    (published from a safetensors file by the CLI) is received: its tensors are listed with
+    their dtypes, the F4 one raises UnimplementedError when read, the others are readable."""
+    import json
+    import struct
+    c = torch.randn(3, 2, dtype=torch.complex64)
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, {"c": c})
+    with weightbus.Subscriber(channel) as sub:
+        update = sub.wait(1, timeout=30)
+        assert update.dtypes["c"] == "C64"
+        assert torch.equal(update["c"], c)
+
+    data_f4, data_u8 = bytes(range(8)), bytes([7, 9])
+    header = json.dumps({"w4": {"dtype": "F4", "shape": [16], "data_offsets": [0, 8]},
+                         "b": {"dtype": "U8", "shape": [2], "data_offsets": [8, 10]}}).encode()
+    header += b" " * (-len(header) % 8)
+    model = tmp_path / "f4"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header +
+                                              data_f4 + data_u8)
+    uri = f"disk://{tmp_path}/f4ch?fsync=false"
+    done = subprocess.run([str(cli_path()), "publish", uri, "--from", str(model), "--version",
+                           "1"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with weightbus.Subscriber(uri) as sub:
+        update = sub.wait(1, timeout=30)
+        assert update.names == ["w4", "b"]
+        assert update.dtypes == {"w4": "F4", "b": "U8"}
+        assert update["b"].tolist() == [7, 9]
+        with pytest.raises(weightbus.UnimplementedError, match="w4"):
+            update["w4"]
 
 
 def test_metadata_must_be_a_mapping(channel):

@@ -76,6 +76,16 @@ def _metadata_array(metadata: Optional[Mapping]):
             raise TypeError(f"metadata {key!r} is {type(value).__name__} ({value!r:.60}); "
                             "metadata values must be str (encode others yourself, e.g. "
                             "json.dumps)")
+        # The C API carries NUL-terminated UTF-8: a NUL would silently cut the text short.
+        for what, text in (("key", key), ("value", value)):
+            if "\0" in text:
+                raise ValueError(f"metadata {what} of {key!r} contains a NUL character, which "
+                                 "metadata cannot carry")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"metadata {what} of {key!r} is not valid UTF-8 text: "
+                                 f"{e.reason} at {e.start}") from None
     return _options_array(metadata)
 
 

@@ -40,6 +40,7 @@ def _torch_dtypes():
         torch.int32: (_lib.kDLInt, 32, 0), torch.int64: (_lib.kDLInt, 64, 0),
         torch.uint8: (_lib.kDLUInt, 8, 0),
         torch.bool: (_lib.kDLUInt, 8, _lib.DTYPES["BOOL"]),
+        torch.complex64: (_lib.kDLComplex, 64, 0),  # safetensors C64
     }
     # Newer torch releases: float8 and wide unsigned types.
     for attr, code in (("float8_e4m3fn", _lib.DTYPES["F8_E4M3"]),

@@ -259,6 +259,43 @@ TEST_P(LifecycleTest, ForkedChildCannotUseInheritedHandlesAndParentIsUnaffected)
   }
 }
 
+// A forked child that lives on (a DataLoader worker) must not keep the parent's channel lock,
+// listening port or connections: the parent can close its publisher and open a new one on the
+// same channel while the child still runs (it could not: flock held by the child's copy of the
+// lock file, port held by its copy of the listening socket).
+TEST_P(LifecycleTest, AChildThatLivesOnHoldsNoLockOrPortOfTheParent) {
+  Channel channel(GetParam());
+  auto pub = Publisher::Open(channel.uri());
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = Subscriber::Open(channel.uri());
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  auto v1 = MakeVersion(4, 1, 1 << 16);
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  ASSERT_TRUE((*sub)->WaitForVersion(1, kTimeout).ok());  // a live control connection on ucx
+  int hold[2];
+  ASSERT_EQ(pipe(hold), 0);
+  const pid_t child = ForkChild([&] {
+    close(hold[1]);
+    char c;
+    (void)!read(hold[0], &c, 1);  // lives until the parent closes its end
+    return static_cast<int>(kChildOk);
+  });
+  ASSERT_GT(child, 0);
+  close(hold[0]);
+  pub->reset();
+  auto reopened = Publisher::Open(channel.uri());
+  EXPECT_TRUE(reopened.ok()) << reopened.status();
+  if (reopened.ok()) {
+    auto v2 = MakeVersion(4, 2, 1 << 16);
+    ASSERT_TRUE((*reopened)->Publish(2, Views(v2), {}, kTimeout).ok());
+    auto update = (*sub)->WaitForVersion(2, kTimeout);
+    ASSERT_TRUE(update.ok()) << update.status();
+    ExpectSameTensors(**update, v2);
+  }
+  close(hold[1]);
+  EXPECT_EQ(WaitChild(child), kChildOk);
+}
+
 TEST_P(LifecycleTest, RepublishingTheLatestVersionWithTheSameBytesIsANoOp) {
   Channel channel(GetParam());
   auto pub = Publisher::Open(channel.uri());

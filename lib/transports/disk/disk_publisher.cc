@@ -103,6 +103,9 @@ class DiskPublisher final : public TransportPublisher {
       stopping_ = true;
     }
     retention_thread_.join();
+    // Explicitly, so that no other copy of the descriptor (a child forked before
+    // CloseInForkedChildren could apply, an exec'd helper) keeps the channel locked.
+    (void)::flock(lock_.get(), LOCK_UN);
   }
 
   absl::StatusOr<std::optional<uint64_t>> LatestVersion() override {
@@ -505,6 +508,7 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenDiskPublisher(const Uri&
     return absl::FailedPreconditionError(
         absl::StrFormat("%s is not a regular file; remove it", lock_path));
   }
+  lock.CloseInForkedChildren();  // a forked child's copy would hold the lock after we let go
   if (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     absl::StatusOr<std::string> holder =

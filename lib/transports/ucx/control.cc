@@ -177,6 +177,7 @@ absl::StatusOr<Fd> Listen(const std::string& host, int port, std::string_view ur
       failures.push_back(absl::StrFormat("%s: listen: %s", where, strerror(errno)));
       continue;
     }
+    fd.CloseInForkedChildren();  // a forked child must not keep the port
     return fd;
   }
   return absl::Status(
@@ -230,6 +231,7 @@ absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadlin
       if (err == 0) {
         int one = 1;
         (void)::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        fd.CloseInForkedChildren();  // the publisher sees the connection close with us
         return fd;
       }
       last.push_back(absl::StrFormat(

@@ -710,6 +710,7 @@ void UcxPublisher::Accept() {
     auto c = std::make_unique<Conn>();
     c->id = next_conn_++;
     c->fd = Fd(fd);
+    c->fd.CloseInForkedChildren();  // the subscriber sees the connection close with us
     c->peer = "subscriber at " + DescribeSockaddr(reinterpret_cast<sockaddr*>(&addr), len);
     c->hello_deadline = MonotonicNow() + options_.connect_timeout;
     conns_[c->id] = std::move(c);

@@ -165,6 +165,11 @@ class UcxPublisher final : public TransportPublisher {
 
   absl::Status Publish(PublishJob& job, absl::Time deadline) override;
 
+  UcxPublisherCounters counters() const {
+    return UcxPublisherCounters{reads_served_.load(std::memory_order_relaxed),
+                                sleeps_with_reads_ready_.load(std::memory_order_relaxed)};
+  }
+
   // Host staging copies compute the checksums as they go (the caller's bytes are read once).
   bool CopiesWithChecksums() const override { return !options_.cuda_staging; }
   // Host staging reads every tensor through PublishJob::CopyWithChecksum, which gathers strided
@@ -295,6 +300,9 @@ class UcxPublisher final : public TransportPublisher {
   uint64_t changes_ ABSL_GUARDED_BY(mu_) = 0;  // bumped whenever a slot or lease frees up
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  // UcxPublisherCounters (ucx_transport.h); written by the progress thread only.
+  std::atomic<uint64_t> reads_served_{0};
+  std::atomic<uint64_t> sleeps_with_reads_ready_{0};
 };
 
 void UcxPublisher::ExpireLeases(absl::Time now) {
@@ -606,6 +614,7 @@ void UcxPublisher::Loop() {
     if (busy) last_busy = MonotonicNow();
     const bool spinning = MonotonicNow() - last_busy < kSpin;
     int timeout_ms = 1000;
+    bool reads_ready = false;  // a connection has READs queued and nothing to send
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) break;
@@ -618,7 +627,9 @@ void UcxPublisher::Loop() {
       absl::Time next = mono + absl::Seconds(1);
       for (const auto& [id, c] : conns_) {
         short events = POLLIN;
-        if (!c->out.empty()) events |= POLLOUT;
+        // Queued READs are served as the socket drains (none is left behind with `out` empty).
+        if (!c->out.empty() || !c->reads.empty()) events |= POLLOUT;
+        if (!c->reads.empty() && c->out.empty()) reads_ready = true;
         fds.push_back({c->fd.get(), events, 0});
         ids.push_back(id);
         if (!c->greeted) next = std::min(next, c->hello_deadline);
@@ -633,6 +644,9 @@ void UcxPublisher::Loop() {
       timeout_ms = 0;
     } else if (armed != UCS_OK) {
       timeout_ms = std::min(timeout_ms, 1);
+    }
+    if (reads_ready && timeout_ms > 0) {
+      sleeps_with_reads_ready_.fetch_add(1, std::memory_order_relaxed);
     }
     if (::poll(fds.data(), fds.size(), timeout_ms) < 0 && errno != EINTR) {
       Log(LogLevel::kError, "%s: poll: %s", endpoint_.display, strerror(errno));
@@ -678,9 +692,18 @@ void UcxPublisher::Loop() {
         c.dead = true;
       }
       if (!c.dead && c.greeted && !c.closing) ServeWaits(c);
-      if (!c.dead && c.greeted && !c.closing) ServeReads(c);
-      if (!c.dead && !c.out.empty()) {
-        if (absl::Status s = WriteAvailable(c.fd.get(), c.out); !s.ok()) c.dead = true;
+      // Answer READs and write until the socket takes no more or no READ is left. A pass that
+      // wrote all it had queued must not leave READs behind: poll would get no POLLOUT for them
+      // and sleep until a timeout (up to 1 s) unless another frame arrived.
+      while (!c.dead) {
+        const bool serving = c.greeted && !c.closing;
+        if (serving) ServeReads(c);
+        if (c.out.empty()) break;
+        if (absl::Status s = WriteAvailable(c.fd.get(), c.out); !s.ok()) {
+          c.dead = true;
+          break;
+        }
+        if (!serving || !c.out.empty() || c.reads.empty()) break;
       }
       if (c.closing && c.out.empty()) c.dead = true;
       if (c.dead) {
@@ -980,6 +1003,7 @@ void UcxPublisher::ServeReads(Conn& c) {
                  .U8(1)
                  .Str(std::string_view(bytes, read.length))
                  .Finish();
+    reads_served_.fetch_add(1, std::memory_order_relaxed);
   }
 }
 
@@ -996,6 +1020,12 @@ void UcxPublisher::Drop(Conn& c) {
 }
 
 }  // namespace
+
+std::optional<UcxPublisherCounters> PublisherCounters(const TransportPublisher& publisher) {
+  const auto* ucx = dynamic_cast<const UcxPublisher*>(&publisher);
+  if (ucx == nullptr) return std::nullopt;
+  return ucx->counters();
+}
 
 absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& uri,
                                                                      const Config& config) {

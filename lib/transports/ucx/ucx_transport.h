@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -53,5 +54,21 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& 
                                                                      const Config& config);
 absl::StatusOr<std::unique_ptr<TransportSubscriber>> OpenUcxSubscriber(const Uri& uri,
                                                                        const Config& config);
+
+// What a ucx:// publisher's progress thread has done so far (monotonic counts since it opened),
+// for tests and diagnostics. Safe to read from any thread while it serves.
+struct UcxPublisherCounters {
+  // DATA frames sent with bytes, answering subscribers' READs (bytes over the control
+  // connection; README.md). 0 where every subscriber pulls with UCP gets.
+  uint64_t reads_served = 0;
+  // Times the progress thread went to sleep in poll() (a timeout above 0 ms) while a connection
+  // had READs queued that it could have answered (nothing left to send on that connection): a
+  // lost wake-up, each costing up to the 1 s poll timeout. Always 0.
+  uint64_t sleeps_with_reads_ready = 0;
+};
+
+// The counters of `publisher` when it is a ucx:// publisher made by OpenUcxPublisher (not
+// wrapped by a layer); nullopt otherwise. `publisher` must be alive for the call only.
+std::optional<UcxPublisherCounters> PublisherCounters(const TransportPublisher& publisher);
 
 }  // namespace weightbus::internal::ucx

@@ -25,6 +25,7 @@
 #include "core/uri.h"
 #include "io/file_io.h"
 #include "test_support.h"
+#include "transport_stack.h"
 
 namespace weightbus::internal {
 namespace {
@@ -44,13 +45,8 @@ long SyscallOf(pid_t tid) {
 // at once.
 TEST(DiskCancelTest, WaitInFlightReturnsCancelledAndSoDoLaterCalls) {
   testing::ScratchDir dir;
-  auto uri = ParseUri("disk://" + dir.path() + "/ch");
-  ASSERT_TRUE(uri.ok());
-  auto stack = ResolveStack(*uri);
-  ASSERT_TRUE(stack.ok());
-  auto config = ResolveConfig(*stack, *uri, {{"poll_interval", "1h"}});
-  ASSERT_TRUE(config.ok()) << config.status();
-  auto sub = OpenSubscriberStack(*stack, *uri, *config);
+  auto sub =
+      testing::OpenTransportSubscriber("disk://" + dir.path() + "/ch", {{"poll_interval", "1h"}});
   ASSERT_TRUE(sub.ok()) << sub.status();
 
   std::atomic<pid_t> tid{0};

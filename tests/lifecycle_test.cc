@@ -58,15 +58,6 @@ class Channel {
   int port_ = 0;
 };
 
-// Linux thread state of thread `tid` of this process ('R', 'S', 'D', ...), or '?'.
-char ThreadState(pid_t tid) {
-  std::ifstream in(absl::StrFormat("/proc/self/task/%d/stat", tid));
-  std::string line;
-  std::getline(in, line);
-  const size_t paren = line.rfind(')');
-  return paren == std::string::npos || paren + 2 >= line.size() ? '?' : line[paren + 2];
-}
-
 // Runs `call` on a new thread and returns once that thread is blocked inside it (asleep in the
 // kernel after announcing the call: nothing else between the announcement and the call
 // blocks), so the caller can close the handle while the call is in flight.
@@ -80,7 +71,7 @@ class InFlight {
           done_.Notify();
         }) {
     started_.WaitForNotification();
-    EXPECT_TRUE(WaitUntil([&] { return ThreadState(tid_) == 'S'; }, kTimeout));
+    EXPECT_TRUE(WaitUntil([&] { return testing::ProcessState(tid_) == 'S'; }, kTimeout));
   }
   ~InFlight() { thread_.join(); }
   // The call's status once it returned (waits up to `timeout`).

@@ -192,6 +192,13 @@ std::vector<std::byte> RandomBytes(size_t n, uint64_t seed) {
 
 uint64_t Xxh3(const void* data, size_t n) { return XXH3_64bits(data, n); }
 
+char ProcessState(pid_t pid) {
+  std::ifstream in(absl::StrFormat("/proc/%d/stat", pid));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t paren = text.rfind(')');  // the command name may contain spaces and parentheses
+  return paren != std::string::npos && paren + 2 < text.size() ? text[paren + 2] : '?';
+}
+
 bool WaitUntil(const std::function<bool()>& condition, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   while (!condition()) {

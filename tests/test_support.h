@@ -107,6 +107,10 @@ uint64_t Xxh3(const void* data, size_t n);
 // For effects that happen in the background, such as retention deleting old versions.
 bool WaitUntil(const std::function<bool()>& condition, absl::Duration timeout = absl::Seconds(10));
 
+// The scheduler state letter of process or thread `pid` from /proc/PID/stat ('R' running, 'S'
+// asleep in the kernel, 'T' stopped, ...), or '?' when it cannot be read. A thread id works too.
+char ProcessState(pid_t pid);
+
 std::string ReadFileOrDie(const std::string& path);
 void WriteFileOrDie(const std::string& path, const std::string& contents);
 

@@ -36,6 +36,7 @@
 #include "expect_tensors.h"
 #include "test_model.h"
 #include "test_support.h"
+#include "transport_stack.h"
 #include "transports/ucx/control.h"
 #include "transports/ucx/registration_cache.h"
 #include "transports/ucx/ucp_util.h"
@@ -599,6 +600,9 @@ TEST_F(UcxAddressTest, DiskCannotCountReceivers) {
 namespace weightbus::internal {
 namespace {
 
+using ::weightbus::testing::OpenTransportPublisher;
+using ::weightbus::testing::OpenTransportSubscriber;
+
 using ::testing::HasSubstr;
 
 class UcxInternalTest : public ::testing::TestWithParam<weightbus::testing::Tls> {
@@ -614,14 +618,11 @@ class UcxInternalTest : public ::testing::TestWithParam<weightbus::testing::Tls>
 // versions, and the list of versions held.
 TEST_P(UcxInternalTest, KeepVersionsFromOpenVersionAndListVersions) {
   const int port = weightbus::FreePort();
-  auto uri = ParseUri(absl::StrFormat("ucx://127.0.0.1:%d/delta?staging_slots=2&lease=60s", port));
-  auto stack = ResolveStack(*uri);
-  ASSERT_TRUE(stack.ok());
-  auto config = ResolveConfig(*stack, *uri, {});
-  ASSERT_TRUE(config.ok()) << config.status();
-  auto pub = OpenPublisherStack(*stack, *uri, *config);
+  const std::string uri_text =
+      absl::StrFormat("ucx://127.0.0.1:%d/delta?staging_slots=2&lease=60s", port);
+  auto pub = OpenTransportPublisher(uri_text);
   ASSERT_TRUE(pub.ok()) << pub.status();
-  auto sub = OpenSubscriberStack(*stack, *uri, *config);
+  auto sub = OpenTransportSubscriber(uri_text);
   ASSERT_TRUE(sub.ok()) << sub.status();
   auto bytes_of = [](uint64_t v) { return testing::RandomBytes(100000, v); };
   std::vector<std::vector<std::byte>> kept(10);
@@ -692,11 +693,7 @@ TEST_P(UcxInternalTest, CorruptedBytesAreDataLossNamingTheTensor) {
   const int port = weightbus::FreePort();
   const std::string uri_text =
       absl::StrFormat("ucx://127.0.0.1:%d/corrupt?get_chunk_size=64KiB&max_region=1MiB", port);
-  auto uri = ParseUri(uri_text);
-  auto stack = ResolveStack(*uri);
-  auto config = ResolveConfig(*stack, *uri, {});
-  ASSERT_TRUE(config.ok()) << config.status();
-  auto pub = OpenPublisherStack(*stack, *uri, *config);
+  auto pub = OpenTransportPublisher(uri_text);
   ASSERT_TRUE(pub.ok()) << pub.status();
   auto sub = weightbus::Subscriber::Open(uri_text);
   ASSERT_TRUE(sub.ok());
@@ -719,26 +716,16 @@ TEST_P(UcxInternalTest, CorruptedBytesAreDataLossNamingTheTensor) {
   EXPECT_EQ((*sub)->current_version(), std::nullopt);
 }
 
-// The state letter of process `pid` in /proc/PID/stat ('T' once a SIGSTOP took effect).
-char ProcessState(pid_t pid) {
-  std::ifstream in(absl::StrFormat("/proc/%d/stat", pid));
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t paren = text.rfind(')');
-  return paren != std::string::npos && paren + 2 < text.size() ? text[paren + 2] : '?';
-}
-
 // TransportSubscriber/TransportPublisher::Cancel (lib/core/transport.h): a wait in flight, a
 // Publish waiting for a staging slot and a WaitForReceivers return Cancelled long before their
 // deadlines, and so does every later call. (Cancel may land before or after the call starts.)
 TEST_P(UcxInternalTest, CancelEndsWaitsInFlightAndEveryLaterCall) {
   const int port = weightbus::FreePort();
-  auto uri = ParseUri(absl::StrFormat("ucx://127.0.0.1:%d/cancel?staging_slots=1&lease=60s", port));
-  auto stack = ResolveStack(*uri);
-  auto config = ResolveConfig(*stack, *uri, {});
-  ASSERT_TRUE(config.ok()) << config.status();
-  auto pub = OpenPublisherStack(*stack, *uri, *config);
+  const std::string uri_text =
+      absl::StrFormat("ucx://127.0.0.1:%d/cancel?staging_slots=1&lease=60s", port);
+  auto pub = OpenTransportPublisher(uri_text);
   ASSERT_TRUE(pub.ok()) << pub.status();
-  auto sub = OpenSubscriberStack(*stack, *uri, *config);
+  auto sub = OpenTransportSubscriber(uri_text);
   ASSERT_TRUE(sub.ok()) << sub.status();
   std::vector<std::byte> bytes = testing::RandomBytes(4096, 1);
   Manifest m;
@@ -759,11 +746,8 @@ TEST_P(UcxInternalTest, CancelEndsWaitsInFlightAndEveryLaterCall) {
   EXPECT_EQ((*sub)->ListVersions().status().code(), absl::StatusCode::kCancelled);
 
   // A subscriber still trying to reach a publisher that is not up (connect_timeout 120 s).
-  auto nowhere = ParseUri(
+  auto lonely = OpenTransportSubscriber(
       absl::StrFormat("ucx://127.0.0.1:%d/cancel?connect_timeout=120s", weightbus::FreePort()));
-  auto nowhere_config = ResolveConfig(*stack, *nowhere, {});
-  ASSERT_TRUE(nowhere_config.ok()) << nowhere_config.status();
-  auto lonely = OpenSubscriberStack(*stack, *nowhere, *nowhere_config);
   ASSERT_TRUE(lonely.ok()) << lonely.status();
   absl::StatusOr<std::unique_ptr<IncomingVersion>> connecting;
   std::thread dialer(
@@ -773,7 +757,7 @@ TEST_P(UcxInternalTest, CancelEndsWaitsInFlightAndEveryLaterCall) {
   EXPECT_EQ(connecting.status().code(), absl::StatusCode::kCancelled) << connecting.status();
 
   // A grant held by a second subscriber pins the only slot: Publish waits for it.
-  auto holder = OpenSubscriberStack(*stack, *uri, *config);
+  auto holder = OpenTransportSubscriber(uri_text);
   ASSERT_TRUE(holder.ok());
   auto held = (*holder)->WaitForVersion(1, absl::Now() + absl::Seconds(10));
   ASSERT_TRUE(held.ok()) << held.status();
@@ -803,14 +787,10 @@ TEST_P(UcxInternalTest, CancelEndsWaitsInFlightAndEveryLaterCall) {
 // received bit-exact.
 TEST_P(UcxInternalTest, ProgressThreadNeverSleepsWithReadsReady) {
   const int port = weightbus::FreePort();
-  auto uri = ParseUri(absl::StrFormat("ucx://127.0.0.1:%d/reads?lease=60s", port));
-  auto stack = ResolveStack(*uri);
-  ASSERT_TRUE(stack.ok());
-  auto config = ResolveConfig(*stack, *uri, {});
-  ASSERT_TRUE(config.ok()) << config.status();
-  auto pub = OpenPublisherStack(*stack, *uri, *config);
+  const std::string uri_text = absl::StrFormat("ucx://127.0.0.1:%d/reads?lease=60s", port);
+  auto pub = OpenTransportPublisher(uri_text);
   ASSERT_TRUE(pub.ok()) << pub.status();
-  auto sub = OpenSubscriberStack(*stack, *uri, *config);
+  auto sub = OpenTransportSubscriber(uri_text);
   ASSERT_TRUE(sub.ok()) << sub.status();
   // 40 tensors, 71 MiB: 9 MiB, 3 KiB, 700 KiB, 4 MiB + 1, ... (chunks of 4 MiB and tails).
   const std::vector<uint64_t> sizes = {9 << 20, 3 << 10, 700 << 10, (4 << 20) + 1, 123,
@@ -900,7 +880,7 @@ class UcxStallTest : public UcxInternalTest {
 
   void StopPublisher() {
     pub_->Kill(SIGSTOP);
-    ASSERT_TRUE(testing::WaitUntil([&] { return ProcessState(pub_->pid()) == 'T'; }));
+    ASSERT_TRUE(testing::WaitUntil([&] { return testing::ProcessState(pub_->pid()) == 'T'; }));
   }
 
   // Resumes the publisher; it must publish versions 2 and 3, serve them to a new subscriber
@@ -949,12 +929,8 @@ struct Targets {
 };
 
 TEST_P(UcxStallTest, SubscriberThatTimesOutAndExitsDuringTheStall) {
-  auto victim_uri = ParseUri(VictimUri());
-  auto stack = ResolveStack(*victim_uri);
-  ASSERT_TRUE(stack.ok());
-  auto config = ResolveConfig(*stack, *victim_uri, {});
-  ASSERT_TRUE(config.ok()) << config.status();
-  auto victim = OpenSubscriberStack(*stack, *victim_uri, *config);
+  const std::string victim_uri_text = VictimUri();
+  auto victim = OpenTransportSubscriber(victim_uri_text);
   ASSERT_TRUE(victim.ok()) << victim.status();
   auto granted = (*victim)->WaitForVersion(1, absl::Now() + absl::Seconds(30));
   ASSERT_TRUE(granted.ok()) << granted.status();
@@ -1021,13 +997,7 @@ TEST(UcxVictim, DISABLED_FetchesWhenTold) {
   const char* uri_text = std::getenv("WB_TEST_VICTIM_URI");
   const char* go = std::getenv("WB_TEST_VICTIM_GO");
   if (uri_text == nullptr || go == nullptr) GTEST_SKIP() << "run by UcxStallTest only";
-  auto uri = ParseUri(uri_text);
-  ASSERT_TRUE(uri.ok()) << uri.status();
-  auto stack = ResolveStack(*uri);
-  ASSERT_TRUE(stack.ok());
-  auto config = ResolveConfig(*stack, *uri, {});
-  ASSERT_TRUE(config.ok()) << config.status();
-  auto sub = OpenSubscriberStack(*stack, *uri, *config);
+  auto sub = OpenTransportSubscriber(uri_text);
   ASSERT_TRUE(sub.ok()) << sub.status();
   auto granted = (*sub)->WaitForVersion(1, absl::Now() + absl::Seconds(30));
   ASSERT_TRUE(granted.ok()) << granted.status();

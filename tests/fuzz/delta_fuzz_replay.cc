@@ -33,8 +33,7 @@
 
 #include "absl/strings/str_format.h"
 #include "delta_fuzz.h"
-
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
+#include "replay.h"
 
 namespace {
 
@@ -44,32 +43,10 @@ using weightbus::kAllDTypes;
 using namespace weightbus::internal::delta;
 using weightbus::delta_fuzz::FuzzTensor;
 
-const char* g_data = nullptr;
-size_t g_size = 0;
-char g_name[512] = "";
-
-void OnCrash(int sig) {
-  const char prefix[] = "\ndelta_fuzz_replay: crashed on input: ";
-  (void)!::write(2, prefix, sizeof(prefix) - 1);
-  (void)!::write(2, g_name, ::strlen(g_name));
-  const char saved[] = "\n(saved as ./delta-fuzz-crash.bin)\n";
-  const int fd = ::open("delta-fuzz-crash.bin", O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd >= 0) {
-    if (g_data != nullptr) (void)!::write(fd, g_data, g_size);
-    ::close(fd);
-    (void)!::write(2, saved, sizeof(saved) - 1);
-  }
-  ::signal(sig, SIG_DFL);
-  ::raise(sig);
-}
-
 size_t g_runs = 0;
 
 void Run(const std::string& name, const std::string& bytes) {
-  g_data = bytes.data();
-  g_size = bytes.size();
-  std::snprintf(g_name, sizeof(g_name), "%s", name.c_str());
-  LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  weightbus::fuzz::ReplayOne(name, bytes);
   ++g_runs;
 }
 
@@ -335,7 +312,7 @@ std::vector<std::pair<std::string, std::string>> ReadInputs(const std::string& p
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int sig : {SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL}) ::signal(sig, OnCrash);
+  weightbus::fuzz::InstallReplayCrashHandler("delta_fuzz_replay", "delta-fuzz-crash.bin");
   size_t mutations = 200;
   std::string write_seeds;
   std::vector<std::string> paths;

@@ -26,41 +26,18 @@
 #include <utility>
 #include <vector>
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
+#include "replay.h"
 
 namespace {
 
 namespace fs = std::filesystem;
-
-// What is running, for the crash handler (which may only use async-signal-safe calls).
-const char* g_data = nullptr;
-size_t g_size = 0;
-char g_name[512] = "";
-
-void OnCrash(int sig) {
-  const char prefix[] = "\nsafetensors_fuzz_replay: crashed on input: ";
-  (void)!::write(2, prefix, sizeof(prefix) - 1);
-  (void)!::write(2, g_name, ::strlen(g_name));
-  const char saved[] = "\n(saved as ./safetensors-fuzz-crash.bin)\n";
-  const int fd = ::open("safetensors-fuzz-crash.bin", O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd >= 0) {
-    if (g_data != nullptr) (void)!::write(fd, g_data, g_size);
-    ::close(fd);
-    (void)!::write(2, saved, sizeof(saved) - 1);
-  }
-  ::signal(sig, SIG_DFL);
-  ::raise(sig);
-}
 
 struct Stats {
   size_t runs = 0;
 };
 
 void Run(const std::string& name, const std::string& bytes, Stats& stats) {
-  g_data = bytes.data();
-  g_size = bytes.size();
-  std::snprintf(g_name, sizeof(g_name), "%s", name.c_str());
-  LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  weightbus::fuzz::ReplayOne(name, bytes);
   ++stats.runs;
 }
 
@@ -269,11 +246,8 @@ int main(int argc, char** argv) {
     }
   }
 
-  ::signal(SIGABRT, OnCrash);
-  ::signal(SIGSEGV, OnCrash);
-  ::signal(SIGBUS, OnCrash);
-  ::signal(SIGFPE, OnCrash);
-  ::signal(SIGILL, OnCrash);
+  weightbus::fuzz::InstallReplayCrashHandler("safetensors_fuzz_replay",
+                                             "safetensors-fuzz-crash.bin");
 
   Stats stats;
   Rng rng(0x5afe7e45023);

@@ -16,6 +16,7 @@
 
 #include <sys/types.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -38,6 +39,8 @@ inline constexpr char kSingleFile[] = "model.safetensors";
 inline constexpr char kTmpPrefix[] = ".tmp-";
 inline constexpr char kTrashPrefix[] = ".trash-";
 inline constexpr char kLatestTmpPrefix[] = ".LATEST.tmp-";
+// Largest manifest or index file read (a million tensors fit comfortably).
+inline constexpr size_t kMaxMetadataFile = size_t{512} << 20;
 
 // "v00000000000000000042" for 42: fixed width, so names sort like numbers.
 std::string VersionDirName(uint64_t version);

@@ -127,7 +127,7 @@ class DiskPublisher final : public TransportPublisher {
                         OpenDirAt(versions_.get(), VersionDirName(version), dir_path));
     const std::string path = absl::StrFormat("%s/%s", dir_path, kManifestFile);
     WB_ASSIGN_OR_RETURN(std::string text,
-                        ReadSmallFileAt(dir.get(), kManifestFile, size_t{512} << 20, path));
+                        ReadSmallFileAt(dir.get(), kManifestFile, kMaxMetadataFile, path));
     return Manifest::FromJson(text, path);
   }
 

@@ -30,9 +30,6 @@
 namespace weightbus::internal::disk {
 namespace {
 
-// Largest manifest or index file read (a million tensors fit comfortably).
-constexpr size_t kMaxMetadataFile = size_t{512} << 20;
-
 // A data file of a version; opened only while it is being read, so versions with thousands of
 // shards do not need thousands of descriptors.
 struct DataFile {

@@ -646,38 +646,38 @@ static void TestShards(const char* dir) {
 
   /* Failure paths: each names the tensor; nothing is published. */
   int64_t too_far[] = {3, 3};
-  const wb_shard_t outside = {2, global, too_far};
-  const wb_shard_t* bad[] = {&outside, NULL};
-  params.shards = bad;
-  CHECK_STATUS(wb_publisher_publish(pub, 2, tensor_names, tensors, 2, &params, 30000),
-               WB_INVALID_ARGUMENT,
-               "tensor \"a\": slice of shape [2, 3] at offsets [3, 3] does not fit in global "
-               "shape [4, 6] (dimension 0)");
-  const wb_shard_t rank1 = {1, global, offsets};
-  const wb_shard_t* wrong_rank[] = {&rank1, NULL};
-  params.shards = wrong_rank;
-  CHECK_STATUS(wb_publisher_publish(pub, 2, tensor_names, tensors, 2, &params, 30000),
-               WB_INVALID_ARGUMENT,
-               "tensor \"a\": shard global_shape [4] and offsets [2] must have the rank of shape "
-               "[2, 3]");
-  const wb_shard_t null_offsets = {1, shape_b, NULL};
-  const wb_shard_t* nulls[] = {NULL, &null_offsets};
-  params.shards = nulls;
-  CHECK_STATUS(wb_publisher_publish(pub, 2, tensor_names, tensors, 2, &params, 30000),
-               WB_INVALID_ARGUMENT,
-               "version 2: tensor \"b\": params.shards[1] has ndim 1 and a global_shape and NULL "
-               "offsets");
-  const wb_shard_t negative = {-1, NULL, NULL};
-  const wb_shard_t* negatives[] = {&negative, NULL};
-  params.shards = negatives;
-  CHECK_STATUS(wb_publisher_publish(pub, 2, tensor_names, tensors, 2, &params, 30000),
-               WB_INVALID_ARGUMENT, "params.shards[0] has ndim -1");
+  const struct {
+    size_t tensor; /* the index of the tensor described as a shard */
+    wb_shard_t shard;
+    const char* message;
+  } refused[] = {
+      {0,
+       {2, global, too_far},
+       "tensor \"a\": slice of shape [2, 3] at offsets [3, 3] does not fit in global shape "
+       "[4, 6] (dimension 0)"},
+      {0,
+       {1, global, offsets},
+       "tensor \"a\": shard global_shape [4] and offsets [2] must have the rank of shape [2, 3]"},
+      {1,
+       {1, shape_b, NULL},
+       "version 2: tensor \"b\": params.shards[1] has ndim 1 and a global_shape and NULL "
+       "offsets"},
+      {0, {-1, NULL, NULL}, "params.shards[0] has ndim -1"},
+  };
+  for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); ++i) {
+    const wb_shard_t* per_tensor[2] = {NULL, NULL};
+    per_tensor[refused[i].tensor] = &refused[i].shard;
+    params.shards = per_tensor;
+    CHECK_STATUS(wb_publisher_publish(pub, 2, tensor_names, tensors, 2, &params, 30000),
+                 WB_INVALID_ARGUMENT, refused[i].message);
+  }
   bool has = false;
   uint64_t latest = 0;
   CHECK_OK(wb_publisher_latest_version(pub, &has, &latest));
   CHECK(has && latest == 1);
   /* A caller compiled before `shards` existed: the bytes beyond its struct_size are not read,
    * so version 2 is published whole whatever they hold. */
+  const wb_shard_t* bad[] = {&refused[0].shard, NULL};
   params.shards = bad;
   params.struct_size = offsetof(wb_publish_params_t, shards);
   CHECK_OK(wb_publisher_publish(pub, 2, tensor_names, tensors, 2, &params, 30000));

@@ -76,120 +76,88 @@ def test_the_tree_is_in_step():
     assert status == 0 and "api_parity check: OK" in out, out
 
 
-def test_a_public_cpp_method_without_c_counterpart_fails(tmp_path):
-    headers = cpp_with(tmp_path, "weightbus.hpp", "  void Cancel();\n",
-                       "  void Cancel();\n  absl::Status Flush(absl::Duration timeout);\n")
-    status, out = run("check", cpp=headers)
-    assert status == 1, out
-    assert "C++ Publisher::Flush (absl::Status Flush(absl::Duration timeout)) has no C " \
-           "counterpart" in out, out
-    assert out.count("api_parity: ") == 1, out  # nothing else
+# Each case: what is edited ("cpp:<header>", "c", "mapping" or "package:<module>"), the text
+# replaced and its replacement, and a part of each line the check must print, one per line
+# (empty: it must pass).
+CASES = {
+    "public C++ method without C counterpart": (
+        "cpp:weightbus.hpp", "  void Cancel();\n",
+        "  void Cancel();\n  absl::Status Flush(absl::Duration timeout);\n",
+        ["C++ Publisher::Flush (absl::Status Flush(absl::Duration timeout)) has no C "
+         "counterpart"]),
+    "private members and deleted functions do not count": (
+        "cpp:weightbus.hpp", " private:\n  explicit Publisher(std::unique_ptr<Impl> impl);\n",
+        " private:\n  explicit Publisher(std::unique_ptr<Impl> impl);\n"
+        "  absl::Status Flush();\n  int flushes_ = 0;\n"
+        " public:\n  Publisher(Publisher&&) = delete;\n private:\n", []),
+    "a new overload needs its own entry": (
+        "cpp:weightbus.hpp", "  void Cancel();\n\n  // The version of the last Update",
+        "  void Cancel();\n  absl::StatusOr<std::unique_ptr<Update>> Poll(\n"
+        "      uint64_t min_version);\n\n  // The version of the last Update",
+        ["C++ Subscriber::Poll/1", "C++ Subscriber::Poll/2",
+         "mapping entry Subscriber::Poll names no public C++ function"]),
+    "stats field without C counterpart": (
+        "cpp:weightbus.hpp", "  absl::Duration encode;",
+        "  absl::Duration queue;\n  absl::Duration encode;",
+        ["C++ field PublishStats.queue (absl::Duration queue) has no C counterpart in the fields "
+         "of wb_publish_stats_t"]),
+    "a manifest field crosses in the JSON": (
+        "cpp:manifest.hpp", "  Metadata metadata;\n",
+        "  Metadata metadata;\n  int64_t received_unix_ns = 0;\n", []),
+    "a new dtype needs a C enumerator": (
+        "cpp:types.hpp", "  kF6E3M2,\n};", "  kF6E3M2,\n  kF8E3M4,\n};",
+        ["C++ DType::kF8E3M4 has no enumerator in wb_dtype_t"]),
+    "C function without Python counterpart": (
+        "c", "WB_EXPORT wb_status_t wb_publisher_uri(",
+        "WB_EXPORT wb_status_t wb_publisher_flush(wb_publisher_t* publisher,\n"
+        "                                         int64_t timeout_ms);\n"
+        "WB_EXPORT wb_status_t wb_publisher_uri(",
+        ["C wb_publisher_flush has no ctypes declaration in weightbus._lib._SIGNATURES",
+         "C wb_publisher_flush has no Python counterpart"]),
+    "C struct field without ctypes field": (
+        "c", "  uint64_t wire_bytes; /* bytes the transport carried",
+        "  int64_t queue_ns;\n  uint64_t wire_bytes; /* bytes the transport carried",
+        ["ctypes wb_publish_stats_t fields",
+         "C field wb_publish_stats_t.queue_ns has no Python counterpart in PublishStats"]),
+    "ctypes parameter of the wrong type": (
+        "package:_lib.py",
+        '"wb_publisher_wait_for_receivers": (_status, [c_void_p, c_uint64, c_int, c_int64]),',
+        '"wb_publisher_wait_for_receivers": (_status, [c_void_p, c_uint64, c_int, c_int]),',
+        ["ctypes wb_publisher_wait_for_receivers: parameter 3 (timeout_ms, int64_t) is c_int"]),
+    "a Python stats field goes missing": (
+        "package:_api.py", "    encode: float = 0.0", "    encoded: float = 0.0",
+        ["C field wb_publish_stats_t.encode_ns has no Python counterpart in PublishStats"]),
+    "a mapped Python counterpart must call the C function": (
+        "mapping", 'wb_publisher_publish = "Publisher.publish"',
+        'wb_publisher_publish = "Publisher.latest_version"',
+        ["[c_to_python] wb_publisher_publish: Publisher.latest_version does not call "
+         "wb_publisher_publish"]),
+    "stale mapping entries": (
+        "mapping", "[cpp_to_c]\n", '[cpp_to_c]\n"Publisher::Flush" = "wb_publisher_flush"\n',
+        ["[cpp_to_c] Publisher::Flush names wb_publisher_flush, which weightbus.h does not "
+         "declare", "mapping entry Publisher::Flush names no public C++ function or field"]),
+}
 
 
-def test_private_members_and_deleted_functions_do_not_count(tmp_path):
-    headers = cpp_with(tmp_path, "weightbus.hpp",
-                       " private:\n  explicit Publisher(std::unique_ptr<Impl> impl);\n",
-                       " private:\n  explicit Publisher(std::unique_ptr<Impl> impl);\n"
-                       "  absl::Status Flush();\n  int flushes_ = 0;\n"
-                       " public:\n  Publisher(Publisher&&) = delete;\n private:\n")
-    status, out = run("check", cpp=headers)
-    assert status == 0, out
-
-
-def test_a_new_overload_needs_its_own_entry(tmp_path):
-    headers = cpp_with(tmp_path, "weightbus.hpp",
-                       "  void Cancel();\n\n  // The version of the last Update",
-                       "  void Cancel();\n  absl::StatusOr<std::unique_ptr<Update>> Poll(\n"
-                       "      uint64_t min_version);\n\n  // The version of the last Update")
-    status, out = run("check", cpp=headers)
-    assert status == 1, out
-    assert "C++ Subscriber::Poll/1" in out and "C++ Subscriber::Poll/2" in out, out
-    assert "mapping entry Subscriber::Poll names no public C++ function" in out, out
-
-
-def test_a_stats_field_without_c_counterpart_fails(tmp_path):
-    headers = cpp_with(tmp_path, "weightbus.hpp", "  absl::Duration encode;",
-                       "  absl::Duration queue;\n  absl::Duration encode;")
-    status, out = run("check", cpp=headers)
-    assert status == 1, out
-    assert "C++ field PublishStats.queue (absl::Duration queue) has no C counterpart in the " \
-           "fields of wb_publish_stats_t" in out, out
-
-
-def test_a_manifest_field_is_covered_by_the_json_exception(tmp_path):
-    headers = cpp_with(tmp_path, "manifest.hpp", "  Metadata metadata;\n",
-                       "  Metadata metadata;\n  int64_t received_unix_ns = 0;\n")
-    status, out = run("check", cpp=headers)
-    assert status == 0, out
-
-
-def test_a_new_dtype_needs_a_c_enumerator(tmp_path):
-    headers = cpp_with(tmp_path, "types.hpp", "  kF6E3M2,\n};", "  kF6E3M2,\n  kF8E3M4,\n};")
-    status, out = run("check", cpp=headers)
-    assert status == 1, out
-    assert "C++ DType::kF8E3M4 has no enumerator in wb_dtype_t" in out, out
-
-
-def test_a_c_function_without_python_counterpart_fails(tmp_path):
-    header = edited(tmp_path, INCLUDE / "weightbus.h",
-                    "WB_EXPORT wb_status_t wb_publisher_uri(",
-                    "WB_EXPORT wb_status_t wb_publisher_flush(wb_publisher_t* publisher,\n"
-                    "                                         int64_t timeout_ms);\n"
-                    "WB_EXPORT wb_status_t wb_publisher_uri(")
-    status, out = run("check", c=header)
-    assert status == 1, out
-    assert "C wb_publisher_flush has no ctypes declaration in weightbus._lib._SIGNATURES" in out
-    assert "C wb_publisher_flush has no Python counterpart" in out, out
-
-
-def test_a_c_struct_field_without_ctypes_field_fails(tmp_path):
-    header = edited(tmp_path, INCLUDE / "weightbus.h",
-                    "  uint64_t wire_bytes; /* bytes the transport carried",
-                    "  int64_t queue_ns;\n  uint64_t wire_bytes; /* bytes the transport carried")
-    status, out = run("check", c=header)
-    assert status == 1, out
-    assert "ctypes wb_publish_stats_t fields" in out and "differ from the C fields" in out, out
-    assert "C field wb_publish_stats_t.queue_ns has no Python counterpart in PublishStats" in out
-
-
-def test_a_ctypes_parameter_of_the_wrong_type_fails(tmp_path):
-    package = package_with(tmp_path, "_lib.py",
-                           '"wb_publisher_wait_for_receivers": (_status, [c_void_p, c_uint64, '
-                           'c_int, c_int64]),',
-                           '"wb_publisher_wait_for_receivers": (_status, [c_void_p, c_uint64, '
-                           'c_int, c_int]),')
-    status, out = run("check", python_path=package)
-    assert status == 1, out
-    assert "ctypes wb_publisher_wait_for_receivers: parameter 3 (timeout_ms, int64_t) is c_int" \
-           in out, out
-
-
-def test_a_mapped_python_counterpart_must_call_the_c_function(tmp_path):
-    mapping = edited(tmp_path, HERE / "mapping.toml",
-                     'wb_publisher_publish = "Publisher.publish"',
-                     'wb_publisher_publish = "Publisher.latest_version"')
-    status, out = run("check", mapping=mapping)
-    assert status == 1, out
-    assert "[c_to_python] wb_publisher_publish: Publisher.latest_version does not call " \
-           "wb_publisher_publish" in out, out
-
-
-def test_a_python_stats_field_that_goes_missing_fails(tmp_path):
-    package = package_with(tmp_path, "_api.py", "    encode: float = 0.0",
-                           "    encoded: float = 0.0")
-    status, out = run("check", python_path=package)
-    assert status == 1, out
-    assert "C field wb_publish_stats_t.encode_ns has no Python counterpart in PublishStats" in out
-
-
-def test_stale_mapping_entries_fail(tmp_path):
-    mapping = edited(tmp_path, HERE / "mapping.toml", "[cpp_to_c]\n",
-                     '[cpp_to_c]\n"Publisher::Flush" = "wb_publisher_flush"\n')
-    status, out = run("check", mapping=mapping)
-    assert status == 1, out
-    assert "[cpp_to_c] Publisher::Flush names wb_publisher_flush, which weightbus.h does not " \
-           "declare" in out, out
-    assert "mapping entry Publisher::Flush names no public C++ function or field" in out, out
+@pytest.mark.parametrize("case", CASES)
+def test_drift_fails_the_check(case, tmp_path):
+    target, old, new, expected = CASES[case]
+    kind, _, name = target.partition(":")
+    replaced = {}
+    if kind == "cpp":
+        replaced["cpp"] = cpp_with(tmp_path, name, old, new)
+    elif kind == "c":
+        replaced["c"] = edited(tmp_path, INCLUDE / "weightbus.h", old, new)
+    elif kind == "mapping":
+        replaced["mapping"] = edited(tmp_path, HERE / "mapping.toml", old, new)
+    else:
+        replaced["python_path"] = package_with(tmp_path, name, old, new)
+    status, out = run("check", **replaced)
+    assert status == (1 if expected else 0), out
+    problems = [line for line in out.splitlines() if line.startswith("api_parity: ")]
+    assert len(problems) == len(expected), out  # the edit, and nothing else
+    for line in expected:
+        assert line in out, out
 
 
 def test_the_ctypes_layout_matches_the_compiled_c():

@@ -552,28 +552,35 @@ def test_wait_without_a_publisher_raises_its_last_error_after_the_whole_timeout(
         assert info.value.retryable
 
 
+def _close_cancels_the_call_in_flight(handle, call, watch):
+    """Runs `call` in another thread; once one of its slices came back without success
+    (`watch`, a SliceWatch), closes `handle` here, and checks that the call raised
+    CancelledError and that close() returned only once it had left the library."""
+    outcome = []
+
+    def caller():
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as e:  # noqa: B902 - the test inspects whatever was raised
+            outcome.append(e)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    assert watch.not_yet.wait(30), "the call never ran a slice"
+    handle.close()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], weightbus.CancelledError), outcome
+
+
 def test_close_from_another_thread_cancels_a_wait_in_flight(channel, monkeypatch):
     """close() while another thread waits: the wait raises CancelledError, close() returns
     once the wait has left the library, and the handle is destroyed only then (issue 10,
     item 1: this segfaulted)."""
     watch = SliceWatch(monkeypatch)
     sub = weightbus.Subscriber(channel)
-    outcome = []
-
-    def waiter():
-        try:
-            sub.wait(min_version=5, timeout=60)
-            outcome.append(None)
-        except BaseException as e:  # noqa: B902 - the test inspects whatever was raised
-            outcome.append(e)
-
-    thread = threading.Thread(target=waiter)
-    thread.start()
-    assert watch.not_yet.wait(30), "the wait never ran a slice"
-    sub.close()
-    thread.join(30)
-    assert not thread.is_alive()
-    assert isinstance(outcome[0], weightbus.CancelledError), outcome
+    _close_cancels_the_call_in_flight(sub, lambda: sub.wait(min_version=5, timeout=60), watch)
     with pytest.raises(ValueError, match="Subscriber is closed"):
         sub.wait(timeout=0)
 
@@ -749,19 +756,5 @@ def test_wait_for_receivers_over_ucx(monkeypatch):
 
         # close() from another thread ends a wait in flight with CancelledError.
         watch = SliceWatch(monkeypatch, function="wb_publisher_wait_for_receivers")
-        outcome = []
-
-        def waiter():
-            try:
-                pub.wait_for_receivers(1, 1000, timeout=None)
-                outcome.append(None)
-            except BaseException as e:  # noqa: B902 - the test inspects whatever was raised
-                outcome.append(e)
-
-        thread = threading.Thread(target=waiter)
-        thread.start()
-        assert watch.not_yet.wait(30), "the wait never ran a slice"
-        pub.close()
-        thread.join(30)
-        assert not thread.is_alive()
-        assert isinstance(outcome[0], weightbus.CancelledError), outcome
+        _close_cancels_the_call_in_flight(
+            pub, lambda: pub.wait_for_receivers(1, 1000, timeout=None), watch)

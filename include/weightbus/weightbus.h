@@ -310,8 +310,9 @@ typedef struct wb_tensor_info {
   uint64_t nbytes;      /* bytes of the contiguous row-major tensor */
   uint64_t xxh3;        /* XXH3-64 (seed 0) of those bytes, as verified on receipt */
   bool has_shard;       /* the publisher described the tensor as a shard (wb_shard_t) */
-  const int64_t* shard_global_shape; /* ndim elements when has_shard, else NULL */
-  const int64_t* shard_offsets;      /* ndim elements when has_shard, else NULL */
+  /* With has_shard, ndim elements each (NULL when ndim is 0); NULL without: */
+  const int64_t* shard_global_shape;
+  const int64_t* shard_offsets;
 } wb_tensor_info_t;
 #define WB_TENSOR_INFO_INIT \
   { sizeof(wb_tensor_info_t), NULL, WB_DTYPE_FROM_DLPACK, 0, NULL, 0, 0, false, NULL, NULL }

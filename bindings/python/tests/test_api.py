@@ -372,7 +372,8 @@ def test_metadata_that_c_strings_cannot_carry_is_refused(channel, metadata, what
 def test_complex64_round_trips_and_sub_byte_tensors_are_listed(channel, tmp_path):
     """torch.complex64 publishes as C64 and comes back bit-exact; a version holding an F4 tensor
     (published from a safetensors file by the CLI) is received: its tensors are listed with
-    their dtypes, the F4 one raises UnimplementedError when read, the others are readable."""
+    their dtypes, the F4 one raises UnimplementedError when read but has its TensorInfo, the
+    others are readable."""
     import json
     import struct
     c = torch.randn(3, 2, dtype=torch.complex64)
@@ -402,6 +403,9 @@ def test_complex64_round_trips_and_sub_byte_tensors_are_listed(channel, tmp_path
         assert update["b"].tolist() == [7, 9]
         with pytest.raises(weightbus.UnimplementedError, match="w4"):
             update["w4"]
+        # Its manifest entry is readable all the same (wb_update_tensor_info).
+        info = update.tensor_info("w4")
+        assert (info.dtype, info.shape, info.nbytes, info.shard) == ("F4", (16,), 8, None)
 
 
 def test_metadata_must_be_a_mapping(channel):

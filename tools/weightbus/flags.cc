@@ -136,6 +136,16 @@ CLI::Validator UnsignedText() {
       "", "");
 }
 
+CLI::Validator PositiveNumber() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        double v = 0;
+        if (absl::SimpleAtod(text, &v) && std::isfinite(v) && v > 0) return "";
+        return absl::StrFormat("\"%s\" is not a number above 0", text);
+      },
+      "", "");
+}
+
 CLI::Option* AddSizeFlag(CLI::App& app, const std::string& name, uint64_t* out,
                          const std::string& help) {
   return app.add_option("--" + name, *out, help)

@@ -43,6 +43,9 @@ absl::StatusOr<absl::Duration> ParseDuration(std::string_view text);
 // The check AddFlag puts on unsigned numbers: digits only.
 CLI::Validator UnsignedText();
 
+// A check for a floating-point flag: a finite number above 0.
+CLI::Validator PositiveNumber();
+
 // --NAME VALUE into *out (a number, a string, an enum name checked by the caller), with *out's
 // value at the call shown as the default. Unsigned numbers refuse a sign ("-1" is not 2^64 - 1).
 template <typename T>

@@ -198,7 +198,8 @@ int Main(int argc, char** argv) {
       "on the same directory in the same run. Output follows nccl-tests and ends with \"# OK\" "
       "or \"# FAILED: ...\".",
       "weightbus-disk-bench");
-  AddFlag(app, "dir", &dir, "where the channel and baselines write (default: $TMPDIR/wb-disk-bench-PID)")
+  AddFlag(app, "dir", &dir,
+          "where the channel and baselines write (default: $TMPDIR/wb-disk-bench-PID)")
       ->type_name("DIR");
   AddFlag(app, "shapes", &shapes_path, "tensor shapes (JSON)")->type_name("FILE");
   AddFlag(app, "scale", &scale, "scale every tensor's elements by this factor")

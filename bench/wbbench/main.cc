@@ -22,9 +22,10 @@ int main(int argc, char** argv) {
   // child's failure), not kill the bench.
   signal(SIGPIPE, SIG_IGN);
   weightbus::tools::SetFatalErrorPolicy({"weightbus-bench", 2, RunCleanup});
-  CLI::App app("weightbus-bench: which transport, and how much of a training step does weight "
-               "sync eat?",
-               "weightbus-bench");
+  CLI::App app(
+      "weightbus-bench: which transport, and how much of a training step does weight "
+      "sync eat?",
+      "weightbus-bench");
   app.require_subcommand(1);
   CLI::App* run = app.add_subcommand(
       "run", "measure every transport built here side by side, with baselines in the same run");

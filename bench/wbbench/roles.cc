@@ -240,7 +240,8 @@ Subcommand AddWorkerCommand(CLI::App& command) {
   tools::AddFlag(command, "count", &flags->count, "subscriber: versions to receive");
   tools::AddFlag(command, "corrupt-version", &flags->corrupt_version,
                  "publisher: flip one bit of this version");
-  tools::AddFlag(command, "parent-pid", &flags->parent_pid, "exit at once unless this is the parent");
+  tools::AddFlag(command, "parent-pid", &flags->parent_pid,
+                 "exit at once unless this is the parent");
   tools::AddRepeatedFlag(command, "set", &flags->settings, "a channel setting (repeatable)");
   return [flags](const std::vector<std::string>&) { return RunWorker(*flags); };
 }

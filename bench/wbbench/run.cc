@@ -556,14 +556,13 @@ write+fsync/read, ucx_perftest, torch.save/load, gloo broadcast) in the same run
 style of nccl-tests; ends with "# OK" or "# FAILED: reason". Metrics: docs/PERFORMANCE.md.)");
   RunOptions& o = f.o;
   o.shapes = WEIGHTBUS_SHAPES_FILE;
-  f.transports_flag = AddFlag(cmd, "transports", &f.transports,
-                              "comma-separated subset (default: every one built)")
-                          ->type_name("LIST");
+  f.transports_flag =
+      AddFlag(cmd, "transports", &f.transports, "comma-separated subset (default: every one built)")
+          ->type_name("LIST");
   AddFlag(cmd, "subscribers", &o.subscribers, "replica processes per transport (1 to 1000)")
       ->check(CLI::Range(1, 1000).description(""));
-  f.versions_flag =
-      AddFlag(cmd, "versions", &o.versions, "versions to publish (--quick: 4)")
-          ->check(CLI::Range(1, 1000000).description(""));
+  f.versions_flag = AddFlag(cmd, "versions", &o.versions, "versions to publish (--quick: 4)")
+                        ->check(CLI::Range(1, 1000000).description(""));
   AddFlag(cmd, "warmup", &o.warmup, "of them, not measured")
       ->check(CLI::Range(0, 1000000).description(""));
   f.model_flag = AddFlag(cmd, "model", &o.model,
@@ -582,8 +581,8 @@ style of nccl-tests; ends with "# OK" or "# FAILED: reason". Metrics: docs/PERFO
                   "output files get the size in their name (run.json -> run-64.0MiB.json); the "
                   "status is the worst")
           ->default_str("");
-  f.max_size_flag = AddSizeFlag(cmd, "max-size", &f.max_size, "the sweep's largest size")
-                        ->default_str("");
+  f.max_size_flag =
+      AddSizeFlag(cmd, "max-size", &f.max_size, "the sweep's largest size")->default_str("");
   f.factor_flag = AddFlag(cmd, "factor", &f.factor, "the sweep's factor (at least 2)");
   AddFlag(cmd, "lr", &o.lr, "the update stream: Adam steps of this learning rate")
       ->check(tools::PositiveNumber());
@@ -603,8 +602,7 @@ style of nccl-tests; ends with "# OK" or "# FAILED: reason". Metrics: docs/PERFO
   cmd.add_flag("--no-baselines", f.no_baselines, "leave every baseline out");
   cmd.add_flag("--no-torch", f.no_torch, "leave the torch baselines out");
   cmd.add_flag("--no-perftest", f.no_perftest, "leave the ucx_perftest baseline out");
-  AddFlag(cmd, "python", &o.python, "interpreter with torch for its baselines")
-      ->type_name("PATH");
+  AddFlag(cmd, "python", &o.python, "interpreter with torch for its baselines")->type_name("PATH");
   AddFlag(cmd, "perftest", &o.perftest_path, "ucx_perftest")->type_name("PATH");
   f.perftest_reps_flag =
       AddFlag(cmd, "perftest-reps", &o.perftest_reps, "repetitions of ucx_perftest (--quick: 1)")
@@ -616,18 +614,19 @@ style of nccl-tests; ends with "# OK" or "# FAILED: reason". Metrics: docs/PERFO
           "fault injection: every publisher flips one bit of version N before publishing it, so "
           "replicas receive bytes that differ from what the store says was meant (the "
           "correctness column must catch it: FAILED); 0: none");
-  for (auto [name, out, what] : {std::tuple{"json", &o.json, "every figure (JSON)"},
-                                 std::tuple{"csv", &o.csv, "every figure (CSV)"},
-                                 std::tuple{"trace", &o.trace,
-                                            "a Chrome/Perfetto trace of every phase"},
-                                 std::tuple{"plot", &o.plot,
-                                            "a bar chart (SVG) of time until the last replica, "
-                                            "with the baselines"}}) {
+  for (auto [name, out, what] :
+       {std::tuple{"json", &o.json, "every figure (JSON)"},
+        std::tuple{"csv", &o.csv, "every figure (CSV)"},
+        std::tuple{"trace", &o.trace, "a Chrome/Perfetto trace of every phase"},
+        std::tuple{"plot", &o.plot,
+                   "a bar chart (SVG) of time until the last replica, "
+                   "with the baselines"}}) {
     cmd.add_option_function<std::string>(
            std::string("--") + name, [out = out](const std::string& path) { *out = path; }, what)
         ->type_name("FILE");
   }
-  cmd.add_flag("--quick", o.quick, "the stories260K checkpoint, 4 versions, 1 rep of each baseline");
+  cmd.add_flag("--quick", o.quick,
+               "the stories260K checkpoint, 4 versions, 1 rep of each baseline");
   AddFlag(cmd, "order", &o.order,
           "interleaved: each version through every transport and the baselines in turn (all "
           "processes alive at once: noise hits all alike); sequential: one transport after the "
@@ -755,8 +754,8 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
   o.dir = (*f.dir_flag ? parent_dir("dir", f.dir) : tmp) + "/" + run_name;
   const bool shm = fs::is_directory("/dev/shm");
   o.store = *f.store_flag ? parent_dir("store", f.store) + "/" + run_name
-            : shm             ? "/dev/shm/" + run_name
-                              : o.dir + "/store";
+            : shm         ? "/dev/shm/" + run_name
+                          : o.dir + "/store";
   if (fs::exists(o.dir) || fs::exists(o.store)) Die(o.dir + " or " + o.store + " exists already");
   // From here on an early end (an error, Ctrl-C) removes what this run made.
   HandleSignalsWithCleanup();

@@ -351,8 +351,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(uint64_t{1}, uint64_t{1000000}).description(""));
   AddFlag(app, "replicas", &o.replicas, "replica processes (1 to 1000)")
       ->check(CLI::Range(1, 1000).description(""));
-  AddFlag(app, "lr", &o.lr, "Adam learning rate (above 0)")
-      ->check(PositiveNumber());
+  AddFlag(app, "lr", &o.lr, "Adam learning rate (above 0)")->check(PositiveNumber());
   AddFlag(app, "seed", &o.seed, "the update stream's random seed");
   AddFlag(app, "workdir", &o.workdir,
           "where to convert and keep the channel (default: a temporary directory, removed at the "

@@ -74,11 +74,19 @@ absl::StatusOr<uint64_t> ParseSize(std::string_view text) {
     uint64_t multiplier;
   };
   // Longest first: "kib" before "b".
-  static constexpr Suffix kSuffixes[] = {
-      {"kib", 1ULL << 10}, {"mib", 1ULL << 20}, {"gib", 1ULL << 30},   {"tib", 1ULL << 40},
-      {"kb", 1000ULL},     {"mb", 1000000ULL},  {"gb", 1000000000ULL}, {"tb", 1000000000000ULL},
-      {"k", 1ULL << 10},   {"m", 1ULL << 20},   {"g", 1ULL << 30},     {"t", 1ULL << 40},
-      {"b", 1}};
+  static constexpr Suffix kSuffixes[] = {{"kib", 1ULL << 10},
+                                         {"mib", 1ULL << 20},
+                                         {"gib", 1ULL << 30},
+                                         {"tib", 1ULL << 40},
+                                         {"kb", 1000ULL},
+                                         {"mb", 1000000ULL},
+                                         {"gb", 1000000000ULL},
+                                         {"tb", 1000000000000ULL},
+                                         {"k", 1ULL << 10},
+                                         {"m", 1ULL << 20},
+                                         {"g", 1ULL << 30},
+                                         {"t", 1ULL << 40},
+                                         {"b", 1}};
   std::string number = absl::AsciiStrToLower(absl::StripAsciiWhitespace(AV(text)));
   uint64_t multiplier = 1;
   for (const Suffix& s : kSuffixes) {

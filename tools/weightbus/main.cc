@@ -117,10 +117,13 @@ absl::Status PublishCommand(const PublishFlags& flags) {
   std::fflush(stdout);
   if (flags.until_subscribers > 0) {
     const absl::Time start = absl::Now();
-    s = (*publisher)->WaitForReceivers(flags.version, static_cast<int>(flags.until_subscribers), flags.timeout);
+    s = (*publisher)
+            ->WaitForReceivers(flags.version, static_cast<int>(flags.until_subscribers),
+                               flags.timeout);
     if (!s.ok()) return s;
     std::printf("%llu subscriber(s) hold version %llu (after %.3f s)\n",
-                static_cast<unsigned long long>(flags.until_subscribers), static_cast<unsigned long long>(flags.version),
+                static_cast<unsigned long long>(flags.until_subscribers),
+                static_cast<unsigned long long>(flags.version),
                 absl::ToDoubleSeconds(absl::Now() - start));
     std::fflush(stdout);
   }

@@ -6,12 +6,16 @@ find_package(absl REQUIRED)
 find_package(dlpack REQUIRED)  # libdlpack-dev: DLTensor in the C API
 find_package(nlohmann_json 3.10 REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
-# Each transport's dependency is looked for only when it is built.
+# Each transport's dependency is looked for only when it is built. WEIGHTBUS_PKG_MODULES: the
+# pkg-config modules libweightbus links (for weightbus.pc's Libs.private, WeightbusInstall).
+set(WEIGHTBUS_PKG_MODULES XXHASH)
 if(WEIGHTBUS_WITH_DELTA)
   pkg_check_modules(ZSTD REQUIRED IMPORTED_TARGET libzstd)
+  list(APPEND WEIGHTBUS_PKG_MODULES ZSTD)
 endif()
 if(WEIGHTBUS_WITH_DISK)
   pkg_check_modules(LIBURING REQUIRED IMPORTED_TARGET liburing)
+  list(APPEND WEIGHTBUS_PKG_MODULES LIBURING)
 endif()
 
 set(WEIGHTBUS_TRANSPORTS "")
@@ -40,6 +44,7 @@ endif()
 weightbus_resolve_option(WEIGHTBUS_WITH_UCX _ucx_found "UCX (libucx-dev)")
 if(WEIGHTBUS_WITH_UCX)
   list(APPEND WEIGHTBUS_TRANSPORTS ucx)
+  list(APPEND WEIGHTBUS_PKG_MODULES UCX)
 endif()
 
 find_package(CUDAToolkit QUIET)

@@ -31,20 +31,26 @@ present() {
   grep -qE "$2" "$work/$1/build.ninja" || fail "$1: $3 is missing from the build"
 }
 
-configure nodelta -DWEIGHTBUS_WITH_DELTA=OFF
-absent nodelta 'lib/delta/|transports/delta/|delta_[a-z_]*test|delta_fuzz|delta[-_]bench' \
-  "the delta layer"
-absent nodelta 'zstd' "zstd"
-present nodelta 'lib/io/file_io\.cc' "lib/io (disk is still on)"
-grep -qx 'transports=disk.*' "$work/nodelta/weightbus.pc" || fail "nodelta: weightbus.pc transports"
-
-configure nodisk -DWEIGHTBUS_WITH_DISK=OFF
-absent nodisk 'lib/io/|transports/disk/|disk_[a-z_]*test|disk[-_](small[-_])?bench' \
-  "the disk transport"
-absent nodisk 'liburing|-luring' "liburing"
-present nodisk 'lib/delta/codec\.cc' "lib/delta (delta is still on)"
-grep -q 'weightbus_TRANSPORTS "delta' "$work/nodisk/weightbusConfig.cmake" ||
-  fail "nodisk: weightbusConfig.cmake transports"
+# off NAME OPTION CODE DEPENDENCY KEPT: configured with OPTION=OFF, no rule builds what CODE
+# matches and nothing links DEPENDENCY; KEPT (the other option's code) is still built, and the
+# installed package files do not list NAME among the transports.
+off() {
+  local name=$1 option=$2 code=$3 dependency=$4 kept=$5
+  configure "no$name" "-D$option=OFF"
+  absent "no$name" "$code" "the $name code"
+  absent "no$name" "$dependency" "its dependency ($dependency)"
+  present "no$name" "$kept" "$kept (still on)"
+  ! grep -qE "^transports=.*\b$name\b" "$work/no$name/weightbus.pc" ||
+    fail "no$name: weightbus.pc lists $name"
+  ! grep -qE "weightbus_TRANSPORTS \".*\b$name\b" "$work/no$name/weightbusConfig.cmake" ||
+    fail "no$name: weightbusConfig.cmake lists $name"
+}
+off delta WEIGHTBUS_WITH_DELTA \
+  'lib/delta/|transports/delta/|delta_[a-z_]*test|delta_fuzz|delta[-_]bench' \
+  'libzstd|-lzstd' 'lib/io/file_io\.cc'
+off disk WEIGHTBUS_WITH_DISK \
+  'lib/io/|transports/disk/|disk_[a-z_]*test|disk[-_](small[-_])?bench' \
+  'liburing|-luring' 'lib/delta/codec\.cc'
 
 # Both on (the default): everything is there, which is what makes the checks above mean something.
 configure default

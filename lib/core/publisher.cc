@@ -24,6 +24,7 @@
 #include "core/status.h"
 #include "core/system.h"
 #include "core/tensor_pack.h"
+#include "core/utf8.h"
 #include "core/worker_pool.h"
 #include "weightbus/weightbus.hpp"
 

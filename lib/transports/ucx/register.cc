@@ -1,8 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <arpa/inet.h>
 
-#include <cstdio>
-
 #include "absl/strings/str_format.h"
 #include "core/registry.h"
 #include "transports/ucx/ucx_transport.h"
@@ -45,26 +43,6 @@ const SettingTable& UcxSettings() {
 
 namespace {
 
-// Decodes %XX escapes in a host (an IPv6 zone is written fe80::1%25eth0 in URIs).
-absl::StatusOr<std::string> DecodeHost(const Uri& uri) {
-  std::string out;
-  const std::string& in = uri.host;
-  for (size_t i = 0; i < in.size(); ++i) {
-    if (in[i] != '%') {
-      out.push_back(in[i]);
-      continue;
-    }
-    unsigned value = 0;
-    if (i + 2 >= in.size() || std::sscanf(in.substr(i + 1, 2).c_str(), "%2x", &value) != 1) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("URI \"%s\": bad percent-escape in host \"%s\"", uri.text, in));
-    }
-    out.push_back(static_cast<char>(value));
-    i += 2;
-  }
-  return out;
-}
-
 bool IsWildcard(const std::string& host) {
   in_addr v4;
   in6_addr v6;
@@ -100,7 +78,8 @@ absl::StatusOr<Endpoint> ParseEndpoint(const Uri& uri, bool for_subscriber) {
                         uri.path.empty() ? "/policy" : uri.path));
   }
   e.port = uri.port;
-  absl::StatusOr<std::string> host = DecodeHost(uri);
+  // The host as written (an IPv6 zone is written fe80::1%25eth0 in URIs), decoded.
+  absl::StatusOr<std::string> host = PercentDecode(uri.text, uri.host);
   if (!host.ok()) return host.status();
   e.host = *std::move(host);
   if (for_subscriber && IsWildcard(e.host)) {

@@ -2,7 +2,8 @@
 // The one home of each low-level encoding: little-endian and varint byte codecs (core/bytes.h),
 // UTF-8 validation (core/utf8.h) and percent-decoding (core/uri.h), and the callers that must
 // keep using them (the ucx:// control codec, the delta fingerprint, the safetensors writer's
-// strided packing).
+// strided packing). (The core XXH3 that the delta layer now uses has its own test,
+// ChecksumTest.VectorizedXxh3MatchesLibxxhashInOneGoAndInPieces.)
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -12,14 +13,12 @@
 
 #include "absl/strings/str_format.h"
 #include "core/bytes.h"
-#include "core/checksum.h"
 #include "core/tensor_pack.h"
 #include "core/uri.h"
 #include "core/utf8.h"
 #include "test_support.h"
 #include "transports/ucx/control.h"
 #include "weightbus/safetensors.hpp"
-#include "xxhash.h"
 
 namespace weightbus::internal {
 namespace {
@@ -260,16 +259,6 @@ TEST(StridedPackingTest, SafetensorsWriterPacksLikeTheCore) {
     }
   }
   EXPECT_TRUE(found_t && found_r);
-}
-
-// The delta layer's checksums go through the core's runtime-dispatched XXH3 (core/checksum.h),
-// which must agree with libxxhash on every length.
-TEST(ChecksumTest, CoreXxh3MatchesLibxxhash) {
-  std::vector<unsigned char> data(5000);
-  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<unsigned char>(i * 131 + 7);
-  for (size_t n : {0, 1, 3, 16, 17, 128, 129, 240, 241, 1024, 4999}) {
-    EXPECT_EQ(Xxh3(data.data(), n), XXH3_64bits(data.data(), n)) << n;
-  }
 }
 
 }  // namespace

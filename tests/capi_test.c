@@ -504,7 +504,7 @@ static void TestLibraryLists(void) {
     if (i == 0) CHECK(strcmp(info.scope, "core") == 0); /* the core's settings come first */
     if (strcmp(info.scope, "disk") == 0 && strcmp(info.name, "retention") == 0) {
       found_retention = true;
-      CHECK(strcmp(info.type, "int") == 0 && strcmp(info.default_value, "3") == 0);
+      CHECK(strcmp(info.type, "int >= 1 versions") == 0 && strcmp(info.default_value, "3") == 0);
       CHECK(strcmp(info.env, "WEIGHTBUS_DISK_RETENTION") == 0 && strlen(info.doc) > 0);
     }
     if (strcmp(info.scope, "core") == 0 && strcmp(info.name, "bind_mode") == 0) {

@@ -761,7 +761,9 @@ TEST_F(DiskRobustnessTest, ThousandsOfShardsNeedFewFileDescriptors) {
   ExpectSameTensors(**u, many);
 }
 
-TEST_F(DiskRobustnessTest, SettingsOutOfRangeAndEnvironmentTyposAreErrors) {
+// Out-of-range settings are errors; an unknown WEIGHTBUS_* variable is only a warning (the
+// policy in docs/CONVENTIONS.md, "Settings"; the warning itself: settings_policy_test).
+TEST_F(DiskRobustnessTest, SettingsOutOfRangeAreErrorsAndEnvironmentTyposAreNot) {
   EXPECT_EQ(Subscriber::Open(Uri(dir_, "hash_threads=100000")).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Subscriber::Open(Uri(dir_, "hash_threads=-3")).status().code(),
@@ -772,8 +774,7 @@ TEST_F(DiskRobustnessTest, SettingsOutOfRangeAndEnvironmentTyposAreErrors) {
   ::setenv("WEIGHTBUS_DISK_RETENTON", "1", 1);
   auto typo = Subscriber::Open(Uri(dir_));
   ::unsetenv("WEIGHTBUS_DISK_RETENTON");
-  EXPECT_EQ(typo.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(typo.status().message().find("WEIGHTBUS_DISK_RETENTON"), absl::string_view::npos);
+  EXPECT_TRUE(typo.ok()) << typo.status();
   EXPECT_TRUE(Subscriber::Open(Uri(dir_)).ok());
 }
 

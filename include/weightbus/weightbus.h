@@ -149,7 +149,8 @@ typedef struct wb_setting_info {
   size_t struct_size;
   const char* scope;         /* "core" or a transport or layer scheme, e.g. "disk" */
   const char* name;          /* the key in URI queries and options, e.g. "retention" */
-  const char* type;          /* "bool", "int", "bytes", "duration", "string" or "enum(a|b)" */
+  const char* type;          /* "bool", "int", "bytes", "duration", "string" or "enum(a|b)",
+                                then the range and unit if declared: "int 1..64 versions" */
   const char* default_value; /* as text, parsed like any other value */
   const char* env;           /* the environment variable, e.g. "WEIGHTBUS_DISK_RETENTION" */
   const char* doc;           /* one line */

@@ -56,7 +56,8 @@ WB_EXPORT std::vector<std::string> Transports();
 struct SettingInfo {
   std::string scope;          // "core" or a transport scheme such as "disk"
   std::string name;           // key in URI queries and Options, e.g. "retention"
-  std::string type;           // "bool", "int", "bytes", "duration", "string" or "enum(a|b)"
+  std::string type;           // "bool", "int", "bytes", "duration", "string" or "enum(a|b)",
+                              // then the range and unit if declared: "int 1..64 versions"
   std::string default_value;  // as text
   std::string env;            // environment variable, e.g. "WEIGHTBUS_DISK_RETENTION"
   std::string doc;            // one line

@@ -28,12 +28,7 @@ absl::StatusOr<ChannelSetup> SetUpChannel(std::string_view uri_text, const Optio
   WB_ASSIGN_OR_RETURN(Config config, ResolveConfig(s.stack, s.uri, options));
   s.config = std::make_unique<Config>(std::move(config));
   WB_ASSIGN_OR_RETURN(s.failpoints, FailPoints::Parse(s.config->String("failpoints")));
-  const int64_t hash_threads = s.config->Int("hash_threads");
-  if (hash_threads < 0 || hash_threads > WorkerPool::kMaxThreads) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("%s: setting hash_threads=%d is outside 0..%d", s.uri.Display(),
-                        hash_threads, WorkerPool::kMaxThreads));
-  }
+  const int64_t hash_threads = s.config->Int("hash_threads");  // 0..kMaxThreads (CoreSettings)
   WB_ASSIGN_OR_RETURN(
       s.hashers, WorkerPool::Create(WorkerPool::DefaultThreads(static_cast<int>(hash_threads))));
   return s;

@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "core/config.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
 #include <cstring>
+#include <type_traits>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -12,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/status.h"
 
 namespace weightbus::internal {
 namespace {
@@ -62,26 +65,50 @@ std::string EnvName(std::string_view scope, std::string_view name) {
 }
 
 std::string TypeName(const SettingSpec& spec) {
+  std::string out;
   switch (spec.type) {
     case SettingType::kBool:
-      return "bool";
+      out = "bool";
+      break;
     case SettingType::kInt:
-      return "int";
+      out = "int";
+      break;
     case SettingType::kBytes:
-      return "bytes";
+      out = "bytes";
+      break;
     case SettingType::kDuration:
-      return "duration";
+      out = "duration";
+      break;
     case SettingType::kString:
-      return "string";
+      out = "string";
+      break;
     case SettingType::kEnum: {
       std::vector<std::string> c(spec.choices.begin(), spec.choices.end());
-      return absl::StrCat("enum(", absl::StrJoin(c, "|"), ")");
+      out = absl::StrCat("enum(", absl::StrJoin(c, "|"), ")");
+      break;
     }
   }
-  return "?";
+  if (std::string range = RangeText(spec); !range.empty()) absl::StrAppend(&out, " ", range);
+  return out;
 }
 
-absl::StatusOr<Config::Value> ParseSettingValue(const SettingSpec& spec, std::string_view text) {
+std::string RangeText(const SettingSpec& spec) {
+  std::string out;
+  if (!spec.min.empty() && !spec.max.empty()) {
+    out = absl::StrCat(AV(spec.min), "..", AV(spec.max));
+  } else if (!spec.min.empty()) {
+    out = absl::StrCat(">= ", AV(spec.min));
+  } else if (!spec.max.empty()) {
+    out = absl::StrCat("<= ", AV(spec.max));
+  }
+  if (!spec.unit.empty()) absl::StrAppend(&out, out.empty() ? "" : " ", AV(spec.unit));
+  return out;
+}
+
+namespace {
+
+// `text` as a value of `spec`'s type, without the range check.
+absl::StatusOr<Config::Value> ParseTyped(const SettingSpec& spec, std::string_view text) {
   switch (spec.type) {
     case SettingType::kBool: {
       bool b = false;
@@ -116,6 +143,47 @@ absl::StatusOr<Config::Value> ParseSettingValue(const SettingSpec& spec, std::st
   return absl::InternalError("unknown setting type");
 }
 
+// -1, 0 or 1 as a < b, a == b or a > b, for two values of one numeric setting type.
+int Compare(const Config::Value& a, const Config::Value& b) {
+  return std::visit(
+      [&](const auto& x) -> int {
+        using T = std::decay_t<decltype(x)>;
+        const T& y = std::get<T>(b);
+        if constexpr (std::is_same_v<T, bool> || std::is_same_v<T, std::string>) {
+          return 0;  // no ranges for these types
+        } else {
+          return x < y ? -1 : (y < x ? 1 : 0);
+        }
+      },
+      a);
+}
+
+}  // namespace
+
+absl::StatusOr<Config::Value> ParseSettingValue(const SettingSpec& spec, std::string_view text) {
+  absl::StatusOr<Config::Value> value = ParseTyped(spec, text);
+  if (!value.ok() || (spec.min.empty() && spec.max.empty())) return value;
+  // Refuses `*value` when comparing it with `bound` gives `refused` (-1: below min, 1: above max).
+  auto check = [&](std::string_view bound, int refused) -> absl::Status {
+    if (bound.empty()) return absl::OkStatus();
+    absl::StatusOr<Config::Value> limit = ParseTyped(spec, bound);
+    if (!limit.ok() || spec.type == SettingType::kBool || spec.type == SettingType::kString ||
+        spec.type == SettingType::kEnum) {
+      return absl::InternalError(
+          absl::StrFormat("setting %s declares the bound \"%s\", which is not a value of its type",
+                          spec.name, bound));
+    }
+    if (Compare(*value, *limit) == refused) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "setting %s=\"%s\" is out of range: expected %s", spec.name, text, RangeText(spec)));
+    }
+    return absl::OkStatus();
+  };
+  WB_RETURN_IF_ERROR(check(spec.min, -1));
+  WB_RETURN_IF_ERROR(check(spec.max, 1));
+  return value;
+}
+
 absl::StatusOr<Config> Config::Resolve(const std::vector<const SettingTable*>& tables,
                                        const std::map<std::string, std::string>& query,
                                        const std::map<std::string, std::string>& options,
@@ -143,8 +211,8 @@ absl::StatusOr<Config> Config::Resolve(const std::vector<const SettingTable*>& t
       }
       absl::StatusOr<Value> value = ParseSettingValue(spec, text);
       if (!value.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(value.status().message(), " (from ", source, ")"));
+        return absl::Status(value.status().code(),
+                            absl::StrCat(value.status().message(), " (from ", source, ")"));
       }
       if (config.entries_.count(spec.name)) {
         return absl::InternalError(absl::StrFormat(
@@ -158,8 +226,9 @@ absl::StatusOr<Config> Config::Resolve(const std::vector<const SettingTable*>& t
                          std::string_view where) -> absl::Status {
     for (const auto& [k, v] : m) {
       if (!config.entries_.count(k)) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "unknown setting \"%s\" in %s (known: %s)", k, where, absl::StrJoin(known, ", ")));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("unknown setting \"%s\" in %s (the closest is \"%s\"; known: %s)", k,
+                            where, ClosestName(k, known), absl::StrJoin(known, ", ")));
       }
     }
     return absl::OkStatus();
@@ -167,6 +236,35 @@ absl::StatusOr<Config> Config::Resolve(const std::vector<const SettingTable*>& t
   if (absl::Status s = check_known(query, "the URI query"); !s.ok()) return s;
   if (absl::Status s = check_known(options, "options"); !s.ok()) return s;
   return config;
+}
+
+size_t EditDistance(std::string_view a, std::string_view b) {
+  // One row of the Wagner-Fischer table at a time.
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];  // row[i-1][j-1]
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({above + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string ClosestName(std::string_view name, const std::vector<std::string>& candidates) {
+  const std::string* best = nullptr;
+  size_t best_distance = 0;
+  for (const std::string& c : candidates) {
+    const size_t d = EditDistance(name, c);
+    if (best == nullptr || d < best_distance) {
+      best = &c;
+      best_distance = d;
+    }
+  }
+  return best == nullptr ? std::string() : *best;
 }
 
 const Config::Entry& Config::Get(std::string_view name) const {
@@ -200,7 +298,11 @@ const std::string& Config::String(std::string_view name) const {
 std::string Config::Dump() const {
   std::string out;
   for (const auto& [name, e] : entries_) {
-    absl::StrAppend(&out, name, "=", e.text, " (", e.source, ")\n");
+    absl::StrAppend(&out, name, "=", e.text, " (", e.source, ")");
+    if (std::string range = RangeText(*e.spec); !range.empty()) {
+      absl::StrAppend(&out, " [", range, "]");
+    }
+    absl::StrAppend(&out, "\n");
   }
   return out;
 }

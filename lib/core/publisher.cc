@@ -24,6 +24,7 @@
 #include "core/status.h"
 #include "core/system.h"
 #include "core/tensor_pack.h"
+#include "core/utf8.h"
 #include "core/worker_pool.h"
 #include "weightbus/weightbus.hpp"
 
@@ -215,7 +216,7 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_
   const internal::Config& c = *impl->config;
   const internal::Uri& uri = impl->uri;
   const int64_t rank = c.Int("rank"), world_size = c.Int("world_size");
-  if (world_size < 1 || rank < 0 || rank >= world_size) {
+  if (rank >= world_size) {  // rank >= 0 and world_size >= 1: CoreSettings
     return absl::InvalidArgumentError(absl::StrFormat("%s: rank %d is not in [0, world_size=%d)",
                                                       uri.Display(), rank, world_size));
   }

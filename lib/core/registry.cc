@@ -8,10 +8,12 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "core/logging.h"
 #include "core/status.h"
 
 namespace weightbus::internal {
@@ -33,30 +35,50 @@ const SettingTable& CoreSettings() {
   static const SettingTable* table = new SettingTable{
       "core",
       {
-          {"bind_mode",
-           SettingType::kEnum,
-           "staged",
-           "staged: receive and verify in library memory, then copy into bound destinations "
-           "(a failed update never touches them); direct: receive straight into bound "
-           "destinations (one copy fewer; contents unspecified after a failed verification)",
-           {"staged", "direct"}},
-          {"hash_threads", SettingType::kInt, "0",
-           "threads computing XXH3-64 checksums concurrently with the transfer (0: one per core, "
-           "at most 8)"},
-          {"rank", SettingType::kInt, "0", "trainer rank recorded as the publisher's identity"},
-          {"world_size", SettingType::kInt, "1", "number of trainer ranks, recorded likewise"},
-          {"publisher_name", SettingType::kString, "",
-           "free-form label recorded in each manifest's publisher identity"},
-          {"log_level",
-           SettingType::kEnum,
-           "warn",
-           "what goes to stderr: error|warn|info|debug; process-wide, read once from "
-           "WEIGHTBUS_LOG_LEVEL (a URI or Options value only validates)",
-           {"error", "warn", "info", "debug"}},
-          {"failpoints", SettingType::kString, "",
-           "test hook, only from the environment (WEIGHTBUS_FAILPOINTS; a URI query or Options "
-           "entry is refused): comma-separated name=action[@n], action kill|error|delay:<ms>, "
-           "fired at the n-th (default first) pass through the named point (docs/TESTING.md)"},
+          {.name = "bind_mode",
+           .type = SettingType::kEnum,
+           .default_value = "staged",
+           .doc = "staged: receive and verify in library memory, then copy into bound "
+                  "destinations (a failed update never touches them); direct: receive straight "
+                  "into bound destinations (one copy fewer; contents unspecified after a failed "
+                  "verification)",
+           .choices = {"staged", "direct"}},
+          {.name = "hash_threads",
+           .type = SettingType::kInt,
+           .default_value = "0",
+           .doc = "threads computing XXH3-64 checksums concurrently with the transfer (0: one "
+                  "per core, at most 8)",
+           .min = "0",
+           .max = "256",  // WorkerPool::kMaxThreads
+           .unit = "threads"},
+          {.name = "rank",
+           .type = SettingType::kInt,
+           .default_value = "0",
+           .doc = "trainer rank recorded as the publisher's identity (below world_size)",
+           .min = "0"},
+          {.name = "world_size",
+           .type = SettingType::kInt,
+           .default_value = "1",
+           .doc = "number of trainer ranks, recorded likewise",
+           .min = "1",
+           .unit = "ranks"},
+          {.name = "publisher_name",
+           .type = SettingType::kString,
+           .default_value = "",
+           .doc = "free-form label recorded in each manifest's publisher identity"},
+          {.name = "log_level",
+           .type = SettingType::kEnum,
+           .default_value = "warn",
+           .doc = "what goes to stderr: error|warn|info|debug; process-wide, read once from "
+                  "WEIGHTBUS_LOG_LEVEL (a URI or Options value only validates)",
+           .choices = {"error", "warn", "info", "debug"}},
+          {.name = "failpoints",
+           .type = SettingType::kString,
+           .default_value = "",
+           .doc = "test hook, only from the environment (WEIGHTBUS_FAILPOINTS; a URI query or "
+                  "Options entry is refused): comma-separated name=action[@n], action "
+                  "kill|error|delay:<ms>, fired at the n-th (default first) pass through the "
+                  "named point (docs/TESTING.md)"},
       }};
   return *table;
 }
@@ -197,38 +219,42 @@ absl::StatusOr<std::vector<uint64_t>> TransportSubscriber::ListVersions() {
   return absl::UnimplementedError("this transport cannot list its versions");
 }
 
-// A WEIGHTBUS_* environment variable that no setting of any compiled transport uses is almost
-// always a typo; it is an error rather than silently ignored.
-static absl::Status CheckEnvironment() {
+std::vector<std::string> WarnUnknownEnvironment(char** environment) {
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* warned = new absl::flat_hash_set<std::string>();
+  std::vector<std::string> known;
+  std::vector<std::string> schemes;
+  for (const TransportDescriptor* t : RegisteredTransports()) schemes.push_back(t->scheme);
   std::vector<const SettingTable*> tables = {&CoreSettings()};
   for (const TransportDescriptor* t : RegisteredTransports()) {
     if (t->settings != nullptr) tables.push_back(t->settings);
   }
-  for (char** e = environ; *e != nullptr; ++e) {
-    std::string_view kv(*e);
-    if (kv.substr(0, 10) != "WEIGHTBUS_") continue;
-    std::string_view name = kv.substr(0, kv.find('='));
-    bool known = false;
-    std::vector<std::string> all;
-    for (const SettingTable* table : tables) {
-      for (const SettingSpec& spec : table->specs) {
-        all.push_back(EnvName(table->scope, spec.name));
-        known |= all.back() == name;
-      }
-    }
-    if (!known) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("environment variable %s is not a weightbus setting (known: %s)", name,
-                          absl::StrJoin(all, ", ")));
-    }
+  for (const SettingTable* table : tables) {
+    for (const SettingSpec& spec : table->specs) known.push_back(EnvName(table->scope, spec.name));
   }
-  return absl::OkStatus();
+  std::vector<std::string> out;
+  for (char** e = environment; e != nullptr && *e != nullptr; ++e) {
+    const std::string_view kv(*e);
+    if (kv.substr(0, 10) != "WEIGHTBUS_") continue;
+    const std::string name(kv.substr(0, kv.find('=')));
+    if (std::find(known.begin(), known.end(), name) != known.end()) continue;
+    {
+      absl::MutexLock lock(&mu);
+      if (!warned->insert(name).second) continue;
+    }
+    Log(LogLevel::kWarn,
+        "environment variable %s names no setting of this weightbus build (transports: %s) and "
+        "is ignored; the closest setting is %s (`weightbus settings` lists them)",
+        name, absl::StrJoin(schemes, ", "), ClosestName(name, known));
+    out.push_back(name);
+  }
+  return out;
 }
 
 absl::StatusOr<Config> ResolveConfig(const std::vector<const TransportDescriptor*>& stack,
                                      const Uri& uri,
                                      const std::map<std::string, std::string>& options) {
-  WB_RETURN_IF_ERROR(CheckEnvironment());
+  WarnUnknownEnvironment(environ);
   std::vector<const SettingTable*> tables = {&CoreSettings()};
   for (const TransportDescriptor* t : stack) {
     if (t->settings != nullptr) tables.push_back(t->settings);

@@ -54,10 +54,22 @@ std::vector<const TransportDescriptor*> RegisteredTransports();
 // transport used as a layer.
 absl::StatusOr<std::vector<const TransportDescriptor*>> ResolveStack(const Uri& uri);
 
-// Resolves the settings of `uri` for `stack` (core table + every descriptor's table).
+// Resolves the settings of `uri` for `stack` (core table + every descriptor's table). Unknown
+// WEIGHTBUS_* environment variables do not fail it (WarnUnknownEnvironment); unknown names in
+// the URI query or `options` do (InvalidArgument, Config::Resolve).
 absl::StatusOr<Config> ResolveConfig(const std::vector<const TransportDescriptor*>& stack,
                                      const Uri& uri,
                                      const std::map<std::string, std::string>& options);
+
+// The unknown-variable policy (docs/CONVENTIONS.md, "Settings"). The environment is shared with
+// other builds of weightbus (a newer one with more settings, one without some transport) and
+// with other programs, so a WEIGHTBUS_* variable of `environment` (NULL-terminated, as environ)
+// that names no setting of the core or of a compiled transport is not an error: it is logged as
+// a warning, once per process for each name, that names the closest known variable by edit
+// distance, e.g. "environment variable WEIGHTBUS_DISK_RETENTON names no setting of this
+// weightbus build (transports: delta, disk, ucx) and is ignored; the closest setting is
+// WEIGHTBUS_DISK_RETENTION". Returns the names this call warned about. Thread-safe.
+std::vector<std::string> WarnUnknownEnvironment(char** environment);
 
 // Opens the stack: the transport at the bottom gets `uri` with its own scheme, then each layer
 // wraps what is beneath it.

@@ -10,13 +10,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/utf8.h"  // IsValidUtf8, which ValidateView applies to names
 #include "weightbus/types.hpp"
 
 namespace weightbus::internal {
-
-// True when `s` is valid UTF-8 (RFC 3629: no overlongs, no surrogates, <= U+10FFFF).
-// On failure `*bad_offset` (if given) receives the offset of the first bad byte.
-bool IsValidUtf8(std::string_view s, size_t* bad_offset = nullptr);
 
 // Checks a view to be published: non-empty valid UTF-8 name, valid shape, strides of matching
 // rank, data non-null unless empty, CPU device, shard consistent with the shape.

@@ -10,33 +10,11 @@
 namespace weightbus::internal {
 namespace {
 
-absl::StatusOr<std::string> PercentDecode(std::string_view uri, std::string_view in) {
-  std::string out;
-  out.reserve(in.size());
-  for (size_t i = 0; i < in.size(); ++i) {
-    if (in[i] != '%') {
-      out.push_back(in[i]);
-      continue;
-    }
-    auto hex = [](char c) -> int {
-      if (c >= '0' && c <= '9') return c - '0';
-      if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-      if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-      return -1;
-    };
-    if (i + 2 >= in.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("URI \"%s\": truncated percent-escape at the end", uri));
-    }
-    int hi = hex(in[i + 1]), lo = hex(in[i + 2]);
-    if (hi < 0 || lo < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("URI \"%s\": bad percent-escape \"%s\"", uri, in.substr(i, 3)));
-    }
-    out.push_back(static_cast<char>(hi * 16 + lo));
-    i += 2;
-  }
-  return out;
+int HexDigit(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
 }
 
 // The path names a directory (disk) or a channel (ucx) exactly as written: segments are
@@ -66,6 +44,29 @@ absl::Status CheckPath(std::string_view uri, std::string_view raw, std::string_v
 }
 
 }  // namespace
+
+absl::StatusOr<std::string> PercentDecode(std::string_view uri, std::string_view in) {
+  std::string out;
+  out.reserve(in.size());
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (in[i] != '%') {
+      out.push_back(in[i]);
+      continue;
+    }
+    if (i + 2 >= in.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("URI \"%s\": truncated percent-escape at the end", uri));
+    }
+    const int hi = HexDigit(in[i + 1]), lo = HexDigit(in[i + 2]);
+    if (hi < 0 || lo < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("URI \"%s\": bad percent-escape \"%s\"", uri, in.substr(i, 3)));
+    }
+    out.push_back(static_cast<char>(hi * 16 + lo));
+    i += 2;
+  }
+  return out;
+}
 
 std::string Uri::Display() const { return absl::StrFormat("%s://%s%s", scheme, authority, path); }
 

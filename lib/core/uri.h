@@ -34,4 +34,11 @@ struct Uri {
 // '/', '\\' or NUL in the path).
 absl::StatusOr<Uri> ParseUri(std::string_view text);
 
+// Decodes the %XX escapes (RFC 3986, hex digits of either case) of `in`, a part of URI `uri`
+// (for messages); every other byte is kept as it is ('+' stays '+'). The one decoder of the
+// library: ParseUri uses it for the path and the query, ucx:// for an IPv6 zone in the host
+// (fe80::1%25eth0). Errors: InvalidArgument naming the URI and the escape, for a '%' not followed
+// by two hex digits.
+absl::StatusOr<std::string> PercentDecode(std::string_view uri, std::string_view in);
+
 }  // namespace weightbus::internal

@@ -19,8 +19,9 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "core/bytes.h"
+#include "core/checksum.h"
 #include "core/status.h"
-#include "xxhash.h"
 #include "zstd.h"
 
 namespace weightbus::internal::delta {
@@ -67,77 +68,6 @@ bool IsFloat(DType d) {
   }
   return false;
 }
-
-// ---------------------------------------------------------------------------------------------
-// Byte buffers and varints.
-
-void PutByte(std::vector<std::byte>* out, uint8_t b) { out->push_back(static_cast<std::byte>(b)); }
-
-void PutVarint(std::vector<std::byte>* out, uint64_t v) {
-  while (v >= 0x80) {
-    PutByte(out, static_cast<uint8_t>(v) | 0x80);
-    v >>= 7;
-  }
-  PutByte(out, static_cast<uint8_t>(v));
-}
-
-void PutU64(std::vector<std::byte>* out, uint64_t v) {
-  for (int i = 0; i < 8; ++i) PutByte(out, static_cast<uint8_t>(v >> (8 * i)));
-}
-
-size_t VarintSize(uint64_t v) {
-  size_t n = 1;
-  while (v >= 0x80) {
-    v >>= 7;
-    ++n;
-  }
-  return n;
-}
-
-void PutBytes(std::vector<std::byte>* out, const void* data, size_t n) {
-  const std::byte* p = static_cast<const std::byte*>(data);
-  out->insert(out->end(), p, p + n);  // no zero-filling first, unlike resize
-}
-
-// Bounds-checked reading of a record or header; every failure is a DataLoss naming `what`.
-class Reader {
- public:
-  explicit Reader(absl::Span<const std::byte> bytes) : p_(bytes.data()), end_(p_ + bytes.size()) {}
-  size_t remaining() const { return static_cast<size_t>(end_ - p_); }
-  const std::byte* position() const { return p_; }
-
-  absl::StatusOr<uint8_t> Byte(std::string_view what) {
-    if (p_ == end_) return Truncated(what);
-    return static_cast<uint8_t>(*p_++);
-  }
-  absl::StatusOr<uint64_t> Varint(std::string_view what) {
-    uint64_t v = 0;
-    for (int shift = 0; shift < 64; shift += 7) {
-      if (p_ == end_) return Truncated(what);
-      const uint8_t b = static_cast<uint8_t>(*p_++);
-      if (shift == 63 && b > 1) break;
-      v |= static_cast<uint64_t>(b & 0x7f) << shift;
-      if ((b & 0x80) == 0) return v;
-    }
-    return absl::DataLossError(absl::StrFormat("%s is not a valid varint", what));
-  }
-  absl::StatusOr<const std::byte*> Bytes(uint64_t n, std::string_view what) {
-    if (n > remaining()) {
-      return absl::DataLossError(
-          absl::StrFormat("%s needs %d bytes but only %d remain", what, n, remaining()));
-    }
-    const std::byte* at = p_;
-    p_ += n;
-    return at;
-  }
-
- private:
-  absl::Status Truncated(std::string_view what) {
-    return absl::DataLossError(absl::StrFormat("truncated before %s", what));
-  }
-  const std::byte* p_;
-  const std::byte* end_;
-};
 
 // ---------------------------------------------------------------------------------------------
 // Per-thread scratch: zstd contexts and buffers reused across chunks.
@@ -251,8 +181,7 @@ bool LooksIncompressible(const uint8_t* data, size_t n) {
 void PutStream(const uint8_t* data, size_t n, int level, Scratch& s, std::vector<std::byte>* out) {
   if (n == 0) return;
   if (IsConstant(data, n)) {
-    PutByte(out, static_cast<uint8_t>(StreamMode::kConstant));
-    PutByte(out, data[0]);
+    ByteVectorWriter(out).U8(static_cast<uint8_t>(StreamMode::kConstant)).U8(data[0]);
     return;
   }
   if (n >= kMinZstdBytes && !LooksIncompressible(data, n)) {
@@ -260,25 +189,25 @@ void PutStream(const uint8_t* data, size_t n, int level, Scratch& s, std::vector
     Grow(s.zbuf, bound);
     const size_t c = ZSTD_compress2(s.Compressor(level), s.zbuf.data(), bound, data, n);
     if (!ZSTD_isError(c) && c + VarintSize(c) < n) {
-      PutByte(out, static_cast<uint8_t>(StreamMode::kZstd));
-      PutVarint(out, c);
-      PutBytes(out, s.zbuf.data(), c);
+      ByteVectorWriter(out)
+          .U8(static_cast<uint8_t>(StreamMode::kZstd))
+          .Varint(c)
+          .Bytes(s.zbuf.data(), c);
       return;
     }
   }
-  PutByte(out, static_cast<uint8_t>(StreamMode::kStored));
-  PutBytes(out, data, n);
+  ByteVectorWriter(out).U8(static_cast<uint8_t>(StreamMode::kStored)).Bytes(data, n);
 }
 
 // Reads a stream of `n` bytes; returns where its bytes are (inside the record when stored, else
 // in `buffer`).
-absl::StatusOr<const uint8_t*> GetStream(Reader& r, size_t n, std::vector<uint8_t>& buffer,
+absl::StatusOr<const uint8_t*> GetStream(ByteReader& r, size_t n, std::vector<uint8_t>& buffer,
                                          Scratch& s, std::string_view what) {
   if (n == 0) return reinterpret_cast<const uint8_t*>(r.position());
-  WB_ASSIGN_OR_RETURN(uint8_t mode, r.Byte(what));
+  WB_ASSIGN_OR_RETURN(uint8_t mode, r.U8(what));
   switch (mode) {
     case static_cast<uint8_t>(StreamMode::kConstant): {
-      WB_ASSIGN_OR_RETURN(uint8_t value, r.Byte(what));
+      WB_ASSIGN_OR_RETURN(uint8_t value, r.U8(what));
       Grow(buffer, n);
       std::memset(buffer.data(), value, n);
       return buffer.data();
@@ -515,7 +444,7 @@ void MergeAll(absl::Span<const ChunkOutput> spans, bool rotate, bool xor_base,
 // Appends the record of the planes/xor methods: one stream per plane.
 void EncodePlanesRecord(Method method, size_t w, size_t n, int level, Scratch& s,
                         std::vector<std::byte>* out, bool* all_stored) {
-  PutByte(out, static_cast<uint8_t>(method));
+  ByteVectorWriter(out).U8(static_cast<uint8_t>(method));
   *all_stored = true;
   for (size_t b = 0; b < w; ++b) {
     const size_t before = out->size();
@@ -621,7 +550,7 @@ Grouping ChooseGrouping(const uint64_t* sizes, const uint64_t* changes, int max_
 template <typename T>
 void PutGroup(const uint32_t* ranks, const T* values, size_t count, int level, Scratch& s,
               std::vector<std::byte>* out) {
-  PutVarint(out, count);
+  ByteVectorWriter(out).Varint(count);
   if (count == 0) return;
   // Gap width: the narrowest total with escapes (an entry of all ones adds its value and
   // continues), ties to the narrower width.
@@ -641,8 +570,7 @@ void PutGroup(const uint32_t* ranks, const T* values, size_t count, int level, S
   const size_t gw = kWidth[best];
   const uint64_t e = entries[best];
   const uint64_t escape = kMax[best];
-  PutByte(out, static_cast<uint8_t>(gw));
-  PutVarint(out, e);
+  ByteVectorWriter(out).U8(static_cast<uint8_t>(gw)).Varint(e);
   for (size_t b = 0; b < gw; ++b) Grow(s.gap_planes[b], e);
   size_t at = 0;
   prev = -1;
@@ -975,10 +903,11 @@ void EncodeSparseRecord(const Grouping& grouping, size_t count, int level, Scrat
                         std::vector<std::byte>* out) {
   constexpr size_t w = sizeof(T);
   out->clear();
-  PutByte(out, static_cast<uint8_t>(Method::kSparse));
-  PutVarint(out, count);
-  PutByte(out, static_cast<uint8_t>(grouping.groups));
-  for (int j = 0; j < grouping.groups - 1; ++j) PutByte(out, grouping.threshold[j]);
+  ByteVectorWriter header(out);
+  header.U8(static_cast<uint8_t>(Method::kSparse))
+      .Varint(count)
+      .U8(static_cast<uint8_t>(grouping.groups));
+  for (int j = 0; j < grouping.groups - 1; ++j) header.U8(grouping.threshold[j]);
   const T* values = reinterpret_cast<const T*>(s.values.data());
   if (grouping.groups == 1) {
     PutGroup<T>(s.positions.data(), values, count, level, s, out);
@@ -1015,7 +944,7 @@ struct DecodedGroup {
 // ranks (the record's changes not yet claimed by earlier groups): a group claiming more is
 // refused before any rank is written.
 template <typename T>
-absl::Status GetGroup(Reader& r, size_t n, int g, Scratch& s, uint32_t* ranks, uint64_t room,
+absl::Status GetGroup(ByteReader& r, size_t n, int g, Scratch& s, uint32_t* ranks, uint64_t room,
                       DecodedGroup* out) {
   constexpr size_t w = sizeof(T);
   WB_ASSIGN_OR_RETURN(out->count, r.Varint("a sparse group's change count"));
@@ -1026,7 +955,7 @@ absl::Status GetGroup(Reader& r, size_t n, int g, Scratch& s, uint32_t* ranks, u
         out->count, room));
   }
   if (out->count == 0) return absl::OkStatus();
-  WB_ASSIGN_OR_RETURN(uint8_t gw, r.Byte("sparse gap width"));
+  WB_ASSIGN_OR_RETURN(uint8_t gw, r.U8("sparse gap width"));
   if (gw != 1 && gw != 2 && gw != 4) {
     return absl::DataLossError(absl::StrFormat("sparse gap width %d is not 1, 2 or 4", gw));
   }
@@ -1100,8 +1029,9 @@ ChunkResult EncodeChunkT(DType dtype, absl::Span<const ChunkInput> spans, bool k
   const size_t start = out->size();
   auto put_stored = [&] {
     out->resize(start);
-    PutByte(out, static_cast<uint8_t>(Method::kStored));
-    for (const ChunkInput& span : spans) PutBytes(out, span.target, span.bytes);
+    ByteVectorWriter record(out);
+    record.U8(static_cast<uint8_t>(Method::kStored));
+    for (const ChunkInput& span : spans) record.Bytes(span.target, span.bytes);
     r.method = Method::kStored;
   };
   auto emit = [&](Method m, const std::vector<std::byte>& record) {
@@ -1163,7 +1093,7 @@ ChunkResult EncodeChunkT(DType dtype, absl::Span<const ChunkInput> spans, bool k
   }
   if (complete && count == 0) {
     out->resize(start);
-    PutByte(out, static_cast<uint8_t>(Method::kSame));
+    ByteVectorWriter(out).U8(static_cast<uint8_t>(Method::kSame));
     r.method = Method::kSame;
     r.encoded_bytes = 1;
     return r;
@@ -1275,7 +1205,7 @@ absl::Status ApplyGrouped(absl::Span<const ChunkOutput> spans, const Grouping& g
 
 // Applies a sparse record to the spans (whose `out` already holds the base).
 template <typename T>
-absl::Status DecodeSparse(Reader& r, absl::Span<const ChunkOutput> spans, DType dtype, size_t n,
+absl::Status DecodeSparse(ByteReader& r, absl::Span<const ChunkOutput> spans, DType dtype, size_t n,
                           Scratch& s) {
   constexpr size_t w = sizeof(T);
   WB_ASSIGN_OR_RETURN(uint64_t count, r.Varint("sparse change count"));
@@ -1283,7 +1213,7 @@ absl::Status DecodeSparse(Reader& r, absl::Span<const ChunkOutput> spans, DType 
     return absl::DataLossError(
         absl::StrFormat("sparse record claims %d changes in %d elements", count, n));
   }
-  WB_ASSIGN_OR_RETURN(uint8_t groups, r.Byte("sparse group count"));
+  WB_ASSIGN_OR_RETURN(uint8_t groups, r.U8("sparse group count"));
   if (groups < 1 || groups > kMaxGroups || (groups > 1 && !(IsFloat(dtype) && w >= 2))) {
     return absl::DataLossError(absl::StrFormat(
         "sparse record has %d groups (1..%d, more than 1 only for floats)", groups, kMaxGroups));
@@ -1291,7 +1221,7 @@ absl::Status DecodeSparse(Reader& r, absl::Span<const ChunkOutput> spans, DType 
   Grouping grouping;
   grouping.groups = groups;
   for (int j = 0; j < groups - 1; ++j) {
-    WB_ASSIGN_OR_RETURN(grouping.threshold[j], r.Byte("a group threshold"));
+    WB_ASSIGN_OR_RETURN(grouping.threshold[j], r.U8("a group threshold"));
     if (j > 0 && grouping.threshold[j] <= grouping.threshold[j - 1]) {
       return absl::DataLossError("sparse group thresholds do not increase");
     }
@@ -1329,8 +1259,8 @@ absl::Status DecodeChunkT(DType dtype, absl::Span<const ChunkOutput> spans, bool
   for (const ChunkOutput& span : spans) total += span.bytes;
   const size_t n = total / w;
   const bool rotate = IsFloat(dtype);
-  Reader r(record);
-  WB_ASSIGN_OR_RETURN(uint8_t method, r.Byte("chunk method"));
+  ByteReader r(record.data(), record.size());
+  WB_ASSIGN_OR_RETURN(uint8_t method, r.U8("chunk method"));
   if (method > static_cast<uint8_t>(Method::kSparse)) {
     return absl::DataLossError(absl::StrFormat("unknown chunk method %d", method));
   }
@@ -1397,11 +1327,9 @@ uint64_t LayoutChecksum(absl::Span<const TensorLayout> layout) {
   std::vector<std::byte> text;
   for (const TensorLayout& t : layout) {
     const std::string_view name = DTypeName(t.dtype);
-    PutBytes(&text, name.data(), name.size());
-    PutByte(&text, 0);
-    PutU64(&text, t.nbytes);
+    ByteVectorWriter(&text).Bytes(name).U8(0).U64(t.nbytes);
   }
-  return XXH3_64bits(text.data(), text.size());
+  return Xxh3(text.data(), text.size());
 }
 
 std::vector<Chunk> PlanChunks(absl::Span<const TensorLayout> layout, uint64_t chunk_size) {
@@ -1519,19 +1447,20 @@ absl::StatusOr<EncodedVersion> EncodeVersion(const VersionIds& ids,
     v.results[c] = EncodeChunk(chunk.dtype, spans, ids.keyframe, options, &records[c]);
   });
   std::vector<std::byte>& out = v.bytes;
-  PutBytes(&out, kMagic, 4);
-  PutByte(&out, kFormatVersion);
-  PutByte(&out, ids.keyframe ? 0 : 1);
-  PutVarint(&out, ids.target);
-  PutVarint(&out, ids.base);
-  PutVarint(&out, ids.keyframe_version);
-  PutVarint(&out, options.chunk_size);
-  PutVarint(&out, layout.size());
-  PutU64(&out, LayoutChecksum(layout));
-  PutVarint(&out, v.chunks.size());
+  ByteVectorWriter w(&out);
+  w.Bytes(kMagic, 4)
+      .U8(kFormatVersion)
+      .U8(ids.keyframe ? 0 : 1)
+      .Varint(ids.target)
+      .Varint(ids.base)
+      .Varint(ids.keyframe_version)
+      .Varint(options.chunk_size)
+      .Varint(layout.size())
+      .U64(LayoutChecksum(layout))
+      .Varint(v.chunks.size());
   uint64_t total = 0;
   for (const std::vector<std::byte>& r : records) {
-    PutVarint(&out, r.size());
+    w.Varint(r.size());
     total += r.size();
   }
   v.header_bytes = out.size();
@@ -1550,19 +1479,19 @@ absl::StatusOr<EncodedVersion> EncodeVersion(const VersionIds& ids,
 }
 
 absl::StatusOr<VersionHeader> ParseHeader(absl::Span<const std::byte> bytes) {
-  Reader r(bytes);
+  ByteReader r(bytes.data(), bytes.size());
   WB_ASSIGN_OR_RETURN(const std::byte* magic, r.Bytes(4, "the magic"));
   if (std::memcmp(magic, kMagic, 4) != 0) {
     return absl::DataLossError("not an encoded weightbus delta version (bad magic)");
   }
-  WB_ASSIGN_OR_RETURN(uint8_t format, r.Byte("the format version"));
+  WB_ASSIGN_OR_RETURN(uint8_t format, r.U8("the format version"));
   if (format != kFormatVersion) {
     return absl::UnimplementedError(
         absl::StrFormat("delta format version %d is not supported (this library reads version %d)",
                         format, kFormatVersion));
   }
   VersionHeader h;
-  WB_ASSIGN_OR_RETURN(uint8_t kind, r.Byte("the kind"));
+  WB_ASSIGN_OR_RETURN(uint8_t kind, r.U8("the kind"));
   if (kind > 1) return absl::DataLossError(absl::StrFormat("unknown version kind %d", kind));
   h.ids.keyframe = kind == 0;
   WB_ASSIGN_OR_RETURN(h.ids.target, r.Varint("the target version"));
@@ -1574,9 +1503,7 @@ absl::StatusOr<VersionHeader> ParseHeader(absl::Span<const std::byte> bytes) {
   }
   WB_ASSIGN_OR_RETURN(h.tensor_count, r.Varint("the tensor count"));
   WB_ASSIGN_OR_RETURN(const std::byte* sum, r.Bytes(8, "the layout checksum"));
-  for (int i = 0; i < 8; ++i) {
-    h.layout_checksum |= static_cast<uint64_t>(static_cast<uint8_t>(sum[i])) << (8 * i);
-  }
+  h.layout_checksum = LoadLe<uint64_t>(sum);
   WB_ASSIGN_OR_RETURN(uint64_t chunks, r.Varint("the chunk count"));
   if (chunks > bytes.size()) {  // every record has at least one byte
     return absl::DataLossError(

@@ -28,13 +28,18 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/bytes.h"
 #include "core/status.h"
 #include "core/system.h"
+#include "core/tensor_pack.h"
+#include "core/utf8.h"
 #include "nlohmann/json.hpp"
 
 namespace weightbus::safetensors {
 namespace {
 
+using internal::FindInvalidUtf8;
+using internal::Utf8Error;
 using nlohmann::json;
 
 constexpr uint64_t kLengthBytes = 8;
@@ -44,16 +49,6 @@ constexpr std::string_view kMetadataKey = "__metadata__";
 constexpr size_t kWriteBufferBytes = size_t{1} << 20;
 // Largest single read(2)/write(2): Linux transfers at most 0x7ffff000 bytes per call anyway.
 constexpr size_t kMaxIoBytes = size_t{1} << 30;
-
-uint64_t LoadLe64(const char* p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(p[i]);
-  return v;
-}
-
-void StoreLe64(uint64_t v, char* p) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<char>((v >> (8 * i)) & 0xff);
-}
 
 // A name as shown in messages: single-quoted, control characters escaped (so that a name with
 // a newline cannot break a log line), everything else verbatim.
@@ -88,74 +83,6 @@ std::string Quoted(std::string_view s) {
 
 std::string OffsetsString(uint64_t begin, uint64_t end) {
   return absl::StrFormat("[%d, %d]", begin, end);
-}
-
-// ---------------------------------------------------------------------------------------------
-// UTF-8
-
-struct Utf8Error {
-  size_t offset = 0;  // of the first byte of the offending sequence
-  const char* reason = "";
-};
-
-// Strict UTF-8 (RFC 3629): no overlong forms, no surrogates, nothing above U+10FFFF.
-std::optional<Utf8Error> FindInvalidUtf8(std::string_view s) {
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  const size_t n = s.size();
-  size_t i = 0;
-  while (i < n) {
-    // ASCII fast path, 8 bytes at a time.
-    while (i + 8 <= n) {
-      uint64_t word;
-      std::memcpy(&word, p + i, 8);
-      if (word & 0x8080808080808080ull) break;
-      i += 8;
-    }
-    if (i >= n) break;
-    const unsigned char c = p[i];
-    if (c < 0x80) {
-      ++i;
-      continue;
-    }
-    size_t len;
-    unsigned char lo = 0x80, hi = 0xbf;  // allowed range of the second byte
-    const char* range_reason = "";
-    if (c < 0xc2) {
-      if (c < 0xc0) return Utf8Error{i, "unexpected continuation byte"};
-      return Utf8Error{i, "overlong encoding"};
-    } else if (c < 0xe0) {
-      len = 2;
-    } else if (c < 0xf0) {
-      len = 3;
-      if (c == 0xe0) {
-        lo = 0xa0;
-        range_reason = "overlong encoding";
-      } else if (c == 0xed) {
-        hi = 0x9f;
-        range_reason = "UTF-16 surrogate code point";
-      }
-    } else if (c < 0xf5) {
-      len = 4;
-      if (c == 0xf0) {
-        lo = 0x90;
-        range_reason = "overlong encoding";
-      } else if (c == 0xf4) {
-        hi = 0x8f;
-        range_reason = "code point above U+10FFFF";
-      }
-    } else {
-      return Utf8Error{i, "code point above U+10FFFF or invalid lead byte"};
-    }
-    if (i + len > n) return Utf8Error{i, "truncated multi-byte sequence"};
-    const unsigned char c1 = p[i + 1];
-    if (c1 < 0x80 || c1 > 0xbf) return Utf8Error{i, "missing continuation byte"};
-    if (c1 < lo || c1 > hi) return Utf8Error{i, range_reason};
-    for (size_t k = 2; k < len; ++k) {
-      if ((p[i + k] & 0xc0) != 0x80) return Utf8Error{i, "missing continuation byte"};
-    }
-    i += len;
-  }
-  return std::nullopt;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -641,7 +568,7 @@ absl::StatusOr<uint64_t> CheckLength(std::string_view prefix, uint64_t file_size
         "header length",
         source, prefix.size()));
   }
-  const uint64_t n = LoadLe64(prefix.data());
+  const uint64_t n = internal::LoadLe<uint64_t>(prefix.data());
   if (n > kMaxHeaderSize) {
     return absl::DataLossError(
         absl::StrFormat("safetensors file %s: header length %d exceeds the maximum of %d bytes",
@@ -768,78 +695,21 @@ class BufferedWriter {
   size_t used_ = 0;
 };
 
-// Copies `count` elements of kElem bytes, `stride_bytes` apart, from `src` to `dst`.
-template <size_t kElem>
-void Gather(char* dst, const char* src, int64_t stride_bytes, int64_t count) {
-  for (int64_t j = 0; j < count; ++j) {
-    std::memcpy(dst + j * static_cast<int64_t>(kElem), src + j * stride_bytes, kElem);
-  }
-}
-
-void GatherElements(char* dst, const char* src, int64_t stride_bytes, int64_t count, size_t elem) {
-  switch (elem) {
-    case 1:
-      Gather<1>(dst, src, stride_bytes, count);
-      return;
-    case 2:
-      Gather<2>(dst, src, stride_bytes, count);
-      return;
-    case 4:
-      Gather<4>(dst, src, stride_bytes, count);
-      return;
-    case 8:
-      Gather<8>(dst, src, stride_bytes, count);
-      return;
-    default:
-      for (int64_t j = 0; j < count; ++j) {
-        std::memcpy(dst + j * static_cast<int64_t>(elem), src + j * stride_bytes, elem);
-      }
-  }
-}
-
-// Writes the C-contiguous (row-major) bytes of a strided view. Strides are in elements and may
-// be negative or zero; `data` points at element [0, ..., 0].
+// Writes the C-contiguous (row-major) bytes of a strided view (strides in elements, any sign,
+// `data` at element [0, ..., 0]) through the staging buffer, one buffer-sized window of the
+// packed image at a time.
 absl::Status WritePacked(const TensorView& v, BufferedWriter& w) {
-  const size_t elem = DTypeSize(v.dtype);
-  const char* base = static_cast<const char*>(v.data);
-  const size_t rank = v.shape.size();
-  if (rank == 0) return w.Append(base, elem);
-  for (int64_t d : v.shape) {
-    if (d == 0) return absl::OkStatus();
+  const uint64_t nbytes = *ByteSize(v.dtype, v.shape);
+  for (uint64_t done = 0; done < nbytes;) {
+    const uint64_t n = std::min<uint64_t>(nbytes - done, kWriteBufferBytes);
+    absl::StatusOr<char*> dst = w.Reserve(n);
+    if (!dst.ok()) return dst.status();
+    internal::PackStridedRange(v.data, DTypeSize(v.dtype), v.shape, v.strides, done, n,
+                               reinterpret_cast<std::byte*>(*dst));
+    w.Commit(n);
+    done += n;
   }
-  const int64_t row_len = v.shape[rank - 1];
-  const int64_t inner_stride_bytes = v.strides[rank - 1] * static_cast<int64_t>(elem);
-  const int64_t max_chunk = static_cast<int64_t>(kWriteBufferBytes / elem);
-  std::vector<int64_t> index(rank - 1, 0);
-  int64_t row_offset = 0;  // bytes from `base` to the row's first element
-  while (true) {
-    const char* row = base + row_offset;
-    if (v.strides[rank - 1] == 1) {
-      WB_RETURN_IF_ERROR(w.Append(row, static_cast<size_t>(row_len) * elem));
-    } else {
-      for (int64_t done = 0; done < row_len;) {
-        const int64_t n = std::min(row_len - done, max_chunk);
-        absl::StatusOr<char*> dst = w.Reserve(static_cast<size_t>(n) * elem);
-        if (!dst.ok()) return dst.status();
-        GatherElements(*dst, row + done * inner_stride_bytes, inner_stride_bytes, n, elem);
-        w.Commit(static_cast<size_t>(n) * elem);
-        done += n;
-      }
-    }
-    // Advance the odometer over the outer dimensions, innermost first.
-    size_t d = rank - 1;
-    while (true) {
-      if (d == 0) return absl::OkStatus();  // every outer index wrapped: done
-      --d;
-      const int64_t stride_bytes = v.strides[d] * static_cast<int64_t>(elem);
-      if (++index[d] < v.shape[d]) {
-        row_offset += stride_bytes;
-        break;
-      }
-      row_offset -= (v.shape[d] - 1) * stride_bytes;
-      index[d] = 0;
-    }
-  }
+  return absl::OkStatus();
 }
 
 std::string DirName(const std::string& path) {
@@ -1101,7 +971,7 @@ absl::StatusOr<Layout> PlanFile(absl::Span<const TensorSpec> tensors, const Meta
     return absl::InvalidArgumentError(absl::StrFormat(
         "the header would be %d bytes, more than the format's maximum of %d", n, kMaxHeaderSize));
   }
-  StoreLe64(n, out.data());
+  internal::StoreLe(n, out.data());
   layout.data_start = out.size();
   return layout;
 }

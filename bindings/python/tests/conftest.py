@@ -5,7 +5,8 @@ Environment (CTest sets these; the defaults suit a source checkout built in ./bu
   LIBWEIGHTBUS_PATH  the library under test (default: <repo>/build/lib/libweightbus.so)
   WB_TEST_CLI        the weightbus CLI (default: <repo>/build/tools/weightbus)
   WB_TEST_FIXTURES   ../shared/fixtures (stories260K.bin)
-Names do not start with WEIGHTBUS_: the library rejects unknown WEIGHTBUS_* variables.
+Names do not start with WEIGHTBUS_: that prefix is the library's settings (an unknown one is
+logged as a warning naming the closest setting).
 """
 import os
 import socket

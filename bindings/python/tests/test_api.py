@@ -659,7 +659,7 @@ def test_transports_and_settings_are_the_registry_the_cli_prints():
         assert row.split()[:2] == [s.scope, s.name], (row, s)
         assert s.env in row and row.endswith(s.doc), (row, s)
     retention = next(s for s in settings if (s.scope, s.name) == ("disk", "retention"))
-    assert retention == weightbus.SettingInfo("disk", "retention", "int", "3",
+    assert retention == weightbus.SettingInfo("disk", "retention", "int >= 1 versions", "3",
                                               "WEIGHTBUS_DISK_RETENTION", retention.doc)
     assert {s.scope for s in settings} <= {"core", *schemes}
 

@@ -174,7 +174,8 @@ class SettingInfo:
     """A setting as the library's settings registry declares it (wb_setting_info_t)."""
     scope: str          # "core" or a transport or layer scheme, e.g. "disk"
     name: str           # the key of URI queries and of Publisher/Subscriber options
-    type: str           # "bool", "int", "bytes", "duration", "string" or "enum(a|b)"
+    type: str           # "bool", "int", "bytes", "duration", "string" or "enum(a|b)", then
+                        # the range and unit if declared: "int 1..64 versions"
     default_value: str  # as text
     env: str            # the environment variable, e.g. "WEIGHTBUS_DISK_RETENTION"
     doc: str            # one line

@@ -3,8 +3,8 @@
 
 The library is found, in this order, at: $LIBWEIGHTBUS_PATH (a file); the path recorded at
 install time (_install_paths.py); the build tree of a source checkout (<repo>/build/lib); the
-dynamic linker's search path (libweightbus.so.0). The variable is not called WEIGHTBUS_*: the
-library treats every WEIGHTBUS_* variable as a setting and rejects unknown ones.
+dynamic linker's search path (libweightbus.so.0). The variable is not called WEIGHTBUS_*: that
+prefix is the library's settings (an unknown one is logged as a warning naming the closest).
 
 ctypes.CDLL releases the GIL for the duration of every foreign call, so blocking calls
 (wb_subscriber_wait, wb_publisher_publish) never stall other Python threads.

@@ -9,10 +9,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "core/buffer.h"
+#include "core/checksum.h"
 #include "core/logging.h"
 #include "core/status.h"
 #include "transports/delta/delta_transport.h"
-#include "xxhash.h"
 
 namespace weightbus::internal::delta {
 namespace {
@@ -209,7 +209,7 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
                                      {static_cast<int64_t>(encoded.bytes.size())},
                                      std::nullopt,
                                      encoded.bytes.size(),
-                                     XXH3_64bits(encoded.bytes.data(), encoded.bytes.size())});
+                                     Xxh3(encoded.bytes.data(), encoded.bytes.size())});
   std::optional<Storage> storage;
   if (keyframe) {
     WB_ASSIGN_OR_RETURN(storage, PrepareBase(infos));

@@ -16,10 +16,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "core/buffer.h"
+#include "core/checksum.h"
 #include "core/logging.h"
 #include "core/status.h"
 #include "transports/delta/delta_transport.h"
-#include "xxhash.h"
 
 namespace weightbus::internal::delta {
 namespace {
@@ -356,7 +356,7 @@ absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> tar
   std::byte* const blob_target[1] = {blob->data()};
   WB_RETURN_IF_ERROR(step.incoming->Fetch(blob_target, counter, deadline));
   const absl::Span<const std::byte> bytes(blob->data(), blob_info.nbytes);
-  const uint64_t sum = XXH3_64bits(bytes.data(), bytes.size());
+  const uint64_t sum = Xxh3(bytes.data(), bytes.size());
   if (counter.landed != 1 || sum != blob_info.xxh3) {
     return absl::DataLossError(absl::StrFormat(
         "%s: the encoded version %d (%s) fails verification: XXH3-64 of its %d bytes is %016x "

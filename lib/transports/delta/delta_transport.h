@@ -39,7 +39,8 @@ struct LayerOptions {
   int threads = 0;
 };
 
-// The layer's settings, checked. Errors: InvalidArgument naming the URI and the setting.
+// The layer's settings (ranges checked by Config::Resolve). Errors: InvalidArgument naming the
+// URI when delta_chunk_size is not a multiple of 64.
 absl::StatusOr<LayerOptions> ReadLayerOptions(const Uri& uri, const Config& config);
 
 absl::StatusOr<std::unique_ptr<TransportPublisher>> WrapPublisher(

@@ -5,10 +5,11 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
+#include "core/bytes.h"
+#include "core/checksum.h"
 #include "core/status.h"
 #include "nlohmann/json.hpp"
 #include "transports/delta/delta_transport.h"
-#include "xxhash.h"
 
 namespace weightbus::internal::delta {
 namespace {
@@ -23,29 +24,18 @@ bool ParseHex64(const std::string& s, uint64_t* v) {
   return r.ec == std::errc() && r.ptr == s.data() + s.size();
 }
 
-void Append(std::string* out, const void* p, size_t n) {
-  out->append(static_cast<const char*>(p), n);
-}
-void AppendU64(std::string* out, uint64_t v) {
-  for (int i = 0; i < 8; ++i) out->push_back(static_cast<char>(v >> (8 * i)));
-}
-
 }  // namespace
 
 uint64_t Fingerprint(const Manifest& manifest) {
   std::string text;
-  AppendU64(&text, manifest.tensors.size());
+  ByteWriter w(&text);
+  w.U64(manifest.tensors.size());
   for (const TensorInfo& t : manifest.tensors) {
-    Append(&text, t.name.data(), t.name.size());
-    text.push_back('\0');
-    const std::string_view dtype = DTypeName(t.dtype);
-    Append(&text, dtype.data(), dtype.size());
-    text.push_back('\0');
-    AppendU64(&text, t.shape.size());
-    for (int64_t d : t.shape) AppendU64(&text, static_cast<uint64_t>(d));
-    AppendU64(&text, t.xxh3);
+    w.Bytes(t.name).U8(0).Bytes(DTypeName(t.dtype)).U8(0).U64(t.shape.size());
+    for (int64_t d : t.shape) w.U64(static_cast<uint64_t>(d));
+    w.U64(t.xxh3);
   }
-  return XXH3_64bits(text.data(), text.size());
+  return Xxh3(text.data(), text.size());
 }
 
 std::vector<TensorLayout> LayoutOf(const std::vector<TensorInfo>& tensors) {

@@ -488,11 +488,7 @@ absl::Status DiskPublisher::CleanLeftovers() {
 absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenDiskPublisher(const Uri& uri,
                                                                       const Config& config) {
   WB_ASSIGN_OR_RETURN(std::string root, ChannelRoot(uri));
-  const int64_t retention = config.Int("retention");
-  if (retention < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("%s: retention=%d must be at least 1", uri.Display(), retention));
-  }
+  const int64_t retention = config.Int("retention");  // >= 1 (DiskSettings)
   // The root's own path is the user's to name (links in it are followed); inside it nothing is.
   WB_RETURN_IF_ERROR(MakeDirs(root));
   WB_ASSIGN_OR_RETURN(Channel channel, Channel::Open(root));

@@ -20,8 +20,8 @@ const SettingTable& DiskSettings();
 // Errors: InvalidArgument naming the URI.
 absl::StatusOr<std::string> ChannelRoot(const Uri& uri);
 
-// The I/O engine the settings ask for (io_engine, queue_depth, chunk_size), with errors naming
-// the URI and the setting.
+// The I/O engine the settings ask for (io_engine, queue_depth, chunk_size; their ranges are
+// declared in DiskSettings). Errors: as FileIo::Create.
 absl::StatusOr<std::unique_ptr<FileIo>> MakeFileIo(const Uri& uri, const Config& config);
 
 absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenDiskPublisher(const Uri& uri,

@@ -10,42 +10,55 @@ const SettingTable& DiskSettings() {
   static const SettingTable* table = new SettingTable{
       "disk",
       {
-          {"retention", SettingType::kInt, "3",
-           "committed versions kept on disk (>= 1); older ones are deleted unless a reader holds "
-           "them"},
-          {"shard_size", SettingType::kBytes, "5GB",
-           "largest safetensors file; bigger versions are split into "
-           "model-0000K-of-0000N.safetensors with an index (a tensor is never split)"},
-          {"io_engine",
-           SettingType::kEnum,
-           "uring",
-           "uring: io_uring at depth (falls back to psync when unavailable); psync: "
-           "pread/pwrite",
-           {"uring", "psync"}},
-          {"queue_depth", SettingType::kInt, "16", "I/O operations in flight (1..4096)"},
-          {"chunk_size", SettingType::kBytes, "4MiB", "bytes per I/O operation (>= 4KiB)"},
-          {"poll_interval", SettingType::kDuration, "100ms",
-           "how often subscribers re-read LATEST; inotify wakes them sooner on a local "
-           "filesystem, polling covers network filesystems"},
-          {"fsync", SettingType::kBool, "true",
-           "fsync files and directories before committing (false: not durable across a power "
-           "loss; for tmpfs and benchmarks)"},
+          {.name = "retention",
+           .type = SettingType::kInt,
+           .default_value = "3",
+           .doc = "committed versions kept on disk; older ones are deleted unless a reader holds "
+                  "them",
+           .min = "1",
+           .unit = "versions"},
+          {.name = "shard_size",
+           .type = SettingType::kBytes,
+           .default_value = "5GB",
+           .doc = "largest safetensors file; bigger versions are split into "
+                  "model-0000K-of-0000N.safetensors with an index (a tensor is never split)"},
+          {.name = "io_engine",
+           .type = SettingType::kEnum,
+           .default_value = "uring",
+           .doc = "uring: io_uring at depth (falls back to psync when unavailable); psync: "
+                  "pread/pwrite",
+           .choices = {"uring", "psync"}},
+          {.name = "queue_depth",
+           .type = SettingType::kInt,
+           .default_value = "16",
+           .doc = "I/O operations in flight",
+           .min = "1",
+           .max = "4096",
+           .unit = "operations"},
+          {.name = "chunk_size",
+           .type = SettingType::kBytes,
+           .default_value = "4MiB",
+           .doc = "bytes per I/O operation",
+           .min = "4KiB"},
+          {.name = "poll_interval",
+           .type = SettingType::kDuration,
+           .default_value = "100ms",
+           .doc = "how often subscribers re-read LATEST; inotify wakes them sooner on a local "
+                  "filesystem, polling covers network filesystems"},
+          {.name = "fsync",
+           .type = SettingType::kBool,
+           .default_value = "true",
+           .doc = "fsync files and directories before committing (false: not durable across a "
+                  "power loss; for tmpfs and benchmarks)"},
       }};
   return *table;
 }
 
 absl::StatusOr<std::unique_ptr<FileIo>> MakeFileIo(const Uri& uri, const Config& config) {
-  const int64_t depth = config.Int("queue_depth");
-  const uint64_t chunk = config.Bytes("chunk_size");
-  if (depth < 1 || depth > 4096) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("%s: setting queue_depth=%d is outside 1..4096", uri.Display(), depth));
-  }
-  if (chunk < 4096) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: setting chunk_size=%d bytes is below the minimum of 4KiB", uri.Display(), chunk));
-  }
-  return FileIo::Create(config.String("io_engine"), static_cast<unsigned>(depth), chunk);
+  // queue_depth and chunk_size are range-checked by Config::Resolve (DiskSettings).
+  return FileIo::Create(config.String("io_engine"),
+                        static_cast<unsigned>(config.Int("queue_depth")),
+                        config.Bytes("chunk_size"));
 }
 
 absl::StatusOr<std::string> ChannelRoot(const Uri& uri) {

@@ -255,86 +255,51 @@ absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadlin
 }
 
 Writer::Writer(MsgType type) {
-  buf_.resize(4);
-  buf_.push_back(static_cast<char>(type));
+  buf_.resize(4);  // the length, written by Finish
+  ByteWriter(&buf_).U8(static_cast<uint8_t>(type));
 }
 
 Writer& Writer::U8(uint8_t v) {
-  buf_.push_back(static_cast<char>(v));
+  ByteWriter(&buf_).U8(v);
   return *this;
 }
 
 Writer& Writer::U32(uint32_t v) {
-  for (int i = 0; i < 4; ++i) buf_.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  ByteWriter(&buf_).U32(v);
   return *this;
 }
 
 Writer& Writer::U64(uint64_t v) {
-  for (int i = 0; i < 8; ++i) buf_.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  ByteWriter(&buf_).U64(v);
   return *this;
 }
 
 Writer& Writer::Str(std::string_view s) {
-  U32(static_cast<uint32_t>(s.size()));
-  buf_.append(s.data(), s.size());
+  ByteWriter(&buf_).U32(static_cast<uint32_t>(s.size())).Bytes(s);
   return *this;
 }
 
 Writer& Writer::Raw(std::string_view bytes) {
-  buf_.append(bytes.data(), bytes.size());
+  ByteWriter(&buf_).Bytes(bytes);
   return *this;
 }
 
 std::string Writer::Body() { return buf_.substr(5); }
 
 std::string Writer::Finish() {
-  const uint32_t n = static_cast<uint32_t>(buf_.size() - 4);
-  for (int i = 0; i < 4; ++i) buf_[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  StoreLe(static_cast<uint32_t>(buf_.size() - 4), buf_.data());
   return std::move(buf_);
-}
-
-bool Reader::Take(size_t n, const char** p) {
-  if (!ok_ || rest_.size() < n) {
-    ok_ = false;
-    return false;
-  }
-  *p = rest_.data();
-  rest_.remove_prefix(n);
-  return true;
-}
-
-uint8_t Reader::U8() {
-  const char* p;
-  return Take(1, &p) ? static_cast<uint8_t>(*p) : 0;
-}
-
-uint32_t Reader::U32() {
-  const char* p;
-  if (!Take(4, &p)) return 0;
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= uint32_t{static_cast<uint8_t>(p[i])} << (8 * i);
-  return v;
-}
-
-uint64_t Reader::U64() {
-  const char* p;
-  if (!Take(8, &p)) return 0;
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= uint64_t{static_cast<uint8_t>(p[i])} << (8 * i);
-  return v;
 }
 
 std::string Reader::Str() {
   const uint32_t n = U32();
-  const char* p;
-  if (!Take(n, &p)) return {};
-  return std::string(p, n);
+  absl::StatusOr<std::string_view> s = r_.View(n, "a string");
+  return s.ok() ? std::string(*s) : std::string();
 }
 
 absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer) {
   if (buffer.size() < 4) return std::nullopt;
-  uint32_t n = 0;
-  for (int i = 0; i < 4; ++i) n |= uint32_t{static_cast<uint8_t>(buffer[i])} << (8 * i);
+  const uint32_t n = LoadLe<uint32_t>(buffer.data());
   if (n == 0 || n > kMaxFrame) {
     return absl::DataLossError(absl::StrFormat(
         "malformed control frame: payload length %d (must be 1..%d)", n, kMaxFrame));

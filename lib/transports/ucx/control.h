@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "core/bytes.h"
 #include "core/system.h"
 
 namespace weightbus::internal::ucx {
@@ -99,22 +100,21 @@ class Writer {
   std::string buf_;
 };
 
-// Parses one frame's payload (after the type byte). Reads past the end or oversized lengths
-// make ok() false; callers check once at the end.
+// Parses one frame's payload (after the type byte), over the core's ByteReader. Reads past the
+// end or oversized lengths make ok() false (and read as 0 or empty); callers check once at the
+// end.
 class Reader {
  public:
-  explicit Reader(std::string_view payload) : rest_(payload) {}
-  uint8_t U8();
-  uint32_t U32();
-  uint64_t U64();
+  explicit Reader(std::string_view payload) : r_(payload) {}
+  uint8_t U8() { return r_.U8("a u8").value_or(0); }
+  uint32_t U32() { return r_.U32("a u32").value_or(0); }
+  uint64_t U64() { return r_.U64("a u64").value_or(0); }
   std::string Str();
-  bool ok() const { return ok_; }
-  bool at_end() const { return rest_.empty(); }
+  bool ok() const { return r_.status().ok(); }
+  bool at_end() const { return r_.at_end(); }
 
  private:
-  bool Take(size_t n, const char** p);
-  std::string_view rest_;
-  bool ok_ = true;
+  ByteReader r_;
 };
 
 struct Frame {

@@ -150,27 +150,43 @@ TEST(DiskProcessTest, WriterKilledAfterRenameBeforeCommitIsInvisibleAndReplaced)
 TEST(DiskProcessTest, SubscriberKilledMidReadDoesNotBlockRetention) {
   ScratchDir dir;
   const std::string uri = ChannelUri(dir) + "?retention=1";
-  auto pub = Publisher::Open(uri);
-  auto v1 = MakeVersion(2, 1, 1 << 18);
-  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
-  // A subscriber process pins version 1 and stalls; we kill it there.
-  auto sub = Child::Start(
-      {Peer(), "subscribe", ChannelUri(dir), "--until", "1", "--seed", "2", "--bytes", "262144"},
-      {{"WEIGHTBUS_FAILPOINTS", "disk.before_read=delay:60000"}}, dir / "sub.log");
+  {
+    auto pub = Publisher::Open(uri);
+    ASSERT_TRUE(pub.ok()) << pub.status();
+    auto v1 = MakeVersion(2, 1, 1 << 18);
+    ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  }
+  // A subscriber process pins version 1 and is held there; we kill it there.
+  testing::PausePoint read("disk.before_read");
+  auto sub =
+      Child::Start({Peer(), "subscribe", ChannelUri(dir), "--until", "1", "--seed", "2", "--bytes",
+                    "262144"},
+                   {{"WEIGHTBUS_FAILPOINTS", read.Spec()}}, dir / "sub.log");
   ASSERT_TRUE(sub.ok());
-  absl::SleepFor(absl::Milliseconds(500));
+  ASSERT_TRUE(read.WaitReached(kTimeout)) << testing::ReadFileOrDie(dir / "sub.log");
+  // This publisher's first retention pass is the one after version 2; it only announces.
+  testing::PausePoint retained("disk.after_retention");
+  retained.Release();
+  auto pub = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", retained.Spec());
+    return Publisher::Open(uri);
+  }();
+  ASSERT_TRUE(pub.ok()) << pub.status();
   auto v2 = MakeVersion(2, 2, 1 << 18);
   ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, kTimeout).ok());
+  ASSERT_TRUE(retained.WaitReached(kTimeout)) << "no retention pass after version 2";
   const std::string v1_dir = dir.path() + absl::StrFormat("/channel/versions/v%020d", 1);
-  // Retention runs in the background; give it every chance to (wrongly) delete the pinned one.
-  absl::SleepFor(absl::Milliseconds(300));
+  const std::string v2_dir = dir.path() + absl::StrFormat("/channel/versions/v%020d", 2);
   EXPECT_TRUE(std::filesystem::exists(v1_dir)) << "pinned by a live reader";
+  EXPECT_TRUE(std::filesystem::exists(v2_dir));
   sub->Kill(SIGKILL);
   ASSERT_TRUE(sub->Wait(kTimeout).ok());
   auto v3 = MakeVersion(2, 3, 1 << 18);
   ASSERT_TRUE((*pub)->Publish(3, Views(v3), {}, kTimeout).ok());
-  EXPECT_TRUE(testing::WaitUntil([&] { return !std::filesystem::exists(v1_dir); }))
-      << "a dead reader's pin must not last";
+  pub->reset();  // finishes the retention pass after version 3 before it returns
+  EXPECT_FALSE(std::filesystem::exists(v1_dir)) << "a dead reader's pin must not last";
+  EXPECT_FALSE(std::filesystem::exists(v2_dir));
+  ExpectSubscriberSeesVersion(dir, 3, 2);
 }
 
 // The `pause` fail point itself (testing::PausePoint), in this process: the publishing thread

@@ -38,11 +38,7 @@ std::string Peer() { return testing::BinaryPath("tests/wb_test_peer"); }
 
 std::string ChannelUri(const ScratchDir& dir) { return "disk://" + dir.path() + "/channel"; }
 
-int ExitCode(int wait_status) {
-  if (WIFEXITED(wait_status)) return WEXITSTATUS(wait_status);
-  if (WIFSIGNALED(wait_status)) return 128 + WTERMSIG(wait_status);
-  return -1;
-}
+using ::weightbus::testing::ExitCode;
 
 TEST(DiskProcessTest, TwoSubscriberProcessesFollowAPublisherProcessBitExact) {
   ScratchDir dir;

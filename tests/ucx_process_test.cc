@@ -48,11 +48,7 @@ std::string Cli() { return testing::BinaryPath("tools/weightbus"); }
 
 using ::weightbus::testing::FreePort;
 
-int ExitCode(int wait_status) {
-  if (WIFEXITED(wait_status)) return WEXITSTATUS(wait_status);
-  if (WIFSIGNALED(wait_status)) return 128 + WTERMSIG(wait_status);
-  return -1;
-}
+using ::weightbus::testing::ExitCode;
 
 // The contents of `path`, or "" when it does not exist yet.
 std::string ReadLog(const std::string& path) {

@@ -373,6 +373,16 @@ absl::StatusOr<RunResult> RunCommand(const std::vector<std::string>& argv, absl:
   return result;
 }
 
+absl::StatusOr<std::string> RunShell(const std::string& command, absl::Duration timeout) {
+  absl::StatusOr<RunResult> r = RunCommand({"/bin/sh", "-c", command}, timeout);
+  if (!r.ok()) return r.status();
+  if (r->exit_code != 0) {
+    return absl::InternalError(absl::StrFormat("command failed (exit code %d): %s\n%s",
+                                               r->exit_code, command, r->output));
+  }
+  return std::move(r->output);
+}
+
 int FreePort(int family) {
   if (family != AF_INET && family != AF_INET6) return -1;
   sockaddr_storage ss{};

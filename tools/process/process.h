@@ -133,6 +133,11 @@ absl::StatusOr<RunResult> RunCommand(const std::vector<std::string>& argv,
                                      absl::Duration timeout = absl::Seconds(120),
                                      const std::map<std::string, std::string>& env = {});
 
+// Runs `command` with /bin/sh -c and returns its stdout and stderr together when it exits 0.
+// Errors: Internal naming the command, its exit and output otherwise; as RunCommand.
+absl::StatusOr<std::string> RunShell(const std::string& command,
+                                     absl::Duration timeout = absl::Seconds(600));
+
 // A TCP port on loopback (127.0.0.1 for AF_INET, ::1 for AF_INET6) reserved for the caller, -1
 // on failure. The port is bound, connected to and closed from the listening side, which leaves a
 // TIME_WAIT entry on it for the kernel's TIME_WAIT period (60 s on Linux): until then no bind to

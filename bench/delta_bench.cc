@@ -21,6 +21,7 @@
 //   weightbus-delta-bench [--streams stories,qwen] [--lrs 1e-6,3e-6,1e-5] [--stories-steps N]
 //       [--qwen-steps N] [--scale F] [--keyframe-interval K] [--chunk-size BYTES]
 //       [--zstd-level L] [--groups G] [--work DIR] [--python PATH] [--no-zstd-cli] [--json FILE]
+//       (--help: every flag with its default)
 //
 // Output follows nccl-tests: '#' lines, a table per stream and rate, and a final "# OK" or
 // "# FAILED: ..." line that compares the figures with the targets of the delta issue.
@@ -49,9 +50,9 @@
 #include "delta/codec.h"
 #include "nlohmann/json.hpp"
 #include "process/process.h"
-#include "weightbus/args.h"
 #include "weightbus/checkpoint.h"
 #include "weightbus/fatal.h"
+#include "weightbus/flags.h"
 #include "weightbus/llama2c.h"
 #include "weightbus/llama_forward.h"
 #include "weightbus/synthetic_model.h"
@@ -425,43 +426,56 @@ std::string EndToEnd(const std::string& work, const std::string& stream_dir, int
 
 int Main(int argc, char** argv) {
   SetFatalErrorPolicy({"weightbus-delta-bench", 1, nullptr});
-  std::vector<std::string> argvec(argv + 1, argv + argc);
-  Args args = OrDie(Args::Parse(argvec, {{"streams"},
-                                         {"lrs"},
-                                         {"stories-steps"},
-                                         {"qwen-steps"},
-                                         {"scale"},
-                                         {"keyframe-interval"},
-                                         {"chunk-size"},
-                                         {"zstd-level"},
-                                         {"groups"},
-                                         {"work"},
-                                         {"python"},
-                                         {"seed"},
-                                         {"no-zstd-cli", false},
-                                         {"json"}}));
-  const std::vector<std::string> streams =
-      absl::StrSplit(args.Get("streams").value_or("stories,qwen"), ',');
-  std::vector<double> lrs;
-  for (absl::string_view s : absl::StrSplit(args.Get("lrs").value_or("1e-6,3e-6,1e-5"), ',')) {
-    double lr;
-    if (!absl::SimpleAtod(s, &lr)) Die("--lrs");
-    lrs.push_back(lr);
-  }
-  const int stories_steps = static_cast<int>(OrDie(args.GetUint("stories-steps", 40)));
-  const int qwen_steps = static_cast<int>(OrDie(args.GetUint("qwen-steps", 30)));
+  std::vector<std::string> streams = {"stories", "qwen"};
+  std::vector<double> lrs = {1e-6, 3e-6, 1e-5};
+  int stories_steps = 40, qwen_steps = 30, keyframe_interval = 50;
   double scale = 1.0;
-  if (auto s = args.Get("scale"); s && !absl::SimpleAtod(*s, &scale)) Die("--scale");
-  const int keyframe_interval = static_cast<int>(OrDie(args.GetUint("keyframe-interval", 50)));
-  const uint64_t seed = OrDie(args.GetUint("seed", 1));
+  uint64_t seed = 1;
   codec::EncodeOptions options;
-  options.chunk_size = OrDie(args.GetUint("chunk-size", options.chunk_size));
-  options.zstd_level = static_cast<int>(OrDie(args.GetUint("zstd-level", 0)));
-  options.max_groups = static_cast<int>(OrDie(args.GetUint("groups", 1)));
-  const std::string python = args.Get("python").value_or("/usr/bin/python3");
-  const bool zstd_cli = !args.Has("no-zstd-cli");
-  const std::string work = args.Get("work").value_or(
-      (std::filesystem::temp_directory_path() / "wb-delta-bench").string());
+  std::string python = "/usr/bin/python3";
+  bool no_zstd_cli = false;
+  std::string work = (std::filesystem::temp_directory_path() / "wb-delta-bench").string();
+  std::string json;
+  CLI::App app(
+      "weightbus-delta-bench: the delta codec on realistic bf16 update streams (stories260K with "
+      "real gradients, a synthetic Qwen2.5-0.5B with Adam), against zstd on the same bytes. "
+      "Output follows nccl-tests and ends with \"# OK\" or \"# FAILED: ...\".",
+      "weightbus-delta-bench");
+  app.add_option("--streams", streams, "update streams to run")
+      ->delimiter(',')
+      ->allow_extra_args(false)
+      ->check(CLI::IsMember({"stories", "qwen"}))
+      ->type_name("NAME,...")
+      ->default_str("stories,qwen");
+  app.add_option("--lrs", lrs, "Adam learning rates, one stream each")
+      ->delimiter(',')
+      ->allow_extra_args(false)
+      ->check(PositiveNumber())
+      ->type_name("LR,...")
+      ->default_str("1e-6,3e-6,1e-5");
+  AddFlag(app, "stories-steps", &stories_steps, "training steps of the stories stream")
+      ->check(CLI::Range(1, 1000000).description(""));
+  AddFlag(app, "qwen-steps", &qwen_steps, "steps of the qwen stream")
+      ->check(CLI::Range(1, 1000000).description(""));
+  AddFlag(app, "scale", &scale, "scale the qwen model's tensors by this factor")
+      ->check(PositiveNumber());
+  AddFlag(app, "keyframe-interval", &keyframe_interval,
+          "a keyframe every K versions (0: only the first)")
+      ->check(CLI::Range(0, 1000000).description(""));
+  AddSizeFlag(app, "chunk-size", &options.chunk_size, "the codec's chunk");
+  AddFlag(app, "zstd-level", &options.zstd_level,
+          "0: the codec's own zstd configuration; 1..22: that zstd level")
+      ->check(CLI::Range(0, 22).description(""));
+  AddFlag(app, "groups", &options.max_groups, "most magnitude groups of the sparse method (1..4)")
+      ->check(CLI::Range(1, 4).description(""));
+  AddFlag(app, "seed", &seed, "the update streams' random seed");
+  AddFlag(app, "work", &work, "scratch directory")->type_name("DIR");
+  AddFlag(app, "python", &python, "interpreter with torch for the stories stream")
+      ->type_name("PATH");
+  app.add_flag("--no-zstd-cli", no_zstd_cli, "leave the zstd CLI baseline out");
+  AddFlag(app, "json", &json, "write every figure to this file")->type_name("FILE");
+  if (std::optional<int> exit_status = ParseFlags(app, argc, argv)) return *exit_status;
+  const bool zstd_cli = !no_zstd_cli;
   std::filesystem::create_directories(work);
   const std::string shm = std::filesystem::exists("/dev/shm") ? "/dev/shm" : work;
 
@@ -592,7 +606,7 @@ int Main(int argc, char** argv) {
       }
     }
   }
-  if (auto path = args.Get("json")) {
+  if (const std::string* path = json.empty() ? nullptr : &json) {
     nlohmann::ordered_json j;
     j["chunk_size"] = options.chunk_size;
     j["zstd_level"] = options.zstd_level;

@@ -6,7 +6,7 @@
 // torch.save + torch.load of the same tensors (bench/torch_baseline.py, Debian's python3-torch).
 //
 //   weightbus-disk-bench [--dir DIR] [--shapes FILE] [--scale F] [--reps N] [--json FILE]
-//                        [--python PATH] [--no-torch] [--no-cold]
+//                        [--python PATH] [--no-torch] [--no-cold]   (--help: every flag)
 //
 // Output follows nccl-tests: a banner, a table whose non-data lines start with '#', and a final
 // "# OK" or "# FAILED: ..." line; every figure is a median over --reps repetitions.
@@ -30,8 +30,8 @@
 #include "absl/time/clock.h"
 #include "nlohmann/json.hpp"
 #include "process/process.h"
-#include "weightbus/args.h"
 #include "weightbus/fatal.h"
+#include "weightbus/flags.h"
 #include "weightbus/synthetic_model.h"
 #include "weightbus/weightbus.hpp"
 
@@ -166,23 +166,36 @@ struct Row {
 
 int Main(int argc, char** argv) {
   SetFatalErrorPolicy({"weightbus-disk-bench", 1, nullptr});
-  std::vector<std::string> argvec(argv + 1, argv + argc);
-  Args args = OrDie(Args::Parse(argvec, {{"dir"},
-                                         {"shapes"},
-                                         {"scale"},
-                                         {"reps"},
-                                         {"json"},
-                                         {"python"},
-                                         {"no-torch", false},
-                                         {"no-cold", false}}));
-  const std::string dir = args.Get("dir").value_or(
-      (std::filesystem::temp_directory_path() / absl::StrFormat("wb-disk-bench-%d", getpid()))
-          .string());
-  const std::string shapes_path = args.Get("shapes").value_or(WEIGHTBUS_SHAPES_FILE);
+  std::string dir, json;
+  std::string shapes_path = WEIGHTBUS_SHAPES_FILE;
   double scale = 1.0;
-  if (auto s = args.Get("scale"); s && !absl::SimpleAtod(*s, &scale)) Die("--scale");
-  const int reps = static_cast<int>(OrDie(args.GetUint("reps", 3)));
-  const std::string python = args.Get("python").value_or("/usr/bin/python3");
+  int reps = 3;
+  std::string python = "/usr/bin/python3";
+  bool no_torch = false, no_cold = false;
+  CLI::App app(
+      "weightbus-disk-bench: durable publish and subscribe of a synthetic ~1 GiB bf16 model with "
+      "Qwen2.5-0.5B's tensor shapes over disk://, against memcpy, dd, pread and torch.save/load "
+      "on the same directory in the same run. Output follows nccl-tests and ends with \"# OK\" "
+      "or \"# FAILED: ...\".",
+      "weightbus-disk-bench");
+  AddFlag(app, "dir", &dir,
+          "where the channel and baselines write (default: $TMPDIR/wb-disk-bench-PID)")
+      ->type_name("DIR");
+  AddFlag(app, "shapes", &shapes_path, "tensor shapes (JSON)")->type_name("FILE");
+  AddFlag(app, "scale", &scale, "scale every tensor's elements by this factor")
+      ->check(PositiveNumber());
+  AddFlag(app, "reps", &reps, "repetitions per figure (median)")
+      ->check(CLI::Range(1, 100000).description(""));
+  AddFlag(app, "json", &json, "write every row to this file")->type_name("FILE");
+  AddFlag(app, "python", &python, "interpreter with torch for the torch baseline")
+      ->type_name("PATH");
+  app.add_flag("--no-torch", no_torch, "leave the torch.save/torch.load baseline out");
+  app.add_flag("--no-cold", no_cold, "leave the cold page cache figures out");
+  if (std::optional<int> exit_status = ParseFlags(app, argc, argv)) return *exit_status;
+  if (dir.empty()) {
+    dir = (std::filesystem::temp_directory_path() / absl::StrFormat("wb-disk-bench-%d", getpid()))
+              .string();
+  }
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
 
@@ -232,7 +245,7 @@ int Main(int argc, char** argv) {
   }
   std::vector<double> raw_write, dd_write, publish, dd_read_hot, pread_hot, sub_hot, dd_read_cold,
       pread_cold, sub_cold;
-  bool cold = !args.Has("no-cold");
+  bool cold = !no_cold;
   auto pub = OrDie(Publisher::Open(uri));
   auto sub = OrDie(Subscriber::Open(uri));
   // The same sync without durability (fsync=false): what a trainer that keeps its own
@@ -243,7 +256,7 @@ int Main(int argc, char** argv) {
   std::vector<double> fast_publish, fast_subscribe, torch_save, torch_save_fsync, torch_load;
   TorchBaseline torch;
   bool torch_ok = false;
-  if (!args.Has("no-torch")) {
+  if (!no_torch) {
     std::string why;
     torch_ok = torch.Start(python,
                            absl::StrFormat("%s/torch_baseline.py --shapes %s --scale %.17g "
@@ -391,7 +404,7 @@ int Main(int argc, char** argv) {
       failures.push_back("durable round trip < 5x faster than torch.save + fsync + torch.load");
     }
   }
-  if (auto path = args.Get("json")) {
+  if (const std::string* path = json.empty() ? nullptr : &json) {
     nlohmann::ordered_json j;
     j["bytes"] = bytes;
     j["tensors"] = model.size();

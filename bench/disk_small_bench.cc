@@ -24,8 +24,8 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "weightbus/args.h"
 #include "weightbus/fatal.h"
+#include "weightbus/flags.h"
 #include "weightbus/weightbus.hpp"
 
 namespace weightbus::tools {
@@ -38,19 +38,29 @@ double Median(std::vector<double> v) {
 
 int Main(int argc, char** argv) {
   SetFatalErrorPolicy({"weightbus-disk-small-bench", 1, nullptr});
-  std::vector<std::string> argvec(argv + 1, argv + argc);
-  Args args = OrDie(Args::Parse(
-      argvec, {{"dir"}, {"small"}, {"big"}, {"big-bytes"}, {"reps"}, {"fsync"}, {"only"}}));
-  const std::string dir = args.Get("dir").value_or(
-      (std::filesystem::temp_directory_path() / absl::StrFormat("wb-small-bench-%d", getpid()))
-          .string());
-  const uint64_t small = OrDie(args.GetUint("small", 20000));
-  const uint64_t big = OrDie(args.GetUint("big", 20));
-  const uint64_t big_bytes = OrDie(args.GetUint("big-bytes", uint64_t{64} << 20));
-  const int reps = static_cast<int>(OrDie(args.GetUint("reps", 3)));
-  const std::string fsync = args.Get("fsync").value_or("true");
-  const std::string only = args.Get("only").value_or("");  // "many" or "few": that case alone
-  if (!only.empty() && only != "many" && only != "few") Die("--only takes many or few");
+  std::string dir;
+  uint64_t small = 20000, big = 20, big_bytes = uint64_t{64} << 20;
+  int reps = 3;
+  std::string fsync = "true";
+  std::string only;  // "many" or "few": that case alone
+  CLI::App app(
+      "weightbus-disk-small-bench: publish time over disk:// of a version made of many small "
+      "tensors against the same bytes in few tensors.",
+      "weightbus-disk-small-bench");
+  AddFlag(app, "dir", &dir, "where the channels go (default: $TMPDIR/wb-small-bench-PID)")
+      ->type_name("DIR");
+  AddFlag(app, "small", &small, "small tensors (4..64 KiB each) in the \"many\" case");
+  AddFlag(app, "big", &big, "big tensors in both cases");
+  AddSizeFlag(app, "big-bytes", &big_bytes, "bytes of each big tensor");
+  AddFlag(app, "reps", &reps, "repetitions (median)")->check(CLI::Range(1, 100000).description(""));
+  AddFlag(app, "fsync", &fsync, "the channels' fsync setting")
+      ->check(CLI::IsMember({"true", "false"}));
+  AddFlag(app, "only", &only, "run one case alone")->check(CLI::IsMember({"many", "few"}));
+  if (std::optional<int> exit_status = ParseFlags(app, argc, argv)) return *exit_status;
+  if (dir.empty()) {
+    dir = (std::filesystem::temp_directory_path() / absl::StrFormat("wb-small-bench-%d", getpid()))
+              .string();
+  }
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
 

@@ -8,6 +8,7 @@
 //   weightbus-ucx-bench [--tls LIST]... [--sizes 64MiB,256MiB,1GiB,2GiB] [--subscribers 1,4]
 //                       [--multi-max-bytes 1GiB] [--reps N] [--warmup N] [--json FILE]
 //                       [--perftest PATH] [--no-perftest] [--shapes FILE] [--read-weights]
+//                       (--help: every flag with its default)
 //
 // --read-weights: each subscriber reads every byte of a version before asking for the next, as a
 // replica serving inference does (its receive buffers are then warm when recycled).
@@ -44,8 +45,8 @@
 #include "absl/time/clock.h"
 #include "nlohmann/json.hpp"
 #include "process/process.h"
-#include "weightbus/args.h"
 #include "weightbus/fatal.h"
+#include "weightbus/flags.h"
 #include "weightbus/synthetic_model.h"
 #include "weightbus/weightbus.hpp"
 
@@ -55,21 +56,6 @@ namespace {
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
-}
-
-uint64_t ParseBytes(const std::string& s) {
-  uint64_t mult = 1;
-  std::string num = s;
-  for (const auto& [suffix, m] : std::vector<std::pair<std::string, uint64_t>>{
-           {"KiB", 1ull << 10}, {"MiB", 1ull << 20}, {"GiB", 1ull << 30}}) {
-    if (num.size() > suffix.size() && num.substr(num.size() - suffix.size()) == suffix) {
-      mult = m;
-      num = num.substr(0, num.size() - suffix.size());
-    }
-  }
-  uint64_t v = 0;
-  if (!absl::SimpleAtoi(num, &v)) Die("not a size: " + s);
-  return v * mult;
 }
 
 std::string Human(uint64_t b) {
@@ -190,45 +176,59 @@ struct Row {
 
 int Main(int argc, char** argv) {
   SetFatalErrorPolicy({"weightbus-ucx-bench", 1, nullptr});
-  std::vector<std::string> argvec(argv + 1, argv + argc);
-  Args args = OrDie(Args::Parse(argvec, {{"tls", true, true},
-                                         {"sizes"},
-                                         {"subscribers"},
-                                         {"multi-max-bytes"},
-                                         {"reps"},
-                                         {"warmup"},
-                                         {"json"},
-                                         {"perftest"},
-                                         {"no-perftest", false},
-                                         {"shapes"},
-                                         {"role"},
-                                         {"uri"},
-                                         {"count"},
-                                         {"read-weights", false}}));
-  if (args.Get("role") == "subscriber") {
-    return SubscriberMain(*args.Get("uri"), OrDie(args.GetUint("count", 1)),
-                          args.Has("read-weights"));
-  }
-  std::vector<std::string> tls_list = args.GetAll("tls");
-  if (tls_list.empty()) tls_list = {"posix,sysv,cma,self", "tcp"};
-  std::vector<uint64_t> sizes;
-  for (const std::string& s : std::vector<std::string>(
-           absl::StrSplit(args.Get("sizes").value_or("64MiB,256MiB,1GiB,2GiB"), ','))) {
-    sizes.push_back(ParseBytes(s));
-  }
-  std::vector<int> sub_counts;
-  for (const std::string& s :
-       std::vector<std::string>(absl::StrSplit(args.Get("subscribers").value_or("1,4"), ','))) {
-    int n = 0;
-    if (!absl::SimpleAtoi(s, &n) || n < 1) Die("--subscribers");
-    sub_counts.push_back(n);
-  }
-  const uint64_t multi_max = ParseBytes(args.Get("multi-max-bytes").value_or("1GiB"));
-  const int reps = static_cast<int>(OrDie(args.GetUint("reps", 5)));
-  const int warmup = static_cast<int>(OrDie(args.GetUint("warmup", 2)));
-  const std::string perftest = args.Get("perftest").value_or("/usr/bin/ucx_perftest");
-  const bool run_perftest = !args.Has("no-perftest") && access(perftest.c_str(), X_OK) == 0;
-  const std::string shapes_path = args.Get("shapes").value_or(WEIGHTBUS_SHAPES_FILE);
+  struct {
+    std::vector<std::string> tls = {"posix,sysv,cma,self", "tcp"};
+    std::vector<uint64_t> sizes = {64ull << 20, 256ull << 20, 1ull << 30, 2ull << 30};
+    std::vector<int> subscribers = {1, 4};
+    uint64_t multi_max_bytes = 1ull << 30;
+    int reps = 5, warmup = 2;
+    std::string json, perftest = "/usr/bin/ucx_perftest", shapes = WEIGHTBUS_SHAPES_FILE;
+    bool no_perftest = false, read_weights = false;
+    // --role subscriber (the bench's own child processes)
+    std::string role, uri;
+    uint64_t count = 1;
+  } flags;
+  CLI::App app(
+      "weightbus-ucx-bench: ucx:// publish and pull of synthetic bf16 models with "
+      "Qwen2.5-0.5B's tensor shapes, against ucx_perftest and memcpy in the same run, per UCX_TLS "
+      "setting. Output follows nccl-tests and ends with \"# OK\" or \"# FAILED: ...\".",
+      "weightbus-ucx-bench");
+  AddRepeatedFlag(app, "tls", &flags.tls,
+                  "one UCX_TLS setting per flag (repeatable; tcp runs with UCX_NET_DEVICES=lo)")
+      ->default_str("posix,sysv,cma,self and tcp");
+  AddSizeListFlag(app, "sizes", &flags.sizes, "model sizes");
+  app.add_option("--subscribers", flags.subscribers, "subscriber process counts")
+      ->delimiter(',')
+      ->allow_extra_args(false)
+      ->check(CLI::Range(1, 1000).description(""))
+      ->type_name("N,...")
+      ->default_str("1,4");
+  AddSizeFlag(app, "multi-max-bytes", &flags.multi_max_bytes,
+              "runs with more than one subscriber only up to this model size");
+  AddFlag(app, "reps", &flags.reps, "measured versions per figure (median)")
+      ->check(CLI::Range(1, 100000).description(""));
+  AddFlag(app, "warmup", &flags.warmup, "versions before the measured ones")
+      ->check(CLI::Range(0, 100000).description(""));
+  AddFlag(app, "json", &flags.json, "write every row to this file")->type_name("FILE");
+  AddFlag(app, "perftest", &flags.perftest, "ucx_perftest (Debian's ucx-utils)")->type_name("PATH");
+  app.add_flag("--no-perftest", flags.no_perftest, "leave the ucx_perftest baseline out");
+  AddFlag(app, "shapes", &flags.shapes, "tensor shapes (JSON) to scale")->type_name("FILE");
+  app.add_flag("--read-weights", flags.read_weights,
+               "each subscriber reads every byte of a version before asking for the next");
+  AddFlag(app, "role", &flags.role, "")->check(CLI::IsMember({"subscriber"}))->group("");
+  AddFlag(app, "uri", &flags.uri, "")->group("");
+  AddFlag(app, "count", &flags.count, "")->group("");
+  if (std::optional<int> exit_status = ParseFlags(app, argc, argv)) return *exit_status;
+  if (flags.role == "subscriber") return SubscriberMain(flags.uri, flags.count, flags.read_weights);
+  const std::vector<std::string>& tls_list = flags.tls;
+  const std::vector<uint64_t>& sizes = flags.sizes;
+  const std::vector<int>& sub_counts = flags.subscribers;
+  const uint64_t multi_max = flags.multi_max_bytes;
+  const int reps = flags.reps;
+  const int warmup = flags.warmup;
+  const std::string& perftest = flags.perftest;
+  const bool run_perftest = !flags.no_perftest && access(perftest.c_str(), X_OK) == 0;
+  const std::string& shapes_path = flags.shapes;
   const std::vector<ShapeSpec> base_shapes = OrDie(ReadShapes(shapes_path));
   uint64_t base_bytes = 0;
   for (const ShapeSpec& s : base_shapes) {
@@ -303,7 +303,7 @@ int Main(int argc, char** argv) {
                                            uri,
                                            "--count",
                                            std::to_string(warmup + reps)};
-          if (args.Has("read-weights")) argv.push_back("--read-weights");
+          if (flags.read_weights) argv.push_back("--read-weights");
           c.subs.push_back(StartReading(argv));
         }
         configs.push_back(std::move(c));
@@ -419,7 +419,7 @@ int Main(int argc, char** argv) {
     std::printf("  %-20s %-9s %-40s %9.4f %8.2f  %s\n", r.tls.c_str(), r.op.c_str(), r.what.c_str(),
                 r.seconds, r.gbps, r.ratio.c_str());
   }
-  if (auto path = args.Get("json")) {
+  if (const std::string* path = flags.json.empty() ? nullptr : &flags.json) {
     nlohmann::ordered_json j;
     for (const Row& r : rows) {
       j["rows"].push_back({{"tls", r.tls},

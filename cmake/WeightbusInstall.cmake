@@ -34,6 +34,19 @@ install(FILES ${PROJECT_BINARY_DIR}/weightbusConfig.cmake
               ${PROJECT_BINARY_DIR}/weightbusConfigVersion.cmake
   DESTINATION ${WEIGHTBUS_CMAKE_INSTALL_DIR})
 
+# weightbus.pc: the transports built and what the shared library links, per WEIGHTBUS_WITH_*.
+list(JOIN WEIGHTBUS_TRANSPORTS " " WEIGHTBUS_PC_TRANSPORTS)
+set(_wb_pc_libs "")
+foreach(_wb_module IN LISTS WEIGHTBUS_PKG_MODULES)
+  foreach(_wb_lib IN LISTS ${_wb_module}_LIBRARIES)
+    list(APPEND _wb_pc_libs "-l${_wb_lib}")
+  endforeach()
+endforeach()
+if(WEIGHTBUS_WITH_CUDA)
+  list(APPEND _wb_pc_libs -lcudart)
+endif()
+list(APPEND _wb_pc_libs -pthread)
+list(JOIN _wb_pc_libs " " WEIGHTBUS_PC_LIBS_PRIVATE)
 file(RELATIVE_PATH WEIGHTBUS_PC_PREFIX_REL /prefix/${CMAKE_INSTALL_LIBDIR}/pkgconfig /prefix)
 configure_file(${PROJECT_SOURCE_DIR}/cmake/weightbus.pc.in ${PROJECT_BINARY_DIR}/weightbus.pc @ONLY)
 configure_file(${PROJECT_SOURCE_DIR}/cmake/weightbus-cpp.pc.in ${PROJECT_BINARY_DIR}/weightbus-cpp.pc

@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # Installs the Debian packages weightbus needs (only those missing), then configures and builds
 # it in ./build. Extra packages can be named in SETUP_EXTRA_PACKAGES and extra CMake arguments
-# in SETUP_CMAKE_ARGS (not WEIGHTBUS_*: the library rejects unknown WEIGHTBUS_* variables).
+# in SETUP_CMAKE_ARGS (CMake options such as -DWEIGHTBUS_WITH_DELTA=OFF; WEIGHTBUS_* environment
+# variables are library settings, see README).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,7 +11,8 @@ cd "$(dirname "$0")/.."
 # /usr/bin/python3 (a pyenv or venv python3 first on PATH does not see these packages).
 packages=(cmake ninja-build g++ pkg-config
           libabsl-dev libzstd-dev libxxhash-dev liburing-dev nlohmann-json3-dev
-          libgtest-dev libbenchmark-dev libdlpack-dev libucx-dev ucx-utils zstd clang-format
+          libgtest-dev libbenchmark-dev libcli11-dev libdlpack-dev libucx-dev ucx-utils zstd
+          clang-format
           python3 python3-numpy python3-torch python3-pytest ${SETUP_EXTRA_PACKAGES:-})
 missing=()
 for p in "${packages[@]}"; do

@@ -1,22 +1,35 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The C API from plain C (compiled as C11, linking libweightbus.so as users do): a publisher in
- * this process and a subscriber in a forked child process exchange versions over disk://;
- * every byte, dtype, error code and message is checked. Uses nothing but weightbus.h.
+ * this process and a subscriber in a forked child process exchange versions over disk://; the
+ * library lists, shards, layer figures (delta+disk) and WaitForReceivers (ucx:// over loopback,
+ * when built) in this process. Every byte, dtype, error code and message is checked. Uses
+ * nothing but weightbus.h (and POSIX sockets to find a free port).
+ *
+ * WB_TEST_TRANSPORTS (from CMake) is the comma-separated, sorted list of the schemes this build
+ * compiles in: wb_transport_* must report exactly these.
  */
 #define _XOPEN_SOURCE 700
+#include <arpa/inet.h>
 #include <dlpack/dlpack.h>
 #include <ftw.h>
+#include <netinet/in.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include "weightbus/weightbus.h"
+
+#ifndef WB_TEST_TRANSPORTS
+#error "define WB_TEST_TRANSPORTS, the comma-separated schemes of this build (tests/CMakeLists.txt)"
+#endif
 
 static int failures = 0;
 
@@ -193,6 +206,13 @@ static void CheckUpdate(const wb_update_t* update, uint64_t version) {
   CHECK(stats.bytes == sizeof(w_f32) + sizeof(e_bf16) + sizeof(u_bf16) + 8 * sizeof(float) +
                            sizeof(flags) + sizeof(fp8) + sizeof(double));
   CHECK(stats.ready_unix_ns > 0);
+  CHECK(stats.wire_bytes == stats.bytes && stats.decode_ns == 0); /* no layer */
+  /* A caller compiled before decode_ns existed gets the fields it has, nothing beyond. */
+  wb_update_stats_t before_decode = WB_UPDATE_STATS_INIT;
+  before_decode.struct_size = offsetof(wb_update_stats_t, decode_ns);
+  before_decode.wire_bytes = 42;
+  CHECK_OK(wb_update_stats(update, &before_decode));
+  CHECK(before_decode.bytes == stats.bytes && before_decode.wire_bytes == 42);
 
   CHECK_STATUS(wb_update_tensor(update, kNumTensors, NULL, NULL, &t), WB_OUT_OF_RANGE,
                "tensor index 8 is past the end");
@@ -443,6 +463,361 @@ static void TestPublishErrors(wb_publisher_t* publisher) {
                "tensor name \"x\" appears twice");
 }
 
+/* ---- Library lists: transports and settings ---- */
+
+static void TestLibraryLists(void) {
+  size_t count = 0;
+  CHECK_OK(wb_transport_count(&count));
+  char joined[256] = "";
+  for (size_t i = 0; i < count; ++i) {
+    const char* scheme = NULL;
+    CHECK_OK(wb_transport_scheme(i, &scheme));
+    if (scheme == NULL) continue;
+    if (i > 0) strncat(joined, ",", sizeof(joined) - strlen(joined) - 1);
+    strncat(joined, scheme, sizeof(joined) - strlen(joined) - 1);
+  }
+  if (strcmp(joined, WB_TEST_TRANSPORTS) != 0) {
+    fprintf(stderr, "wb_transport_scheme lists \"%s\", this build has \"%s\"\n", joined,
+            WB_TEST_TRANSPORTS);
+    ++failures;
+  }
+  const char* scheme = "unchanged";
+  char needle[96];
+  snprintf(needle, sizeof(needle),
+           "wb_transport_scheme: index %zu is past the end of the %zu "
+           "transports",
+           count, count);
+  CHECK_STATUS(wb_transport_scheme(count, &scheme), WB_OUT_OF_RANGE, needle);
+  CHECK(strcmp(scheme, "unchanged") == 0); /* outputs are written only on success */
+  CHECK_STATUS(wb_transport_count(NULL), WB_INVALID_ARGUMENT, "wb_transport_count: count is NULL");
+  CHECK_STATUS(wb_transport_scheme(0, NULL), WB_INVALID_ARGUMENT, "scheme is NULL");
+
+  size_t settings = 0;
+  CHECK_OK(wb_setting_count(&settings));
+  CHECK(settings > 0);
+  bool found_retention = false, found_bind_mode = false;
+  for (size_t i = 0; i < settings; ++i) {
+    wb_setting_info_t info = WB_SETTING_INFO_INIT;
+    CHECK_OK(wb_setting_info(i, &info));
+    CHECK(info.scope && info.name && info.type && info.default_value && info.env && info.doc);
+    if (info.name == NULL || info.scope == NULL) continue;
+    if (i == 0) CHECK(strcmp(info.scope, "core") == 0); /* the core's settings come first */
+    if (strcmp(info.scope, "disk") == 0 && strcmp(info.name, "retention") == 0) {
+      found_retention = true;
+      CHECK(strcmp(info.type, "int") == 0 && strcmp(info.default_value, "3") == 0);
+      CHECK(strcmp(info.env, "WEIGHTBUS_DISK_RETENTION") == 0 && strlen(info.doc) > 0);
+    }
+    if (strcmp(info.scope, "core") == 0 && strcmp(info.name, "bind_mode") == 0) {
+      found_bind_mode = true;
+      CHECK(strcmp(info.type, "enum(staged|direct)") == 0);
+      CHECK(strcmp(info.default_value, "staged") == 0);
+      CHECK(strcmp(info.env, "WEIGHTBUS_BIND_MODE") == 0);
+    }
+  }
+  CHECK(found_retention && found_bind_mode);
+  /* A newer caller's longer struct gets the fields this library knows, nothing beyond; a
+   * struct smaller than the first layout and a past-the-end index are refused. */
+  struct {
+    wb_setting_info_t known;
+    const char* future_field;
+  } newer = {WB_SETTING_INFO_INIT, "untouched"};
+  newer.known.struct_size = sizeof(newer);
+  CHECK_OK(wb_setting_info(0, &newer.known));
+  CHECK(newer.known.doc != NULL && strcmp(newer.future_field, "untouched") == 0);
+  wb_setting_info_t tiny = WB_SETTING_INFO_INIT;
+  tiny.struct_size = sizeof(size_t);
+  CHECK_STATUS(wb_setting_info(0, &tiny), WB_INVALID_ARGUMENT,
+               "wb_setting_info: info.struct_size is 8, smaller than any version of the struct");
+  CHECK(tiny.name == NULL);
+  wb_setting_info_t past = WB_SETTING_INFO_INIT;
+  snprintf(needle, sizeof(needle), "index %zu is past the end of the %zu settings", settings,
+           settings);
+  CHECK_STATUS(wb_setting_info(settings, &past), WB_OUT_OF_RANGE, needle);
+  CHECK_STATUS(wb_setting_info(0, NULL), WB_INVALID_ARGUMENT, "info is NULL");
+  CHECK_STATUS(wb_setting_count(NULL), WB_INVALID_ARGUMENT, "count is NULL");
+}
+
+/* ---- Handles' URIs, and WaitForReceivers where the transport cannot tell (disk) ---- */
+
+static void TestUrisAndDiskReceivers(wb_publisher_t* publisher, const char* uri) {
+  const char* got = NULL;
+  CHECK_OK(wb_publisher_uri(publisher, &got));
+  CHECK(got != NULL && strcmp(got, uri) == 0);
+  CHECK_STATUS(wb_publisher_uri(publisher, NULL), WB_INVALID_ARGUMENT,
+               "wb_publisher_uri: uri is NULL");
+  CHECK_STATUS(wb_publisher_uri(NULL, &got), WB_INVALID_ARGUMENT, "publisher is NULL");
+  wb_subscriber_t* sub = NULL;
+  CHECK_OK(wb_subscriber_create(uri, NULL, &sub));
+  got = NULL;
+  CHECK_OK(wb_subscriber_uri(sub, &got));
+  CHECK(got != NULL && strcmp(got, uri) == 0);
+  CHECK_STATUS(wb_subscriber_uri(sub, NULL), WB_INVALID_ARGUMENT, "wb_subscriber_uri: uri is NULL");
+  CHECK_STATUS(wb_subscriber_uri(NULL, &got), WB_INVALID_ARGUMENT, "subscriber is NULL");
+  wb_subscriber_destroy(sub);
+
+  /* disk:// subscribers never talk to the publisher. */
+  CHECK_STATUS(wb_publisher_wait_for_receivers(publisher, 1, 1, 1000), WB_UNIMPLEMENTED,
+               "this transport cannot tell which subscribers received version 1");
+  CHECK_STATUS(wb_publisher_wait_for_receivers(publisher, 1, 0, 1000), WB_INVALID_ARGUMENT,
+               "WaitForReceivers needs a count of at least 1, got 0");
+  CHECK_STATUS(wb_publisher_wait_for_receivers(NULL, 1, 1, 1000), WB_INVALID_ARGUMENT,
+               "wb_publisher_wait_for_receivers: publisher is NULL");
+}
+
+/* ---- Shards: published through wb_publish_params_t.shards, read back with tensor_info ---- */
+
+/* Receives `version` of TestShards' channel: "a" F32 [2, 3], a shard at [2, 3] of [4, 6] in
+ * version 1 and whole in version 2, and "b" I32 [4], always whole. */
+static void CheckShardInfo(wb_subscriber_t* sub, uint64_t version, size_t a_bytes, size_t b_bytes) {
+  wb_update_t* update = NULL;
+  CHECK_OK(wb_subscriber_wait(sub, version, 30000, &update));
+  if (update == NULL) return;
+  uint64_t v = 0;
+  CHECK_OK(wb_update_version(update, &v));
+  CHECK(v == version);
+  const char* json = NULL;
+  CHECK_OK(wb_update_manifest_json(update, &json, NULL));
+  wb_tensor_info_t info = WB_TENSOR_INFO_INIT;
+  CHECK_OK(wb_update_tensor_info(update, 0, &info));
+  CHECK(strcmp(info.name, "a") == 0 && info.dtype == WB_DTYPE_F32 && info.ndim == 2);
+  CHECK(info.shape[0] == 2 && info.shape[1] == 3 && info.nbytes == a_bytes);
+  char hex[40];
+  snprintf(hex, sizeof(hex), "\"%016llx\"", (unsigned long long)info.xxh3);
+  CHECK(strstr(json, hex) != NULL); /* the checksum the manifest records */
+  if (version == 1) {
+    CHECK(info.has_shard);
+    CHECK(info.shard_global_shape && info.shard_global_shape[0] == 4 &&
+          info.shard_global_shape[1] == 6);
+    CHECK(info.shard_offsets && info.shard_offsets[0] == 2 && info.shard_offsets[1] == 3);
+  } else {
+    CHECK(!info.has_shard && info.shard_global_shape == NULL && info.shard_offsets == NULL);
+  }
+  wb_tensor_info_t info_b = WB_TENSOR_INFO_INIT;
+  CHECK_OK(wb_update_tensor_info(update, 1, &info_b));
+  CHECK(strcmp(info_b.name, "b") == 0 && info_b.dtype == WB_DTYPE_I32 && info_b.ndim == 1);
+  CHECK(info_b.shape[0] == 4 && info_b.nbytes == b_bytes && !info_b.has_shard);
+  CHECK(info_b.shard_global_shape == NULL && info_b.shard_offsets == NULL);
+  /* A newer caller's longer struct: the bytes beyond what this library knows stay untouched. */
+  struct {
+    wb_tensor_info_t known;
+    uint64_t future_field;
+  } newer = {WB_TENSOR_INFO_INIT, 42};
+  newer.known.struct_size = sizeof(newer);
+  CHECK_OK(wb_update_tensor_info(update, 0, &newer.known));
+  CHECK(newer.known.xxh3 == info.xxh3 && newer.future_field == 42);
+  wb_tensor_info_t past = WB_TENSOR_INFO_INIT;
+  CHECK_STATUS(wb_update_tensor_info(update, 2, &past), WB_OUT_OF_RANGE,
+               "wb_update_tensor_info: tensor index 2 is past the end of version");
+  CHECK(past.name == NULL);
+  wb_tensor_info_t tiny = WB_TENSOR_INFO_INIT;
+  tiny.struct_size = 4;
+  CHECK_STATUS(wb_update_tensor_info(update, 0, &tiny), WB_INVALID_ARGUMENT,
+               "info.struct_size is 4");
+  CHECK_STATUS(wb_update_tensor_info(update, 0, NULL), WB_INVALID_ARGUMENT, "info is NULL");
+  CHECK_STATUS(wb_update_tensor_info(NULL, 0, &info), WB_INVALID_ARGUMENT, "update is NULL");
+  wb_update_destroy(update);
+}
+
+static void TestShards(const char* dir) {
+  char uri[512];
+  snprintf(uri, sizeof(uri), "disk://%s/shards?fsync=false", dir);
+  wb_publisher_t* pub = NULL;
+  CHECK_OK(wb_publisher_create(uri, NULL, &pub));
+  if (pub == NULL) return;
+  float a[2][3] = {{1, 2, 3}, {4, 5, 6}};
+  int32_t b[4] = {7, 8, 9, 10};
+  int64_t shape_a[] = {2, 3}, shape_b[] = {4};
+  DLTensor tensors[2] = {Tensor(a, 2, shape_a, NULL, kDLFloat, 32),
+                         Tensor(b, 1, shape_b, NULL, kDLInt, 32)};
+  const char* tensor_names[] = {"a", "b"};
+  int64_t global[] = {4, 6}, offsets[] = {2, 3};
+  const wb_shard_t shard_a = {2, global, offsets};
+  const wb_shard_t* shards[] = {&shard_a, NULL}; /* "b" is whole */
+  wb_publish_params_t params = WB_PUBLISH_PARAMS_INIT;
+  params.shards = shards;
+  CHECK_OK(wb_publisher_publish(pub, 1, tensor_names, tensors, 2, &params, 30000));
+  wb_subscriber_t* sub = NULL;
+  CHECK_OK(wb_subscriber_create(uri, NULL, &sub));
+  if (sub == NULL) {
+    wb_publisher_destroy(pub);
+    return;
+  }
+  CheckShardInfo(sub, 1, sizeof(a), sizeof(b));
+
+  /* Failure paths: each names the tensor; nothing is published. */
+  int64_t too_far[] = {3, 3};
+  const struct {
+    size_t tensor; /* the index of the tensor described as a shard */
+    wb_shard_t shard;
+    const char* message;
+  } refused[] = {
+      {0,
+       {2, global, too_far},
+       "tensor \"a\": slice of shape [2, 3] at offsets [3, 3] does not fit in global shape "
+       "[4, 6] (dimension 0)"},
+      {0,
+       {1, global, offsets},
+       "tensor \"a\": shard global_shape [4] and offsets [2] must have the rank of shape [2, 3]"},
+      {1,
+       {1, shape_b, NULL},
+       "version 2: tensor \"b\": params.shards[1] has ndim 1 and a global_shape and NULL "
+       "offsets"},
+      {0, {-1, NULL, NULL}, "params.shards[0] has ndim -1"},
+  };
+  for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); ++i) {
+    const wb_shard_t* per_tensor[2] = {NULL, NULL};
+    per_tensor[refused[i].tensor] = &refused[i].shard;
+    params.shards = per_tensor;
+    CHECK_STATUS(wb_publisher_publish(pub, 2, tensor_names, tensors, 2, &params, 30000),
+                 WB_INVALID_ARGUMENT, refused[i].message);
+  }
+  bool has = false;
+  uint64_t latest = 0;
+  CHECK_OK(wb_publisher_latest_version(pub, &has, &latest));
+  CHECK(has && latest == 1);
+  /* A caller compiled before `shards` existed: the bytes beyond its struct_size are not read,
+   * so version 2 is published whole whatever they hold. */
+  const wb_shard_t* bad[] = {&refused[0].shard, NULL};
+  params.shards = bad;
+  params.struct_size = offsetof(wb_publish_params_t, shards);
+  CHECK_OK(wb_publisher_publish(pub, 2, tensor_names, tensors, 2, &params, 30000));
+  CheckShardInfo(sub, 2, sizeof(a), sizeof(b));
+  wb_subscriber_destroy(sub);
+  wb_publisher_destroy(pub);
+}
+
+/* ---- A layer's figures: delta+disk reports encode/decode time and encoded bytes ---- */
+
+static void TestLayerStats(const char* dir) {
+  if (strstr(WB_TEST_TRANSPORTS, "delta") == NULL) {
+    printf("capi_test: SKIPPED layer figures: delta is not built\n");
+    return;
+  }
+  char uri[512];
+  snprintf(uri, sizeof(uri), "delta+disk://%s/delta?fsync=false", dir);
+  wb_publisher_t* pub = NULL;
+  CHECK_OK(wb_publisher_create(uri, NULL, &pub));
+  if (pub == NULL) return;
+  static uint32_t zeros[16384]; /* 64 KiB that compress to far less */
+  int64_t shape[] = {16384};
+  DLTensor t = Tensor(zeros, 1, shape, NULL, kDLUInt, 32);
+  const char* name[] = {"zeros"};
+  CHECK_OK(wb_publisher_publish(pub, 1, name, &t, 1, NULL, 30000));
+  wb_publish_stats_t ps = WB_PUBLISH_STATS_INIT;
+  CHECK_OK(wb_publisher_last_stats(pub, &ps));
+  CHECK(ps.version == 1 && ps.bytes == sizeof(zeros));
+  CHECK(ps.wire_bytes > 0 && ps.wire_bytes < ps.bytes);
+  CHECK(ps.encode_ns > 0 && ps.encode_ns <= ps.transport_ns);
+  /* A caller compiled before encode_ns existed gets the fields it has, nothing beyond. */
+  wb_publish_stats_t before_encode = WB_PUBLISH_STATS_INIT;
+  before_encode.struct_size = offsetof(wb_publish_stats_t, encode_ns);
+  before_encode.wire_bytes = 42;
+  CHECK_OK(wb_publisher_last_stats(pub, &before_encode));
+  CHECK(before_encode.version == 1 && before_encode.encode_ns == 0 &&
+        before_encode.wire_bytes == 42);
+
+  wb_subscriber_t* sub = NULL;
+  CHECK_OK(wb_subscriber_create(uri, NULL, &sub));
+  wb_update_t* update = NULL;
+  if (sub != NULL) CHECK_OK(wb_subscriber_wait(sub, 1, 30000, &update));
+  if (update != NULL) {
+    wb_update_stats_t us = WB_UPDATE_STATS_INIT;
+    CHECK_OK(wb_update_stats(update, &us));
+    CHECK(us.bytes == sizeof(zeros) && us.wire_bytes == ps.wire_bytes);
+    CHECK(us.decode_ns > 0 && us.decode_ns <= us.fetch_ns);
+    const DLTensor* received = NULL;
+    CHECK_OK(wb_update_tensor(update, 0, NULL, NULL, &received));
+    CHECK(received && memcmp(received->data, zeros, sizeof(zeros)) == 0);
+  }
+  wb_update_destroy(update);
+  wb_subscriber_destroy(sub);
+  wb_publisher_destroy(pub);
+}
+
+/* ---- WaitForReceivers over ucx:// on loopback ---- */
+
+/* A loopback port nobody listens on right now (another process may take it before the
+ * publisher binds it: the caller retries on WB_FAILED_PRECONDITION, "in use"). */
+static int FreePort(void) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  struct sockaddr_in a;
+  memset(&a, 0, sizeof(a));
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  const int ok = bind(fd, (struct sockaddr*)&a, sizeof(a)) == 0 &&
+                 getsockname(fd, (struct sockaddr*)&a, &len) == 0;
+  close(fd);
+  return ok ? ntohs(a.sin_port) : -1;
+}
+
+struct ReceiversWait {
+  wb_publisher_t* publisher;
+  wb_status_t status;
+};
+
+static void* WaitForManyReceivers(void* arg) {
+  struct ReceiversWait* w = (struct ReceiversWait*)arg;
+  w->status = wb_publisher_wait_for_receivers(w->publisher, 1, 1000, WB_TIMEOUT_INFINITE);
+  return NULL;
+}
+
+static void TestUcxReceivers(void) {
+  if (strstr(WB_TEST_TRANSPORTS, "ucx") == NULL) {
+    printf("capi_test: SKIPPED WaitForReceivers over ucx://: ucx is not built\n");
+    return;
+  }
+  char uri[128] = "";
+  wb_publisher_t* pub = NULL;
+  wb_status_t created = WB_UNKNOWN;
+  for (int attempt = 0; attempt < 20 && pub == NULL; ++attempt) {
+    snprintf(uri, sizeof(uri), "ucx://127.0.0.1:%d/capi", FreePort());
+    created = wb_publisher_create(uri, NULL, &pub);
+    if (created != WB_FAILED_PRECONDITION) break; /* anything but "port in use" */
+  }
+  CHECK(created == WB_OK);
+  if (pub == NULL) {
+    fprintf(stderr, "capi_test: %s: %s\n", uri, wb_last_error_message());
+    return;
+  }
+  CHECK_OK(PublishVersion(pub, 1));
+  wb_publish_stats_t ps = WB_PUBLISH_STATS_INIT;
+  CHECK_OK(wb_publisher_last_stats(pub, &ps));
+  CHECK(ps.wire_bytes == ps.bytes && ps.encode_ns == 0); /* no layer */
+  /* Nobody has it yet. */
+  CHECK_STATUS(wb_publisher_wait_for_receivers(pub, 1, 1, 0), WB_DEADLINE_EXCEEDED,
+               "0 of the 1 subscribers waited for had received version 1");
+
+  wb_subscriber_t* sub = NULL;
+  CHECK_OK(wb_subscriber_create(uri, NULL, &sub));
+  wb_update_t* update = NULL;
+  if (sub != NULL) CHECK_OK(wb_subscriber_wait(sub, 1, 30000, &update));
+  if (update != NULL) CheckUpdate(update, 1);
+  wb_update_destroy(update);
+  /* The subscriber's receipt is counted; it still counts after the subscriber left. */
+  CHECK_OK(wb_publisher_wait_for_receivers(pub, 1, 1, 30000));
+  wb_subscriber_destroy(sub);
+  CHECK_OK(wb_publisher_wait_for_receivers(pub, 1, 1, 30000));
+  CHECK_STATUS(wb_publisher_wait_for_receivers(pub, 1, 2, 0), WB_DEADLINE_EXCEEDED,
+               "1 of the 2 subscribers waited for had received version 1");
+  CHECK_STATUS(wb_publisher_wait_for_receivers(pub, 2, 1, 0), WB_DEADLINE_EXCEEDED,
+               "0 of the 1 subscribers waited for had received version 2");
+  CHECK_STATUS(wb_publisher_wait_for_receivers(pub, 1, -3, 1000), WB_INVALID_ARGUMENT,
+               "needs a count of at least 1, got -3");
+
+  /* A wait that no subscriber could end (forever, for 1000 receivers) ends with WB_CANCELLED
+   * when another thread cancels the publisher, whether it was already waiting or not. */
+  struct ReceiversWait w = {pub, WB_UNKNOWN};
+  pthread_t thread;
+  CHECK(pthread_create(&thread, NULL, WaitForManyReceivers, &w) == 0);
+  CHECK_OK(wb_publisher_cancel(pub));
+  CHECK(pthread_join(thread, NULL) == 0);
+  CHECK(w.status == WB_CANCELLED);
+  CHECK_STATUS(wb_publisher_wait_for_receivers(pub, 1, 1, 0), WB_CANCELLED, "");
+  wb_publisher_destroy(pub);
+}
+
 int main(void) {
   char dir[] = "/tmp/wb_capi_test_XXXXXX";
   if (mkdtemp(dir) == NULL) {
@@ -453,7 +828,11 @@ int main(void) {
   snprintf(uri, sizeof(uri), "disk://%s/channel?fsync=false", dir);
 
   TestVersionAndStatus();
+  TestLibraryLists();
   TestOpenErrors(dir);
+  TestShards(dir);
+  TestLayerStats(dir);
+  TestUcxReceivers();
 
   wb_publisher_t* publisher = NULL;
   CHECK_OK(wb_publisher_create(uri, NULL, &publisher));
@@ -468,6 +847,7 @@ int main(void) {
   wb_publish_stats_t stats = WB_PUBLISH_STATS_INIT;
   CHECK_OK(wb_publisher_last_stats(publisher, &stats));
   CHECK(stats.version == 1 && stats.bytes > 0 && stats.stall_ns > 0);
+  CHECK(stats.wire_bytes == stats.bytes && stats.encode_ns == 0); /* no layer */
   /* An older caller's smaller stats struct gets only the fields it has. */
   struct {
     size_t struct_size;
@@ -492,6 +872,7 @@ int main(void) {
   Fill(1); /* PublishVersion(0) refilled the buffers with version 0's values */
   CHECK(!WB_STATUS_IS_RETRYABLE(WB_FAILED_PRECONDITION));
   TestPublishErrors(publisher);
+  TestUrisAndDiskReceivers(publisher, uri);
 
   /* In-process subscriber: an exported DLManagedTensor outlives its wb_update_t. Version 1
    * is committed, so a poll receives it without waiting. */

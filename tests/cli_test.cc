@@ -4,13 +4,16 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
 #include "test_support.h"
+#include "weightbus/flags.h"
 #include "weightbus/safetensors.hpp"
 
 namespace weightbus {
@@ -38,7 +41,13 @@ TEST(CliTest, VersionListsTheLibraryAndTransports) {
   std::vector<std::string> lines = absl::StrSplit(r.output, '\n', absl::SkipEmpty());
   ASSERT_GE(lines.size(), 2u) << r.output;
   EXPECT_EQ(lines[0], "weightbus " WEIGHTBUS_VERSION_STRING_FOR_TESTS);
-  EXPECT_NE(std::find(lines.begin(), lines.end(), "disk"), lines.end()) << r.output;
+  // Exactly the transports this build was configured with (WEIGHTBUS_WITH_*).
+  std::vector<std::string> transports(lines.begin() + 1, lines.end());
+  std::vector<std::string> configured =
+      absl::StrSplit(WB_TRANSPORTS_FOR_TESTS, ':', absl::SkipEmpty());
+  std::sort(transports.begin(), transports.end());
+  std::sort(configured.begin(), configured.end());
+  EXPECT_EQ(transports, configured) << r.output;
 }
 
 TEST(CliTest, ConvertPublishSubscribeInspect) {
@@ -283,6 +292,130 @@ TEST(CliTest, SettingsListsEveryKnobWithItsEnvironmentVariable) {
   for (const char* needle : {"bind_mode", "WEIGHTBUS_BIND_MODE", "retention",
                              "WEIGHTBUS_DISK_RETENTION", "poll_interval", "enum(uring|psync)"}) {
     EXPECT_NE(r.output.find(needle), std::string::npos) << needle << "\n" << r.output;
+  }
+}
+
+// The subcommands a program's --help lists (the lines under "Subcommands:").
+std::vector<std::string> SubcommandsIn(const std::string& help) {
+  std::vector<std::string> out;
+  bool in_list = false;
+  for (absl::string_view line : absl::StrSplit(help, '\n')) {
+    if (line == "Subcommands:") {
+      in_list = true;
+    } else if (in_list && absl::StartsWith(line, "  ")) {
+      std::vector<std::string> words =
+          absl::StrSplit(absl::StripLeadingAsciiWhitespace(line), ' ', absl::SkipEmpty());
+      out.push_back(words.at(0));
+    } else if (in_list) {
+      break;
+    }
+  }
+  return out;
+}
+
+// Every program of the project (the CLI, weightbus-demo, every benchmark built) and each of its
+// subcommands: --help lists the flags and exits 0; an unknown flag is a one-line usage error
+// that names it, exit status 2.
+TEST(CliTest, EveryProgramHasHelpAndNamesAnUnknownFlag) {
+  const std::vector<std::string> programs =
+      absl::StrSplit(WB_PROGRAMS_FOR_TESTS, ':', absl::SkipEmpty());
+  ASSERT_GE(programs.size(), 2u) << WB_PROGRAMS_FOR_TESTS;  // at least the CLI and the demo
+  int checked = 0, subcommands = 0;
+  for (const std::string& program : programs) {
+    const std::string name = std::filesystem::path(program).filename();
+    auto top = RunCommand({program, "--help"}, absl::Seconds(30));
+    ASSERT_TRUE(top.ok()) << top.status();
+    std::vector<std::vector<std::string>> commands = {{program}};
+    for (const std::string& sub : SubcommandsIn(top->output)) {
+      commands.push_back({program, sub});
+      ++subcommands;
+    }
+    for (const std::vector<std::string>& command : commands) {
+      const std::string what = absl::StrJoin(command, " ");
+      std::vector<std::string> help = command;
+      help.push_back("--help");
+      auto h = RunCommand(help, absl::Seconds(30));
+      ASSERT_TRUE(h.ok()) << h.status();
+      EXPECT_EQ(h->exit_code, 0) << what << "\n" << h->output;
+      EXPECT_TRUE(absl::StrContains(h->output, "Usage: " + name)) << what << "\n" << h->output;
+      EXPECT_TRUE(absl::StrContains(h->output, "--help")) << what << "\n" << h->output;
+
+      std::vector<std::string> bad = command;
+      bad.push_back("--no-such-flag=1");
+      auto r = RunCommand(bad, absl::Seconds(30));
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->exit_code, tools::kUsageExitStatus) << what << "\n" << r->output;
+      EXPECT_EQ(Lines(r->output), 1) << what << "\n" << r->output;
+      EXPECT_TRUE(absl::StartsWith(r->output, name + ": usage error: unknown flag --no-such-flag"))
+          << what << "\n"
+          << r->output;
+      ++checked;
+    }
+  }
+  EXPECT_GE(subcommands, 7) << "weightbus has 5 subcommands, weightbus-bench 2";
+  EXPECT_EQ(checked, static_cast<int>(programs.size()) + subcommands);
+}
+
+// The tools' one parser of sizes and durations (tools/weightbus/flags.h).
+TEST(FlagsTest, SizesAndDurations) {
+  struct SizeCase {
+    const char* text;
+    uint64_t bytes;
+  };
+  for (const SizeCase& c : std::vector<SizeCase>{{"4096", 4096},
+                                                 {"64KiB", 64 << 10},
+                                                 {"256MiB", 256 << 20},
+                                                 {"1.5GiB", uint64_t{3} << 29},
+                                                 {"2GB", 2000000000},
+                                                 {"512m", 512 << 20},
+                                                 {" 1mib ", 1 << 20},
+                                                 {"18446744073709551615", UINT64_MAX}}) {
+    absl::StatusOr<uint64_t> b = tools::ParseSize(c.text);
+    ASSERT_TRUE(b.ok()) << c.text << ": " << b.status();
+    EXPECT_EQ(*b, c.bytes) << c.text;
+    EXPECT_EQ(tools::ParseSize(tools::FormatSize(*b)).value_or(0), *b) << c.text;
+  }
+  for (const char* bad : {"", "abc", "-1", "1.5XiB", "16EiB", "20000000TiB", "nan", "MiB"}) {
+    absl::StatusOr<uint64_t> b = tools::ParseSize(bad);
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_TRUE(absl::StrContains(b.status().message(), std::string("\"") + bad + "\""))
+        << b.status();
+  }
+  EXPECT_EQ(tools::FormatSize(256 << 20), "256MiB");
+  EXPECT_EQ(tools::FormatSize(1000), "1000");
+
+  EXPECT_EQ(tools::ParseDuration("0.2").value_or(absl::ZeroDuration()), absl::Milliseconds(200));
+  EXPECT_EQ(tools::ParseDuration("300").value_or(absl::ZeroDuration()), absl::Seconds(300));
+  EXPECT_EQ(tools::ParseDuration("500ms").value_or(absl::ZeroDuration()), absl::Milliseconds(500));
+  EXPECT_EQ(tools::ParseDuration("1m30s").value_or(absl::ZeroDuration()), absl::Seconds(90));
+  for (const char* bad : {"", "2x", "-1", "-2s", "inf", "nan"}) {
+    EXPECT_EQ(tools::ParseDuration(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+// A flag's bad value is a usage error naming the flag, the value and what was expected.
+TEST(CliTest, BadFlagValuesAreUsageErrorsNamingTheFlag) {
+  struct Case {
+    std::vector<std::string> args;
+    std::vector<std::string> needles;
+  };
+  for (const Case& c : std::vector<Case>{
+           {{"subscribe", "disk:///x", "--to", "d", "--timeout", "2x"}, {"--timeout", "\"2x\""}},
+           {{"publish", "disk:///x", "--from", "m", "--version", "-1"}, {"--version", "\"-1\""}},
+           {{"publish", "disk:///x", "--from", "m", "--version", "1", "--until-subscribers",
+             "2000000"},
+            {"--until-subscribers", "2000000"}},
+           {{"convert-llama2c", "a", "b", "--dtype", "f16"}, {"--dtype", "f16"}},
+           {{"publish", "disk:///x", "disk:///y", "--from", "m", "--version", "1"},
+            {"unexpected argument \"disk:///y\""}}}) {
+    auto r = Cli(c.args);
+    const std::string what = absl::StrJoin(c.args, " ");
+    EXPECT_EQ(r.exit_code, 2) << what << "\n" << r.output;
+    EXPECT_EQ(Lines(r.output), 1) << what << "\n" << r.output;
+    EXPECT_TRUE(absl::StartsWith(r.output, "weightbus: usage error: ")) << r.output;
+    for (const std::string& n : c.needles) {
+      EXPECT_TRUE(absl::StrContains(r.output, n)) << "missing " << n << " in: " << r.output;
+    }
   }
 }
 

@@ -83,29 +83,6 @@ double Percentile(std::vector<double> v, double p) {
   return v[index];
 }
 
-absl::StatusOr<uint64_t> ParseBytes(const std::string& text) {
-  static const std::vector<std::pair<std::string, double>> kSuffixes = {
-      {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
-      {"KB", 1e3},     {"MB", 1e6},        {"GB", 1e9},           {"TB", 1e12},
-      {"K", 1024.0},   {"M", 1048576.0},   {"G", 1073741824.0},   {"B", 1.0}};
-  std::string num = text;
-  double mult = 1;
-  for (const auto& [suffix, m] : kSuffixes) {
-    if (num.size() > suffix.size() &&
-        num.compare(num.size() - suffix.size(), suffix.size(), suffix) == 0) {
-      num = num.substr(0, num.size() - suffix.size());
-      mult = m;
-      break;
-    }
-  }
-  double v = 0;
-  if (!absl::SimpleAtod(num, &v) || !(v >= 0) || !std::isfinite(v * mult)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("\"%s\" is not a size (e.g. 1000, 64MiB, 1.5GiB, 2GB)", text));
-  }
-  return static_cast<uint64_t>(std::llround(v * mult));
-}
-
 std::string HumanBytes(double b) {
   if (b >= 1099511627776.0) return absl::StrFormat("%.2f TiB", b / 1099511627776.0);
   if (b >= 1073741824.0) return absl::StrFormat("%.2f GiB", b / 1073741824.0);

@@ -40,8 +40,6 @@ void HandleSignalsWithCleanup();
 double Median(std::vector<double> v);
 double Percentile(std::vector<double> v, double p);
 
-// "64MiB", "1.5GiB", "2GB", "1000" -> bytes. Errors: InvalidArgument naming the text.
-absl::StatusOr<uint64_t> ParseBytes(const std::string& text);
 // 134217728 -> "128.0 MiB".
 std::string HumanBytes(double bytes);
 

@@ -18,64 +18,141 @@
 #include "wbbench/common.h"
 #include "wbbench/model.h"
 #include "wbbench/subcommands.h"
-#include "weightbus/args.h"
+#include "weightbus/flags.h"
 #include "weightbus/weightbus.hpp"
 
 namespace weightbus::bench {
 namespace {
 
-constexpr char kUsage[] = R"(usage: weightbus-bench model [flags]
-
+constexpr char kFooter[] = R"(
 The analytic cost of syncing weights from a trainer to its inference replicas once per training
 step, per transport (disk, ucx, nccl, delta+disk, delta+ucx): trainer stall, time until the last
 replica holds the version, exposed time per step, utilisation, idle GPU-hours and dollars per
 1,000 steps, and the bandwidth needed for 90% and 99% utilisation. Formulas and assumptions:
-docs/COST_MODEL.md. Ends with "# OK"; exit status 2 for a usage error.
+docs/COST_MODEL.md. Ends with "# OK"; exit status 2 for a usage error. A flag not given takes the
+calibration's figure (--calibrate), else the default in parentheses.)";
 
-model size (default 7B bf16):
-  --params N             parameter count: 7B, 70e9, 1T, 1.5M
-  --dtype NAME           bytes per parameter as sent: fp32, bf16, fp16, fp8, int8, int4 (bf16)
-  --checkpoint PATH      sum the tensor bytes of a safetensors file or directory, or a llama2.c
-                         .bin (with --dtype: its parameter count x that dtype)
-cluster:
-  --trainer-gpus N       GPUs of the trainer (8)
-  --replica-gpus N       inference GPUs, all instances together (8)
-  --gpus-per-node N      (8)
-  --gpus-per-replica N   GPUs of one inference instance, TP x PP x EP (8)
-  --broadcast-roots N    nccl: trainer GPUs that broadcast, each its share (1)
-network and storage (presets: --list-presets):
-  --fabric NAME          network preset (ib-ndr); --nics-per-node N, --nic-gbs X override parts
-  --network-gbs X        network GB/s per node and direction, instead of a preset (a broadcast
-                         root sends through one of --nics-per-node NICs)
-  --latency-s X          ucx/nccl: from Publish returning to the bytes moving (0.002)
-  --storage NAME         storage preset for disk:// (shared-fs)
-  --storage-gbs X        per-client write and read GB/s, instead of the preset's
-  --storage-write-gbs X --storage-read-gbs X --storage-aggregate-gbs X --storage-latency-s X
-copies through host memory (weightbus transports; "inf": no copy):
-  --d2h-gbs X            per trainer GPU, its shard to host memory (50)
-  --stage-gbs X          ucx, per trainer node, into registered staging memory (100)
-  --apply-gbs X          per replica GPU, received bytes into its parameters (50)
-training:
-  --step-s X             training step without sync, seconds (60)
-  --overlap X            fraction of a step the transfer may hide behind, 0..1 (0: lockstep)
-  --gpu-price X          dollars per GPU-hour (2.0)
-delta layer:
-  --delta-ratio X        full bytes / bytes of a delta (100)
-  --keyframe-interval K  a keyframe every K versions, 0: only the first (50)
-  --keyframe-ratio X     full bytes / bytes of a keyframe (1.5)
-  --encode-gbs X         per trainer node (20); --decode-gbs X per replica node (40)
-measured figures:
-  --calibrate FILE       take what `weightbus-bench run --json FILE` measured (model size,
-                         network, storage, copies, latencies, delta ratio, codec rates);
-                         flags and named presets still win
-  --compare              with --calibrate: model this machine as the run measured it (1
-                         trainer, the run's subscribers as 1-GPU replicas on one host) and print
-                         the prediction next to the measurement, with the relative error
-output:
-  --transports LIST      comma-separated (default: the five above; delta+nccl is known too)
-  --json FILE            every input (with its origin) and figure
-  --list-presets         the fabric and storage presets with their sources
-)";
+// Every flag: name, value name ("" for a switch), group, help. Numbers are checked as they are
+// parsed (kNumber: a number, "inf" for no copy; kCount: a non-negative integer).
+enum class FlagKind { kText, kNumber, kCount, kSwitch };
+struct FlagDef {
+  const char* name;
+  FlagKind kind;
+  const char* value_name;
+  const char* group;
+  const char* help;
+};
+constexpr const char* kSize = "model size (default 7B bf16)";
+constexpr const char* kCluster = "cluster";
+constexpr const char* kNet = "network and storage (presets: --list-presets)";
+constexpr const char* kCopies = "copies through host memory (weightbus transports; inf: no copy)";
+constexpr const char* kTraining = "training";
+constexpr const char* kDelta = "delta layer";
+constexpr const char* kMeasured = "measured figures";
+constexpr const char* kOutput = "output";
+constexpr FlagDef kFlags[] = {
+    {"params", FlagKind::kText, "N", kSize, "parameter count: 7B, 70e9, 1T, 1.5M"},
+    {"dtype", FlagKind::kText, "NAME", kSize,
+     "bytes per parameter as sent: fp32, bf16, fp16, fp8, int8, int4 (bf16)"},
+    {"checkpoint", FlagKind::kText, "PATH", kSize,
+     "sum the tensor bytes of a safetensors file or directory, or a llama2.c .bin (with --dtype: "
+     "its parameter count x that dtype)"},
+    {"trainer-gpus", FlagKind::kCount, "N", kCluster, "GPUs of the trainer (8)"},
+    {"replica-gpus", FlagKind::kCount, "N", kCluster, "inference GPUs, all instances together (8)"},
+    {"gpus-per-node", FlagKind::kCount, "N", kCluster, "(8)"},
+    {"gpus-per-replica", FlagKind::kCount, "N", kCluster,
+     "GPUs of one inference instance, TP x PP x EP (8)"},
+    {"broadcast-roots", FlagKind::kCount, "N", kCluster,
+     "nccl: trainer GPUs that broadcast, each its share (1)"},
+    {"fabric", FlagKind::kText, "NAME", kNet,
+     "network preset (ib-ndr); --nics-per-node, --nic-gbs override parts"},
+    {"nics-per-node", FlagKind::kCount, "N", kNet, "NICs per node (1 to 1024; the preset's)"},
+    {"nic-gbs", FlagKind::kNumber, "X", kNet, "GB/s per NIC and direction (the preset's)"},
+    {"network-gbs", FlagKind::kNumber, "X", kNet,
+     "network GB/s per node and direction, instead of a preset (a broadcast root sends through "
+     "one of --nics-per-node NICs)"},
+    {"latency-s", FlagKind::kNumber, "X", kNet,
+     "ucx/nccl: from Publish returning to the bytes moving (0.002)"},
+    {"storage", FlagKind::kText, "NAME", kNet, "storage preset for disk:// (shared-fs)"},
+    {"storage-gbs", FlagKind::kNumber, "X", kNet,
+     "per-client write and read GB/s, instead of the preset's"},
+    {"storage-write-gbs", FlagKind::kNumber, "X", kNet, "per-client write GB/s"},
+    {"storage-read-gbs", FlagKind::kNumber, "X", kNet, "per-client read GB/s"},
+    {"storage-aggregate-gbs", FlagKind::kNumber, "X", kNet, "GB/s of all clients together"},
+    {"storage-latency-s", FlagKind::kNumber, "X", kNet, "from commit to readable"},
+    {"d2h-gbs", FlagKind::kNumber, "X", kCopies, "per trainer GPU, its shard to host memory (50)"},
+    {"stage-gbs", FlagKind::kNumber, "X", kCopies,
+     "ucx, per trainer node, into registered staging memory (100)"},
+    {"apply-gbs", FlagKind::kNumber, "X", kCopies,
+     "per replica GPU, received bytes into its parameters (50)"},
+    {"step-s", FlagKind::kNumber, "X", kTraining, "training step without sync, seconds (60)"},
+    {"overlap", FlagKind::kNumber, "X", kTraining,
+     "fraction of a step the transfer may hide behind, 0..1 (0: lockstep)"},
+    {"gpu-price", FlagKind::kNumber, "X", kTraining, "dollars per GPU-hour (2.0)"},
+    {"delta-ratio", FlagKind::kNumber, "X", kDelta, "full bytes / bytes of a delta (100)"},
+    {"keyframe-interval", FlagKind::kCount, "K", kDelta,
+     "a keyframe every K versions, 0: only the first (50)"},
+    {"keyframe-ratio", FlagKind::kNumber, "X", kDelta, "full bytes / bytes of a keyframe (1.5)"},
+    {"encode-gbs", FlagKind::kNumber, "X", kDelta, "per trainer node (20)"},
+    {"decode-gbs", FlagKind::kNumber, "X", kDelta, "per replica node (40)"},
+    {"calibrate", FlagKind::kText, "FILE", kMeasured,
+     "take what `weightbus-bench run --json FILE` measured (model size, network, storage, "
+     "copies, latencies, delta ratio, codec rates); flags and named presets still win"},
+    {"compare", FlagKind::kSwitch, "", kMeasured,
+     "with --calibrate: model this machine as the run measured it (1 trainer, the run's "
+     "subscribers as 1-GPU replicas on one host) and print the prediction next to the "
+     "measurement, with the relative error"},
+    {"transports", FlagKind::kText, "LIST", kOutput,
+     "comma-separated (default: the five above; delta+nccl is known too)"},
+    {"json", FlagKind::kText, "FILE", kOutput, "every input (with its origin) and figure"},
+    {"list-presets", FlagKind::kSwitch, "", kOutput,
+     "the fabric and storage presets with their sources"},
+};
+
+// The flags as parsed: each one's text and whether it was given.
+class ModelFlags {
+ public:
+  void AddTo(CLI::App& app) {
+    for (const FlagDef& f : kFlags) {
+      const std::string name = std::string("--") + f.name;
+      if (f.kind == FlagKind::kSwitch) {
+        options_[f.name] = app.add_flag(name, f.help)->group(f.group);
+        continue;
+      }
+      CLI::Option* o = app.add_option(name, text_[f.name], f.help)->type_name(f.value_name);
+      o->group(f.group);
+      if (f.kind == FlagKind::kNumber) o->check(NumberText());
+      if (f.kind == FlagKind::kCount) o->check(tools::UnsignedText());
+      options_[f.name] = o;
+    }
+  }
+  bool Has(const std::string& name) const { return options_.at(name)->count() > 0; }
+  std::optional<std::string> Get(const std::string& name) const {
+    if (!Has(name)) return std::nullopt;
+    return text_.at(name);
+  }
+  // A kCount flag (digits only: checked when parsed).
+  uint64_t Count(const std::string& name) const {
+    uint64_t v = 0;
+    if (!absl::SimpleAtoi(text_.at(name), &v)) Die("--" + name + ": " + text_.at(name));
+    return v;
+  }
+
+ private:
+  // A number (also "inf"), not NaN.
+  static CLI::Validator NumberText() {
+    return CLI::Validator(
+        [](std::string& text) -> std::string {
+          double v = 0;
+          if (absl::SimpleAtod(text, &v) && !std::isnan(v)) return "";
+          return absl::StrFormat("\"%s\" is not a number", text);
+        },
+        "", "");
+  }
+
+  std::map<std::string, std::string> text_;
+  std::map<std::string, CLI::Option*> options_;
+};
 
 [[noreturn]] void Usage(const std::string& message) { Die(message + " (see --help)"); }
 
@@ -160,51 +237,11 @@ nlohmann::ordered_json EstimateJson(const Estimate& e) {
           {"bandwidth_of", e.bandwidth_of}};
 }
 
-}  // namespace
-
-int ModelMain(const std::vector<std::string>& argv) {
-  const std::vector<std::string> doubles = {"network-gbs",
-                                            "nic-gbs",
-                                            "latency-s",
-                                            "storage-gbs",
-                                            "storage-write-gbs",
-                                            "storage-read-gbs",
-                                            "storage-aggregate-gbs",
-                                            "storage-latency-s",
-                                            "d2h-gbs",
-                                            "stage-gbs",
-                                            "apply-gbs",
-                                            "step-s",
-                                            "overlap",
-                                            "gpu-price",
-                                            "delta-ratio",
-                                            "keyframe-ratio",
-                                            "encode-gbs",
-                                            "decode-gbs"};
-  const std::vector<std::string> ints = {"trainer-gpus",     "replica-gpus",    "gpus-per-node",
-                                         "gpus-per-replica", "broadcast-roots", "keyframe-interval",
-                                         "nics-per-node"};
-  std::vector<tools::FlagSpec> specs = {
-      {"params"},     {"dtype"}, {"checkpoint"}, {"fabric"},         {"storage"},
-      {"transports"}, {"json"},  {"calibrate"},  {"compare", false}, {"list-presets", false},
-      {"help", false}};
-  for (const std::string& d : doubles) specs.push_back({d});
-  for (const std::string& i : ints) specs.push_back({i});
-  absl::StatusOr<tools::Args> parsed = tools::Args::Parse(argv, specs);
-  if (!parsed.ok()) Usage(std::string(parsed.status().message()));
-  const tools::Args& args = *parsed;
-  for (const std::string& p : args.positional()) {
-    if (p == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-  }
-  if (args.Has("help")) {
-    std::fputs(kUsage, stdout);
-    return 0;
-  }
-  if (!args.positional().empty()) {
-    Usage("model takes no positional arguments, got \"" + args.positional()[0] + "\"");
+int Model(const ModelFlags& args) {
+  std::vector<std::string> doubles, ints;
+  for (const FlagDef& f : kFlags) {
+    if (f.kind == FlagKind::kNumber) doubles.push_back(f.name);
+    if (f.kind == FlagKind::kCount) ints.push_back(f.name);
   }
   if (args.Has("list-presets")) {
     std::fputs(ListPresets().c_str(), stdout);
@@ -279,7 +316,7 @@ int ModelMain(const std::vector<std::string>& argv) {
     }
     std::string nics_from = from;
     if (args.Has("nics-per-node")) {
-      links = static_cast<int>(OrDie(args.GetUint("nics-per-node", 1)));
+      links = static_cast<int>(std::min<uint64_t>(args.Count("nics-per-node"), 1u << 20));
       if (links < 1 || links > 1024) Usage("--nics-per-node must be in 1..1024");
       from += ", --nics-per-node";
       nics_from = "--nics-per-node";
@@ -317,7 +354,7 @@ int ModelMain(const std::vector<std::string>& argv) {
   }
   for (const std::string& i : ints) {
     if (i == "nics-per-node" || !args.Has(i)) continue;
-    const uint64_t v = OrDie(args.GetUint(i, 0));
+    const uint64_t v = args.Count(i);
     if (v > 1'000'000) Usage(absl::StrFormat("--%s: %d is too large", i, v));
     x.Set(i, static_cast<int>(v), "--" + i);
   }
@@ -529,6 +566,15 @@ int ModelMain(const std::vector<std::string>& argv) {
     if (!f) Die("cannot write " + *file);
   }
   return 0;
+}
+
+}  // namespace
+
+Subcommand AddModelCommand(CLI::App& command) {
+  command.footer(kFooter);
+  auto flags = std::make_shared<ModelFlags>();
+  flags->AddTo(command);
+  return [flags](const std::vector<std::string>&) { return Model(*flags); };
 }
 
 }  // namespace weightbus::bench

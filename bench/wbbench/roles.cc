@@ -30,7 +30,8 @@
 #include "nlohmann/json.hpp"
 #include "wbbench/common.h"
 #include "wbbench/store.h"
-#include "weightbus/args.h"
+#include "wbbench/subcommands.h"
+#include "weightbus/flags.h"
 #include "weightbus/weightbus.hpp"
 
 namespace weightbus::bench {
@@ -64,16 +65,28 @@ Options ParseSettings(const std::vector<std::string>& sets) {
   return options;
 }
 
-int PublisherMain(const tools::Args& args) {
-  const std::string uri = args.Get("uri").value_or("");
-  const std::string store = args.Get("store").value_or("");
-  const absl::Duration timeout = OrDie(args.GetSeconds("timeout-s", absl::Seconds(120)));
-  const uint64_t corrupt = OrDie(args.GetUint("corrupt-version", 0));
+// The flags `weightbus-bench run` gives its workers (run.cc, TransportRun::Start).
+struct WorkerFlags {
+  std::string role;  // publisher or subscriber
+  std::string uri, store;
+  absl::Duration timeout = absl::Seconds(120);       // publisher: per version
+  absl::Duration wait_timeout = absl::Seconds(120);  // subscriber: per version
+  uint64_t count = 1;                                // subscriber: versions to receive
+  uint64_t corrupt_version = 0;
+  uint64_t parent_pid = 0;
+  std::vector<std::string> settings;
+};
+
+int PublisherMain(const WorkerFlags& flags) {
+  const std::string& uri = flags.uri;
+  const std::string& store = flags.store;
+  const absl::Duration timeout = flags.timeout;
+  const uint64_t corrupt = flags.corrupt_version;
   StoreIndex index = OrDie(ReadIndex(store));
   Buffer weights(index.file_bytes);
   const std::vector<TensorView> views = index.Views(weights.data);
   absl::StatusOr<std::unique_ptr<Publisher>> pub =
-      Publisher::Open(uri, ParseSettings(args.GetAll("set")));
+      Publisher::Open(uri, ParseSettings(flags.settings));
   if (!pub.ok()) {
     Emit({{"error", std::string(pub.status().message())}});
     return 1;
@@ -125,17 +138,17 @@ int PublisherMain(const tools::Args& args) {
   return 0;
 }
 
-int SubscriberMain(const tools::Args& args) {
-  const std::string uri = args.Get("uri").value_or("");
-  const std::string store = args.Get("store").value_or("");
+int SubscriberMain(const WorkerFlags& flags) {
+  const std::string& uri = flags.uri;
+  const std::string& store = flags.store;
   // Waiting for the next version may take a whole round of the other transports and the
   // baselines; the parent bounds each of them by --timeout itself.
-  const absl::Duration timeout = OrDie(args.GetSeconds("wait-timeout-s", absl::Seconds(120)));
-  const uint64_t count = OrDie(args.GetUint("count", 1));
+  const absl::Duration timeout = flags.wait_timeout;
+  const uint64_t count = flags.count;
   StoreIndex index = OrDie(ReadIndex(store));
   Buffer params(index.file_bytes);
   absl::StatusOr<std::unique_ptr<Subscriber>> sub =
-      Subscriber::Open(uri, ParseSettings(args.GetAll("set")));
+      Subscriber::Open(uri, ParseSettings(flags.settings));
   if (!sub.ok()) {
     Emit({{"error", std::string(sub.status().message())}});
     return 1;
@@ -205,25 +218,32 @@ int SubscriberMain(const tools::Args& args) {
   return 0;
 }
 
+int RunWorker(const WorkerFlags& flags) {
+  // A worker never outlives the bench: killed with it, even by SIGKILL.
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (flags.parent_pid != 0 && getppid() != static_cast<pid_t>(flags.parent_pid)) return 1;
+  return flags.role == "publisher" ? PublisherMain(flags) : SubscriberMain(flags);
+}
+
 }  // namespace
 
-int WorkerMain(const std::vector<std::string>& argv) {
-  tools::Args args = OrDie(tools::Args::Parse(argv, {{"uri"},
-                                                     {"store"},
-                                                     {"timeout-s"},
-                                                     {"wait-timeout-s"},
-                                                     {"count"},
-                                                     {"corrupt-version"},
-                                                     {"parent-pid"},
-                                                     {"set", true, true}}));
-  // A worker never outlives the bench: killed with it, even by SIGKILL.
-  const uint64_t parent = OrDie(args.GetUint("parent-pid", 0));
-  prctl(PR_SET_PDEATHSIG, SIGKILL);
-  if (parent != 0 && getppid() != static_cast<pid_t>(parent)) return 1;
-  if (args.positional().size() != 1) Die("__worker publisher|subscriber");
-  if (args.positional()[0] == "publisher") return PublisherMain(args);
-  if (args.positional()[0] == "subscriber") return SubscriberMain(args);
-  Die("__worker publisher|subscriber");
+Subcommand AddWorkerCommand(CLI::App& command) {
+  auto flags = std::make_shared<WorkerFlags>();
+  command.add_option("ROLE", flags->role, "publisher or subscriber")
+      ->required()
+      ->check(CLI::IsMember({"publisher", "subscriber"}));
+  tools::AddFlag(command, "uri", &flags->uri, "the channel");
+  tools::AddFlag(command, "store", &flags->store, "the pre-generated versions");
+  tools::AddDurationFlag(command, "timeout-s", &flags->timeout, "publisher: per version");
+  tools::AddDurationFlag(command, "wait-timeout-s", &flags->wait_timeout,
+                         "subscriber: per version");
+  tools::AddFlag(command, "count", &flags->count, "subscriber: versions to receive");
+  tools::AddFlag(command, "corrupt-version", &flags->corrupt_version,
+                 "publisher: flip one bit of this version");
+  tools::AddFlag(command, "parent-pid", &flags->parent_pid,
+                 "exit at once unless this is the parent");
+  tools::AddRepeatedFlag(command, "set", &flags->settings, "a channel setting (repeatable)");
+  return [flags](const std::vector<std::string>&) { return RunWorker(*flags); };
 }
 
 }  // namespace weightbus::bench

@@ -34,10 +34,11 @@
 #include "wbbench/report.h"
 #include "wbbench/results.h"
 #include "wbbench/store.h"
+#include "wbbench/subcommands.h"
 #include "wbbench/svg.h"
 #include "wbbench/trace.h"
-#include "weightbus/args.h"
 #include "weightbus/checkpoint.h"
+#include "weightbus/flags.h"
 #include "weightbus/llama2c.h"
 #include "weightbus/llama_forward.h"
 #include "weightbus/synthetic_model.h"
@@ -48,6 +49,10 @@ namespace weightbus::bench {
 namespace {
 
 namespace fs = std::filesystem;
+using tools::AddFlag;
+using tools::AddSizeFlag;
+using tools::AddSizeListFlag;
+using tools::FormatSize;
 
 struct RunOptions {
   std::vector<std::string> transports;
@@ -451,30 +456,39 @@ std::string FsType(const std::string& path) {
 
 namespace {
 
+// `weightbus-bench run`'s flags: RunOptions, and what needs to know whether a flag was given.
+struct RunFlags {
+  RunOptions o;
+  std::string transports;
+  std::vector<uint64_t> sizes;
+  uint64_t min_size = 0, max_size = 0, factor = 2;
+  std::string dir, store;
+  bool no_baselines = false, no_torch = false, no_perftest = false;
+  CLI::Option *model_flag, *shapes_flag, *size_flag, *min_size_flag, *max_size_flag, *factor_flag,
+      *versions_flag, *perftest_reps_flag, *torch_reps_flag, *transports_flag, *dir_flag,
+      *store_flag;
+};
+
 // The sizes of a sweep: --size A,B,C, or --min-size/--max-size/--factor (nccl-tests' -b/-e/-f:
 // min, min x factor, ... up to max). Empty without either; one size for a plain --size.
-std::vector<uint64_t> SweepSizes(const tools::Args& args) {
+std::vector<uint64_t> SweepSizes(const RunFlags& f) {
   std::vector<uint64_t> sizes;
-  const bool range = args.Has("min-size") || args.Has("max-size") || args.Has("factor");
-  if (range && args.Has("size")) Die("--size or --min-size/--max-size/--factor, not both");
+  const bool range = *f.min_size_flag || *f.max_size_flag || *f.factor_flag;
+  if (range && *f.size_flag) Die("--size or --min-size/--max-size/--factor, not both");
   if (range) {
-    if (!args.Has("min-size") || !args.Has("max-size")) {
+    if (!*f.min_size_flag || !*f.max_size_flag) {
       Die("a sweep takes --min-size and --max-size (and --factor, default 2)");
     }
-    const uint64_t lo = OrDie(ParseBytes(*args.Get("min-size")));
-    const uint64_t hi = OrDie(ParseBytes(*args.Get("max-size")));
-    const uint64_t factor = OrDie(args.GetUint("factor", 2));
+    const uint64_t lo = f.min_size, hi = f.max_size, factor = f.factor;
     if (lo < 1024 || hi < lo) Die("--min-size must be at least 1KiB and at most --max-size");
     if (factor < 2) Die("--factor must be at least 2");
     for (uint64_t x = lo; x <= hi; x = x > hi / factor ? hi + 1 : x * factor) sizes.push_back(x);
-  } else if (std::optional<std::string> list = args.Get("size")) {
-    for (const std::string& piece : std::vector<std::string>(absl::StrSplit(*list, ','))) {
-      sizes.push_back(OrDie(ParseBytes(piece)));
-    }
+  } else if (*f.size_flag) {
+    sizes = f.sizes;
   }
-  if (sizes.size() > 1 && args.Has("model"))
+  if (sizes.size() > 1 && *f.model_flag)
     Die("a sweep of sizes is of synthetic models, not --model");
-  if (sizes.size() > 1 && args.Has("quick")) Die("--quick is one size (stories260K)");
+  if (sizes.size() > 1 && f.o.quick) Die("--quick is one size (stories260K)");
   return sizes;
 }
 
@@ -532,85 +546,114 @@ int RunSweep(const std::vector<std::string>& argv, const std::vector<uint64_t>& 
 
 }  // namespace
 
-int RunMain(const std::vector<std::string>& argv) {
-  tools::Args args = OrDie(tools::Args::Parse(argv, {{"transports"},
-                                                     {"subscribers"},
-                                                     {"versions"},
-                                                     {"warmup"},
-                                                     {"model"},
-                                                     {"shapes"},
-                                                     {"size"},
-                                                     {"lr"},
-                                                     {"seed"},
-                                                     {"dir"},
-                                                     {"store"},
-                                                     {"keep", false},
-                                                     {"set", true, true},
-                                                     {"timeout"},
-                                                     {"no-baselines", false},
-                                                     {"no-torch", false},
-                                                     {"no-perftest", false},
-                                                     {"python"},
-                                                     {"perftest"},
-                                                     {"perftest-reps"},
-                                                     {"torch-reps"},
-                                                     {"corrupt-version"},
-                                                     {"json"},
-                                                     {"csv"},
-                                                     {"trace"},
-                                                     {"plot"},
-                                                     {"quick", false},
-                                                     {"order"},
-                                                     {"min-size"},
-                                                     {"max-size"},
-                                                     {"factor"}}));
-  if (!args.positional().empty()) Die("run takes no positional arguments (see --help)");
-  // A sweep of sizes: one whole run per size, one after the other (see RunSweep).
-  const std::vector<uint64_t> sizes = SweepSizes(args);
-  if (sizes.size() > 1) return RunSweep(argv, sizes);
-  RunOptions o;
-  o.quick = args.Has("quick");
-  if (o.quick) {
-    o.model = WEIGHTBUS_STORIES_FILE;
-    o.versions = 4;
-    o.perftest_reps = 1;
-    o.torch_reps = 1;
+namespace {
+
+void AddRunFlags(CLI::App& cmd, RunFlags& f) {
+  cmd.footer(R"(
+One publisher and N subscriber processes per transport (disk, ucx, delta+disk, delta+ucx:
+whichever this build has), the same realistic versions through each, and the baselines (memcpy,
+write+fsync/read, ucx_perftest, torch.save/load, gloo broadcast) in the same run. Output in the
+style of nccl-tests; ends with "# OK" or "# FAILED: reason". Metrics: docs/PERFORMANCE.md.)");
+  RunOptions& o = f.o;
+  o.shapes = WEIGHTBUS_SHAPES_FILE;
+  f.transports_flag =
+      AddFlag(cmd, "transports", &f.transports, "comma-separated subset (default: every one built)")
+          ->type_name("LIST");
+  AddFlag(cmd, "subscribers", &o.subscribers, "replica processes per transport (1 to 1000)")
+      ->check(CLI::Range(1, 1000).description(""));
+  f.versions_flag = AddFlag(cmd, "versions", &o.versions, "versions to publish (--quick: 4)")
+                        ->check(CLI::Range(1, 1000000).description(""));
+  AddFlag(cmd, "warmup", &o.warmup, "of them, not measured")
+      ->check(CLI::Range(0, 1000000).description(""));
+  f.model_flag = AddFlag(cmd, "model", &o.model,
+                         "a llama2.c .bin or safetensors file/directory (the weights to sync)")
+                     ->type_name("PATH");
+  f.shapes_flag = AddFlag(cmd, "shapes", &o.shapes,
+                          "tensor shapes (JSON) of the synthetic model (default: Qwen2.5-0.5B's)")
+                      ->type_name("FILE");
+  f.size_flag = AddSizeListFlag(cmd, "size", &f.sizes,
+                                "a synthetic model of this size, shaped like --shapes; a list "
+                                "(64MiB,1GiB) is a sweep: one whole run per size")
+                    ->default_str(FormatSize(o.size));
+  f.min_size_flag =
+      AddSizeFlag(cmd, "min-size", &f.min_size,
+                  "a sweep: --min-size A --max-size B [--factor F] runs A, A x F, ... up to B; "
+                  "output files get the size in their name (run.json -> run-64.0MiB.json); the "
+                  "status is the worst")
+          ->default_str("");
+  f.max_size_flag =
+      AddSizeFlag(cmd, "max-size", &f.max_size, "the sweep's largest size")->default_str("");
+  f.factor_flag = AddFlag(cmd, "factor", &f.factor, "the sweep's factor (at least 2)");
+  AddFlag(cmd, "lr", &o.lr, "the update stream: Adam steps of this learning rate")
+      ->check(tools::PositiveNumber());
+  AddFlag(cmd, "seed", &o.seed, "the update stream's seed");
+  f.dir_flag = AddFlag(cmd, "dir", &f.dir,
+                       "where channels and baselines write (in DIR/wbbench-PID; default $TMPDIR)")
+                   ->type_name("DIR");
+  f.store_flag = AddFlag(cmd, "store", &f.store,
+                         "the pre-generated versions (in DIR/wbbench-PID; default /dev/shm)")
+                     ->type_name("DIR");
+  cmd.add_flag("--keep", o.keep, "keep --dir and --store afterwards");
+  tools::AddRepeatedFlag(cmd, "set", &o.settings,
+                         "a channel setting (repeatable), given to every transport whose stack "
+                         "has it (core settings to all; `weightbus settings` lists them)")
+      ->type_name("KEY=VALUE");
+  tools::AddDurationFlag(cmd, "timeout", &o.timeout, "per version (at least 1s)");
+  cmd.add_flag("--no-baselines", f.no_baselines, "leave every baseline out");
+  cmd.add_flag("--no-torch", f.no_torch, "leave the torch baselines out");
+  cmd.add_flag("--no-perftest", f.no_perftest, "leave the ucx_perftest baseline out");
+  AddFlag(cmd, "python", &o.python, "interpreter with torch for its baselines")->type_name("PATH");
+  AddFlag(cmd, "perftest", &o.perftest_path, "ucx_perftest")->type_name("PATH");
+  f.perftest_reps_flag =
+      AddFlag(cmd, "perftest-reps", &o.perftest_reps, "repetitions of ucx_perftest (--quick: 1)")
+          ->check(CLI::Range(1, 100000).description(""));
+  f.torch_reps_flag =
+      AddFlag(cmd, "torch-reps", &o.torch_reps, "repetitions of the torch baselines (--quick: 1)")
+          ->check(CLI::Range(1, 100000).description(""));
+  AddFlag(cmd, "corrupt-version", &o.corrupt_version,
+          "fault injection: every publisher flips one bit of version N before publishing it, so "
+          "replicas receive bytes that differ from what the store says was meant (the "
+          "correctness column must catch it: FAILED); 0: none");
+  for (auto [name, out, what] :
+       {std::tuple{"json", &o.json, "every figure (JSON)"},
+        std::tuple{"csv", &o.csv, "every figure (CSV)"},
+        std::tuple{"trace", &o.trace, "a Chrome/Perfetto trace of every phase"},
+        std::tuple{"plot", &o.plot,
+                   "a bar chart (SVG) of time until the last replica, "
+                   "with the baselines"}}) {
+    cmd.add_option_function<std::string>(
+           std::string("--") + name, [out = out](const std::string& path) { *out = path; }, what)
+        ->type_name("FILE");
   }
-  o.shapes = args.Get("shapes").value_or(WEIGHTBUS_SHAPES_FILE);
-  if (args.Has("model") && (args.Has("shapes") || args.Has("size"))) {
+  cmd.add_flag("--quick", o.quick,
+               "the stories260K checkpoint, 4 versions, 1 rep of each baseline");
+  AddFlag(cmd, "order", &o.order,
+          "interleaved: each version through every transport and the baselines in turn (all "
+          "processes alive at once: noise hits all alike); sequential: one transport after the "
+          "other; auto: interleaved when it fits in memory (about 5 model sizes per process)")
+      ->check(CLI::IsMember({"auto", "interleaved", "sequential"}));
+}
+
+int Run(RunFlags& f, const std::vector<std::string>& argv) {
+  RunOptions& o = f.o;
+  // A sweep of sizes: one whole run per size, one after the other (see RunSweep).
+  const std::vector<uint64_t> sizes = SweepSizes(f);
+  if (sizes.size() > 1) return RunSweep(argv, sizes);
+  if (o.quick) {
+    if (!*f.model_flag) o.model = WEIGHTBUS_STORIES_FILE;
+    if (!*f.versions_flag) o.versions = 4;
+    if (!*f.perftest_reps_flag) o.perftest_reps = 1;
+    if (!*f.torch_reps_flag) o.torch_reps = 1;
+  }
+  if (*f.model_flag && (*f.shapes_flag || *f.size_flag)) {
     Die("--size and --shapes describe a synthetic model: not with --model");
   }
-  if (args.Has("shapes") || !sizes.empty()) o.model.clear();
-  o.model = args.Get("model").value_or(o.model);
+  if (*f.shapes_flag || !sizes.empty()) o.model.clear();
   if (!sizes.empty()) o.size = sizes[0];
-  o.subscribers = static_cast<int>(OrDie(args.GetUint("subscribers", o.subscribers)));
-  o.versions = static_cast<int>(OrDie(args.GetUint("versions", o.versions)));
-  o.warmup = static_cast<int>(OrDie(args.GetUint("warmup", o.warmup)));
-  if (auto lr = args.Get("lr"); lr && (!absl::SimpleAtod(*lr, &o.lr) || !(o.lr > 0))) {
-    Die("--lr must be a positive number");
-  }
-  o.seed = OrDie(args.GetUint("seed", o.seed));
-  o.keep = args.Has("keep");
-  o.settings = args.GetAll("set");
-  o.timeout = OrDie(args.GetSeconds("timeout", o.timeout));
-  o.baselines = !args.Has("no-baselines");
-  o.torch = o.baselines && !args.Has("no-torch");
-  o.perftest = o.baselines && !args.Has("no-perftest");
-  o.python = args.Get("python").value_or(o.python);
-  o.perftest_path = args.Get("perftest").value_or(o.perftest_path);
-  o.perftest_reps = static_cast<int>(OrDie(args.GetUint("perftest-reps", o.perftest_reps)));
-  o.torch_reps = static_cast<int>(OrDie(args.GetUint("torch-reps", o.torch_reps)));
-  o.corrupt_version = OrDie(args.GetUint("corrupt-version", 0));
-  o.json = args.Get("json");
-  o.csv = args.Get("csv");
-  o.trace = args.Get("trace");
-  o.plot = args.Get("plot");
-  o.order = args.Get("order").value_or(o.order);
-  if (o.order != "auto" && o.order != "interleaved" && o.order != "sequential") {
-    Die("--order takes auto, interleaved or sequential, not " + o.order);
-  }
-  if (o.subscribers < 1) Die("--subscribers must be at least 1");
-  if (o.versions < 1 || o.warmup >= o.versions) {
+  o.baselines = !f.no_baselines;
+  o.torch = o.baselines && !f.no_torch;
+  o.perftest = o.baselines && !f.no_perftest;
+  if (o.warmup >= o.versions) {
     Die("--versions must be at least 1 and above --warmup (the warm-up versions are not measured)");
   }
   if (o.size < 1024) Die("--size must be at least 1KiB");
@@ -675,8 +718,8 @@ int RunMain(const std::vector<std::string>& argv) {
     r.skipped.push_back({"delta+disk, delta+ucx", "no delta layer in this build"});
   }
   if (!have_ucx) r.skipped.push_back({"ucx", "not built (WEIGHTBUS_WITH_UCX)"});
-  if (auto list = args.Get("transports")) {
-    for (const std::string& t : std::vector<std::string>(absl::StrSplit(*list, ','))) {
+  if (*f.transports_flag) {
+    for (const std::string& t : std::vector<std::string>(absl::StrSplit(f.transports, ','))) {
       if (!Contains(available, t)) {
         Die(absl::StrFormat("--transports: \"%s\" is not available in this build (available: %s)",
                             t, absl::StrJoin(available, ", ")));
@@ -708,11 +751,11 @@ int RunMain(const std::vector<std::string>& argv) {
     }
     return fs::absolute(path, ec).lexically_normal().string();
   };
-  o.dir = (args.Has("dir") ? parent_dir("dir", *args.Get("dir")) : tmp) + "/" + run_name;
+  o.dir = (*f.dir_flag ? parent_dir("dir", f.dir) : tmp) + "/" + run_name;
   const bool shm = fs::is_directory("/dev/shm");
-  o.store = args.Has("store") ? parent_dir("store", *args.Get("store")) + "/" + run_name
-            : shm             ? "/dev/shm/" + run_name
-                              : o.dir + "/store";
+  o.store = *f.store_flag ? parent_dir("store", f.store) + "/" + run_name
+            : shm         ? "/dev/shm/" + run_name
+                          : o.dir + "/store";
   if (fs::exists(o.dir) || fs::exists(o.store)) Die(o.dir + " or " + o.store + " exists already");
   // From here on an early end (an error, Ctrl-C) removes what this run made.
   HandleSignalsWithCleanup();
@@ -1067,6 +1110,14 @@ int RunMain(const std::vector<std::string>& argv) {
   RunCleanup();  // the run's directories, unless --keep
   if (!io_ok) return 2;
   return r.failures.empty() ? 0 : 1;
+}
+
+}  // namespace
+
+Subcommand AddRunCommand(CLI::App& command) {
+  auto flags = std::make_shared<RunFlags>();
+  AddRunFlags(command, *flags);
+  return [flags](const std::vector<std::string>& argv) { return Run(*flags, argv); };
 }
 
 }  // namespace weightbus::bench

@@ -6,6 +6,16 @@
  * replicas subscribe and receive each version whole and verified, or not at all:
  *
  *   disk:///path/to/channel   a shared filesystem; each version is a safetensors checkpoint
+ *   ucx://host:port/channel   UCX one-sided RDMA; the publisher serves versions on host:port
+ *                             (shared memory or TCP on one host, InfiniBand/RoCE between hosts)
+ *   delta+disk:///path/...    the delta layer over a transport (delta+ucx://host:port/ch too):
+ *                             keyframes and deltas against the previous version, compressed
+ *
+ * Which schemes this build has: wb_transport_count and wb_transport_scheme (a scheme that is
+ * not built in fails wb_*_create with WB_UNIMPLEMENTED listing those that are). Settings
+ * (wb_setting_count, wb_setting_info) come from their defaults, WEIGHTBUS_* environment
+ * variables, the URI's query (disk:///x?retention=4) and wb_open_params_t.options, lowest
+ * precedence first.
  *
  * Conventions (docs/CONVENTIONS.md, "The C API"):
  *   - Every symbol starts with wb_ (WB_ for macros and enumerators); handles are typed and
@@ -113,6 +123,49 @@ WB_EXPORT wb_status_t wb_check_version(uint32_t compiled_version);
 #define WB_CHECK_VERSION() wb_check_version(WEIGHTBUS_VERSION)
 
 /* ------------------------------------------------------------------------------------------ */
+/* Transports and settings compiled into this library                                         */
+/* ------------------------------------------------------------------------------------------ */
+
+/*
+ * Both lists are fixed when the library is loaded (transports register themselves then) and
+ * are the same on every call and thread. The strings they hand out are owned by the library,
+ * immutable, NUL-terminated and valid until the library is unloaded; never free them. Every
+ * function here is thread-safe. Errors: WB_INVALID_ARGUMENT for a NULL output pointer,
+ * WB_OUT_OF_RANGE for an index at or past the count (the message names both).
+ */
+
+/* The number of URI schemes of the transports and layers compiled in (e.g. 3: delta, disk,
+ * ucx). The C++ API's weightbus::Transports(). */
+WB_EXPORT wb_status_t wb_transport_count(size_t* count);
+
+/* Scheme `index` (0 <= index < wb_transport_count), in sorted order, e.g. "disk". A layer
+ * ("delta") is used stacked over a transport: "delta+disk". */
+WB_EXPORT wb_status_t wb_transport_scheme(size_t index, const char** scheme);
+
+/* One setting as the settings registry declares it (weightbus::SettingInfo; the CLI's
+ * `weightbus settings` prints the same). An output struct: set struct_size
+ * (WB_SETTING_INFO_INIT); the library fills the fields that fit in it. Strings as above. */
+typedef struct wb_setting_info {
+  size_t struct_size;
+  const char* scope;         /* "core" or a transport or layer scheme, e.g. "disk" */
+  const char* name;          /* the key in URI queries and options, e.g. "retention" */
+  const char* type;          /* "bool", "int", "bytes", "duration", "string" or "enum(a|b)" */
+  const char* default_value; /* as text, parsed like any other value */
+  const char* env;           /* the environment variable, e.g. "WEIGHTBUS_DISK_RETENTION" */
+  const char* doc;           /* one line */
+} wb_setting_info_t;
+#define WB_SETTING_INFO_INIT \
+  { sizeof(wb_setting_info_t), NULL, NULL, NULL, NULL, NULL, NULL }
+
+/* The number of settings of the core and of every compiled transport and layer. */
+WB_EXPORT wb_status_t wb_setting_count(size_t* count);
+
+/* Setting `index` (0 <= index < wb_setting_count): the core's first, then each transport's in
+ * scheme order. Also WB_INVALID_ARGUMENT for an info->struct_size smaller than the first
+ * layout (initialize it with WB_SETTING_INFO_INIT). */
+WB_EXPORT wb_status_t wb_setting_info(size_t index, wb_setting_info_t* info);
+
+/* ------------------------------------------------------------------------------------------ */
 /* Element types                                                                               */
 /* ------------------------------------------------------------------------------------------ */
 
@@ -171,15 +224,31 @@ typedef struct wb_open_params {
 #define WB_OPEN_PARAMS_INIT \
   { sizeof(wb_open_params_t), NULL, 0 }
 
+/* This rank's slice of a larger (tensor-parallel or FSDP-sharded) tensor, recorded in the
+ * manifest so that a consumer can reassemble or re-shard (weightbus::Shard). The slice is the
+ * published tensor itself (its shape) and starts at `offsets` (elements, one per dimension)
+ * inside a tensor of `global_shape`. `ndim` must be the tensor's ndim; both arrays have ndim
+ * entries (and may be NULL when ndim is 0) and are read during the publish call only. Checked
+ * at publish: 0 <= offsets[d] and offsets[d] + shape[d] <= global_shape[d], else
+ * WB_INVALID_ARGUMENT naming the tensor. An array element type: it never grows. */
+typedef struct wb_shard {
+  int ndim;
+  const int64_t* global_shape;
+  const int64_t* offsets;
+} wb_shard_t;
+
 /* Parameters of wb_publisher_publish. */
 typedef struct wb_publish_params {
   size_t struct_size;          /* sizeof(wb_publish_params_t) */
   const wb_option_t* metadata; /* user metadata stored with the version, or NULL */
   size_t num_metadata;
   const wb_dtype_t* dtypes; /* NULL, or one per tensor: FROM_DLPACK or an override */
+  /* NULL, or one pointer per tensor: shards[i] describes tensors[i] as a shard, NULL there
+   * publishes it whole. Appended in 0.1 (a caller's older, shorter struct means no shards). */
+  const wb_shard_t* const* shards;
 } wb_publish_params_t;
 #define WB_PUBLISH_PARAMS_INIT \
-  { sizeof(wb_publish_params_t), NULL, 0, NULL }
+  { sizeof(wb_publish_params_t), NULL, 0, NULL, NULL }
 
 /* Parameters of wb_subscriber_bind. */
 typedef struct wb_bind_params {
@@ -201,9 +270,13 @@ typedef struct wb_publish_stats {
   int64_t transport_ns;     /* the transport's part (disk: write, fsync, commit) */
   uint64_t flags;           /* WB_PUBLISH_UNCHANGED: the call re-published the channel's latest
                                version with the same bytes (a retry); nothing was written */
+  /* Appended in 0.1 (a caller's shorter struct does not receive them): */
+  int64_t encode_ns;   /* part of transport_ns a layer (delta) spent encoding; 0 without one */
+  uint64_t wire_bytes; /* bytes the transport carried for the tensors: `bytes`, or what a layer
+                          encoded them to; 0 when a layer does not report it */
 } wb_publish_stats_t;
 #define WB_PUBLISH_STATS_INIT \
-  { sizeof(wb_publish_stats_t), 0, 0, 0, 0, 0, 0, 0 }
+  { sizeof(wb_publish_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0 }
 #define WB_PUBLISH_UNCHANGED ((uint64_t)1)
 
 /* Timing of one received version (durations in nanoseconds). Output struct as above. */
@@ -216,9 +289,33 @@ typedef struct wb_update_stats {
   int64_t verify_wait_ns; /* waiting for checksums after the last byte arrived */
   int64_t copy_out_ns;    /* copying staged bytes into bound destinations */
   int64_t ready_unix_ns;  /* when the version was complete and verified (CLOCK_REALTIME) */
+  /* Appended in 0.1 (a caller's shorter struct does not receive them): */
+  int64_t decode_ns;   /* part of fetch_ns a layer (delta) spent decoding; 0 without one */
+  uint64_t wire_bytes; /* bytes received for the tensors: `bytes`, or their encoded size under
+                          a layer; 0 when a layer does not report it */
 } wb_update_stats_t;
 #define WB_UPDATE_STATS_INIT \
-  { sizeof(wb_update_stats_t), 0, 0, 0, 0, 0, 0, 0 }
+  { sizeof(wb_update_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+
+/* One tensor of a version as its manifest describes it (weightbus::TensorInfo): also for
+ * sub-byte dtypes, which have no DLTensor. An output struct: set struct_size
+ * (WB_TENSOR_INFO_INIT); the library fills the fields that fit in it. The pointers are owned by
+ * the update and valid until wb_update_destroy. */
+typedef struct wb_tensor_info {
+  size_t struct_size;
+  const char* name;     /* NUL-terminated UTF-8 */
+  wb_dtype_t dtype;     /* the safetensors type (never WB_DTYPE_FROM_DLPACK) */
+  int ndim;             /* 0 for a scalar */
+  const int64_t* shape; /* ndim elements (NULL when ndim is 0) */
+  uint64_t nbytes;      /* bytes of the contiguous row-major tensor */
+  uint64_t xxh3;        /* XXH3-64 (seed 0) of those bytes, as verified on receipt */
+  bool has_shard;       /* the publisher described the tensor as a shard (wb_shard_t) */
+  /* With has_shard, ndim elements each (NULL when ndim is 0); NULL without: */
+  const int64_t* shard_global_shape;
+  const int64_t* shard_offsets;
+} wb_tensor_info_t;
+#define WB_TENSOR_INFO_INIT \
+  { sizeof(wb_tensor_info_t), NULL, WB_DTYPE_FROM_DLPACK, 0, NULL, 0, 0, false, NULL, NULL }
 
 /* ------------------------------------------------------------------------------------------ */
 /* Publisher                                                                                   */
@@ -267,6 +364,21 @@ WB_EXPORT wb_status_t wb_publisher_latest_version(wb_publisher_t* publisher, boo
 
 /* Figures of the last successful publish (all zero before the first). */
 WB_EXPORT wb_status_t wb_publisher_last_stats(wb_publisher_t* publisher, wb_publish_stats_t* stats);
+
+/* Waits up to `timeout_ms` until at least `count` distinct subscribers have received and
+ * verified `version` (or a newer version), e.g. to keep a one-shot publisher serving until its
+ * replicas have the weights (Publisher::WaitForReceivers). A subscriber counts once however
+ * often it reconnects while the same subscriber handle lives; one that received the version and
+ * left still counts. Thread-safe like every call on the handle; wb_publisher_cancel (or destroy)
+ * from another thread ends the wait promptly with WB_CANCELLED. Errors: WB_DEADLINE_EXCEEDED
+ * naming how many had it; WB_INVALID_ARGUMENT for count < 1; WB_UNIMPLEMENTED for transports
+ * that cannot tell (disk://: subscribers never talk to the publisher); WB_CANCELLED. */
+WB_EXPORT wb_status_t wb_publisher_wait_for_receivers(wb_publisher_t* publisher, uint64_t version,
+                                                      int count, int64_t timeout_ms);
+
+/* The URI the publisher was created with, as given. Owned by the handle: valid until
+ * wb_publisher_destroy. */
+WB_EXPORT wb_status_t wb_publisher_uri(wb_publisher_t* publisher, const char** uri);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Subscriber                                                                                  */
@@ -337,6 +449,10 @@ WB_EXPORT wb_status_t wb_subscriber_poll(wb_subscriber_t* subscriber, uint64_t m
 WB_EXPORT wb_status_t wb_subscriber_current_version(wb_subscriber_t* subscriber, bool* has_version,
                                                     uint64_t* version);
 
+/* The URI the subscriber was created with, as given. Owned by the handle: valid until
+ * wb_subscriber_destroy. */
+WB_EXPORT wb_status_t wb_subscriber_uri(wb_subscriber_t* subscriber, const char** uri);
+
 /* ------------------------------------------------------------------------------------------ */
 /* Update: one received, verified version                                                      */
 /* ------------------------------------------------------------------------------------------ */
@@ -345,6 +461,7 @@ WB_EXPORT wb_status_t wb_subscriber_current_version(wb_subscriber_t* subscriber,
  * update's memory alive until their deleters run. NULL is a no-op. */
 WB_EXPORT void wb_update_destroy(wb_update_t* update);
 
+/* The version number of the update. */
 WB_EXPORT wb_status_t wb_update_version(const wb_update_t* update, uint64_t* version);
 
 /* Number of tensors, in manifest (publish) order. */
@@ -358,6 +475,12 @@ WB_EXPORT wb_status_t wb_update_num_tensors(const wb_update_t* update, size_t* n
 WB_EXPORT wb_status_t wb_update_tensor(const wb_update_t* update, size_t index, const char** name,
                                        wb_dtype_t* dtype, const DLTensor** tensor);
 
+/* Tensor `index` as the manifest describes it: name, dtype, shape, size, checksum and shard
+ * (see wb_tensor_info_t). Errors: WB_OUT_OF_RANGE past the end; WB_INVALID_ARGUMENT for a NULL
+ * argument or an info->struct_size smaller than the first layout (use WB_TENSOR_INFO_INIT). */
+WB_EXPORT wb_status_t wb_update_tensor_info(const wb_update_t* update, size_t index,
+                                            wb_tensor_info_t* info);
+
 /* The index of the tensor named `name`; WB_NOT_FOUND when the version has none. */
 WB_EXPORT wb_status_t wb_update_find(const wb_update_t* update, const char* name, size_t* index);
 
@@ -366,6 +489,7 @@ WB_EXPORT wb_status_t wb_update_find(const wb_update_t* update, const char* name
 WB_EXPORT wb_status_t wb_update_manifest_json(const wb_update_t* update, const char** json,
                                               size_t* length);
 
+/* Timing of this version's receipt (see wb_update_stats_t; set its struct_size). */
 WB_EXPORT wb_status_t wb_update_stats(const wb_update_t* update, wb_update_stats_t* stats);
 
 /* Tensor `index` as a DLManagedTensor for a framework to adopt (torch.utils.dlpack.from_dlpack,

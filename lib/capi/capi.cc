@@ -185,15 +185,17 @@ absl::Status ReadParams(const char* function, const T* in, size_t first_version_
   return absl::OkStatus();
 }
 
-// Fills the fields of a caller's output struct that fit in its struct_size.
+// Fills the fields of a caller's output struct (stats, infos) that fit in its struct_size.
+// `parameter` names the struct in messages ("stats", "info").
 template <typename T>
-absl::Status WriteStats(const char* function, const T& value, T* out, size_t first_version_size) {
+absl::Status WriteOutput(const char* function, const T& value, T* out, size_t first_version_size,
+                         const char* parameter = "stats") {
   const size_t size = out->struct_size;
   if (size < first_version_size) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: stats.struct_size is %d, smaller than any version of the struct (%d); initialize "
+        "%s: %s.struct_size is %d, smaller than any version of the struct (%d); initialize "
         "it with its WB_*_INIT macro",
-        function, size, first_version_size));
+        function, parameter, size, first_version_size));
   }
   const size_t n = std::min(size, sizeof(T));
   std::memcpy(reinterpret_cast<char*>(out) + sizeof(size_t),
@@ -203,10 +205,12 @@ absl::Status WriteStats(const char* function, const T& value, T* out, size_t fir
 
 // Sizes of the first published layouts (these never change).
 constexpr size_t kOpenParamsV1 = sizeof(wb_open_params_t);
-constexpr size_t kPublishParamsV1 = sizeof(wb_publish_params_t);
+constexpr size_t kPublishParamsV1 = offsetof(wb_publish_params_t, shards);  // before `shards`
 constexpr size_t kBindParamsV1 = sizeof(wb_bind_params_t);
-constexpr size_t kPublishStatsV1 = offsetof(wb_publish_stats_t, flags);  // before `flags`
-constexpr size_t kUpdateStatsV1 = sizeof(wb_update_stats_t);
+constexpr size_t kPublishStatsV1 = offsetof(wb_publish_stats_t, flags);    // before `flags`
+constexpr size_t kUpdateStatsV1 = offsetof(wb_update_stats_t, decode_ns);  // before `decode_ns`
+constexpr size_t kSettingInfoV1 = sizeof(wb_setting_info_t);
+constexpr size_t kTensorInfoV1 = sizeof(wb_tensor_info_t);
 
 absl::Duration Timeout(int64_t timeout_ms) {
   return timeout_ms < 0 ? absl::InfiniteDuration() : absl::Milliseconds(timeout_ms);
@@ -522,6 +526,42 @@ absl::StatusOr<Layout> LayoutOf(std::string_view name, const DLTensor& t, wb_dty
   return out;
 }
 
+// The shard of tensor `index` (`shard` NULL: published whole). The core checks the rank and
+// bounds against the tensor's shape (tensor_pack.cc); here only what C adds: pointers.
+absl::StatusOr<std::optional<wb::Shard>> ShardOf(std::string_view name, size_t index,
+                                                 const wb_shard_t* shard) {
+  if (shard == nullptr) return std::nullopt;
+  if (shard->ndim < 0 ||
+      (shard->ndim > 0 && (shard->global_shape == nullptr || shard->offsets == nullptr))) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "tensor \"%s\": params.shards[%d] has ndim %d and %s global_shape and %s offsets", name,
+        index, shard->ndim, shard->global_shape == nullptr ? "a NULL" : "a",
+        shard->offsets == nullptr ? "NULL" : "non-NULL"));
+  }
+  wb::Shard out;
+  out.global_shape.assign(shard->global_shape, shard->global_shape + shard->ndim);
+  out.offsets.assign(shard->offsets, shard->offsets + shard->ndim);
+  return out;
+}
+
+// The library-wide lists of wb_transport_* and wb_setting_*: built once, on first use
+// (thread-safe), and never freed, so that their strings stay valid until the library is
+// unloaded (also during other libraries' static destructors).
+const std::vector<std::string>& TransportList() {
+  static const auto* list = new std::vector<std::string>(wb::Transports());
+  return *list;
+}
+
+const std::vector<wb::SettingInfo>& SettingList() {
+  static const auto* list = new std::vector<wb::SettingInfo>(wb::DescribeSettings());
+  return *list;
+}
+
+absl::Status IndexPastEnd(const char* function, const char* what, size_t index, size_t count) {
+  return absl::OutOfRangeError(
+      absl::StrFormat("%s: index %d is past the end of the %d %s", function, index, count, what));
+}
+
 absl::Status Publish(wb_publisher_t* publisher, uint64_t version, const char* const* names,
                      const DLTensor* tensors, size_t num_tensors,
                      const wb_publish_params_t* params_in, int64_t timeout_ms) {
@@ -550,9 +590,16 @@ absl::Status Publish(wb_publisher_t* publisher, uint64_t version, const char* co
                           absl::StrFormat("%s version %d: %s", publisher->impl->uri(), version,
                                           layout.status().message()));
     }
+    absl::StatusOr<std::optional<wb::Shard>> shard =
+        ShardOf(names[i], i, params.shards ? params.shards[i] : nullptr);
+    if (!shard.ok()) {
+      return absl::Status(shard.status().code(),
+                          absl::StrFormat("%s version %d: %s", publisher->impl->uri(), version,
+                                          shard.status().message()));
+    }
     views.push_back(wb::TensorView{names[i], layout->dtype, std::move(layout->shape),
                                    std::move(layout->strides), layout->data, layout->device,
-                                   std::nullopt});
+                                   std::move(*shard)});
   }
   return publisher->impl->Publish(version, views, *metadata, Timeout(timeout_ms));
 }
@@ -680,6 +727,49 @@ wb_status_t wb_check_version(uint32_t compiled_version) {
   });
 }
 
+wb_status_t wb_transport_count(size_t* count) {
+  constexpr const char* kFn = "wb_transport_count";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_ARG(kFn, count);
+    *count = TransportList().size();
+    return absl::OkStatus();
+  });
+}
+
+wb_status_t wb_transport_scheme(size_t index, const char** scheme) {
+  constexpr const char* kFn = "wb_transport_scheme";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_ARG(kFn, scheme);
+    const std::vector<std::string>& list = TransportList();
+    if (index >= list.size()) return IndexPastEnd(kFn, "transports", index, list.size());
+    *scheme = list[index].c_str();
+    return absl::OkStatus();
+  });
+}
+
+wb_status_t wb_setting_count(size_t* count) {
+  constexpr const char* kFn = "wb_setting_count";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_ARG(kFn, count);
+    *count = SettingList().size();
+    return absl::OkStatus();
+  });
+}
+
+wb_status_t wb_setting_info(size_t index, wb_setting_info_t* info) {
+  constexpr const char* kFn = "wb_setting_info";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_ARG(kFn, info);
+    const std::vector<wb::SettingInfo>& list = SettingList();
+    if (index >= list.size()) return IndexPastEnd(kFn, "settings", index, list.size());
+    const wb::SettingInfo& s = list[index];
+    const wb_setting_info_t value{
+        sizeof(wb_setting_info_t), s.scope.c_str(), s.name.c_str(), s.type.c_str(),
+        s.default_value.c_str(),   s.env.c_str(),   s.doc.c_str()};
+    return WriteOutput(kFn, value, info, kSettingInfoV1, "info");
+  });
+}
+
 const char* wb_dtype_name(wb_dtype_t dtype) {
   if (dtype == WB_DTYPE_FROM_DLPACK) return "FROM_DLPACK";
   absl::StatusOr<wb::DType> d = FromCDType(dtype);
@@ -756,8 +846,29 @@ wb_status_t wb_publisher_last_stats(wb_publisher_t* publisher, wb_publish_stats_
                              absl::ToInt64Nanoseconds(s.pack),
                              absl::ToInt64Nanoseconds(s.checksum_wait),
                              absl::ToInt64Nanoseconds(s.transport),
-                             s.unchanged ? WB_PUBLISH_UNCHANGED : 0};
-    return WriteStats(kFn, value, stats, kPublishStatsV1);
+                             s.unchanged ? WB_PUBLISH_UNCHANGED : 0,
+                             absl::ToInt64Nanoseconds(s.encode),
+                             s.wire_bytes};
+    return WriteOutput(kFn, value, stats, kPublishStatsV1);
+  });
+}
+
+wb_status_t wb_publisher_wait_for_receivers(wb_publisher_t* publisher, uint64_t version, int count,
+                                            int64_t timeout_ms) {
+  constexpr const char* kFn = "wb_publisher_wait_for_receivers";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_HANDLE(kFn, publisher);
+    return publisher->impl->WaitForReceivers(version, count, Timeout(timeout_ms));
+  });
+}
+
+wb_status_t wb_publisher_uri(wb_publisher_t* publisher, const char** uri) {
+  constexpr const char* kFn = "wb_publisher_uri";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_HANDLE(kFn, publisher);
+    WB_CHECK_ARG(kFn, uri);
+    *uri = publisher->impl->uri().c_str();
+    return absl::OkStatus();
   });
 }
 
@@ -871,6 +982,16 @@ wb_status_t wb_subscriber_current_version(wb_subscriber_t* subscriber, bool* has
   });
 }
 
+wb_status_t wb_subscriber_uri(wb_subscriber_t* subscriber, const char** uri) {
+  constexpr const char* kFn = "wb_subscriber_uri";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_HANDLE(kFn, subscriber);
+    WB_CHECK_ARG(kFn, uri);
+    *uri = subscriber->impl->uri().c_str();
+    return absl::OkStatus();
+  });
+}
+
 void wb_update_destroy(wb_update_t* update) {
   try {
     delete update;
@@ -914,6 +1035,28 @@ wb_status_t wb_update_tensor(const wb_update_t* update, size_t index, const char
   });
 }
 
+wb_status_t wb_update_tensor_info(const wb_update_t* update, size_t index, wb_tensor_info_t* info) {
+  constexpr const char* kFn = "wb_update_tensor_info";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_ARG(kFn, update);
+    WB_CHECK_ARG(kFn, info);
+    if (absl::Status s = CheckIndex(kFn, update, index, /*dlpack=*/false); !s.ok()) return s;
+    const wb::TensorInfo& t = update->state->update->manifest().tensors[index];
+    auto data = [](const std::vector<int64_t>& v) { return v.empty() ? nullptr : v.data(); };
+    const wb_tensor_info_t value{sizeof(wb_tensor_info_t),
+                                 t.name.c_str(),
+                                 ToCDType(t.dtype),
+                                 static_cast<int>(t.shape.size()),
+                                 data(t.shape),
+                                 t.nbytes,
+                                 t.xxh3,
+                                 t.shard.has_value(),
+                                 t.shard ? data(t.shard->global_shape) : nullptr,
+                                 t.shard ? data(t.shard->offsets) : nullptr};
+    return WriteOutput(kFn, value, info, kTensorInfoV1, "info");
+  });
+}
+
 wb_status_t wb_update_find(const wb_update_t* update, const char* name, size_t* index) {
   constexpr const char* kFn = "wb_update_find";
   return Guard(kFn, [&]() -> absl::Status {
@@ -954,8 +1097,10 @@ wb_status_t wb_update_stats(const wb_update_t* update, wb_update_stats_t* stats)
                             absl::ToInt64Nanoseconds(s.fetch),
                             absl::ToInt64Nanoseconds(s.verify_wait),
                             absl::ToInt64Nanoseconds(s.copy_out),
-                            s.ready_unix_ns};
-    return WriteStats(kFn, value, stats, kUpdateStatsV1);
+                            s.ready_unix_ns,
+                            absl::ToInt64Nanoseconds(s.decode),
+                            s.wire_bytes};
+    return WriteOutput(kFn, value, stats, kUpdateStatsV1);
   });
 }
 

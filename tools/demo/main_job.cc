@@ -7,7 +7,7 @@
 // each replica held the verified version, the bytes and the bandwidth.
 //
 //   weightbus-demo [--checkpoint PATH] [--uri URI] [--versions N] [--replicas R] [--lr LR]
-//                  [--seed S] [--workdir DIR] [--keep]
+//                  [--seed S] [--workdir DIR] [--keep]      (--help: every flag)
 //
 // Exit status 0 only when the logits check passed and every replica verified every version.
 #include <fcntl.h>
@@ -29,9 +29,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "weightbus/args.h"
 #include "weightbus/bf16.h"
 #include "weightbus/fatal.h"
+#include "weightbus/flags.h"
 #include "weightbus/llama2c.h"
 #include "weightbus/llama_forward.h"
 #include "weightbus/update_stream.h"
@@ -334,44 +334,35 @@ int RunTrainer(const std::string& self, Options o) {
 int main(int argc, char** argv) {
   using namespace weightbus::tools;
   SetFatalErrorPolicy({"weightbus-demo", 1, KillReplicasAndRemoveWorkdir});
-  std::vector<std::string> argvec(argv + 1, argv + argc);
-  absl::StatusOr<Args> args = Args::Parse(argvec, {{"checkpoint"},
-                                                   {"uri"},
-                                                   {"workdir"},
-                                                   {"versions"},
-                                                   {"replicas"},
-                                                   {"lr"},
-                                                   {"seed"},
-                                                   {"keep", false},
-                                                   {"role"},
-                                                   {"index"},
-                                                   {"help", false}});
-  if (!args.ok() || !args->positional().empty() || args->Has("help")) {
-    std::fprintf(stderr,
-                 "usage: weightbus-demo [--checkpoint PATH] [--uri URI] [--versions N] "
-                 "[--replicas R] [--lr LR] [--seed S] [--workdir DIR] [--keep]\n"
-                 "  --checkpoint  llama2.c checkpoint (default: the stories260K fixture)\n"
-                 "  --uri         channel (default: disk://<workdir>/channel)\n"
-                 "  --versions    versions to publish (default 20); version 1 is the converted\n"
-                 "                checkpoint, each later one follows one Adam step\n"
-                 "  --replicas    replica processes (default 2)\n"
-                 "  --lr          Adam learning rate (default 1e-5)\n"
-                 "  --workdir     where to convert and keep the channel (default: a temporary\n"
-                 "                directory, removed at the end unless --keep)\n%s",
-                 args.ok() ? "" : (std::string(args.status().message()) + "\n").c_str());
-    return args.ok() && args->Has("help") ? 0 : 2;
-  }
   Options o;
-  o.checkpoint = args->Get("checkpoint").value_or(WEIGHTBUS_DEFAULT_CHECKPOINT);
-  o.uri = args->Get("uri").value_or("");
-  o.workdir = args->Get("workdir").value_or("");
-  o.keep = args->Has("keep");
-  o.versions = OrDie(args->GetUint("versions", 20));
-  o.replicas = static_cast<int>(OrDie(args->GetUint("replicas", 2)));
-  o.seed = OrDie(args->GetUint("seed", 1));
-  if (auto lr = args->Get("lr"); lr && !absl::SimpleAtod(*lr, &o.lr)) Die("--lr is not a number");
-  if (o.versions < 1 || o.replicas < 1) Die("--versions and --replicas must be at least 1");
-  if (args->Get("role").value_or("trainer") == "replica") return RunReplica(o);
+  o.checkpoint = WEIGHTBUS_DEFAULT_CHECKPOINT;
+  std::string role = "trainer";
+  CLI::App app(
+      "weightbus-demo: the main job. A trainer converts a llama2.c checkpoint, checks the "
+      "conversion with two forward passes, and publishes a sequence of Adam-updated bf16 "
+      "versions; replica processes receive each one and check it bit-exact. Exit status 0 only "
+      "when the logits check passed and every replica verified every version.",
+      "weightbus-demo");
+  AddFlag(app, "checkpoint", &o.checkpoint, "llama2.c checkpoint")->type_name("PATH");
+  AddFlag(app, "uri", &o.uri, "channel (default: disk://<workdir>/channel)")->type_name("URI");
+  AddFlag(app, "versions", &o.versions,
+          "versions to publish (1 to 1000000); version 1 is the converted checkpoint, each later "
+          "one follows one Adam step")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1000000}).description(""));
+  AddFlag(app, "replicas", &o.replicas, "replica processes (1 to 1000)")
+      ->check(CLI::Range(1, 1000).description(""));
+  AddFlag(app, "lr", &o.lr, "Adam learning rate (above 0)")->check(PositiveNumber());
+  AddFlag(app, "seed", &o.seed, "the update stream's random seed");
+  AddFlag(app, "workdir", &o.workdir,
+          "where to convert and keep the channel (default: a temporary directory, removed at the "
+          "end unless --keep)")
+      ->type_name("DIR");
+  app.add_flag("--keep", o.keep, "keep the temporary work directory");
+  // A replica process, started by the trainer with the trainer's flags.
+  AddFlag(app, "role", &role, "")->check(CLI::IsMember({"trainer", "replica"}))->group("");
+  AddFlag(app, "index", &o.index, "")->group("");
+  if (std::optional<int> exit_status = ParseFlags(app, argc, argv)) return *exit_status;
+  if (role == "replica") return RunReplica(o);
   signal(SIGPIPE, SIG_IGN);
   return RunTrainer(argv[0][0] == '/' ? argv[0] : std::filesystem::absolute(argv[0]).string(), o);
 }

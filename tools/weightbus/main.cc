@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The weightbus command-line tool: convert, publish, subscribe, inspect.
-// Errors print one line ("weightbus: error: ...") and exit 1; usage errors exit 2.
+// Errors print one line ("weightbus: error: ...") and exit 1; usage errors (flags, CLI11 through
+// weightbus/flags.h) print one line ("weightbus: usage error: ...") and exit 2.
 #include <unistd.h>
 
 #include <cstdio>
@@ -22,8 +23,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "nlohmann/json.hpp"
-#include "weightbus/args.h"
 #include "weightbus/checkpoint.h"
+#include "weightbus/flags.h"
 #include "weightbus/llama2c.h"
 #include "weightbus/weightbus.hpp"
 #include "xxhash.h"
@@ -31,40 +32,12 @@
 namespace weightbus::tools {
 namespace {
 
-constexpr char kUsage[] = R"(usage: weightbus <command> [args]
-
-commands:
-  convert-llama2c IN.bin OUT_DIR [--dtype bf16|f32]
-      Convert a llama2.c checkpoint to OUT_DIR/model.safetensors + config.json
-      (Hugging Face Llama names and layout).
-  publish URI --from PATH --version N [--timeout SECONDS] [--metadata K=V]... [--set K=V]...
-          [--serve SECONDS] [--until-subscribers K]
-      Publish a safetensors file or Hugging Face directory as version N. Transports that serve
-      versions from the publisher's process (ucx://) keep serving until --serve SECONDS elapse
-      or, with --until-subscribers K, until K subscribers hold the version (at most --timeout).
-  subscribe URI --to DIR [--min-version N] [--timeout SECONDS] [--follow] [--count N]
-            [--set K=V]...
-      Receive the newest version >= N and write it to DIR/model.safetensors (with
-      DIR/weightbus.manifest.json); --follow keeps receiving newer versions until none comes
-      within the timeout or --count versions were received. Each file is replaced atomically,
-      the model first; the model's metadata names its manifest (weightbus.version,
-      weightbus.manifest_xxh3), so `inspect DIR` detects a pair left by an interrupted write.
-  inspect PATH_OR_URI [--json] [--timeout SECONDS]
-      List versions, tensors, dtypes, shapes, bytes and XXH3-64 checksums of a safetensors
-      file, a checkpoint directory, a disk channel directory, or a channel URI.
-  settings
-      Every setting with its type, default, environment variable and meaning.
-  --version
-      The library version and the transports compiled in, one per line.
-
+constexpr char kFooter[] = R"(
 URIs: disk:///path/to/channel (settings as query parameters: disk:///x?retention=4)
       ucx://HOST:PORT/CHANNEL (the publisher serves the channel on HOST:PORT; [::1] for IPv6)
-)";
-
-class UsageError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+      delta+<transport>://... (the delta layer over a transport)
+Durations: a number of seconds (0.5) or 500ms, 2s, 1m. `weightbus COMMAND --help` lists a
+command's flags.)";
 
 // "1.23 GB/s", or "-" when the time is too short to give a meaningful rate.
 std::string Rate(uint64_t bytes, double seconds) {
@@ -92,139 +65,103 @@ absl::StatusOr<std::map<std::string, std::string>> KeyValues(const std::vector<s
   return out;
 }
 
-// Parses a subcommand's arguments; throws UsageError (exit 2) when they do not fit.
-Args ParseOrUsage(const std::vector<std::string>& argv, const std::vector<FlagSpec>& specs,
-                  size_t positionals, const char* command) {
-  absl::StatusOr<Args> args = Args::Parse(argv, specs);
-  if (!args.ok()) throw UsageError(absl::StrFormat("%s: %s", command, args.status().message()));
-  if (args->positional().size() != positionals) {
-    throw UsageError(absl::StrFormat("%s takes %d argument(s), got %d", command, positionals,
-                                     args->positional().size()));
-  }
-  return *std::move(args);
-}
+struct ConvertFlags {
+  std::string in, out;
+  std::string dtype = "bf16";
+};
 
-absl::Status ConvertCommand(const std::vector<std::string>& argv) {
-  const Args args =
-      ParseOrUsage(argv, {{"dtype", true, false, "bf16 or f32"}}, 2, "convert-llama2c");
-  const std::string dtype_name = args.Get("dtype").value_or("bf16");
-  DType dtype;
-  if (dtype_name == "bf16") {
-    dtype = DType::kBF16;
-  } else if (dtype_name == "f32") {
-    dtype = DType::kF32;
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--dtype \"%s\" is not bf16 or f32", dtype_name));
-  }
-  const std::string& in = args.positional()[0];
-  const std::string& out = args.positional()[1];
+absl::Status ConvertCommand(const ConvertFlags& flags) {
+  const DType dtype = flags.dtype == "f32" ? DType::kF32 : DType::kBF16;  // checked by the flag
+  const std::string& in = flags.in;
+  const std::string& out = flags.out;
   absl::Status s = ConvertLlama2c(in, out, dtype);
   if (s.ok())
     std::printf("wrote %s/model.safetensors and %s/config.json\n", out.c_str(), out.c_str());
   return s;
 }
 
-absl::Status PublishCommand(const std::vector<std::string>& argv) {
-  const Args args = ParseOrUsage(argv,
-                                 {{"from", true, false, ""},
-                                  {"version", true, false, ""},
-                                  {"timeout", true, false, ""},
-                                  {"metadata", true, true, ""},
-                                  {"set", true, true, ""},
-                                  {"serve", true, false, ""},
-                                  {"until-subscribers", true, false, ""}},
-                                 1, "publish");
-  if (!args.Has("from") || !args.Has("version")) {
-    throw UsageError("publish needs --from PATH and --version N");
-  }
-  absl::StatusOr<uint64_t> version = args.GetUint("version", 0);
-  if (!version.ok()) return version.status();
-  absl::StatusOr<absl::Duration> timeout = args.GetSeconds("timeout", absl::Seconds(300));
-  if (!timeout.ok()) return timeout.status();
-  absl::StatusOr<absl::Duration> serve = args.GetSeconds("serve", absl::ZeroDuration());
-  if (!serve.ok()) return serve.status();
-  absl::StatusOr<uint64_t> until = args.GetUint("until-subscribers", 0);
-  if (!until.ok()) return until.status();
-  if (*until > 1000000) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--until-subscribers %d is not a plausible number of subscribers", *until));
-  }
-  absl::StatusOr<std::map<std::string, std::string>> options = KeyValues(args.GetAll("set"), "set");
+struct PublishFlags {
+  std::string uri, from;
+  uint64_t version = 0;
+  absl::Duration timeout = absl::Seconds(300);
+  absl::Duration serve = absl::ZeroDuration();
+  uint64_t until_subscribers = 0;
+  std::vector<std::string> metadata, set;
+};
+
+absl::Status PublishCommand(const PublishFlags& flags) {
+  absl::StatusOr<std::map<std::string, std::string>> options = KeyValues(flags.set, "set");
   if (!options.ok()) return options.status();
   absl::StatusOr<std::map<std::string, std::string>> metadata =
-      KeyValues(args.GetAll("metadata"), "metadata");
+      KeyValues(flags.metadata, "metadata");
   if (!metadata.ok()) return metadata.status();
 
-  absl::StatusOr<Checkpoint> ckpt = LoadCheckpoint(*args.Get("from"));
+  absl::StatusOr<Checkpoint> ckpt = LoadCheckpoint(flags.from);
   if (!ckpt.ok()) return ckpt.status();
-  const std::string& uri = args.positional()[0];
+  const std::string& uri = flags.uri;
   absl::StatusOr<std::unique_ptr<Publisher>> publisher = Publisher::Open(uri, *options);
   if (!publisher.ok()) return publisher.status();
-  absl::Status s = (*publisher)->Publish(*version, ckpt->tensors, *metadata, *timeout);
+  absl::Status s = (*publisher)->Publish(flags.version, ckpt->tensors, *metadata, flags.timeout);
   if (!s.ok()) return s;
   const PublishStats st = (*publisher)->last_stats();
   if (st.unchanged) {
     std::printf("version %llu of %s already holds these %zu tensors (%s): nothing written\n",
-                static_cast<unsigned long long>(*version), uri.c_str(), ckpt->tensors.size(),
+                static_cast<unsigned long long>(flags.version), uri.c_str(), ckpt->tensors.size(),
                 HumanBytes(st.bytes).c_str());
   } else {
     std::printf("published version %llu to %s: %zu tensors, %s in %.3f s (%s)\n",
-                static_cast<unsigned long long>(*version), uri.c_str(), ckpt->tensors.size(),
+                static_cast<unsigned long long>(flags.version), uri.c_str(), ckpt->tensors.size(),
                 HumanBytes(st.bytes).c_str(), absl::ToDoubleSeconds(st.stall),
                 Rate(st.bytes, absl::ToDoubleSeconds(st.stall)).c_str());
   }
   std::fflush(stdout);
-  if (*until > 0) {
+  if (flags.until_subscribers > 0) {
     const absl::Time start = absl::Now();
-    s = (*publisher)->WaitForReceivers(*version, static_cast<int>(*until), *timeout);
+    s = (*publisher)
+            ->WaitForReceivers(flags.version, static_cast<int>(flags.until_subscribers),
+                               flags.timeout);
     if (!s.ok()) return s;
     std::printf("%llu subscriber(s) hold version %llu (after %.3f s)\n",
-                static_cast<unsigned long long>(*until), static_cast<unsigned long long>(*version),
+                static_cast<unsigned long long>(flags.until_subscribers),
+                static_cast<unsigned long long>(flags.version),
                 absl::ToDoubleSeconds(absl::Now() - start));
     std::fflush(stdout);
   }
-  if (*serve > absl::ZeroDuration()) {
-    std::printf("serving version %llu for %s\n", static_cast<unsigned long long>(*version),
-                absl::FormatDuration(*serve).c_str());
+  if (flags.serve > absl::ZeroDuration()) {
+    std::printf("serving version %llu for %s\n", static_cast<unsigned long long>(flags.version),
+                absl::FormatDuration(flags.serve).c_str());
     std::fflush(stdout);
-    absl::SleepFor(*serve);
+    absl::SleepFor(flags.serve);
   }
   return absl::OkStatus();
 }
 
-absl::Status SubscribeCommand(const std::vector<std::string>& argv) {
-  const Args args = ParseOrUsage(argv,
-                                 {{"to", true, false, ""},
-                                  {"min-version", true, false, ""},
-                                  {"timeout", true, false, ""},
-                                  {"follow", false, false, ""},
-                                  {"count", true, false, ""},
-                                  {"set", true, true, ""}},
-                                 1, "subscribe");
-  if (!args.Has("to")) throw UsageError("subscribe needs --to DIR");
-  absl::StatusOr<uint64_t> min_version = args.GetUint("min-version", 0);
-  if (!min_version.ok()) return min_version.status();
-  absl::StatusOr<uint64_t> count = args.GetUint("count", 0);
-  if (!count.ok()) return count.status();
-  absl::StatusOr<absl::Duration> timeout = args.GetSeconds("timeout", absl::Seconds(60));
-  if (!timeout.ok()) return timeout.status();
-  absl::StatusOr<std::map<std::string, std::string>> options = KeyValues(args.GetAll("set"), "set");
+struct SubscribeFlags {
+  std::string uri, to;
+  uint64_t min_version = 0;
+  absl::Duration timeout = absl::Seconds(60);
+  bool follow = false;
+  uint64_t count = 0;
+  std::vector<std::string> set;
+};
+
+absl::Status SubscribeCommand(const SubscribeFlags& flags) {
+  absl::StatusOr<std::map<std::string, std::string>> options = KeyValues(flags.set, "set");
   if (!options.ok()) return options.status();
-  const bool follow = args.Has("follow");
-  const std::string dir = *args.Get("to");
-  const std::string& uri = args.positional()[0];
+  const bool follow = flags.follow;
+  const std::string& dir = flags.to;
+  const std::string& uri = flags.uri;
 
   absl::StatusOr<std::unique_ptr<Subscriber>> sub = Subscriber::Open(uri, *options);
   if (!sub.ok()) return sub.status();
   uint64_t received = 0;
-  uint64_t want = *min_version;
+  uint64_t want = flags.min_version;
   while (true) {
-    absl::StatusOr<std::unique_ptr<Update>> update = (*sub)->WaitForVersion(want, *timeout);
+    absl::StatusOr<std::unique_ptr<Update>> update = (*sub)->WaitForVersion(want, flags.timeout);
     if (!update.ok()) {
       if (follow && received > 0 && absl::IsDeadlineExceeded(update.status())) {
         std::printf("no newer version within %s; stopping after %llu version(s)\n",
-                    absl::FormatDuration(*timeout).c_str(),
+                    absl::FormatDuration(flags.timeout).c_str(),
                     static_cast<unsigned long long>(received));
         return absl::OkStatus();
       }
@@ -244,7 +181,7 @@ absl::Status SubscribeCommand(const std::vector<std::string>& argv) {
         Rate(st.bytes, fetch_s).c_str(), dir.c_str());
     std::fflush(stdout);
     ++received;
-    if (!follow || (*count > 0 && received >= *count)) return absl::OkStatus();
+    if (!follow || (flags.count > 0 && received >= flags.count)) return absl::OkStatus();
     if (u.version() == std::numeric_limits<uint64_t>::max()) {
       std::printf("version %llu is the last possible one; stopping\n",
                   static_cast<unsigned long long>(u.version()));
@@ -351,19 +288,21 @@ absl::Status InspectCheckpoint(const std::string& path, const std::string& title
   return absl::OkStatus();
 }
 
-absl::Status InspectCommand(const std::vector<std::string>& argv) {
-  const Args args =
-      ParseOrUsage(argv, {{"json", false, false, ""}, {"timeout", true, false, ""}}, 1, "inspect");
-  absl::StatusOr<absl::Duration> timeout = args.GetSeconds("timeout", absl::Seconds(10));
-  if (!timeout.ok()) return timeout.status();
-  const std::string target = args.positional()[0];
+struct InspectFlags {
+  std::string target;
+  bool json = false;
+  absl::Duration timeout = absl::Seconds(10);
+};
+
+absl::Status InspectCommand(const InspectFlags& flags) {
+  const std::string& target = flags.target;
   nlohmann::ordered_json json = nlohmann::ordered_json::array();
-  nlohmann::ordered_json* out = args.Has("json") ? &json : nullptr;
+  nlohmann::ordered_json* out = flags.json ? &json : nullptr;
 
   if (target.find("://") != std::string::npos) {
     absl::StatusOr<std::unique_ptr<Subscriber>> sub = Subscriber::Open(target);
     if (!sub.ok()) return sub.status();
-    absl::StatusOr<std::unique_ptr<Update>> u = (*sub)->WaitForVersion(0, *timeout);
+    absl::StatusOr<std::unique_ptr<Update>> u = (*sub)->WaitForVersion(0, flags.timeout);
     if (!u.ok()) return u.status();
     std::vector<Row> rows;
     for (const TensorInfo& t : (*u)->manifest().tensors) {
@@ -436,8 +375,7 @@ absl::Status InspectCommand(const std::vector<std::string>& argv) {
   return absl::OkStatus();
 }
 
-absl::Status SettingsCommand(const std::vector<std::string>& argv) {
-  ParseOrUsage(argv, {}, 0, "settings");
+absl::Status SettingsCommand() {
   std::printf("%-6s %-16s %-22s %-8s %-30s %s\n", "# scope", "name", "type", "default", "env",
               "meaning");
   for (const SettingInfo& s : DescribeSettings()) {
@@ -448,36 +386,102 @@ absl::Status SettingsCommand(const std::vector<std::string>& argv) {
 }
 
 int Main(int argc, char** argv) {
-  std::vector<std::string> args(argv + 1, argv + argc);
-  if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
-    std::fputs(kUsage, args.empty() ? stderr : stdout);
-    return args.empty() ? 2 : 0;
-  }
-  if (args[0] == "--version") {
+  CLI::App app("weightbus: convert, publish, subscribe and inspect model weights.", "weightbus");
+  app.footer(kFooter);
+  app.require_subcommand(0, 1);
+  bool show_version = false;
+  app.add_flag("--version", show_version,
+               "print the library version and the transports compiled in, one per line");
+
+  ConvertFlags convert;
+  CLI::App* convert_cmd =
+      app.add_subcommand("convert-llama2c", "llama2.c checkpoint -> Hugging Face safetensors");
+  convert_cmd->footer(
+      "\nWrites OUT_DIR/model.safetensors and OUT_DIR/config.json (Hugging Face Llama names and\n"
+      "layout).");
+  convert_cmd->add_option("IN", convert.in, "llama2.c checkpoint (.bin)")->required();
+  convert_cmd->add_option("OUT_DIR", convert.out, "directory to write")->required();
+  AddFlag(*convert_cmd, "dtype", &convert.dtype, "dtype of the written tensors")
+      ->check(CLI::IsMember({"bf16", "f32"}));
+
+  PublishFlags publish;
+  CLI::App* publish_cmd = app.add_subcommand("publish", "publish a checkpoint as version N");
+  publish_cmd->footer(
+      "\nPublishes a safetensors file or Hugging Face directory as version N. Transports that\n"
+      "serve versions from the publisher's process (ucx://) keep serving until --serve elapses\n"
+      "or, with --until-subscribers K, until K subscribers hold the version (at most --timeout).");
+  publish_cmd->add_option("URI", publish.uri, "channel URI")->required();
+  publish_cmd->add_option("--from", publish.from, "safetensors file or checkpoint directory")
+      ->required();
+  publish_cmd->add_option("--version", publish.version, "the version number to publish")
+      ->check(UnsignedText())
+      ->required();
+  AddDurationFlag(*publish_cmd, "timeout", &publish.timeout,
+                  "how long publishing (and --until-subscribers) may take");
+  AddRepeatedFlag(*publish_cmd, "metadata", &publish.metadata,
+                  "metadata of the version (repeatable)")
+      ->type_name("K=V");
+  AddRepeatedFlag(*publish_cmd, "set", &publish.set,
+                  "a channel setting (repeatable; `weightbus settings` lists them)")
+      ->type_name("K=V");
+  AddDurationFlag(*publish_cmd, "serve", &publish.serve,
+                  "keep serving the version this long after publishing");
+  AddFlag(*publish_cmd, "until-subscribers", &publish.until_subscribers,
+          "wait until this many subscribers hold the version (0: do not wait; at most 1000000)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{1000000}).description(""));
+
+  SubscribeFlags subscribe;
+  CLI::App* subscribe_cmd =
+      app.add_subcommand("subscribe", "receive the newest version into a directory");
+  subscribe_cmd->footer(
+      "\nReceives the newest version >= --min-version and writes it to DIR/model.safetensors\n"
+      "(with DIR/weightbus.manifest.json); --follow keeps receiving newer versions until none\n"
+      "comes within the timeout or --count versions were received. Each file is replaced\n"
+      "atomically, the model first; the model's metadata names its manifest (weightbus.version,\n"
+      "weightbus.manifest_xxh3), so `inspect DIR` detects a pair left by an interrupted write.");
+  subscribe_cmd->add_option("URI", subscribe.uri, "channel URI")->required();
+  subscribe_cmd->add_option("--to", subscribe.to, "directory to write the model to")->required();
+  AddFlag(*subscribe_cmd, "min-version", &subscribe.min_version, "the oldest version to accept");
+  AddDurationFlag(*subscribe_cmd, "timeout", &subscribe.timeout, "how long to wait per version");
+  subscribe_cmd->add_flag("--follow", subscribe.follow, "keep receiving newer versions");
+  AddFlag(*subscribe_cmd, "count", &subscribe.count,
+          "with --follow: stop after this many versions (0: no limit)");
+  AddRepeatedFlag(*subscribe_cmd, "set", &subscribe.set, "a channel setting (repeatable)")
+      ->type_name("K=V");
+
+  InspectFlags inspect;
+  CLI::App* inspect_cmd =
+      app.add_subcommand("inspect", "list the tensors and checksums of a checkpoint or channel");
+  inspect_cmd->footer(
+      "\nLists versions, tensors, dtypes, shapes, bytes and XXH3-64 checksums of a safetensors\n"
+      "file, a checkpoint directory, a disk channel directory, or a channel URI.");
+  inspect_cmd->add_option("PATH_OR_URI", inspect.target, "what to inspect")->required();
+  inspect_cmd->add_flag("--json", inspect.json, "print JSON instead of a table");
+  AddDurationFlag(*inspect_cmd, "timeout", &inspect.timeout,
+                  "for a URI: how long to wait for a version");
+
+  CLI::App* settings_cmd = app.add_subcommand(
+      "settings", "every setting with its type, default, environment variable and meaning");
+
+  if (std::optional<int> exit_status = ParseFlags(app, argc, argv)) return *exit_status;
+  absl::Status status;
+  if (*convert_cmd) {
+    status = ConvertCommand(convert);
+  } else if (*publish_cmd) {
+    status = PublishCommand(publish);
+  } else if (*subscribe_cmd) {
+    status = SubscribeCommand(subscribe);
+  } else if (*inspect_cmd) {
+    status = InspectCommand(inspect);
+  } else if (*settings_cmd) {
+    status = SettingsCommand();
+  } else if (show_version) {
     std::printf("weightbus %s\n", std::string(LibraryVersion()).c_str());
     for (const std::string& t : Transports()) std::printf("%s\n", t.c_str());
     return 0;
-  }
-  const std::string command = args[0];
-  std::vector<std::string> rest(args.begin() + 1, args.end());
-  absl::Status status;
-  try {
-    if (command == "convert-llama2c") {
-      status = ConvertCommand(rest);
-    } else if (command == "publish") {
-      status = PublishCommand(rest);
-    } else if (command == "subscribe") {
-      status = SubscribeCommand(rest);
-    } else if (command == "inspect") {
-      status = InspectCommand(rest);
-    } else if (command == "settings") {
-      status = SettingsCommand(rest);
-    } else {
-      throw UsageError(absl::StrFormat("unknown command \"%s\"", command));
-    }
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "weightbus: usage error: %s (see weightbus --help)\n", e.what());
-    return 2;
+  } else {
+    std::fputs(app.help().c_str(), stderr);
+    return kUsageExitStatus;
   }
   if (!status.ok()) {
     std::string message(status.message());

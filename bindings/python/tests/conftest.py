@@ -61,19 +61,20 @@ def stories_dir(tmp_path_factory) -> Path:
 
 
 class SliceWatch:
-    """Wraps the real library's wb_subscriber_wait_then_receive (each slice of wait()) to record
-    each slice's status and to signal once a slice came back without a version."""
+    """Wraps the real library's `function` (default wb_subscriber_wait_then_receive, each slice
+    of Subscriber.wait(); wb_publisher_wait_for_receivers for Publisher.wait_for_receivers) to
+    record each slice's status and to signal once a slice came back with an error."""
 
-    def __init__(self, monkeypatch, module=None):
+    def __init__(self, monkeypatch, module=None, function="wb_subscriber_wait_then_receive"):
         if module is None:
             from weightbus import _api as module
         self.statuses = []
         self.not_yet = threading.Event()
         real_lib = module.lib
-        real = real_lib.wb_subscriber_wait_then_receive
+        real = getattr(real_lib, function)
         watch = self
 
-        def wait_then_receive(*args):
+        def watched(*args):
             status = real(*args)
             watch.statuses.append(status)
             if status != 0:
@@ -85,7 +86,7 @@ class SliceWatch:
                 return getattr(real_lib, name)
 
         proxy = Lib()
-        proxy.wb_subscriber_wait_then_receive = wait_then_receive
+        setattr(proxy, function, watched)
         monkeypatch.setattr(module, "lib", proxy)
 
 
@@ -93,6 +94,21 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ucx_publisher(**options):
+    """A weightbus.Publisher on a free loopback ucx:// port (another process may take the port
+    first: retried on "in use"), or skips the test when ucx:// is not built."""
+    import weightbus
+    if "ucx" not in weightbus.transports():
+        pytest.skip("ucx:// is not built")
+    for _ in range(20):
+        try:
+            return weightbus.Publisher(f"ucx://127.0.0.1:{_free_port()}/test", **options)
+        except weightbus.FailedPreconditionError as e:
+            if "in use" not in str(e):
+                raise
+    pytest.fail("no free loopback port in 20 tries")
 
 
 def late_uri(transport, tmp_path) -> str:

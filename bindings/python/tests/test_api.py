@@ -14,7 +14,7 @@ import torch
 
 import weightbus
 from weightbus import _api, _lib, _tensors
-from conftest import SliceWatch, child_env, cli_path, late_uri, run_python
+from conftest import SliceWatch, child_env, cli_path, late_uri, run_python, ucx_publisher
 
 
 def test_version_and_library():
@@ -372,7 +372,8 @@ def test_metadata_that_c_strings_cannot_carry_is_refused(channel, metadata, what
 def test_complex64_round_trips_and_sub_byte_tensors_are_listed(channel, tmp_path):
     """torch.complex64 publishes as C64 and comes back bit-exact; a version holding an F4 tensor
     (published from a safetensors file by the CLI) is received: its tensors are listed with
-    their dtypes, the F4 one raises UnimplementedError when read, the others are readable."""
+    their dtypes, the F4 one raises UnimplementedError when read but has its TensorInfo, the
+    others are readable."""
     import json
     import struct
     c = torch.randn(3, 2, dtype=torch.complex64)
@@ -402,6 +403,9 @@ def test_complex64_round_trips_and_sub_byte_tensors_are_listed(channel, tmp_path
         assert update["b"].tolist() == [7, 9]
         with pytest.raises(weightbus.UnimplementedError, match="w4"):
             update["w4"]
+        # Its manifest entry is readable all the same (wb_update_tensor_info).
+        info = update.tensor_info("w4")
+        assert (info.dtype, info.shape, info.nbytes, info.shard) == ("F4", (16,), 8, None)
 
 
 def test_metadata_must_be_a_mapping(channel):
@@ -552,28 +556,35 @@ def test_wait_without_a_publisher_raises_its_last_error_after_the_whole_timeout(
         assert info.value.retryable
 
 
+def _close_cancels_the_call_in_flight(handle, call, watch):
+    """Runs `call` in another thread; once one of its slices came back without success
+    (`watch`, a SliceWatch), closes `handle` here, and checks that the call raised
+    CancelledError and that close() returned only once it had left the library."""
+    outcome = []
+
+    def caller():
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as e:  # noqa: B902 - the test inspects whatever was raised
+            outcome.append(e)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    assert watch.not_yet.wait(30), "the call never ran a slice"
+    handle.close()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], weightbus.CancelledError), outcome
+
+
 def test_close_from_another_thread_cancels_a_wait_in_flight(channel, monkeypatch):
     """close() while another thread waits: the wait raises CancelledError, close() returns
     once the wait has left the library, and the handle is destroyed only then (issue 10,
     item 1: this segfaulted)."""
     watch = SliceWatch(monkeypatch)
     sub = weightbus.Subscriber(channel)
-    outcome = []
-
-    def waiter():
-        try:
-            sub.wait(min_version=5, timeout=60)
-            outcome.append(None)
-        except BaseException as e:  # noqa: B902 - the test inspects whatever was raised
-            outcome.append(e)
-
-    thread = threading.Thread(target=waiter)
-    thread.start()
-    assert watch.not_yet.wait(30), "the wait never ran a slice"
-    sub.close()
-    thread.join(30)
-    assert not thread.is_alive()
-    assert isinstance(outcome[0], weightbus.CancelledError), outcome
+    _close_cancels_the_call_in_flight(sub, lambda: sub.wait(min_version=5, timeout=60), watch)
     with pytest.raises(ValueError, match="Subscriber is closed"):
         sub.wait(timeout=0)
 
@@ -625,3 +636,129 @@ print("parent ok")
     result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert "parent ok" in result.stdout
+
+
+# ---- what the C++ API has, through the C API (issue 11) ----
+
+def test_transports_and_settings_are_the_registry_the_cli_prints():
+    """weightbus.transports() and settings() list what `weightbus --version` and `weightbus
+    settings` print from the C++ registry: the same schemes, and each setting's env variable
+    and doc line."""
+    schemes = weightbus.transports()
+    assert schemes == sorted(schemes) and "disk" in schemes
+    version = subprocess.run([str(cli_path()), "--version"], capture_output=True, text=True,
+                             check=True, timeout=60).stdout.split("\n")
+    assert [line for line in version[1:] if line] == schemes
+    settings = weightbus.settings()
+    assert settings[0].scope == "core"
+    printed = subprocess.run([str(cli_path()), "settings"], capture_output=True, text=True,
+                             check=True, timeout=60).stdout
+    rows = [line for line in printed.splitlines() if line and not line.startswith("#")]
+    assert len(rows) == len(settings)
+    for row, s in zip(rows, settings):
+        assert row.split()[:2] == [s.scope, s.name], (row, s)
+        assert s.env in row and row.endswith(s.doc), (row, s)
+    retention = next(s for s in settings if (s.scope, s.name) == ("disk", "retention"))
+    assert retention == weightbus.SettingInfo("disk", "retention", "int", "3",
+                                              "WEIGHTBUS_DISK_RETENTION", retention.doc)
+    assert {s.scope for s in settings} <= {"core", *schemes}
+
+
+def test_uri_is_the_handles_own(channel):
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        assert pub.uri == channel and sub.uri == channel
+
+
+def test_shards_round_trip_and_are_checked(channel):
+    """Publisher.publish(shards=...) records shards in the manifest; Update.tensor_info reads
+    them back with dtype, shape, nbytes and the XXH3 checksum the manifest holds."""
+    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    b = np.arange(4, dtype=np.int32)
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        pub.publish(1, {"a": a, "b": b, "c": torch.zeros(2, 2)},
+                    shards={"a": weightbus.Shard((4, 6), (2, 3)), "c": ([2, 4], [0, 2])})
+        update = sub.wait(1, timeout=30)
+        info = update.tensor_info("a")
+        assert info == weightbus.TensorInfo("a", "F32", (2, 3), 24, info.xxh3,
+                                            weightbus.Shard((4, 6), (2, 3)))
+        assert info.xxh3 == int(update.manifest["tensors"][0]["xxh3"], 16)
+        assert update.tensor_info("b") == weightbus.TensorInfo(
+            "b", "I32", (4,), 16, int(update.manifest["tensors"][1]["xxh3"], 16), None)
+        assert update.tensor_info("c").shard == weightbus.Shard((2, 4), (0, 2))
+        with pytest.raises(KeyError, match="no tensor named 'nope'"):
+            update.tensor_info("nope")
+        with pytest.raises(weightbus.InvalidArgumentError,
+                           match=r'tensor "a": slice of shape \[2, 3\] at offsets \[3, 3\] does '
+                                 r'not fit in global shape \[4, 6\] \(dimension 0\)'):
+            pub.publish(2, {"a": a}, shards={"a": ((4, 6), (3, 3))})
+        with pytest.raises(weightbus.InvalidArgumentError, match="must have the rank of shape"):
+            pub.publish(2, {"a": a}, shards={"a": ((6,), (0,))})
+        with pytest.raises(ValueError, match=r"shards names tensors that are not published: "
+                                             r"\['z'\]"):
+            pub.publish(2, {"a": a}, shards={"z": ((4, 6), (0, 0))})
+        with pytest.raises(TypeError, match="must be a weightbus.Shard or a pair"):
+            pub.publish(2, {"a": a}, shards={"a": 7})
+        with pytest.raises(ValueError, match="differ in length"):
+            pub.publish(2, {"a": a}, shards={"a": ((4, 6), (0,))})
+        assert pub.latest_version == 1  # nothing of the refused calls was published
+
+
+def test_stats_report_what_a_layer_encoded(tmp_path):
+    """encode/decode and wire_bytes: a plain transport carries the tensor bytes; the delta layer
+    reports its encoded size (64 KiB of zeros compress) and its encode/decode time."""
+    zeros = {"zeros": torch.zeros(16384, dtype=torch.int32)}
+    plain = f"disk://{tmp_path}/plain?fsync=false"
+    with weightbus.Publisher(plain) as pub, weightbus.Subscriber(plain) as sub:
+        ps = pub.publish(1, zeros)
+        assert ps.wire_bytes == ps.bytes == 65536 and ps.encode == 0
+        us = sub.wait(1, timeout=30).stats
+        assert us.wire_bytes == us.bytes == 65536 and us.decode == 0
+    if "delta" not in weightbus.transports():
+        pytest.skip("the delta layer is not built")
+    layered = f"delta+disk://{tmp_path}/delta?fsync=false"
+    with weightbus.Publisher(layered) as pub, weightbus.Subscriber(layered) as sub:
+        ps = pub.publish(1, zeros)
+        assert ps.bytes == 65536 and 0 < ps.wire_bytes < ps.bytes
+        assert 0 < ps.encode <= ps.transport
+        update = sub.wait(1, timeout=30)
+        assert update.stats.wire_bytes == ps.wire_bytes and update.stats.bytes == 65536
+        assert 0 < update.stats.decode <= update.stats.fetch
+        assert torch.equal(update["zeros"], zeros["zeros"])
+
+
+def test_wait_for_receivers_where_the_transport_cannot_tell(channel):
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, {"w": torch.zeros(2)})
+        with pytest.raises(weightbus.UnimplementedError,
+                           match="cannot tell which subscribers received version 1"):
+            pub.wait_for_receivers(1, 1, timeout=1)
+        with pytest.raises(weightbus.InvalidArgumentError,
+                           match="needs a count of at least 1, got 0"):
+            pub.wait_for_receivers(1, 0)
+        with pytest.raises(ValueError, match="count must be an int below 2\\*\\*31"):
+            pub.wait_for_receivers(1, 2**31)
+
+
+def test_wait_for_receivers_over_ucx(monkeypatch):
+    """The publisher learns which subscribers hold a version: a wait before anybody received it
+    lasts its whole timeout (in slices) and names how many had it; after a subscriber received
+    it, the wait returns, also once that subscriber is gone."""
+    with ucx_publisher() as pub:
+        pub.publish(1, {"w": torch.arange(8, dtype=torch.float32)})
+        start = time.monotonic()
+        with pytest.raises(weightbus.DeadlineExceededError) as info:
+            pub.wait_for_receivers(1, 1, timeout=0.3)
+        assert time.monotonic() - start >= 0.3
+        assert "0 of the 1 subscribers waited for had received version 1" in str(info.value)
+        assert str(info.value).endswith("(waited 0.3 s in all)")
+        with weightbus.Subscriber(pub.uri) as sub:
+            assert sub.wait(1, timeout=30)["w"].tolist() == list(range(8))
+            pub.wait_for_receivers(1, 1, timeout=30)
+        pub.wait_for_receivers(1, 1, timeout=30)
+        with pytest.raises(weightbus.DeadlineExceededError, match="1 of the 2 subscribers"):
+            pub.wait_for_receivers(1, 2, timeout=0)
+
+        # close() from another thread ends a wait in flight with CancelledError.
+        watch = SliceWatch(monkeypatch, function="wb_publisher_wait_for_receivers")
+        _close_cancels_the_call_in_flight(
+            pub, lambda: pub.wait_for_receivers(1, 1000, timeout=None), watch)

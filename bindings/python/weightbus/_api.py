@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Iterator, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from . import _lib, _tensors
 from ._lib import lib, new_params
@@ -105,26 +105,151 @@ def _needs_host_staging(tensor) -> bool:
 
 @dataclass(frozen=True)
 class PublishStats:
-    """Figures of the last successful publish (seconds)."""
+    """Figures of the last successful publish (wb_publish_stats_t): durations in seconds, sizes
+    in bytes."""
     version: int
-    bytes: int
-    stall: float
-    pack: float
-    checksum_wait: float
-    transport: float
+    bytes: int            # tensor bytes published
+    stall: float          # wall time publish() blocked the caller
+    pack: float           # packing non-contiguous tensors
+    checksum_wait: float  # waiting for checksums after the transport was done
+    transport: float      # the transport's part (disk: write, fsync, commit)
     unchanged: bool = False  # a retry of the latest version with the same bytes: nothing written
+    encode: float = 0.0   # part of `transport` a layer (delta) spent encoding; 0 without one
+    wire_bytes: int = 0   # bytes the transport carried: `bytes`, or what a layer encoded them to;
+                          # 0 when a layer does not report it
+
+    @classmethod
+    def _from_c(cls, s) -> "PublishStats":
+        return cls(s.version, s.bytes, s.stall_ns / 1e9, s.pack_ns / 1e9,
+                   s.checksum_wait_ns / 1e9, s.transport_ns / 1e9,
+                   bool(s.flags & _lib.WB_PUBLISH_UNCHANGED), s.encode_ns / 1e9, s.wire_bytes)
 
 
 @dataclass(frozen=True)
 class UpdateStats:
-    """Timing of one received version (seconds; ready_unix_ns on CLOCK_REALTIME)."""
-    bytes: int
-    wait: float
-    allocate: float
-    fetch: float
-    verify_wait: float
-    copy_out: float
-    ready_unix_ns: int
+    """Timing of one received version (wb_update_stats_t): durations in seconds, sizes in
+    bytes, ready_unix_ns in nanoseconds on CLOCK_REALTIME."""
+    bytes: int            # tensor bytes received
+    wait: float           # until a new enough version was found
+    allocate: float       # mapping library buffers (0 when recycled)
+    fetch: float          # receiving the bytes (checksums overlap with it)
+    verify_wait: float    # waiting for checksums after the last byte arrived
+    copy_out: float       # copying staged bytes into bound destinations
+    ready_unix_ns: int    # when the version was complete and verified
+    decode: float = 0.0   # part of `fetch` a layer (delta) spent decoding; 0 without one
+    wire_bytes: int = 0   # bytes received: `bytes`, or their encoded size under a layer; 0 when
+                          # a layer does not report it
+
+    @classmethod
+    def _from_c(cls, s) -> "UpdateStats":
+        return cls(s.bytes, s.wait_ns / 1e9, s.allocate_ns / 1e9, s.fetch_ns / 1e9,
+                   s.verify_wait_ns / 1e9, s.copy_out_ns / 1e9, s.ready_unix_ns,
+                   s.decode_ns / 1e9, s.wire_bytes)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's slice of a larger (tensor-parallel or FSDP-sharded) tensor (wb_shard_t): the
+    slice is the published tensor itself and starts at `offsets` (elements, one per dimension)
+    inside a tensor of `global_shape`. Recorded in the manifest so that a consumer can
+    reassemble or re-shard. Checked at publish: same rank as the tensor, 0 <= offsets[d] and
+    offsets[d] + shape[d] <= global_shape[d] (else InvalidArgumentError naming the tensor)."""
+    global_shape: Tuple[int, ...]
+    offsets: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a version as its manifest describes it (wb_tensor_info_t)."""
+    name: str
+    dtype: str                # safetensors name, e.g. "BF16"
+    shape: Tuple[int, ...]    # elements; () for a scalar
+    nbytes: int               # bytes of the contiguous row-major tensor
+    xxh3: int                 # XXH3-64 (seed 0) of those bytes, as verified on receipt
+    shard: Optional[Shard]    # set when the publisher described the tensor as a shard
+
+
+@dataclass(frozen=True)
+class SettingInfo:
+    """A setting as the library's settings registry declares it (wb_setting_info_t)."""
+    scope: str          # "core" or a transport or layer scheme, e.g. "disk"
+    name: str           # the key of URI queries and of Publisher/Subscriber options
+    type: str           # "bool", "int", "bytes", "duration", "string" or "enum(a|b)"
+    default_value: str  # as text
+    env: str            # the environment variable, e.g. "WEIGHTBUS_DISK_RETENTION"
+    doc: str            # one line
+
+
+def _count(fn) -> int:
+    count = ctypes.c_size_t()
+    check(fn(ctypes.byref(count)))
+    return count.value
+
+
+def transports() -> List[str]:
+    """The URI schemes of the transports and layers compiled into the loaded library, sorted
+    (e.g. ["delta", "disk", "ucx"]; a layer is used stacked: "delta+disk://..."). Thread-safe;
+    the same on every call."""
+    out = []
+    for i in range(_count(lib.wb_transport_count)):
+        scheme = ctypes.c_char_p()
+        check(lib.wb_transport_scheme(i, ctypes.byref(scheme)))
+        out.append(scheme.value.decode())
+    return out
+
+
+def settings() -> List[SettingInfo]:
+    """Every setting of the core (first) and of each compiled transport and layer, as the CLI's
+    `weightbus settings` lists them. Thread-safe; the same on every call."""
+    out = []
+    for i in range(_count(lib.wb_setting_count)):
+        info = new_params(_lib.wb_setting_info_t)
+        check(lib.wb_setting_info(i, ctypes.byref(info)))
+        out.append(SettingInfo(*(getattr(info, field).decode("utf-8") for field in (
+            "scope", "name", "type", "default_value", "env", "doc"))))
+    return out
+
+
+def _shape(pointer, ndim: int) -> Tuple[int, ...]:
+    return tuple(pointer[d] for d in range(ndim)) if ndim else ()
+
+
+def _handle_uri(fn, handle) -> str:
+    text = ctypes.c_char_p()
+    check(fn(handle, ctypes.byref(text)))
+    return text.value.decode("utf-8")
+
+
+def _shards_array(shards: Mapping, items):
+    """A wb_shard_t* array, one per published tensor (NULL: whole), and what keeps it alive.
+    `shards` maps names to Shard or (global_shape, offsets)."""
+    names = [name for name, _ in items]
+    unknown = set(shards) - set(names)
+    if unknown:
+        raise ValueError(f"shards names tensors that are not published: {sorted(unknown)}")
+    array = (ctypes.POINTER(_lib.wb_shard_t) * max(len(items), 1))()
+    keep = [array]
+    for i, name in enumerate(names):
+        if name not in shards:
+            continue
+        shard = shards[name]
+        if not isinstance(shard, Shard):
+            try:
+                global_shape, offsets = shard
+            except (TypeError, ValueError):
+                raise TypeError(f"shards[{name!r}] must be a weightbus.Shard or a pair "
+                                f"(global_shape, offsets), got {shard!r:.80}") from None
+            shard = Shard(tuple(global_shape), tuple(offsets))
+        if len(shard.global_shape) != len(shard.offsets):
+            raise ValueError(f"shards[{name!r}]: global_shape {list(shard.global_shape)} and "
+                             f"offsets {list(shard.offsets)} differ in length")
+        ndim = len(shard.global_shape)
+        global_shape = (ctypes.c_int64 * max(ndim, 1))(*shard.global_shape)
+        offsets = (ctypes.c_int64 * max(ndim, 1))(*shard.offsets)
+        entry = _lib.wb_shard_t(ndim, global_shape, offsets)
+        keep += [global_shape, offsets, entry]
+        array[i] = ctypes.pointer(entry)
+    return array, keep
 
 
 class _Handle:
@@ -231,12 +356,20 @@ class Publisher(_Handle):
         handle = ctypes.c_void_p()
         check(lib.wb_publisher_create(uri.encode(), ctypes.byref(params), ctypes.byref(handle)))
         self._handle = handle
-        self.uri = uri
+        self._uri = _handle_uri(lib.wb_publisher_uri, handle)
+
+    @property
+    def uri(self) -> str:
+        """The URI the publisher was opened with, as given."""
+        return self._uri
 
     def publish(self, version: int, tensors: TensorsArg,
                 metadata: Optional[Mapping[str, str]] = None,
                 dtypes: Optional[Mapping[str, str]] = None,
-                timeout: Optional[float] = 60.0) -> PublishStats:
+                timeout: Optional[float] = 60.0,
+                shards: Optional[Mapping[str, Union[Shard, Tuple[Sequence[int],
+                                                                 Sequence[int]]]]] = None
+                ) -> PublishStats:
         """Publishes `tensors` ({name: tensor} or (name, tensor) pairs: torch tensors, numpy
         arrays or DLPack objects, any strides) as `version`, all or nothing. `version` must be
         above every version on the channel. The bytes are read during the call only (zero-copy:
@@ -246,8 +379,10 @@ class Publisher(_Handle):
         TypeError naming the key, before anything is published (no str() conversion: encode
         numbers or structures yourself, e.g. str(step) or json.dumps). `dtypes` overrides
         element types by name, e.g. {"w": "BF16"} for a uint16 numpy array of bf16 bits.
-        Blocks up to `timeout` seconds (None: forever) with the GIL released. Returns the
-        publish's figures."""
+        `shards` describes tensors that are this rank's slice of a larger one, by name: a Shard
+        or a pair (global_shape, offsets) in elements; the others are published whole
+        (Update.tensor_info(name).shard reads it back). Blocks up to `timeout` seconds (None:
+        forever) with the GIL released. Returns the publish's figures."""
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         meta_array, meta_count, meta_keep = _metadata_array(metadata)
@@ -267,10 +402,42 @@ class Publisher(_Handle):
         params.metadata = ctypes.cast(meta_array, ctypes.POINTER(_lib.wb_option_t))
         params.num_metadata = meta_count
         params.dtypes = ctypes.cast(outgoing.overrides, ctypes.POINTER(ctypes.c_int))
+        shard_keep = None
+        if shards:
+            shard_array, shard_keep = _shards_array(shards, items)
+            params.shards = ctypes.cast(shard_array,
+                                        ctypes.POINTER(ctypes.POINTER(_lib.wb_shard_t)))
         check(self._call(lib.wb_publisher_publish, version, names, outgoing.tensors, len(items),
                                        ctypes.byref(params), _timeout_ms(timeout)))
-        del meta_keep, outgoing
+        del meta_keep, outgoing, shard_keep
         return self.last_stats
+
+    def wait_for_receivers(self, version: int, count: int,
+                           timeout: Optional[float] = 60.0) -> None:
+        """Waits up to `timeout` seconds (None: forever), with the GIL released, until at least
+        `count` distinct subscribers have received and verified `version` (or a newer one),
+        e.g. to keep a one-shot publisher serving until its replicas have the weights. A
+        subscriber counts once however often it reconnects; one that received the version and
+        left still counts. Raises DeadlineExceededError (naming how many had it, and how long
+        the wait lasted), InvalidArgumentError for count < 1, UnimplementedError where the
+        transport cannot tell (disk://), CancelledError when close() comes from another thread.
+        Waits in slices, so Ctrl-C (KeyboardInterrupt) interrupts it within a slice."""
+        if not isinstance(count, int) or count > 2**31 - 1:
+            raise ValueError(f"count must be an int below 2**31, got {count!r}")
+        _timeout_ms(timeout)  # validates
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait = _WAIT_SLICE if remaining is None else min(_WAIT_SLICE, remaining)
+            status = self._call(lib.wb_publisher_wait_for_receivers, version, count,
+                                _timeout_ms(wait))
+            if status == DeadlineExceededError.status:
+                if deadline is None or time.monotonic() < deadline:
+                    continue  # not yet; Python runs pending signal handlers here
+                message = lib.wb_last_error_message().decode("utf-8", "replace")
+                raise DeadlineExceededError(f"{message} (waited {timeout} s in all)")
+            check(status)
+            return
 
     @property
     def latest_version(self) -> Optional[int]:
@@ -284,9 +451,7 @@ class Publisher(_Handle):
     def last_stats(self) -> PublishStats:
         s = new_params(_lib.wb_publish_stats_t)
         check(self._call(lib.wb_publisher_last_stats, ctypes.byref(s)))
-        return PublishStats(s.version, s.bytes, s.stall_ns / 1e9, s.pack_ns / 1e9,
-                            s.checksum_wait_ns / 1e9, s.transport_ns / 1e9,
-                            bool(s.flags & _lib.WB_PUBLISH_UNCHANGED))
+        return PublishStats._from_c(s)
 
 
 class Update(_Handle):
@@ -321,9 +486,28 @@ class Update(_Handle):
         self._manifest = None
         s = new_params(_lib.wb_update_stats_t)
         check(lib.wb_update_stats(handle, ctypes.byref(s)))
-        self.stats = UpdateStats(s.bytes, s.wait_ns / 1e9, s.allocate_ns / 1e9, s.fetch_ns / 1e9,
-                                 s.verify_wait_ns / 1e9, s.copy_out_ns / 1e9, s.ready_unix_ns)
+        self.stats = UpdateStats._from_c(s)
+        self._infos: Dict[str, TensorInfo] = {}
         self._handle = handle
+
+    def tensor_info(self, name: str) -> TensorInfo:
+        """The manifest's description of tensor `name`: dtype, shape, nbytes, XXH3 checksum and
+        shard (None unless the publisher described one). Raises KeyError for an unknown name,
+        ValueError once the update is closed."""
+        if name not in self._infos:
+            if name not in self._index:
+                raise KeyError(f"version {self.version} has no tensor named {name!r}")
+            info = new_params(_lib.wb_tensor_info_t)
+            check(self._call(lib.wb_update_tensor_info, self._index[name], ctypes.byref(info)))
+            shard = None
+            if info.has_shard:
+                shard = Shard(_shape(info.shard_global_shape, info.ndim),
+                              _shape(info.shard_offsets, info.ndim))
+            self._infos[name] = TensorInfo(info.name.decode("utf-8"),
+                                           _lib.DTYPE_NAMES[info.dtype],
+                                           _shape(info.shape, info.ndim), info.nbytes,
+                                           info.xxh3, shard)
+        return self._infos[name]
 
     @property
     def manifest(self) -> Dict[str, Any]:
@@ -400,10 +584,15 @@ class Subscriber(_Handle):
         check(lib.wb_subscriber_create(uri.encode(), ctypes.byref(params),
                                        ctypes.byref(handle)))
         self._handle = handle
-        self.uri = uri
+        self._uri = _handle_uri(lib.wb_subscriber_uri, handle)
         self._bound: Dict[str, Any] = {}   # name -> what the library writes into
         self._staged: Dict[str, Tuple[Any, Any]] = {}  # name -> (caller's tensor, host copy)
         self._current: Optional[int] = None  # see current_version
+
+    @property
+    def uri(self) -> str:
+        """The URI the subscriber was opened with, as given."""
+        return self._uri
 
     def bind(self, tensors: TensorsArg, dtypes: Optional[Mapping[str, str]] = None) -> None:
         """Makes later updates write each named tensor straight into the given tensor (torch

@@ -59,9 +59,15 @@ class wb_open_params_t(Structure):
                 ("num_options", c_size_t)]
 
 
+class wb_shard_t(Structure):
+    _fields_ = [("ndim", c_int), ("global_shape", POINTER(c_int64)),
+                ("offsets", POINTER(c_int64))]
+
+
 class wb_publish_params_t(Structure):
     _fields_ = [("struct_size", c_size_t), ("metadata", POINTER(wb_option_t)),
-                ("num_metadata", c_size_t), ("dtypes", POINTER(c_int))]
+                ("num_metadata", c_size_t), ("dtypes", POINTER(c_int)),
+                ("shards", POINTER(POINTER(wb_shard_t)))]
 
 
 class wb_bind_params_t(Structure):
@@ -71,7 +77,8 @@ class wb_bind_params_t(Structure):
 class wb_publish_stats_t(Structure):
     _fields_ = [("struct_size", c_size_t), ("version", c_uint64), ("bytes", c_uint64),
                 ("stall_ns", c_int64), ("pack_ns", c_int64), ("checksum_wait_ns", c_int64),
-                ("transport_ns", c_int64), ("flags", c_uint64)]
+                ("transport_ns", c_int64), ("flags", c_uint64), ("encode_ns", c_int64),
+                ("wire_bytes", c_uint64)]
 
 
 WB_PUBLISH_UNCHANGED = 1
@@ -80,7 +87,21 @@ WB_PUBLISH_UNCHANGED = 1
 class wb_update_stats_t(Structure):
     _fields_ = [("struct_size", c_size_t), ("bytes", c_uint64), ("wait_ns", c_int64),
                 ("allocate_ns", c_int64), ("fetch_ns", c_int64), ("verify_wait_ns", c_int64),
-                ("copy_out_ns", c_int64), ("ready_unix_ns", c_int64)]
+                ("copy_out_ns", c_int64), ("ready_unix_ns", c_int64), ("decode_ns", c_int64),
+                ("wire_bytes", c_uint64)]
+
+
+class wb_setting_info_t(Structure):
+    _fields_ = [("struct_size", c_size_t), ("scope", c_char_p), ("name", c_char_p),
+                ("type", c_char_p), ("default_value", c_char_p), ("env", c_char_p),
+                ("doc", c_char_p)]
+
+
+class wb_tensor_info_t(Structure):
+    _fields_ = [("struct_size", c_size_t), ("name", c_char_p), ("dtype", c_int), ("ndim", c_int),
+                ("shape", POINTER(c_int64)), ("nbytes", c_uint64), ("xxh3", c_uint64),
+                ("has_shard", c_bool), ("shard_global_shape", POINTER(c_int64)),
+                ("shard_offsets", POINTER(c_int64))]
 
 
 def new_params(struct_type):
@@ -142,6 +163,10 @@ _SIGNATURES = {
     "wb_version_number": (c_uint32, []),
     "wb_check_version": (_status, [c_uint32]),
     "wb_dtype_name": (c_char_p, [c_int]),
+    "wb_transport_count": (_status, [_P(c_size_t)]),
+    "wb_transport_scheme": (_status, [c_size_t, _P(c_char_p)]),
+    "wb_setting_count": (_status, [_P(c_size_t)]),
+    "wb_setting_info": (_status, [c_size_t, _P(wb_setting_info_t)]),
     "wb_publisher_create": (_status, [c_char_p, _P(wb_open_params_t), _P(c_void_p)]),
     "wb_publisher_destroy": (None, [c_void_p]),
     "wb_publisher_cancel": (_status, [c_void_p]),
@@ -149,6 +174,8 @@ _SIGNATURES = {
                                        _P(wb_publish_params_t), c_int64]),
     "wb_publisher_latest_version": (_status, [c_void_p, _P(c_bool), _P(c_uint64)]),
     "wb_publisher_last_stats": (_status, [c_void_p, _P(wb_publish_stats_t)]),
+    "wb_publisher_wait_for_receivers": (_status, [c_void_p, c_uint64, c_int, c_int64]),
+    "wb_publisher_uri": (_status, [c_void_p, _P(c_char_p)]),
     "wb_subscriber_create": (_status, [c_char_p, _P(wb_open_params_t), _P(c_void_p)]),
     "wb_subscriber_destroy": (None, [c_void_p]),
     "wb_subscriber_cancel": (_status, [c_void_p]),
@@ -160,11 +187,13 @@ _SIGNATURES = {
                                                   _P(c_void_p)]),
     "wb_subscriber_poll": (_status, [c_void_p, c_uint64, c_int64, _P(c_void_p)]),
     "wb_subscriber_current_version": (_status, [c_void_p, _P(c_bool), _P(c_uint64)]),
+    "wb_subscriber_uri": (_status, [c_void_p, _P(c_char_p)]),
     "wb_update_destroy": (None, [c_void_p]),
     "wb_update_version": (_status, [c_void_p, _P(c_uint64)]),
     "wb_update_num_tensors": (_status, [c_void_p, _P(c_size_t)]),
     "wb_update_tensor": (_status, [c_void_p, c_size_t, _P(c_char_p), _P(c_int),
                                    _P(_P(DLTensor))]),
+    "wb_update_tensor_info": (_status, [c_void_p, c_size_t, _P(wb_tensor_info_t)]),
     "wb_update_find": (_status, [c_void_p, c_char_p, _P(c_size_t)]),
     "wb_update_manifest_json": (_status, [c_void_p, _P(c_char_p), _P(c_size_t)]),
     "wb_update_stats": (_status, [c_void_p, _P(wb_update_stats_t)]),

@@ -1,0 +1,239 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "weightbus/flags.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace weightbus::tools {
+namespace {
+
+absl::string_view AV(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+constexpr double kTwoTo64 = 18446744073709551616.0;
+
+// A CLI11 transform: the text as ParseSize reads it, replaced by its number of bytes.
+CLI::Validator SizeTransform() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        absl::StatusOr<uint64_t> bytes = ParseSize(text);
+        if (!bytes.ok()) return std::string(bytes.status().message());
+        text = std::to_string(*bytes);
+        return "";
+      },
+      "", "SIZE");
+}
+
+// The flag's name and its subcommand path, for "(see weightbus publish --help)".
+std::string CommandPath(const CLI::App& app) {
+  std::string path = app.get_name();
+  const CLI::App* at = &app;
+  while (true) {
+    std::vector<CLI::App*> selected = at->get_subcommands();
+    if (selected.empty()) return path;
+    at = selected.front();
+    path += " " + at->get_name();
+  }
+}
+
+// CLI11's "The following arguments were not expected: ..." in this project's words.
+std::string DescribeExtras(const CLI::App& app) {
+  const std::vector<std::string> extras = app.remaining(/*recurse=*/true);
+  std::vector<std::string> flags, others;
+  for (const std::string& e : extras) {
+    if (e.size() > 1 && e[0] == '-') {
+      flags.push_back(e.substr(0, e.find('=')));
+    } else {
+      others.push_back("\"" + e + "\"");
+    }
+  }
+  if (!flags.empty()) {
+    return absl::StrFormat("unknown flag%s %s", flags.size() > 1 ? "s" : "",
+                           absl::StrJoin(flags, " "));
+  }
+  const bool subcommand_chosen = !app.get_subcommands().empty();
+  if (!app.get_subcommands({}).empty() && !subcommand_chosen && !others.empty()) {
+    return absl::StrFormat("unknown command %s", others.front());
+  }
+  return absl::StrFormat("unexpected argument%s %s", others.size() > 1 ? "s" : "",
+                         absl::StrJoin(others, " "));
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> ParseSize(std::string_view text) {
+  struct Suffix {
+    const char* name;
+    uint64_t multiplier;
+  };
+  // Longest first: "kib" before "b".
+  static constexpr Suffix kSuffixes[] = {{"kib", 1ULL << 10},
+                                         {"mib", 1ULL << 20},
+                                         {"gib", 1ULL << 30},
+                                         {"tib", 1ULL << 40},
+                                         {"kb", 1000ULL},
+                                         {"mb", 1000000ULL},
+                                         {"gb", 1000000000ULL},
+                                         {"tb", 1000000000000ULL},
+                                         {"k", 1ULL << 10},
+                                         {"m", 1ULL << 20},
+                                         {"g", 1ULL << 30},
+                                         {"t", 1ULL << 40},
+                                         {"b", 1}};
+  std::string number = absl::AsciiStrToLower(absl::StripAsciiWhitespace(AV(text)));
+  uint64_t multiplier = 1;
+  for (const Suffix& s : kSuffixes) {
+    if (number.size() > std::strlen(s.name) && absl::EndsWith(number, s.name)) {
+      multiplier = s.multiplier;
+      number.resize(number.size() - std::strlen(s.name));
+      break;
+    }
+  }
+  auto malformed = [&] {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "\"%s\" is not a size in bytes (e.g. 4096, 64KiB, 1.5GiB, 2GB)", std::string(text)));
+  };
+  uint64_t whole = 0;
+  if (absl::SimpleAtoi(number, &whole)) {  // exact for every integer count
+    if (whole != 0 && multiplier > UINT64_MAX / whole) return malformed();
+    return whole * multiplier;
+  }
+  double v = 0;
+  if (!absl::SimpleAtod(number, &v) || !(v >= 0) || !(v * multiplier < kTwoTo64)) {
+    return malformed();
+  }
+  return static_cast<uint64_t>(std::llround(v * static_cast<double>(multiplier)));
+}
+
+std::string FormatSize(uint64_t bytes) {
+  static constexpr std::pair<const char*, uint64_t> kUnits[] = {
+      {"TiB", 1ULL << 40}, {"GiB", 1ULL << 30}, {"MiB", 1ULL << 20}, {"KiB", 1ULL << 10}};
+  for (const auto& [unit, size] : kUnits) {
+    if (bytes != 0 && bytes % size == 0) return absl::StrFormat("%d%s", bytes / size, unit);
+  }
+  return absl::StrFormat("%d", bytes);
+}
+
+absl::StatusOr<absl::Duration> ParseDuration(std::string_view text) {
+  const std::string t(absl::StripAsciiWhitespace(AV(text)));
+  double seconds = 0;
+  absl::Duration d;
+  if (absl::SimpleAtod(t, &seconds)) {
+    if (std::isfinite(seconds) && seconds >= 0) return absl::Seconds(seconds);
+  } else if (absl::ParseDuration(t, &d) && d >= absl::ZeroDuration() &&
+             d != absl::InfiniteDuration()) {
+    return d;
+  }
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "\"%s\" is not a duration (a number of seconds, or e.g. 500ms, 2s, 1m)", std::string(text)));
+}
+
+CLI::Validator UnsignedText() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        if (!text.empty() && text.find_first_not_of("0123456789") == std::string::npos) return "";
+        return absl::StrFormat("\"%s\" is not a non-negative integer", text);
+      },
+      "", "");
+}
+
+CLI::Validator PositiveNumber() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        double v = 0;
+        if (absl::SimpleAtod(text, &v) && std::isfinite(v) && v > 0) return "";
+        return absl::StrFormat("\"%s\" is not a number above 0", text);
+      },
+      "", "");
+}
+
+CLI::Option* AddSizeFlag(CLI::App& app, const std::string& name, uint64_t* out,
+                         const std::string& help) {
+  return app.add_option("--" + name, *out, help)
+      ->transform(SizeTransform())
+      ->type_name("SIZE")
+      ->default_str(FormatSize(*out));
+}
+
+CLI::Option* AddSizeListFlag(CLI::App& app, const std::string& name, std::vector<uint64_t>* out,
+                             const std::string& help) {
+  std::vector<std::string> shown;
+  for (uint64_t b : *out) shown.push_back(FormatSize(b));
+  return app.add_option("--" + name, *out, help)
+      ->delimiter(',')
+      ->allow_extra_args(false)
+      ->transform(SizeTransform())
+      ->type_name("SIZE,...")
+      ->default_str(absl::StrJoin(shown, ","));
+}
+
+CLI::Option* AddDurationFlag(CLI::App& app, const std::string& name, absl::Duration* out,
+                             const std::string& help) {
+  return app
+      .add_option_function<std::string>(
+          "--" + name, [out](const std::string& text) { *out = *ParseDuration(text); }, help)
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            absl::StatusOr<absl::Duration> d = ParseDuration(text);
+            return d.ok() ? "" : std::string(d.status().message());
+          },
+          "", "DURATION"))
+      ->type_name("DURATION")
+      ->default_str(absl::FormatDuration(*out));
+}
+
+CLI::Option* AddRepeatedFlag(CLI::App& app, const std::string& name, std::vector<std::string>* out,
+                             const std::string& help) {
+  return app.add_option("--" + name, *out, help)->allow_extra_args(false);
+}
+
+std::optional<int> ParseFlags(CLI::App& app, const std::vector<std::string>& args) {
+  const bool has_subcommands = !app.get_subcommands({}).empty();
+  app.get_formatter()->column_width(34);
+  if (has_subcommands && args.empty()) {
+    std::fputs(app.help().c_str(), stderr);
+    return kUsageExitStatus;
+  }
+  if (has_subcommands && args.front() == "help") {
+    std::fputs(app.help().c_str(), stdout);
+    return 0;
+  }
+  std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 parses from the back
+  try {
+    app.parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    std::fputs(app.help().c_str(), stdout);
+    return 0;
+  } catch (const CLI::CallForAllHelp&) {
+    std::fputs(app.help("", CLI::AppFormatMode::All).c_str(), stdout);
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    // An unknown flag is named first, also when CLI11 found something else (a required flag
+    // missing) before it looked at what was left over.
+    const bool extras = dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr ||
+                        (dynamic_cast<const CLI::RequiredError*>(&e) != nullptr &&
+                         !app.remaining(/*recurse=*/true).empty());
+    std::string what = extras ? DescribeExtras(app) : e.what();
+    for (char& c : what) {
+      if (c == '\n') c = ' ';
+    }
+    std::fflush(stdout);
+    std::fprintf(stderr, "%s: usage error: %s (see %s --help)\n", app.get_name().c_str(),
+                 what.c_str(), CommandPath(app).c_str());
+    return kUsageExitStatus;
+  }
+  return std::nullopt;
+}
+
+std::optional<int> ParseFlags(CLI::App& app, int argc, const char* const* argv) {
+  return ParseFlags(app, std::vector<std::string>(argv + 1, argv + argc));
+}
+
+}  // namespace weightbus::tools

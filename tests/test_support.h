@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "process/process.h"
 
 namespace weightbus::testing {
 
@@ -32,71 +33,63 @@ class ScratchDir {
   std::string path_;
 };
 
-// Sets an environment variable for its lifetime and restores the previous value (or its absence)
-// on destruction. Fail points come only from WEIGHTBUS_FAILPOINTS, read when a channel is opened:
-// in-process tests wrap the Open call in one; child processes get it in their environment.
-class ScopedEnv {
+// Environment overrides, child processes and ports: tools/process/process.h, shared with the
+// benchmarks. Fail points come only from WEIGHTBUS_FAILPOINTS, read when a channel is opened:
+// in-process tests wrap the Open call in a ScopedEnv; child processes get it in their
+// environment (Child::Start's `env`).
+using ::weightbus::process::Child;
+using ::weightbus::process::ExitCode;
+using ::weightbus::process::FreePort;
+using ::weightbus::process::RunCommand;
+using ::weightbus::process::RunResult;
+using ::weightbus::process::ScopedEnv;
+using ::weightbus::process::ScopedEnvs;
+
+// A `pause` fail point (lib/core/failpoint.h) and the test's side of it: the code at `point`
+// announces on its `pass`-th pass (1-based) that it got there, then waits until Release() (at
+// most 60 s, then it logs and goes on). Works in this process and in child processes alike, and
+// needs only files: the point announces in a private directory that this object owns.
+//   testing::PausePoint commit("disk.before_commit");
+//   auto child = Child::Start({...}, {{"WEIGHTBUS_FAILPOINTS", commit.Spec()}});  // or ScopedEnv
+//   ASSERT_TRUE(commit.WaitReached(absl::Seconds(60)));  // the child is held before LATEST moves
+//   ... inspect, kill, publish elsewhere ...
+//   commit.Release();                                  // it goes on
+// Releasing before the point is reached makes it announce without stopping ("tell me when it
+// ran"). Destruction releases and removes the directory (a point hit later does not stop), so
+// declare it before the handle whose Open reads Spec(); release it before destroying a handle
+// whose own teardown waits for the paused thread (the disk publisher's retention thread).
+// Not thread-safe; one object per point and process.
+class PausePoint {
  public:
-  ScopedEnv(std::string name, const std::string& value) : name_(std::move(name)) {
-    if (const char* old = ::getenv(name_.c_str())) old_ = old;
-    ::setenv(name_.c_str(), value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (old_) {
-      ::setenv(name_.c_str(), old_->c_str(), 1);
-    } else {
-      ::unsetenv(name_.c_str());
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  // FailPoints::kPauseLimit: how long the code waits for Release() before going on.
+  static constexpr absl::Duration kLimit = absl::Seconds(60);
+
+  explicit PausePoint(std::string point, int pass = 1);
+  ~PausePoint();
+  PausePoint(const PausePoint&) = delete;
+  PausePoint& operator=(const PausePoint&) = delete;
+
+  // The WEIGHTBUS_FAILPOINTS entry, "POINT=pause:DIR@PASS"; join several with ','.
+  std::string Spec() const;
+  // Waits up to `timeout` for the point to be reached; true once it has been (now or earlier).
+  bool WaitReached(absl::Duration timeout);
+  // Whether the point has been reached, without waiting.
+  bool Reached() const;
+  // The pid of the process that reached the point, or -1 before that.
+  pid_t ReachedBy() const;
+  // Lets the paused code go on (idempotent).
+  void Release();
 
  private:
-  std::string name_;
-  std::optional<std::string> old_;
+  std::string point_;
+  int pass_;
+  ScratchDir dir_;
 };
 
 // Path of a file in ../shared/fixtures (WEIGHTBUS_FIXTURES_DIR at configure time).
 std::string FixturePath(const std::string& rel);
 // Path of a built executable in the build tree, e.g. BinaryPath("tools/weightbus").
 std::string BinaryPath(const std::string& rel);
-
-// A child process started with posix_spawn; killed (SIGKILL) and reaped on destruction if it
-// is still running.
-class Child {
- public:
-  // Starts `argv[0]` (a path) with `argv`; `env` entries are added to (or override) this
-  // process's environment. stdout and stderr go to `log_path` when non-empty.
-  static absl::StatusOr<Child> Start(const std::vector<std::string>& argv,
-                                     const std::map<std::string, std::string>& env = {},
-                                     const std::string& log_path = "");
-  Child(Child&& other) noexcept;
-  Child& operator=(Child&& other) noexcept;
-  ~Child();
-
-  pid_t pid() const { return pid_; }
-  // Waits up to `timeout` for exit; returns the raw wait status, or DeadlineExceeded.
-  absl::StatusOr<int> Wait(absl::Duration timeout);
-  void Kill(int sig);
-
- private:
-  explicit Child(pid_t pid) : pid_(pid) {}
-  pid_t pid_ = -1;
-};
-
-// Runs `argv` to completion (up to `timeout`) and returns {exit code, stdout+stderr}.
-// An exit by signal is reported as 128 + signal number.
-struct RunResult {
-  int exit_code = -1;
-  std::string output;
-};
-absl::StatusOr<RunResult> RunCommand(const std::vector<std::string>& argv,
-                                     absl::Duration timeout = absl::Seconds(120),
-                                     const std::map<std::string, std::string>& env = {});
-
-// A loopback TCP port nobody listens on right now (binds port 0 and reads it back), for tests
-// that start rendezvous servers; -1 on failure. `family` is AF_INET or AF_INET6.
-int FreePort(int family = 2 /* AF_INET */);
 
 // Deterministic pseudo-random bytes (splitmix64 of `seed`).
 std::vector<std::byte> RandomBytes(size_t n, uint64_t seed);

@@ -169,23 +169,15 @@ TEST_P(ExactVersionTest, HeldVersionArrivesBitExactWhileNewerExist) {
 }
 
 TEST_P(ExactVersionTest, RetiredVersionIsNotFoundNamingWhatTheChannelHolds) {
-  // Released first: the point only announces that the publisher's retention pass after
-  // version 3 ran (disk).
-  PausePoint retention("disk.after_retention", /*pass=*/3);
-  retention.Release();
-  std::unique_ptr<Publisher> pub;
-  {
-    const ScopedEnv env("WEIGHTBUS_FAILPOINTS", retention.Spec());
-    pub = OpenPublisher(GetParam().keep_one);
-  }
+  auto pub = OpenPublisher(GetParam().keep_one);
   auto sub = OpenSubscriber();
   ASSERT_TRUE(pub && sub);
   // Three versions: the delta layer over ucx lets the slot of a keyframe go only at the publish
   // after the next keyframe.
   for (uint64_t v = 1; v <= 3; ++v) ASSERT_TRUE(PublishVersion(*pub, v).ok());
-  if (absl::StrContains(transport_, "disk")) {
-    ASSERT_TRUE(retention.WaitReached(kTimeout)) << "retention never ran after version 3";
-  }
+  // A disk publisher finishes its pending retention pass when destroyed (versions stay); a
+  // ucx one must stay to serve.
+  if (absl::StrContains(transport_, "disk")) pub.reset();
   auto one = sub->ReceiveVersion(1, kTimeout);
   ASSERT_EQ(one.status().code(), absl::StatusCode::kNotFound) << one.status();
   EXPECT_TRUE(absl::StrContains(one.status().message(), "version 1 is no longer on the channel"))

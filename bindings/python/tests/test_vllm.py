@@ -135,6 +135,36 @@ def test_weight_transfer_engine_four_phase(stories_dir, channel):
     engine.shutdown()
 
 
+def test_weight_transfer_engine_loads_exactly_the_version_given(stories_dir, tmp_path):
+    """update_info.version is the version loaded, not a floor (issue 13, item 3): two TP-style
+    workers told version 1 both load version 1 although version 2 exists, and their logits are
+    version 1's; a version below the one received is refused."""
+    config, tensors = load_hf_checkpoint(stories_dir)
+    channel = f"disk://{tmp_path}/channel?fsync=false&retention=4"
+    versions = {1: _scaled(tensors, 0.5), 2: _scaled(tensors, 0.25)}  # exact in bf16
+    with weightbus.Publisher(channel) as pub:
+        for v, sent in versions.items():
+            pub.publish(v, sent)
+    replicas = [VllmStyleLlamaForCausalLM(config) for _ in range(2)]
+    engines = [WeightbusWeightTransferEngine(None, None, torch.device("cpu"), r) for r in replicas]
+    for engine in engines:
+        engine.init_transfer_engine({"uri": channel})
+    for v in (1, 2):
+        with torch.no_grad():
+            want = _reference(config, versions[v])(TOKENS)
+        for engine, replica in zip(engines, replicas):
+            engine.start_weight_update()
+            engine.update_weights({"version": v, "timeout": 30})
+            assert engine.finish_weight_update() == v
+            torch.testing.assert_close(replica(TOKENS), want, rtol=1e-5, atol=1e-5)
+    engine = engines[0]
+    engine.start_weight_update()
+    with pytest.raises(weightbus.FailedPreconditionError, match="holds version 2 already"):
+        engine.update_weights({"version": 1, "timeout": 30})
+    for e in engines:
+        e.shutdown()
+
+
 def test_weight_transfer_engine_two_phase_with_load_weights(stories_dir, channel):
     """The earlier interface: (config, parallel_config); receive_weights(update_info,
     load_weights) with no start/finish around it."""

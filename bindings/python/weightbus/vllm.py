@@ -246,8 +246,8 @@ class WeightbusInitInfo:
 
 @dataclass
 class WeightbusUpdateInfo:
-    """update_info: the version to apply (None: the newest above the applied one) and how long
-    to wait for it. is_checkpoint_format: the tensors are in checkpoint (Hugging Face) names
+    """update_info: the version to apply, exactly (None: the newest above the applied one), and
+    how long to wait for it. is_checkpoint_format: the tensors are in checkpoint (Hugging Face) names
     and layout, to go through the model's load_weights (always true for weightbus)."""
     version: Optional[int] = None
     timeout: Optional[float] = 60.0
@@ -322,8 +322,12 @@ class WeightbusWeightTransferEngine(_EngineBase):
                         load_weights: Optional[Callable[[List[Tuple[str, Any]]], None]] = None
                         ) -> None:
         """Receives the version update_info asks for and loads it: through `load_weights` when
-        vLLM passes one (older interface), else the engine's model.load_weights. Waits as
-        Subscriber.wait does (the whole timeout, also before the publisher exists). With a
+        vLLM passes one (older interface), else the engine's model.load_weights. With
+        update_info.version, exactly that version (Subscriber.receive: also when newer ones
+        exist, so every TP worker given the same number loads the same weights; NotFoundError
+        when the channel no longer holds it, FailedPreconditionError below the version this
+        worker received last); without, the newest above the applied one (Subscriber.wait).
+        Waits the whole timeout, also before the publisher exists. With a
         model (or vllm_config) that ties lm_head.weight to model.embed_tokens.weight, a version
         whose lm_head.weight differs is refused first (check_tied_embeddings)."""
         if isinstance(update_info, dict):
@@ -333,9 +337,14 @@ class WeightbusWeightTransferEngine(_EngineBase):
         implicit = self._session is None  # older interface: no start/finish around it
         if implicit:
             self.start_weight_update()
-        floor = 0 if self._version is None else self._version + 1
-        want = floor if update_info.version is None else max(floor, update_info.version)
-        with self._subscriber.wait(want, update_info.timeout) as update:
+        if update_info.version is not None:
+            # Exactly the version asked for, as every TP worker of the replica is asked for the
+            # same one (README, "One version per tensor-parallel group").
+            received = self._subscriber.receive(update_info.version, update_info.timeout)
+        else:
+            floor = 0 if self._version is None else self._version + 1
+            received = self._subscriber.wait(floor, update_info.timeout)
+        with received as update:
             if ties_word_embeddings(self.model, self.model_config):
                 check_tied_embeddings(update, self._subscriber.uri)
             weights = list(update)

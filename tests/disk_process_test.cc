@@ -10,8 +10,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -148,27 +150,136 @@ TEST(DiskProcessTest, WriterKilledAfterRenameBeforeCommitIsInvisibleAndReplaced)
 TEST(DiskProcessTest, SubscriberKilledMidReadDoesNotBlockRetention) {
   ScratchDir dir;
   const std::string uri = ChannelUri(dir) + "?retention=1";
-  auto pub = Publisher::Open(uri);
-  auto v1 = MakeVersion(2, 1, 1 << 18);
-  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
-  // A subscriber process pins version 1 and stalls; we kill it there.
-  auto sub = Child::Start(
-      {Peer(), "subscribe", ChannelUri(dir), "--until", "1", "--seed", "2", "--bytes", "262144"},
-      {{"WEIGHTBUS_FAILPOINTS", "disk.before_read=delay:60000"}}, dir / "sub.log");
+  {
+    auto pub = Publisher::Open(uri);
+    ASSERT_TRUE(pub.ok()) << pub.status();
+    auto v1 = MakeVersion(2, 1, 1 << 18);
+    ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  }
+  // A subscriber process pins version 1 and is held there; we kill it there.
+  testing::PausePoint read("disk.before_read");
+  auto sub =
+      Child::Start({Peer(), "subscribe", ChannelUri(dir), "--until", "1", "--seed", "2", "--bytes",
+                    "262144"},
+                   {{"WEIGHTBUS_FAILPOINTS", read.Spec()}}, dir / "sub.log");
   ASSERT_TRUE(sub.ok());
-  absl::SleepFor(absl::Milliseconds(500));
+  ASSERT_TRUE(read.WaitReached(kTimeout)) << testing::ReadFileOrDie(dir / "sub.log");
+  // This publisher's first retention pass is the one after version 2; it only announces.
+  testing::PausePoint retained("disk.after_retention");
+  retained.Release();
+  auto pub = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", retained.Spec());
+    return Publisher::Open(uri);
+  }();
+  ASSERT_TRUE(pub.ok()) << pub.status();
   auto v2 = MakeVersion(2, 2, 1 << 18);
   ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, kTimeout).ok());
+  ASSERT_TRUE(retained.WaitReached(kTimeout)) << "no retention pass after version 2";
   const std::string v1_dir = dir.path() + absl::StrFormat("/channel/versions/v%020d", 1);
-  // Retention runs in the background; give it every chance to (wrongly) delete the pinned one.
-  absl::SleepFor(absl::Milliseconds(300));
+  const std::string v2_dir = dir.path() + absl::StrFormat("/channel/versions/v%020d", 2);
   EXPECT_TRUE(std::filesystem::exists(v1_dir)) << "pinned by a live reader";
+  EXPECT_TRUE(std::filesystem::exists(v2_dir));
   sub->Kill(SIGKILL);
   ASSERT_TRUE(sub->Wait(kTimeout).ok());
   auto v3 = MakeVersion(2, 3, 1 << 18);
   ASSERT_TRUE((*pub)->Publish(3, Views(v3), {}, kTimeout).ok());
-  EXPECT_TRUE(testing::WaitUntil([&] { return !std::filesystem::exists(v1_dir); }))
-      << "a dead reader's pin must not last";
+  pub->reset();  // finishes the retention pass after version 3 before it returns
+  EXPECT_FALSE(std::filesystem::exists(v1_dir)) << "a dead reader's pin must not last";
+  EXPECT_FALSE(std::filesystem::exists(v2_dir));
+  ExpectSubscriberSeesVersion(dir, 3, 2);
+}
+
+// The `pause` fail point itself (testing::PausePoint), in this process: the publishing thread
+// is held after the rename, before LATEST moves, until the test releases it.
+TEST(PausePointTest, HoldsAnInProcessPublisherAtThePointUntilReleased) {
+  ScratchDir dir;
+  testing::PausePoint commit("disk.before_commit", 2);
+  auto pub = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", commit.Spec());
+    return Publisher::Open(ChannelUri(dir));
+  }();
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto v1 = MakeVersion(6, 1, 1 << 16);
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());  // pass 1 does not stop
+  EXPECT_FALSE(commit.Reached());
+  auto v2 = MakeVersion(6, 2, 1 << 16);
+  std::atomic<bool> returned{false};
+  absl::Status published;
+  std::thread publisher([&] {
+    published = (*pub)->Publish(2, Views(v2), {}, kTimeout);
+    returned = true;
+  });
+  ASSERT_TRUE(commit.WaitReached(kTimeout));
+  EXPECT_EQ(commit.ReachedBy(), ::getpid());
+  // Held: version 2 is in place but not committed, and Publish has not returned.
+  EXPECT_TRUE(std::filesystem::exists(
+      dir.path() + absl::StrFormat("/channel/versions/v%020d/weightbus.manifest.json", 2)));
+  EXPECT_EQ(testing::ReadFileOrDie(dir.path() + "/channel/LATEST"), "1\n");
+  EXPECT_FALSE(returned);
+  auto sub = Subscriber::Open(ChannelUri(dir));
+  ASSERT_TRUE(sub.ok());
+  auto seen = (*sub)->Poll(0, kTimeout);
+  ASSERT_TRUE(seen.ok()) << seen.status();
+  ASSERT_NE(*seen, nullptr);
+  EXPECT_EQ((*seen)->version(), 1u);
+  commit.Release();
+  publisher.join();
+  EXPECT_TRUE(published.ok()) << published;
+  EXPECT_EQ(testing::ReadFileOrDie(dir.path() + "/channel/LATEST"), "2\n");
+}
+
+// The same in a child process (wb_test_peer, which links only libweightbus.so): the test sees
+// the child held at the point, and the child finishes once released.
+TEST(PausePointTest, HoldsAChildProcessAtThePointUntilReleased) {
+  ScratchDir dir;
+  testing::PausePoint file("disk.after_file", 3);
+  auto pub = Child::Start({Peer(), "publish", ChannelUri(dir), "--versions", "1", "--seed", "7",
+                           "--bytes", "262144", "--set", "shard_size=64KiB"},
+                          {{"WEIGHTBUS_FAILPOINTS", file.Spec()}}, dir / "pub.log");
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  ASSERT_TRUE(file.WaitReached(kTimeout)) << testing::ReadFileOrDie(dir / "pub.log");
+  EXPECT_EQ(file.ReachedBy(), pub->pid());
+  // Held after its third data file: nothing committed, the process still there.
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/channel/LATEST"));
+  EXPECT_EQ(pub->Wait(absl::ZeroDuration()).status().code(), absl::StatusCode::kDeadlineExceeded);
+  file.Release();
+  auto status = pub->Wait(kTimeout);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(ExitCode(*status), 0) << testing::ReadFileOrDie(dir / "pub.log");
+  ExpectSubscriberSeesVersion(dir, 1, 7);
+}
+
+// Released before it is reached, a pause point only announces ("tell me when it ran"); once its
+// PausePoint is gone (the test is over) it does not stop at all; a malformed one is refused.
+TEST(PausePointTest, AnnouncesWithoutStoppingWhenReleasedEarlyAndNeverOutlivesItsTest) {
+  ScratchDir dir;
+  testing::PausePoint early("disk.before_commit");
+  early.Release();
+  std::string gone_spec;
+  {
+    testing::PausePoint gone("disk.before_rename");
+    gone_spec = gone.Spec();
+  }
+  {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", early.Spec() + "," + gone_spec);
+    auto pub = Publisher::Open(ChannelUri(dir));
+    ASSERT_TRUE(pub.ok()) << pub.status();
+    auto v1 = MakeVersion(8, 1, 1 << 16);
+    // Bounded by the 60 s limit of a pause; well within the test's own timeout either way.
+    const absl::Time start = absl::Now();
+    ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+    EXPECT_LT(absl::Now() - start, testing::PausePoint::kLimit) << "a pause point blocked";
+  }
+  EXPECT_TRUE(early.Reached());
+  EXPECT_EQ(early.ReachedBy(), ::getpid());
+
+  for (const std::string bad : {"disk.before_commit=pause:relative/dir", "disk.before_commit=pause:",
+                                "disk.before_commit=pause:/tmp@0"}) {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", bad);
+    auto pub = Publisher::Open(ChannelUri(dir));
+    EXPECT_EQ(pub.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(pub.status().message().find("failpoint"), absl::string_view::npos) << pub.status();
+  }
 }
 
 // Runs `body` in a child process inside a private mount namespace with a `size`-byte tmpfs

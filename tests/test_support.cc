@@ -17,6 +17,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -38,6 +40,36 @@ ScratchDir::ScratchDir() {
 ScratchDir::~ScratchDir() {
   std::error_code ec;
   std::filesystem::remove_all(path_, ec);
+}
+
+PausePoint::PausePoint(std::string point, int pass) : point_(std::move(point)), pass_(pass) {}
+
+PausePoint::~PausePoint() { Release(); }
+
+std::string PausePoint::Spec() const {
+  return absl::StrFormat("%s=pause:%s@%d", point_, dir_.path(), pass_);
+}
+
+bool PausePoint::WaitReached(absl::Duration timeout) {
+  return WaitUntil([&] { return Reached(); }, timeout);
+}
+
+bool PausePoint::Reached() const {
+  return std::filesystem::exists(dir_ / (point_ + ".reached"));
+}
+
+pid_t PausePoint::ReachedBy() const {
+  if (!Reached()) return -1;
+  int pid = -1;
+  return absl::SimpleAtoi(absl::StripAsciiWhitespace(ReadFileOrDie(dir_ / (point_ + ".reached"))),
+                          &pid)
+             ? pid
+             : -1;
+}
+
+void PausePoint::Release() {
+  const std::string release = dir_ / (point_ + ".release");
+  if (!std::filesystem::exists(release)) WriteFileOrDie(release, "");
 }
 
 std::string FixturePath(const std::string& rel) {

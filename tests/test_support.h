@@ -56,6 +56,47 @@ class ScopedEnv {
   std::optional<std::string> old_;
 };
 
+// A `pause` fail point (lib/core/failpoint.h) and the test's side of it: the code at `point`
+// announces on its `pass`-th pass (1-based) that it got there, then waits until Release() (at
+// most 60 s, then it logs and goes on). Works in this process and in child processes alike, and
+// needs only files: the point announces in a private directory that this object owns.
+//   testing::PausePoint commit("disk.before_commit");
+//   auto child = Child::Start({...}, {{"WEIGHTBUS_FAILPOINTS", commit.Spec()}});  // or ScopedEnv
+//   ASSERT_TRUE(commit.WaitReached(absl::Seconds(60)));  // the child is held before LATEST moves
+//   ... inspect, kill, publish elsewhere ...
+//   commit.Release();                                  // it goes on
+// Releasing before the point is reached makes it announce without stopping ("tell me when it
+// ran"). Destruction releases and removes the directory (a point hit later does not stop), so
+// declare it before the handle whose Open reads Spec(); release it before destroying a handle
+// whose own teardown waits for the paused thread (the disk publisher's retention thread).
+// Not thread-safe; one object per point and process.
+class PausePoint {
+ public:
+  // FailPoints::kPauseLimit: how long the code waits for Release() before going on.
+  static constexpr absl::Duration kLimit = absl::Seconds(60);
+
+  explicit PausePoint(std::string point, int pass = 1);
+  ~PausePoint();
+  PausePoint(const PausePoint&) = delete;
+  PausePoint& operator=(const PausePoint&) = delete;
+
+  // The WEIGHTBUS_FAILPOINTS entry, "POINT=pause:DIR@PASS"; join several with ','.
+  std::string Spec() const;
+  // Waits up to `timeout` for the point to be reached; true once it has been (now or earlier).
+  bool WaitReached(absl::Duration timeout);
+  // Whether the point has been reached, without waiting.
+  bool Reached() const;
+  // The pid of the process that reached the point, or -1 before that.
+  pid_t ReachedBy() const;
+  // Lets the paused code go on (idempotent).
+  void Release();
+
+ private:
+  std::string point_;
+  int pass_;
+  ScratchDir dir_;
+};
+
 // Path of a file in ../shared/fixtures (WEIGHTBUS_FIXTURES_DIR at configure time).
 std::string FixturePath(const std::string& rel);
 // Path of a built executable in the build tree, e.g. BinaryPath("tools/weightbus").

@@ -175,14 +175,16 @@ TEST_P(UcxProcessTest, SubscriberKilledMidTransferBlocksNeitherThePublisherNorOt
 }
 
 TEST_P(UcxProcessTest, PublisherKilledMidTransferFailsSubscribersInTimeKeepingTheirVersion) {
-  // The publisher process serves versions 1 and 2; this process receives 1, then stalls 3 s in
-  // the middle of receiving 2, during which the publisher is SIGKILLed.
-  auto pub = Child::Start({Peer(), "publish", uri_, "--versions", "2", "--interval-ms", "500",
+  // The publisher process serves versions 1 and 2 (2 only once this process holds 1); this
+  // process receives 1, then is held in the middle of receiving 2 (half of its bytes requested,
+  // a get finished), where the publisher is SIGKILLed; then it goes on.
+  auto pub = Child::Start({Peer(), "publish", uri_, "--versions", "2", "--first-subscribers", "1",
                            "--seed", "8", "--bytes", "1048576", "--serve-ms", "60000"},
                           GetParam().env, dir_ / "pub.log");
   ASSERT_TRUE(pub.ok());
+  testing::PausePoint mid_get("ucx.during_get", 2);
   auto sub = [&] {
-    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", "ucx.during_get=delay:3000@2");
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", mid_get.Spec());
     return Subscriber::Open(uri_);
   }();
   ASSERT_TRUE(sub.ok());
@@ -196,14 +198,18 @@ TEST_P(UcxProcessTest, PublisherKilledMidTransferFailsSubscribersInTimeKeepingTh
     second = (*sub)->WaitForVersion(2, absl::Seconds(20));
     done = absl::Now();
   });
-  ASSERT_TRUE(testing::WaitUntil(
-      [&] { return absl::StrContains(ReadLog(dir_ / "pub.log"), "published 2"); },
-      absl::Seconds(30)));
-  absl::SleepFor(absl::Milliseconds(700));
+  if (!mid_get.WaitReached(absl::Seconds(30))) {
+    mid_get.Release();
+    waiter.join();
+    FAIL() << "version 2's transfer never reached its middle: " << second.status() << "\n"
+           << ReadLog(dir_ / "pub.log");
+  }
   const absl::Time killed = absl::Now();
   pub->Kill(SIGKILL);
-  ASSERT_TRUE(pub->Wait(absl::Seconds(10)).ok());
+  const absl::StatusOr<int> reaped = pub->Wait(absl::Seconds(10));
+  mid_get.Release();
   waiter.join();
+  ASSERT_TRUE(reaped.ok()) << reaped.status();
   ASSERT_FALSE(second.ok()) << "version 2 handed over from a publisher killed mid-transfer";
   EXPECT_THAT(second.status().code(),
               ::testing::AnyOf(absl::StatusCode::kUnavailable, absl::StatusCode::kDeadlineExceeded))

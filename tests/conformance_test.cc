@@ -93,6 +93,7 @@ class InFlight {
     EXPECT_TRUE(testing::WaitUntil([&] { return testing::ProcessState(tid_) == 'S'; }, kTimeout));
   }
   ~InFlight() { thread_.join(); }
+  bool Returned() const { return done_.HasBeenNotified(); }
   // The call's status once it returned (waits up to `timeout`).
   absl::Status Result(absl::Duration timeout) {
     if (!done_.WaitForNotificationWithTimeout(timeout)) {
@@ -659,14 +660,15 @@ TEST_P(ConformanceTest, DestroyingASubscriberEndsItsWaitInFlight) {
       << result;
 }
 
-// Destroyed while the other thread is receiving (held in a fail point between finding the
+// Destroyed while the other thread is receiving (paused at a fail point between finding the
 // version and fetching its bytes): destroy waits for the receive, which completes bit-exact.
 TEST_P(ConformanceTest, DestroyingASubscriberMidReceiveWaitsForTheReceive) {
   auto pub = OpenPublisher(Uri());
   ASSERT_TRUE(pub);
+  testing::PausePoint fetch("core.before_fetch", /*pass=*/2);
   std::unique_ptr<Subscriber> sub;
   {
-    testing::ScopedEnv failpoints("WEIGHTBUS_FAILPOINTS", "core.before_fetch=delay:1500@2");
+    testing::ScopedEnv failpoints("WEIGHTBUS_FAILPOINTS", fetch.Spec());
     sub = OpenSubscriber(Uri());
     ASSERT_TRUE(sub);
   }
@@ -675,24 +677,31 @@ TEST_P(ConformanceTest, DestroyingASubscriberMidReceiveWaitsForTheReceive) {
   ASSERT_TRUE(sub->WaitForVersion(1, kTimeout).ok());  // pass 1 of the fail point
   ASSERT_TRUE(pub->Publish(2, Views(v2), {}, kTimeout).ok());
   Subscriber* raw = sub.get();
-  std::unique_ptr<Update> received;
-  InFlight wait([raw, &received]() -> absl::Status {
-    WB_ASSIGN_OR_RETURN(received, raw->WaitForVersion(2, kTimeout));  // sleeps in pass 2
-    return absl::OkStatus();
-  });
-  sub.reset();
-  const absl::Status result = wait.Result(kTimeout);
-  ASSERT_TRUE(result.ok()) << result;
-  ExpectSameTensors(*received, v2);  // the Update outlives its Subscriber
+  absl::StatusOr<std::unique_ptr<Update>> received;
+  std::thread receiver([raw, &received] { received = raw->WaitForVersion(2, kTimeout); });
+  ASSERT_TRUE(fetch.WaitReached(kTimeout));  // found version 2, not fetched yet
+  {
+    InFlight destroy([&sub] {
+      sub.reset();
+      return absl::OkStatus();
+    });
+    EXPECT_FALSE(destroy.Returned()) << "destroy did not wait for the receive in flight";
+    fetch.Release();
+    EXPECT_TRUE(destroy.Result(kTimeout).ok());
+  }
+  receiver.join();
+  ASSERT_TRUE(received.ok()) << received.status();
+  ExpectSameTensors(**received, v2);  // the Update outlives its Subscriber
 }
 
-// Destroyed while Publish is under way (held in a fail point before the transport): destroy
+// Destroyed while Publish is under way (paused at a fail point before the transport): destroy
 // waits; the publish either completes (then the version is there, where the channel outlives
 // its publisher) or returns Cancelled (then it is not), never a crash or a torn version.
 TEST_P(ConformanceTest, DestroyingAPublisherMidPublishWaitsForIt) {
+  testing::PausePoint before("core.before_transport", /*pass=*/2);
   std::unique_ptr<Publisher> pub;
   {
-    testing::ScopedEnv failpoints("WEIGHTBUS_FAILPOINTS", "core.before_transport=delay:1500@2");
+    testing::ScopedEnv failpoints("WEIGHTBUS_FAILPOINTS", before.Spec());
     pub = OpenPublisher(Uri());
     ASSERT_TRUE(pub);
   }
@@ -702,9 +711,19 @@ TEST_P(ConformanceTest, DestroyingAPublisherMidPublishWaitsForIt) {
   ASSERT_TRUE(pub->Publish(1, Views(v1), {}, kTimeout).ok());
   ASSERT_TRUE(sub->WaitForVersion(1, kTimeout).ok());
   Publisher* raw = pub.get();
-  InFlight publish([raw, &v2] { return raw->Publish(2, Views(v2), {}, kTimeout); });
-  pub.reset();
-  const absl::Status result = publish.Result(kTimeout);
+  absl::Status result;
+  std::thread publisher([raw, &v2, &result] { result = raw->Publish(2, Views(v2), {}, kTimeout); });
+  ASSERT_TRUE(before.WaitReached(kTimeout));
+  {
+    InFlight destroy([&pub] {
+      pub.reset();
+      return absl::OkStatus();
+    });
+    EXPECT_FALSE(destroy.Returned()) << "destroy did not wait for the publish in flight";
+    before.Release();
+    EXPECT_TRUE(destroy.Result(kTimeout).ok());
+  }
+  publisher.join();
   ASSERT_TRUE(result.ok() || absl::IsCancelled(result)) << result;
   if (result.ok() && caps_.durable) {
     auto update = sub->WaitForVersion(2, kTimeout);

@@ -457,6 +457,11 @@ std::vector<uint64_t> MemChannel::Versions() const {
   return out;
 }
 
+Manifest MemChannel::ManifestOf(uint64_t version) const {
+  absl::MutexLock lock(&Mu());
+  return state_->versions.at(version)->manifest;
+}
+
 void MemChannel::CorruptByte(uint64_t version, size_t tensor, uint64_t offset, std::byte mask) {
   absl::MutexLock lock(&Mu());
   state_->versions.at(version)->bytes.at(tensor).at(offset) ^= mask;

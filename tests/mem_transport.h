@@ -41,6 +41,8 @@ class MemChannel {
 
   // The committed versions the channel holds, ascending.
   std::vector<uint64_t> Versions() const;
+  // The manifest of committed `version` (which must be held).
+  Manifest ManifestOf(uint64_t version) const;
   // XORs byte `offset` of tensor `tensor` of committed `version` with `mask` (again to undo), as
   // a bit flipped in transit would: subscribers then receive bytes that fail verification.
   void CorruptByte(uint64_t version, size_t tensor, uint64_t offset,

@@ -21,11 +21,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "core/registry.h"
 #include "core/tensor_pack.h"
 #include "expect_tensors.h"
+#include "in_flight.h"
 #include "test_model.h"
 #include "test_support.h"
 #include "transport_stack.h"
@@ -37,6 +37,7 @@ namespace {
 
 using internal::TransportCapabilities;
 using ::weightbus::testing::ExpectSameTensors;
+using ::weightbus::testing::InFlight;
 using ::weightbus::testing::MakeVersion;
 using ::weightbus::testing::ManifestOf;
 using ::weightbus::testing::OwnedTensor;
@@ -76,38 +77,6 @@ const std::vector<Stack>& Stacks() {
   };
   return *stacks;
 }
-
-// Runs `call` on a new thread and returns once that thread is blocked inside it (asleep in the
-// kernel after announcing the call: nothing else between the announcement and the call
-// blocks), so the caller can act while the call is in flight.
-class InFlight {
- public:
-  explicit InFlight(std::function<absl::Status()> call)
-      : thread_([this, call = std::move(call)] {
-          tid_ = gettid();
-          started_.Notify();
-          result_ = call();
-          done_.Notify();
-        }) {
-    started_.WaitForNotification();
-    EXPECT_TRUE(testing::WaitUntil([&] { return testing::ProcessState(tid_) == 'S'; }, kTimeout));
-  }
-  ~InFlight() { thread_.join(); }
-  bool Returned() const { return done_.HasBeenNotified(); }
-  // The call's status once it returned (waits up to `timeout`).
-  absl::Status Result(absl::Duration timeout) {
-    if (!done_.WaitForNotificationWithTimeout(timeout)) {
-      return absl::InternalError("the call in flight did not return");
-    }
-    return result_;
-  }
-
- private:
-  absl::Notification started_, done_;
-  pid_t tid_ = 0;
-  absl::Status result_;
-  std::thread thread_;
-};
 
 class ConformanceTest : public ::testing::TestWithParam<Stack> {
  protected:

@@ -387,7 +387,7 @@ TEST_P(ConformanceTest, TimeoutsAreDeadlineExceededAndLeaveNothingBehind) {
   auto sub = OpenSubscriber(Uri());
   ASSERT_TRUE(sub);
   absl::Time start = absl::Now();
-  auto early = sub->WaitForVersion(1, absl::Milliseconds(200));  // no publisher yet
+  auto early = sub->WaitForVersion(1, absl::Milliseconds(100));  // no publisher yet
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   ASSERT_EQ(early.status().code(), absl::StatusCode::kDeadlineExceeded) << early.status();
   EXPECT_TRUE(absl::StrContains(early.status().message(), ">= 1")) << early.status();
@@ -397,7 +397,7 @@ TEST_P(ConformanceTest, TimeoutsAreDeadlineExceededAndLeaveNothingBehind) {
   ASSERT_TRUE(pub->Publish(1, Views(v1), {}, kTimeout).ok());
   ASSERT_TRUE(sub->WaitForVersion(1, kTimeout).ok());
   start = absl::Now();
-  auto late = sub->WaitForVersion(2, absl::Milliseconds(200));
+  auto late = sub->WaitForVersion(2, absl::Milliseconds(100));
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   ASSERT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
   EXPECT_TRUE(absl::StrContains(late.status().message(), ">= 2")) << late.status();
@@ -619,7 +619,7 @@ TEST_P(ConformanceTest, DestroyingASubscriberEndsItsWaitInFlight) {
   ASSERT_TRUE(sub->WaitForVersion(1, kTimeout).ok());  // connected, code paths resolved
   Subscriber* raw = sub.get();
   // Without the cancel capability the wait runs to its own deadline: keep that one short.
-  const absl::Duration timeout = caps_.cancel ? absl::Seconds(20) : absl::Milliseconds(300);
+  const absl::Duration timeout = caps_.cancel ? absl::Seconds(20) : absl::Milliseconds(200);
   InFlight wait([raw, timeout] { return raw->WaitForVersion(2, timeout).status(); });
   sub.reset();  // destroy while the other thread waits for version 2
   const absl::Status result = wait.Result(kTimeout);
@@ -727,11 +727,11 @@ pid_t ForkChild(const std::function<int()>& body) {
 
 int WaitChild(pid_t pid) {
   int status = 0;
-  for (int i = 0; i < 600; ++i) {
+  for (int i = 0; i < 6000; ++i) {
     if (waitpid(pid, &status, WNOHANG) == pid) {
       return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     }
-    absl::SleepFor(absl::Milliseconds(100));  // polling a child's exit, not synchronising
+    absl::SleepFor(absl::Milliseconds(10));  // polling a child's exit, not synchronising
   }
   kill(pid, SIGKILL);
   waitpid(pid, &status, 0);
@@ -821,7 +821,7 @@ TEST_P(ConformanceTest, CrossProcessSubscribersReceiveWhereDeclared) {
   // This test binary in another process (ConformanceChild below), with the stack's environment.
   std::map<std::string, std::string> env = GetParam().env.env;
   env["WB_TEST_CHILD_URI"] = Uri();
-  env["WB_TEST_CHILD_TIMEOUT_MS"] = caps_.cross_process ? "30000" : "300";
+  env["WB_TEST_CHILD_TIMEOUT_MS"] = caps_.cross_process ? "30000" : "100";
   auto child = testing::Child::Start(
       {"/proc/self/exe", "--gtest_filter=ConformanceChild.DISABLED_ReceivesVersion1",
        "--gtest_also_run_disabled_tests"},
@@ -1021,7 +1021,7 @@ TEST_P(ConformanceTest, PublishJobHooksAreUsedWhereDeclared) {
 TEST_P(ConformanceTest, TransportCancelEndsWaitsInFlightWhereDeclared) {
   auto sub = testing::OpenTransportSubscriber(Uri());
   ASSERT_TRUE(sub.ok()) << sub.status();
-  const absl::Duration timeout = caps_.cancel ? absl::Seconds(120) : absl::Milliseconds(300);
+  const absl::Duration timeout = caps_.cancel ? absl::Seconds(120) : absl::Milliseconds(200);
   internal::TransportSubscriber* raw = sub->get();
   InFlight wait([raw, timeout] { return raw->WaitForVersion(1, absl::Now() + timeout).status(); });
   (*sub)->Cancel();

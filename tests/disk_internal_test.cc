@@ -282,10 +282,10 @@ TEST(DiskKeepVersionsFromTest, KeepsAFloorBeyondRetentionUntilItMoves) {
   auto publish_all = [&](std::optional<uint64_t> floor, std::vector<uint64_t> versions) {
     auto pub = testing::OpenTransportPublisher(uri);
     ASSERT_TRUE(pub.ok()) << pub.status();
+    if (floor) (*pub)->KeepVersionsFrom(*floor);
     for (uint64_t v : versions) {
       auto tensors = testing::MakeVersion(1, v, 4096);
       ASSERT_TRUE(testing::PublishSealed(**pub, testing::ManifestOf(v, tensors), tensors).ok());
-      if (floor && v == versions.front()) (*pub)->KeepVersionsFrom(*floor);
     }
   };
   publish_all(1, {1, 2, 3});  // retention=1 would otherwise drop 1 and 2

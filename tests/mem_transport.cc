@@ -132,6 +132,28 @@ absl::StatusOr<std::string> ChannelName(const Uri& uri) {
   return uri.path.substr(1);
 }
 
+// Cancel() of a publisher or subscriber (with the cancel setting; without it, no effect) and the
+// check every later call makes.
+class Cancellation {
+ public:
+  Cancellation(bool enabled, std::string what) : enabled_(enabled), what_(std::move(what)) {}
+  void Cancel() {
+    if (!enabled_) return;
+    absl::MutexLock lock(&Mu());
+    cancelled_ = true;
+    ++changes;
+  }
+  absl::Status Check() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(Mu()) {
+    if (!cancelled_) return absl::OkStatus();
+    return absl::CancelledError(absl::StrFormat("%s was cancelled (it is being destroyed)", what_));
+  }
+
+ private:
+  const bool enabled_;
+  const std::string what_;
+  bool cancelled_ ABSL_GUARDED_BY(Mu()) = false;
+};
+
 class MemIncoming final : public IncomingVersion {
  public:
   MemIncoming(std::shared_ptr<ChannelState> channel, std::shared_ptr<Entry> entry,
@@ -292,23 +314,16 @@ class MemPublisher final : public TransportPublisher {
     return channel_->publish_codec;
   }
 
-  void Cancel() override {
-    if (!switches_.cancel) return;
-    absl::MutexLock lock(&Mu());
-    cancelled_ = true;
-    ++changes;
-  }
+  void Cancel() override { cancellation_.Cancel(); }
 
  private:
   absl::Status CheckCancelled() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(Mu()) {
-    if (!cancelled_) return absl::OkStatus();
-    return absl::CancelledError(
-        absl::StrFormat("mem:///%s: the publisher was cancelled", channel_->name));
+    return cancellation_.Check();
   }
 
   std::shared_ptr<ChannelState> channel_;
   const Switches switches_;
-  bool cancelled_ ABSL_GUARDED_BY(Mu()) = false;
+  Cancellation cancellation_{switches_.cancel, "mem:///" + channel_->name + ": the publisher"};
 };
 
 class MemSubscriber final : public TransportSubscriber {
@@ -364,12 +379,7 @@ class MemSubscriber final : public TransportSubscriber {
     return out;
   }
 
-  void Cancel() override {
-    if (!switches_.cancel) return;
-    absl::MutexLock lock(&Mu());
-    cancelled_ = true;
-    ++changes;
-  }
+  void Cancel() override { cancellation_.Cancel(); }
 
  private:
   // The channel this subscriber reads now (MemChannel::ReadFrom).
@@ -382,15 +392,13 @@ class MemSubscriber final : public TransportSubscriber {
     return std::make_unique<MemIncoming>(std::move(c), std::move(e), id_);
   }
   absl::Status CheckCancelled() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(Mu()) {
-    if (!cancelled_) return absl::OkStatus();
-    return absl::CancelledError(
-        absl::StrFormat("mem:///%s: the subscriber was cancelled (it is being destroyed)", name_));
+    return cancellation_.Check();
   }
 
   std::string name_;
   const Switches switches_;
   uint64_t id_ = 0;
-  bool cancelled_ ABSL_GUARDED_BY(Mu()) = false;
+  Cancellation cancellation_{switches_.cancel, "mem:///" + name_ + ": the subscriber"};
 };
 
 absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenMemPublisher(const Uri& uri,

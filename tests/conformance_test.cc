@@ -63,7 +63,9 @@ constexpr char kBareMem[] =
     "copies_with_checksums=false&keep_versions_from=false&wait_for_receivers=false&"
     "open_version=false&list_versions=false&durable=false";
 
-// Every stack; one line per stack. Those whose transport this build lacks are skipped.
+// Every stack; one line per stack (a new transport adds its own and delta over it, e.g.
+// {"nccl", "nccl://127.0.0.1:{port}/channel"}). Those whose transport this build lacks are
+// skipped.
 const std::vector<Stack>& Stacks() {
   static const auto* stacks = new std::vector<Stack>{
       {"disk", "disk://{dir}/channel"},

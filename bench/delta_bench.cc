@@ -48,6 +48,7 @@
 #include "absl/time/clock.h"
 #include "delta/codec.h"
 #include "nlohmann/json.hpp"
+#include "process/process.h"
 #include "weightbus/args.h"
 #include "weightbus/checkpoint.h"
 #include "weightbus/fatal.h"
@@ -76,16 +77,8 @@ double ThreadSeconds() {
   return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
 
-std::string Shell(const std::string& cmd) {
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) Die("popen failed: " + cmd);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  if (pclose(p) != 0) Die("command failed: " + cmd + "\n" + out);
-  return out;
-}
+// Runs a shell command and returns its combined output; dies on failure.
+std::string Shell(const std::string& cmd) { return OrDie(weightbus::process::RunShell(cmd)); }
 
 uint64_t Bytes(const std::vector<OwnedTensor>& v) {
   uint64_t n = 0;

@@ -13,7 +13,6 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/utsname.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,6 +29,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "nlohmann/json.hpp"
+#include "process/process.h"
 #include "weightbus/args.h"
 #include "weightbus/fatal.h"
 #include "weightbus/synthetic_model.h"
@@ -44,16 +44,7 @@ double Median(std::vector<double> v) {
 }
 
 // Runs a shell command and returns its combined output; dies on failure.
-std::string Shell(const std::string& cmd) {
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) Die("popen failed: " + cmd);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  if (pclose(p) != 0) Die("command failed: " + cmd + "\n" + out);
-  return out;
-}
+std::string Shell(const std::string& cmd) { return OrDie(weightbus::process::RunShell(cmd)); }
 
 // dd's own timing ("..., 2.65 s, 405 MB/s"), which excludes process start-up.
 double DdSeconds(const std::string& output) {
@@ -130,21 +121,16 @@ class TorchBaseline {
  public:
   // Starts the script; returns false (with `why`) when it cannot run or torch is missing.
   bool Start(const std::string& python, const std::string& args, std::string* why) {
-    int in[2], out[2];
-    if (pipe(in) != 0 || pipe(out) != 0) Die("pipe");
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(in[0], 0);
-      dup2(out[1], 1);
-      close(in[1]);
-      close(out[0]);
-      execl("/bin/sh", "sh", "-c", (python + " " + args).c_str(), nullptr);
-      _exit(127);
+    weightbus::process::Child::Options options;
+    options.pipe_stdin = true;
+    options.pipe_stdout = true;
+    absl::StatusOr<weightbus::process::Child> c =
+        weightbus::process::Child::Spawn({"/bin/sh", "-c", python + " " + args}, options);
+    if (!c.ok()) {
+      *why = std::string(c.status().message());
+      return false;
     }
-    close(in[0]);
-    close(out[1]);
-    to_ = fdopen(in[1], "w");
-    from_ = fdopen(out[0], "r");
+    child_ = *std::move(c);
     nlohmann::json first = ReadLine();
     if (first.is_discarded() || !first.contains("ready")) {
       *why = first.is_discarded() ? "the script did not start" : first.dump();
@@ -154,26 +140,20 @@ class TorchBaseline {
     return true;
   }
   nlohmann::json Run() {
-    std::fputs("run\n", to_);
-    std::fflush(to_);
+    if (!child_.Send("run")) return nlohmann::json::value_t::discarded;
     return ReadLine();
   }
-  ~TorchBaseline() {
-    if (to_ != nullptr) std::fclose(to_);
-    if (from_ != nullptr) std::fclose(from_);
-    if (pid_ > 0) waitpid(pid_, nullptr, 0);
-  }
+  // The script ends at the end of its stdin; one that does not within 30 s is killed.
+  ~TorchBaseline() { child_.WaitOrKill(absl::Now() + absl::Seconds(30)); }
   const std::string& version() const { return version_; }
 
  private:
   nlohmann::json ReadLine() {
-    char buf[4096];
-    if (std::fgets(buf, sizeof(buf), from_) == nullptr) return nlohmann::json::value_t::discarded;
-    return nlohmann::json::parse(buf, nullptr, false);
+    std::optional<std::string> line = child_.ReadLine(absl::Now() + absl::Seconds(600));
+    if (!line) return nlohmann::json::value_t::discarded;
+    return nlohmann::json::parse(*line, nullptr, false);
   }
-  pid_t pid_ = -1;
-  FILE* to_ = nullptr;
-  FILE* from_ = nullptr;
+  weightbus::process::Child child_;
   std::string version_;
 };
 

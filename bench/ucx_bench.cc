@@ -26,9 +26,7 @@
 // the checksum tail and allocation; ucx_perftest's figure is its overall bandwidth.
 // Targets: receive >= 0.9x ucx_perftest, stall <= 1.1x memcpy.
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/utsname.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -39,16 +37,13 @@
 #include <thread>
 #include <vector>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "nlohmann/json.hpp"
+#include "process/process.h"
 #include "weightbus/args.h"
 #include "weightbus/fatal.h"
 #include "weightbus/synthetic_model.h"
@@ -83,56 +78,30 @@ std::string Human(uint64_t b) {
 }
 
 int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), len) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    Die("cannot find a free port");
-  }
-  close(fd);
-  return ntohs(a.sin_port);
+  const int port = weightbus::process::FreePort();
+  if (port < 0) Die("cannot reserve a free port");
+  return port;
 }
 
-// A child process whose stdout we read line by line.
-struct Proc {
-  pid_t pid = -1;
-  FILE* out = nullptr;
+using weightbus::process::Child;
 
-  static Proc Start(const std::vector<std::string>& argv) {
-    int p[2];
-    if (pipe(p) != 0) Die("pipe");
-    Proc c;
-    c.pid = fork();
-    if (c.pid == 0) {
-      dup2(p[1], 1);
-      close(p[0]);
-      close(p[1]);
-      std::vector<char*> args;
-      for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-      args.push_back(nullptr);
-      execv(args[0], args.data());
-      _exit(127);
-    }
-    close(p[1]);
-    c.out = fdopen(p[0], "r");
-    return c;
-  }
-  std::string Line() {
-    char buf[8192];
-    if (out == nullptr || std::fgets(buf, sizeof(buf), out) == nullptr) return "";
-    return buf;
-  }
-  int Wait() {
-    if (out != nullptr) std::fclose(out);
-    out = nullptr;
-    int status = 0;
-    waitpid(pid, &status, 0);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  }
-};
+// A child process whose stdout we read line by line (its stderr is ours).
+Child StartReading(const std::vector<std::string>& argv) {
+  Child::Options options;
+  options.pipe_stdout = true;
+  return OrDie(Child::Spawn(argv, options));
+}
+
+// The next line of `child`'s stdout, "" at its end (a subscriber answers within its own
+// 600 s receive timeout).
+std::string NextLine(Child& child) {
+  return child.ReadLine(absl::Now() + absl::Seconds(660)).value_or("");
+}
+
+// Reaps `child` and returns its exit code (128 + signal for a death by signal).
+int WaitExit(Child& child) {
+  return weightbus::process::ExitCode(child.Wait(absl::InfiniteDuration()).value_or(-1));
+}
 
 std::string Self() {
   char buf[4096];
@@ -184,22 +153,24 @@ int SubscriberMain(const std::string& uri, uint64_t count, bool read_weights) {
 // ucx_perftest -t ucp_get between two processes on loopback, `bytes` per get; GB/s (10^9).
 double Perftest(const std::string& perftest, uint64_t bytes, int iters, std::string* why) {
   const std::string port = std::to_string(FreePort());
-  Proc server = Proc::Start({perftest, "-p", port});
-  absl::SleepFor(absl::Milliseconds(500));
-  Proc client = Proc::Start({perftest, "127.0.0.1", "-p", port, "-t", "ucp_get", "-s",
-                             std::to_string(bytes), "-n", std::to_string(iters), "-w", "2", "-f"});
-  std::string last, line;
-  while (!(line = client.Line()).empty()) {
-    if (line.find_first_not_of(" \t\n") != std::string::npos) last = line;
-  }
-  const int rc = client.Wait();
-  if (rc != 0) {
-    kill(server.pid, SIGKILL);
-    server.Wait();
-    *why = absl::StrFormat("ucx_perftest client exited with %d", rc);
+  Child server = StartReading({perftest, "-p", port});
+  if (!weightbus::process::WaitForListener(std::stoi(port), absl::Now() + absl::Seconds(30))) {
+    *why = "the ucx_perftest server did not listen on port " + port + " within 30 s";
     return 0;
   }
-  server.Wait();
+  Child client = StartReading({perftest, "127.0.0.1", "-p", port, "-t", "ucp_get", "-s",
+                               std::to_string(bytes), "-n", std::to_string(iters), "-w", "2",
+                               "-f"});
+  std::string last, line;
+  while (!(line = NextLine(client)).empty()) {
+    if (line.find_first_not_of(" \t\n") != std::string::npos) last = line;
+  }
+  const int rc = WaitExit(client);
+  if (rc != 0) {
+    *why = absl::StrFormat("ucx_perftest client exited with %d", rc);
+    return 0;  // destroying `server` kills it
+  }
+  WaitExit(server);
   std::vector<std::string> f = absl::StrSplit(last, ' ', absl::SkipWhitespace());
   double mib_s = 0;  // ucx_perftest's "MB/s" is MiB/s
   if (f.size() < 6 || !absl::SimpleAtod(f[5], &mib_s)) {
@@ -286,12 +257,9 @@ int Main(int argc, char** argv) {
   std::vector<Row> rows;
   std::vector<std::string> failures;
   for (const std::string& tls : tls_list) {
-    setenv("UCX_TLS", tls.c_str(), 1);
-    if (tls.find("tcp") != std::string::npos) {
-      setenv("UCX_NET_DEVICES", "lo", 1);
-    } else {
-      unsetenv("UCX_NET_DEVICES");
-    }
+    // For this transport's rounds (subscribers inherit it), restored after them.
+    const weightbus::process::ScopedEnvs tls_env(
+        {{"UCX_TLS", tls}, {"UCX_NET_DEVICES", tls.find("tcp") != std::string::npos ? "lo" : ""}});
     for (uint64_t target : sizes) {
       std::vector<OwnedTensor> model = OrDie(MakeSyntheticModel(
           ScaleShapes(base_shapes, double(target) / base_bytes), DType::kBF16, 42));
@@ -313,7 +281,7 @@ int Main(int argc, char** argv) {
       struct Config {
         int nsub;
         std::unique_ptr<Publisher> pub;
-        std::vector<Proc> subs;
+        std::vector<Child> subs;
         std::vector<double> stall, transport, checksum_wait, fetch, verified, aggregate;
       };
       std::vector<Config> configs;
@@ -336,7 +304,7 @@ int Main(int argc, char** argv) {
                                            "--count",
                                            std::to_string(warmup + reps)};
           if (args.Has("read-weights")) argv.push_back("--read-weights");
-          c.subs.push_back(Proc::Start(argv));
+          c.subs.push_back(StartReading(argv));
         }
         configs.push_back(std::move(c));
       }
@@ -367,8 +335,8 @@ int Main(int argc, char** argv) {
           OrDie(c.pub->Publish(v, views, {}, absl::Seconds(600)));
           const PublishStats ps = c.pub->last_stats();
           double slowest = 0;
-          for (Proc& p : c.subs) {
-            const std::string line = p.Line();
+          for (Child& p : c.subs) {
+            const std::string line = NextLine(p);
             nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
             if (j.is_discarded() || j.contains("error") || j["version"] != v) {
               Die("subscriber failed: " + line);
@@ -400,8 +368,8 @@ int Main(int argc, char** argv) {
         std::printf("# ucx_perftest failed: %s\n", perf_why.c_str());
       }
       for (Config& c : configs) {
-        for (Proc& p : c.subs) {
-          if (p.Wait() != 0) Die("a subscriber process failed");
+        for (Child& p : c.subs) {
+          if (WaitExit(p) != 0) Die("a subscriber process failed");
         }
         c.pub.reset();
         const int nsub = c.nsub;

@@ -38,11 +38,7 @@ std::string Peer() { return testing::BinaryPath("tests/wb_test_peer"); }
 
 std::string ChannelUri(const ScratchDir& dir) { return "disk://" + dir.path() + "/channel"; }
 
-int ExitCode(int wait_status) {
-  if (WIFEXITED(wait_status)) return WEXITSTATUS(wait_status);
-  if (WIFSIGNALED(wait_status)) return 128 + WTERMSIG(wait_status);
-  return -1;
-}
+using ::weightbus::testing::ExitCode;
 
 TEST(DiskProcessTest, TwoSubscriberProcessesFollowAPublisherProcessBitExact) {
   ScratchDir dir;
@@ -273,8 +269,9 @@ TEST(PausePointTest, AnnouncesWithoutStoppingWhenReleasedEarlyAndNeverOutlivesIt
   EXPECT_TRUE(early.Reached());
   EXPECT_EQ(early.ReachedBy(), ::getpid());
 
-  for (const std::string bad : {"disk.before_commit=pause:relative/dir", "disk.before_commit=pause:",
-                                "disk.before_commit=pause:/tmp@0"}) {
+  for (const std::string bad :
+       {"disk.before_commit=pause:relative/dir", "disk.before_commit=pause:",
+        "disk.before_commit=pause:/tmp@0", "disk.before_commit=error,disk.before_commit=pause:/tmp"}) {
     testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", bad);
     auto pub = Publisher::Open(ChannelUri(dir));
     EXPECT_EQ(pub.status().code(), absl::StatusCode::kInvalidArgument) << bad;

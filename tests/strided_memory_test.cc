@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -57,8 +58,9 @@ class StridedMemoryTest : public ::testing::TestWithParam<std::string> {};
 TEST_P(StridedMemoryTest, StridedViewsNeedOnlyAWindowOfExtraMemory) {
   ScratchDir dir;
   std::string uri;
+  std::optional<testing::ScopedEnvs> tls_env;  // restored on every exit
   if (GetParam() == "ucx") {
-    testing::ApplyEnv(testing::kShm);
+    tls_env.emplace(testing::kShm.env);
     uri = absl::StrFormat("ucx://127.0.0.1:%d/strided", testing::FreePort());
   } else {
     uri = absl::StrFormat("%s://%s/channel", GetParam(), dir.path());

@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "process/process.h"
 
 namespace weightbus::testing {
 
@@ -32,29 +33,17 @@ class ScratchDir {
   std::string path_;
 };
 
-// Sets an environment variable for its lifetime and restores the previous value (or its absence)
-// on destruction. Fail points come only from WEIGHTBUS_FAILPOINTS, read when a channel is opened:
-// in-process tests wrap the Open call in one; child processes get it in their environment.
-class ScopedEnv {
- public:
-  ScopedEnv(std::string name, const std::string& value) : name_(std::move(name)) {
-    if (const char* old = ::getenv(name_.c_str())) old_ = old;
-    ::setenv(name_.c_str(), value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (old_) {
-      ::setenv(name_.c_str(), old_->c_str(), 1);
-    } else {
-      ::unsetenv(name_.c_str());
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  std::string name_;
-  std::optional<std::string> old_;
-};
+// Environment overrides, child processes and ports: tools/process/process.h, shared with the
+// benchmarks. Fail points come only from WEIGHTBUS_FAILPOINTS, read when a channel is opened:
+// in-process tests wrap the Open call in a ScopedEnv; child processes get it in their
+// environment (Child::Start's `env`).
+using ::weightbus::process::Child;
+using ::weightbus::process::ExitCode;
+using ::weightbus::process::FreePort;
+using ::weightbus::process::RunCommand;
+using ::weightbus::process::RunResult;
+using ::weightbus::process::ScopedEnv;
+using ::weightbus::process::ScopedEnvs;
 
 // A `pause` fail point (lib/core/failpoint.h) and the test's side of it: the code at `point`
 // announces on its `pass`-th pass (1-based) that it got there, then waits until Release() (at
@@ -101,43 +90,6 @@ class PausePoint {
 std::string FixturePath(const std::string& rel);
 // Path of a built executable in the build tree, e.g. BinaryPath("tools/weightbus").
 std::string BinaryPath(const std::string& rel);
-
-// A child process started with posix_spawn; killed (SIGKILL) and reaped on destruction if it
-// is still running.
-class Child {
- public:
-  // Starts `argv[0]` (a path) with `argv`; `env` entries are added to (or override) this
-  // process's environment. stdout and stderr go to `log_path` when non-empty.
-  static absl::StatusOr<Child> Start(const std::vector<std::string>& argv,
-                                     const std::map<std::string, std::string>& env = {},
-                                     const std::string& log_path = "");
-  Child(Child&& other) noexcept;
-  Child& operator=(Child&& other) noexcept;
-  ~Child();
-
-  pid_t pid() const { return pid_; }
-  // Waits up to `timeout` for exit; returns the raw wait status, or DeadlineExceeded.
-  absl::StatusOr<int> Wait(absl::Duration timeout);
-  void Kill(int sig);
-
- private:
-  explicit Child(pid_t pid) : pid_(pid) {}
-  pid_t pid_ = -1;
-};
-
-// Runs `argv` to completion (up to `timeout`) and returns {exit code, stdout+stderr}.
-// An exit by signal is reported as 128 + signal number.
-struct RunResult {
-  int exit_code = -1;
-  std::string output;
-};
-absl::StatusOr<RunResult> RunCommand(const std::vector<std::string>& argv,
-                                     absl::Duration timeout = absl::Seconds(120),
-                                     const std::map<std::string, std::string>& env = {});
-
-// A loopback TCP port nobody listens on right now (binds port 0 and reads it back), for tests
-// that start rendezvous servers; -1 on failure. `family` is AF_INET or AF_INET6.
-int FreePort(int family = 2 /* AF_INET */);
 
 // Deterministic pseudo-random bytes (splitmix64 of `seed`).
 std::vector<std::byte> RandomBytes(size_t n, uint64_t seed);

@@ -38,7 +38,6 @@ using ::weightbus::testing::ReadFileOrDie;
 using ::weightbus::testing::ScratchDir;
 using ::weightbus::testing::Views;
 
-using ::weightbus::testing::ApplyEnv;
 using ::weightbus::testing::kShm;
 using ::weightbus::testing::kTcp;
 using ::weightbus::testing::Tls;
@@ -48,20 +47,15 @@ std::string Cli() { return testing::BinaryPath("tools/weightbus"); }
 
 using ::weightbus::testing::FreePort;
 
-int ExitCode(int wait_status) {
-  if (WIFEXITED(wait_status)) return WEXITSTATUS(wait_status);
-  if (WIFSIGNALED(wait_status)) return 128 + WTERMSIG(wait_status);
-  return -1;
-}
+using ::weightbus::testing::ExitCode;
 
 // The contents of `path`, or "" when it does not exist yet.
 std::string ReadLog(const std::string& path) {
   return std::filesystem::exists(path) ? ReadFileOrDie(path) : "";
 }
 
-// Sets this process's UCX environment and says why UCX cannot run here ("" when it can).
-std::string UseTls(const Tls& tls) {
-  ApplyEnv(tls);
+// Why UCX cannot run here with this process's UCX environment ("" when it can).
+std::string UcxUnusable() {
   auto probe = Subscriber::Open(absl::StrFormat("ucx://127.0.0.1:%d/probe", FreePort()));
   return probe.ok() ? "" : std::string(probe.status().message());
 }
@@ -70,7 +64,8 @@ class UcxFollowTest : public ::testing::TestWithParam<std::tuple<Tls, int>> {};
 
 TEST_P(UcxFollowTest, SubscriberProcessesFollowFiftyVersionsBitExactAndALateJoinerGetsTheNewest) {
   const auto& [tls, subscribers] = GetParam();
-  if (std::string why = UseTls(tls); !why.empty()) GTEST_SKIP() << "UCX unusable: " << why;
+  const testing::ScopedEnvs tls_env(tls.env);
+  if (std::string why = UcxUnusable(); !why.empty()) GTEST_SKIP() << "UCX unusable: " << why;
   ScratchDir dir;
   const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/follow", FreePort());
   const std::vector<std::string> model = {"--seed", "21", "--bytes", "262144"};
@@ -127,11 +122,13 @@ INSTANTIATE_TEST_SUITE_P(Tls, UcxFollowTest,
 class UcxProcessTest : public ::testing::TestWithParam<Tls> {
  protected:
   void SetUp() override {
-    if (std::string why = UseTls(GetParam()); !why.empty()) {
+    tls_env_.emplace(GetParam().env);
+    if (std::string why = UcxUnusable(); !why.empty()) {
       GTEST_SKIP() << "UCX unusable: " << why;
     }
     uri_ = absl::StrFormat("ucx://127.0.0.1:%d/policy", FreePort());
   }
+  std::optional<testing::ScopedEnvs> tls_env_;  // for the whole test, restored after it
   std::string uri_;
   ScratchDir dir_;
 };
@@ -225,6 +222,24 @@ TEST_P(UcxProcessTest, PublisherKilledMidTransferFailsSubscribersInTimeKeepingTh
   }
 }
 
+// testing::FreePort reserves its port (tools/process/process.h): no plain bind takes it, the
+// publisher's SO_REUSEADDR bind does.
+TEST_P(UcxProcessTest, APublisherListensOnAReservedPortThatAPlainBindCannotTake) {
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  EXPECT_NE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  EXPECT_EQ(errno, EADDRINUSE);
+  ::close(fd);
+  auto pub = Publisher::Open(absl::StrFormat("ucx://127.0.0.1:%d/reserved", port));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  EXPECT_TRUE(process::WaitForListener(port, absl::Now() + absl::Seconds(30)));
+}
+
 TEST_P(UcxProcessTest, CliPublishServesUntilSubscribersHoldTheVersion) {
   const std::string model = dir_ / "model.safetensors";
   auto tensors = MakeVersion(12, 1, 1 << 20);
@@ -283,7 +298,8 @@ namespace {
 // UCX's own log handler prints to stdout, the host program's (a vLLM server's, a trainer's):
 // its warnings must reach weightbus's log on stderr instead.
 TEST(UcxLogTest, UcxWarningsGoToStderrNotTheHostsStdout) {
-  if (const std::string why = UseTls(kShm); !why.empty()) GTEST_SKIP() << why;
+  const testing::ScopedEnvs tls_env(kShm.env);
+  if (const std::string why = UcxUnusable(); !why.empty()) GTEST_SKIP() << why;
   testing::ScratchDir dir;
   const std::string err = dir.path() + "/stderr.txt";
   std::map<std::string, std::string> env = kShm.env;

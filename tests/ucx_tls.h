@@ -22,7 +22,9 @@ inline const Tls kTcp{"tcp", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}};
 // UCX's own defaults (UCX_TLS unset: the transport leaves TCP out for a loopback channel).
 inline const Tls kDefault{"default", {{"UCX_TLS", ""}, {"UCX_NET_DEVICES", ""}}};
 
-// Sets (or, for an empty value, unsets) the variables of `tls` in this process.
+// Sets (or, for an empty value, unsets) the variables of `tls` in this process, for good. Prefer
+// `const testing::ScopedEnvs env(tls.env);` (test_support.h), which restores them on every exit
+// of the scope, a failed ASSERT_* included.
 inline void ApplyEnv(const Tls& tls) {
   for (const auto& [k, v] : tls.env) {
     if (v.empty()) {

@@ -68,23 +68,28 @@ absl::StatusOr<FileTimes> WriteFsyncRead(const std::string& dir, const std::byte
 
 absl::StatusOr<double> UcxPerftest(const std::string& perftest, uint64_t bytes, int iterations,
                                    const std::string& log_dir) {
-  const std::string port = std::to_string(FreePort());
+  const int port = FreePort();
   absl::StatusOr<Child> server =
-      Child::Start({perftest, "-p", port}, log_dir + "/ucx_perftest-server.log");
+      StartPiped({perftest, "-p", std::to_string(port)}, log_dir + "/ucx_perftest-server.log");
   if (!server.ok()) return server.status();
-  absl::SleepFor(absl::Milliseconds(300));
+  if (!process::WaitForListener(port, absl::Now() + absl::Seconds(30))) {
+    return absl::UnavailableError(
+        absl::StrFormat("the ucx_perftest server did not listen on port %d within 30 s (%s); %s",
+                        port, server->WaitOrKill(absl::Now()).Describe(),
+                        FileTail(log_dir + "/ucx_perftest-server.log", 400)));
+  }
   absl::StatusOr<Child> client =
-      Child::Start({perftest, "127.0.0.1", "-p", port, "-t", "ucp_get", "-s", std::to_string(bytes),
-                    "-n", std::to_string(iterations), "-w", "2", "-f"},
-                   log_dir + "/ucx_perftest-client.log");
+      StartPiped({perftest, "127.0.0.1", "-p", std::to_string(port), "-t", "ucp_get", "-s",
+                  std::to_string(bytes), "-n", std::to_string(iterations), "-w", "2", "-f"},
+                 log_dir + "/ucx_perftest-client.log");
   if (!client.ok()) return client.status();
   const absl::Time deadline = absl::Now() + absl::Seconds(120);
   std::string last;
   while (std::optional<std::string> line = client->ReadLine(deadline)) {
     if (line->find_first_not_of(" \t") != std::string::npos) last = *line;
   }
-  const Child::Exit ce = client->Wait(deadline);
-  const Child::Exit se = server->Wait(absl::Now() + absl::Seconds(10));
+  const Child::Exit ce = client->WaitOrKill(deadline);
+  const Child::Exit se = server->WaitOrKill(absl::Now() + absl::Seconds(10));
   if (!WIFEXITED(ce.status) || WEXITSTATUS(ce.status) != 0) {
     return absl::UnavailableError(
         absl::StrFormat("ucx_perftest client: %s; %s", ce.Describe(),
@@ -110,9 +115,9 @@ bool TorchBaselines::Start(const std::string& python, const std::string& script,
     return false;
   }
   absl::StatusOr<Child> c =
-      Child::Start({python, script, "--store", store, "--dir", dir, "--readers",
-                    std::to_string(readers), "--port", std::to_string(FreePort())},
-                   log_path);
+      StartPiped({python, script, "--store", store, "--dir", dir, "--readers",
+                  std::to_string(readers), "--port", std::to_string(FreePort())},
+                 log_path);
   if (!c.ok()) {
     *why = std::string(c.status().message());
     return false;
@@ -149,7 +154,7 @@ absl::StatusOr<nlohmann::json> TorchBaselines::Run(const std::string& what,
 void TorchBaselines::Stop() {
   if (!child_) return;
   child_->Send("quit");
-  child_->Wait(absl::Now() + absl::Seconds(30));
+  child_->WaitOrKill(absl::Now() + absl::Seconds(30));
   child_.reset();
 }
 

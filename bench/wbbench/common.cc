@@ -1,14 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "wbbench/common.h"
 
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
-#include <poll.h>
 #include <signal.h>
-#include <spawn.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,8 +18,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 
-extern char** environ;
-
 namespace weightbus::bench {
 
 namespace {
@@ -34,47 +25,11 @@ namespace {
 struct Cleanup {
   absl::Mutex mu;
   std::vector<std::string> paths ABSL_GUARDED_BY(mu);
-  std::vector<pid_t> children ABSL_GUARDED_BY(mu);
 };
 
 Cleanup& TheCleanup() {
   static auto* c = new Cleanup;
   return *c;
-}
-
-// Drops `pid` from the children the cleanup would stop (it was waited for).
-void ForgetChild(pid_t pid) {
-  absl::MutexLock lock(&TheCleanup().mu);
-  std::vector<pid_t>& v = TheCleanup().children;
-  v.erase(std::remove(v.begin(), v.end(), pid), v.end());
-}
-
-// posix_spawn of argv[0] (a path) with `actions` (may be null), registered for the cleanup. The
-// child starts with every signal unblocked and default dispositions for the ones the parent
-// handles (HandleSignalsWithCleanup blocks them here).
-absl::StatusOr<pid_t> SpawnWith(const std::vector<std::string>& argv,
-                                const posix_spawn_file_actions_t* actions) {
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t none, defaults;
-  sigemptyset(&none);
-  sigemptyset(&defaults);
-  for (int s : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaddset(&defaults, s);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setsigdefault(&attr, &defaults);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, argv[0].c_str(), actions, &attr, args.data(), environ);
-  posix_spawnattr_destroy(&attr);
-  if (rc != 0) {
-    return absl::InternalError(absl::StrFormat("cannot start %s: %s", argv[0], strerror(rc)));
-  }
-  absl::MutexLock lock(&TheCleanup().mu);
-  TheCleanup().children.push_back(pid);
-  return pid;
 }
 
 }  // namespace
@@ -85,22 +40,10 @@ void RemoveOnExit(const std::string& path) {
 }
 
 void RunCleanup() {
+  // SIGTERM first (a child `run` of a sweep then cleans up after itself), SIGKILL after 10 s.
+  process::StopAllChildren(absl::Seconds(10));
   Cleanup& c = TheCleanup();
   absl::MutexLock lock(&c.mu);
-  // SIGTERM first (a child `run` of a sweep then cleans up after itself), SIGKILL after 10 s.
-  for (pid_t pid : c.children) kill(pid, SIGTERM);
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  for (pid_t pid : c.children) {
-    while (waitpid(pid, nullptr, WNOHANG) == 0) {
-      if (absl::Now() > deadline) {
-        kill(pid, SIGKILL);
-        waitpid(pid, nullptr, 0);
-        break;
-      }
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-  }
-  c.children.clear();
   for (const std::string& p : c.paths) {
     std::error_code ec;
     std::filesystem::remove_all(p, ec);
@@ -179,17 +122,9 @@ std::string SelfPath() {
 }
 
 int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&a), len) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    Die("cannot find a free TCP port on 127.0.0.1");
-  }
-  close(fd);
-  return ntohs(a.sin_port);
+  const int port = process::FreePort();
+  if (port < 0) Die("cannot reserve a free TCP port on 127.0.0.1");
+  return port;
 }
 
 int64_t ProcKiBField(const std::string& file, const std::string& key) {
@@ -215,153 +150,14 @@ double SelfCpuSeconds() {
          u.ru_stime.tv_usec / 1e6;
 }
 
-absl::StatusOr<Child> Child::Start(const std::vector<std::string>& argv,
-                                   const std::string& log_path) {
-  int in[2], out[2];
-  if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) {
-    return absl::InternalError(absl::StrFormat("pipe: %s", strerror(errno)));
-  }
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, in[0], 0);
-  posix_spawn_file_actions_adddup2(&actions, out[1], 1);
-  posix_spawn_file_actions_addopen(&actions, 2, log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  absl::StatusOr<pid_t> pid = SpawnWith(argv, &actions);
-  posix_spawn_file_actions_destroy(&actions);
-  close(in[0]);
-  close(out[1]);
-  if (!pid.ok()) {
-    close(in[1]);
-    close(out[0]);
-    return pid.status();
-  }
-  Child c;
-  c.pid_ = *pid;
-  c.in_ = in[1];
-  c.out_ = out[0];
-  return c;
-}
-
-Child::Child(Child&& o) noexcept
-    : pid_(o.pid_),
-      in_(o.in_),
-      out_(o.out_),
-      buffer_(std::move(o.buffer_)),
-      exited_(o.exited_),
-      exit_(o.exit_) {
-  o.pid_ = -1;
-  o.in_ = o.out_ = -1;
-}
-
-Child& Child::operator=(Child&& o) noexcept {
-  if (this != &o) {
-    this->~Child();
-    new (this) Child(std::move(o));
-  }
-  return *this;
-}
-
-Child::~Child() {
-  if (pid_ > 0 && !exited_) {
-    kill(pid_, SIGKILL);
-    waitpid(pid_, nullptr, 0);
-    ForgetChild(pid_);
-  }
-  if (in_ >= 0) close(in_);
-  if (out_ >= 0) close(out_);
-}
-
-bool Child::Send(const std::string& line) {
-  if (in_ < 0) return false;
-  const std::string data = line + "\n";
-  size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t n = write(in_, data.data() + done, data.size() - done);
-    if (n <= 0) return false;
-    done += static_cast<size_t>(n);
-  }
-  return true;
-}
-
-void Child::CloseStdin() {
-  if (in_ >= 0) close(in_);
-  in_ = -1;
-}
-
-std::optional<std::string> Child::ReadLine(absl::Time deadline, bool* timed_out) {
-  if (timed_out != nullptr) *timed_out = false;
-  while (true) {
-    if (size_t nl = buffer_.find('\n'); nl != std::string::npos) {
-      std::string line = buffer_.substr(0, nl);
-      buffer_.erase(0, nl + 1);
-      return line;
-    }
-    if (out_ < 0) return std::nullopt;
-    const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) {
-      if (timed_out != nullptr) *timed_out = true;
-      return std::nullopt;
-    }
-    pollfd p{out_, POLLIN, 0};
-    const int ms = static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1000));
-    if (poll(&p, 1, ms) <= 0) continue;
-    char buf[65536];
-    const ssize_t n = read(out_, buf, sizeof(buf));
-    if (n <= 0) {
-      close(out_);
-      out_ = -1;
-      continue;  // returns a last unterminated line, if any, then end of file
-    }
-    buffer_.append(buf, static_cast<size_t>(n));
-  }
-}
-
-Child::Exit Child::Wait(absl::Time deadline) {
-  if (pid_ <= 0 || exited_) return exit_;
-  Exit e;
-  CloseStdin();
-  rusage u{};
-  int status = 0;
-  while (true) {
-    const pid_t r = wait4(pid_, &status, absl::Now() < deadline ? WNOHANG : 0, &u);
-    if (r == pid_) break;
-    if (r < 0 && errno != EINTR) break;
-    if (absl::Now() >= deadline) {
-      kill(pid_, SIGKILL);
-    } else {
-      absl::SleepFor(absl::Milliseconds(5));
-    }
-  }
-  exited_ = true;
-  ForgetChild(pid_);
-  e.status = status;
-  e.cpu_s =
-      u.ru_utime.tv_sec + u.ru_utime.tv_usec / 1e6 + u.ru_stime.tv_sec + u.ru_stime.tv_usec / 1e6;
-  exit_ = e;
-  return e;
-}
-
-void Child::Kill() {
-  if (pid_ > 0 && !exited_) kill(pid_, SIGKILL);
-}
-
-std::string Child::Exit::Describe() const {
-  if (WIFEXITED(status)) return absl::StrFormat("exit %d", WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) return absl::StrFormat("killed by signal %d", WTERMSIG(status));
-  return "did not exit";
-}
-
-absl::StatusOr<pid_t> SpawnInheriting(const std::vector<std::string>& argv) {
-  return SpawnWith(argv, nullptr);
-}
-
-int WaitChild(pid_t pid) {
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  ForgetChild(pid);
-  return status;
+absl::StatusOr<Child> StartPiped(const std::vector<std::string>& argv,
+                                 const std::string& log_path) {
+  Child::Options options;
+  options.log_path = log_path;
+  options.truncate_log = true;
+  options.pipe_stdin = true;
+  options.pipe_stdout = true;
+  return Child::Spawn(argv, options);
 }
 
 std::string FileTail(const std::string& path, size_t max_bytes) {

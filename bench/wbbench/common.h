@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Small helpers shared by weightbus-bench's subcommands: errors, statistics, sizes, child
-// processes talking JSON lines over pipes.
+// processes talking JSON lines over pipes (tools/process/process.h, shared with the tests).
 #pragma once
 
 #include <sys/resource.h>
@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "process/process.h"
 #include "weightbus/fatal.h"
 
 namespace weightbus::bench {
@@ -24,8 +25,8 @@ using tools::Die;
 using tools::OrDie;
 
 // What the parent process leaves behind when it ends early: directories to remove and child
-// processes to kill. Die() and the signals below run it; a normal end removes what it made
-// itself. Thread-safe.
+// processes to stop (every live process::Child: SIGTERM, SIGKILL after 10 s). Die() and the
+// signals below run it; a normal end removes what it made itself. Thread-safe.
 void RemoveOnExit(const std::string& path);
 void RunCleanup();
 // Blocks SIGINT, SIGTERM and SIGHUP in this process and starts a thread that waits for them,
@@ -46,7 +47,7 @@ std::string HumanBytes(double bytes);
 
 // This executable's path (/proc/self/exe).
 std::string SelfPath();
-// A TCP port on 127.0.0.1 that was free a moment ago.
+// A TCP port on 127.0.0.1 reserved for the caller (process::FreePort); dies when there is none.
 int FreePort();
 
 // CPU time (user + system) and peak resident set of this process so far.
@@ -58,48 +59,12 @@ int64_t SelfPeakRssBytes();
 // A "Key: N kB" line of a /proc file (/proc/meminfo, /proc/self/status) in bytes; 0 if absent.
 int64_t ProcKiBField(const std::string& file, const std::string& key);
 
-// A child process with pipes to its stdin and from its stdout; stderr goes to a log file.
-class Child {
- public:
-  // Starts argv[0] (a path). `log_path`: the child's stderr (and nothing else).
-  static absl::StatusOr<Child> Start(const std::vector<std::string>& argv,
-                                     const std::string& log_path);
-  Child() = default;
-  Child(Child&& other) noexcept;
-  Child& operator=(Child&& other) noexcept;
-  ~Child();
-
-  pid_t pid() const { return pid_; }
-  // Writes one line (a newline is added). False when the child's stdin is closed.
-  bool Send(const std::string& line);
-  void CloseStdin();
-  // Reads the next line of the child's stdout (without the newline) until `deadline`; nullopt
-  // at end of file or past the deadline (`timed_out` says which).
-  std::optional<std::string> ReadLine(absl::Time deadline, bool* timed_out = nullptr);
-  // Waits for the child to exit (SIGKILL after `deadline`) and collects its resource usage;
-  // once it has, returns the same again.
-  struct Exit {
-    int status = -1;               // raw wait status
-    double cpu_s = 0;              // user + system CPU seconds of the child
-    std::string Describe() const;  // "exit 0", "killed by signal 9", ...
-  };
-  Exit Wait(absl::Time deadline);
-  void Kill();
-
- private:
-  pid_t pid_ = -1;
-  int in_ = -1;
-  int out_ = -1;
-  std::string buffer_;
-  bool exited_ = false;
-  Exit exit_;
-};
-
-// Starts argv[0] (a path) with this process's stdin, stdout and stderr, all signals unblocked,
-// registered for the cleanup above. WaitChild waits for it (retrying on EINTR) and returns the
-// raw wait status.
-absl::StatusOr<pid_t> SpawnInheriting(const std::vector<std::string>& argv);
-int WaitChild(pid_t pid);
+// Child processes: process::Child. Every live one is stopped by RunCleanup.
+using process::Child;
+// Starts argv[0] (a path) with pipes to its stdin (Child::Send) and from its stdout
+// (Child::ReadLine); its stderr goes to `log_path` (truncated).
+absl::StatusOr<Child> StartPiped(const std::vector<std::string>& argv,
+                                 const std::string& log_path);
 
 // The last `max_bytes` bytes of a file (for error messages), "" when unreadable.
 std::string FileTail(const std::string& path, size_t max_bytes = 2000);

@@ -327,7 +327,7 @@ class Session {
       }
     }
     for (size_t i = 0; i < procs_.size(); ++i) {
-      const Child::Exit e = procs_[i].Wait(absl::Now() + absl::Seconds(30));
+      const Child::Exit e = procs_[i].WaitOrKill(absl::Now() + absl::Seconds(30));
       ProcessRecord p;
       p.role = roles_[i];
       p.pid = procs_[i].pid();
@@ -354,7 +354,7 @@ class Session {
   }
 
   bool Spawn(const std::vector<std::string>& argv, const std::string& log) {
-    absl::StatusOr<Child> c = Child::Start(argv, log);
+    absl::StatusOr<Child> c = StartPiped(argv, log);
     if (!c.ok()) {
       Fail(std::string(c.status().message()));
       return false;
@@ -374,7 +374,8 @@ class Session {
     if (!line) {
       std::string what = "did not answer in time";
       if (!timed_out) {  // its stdout closed: it ended (or is about to)
-        what = "ended early (" + procs_[i].Wait(absl::Now() + absl::Seconds(5)).Describe() + ")";
+        what = "ended early (" + procs_[i].WaitOrKill(absl::Now() + absl::Seconds(5)).Describe() +
+               ")";
       }
       const std::string log = FileTail(logs_[i], 300);
       Fail(absl::StrFormat("%s %s%s%s", roles_[i], what, log.empty() ? "" : ": ", log));
@@ -520,10 +521,9 @@ int RunSweep(const std::vector<std::string>& argv, const std::vector<uint64_t>& 
     std::printf("# sweep: %s (%zu of %zu)\n", HumanBytes(static_cast<double>(size)).c_str(), k + 1,
                 sizes.size());
     std::fflush(stdout);
-    absl::StatusOr<pid_t> pid = SpawnInheriting(a);
-    if (!pid.ok()) Die(std::string(pid.status().message()));
-    const int status = WaitChild(*pid);
-    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    absl::StatusOr<Child> run = Child::Spawn(a, {});  // this process's stdin, stdout, stderr
+    if (!run.ok()) Die(std::string(run.status().message()));
+    const int code = process::ExitCode(run->Wait(absl::InfiniteDuration()).value_or(-1));
     worst = std::max(worst, code);
     if (code >= 2) break;  // a set-up error repeats at every size
   }

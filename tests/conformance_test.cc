@@ -83,7 +83,7 @@ const std::vector<Stack>& Stacks() {
 class ConformanceTest : public ::testing::TestWithParam<Stack> {
  protected:
   void SetUp() override {
-    testing::ApplyEnv(GetParam().env);
+    env_.emplace(GetParam().env.env);
     const std::string scheme = GetParam().uri.substr(0, GetParam().uri.find("://"));
     const std::string transport = scheme.substr(scheme.rfind('+') + 1);
     if (internal::FindTransport(transport) == nullptr) {
@@ -114,6 +114,7 @@ class ConformanceTest : public ::testing::TestWithParam<Stack> {
     return uri;
   }
 
+  std::optional<testing::ScopedEnvs> env_;  // the stack's environment, restored after the case
   ScratchDir dir_;
   int port_ = 0;
   std::string name_;

@@ -58,7 +58,6 @@ using ::weightbus::testing::Xxh3;
 
 constexpr absl::Duration kTimeout = absl::Seconds(30);
 
-using ::weightbus::testing::ApplyEnv;
 using ::weightbus::testing::kDefault;
 using ::weightbus::testing::kShm;
 using ::weightbus::testing::kTcp;
@@ -80,7 +79,7 @@ using ::weightbus::testing::ExpectSameTensors;
 class UcxTransportTest : public ::testing::TestWithParam<Tls> {
  protected:
   void SetUp() override {
-    ApplyEnv(GetParam());
+    env_.emplace(GetParam().env);
     const std::string why = UcxUnavailableReason();
     if (!why.empty()) GTEST_SKIP() << "UCX cannot create a worker here: " << why;
     port_ = FreePort();
@@ -92,6 +91,7 @@ class UcxTransportTest : public ::testing::TestWithParam<Tls> {
                            query.empty() ? "" : "?" + query);
   }
 
+  std::optional<testing::ScopedEnvs> env_;  // UCX_TLS of the case, restored after it
   int port_ = -1;
 };
 
@@ -334,10 +334,11 @@ INSTANTIATE_TEST_SUITE_P(Tls, UcxTransportTest, ::testing::Values(kShm, kTcp, kD
 class UcxAddressTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ApplyEnv(kTcp);
+    env_.emplace(kTcp.env);
     const std::string why = UcxUnavailableReason();
     if (!why.empty()) GTEST_SKIP() << "UCX cannot create a worker here: " << why;
   }
+  std::optional<testing::ScopedEnvs> env_;
 };
 
 TEST_F(UcxAddressTest, WildcardAddressIsRefusedAsAConnectTarget) {
@@ -407,10 +408,11 @@ using ::testing::HasSubstr;
 class UcxInternalTest : public ::testing::TestWithParam<weightbus::testing::Tls> {
  protected:
   void SetUp() override {
-    weightbus::testing::ApplyEnv(GetParam());
+    env_.emplace(GetParam().env);
     const std::string why = weightbus::UcxUnavailableReason();
     if (!why.empty()) GTEST_SKIP() << "UCX cannot create a worker here: " << why;
   }
+  std::optional<weightbus::testing::ScopedEnvs> env_;
 };
 
 // The capabilities a delta layer stacks on: a version floor kept beyond staging_slots, exact
@@ -816,12 +818,14 @@ TEST(UcxVictim, DISABLED_FetchesWhenTold) {
 // differs): the subscriber reads the bytes over the control connection (it would otherwise use
 // software-emulated gets, item 3), and the publisher serves them.
 TEST(UcxMixedTlsTest, TcpOnlySubscriberOfAShmPublisherReceivesBitExact) {
-  weightbus::testing::ApplyEnv(weightbus::testing::kShm);
+  std::optional<testing::ScopedEnvs> env;
+  env.emplace(weightbus::testing::kShm.env);
   if (const std::string why = weightbus::UcxUnavailableReason(); !why.empty()) GTEST_SKIP() << why;
   const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/mixed", weightbus::FreePort());
   auto pub = weightbus::Publisher::Open(uri);
   ASSERT_TRUE(pub.ok()) << pub.status();
-  weightbus::testing::ApplyEnv(weightbus::testing::kTcp);
+  env.reset();
+  env.emplace(weightbus::testing::kTcp.env);
   auto sub = weightbus::Subscriber::Open(uri + "?get_chunk_size=64KiB");
   ASSERT_TRUE(sub.ok()) << sub.status();
   for (uint64_t v = 1; v <= 3; ++v) {
@@ -960,7 +964,7 @@ class HandwrittenPublisher {
 // A grant whose regions' lengths, or a region's address plus its length, wrap around 64 bits
 // must not pass the bounds check: the subscriber refuses it with DataLoss before any get.
 TEST(UcxGrantTest, RegionSumsThatWrapAround64BitsAreDataLoss) {
-  weightbus::testing::ApplyEnv(weightbus::testing::kShm);
+  const testing::ScopedEnvs env(weightbus::testing::kShm.env);
   if (const std::string why = weightbus::UcxUnavailableReason(); !why.empty()) GTEST_SKIP() << why;
   const std::vector<std::byte> bytes = testing::RandomBytes(8, 3);
   Manifest m;
@@ -1009,7 +1013,7 @@ TEST(UcxGrantTest, RegionSumsThatWrapAround64BitsAreDataLoss) {
 }
 
 TEST(UcxRegistrationCacheTest, RegistersOnceAndDropsRegistrationsOfUnmappedMemory) {
-  weightbus::testing::ApplyEnv(weightbus::testing::kTcp);
+  const testing::ScopedEnvs env(weightbus::testing::kTcp.env);
   auto context = ucx::Context::Create(false, "test", false);
   if (!context.ok()) GTEST_SKIP() << context.status();
   ucx::RegistrationCache cache(*context);

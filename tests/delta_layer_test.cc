@@ -252,6 +252,31 @@ TEST(DeltaLayerTest, CorruptBlobIsDataLossAndTheBaseIsKept) {
   ExpectBytes(*good, MakeStreamVersion(6, 2));
 }
 
+// A publish the transport beneath refuses leaves the layer's base where it was: the next
+// version is encoded against the last one that was published, and subscribers rebuild it.
+TEST(DeltaLayerTest, APublishTheTransportRefusesDoesNotMoveTheBase) {
+  testing::mem::MemChannel channel("refused");
+  auto pub = testing::OpenTransportPublisher("delta+mem:///refused");
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = MemSubscriber("refused");
+  auto publish = [&](uint64_t v) {
+    const auto tensors = MakeStreamVersion(8, v);
+    return testing::PublishSealed(**pub, testing::ManifestOf(v, tensors), tensors);
+  };
+  ASSERT_TRUE(publish(1).ok());
+  ASSERT_TRUE(Receive(*sub, 1).ok());
+  channel.FailNextPublish(absl::UnavailableError("the transport is full"));
+  const absl::Status refused = publish(2);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  EXPECT_EQ(channel.Versions(), std::vector<uint64_t>{1});
+  ASSERT_TRUE(publish(3).ok());
+  auto three = Receive(*sub, 2);
+  ASSERT_TRUE(three.ok()) << three.status();
+  EXPECT_TRUE(absl::StrContains(three->source, "delta 3 on this subscriber's copy of version 1"))
+      << three->source;
+  ExpectBytes(*three, MakeStreamVersion(8, 3));
+}
+
 TEST(DeltaLayerTest, MalformedRecordsAreDataLoss) {
   testing::mem::MemChannel channel("malformed");
   MemStack pub("malformed");

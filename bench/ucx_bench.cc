@@ -158,9 +158,9 @@ double Perftest(const std::string& perftest, uint64_t bytes, int iters, std::str
     *why = "the ucx_perftest server did not listen on port " + port + " within 30 s";
     return 0;
   }
-  Child client = StartReading({perftest, "127.0.0.1", "-p", port, "-t", "ucp_get", "-s",
-                               std::to_string(bytes), "-n", std::to_string(iters), "-w", "2",
-                               "-f"});
+  Child client =
+      StartReading({perftest, "127.0.0.1", "-p", port, "-t", "ucp_get", "-s", std::to_string(bytes),
+                    "-n", std::to_string(iters), "-w", "2", "-f"});
   std::string last, line;
   while (!(line = NextLine(client)).empty()) {
     if (line.find_first_not_of(" \t\n") != std::string::npos) last = line;

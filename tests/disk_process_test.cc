@@ -154,10 +154,9 @@ TEST(DiskProcessTest, SubscriberKilledMidReadDoesNotBlockRetention) {
   }
   // A subscriber process pins version 1 and is held there; we kill it there.
   testing::PausePoint read("disk.before_read");
-  auto sub =
-      Child::Start({Peer(), "subscribe", ChannelUri(dir), "--until", "1", "--seed", "2", "--bytes",
-                    "262144"},
-                   {{"WEIGHTBUS_FAILPOINTS", read.Spec()}}, dir / "sub.log");
+  auto sub = Child::Start(
+      {Peer(), "subscribe", ChannelUri(dir), "--until", "1", "--seed", "2", "--bytes", "262144"},
+      {{"WEIGHTBUS_FAILPOINTS", read.Spec()}}, dir / "sub.log");
   ASSERT_TRUE(sub.ok());
   ASSERT_TRUE(read.WaitReached(kTimeout)) << testing::ReadFileOrDie(dir / "sub.log");
   // This publisher's first retention pass is the one after version 2; it only announces.
@@ -269,9 +268,9 @@ TEST(PausePointTest, AnnouncesWithoutStoppingWhenReleasedEarlyAndNeverOutlivesIt
   EXPECT_TRUE(early.Reached());
   EXPECT_EQ(early.ReachedBy(), ::getpid());
 
-  for (const std::string bad :
-       {"disk.before_commit=pause:relative/dir", "disk.before_commit=pause:",
-        "disk.before_commit=pause:/tmp@0", "disk.before_commit=error,disk.before_commit=pause:/tmp"}) {
+  for (const std::string bad : {"disk.before_commit=pause:relative/dir",
+                                "disk.before_commit=pause:", "disk.before_commit=pause:/tmp@0",
+                                "disk.before_commit=error,disk.before_commit=pause:/tmp"}) {
     testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", bad);
     auto pub = Publisher::Open(ChannelUri(dir));
     EXPECT_EQ(pub.status().code(), absl::StatusCode::kInvalidArgument) << bad;

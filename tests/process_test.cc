@@ -6,6 +6,7 @@
 // namespace with a small port range).
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
@@ -13,7 +14,6 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
-#include <net/if.h>
 
 #include <cerrno>
 #include <cstdlib>
@@ -244,8 +244,8 @@ TEST(FreePortTest, NoEphemeralBindOrConnectIsGivenAReservedPort) {
     if (connects < 60) report(6, absl::StrFormat("only %d connects", connects));
     const int taken = BindLoopback(port, /*reuse=*/true);
     if (taken < 0 || ::listen(taken, 1) != 0) report(7, "a SO_REUSEADDR bind could not take it");
-    report(0, absl::StrFormat("port %d: %d binds and %d connects avoided it", port, binds,
-                              connects));
+    report(0,
+           absl::StrFormat("port %d: %d binds and %d connects avoided it", port, binds, connects));
   }
   ::close(pipe_fds[1]);
   std::string what;

@@ -43,9 +43,7 @@ bool PausePoint::WaitReached(absl::Duration timeout) {
   return WaitUntil([&] { return Reached(); }, timeout);
 }
 
-bool PausePoint::Reached() const {
-  return std::filesystem::exists(dir_ / (point_ + ".reached"));
-}
+bool PausePoint::Reached() const { return std::filesystem::exists(dir_ / (point_ + ".reached")); }
 
 pid_t PausePoint::ReachedBy() const {
   if (!Reached()) return -1;

@@ -63,8 +63,7 @@ int64_t ProcKiBField(const std::string& file, const std::string& key);
 using process::Child;
 // Starts argv[0] (a path) with pipes to its stdin (Child::Send) and from its stdout
 // (Child::ReadLine); its stderr goes to `log_path` (truncated).
-absl::StatusOr<Child> StartPiped(const std::vector<std::string>& argv,
-                                 const std::string& log_path);
+absl::StatusOr<Child> StartPiped(const std::vector<std::string>& argv, const std::string& log_path);
 
 // The last `max_bytes` bytes of a file (for error messages), "" when unreadable.
 std::string FileTail(const std::string& path, size_t max_bytes = 2000);

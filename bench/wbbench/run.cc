@@ -374,8 +374,8 @@ class Session {
     if (!line) {
       std::string what = "did not answer in time";
       if (!timed_out) {  // its stdout closed: it ended (or is about to)
-        what = "ended early (" + procs_[i].WaitOrKill(absl::Now() + absl::Seconds(5)).Describe() +
-               ")";
+        what =
+            "ended early (" + procs_[i].WaitOrKill(absl::Now() + absl::Seconds(5)).Describe() + ")";
       }
       const std::string log = FileTail(logs_[i], 300);
       Fail(absl::StrFormat("%s %s%s%s", roles_[i], what, log.empty() ? "" : ": ", log));

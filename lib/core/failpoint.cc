@@ -33,7 +33,7 @@ void Pause(std::string_view name, const std::string& dir) {
   const std::string reached = absl::StrFormat("%s/%s.reached", dir, name);
   const std::string release = absl::StrFormat("%s/%s.release", dir, name);
   // Watch before announcing, so a release written right after the announcement is not missed.
-  // Without inotify the wait below still polls the file every 100 ms.
+  // Without inotify the wait below still looks for the file every second.
   UniqueFd watch(::inotify_init1(IN_CLOEXEC | IN_NONBLOCK));
   if (watch.get() >= 0 &&
       ::inotify_add_watch(watch.get(), dir.c_str(), IN_CREATE | IN_MOVED_TO | IN_ATTRIB) < 0) {
@@ -61,9 +61,9 @@ void Pause(std::string_view name, const std::string& dir) {
           absl::FormatDuration(FailPoints::kPauseLimit));
       return;
     }
-    pollfd p{watch.get(), POLLIN, 0};  // fd -1 is ignored: a plain 100 ms wait
-    if (::poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(
-                          std::min(left, absl::Milliseconds(100)))) + 1) > 0) {
+    const int ms = static_cast<int>(absl::ToInt64Milliseconds(std::min(left, absl::Seconds(1))));
+    pollfd p{watch.get(), POLLIN, 0};  // fd -1 is ignored: a plain wait
+    if (::poll(&p, 1, ms + 1) > 0) {
       char events[4096];
       while (::read(watch.get(), events, sizeof(events)) > 0) {
       }
@@ -78,10 +78,10 @@ absl::StatusOr<FailPoints> FailPoints::Parse(std::string_view spec) {
   for (absl::string_view entry :
        absl::StrSplit(absl::string_view(spec.data(), spec.size()), ',', absl::SkipEmpty())) {
     auto bad = [&](std::string_view why) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "failpoint \"%s\" is malformed (%s); expected "
-          "name=kill|error|delay:<ms>|pause:<absolute dir>[@n]",
-          std::string(entry), why));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("failpoint \"%s\" is malformed (%s); expected "
+                          "name=kill|error|delay:<ms>|pause:<absolute dir>[@n]",
+                          std::string(entry), why));
     };
     size_t eq = entry.find('=');
     if (eq == absl::string_view::npos || eq == 0) return bad("no name=");

@@ -66,8 +66,7 @@ void AwaitExit(pid_t pid, absl::Time deadline) {
   while (true) {
     const absl::Duration left = deadline - absl::Now();
     if (left <= absl::ZeroDuration()) break;
-    const int ms =
-        static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1000));
+    const int ms = static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1000));
     if (pidfd >= 0) {
       pollfd p{pidfd, POLLIN, 0};
       if (::poll(&p, 1, ms) > 0) break;
@@ -125,8 +124,7 @@ ScopedEnvs::ScopedEnvs(const std::map<std::string, std::string>& env) {
   }
 }
 
-absl::StatusOr<Child> Child::Spawn(const std::vector<std::string>& argv,
-                                   const Options& options) {
+absl::StatusOr<Child> Child::Spawn(const std::vector<std::string>& argv, const Options& options) {
   if (argv.empty()) return absl::InvalidArgumentError("no program to start");
   std::map<std::string, std::string> merged;
   for (char** e = environ; *e != nullptr; ++e) {
@@ -155,7 +153,8 @@ absl::StatusOr<Child> Child::Spawn(const std::vector<std::string>& argv,
       (options.pipe_stdout && ::pipe2(out, O_CLOEXEC) != 0)) {
     const int err = errno;
     close_pipes();
-    return absl::InternalError(absl::StrFormat("cannot start %s: pipe: %s", argv[0], strerror(err)));
+    return absl::InternalError(
+        absl::StrFormat("cannot start %s: pipe: %s", argv[0], strerror(err)));
   }
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
@@ -377,8 +376,8 @@ absl::StatusOr<std::string> RunShell(const std::string& command, absl::Duration 
   absl::StatusOr<RunResult> r = RunCommand({"/bin/sh", "-c", command}, timeout);
   if (!r.ok()) return r.status();
   if (r->exit_code != 0) {
-    return absl::InternalError(absl::StrFormat("command failed (exit code %d): %s\n%s",
-                                               r->exit_code, command, r->output));
+    return absl::InternalError(
+        absl::StrFormat("command failed (exit code %d): %s\n%s", r->exit_code, command, r->output));
   }
   return std::move(r->output);
 }
@@ -407,8 +406,7 @@ int FreePort(int family) {
       ::setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) == 0 &&
       ::bind(listener, reinterpret_cast<sockaddr*>(&ss), len) == 0 &&
       ::getsockname(listener, reinterpret_cast<sockaddr*>(&ss), &len) == 0 &&
-      ::listen(listener, 1) == 0 &&
-      ::connect(client, reinterpret_cast<sockaddr*>(&ss), len) == 0 &&
+      ::listen(listener, 1) == 0 && ::connect(client, reinterpret_cast<sockaddr*>(&ss), len) == 0 &&
       (accepted = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC)) >= 0) {
     port = ntohs(family == AF_INET ? reinterpret_cast<sockaddr_in*>(&ss)->sin_port
                                    : reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);

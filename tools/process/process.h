@@ -69,8 +69,7 @@ class Child {
   };
   // Starts `argv[0]` (a path, not searched in PATH) with `argv`. Errors: Internal naming the
   // program and the errno text.
-  static absl::StatusOr<Child> Spawn(const std::vector<std::string>& argv,
-                                     const Options& options);
+  static absl::StatusOr<Child> Spawn(const std::vector<std::string>& argv, const Options& options);
   // Spawn with `env` and stdout and stderr appended to `log_path` (when non-empty).
   static absl::StatusOr<Child> Start(const std::vector<std::string>& argv,
                                      const std::map<std::string, std::string>& env = {},

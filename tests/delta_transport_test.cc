@@ -608,7 +608,7 @@ TEST(DeltaTransportTest, OverUcxFollowersAndLateJoinersAreBitExact) {
   if (std::find(built.begin(), built.end(), "ucx") == built.end()) {
     GTEST_SKIP() << "this build has no ucx transport";
   }
-  ::setenv("UCX_TLS", "posix,sysv,cma,self", 1);
+  const testing::ScopedEnv tls("UCX_TLS", "posix,sysv,cma,self");  // restored on every exit
   const int port = testing::FreePort();
   ASSERT_GT(port, 0);
   const std::string uri = absl::StrFormat("delta+ucx://127.0.0.1:%d/policy", port);
@@ -645,7 +645,6 @@ TEST(DeltaTransportTest, OverUcxFollowersAndLateJoinersAreBitExact) {
   EXPECT_TRUE((*pub)->WaitForReceivers(38, 2, kTimeout).ok());
   absl::Status three = (*pub)->WaitForReceivers(38, 3, absl::Milliseconds(200));
   EXPECT_EQ(three.code(), absl::StatusCode::kDeadlineExceeded) << three;
-  ::unsetenv("UCX_TLS");
 }
 
 }  // namespace

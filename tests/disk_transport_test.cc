@@ -619,9 +619,10 @@ TEST_F(DiskRobustnessTest, SettingsOutOfRangeAreErrorsAndEnvironmentTyposAreNot)
   auto chunk = Subscriber::Open(Uri(dir_, "chunk_size=1KiB"));
   EXPECT_EQ(chunk.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(chunk.status().message().find("chunk_size"), absl::string_view::npos);
-  ::setenv("WEIGHTBUS_DISK_RETENTON", "1", 1);
-  auto typo = Subscriber::Open(Uri(dir_));
-  ::unsetenv("WEIGHTBUS_DISK_RETENTON");
+  auto typo = [&] {
+    const testing::ScopedEnv env("WEIGHTBUS_DISK_RETENTON", "1");
+    return Subscriber::Open(Uri(dir_));
+  }();
   EXPECT_TRUE(typo.ok()) << typo.status();
   EXPECT_TRUE(Subscriber::Open(Uri(dir_)).ok());
 }

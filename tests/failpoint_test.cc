@@ -31,9 +31,10 @@ TEST(FailPointsTest, ComeOnlyFromTheEnvironmentNeverFromAUriOrOptions) {
   EXPECT_NE(from_options.status().message().find("WEIGHTBUS_FAILPOINTS"), absl::string_view::npos);
 
   // From the environment they fire.
-  ASSERT_EQ(::setenv("WEIGHTBUS_FAILPOINTS", "core.before_transport=error", 1), 0);
-  auto pub = Publisher::Open(uri);
-  ::unsetenv("WEIGHTBUS_FAILPOINTS");
+  auto pub = [&] {
+    const testing::ScopedEnv env("WEIGHTBUS_FAILPOINTS", "core.before_transport=error");
+    return Publisher::Open(uri);
+  }();
   ASSERT_TRUE(pub.ok()) << pub.status();
   std::vector<std::byte> bytes = testing::RandomBytes(64, 3);
   TensorView t{"t", DType::kU8, {64}, {}, bytes.data()};

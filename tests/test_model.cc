@@ -41,6 +41,13 @@ std::vector<OwnedTensor> MakeVersion(uint64_t seed, uint64_t version, uint64_t a
       {"i32", DType::kI32, {3}},
       {"u64", DType::kU64, {2}},
       {"f64", DType::kF64, {2, 2}},
+      {"mx.scales", DType::kF8E8M0, {4}},
+      {"fp8.e4m3fnuz", DType::kF8E4M3FNUZ, {5}},
+      {"fp8.e5m2fnuz", DType::kF8E5M2FNUZ, {3}},
+      {"rotary.freqs", DType::kC64, {7}},
+      {"mx4.blocks", DType::kF4, {8, 4}},
+      {"mx6.e2m3", DType::kF6E2M3, {16, 8}},
+      {"mx6.e3m2", DType::kF6E3M2, {4}},
       {"names/with spaces & ünïcödé ✓ " + std::string(300, 'x'), DType::kF32, {2}},
   };
   std::vector<OwnedTensor> out;
@@ -49,9 +56,7 @@ std::vector<OwnedTensor> MakeVersion(uint64_t seed, uint64_t version, uint64_t a
     t.name = specs[i].name;
     t.dtype = specs[i].dtype;
     t.shape = specs[i].shape;
-    int64_t n = 1;
-    for (int64_t d : t.shape) n *= d;
-    t.bytes = RandomBytes(static_cast<size_t>(n) * DTypeSize(t.dtype),
+    t.bytes = RandomBytes(static_cast<size_t>(*ByteSize(t.dtype, t.shape)),
                           seed * 1000003 + version * 1009 + i);
     if (t.dtype == DType::kBool) {
       for (std::byte& b : t.bytes) b = static_cast<std::byte>(static_cast<uint8_t>(b) & 1);

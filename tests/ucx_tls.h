@@ -3,7 +3,6 @@
 // environment when a publisher or subscriber opens).
 #pragma once
 
-#include <cstdlib>
 #include <map>
 #include <ostream>
 #include <string>
@@ -22,17 +21,7 @@ inline const Tls kTcp{"tcp", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}};
 // UCX's own defaults (UCX_TLS unset: the transport leaves TCP out for a loopback channel).
 inline const Tls kDefault{"default", {{"UCX_TLS", ""}, {"UCX_NET_DEVICES", ""}}};
 
-// Sets (or, for an empty value, unsets) the variables of `tls` in this process, for good. Prefer
-// `const testing::ScopedEnvs env(tls.env);` (test_support.h), which restores them on every exit
-// of the scope, a failed ASSERT_* included.
-inline void ApplyEnv(const Tls& tls) {
-  for (const auto& [k, v] : tls.env) {
-    if (v.empty()) {
-      unsetenv(k.c_str());
-    } else {
-      setenv(k.c_str(), v.c_str(), 1);
-    }
-  }
-}
+// Set them for a scope with `const testing::ScopedEnvs env(tls.env);` (test_support.h), which
+// restores them on every exit of the scope, a failed ASSERT_* included.
 
 }  // namespace weightbus::testing

@@ -10,11 +10,6 @@
 //                  [--seed S] [--workdir DIR] [--keep]      (--help: every flag)
 //
 // Exit status 0 only when the logits check passed and every replica verified every version.
-#include <fcntl.h>
-#include <poll.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,6 +24,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "process/process.h"
 #include "weightbus/bf16.h"
 #include "weightbus/fatal.h"
 #include "weightbus/flags.h"
@@ -36,8 +32,6 @@
 #include "weightbus/llama_forward.h"
 #include "weightbus/update_stream.h"
 #include "weightbus/weightbus.hpp"
-
-extern char** environ;
 
 namespace weightbus::tools {
 namespace {
@@ -57,16 +51,13 @@ struct Options {
   int index = -1;
 };
 
-// What the trainer must undo if it dies: replica processes, and its temporary work directory.
-std::vector<pid_t> g_replica_pids;
+// What the trainer must undo if it dies: its temporary work directory (and the replica
+// processes, every live process::Child).
 std::string g_temporary_workdir;
 
 // Die's cleanup (tools/weightbus/fatal.h).
 void KillReplicasAndRemoveWorkdir() {
-  for (pid_t pid : g_replica_pids) {
-    kill(pid, SIGKILL);
-    waitpid(pid, nullptr, 0);
-  }
+  process::StopAllChildren(absl::ZeroDuration());
   if (!g_temporary_workdir.empty()) {
     std::error_code ec;
     std::filesystem::remove_all(g_temporary_workdir, ec);
@@ -128,74 +119,40 @@ int RunReplica(const Options& o) {
 
 // ----- trainer -----
 
-struct Replica {
-  pid_t pid = -1;
-  int out = -1;  // read end of its stdout
-  std::string buffer;
-};
-
-Replica SpawnReplica(const std::string& self, const Options& o, int index) {
-  int fds[2];
-  if (pipe2(fds, O_CLOEXEC) != 0) Die("pipe failed");
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, fds[1], 1);
-  std::vector<std::string> args = {self,
-                                   "--role",
-                                   "replica",
-                                   "--index",
-                                   std::to_string(index),
-                                   "--checkpoint",
-                                   o.checkpoint,
-                                   "--uri",
-                                   o.uri,
-                                   "--versions",
-                                   std::to_string(o.versions),
-                                   "--lr",
-                                   absl::StrFormat("%.17g", o.lr),
-                                   "--seed",
-                                   std::to_string(o.seed)};
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  Replica r;
-  int rc = posix_spawn(&r.pid, self.c_str(), &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) Die(absl::StrFormat("cannot start replica: %s", strerror(rc)));
-  close(fds[1]);
-  r.out = fds[0];
-  return r;
+// A replica process; it reports each verified version on its stdout.
+process::Child SpawnReplica(const std::string& self, const Options& o, int index) {
+  process::Child::Options options;
+  options.pipe_stdout = true;
+  absl::StatusOr<process::Child> child = process::Child::Spawn(
+      {self, "--role", "replica", "--index", std::to_string(index), "--checkpoint", o.checkpoint,
+       "--uri", o.uri, "--versions", std::to_string(o.versions), "--lr",
+       absl::StrFormat("%.17g", o.lr), "--seed", std::to_string(o.seed)},
+      options);
+  if (!child.ok())
+    Die(absl::StrFormat("cannot start replica %d: %s", index, child.status().ToString()));
+  return *std::move(child);
 }
 
 // Reads lines from `r` until one reports `version` (or an error), up to `deadline`.
 // Returns {milliseconds from publish start to verified, exact?}.
-std::pair<double, bool> AwaitReport(Replica& r, uint64_t version, absl::Time deadline, int index) {
+std::pair<double, bool> AwaitReport(process::Child& r, uint64_t version, absl::Time deadline,
+                                    int index) {
   while (true) {
-    size_t nl;
-    while ((nl = r.buffer.find('\n')) != std::string::npos) {
-      std::string line = r.buffer.substr(0, nl);
-      r.buffer.erase(0, nl + 1);
-      std::vector<std::string> parts = absl::StrSplit(line, ' ');
-      if (parts.size() >= 1 && parts[0] == "ERROR")
-        Die(absl::StrFormat("replica %d: %s", index, line));
-      uint64_t v = 0;
-      int64_t ns = 0;
-      if (parts.size() == 4 && parts[0] == "READY" && absl::SimpleAtoi(parts[1], &v) &&
-          absl::SimpleAtoi(parts[2], &ns) && v == version) {
-        return {ns / 1e6, parts[3] == "exact"};
-      }
+    bool timed_out = false;
+    std::optional<std::string> line = r.ReadLine(deadline, &timed_out);
+    if (!line.has_value()) {
+      Die(timed_out
+              ? absl::StrFormat("replica %d did not report version %d in time", index, version)
+              : absl::StrFormat("replica %d exited before reporting version %d", index, version));
     }
-    const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) {
-      Die(absl::StrFormat("replica %d did not report version %d in time", index, version));
+    std::vector<std::string> parts = absl::StrSplit(*line, ' ');
+    if (!parts.empty() && parts[0] == "ERROR") Die(absl::StrFormat("replica %d: %s", index, *line));
+    uint64_t v = 0;
+    int64_t ns = 0;
+    if (parts.size() == 4 && parts[0] == "READY" && absl::SimpleAtoi(parts[1], &v) &&
+        absl::SimpleAtoi(parts[2], &ns) && v == version) {
+      return {ns / 1e6, parts[3] == "exact"};
     }
-    pollfd p{r.out, POLLIN, 0};
-    if (poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1) <= 0) continue;
-    char buf[4096];
-    ssize_t n = read(r.out, buf, sizeof(buf));
-    if (n <= 0)
-      Die(absl::StrFormat("replica %d exited before reporting version %d", index, version));
-    r.buffer.append(buf, static_cast<size_t>(n));
   }
 }
 
@@ -267,11 +224,8 @@ int RunTrainer(const std::string& self, Options o) {
   const bool logits_ok = CheckLogits(o, hf_dir);
 
   auto pub = OrDie(Publisher::Open(o.uri));
-  std::vector<Replica> replicas;
-  for (int i = 0; i < o.replicas; ++i) {
-    replicas.push_back(SpawnReplica(self, o, i));
-    g_replica_pids.push_back(replicas.back().pid);
-  }
+  std::vector<process::Child> replicas;
+  for (int i = 0; i < o.replicas; ++i) replicas.push_back(SpawnReplica(self, o, i));
 
   std::string header = "# version  changed%      bytes  stall_ms";
   for (int i = 0; i < o.replicas; ++i) header += absl::StrFormat("  replica%d_ms", i);
@@ -308,19 +262,21 @@ int RunTrainer(const std::string& self, Options o) {
     lasts.push_back(last);
     previous = std::move(weights);
   }
-  for (Replica& r : replicas) {
-    int status = 0;
-    waitpid(r.pid, &status, 0);
-    close(r.out);
+  bool replicas_exited = true;
+  for (size_t i = 0; i < replicas.size(); ++i) {
+    const process::Child::Exit exit = replicas[i].WaitOrKill(absl::Now() + kStepTimeout);
+    if (process::ExitCode(exit.status) != 0) {
+      std::fprintf(stderr, "weightbus-demo: replica %zu: %s\n", i, exit.Describe().c_str());
+      replicas_exited = false;
+    }
   }
-  g_replica_pids.clear();
   auto median = [](std::vector<double> x) {
     std::sort(x.begin(), x.end());
     return x.empty() ? 0.0 : x[x.size() / 2];
   };
   std::printf("# median trainer stall %.2f ms; median time to last replica %.2f ms (max %.2f)\n",
               median(stalls), median(lasts), *std::max_element(lasts.begin(), lasts.end()));
-  const bool all_exact = exact == expected_reports;
+  const bool all_exact = exact == expected_reports && replicas_exited;
   std::printf("# %s: %llu/%llu replica versions bit-exact, logits check %s\n",
               all_exact && logits_ok ? "OK" : "FAILED", static_cast<unsigned long long>(exact),
               static_cast<unsigned long long>(expected_reports), logits_ok ? "passed" : "FAILED");

@@ -419,6 +419,59 @@ TEST_P(ConformanceTest, TimeoutsAreDeadlineExceededAndLeaveNothingBehind) {
   }
 }
 
+// Subscriber::ReceiveVersion: exactly the version asked for. A held one while newer ones exist
+// where the stack declares OpenVersion (elsewhere NotFound: only the newest can be handed
+// over); a future one waited for; the current one again; a lower one refused; the timeout.
+// tests/exact_version_test.cc has the retired-version, Cancel and tensor-parallel group cases.
+TEST_P(ConformanceTest, ReceiveVersionTakesExactlyTheVersionAskedFor) {
+  auto pub = OpenPublisher(Uri());
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(pub && sub);
+  for (uint64_t v = 1; v <= 3; ++v) {
+    ASSERT_TRUE(pub->Publish(v, Views(MakeVersion(8, v, 1 << 14)), {}, kTimeout).ok());
+  }
+  auto two = sub->ReceiveVersion(2, kTimeout);
+  if (caps_.open_version) {
+    ASSERT_TRUE(two.ok()) << two.status();
+    EXPECT_EQ((*two)->version(), 2u);
+    ExpectSameTensors(**two, MakeVersion(8, 2, 1 << 14));
+  } else {
+    ASSERT_EQ(two.status().code(), absl::StatusCode::kNotFound) << two.status();
+    EXPECT_TRUE(absl::StrContains(two.status().message(), "version 2")) << two.status();
+    EXPECT_EQ(sub->current_version(), std::nullopt);
+  }
+  auto three = sub->ReceiveVersion(3, kTimeout);
+  ASSERT_TRUE(three.ok()) << three.status();
+  ExpectSameTensors(**three, MakeVersion(8, 3, 1 << 14));
+  // Not committed yet: waited for.
+  std::unique_ptr<Update> four;
+  Subscriber* raw = sub.get();
+  InFlight wait([raw, &four]() -> absl::Status {
+    WB_ASSIGN_OR_RETURN(four, raw->ReceiveVersion(4, kTimeout));
+    return absl::OkStatus();
+  });
+  auto v4 = MakeVersion(8, 4, 1 << 14);
+  ASSERT_TRUE(pub->Publish(4, Views(v4), {}, kTimeout).ok());
+  const absl::Status result = wait.Result(kTimeout);
+  ASSERT_TRUE(result.ok()) << result;
+  EXPECT_EQ(four->version(), 4u);
+  ExpectSameTensors(*four, v4);
+  auto again = sub->ReceiveVersion(4, kTimeout);  // the current version again: a reload
+  ASSERT_TRUE(again.ok()) << again.status();
+  ExpectSameTensors(**again, v4);
+  auto lower = sub->ReceiveVersion(3, kTimeout);
+  ASSERT_EQ(lower.status().code(), absl::StatusCode::kFailedPrecondition) << lower.status();
+  EXPECT_TRUE(absl::StrContains(lower.status().message(), "holds version 4 already"))
+      << lower.status();
+  const absl::Time start = absl::Now();
+  auto late = sub->ReceiveVersion(9, absl::Milliseconds(100));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  ASSERT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  EXPECT_TRUE(absl::StrContains(late.status().message(), "version 9 was not committed"))
+      << late.status();
+  EXPECT_EQ(sub->current_version(), std::optional<uint64_t>(4));
+}
+
 TEST_P(ConformanceTest, LateJoinerReceivesTheNewestVersion) {
   auto pub = OpenPublisher(Uri());
   ASSERT_TRUE(pub);

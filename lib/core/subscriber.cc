@@ -400,29 +400,31 @@ static std::string VersionList(const std::vector<uint64_t>& versions) {
 absl::StatusOr<std::unique_ptr<internal::IncomingVersion>> Subscriber::Impl::FindExact(
     uint64_t version, absl::Time find_deadline) {
   // Open it where the transport holds it; otherwise tell "gone" (a newer version is on the
-  // channel) from "not yet" (wait for the channel to reach it, then open it).
+  // channel) from "not yet" (wait for the channel to reach it, then open it). A stack without
+  // OpenVersion can hand over only the newest version, found by waiting.
+  const bool can_open = capabilities.open_version;
   std::optional<uint64_t> newer;  // a version above `version` seen on the channel
+  absl::Status open_error = absl::NotFoundError("the transport opens only the newest version");
   bool reopened = false;
   while (true) {
     WB_RETURN_IF_ERROR(gate->CheckNotClosing("ReceiveVersion"));
-    absl::StatusOr<std::unique_ptr<internal::IncomingVersion>> opened =
-        backend->OpenVersion(version, find_deadline);
-    if (opened.ok()) return opened;
-    const bool can_open = !absl::IsUnimplemented(opened.status());
-    if (can_open && !absl::IsNotFound(opened.status())) return opened.status();
+    if (can_open) {
+      absl::StatusOr<std::unique_ptr<internal::IncomingVersion>> opened =
+          backend->OpenVersion(version, find_deadline);
+      if (opened.ok() || !absl::IsNotFound(opened.status())) return opened;
+      open_error = opened.status();
+    }
     std::vector<uint64_t> held;
-    if (absl::StatusOr<std::vector<uint64_t>> listed = backend->ListVersions(); listed.ok()) {
-      held = *std::move(listed);
+    if (capabilities.list_versions) {
+      WB_ASSIGN_OR_RETURN(held, backend->ListVersions());
       if (!held.empty() && held.back() > version) newer = std::max(newer.value_or(0), held.back());
       if (can_open && std::binary_search(held.begin(), held.end(), version)) {
         // Committed between the two calls: open it again, once. Listed but still not opened:
         // the transport's own reason (e.g. a delta whose chain is gone).
-        if (reopened) return opened.status();
+        if (reopened) return open_error;
         reopened = true;
         continue;
       }
-    } else if (!absl::IsUnimplemented(listed.status())) {
-      return listed.status();
     }
     if (newer) {
       return absl::NotFoundError(absl::StrFormat(
@@ -430,8 +432,8 @@ absl::StatusOr<std::unique_ptr<internal::IncomingVersion>> Subscriber::Impl::Fin
           "retired before this subscriber opened it (%s). Keep more versions (disk: retention, "
           "ucx: staging_slots) for the time a group of replicas takes to receive one, or pick a "
           "version every replica can still open; version %s stays current",
-          uri.Display(), version, VersionList(held), *newer, opened.status().message(),
-          CurrentText()));
+          uri.Display(), version, capabilities.list_versions ? VersionList(held) : "unknown",
+          *newer, open_error.message(), CurrentText()));
     }
     // Not committed yet (or the transport cannot list): wait until the channel reaches it.
     WB_RETURN_IF_ERROR(failpoints.Hit("core.before_version_wait"));
@@ -447,12 +449,6 @@ absl::StatusOr<std::unique_ptr<internal::IncomingVersion>> Subscriber::Impl::Fin
     if ((*found)->manifest().version == version) return found;
     // The channel moved past it while we waited: open it where still held, else it is gone.
     newer = (*found)->manifest().version;
-    if (!can_open) {
-      return absl::NotFoundError(absl::StrFormat(
-          "%s: version %d is not the newest on the channel (version %d is) and this transport "
-          "opens only the newest (%s); version %s stays current",
-          uri.Display(), version, *newer, opened.status().message(), CurrentText()));
-    }
   }
 }
 

@@ -3,8 +3,8 @@
  * The C API from plain C (compiled as C11, linking libweightbus.so as users do): a publisher in
  * this process and a subscriber in a forked child process exchange versions over disk://; the
  * library lists, shards, layer figures (delta+disk), exact-version receive and WaitForReceivers
- * (ucx:// over loopback, when built) in this process. Every byte, dtype, error code and message is checked. Uses
- * nothing but weightbus.h (and POSIX sockets to find a free port).
+ * (ucx:// over loopback, when built) in this process. Every byte, dtype, error code and message is
+ * checked. Uses nothing but weightbus.h (and POSIX sockets to find a free port).
  *
  * WB_TEST_TRANSPORTS (from CMake) is the comma-separated, sorted list of the schemes this build
  * compiles in: wb_transport_* must report exactly these.

@@ -287,8 +287,7 @@ class WB_EXPORT Subscriber {
   // current_version() (naming both: open a new Subscriber to go back); DeadlineExceeded naming
   // the version and the newest one seen when it was not committed in time; the rest as
   // WaitForVersion. The previous version stays current on every error.
-  absl::StatusOr<std::unique_ptr<Update>> ReceiveVersion(uint64_t version,
-                                                         absl::Duration timeout);
+  absl::StatusOr<std::unique_ptr<Update>> ReceiveVersion(uint64_t version, absl::Duration timeout);
 
   // As above with two bounds, as WaitForVersion's: up to `find_timeout` for `version` to be
   // committed (DeadlineExceeded if it was not; nothing is lost), then `receive_timeout` more to

@@ -614,12 +614,12 @@ absl::Status Wait(const char* function, wb_subscriber_t* subscriber, uint64_t mi
                   std::optional<int64_t> receive_timeout_ms = std::nullopt) {
   WB_CHECK_HANDLE(function, subscriber);
   WB_CHECK_ARG(function, update);
-  return HandOver(
+  absl::StatusOr<std::unique_ptr<wb::Update>> received =
       poll                 ? subscriber->impl->Poll(min_version, Timeout(timeout_ms))
       : receive_timeout_ms ? subscriber->impl->WaitForVersion(min_version, Timeout(timeout_ms),
                                                               Timeout(*receive_timeout_ms))
-                           : subscriber->impl->WaitForVersion(min_version, Timeout(timeout_ms)),
-      update);
+                           : subscriber->impl->WaitForVersion(min_version, Timeout(timeout_ms));
+  return HandOver(std::move(received), update);
 }
 
 absl::Status HandOver(absl::StatusOr<std::unique_ptr<wb::Update>> received, wb_update_t** update) {

@@ -370,9 +370,8 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
   return Receive(*std::move(found_version), {floor, false}, start, receive_deadline);
 }
 
-absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveExact(uint64_t version,
-                                                                       absl::Time find_deadline,
-                                                                       absl::Time receive_deadline) {
+absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveExact(
+    uint64_t version, absl::Time find_deadline, absl::Time receive_deadline) {
   WB_RETURN_IF_ERROR(gate->CheckNotClosing("ReceiveVersion"));
   const absl::Time start = absl::Now();
   if (current && version < *current) {
@@ -428,11 +427,13 @@ absl::StatusOr<std::unique_ptr<internal::IncomingVersion>> Subscriber::Impl::Fin
     }
     if (newer) {
       return absl::NotFoundError(absl::StrFormat(
-          "%s: version %d is no longer on the channel (it holds %s; newest seen: %d): it was "
+          "%s: version %d is no longer on the channel (%s; newest seen: %d): it was "
           "retired before this subscriber opened it (%s). Keep more versions (disk: retention, "
           "ucx: staging_slots) for the time a group of replicas takes to receive one, or pick a "
           "version every replica can still open; version %s stays current",
-          uri.Display(), version, capabilities.list_versions ? VersionList(held) : "unknown",
+          uri.Display(), version,
+          capabilities.list_versions ? "it holds " + VersionList(held)
+                                     : std::string("it holds versions this transport cannot list"),
           *newer, open_error.message(), CurrentText()));
     }
     // Not committed yet (or the transport cannot list): wait until the channel reaches it.
@@ -461,10 +462,10 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
   const Manifest& m = impl->manifest;
   const auto [floor, exact] = wanted;
   if (exact ? m.version != floor : m.version < floor) {
-    return absl::InternalError(absl::StrFormat("%s: transport offered version %d while waiting "
-                                               "for %s %d",
-                                               uri.Display(), m.version, exact ? "==" : ">=",
-                                               floor));
+    return absl::InternalError(
+        absl::StrFormat("%s: transport offered version %d while waiting "
+                        "for %s %d",
+                        uri.Display(), m.version, exact ? "==" : ">=", floor));
   }
   WB_RETURN_IF_ERROR(CheckManifest(uri, m));
   if (auto layer = m.metadata.find(std::string(internal::kLayerMetadataKey));
@@ -537,8 +538,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
     return absl::DeadlineExceededError(absl::StrFormat(
         "%s: version %d found, but mapping %d bytes of receive buffers took until past the "
         "deadline; version %s stays current",
-        uri.Display(), m.version, library_bytes + staging_bytes,
-        CurrentText()));
+        uri.Display(), m.version, library_bytes + staging_bytes, CurrentText()));
   }
   Verifier verifier(m, targets, *hashers);
   absl::Status fetch = failpoints.Hit("core.before_fetch");
@@ -551,11 +551,10 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
       any_direct ? " (bind_mode=direct: bound destinations may hold partial data of this version)"
                  : "";
   if (!fetch.ok()) {
-    return absl::Status(fetch.code(),
-                        absl::StrFormat("%s: receiving version %d failed: %s%s; "
-                                        "version %s stays current",
-                                        uri.Display(), m.version, fetch.message(), direct_note,
-                                        CurrentText()));
+    return absl::Status(fetch.code(), absl::StrFormat("%s: receiving version %d failed: %s%s; "
+                                                      "version %s stays current",
+                                                      uri.Display(), m.version, fetch.message(),
+                                                      direct_note, CurrentText()));
   }
   bool never_landed = false;
   if (std::optional<size_t> bad = verifier.FirstFailure(&never_landed)) {

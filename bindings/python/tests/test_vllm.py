@@ -12,7 +12,7 @@ import torch
 import llama2c_reference
 import weightbus
 import weightbus.vllm
-from conftest import SliceWatch, fixtures_dir, late_uri
+from conftest import REPO_ROOT, SliceWatch, fixtures_dir, late_uri, run_python
 from weightbus.testing.llama import (HfLlamaForCausalLM, LlamaConfig, VllmStyleLlamaForCausalLM,
                                      load_hf_checkpoint)
 from weightbus.testing.worker import (LayerwiseReload, StandInGpuWorker, StandInLLM,
@@ -272,7 +272,7 @@ def _holds(model, tensors):
 @pytest.fixture
 def layerwise(monkeypatch):
     reload = LayerwiseReload()
-    monkeypatch.setattr(WeightbusWeightTransferEngine, "layerwise", reload, raising=False)
+    monkeypatch.setattr(WeightbusWeightTransferEngine, "layerwise", reload)
     return reload
 
 
@@ -285,6 +285,10 @@ def test_engine_rounds_on_vllms_lifecycle(channel, layerwise):
     llm.init_weight_transfer_engine({"init_info": {"uri": channel}})
     engines = [w.weight_transfer_engine for w in llm.workers]
     assert all(isinstance(e, WeightbusWeightTransferEngine) for e in engines)
+    with pytest.raises(ValueError, match="Invalid update_info for WeightbusWeightTransferEngine"):
+        engines[0].parse_update_info({"bogus": 1})
+    with pytest.raises(ValueError, match="Invalid init_info for WeightbusWeightTransferEngine"):
+        llm.init_weight_transfer_engine({"init_info": {"url": channel}})
     with weightbus.Publisher(channel) as pub:
         for version in (1, 2, 3):
             tensors = _version(SMALL, version)
@@ -456,3 +460,15 @@ def test_engine_hundred_rounds_with_flat_memory(channel, layerwise):
     print(f"version {size} bytes; RSS after round 10 {rss[10]}, after 100 {rss[100]}, "
           f"growth {growth}")
     assert growth < size, (growth, size)
+
+
+def test_readme_standin_snippet_runs():
+    """The README's vLLM section: the native-engine round on the stand-ins, run as written in a
+    fresh interpreter."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    after = readme.index("The same round without vLLM")
+    start = readme.index("```python\n", after) + len("```python\n")
+    code = readme[start:readme.index("```", start)]
+    assert "sync_weights" in code
+    done = run_python(code + "\nprint('snippet ok')\n")
+    assert done.returncode == 0 and done.stdout.strip() == "snippet ok", done.stderr

@@ -20,24 +20,29 @@ Two adapters, for the two ways vLLM lets weights be updated from outside:
    worker attributes `model_runner.model`, `model_config` and `device`, as vLLM's own RLHF
    example (examples/offline_inference/rlhf_utils.py) does.
 
-2. WeightbusWeightTransferEngine, shaped for vLLM's native weight-transfer engine interface
-   (vllm/distributed/weight_transfer/base.py: WeightTransferEngine; two-phase in vLLM 0.22,
-   with start_weight_update/finish_weight_update from 0.25): init_transfer_engine(init_info),
-   start_weight_update(), receive_weights(update_info[, load_weights]) / update_weights(dict),
-   finish_weight_update() -> version, shutdown(), and the static trainer_send_weights(iterator,
-   trainer_args) that publishes. The constructor accepts both the (config, parallel_config[,
-   model]) and the (config, vllm_config, device, model) signatures. Registering it needs
-   `WeightTransferEngineFactory.register_engine("weightbus", "weightbus.vllm",
-   "WeightbusWeightTransferEngine")` and a WeightTransferConfig that admits the backend name
-   (some releases type `backend` as Literal["nccl", ...]).
+2. WeightbusWeightTransferEngine, vLLM's native weight-transfer engine
+   (vllm/distributed/weight_transfer/base.py: WeightTransferEngine, with the constructor
+   (config, vllm_config, device, model) and the start_weight_update / update_weights /
+   finish_weight_update session that vLLM's GPU worker drives). Register it in every vLLM
+   process, select it, and run rounds with sync_weights (which labels vLLM's weight version):
+
+       WeightTransferEngineFactory.register_engine("weightbus", "weightbus.vllm",
+                                                   "WeightbusWeightTransferEngine")
+       llm = LLM(model=..., weight_transfer_config=WeightTransferConfig(backend="weightbus"))
+       llm.init_weight_transfer_engine({"init_info": {"uri": "disk:///mnt/shared/policy"}})
+       version = weightbus.vllm.sync_weights(llm)      # between rollouts: the newest version
+
+   Some vLLM releases type WeightTransferConfig.backend as a Literal of the built-in names;
+   those need the name admitted there too.
 
 vLLM is not a dependency: both adapters are tested against
 weightbus.testing.llama.VllmStyleLlamaForCausalLM, whose load_weights does what vLLM's Llama
-does, inside a stand-in worker (bindings/python/tests/test_vllm.py).
+does, inside the stand-ins of weightbus.testing.worker (vLLM's worker, its engine base class,
+factory and GPU-worker lifecycle, written from vLLM's source; bindings/python/tests/test_vllm.py).
 """
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _api
 from .errors import InvalidArgumentError
@@ -302,11 +307,13 @@ def sync_weights(llm, update_info: Union[None, Dict[str, Any], List[Dict[str, An
     version = received[0]
     label = None if draft or version is None else str(version)
     llm.finish_weight_update(weight_version=label)
-    if version is None:
-        versions = llm.collective_rpc(
-            _applied_draft_version if draft else _applied_version)
-        version = versions[0]
-    return version
+    if version is not None:
+        return version
+    held = llm.collective_rpc(_applied_draft_version if draft else _applied_version)
+    if len(set(held)) != 1:
+        raise RuntimeError(f"nothing newer was received, and the workers hold different "
+                           f"versions {held} (in worker order)")
+    return held[0]
 
 
 def _applied_version(worker) -> Optional[int]:
@@ -504,21 +511,3 @@ class WeightbusWeightTransferEngine(_EngineBase):
                 logging.getLogger(__name__).exception(
                     "weightbus: finalizing the layerwise reload of an aborted update failed: %s",
                     e)
-
-    @staticmethod
-    def trainer_send_weights(iterator: Iterable[Tuple[str, Any]],
-                             trainer_args: Dict[str, Any]) -> Any:
-        """Trainer side: publishes (name, tensor) pairs as one version. trainer_args:
-        "version" (required), and "publisher" (an open weightbus.Publisher) or "uri" (+
-        "options"); optional "metadata" and "timeout". Returns the PublishStats."""
-        version = trainer_args["version"]
-        publisher = trainer_args.get("publisher")
-        owned = publisher is None
-        if owned:
-            publisher = _api.Publisher(trainer_args["uri"], **trainer_args.get("options", {}))
-        try:
-            return publisher.publish(version, list(iterator), trainer_args.get("metadata"),
-                                     timeout=trainer_args.get("timeout", 60.0))
-        finally:
-            if owned:
-                publisher.close()

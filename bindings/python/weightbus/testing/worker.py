@@ -154,16 +154,17 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         self.model_config = self._default_model_config
 
     def parse_init_info(self, init_dict: Dict[str, Any]) -> TInitInfo:
-        try:
-            return self.init_info_cls(**init_dict)
-        except TypeError as e:
-            raise ValueError(f"Invalid init_info for {self.__class__.__name__}: {e}") from e
+        return self._parse("init_info", self.init_info_cls, init_dict)
 
     def parse_update_info(self, update_dict: Dict[str, Any]) -> TUpdateInfo:
+        return self._parse("update_info", self.update_info_cls, update_dict)
+
+    def _parse(self, what: str, cls: type, data: Dict[str, Any]) -> Any:
+        """cls(**data); a TypeError (an unknown or missing field) as vLLM's ValueError."""
         try:
-            return self.update_info_cls(**update_dict)
+            return cls(**data)
         except TypeError as e:
-            raise ValueError(f"Invalid update_info for {self.__class__.__name__}: {e}") from e
+            raise ValueError(f"Invalid {what} for {self.__class__.__name__}: {e}") from e
 
     @abstractmethod
     def init_transfer_engine(self, init_info: TInitInfo) -> None:

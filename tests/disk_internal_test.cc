@@ -24,6 +24,7 @@
 #include "core/registry.h"
 #include "core/uri.h"
 #include "io/file_io.h"
+#include "test_model.h"
 #include "test_support.h"
 #include "transport_stack.h"
 
@@ -263,6 +264,37 @@ TEST_P(SmallRangesTest, AreBatchedSoOperationsFollowBytesNotCount) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, SmallRangesTest, ::testing::Values("uring", "psync"));
+
+// KeepVersionsFrom keeps a floor of versions beyond the retention setting (a delta chain needs
+// its keyframe and every delta after it); a later call replaces the floor. Retention runs in the
+// background; destroying the publisher finishes the pass due before it returns, so what is
+// listed afterwards is what retention left.
+TEST(DiskKeepVersionsFromTest, KeepsAFloorBeyondRetentionUntilItMoves) {
+  testing::ScratchDir dir;
+  const std::string uri = "disk://" + dir.path() + "/ch?retention=1";
+  auto sub = testing::OpenTransportSubscriber(uri);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  auto listed = [&] {
+    auto l = (*sub)->ListVersions();
+    EXPECT_TRUE(l.ok()) << l.status();
+    return l.ok() ? *l : std::vector<uint64_t>{};
+  };
+  auto publish_all = [&](std::optional<uint64_t> floor, std::vector<uint64_t> versions) {
+    auto pub = testing::OpenTransportPublisher(uri);
+    ASSERT_TRUE(pub.ok()) << pub.status();
+    if (floor) (*pub)->KeepVersionsFrom(*floor);
+    for (uint64_t v : versions) {
+      auto tensors = testing::MakeVersion(1, v, 4096);
+      ASSERT_TRUE(testing::PublishSealed(**pub, testing::ManifestOf(v, tensors), tensors).ok());
+    }
+  };
+  publish_all(1, {1, 2, 3});  // retention=1 would otherwise drop 1 and 2
+  EXPECT_EQ(listed(), (std::vector<uint64_t>{1, 2, 3}));
+  publish_all(3, {4});
+  EXPECT_EQ(listed(), (std::vector<uint64_t>{3, 4}));
+  publish_all(std::nullopt, {5});
+  EXPECT_EQ(listed(), (std::vector<uint64_t>{5}));
+}
 
 }  // namespace
 }  // namespace weightbus::internal

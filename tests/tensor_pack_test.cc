@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-// PackStridedRange: any window of a strided tensor's packed image equals that slice of
-// PackStrided's output, for transposed, negative, zero and padded strides and every element
-// size, with windows that start and end inside elements.
+// Strided packing (core/tensor_pack.h): PackStridedRange's windows of a strided tensor's packed
+// image equal that slice of PackStrided's output, for transposed, negative, zero and padded
+// strides and every element size, with windows that start and end inside elements; PackStrided
+// and UnpackStrided are inverse; UTF-8 validation of names.
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -92,6 +94,45 @@ TEST(TensorPackTest, ZeroDimensionalAndRowMajorDefaults) {
   PackStridedRange(m, 4, {2, 3}, {}, 12, 12, reinterpret_cast<std::byte*>(row));
   EXPECT_EQ(row[0], 4);
   EXPECT_EQ(row[2], 6);
+}
+
+TEST(TensorPackTest, PackAndUnpackAreInverseForAnyStrides) {
+  // A 2x3x4 int32 tensor viewed with permuted axes and a reversed middle axis.
+  std::vector<int32_t> base(24);
+  std::iota(base.begin(), base.end(), 0);
+  const std::vector<int64_t> shape = {4, 3, 2};      // permute (2, 1, 0)
+  const std::vector<int64_t> strides = {1, -4, 12};  // middle axis reversed
+  const int32_t* origin = base.data() + 8;           // element [0, 0, 0] = base[0*1 + 2*4]
+  std::vector<int32_t> packed(24);
+  PackStrided(origin, 4, shape, strides, reinterpret_cast<std::byte*>(packed.data()));
+  for (int64_t i = 0; i < 4; ++i) {
+    for (int64_t j = 0; j < 3; ++j) {
+      for (int64_t k = 0; k < 2; ++k) {
+        EXPECT_EQ(packed[(i * 3 + j) * 2 + k], origin[i * 1 + j * -4 + k * 12]);
+      }
+    }
+  }
+  std::vector<int32_t> back(24, -1);
+  UnpackStrided(reinterpret_cast<const std::byte*>(packed.data()), 4, shape, strides,
+                back.data() + 8);
+  EXPECT_EQ(back, base);
+  // 0-d and zero-size shapes.
+  int64_t scalar = 42, out = 0;
+  PackStrided(&scalar, 8, {}, {}, reinterpret_cast<std::byte*>(&out));
+  EXPECT_EQ(out, 42);
+  PackStrided(nullptr, 4, {0, 3}, {3, 1}, nullptr);  // nothing to touch
+}
+
+TEST(TensorPackTest, Utf8Validation) {
+  size_t at = 0;
+  EXPECT_TRUE(IsValidUtf8("plain.ascii/name with spaces"));
+  EXPECT_TRUE(IsValidUtf8("ünïcödé ✓ 😀"));
+  EXPECT_FALSE(IsValidUtf8("a\xff", &at));
+  EXPECT_EQ(at, 1u);
+  EXPECT_FALSE(IsValidUtf8("\xc0\xaf"));          // overlong '/'
+  EXPECT_FALSE(IsValidUtf8("\xed\xa0\x80"));      // surrogate
+  EXPECT_FALSE(IsValidUtf8("\xf4\x90\x80\x80"));  // > U+10FFFF
+  EXPECT_FALSE(IsValidUtf8("\xe2\x9c"));          // truncated
 }
 
 }  // namespace

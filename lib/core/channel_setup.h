@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // What Publisher::Open and Subscriber::Open both resolve before opening a transport: the URI, the
-// stack of layers and transport its scheme names, every setting, fail points and the checksum
-// workers.
+// stack of layers and transport its scheme names, every setting, what the stack can do, fail
+// points and the checksum workers.
 #pragma once
 
 #include <memory>
@@ -24,6 +24,7 @@ struct ChannelSetup {
   Uri uri;
   std::vector<const TransportDescriptor*> stack;
   std::unique_ptr<Config> config;
+  TransportCapabilities capabilities;  // of the whole stack (StackCapabilities)
   FailPoints failpoints;
   std::unique_ptr<WorkerPool> hashers;  // XXH3 checksums, overlapped with transfers
 };

@@ -66,7 +66,8 @@ void StreamCopy(std::byte* dst, const std::byte* src, size_t n) {
 // The core's side of one Publish: the manifest under construction and the packed bytes.
 // Checksums come from one of two places: a separate pass over the caller's bytes on the hashing
 // pool, started with the job (StartHashing), or, for transports that stage the bytes
-// (CopiesWithChecksums), the copy itself (CopyWithChecksum), which then reads them only once.
+// (declaring copies_with_checksums), the copy itself (CopyWithChecksum), which then reads them only
+// once.
 class Job final : public internal::PublishJob {
  public:
   uint64_t version() const override { return manifest_.version; }
@@ -308,10 +309,10 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   }
 
   // Contiguous views are used in place. Strided ones are gathered by the transport as it reads
-  // them (ReadsStridedViews: no extra memory), or else packed into one buffer that lives only
+  // them (reads_strided_views: no extra memory), or else packed into one buffer that lives only
   // as long as this call.
   const absl::Time pack_start = absl::Now();
-  const bool pack = pack_bytes > 0 && !backend->ReadsStridedViews();
+  const bool pack = pack_bytes > 0 && !capabilities.reads_strided_views;
   if (pack) {
     WB_ASSIGN_OR_RETURN(job.pack_buffer_, internal::HostBuffer::Allocate(pack_bytes));
   }
@@ -335,7 +336,7 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   const absl::Duration pack_time = absl::Now() - pack_start;
 
   if (latest && version == *latest) return Republish(job, start, deadline);
-  job.StartHashing(*hashers, backend->CopiesWithChecksums());
+  job.StartHashing(*hashers, capabilities.copies_with_checksums);
   absl::Status status = failpoints.Hit("core.before_transport");
   if (status.ok()) status = backend->Publish(job, deadline);
   const absl::Time transport_end = absl::Now();

@@ -84,6 +84,11 @@ const SettingTable& CoreSettings() {
 }
 
 void RegisterTransport(TransportDescriptor descriptor) {
+  if (!descriptor.capabilities) {
+    std::fprintf(stderr, "weightbus: transport \"%s\" declares no capabilities\n",
+                 descriptor.scheme.c_str());
+    std::abort();
+  }
   Registry& r = GlobalRegistry();
   absl::MutexLock lock(&r.mu);
   for (const auto& t : r.transports) {
@@ -152,6 +157,38 @@ absl::StatusOr<std::vector<const TransportDescriptor*>> ResolveStack(const Uri& 
     stack.push_back(t);
   }
   return stack;
+}
+
+TransportCapabilities StackCapabilities(const std::vector<const TransportDescriptor*>& stack,
+                                        const Config& config) {
+  TransportCapabilities caps;
+  for (size_t i = stack.size(); i-- > 0;) {
+    caps = stack[i]->capabilities(config, caps);
+  }
+  return caps;
+}
+
+std::string DescribeCapabilities(const TransportCapabilities& c) {
+  std::vector<std::string> out;
+  for (const auto& [flag, name] : std::initializer_list<std::pair<bool, const char*>>{
+           {c.reads_strided_views, "reads_strided_views"},
+           {c.copies_with_checksums, "copies_with_checksums"},
+           {c.committed_manifest, "committed_manifest"},
+           {c.keep_versions_from, "keep_versions_from"},
+           {c.wait_for_receivers, "wait_for_receivers"},
+           {c.all_subscribers_take_part, "all_subscribers_take_part"},
+           {c.open_version, "open_version"},
+           {c.list_versions, "list_versions"},
+           {c.cancel, "cancel"},
+           {c.cross_process, "cross_process"},
+           {c.durable, "durable"},
+           {c.late_joiners, "late_joiners"},
+           {(c.memory_kinds & TransportCapabilities::kCudaMemory) != 0, "cuda_memory"},
+           {c.delivery == TransportCapabilities::Delivery::kPush, "push"},
+       }) {
+    if (flag) out.push_back(name);
+  }
+  return out.empty() ? std::string("none") : absl::StrJoin(out, ", ");
 }
 
 absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenPublisherStack(

@@ -36,6 +36,11 @@ struct TransportDescriptor {
   std::function<absl::StatusOr<std::unique_ptr<TransportSubscriber>>(
       const Uri&, const Config&, std::unique_ptr<TransportSubscriber> inner)>
       wrap_subscriber;
+  // What the publishers and subscribers it opens can do with the channel's settings `config`
+  // (transport.h). A transport ignores `beneath`; a layer derives its own from the capabilities
+  // of the stack beneath it. Must agree with what the objects do: the conformance suite checks.
+  std::function<TransportCapabilities(const Config& config, const TransportCapabilities& beneath)>
+      capabilities;
 
   bool is_layer() const { return wrap_publisher != nullptr; }
 };
@@ -70,6 +75,11 @@ absl::StatusOr<Config> ResolveConfig(const std::vector<const TransportDescriptor
 // weightbus build (transports: delta, disk, ucx) and is ignored; the closest setting is
 // WEIGHTBUS_DISK_RETENTION". Returns the names this call warned about. Thread-safe.
 std::vector<std::string> WarnUnknownEnvironment(char** environment);
+
+// What `stack` (outermost first, as ResolveStack returns it) can do with `config`: the transport's
+// declaration, passed up through each layer's.
+TransportCapabilities StackCapabilities(const std::vector<const TransportDescriptor*>& stack,
+                                        const Config& config);
 
 // Opens the stack: the transport at the bottom gets `uri` with its own scheme, then each layer
 // wraps what is beneath it.

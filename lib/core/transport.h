@@ -23,11 +23,79 @@
 
 namespace weightbus::internal {
 
+// What a transport (or a stack of layers over one) can do, declared once per transport by its
+// TransportDescriptor::capabilities (registry.h) from its settings: the core reads it instead of
+// probing, `weightbus --version` and docs/TRANSPORTS.md list it, and the conformance suite
+// (tests/conformance_test.cc) checks that every declared capability holds and that every
+// optional method not declared refuses cleanly (Unimplemented, or no effect where so documented).
+// Fields say "false" for what a transport must not be assumed to do; new fields get the value
+// that is true of every existing transport, so that adding one changes no transport.
+struct TransportCapabilities {
+  // Kinds of memory, as a bit set, that Publish may read tensors from and Fetch may write them
+  // into. Host memory only today (the core refuses other devices before the transport sees them).
+  enum MemoryKind : uint32_t { kHostMemory = 1u << 0, kCudaMemory = 1u << 1 };
+  // How bytes reach subscribers: kPull when each subscriber fetches a version when it asks for
+  // one (disk, ucx: versions nobody asks for cost subscribers nothing); kPush when the publisher
+  // sends every version to every subscriber as it publishes (a collective such as NCCL).
+  enum class Delivery { kPull, kPush };
+
+  // -- Publisher side --
+  // Publish reads strided views (PackedTensor::data == nullptr) through PublishJob::CopyRange or
+  // CopyWithChecksum: the core then hands them over unpacked and needs no memory for them.
+  // Otherwise the core packs them into one buffer per Publish (the sum of their sizes, freed
+  // when Publish returns).
+  bool reads_strided_views = false;
+  // Publish stages every tensor with PublishJob::CopyWithChecksum: the core then does not
+  // checksum them in a separate pass (any tensor the transport does not copy that way is
+  // checksummed by SealedManifest).
+  bool copies_with_checksums = false;
+  // TransportPublisher::CommittedManifest reads back what the channel holds (a new publisher may
+  // then retry the channel's latest version with the same bytes).
+  bool committed_manifest = false;
+  // TransportPublisher::KeepVersionsFrom keeps a floor of versions beyond retention.
+  bool keep_versions_from = false;
+  // TransportPublisher::WaitForReceivers counts the subscribers that verified a version.
+  bool wait_for_receivers = false;
+  // Every subscriber must take part in each Publish (a collective): a Publish waits for all of
+  // them, and a subscriber that stops asking stalls the publisher. False: subscribers come, go
+  // and skip versions freely.
+  bool all_subscribers_take_part = false;
+
+  // -- Subscriber side --
+  // TransportSubscriber::OpenVersion opens an exact version the channel still holds.
+  bool open_version = false;
+  // TransportSubscriber::ListVersions lists the versions the channel holds.
+  bool list_versions = false;
+
+  // -- Both sides --
+  // Cancel() makes a call waiting in the transport (a WaitForVersion, a Publish waiting for
+  // room, a WaitForReceivers) return Cancelled promptly, and every later call too. Without it a
+  // call in flight when its handle is destroyed runs to its own deadline.
+  bool cancel = false;
+
+  // -- The channel --
+  // Publisher and subscribers may be different processes (false: one process only).
+  bool cross_process = false;
+  // Committed versions outlive the Publisher that published them: a subscriber opened after the
+  // publisher closed receives them, and a new publisher of the channel continues above them
+  // (its LatestVersion is theirs). False: a channel's history lives as long as its publisher.
+  bool durable = false;
+  // A subscriber opened after versions were published receives the newest one (false: it may
+  // have to wait for a version published after it joined, e.g. a layer's next keyframe).
+  bool late_joiners = true;
+  uint32_t memory_kinds = kHostMemory;
+  Delivery delivery = Delivery::kPull;
+};
+
+// One line per declared capability ("cancel, durable, ..."), for messages and `weightbus
+// --version`.
+std::string DescribeCapabilities(const TransportCapabilities& capabilities);
+
 // One tensor's contiguous row-major bytes, as the core hands them to a transport.
 struct PackedTensor {
   const TensorInfo* info = nullptr;  // entry of the job's manifest (checksum may be pending)
   // info->nbytes bytes, valid until Publish returns; nullptr for a strided (non-contiguous)
-  // view handed to a transport whose ReadsStridedViews() is true: read its bytes with
+  // view handed to a transport that declares reads_strided_views: read its bytes with
   // PublishJob::CopyRange or CopyWithChecksum, which gather them from the caller's strides.
   const std::byte* data = nullptr;
 };
@@ -51,8 +119,8 @@ class PublishJob {
   // Copies tensor i's bytes into `pieces` (host memory, in order, sizes summing to its nbytes)
   // and, unless its checksum is already known, computes it from the bytes as they pass through
   // the cache, so that staging a tensor reads the caller's memory once instead of twice. Safe to
-  // call from several threads for different tensors. Used by transports whose
-  // CopiesWithChecksums() is true; this default only copies.
+  // call from several threads for different tensors. Used by transports that declare
+  // copies_with_checksums; this default only copies.
   virtual void CopyWithChecksum(size_t i, absl::Span<const CopyTarget> pieces);
   // Copies bytes [offset, offset + size) of tensor i's contiguous row-major image into `dst`
   // (host memory): a memcpy for contiguous tensors, a gather for strided views. Safe to call
@@ -103,16 +171,8 @@ class TransportPublisher {
   // may ever become visible and earlier versions must be intact.
   virtual absl::Status Publish(PublishJob& job, absl::Time deadline) = 0;
 
-  // Optional capabilities (defaults: not supported / no effect).
-  // True when Publish stages tensors with PublishJob::CopyWithChecksum: the core then does not
-  // checksum them in a separate pass (any tensor the transport does not copy that way is
-  // checksummed by SealedManifest).
-  virtual bool CopiesWithChecksums() const { return false; }
-  // True when the transport reads every tensor through PublishJob::CopyRange/CopyWithChecksum
-  // where PackedTensor::data is nullptr: the core then hands strided views over unpacked and
-  // needs no memory for them. Otherwise the core packs them into one buffer per Publish (the
-  // sum of their sizes, freed when Publish returns).
-  virtual bool ReadsStridedViews() const { return false; }
+  // Optional methods (defaults: not supported / no effect). A transport that implements one
+  // declares it in its TransportCapabilities.
   // Keep every committed version >= `version` whatever the retention setting says (a delta
   // chain needs its keyframe and every delta after it). A later call replaces the floor.
   virtual void KeepVersionsFrom(uint64_t version) {}
@@ -177,7 +237,8 @@ class TransportSubscriber {
   virtual absl::StatusOr<std::unique_ptr<IncomingVersion>> WaitForVersion(uint64_t min_version,
                                                                           absl::Time deadline) = 0;
 
-  // Optional capabilities (defaults: Unimplemented).
+  // Optional methods (defaults: Unimplemented), declared in TransportCapabilities when
+  // implemented.
   // Exactly version `version`, if the channel still holds it (NotFound otherwise): a delta layer
   // replays a chain from its keyframe with it.
   virtual absl::StatusOr<std::unique_ptr<IncomingVersion>> OpenVersion(uint64_t version,

@@ -79,6 +79,20 @@ absl::StatusOr<LayerOptions> ReadLayerOptions(const Uri& uri, const Config& conf
   return o;
 }
 
+TransportCapabilities LayerCapabilities(const Config&, const TransportCapabilities& beneath) {
+  TransportCapabilities c = beneath;
+  // The layer encodes from contiguous bytes (the core packs strided views for it), computes no
+  // checksums as it copies and keeps no manifest of its own to read back.
+  c.reads_strided_views = false;
+  c.copies_with_checksums = false;
+  c.committed_manifest = false;
+  // A late joiner replays the newest keyframe and the deltas after it with OpenVersion; without
+  // it the joiner waits for the next keyframe.
+  c.late_joiners = beneath.late_joiners && beneath.open_version;
+  c.memory_kinds = TransportCapabilities::kHostMemory;  // encoded and decoded on the CPU
+  return c;
+}
+
 }  // namespace weightbus::internal::delta
 
 WEIGHTBUS_REGISTER_TRANSPORT(
@@ -88,4 +102,5 @@ WEIGHTBUS_REGISTER_TRANSPORT(
         "layer: sends keyframes and deltas against the previous version, losslessly "
         "compressed (delta+<transport>://...)",
         &::weightbus::internal::delta::DeltaSettings(), nullptr, nullptr,
-        ::weightbus::internal::delta::WrapPublisher, ::weightbus::internal::delta::WrapSubscriber}))
+        ::weightbus::internal::delta::WrapPublisher, ::weightbus::internal::delta::WrapSubscriber,
+        ::weightbus::internal::delta::LayerCapabilities}))

@@ -118,9 +118,6 @@ class DiskPublisher final : public TransportPublisher {
 
   // The committed version's weightbus.manifest.json (a retried publish is compared with it).
   // Read relative to the held versions/ directory, following no link (as everything else).
-  // Strided views are gathered through a bounce window (WriteFile): no packing buffer.
-  bool ReadsStridedViews() const override { return true; }
-
   absl::StatusOr<Manifest> CommittedManifest(uint64_t version) override {
     const std::string dir_path = channel_.VersionDir(version);
     WB_ASSIGN_OR_RETURN(UniqueFd dir,

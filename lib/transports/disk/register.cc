@@ -76,6 +76,20 @@ absl::StatusOr<std::string> ChannelRoot(const Uri& uri) {
   return root;
 }
 
+TransportCapabilities DiskCapabilities(const Config&, const TransportCapabilities&) {
+  TransportCapabilities c;
+  c.reads_strided_views = true;  // gathered through a bounce window as files are written
+  c.committed_manifest = true;   // read back from the version's weightbus.manifest.json
+  c.keep_versions_from = true;
+  c.open_version = true;
+  c.list_versions = true;
+  c.cancel = true;  // a waiting subscriber wakes through its eventfd; publishing never waits
+  c.cross_process = true;
+  c.durable = true;
+  c.late_joiners = true;
+  return c;
+}
+
 }  // namespace weightbus::internal::disk
 
 WEIGHTBUS_REGISTER_TRANSPORT(
@@ -85,4 +99,4 @@ WEIGHTBUS_REGISTER_TRANSPORT(
         &::weightbus::internal::disk::DiskSettings(),
         ::weightbus::internal::disk::OpenDiskPublisher,
         ::weightbus::internal::disk::OpenDiskSubscriber, /*wrap_publisher=*/nullptr,
-        /*wrap_subscriber=*/nullptr}))
+        /*wrap_subscriber=*/nullptr, ::weightbus::internal::disk::DiskCapabilities}))

@@ -143,6 +143,24 @@ absl::StatusOr<UcxOptions> ReadOptions(const Endpoint& endpoint, const Config& c
   return o;
 }
 
+TransportCapabilities UcxCapabilities(const Config& config, const TransportCapabilities&) {
+  TransportCapabilities c;
+  // Host staging copies every tensor into its slot with PublishJob::CopyWithChecksum (strided
+  // views gathered straight into place, checksummed as they pass); CUDA staging does neither.
+  const bool host_staging = config.String("staging_memory") != "cuda";
+  c.reads_strided_views = host_staging;
+  c.copies_with_checksums = host_staging;
+  c.keep_versions_from = true;  // staging slots beyond staging_slots
+  c.wait_for_receivers = true;
+  c.open_version = true;
+  c.list_versions = true;
+  c.cancel = true;
+  c.cross_process = true;
+  c.durable = false;  // versions live in the publisher's staging memory
+  c.late_joiners = true;
+  return c;
+}
+
 }  // namespace weightbus::internal::ucx
 
 WEIGHTBUS_REGISTER_TRANSPORT(
@@ -153,4 +171,4 @@ WEIGHTBUS_REGISTER_TRANSPORT(
         "registered staging memory (InfiniBand, RoCE, shared memory, TCP)",
         &::weightbus::internal::ucx::UcxSettings(), ::weightbus::internal::ucx::OpenUcxPublisher,
         ::weightbus::internal::ucx::OpenUcxSubscriber, /*wrap_publisher=*/nullptr,
-        /*wrap_subscriber=*/nullptr}))
+        /*wrap_subscriber=*/nullptr, ::weightbus::internal::ucx::UcxCapabilities}))

@@ -170,12 +170,6 @@ class UcxPublisher final : public TransportPublisher {
                                 sleeps_with_reads_ready_.load(std::memory_order_relaxed)};
   }
 
-  // Host staging copies compute the checksums as they go (the caller's bytes are read once).
-  bool CopiesWithChecksums() const override { return !options_.cuda_staging; }
-  // Host staging reads every tensor through PublishJob::CopyWithChecksum, which gathers strided
-  // views straight into the slot: they need no packing buffer.
-  bool ReadsStridedViews() const override { return !options_.cuda_staging; }
-
   void KeepVersionsFrom(uint64_t version) override {
     absl::MutexLock lock(&mu_);
     keep_from_ = version;

@@ -1,0 +1,1064 @@
+// SPDX-License-Identifier: Apache-2.0
+// The transport contract, once, over every stack this build has (kStacks below: disk, ucx per
+// UCX_TLS, the delta layer over each, mem:// with every optional capability and with none).
+// Through the public API: round trips bit-exact, bindings, Poll and WaitForVersion semantics,
+// timeouts, corruption, late joiners, a publisher restarting, handles closed mid-call and
+// inherited across fork(). Through the plugin interface (lib/core/transport.h): every capability
+// a stack declares holds, and every optional method it does not declare refuses cleanly.
+// A transport added later gets all of it with one line in kStacks (docs/TRANSPORTS.md).
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
+#include "absl/time/clock.h"
+#include "core/registry.h"
+#include "core/tensor_pack.h"
+#include "expect_tensors.h"
+#include "in_flight.h"
+#include "test_model.h"
+#include "test_support.h"
+#include "transport_stack.h"
+#include "ucx_tls.h"
+#include "weightbus/weightbus.hpp"
+
+namespace weightbus {
+namespace {
+
+using internal::TransportCapabilities;
+using ::weightbus::testing::ExpectSameTensors;
+using ::weightbus::testing::InFlight;
+using ::weightbus::testing::MakeVersion;
+using ::weightbus::testing::ManifestOf;
+using ::weightbus::testing::OwnedTensor;
+using ::weightbus::testing::ScratchDir;
+using ::weightbus::testing::Tls;
+using ::weightbus::testing::Views;
+
+constexpr absl::Duration kTimeout = absl::Seconds(30);
+
+// One stack the contract runs over. `uri` is a template: {dir} becomes a fresh directory,
+// {port} a free loopback port, {name} a fresh channel name; `env` is set for the test (UCX_TLS).
+struct Stack {
+  std::string name;
+  std::string uri;
+  Tls env = {};
+};
+void PrintTo(const Stack& s, std::ostream* os) { *os << s.name; }
+
+// mem:// with every optional capability switched off: the core's and the layers' paths for a
+// transport that has none of them.
+constexpr char kBareMem[] =
+    "mem:///{name}?cancel=false&committed_manifest=false&reads_strided_views=false&"
+    "copies_with_checksums=false&keep_versions_from=false&wait_for_receivers=false&"
+    "open_version=false&list_versions=false&durable=false";
+
+// Every stack; one line per stack (a new transport adds its own and delta over it, e.g.
+// {"nccl", "nccl://127.0.0.1:{port}/channel"}). Those whose transport this build lacks are
+// skipped.
+const std::vector<Stack>& Stacks() {
+  static const auto* stacks = new std::vector<Stack>{
+      {"disk", "disk://{dir}/channel"},
+      {"ucx_shm", "ucx://127.0.0.1:{port}/channel", testing::kShm},
+      {"ucx_tcp", "ucx://127.0.0.1:{port}/channel", testing::kTcp},
+      {"delta_disk", "delta+disk://{dir}/channel"},
+      {"delta_ucx", "delta+ucx://127.0.0.1:{port}/channel", testing::kShm},
+      {"mem", "mem:///{name}"},
+      {"mem_bare", kBareMem},
+      {"delta_mem_bare", std::string("delta+") + kBareMem},
+  };
+  return *stacks;
+}
+
+class ConformanceTest : public ::testing::TestWithParam<Stack> {
+ protected:
+  void SetUp() override {
+    env_.emplace(GetParam().env.env);
+    const std::string scheme = GetParam().uri.substr(0, GetParam().uri.find("://"));
+    const std::string transport = scheme.substr(scheme.rfind('+') + 1);
+    if (internal::FindTransport(transport) == nullptr) {
+      GTEST_SKIP() << "this build has no " << transport << " transport";
+    }
+    static std::atomic<int> channels{0};
+    name_ = absl::StrFormat("conformance-%d-%d", getpid(), channels++);
+    if (absl::StrContains(GetParam().uri, "{port}")) port_ = testing::FreePort();
+    auto caps = testing::StackCapabilitiesOf(Uri());
+    ASSERT_TRUE(caps.ok()) << caps.status();
+    caps_ = *caps;
+    if (transport == "ucx") {
+      // UCX tests are skipped, with the reason, only when UCX cannot run with this UCX_TLS.
+      auto probe = Publisher::Open(Uri());
+      if (!probe.ok() && !absl::IsFailedPrecondition(probe.status())) {
+        GTEST_SKIP() << "UCX cannot run here with " << GetParam().env.name << ": "
+                     << probe.status();
+      }
+    }
+  }
+
+  // The test's channel; `query` is appended to the stack's own.
+  std::string Uri(const std::string& query = "") const {
+    std::string uri = absl::StrReplaceAll(
+        GetParam().uri,
+        {{"{dir}", dir_.path()}, {"{port}", std::to_string(port_)}, {"{name}", name_}});
+    if (!query.empty()) uri += (absl::StrContains(uri, "?") ? "&" : "?") + query;
+    return uri;
+  }
+
+  std::optional<testing::ScopedEnvs> env_;  // the stack's environment, restored after the case
+  ScratchDir dir_;
+  int port_ = 0;
+  std::string name_;
+  TransportCapabilities caps_;
+};
+
+std::unique_ptr<Publisher> OpenPublisher(const std::string& uri) {
+  auto p = Publisher::Open(uri);
+  EXPECT_TRUE(p.ok()) << uri << ": " << p.status();
+  return p.ok() ? *std::move(p) : nullptr;
+}
+std::unique_ptr<Subscriber> OpenSubscriber(const std::string& uri) {
+  auto s = Subscriber::Open(uri);
+  EXPECT_TRUE(s.ok()) << uri << ": " << s.status();
+  return s.ok() ? *std::move(s) : nullptr;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bytes and bindings.
+
+TEST_P(ConformanceTest, RoundTripsEveryDtypeAndEdgeShapeBitExact) {
+  auto pub = OpenPublisher(Uri());
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(pub && sub);
+  for (uint64_t v = 1; v <= 3; ++v) {
+    auto tensors = MakeVersion(7, v, 1 << 20);
+    ASSERT_TRUE(pub->Publish(v, Views(tensors), {{"step", std::to_string(v)}}, kTimeout).ok());
+    auto update = sub->WaitForVersion(v, kTimeout);
+    ASSERT_TRUE(update.ok()) << update.status();
+    EXPECT_EQ((*update)->version(), v);
+    EXPECT_EQ((*update)->manifest().metadata, (Metadata{{"step", std::to_string(v)}}));
+    EXPECT_EQ((*update)->manifest().publisher.pid, getpid());
+    ExpectSameTensors(**update, tensors);
+  }
+  EXPECT_EQ(sub->current_version(), std::optional<uint64_t>(3));
+  EXPECT_EQ(pub->latest_version(), std::optional<uint64_t>(3));
+}
+
+TEST_P(ConformanceTest, ZeroSizeScalarAndEmptyVersions) {
+  auto pub = OpenPublisher(Uri());
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(pub && sub);
+  const int64_t scalar = -7;
+  TensorView s{"scalar", DType::kI64, {}, {}, &scalar};
+  TensorView z1{"zero", DType::kF32, {0}, {}, nullptr};
+  TensorView z2{"zero.rows", DType::kBF16, {3, 0, 2}, {}, nullptr};
+  ASSERT_TRUE(pub->Publish(1, {s, z1, z2}, {}, kTimeout).ok());
+  auto u = sub->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ASSERT_EQ((*u)->tensors().size(), 3u);
+  EXPECT_EQ(*static_cast<const int64_t*>((*u)->Find("scalar")->data), -7);
+  EXPECT_EQ((*u)->Find("zero.rows")->shape, (std::vector<int64_t>{3, 0, 2}));
+  // Only zero-size tensors: a version of zero bytes, and one with no tensors at all.
+  ASSERT_TRUE(pub->Publish(2, {z1}, {}, kTimeout).ok());
+  u = sub->WaitForVersion(2, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ((*u)->manifest().total_bytes(), 0u);
+  ASSERT_TRUE(pub->Publish(3, {}, {{"empty", "yes"}}, kTimeout).ok());
+  u = sub->WaitForVersion(3, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_TRUE((*u)->tensors().empty());
+  EXPECT_EQ((*u)->manifest().metadata.at("empty"), "yes");
+}
+
+// Strided views are gathered (or packed by the core, for a stack that does not read them) and
+// strided destinations filled, in both bind modes.
+TEST_P(ConformanceTest, StridedViewsAndStridedDestinations) {
+  // A 3x4 F32 matrix published as its transpose, with reversed rows and as a broadcast column.
+  std::vector<float> m(12);
+  for (int i = 0; i < 12; ++i) m[i] = static_cast<float>(i) + 0.5f;
+  const TensorView transposed{"t", DType::kF32, {4, 3}, {1, 4}, m.data()};
+  const TensorView reversed{"r", DType::kF32, {3, 4}, {-4, 1}, m.data() + 8};
+  const TensorView broadcast{"b", DType::kF32, {2, 3}, {0, 1}, m.data()};
+  auto pub = OpenPublisher(Uri());
+  ASSERT_TRUE(pub);
+  ASSERT_TRUE(pub->Publish(1, {transposed, reversed, broadcast}, {}, kTimeout).ok());
+  auto values = [](const Update& u, const char* name) {
+    const TensorView* v = u.Find(name);
+    const float* p = static_cast<const float*>(v->data);
+    return std::vector<float>(p, p + *NumElements(v->shape));
+  };
+  auto plus_half = [](std::vector<float> v) {
+    for (float& f : v) f += 0.5f;
+    return v;
+  };
+  for (const char* mode : {"staged", "direct"}) {
+    SCOPED_TRACE(mode);
+    auto sub = OpenSubscriber(Uri(std::string("bind_mode=") + mode));
+    ASSERT_TRUE(sub);
+    // "t" lands in a column-major buffer: the transpose of the transpose, i.e. `m` itself.
+    std::vector<float> col_major(12, -1.0f);
+    ASSERT_TRUE(sub->Bind("t", {DType::kF32, {4, 3}, {1, 4}, col_major.data()}).ok());
+    auto u = sub->WaitForVersion(1, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    EXPECT_EQ(col_major, m);
+    EXPECT_EQ((*u)->Find("t")->strides, (std::vector<int64_t>{1, 4}));
+    EXPECT_EQ(values(**u, "r"), plus_half({8, 9, 10, 11, 4, 5, 6, 7, 0, 1, 2, 3}));
+    EXPECT_EQ(values(**u, "b"), plus_half({0, 1, 2, 0, 1, 2}));
+    std::vector<float> t_rows(12);
+    for (int r = 0; r < 4; ++r) {
+      for (int c = 0; c < 3; ++c) t_rows[r * 3 + c] = m[c * 4 + r];
+    }
+    EXPECT_EQ((*u)->manifest().tensors[0].xxh3, testing::Xxh3(t_rows.data(), 48));
+  }
+}
+
+// Bound destinations receive each version in place, in both bind modes.
+TEST_P(ConformanceTest, BoundDestinationsReceiveInPlace) {
+  auto pub = OpenPublisher(Uri());
+  ASSERT_TRUE(pub);
+  for (const char* mode : {"staged", "direct"}) {
+    SCOPED_TRACE(mode);
+    auto sub = OpenSubscriber(Uri(std::string("bind_mode=") + mode));
+    ASSERT_TRUE(sub);
+    const auto shapes = MakeVersion(11, 1, 1 << 16);
+    std::vector<std::vector<std::byte>> dest;
+    for (const OwnedTensor& t : shapes) dest.emplace_back(t.bytes.size());
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      ASSERT_TRUE(sub->Bind(shapes[i].name,
+                            Destination{shapes[i].dtype, shapes[i].shape, {}, dest[i].data()})
+                      .ok());
+    }
+    const uint64_t first = pub->latest_version().value_or(0) + 1;
+    for (uint64_t v = first; v < first + 2; ++v) {
+      auto version = MakeVersion(11, v, 1 << 16);
+      ASSERT_TRUE(pub->Publish(v, Views(version), {}, kTimeout).ok());
+      auto u = sub->WaitForVersion(v, kTimeout);
+      ASSERT_TRUE(u.ok()) << u.status();
+      for (size_t i = 0; i < version.size(); ++i) {
+        EXPECT_TRUE(dest[i] == version[i].bytes) << version[i].name << " at version " << v;
+        if (!dest[i].empty()) EXPECT_EQ((*u)->tensors()[i].data, dest[i].data());
+      }
+    }
+  }
+}
+
+TEST_P(ConformanceTest, MismatchedBindingFailsBeforeAnyByteIsWritten) {
+  auto pub = OpenPublisher(Uri());
+  ASSERT_TRUE(pub);
+  auto tensors = MakeVersion(2, 1, 1 << 16);
+  ASSERT_TRUE(pub->Publish(1, Views(tensors), {}, kTimeout).ok());
+  const OwnedTensor& embed = tensors[0];
+  for (const char* mode : {"staged", "direct"}) {
+    SCOPED_TRACE(mode);
+    auto sub = OpenSubscriber(Uri(std::string("bind_mode=") + mode));
+    ASSERT_TRUE(sub);
+    std::vector<std::byte> ok_dest(tensors[1].bytes.size(), std::byte{0xAB});
+    std::vector<std::byte> bad_dest(embed.bytes.size(), std::byte{0xCD});
+    ASSERT_TRUE(sub->Bind(tensors[1].name,
+                          Destination{tensors[1].dtype, tensors[1].shape, {}, ok_dest.data()})
+                    .ok());
+    // Right size, wrong dtype: F16 instead of BF16.
+    ASSERT_TRUE(
+        sub->Bind(embed.name, Destination{DType::kF16, embed.shape, {}, bad_dest.data()}).ok());
+    auto update = sub->WaitForVersion(1, kTimeout);
+    ASSERT_EQ(update.status().code(), absl::StatusCode::kInvalidArgument) << update.status();
+    const std::string msg(update.status().message());
+    EXPECT_TRUE(absl::StrContains(msg, embed.name)) << msg;
+    EXPECT_TRUE(absl::StrContains(msg, "BF16 [" + std::to_string(embed.shape[0]) + ", 1024]"))
+        << msg;
+    EXPECT_TRUE(absl::StrContains(msg, "F16 [")) << msg;
+    EXPECT_TRUE(absl::StrContains(msg, "nothing was written")) << msg;
+    // Wrong shape, then a name the version does not have.
+    ASSERT_TRUE(sub->Bind(embed.name,
+                          Destination{embed.dtype, {embed.shape[0] * 2, 512}, {}, bad_dest.data()})
+                    .ok());
+    EXPECT_EQ(sub->WaitForVersion(1, kTimeout).status().code(), absl::StatusCode::kInvalidArgument);
+    sub->UnbindAll();
+    ASSERT_TRUE(
+        sub->Bind("no.such.tensor", Destination{DType::kF32, {1}, {}, ok_dest.data()}).ok());
+    update = sub->WaitForVersion(1, kTimeout);
+    ASSERT_EQ(update.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(update.status().message(), "no.such.tensor"));
+    for (std::byte b : ok_dest) ASSERT_EQ(b, std::byte{0xAB});
+    for (std::byte b : bad_dest) ASSERT_EQ(b, std::byte{0xCD});
+    EXPECT_FALSE(sub->current_version().has_value());
+    sub->UnbindAll();
+    auto good = sub->WaitForVersion(1, kTimeout);
+    ASSERT_TRUE(good.ok()) << good.status();
+    ExpectSameTensors(**good, tensors);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Versions, Poll and WaitForVersion (weightbus.hpp: a version v >= max(min_version, current)).
+
+TEST_P(ConformanceTest, VersionsMustIncrease) {
+  auto pub = OpenPublisher(Uri());
+  ASSERT_TRUE(pub);
+  auto tensors = MakeVersion(1, 1, 4096), other = MakeVersion(2, 1, 4096);
+  ASSERT_TRUE(pub->Publish(5, Views(tensors), {}, kTimeout).ok());
+  for (uint64_t v : {5, 4}) {  // 5 with other bytes, and 4
+    absl::Status s = pub->Publish(v, Views(other), {}, kTimeout);
+    ASSERT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), absl::StrFormat("version %d", v))) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "already has version 5")) << s;
+  }
+  EXPECT_EQ(pub->latest_version(), std::optional<uint64_t>(5));
+  EXPECT_TRUE(pub->Publish(6, Views(other), {}, kTimeout).ok());
+}
+
+TEST_P(ConformanceTest, PollReturnsAtOnceWithTheNewestCommittedVersion) {
+  auto pub = OpenPublisher(Uri());
+  ASSERT_TRUE(pub);
+  std::unique_ptr<Subscriber> sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(sub);
+  auto none = sub->Poll(1, kTimeout);  // nothing committed: no error, no update
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(*none, nullptr);
+  for (uint64_t v = 1; v <= 10; ++v) {
+    auto tensors = MakeVersion(13, v, 1 << 12);
+    ASSERT_TRUE(pub->Publish(v, Views(tensors), {}, kTimeout).ok()) << v;
+    if (v % 4 == 1) sub = OpenSubscriber(Uri());  // now and then one whose first call polls
+    auto u = sub->Poll(v, kTimeout);
+    ASSERT_TRUE(u.ok()) << v << ": " << u.status();
+    ASSERT_NE(*u, nullptr) << "version " << v << " was committed before the poll";
+    EXPECT_EQ((*u)->version(), v);
+    ExpectSameTensors(**u, tensors);
+    auto again = sub->Poll(0, kTimeout);  // the held version is returned again
+    ASSERT_TRUE(again.ok()) << again.status();
+    ASSERT_NE(*again, nullptr) << "the held version " << v << " is not returned again";
+    EXPECT_EQ((*again)->version(), v);
+  }
+  // Two versions committed since the last poll: the newest.
+  for (uint64_t v = 11; v <= 12; ++v) {
+    auto tensors = MakeVersion(13, v, 1 << 12);
+    ASSERT_TRUE(pub->Publish(v, Views(tensors), {}, kTimeout).ok()) << v;
+  }
+  auto newest = sub->Poll(11, kTimeout);
+  ASSERT_TRUE(newest.ok()) << newest.status();
+  ASSERT_NE(*newest, nullptr);
+  ExpectSameTensors(**newest, MakeVersion(13, 12, 1 << 12));
+  auto newer = sub->Poll(13, kTimeout);  // asking for one that does not exist
+  ASSERT_TRUE(newer.ok()) << newer.status();
+  EXPECT_EQ(*newer, nullptr);
+  EXPECT_EQ(sub->current_version(), std::optional<uint64_t>(12));
+}
+
+TEST_P(ConformanceTest, WaitReturnsTheNewestAtOrAboveTheCurrentVersionAndWakesOnAPublish) {
+  auto pub = OpenPublisher(Uri());
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(pub && sub);
+  for (uint64_t v = 1; v <= 2; ++v) {
+    auto tensors = MakeVersion(5, v, 1 << 14);
+    ASSERT_TRUE(pub->Publish(v, Views(tensors), {}, kTimeout).ok());
+  }
+  auto u = sub->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ((*u)->version(), 2u);                // the newest, not the one asked for
+  auto held = sub->WaitForVersion(0, kTimeout);  // max(0, current) = 2: the held one again
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ((*held)->version(), 2u);
+  ExpectSameTensors(**held, MakeVersion(5, 2, 1 << 14));
+  // A wait in flight wakes when a later version is published.
+  std::unique_ptr<Update> woken;
+  Subscriber* raw = sub.get();
+  InFlight wait([raw, &woken]() -> absl::Status {
+    WB_ASSIGN_OR_RETURN(woken, raw->WaitForVersion(3, kTimeout));
+    return absl::OkStatus();
+  });
+  auto v3 = MakeVersion(5, 3, 1 << 14);
+  ASSERT_TRUE(pub->Publish(3, Views(v3), {}, kTimeout).ok());
+  const absl::Status result = wait.Result(kTimeout);
+  ASSERT_TRUE(result.ok()) << result;
+  EXPECT_EQ(woken->version(), 3u);
+  ExpectSameTensors(*woken, v3);
+}
+
+// A wait that finds nothing new enough is DeadlineExceeded naming what it waited for, within
+// its timeout (the bound only proves "no hang"), and leaves nothing behind that would hold up
+// later versions.
+TEST_P(ConformanceTest, TimeoutsAreDeadlineExceededAndLeaveNothingBehind) {
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(sub);
+  absl::Time start = absl::Now();
+  auto early = sub->WaitForVersion(1, absl::Milliseconds(100));  // no publisher yet
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  ASSERT_EQ(early.status().code(), absl::StatusCode::kDeadlineExceeded) << early.status();
+  EXPECT_TRUE(absl::StrContains(early.status().message(), ">= 1")) << early.status();
+  auto pub = OpenPublisher(Uri());
+  ASSERT_TRUE(pub);
+  auto v1 = MakeVersion(2, 1, 1 << 16);
+  ASSERT_TRUE(pub->Publish(1, Views(v1), {}, kTimeout).ok());
+  ASSERT_TRUE(sub->WaitForVersion(1, kTimeout).ok());
+  start = absl::Now();
+  auto late = sub->WaitForVersion(2, absl::Milliseconds(100));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  ASSERT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  EXPECT_TRUE(absl::StrContains(late.status().message(), ">= 2")) << late.status();
+  EXPECT_EQ(sub->current_version(), std::optional<uint64_t>(1));
+  for (uint64_t v = 2; v <= 4; ++v) {
+    auto tensors = MakeVersion(2, v, 1 << 16);
+    ASSERT_TRUE(pub->Publish(v, Views(tensors), {}, kTimeout).ok());
+    auto u = sub->WaitForVersion(v, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    ExpectSameTensors(**u, tensors);
+  }
+}
+
+TEST_P(ConformanceTest, LateJoinerReceivesTheNewestVersion) {
+  auto pub = OpenPublisher(Uri());
+  ASSERT_TRUE(pub);
+  // Versions a few bytes apart, as training makes them (a layer sends them as deltas).
+  std::vector<OwnedTensor> last = MakeVersion(3, 1, 1 << 16);
+  for (uint64_t v = 1; v <= 5; ++v) {
+    if (v > 1) last[0].bytes[v * 101] ^= std::byte{0x04};
+    ASSERT_TRUE(pub->Publish(v, Views(last), {}, kTimeout).ok());
+  }
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(sub);
+  if (!caps_.late_joiners) {
+    // It waits for a version it can receive whole (a layer's next keyframe), never a torn one.
+    auto u = sub->WaitForVersion(0, absl::Milliseconds(200));
+    EXPECT_EQ(u.status().code(), absl::StatusCode::kDeadlineExceeded) << u.status();
+    return;
+  }
+  auto u = sub->WaitForVersion(0, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ((*u)->version(), 5u);
+  ExpectSameTensors(**u, last);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Corruption: bytes that do not match the manifest are DataLoss naming the tensor; the
+// subscriber keeps its version and its bound destinations (bind_mode=staged) untouched.
+
+TEST_P(ConformanceTest, CorruptedBytesAreDataLossAndTheSubscriberKeepsItsVersion) {
+  auto pub = testing::OpenTransportPublisher(Uri());
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(sub);
+  auto v1 = MakeVersion(4, 1, 1 << 16);
+  ASSERT_TRUE(testing::PublishSealed(**pub, ManifestOf(1, v1), v1).ok());
+  std::vector<std::byte> bound(v1[0].bytes.size());
+  ASSERT_TRUE(sub->Bind(v1[0].name, {v1[0].dtype, v1[0].shape, {}, bound.data()}).ok());
+  ASSERT_TRUE(sub->WaitForVersion(1, kTimeout).ok());
+  // Version 2 whose bytes differ from its checksums: in a large tensor and in a small one.
+  for (size_t bad : {size_t{0}, size_t{2}}) {
+    SCOPED_TRACE(bad);
+    const uint64_t version = 2 + bad;
+    auto tensors = MakeVersion(4, version, 1 << 16);
+    Manifest m = ManifestOf(version, tensors);
+    const uint64_t right = m.tensors[bad].xxh3;
+    tensors[bad].bytes[tensors[bad].bytes.size() / 2] ^= std::byte{0x10};
+    ASSERT_TRUE(testing::PublishSealed(**pub, m, tensors).ok());
+    auto u = sub->WaitForVersion(0, kTimeout);
+    ASSERT_EQ(u.status().code(), absl::StatusCode::kDataLoss) << u.status();
+    EXPECT_TRUE(absl::StrContains(u.status().message(), tensors[bad].name)) << u.status();
+    EXPECT_TRUE(absl::StrContains(u.status().message(), absl::StrFormat("%016x", right)))
+        << u.status();
+    EXPECT_EQ(sub->current_version(), std::optional<uint64_t>(1));
+    EXPECT_TRUE(bound == v1[0].bytes) << "a bound destination was touched";
+  }
+  auto v5 = MakeVersion(4, 5, 1 << 16);
+  ASSERT_TRUE(testing::PublishSealed(**pub, ManifestOf(5, v5), v5).ok());
+  auto good = sub->WaitForVersion(5, kTimeout);
+  ASSERT_TRUE(good.ok()) << good.status();
+  ExpectSameTensors(**good, v5);
+  EXPECT_TRUE(bound == v5[0].bytes);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A publisher that goes away and a new one on the channel.
+
+TEST_P(ConformanceTest, RestartedPublisherContinuesAndSubscribersKeepWhatTheyHad) {
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(sub);
+  const auto first = MakeVersion(9, 3, 1 << 16);
+  std::vector<std::byte> bound(first[0].bytes.size());
+  ASSERT_TRUE(sub->Bind(first[0].name, {first[0].dtype, first[0].shape, {}, bound.data()}).ok());
+  {
+    auto pub = OpenPublisher(Uri());
+    ASSERT_TRUE(pub);
+    for (uint64_t v = 1; v <= 3; ++v) {
+      auto t = MakeVersion(9, v, 1 << 16);
+      ASSERT_TRUE(pub->Publish(v, Views(t), {}, kTimeout).ok());
+    }
+    ASSERT_TRUE(sub->WaitForVersion(3, kTimeout).ok());
+  }
+  EXPECT_EQ(sub->current_version(), std::optional<uint64_t>(3));
+  EXPECT_TRUE(bound == first[0].bytes);
+  if (caps_.durable) {
+    // The versions outlive their publisher: a new subscriber receives them.
+    auto after = OpenSubscriber(Uri());
+    ASSERT_TRUE(after);
+    auto u = after->WaitForVersion(3, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    ExpectSameTensors(**u, first);
+  }
+  auto pub = OpenPublisher(Uri());  // a restarted trainer
+  ASSERT_TRUE(pub);
+  // A durable channel's new publisher continues above what it holds; otherwise it starts afresh.
+  EXPECT_EQ(pub->latest_version(), caps_.durable ? std::optional<uint64_t>(3) : std::nullopt);
+  if (caps_.durable) {
+    EXPECT_EQ(pub->Publish(2, Views(first), {}, kTimeout).code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
+  auto v4 = MakeVersion(9, 4, 1 << 16);
+  ASSERT_TRUE(pub->Publish(4, Views(v4), {}, kTimeout).ok());
+  auto u = sub->WaitForVersion(4, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ((*u)->version(), 4u);
+  ExpectSameTensors(**u, v4);
+  EXPECT_TRUE(bound == v4[0].bytes);
+}
+
+// A version number names one content. A non-durable channel's restarted publisher may number
+// from where it likes: a subscriber holding version 7 refuses a "version 7" with other content,
+// naming both sessions, keeps its bytes and takes the new publisher's higher versions; the same
+// bytes from the new session are the same version. A durable channel refuses other bytes under
+// its latest number at the publisher instead, and a new publisher may retry the latest version
+// with the same bytes where the transport reads the channel's manifest back.
+TEST_P(ConformanceTest, AVersionNumberNamesOneContentAcrossPublisherSessions) {
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(sub);
+  const auto first = MakeVersion(1, 7, 1 << 16);
+  std::vector<std::byte> held(first[0].bytes.size());
+  ASSERT_TRUE(sub->Bind(first[0].name, {first[0].dtype, first[0].shape, {}, held.data()}).ok());
+  std::string first_session;
+  {
+    auto pub = OpenPublisher(Uri());
+    ASSERT_TRUE(pub);
+    ASSERT_TRUE(pub->Publish(7, Views(first), {}, kTimeout).ok());
+    auto got = sub->WaitForVersion(7, kTimeout);
+    ASSERT_TRUE(got.ok()) << got.status();
+    first_session = (*got)->manifest().publisher.session;
+    EXPECT_EQ(first_session.size(), 16u);
+  }
+  auto pub = OpenPublisher(Uri());
+  ASSERT_TRUE(pub);
+  auto reused = MakeVersion(2, 7, 1 << 16);
+  if (caps_.durable) {
+    const absl::Status refused = pub->Publish(7, Views(reused), {}, kTimeout);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+    const absl::Status retried = pub->Publish(7, Views(first), {}, kTimeout);
+    if (caps_.committed_manifest) {
+      EXPECT_TRUE(retried.ok()) << retried;
+      EXPECT_TRUE(absl::StrContains(refused.message(), "\"" + reused[0].name + "\"")) << refused;
+    } else {
+      EXPECT_EQ(retried.code(), absl::StatusCode::kFailedPrecondition) << retried;
+    }
+  } else {
+    ASSERT_TRUE(pub->Publish(7, Views(reused), {}, kTimeout).ok());
+    auto refused = sub->WaitForVersion(0, kTimeout);
+    ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), first_session)) << refused.status();
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), "stays current")) << refused.status();
+    EXPECT_TRUE(held == first[0].bytes) << "the held version was touched";
+    EXPECT_EQ(sub->current_version(), std::optional<uint64_t>(7));
+    // The same content under the same number from a third session is accepted.
+    pub.reset();
+    pub = OpenPublisher(Uri());
+    ASSERT_TRUE(pub);
+    ASSERT_TRUE(pub->Publish(7, Views(first), {}, kTimeout).ok());
+    auto same = sub->WaitForVersion(7, kTimeout);
+    ASSERT_TRUE(same.ok()) << same.status();
+    ExpectSameTensors(**same, first);
+    EXPECT_NE((*same)->manifest().publisher.session, first_session);
+  }
+  auto v8 = MakeVersion(2, 8, 1 << 16);
+  ASSERT_TRUE(pub->Publish(8, Views(v8), {}, kTimeout).ok());
+  auto got8 = sub->WaitForVersion(8, kTimeout);
+  ASSERT_TRUE(got8.ok()) << got8.status();
+  EXPECT_NE((*got8)->manifest().publisher.session, first_session);
+  EXPECT_TRUE(held == v8[0].bytes);
+}
+
+TEST_P(ConformanceTest, RepublishingTheLatestVersionWithTheSameBytesIsANoOp) {
+  auto pub = OpenPublisher(Uri());
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(pub && sub);
+  auto v3 = MakeVersion(5, 3, 1 << 16);
+  ASSERT_TRUE(pub->Publish(3, Views(v3), {{"try", "1"}}, kTimeout).ok());
+  // A retry with the same bytes succeeds and changes nothing (the first metadata stays).
+  EXPECT_TRUE(pub->Publish(3, Views(v3), {{"try", "2"}}, kTimeout).ok());
+  EXPECT_TRUE(pub->last_stats().unchanged);
+  EXPECT_EQ(pub->latest_version(), std::optional<uint64_t>(3));
+  auto update = sub->WaitForVersion(3, kTimeout);
+  ASSERT_TRUE(update.ok()) << update.status();
+  EXPECT_EQ((*update)->manifest().metadata.at("try"), "1");
+  ExpectSameTensors(**update, v3);
+  // Other bytes under the same number are refused, naming the first tensor that differs.
+  auto other = v3;
+  other[1].bytes[0] ^= std::byte{1};
+  const absl::Status refused = pub->Publish(3, Views(other), {}, kTimeout);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "\"" + other[1].name + "\"")) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "other content")) << refused;
+  auto again = sub->Poll(0, kTimeout);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_NE(*again, nullptr);
+  ExpectSameTensors(**again, v3);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Closing handles while calls are in flight, and fork() (docs/CONVENTIONS.md, "Closing and
+// fork").
+
+TEST_P(ConformanceTest, DestroyingASubscriberEndsItsWaitInFlight) {
+  auto pub = OpenPublisher(Uri());
+  std::unique_ptr<Subscriber> sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(pub && sub);
+  auto v1 = MakeVersion(1, 1, 4096);
+  ASSERT_TRUE(pub->Publish(1, Views(v1), {}, kTimeout).ok());
+  ASSERT_TRUE(sub->WaitForVersion(1, kTimeout).ok());  // connected, code paths resolved
+  Subscriber* raw = sub.get();
+  // Without the cancel capability the wait runs to its own deadline: keep that one short.
+  const absl::Duration timeout = caps_.cancel ? absl::Seconds(20) : absl::Milliseconds(200);
+  InFlight wait([raw, timeout] { return raw->WaitForVersion(2, timeout).status(); });
+  sub.reset();  // destroy while the other thread waits for version 2
+  const absl::Status result = wait.Result(kTimeout);
+  // Cancelled, not DeadlineExceeded: destroy did not just outwait the call's 20 s.
+  EXPECT_EQ(result.code(),
+            caps_.cancel ? absl::StatusCode::kCancelled : absl::StatusCode::kDeadlineExceeded)
+      << result;
+}
+
+// Destroyed while the other thread is receiving (paused at a fail point between finding the
+// version and fetching its bytes): destroy waits for the receive, which completes bit-exact.
+TEST_P(ConformanceTest, DestroyingASubscriberMidReceiveWaitsForTheReceive) {
+  auto pub = OpenPublisher(Uri());
+  ASSERT_TRUE(pub);
+  testing::PausePoint fetch("core.before_fetch", /*pass=*/2);
+  std::unique_ptr<Subscriber> sub;
+  {
+    testing::ScopedEnv failpoints("WEIGHTBUS_FAILPOINTS", fetch.Spec());
+    sub = OpenSubscriber(Uri());
+    ASSERT_TRUE(sub);
+  }
+  auto v1 = MakeVersion(2, 1, 1 << 16), v2 = MakeVersion(2, 2, 1 << 20);
+  ASSERT_TRUE(pub->Publish(1, Views(v1), {}, kTimeout).ok());
+  ASSERT_TRUE(sub->WaitForVersion(1, kTimeout).ok());  // pass 1 of the fail point
+  ASSERT_TRUE(pub->Publish(2, Views(v2), {}, kTimeout).ok());
+  Subscriber* raw = sub.get();
+  absl::StatusOr<std::unique_ptr<Update>> received;
+  std::thread receiver([raw, &received] { received = raw->WaitForVersion(2, kTimeout); });
+  ASSERT_TRUE(fetch.WaitReached(kTimeout));  // found version 2, not fetched yet
+  {
+    InFlight destroy([&sub] {
+      sub.reset();
+      return absl::OkStatus();
+    });
+    EXPECT_FALSE(destroy.Returned()) << "destroy did not wait for the receive in flight";
+    fetch.Release();
+    EXPECT_TRUE(destroy.Result(kTimeout).ok());
+  }
+  receiver.join();
+  ASSERT_TRUE(received.ok()) << received.status();
+  ExpectSameTensors(**received, v2);  // the Update outlives its Subscriber
+}
+
+// Destroyed while Publish is under way (paused at a fail point before the transport): destroy
+// waits; the publish either completes (then the version is there, where the channel outlives
+// its publisher) or returns Cancelled (then it is not), never a crash or a torn version.
+TEST_P(ConformanceTest, DestroyingAPublisherMidPublishWaitsForIt) {
+  testing::PausePoint before("core.before_transport", /*pass=*/2);
+  std::unique_ptr<Publisher> pub;
+  {
+    testing::ScopedEnv failpoints("WEIGHTBUS_FAILPOINTS", before.Spec());
+    pub = OpenPublisher(Uri());
+    ASSERT_TRUE(pub);
+  }
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(sub);
+  auto v1 = MakeVersion(3, 1, 1 << 16), v2 = MakeVersion(3, 2, 1 << 16);
+  ASSERT_TRUE(pub->Publish(1, Views(v1), {}, kTimeout).ok());
+  ASSERT_TRUE(sub->WaitForVersion(1, kTimeout).ok());
+  Publisher* raw = pub.get();
+  absl::Status result;
+  std::thread publisher([raw, &v2, &result] { result = raw->Publish(2, Views(v2), {}, kTimeout); });
+  ASSERT_TRUE(before.WaitReached(kTimeout));
+  {
+    InFlight destroy([&pub] {
+      pub.reset();
+      return absl::OkStatus();
+    });
+    EXPECT_FALSE(destroy.Returned()) << "destroy did not wait for the publish in flight";
+    before.Release();
+    EXPECT_TRUE(destroy.Result(kTimeout).ok());
+  }
+  publisher.join();
+  ASSERT_TRUE(result.ok() || absl::IsCancelled(result)) << result;
+  if (result.ok() && caps_.durable) {
+    auto update = sub->WaitForVersion(2, kTimeout);
+    ASSERT_TRUE(update.ok()) << update.status();
+    ExpectSameTensors(**update, v2);
+  }
+}
+
+TEST_P(ConformanceTest, CancelMakesLaterCallsFailWithCancelled) {
+  auto pub = OpenPublisher(Uri());
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(pub && sub);
+  sub->Cancel();
+  EXPECT_EQ(sub->Poll(0, kTimeout).status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(sub->WaitForVersion(0, kTimeout).status().code(), absl::StatusCode::kCancelled);
+  pub->Cancel();
+  auto v1 = MakeVersion(1, 1, 4096);
+  const absl::Status published = pub->Publish(1, Views(v1), {}, kTimeout);
+  EXPECT_EQ(published.code(), absl::StatusCode::kCancelled) << published;
+  EXPECT_TRUE(absl::StrContains(published.message(), "being closed")) << published;
+}
+
+// What a child process reports through its exit status.
+enum ChildResult : int { kChildOk = 0, kChildWrongCode = 1, kChildOther = 2 };
+
+// Forks; the child runs `body` and exits with its result (never returns).
+pid_t ForkChild(const std::function<int()>& body) {
+  const pid_t pid = fork();
+  if (pid == 0) _exit(body());
+  return pid;
+}
+
+int WaitChild(pid_t pid) {
+  int status = 0;
+  for (int i = 0; i < 6000; ++i) {
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+    absl::SleepFor(absl::Milliseconds(10));  // polling a child's exit, not synchronising
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, &status, 0);
+  return -1;
+}
+
+TEST_P(ConformanceTest, ForkedChildCannotUseInheritedHandlesAndParentIsUnaffected) {
+  auto pub = OpenPublisher(Uri());
+  std::unique_ptr<Subscriber> sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(pub && sub);
+  auto v1 = MakeVersion(1, 1, 1 << 16);
+  ASSERT_TRUE(pub->Publish(1, Views(v1), {}, kTimeout).ok());
+  ASSERT_TRUE(sub->WaitForVersion(1, kTimeout).ok());
+  const pid_t child = ForkChild([&] {
+    absl::Status wait = sub->WaitForVersion(2, absl::Seconds(3)).status();
+    absl::Status poll = sub->Poll(0, absl::Seconds(3)).status();
+    auto v2 = MakeVersion(1, 2, 1 << 16);
+    absl::Status publish = pub->Publish(2, Views(v2), {}, absl::Seconds(3));
+    for (const absl::Status& s : {wait, poll, publish}) {
+      if (s.code() != absl::StatusCode::kFailedPrecondition ||
+          !absl::StrContains(s.message(), "fork")) {
+        fprintf(stderr, "child got: %s\n", s.ToString().c_str());
+        return kChildWrongCode;
+      }
+    }
+    if (sub->current_version().has_value() || pub->latest_version().has_value()) {
+      return kChildOther;
+    }
+    sub.reset();  // destroying inherited handles in the child frees nothing of the parent's
+    pub.reset();
+    return kChildOk;
+  });
+  ASSERT_GT(child, 0);
+  EXPECT_EQ(WaitChild(child), kChildOk);
+  // The parent's handles still work.
+  for (uint64_t v = 2; v <= 3; ++v) {
+    auto tensors = MakeVersion(1, v, 1 << 16);
+    ASSERT_TRUE(pub->Publish(v, Views(tensors), {}, kTimeout).ok()) << v;
+    auto update = sub->WaitForVersion(v, kTimeout);
+    ASSERT_TRUE(update.ok()) << update.status();
+    ExpectSameTensors(**update, tensors);
+  }
+}
+
+// A forked child that lives on (a DataLoader worker) must not keep the parent's channel lock,
+// listening port or connections: the parent can close its publisher and open a new one on the
+// same channel while the child still runs.
+TEST_P(ConformanceTest, AChildThatLivesOnHoldsNoLockOrPortOfTheParent) {
+  std::unique_ptr<Publisher> pub = OpenPublisher(Uri());
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(pub && sub);
+  auto v1 = MakeVersion(4, 1, 1 << 16);
+  ASSERT_TRUE(pub->Publish(1, Views(v1), {}, kTimeout).ok());
+  ASSERT_TRUE(sub->WaitForVersion(1, kTimeout).ok());  // a live control connection on ucx
+  int hold[2];
+  ASSERT_EQ(pipe(hold), 0);
+  const pid_t child = ForkChild([&] {
+    close(hold[1]);
+    char c;
+    (void)!read(hold[0], &c, 1);  // lives until the parent closes its end
+    return static_cast<int>(kChildOk);
+  });
+  ASSERT_GT(child, 0);
+  close(hold[0]);
+  pub.reset();
+  auto reopened = Publisher::Open(Uri());
+  EXPECT_TRUE(reopened.ok()) << reopened.status();
+  if (reopened.ok()) {
+    auto v2 = MakeVersion(4, 2, 1 << 16);
+    ASSERT_TRUE((*reopened)->Publish(2, Views(v2), {}, kTimeout).ok());
+    auto update = sub->WaitForVersion(2, kTimeout);
+    ASSERT_TRUE(update.ok()) << update.status();
+    ExpectSameTensors(**update, v2);
+  }
+  close(hold[1]);
+  EXPECT_EQ(WaitChild(child), kChildOk);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The declared capabilities (lib/core/transport.h), each checked both ways.
+
+TEST_P(ConformanceTest, CrossProcessSubscribersReceiveWhereDeclared) {
+  auto pub = OpenPublisher(Uri());
+  ASSERT_TRUE(pub);
+  auto v1 = MakeVersion(6, 1, 1 << 16);
+  ASSERT_TRUE(pub->Publish(1, Views(v1), {}, kTimeout).ok());
+  // This test binary in another process (ConformanceChild below), with the stack's environment.
+  std::map<std::string, std::string> env = GetParam().env.env;
+  env["WB_TEST_CHILD_URI"] = Uri();
+  env["WB_TEST_CHILD_TIMEOUT_MS"] = caps_.cross_process ? "30000" : "100";
+  auto child = testing::Child::Start(
+      {"/proc/self/exe", "--gtest_filter=ConformanceChild.DISABLED_ReceivesVersion1",
+       "--gtest_also_run_disabled_tests"},
+      env, dir_ / "child.log");
+  ASSERT_TRUE(child.ok()) << child.status();
+  auto status = child->Wait(absl::Seconds(120));
+  ASSERT_TRUE(status.ok()) << status.status();
+  const std::string log = testing::ReadFileOrDie(dir_ / "child.log");
+  ASSERT_TRUE(WIFEXITED(*status)) << log;
+  if (caps_.cross_process) {
+    EXPECT_EQ(WEXITSTATUS(*status), 0) << log;
+    EXPECT_TRUE(absl::StrContains(log, "received version 1 bit-exact")) << log;
+  } else {
+    // The other process sees no version: it waits and times out, nothing worse.
+    EXPECT_TRUE(absl::StrContains(log, "DEADLINE_EXCEEDED")) << log;
+  }
+}
+
+// Run only from CrossProcessSubscribersReceiveWhereDeclared, in a child process.
+TEST(ConformanceChild, DISABLED_ReceivesVersion1) {
+  const char* uri = std::getenv("WB_TEST_CHILD_URI");
+  const char* timeout_ms = std::getenv("WB_TEST_CHILD_TIMEOUT_MS");
+  if (uri == nullptr || timeout_ms == nullptr) GTEST_SKIP() << "run by ConformanceTest only";
+  auto sub = Subscriber::Open(uri);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  auto u = (*sub)->WaitForVersion(1, absl::Milliseconds(std::atoi(timeout_ms)));
+  ASSERT_TRUE(u.ok()) << u.status();
+  ExpectSameTensors(**u, MakeVersion(6, 1, 1 << 16));
+  if (!HasFailure()) printf("received version 1 bit-exact\n");
+}
+
+TEST_P(ConformanceTest, WaitForReceiversCountsSubscribersWhereDeclared) {
+  auto pub = OpenPublisher(Uri());
+  ASSERT_TRUE(pub);
+  auto v1 = MakeVersion(6, 1, 1 << 16);
+  ASSERT_TRUE(pub->Publish(1, Views(v1), {}, kTimeout).ok());
+  EXPECT_EQ(pub->WaitForReceivers(1, 0, kTimeout).code(), absl::StatusCode::kInvalidArgument);
+  if (!caps_.wait_for_receivers) {
+    const absl::Status s = pub->WaitForReceivers(1, 1, absl::Milliseconds(10));
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+    return;
+  }
+  std::vector<std::unique_ptr<Subscriber>> subs;
+  for (int i = 0; i < 2; ++i) {
+    subs.push_back(OpenSubscriber(Uri()));
+    ASSERT_TRUE(subs.back());
+    ASSERT_TRUE(subs.back()->WaitForVersion(1, kTimeout).ok());
+  }
+  EXPECT_TRUE(pub->WaitForReceivers(1, 2, kTimeout).ok());
+  subs.clear();  // a subscriber that received the version and left still counts
+  EXPECT_TRUE(pub->WaitForReceivers(1, 2, kTimeout).ok());
+  const absl::Time start = absl::Now();
+  const absl::Status three = pub->WaitForReceivers(1, 3, absl::Milliseconds(200));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(three.code(), absl::StatusCode::kDeadlineExceeded) << three;
+  EXPECT_TRUE(absl::StrContains(three.message(), "2 of the 3")) << three;
+  EXPECT_EQ(pub->WaitForReceivers(2, 1, absl::Milliseconds(50)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST_P(ConformanceTest, OpenVersionListVersionsAndCommittedManifestWhereDeclared) {
+  auto pub = testing::OpenTransportPublisher(Uri());
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = testing::OpenTransportSubscriber(Uri());
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  std::vector<std::vector<OwnedTensor>> versions(4);
+  for (uint64_t v = 1; v <= 3; ++v) {
+    versions[v] = MakeVersion(8, v, 1 << 14);
+    ASSERT_TRUE(testing::PublishSealed(**pub, ManifestOf(v, versions[v]), versions[v]).ok());
+  }
+  const absl::Time deadline = absl::Now() + kTimeout;
+
+  auto listed = (*sub)->ListVersions();
+  if (caps_.list_versions) {
+    ASSERT_TRUE(listed.ok()) << listed.status();
+    ASSERT_FALSE(listed->empty());
+    EXPECT_TRUE(std::is_sorted(listed->begin(), listed->end()));
+    EXPECT_EQ(listed->back(), 3u);
+  } else {
+    EXPECT_EQ(listed.status().code(), absl::StatusCode::kUnimplemented) << listed.status();
+  }
+
+  auto opened = (*sub)->OpenVersion(2, deadline);
+  if (caps_.open_version) {
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    auto fetched = testing::FetchAndVerify(**opened);
+    ASSERT_TRUE(fetched.ok()) << fetched.status();
+    EXPECT_EQ(fetched->manifest.version, 2u);
+    for (size_t i = 0; i < versions[2].size(); ++i) {
+      EXPECT_TRUE(fetched->tensors[i] == versions[2][i].bytes) << versions[2][i].name;
+    }
+    opened->reset();
+    EXPECT_EQ((*sub)->OpenVersion(9, deadline).status().code(), absl::StatusCode::kNotFound);
+  } else {
+    EXPECT_EQ(opened.status().code(), absl::StatusCode::kUnimplemented) << opened.status();
+  }
+  // The newest version, as the core receives it, after the old one.
+  auto newest = (*sub)->WaitForVersion(3, deadline);
+  ASSERT_TRUE(newest.ok()) << newest.status();
+  auto fetched = testing::FetchAndVerify(**newest);
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  EXPECT_EQ(fetched->manifest.version, 3u);
+
+  auto committed = (*pub)->CommittedManifest(3);
+  if (caps_.committed_manifest) {
+    ASSERT_TRUE(committed.ok()) << committed.status();
+    EXPECT_EQ(committed->tensors, ManifestOf(3, versions[3]).tensors);
+    EXPECT_EQ((*pub)->CommittedManifest(9).status().code(), absl::StatusCode::kNotFound);
+  } else {
+    EXPECT_EQ(committed.status().code(), absl::StatusCode::kUnimplemented) << committed.status();
+  }
+}
+
+// A PublishJob whose strided tensors come as views (data == nullptr), as the core hands them to
+// a stack that declares reads_strided_views, and which counts the copies made through it.
+class StridedJob final : public internal::PublishJob {
+ public:
+  StridedJob(Manifest manifest, std::vector<TensorView> views)
+      : manifest_(std::move(manifest)), views_(std::move(views)), copies_(views_.size()) {
+    for (size_t i = 0; i < views_.size(); ++i) {
+      const bool contiguous = IsContiguous(views_[i].shape, views_[i].strides);
+      packed_.push_back({&manifest_.tensors[i],
+                         contiguous ? static_cast<const std::byte*>(views_[i].data) : nullptr});
+    }
+  }
+  uint64_t version() const override { return manifest_.version; }
+  absl::Span<const internal::PackedTensor> tensors() const override { return packed_; }
+  absl::StatusOr<const Manifest*> SealedManifest(absl::Time) override { return &manifest_; }
+  void CopyWithChecksum(size_t i, absl::Span<const internal::CopyTarget> pieces) override {
+    ++copies_[i];
+    uint64_t at = 0;
+    for (const internal::CopyTarget& p : pieces) {
+      CopyRange(i, at, p.size, p.data);
+      at += p.size;
+    }
+  }
+  void CopyRange(size_t i, uint64_t offset, uint64_t size, std::byte* dst) const override {
+    const TensorView& v = views_[i];
+    internal::PackStridedRange(v.data, DTypeSize(v.dtype), v.shape, v.strides, offset, size, dst);
+  }
+  int copies(size_t i) const { return copies_[i].load(); }
+
+ private:
+  Manifest manifest_;
+  std::vector<TensorView> views_;
+  std::vector<internal::PackedTensor> packed_;
+  std::vector<std::atomic<int>> copies_;
+};
+
+TEST_P(ConformanceTest, PublishJobHooksAreUsedWhereDeclared) {
+  if (!caps_.reads_strided_views && !caps_.copies_with_checksums) {
+    GTEST_SKIP() << "declares neither reads_strided_views nor copies_with_checksums (the core "
+                    "packs and checksums for it: StridedViewsAndStridedDestinations)";
+  }
+  auto pub = testing::OpenTransportPublisher(Uri());
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(sub);
+  std::vector<int32_t> base(24);
+  for (int i = 0; i < 24; ++i) base[i] = i * 7 - 50;
+  // A 4x6 int32 matrix and its transpose (a strided view of the same memory).
+  const TensorView plain{"plain", DType::kI32, {4, 6}, {}, base.data()};
+  const TensorView transposed{"transposed", DType::kI32, {6, 4}, {1, 6}, base.data()};
+  std::vector<int32_t> transposed_rows(24);
+  for (int r = 0; r < 6; ++r) {
+    for (int c = 0; c < 4; ++c) transposed_rows[r * 4 + c] = base[c * 6 + r];
+  }
+  Manifest m;
+  m.version = 1;
+  m.tensors = {
+      TensorInfo{"plain", DType::kI32, {4, 6}, std::nullopt, 96, testing::Xxh3(base.data(), 96)},
+      TensorInfo{"transposed",
+                 DType::kI32,
+                 {6, 4},
+                 std::nullopt,
+                 96,
+                 testing::Xxh3(transposed_rows.data(), 96)}};
+  if (!caps_.reads_strided_views) m.tensors.pop_back();  // the core would pack it
+  StridedJob job(m, caps_.reads_strided_views ? std::vector<TensorView>{plain, transposed}
+                                              : std::vector<TensorView>{plain});
+  ASSERT_TRUE((*pub)->Publish(job, absl::Now() + kTimeout).ok());
+  if (caps_.copies_with_checksums) {
+    for (size_t i = 0; i < m.tensors.size(); ++i) {
+      EXPECT_GE(job.copies(i), 1) << m.tensors[i].name << " was not staged with CopyWithChecksum";
+    }
+  }
+  auto u = sub->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ(std::memcmp((*u)->Find("plain")->data, base.data(), 96), 0);
+  if (caps_.reads_strided_views) {
+    EXPECT_EQ(std::memcmp((*u)->Find("transposed")->data, transposed_rows.data(), 96), 0);
+  }
+}
+
+// Cancel on the plugin interface: with the capability a wait in flight returns Cancelled long
+// before its deadline, and so does every later call; without it Cancel has no effect.
+TEST_P(ConformanceTest, TransportCancelEndsWaitsInFlightWhereDeclared) {
+  auto sub = testing::OpenTransportSubscriber(Uri());
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  const absl::Duration timeout = caps_.cancel ? absl::Seconds(120) : absl::Milliseconds(200);
+  internal::TransportSubscriber* raw = sub->get();
+  InFlight wait([raw, timeout] { return raw->WaitForVersion(1, absl::Now() + timeout).status(); });
+  (*sub)->Cancel();
+  const absl::Status waited = wait.Result(kTimeout);
+  if (caps_.cancel) {
+    EXPECT_EQ(waited.code(), absl::StatusCode::kCancelled) << waited;
+    EXPECT_EQ((*sub)->WaitForVersion(1, absl::Now() + absl::Seconds(5)).status().code(),
+              absl::StatusCode::kCancelled);
+  } else {
+    EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Stacks, ConformanceTest, ::testing::ValuesIn(Stacks()),
+                         [](const ::testing::TestParamInfo<Stack>& info) {
+                           return info.param.name;
+                         });
+
+// mem:// declares what its settings switch on; the suite above relies on it.
+TEST(MemTransportTest, DeclaredCapabilitiesFollowTheSettings) {
+  auto all = testing::StackCapabilitiesOf("mem:///x");
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(internal::DescribeCapabilities(*all),
+            "reads_strided_views, copies_with_checksums, committed_manifest, keep_versions_from, "
+            "wait_for_receivers, open_version, list_versions, cancel, durable, late_joiners");
+  auto bare = testing::StackCapabilitiesOf(absl::StrReplaceAll(kBareMem, {{"{name}", "x"}}));
+  ASSERT_TRUE(bare.ok()) << bare.status();
+  EXPECT_EQ(internal::DescribeCapabilities(*bare), "late_joiners");
+  auto layered = testing::StackCapabilitiesOf(
+      absl::StrReplaceAll(std::string("delta+") + kBareMem, {{"{name}", "x"}}));
+  ASSERT_TRUE(layered.ok()) << layered.status();
+  EXPECT_EQ(internal::DescribeCapabilities(*layered),
+            "none");  // no late joiners without OpenVersion
+}
+
+}  // namespace
+}  // namespace weightbus

@@ -1,0 +1,97 @@
+// SPDX-License-Identifier: Apache-2.0
+// The transport registry (core/registry.h): schemes and stacks, the capabilities a stack
+// declares (a layer's derived from the transport beneath it), and the codec figures a transport
+// or layer reports surfacing in PublishStats/UpdateStats.
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/registry.h"
+#include "core/uri.h"
+#include "mem_transport.h"
+#include "test_support.h"
+#include "transport_stack.h"
+#include "weightbus/weightbus.hpp"
+
+namespace weightbus::internal {
+namespace {
+
+TEST(RegistryTest, DiskIsRegisteredWithItsSettings) {
+  const TransportDescriptor* disk = FindTransport("disk");
+  ASSERT_NE(disk, nullptr);
+  ASSERT_NE(disk->settings, nullptr);
+  EXPECT_EQ(disk->settings->scope, "disk");
+  auto uri = ParseUri("nope:///x");
+  EXPECT_EQ(ResolveStack(*uri).status().code(), absl::StatusCode::kUnimplemented);
+  auto layered = ParseUri("disk+disk:///x");
+  EXPECT_EQ(ResolveStack(*layered).status().code(), absl::StatusCode::kInvalidArgument);
+  auto plain = ParseUri("disk:///x");
+  auto stack = ResolveStack(*plain);
+  ASSERT_TRUE(stack.ok());
+  ASSERT_EQ(stack->size(), 1u);
+  EXPECT_EQ((*stack)[0], disk);
+}
+
+TEST(RegistryTest, EveryTransportDeclaresItsCapabilitiesAndLayersDeriveTheirs) {
+  for (const TransportDescriptor* t : RegisteredTransports()) {
+    EXPECT_TRUE(static_cast<bool>(t->capabilities)) << t->scheme;
+  }
+  if (FindTransport("disk") == nullptr || FindTransport("delta") == nullptr) {
+    GTEST_SKIP() << "this build lacks disk or delta";
+  }
+  testing::ScratchDir dir;
+  auto disk = testing::StackCapabilitiesOf("disk://" + dir.path() + "/ch");
+  ASSERT_TRUE(disk.ok()) << disk.status();
+  EXPECT_EQ(DescribeCapabilities(*disk),
+            "reads_strided_views, committed_manifest, keep_versions_from, open_version, "
+            "list_versions, cancel, cross_process, durable, late_joiners");
+  // The delta layer keeps what it forwards and drops what it does itself.
+  auto delta = testing::StackCapabilitiesOf("delta+disk://" + dir.path() + "/ch");
+  ASSERT_TRUE(delta.ok()) << delta.status();
+  EXPECT_EQ(DescribeCapabilities(*delta),
+            "keep_versions_from, open_version, list_versions, cancel, cross_process, durable, "
+            "late_joiners");
+  if (FindTransport("ucx") != nullptr) {
+    auto host = testing::StackCapabilitiesOf("ucx://127.0.0.1:9/ch");
+    ASSERT_TRUE(host.ok()) << host.status();
+    EXPECT_TRUE(host->reads_strided_views && host->copies_with_checksums);
+    EXPECT_FALSE(host->durable);
+    // Staging in GPU memory reads neither strided views nor checksums as it copies.
+    auto cuda = testing::StackCapabilitiesOf("ucx://127.0.0.1:9/ch?staging_memory=cuda");
+    ASSERT_TRUE(cuda.ok()) << cuda.status();
+    EXPECT_FALSE(cuda->reads_strided_views || cuda->copies_with_checksums);
+  }
+}
+
+// A transport (here mem://, told to report figures as a layer would) that reports codec figures
+// has them surfaced in PublishStats/UpdateStats; a plain transport reports its tensor bytes.
+TEST(CodecStatsTest, ReportedFiguresSurfaceAndPlainTransportsReportTheirBytes) {
+  std::vector<std::byte> bytes = testing::RandomBytes(256, 3);
+  const TensorView t{"w", DType::kU8, {256}, {}, bytes.data()};
+  for (const bool reporting : {false, true}) {
+    SCOPED_TRACE(reporting ? "reporting" : "plain");
+    const std::string name = reporting ? "codec-reporting" : "codec-plain";
+    if (reporting) {
+      testing::mem::MemChannel(name).ReportCodecStats({absl::Milliseconds(7), 42},
+                                                      {absl::Milliseconds(3), 43});
+    }
+    auto pub = Publisher::Open("mem:///" + name);
+    auto sub = Subscriber::Open("mem:///" + name);
+    ASSERT_TRUE(pub.ok() && sub.ok());
+    ASSERT_TRUE((*pub)->Publish(1, {t}, {}, absl::Seconds(10)).ok());
+    auto u = (*sub)->WaitForVersion(1, absl::Seconds(10));
+    ASSERT_TRUE(u.ok()) << u.status();
+    const PublishStats p = (*pub)->last_stats();
+    const UpdateStats& s = (*u)->stats();
+    EXPECT_EQ(p.bytes, 256u);
+    EXPECT_EQ(s.bytes, 256u);
+    EXPECT_EQ(p.wire_bytes, reporting ? 42u : 256u);
+    EXPECT_EQ(p.encode, reporting ? absl::Milliseconds(7) : absl::ZeroDuration());
+    EXPECT_EQ(s.wire_bytes, reporting ? 43u : 256u);
+    EXPECT_EQ(s.decode, reporting ? absl::Milliseconds(3) : absl::ZeroDuration());
+  }
+}
+
+}  // namespace
+}  // namespace weightbus::internal

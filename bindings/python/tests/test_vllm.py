@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """weightbus.vllm against the vLLM-shaped replica in weightbus.testing.llama, on the real
-stories260K weights: the worker extension (worker_extension_cls / collective_rpc) and the
-weight-transfer engine adapter."""
+stories260K weights: the worker extension (worker_extension_cls / collective_rpc); and the
+native weight-transfer engine, created by the stand-in's WeightTransferEngineFactory and driven
+by the stand-in GPU worker with vLLM's lifecycle (weightbus.testing.worker), on small
+random Llamas."""
 import os
 import threading
 from pathlib import Path

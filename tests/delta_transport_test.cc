@@ -38,14 +38,10 @@ std::string Uri(const ScratchDir& dir, const std::string& query = "") {
   return "delta+disk://" + dir.path() + "/channel?fsync=false" + (query.empty() ? "" : "&" + query);
 }
 
-std::string VersionDir(const ScratchDir& dir, uint64_t v) {
-  return absl::StrFormat("%s/channel/versions/v%020d", dir.path(), v);
-}
-
 // The delta record a committed version carries in its manifest on disk.
 nlohmann::json RecordOnDisk(const ScratchDir& dir, uint64_t v) {
   auto manifest = nlohmann::json::parse(
-      testing::ReadFileOrDie(VersionDir(dir, v) + "/weightbus.manifest.json"));
+      testing::ReadFileOrDie(testing::DiskVersionDir(dir, v) + "/weightbus.manifest.json"));
   return nlohmann::json::parse(manifest["metadata"]["weightbus.delta"].get<std::string>());
 }
 
@@ -147,7 +143,8 @@ TEST(DeltaTransportTest, ThousandChainedVersionsAreBitExact) {
       ExpectSameTensors(**update, version);
     }
     if (v > 1) {
-      delta_bytes += std::filesystem::file_size(VersionDir(dir, v) + "/model.safetensors");
+      delta_bytes +=
+          std::filesystem::file_size(testing::DiskVersionDir(dir, v) + "/model.safetensors");
       for (const OwnedTensor& t : version) raw_bytes += t.bytes.size();
     }
   }
@@ -253,7 +250,7 @@ TEST(DeltaTransportTest, FlippedBitInADeltaIsDetectedAndThePreviousVersionKept) 
   }
   // Version 3 is a delta on 2; corrupt its encoded bytes.
   ASSERT_EQ(RecordOnDisk(dir, 3)["kind"], "delta");
-  const std::string file = VersionDir(dir, 3) + "/model.safetensors";
+  const std::string file = testing::DiskVersionDir(dir, 3) + "/model.safetensors";
   FlipBit(file, 10);
   auto update = (*sub)->WaitForVersion(3, absl::Seconds(5));
   ASSERT_TRUE(absl::IsDataLoss(update.status())) << update.status();
@@ -290,13 +287,13 @@ TEST(DeltaTransportTest, CorruptDeltaWithAMatchingBlobChecksumIsStillRefused) {
   // Corrupt the blob and rewrite the checksum the inner manifest keeps for it, as a buggy or
   // malicious writer would: the decoder's structure checks or the final per-tensor checksums
   // must still refuse it.
-  const std::string file = VersionDir(dir, 2) + "/model.safetensors";
+  const std::string file = testing::DiskVersionDir(dir, 2) + "/model.safetensors";
   FlipBit(file, 3);
   auto bytes = testing::ReadFileOrDie(file);
   uint64_t header = 0;
   std::memcpy(&header, bytes.data(), 8);
   const std::string data = bytes.substr(8 + header);
-  const std::string manifest_path = VersionDir(dir, 2) + "/weightbus.manifest.json";
+  const std::string manifest_path = testing::DiskVersionDir(dir, 2) + "/weightbus.manifest.json";
   auto manifest = nlohmann::json::parse(testing::ReadFileOrDie(manifest_path));
   manifest["tensors"][0]["xxh3"] = absl::StrFormat("%016x", Xxh3(data.data(), data.size()));
   testing::WriteFileOrDie(manifest_path, manifest.dump(1));
@@ -328,7 +325,7 @@ TEST(DeltaTransportTest, OverclaimingSparseGroupInAChannelIsDataLossForEverySubs
 
   // The blob is the data region of model.safetensors: the header (magic, format, kind, five
   // varints, the layout checksum, the chunk count, one record size), then the one record.
-  const std::string file = VersionDir(dir, 2) + "/model.safetensors";
+  const std::string file = testing::DiskVersionDir(dir, 2) + "/model.safetensors";
   std::string bytes = testing::ReadFileOrDie(file);
   uint64_t json_size = 0;
   std::memcpy(&json_size, bytes.data(), 8);
@@ -354,7 +351,7 @@ TEST(DeltaTransportTest, OverclaimingSparseGroupInAChannelIsDataLossForEverySubs
   ASSERT_GE(record_size, crafted.size());
   bytes.replace(at, crafted.size(), crafted);
   testing::WriteFileOrDie(file, bytes);
-  const std::string manifest_path = VersionDir(dir, 2) + "/weightbus.manifest.json";
+  const std::string manifest_path = testing::DiskVersionDir(dir, 2) + "/weightbus.manifest.json";
   auto manifest = nlohmann::json::parse(testing::ReadFileOrDie(manifest_path));
   manifest["tensors"][0]["xxh3"] =
       absl::StrFormat("%016x", Xxh3(bytes.data() + blob, bytes.size() - blob));
@@ -441,9 +438,10 @@ TEST(DeltaTransportTest, RetentionKeepsTheChainFromTheNewestKeyframe) {
     ASSERT_TRUE((*pub)->Publish(v, Views(version), {}, kTimeout).ok());
   }
   // Keyframes 1 and 11: retention=2 alone would keep 14 and 15; the chain 11..15 stays.
-  EXPECT_TRUE(testing::WaitUntil([&] { return !std::filesystem::exists(VersionDir(dir, 10)); }));
+  EXPECT_TRUE(testing::WaitUntil(
+      [&] { return !std::filesystem::exists(testing::DiskVersionDir(dir, 10)); }));
   for (uint64_t v = 1; v <= 15; ++v) {
-    EXPECT_EQ(std::filesystem::exists(VersionDir(dir, v)), v >= 11) << v;
+    EXPECT_EQ(std::filesystem::exists(testing::DiskVersionDir(dir, v)), v >= 11) << v;
   }
   auto late = Subscriber::Open(Uri(dir));
   auto update = (*late)->WaitForVersion(0, kTimeout);
@@ -484,8 +482,8 @@ TEST(DeltaTransportTest, ChainsWithoutAKeyframeIntervalStayBounded) {
   EXPECT_LE(VersionDirCount(dir), bound);
   // What is kept is the chain from the newest keyframe: enough for a late joiner.
   for (uint64_t v = 21; v <= kVersions; ++v)
-    EXPECT_TRUE(std::filesystem::exists(VersionDir(dir, v)));
-  EXPECT_FALSE(std::filesystem::exists(VersionDir(dir, 15)));
+    EXPECT_TRUE(std::filesystem::exists(testing::DiskVersionDir(dir, v)));
+  EXPECT_FALSE(std::filesystem::exists(testing::DiskVersionDir(dir, 15)));
   auto late = Subscriber::Open(Uri(dir));
   ASSERT_TRUE(late.ok());
   auto update = (*late)->WaitForVersion(0, kTimeout);
@@ -558,7 +556,7 @@ TEST(DeltaTransportTest, ReservedMetadataKeyAndBadSettingsAreRefused) {
   auto v1 = stream.Next();
   absl::Status s = (*pub)->Publish(1, Views(v1), {{"weightbus.delta", "x"}}, kTimeout);
   EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
-  EXPECT_FALSE(std::filesystem::exists(VersionDir(dir, 1)));
+  EXPECT_FALSE(std::filesystem::exists(testing::DiskVersionDir(dir, 1)));
   pub->reset();  // releases the channel
   for (const char* query :
        {"keyframe_interval=-1", "delta_chunk_size=100", "delta_chunk_size=0", "delta_groups=5",

@@ -132,8 +132,8 @@ TEST(DiskProcessTest, WriterKilledAfterRenameBeforeCommitIsInvisibleAndReplaced)
   ScratchDir dir;
   CrashDuringPublish(dir, "disk.before_commit");
   // Version 2's directory is complete and in place, but LATEST was never moved to it.
-  EXPECT_TRUE(std::filesystem::exists(
-      dir.path() + absl::StrFormat("/channel/versions/v%020d/weightbus.manifest.json", 2)));
+  EXPECT_TRUE(
+      std::filesystem::exists(testing::DiskVersionDir(dir, 2) + "/weightbus.manifest.json"));
   EXPECT_EQ(testing::ReadFileOrDie(dir.path() + "/channel/LATEST"), "1\n");
   ExpectSubscriberSeesVersion(dir, 1, 3);
   auto ok = testing::RunCommand({Peer(), "publish", ChannelUri(dir), "--start", "2", "--versions",
@@ -170,8 +170,8 @@ TEST(DiskProcessTest, SubscriberKilledMidReadDoesNotBlockRetention) {
   auto v2 = MakeVersion(2, 2, 1 << 18);
   ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, kTimeout).ok());
   ASSERT_TRUE(retained.WaitReached(kTimeout)) << "no retention pass after version 2";
-  const std::string v1_dir = dir.path() + absl::StrFormat("/channel/versions/v%020d", 1);
-  const std::string v2_dir = dir.path() + absl::StrFormat("/channel/versions/v%020d", 2);
+  const std::string v1_dir = testing::DiskVersionDir(dir, 1);
+  const std::string v2_dir = testing::DiskVersionDir(dir, 2);
   EXPECT_TRUE(std::filesystem::exists(v1_dir)) << "pinned by a live reader";
   EXPECT_TRUE(std::filesystem::exists(v2_dir));
   sub->Kill(SIGKILL);
@@ -207,8 +207,8 @@ TEST(PausePointTest, HoldsAnInProcessPublisherAtThePointUntilReleased) {
   ASSERT_TRUE(commit.WaitReached(kTimeout));
   EXPECT_EQ(commit.ReachedBy(), ::getpid());
   // Held: version 2 is in place but not committed, and Publish has not returned.
-  EXPECT_TRUE(std::filesystem::exists(
-      dir.path() + absl::StrFormat("/channel/versions/v%020d/weightbus.manifest.json", 2)));
+  EXPECT_TRUE(
+      std::filesystem::exists(testing::DiskVersionDir(dir, 2) + "/weightbus.manifest.json"));
   EXPECT_EQ(testing::ReadFileOrDie(dir.path() + "/channel/LATEST"), "1\n");
   EXPECT_FALSE(returned);
   auto sub = Subscriber::Open(ChannelUri(dir));

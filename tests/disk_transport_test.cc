@@ -40,10 +40,6 @@ std::string Uri(const ScratchDir& dir, const std::string& query = "") {
   return "disk://" + dir.path() + "/channel" + (query.empty() ? "" : "?" + query);
 }
 
-std::string VersionDir(const ScratchDir& dir, uint64_t v) {
-  return absl::StrFormat("%s/channel/versions/v%020d", dir.path(), v);
-}
-
 using ::weightbus::testing::ExpectSameTensors;
 
 TEST(DiskTransportTest, VersionDirectoryIsAHuggingFaceCheckpoint) {
@@ -53,7 +49,7 @@ TEST(DiskTransportTest, VersionDirectoryIsAHuggingFaceCheckpoint) {
   ASSERT_TRUE(pub.ok());
   ASSERT_TRUE((*pub)->Publish(1, Views(tensors), {}, kTimeout).ok());
   // Any safetensors reader sees the tensors; the metadata marks the PyTorch format.
-  auto file = safetensors::ReadFile(VersionDir(dir, 1) + "/model.safetensors");
+  auto file = safetensors::ReadFile(testing::DiskVersionDir(dir, 1) + "/model.safetensors");
   ASSERT_TRUE(file.ok()) << file.status();
   EXPECT_EQ(file->header.metadata.at("format"), "pt");
   ASSERT_EQ(file->header.tensors.size(), tensors.size());
@@ -66,7 +62,8 @@ TEST(DiskTransportTest, VersionDirectoryIsAHuggingFaceCheckpoint) {
     EXPECT_EQ(e->begin % DTypeSize(e->dtype), 0u) << "misaligned " << t.name;
   }
   EXPECT_EQ(testing::ReadFileOrDie(dir.path() + "/channel/LATEST"), "1\n");
-  EXPECT_TRUE(std::filesystem::exists(VersionDir(dir, 1) + "/weightbus.manifest.json"));
+  EXPECT_TRUE(
+      std::filesystem::exists(testing::DiskVersionDir(dir, 1) + "/weightbus.manifest.json"));
 }
 
 TEST(DiskTransportTest, ShardsLargeVersionsIntoIndexedFiles) {
@@ -75,15 +72,15 @@ TEST(DiskTransportTest, ShardsLargeVersionsIntoIndexedFiles) {
   auto pub = Publisher::Open(Uri(dir, "shard_size=64KiB"));
   ASSERT_TRUE(pub.ok()) << pub.status();
   ASSERT_TRUE((*pub)->Publish(1, Views(tensors), {}, kTimeout).ok());
-  const std::string index = VersionDir(dir, 1) + "/model.safetensors.index.json";
+  const std::string index = testing::DiskVersionDir(dir, 1) + "/model.safetensors.index.json";
   ASSERT_TRUE(std::filesystem::exists(index));
-  EXPECT_FALSE(std::filesystem::exists(VersionDir(dir, 1) + "/model.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(testing::DiskVersionDir(dir, 1) + "/model.safetensors"));
   int shards = 0;
-  for (const auto& e : std::filesystem::directory_iterator(VersionDir(dir, 1))) {
+  for (const auto& e : std::filesystem::directory_iterator(testing::DiskVersionDir(dir, 1))) {
     if (absl::StartsWith(e.path().filename().string(), "model-")) ++shards;
   }
   EXPECT_GE(shards, 2);
-  EXPECT_TRUE(std::filesystem::exists(VersionDir(dir, 1) +
+  EXPECT_TRUE(std::filesystem::exists(testing::DiskVersionDir(dir, 1) +
                                       absl::StrFormat("/model-00001-of-%05d.safetensors", shards)));
   std::string text = testing::ReadFileOrDie(index);
   EXPECT_NE(text.find("\"weight_map\""), std::string::npos);
@@ -206,27 +203,28 @@ TEST(DiskTransportTest, RetentionKeepsNewestVersionsAndThoseBeingRead) {
   };
   publish(1);
   // A reader pins version 1 exactly as subscribers do: a shared flock on .readers.lock.
-  int pin = ::open((VersionDir(dir, 1) + "/.readers.lock").c_str(), O_RDONLY);
+  int pin = ::open((testing::DiskVersionDir(dir, 1) + "/.readers.lock").c_str(), O_RDONLY);
   ASSERT_GE(pin, 0);
   ASSERT_EQ(::flock(pin, LOCK_SH), 0);
   for (uint64_t v = 2; v <= 5; ++v) publish(v);
   auto gone = [&](std::vector<uint64_t> versions) {
     return testing::WaitUntil([&] {
       for (uint64_t v : versions) {
-        if (std::filesystem::exists(VersionDir(dir, v))) return false;
+        if (std::filesystem::exists(testing::DiskVersionDir(dir, v))) return false;
       }
       return true;
     });
   };
   // Retention runs in the background: wait for it to delete 2 and 3, then check it spared 1.
   ASSERT_TRUE(gone({2, 3}));
-  EXPECT_TRUE(std::filesystem::exists(VersionDir(dir, 1))) << "pinned version was deleted";
-  EXPECT_TRUE(std::filesystem::exists(VersionDir(dir, 4)));
-  EXPECT_TRUE(std::filesystem::exists(VersionDir(dir, 5)));
+  EXPECT_TRUE(std::filesystem::exists(testing::DiskVersionDir(dir, 1)))
+      << "pinned version was deleted";
+  EXPECT_TRUE(std::filesystem::exists(testing::DiskVersionDir(dir, 4)));
+  EXPECT_TRUE(std::filesystem::exists(testing::DiskVersionDir(dir, 5)));
   ::close(pin);
   publish(6);
   EXPECT_TRUE(gone({1, 4}));
-  EXPECT_TRUE(std::filesystem::exists(VersionDir(dir, 5)));
+  EXPECT_TRUE(std::filesystem::exists(testing::DiskVersionDir(dir, 5)));
   // No temporary or trash directories are left behind.
   EXPECT_TRUE(testing::WaitUntil([&] {
     for (const auto& e : std::filesystem::directory_iterator(dir.path() + "/channel/versions")) {
@@ -270,7 +268,8 @@ TEST(DiskTransportTest, SlowReaderKeepsItsVersionWhilePublisherMovesOn) {
     ASSERT_TRUE((*pub)->Publish(v, Views(tensors), {}, kTimeout).ok());
   }
   ASSERT_TRUE(retained.WaitReached(kTimeout));
-  EXPECT_TRUE(std::filesystem::exists(VersionDir(dir, 1))) << "the pinned version was deleted";
+  EXPECT_TRUE(std::filesystem::exists(testing::DiskVersionDir(dir, 1)))
+      << "the pinned version was deleted";
   read.Release();
   reader.join();
   ASSERT_TRUE(got.ok()) << got.status();
@@ -289,14 +288,14 @@ TEST(DiskTransportTest, ARetryByANewPublisherLeavesTheVersionDirectoryAlone) {
     ASSERT_TRUE((*pub)->Publish(7, Views(v7), {}, kTimeout).ok());
   }
   struct stat before {};
-  ASSERT_EQ(stat(VersionDir(dir, 7).c_str(), &before), 0);
+  ASSERT_EQ(stat(testing::DiskVersionDir(dir, 7).c_str(), &before), 0);
   auto pub = Publisher::Open(Uri(dir));
   ASSERT_TRUE(pub.ok()) << pub.status();
   const absl::Status retried = (*pub)->Publish(7, Views(v7), {}, kTimeout);
   EXPECT_TRUE(retried.ok()) << retried;
   EXPECT_TRUE((*pub)->last_stats().unchanged);
   struct stat after {};
-  ASSERT_EQ(stat(VersionDir(dir, 7).c_str(), &after), 0);
+  ASSERT_EQ(stat(testing::DiskVersionDir(dir, 7).c_str(), &after), 0);
   EXPECT_EQ(before.st_ino, after.st_ino) << "the version directory was rewritten";
 }
 
@@ -317,7 +316,7 @@ class CorruptionTest : public ::testing::Test {
     ASSERT_TRUE(u.ok()) << u.status();
     held_ = *std::move(u);
     ASSERT_TRUE(pub_->Publish(2, Views(v2_), {}, kTimeout).ok());
-    file_ = VersionDir(dir_, 2) + "/model.safetensors";
+    file_ = testing::DiskVersionDir(dir_, 2) + "/model.safetensors";
   }
 
   void ExpectPreviousVersionKept() {
@@ -380,7 +379,7 @@ TEST_F(CorruptionTest, FlippedBitIsCaughtByTheChecksum) {
 }
 
 TEST_F(CorruptionTest, CorruptManifestIsRefused) {
-  const std::string path = VersionDir(dir_, 2) + "/weightbus.manifest.json";
+  const std::string path = testing::DiskVersionDir(dir_, 2) + "/weightbus.manifest.json";
   const std::string good = testing::ReadFileOrDie(path);
   for (const std::string& bad : {std::string("{\"format\": 1"), good + std::string("\0junk", 5),
                                  std::string("{\"format\":\"weightbus.manifest/1\"}")}) {
@@ -412,7 +411,7 @@ TEST(DiskTransportTest, FailedPublishLeavesNothingVisible) {
     absl::Status s = (*pub)->Publish(2, Views(bad), {}, kTimeout);
     ASSERT_EQ(s.code(), absl::StatusCode::kInternal) << point << ": " << s;
     EXPECT_EQ(testing::ReadFileOrDie(dir.path() + "/channel/LATEST"), "1\n") << point;
-    EXPECT_FALSE(std::filesystem::exists(VersionDir(dir, 2))) << point;
+    EXPECT_FALSE(std::filesystem::exists(testing::DiskVersionDir(dir, 2))) << point;
     auto sub = Subscriber::Open(Uri(dir));
     auto u = (*sub)->WaitForVersion(0, kTimeout);
     ASSERT_TRUE(u.ok());
@@ -488,7 +487,7 @@ class DiskRobustnessTest : public ::testing::Test {
 TEST_F(DiskRobustnessTest, MissingPiecesOfTheCommittedVersionAreDataLossNotAHang) {
   Publish(1, "retention=10");
   Publish(2, "retention=10");
-  const std::string v2 = VersionDir(dir_, 2);
+  const std::string v2 = testing::DiskVersionDir(dir_, 2);
   struct Case {
     std::string what;
     std::function<void()> damage;
@@ -519,7 +518,7 @@ TEST_F(DiskRobustnessTest, MissingPiecesOfTheCommittedVersionAreDataLossNotAHang
 TEST_F(DiskRobustnessTest, MissingShardNamedByTheIndexIsDataLoss) {
   Publish(1, "shard_size=8KiB");
   std::string second;
-  for (const auto& e : std::filesystem::directory_iterator(VersionDir(dir_, 1))) {
+  for (const auto& e : std::filesystem::directory_iterator(testing::DiskVersionDir(dir_, 1))) {
     const std::string n = e.path().filename().string();
     if (absl::StartsWith(n, "model-00002-of-")) second = e.path().string();
   }
@@ -563,7 +562,7 @@ TEST_F(DiskRobustnessTest, FailedDurabilityStepAfterCommitDoesNotUndoTheVersion)
   // The version became visible when LATEST moved, so Publish reports success and keeps it.
   ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, kTimeout).ok());
   EXPECT_EQ(testing::ReadFileOrDie(dir_.path() + "/channel/LATEST"), "2\n");
-  EXPECT_TRUE(std::filesystem::exists(VersionDir(dir_, 2)));
+  EXPECT_TRUE(std::filesystem::exists(testing::DiskVersionDir(dir_, 2)));
   auto sub = Subscriber::Open(Uri(dir_));
   auto u = (*sub)->WaitForVersion(2, kTimeout);
   ASSERT_TRUE(u.ok()) << u.status();
@@ -576,7 +575,8 @@ TEST_F(DiskRobustnessTest, MissingLatestKeepsVersionsAndVersionsNeverGoBack) {
   testing::WriteFileOrDie(dir_.path() + "/channel/.LATEST.tmp-99999", "4\n");
   auto pub = Publisher::Open(Uri(dir_, "retention=10"));
   ASSERT_TRUE(pub.ok()) << pub.status();
-  for (uint64_t v = 1; v <= 3; ++v) EXPECT_TRUE(std::filesystem::exists(VersionDir(dir_, v)));
+  for (uint64_t v = 1; v <= 3; ++v)
+    EXPECT_TRUE(std::filesystem::exists(testing::DiskVersionDir(dir_, v)));
   EXPECT_FALSE(std::filesystem::exists(dir_.path() + "/channel/.LATEST.tmp-99999"));
   EXPECT_EQ((*pub)->latest_version(), std::optional<uint64_t>(3));
   auto tensors = MakeVersion(1, 1, 4096);
@@ -673,7 +673,7 @@ TEST(DiskOwnershipTest, PublisherWhoseDirectoryWasReplacedFailsAndLatestNeverGoe
   EXPECT_EQ(replaced.code(), absl::StatusCode::kFailedPrecondition) << replaced;
   EXPECT_NE(replaced.message().find("deleted and recreated"), absl::string_view::npos) << replaced;
   EXPECT_EQ(testing::ReadFileOrDie(channel + "/LATEST"), "2\n");
-  EXPECT_FALSE(std::filesystem::exists(VersionDir(dir, 6)));
+  EXPECT_FALSE(std::filesystem::exists(testing::DiskVersionDir(dir, 6)));
 
   // The second publisher carries on; a subscriber sees its versions only.
   auto v3 = MakeVersion(12, 3, 1 << 14);
@@ -767,7 +767,7 @@ TEST_F(DiskSymlinkTest, LatestTemporaryAndUncommittedVersionLinksAreReplacedNotF
   ASSERT_EQ(::lstat((channel_ + "/LATEST").c_str(), &st), 0);
   EXPECT_TRUE(S_ISREG(st.st_mode)) << "LATEST must be a file, not the planted link";
   EXPECT_EQ(testing::ReadFileOrDie(channel_ + "/LATEST"), "1\n");
-  ASSERT_EQ(::lstat(VersionDir(dir_, 1).c_str(), &st), 0);
+  ASSERT_EQ(::lstat(testing::DiskVersionDir(dir_, 1).c_str(), &st), 0);
   EXPECT_TRUE(S_ISDIR(st.st_mode));
   auto sub = Subscriber::Open(Uri(dir_));
   auto u = (*sub)->WaitForVersion(1, kTimeout);
@@ -786,17 +786,17 @@ TEST_F(DiskSymlinkTest, SubscriberRefusesAVersionDirectoryOrFileThatIsALink) {
   }
   // A forged, complete checkpoint outside the channel, linked in place of version 2.
   const std::string forged = dir_.path() + "/forged";
-  std::filesystem::rename(VersionDir(dir_, 2), forged);
-  ASSERT_EQ(::symlink(forged.c_str(), VersionDir(dir_, 2).c_str()), 0);
+  std::filesystem::rename(testing::DiskVersionDir(dir_, 2), forged);
+  ASSERT_EQ(::symlink(forged.c_str(), testing::DiskVersionDir(dir_, 2).c_str()), 0);
   auto sub = Subscriber::Open(Uri(dir_));
   auto u = (*sub)->WaitForVersion(0, absl::Seconds(5));
   ASSERT_EQ(u.status().code(), absl::StatusCode::kDataLoss) << u.status();
   EXPECT_NE(u.status().message().find("symbolic link"), absl::string_view::npos) << u.status();
 
   // A data file of a real version directory replaced by a link.
-  ASSERT_EQ(::unlink(VersionDir(dir_, 2).c_str()), 0);
-  std::filesystem::rename(forged, VersionDir(dir_, 2));
-  const std::string file = VersionDir(dir_, 2) + "/model.safetensors";
+  ASSERT_EQ(::unlink(testing::DiskVersionDir(dir_, 2).c_str()), 0);
+  std::filesystem::rename(forged, testing::DiskVersionDir(dir_, 2));
+  const std::string file = testing::DiskVersionDir(dir_, 2) + "/model.safetensors";
   std::filesystem::rename(file, dir_.path() + "/outside.safetensors");
   ASSERT_EQ(::symlink((dir_.path() + "/outside.safetensors").c_str(), file.c_str()), 0);
   auto sub2 = Subscriber::Open(Uri(dir_));
@@ -816,7 +816,7 @@ TEST_F(DiskSymlinkTest, PlantedFifosAreRefusedNotWaitedOn) {
     auto t = MakeVersion(16, 1, 1 << 12);
     ASSERT_TRUE((*pub)->Publish(1, Views(t), {}, kTimeout).ok());
   }
-  const std::string lock = VersionDir(dir_, 1) + "/.readers.lock";
+  const std::string lock = testing::DiskVersionDir(dir_, 1) + "/.readers.lock";
   ASSERT_EQ(::unlink(lock.c_str()), 0);
   ASSERT_EQ(::mkfifo(lock.c_str(), 0644), 0);
   auto sub = Subscriber::Open(Uri(dir_));

@@ -31,6 +31,10 @@ ScratchDir::~ScratchDir() {
   std::filesystem::remove_all(path_, ec);
 }
 
+std::string DiskVersionDir(const ScratchDir& dir, uint64_t version) {
+  return absl::StrFormat("%s/channel/versions/v%020d", dir.path(), version);
+}
+
 PausePoint::PausePoint(std::string point, int pass) : point_(std::move(point)), pass_(pass) {}
 
 PausePoint::~PausePoint() { Release(); }

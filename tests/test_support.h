@@ -33,6 +33,10 @@ class ScratchDir {
   std::string path_;
 };
 
+// The directory of version `version` of the disk:// channel at `dir`/channel, as docs/FORMAT.md
+// names it (DIR/channel/versions/v<20 digits>).
+std::string DiskVersionDir(const ScratchDir& dir, uint64_t version);
+
 // Environment overrides, child processes and ports: tools/process/process.h, shared with the
 // benchmarks. Fail points come only from WEIGHTBUS_FAILPOINTS, read when a channel is opened:
 // in-process tests wrap the Open call in a ScopedEnv; child processes get it in their

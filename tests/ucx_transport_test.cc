@@ -159,31 +159,52 @@ TEST_P(UcxTransportTest, MismatchedBindingIsRejectedBeforeAnyByteMoves) {
   EXPECT_EQ(std::memcmp(bias.data(), v2[2].bytes.data(), v2[2].bytes.size()), 0);
 }
 
+// A subscriber whose receive of version 1, started on its own thread, is held by a pause point in
+// the middle of the transfer (renewing nothing). Destruction releases and joins it.
+struct HeldReceive {
+  explicit HeldReceive(const std::string& uri)
+      : sub([&] {
+          testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", mid.Spec());
+          return Subscriber::Open(uri);
+        }()) {}
+  ~HeldReceive() {
+    mid.Release();
+    if (reader.joinable()) reader.join();
+  }
+  // Starts the receive; true once it is held mid-transfer.
+  bool Start() {
+    if (!sub.ok()) return false;
+    reader = std::thread([this] { got = (*sub)->WaitForVersion(1, kTimeout); });
+    return mid.WaitReached(kTimeout);
+  }
+  // Lets the receive go on and waits for it to return.
+  void Finish() {
+    mid.Release();
+    reader.join();
+  }
+
+  testing::PausePoint mid{"ucx.during_get"};
+  absl::StatusOr<std::unique_ptr<Subscriber>> sub;
+  absl::StatusOr<std::unique_ptr<Update>> got;
+  std::thread reader;
+};
+
 TEST_P(UcxTransportTest, PublishWaitsForAHeldSlotNoLongerThanItsDeadline) {
   auto pub = Publisher::Open(Uri("staging_slots=1&lease=60s"));
   ASSERT_TRUE(pub.ok());
   auto v1 = MakeVersion(4, 1, 1 << 18);
   ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
-  // This subscriber is held in the middle of receiving version 1, renewing nothing.
-  testing::PausePoint mid("ucx.during_get");
-  auto sub = [&] {
-    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", mid.Spec());
-    return Subscriber::Open(Uri());
-  }();
-  ASSERT_TRUE(sub.ok());
-  absl::StatusOr<std::unique_ptr<Update>> got;
-  std::thread reader([&] { got = (*sub)->WaitForVersion(1, kTimeout); });
-  ASSERT_TRUE(mid.WaitReached(kTimeout));
+  HeldReceive held(Uri());
+  ASSERT_TRUE(held.Start()) << held.sub.status();
   auto v2 = MakeVersion(4, 2, 1 << 18);
   const absl::Time start = absl::Now();
   absl::Status s = (*pub)->Publish(2, Views(v2), {}, absl::Milliseconds(200));
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   EXPECT_THAT(s.message(), HasSubstr("slot 0 holds version 1, read by subscriber pid"));
-  mid.Release();
-  reader.join();
-  ASSERT_TRUE(got.ok()) << got.status();
-  ExpectSameTensors(**got, v1);
+  held.Finish();
+  ASSERT_TRUE(held.got.ok()) << held.got.status();
+  ExpectSameTensors(**held.got, v1);
   // Released: now the slot is free.
   ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, absl::Seconds(5)).ok());
 }
@@ -193,29 +214,21 @@ TEST_P(UcxTransportTest, ExpiredLeaseLetsPublishProceedAndFailsTheStalledReader)
   ASSERT_TRUE(pub.ok());
   auto v1 = MakeVersion(4, 1, 1 << 18);
   ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
-  testing::PausePoint mid("ucx.during_get");
-  auto sub = [&] {
-    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", mid.Spec());
-    return Subscriber::Open(Uri());
-  }();
-  ASSERT_TRUE(sub.ok());
-  absl::StatusOr<std::unique_ptr<Update>> got;
-  std::thread reader([&] { got = (*sub)->WaitForVersion(1, kTimeout); });
-  ASSERT_TRUE(mid.WaitReached(kTimeout));
+  HeldReceive held(Uri());
+  ASSERT_TRUE(held.Start()) << held.sub.status();
   // The reader holds the only slot but stops renewing; after its 300 ms lease the slot is
   // reused.
   auto v2 = MakeVersion(4, 2, 1 << 18);
   const absl::Time start = absl::Now();
   ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, absl::Seconds(20)).ok());
   EXPECT_LT(absl::Now() - start, absl::Seconds(15));
-  mid.Release();
-  reader.join();
-  ASSERT_FALSE(got.ok());
-  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
-  EXPECT_THAT(got.status().message(), HasSubstr("expired"));
-  EXPECT_EQ((*sub)->current_version(), std::nullopt);
+  held.Finish();
+  ASSERT_FALSE(held.got.ok());
+  EXPECT_EQ(held.got.status().code(), absl::StatusCode::kUnavailable) << held.got.status();
+  EXPECT_THAT(held.got.status().message(), HasSubstr("expired"));
+  EXPECT_EQ((*held.sub)->current_version(), std::nullopt);
   // It recovers with the next call.
-  auto u = (*sub)->WaitForVersion(1, kTimeout);
+  auto u = (*held.sub)->WaitForVersion(1, kTimeout);
   ASSERT_TRUE(u.ok()) << u.status();
   EXPECT_EQ((*u)->version(), 2u);
   ExpectSameTensors(**u, v2);

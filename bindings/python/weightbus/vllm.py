@@ -20,24 +20,29 @@ Two adapters, for the two ways vLLM lets weights be updated from outside:
    worker attributes `model_runner.model`, `model_config` and `device`, as vLLM's own RLHF
    example (examples/offline_inference/rlhf_utils.py) does.
 
-2. WeightbusWeightTransferEngine, shaped for vLLM's native weight-transfer engine interface
-   (vllm/distributed/weight_transfer/base.py: WeightTransferEngine; two-phase in vLLM 0.22,
-   with start_weight_update/finish_weight_update from 0.25): init_transfer_engine(init_info),
-   start_weight_update(), receive_weights(update_info[, load_weights]) / update_weights(dict),
-   finish_weight_update() -> version, shutdown(), and the static trainer_send_weights(iterator,
-   trainer_args) that publishes. The constructor accepts both the (config, parallel_config[,
-   model]) and the (config, vllm_config, device, model) signatures. Registering it needs
-   `WeightTransferEngineFactory.register_engine("weightbus", "weightbus.vllm",
-   "WeightbusWeightTransferEngine")` and a WeightTransferConfig that admits the backend name
-   (some releases type `backend` as Literal["nccl", ...]).
+2. WeightbusWeightTransferEngine, vLLM's native weight-transfer engine
+   (vllm/distributed/weight_transfer/base.py: WeightTransferEngine, with the constructor
+   (config, vllm_config, device, model) and the start_weight_update / update_weights /
+   finish_weight_update session that vLLM's GPU worker drives). Register it in every vLLM
+   process, select it, and run rounds with sync_weights (which labels vLLM's weight version):
+
+       WeightTransferEngineFactory.register_engine("weightbus", "weightbus.vllm",
+                                                   "WeightbusWeightTransferEngine")
+       llm = LLM(model=..., weight_transfer_config=WeightTransferConfig(backend="weightbus"))
+       llm.init_weight_transfer_engine({"init_info": {"uri": "disk:///mnt/shared/policy"}})
+       version = weightbus.vllm.sync_weights(llm)      # between rollouts: the newest version
+
+   Some vLLM releases type WeightTransferConfig.backend as a Literal of the built-in names;
+   those need the name admitted there too.
 
 vLLM is not a dependency: both adapters are tested against
 weightbus.testing.llama.VllmStyleLlamaForCausalLM, whose load_weights does what vLLM's Llama
-does, inside a stand-in worker (bindings/python/tests/test_vllm.py).
+does, inside the stand-ins of weightbus.testing.worker (vLLM's worker, its engine base class,
+factory and GPU-worker lifecycle, written from vLLM's source; bindings/python/tests/test_vllm.py).
 """
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _api
 from .errors import InvalidArgumentError
@@ -231,72 +236,139 @@ class WeightbusWorkerExtension:
 # Native weight-transfer engine interface
 # ---------------------------------------------------------------------------------------------
 
-try:  # vLLM's base class when vLLM is installed; a plain class otherwise.
+try:  # vLLM's base classes when vLLM is installed; weightbus.testing's copy of them otherwise.
     from vllm.distributed.weight_transfer.base import WeightTransferEngine as _EngineBase
+    from vllm.distributed.weight_transfer.base import WeightTransferInitInfo as _InitInfoBase
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateInfo as _UpdateInfoBase
 except Exception:  # ImportError, or an import-time failure of a partial installation
-    _EngineBase = object
+    from .testing.worker import WeightTransferEngine as _EngineBase
+    from .testing.worker import WeightTransferInitInfo as _InitInfoBase
+    from .testing.worker import WeightTransferUpdateInfo as _UpdateInfoBase
 
 
 @dataclass
-class WeightbusInitInfo:
-    """init_info of WeightbusWeightTransferEngine: the channel and its settings."""
+class WeightbusInitInfo(_InitInfoBase):
+    """init_info of WeightbusWeightTransferEngine: the channel and its settings (Subscriber
+    options), and optionally the channel of the speculative draft (MTP/EAGLE) model: without
+    `draft_uri` the engine refuses draft updates (supports_draft_weight_update is False)."""
     uri: str
     options: Dict[str, Any] = field(default_factory=dict)
+    draft_uri: Optional[str] = None
+    draft_options: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
-class WeightbusUpdateInfo:
-    """update_info: the version to apply, exactly (None: the newest above the applied one), and
-    how long to wait for it. is_checkpoint_format: the tensors are in checkpoint (Hugging Face) names
-    and layout, to go through the model's load_weights (always true for weightbus)."""
+class WeightbusUpdateInfo(_UpdateInfoBase):
+    """update_info of one update_weights call.
+
+    version: None loads the newest committed version above the one the model holds, without
+    waiting for one to appear (none newer: nothing is loaded and finish_weight_update keeps
+    the model as it is). An int loads exactly that version (Subscriber.receive), also when
+    newer ones exist, waiting up to `timeout` seconds if it is not committed yet: every TP
+    worker given the same number loads the same weights (README, "One version per
+    tensor-parallel group"). NotFoundError when the channel no longer holds it,
+    FailedPreconditionError below the version this worker received last.
+    timeout: seconds (None: forever) for the wait and for the receive.
+    is_checkpoint_format: the tensors are in checkpoint (Hugging Face) names and layout and go
+    through the model's load_weights; weightbus versions always are."""
     version: Optional[int] = None
     timeout: Optional[float] = 60.0
     is_checkpoint_format: bool = True
 
 
+def received_version(worker) -> Optional[int]:
+    """For `llm.collective_rpc(weightbus.vllm.received_version)` between update_weights and
+    finish_weight_update: the version this worker's engine received in the open session (None:
+    none, e.g. update_weights({}) found nothing newer). vLLM labels the weights only from the
+    caller's `finish_weight_update(weight_version=...)`, so this is how a caller learns the
+    label. Over vLLM's multiprocess executor a callable needs
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 (as vLLM's own tests set)."""
+    return worker.weight_transfer_engine.received_version
+
+
+def sync_weights(llm, update_info: Union[None, Dict[str, Any], List[Dict[str, Any]]] = None, *,
+                 draft: bool = False) -> Optional[int]:
+    """One whole update round on a vLLM `LLM` (or anything with its weight-sync methods) whose
+    engine is WeightbusWeightTransferEngine: start_weight_update (start_draft_weight_update
+    with `draft`), update_weights(update_info: one dict for every worker or a list of
+    per-worker dicts; None: {}), finish_weight_update(weight_version=str(v)) where v is the
+    version every worker received. Returns v: the version the model (the draft model with
+    `draft`) now holds, or, when nothing newer was there, the one it held (None before the
+    first).
+
+    Raises what the update raised (vLLM's worker has then reset the target and the engine
+    aborted its session: the next round starts clean), or RuntimeError naming each worker's
+    version when TP workers received different versions (the round is finished, unlabelled).
+    A draft round never moves the label: vLLM's weight version names the target model."""
+    (llm.start_draft_weight_update if draft else llm.start_weight_update)()
+    llm.update_weights({"update_info": {} if update_info is None else update_info})
+    received = llm.collective_rpc(received_version)
+    if len(set(received)) != 1:
+        llm.finish_weight_update()
+        raise RuntimeError(f"workers received different versions {received} (in worker "
+                           f"order); the round was finished without a weight_version label")
+    version = received[0]
+    label = None if draft or version is None else str(version)
+    llm.finish_weight_update(weight_version=label)
+    if version is not None:
+        return version
+    held = llm.collective_rpc(_applied_draft_version if draft else _applied_version)
+    if len(set(held)) != 1:
+        raise RuntimeError(f"nothing newer was received, and the workers hold different "
+                           f"versions {held} (in worker order)")
+    return held[0]
+
+
+def _applied_version(worker) -> Optional[int]:
+    return worker.weight_transfer_engine.applied_version
+
+
+def _applied_draft_version(worker) -> Optional[int]:
+    return worker.weight_transfer_engine.applied_draft_version
+
+
 class WeightbusWeightTransferEngine(_EngineBase):
-    """A weight-transfer engine that receives from a weightbus channel (see the module
-    docstring for the vLLM versions it is shaped for)."""
+    """vLLM's weight-transfer engine (vllm/distributed/weight_transfer/base.py) over a weightbus
+    channel; register it in every vLLM process with
+    `WeightTransferEngineFactory.register_engine("weightbus", "weightbus.vllm",
+    "WeightbusWeightTransferEngine")` and select it with WeightTransferConfig(backend=
+    "weightbus"). vLLM's GPU worker drives it:
+
+    - init_transfer_engine(WeightbusInitInfo): subscribes (and to draft_uri when given).
+    - start_weight_update(): opens a session on the current target (vLLM retargets the engine
+      at the draft model for start_draft_weight_update); initializes layerwise reload where
+      vLLM has it. Refuses a second session, and a draft target without draft_uri.
+    - update_weights(dict) -> receive_weights(WeightbusUpdateInfo): receives one version and
+      hands it to the target's load_weights. One version per session. On any failure the
+      session is aborted as vLLM's disk engine aborts its own (layerwise reload finalized),
+      then the error is raised: vLLM's worker resets the target and the next round is clean.
+    - finish_weight_update(): finalizes (layerwise reload, or the post-load processing) and
+      makes the received version the applied one. vLLM labels the weights only from the
+      caller's LLM.finish_weight_update(weight_version=...): see sync_weights.
+    - shutdown(): aborts an open session and closes the subscribers.
+
+    Every TP worker receives the full tensors (load_weights shards them). Not thread-safe: vLLM
+    calls one worker's engine from one thread."""
 
     init_info_cls = WeightbusInitInfo
     update_info_cls = WeightbusUpdateInfo
 
-    def __init__(self, config: Any = None, *args: Any, **kwargs: Any) -> None:
-        # (config, parallel_config[, model]) or (config, vllm_config, device, model).
-        self.config = config
-        self.vllm_config = kwargs.pop("vllm_config", None)
-        self.parallel_config = kwargs.pop("parallel_config", None)
-        self.device = kwargs.pop("device", None)
-        self.model = kwargs.pop("model", None)
-        if kwargs:
-            raise TypeError(f"unexpected arguments {sorted(kwargs)}")
-        if len(args) == 3:
-            self.vllm_config, self.device, self.model = args
-        elif len(args) in (1, 2):
-            self.parallel_config = args[0]
-            if len(args) == 2:
-                self.model = args[1]
-        elif args:
-            raise TypeError(f"expected 1 to 4 positional arguments, got {1 + len(args)}")
-        if self.vllm_config is not None:
-            self.parallel_config = getattr(self.vllm_config, "parallel_config", None)
-        self.model_config = getattr(self.vllm_config, "model_config", None)
+    # False until init_transfer_engine is given a draft_uri (an instance attribute then):
+    # vLLM's worker refuses start_draft_weight_update while it is False.
+    supports_draft_weight_update = False
+
+    # Layerwise reload: an object with initialize(model) and finalize(model, model_config)
+    # (weightbus.testing.worker.LayerwiseReload); None: vLLM's
+    # vllm.model_executor.model_loader.reload where it exists, else the post-load processing.
+    layerwise = None
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
         self._subscriber: Optional[_api.Subscriber] = None
+        self._draft_subscriber: Optional[_api.Subscriber] = None
         self._version: Optional[int] = None
+        self._draft_version: Optional[int] = None
         self._session: Optional[Dict[str, Any]] = None
-
-    # -- vLLM's helpers, for when the base class is not vLLM's --
-    def parse_init_info(self, init_dict: Dict[str, Any]) -> WeightbusInitInfo:
-        try:
-            return self.init_info_cls(**init_dict)
-        except TypeError as e:
-            raise ValueError(f"Invalid init_info for {type(self).__name__}: {e}") from e
-
-    def parse_update_info(self, update_dict: Dict[str, Any]) -> WeightbusUpdateInfo:
-        try:
-            return self.update_info_cls(**update_dict)
-        except TypeError as e:
-            raise ValueError(f"Invalid update_info for {type(self).__name__}: {e}") from e
 
     # -- the interface --
     def init_transfer_engine(self, init_info: WeightbusInitInfo) -> None:
@@ -304,104 +376,141 @@ class WeightbusWeightTransferEngine(_EngineBase):
             init_info = self.parse_init_info(init_info)
         self.shutdown()
         self._subscriber = _api.Subscriber(init_info.uri, **init_info.options)
+        if init_info.draft_uri is not None:
+            self._draft_subscriber = _api.Subscriber(init_info.draft_uri,
+                                                     **init_info.draft_options)
+        self.supports_draft_weight_update = self._draft_subscriber is not None
 
     def start_weight_update(self) -> None:
+        if self._subscriber is None:
+            raise RuntimeError("init_weight_transfer_engine must be called before "
+                               "start_weight_update")
         if self._session is not None:
             raise RuntimeError("a weightbus weight update is already in progress")
-        self._session = {"version": None, "layerwise": False}
-        if self.model is not None and self.model_config is not None:
+        draft = self.model is not self._default_model
+        if draft and self._draft_subscriber is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: a draft model weight update needs a draft channel "
+                f'(init_info "draft_uri"); without one the draft model would be given the '
+                f"target model's tensors from {self._subscriber.uri}")
+        reload = self._layerwise()
+        self._session = {"version": None, "draft": draft, "reload": None}
+        if reload is not None:
             try:
-                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-            except ImportError:
-                initialize_layerwise_reload = None
-            if initialize_layerwise_reload is not None:
-                initialize_layerwise_reload(self.model)
-                self._session["layerwise"] = True
-
-    def receive_weights(self, update_info: WeightbusUpdateInfo,
-                        load_weights: Optional[Callable[[List[Tuple[str, Any]]], None]] = None
-                        ) -> None:
-        """Receives the version update_info asks for and loads it: through `load_weights` when
-        vLLM passes one (older interface), else the engine's model.load_weights. With
-        update_info.version, exactly that version (Subscriber.receive: also when newer ones
-        exist, so every TP worker given the same number loads the same weights; NotFoundError
-        when the channel no longer holds it, FailedPreconditionError below the version this
-        worker received last); without, the newest above the applied one (Subscriber.wait).
-        Waits the whole timeout, also before the publisher exists. With a
-        model (or vllm_config) that ties lm_head.weight to model.embed_tokens.weight, a version
-        whose lm_head.weight differs is refused first (check_tied_embeddings)."""
-        if isinstance(update_info, dict):
-            update_info = self.parse_update_info(update_info)
-        if self._subscriber is None:
-            raise RuntimeError("init_transfer_engine must be called before receive_weights")
-        implicit = self._session is None  # older interface: no start/finish around it
-        if implicit:
-            self.start_weight_update()
-        if update_info.version is not None:
-            # Exactly the version asked for, as every TP worker of the replica is asked for the
-            # same one (README, "One version per tensor-parallel group").
-            received = self._subscriber.receive(update_info.version, update_info.timeout)
-        else:
-            floor = 0 if self._version is None else self._version + 1
-            received = self._subscriber.wait(floor, update_info.timeout)
-        with received as update:
-            if ties_word_embeddings(self.model, self.model_config):
-                check_tied_embeddings(update, self._subscriber.uri)
-            weights = list(update)
-            if load_weights is not None:
-                load_weights(weights)
-            elif self.model is not None:
-                self.model.load_weights(weights=weights)
-            else:
-                raise RuntimeError("no model to load into and no load_weights callable given")
-            self._session["version"] = update.version
-        if implicit:
-            self.finish_weight_update()
+                reload[0](self.model)
+            except BaseException:
+                self._session = None
+                raise
+            self._session["reload"] = reload[1]
 
     def update_weights(self, update_info: Dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
-        _synchronize(self.device)
+        """vLLM's update_weights (parse, receive_weights, synchronize), aborting the session on
+        any failure before raising it."""
+        try:
+            super().update_weights(update_info)
+        except BaseException:
+            self._abort_session()
+            raise
 
-    def finish_weight_update(self) -> Optional[int]:
-        """Runs the post-load processing and returns the version the model now holds."""
+    def receive_weights(self, update_info: WeightbusUpdateInfo) -> None:
+        """Receives the version update_info names (see WeightbusUpdateInfo) from the target's
+        channel and loads it into the target model. With a model (or model_config) that ties
+        lm_head.weight to model.embed_tokens.weight, a version whose lm_head.weight differs is
+        refused first (check_tied_embeddings: nothing loaded)."""
+        if isinstance(update_info, dict):
+            update_info = self.parse_update_info(update_info)
+        session = self._session
+        if session is None:
+            raise RuntimeError("start_weight_update must be called before update_weights")
+        if session["version"] is not None:
+            raise RuntimeError(f"{type(self).__name__} loads one version per update session "
+                               f"(version {session['version']} was loaded in this one); "
+                               f"finish_weight_update, then start another")
+        subscriber = self._draft_subscriber if session["draft"] else self._subscriber
+        applied = self._draft_version if session["draft"] else self._version
+        floor = 0 if applied is None else applied + 1
+        if update_info.version is None:
+            update = subscriber.poll(floor, update_info.timeout)
+            if update is None:
+                return
+        else:
+            update = subscriber.receive(update_info.version, update_info.timeout)
+        with update:
+            if ties_word_embeddings(self.model, self.model_config):
+                check_tied_embeddings(update, subscriber.uri)
+            if self.model is None:
+                raise RuntimeError("no model to load into")
+            self.model.load_weights(weights=list(update))
+            session["version"] = update.version
+
+    def finish_weight_update(self) -> None:
+        """Finalizes the session: the layerwise reload (or the post-load processing) runs and
+        the received version becomes the applied one. With nothing received (update_weights({})
+        found nothing newer) the model is left as it was."""
         if self._session is None:
             raise RuntimeError("no weightbus weight update is in progress")
-        session, self._session = self._session, None
-        if session["version"] is None:
-            raise RuntimeError("finish_weight_update: no version was received since "
-                               "start_weight_update")
-        if session["layerwise"]:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-            finalize_layerwise_reload(self.model, self.model_config)
-        elif self.model is not None:
-            process_weights_after_loading(self.model, self.model_config, self.device)
-        _synchronize(self.device)
-        self._version = session["version"]
-        return self._version
+        session = self._session
+        try:
+            if session["reload"] is not None:
+                session["reload"](self.model, self.model_config)
+            elif session["version"] is not None and self.model is not None:
+                process_weights_after_loading(self.model, self.model_config, self.device)
+            _synchronize(self.device)
+        finally:
+            self._session = None
+        if session["version"] is not None:
+            if session["draft"]:
+                self._draft_version = session["version"]
+            else:
+                self._version = session["version"]
+
+    @property
+    def received_version(self) -> Optional[int]:
+        """The version received in the open session (None: no session, or none received)."""
+        return None if self._session is None else self._session["version"]
 
     @property
     def applied_version(self) -> Optional[int]:
+        """The version the target model holds (None before the first)."""
         return self._version
 
-    def shutdown(self) -> None:
-        if self._subscriber is not None:
-            self._subscriber.close()
-            self._subscriber = None
+    @property
+    def applied_draft_version(self) -> Optional[int]:
+        """The version the draft model holds (None before the first)."""
+        return self._draft_version
 
-    @staticmethod
-    def trainer_send_weights(iterator: Iterable[Tuple[str, Any]],
-                             trainer_args: Dict[str, Any]) -> Any:
-        """Trainer side: publishes (name, tensor) pairs as one version. trainer_args:
-        "version" (required), and "publisher" (an open weightbus.Publisher) or "uri" (+
-        "options"); optional "metadata" and "timeout". Returns the PublishStats."""
-        version = trainer_args["version"]
-        publisher = trainer_args.get("publisher")
-        owned = publisher is None
-        if owned:
-            publisher = _api.Publisher(trainer_args["uri"], **trainer_args.get("options", {}))
+    def shutdown(self) -> None:
+        self._abort_session()
+        for subscriber in (self._subscriber, self._draft_subscriber):
+            if subscriber is not None:
+                subscriber.close()
+        self._subscriber = self._draft_subscriber = None
+        self.supports_draft_weight_update = False
+
+    # -- internals --
+    def _layerwise(self) -> Optional[Tuple[Callable, Callable]]:
+        if self.layerwise is not None:
+            return self.layerwise.initialize, self.layerwise.finalize
+        if self.model is None or self.model_config is None:
+            return None
         try:
-            return publisher.publish(version, list(iterator), trainer_args.get("metadata"),
-                                     timeout=trainer_args.get("timeout", 60.0))
-        finally:
-            if owned:
-                publisher.close()
+            from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                                 initialize_layerwise_reload)
+        except ImportError:
+            return None
+        return initialize_layerwise_reload, finalize_layerwise_reload
+
+    def _abort_session(self) -> None:
+        """Ends an open session without applying it, as vLLM's disk engine does: the layerwise
+        reload is finalized so the model is not left wrapped for reloading (what was loaded
+        before the failure stays loaded: a receive fails before anything is loaded, a
+        load_weights that raises midway does not)."""
+        session, self._session = self._session, None
+        if session is not None and session["reload"] is not None:
+            try:
+                session["reload"](self.model, self.model_config)
+            except Exception as e:  # the original error is the one to raise
+                import logging
+                logging.getLogger(__name__).exception(
+                    "weightbus: finalizing the layerwise reload of an aborted update failed: %s",
+                    e)

@@ -317,8 +317,8 @@ def test_engine_rounds_on_vllms_lifecycle(channel, layerwise):
 def test_engine_loads_exactly_the_version_given(channel, layerwise):
     """update_info.version is the version loaded, not a floor (issue 13, item 3): two TP
     workers told version 1 both load version 1's bytes although version 2 exists; told 2, both
-    load 2 although 3 exists; a version below the one received is refused, and the next round
-    is clean."""
+    load 2 although 3 exists. A version below the one received is refused (one rank: the
+    stand-in LLM stops at the first rank that raises), and the next round is clean."""
     llm = _engine_llm(SMALL, ranks=2)
     llm.init_weight_transfer_engine({"init_info": {"uri": channel}})
     versions = {v: _version(SMALL, v) for v in (1, 2, 3)}
@@ -334,13 +334,18 @@ def test_engine_loads_exactly_the_version_given(channel, layerwise):
             llm.finish_weight_update(weight_version=str(v))
             for w in llm.workers:
                 assert _holds(w.model_runner.model, versions[v])
-        llm.start_weight_update()
+        llm.collective_rpc("shutdown")
+        # A version below the one received: refused, the session aborted, the next round clean.
+        single = _engine_llm(SMALL)
+        single.init_weight_transfer_engine({"init_info": {"uri": channel}})
+        assert weightbus.vllm.sync_weights(single, {"version": 2, "timeout": 30}) == 2
+        single.start_weight_update()
         with pytest.raises(weightbus.FailedPreconditionError, match="holds version 2 already"):
-            llm.update_weights({"update_info": {"version": 1, "timeout": 30}})
-        assert weightbus.vllm.sync_weights(llm, {"version": 3, "timeout": 30}) == 3
-        for w in llm.workers:
-            assert _holds(w.model_runner.model, versions[3])
-    llm.collective_rpc("shutdown")
+            single.update_weights({"update_info": {"version": 1, "timeout": 30}})
+        assert _holds(single.workers[0].model_runner.model, versions[2])
+        assert weightbus.vllm.sync_weights(single, {"version": 3, "timeout": 30}) == 3
+        assert _holds(single.workers[0].model_runner.model, versions[3])
+        single.collective_rpc("shutdown")
 
 
 def test_engine_update_without_version_loads_the_newest_or_returns_at_once(channel, layerwise):

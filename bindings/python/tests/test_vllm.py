@@ -108,6 +108,35 @@ def test_worker_extension_loads_fuses_and_post_processes(stories_dir, channel):
     assert collective_rpc(workers, "weightbus_close") == [True, True]
 
 
+def test_worker_extension_applies_exactly_the_version_given(stories_dir, tmp_path):
+    """weightbus_update(version=v): every worker applies v although newer versions exist (issue
+    13, item 3); v held already returns at once; both bounds at once are refused."""
+    config, tensors = load_hf_checkpoint(stories_dir)
+    channel = f"disk://{tmp_path}/channel?fsync=false&retention=4"
+    versions = {1: _scaled(tensors, 0.5), 2: _scaled(tensors, 0.25), 3: _scaled(tensors, 0.5)}
+    workers = _make_workers(config, 2)
+    assert collective_rpc(workers, "weightbus_init", (channel,)) == [True, True]
+    with weightbus.Publisher(channel) as pub:
+        for v, sent in versions.items():
+            pub.publish(v, sent)
+        for v in (1, 2):
+            assert collective_rpc(workers, "weightbus_update",
+                                  kwargs={"version": v, "timeout": 30}) == [v, v]
+            with torch.no_grad():
+                want = _reference(config, versions[v])(TOKENS)
+            for w in workers:
+                torch.testing.assert_close(w.model_runner.model(TOKENS), want, rtol=1e-5,
+                                           atol=1e-5)
+        assert collective_rpc(workers, "weightbus_update", kwargs={"version": 2}) == [2, 2]
+        assert not workers[0].weightbus_last_update()["changed"]
+        with pytest.raises(ValueError, match="min_version or version"):
+            workers[0].weightbus_update(min_version=3, version=3)
+        with pytest.raises(weightbus.FailedPreconditionError, match="holds version 2 already"):
+            workers[0].weightbus_update(version=1, timeout=30)
+        assert workers[0].weightbus_version() == 2
+    assert collective_rpc(workers, "weightbus_close") == [True, True]
+
+
 def test_worker_extension_requires_init():
     worker = make_worker(None, WeightbusWorkerExtension)
     assert isinstance(worker, StandInWorker)

@@ -4,9 +4,10 @@
 // Through the public API: round trips bit-exact, bindings, Poll and WaitForVersion semantics,
 // exact versions (ReceiveVersion) and tensor-parallel groups receiving one version while
 // publishes race (threads and processes), timeouts, corruption, late joiners, a publisher
-// restarting, handles closed mid-call and inherited across fork(). Through the plugin interface (lib/core/transport.h): every capability
-// a stack declares holds, and every optional method it does not declare refuses cleanly.
-// A transport added later gets all of it with one line in kStacks (docs/TRANSPORTS.md).
+// restarting, handles closed mid-call and inherited across fork(). Through the plugin interface
+// (lib/core/transport.h): every capability a stack declares holds, and every optional method it
+// does not declare refuses cleanly. A transport added later gets all of it with one line in kStacks
+// (docs/TRANSPORTS.md).
 #include <sys/wait.h>
 #include <unistd.h>
 

@@ -190,10 +190,9 @@ class Subscriber::Impl : public internal::ChannelSetup {
   absl::StatusOr<std::unique_ptr<internal::IncomingVersion>> FindExact(uint64_t version,
                                                                        absl::Time find_deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // Checks, receives and verifies `incoming` (found at `found` by a call that began at
-  // `start`) by `deadline` and makes it current. `wanted` says what the call asked for, for
-  // the check that the transport kept to it: versions >= wanted.first, or exactly it when
-  // wanted.second.
+  // Checks, receives and verifies `incoming`, just found by a call that began at `start`, by
+  // `deadline` and makes it current. `wanted` is what the call asked for, to check that the
+  // transport kept to it: a version >= wanted.first, or exactly it when wanted.second.
   absl::StatusOr<std::unique_ptr<Update>> Receive(
       std::unique_ptr<internal::IncomingVersion> incoming, std::pair<uint64_t, bool> wanted,
       absl::Time start, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
@@ -463,9 +462,8 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
   const auto [floor, exact] = wanted;
   if (exact ? m.version != floor : m.version < floor) {
     return absl::InternalError(
-        absl::StrFormat("%s: transport offered version %d while waiting "
-                        "for %s %d",
-                        uri.Display(), m.version, exact ? "==" : ">=", floor));
+        absl::StrFormat("%s: transport offered version %d while waiting for %s %d", uri.Display(),
+                        m.version, exact ? "==" : ">=", floor));
   }
   WB_RETURN_IF_ERROR(CheckManifest(uri, m));
   if (auto layer = m.metadata.find(std::string(internal::kLayerMetadataKey));

@@ -402,6 +402,11 @@ TEST(CliTest, BadFlagValuesAreUsageErrorsNamingTheFlag) {
   for (const Case& c : std::vector<Case>{
            {{"subscribe", "disk:///x", "--to", "d", "--timeout", "2x"}, {"--timeout", "\"2x\""}},
            {{"publish", "disk:///x", "--from", "m", "--version", "-1"}, {"--version", "\"-1\""}},
+           // A number past 2^64 - 1 is refused, not clamped to the largest version.
+           {{"publish", "disk:///x", "--from", "m", "--version", "18446744073709551616"},
+            {"--version", "out of range", "18446744073709551615"}},
+           {{"subscribe", "disk:///x", "--to", "d", "--min-version", "99999999999999999999"},
+            {"--min-version", "out of range"}},
            {{"publish", "disk:///x", "--from", "m", "--version", "1", "--until-subscribers",
              "2000000"},
             {"--until-subscribers", "2000000"}},

@@ -616,6 +616,9 @@ TEST_F(DiskRobustnessTest, SettingsOutOfRangeAreErrorsAndEnvironmentTyposAreNot)
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Subscriber::Open(Uri(dir_, "hash_threads=-3")).status().code(),
             absl::StatusCode::kInvalidArgument);
+  const auto no_files = Publisher::Open(Uri(dir_, "shard_size=0"));  // would make no file
+  EXPECT_EQ(no_files.status().code(), absl::StatusCode::kInvalidArgument) << no_files.status();
+  EXPECT_NE(no_files.status().message().find("shard_size"), absl::string_view::npos);
   auto chunk = Subscriber::Open(Uri(dir_, "chunk_size=1KiB"));
   EXPECT_EQ(chunk.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(chunk.status().message().find("chunk_size"), absl::string_view::npos);

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -122,7 +123,8 @@ class ModelFlags {
       CLI::Option* o = app.add_option(name, text_[f.name], f.help)->type_name(f.value_name);
       o->group(f.group);
       if (f.kind == FlagKind::kNumber) o->check(NumberText());
-      if (f.kind == FlagKind::kCount) o->check(tools::UnsignedText());
+      if (f.kind == FlagKind::kCount)
+        o->check(tools::UnsignedText(std::numeric_limits<uint64_t>::max()));
       options_[f.name] = o;
     }
   }

@@ -135,11 +135,17 @@ absl::StatusOr<absl::Duration> ParseDuration(std::string_view text) {
       "\"%s\" is not a duration (a number of seconds, or e.g. 500ms, 2s, 1m)", std::string(text)));
 }
 
-CLI::Validator UnsignedText() {
+CLI::Validator UnsignedText(uint64_t max) {
   return CLI::Validator(
-      [](std::string& text) -> std::string {
-        if (!text.empty() && text.find_first_not_of("0123456789") == std::string::npos) return "";
-        return absl::StrFormat("\"%s\" is not a non-negative integer", text);
+      [max](std::string& text) -> std::string {
+        if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos) {
+          return absl::StrFormat("\"%s\" is not a non-negative integer", text);
+        }
+        uint64_t value = 0;
+        if (!absl::SimpleAtoi(text, &value) || value > max) {
+          return absl::StrFormat("%s is out of range: at most %d", text, max);
+        }
+        return "";
       },
       "", "");
 }

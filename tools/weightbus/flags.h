@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -40,8 +41,9 @@ std::string FormatSize(uint64_t bytes);
 // the text, for anything else or a negative or infinite duration.
 absl::StatusOr<absl::Duration> ParseDuration(std::string_view text);
 
-// The check AddFlag puts on unsigned numbers: digits only.
-CLI::Validator UnsignedText();
+// The check AddFlag puts on unsigned numbers: digits only, at most `max` (a value that does not
+// fit is refused, never clamped to the largest one).
+CLI::Validator UnsignedText(uint64_t max);
 
 // A check for a floating-point flag: a finite number above 0.
 CLI::Validator PositiveNumber();
@@ -51,7 +53,7 @@ CLI::Validator PositiveNumber();
 template <typename T>
 CLI::Option* AddFlag(CLI::App& app, const std::string& name, T* out, const std::string& help) {
   CLI::Option* option = app.add_option("--" + name, *out, help)->capture_default_str();
-  if constexpr (std::is_unsigned_v<T>) option->check(UnsignedText());
+  if constexpr (std::is_unsigned_v<T>) option->check(UnsignedText(std::numeric_limits<T>::max()));
   return option;
 }
 // --NAME SIZE into *out (bytes); the default shown in --help is *out's value at the call.

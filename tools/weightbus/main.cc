@@ -414,7 +414,7 @@ int Main(int argc, char** argv) {
   publish_cmd->add_option("--from", publish.from, "safetensors file or checkpoint directory")
       ->required();
   publish_cmd->add_option("--version", publish.version, "the version number to publish")
-      ->check(UnsignedText())
+      ->check(UnsignedText(std::numeric_limits<uint64_t>::max()))
       ->required();
   AddDurationFlag(*publish_cmd, "timeout", &publish.timeout,
                   "how long publishing (and --until-subscribers) may take");

@@ -810,3 +810,38 @@ def test_wait_for_receivers_over_ucx(monkeypatch):
         watch = SliceWatch(monkeypatch, function="wb_publisher_wait_for_receivers")
         _close_cancels_the_call_in_flight(
             pub, lambda: pub.wait_for_receivers(1, 1000, timeout=None), watch)
+
+
+def test_version_numbers_outside_uint64_are_refused_not_wrapped(channel):
+    """A version is a uint64 in the C API: 2**64 must not become 0 (nor -1 become 2**64-1)."""
+    tensors = {"w": np.arange(4, dtype=np.float32)}
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        for bad in (2**64, 2**64 + 3, -1):
+            with pytest.raises(ValueError, match="0..2\\*\\*64-1"):
+                pub.publish(bad, tensors)
+            with pytest.raises(ValueError, match="0..2\\*\\*64-1"):
+                sub.receive(bad, timeout=0)
+            with pytest.raises(ValueError, match="0..2\\*\\*64-1"):
+                sub.wait(bad, timeout=0)
+            with pytest.raises(ValueError, match="0..2\\*\\*64-1"):
+                sub.poll(bad)
+        for bad in (1.5, None, True):
+            with pytest.raises(TypeError, match="must be an int"):
+                pub.publish(bad, tensors)
+            with pytest.raises(TypeError, match="must be an int"):
+                sub.receive(bad, timeout=0)
+        assert pub.latest_version is None  # nothing was published
+        pub.publish(2**64 - 1, tensors)
+        assert sub.receive(2**64 - 1, timeout=10).version == 2**64 - 1
+
+
+def test_publish_works_while_another_thread_is_still_importing_torch(channel, monkeypatch):
+    """While a thread imports torch, sys.modules["torch"] is a module without Tensor yet; a
+    numpy publish on another thread must not trip over it (it raised AttributeError)."""
+    partly_imported = type(sys)("torch")
+    monkeypatch.setitem(sys.modules, "torch", partly_imported)
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        pub.publish(1, {"w": np.arange(6, dtype=np.float32)})
+        monkeypatch.setitem(sys.modules, "torch", torch)
+        update = sub.receive(1, timeout=10)
+        assert update["w"].tolist() == list(range(6))

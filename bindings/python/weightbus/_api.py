@@ -35,6 +35,16 @@ def _timeout_ms(timeout: Optional[float]) -> int:
     return int(math.ceil(timeout * 1000))
 
 
+def _version(value, what: str) -> int:
+    """Checks a version number (a uint64 in the C API): an int (not a bool) in 0..2**64-1.
+    Raises TypeError for another type, ValueError out of range (never wraps around)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    if not 0 <= value <= 2**64 - 1:
+        raise ValueError(f"{what} must be in 0..2**64-1, got {value}")
+    return value
+
+
 def _items(tensors: TensorsArg):
     items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
     for item in items:
@@ -384,8 +394,7 @@ class Publisher(_Handle):
         or a pair (global_shape, offsets) in elements; the others are published whole
         (Update.tensor_info(name).shard reads it back). Blocks up to `timeout` seconds (None:
         forever) with the GIL released. Returns the publish's figures."""
-        if not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        _version(version, "version")
         meta_array, meta_count, meta_keep = _metadata_array(metadata)
         items = _items(tensors)
         dtypes = dict(dtypes or {})
@@ -423,6 +432,7 @@ class Publisher(_Handle):
         the wait lasted), InvalidArgumentError for count < 1, UnimplementedError where the
         transport cannot tell (disk://), CancelledError when close() comes from another thread.
         Waits in slices, so Ctrl-C (KeyboardInterrupt) interrupts it within a slice."""
+        _version(version, "version")
         if not isinstance(count, int) or count > 2**31 - 1:
             raise ValueError(f"count must be an int below 2**31, got {count!r}")
         _timeout_ms(timeout)  # validates
@@ -678,6 +688,8 @@ class Subscriber(_Handle):
         a version found late in a slice still gets the whole remaining time to be received. A
         slice cut short while the publisher is not reachable reports Unavailable (or
         DeadlineExceeded): both mean "not yet" until the overall deadline."""
+        _version(version, "min_version" if function is lib.wb_subscriber_wait_then_receive
+                 else "version")
         _timeout_ms(timeout)  # validates
         deadline = None if timeout is None else time.monotonic() + timeout
         handle = ctypes.c_void_p()
@@ -704,6 +716,7 @@ class Subscriber(_Handle):
         current_version) is available now, receives it (the newest; up to `receive_timeout`
         seconds, GIL released) and returns it, else returns None. Pass current_version + 1 to
         ask for a newer one, as a replica does between rollouts."""
+        _version(min_version, "min_version")
         handle = ctypes.c_void_p()
         check(self._call(lib.wb_subscriber_poll, min_version, _timeout_ms(receive_timeout),
                                      ctypes.byref(handle)))

@@ -55,12 +55,16 @@ def _torch_dtypes():
 
 def is_torch_tensor(obj):
     torch = _torch()
-    return torch is not None and isinstance(obj, torch.Tensor)
+    # While another thread is still importing torch, sys.modules holds a partly initialised
+    # module without Tensor; no object can be a torch tensor yet.
+    tensor_type = getattr(torch, "Tensor", None) if torch is not None else None
+    return tensor_type is not None and isinstance(obj, tensor_type)
 
 
 def is_numpy_array(obj):
     np = _numpy()
-    return np is not None and isinstance(obj, np.ndarray)
+    array_type = getattr(np, "ndarray", None) if np is not None else None  # as for torch
+    return array_type is not None and isinstance(obj, array_type)
 
 
 class Outgoing:

@@ -21,7 +21,8 @@ const SettingTable& DiskSettings() {
            .type = SettingType::kBytes,
            .default_value = "5GB",
            .doc = "largest safetensors file; bigger versions are split into "
-                  "model-0000K-of-0000N.safetensors with an index (a tensor is never split)"},
+                  "model-0000K-of-0000N.safetensors with an index (a tensor is never split)",
+           .min = "1"},
           {.name = "io_engine",
            .type = SettingType::kEnum,
            .default_value = "uring",

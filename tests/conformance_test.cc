@@ -1,13 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-// The transport contract, once, over every stack this build has (kStacks below: disk, ucx per
+// The transport contract, once, over every stack this build has (Stacks() below: disk, ucx per
 // UCX_TLS, the delta layer over each, mem:// with every optional capability and with none).
 // Through the public API: round trips bit-exact, bindings, Poll and WaitForVersion semantics,
 // exact versions (ReceiveVersion) and tensor-parallel groups receiving one version while
 // publishes race (threads and processes), timeouts, corruption, late joiners, a publisher
 // restarting, handles closed mid-call and inherited across fork(). Through the plugin interface
 // (lib/core/transport.h): every capability a stack declares holds, and every optional method it
-// does not declare refuses cleanly. A transport added later gets all of it with one line in kStacks
-// (docs/TRANSPORTS.md).
+// does not declare refuses cleanly. A transport added later gets all of it with one line in
+// Stacks() (docs/TRANSPORTS.md).
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -100,11 +100,12 @@ class ConformanceTest : public ::testing::TestWithParam<Stack> {
     auto caps = testing::StackCapabilitiesOf(Uri());
     ASSERT_TRUE(caps.ok()) << caps.status();
     caps_ = *caps;
-    if (transport == "ucx") {
-      // UCX tests are skipped, with the reason, only when UCX cannot run with this UCX_TLS.
+    if (port_ != 0) {
+      // A networked stack (ucx per UCX_TLS, later nccl) is skipped, with the reason, only when
+      // its transport cannot run here with the stack's environment.
       auto probe = Publisher::Open(Uri());
       if (!probe.ok() && !absl::IsFailedPrecondition(probe.status())) {
-        GTEST_SKIP() << "UCX cannot run here with " << GetParam().env.name << ": "
+        GTEST_SKIP() << transport << " cannot run here with " << GetParam().env.name << ": "
                      << probe.status();
       }
     }

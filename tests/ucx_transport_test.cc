@@ -171,9 +171,11 @@ struct HeldReceive {
     mid.Release();
     if (reader.joinable()) reader.join();
   }
-  // Starts the receive; true once it is held mid-transfer.
-  bool Start() {
-    if (!sub.ok()) return false;
+  // Publishes `v1` as version 1 on `pub` and starts the receive; true once it is held
+  // mid-transfer.
+  bool Start(const absl::StatusOr<std::unique_ptr<Publisher>>& pub,
+             const std::vector<OwnedTensor>& v1) {
+    if (!pub.ok() || !(*pub)->Publish(1, Views(v1), {}, kTimeout).ok() || !sub.ok()) return false;
     reader = std::thread([this] { got = (*sub)->WaitForVersion(1, kTimeout); });
     return mid.WaitReached(kTimeout);
   }
@@ -190,12 +192,10 @@ struct HeldReceive {
 };
 
 TEST_P(UcxTransportTest, PublishWaitsForAHeldSlotNoLongerThanItsDeadline) {
+  const auto v1 = MakeVersion(4, 1, 1 << 18);
   auto pub = Publisher::Open(Uri("staging_slots=1&lease=60s"));
-  ASSERT_TRUE(pub.ok());
-  auto v1 = MakeVersion(4, 1, 1 << 18);
-  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
   HeldReceive held(Uri());
-  ASSERT_TRUE(held.Start()) << held.sub.status();
+  ASSERT_TRUE(held.Start(pub, v1)) << held.sub.status();
   auto v2 = MakeVersion(4, 2, 1 << 18);
   const absl::Time start = absl::Now();
   absl::Status s = (*pub)->Publish(2, Views(v2), {}, absl::Milliseconds(200));
@@ -210,12 +210,10 @@ TEST_P(UcxTransportTest, PublishWaitsForAHeldSlotNoLongerThanItsDeadline) {
 }
 
 TEST_P(UcxTransportTest, ExpiredLeaseLetsPublishProceedAndFailsTheStalledReader) {
+  const auto v1 = MakeVersion(4, 1, 1 << 18);
   auto pub = Publisher::Open(Uri("staging_slots=1&lease=300ms"));
-  ASSERT_TRUE(pub.ok());
-  auto v1 = MakeVersion(4, 1, 1 << 18);
-  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
   HeldReceive held(Uri());
-  ASSERT_TRUE(held.Start()) << held.sub.status();
+  ASSERT_TRUE(held.Start(pub, v1)) << held.sub.status();
   // The reader holds the only slot but stops renewing; after its 300 ms lease the slot is
   // reused.
   auto v2 = MakeVersion(4, 2, 1 << 18);

@@ -86,8 +86,8 @@ class ConformanceTest : public ::testing::TestWithParam<Stack> {
     env_.emplace(GetParam().env.env);
     const std::string scheme = GetParam().uri.substr(0, GetParam().uri.find("://"));
     const std::string transport = scheme.substr(scheme.rfind('+') + 1);
-    if (internal::FindTransport(transport) == nullptr) {
-      GTEST_SKIP() << "this build has no " << transport << " transport";
+    if (const std::string why = testing::MissingTransports({transport}); !why.empty()) {
+      GTEST_SKIP() << why;
     }
     static std::atomic<int> channels{0};
     name_ = absl::StrFormat("conformance-%d-%d", getpid(), channels++);

@@ -8,9 +8,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -36,6 +38,15 @@ class ScratchDir {
 // The directory of version `version` of the disk:// channel at `dir`/channel, as docs/FORMAT.md
 // names it (DIR/channel/versions/v<20 digits>).
 std::string DiskVersionDir(const ScratchDir& dir, uint64_t version);
+
+// Why this build cannot run a test that needs each of `schemes` (transports and layers as
+// weightbus::Transports() names them: "disk", "ucx", "delta"), or "" when it has them all.
+// A transport or layer left out at configure time (WEIGHTBUS_WITH_*=OFF) skips the tests that need
+// it, with this reason:
+//   if (const std::string why = testing::MissingTransports({"delta", "disk"}); !why.empty()) {
+//     GTEST_SKIP() << why;
+//   }
+std::string MissingTransports(std::initializer_list<std::string_view> schemes);
 
 // Environment overrides, child processes and ports: tools/process/process.h, shared with the
 // benchmarks. Fail points come only from WEIGHTBUS_FAILPOINTS, read when a channel is opened:

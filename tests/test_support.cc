@@ -38,13 +38,13 @@ std::string DiskVersionDir(const ScratchDir& dir, uint64_t version) {
   return absl::StrFormat("%s/channel/versions/v%020d", dir.path(), version);
 }
 
-std::string MissingTransports(std::initializer_list<std::string_view> schemes) {
+std::string MissingTransports(const std::vector<std::string>& schemes) {
   const std::vector<std::string> built = Transports();
   std::vector<std::string> missing, options;
-  for (std::string_view scheme : schemes) {
+  for (const std::string& scheme : schemes) {
     if (std::find(built.begin(), built.end(), scheme) != built.end()) continue;
-    missing.emplace_back(scheme);
-    options.push_back(absl::StrCat("WEIGHTBUS_WITH_", absl::AsciiStrToUpper(std::string(scheme))));
+    missing.push_back(scheme);
+    options.push_back(absl::StrCat("WEIGHTBUS_WITH_", absl::AsciiStrToUpper(scheme)));
   }
   if (missing.empty()) return "";
   return absl::StrCat("this build has no ", absl::StrJoin(missing, ", "),

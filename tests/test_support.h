@@ -8,11 +8,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
-#include <initializer_list>
 #include <map>
 #include <optional>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -46,7 +44,7 @@ std::string DiskVersionDir(const ScratchDir& dir, uint64_t version);
 //   if (const std::string why = testing::MissingTransports({"delta", "disk"}); !why.empty()) {
 //     GTEST_SKIP() << why;
 //   }
-std::string MissingTransports(std::initializer_list<std::string_view> schemes);
+std::string MissingTransports(const std::vector<std::string>& schemes);
 
 // Environment overrides, child processes and ports: tools/process/process.h, shared with the
 // benchmarks. Fail points come only from WEIGHTBUS_FAILPOINTS, read when a channel is opened:

@@ -2,9 +2,9 @@
 /*
  * The C API from plain C (compiled as C11, linking libweightbus.so as users do): a publisher in
  * this process and a subscriber in a forked child process exchange versions over disk://; the
- * library lists, shards, layer figures (delta+disk) and WaitForReceivers (ucx:// over loopback,
- * when built) in this process. Every byte, dtype, error code and message is checked. Uses
- * nothing but weightbus.h (and POSIX sockets to find a free port).
+ * library lists, shards, layer figures (delta+disk), exact-version receive and WaitForReceivers
+ * (ucx:// over loopback, when built) in this process. Every byte, dtype, error code and message is
+ * checked. Uses nothing but weightbus.h (and POSIX sockets to find a free port).
  *
  * WB_TEST_TRANSPORTS (from CMake) is the comma-separated, sorted list of the schemes this build
  * compiles in: wb_transport_* must report exactly these.
@@ -301,6 +301,50 @@ static int Child(const char* uri, int ready_fd) {
   wb_update_destroy(update);
   wb_subscriber_destroy(sub);
   return failures == 0 ? 0 : 1;
+}
+
+/* wb_subscriber_receive_version: exactly the version asked for, never the newest instead; a
+ * retired one is WB_NOT_FOUND naming what the channel holds; below the current one is
+ * WB_FAILED_PRECONDITION; a future one times out (retryable). */
+static void TestReceiveVersion(const char* dir) {
+  char uri[512];
+  snprintf(uri, sizeof(uri), "disk://%s/exact?fsync=false&retention=2", dir);
+  wb_publisher_t* pub = NULL;
+  CHECK_OK(wb_publisher_create(uri, NULL, &pub));
+  if (pub == NULL) return;
+  for (uint64_t v = 1; v <= 3; ++v) CHECK_OK(PublishVersion(pub, v));
+  wb_publisher_destroy(pub); /* finishes its retention pass: versions 2 and 3 stay */
+
+  wb_subscriber_t* sub = NULL;
+  CHECK_OK(wb_subscriber_create(uri, NULL, &sub));
+  if (sub == NULL) return;
+  wb_update_t* update = (wb_update_t*)0x1;
+  CHECK_STATUS(wb_subscriber_receive_version(sub, 1, 30000, 0, &update), WB_NOT_FOUND,
+               "version 1 is no longer on the channel (it holds 2, 3; newest seen: 3)");
+  CHECK(update == (wb_update_t*)0x1); /* outputs are written only on WB_OK */
+  update = NULL;
+  CHECK_OK(wb_subscriber_receive_version(sub, 2, 30000, 0, &update));
+  if (update != NULL) CheckUpdate(update, 2); /* version 2's bytes although 3 is there */
+  wb_update_destroy(update);
+  bool has = false;
+  uint64_t current = 0;
+  CHECK_OK(wb_subscriber_current_version(sub, &has, &current));
+  CHECK(has && current == 2);
+  CHECK_STATUS(wb_subscriber_receive_version(sub, 1, 30000, 0, &update), WB_FAILED_PRECONDITION,
+               "holds version 2 already");
+  update = NULL;
+  CHECK_OK(wb_subscriber_receive_version(sub, 2, 30000, 10000, &update)); /* again: reload */
+  if (update != NULL) CheckUpdate(update, 2);
+  wb_update_destroy(update);
+  wb_update_t* none = NULL;
+  wb_status_t s = wb_subscriber_receive_version(sub, 4, 50, 10000, &none);
+  CHECK(s == WB_DEADLINE_EXCEEDED && WB_STATUS_IS_RETRYABLE(s) && none == NULL);
+  CHECK(strstr(wb_last_error_message(), "version 4 was not committed by the deadline") != NULL);
+  CHECK_STATUS(wb_subscriber_receive_version(sub, 3, 30000, 0, NULL), WB_INVALID_ARGUMENT,
+               "update");
+  CHECK_STATUS(wb_subscriber_receive_version(NULL, 3, 30000, 0, &none), WB_INVALID_ARGUMENT,
+               "subscriber");
+  wb_subscriber_destroy(sub);
 }
 
 static int RemoveEntry(const char* path, const struct stat* sb, int flag, struct FTW* ftw) {
@@ -833,6 +877,7 @@ int main(void) {
   TestShards(dir);
   TestLayerStats(dir);
   TestUcxReceivers();
+  TestReceiveVersion(dir);
 
   wb_publisher_t* publisher = NULL;
   CHECK_OK(wb_publisher_create(uri, NULL, &publisher));

@@ -2,10 +2,12 @@
 // The transport contract, once, over every stack this build has (kStacks below: disk, ucx per
 // UCX_TLS, the delta layer over each, mem:// with every optional capability and with none).
 // Through the public API: round trips bit-exact, bindings, Poll and WaitForVersion semantics,
-// timeouts, corruption, late joiners, a publisher restarting, handles closed mid-call and
-// inherited across fork(). Through the plugin interface (lib/core/transport.h): every capability
-// a stack declares holds, and every optional method it does not declare refuses cleanly.
-// A transport added later gets all of it with one line in kStacks (docs/TRANSPORTS.md).
+// exact versions (ReceiveVersion) and tensor-parallel groups receiving one version while
+// publishes race (threads and processes), timeouts, corruption, late joiners, a publisher
+// restarting, handles closed mid-call and inherited across fork(). Through the plugin interface
+// (lib/core/transport.h): every capability a stack declares holds, and every optional method it
+// does not declare refuses cleanly. A transport added later gets all of it with one line in kStacks
+// (docs/TRANSPORTS.md).
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,6 +24,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "core/registry.h"
 #include "core/tensor_pack.h"
@@ -50,10 +53,12 @@ constexpr absl::Duration kTimeout = absl::Seconds(30);
 
 // One stack the contract runs over. `uri` is a template: {dir} becomes a fresh directory,
 // {port} a free loopback port, {name} a fresh channel name; `env` is set for the test (UCX_TLS).
+// `kept`: the setting that bounds how many versions the channel holds (KeepOnly below).
 struct Stack {
   std::string name;
   std::string uri;
   Tls env = {};
+  std::string kept;
 };
 void PrintTo(const Stack& s, std::ostream* os) { *os << s.name; }
 
@@ -69,14 +74,14 @@ constexpr char kBareMem[] =
 // skipped.
 const std::vector<Stack>& Stacks() {
   static const auto* stacks = new std::vector<Stack>{
-      {"disk", "disk://{dir}/channel"},
-      {"ucx_shm", "ucx://127.0.0.1:{port}/channel", testing::kShm},
-      {"ucx_tcp", "ucx://127.0.0.1:{port}/channel", testing::kTcp},
-      {"delta_disk", "delta+disk://{dir}/channel"},
-      {"delta_ucx", "delta+ucx://127.0.0.1:{port}/channel", testing::kShm},
-      {"mem", "mem:///{name}"},
-      {"mem_bare", kBareMem},
-      {"delta_mem_bare", std::string("delta+") + kBareMem},
+      {"disk", "disk://{dir}/channel", {}, "retention"},
+      {"ucx_shm", "ucx://127.0.0.1:{port}/channel", testing::kShm, "staging_slots"},
+      {"ucx_tcp", "ucx://127.0.0.1:{port}/channel", testing::kTcp, "staging_slots"},
+      {"delta_disk", "delta+disk://{dir}/channel", {}, "retention"},
+      {"delta_ucx", "delta+ucx://127.0.0.1:{port}/channel", testing::kShm, "staging_slots"},
+      {"mem", "mem:///{name}", {}, "retention"},
+      {"mem_bare", kBareMem, {}, "retention"},
+      {"delta_mem_bare", std::string("delta+") + kBareMem, {}, "retention"},
   };
   return *stacks;
 }
@@ -106,6 +111,14 @@ class ConformanceTest : public ::testing::TestWithParam<Stack> {
                      << probe.status();
       }
     }
+  }
+
+  // A query that makes the channel hold only the newest `versions` (under a layer with
+  // versions == 1, every version a keyframe, so that no chain keeps older ones).
+  std::string KeepOnly(int versions) const {
+    std::string query = absl::StrFormat("%s=%d", GetParam().kept, versions);
+    if (versions == 1 && absl::StrContains(GetParam().uri, "+")) query += "&keyframe_interval=1";
+    return query;
   }
 
   // The test's channel; `query` is appended to the stack's own.
@@ -1044,6 +1057,377 @@ TEST_P(ConformanceTest, TransportCancelEndsWaitsInFlightWhereDeclared) {
   } else {
     EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Exact versions (Subscriber::ReceiveVersion) and tensor-parallel groups whose leader picks the
+// version once (README, "One version per tensor-parallel group").
+
+constexpr uint64_t kExactSeed = 12;
+constexpr uint64_t kExactBytes = 64 << 10;
+
+absl::Status PublishExact(Publisher& pub, uint64_t v) {
+  const auto tensors = MakeVersion(kExactSeed, v, kExactBytes);
+  return pub.Publish(v, Views(tensors), {{"step", std::to_string(v)}}, kTimeout);
+}
+
+// A held one while newer ones exist where the stack declares OpenVersion (elsewhere NotFound:
+// only the newest can be handed over); a future one waited for; the current one again; a lower
+// one refused; the timeout.
+TEST_P(ConformanceTest, ReceiveVersionTakesExactlyTheVersionAskedFor) {
+  auto pub = OpenPublisher(Uri());
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(pub && sub);
+  for (uint64_t v = 1; v <= 3; ++v) ASSERT_TRUE(PublishExact(*pub, v).ok());
+  auto two = sub->ReceiveVersion(2, kTimeout);
+  if (caps_.open_version) {
+    ASSERT_TRUE(two.ok()) << two.status();
+    EXPECT_EQ((*two)->version(), 2u);
+    EXPECT_EQ((*two)->manifest().metadata.at("step"), "2");
+    ExpectSameTensors(**two, MakeVersion(kExactSeed, 2, kExactBytes));
+  } else {
+    ASSERT_EQ(two.status().code(), absl::StatusCode::kNotFound) << two.status();
+    EXPECT_TRUE(absl::StrContains(two.status().message(), "version 2")) << two.status();
+    EXPECT_EQ(sub->current_version(), std::nullopt);
+  }
+  auto three = sub->ReceiveVersion(3, kTimeout);
+  ASSERT_TRUE(three.ok()) << three.status();
+  ExpectSameTensors(**three, MakeVersion(kExactSeed, 3, kExactBytes));
+  // Not committed yet: waited for.
+  std::unique_ptr<Update> four;
+  Subscriber* raw = sub.get();
+  InFlight wait([raw, &four]() -> absl::Status {
+    WB_ASSIGN_OR_RETURN(four, raw->ReceiveVersion(4, kTimeout));
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(PublishExact(*pub, 4).ok());
+  const absl::Status result = wait.Result(kTimeout);
+  ASSERT_TRUE(result.ok()) << result;
+  EXPECT_EQ(four->version(), 4u);
+  ExpectSameTensors(*four, MakeVersion(kExactSeed, 4, kExactBytes));
+  auto again = sub->ReceiveVersion(4, kTimeout);  // the current version again: a reload
+  ASSERT_TRUE(again.ok()) << again.status();
+  ExpectSameTensors(**again, MakeVersion(kExactSeed, 4, kExactBytes));
+  auto lower = sub->ReceiveVersion(3, kTimeout);
+  ASSERT_EQ(lower.status().code(), absl::StatusCode::kFailedPrecondition) << lower.status();
+  EXPECT_TRUE(absl::StrContains(lower.status().message(), "cannot receive version 3"))
+      << lower.status();
+  EXPECT_TRUE(absl::StrContains(lower.status().message(), "holds version 4 already"))
+      << lower.status();
+  const absl::Time start = absl::Now();
+  auto late = sub->ReceiveVersion(9, absl::Milliseconds(100));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  ASSERT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  EXPECT_TRUE(absl::StrContains(late.status().message(), "version 9 was not committed"))
+      << late.status();
+  // The two-bound form: nothing found within the find bound is DeadlineExceeded, however long
+  // the receive bound.
+  auto found_late = sub->ReceiveVersion(9, absl::Milliseconds(50), kTimeout);
+  ASSERT_EQ(found_late.status().code(), absl::StatusCode::kDeadlineExceeded) << found_late.status();
+  EXPECT_EQ(sub->current_version(), std::optional<uint64_t>(4));
+}
+
+TEST_P(ConformanceTest, ReceiveVersionOfARetiredVersionIsNotFoundNamingWhatTheChannelHolds) {
+  auto pub = OpenPublisher(Uri(KeepOnly(1)));
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(pub && sub);
+  // Three versions: the delta layer over ucx lets the slot of a keyframe go only at the publish
+  // after the next keyframe.
+  for (uint64_t v = 1; v <= 3; ++v) ASSERT_TRUE(PublishExact(*pub, v).ok());
+  // A durable channel outlives its publisher, which finishes its pending retention pass when
+  // destroyed (disk); the others' publishers must stay to serve.
+  if (caps_.durable) pub.reset();
+  auto one = sub->ReceiveVersion(1, kTimeout);
+  ASSERT_EQ(one.status().code(), absl::StatusCode::kNotFound) << one.status();
+  EXPECT_TRUE(absl::StrContains(one.status().message(), "version 1 is no longer on the channel"))
+      << one.status();
+  EXPECT_TRUE(absl::StrContains(one.status().message(), caps_.list_versions
+                                                            ? "3; newest seen: 3)"
+                                                            : "cannot list; newest seen: 3)"))
+      << one.status();
+  EXPECT_TRUE(absl::StrContains(one.status().message(), "version none stays current"))
+      << one.status();
+  EXPECT_EQ(sub->current_version(), std::nullopt);
+  // The subscriber is intact: the held version still comes.
+  auto three = sub->ReceiveVersion(3, kTimeout);
+  ASSERT_TRUE(three.ok()) << three.status();
+  ExpectSameTensors(**three, MakeVersion(kExactSeed, 3, kExactBytes));
+}
+
+// Publishes land while a ReceiveVersion waits for a version not committed yet (announced by
+// the core.before_version_wait point): it hands over that version, not the newest.
+TEST_P(ConformanceTest, ReceiveVersionWaitsForAFutureVersionAndDoesNotSkipIt) {
+  auto pub = OpenPublisher(Uri(KeepOnly(8)));
+  ASSERT_TRUE(pub);
+  ASSERT_TRUE(PublishExact(*pub, 1).ok());
+  testing::PausePoint waiting("core.before_version_wait");
+  waiting.Release();  // announces only
+  std::unique_ptr<Subscriber> sub;
+  {
+    const testing::ScopedEnv env("WEIGHTBUS_FAILPOINTS", waiting.Spec());
+    sub = OpenSubscriber(Uri());
+  }
+  ASSERT_TRUE(sub);
+  absl::StatusOr<std::unique_ptr<Update>> got;
+  std::jthread receiver([&] { got = sub->ReceiveVersion(2, kTimeout); });
+  ASSERT_TRUE(waiting.WaitReached(kTimeout));
+  ASSERT_TRUE(PublishExact(*pub, 2).ok());
+  // Without OpenVersion only the newest can be handed over: 3 waits until 2 is received.
+  if (caps_.open_version) ASSERT_TRUE(PublishExact(*pub, 3).ok());
+  receiver.join();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ((*got)->version(), 2u);
+  ExpectSameTensors(**got, MakeVersion(kExactSeed, 2, kExactBytes));
+}
+
+TEST_P(ConformanceTest, CancelEndsAReceiveVersionWaitingForItsVersion) {
+  if (!caps_.cancel) GTEST_SKIP() << "the stack declares no cancel: a wait runs to its deadline";
+  auto pub = OpenPublisher(Uri());
+  ASSERT_TRUE(pub);
+  ASSERT_TRUE(PublishExact(*pub, 1).ok());
+  testing::PausePoint waiting("core.before_version_wait");
+  waiting.Release();
+  std::unique_ptr<Subscriber> sub;
+  {
+    const testing::ScopedEnv env("WEIGHTBUS_FAILPOINTS", waiting.Spec());
+    sub = OpenSubscriber(Uri());
+  }
+  ASSERT_TRUE(sub);
+  absl::StatusOr<std::unique_ptr<Update>> got;
+  std::jthread receiver([&] { got = sub->ReceiveVersion(5, absl::Seconds(120)); });
+  ASSERT_TRUE(waiting.WaitReached(kTimeout));
+  const absl::Time cancelled = absl::Now();
+  sub->Cancel();
+  receiver.join();
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kCancelled) << got.status();
+  EXPECT_LT(absl::Now() - cancelled, absl::Seconds(60)) << "Cancel did not end the wait";
+  EXPECT_EQ(sub->ReceiveVersion(1, kTimeout).status().code(), absl::StatusCode::kCancelled);
+}
+
+// N workers, each its own Subscriber (as each vLLM worker process has one); the first is the
+// leader, which picks the version once per round.
+class Group {
+ public:
+  Group(const std::string& uri, int workers) {
+    for (int i = 0; i < workers; ++i) {
+      auto s = Subscriber::Open(uri);
+      EXPECT_TRUE(s.ok()) << s.status();
+      if (s.ok()) workers_.push_back(*std::move(s));
+    }
+  }
+  size_t size() const { return workers_.size(); }
+  Subscriber& leader() { return *workers_[0]; }
+
+  // Every worker but the leader receives exactly `v` at the same time; each worker's bytes are
+  // checked against version v's. Returns the first error (NotFound: the group must re-pick).
+  absl::Status ReceiveAll(uint64_t v) {
+    std::vector<absl::Status> status(workers_.size());
+    std::vector<std::jthread> threads;
+    for (size_t i = 1; i < workers_.size(); ++i) {
+      threads.emplace_back([&, i] {
+        auto u = workers_[i]->ReceiveVersion(v, kTimeout);
+        if (!u.ok()) {
+          status[i] = u.status();
+          return;
+        }
+        EXPECT_EQ((*u)->version(), v) << "worker " << i;
+        ExpectSameTensors(**u, MakeVersion(kExactSeed, v, kExactBytes));
+      });
+    }
+    threads.clear();  // joins
+    for (const absl::Status& s : status) {
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+
+  // The group's invariant: every worker holds `v`.
+  void ExpectAllHold(uint64_t v) {
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      EXPECT_EQ(workers_[i]->current_version(), v) << "worker " << i;
+    }
+  }
+
+ private:
+  std::vector<std::unique_ptr<Subscriber>> workers_;
+};
+
+// Publishes versions 2..`last` on its own thread, kBurst more each time the group's leader has
+// picked a version (Picked): those publishes then race the workers' receives of that version
+// every round, however fast either side is (no sleeps; a ucx:// publisher is otherwise done
+// before the workers start, a disk:// one too slow to overlap them).
+class RacingPublisher {
+ public:
+  static constexpr uint64_t kBurst = 2;
+
+  RacingPublisher(Publisher& pub, uint64_t last)
+      : thread_([this, &pub, last] {
+          for (uint64_t v = 2; v <= last; ++v) {
+            {
+              absl::MutexLock lock(&mu_);
+              next_ = v;
+              mu_.Await(absl::Condition(this, &RacingPublisher::MayPublish));
+            }
+            if (absl::Status s = PublishExact(pub, v); !s.ok()) {
+              absl::MutexLock lock(&mu_);
+              status_ = s;
+              return;
+            }
+          }
+        }) {}
+  ~RacingPublisher() { (void)Finish(); }
+
+  // The leader picked `v`: let the publisher go on to v + kBurst.
+  void Picked(uint64_t v) {
+    absl::MutexLock lock(&mu_);
+    allowed_ = std::max(allowed_, v + kBurst);
+  }
+  // Lets it publish the rest and waits for it; its first error.
+  absl::Status Finish() {
+    Picked(UINT64_MAX - kBurst);
+    if (thread_.joinable()) thread_.join();
+    absl::MutexLock lock(&mu_);
+    return status_;
+  }
+
+ private:
+  bool MayPublish() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return allowed_ >= next_; }
+
+  absl::Mutex mu_;
+  uint64_t allowed_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_ ABSL_GUARDED_BY(mu_) = 2;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  std::jthread thread_;
+};
+
+TEST_P(ConformanceTest, GroupGetsTheLeadersVersionWhenPublishesLandBetweenReceives) {
+  if (!caps_.open_version) GTEST_SKIP() << "without open_version only the newest is handed over";
+  auto pub = OpenPublisher(Uri(KeepOnly(8)));
+  ASSERT_TRUE(pub);
+  Group group(Uri(), 3);
+  ASSERT_EQ(group.size(), 3u);
+  auto bystander = OpenSubscriber(Uri());  // what a worker calling WaitForVersion(v) would get
+  ASSERT_TRUE(bystander);
+  uint64_t next = 1;
+  ASSERT_TRUE(PublishExact(*pub, next++).ok());
+  for (int round = 0; round < 5; ++round) {
+    auto picked =
+        group.leader().WaitForVersion(group.leader().current_version().value_or(0) + 1, kTimeout);
+    ASSERT_TRUE(picked.ok()) << picked.status();
+    const uint64_t v = (*picked)->version();
+    ExpectSameTensors(**picked, MakeVersion(kExactSeed, v, kExactBytes));
+    // A publish lands after the leader's receive, before the other workers'.
+    ASSERT_TRUE(PublishExact(*pub, next++).ok());
+    auto newest = bystander->WaitForVersion(v, kTimeout);
+    ASSERT_TRUE(newest.ok()) << newest.status();
+    ASSERT_GT((*newest)->version(), v)
+        << "the old API would have mixed versions " << v << " and " << (*newest)->version();
+    ASSERT_TRUE(group.ReceiveAll(v).ok());
+    group.ExpectAllHold(v);
+    ASSERT_TRUE(PublishExact(*pub, next++).ok());
+  }
+}
+
+// Publishes race every round's receives (RacingPublisher). With a channel that keeps too few
+// versions a worker may ask too late (NotFound): the group then re-picks, as README says;
+// either way no round ends with workers on different versions.
+void RaceGroupAgainstPublishes(const std::string& publisher_uri, const std::string& uri) {
+  auto pub = OpenPublisher(publisher_uri);
+  ASSERT_TRUE(pub);
+  ASSERT_TRUE(PublishExact(*pub, 1).ok());
+  Group group(uri, 4);
+  ASSERT_EQ(group.size(), 4u);
+  constexpr uint64_t kVersions = 40;
+  RacingPublisher publisher(*pub, kVersions);
+  int rounds = 0, repicked = 0;
+  uint64_t held = 0;
+  while (held < kVersions) {
+    auto picked = group.leader().WaitForVersion(held + 1, kTimeout);
+    ASSERT_TRUE(picked.ok()) << picked.status();
+    const uint64_t v = (*picked)->version();
+    publisher.Picked(v);
+    ExpectSameTensors(**picked, MakeVersion(kExactSeed, v, kExactBytes));
+    absl::Status all = group.ReceiveAll(v);
+    held = v;
+    if (absl::IsNotFound(all)) {
+      ++repicked;  // v went before a worker opened it: the next round picks a newer one
+      continue;
+    }
+    ASSERT_TRUE(all.ok()) << all;
+    group.ExpectAllHold(v);
+    ++rounds;
+  }
+  ASSERT_TRUE(publisher.Finish().ok());
+  group.ExpectAllHold(kVersions);
+  std::cout << publisher_uri << ": " << rounds << " rounds, " << repicked << " re-picked\n";
+}
+
+TEST_P(ConformanceTest, GroupNeverMixesVersionsWhilePublishesRaceAChannelKeepingEight) {
+  if (!caps_.open_version) GTEST_SKIP() << "without open_version only the newest is handed over";
+  RaceGroupAgainstPublishes(Uri(KeepOnly(8)), Uri());
+}
+
+TEST_P(ConformanceTest, GroupNeverMixesVersionsWhilePublishesRaceAChannelKeepingOne) {
+  if (!caps_.open_version) GTEST_SKIP() << "without open_version only the newest is handed over";
+  RaceGroupAgainstPublishes(Uri(KeepOnly(1)), Uri());
+}
+
+// The same with the workers as real processes (tests/peer_main.cc `receive`), as vLLM runs
+// one per GPU: the leader (this process) picks the version and sends it to every worker.
+TEST_P(ConformanceTest, GroupOfProcessesNeverMixesVersionsWhilePublishesRace) {
+  if (!caps_.open_version || !caps_.cross_process) {
+    GTEST_SKIP() << "needs open_version and cross_process";
+  }
+  auto pub = OpenPublisher(Uri(KeepOnly(1)));  // only the newest kept: rounds may re-pick
+  ASSERT_TRUE(pub);
+  ASSERT_TRUE(PublishExact(*pub, 1).ok());
+  auto leader = OpenSubscriber(Uri());
+  ASSERT_TRUE(leader);
+  auto log = [&](size_t i) { return dir_ / absl::StrFormat("worker%d.log", i); };
+  std::vector<testing::Child> workers;
+  for (size_t i = 0; i < 3; ++i) {
+    testing::Child::Options options;
+    options.pipe_stdin = options.pipe_stdout = true;
+    options.log_path = log(i);
+    auto child = testing::Child::Spawn(
+        {testing::BinaryPath("tests/wb_test_peer"), "receive", Uri(), "--seed",
+         std::to_string(kExactSeed), "--bytes", std::to_string(kExactBytes)},
+        options);
+    ASSERT_TRUE(child.ok()) << child.status();
+    workers.push_back(*std::move(child));
+  }
+  constexpr uint64_t kVersions = 30;
+  RacingPublisher publisher(*pub, kVersions);
+  int rounds = 0, repicked = 0;
+  uint64_t held = 0;
+  while (held < kVersions) {
+    auto picked = leader->WaitForVersion(held + 1, kTimeout);
+    ASSERT_TRUE(picked.ok()) << picked.status();
+    const uint64_t v = (*picked)->version();
+    publisher.Picked(v);
+    for (auto& w : workers) ASSERT_TRUE(w.Send(std::to_string(v)));
+    bool all = true;
+    for (size_t i = 0; i < workers.size(); ++i) {
+      std::optional<std::string> answer = workers[i].ReadLine(absl::Now() + kTimeout);
+      ASSERT_TRUE(answer.has_value()) << "worker " << i << " gave no answer for version " << v
+                                      << ": " << testing::ReadFileOrDie(log(i));
+      if (absl::StartsWith(*answer, absl::StrFormat("notfound %d:", v))) {
+        all = false;  // v went before this worker opened it: the group re-picks
+        continue;
+      }
+      ASSERT_EQ(*answer, absl::StrFormat("received %d ok", v)) << "worker " << i;
+    }
+    held = v;
+    all ? ++rounds : ++repicked;
+  }
+  ASSERT_TRUE(publisher.Finish().ok());
+  for (size_t i = 0; i < workers.size(); ++i) {
+    auto status = workers[i].Wait(kTimeout);  // closes its stdin: the worker ends
+    ASSERT_TRUE(status.ok()) << status.status();
+    EXPECT_EQ(process::DescribeWaitStatus(*status), process::DescribeWaitStatus(0))
+        << testing::ReadFileOrDie(log(i));
+  }
+  std::cout << GetParam().name << ": " << rounds << " rounds, " << repicked << " re-picked\n";
 }
 
 INSTANTIATE_TEST_SUITE_P(Stacks, ConformanceTest, ::testing::ValuesIn(Stacks()),

@@ -8,6 +8,10 @@
 //   wb_test_peer subscribe URI --until N [--seed X] [--bytes B] [--timeout-s T] [--set K=V]...
 // The subscriber regenerates each version it receives (test_model.h) and compares bytes, so
 // delivery is checked independently of the library's own checksums. Prints one line per version.
+//   wb_test_peer receive URI [--seed X] [--bytes B] [--timeout-s T] [--set K=V]...
+// A worker of a tensor-parallel group: reads version numbers from stdin, one per line, receives
+// exactly each (Subscriber::ReceiveVersion), checks its bytes as subscribe does and answers
+// "received V ok", or "notfound V: MESSAGE" when the channel no longer holds V; ends at EOF.
 // Exit codes: 0 all good, 1 error, 3 content mismatch or a version going backwards.
 #include <cstdio>
 #include <cstring>
@@ -15,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/time/clock.h"
 #include "test_model.h"
@@ -117,6 +122,28 @@ int Publish(const Flags& f) {
   return 0;
 }
 
+// Whether `u` holds exactly the tensors of its version (test_model.h), byte for byte; says
+// which tensor differs otherwise.
+bool SameAsExpected(const Flags& f, const weightbus::Update& u) {
+  const uint64_t v = u.version();
+  auto expected = weightbus::testing::MakeVersion(f.seed, v, f.bytes);
+  if (u.tensors().size() != expected.size()) {
+    std::fprintf(stderr, "version %llu has %zu tensors, expected %zu\n",
+                 static_cast<unsigned long long>(v), u.tensors().size(), expected.size());
+    return false;
+  }
+  for (const auto& e : expected) {
+    const weightbus::TensorView* got = u.Find(e.name);
+    if (got == nullptr || got->dtype != e.dtype || got->shape != e.shape ||
+        (!e.bytes.empty() && std::memcmp(got->data, e.bytes.data(), e.bytes.size()) != 0)) {
+      std::fprintf(stderr, "version %llu: tensor %s differs\n", static_cast<unsigned long long>(v),
+                   e.name.c_str());
+      return false;
+    }
+  }
+  return true;
+}
+
 int Subscribe(const Flags& f) {
   auto sub = weightbus::Subscriber::Open(f.uri, f.options);
   if (!sub.ok()) {
@@ -137,24 +164,44 @@ int Subscribe(const Flags& f) {
                    static_cast<unsigned long long>(last), static_cast<unsigned long long>(v));
       return 3;
     }
-    auto expected = weightbus::testing::MakeVersion(f.seed, v, f.bytes);
-    if ((*u)->tensors().size() != expected.size()) {
-      std::fprintf(stderr, "version %llu has %zu tensors, expected %zu\n",
-                   static_cast<unsigned long long>(v), (*u)->tensors().size(), expected.size());
-      return 3;
-    }
-    for (const auto& e : expected) {
-      const weightbus::TensorView* got = (*u)->Find(e.name);
-      if (got == nullptr || got->dtype != e.dtype || got->shape != e.shape ||
-          (!e.bytes.empty() && std::memcmp(got->data, e.bytes.data(), e.bytes.size()) != 0)) {
-        std::fprintf(stderr, "version %llu: tensor %s differs\n",
-                     static_cast<unsigned long long>(v), e.name.c_str());
-        return 3;
-      }
-    }
+    if (!SameAsExpected(f, **u)) return 3;
     std::printf("received %llu ok\n", static_cast<unsigned long long>(v));
     std::fflush(stdout);
     last = v;
+  }
+  return 0;
+}
+
+int Receive(const Flags& f) {
+  auto sub = weightbus::Subscriber::Open(f.uri, f.options);
+  if (!sub.ok()) {
+    std::fprintf(stderr, "open: %s\n", sub.status().ToString().c_str());
+    return 1;
+  }
+  char line[64];
+  while (std::fgets(line, sizeof(line), stdin) != nullptr) {
+    uint64_t v = 0;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &v)) {
+      std::fprintf(stderr, "not a version: %s\n", line);
+      return 1;
+    }
+    auto u = (*sub)->ReceiveVersion(v, absl::Seconds(f.timeout_s));
+    if (absl::IsNotFound(u.status())) {
+      std::printf("notfound %llu: %s\n", static_cast<unsigned long long>(v),
+                  std::string(u.status().message()).c_str());
+    } else if (!u.ok()) {
+      std::fprintf(stderr, "receive %llu: %s\n", static_cast<unsigned long long>(v),
+                   u.status().ToString().c_str());
+      return 1;
+    } else if ((*u)->version() != v || !SameAsExpected(f, **u)) {
+      std::fprintf(stderr, "asked for version %llu, got version %llu\n",
+                   static_cast<unsigned long long>(v),
+                   static_cast<unsigned long long>((*u)->version()));
+      return 3;
+    } else {
+      std::printf("received %llu ok\n", static_cast<unsigned long long>(v));
+    }
+    std::fflush(stdout);
   }
   return 0;
 }
@@ -164,10 +211,11 @@ int Subscribe(const Flags& f) {
 int main(int argc, char** argv) {
   Flags f;
   if (!ParseFlags(argc, argv, &f)) {
-    std::fprintf(stderr, "usage: wb_test_peer publish|subscribe URI [flags]\n");
+    std::fprintf(stderr, "usage: wb_test_peer publish|subscribe|receive URI [flags]\n");
     return 2;
   }
   if (f.role == "publish") return Publish(f);
   if (f.role == "subscribe") return Subscribe(f);
+  if (f.role == "receive") return Receive(f);
   return 2;
 }

@@ -446,6 +446,23 @@ WB_EXPORT wb_status_t wb_subscriber_wait_then_receive(wb_subscriber_t* subscribe
 WB_EXPORT wb_status_t wb_subscriber_poll(wb_subscriber_t* subscriber, uint64_t min_version,
                                          int64_t receive_timeout_ms, wb_update_t** update);
 
+/* Receives exactly `version`, never another (Subscriber::ReceiveVersion in weightbus.hpp): if
+ * the channel holds it, also when newer versions exist, opens, receives and verifies it; if it
+ * is not committed yet, waits up to `find_timeout_ms` for it, then has `receive_timeout_ms`
+ * more (from the end of `find_timeout_ms` at the latest) to receive it. `receive_timeout_ms` 0
+ * makes `find_timeout_ms` the bound of the whole call. What each worker of a tensor-parallel
+ * group calls with the one version the engine picked for the group, so that no replica mixes
+ * versions (README, "One version per tensor-parallel group"). `version` equal to the current
+ * version receives it again. Errors: WB_NOT_FOUND when the channel no longer holds `version`
+ * (the message names the versions it holds: pick a newer one for every worker);
+ * WB_FAILED_PRECONDITION for a version below the current one (versions handed over never
+ * decrease); WB_DEADLINE_EXCEEDED when it was not committed in time (nothing is lost); the
+ * rest as wb_subscriber_wait. The previous version stays current on every error. */
+WB_EXPORT wb_status_t wb_subscriber_receive_version(wb_subscriber_t* subscriber, uint64_t version,
+                                                    int64_t find_timeout_ms,
+                                                    int64_t receive_timeout_ms,
+                                                    wb_update_t** update);
+
 /* The version of the last update handed over: *has_version = false before the first. */
 WB_EXPORT wb_status_t wb_subscriber_current_version(wb_subscriber_t* subscriber, bool* has_version,
                                                     uint64_t* version);

@@ -263,6 +263,39 @@ class WB_EXPORT Subscriber {
   absl::StatusOr<std::unique_ptr<Update>> Poll(uint64_t min_version,
                                                absl::Duration receive_timeout);
 
+  // Receives exactly `version`, never another: if the channel holds it (also when newer
+  // versions exist), opens, receives and verifies it; if it is not committed yet, waits up to
+  // `timeout` for it to be. Every guarantee of WaitForVersion holds (verified, all or nothing,
+  // bound destinations untouched on failure with bind_mode=staged, Cancel ends the wait).
+  //
+  // What the workers of one tensor-parallel group call so that a replica never mixes versions:
+  // the engine (or the group's leader) picks `version` once, e.g. the newest committed one or
+  // the version its leader just received, and passes the same number to every worker. The
+  // version must still be on the channel when the slowest worker asks: disk:// keeps the last
+  // `retention` versions (and any version a reader has open), ucx:// the last `staging_slots`
+  // (a slot being read is reused only once its reader is done), the delta layer the chain back
+  // to the keyframe. Set them to cover the publishes that can land while a group receives; a
+  // worker that asks too late gets NotFound, and the group then picks a newer version for
+  // every worker (README, "One version per tensor-parallel group").
+  //
+  // `version` == current_version() receives that version again (an engine reloading what it
+  // holds gets the same verified bytes); a version below current_version() is refused, since
+  // versions handed over never decrease.
+  //
+  // Errors: NotFound when the channel no longer holds `version` (a newer one is there),
+  // naming it and the versions it holds; FailedPrecondition for `version` below
+  // current_version() (naming both: open a new Subscriber to go back); DeadlineExceeded naming
+  // the version and the newest one seen when it was not committed in time; the rest as
+  // WaitForVersion. The previous version stays current on every error.
+  absl::StatusOr<std::unique_ptr<Update>> ReceiveVersion(uint64_t version, absl::Duration timeout);
+
+  // As above with two bounds, as WaitForVersion's: up to `find_timeout` for `version` to be
+  // committed (DeadlineExceeded if it was not; nothing is lost), then `receive_timeout` more to
+  // receive and verify it. For bindings that wait in short slices.
+  absl::StatusOr<std::unique_ptr<Update>> ReceiveVersion(uint64_t version,
+                                                         absl::Duration find_timeout,
+                                                         absl::Duration receive_timeout);
+
   // Makes a wait in flight on another thread return Cancelled promptly, and every later call
   // fail with Cancelled; the object stays valid until destroyed. Thread-safe; returns at once.
   void Cancel();

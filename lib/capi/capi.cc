@@ -604,6 +604,9 @@ absl::Status Publish(wb_publisher_t* publisher, uint64_t version, const char* co
   return publisher->impl->Publish(version, views, *metadata, Timeout(timeout_ms));
 }
 
+// Hands a received version (or, polling, none) to the caller as *update.
+absl::Status HandOver(absl::StatusOr<std::unique_ptr<wb::Update>> received, wb_update_t** update);
+
 // wb_subscriber_wait and, with `poll`, wb_subscriber_poll.
 // `receive_timeout_ms` >= 0: wb_subscriber_wait_then_receive (timeout_ms finds, it receives).
 absl::Status Wait(const char* function, wb_subscriber_t* subscriber, uint64_t min_version,
@@ -616,6 +619,10 @@ absl::Status Wait(const char* function, wb_subscriber_t* subscriber, uint64_t mi
       : receive_timeout_ms ? subscriber->impl->WaitForVersion(min_version, Timeout(timeout_ms),
                                                               Timeout(*receive_timeout_ms))
                            : subscriber->impl->WaitForVersion(min_version, Timeout(timeout_ms));
+  return HandOver(std::move(received), update);
+}
+
+absl::Status HandOver(absl::StatusOr<std::unique_ptr<wb::Update>> received, wb_update_t** update) {
   if (!received.ok()) return received.status();
   if (*received == nullptr) {  // polling, and nothing new enough
     *update = nullptr;
@@ -958,6 +965,19 @@ wb_status_t wb_subscriber_wait_then_receive(wb_subscriber_t* subscriber, uint64_
   constexpr const char* kFn = "wb_subscriber_wait_then_receive";
   return Guard(kFn, [&] {
     return Wait(kFn, subscriber, min_version, find_timeout_ms, false, update, receive_timeout_ms);
+  });
+}
+
+wb_status_t wb_subscriber_receive_version(wb_subscriber_t* subscriber, uint64_t version,
+                                          int64_t find_timeout_ms, int64_t receive_timeout_ms,
+                                          wb_update_t** update) {
+  constexpr const char* kFn = "wb_subscriber_receive_version";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_HANDLE(kFn, subscriber);
+    WB_CHECK_ARG(kFn, update);
+    return HandOver(subscriber->impl->ReceiveVersion(version, Timeout(find_timeout_ms),
+                                                     Timeout(receive_timeout_ms)),
+                    update);
   });
 }
 

@@ -8,6 +8,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "core/buffer.h"
@@ -180,6 +181,24 @@ class Subscriber::Impl : public internal::ChannelSetup {
   absl::StatusOr<std::unique_ptr<Update>> Wait(uint64_t min_version, absl::Time find_deadline,
                                                absl::Time receive_deadline, bool poll)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Subscriber::ReceiveVersion: finds exactly `version` by `find_deadline` and receives it by
+  // `receive_deadline`.
+  absl::StatusOr<std::unique_ptr<Update>> ReceiveExact(uint64_t version, absl::Time find_deadline,
+                                                       absl::Time receive_deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Opens exactly `version`: where the transport still holds it, or once it is committed.
+  absl::StatusOr<std::unique_ptr<internal::IncomingVersion>> FindExact(uint64_t version,
+                                                                       absl::Time find_deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Checks, receives and verifies `incoming`, just found by a call that began at `start`, by
+  // `deadline` and makes it current. `wanted` is what the call asked for, to check that the
+  // transport kept to it: a version >= wanted.first, or exactly it when wanted.second.
+  absl::StatusOr<std::unique_ptr<Update>> Receive(
+      std::unique_ptr<internal::IncomingVersion> incoming, std::pair<uint64_t, bool> wanted,
+      absl::Time start, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  std::string CurrentText() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return current ? std::to_string(*current) : "none";
+  }
   absl::Status CheckBindings(const Manifest& m) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 };
 
@@ -266,6 +285,25 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::WaitForVersion(uint64_t min_
                      /*poll=*/false);
 }
 
+absl::StatusOr<std::unique_ptr<Update>> Subscriber::ReceiveVersion(uint64_t version,
+                                                                   absl::Duration timeout) {
+  internal::CallScope scope(*impl_->gate, "ReceiveVersion");
+  if (!scope.status().ok()) return scope.status();
+  absl::MutexLock lock(&impl_->mu);
+  const absl::Time deadline = absl::Now() + timeout;
+  return impl_->ReceiveExact(version, deadline, deadline);
+}
+
+absl::StatusOr<std::unique_ptr<Update>> Subscriber::ReceiveVersion(uint64_t version,
+                                                                   absl::Duration find_timeout,
+                                                                   absl::Duration receive_timeout) {
+  internal::CallScope scope(*impl_->gate, "ReceiveVersion");
+  if (!scope.status().ok()) return scope.status();
+  absl::MutexLock lock(&impl_->mu);
+  const absl::Time find_deadline = absl::Now() + find_timeout;
+  return impl_->ReceiveExact(version, find_deadline, find_deadline + receive_timeout);
+}
+
 absl::StatusOr<std::unique_ptr<Update>> Subscriber::Poll(uint64_t min_version,
                                                          absl::Duration receive_timeout) {
   internal::CallScope scope(*impl_->gate, "Poll");
@@ -320,7 +358,6 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
                                                                bool poll) {
   WB_RETURN_IF_ERROR(gate->CheckNotClosing(poll ? "Poll" : "WaitForVersion"));
   const absl::Time start = absl::Now();
-  const absl::Time deadline = receive_deadline;
   const uint64_t floor = std::max(min_version, current.value_or(0));
 
   absl::StatusOr<std::unique_ptr<internal::IncomingVersion>> found_version =
@@ -329,15 +366,104 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
     return std::unique_ptr<Update>();  // nothing new enough yet: not an error when polling
   }
   if (!found_version.ok()) return found_version.status();
-  std::unique_ptr<internal::IncomingVersion> incoming = std::move(*found_version);
+  return Receive(*std::move(found_version), {floor, false}, start, receive_deadline);
+}
+
+absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveExact(
+    uint64_t version, absl::Time find_deadline, absl::Time receive_deadline) {
+  WB_RETURN_IF_ERROR(gate->CheckNotClosing("ReceiveVersion"));
+  const absl::Time start = absl::Now();
+  if (current && version < *current) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: cannot receive version %d: this subscriber holds version %d already, and the "
+        "versions it hands over never decrease; open a new Subscriber to go back to version %d",
+        uri.Display(), version, *current, version));
+  }
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<internal::IncomingVersion> incoming,
+                      FindExact(version, find_deadline));
+  return Receive(std::move(incoming), {version, true}, start, receive_deadline);
+}
+
+// "1, 2, 3" (or "none"); a long list shows its ends.
+static std::string VersionList(const std::vector<uint64_t>& versions) {
+  if (versions.empty()) return "none";
+  constexpr size_t kShown = 8;
+  if (versions.size() <= kShown) return absl::StrJoin(versions, ", ");
+  const std::vector<uint64_t> head(versions.begin(), versions.begin() + kShown / 2);
+  const std::vector<uint64_t> tail(versions.end() - kShown / 2, versions.end());
+  return absl::StrFormat("%s, ... (%d versions) ..., %s", absl::StrJoin(head, ", "),
+                         versions.size(), absl::StrJoin(tail, ", "));
+}
+
+absl::StatusOr<std::unique_ptr<internal::IncomingVersion>> Subscriber::Impl::FindExact(
+    uint64_t version, absl::Time find_deadline) {
+  // Open it where the transport holds it; otherwise tell "gone" (a newer version is on the
+  // channel) from "not yet" (wait for the channel to reach it, then open it). A stack without
+  // OpenVersion can hand over only the newest version, found by waiting.
+  const bool can_open = capabilities.open_version;
+  std::optional<uint64_t> newer;  // a version above `version` seen on the channel
+  absl::Status open_error = absl::NotFoundError("the transport opens only the newest version");
+  bool reopened = false;
+  while (true) {
+    WB_RETURN_IF_ERROR(gate->CheckNotClosing("ReceiveVersion"));
+    if (can_open) {
+      absl::StatusOr<std::unique_ptr<internal::IncomingVersion>> opened =
+          backend->OpenVersion(version, find_deadline);
+      if (opened.ok() || !absl::IsNotFound(opened.status())) return opened;
+      open_error = opened.status();
+    }
+    std::vector<uint64_t> held;
+    if (capabilities.list_versions) {
+      WB_ASSIGN_OR_RETURN(held, backend->ListVersions());
+      if (!held.empty() && held.back() > version) newer = std::max(newer.value_or(0), held.back());
+      if (can_open && std::binary_search(held.begin(), held.end(), version)) {
+        // Committed between the two calls: open it again, once. Listed but still not opened:
+        // the transport's own reason (e.g. a delta whose chain is gone).
+        if (reopened) return open_error;
+        reopened = true;
+        continue;
+      }
+    }
+    if (newer) {
+      return absl::NotFoundError(absl::StrFormat(
+          "%s: version %d is no longer on the channel (%s; newest seen: %d): it was "
+          "retired before this subscriber opened it (%s). Keep more versions (disk: retention, "
+          "ucx: staging_slots) for the time a group of replicas takes to receive one, or pick a "
+          "version every replica can still open; version %s stays current",
+          uri.Display(), version,
+          capabilities.list_versions ? "it holds " + VersionList(held)
+                                     : std::string("it holds versions this transport cannot list"),
+          *newer, open_error.message(), CurrentText()));
+    }
+    // Not committed yet (or the transport cannot list): wait until the channel reaches it.
+    WB_RETURN_IF_ERROR(failpoints.Hit("core.before_version_wait"));
+    absl::StatusOr<std::unique_ptr<internal::IncomingVersion>> found =
+        backend->WaitForVersion(version, find_deadline);
+    if (!found.ok()) {
+      if (!absl::IsDeadlineExceeded(found.status())) return found.status();
+      return absl::DeadlineExceededError(
+          absl::StrFormat("%s: version %d was not committed by the deadline: %s; version %s "
+                          "stays current",
+                          uri.Display(), version, found.status().message(), CurrentText()));
+    }
+    if ((*found)->manifest().version == version) return found;
+    // The channel moved past it while we waited: open it where still held, else it is gone.
+    newer = (*found)->manifest().version;
+  }
+}
+
+absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
+    std::unique_ptr<internal::IncomingVersion> incoming, std::pair<uint64_t, bool> wanted,
+    absl::Time start, absl::Time deadline) {
   const absl::Time found = absl::Now();
   auto impl = std::make_unique<Update::Impl>();
   impl->manifest = incoming->manifest();
   const Manifest& m = impl->manifest;
-  if (m.version < floor) {
+  const auto [floor, exact] = wanted;
+  if (exact ? m.version != floor : m.version < floor) {
     return absl::InternalError(
-        absl::StrFormat("%s: transport offered version %d while waiting for >= %d", uri.Display(),
-                        m.version, floor));
+        absl::StrFormat("%s: transport offered version %d while waiting for %s %d", uri.Display(),
+                        m.version, exact ? "==" : ">=", floor));
   }
   WB_RETURN_IF_ERROR(CheckManifest(uri, m));
   if (auto layer = m.metadata.find(std::string(internal::kLayerMetadataKey));
@@ -410,8 +536,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
     return absl::DeadlineExceededError(absl::StrFormat(
         "%s: version %d found, but mapping %d bytes of receive buffers took until past the "
         "deadline; version %s stays current",
-        uri.Display(), m.version, library_bytes + staging_bytes,
-        current ? std::to_string(*current) : "none"));
+        uri.Display(), m.version, library_bytes + staging_bytes, CurrentText()));
   }
   Verifier verifier(m, targets, *hashers);
   absl::Status fetch = failpoints.Hit("core.before_fetch");
@@ -424,11 +549,10 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
       any_direct ? " (bind_mode=direct: bound destinations may hold partial data of this version)"
                  : "";
   if (!fetch.ok()) {
-    return absl::Status(fetch.code(),
-                        absl::StrFormat("%s: receiving version %d failed: %s%s; "
-                                        "version %s stays current",
-                                        uri.Display(), m.version, fetch.message(), direct_note,
-                                        current ? std::to_string(*current) : "none"));
+    return absl::Status(fetch.code(), absl::StrFormat("%s: receiving version %d failed: %s%s; "
+                                                      "version %s stays current",
+                                                      uri.Display(), m.version, fetch.message(),
+                                                      direct_note, CurrentText()));
   }
   bool never_landed = false;
   if (std::optional<size_t> bad = verifier.FirstFailure(&never_landed)) {
@@ -442,7 +566,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
         "%s version %d: tensor \"%s\" from %s fails verification: XXH3-64 of the received %d "
         "bytes is %016x but the manifest says %016x%s; version %s stays current",
         uri.Display(), m.version, t.name, incoming->DescribeSource(*bad), t.nbytes,
-        verifier.actual(*bad), t.xxh3, direct_note, current ? std::to_string(*current) : "none"));
+        verifier.actual(*bad), t.xxh3, direct_note, CurrentText()));
   }
   incoming->Accepted();
   const std::optional<internal::CodecStats> codec = incoming->FetchCodecStats();

@@ -239,8 +239,10 @@ class TransportSubscriber {
 
   // Optional methods (defaults: Unimplemented), declared in TransportCapabilities when
   // implemented.
-  // Exactly version `version`, if the channel still holds it (NotFound otherwise): a delta layer
-  // replays a chain from its keyframe with it.
+  // Exactly version `version`, if the channel still holds it (NotFound otherwise, also for one
+  // not committed yet): a delta layer replays a chain from its keyframe with it, and
+  // Subscriber::ReceiveVersion opens the version it is asked for (telling "gone" from "not yet"
+  // with ListVersions).
   virtual absl::StatusOr<std::unique_ptr<IncomingVersion>> OpenVersion(uint64_t version,
                                                                        absl::Time deadline);
   // The committed versions the channel holds now, ascending.

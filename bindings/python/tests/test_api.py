@@ -106,6 +106,54 @@ def test_poll_takes_what_is_there_without_waiting(channel):
         assert sub.current_version == 2
 
 
+def test_receive_takes_exactly_the_version_asked_for(tmp_path):
+    """Subscriber.receive(v): v's bytes while newer versions exist, v itself again, NotFound
+    naming what the channel holds once v is retired, FailedPrecondition below the current
+    version, a timeout for a version not committed yet (issue 12, one version per replica)."""
+    channel = f"disk://{tmp_path}/channel?fsync=false&retention=2"
+    with weightbus.Publisher(channel) as pub:
+        for v in (1, 2, 3):
+            pub.publish(v, {"w": torch.full((4,), float(v))})
+    # The publisher finished its retention pass when it closed: versions 2 and 3 stay.
+    with weightbus.Subscriber(channel) as sub:
+        with pytest.raises(weightbus.NotFoundError,
+                           match=r"version 1 is no longer on the channel \(it holds 2, 3;"):
+            sub.receive(1, timeout=30)
+        assert sub.current_version is None
+        dest = torch.zeros(4)
+        sub.bind({"w": dest})
+        update = sub.receive(2, timeout=30)
+        assert update.version == 2 and sub.current_version == 2
+        assert dest.tolist() == [2.0] * 4          # version 2's bytes, not the newest's
+        assert sub.receive(2, timeout=30).version == 2  # a reload of the same version
+        with pytest.raises(weightbus.FailedPreconditionError, match="holds version 2 already"):
+            sub.receive(1, timeout=30)
+        with pytest.raises(weightbus.DeadlineExceededError,
+                           match="version 4 was not committed by the deadline"):
+            sub.receive(4, timeout=0.3)
+        assert sub.current_version == 2 and dest.tolist() == [2.0] * 4
+
+
+def test_receive_waits_for_a_future_version_and_close_cancels_it(channel, monkeypatch):
+    """A version not committed yet is waited for in slices (Ctrl-C and close() interrupt it)
+    and then received, even when a newer one follows at once."""
+    watch = SliceWatch(monkeypatch, function="wb_subscriber_receive_version")
+    with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
+        pub.publish(1, {"w": torch.ones(2)})
+        got = []
+        thread = threading.Thread(target=lambda: got.append(sub.receive(2, timeout=60)))
+        thread.start()
+        assert watch.not_yet.wait(30), "receive never waited a slice"
+        pub.publish(2, {"w": torch.full((2,), 2.0)})
+        pub.publish(3, {"w": torch.full((2,), 3.0)})
+        thread.join(60)
+        assert not thread.is_alive()
+        assert got[0].version == 2 and got[0]["w"].tolist() == [2.0, 2.0]
+    sub = weightbus.Subscriber(channel)
+    watch = SliceWatch(monkeypatch, function="wb_subscriber_receive_version")
+    _close_cancels_the_call_in_flight(sub, lambda: sub.receive(9, timeout=60), watch)
+
+
 def _c_data_pointer(update, index):
     dl = ctypes.POINTER(_lib.DLTensor)()
     weightbus.errors.check(_lib.lib.wb_update_tensor(update._h(), index, None, None,

@@ -108,6 +108,35 @@ def test_worker_extension_loads_fuses_and_post_processes(stories_dir, channel):
     assert collective_rpc(workers, "weightbus_close") == [True, True]
 
 
+def test_worker_extension_applies_exactly_the_version_given(stories_dir, tmp_path):
+    """weightbus_update(version=v): every worker applies v although newer versions exist (issue
+    13, item 3); v held already returns at once; both bounds at once are refused."""
+    config, tensors = load_hf_checkpoint(stories_dir)
+    channel = f"disk://{tmp_path}/channel?fsync=false&retention=4"
+    versions = {1: _scaled(tensors, 0.5), 2: _scaled(tensors, 0.25), 3: _scaled(tensors, 0.5)}
+    workers = _make_workers(config, 2)
+    assert collective_rpc(workers, "weightbus_init", (channel,)) == [True, True]
+    with weightbus.Publisher(channel) as pub:
+        for v, sent in versions.items():
+            pub.publish(v, sent)
+        for v in (1, 2):
+            assert collective_rpc(workers, "weightbus_update",
+                                  kwargs={"version": v, "timeout": 30}) == [v, v]
+            with torch.no_grad():
+                want = _reference(config, versions[v])(TOKENS)
+            for w in workers:
+                torch.testing.assert_close(w.model_runner.model(TOKENS), want, rtol=1e-5,
+                                           atol=1e-5)
+        assert collective_rpc(workers, "weightbus_update", kwargs={"version": 2}) == [2, 2]
+        assert not workers[0].weightbus_last_update()["changed"]
+        with pytest.raises(ValueError, match="min_version or version"):
+            workers[0].weightbus_update(min_version=3, version=3)
+        with pytest.raises(weightbus.FailedPreconditionError, match="holds version 2 already"):
+            workers[0].weightbus_update(version=1, timeout=30)
+        assert workers[0].weightbus_version() == 2
+    assert collective_rpc(workers, "weightbus_close") == [True, True]
+
+
 def test_worker_extension_requires_init():
     worker = make_worker(None, WeightbusWorkerExtension)
     assert isinstance(worker, StandInWorker)
@@ -312,6 +341,40 @@ def test_engine_rounds_on_vllms_lifecycle(channel, layerwise):
         assert weightbus.vllm.sync_weights(llm, [{"timeout": 30}, {"timeout": 30}]) == 4
         assert llm.get_weight_version() == "4"
     llm.collective_rpc("shutdown")
+
+
+def test_engine_loads_exactly_the_version_given(channel, layerwise):
+    """update_info.version is the version loaded, not a floor (issue 13, item 3): two TP
+    workers told version 1 both load version 1's bytes although version 2 exists; told 2, both
+    load 2 although 3 exists. A version below the one received is refused (one rank: the
+    stand-in LLM stops at the first rank that raises), and the next round is clean."""
+    llm = _engine_llm(SMALL, ranks=2)
+    llm.init_weight_transfer_engine({"init_info": {"uri": channel}})
+    versions = {v: _version(SMALL, v) for v in (1, 2, 3)}
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, versions[1])
+        pub.publish(2, versions[2])
+        for v in (1, 2):
+            if v == 2:
+                pub.publish(3, versions[3])
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"version": v, "timeout": 30}})
+            assert llm.collective_rpc(weightbus.vllm.received_version) == [v, v]
+            llm.finish_weight_update(weight_version=str(v))
+            for w in llm.workers:
+                assert _holds(w.model_runner.model, versions[v])
+        llm.collective_rpc("shutdown")
+        # A version below the one received: refused, the session aborted, the next round clean.
+        single = _engine_llm(SMALL)
+        single.init_weight_transfer_engine({"init_info": {"uri": channel}})
+        assert weightbus.vllm.sync_weights(single, {"version": 2, "timeout": 30}) == 2
+        single.start_weight_update()
+        with pytest.raises(weightbus.FailedPreconditionError, match="holds version 2 already"):
+            single.update_weights({"update_info": {"version": 1, "timeout": 30}})
+        assert _holds(single.workers[0].model_runner.model, versions[2])
+        assert weightbus.vllm.sync_weights(single, {"version": 3, "timeout": 30}) == 3
+        assert _holds(single.workers[0].model_runner.model, versions[3])
+        single.collective_rpc("shutdown")
 
 
 def test_engine_update_without_version_loads_the_newest_or_returns_at_once(channel, layerwise):

@@ -651,23 +651,44 @@ class Subscriber(_Handle):
         When the deadline passes, the last such error is raised (UnavailableError or
         DeadlineExceededError, both retryable) with the library's message and how long the
         wait lasted in all. Ctrl-C (KeyboardInterrupt) interrupts the wait within a slice."""
-        # Waits in slices of _WAIT_SLICE seconds so that Ctrl-C interrupts it within a slice; a
-        # version found late in a slice still gets the whole remaining time to be received
-        # (wb_subscriber_wait_then_receive). A slice cut short while the publisher is not
-        # reachable reports Unavailable (or DeadlineExceeded): both mean "not yet" until the
-        # overall deadline.
+        return self._sliced(lib.wb_subscriber_wait_then_receive, min_version, timeout,
+                            "Subscriber.wait")
+
+    def receive(self, version: int, timeout: Optional[float] = 60.0) -> Update:
+        """Receives exactly `version`, never another: if the channel holds it (also when newer
+        versions exist) it is opened, received and verified; if it is not committed yet, this
+        waits up to `timeout` seconds (None: forever), with the GIL released and Ctrl-C
+        interrupting it as for wait(). Every tensor-parallel worker of one replica calls it with
+        the version the engine picked once for the group, so that the replica never mixes two
+        versions (README, "One version per tensor-parallel group"). `version` equal to
+        current_version receives it again (a reload).
+
+        Raises NotFoundError (a LookupError) when the channel no longer holds `version` (the
+        message names the versions it holds: pick a newer one for every worker, or keep more
+        versions with disk retention / ucx staging_slots); FailedPreconditionError for a
+        version below current_version (versions handed over never decrease: open a new
+        Subscriber to go back); DeadlineExceededError when it was not committed in time; the
+        rest as wait(). The previous version stays current on every error."""
+        return self._sliced(lib.wb_subscriber_receive_version, version, timeout,
+                            "Subscriber.receive")
+
+    def _sliced(self, function, version: int, timeout: Optional[float], what: str) -> Update:
+        """Calls `function(handle, version, find_ms, receive_ms, &update)` (a two-bound wait of
+        the C API) in slices of _WAIT_SLICE seconds so that Ctrl-C interrupts it within a slice;
+        a version found late in a slice still gets the whole remaining time to be received. A
+        slice cut short while the publisher is not reachable reports Unavailable (or
+        DeadlineExceeded): both mean "not yet" until the overall deadline."""
         _timeout_ms(timeout)  # validates
         deadline = None if timeout is None else time.monotonic() + timeout
         handle = ctypes.c_void_p()
         first_slice = True
         while True:
             if self._closing and not first_slice:  # closed by another thread between slices
-                raise CancelledError("Subscriber.wait: the subscriber was closed while waiting")
+                raise CancelledError(f"{what}: the subscriber was closed while waiting")
             first_slice = False
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             find = _WAIT_SLICE if remaining is None else min(_WAIT_SLICE, remaining)
-            status = self._call(lib.wb_subscriber_wait_then_receive, min_version,
-                                _timeout_ms(find), _timeout_ms(remaining),
+            status = self._call(function, version, _timeout_ms(find), _timeout_ms(remaining),
                                 ctypes.byref(handle))
             if status in _NOT_YET and not handle.value:
                 message = lib.wb_last_error_message().decode("utf-8", "replace")

@@ -186,6 +186,8 @@ _SIGNATURES = {
     "wb_subscriber_wait_then_receive": (_status, [c_void_p, c_uint64, c_int64, c_int64,
                                                   _P(c_void_p)]),
     "wb_subscriber_poll": (_status, [c_void_p, c_uint64, c_int64, _P(c_void_p)]),
+    "wb_subscriber_receive_version": (_status, [c_void_p, c_uint64, c_int64, c_int64,
+                                                _P(c_void_p)]),
     "wb_subscriber_current_version": (_status, [c_void_p, _P(c_bool), _P(c_uint64)]),
     "wb_subscriber_uri": (_status, [c_void_p, _P(c_char_p)]),
     "wb_update_destroy": (None, [c_void_p]),

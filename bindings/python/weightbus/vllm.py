@@ -162,7 +162,8 @@ class WeightbusWorkerExtension:
         return True
 
     def weightbus_update(self, min_version: Optional[int] = None,
-                         timeout: Optional[float] = 60.0) -> Optional[int]:
+                         timeout: Optional[float] = 60.0,
+                         version: Optional[int] = None) -> Optional[int]:
         """Applies the newest version on the channel if it is newer than the one the model
         holds, and returns the version the model now holds (None before the first).
 
@@ -175,14 +176,28 @@ class WeightbusWorkerExtension:
         reachable) once the whole timeout has passed. `timeout` also bounds the receive.
         A model that ties lm_head.weight to model.embed_tokens.weight refuses a version whose
         lm_head.weight differs (check_tied_embeddings: InvalidArgumentError, nothing loaded,
-        the applied version stays)."""
+        the applied version stays).
+
+        With `version` (instead of min_version), exactly that version (Subscriber.receive),
+        also when newer ones exist: what every TP worker of a replica is given, e.g.
+        llm.collective_rpc("weightbus_update", kwargs={"version": v}), so that no replica
+        mixes versions (README, "One version per tensor-parallel group"). A model that holds
+        it already returns at once; NotFoundError when the channel no longer holds it,
+        FailedPreconditionError below the version this worker received last."""
+        if version is not None and min_version is not None:
+            raise ValueError("weightbus_update takes min_version or version, not both")
         subscriber = self._weightbus_require()
         current = self._weightbus_version
         floor = 0 if current is None else current + 1
         must_advance = min_version is not None and (current is None or current < min_version)
         start = time.perf_counter()
-        if must_advance:
+        if version is not None and version != current:
+            update = subscriber.receive(version, timeout)
+        elif must_advance:
             update = subscriber.wait(max(floor, min_version), timeout)
+        elif version is not None:
+            self._weightbus_last = AppliedVersion(current, False, receive_s=0.0)
+            return current
         else:
             update = subscriber.poll(floor, timeout)
             if update is None:
@@ -263,8 +278,11 @@ class WeightbusUpdateInfo(_UpdateInfoBase):
 
     version: None loads the newest committed version above the one the model holds, without
     waiting for one to appear (none newer: nothing is loaded and finish_weight_update keeps
-    the model as it is). An int waits up to `timeout` seconds for a version >= it (today's
-    receive takes the newest such version; see bindings/README.md).
+    the model as it is). An int loads exactly that version (Subscriber.receive), also when
+    newer ones exist, waiting up to `timeout` seconds if it is not committed yet: every TP
+    worker given the same number loads the same weights (README, "One version per
+    tensor-parallel group"). NotFoundError when the channel no longer holds it,
+    FailedPreconditionError below the version this worker received last.
     timeout: seconds (None: forever) for the wait and for the receive.
     is_checkpoint_format: the tensors are in checkpoint (Hugging Face) names and layout and go
     through the model's load_weights; weightbus versions always are."""
@@ -431,7 +449,7 @@ class WeightbusWeightTransferEngine(_EngineBase):
             if update is None:
                 return
         else:
-            update = subscriber.wait(max(floor, update_info.version), update_info.timeout)
+            update = subscriber.receive(update_info.version, update_info.timeout)
         with update:
             if ties_word_embeddings(self.model, self.model_config):
                 check_tied_embeddings(update, subscriber.uri)

@@ -68,6 +68,9 @@ void ExpectBytes(const testing::Fetched& r, const std::vector<OwnedTensor>& expe
 // Over a real disk channel: which path each version takes.
 
 TEST(DeltaLayerTest, LateJoinerReplaysTheNewestKeyframeThenTakesDeltas) {
+  if (const std::string why = testing::MissingTransports({"disk"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
   ScratchDir dir;
   const std::string uri = "delta+disk://" + dir.path() + "/ch?fsync=false&keyframe_interval=20";
   auto pub = Publisher::Open(uri);

@@ -602,9 +602,8 @@ TEST(DeltaTransportTest, SettingsChangeTheEncodingNotTheResult) {
 // (OpenVersion). A follower takes every version as a delta; the late joiner, arriving after 35
 // versions, rebuilds the newest one from the keyframe at 31 and the deltas after it.
 TEST(DeltaTransportTest, OverUcxFollowersAndLateJoinersAreBitExact) {
-  const std::vector<std::string> built = Transports();
-  if (std::find(built.begin(), built.end(), "ucx") == built.end()) {
-    GTEST_SKIP() << "this build has no ucx transport";
+  if (const std::string why = testing::MissingTransports({"ucx"}); !why.empty()) {
+    GTEST_SKIP() << why;
   }
   const testing::ScopedEnv tls("UCX_TLS", "posix,sysv,cma,self");  // restored on every exit
   const int port = testing::FreePort();

@@ -16,14 +16,16 @@ lib=$(find "$prefix" -name 'libweightbus.so' | head -n 1)
 libdir=$(dirname "$lib")
 echo "installed: $lib"
 
-# Exports: the C API, the C++ API, and the version node; nothing else.
-unexpected=$(nm -D --defined-only "$lib" | awk '{ $1 = ""; $2 = ""; sub(/^  /, ""); print }' |
+# Exports: the C API, the C++ API, and the version node; nothing else. (Read once: `nm | grep -q`
+# under pipefail fails whenever grep exits before nm has written everything.)
+exports=$(nm -D --defined-only "$lib")
+unexpected=$(echo "$exports" | awk '{ $1 = ""; $2 = ""; sub(/^  /, ""); print }' |
   c++filt | grep -v -E '^(wb_[a-z_0-9]+|weightbus::.*|(typeinfo|typeinfo name|vtable) for weightbus::.*|WEIGHTBUS_0)(@@WEIGHTBUS_0)?$' || true)
 if [ -n "$unexpected" ]; then
   echo "unexpected exported symbols:"; echo "$unexpected" | head -n 20; exit 1
 fi
-nm -D --defined-only "$lib" | grep -q ' T wb_subscriber_wait@@WEIGHTBUS_0$'
-readelf -d "$lib" | grep -q 'SONAME.*libweightbus\.so\.0\]'
+grep -q ' T wb_subscriber_wait@@WEIGHTBUS_0$' <<< "$exports"
+grep -q 'SONAME.*libweightbus\.so\.0\]' <<< "$(readelf -d "$lib")"
 
 # find_package(weightbus)
 cmake -S "$src/tests/install" -B "$work/cmake" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" \

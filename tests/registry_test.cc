@@ -18,6 +18,9 @@ namespace weightbus::internal {
 namespace {
 
 TEST(RegistryTest, DiskIsRegisteredWithItsSettings) {
+  if (const std::string why = testing::MissingTransports({"disk"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
   const TransportDescriptor* disk = FindTransport("disk");
   ASSERT_NE(disk, nullptr);
   ASSERT_NE(disk->settings, nullptr);
@@ -37,8 +40,8 @@ TEST(RegistryTest, EveryTransportDeclaresItsCapabilitiesAndLayersDeriveTheirs) {
   for (const TransportDescriptor* t : RegisteredTransports()) {
     EXPECT_TRUE(static_cast<bool>(t->capabilities)) << t->scheme;
   }
-  if (FindTransport("disk") == nullptr || FindTransport("delta") == nullptr) {
-    GTEST_SKIP() << "this build lacks disk or delta";
+  if (const std::string why = testing::MissingTransports({"disk", "delta"}); !why.empty()) {
+    GTEST_SKIP() << why;
   }
   testing::ScratchDir dir;
   auto disk = testing::StackCapabilitiesOf("disk://" + dir.path() + "/ch");

@@ -1444,9 +1444,8 @@ std::vector<testing::OwnedTensor> NewDTypeVersion(uint64_t version) {
 
 // Every dtype crossing every transport stack is conformance_test's; here, what disk:// writes.
 TEST(NewDTypesTest, DiskVersionIsASafetensorsFileNamingTheDtypes) {
-  const std::vector<std::string> built = Transports();
-  if (std::find(built.begin(), built.end(), "disk") == built.end()) {
-    GTEST_SKIP() << "this build has no disk transport";
+  if (const std::string why = testing::MissingTransports({"disk"}); !why.empty()) {
+    GTEST_SKIP() << why;
   }
   ScratchDir dir;
   const std::string uri = "disk://" + dir.path() + "/channel?fsync=false";
@@ -1471,6 +1470,9 @@ TEST(NewDTypesTest, DiskVersionIsASafetensorsFileNamingTheDtypes) {
 }
 
 TEST(NewDTypesTest, StridedSubByteViewsAreUnimplementedNamingTensorAndDtype) {
+  if (const std::string why = testing::MissingTransports({"disk"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
   ScratchDir dir;
   auto pub = Publisher::Open("disk://" + dir.path() + "/channel?fsync=false");
   ASSERT_TRUE(pub.ok()) << pub.status();

@@ -117,8 +117,8 @@ TEST(SettingRangesTest, TypeNameRangeTextAndDumpShowRangeAndUnit) {
 
 // The declared ranges of the disk:// and ucx:// tables, resolved directly.
 TEST(SettingRangesTest, ResolveRefusesValuesOutsideNamingSettingSourceValueAndRange) {
-  if (FindTransport("disk") == nullptr || FindTransport("ucx") == nullptr) {
-    GTEST_SKIP() << "needs disk:// and ucx:// in this build";
+  if (const std::string why = testing::MissingTransports({"disk", "ucx"}); !why.empty()) {
+    GTEST_SKIP() << why;
   }
   const std::vector<const SettingTable*> tables = {FindTransport("disk")->settings,
                                                    FindTransport("ucx")->settings};
@@ -171,7 +171,9 @@ TEST(SettingRangesTest, OpenRefusesOutOfRangeSettingsOfEveryScope) {
       {"chunk_size=1KiB", "setting chunk_size=\"1KiB\" is out of range: expected >= 4KiB"},
       {"retention=0", "setting retention=\"0\" is out of range: expected >= 1 versions"},
   };
-  if (FindTransport("disk") == nullptr) GTEST_SKIP() << "no disk:// in this build";
+  if (const std::string why = testing::MissingTransports({"disk"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
   for (const Case& c : cases) {
     SCOPED_TRACE(c.query);
     const absl::Status s = Publisher::Open(base + "?" + c.query).status();
@@ -207,7 +209,9 @@ TEST(ClosestNameTest, EditDistanceAndClosest) {
 // An unknown WEIGHTBUS_* variable (a typo, or a setting of a newer build or another transport)
 // does not fail the open; it is reported once per process, naming the closest setting.
 TEST(UnknownEnvironmentTest, IsAWarningOncePerProcessNamingTheClosestSetting) {
-  if (FindTransport("disk") == nullptr) GTEST_SKIP() << "no disk:// in this build";
+  if (const std::string why = testing::MissingTransports({"disk"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
   testing::ScratchDir dir;
   ASSERT_EQ(::setenv("WEIGHTBUS_DISK_RETENTON", "1", 1), 0);
   absl::Cleanup unset = [] { ::unsetenv("WEIGHTBUS_DISK_RETENTON"); };
@@ -247,7 +251,9 @@ TEST(UnknownEnvironmentTest, KnownAndForeignVariablesAreNotWarnedAbout) {
 
 // Unknown names at the call site stay errors: the caller wrote them there.
 TEST(UnknownEnvironmentTest, UnknownUriQueryAndOptionsKeysStayErrors) {
-  if (FindTransport("disk") == nullptr) GTEST_SKIP() << "no disk:// in this build";
+  if (const std::string why = testing::MissingTransports({"disk"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
   testing::ScratchDir dir;
   const absl::Status uri = Subscriber::Open("disk://" + dir.path() + "?retenton=1").status();
   EXPECT_EQ(uri.code(), absl::StatusCode::kInvalidArgument) << uri;

@@ -56,6 +56,9 @@ int64_t ExtraPeak(const std::function<void()>& publish) {
 class StridedMemoryTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(StridedMemoryTest, StridedViewsNeedOnlyAWindowOfExtraMemory) {
+  if (const std::string why = testing::MissingTransports({GetParam()}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
   ScratchDir dir;
   std::string uri;
   std::optional<testing::ScopedEnvs> tls_env;  // restored on every exit

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "test_support.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -12,7 +13,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "weightbus/weightbus.hpp"
 #include "xxhash.h"
 
 namespace weightbus::testing {
@@ -33,6 +36,19 @@ ScratchDir::~ScratchDir() {
 
 std::string DiskVersionDir(const ScratchDir& dir, uint64_t version) {
   return absl::StrFormat("%s/channel/versions/v%020d", dir.path(), version);
+}
+
+std::string MissingTransports(const std::vector<std::string>& schemes) {
+  const std::vector<std::string> built = Transports();
+  std::vector<std::string> missing, options;
+  for (const std::string& scheme : schemes) {
+    if (std::find(built.begin(), built.end(), scheme) != built.end()) continue;
+    missing.push_back(scheme);
+    options.push_back(absl::StrCat("WEIGHTBUS_WITH_", absl::AsciiStrToUpper(scheme)));
+  }
+  if (missing.empty()) return "";
+  return absl::StrCat("this build has no ", absl::StrJoin(missing, ", "),
+                      " (left out at configure time: ", absl::StrJoin(options, ", "), ")");
 }
 
 PausePoint::PausePoint(std::string point, int pass) : point_(std::move(point)), pass_(pass) {}

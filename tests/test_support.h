@@ -37,6 +37,15 @@ class ScratchDir {
 // names it (DIR/channel/versions/v<20 digits>).
 std::string DiskVersionDir(const ScratchDir& dir, uint64_t version);
 
+// Why this build cannot run a test that needs each of `schemes` (transports and layers as
+// weightbus::Transports() names them: "disk", "ucx", "delta"), or "" when it has them all.
+// A transport or layer left out at configure time (WEIGHTBUS_WITH_*=OFF) skips the tests that need
+// it, with this reason:
+//   if (const std::string why = testing::MissingTransports({"delta", "disk"}); !why.empty()) {
+//     GTEST_SKIP() << why;
+//   }
+std::string MissingTransports(const std::vector<std::string>& schemes);
+
 // Environment overrides, child processes and ports: tools/process/process.h, shared with the
 // benchmarks. Fail points come only from WEIGHTBUS_FAILPOINTS, read when a channel is opened:
 // in-process tests wrap the Open call in a ScopedEnv; child processes get it in their

@@ -435,6 +435,10 @@ TEST(CliTest, BadFlagValuesAreUsageErrorsNamingTheFlag) {
              "2000000"},
             {"--until-subscribers", "2000000"}},
            {{"convert-llama2c", "a", "b", "--dtype", "f16"}, {"--dtype", "f16"}},
+           {{"publish", "disk:///x", "--from", "m", "--version", "1", "--metadata", "foo"},
+            {"--metadata", "\"foo\" is not KEY=VALUE"}},
+           {{"subscribe", "disk:///x", "--to", "d", "--set", "=x"},
+            {"--set", "\"=x\" is not KEY=VALUE"}},
            {{"publish", "disk:///x", "disk:///y", "--from", "m", "--version", "1"},
             {"unexpected argument \"disk:///y\""}}}) {
     auto r = Cli(c.args);

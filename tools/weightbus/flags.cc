@@ -150,6 +150,18 @@ CLI::Validator UnsignedText(uint64_t max) {
       "", "");
 }
 
+CLI::Validator KeyValueText() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        const size_t eq = text.find('=');
+        if (eq == std::string::npos || eq == 0) {
+          return absl::StrFormat("\"%s\" is not KEY=VALUE", text);
+        }
+        return "";
+      },
+      "", "");
+}
+
 CLI::Validator PositiveNumber() {
   return CLI::Validator(
       [](std::string& text) -> std::string {

@@ -45,6 +45,9 @@ absl::StatusOr<absl::Duration> ParseDuration(std::string_view text);
 // fit is refused, never clamped to the largest one).
 CLI::Validator UnsignedText(uint64_t max);
 
+// A check for a flag taking KEY=VALUE (a non-empty key, then '=', then any value).
+CLI::Validator KeyValueText();
+
 // A check for a floating-point flag: a finite number above 0.
 CLI::Validator PositiveNumber();
 

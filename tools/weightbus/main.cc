@@ -420,10 +420,12 @@ int Main(int argc, char** argv) {
                   "how long publishing (and --until-subscribers) may take");
   AddRepeatedFlag(*publish_cmd, "metadata", &publish.metadata,
                   "metadata of the version (repeatable)")
-      ->type_name("K=V");
+      ->type_name("K=V")
+      ->check(KeyValueText());
   AddRepeatedFlag(*publish_cmd, "set", &publish.set,
                   "a channel setting (repeatable; `weightbus settings` lists them)")
-      ->type_name("K=V");
+      ->type_name("K=V")
+      ->check(KeyValueText());
   AddDurationFlag(*publish_cmd, "serve", &publish.serve,
                   "keep serving the version this long after publishing");
   AddFlag(*publish_cmd, "until-subscribers", &publish.until_subscribers,
@@ -447,7 +449,8 @@ int Main(int argc, char** argv) {
   AddFlag(*subscribe_cmd, "count", &subscribe.count,
           "with --follow: stop after this many versions (0: no limit)");
   AddRepeatedFlag(*subscribe_cmd, "set", &subscribe.set, "a channel setting (repeatable)")
-      ->type_name("K=V");
+      ->type_name("K=V")
+      ->check(KeyValueText());
 
   InspectFlags inspect;
   CLI::App* inspect_cmd =

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "core/channel_setup.h"
 #include "core/registry.h"
 #include "core/status.h"
 #include "core/uri.h"
@@ -24,10 +25,8 @@ namespace weightbus::testing {
 // What the stack `uri_text` names can do with its settings (TransportDescriptor::capabilities).
 inline absl::StatusOr<internal::TransportCapabilities> StackCapabilitiesOf(
     std::string_view uri_text, const Options& options = {}) {
-  WB_ASSIGN_OR_RETURN(internal::Uri uri, internal::ParseUri(uri_text));
-  WB_ASSIGN_OR_RETURN(auto stack, internal::ResolveStack(uri));
-  WB_ASSIGN_OR_RETURN(internal::Config config, internal::ResolveConfig(stack, uri, options));
-  return internal::StackCapabilities(stack, config);
+  WB_ASSIGN_OR_RETURN(internal::ChannelSetup s, internal::SetUpChannel(uri_text, options));
+  return s.capabilities;
 }
 
 // The manifest the core would seal for `tensors` as `version` (checksums from libxxhash).
@@ -86,21 +85,18 @@ inline absl::StatusOr<Fetched> FetchAndVerify(internal::IncomingVersion& incomin
   return f;
 }
 
-// `options` override the URI's settings, as Options do for Open.
+// The stack `uri_text` names, resolved as Publisher::Open and Subscriber::Open resolve it
+// (SetUpChannel); `options` override the URI's settings, as Options do for Open.
 inline absl::StatusOr<std::unique_ptr<internal::TransportPublisher>> OpenTransportPublisher(
     std::string_view uri_text, const Options& options = {}) {
-  WB_ASSIGN_OR_RETURN(internal::Uri uri, internal::ParseUri(uri_text));
-  WB_ASSIGN_OR_RETURN(auto stack, internal::ResolveStack(uri));
-  WB_ASSIGN_OR_RETURN(internal::Config config, internal::ResolveConfig(stack, uri, options));
-  return internal::OpenPublisherStack(stack, uri, config);
+  WB_ASSIGN_OR_RETURN(internal::ChannelSetup s, internal::SetUpChannel(uri_text, options));
+  return internal::OpenPublisherStack(s.stack, s.uri, *s.config);
 }
 
 inline absl::StatusOr<std::unique_ptr<internal::TransportSubscriber>> OpenTransportSubscriber(
     std::string_view uri_text, const Options& options = {}) {
-  WB_ASSIGN_OR_RETURN(internal::Uri uri, internal::ParseUri(uri_text));
-  WB_ASSIGN_OR_RETURN(auto stack, internal::ResolveStack(uri));
-  WB_ASSIGN_OR_RETURN(internal::Config config, internal::ResolveConfig(stack, uri, options));
-  return internal::OpenSubscriberStack(stack, uri, config);
+  WB_ASSIGN_OR_RETURN(internal::ChannelSetup s, internal::SetUpChannel(uri_text, options));
+  return internal::OpenSubscriberStack(s.stack, s.uri, *s.config);
 }
 
 }  // namespace weightbus::testing

@@ -287,11 +287,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::WaitForVersion(uint64_t min_
 
 absl::StatusOr<std::unique_ptr<Update>> Subscriber::ReceiveVersion(uint64_t version,
                                                                    absl::Duration timeout) {
-  internal::CallScope scope(*impl_->gate, "ReceiveVersion");
-  if (!scope.status().ok()) return scope.status();
-  absl::MutexLock lock(&impl_->mu);
-  const absl::Time deadline = absl::Now() + timeout;
-  return impl_->ReceiveExact(version, deadline, deadline);
+  return ReceiveVersion(version, timeout, absl::ZeroDuration());  // one deadline for both
 }
 
 absl::StatusOr<std::unique_ptr<Update>> Subscriber::ReceiveVersion(uint64_t version,

@@ -593,23 +593,23 @@ TEST(ReshardLayoutTest, WrongLayoutsGiveDifferentBytes) {
   const TensorRequest qkv{"layers.0.self_attn.qkv_proj.weight",
                           Placement::Qkv(kHeads, kKvHeads, kHeadSize)};
   const TensorRequest gate_up{"layers.0.mlp.gate_up_proj.weight", Placement::GateUp()};
-  for (int n : {2}) {  // at TP 2 both cuts have 16 rows (at TP 4 their shapes differ)
-    for (int r = 0; r < n; ++r) {
-      TensorPlan plan;
-      auto got = PlanAndRun(group, qkv, {n, r}, &plan);
-      ASSERT_TRUE(got.ok()) << got.status();
-      EXPECT_TRUE(SameAs(plan, *got, Reference(m, qkv, {n, r})));
-      EXPECT_FALSE(SameAs(plan, *got, Reference(m, qkv, {n, r}, Mistake::kQkvContiguous)));
+  // Every rank's plan matches the reference, and not the reference making `mistake`.
+  auto check = [&](const TensorRequest& req, Mistake mistake, std::vector<int> degrees) {
+    for (int n : degrees) {
+      for (int r = 0; r < n; ++r) {
+        TensorPlan plan;
+        auto got = PlanAndRun(group, req, {n, r}, &plan);
+        ASSERT_TRUE(got.ok()) << got.status();
+        EXPECT_TRUE(SameAs(plan, *got, Reference(m, req, {n, r})));
+        EXPECT_FALSE(SameAs(plan, *got, Reference(m, req, {n, r}, mistake)));
+      }
     }
-  }
+  };
+  check(qkv, Mistake::kQkvContiguous, {2});  // at TP 4 the two cuts differ in shape already
+  check(gate_up, Mistake::kGateUpSwapped, {1, 2, 4});
+  // A plan with the parts in the wrong order is caught by the reference.
   for (int n : {1, 2, 4}) {
     for (int r = 0; r < n; ++r) {
-      TensorPlan plan;
-      auto got = PlanAndRun(group, gate_up, {n, r}, &plan);
-      ASSERT_TRUE(got.ok()) << got.status();
-      EXPECT_TRUE(SameAs(plan, *got, Reference(m, gate_up, {n, r})));
-      EXPECT_FALSE(SameAs(plan, *got, Reference(m, gate_up, {n, r}, Mistake::kGateUpSwapped)));
-      // A plan with the parts in the wrong order is caught by the reference.
       TensorPlan wrong_plan;
       auto wrong = PlanAndRun(
           group, {gate_up.name, Placement::Merged("gate_up_proj", {"up_proj", "gate_proj"})},
@@ -622,17 +622,15 @@ TEST(ReshardLayoutTest, WrongLayoutsGiveDifferentBytes) {
   Model fused;
   Add(fused, "f.qkv_proj.weight", {32, 16});
   const Group fused_group = Publish(fused, 1, {});
-  for (int n : {2}) {
-    for (int r = 0; r < n; ++r) {
-      TensorPlan right_plan, wrong_plan;
-      auto right = PlanAndRun(fused_group, {"f.qkv_proj.weight", Placement::Qkv(4, 2, 4)}, {n, r},
-                              &right_plan);
-      auto wrong =
-          PlanAndRun(fused_group, {"f.qkv_proj.weight", Placement::Shard(0)}, {n, r}, &wrong_plan);
-      ASSERT_TRUE(right.ok() && wrong.ok());
-      EXPECT_EQ(right_plan.shape, wrong_plan.shape);
-      EXPECT_NE(*right, *wrong) << "rank " << r << " of " << n;
-    }
+  for (int r = 0; r < 2; ++r) {
+    TensorPlan right_plan, wrong_plan;
+    auto right = PlanAndRun(fused_group, {"f.qkv_proj.weight", Placement::Qkv(4, 2, 4)}, {2, r},
+                            &right_plan);
+    auto wrong =
+        PlanAndRun(fused_group, {"f.qkv_proj.weight", Placement::Shard(0)}, {2, r}, &wrong_plan);
+    ASSERT_TRUE(right.ok() && wrong.ok());
+    EXPECT_EQ(right_plan.shape, wrong_plan.shape);
+    EXPECT_NE(*right, *wrong) << "rank " << r << " of 2";
   }
 }
 
@@ -709,6 +707,30 @@ TEST(ReshardPlanTest, RangesAreMergedWhereverBothSidesAreContiguous) {
   EXPECT_EQ(RangesFor(whole, norm, {4, 3}), 1u);
   EXPECT_EQ(RangesFor(mega4, norm, {4, 3}), 1u);
   EXPECT_EQ(RangesFor(fsdp4, norm, {2, 0}), 4u);
+}
+
+TEST(ReshardPlanTest, ScalarsAndEmptyTensorsNeedNoSpecialCase) {
+  Model m;
+  Add(m, "scale", {});
+  Add(m, "empty", {0, 4});
+  const Group group = Publish(m, 2, {{"scale", Split::kReplicated}});
+  for (int r = 0; r < 2; ++r) {
+    auto plan = ComputePlan(group.layout,
+                            {{"scale", Placement::Replicate()}, {"empty", Placement::Shard(1)}},
+                            {2, r}, {OverlapPolicy::kReport});
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    auto scale = Execute(plan->tensors[0], group);
+    ASSERT_TRUE(scale.ok()) << scale.status();
+    EXPECT_EQ(*scale, m.at("scale").values);
+    ASSERT_EQ(plan->tensors[0].ranges.size(), 1u);
+    EXPECT_EQ(plan->tensors[0].ranges[0].owner_rank, r);
+    EXPECT_EQ(plan->tensors[1].shape, (Dims{0, 2}));
+    EXPECT_TRUE(plan->tensors[1].ranges.empty());
+  }
+  auto bad = ComputePlan(group.layout, {{"scale", Placement::Shard(0)}}, {2, 0});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(),
+              HasSubstr("dimension 0 is outside the tensor's 0 dimensions"));
 }
 
 TEST(ReshardPlanTest, ReplicatedPartsAreReadFromOwnersInTurn) {
@@ -854,21 +876,21 @@ TEST(ReshardErrorTest, DegreesThatDoNotDivideADimensionOrAHeadCount) {
               {"source \"a.q_proj.weight\" has 8 rows along dimension 0 (global shape [8, 2]), "
                "but 4 query heads of size 3 need 12"});
   // gate_up whose intermediate size the degree does not divide.
-  Model gu;
-  Add(gu, "m.gate_proj.weight", {6, 2});
-  Add(gu, "m.up_proj.weight", {6, 2});
-  ExpectError(ComputePlan(Publish(gu, 1, {}).layout,
-                          {{"m.gate_up_proj.weight", Placement::GateUp()}}, {4, 2}),
+  auto gate_up = [](Dims gate, Dims up) {
+    Model m;
+    Add(m, "m.gate_proj.weight", std::move(gate));
+    Add(m, "m.up_proj.weight", std::move(up));
+    return Publish(m, 1, {}).layout;
+  };
+  const std::vector<TensorRequest> gate_up_request = {
+      {"m.gate_up_proj.weight", Placement::GateUp()}};
+  ExpectError(ComputePlan(gate_up({6, 2}, {6, 2}), gate_up_request, {4, 2}),
               absl::StatusCode::kInvalidArgument,
               {"tensor \"m.gate_up_proj.weight\" (Merged(gate_proj + up_proj -> gate_up_proj) at "
                "TP rank 2 of 4)",
                "TP degree 4 does not divide part \"gate_proj\" of 6 rows along dimension 0"});
   // Sources of a fused placement that disagree.
-  Model bad;
-  Add(bad, "m.gate_proj.weight", {4, 2});
-  Add(bad, "m.up_proj.weight", {4, 3});
-  ExpectError(ComputePlan(Publish(bad, 1, {}).layout,
-                          {{"m.gate_up_proj.weight", Placement::GateUp()}}, {2, 0}),
+  ExpectError(ComputePlan(gate_up({4, 2}, {4, 3}), gate_up_request, {2, 0}),
               absl::StatusCode::kInvalidArgument,
               {"its sources must agree on dtype and on every dimension but 0: "
                "\"m.gate_proj.weight\" is U32 [4, 2], \"m.up_proj.weight\" is U32 [4, 3]"});

@@ -77,9 +77,12 @@ struct Placement {
   static Placement Replicate() { return Placement{}; }
 
   // 1/size of dimension `dim` per rank, as vLLM's ColumnParallelLinear.weight_loader (dim =
-  // output_dim = 0), RowParallelLinear.weight_loader (dim = input_dim = 1) and
-  // VocabParallelEmbedding (dim 0) narrow the loaded weight to tp_rank's block. The dimension
-  // must be divisible by the TP degree.
+  // output_dim = 0) and RowParallelLinear.weight_loader (dim = input_dim = 1) narrow the loaded
+  // weight to tp_rank's block. The dimension must be divisible by the TP degree.
+  // VocabParallelEmbedding and ParallelLMHead (vllm/model_executor/layers/
+  // vocab_parallel_embedding.py) pad the vocabulary to a multiple of 64 and give each rank
+  // padded / size rows: Shard(0) is that slice when the vocabulary is a multiple of 64 * size;
+  // other vocabularies are not a placement yet (the padding rows have no source bytes).
   static Placement Shard(int dim) {
     Placement p;
     p.kind = Kind::kShard;

@@ -3,7 +3,8 @@
 // which rectangular part of each tensor, at which bytes of its data) and one TP rank's
 // placements (weightbus/placement.hpp), the transfer plan of byte ranges that assembles that
 // rank's slices, and the executor that applies it to buffers. Pure computation: nothing here
-// does I/O or keeps state except PlanCache. docs/RESHARDING.md describes the model.
+// does I/O or keeps state except PlanCache, so every function may run on any thread at once
+// (PlanCache is one object per caller). docs/RESHARDING.md describes the model.
 //
 // Errors come before any byte moves, and name the tensor, dimension, shapes, ranks and degrees:
 //   InvalidArgument     the placements or rank are wrong whatever the layout (a degree that does

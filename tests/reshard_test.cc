@@ -672,6 +672,44 @@ TEST(ReshardLayoutTest, ExpertsFollowDetermineExpertMap) {
   EXPECT_TRUE(plan.ranges.empty());
 }
 
+TEST(ReshardLayoutTest, TensorParallelExpertsSplitTheIntermediateDimensionOfEveryExpert) {
+  // vLLM FusedMoE without expert parallelism: every rank holds every expert, w13_weight
+  // [E, 2 * I / n, H] with each expert's gate block r then its up block r (_load_w13 narrows
+  // dimension 0 of the expert's w1 and w3), w2_weight [E, H, I / n] with block r of the
+  // expert's input dimension (_load_w2). On stacked sources: Merged on dimension 1, Shard(2).
+  Model m;
+  Add(m, "moe.w1", {3, 8, 4});
+  Add(m, "moe.w3", {3, 8, 4});
+  Add(m, "moe.w2", {3, 4, 8});
+  const Group group = Publish(m, 2, FsdpSplits(m));  // FSDP2 rows: experts 0-1 and 2
+  Placement w13 = Placement::Merged("w13", {"w1", "w3"});
+  w13.dim = 1;
+  for (int n : {1, 2, 4}) {
+    const int64_t local = 8 / n;
+    for (int r = 0; r < n; ++r) {
+      TensorPlan plan;
+      auto got = PlanAndRun(group, {"moe.w13", w13}, {n, r}, &plan);
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_EQ(plan.shape, (Dims{3, 2 * local, 4}));
+      size_t i = 0;
+      ForEachIndex(plan.shape, [&](const Dims& idx) {
+        const bool up = idx[1] >= local;
+        const Global& src = m.at(up ? "moe.w3" : "moe.w1");
+        const uint32_t want = src.At({idx[0], r * local + idx[1] - (up ? local : 0), idx[2]});
+        EXPECT_EQ((*got)[i++], want) << "w13 " << ShapeString(idx) << " rank " << r << "/" << n;
+      });
+      auto down = PlanAndRun(group, {"moe.w2", Placement::Shard(2)}, {n, r}, &plan);
+      ASSERT_TRUE(down.ok()) << down.status();
+      ASSERT_EQ(plan.shape, (Dims{3, 4, local}));
+      i = 0;
+      ForEachIndex(plan.shape, [&](const Dims& idx) {
+        const uint32_t want = m.at("moe.w2").At({idx[0], idx[1], r * local + idx[2]});
+        EXPECT_EQ((*down)[i++], want) << "w2 " << ShapeString(idx) << " rank " << r << "/" << n;
+      });
+    }
+  }
+}
+
 // --- Range counts: the fewest contiguous ranges. ---
 
 size_t RangesFor(const Group& group, const TensorRequest& req, TensorParallelRank tp) {

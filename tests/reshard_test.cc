@@ -403,6 +403,14 @@ const TensorPlan& Find(const ReshardPlan& plan, std::string_view name) {
   return plan.tensors.front();
 }
 
+// A failed plan with `code` whose message contains every one of `parts`.
+void ExpectError(const absl::StatusOr<ReshardPlan>& plan, absl::StatusCode code,
+                 const std::vector<std::string>& parts) {
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), code) << plan.status();
+  for (const std::string& p : parts) EXPECT_THAT(plan.status().message(), HasSubstr(p));
+}
+
 // --- The grid: publisher world sizes x layouts x TP degrees, every rank, every tensor. ---
 
 enum class Scheme { kFsdp, kMegatron };
@@ -710,6 +718,79 @@ TEST(ReshardLayoutTest, TensorParallelExpertsSplitTheIntermediateDimensionOfEver
   }
 }
 
+TEST(ReshardLayoutTest, ExpertsFromOneTensorEachStackLikeStackedExperts) {
+  // A Hugging Face checkpoint's experts.{e}.gate_proj/up_proj/down_proj, one tensor each, give
+  // vLLM's w13_weight and w2_weight the bytes the stacked sources give.
+  const Model stacked = TestModel();
+  Model each;
+  const std::string prefix = "layers.1.mlp.experts.";
+  for (int64_t e = 0; e < 6; ++e) {
+    for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+             {"w1", "gate_proj"}, {"w3", "up_proj"}, {"w2", "down_proj"}}) {
+      const Global& g = stacked.at(prefix + from);
+      Global one;
+      one.shape = Dims(g.shape.begin() + 1, g.shape.end());
+      const int64_t n = Count(one.shape);
+      one.values.assign(g.values.begin() + e * n, g.values.begin() + (e + 1) * n);
+      each[absl::StrCat(prefix, e, ".", to, ".weight")] = std::move(one);
+    }
+  }
+  for (int world : {1, 2, 4}) {
+    const Group group = Publish(each, world, FsdpSplits(each));
+    for (ExpertOrder order : {ExpertOrder::kLinear, ExpertOrder::kRoundRobin}) {
+      const std::vector<TensorRequest> requests = {
+          {prefix + "w13_weight",
+           Placement::ExpertsFromEach(6, "w13_weight",
+                                      {"{e}.gate_proj.weight", "{e}.up_proj.weight"}, order)},
+          {prefix + "w2_weight",
+           Placement::ExpertsFromEach(6, "w2_weight", {"{e}.down_proj.weight"}, order)}};
+      const std::vector<TensorRequest> references = {
+          {prefix + "w13", Placement::ExpertsMerged("w13", {"w1", "w3"}, order)},
+          {prefix + "w2", Placement::Experts(order)}};
+      for (int n : {1, 2, 4}) {
+        for (int r = 0; r < n; ++r) {
+          auto plan = ComputePlan(group.layout, requests, {n, r});
+          ASSERT_TRUE(plan.ok()) << plan.status();
+          for (size_t i = 0; i < 2; ++i) {
+            auto got = Execute(plan->tensors[i], group);
+            ASSERT_TRUE(got.ok()) << got.status();
+            EXPECT_TRUE(SameAs(plan->tensors[i], *got, Reference(stacked, references[i], {n, r})))
+                << "world " << world << ", rank " << r << " of " << n;
+          }
+        }
+      }
+    }
+  }
+  // Errors: an expert missing, a template without {e}, an expert of another shape.
+  const Group group = Publish(each, 1, {});
+  const std::string w13 = prefix + "w13_weight";
+  ExpectError(
+      ComputePlan(group.layout,
+                  {{w13, Placement::ExpertsFromEach(7, "w13_weight", {"{e}.gate_proj.weight"})}},
+                  {1, 0}),
+      absl::StatusCode::kNotFound,
+      {"source tensor \"layers.1.mlp.experts.6.gate_proj.weight\" is not in the layout"});
+  ExpectError(
+      ComputePlan(group.layout,
+                  {{w13, Placement::ExpertsFromEach(6, "w13_weight", {"gate_proj.weight"})}},
+                  {1, 0}),
+      absl::StatusCode::kInvalidArgument,
+      {"part \"gate_proj.weight\" has no \"{e}\" for the expert number"});
+  Model odd = each;
+  Add(odd, prefix + "3.up_proj.weight", {8, 15});
+  ExpectError(
+      ComputePlan(Publish(odd, 1, {}).layout,
+                  {{w13, Placement::ExpertsFromEach(
+                             6, "w13_weight", {"{e}.gate_proj.weight", "{e}.up_proj.weight"})}},
+                  {2, 1}),
+      absl::StatusCode::kInvalidArgument,
+      {"tensor \"layers.1.mlp.experts.w13_weight\" (ExpertsFromEach(6 experts, "
+       "{e}.gate_proj.weight + {e}.up_proj.weight -> w13_weight, linear) at TP rank 1 of 2)",
+       "its sources must agree on dtype and on every dimension: "
+       "\"layers.1.mlp.experts.0.up_proj.weight\" is U32 [8, 16], "
+       "\"layers.1.mlp.experts.3.up_proj.weight\" is U32 [8, 15]"});
+}
+
 // --- Range counts: the fewest contiguous ranges. ---
 
 size_t RangesFor(const Group& group, const TensorRequest& req, TensorParallelRank tp) {
@@ -816,13 +897,6 @@ SourceLayout OneTensor(Dims global, std::vector<std::pair<int, std::pair<Dims, D
   }
   l.tensors.push_back(t);
   return l;
-}
-
-void ExpectError(const absl::StatusOr<ReshardPlan>& plan, absl::StatusCode code,
-                 const std::vector<std::string>& parts) {
-  ASSERT_FALSE(plan.ok());
-  EXPECT_EQ(plan.status().code(), code) << plan.status();
-  for (const std::string& p : parts) EXPECT_THAT(plan.status().message(), HasSubstr(p));
 }
 
 TEST(ReshardErrorTest, ASliceNoRankOwnsIsAGap) {

@@ -40,7 +40,8 @@ enum class ExpertOrder : uint8_t { kLinear, kRoundRobin };
 // kQkv         vLLM's fused qkv_proj with grouped-query attention, from three sources.
 // kMerged      vLLM's MergedColumnParallelLinear (gate_up_proj), from `parts.size()` sources.
 // kExperts     stacked experts [E, ...] split on dimension 0 (expert parallel); with `parts`,
-//              each local expert's parts are also fused along dimension 1 (vLLM's w13).
+//              each local expert's parts are also fused along dimension 1 (vLLM's w13); with
+//              `num_experts`, from one source tensor per expert and part (ExpertsFromEach).
 //
 // Fused placements (kQkv, kMerged, kExperts with parts) name their sources by substitution in
 // the destination's name: the last occurrence of `fused` is replaced by each entry of `parts`
@@ -69,6 +70,9 @@ struct Placement {
   std::vector<std::string> parts;
   // kExperts: how experts are dealt to ranks.
   ExpertOrder expert_order = ExpertOrder::kLinear;
+  // kExperts from one tensor per expert (ExpertsFromEach): how many experts; 0 for stacked
+  // sources.
+  int64_t num_experts = 0;
 
   friend bool operator==(const Placement&, const Placement&) = default;
 
@@ -141,6 +145,21 @@ struct Placement {
     Placement p = Experts(order);
     p.fused = std::move(fused);
     p.parts = std::move(parts);
+    return p;
+  }
+  // Experts stored one tensor per expert, as Hugging Face checkpoints name them: each part is a
+  // template in which "{e}" stands for the expert number, replacing `fused` in the
+  // destination's name as vLLM's FusedMoE.make_expert_params_mapping maps
+  // "experts.{e}.gate_proj." to "experts.w13_". Rank r receives [E_r, rows, ...], each local
+  // expert's parts one after another along dimension 1 (FusedMoE.weight_loader at the expert's
+  // local index, tp_size 1 under expert parallelism), e.g. vLLM's w13_weight from
+  // ExpertsFromEach(E, "w13_weight", {"{e}.gate_proj.weight", "{e}.up_proj.weight"}) and
+  // w2_weight from ExpertsFromEach(E, "w2_weight", {"{e}.down_proj.weight"}).
+  static Placement ExpertsFromEach(int64_t num_experts, std::string fused,
+                                   std::vector<std::string> parts,
+                                   ExpertOrder order = ExpertOrder::kLinear) {
+    Placement p = ExpertsMerged(std::move(fused), std::move(parts), order);
+    p.num_experts = num_experts;
     return p;
   }
 };

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "core/checksum.h"
 #include "core/status.h"
 
@@ -103,6 +104,10 @@ std::string PlacementString(const Placement& p) {
     case Placement::Kind::kMerged:
       return absl::StrFormat("Merged(%s -> %s)", absl::StrJoin(p.parts, " + "), p.fused);
     case Placement::Kind::kExperts:
+      if (p.num_experts > 0) {
+        return absl::StrFormat("ExpertsFromEach(%d experts, %s -> %s, %s)", p.num_experts,
+                               absl::StrJoin(p.parts, " + "), p.fused, order);
+      }
       if (p.parts.empty()) return absl::StrFormat("Experts(%s)", order);
       return absl::StrFormat("ExpertsMerged(%s -> %s, %s)", absl::StrJoin(p.parts, " + "), p.fused,
                              order);
@@ -139,9 +144,9 @@ uint64_t PlanFingerprint(uint64_t layout_fingerprint, absl::Span<const TensorReq
   for (const TensorRequest& r : requests) {
     const Placement& p = r.placement;
     h.Str(r.name);
-    for (int64_t v :
-         {int64_t{static_cast<uint8_t>(p.kind)}, int64_t{p.dim}, p.num_heads, p.num_kv_heads,
-          p.head_size, p.v_head_size, int64_t{static_cast<uint8_t>(p.expert_order)}}) {
+    for (int64_t v : {int64_t{static_cast<uint8_t>(p.kind)}, int64_t{p.dim}, p.num_heads,
+                      p.num_kv_heads, p.head_size, p.v_head_size, p.num_experts,
+                      int64_t{static_cast<uint8_t>(p.expert_order)}}) {
       h.Int(v);
     }
     h.Str(p.fused);
@@ -151,7 +156,8 @@ uint64_t PlanFingerprint(uint64_t layout_fingerprint, absl::Span<const TensorReq
   return h.Digest();
 }
 
-// Where a destination's bytes come from: `box` of source tensor `source` lands at `dest_at`.
+// Where a destination's bytes come from: `box` of source tensor `source` lands at `dest_at`
+// (which has the destination's dimensions, as many as the source's or more; see EmitBox).
 struct Piece {
   int source = 0;
   Box box;
@@ -166,18 +172,20 @@ struct DestTensor {
 
 // Appends the byte ranges that copy `box` (global coordinates) from `part` (part `part_index`
 // of source `source`) into a row-major destination of `dest_shape`, the box's first element
-// landing at `dest_at`. Runs are as long as both sides are contiguous; consecutive runs that
+// landing at `dest_at`. The destination may have more dimensions than the source (a
+// per-expert tensor in a stacked one): the box fills its trailing dimensions, and the leading
+// ones stay at `dest_at`. Runs are as long as both sides are contiguous; consecutive runs that
 // continue each other are merged.
 absl::Status EmitBox(std::string_view tensor, const Box& box, const SourcePart& part, int source,
                      int part_index, const Dims& dest_shape, const Dims& dest_at,
                      std::vector<ByteRange>* out) {
-  const size_t k = box.lo.size();
+  const size_t k = box.lo.size(), lead = dest_shape.size() - k;
   const Box pbox = PartBox(part);
   const Dims pstride = RowMajorStrides(part.shape), dstride = RowMajorStrides(dest_shape);
   // Dimensions [j, k) form one contiguous run: every dimension after j is covered whole on
   // both sides.
   size_t j = k == 0 ? 0 : k - 1;
-  while (j > 0 && box.ext[j] == part.shape[j] && box.ext[j] == dest_shape[j]) --j;
+  while (j > 0 && box.ext[j] == part.shape[j] && box.ext[j] == dest_shape[lead + j]) --j;
   int64_t run = 1;
   for (size_t d = j; d < k; ++d) run *= box.ext[d];
   const unsigned __int128 bits = DTypeBits(part.dtype);
@@ -195,10 +203,11 @@ absl::Status EmitBox(std::string_view tensor, const Box& box, const SourcePart& 
   Dims idx(j, 0);  // odometer over dimensions [0, j)
   while (true) {
     int64_t src = 0, dst = 0;
+    for (size_t d = 0; d < lead; ++d) dst += dest_at[d] * dstride[d];
     for (size_t d = 0; d < k; ++d) {
       const int64_t i = d < j ? idx[d] : 0;
       src += (box.lo[d] + i - pbox.lo[d]) * pstride[d];
-      dst += (dest_at[d] + i) * dstride[d];
+      dst += (dest_at[lead + d] + i) * dstride[lead + d];
     }
     WB_ASSIGN_OR_RETURN(const uint64_t src_byte, bytes(src, "range start"));
     WB_ASSIGN_OR_RETURN(const uint64_t dst_byte, bytes(dst, "range start"));
@@ -406,22 +415,90 @@ class Planner {
       WB_ASSIGN_OR_RETURN(const int s, Source(name, who));
       out.sources.push_back(s);
     }
-    const SourcePart& a = First(out.sources[0]);
     for (size_t i = 1; i < out.sources.size(); ++i) {
-      const SourcePart& b = First(out.sources[i]);
-      bool same = a.dtype == b.dtype && a.global_shape.size() == b.global_shape.size();
-      for (size_t d = 0; same && d < a.global_shape.size(); ++d) {
-        same = static_cast<int>(d) == CatDim(p) || a.global_shape[d] == b.global_shape[d];
-      }
-      if (!same) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "%s: its sources must agree on dtype and on every dimension but %d: \"%s\" is %s %s, "
-            "\"%s\" is %s %s",
-            who, CatDim(p), names[0], DTypeName(a.dtype), ShapeString(a.global_shape), names[i],
-            DTypeName(b.dtype), ShapeString(b.global_shape)));
-      }
+      WB_RETURN_IF_ERROR(Agree(who, CatDim(p), out.sources[0], out.sources[i]));
     }
     return out;
+  }
+
+  // OK when sources `a` and `b` of one destination have the same dtype and the same size in
+  // every dimension but `except` (-1: in every dimension).
+  absl::Status Agree(const std::string& who, int except, int a, int b) const {
+    const SourcePart& pa = First(a);
+    const SourcePart& pb = First(b);
+    bool same = pa.dtype == pb.dtype && pa.global_shape.size() == pb.global_shape.size();
+    for (size_t d = 0; same && d < pa.global_shape.size(); ++d) {
+      same = static_cast<int>(d) == except || pa.global_shape[d] == pb.global_shape[d];
+    }
+    if (same) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: its sources must agree on dtype and on every dimension%s: \"%s\" is %s %s, \"%s\" "
+        "is %s %s",
+        who, except < 0 ? std::string() : absl::StrCat(" but ", except), layout_.tensors[a].name,
+        DTypeName(pa.dtype), ShapeString(pa.global_shape), layout_.tensors[b].name,
+        DTypeName(pb.dtype), ShapeString(pb.global_shape)));
+  }
+
+  // Experts stored one tensor per expert and part: the destination's name with its last `fused`
+  // replaced by the part, "{e}" in it by the expert number. Rank r's local experts (as
+  // LocalExperts) each get their parts one after another along dimension 1 of [E_r, ...].
+  absl::StatusOr<DestTensor> BuildPerExpert(const TensorRequest& req, const std::string& who) {
+    const Placement& p = req.placement;
+    const size_t at = p.fused.empty() ? std::string::npos : req.name.rfind(p.fused);
+    if (p.parts.empty() || at == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: a per-expert placement needs its fused token (\"%s\") in the name and at least "
+          "one part token (%d given)",
+          who, p.fused, p.parts.size()));
+    }
+    for (const std::string& part : p.parts) {
+      if (part.find("{e}") == std::string::npos) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s: part \"%s\" has no \"{e}\" for the expert number", who, part));
+      }
+    }
+    auto source = [&](int64_t e, size_t i) {
+      std::string name = req.name;
+      name.replace(at, p.fused.size(), absl::StrReplaceAll(p.parts[i], {{"{e}", absl::StrCat(e)}}));
+      return Source(name, who);
+    };
+    // Expert 0's parts give the shape: [rows_i, rest...], rest and dtype the same for all.
+    std::vector<int> first;
+    int64_t rows = 0;
+    for (size_t i = 0; i < p.parts.size(); ++i) {
+      WB_ASSIGN_OR_RETURN(const int s, source(0, i));
+      if (First(s).global_shape.empty()) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: source \"%s\" is 0-d; per-expert parts need a dimension 0 to stack along "
+            "dimension 1",
+            who, layout_.tensors[s].name));
+      }
+      if (i > 0) WB_RETURN_IF_ERROR(Agree(who, 0, first[0], s));
+      rows += First(s).global_shape[0];
+      first.push_back(s);
+    }
+    DestTensor dest;
+    dest.dtype = First(first[0]).dtype;
+    dest.shape = First(first[0]).global_shape;
+    dest.shape[0] = rows;
+    dest.shape.insert(dest.shape.begin(), 0);
+    for (const auto& [start, count] : LocalExperts(p.num_experts, p.expert_order)) {
+      for (int64_t e = start; e < start + count; ++e) {
+        int64_t row = 0;
+        for (size_t i = 0; i < p.parts.size(); ++i) {
+          WB_ASSIGN_OR_RETURN(const int s, source(e, i));
+          WB_RETURN_IF_ERROR(Agree(who, -1, first[i], s));
+          const Dims& g = First(s).global_shape;
+          Piece piece{s, Box{Dims(g.size(), 0), g}, Dims(dest.shape.size(), 0)};
+          piece.dest_at[0] = dest.shape[0];
+          piece.dest_at[1] = row;
+          row += g[0];
+          dest.pieces.push_back(std::move(piece));
+        }
+        ++dest.shape[0];
+      }
+    }
+    return dest;
   }
 
   static int CatDim(const Placement& p) { return p.kind == Placement::Kind::kExperts ? 1 : p.dim; }
@@ -622,6 +699,7 @@ class Planner {
         return dest;
       }
       case Placement::Kind::kExperts: {
+        if (p.num_experts > 0) return BuildPerExpert(req, who);
         std::vector<Segment> segs;
         if (p.parts.empty()) {
           WB_ASSIGN_OR_RETURN(const int s, Source(req.name, who));
@@ -690,7 +768,8 @@ class Planner {
           continue;
         }
         Dims at = piece.dest_at;
-        for (size_t d = 0; d < at.size(); ++d) at[d] += inter.lo[d] - piece.box.lo[d];
+        const size_t lead = at.size() - inter.lo.size();
+        for (size_t d = 0; d < inter.lo.size(); ++d) at[lead + d] += inter.lo[d] - piece.box.lo[d];
         WB_RETURN_IF_ERROR(EmitBox(t.name, inter, part, piece.source, static_cast<int>(pi),
                                    dest.shape, at, &plan->ranges));
         for (size_t qi = 0; qi < n; ++qi) {

@@ -764,18 +764,14 @@ TEST(ReshardLayoutTest, ExpertsFromOneTensorEachStackLikeStackedExperts) {
   // Errors: an expert missing, a template without {e}, an expert of another shape.
   const Group group = Publish(each, 1, {});
   const std::string w13 = prefix + "w13_weight";
-  ExpectError(
-      ComputePlan(group.layout,
-                  {{w13, Placement::ExpertsFromEach(7, "w13_weight", {"{e}.gate_proj.weight"})}},
-                  {1, 0}),
-      absl::StatusCode::kNotFound,
-      {"source tensor \"layers.1.mlp.experts.6.gate_proj.weight\" is not in the layout"});
-  ExpectError(
-      ComputePlan(group.layout,
-                  {{w13, Placement::ExpertsFromEach(6, "w13_weight", {"gate_proj.weight"})}},
-                  {1, 0}),
-      absl::StatusCode::kInvalidArgument,
-      {"part \"gate_proj.weight\" has no \"{e}\" for the expert number"});
+  auto plan_one = [&](int64_t experts, std::string part) {
+    return ComputePlan(group.layout,
+                       {{w13, Placement::ExpertsFromEach(experts, "w13_weight", {part})}}, {1, 0});
+  };
+  ExpectError(plan_one(7, "{e}.gate_proj.weight"), absl::StatusCode::kNotFound,
+              {"source tensor \"layers.1.mlp.experts.6.gate_proj.weight\" is not in the layout"});
+  ExpectError(plan_one(6, "gate_proj.weight"), absl::StatusCode::kInvalidArgument,
+              {"part \"gate_proj.weight\" has no \"{e}\" for the expert number"});
   Model odd = each;
   Add(odd, prefix + "3.up_proj.weight", {8, 15});
   ExpectError(

@@ -382,7 +382,8 @@ class Planner {
     std::vector<int> sources;  // one per part, or a single fused one
     bool fused = false;
   };
-  absl::StatusOr<FusedSources> ResolveFused(const TensorRequest& req, const std::string& who) {
+  // Where the last `fused` token is in the destination's name (the part tokens replace it).
+  static absl::StatusOr<size_t> FusedTokenAt(const TensorRequest& req, const std::string& who) {
     const Placement& p = req.placement;
     const size_t at = p.fused.empty() ? std::string::npos : req.name.rfind(p.fused);
     if (p.parts.empty() || at == std::string::npos) {
@@ -391,6 +392,12 @@ class Planner {
           "part token (%d given)",
           who, p.fused, p.parts.size()));
     }
+    return at;
+  }
+
+  absl::StatusOr<FusedSources> ResolveFused(const TensorRequest& req, const std::string& who) {
+    const Placement& p = req.placement;
+    WB_ASSIGN_OR_RETURN(const size_t at, FusedTokenAt(req, who));
     std::vector<std::string> names, missing;
     for (const std::string& part : p.parts) {
       std::string name = req.name;
@@ -444,13 +451,7 @@ class Planner {
   // LocalExperts) each get their parts one after another along dimension 1 of [E_r, ...].
   absl::StatusOr<DestTensor> BuildPerExpert(const TensorRequest& req, const std::string& who) {
     const Placement& p = req.placement;
-    const size_t at = p.fused.empty() ? std::string::npos : req.name.rfind(p.fused);
-    if (p.parts.empty() || at == std::string::npos) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s: a per-expert placement needs its fused token (\"%s\") in the name and at least "
-          "one part token (%d given)",
-          who, p.fused, p.parts.size()));
-    }
+    WB_ASSIGN_OR_RETURN(const size_t at, FusedTokenAt(req, who));
     for (const std::string& part : p.parts) {
       if (part.find("{e}") == std::string::npos) {
         return absl::InvalidArgumentError(

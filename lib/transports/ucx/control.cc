@@ -297,12 +297,12 @@ std::string Reader::Str() {
   return s.ok() ? std::string(*s) : std::string();
 }
 
-absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer) {
+absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer, uint32_t max_frame) {
   if (buffer.size() < 4) return std::nullopt;
   const uint32_t n = LoadLe<uint32_t>(buffer.data());
-  if (n == 0 || n > kMaxFrame) {
+  if (n == 0 || n > max_frame) {
     return absl::DataLossError(absl::StrFormat(
-        "malformed control frame: payload length %d (must be 1..%d)", n, kMaxFrame));
+        "malformed control frame: payload length %d (must be 1..%d)", n, max_frame));
   }
   if (buffer.size() < 4 + size_t{n}) return std::nullopt;
   Frame f{static_cast<MsgType>(static_cast<uint8_t>(buffer[4])), buffer.substr(5, n - 1)};
@@ -310,10 +310,11 @@ absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer) {
   return f;
 }
 
-absl::StatusOr<bool> ReadAvailable(int fd, std::string& buffer) {
+absl::StatusOr<bool> ReadAvailable(int fd, std::string& buffer, size_t max_buffer) {
   char chunk[64 * 1024];
-  while (true) {
-    const ssize_t n = ::recv(fd, chunk, sizeof(chunk), MSG_DONTWAIT);
+  while (buffer.size() < max_buffer) {
+    const size_t room = std::min(sizeof(chunk), max_buffer - buffer.size());
+    const ssize_t n = ::recv(fd, chunk, room, MSG_DONTWAIT);
     if (n > 0) {
       buffer.append(chunk, static_cast<size_t>(n));
       continue;
@@ -323,6 +324,7 @@ absl::StatusOr<bool> ReadAvailable(int fd, std::string& buffer) {
     if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
     return absl::UnavailableError(absl::StrFormat("connection broke: %s", strerror(errno)));
   }
+  return true;
 }
 
 absl::Status WriteAvailable(int fd, std::string& buffer) {

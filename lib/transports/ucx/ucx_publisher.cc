@@ -44,6 +44,21 @@ namespace {
 
 constexpr uint64_t kTensorAlign = 64;
 
+// What one subscriber connection may make the publisher hold (issue 17: one peer must not
+// exhaust the control plane). Honest subscribers stay far below each bound: they keep one WAIT
+// and a few leases out, and at most gets_in_flight (<= 1024) READs.
+constexpr size_t kMaxInput = size_t{1} << 20;    // bytes read ahead of the frames handled
+constexpr size_t kMaxOutput = size_t{32} << 20;  // answers queued before reading stops
+constexpr size_t kMaxWaits = 64;                 // WAITs outstanding
+constexpr int kMaxLeases = 64;                   // leases held
+constexpr size_t kMaxReads = 4096;               // READs outstanding
+// Connections accepted beyond max_connections only to answer their HELLO with
+// ResourceExhausted; more than this many such at once are closed without a word.
+constexpr size_t kMaxRefusing = 16;
+// Backoff of accept() at the fd limit (EMFILE, ENFILE) or out of kernel memory.
+constexpr absl::Duration kAcceptBackoffMin = absl::Milliseconds(10);
+constexpr absl::Duration kAcceptBackoffMax = absl::Seconds(1);
+
 // One piece of a staging slot: registered memory covering [base, base + size()) of the slot's
 // byte range.
 struct Region {
@@ -80,7 +95,8 @@ struct Lease {
   Slot* slot = nullptr;
   uint64_t conn = 0;
   uint64_t version = 0;
-  absl::Time expiry;  // MonotonicNow() time
+  absl::Time expiry;      // MonotonicNow() time
+  absl::Time hold_start;  // the connection's first grant of this version (lease_max_hold)
 };
 
 // A READ of slot bytes over the control connection (Conn::bytes_over_control).
@@ -114,6 +130,12 @@ struct Conn {
   // UCP transport with one-sided hardware support reaches it (see UcxPublisher::HandleHello).
   bool bytes_over_control = false;
   std::deque<PendingRead> reads;
+  int leases = 0;           // leases_ entries of this connection
+  bool over_limit = false;  // accepted beyond max_connections: HELLO gets ResourceExhausted
+  // When this connection was first granted each version it was granted (versions no slot
+  // holds any more are forgotten): lease_max_hold counts from there, across renewals and
+  // repeated requests.
+  std::map<uint64_t, absl::Time> first_grant;
 };
 
 class UcxPublisher final : public TransportPublisher {
@@ -263,6 +285,14 @@ class UcxPublisher final : public TransportPublisher {
   // subscriber: at most kReadBacklog bytes queued beyond one DATA frame).
   void ServeReads(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Drop(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends a lease (released, expired, or its connection gone).
+  void EndLease(std::map<uint64_t, Lease>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether connection `c` may hold version `version` for another full lease from `now`
+  // (lease_max_hold counted from its first grant of that version).
+  bool HoldFits(const Conn& c, uint64_t version, absl::Time now) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks `c` to be closed now, logging why (rate-limited).
+  void Disconnect(Conn& c, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Endpoint endpoint_;
   const UcxOptions options_;
@@ -294,6 +324,14 @@ class UcxPublisher final : public TransportPublisher {
   uint64_t changes_ ABSL_GUARDED_BY(mu_) = 0;  // bumped whenever a slot or lease frees up
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  // Accepting pauses until then after accept() failed for lack of descriptors or memory.
+  absl::Time accept_resume_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  absl::Duration accept_backoff_ ABSL_GUARDED_BY(mu_) = kAcceptBackoffMin;
+  // Messages a peer or the system can repeat at will, each at most once per 10 s.
+  RateLimitedLog peer_log_;    // a subscriber's misbehaviour that disconnects it
+  RateLimitedLog conn_log_;    // subscribers connecting and going away (info)
+  RateLimitedLog lease_log_;   // leases expired or held for lease_max_hold
+  RateLimitedLog accept_log_;  // accept() failures and connections refused
   // UcxPublisherCounters (ucx_transport.h); written by the progress thread only.
   std::atomic<uint64_t> reads_served_{0};
   std::atomic<uint64_t> sleeps_with_reads_ready_{0};
@@ -307,15 +345,33 @@ void UcxPublisher::ExpireLeases(absl::Time now) {
     }
     const Lease& l = it->second;
     auto conn = conns_.find(l.conn);
-    Log(LogLevel::kWarn,
+    lease_log_.Log(
+        LogLevel::kWarn,
         "%s: %s held version %d without renewing its lease for %s; the lease expired and the "
         "version's staging slot may be reused",
         endpoint_.display, conn != conns_.end() ? conn->second->peer : "a subscriber", l.version,
         absl::FormatDuration(options_.lease));
-    --l.slot->leases;
-    ++changes_;
-    it = leases_.erase(it);
+    EndLease(it++);
   }
+}
+
+void UcxPublisher::EndLease(std::map<uint64_t, Lease>::iterator it) {
+  --it->second.slot->leases;
+  auto conn = conns_.find(it->second.conn);
+  if (conn != conns_.end()) --conn->second->leases;
+  ++changes_;
+  leases_.erase(it);
+}
+
+bool UcxPublisher::HoldFits(const Conn& c, uint64_t version, absl::Time now) const {
+  auto first = c.first_grant.find(version);
+  return first == c.first_grant.end() ||
+         now + options_.lease <= first->second + options_.lease_max_hold;
+}
+
+void UcxPublisher::Disconnect(Conn& c, const std::string& why) {
+  peer_log_.Log(LogLevel::kWarn, "%s: %s %s; disconnecting it", endpoint_.display, c.peer, why);
+  c.dead = true;
 }
 
 Slot* UcxPublisher::PickSlot() {
@@ -614,13 +670,18 @@ void UcxPublisher::Loop() {
       if (stopping_) break;
       fds.clear();
       ids.clear();
-      fds.push_back({wake_.get(), POLLIN, 0});
-      fds.push_back({listener_.get(), POLLIN, 0});
-      fds.push_back({efd_, POLLIN, 0});
       const absl::Time mono = MonotonicNow();
       absl::Time next = mono + absl::Seconds(1);
+      fds.push_back({wake_.get(), POLLIN, 0});
+      // While accepting is paused (no descriptors left), the listener is not polled: its queued
+      // connections would wake poll at once, for ever.
+      const bool accepting = mono >= accept_resume_;
+      if (!accepting) next = std::min(next, accept_resume_);
+      fds.push_back({accepting ? listener_.get() : -1, POLLIN, 0});
+      fds.push_back({efd_, POLLIN, 0});
       for (const auto& [id, c] : conns_) {
-        short events = POLLIN;
+        // A connection with kMaxOutput queued is read no further until its peer reads.
+        short events = c->out.size() < kMaxOutput ? POLLIN : 0;
         // Queued READs are served as the socket drains (none is left behind with `out` empty).
         if (!c->out.empty() || !c->reads.empty()) events |= POLLOUT;
         if (!c->reads.empty() && c->out.empty()) reads_ready = true;
@@ -658,21 +719,20 @@ void UcxPublisher::Loop() {
       auto it = conns_.find(ids[k]);
       if (it == conns_.end()) continue;
       Conn& c = *it->second;
-      absl::StatusOr<bool> open = ReadAvailable(c.fd.get(), c.in);
-      while (!c.dead) {
-        absl::StatusOr<std::optional<Frame>> f = TakeFrame(c.in);
+      absl::StatusOr<bool> open = true;
+      if (c.out.size() < kMaxOutput) open = ReadAvailable(c.fd.get(), c.in, kMaxInput);
+      while (!c.dead && c.out.size() < kMaxOutput) {
+        absl::StatusOr<std::optional<Frame>> f = TakeFrame(c.in, kMaxRequestFrame);
         if (!f.ok()) {
-          Log(LogLevel::kWarn, "%s: %s sent a malformed message (%s); disconnecting it",
-              endpoint_.display, c.peer, std::string(f.status().message()));
-          c.dead = true;
+          Disconnect(c, absl::StrFormat("sent a malformed message (%s)", f.status().message()));
           break;
         }
         if (!f->has_value()) break;
         Handle(c, **f);
       }
       if (!open.ok() || !*open) {
-        Log(LogLevel::kInfo, "%s: %s disconnected%s", endpoint_.display, c.peer,
-            open.ok() ? "" : " (" + std::string(open.status().message()) + ")");
+        conn_log_.Log(LogLevel::kInfo, "%s: %s disconnected%s", endpoint_.display, c.peer,
+                      open.ok() ? "" : " (" + std::string(open.status().message()) + ")");
         c.dead = true;
       }
     }
@@ -681,8 +741,8 @@ void UcxPublisher::Loop() {
     for (auto it = conns_.begin(); it != conns_.end();) {
       Conn& c = *it->second;
       if (!c.greeted && now > c.hello_deadline && !c.dead) {
-        Log(LogLevel::kInfo, "%s: %s did not greet within %s; disconnecting it", endpoint_.display,
-            c.peer, absl::FormatDuration(options_.connect_timeout));
+        conn_log_.Log(LogLevel::kInfo, "%s: %s did not greet within %s; disconnecting it",
+                      endpoint_.display, c.peer, absl::FormatDuration(options_.connect_timeout));
         c.dead = true;
       }
       if (!c.dead && c.greeted && !c.closing) ServeWaits(c);
@@ -717,10 +777,38 @@ void UcxPublisher::Accept() {
     const int fd = ::accept4(listener_.get(), reinterpret_cast<sockaddr*>(&addr), &len,
                              SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        Log(LogLevel::kWarn, "%s: accept: %s", endpoint_.display, strerror(errno));
+      const int err = errno;
+      if (err == EAGAIN || err == EWOULDBLOCK || err == EINTR) return;
+      if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+        // Out of descriptors or kernel memory: stop accepting for a while (doubling up to
+        // kAcceptBackoffMax) and serve the connections there are; the new ones wait in the
+        // listen queue.
+        accept_resume_ = MonotonicNow() + accept_backoff_;
+        accept_log_.Log(LogLevel::kWarn,
+                        "%s: accept: %s (%d connections open, max_connections %d); not accepting "
+                        "for %s, serving the connected subscribers meanwhile (raise the fd "
+                        "limit, ulimit -n, or lower max_connections)",
+                        endpoint_.display, strerror(err), conns_.size(), options_.max_connections,
+                        absl::FormatDuration(accept_backoff_));
+        accept_backoff_ = std::min(accept_backoff_ * 2, kAcceptBackoffMax);
+        return;
       }
+      accept_log_.Log(LogLevel::kWarn, "%s: accept: %s", endpoint_.display, strerror(err));
       return;
+    }
+    accept_backoff_ = kAcceptBackoffMin;
+    const std::string peer =
+        "subscriber at " + DescribeSockaddr(reinterpret_cast<sockaddr*>(&addr), len);
+    const bool over_limit = conns_.size() >= static_cast<size_t>(options_.max_connections);
+    if (over_limit &&
+        conns_.size() >= static_cast<size_t>(options_.max_connections) + kMaxRefusing) {
+      accept_log_.Log(LogLevel::kWarn,
+                      "%s: closing the connection of %s at once: %d connections are open "
+                      "(max_connections %d) and %d more wait to be refused",
+                      endpoint_.display, peer, conns_.size(), options_.max_connections,
+                      kMaxRefusing);
+      ::close(fd);
+      continue;
     }
     int one = 1;
     (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -728,7 +816,8 @@ void UcxPublisher::Accept() {
     c->id = next_conn_++;
     c->fd = Fd(fd);
     c->fd.CloseInForkedChildren();  // the subscriber sees the connection close with us
-    c->peer = "subscriber at " + DescribeSockaddr(reinterpret_cast<sockaddr*>(&addr), len);
+    c->peer = peer;
+    c->over_limit = over_limit;
     c->hello_deadline = MonotonicNow() + options_.connect_timeout;
     conns_[c->id] = std::move(c);
   }
@@ -747,8 +836,8 @@ void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
   const uint64_t subscriber_id = r.U64();
   const std::string who = r.Str();
   if (!r.ok() || magic != kMagic) {
-    Log(LogLevel::kInfo, "%s: %s is not a weightbus subscriber; disconnecting it",
-        endpoint_.display, c.peer);
+    conn_log_.Log(LogLevel::kInfo, "%s: %s is not a weightbus subscriber; disconnecting it",
+                  endpoint_.display, c.peer);
     c.dead = true;
     return;
   }
@@ -757,6 +846,15 @@ void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
     SendError(c, absl::StatusCode::kFailedPrecondition,
               absl::StrFormat("publisher %s speaks ucx control protocol %d, the subscriber %d",
                               description_, kProtocolVersion, protocol));
+    return;
+  }
+  if (c.over_limit) {
+    accept_log_.Log(LogLevel::kWarn, "%s: refusing %s: %d connections are open (max_connections)",
+                    endpoint_.display, c.peer, options_.max_connections);
+    SendError(c, absl::StatusCode::kResourceExhausted,
+              absl::StrFormat("the publisher at port %d (%s) already serves %d subscriber "
+                              "connections, its max_connections; try again later",
+                              endpoint_.port, description_, options_.max_connections));
     return;
   }
   if (channel != endpoint_.channel) {
@@ -781,7 +879,7 @@ void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
   w.U8(newest_ != nullptr).U64(newest_ ? newest_->version : 0).Str(description_);
   w.U8(c.bytes_over_control);
   c.out += std::move(w).Finish();
-  Log(LogLevel::kInfo, "%s: %s connected", endpoint_.display, c.peer);
+  conn_log_.Log(LogLevel::kInfo, "%s: %s connected", endpoint_.display, c.peer);
 }
 
 void UcxPublisher::Handle(Conn& c, const Frame& f) {
@@ -802,7 +900,12 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       const uint8_t mode = r.U8();
       w.exact = mode == 1;
       w.now = mode == 2;
-      if (r.ok()) c.waits.push_back(w);
+      if (!r.ok()) break;
+      if (c.waits.size() >= kMaxWaits) {
+        Disconnect(c, absl::StrFormat("has more than %d WAITs outstanding", kMaxWaits));
+        break;
+      }
+      c.waits.push_back(w);
       break;
     }
     case MsgType::kCancel: {
@@ -814,8 +917,20 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       const uint64_t id = r.U64();
       if (!r.ok()) break;
       auto it = leases_.find(id);
-      const bool valid = it != leases_.end() && it->second.conn == c.id;
-      if (valid) it->second.expiry = MonotonicNow() + options_.lease;
+      const absl::Time now = MonotonicNow();
+      bool valid = it != leases_.end() && it->second.conn == c.id;
+      // A renewal is one more full lease, within lease_max_hold of the first grant.
+      if (valid && now + options_.lease > it->second.hold_start + options_.lease_max_hold) {
+        lease_log_.Log(
+            LogLevel::kWarn,
+            "%s: %s has held version %d for %s, lease_max_hold %s; its lease is not "
+            "renewed (the version's staging slot frees when it expires)",
+            endpoint_.display, c.peer, it->second.version,
+            absl::FormatDuration(absl::Trunc(now - it->second.hold_start, absl::Milliseconds(1))),
+            absl::FormatDuration(options_.lease_max_hold));
+        valid = false;
+      }
+      if (valid) it->second.expiry = now + options_.lease;
       c.out += Writer(MsgType::kRenewed).U64(id).U8(valid).Finish();
       break;
     }
@@ -825,11 +940,7 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       if (!r.ok()) break;
       auto it = leases_.find(id);
       const bool valid = it != leases_.end() && it->second.conn == c.id;
-      if (valid) {
-        --it->second.slot->leases;
-        ++changes_;
-        leases_.erase(it);
-      }
+      if (valid) EndLease(it);
       if (ack) c.out += Writer(MsgType::kReleased).U64(id).U8(valid).Finish();
       break;
     }
@@ -848,10 +959,8 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       read.offset = r.U64();
       read.length = r.U64();
       if (!r.ok()) break;
-      if (c.reads.size() >= 4096) {  // a subscriber keeps at most gets_in_flight (<= 1024) out
-        Log(LogLevel::kWarn, "%s: %s has more than 4096 READs outstanding; disconnecting it",
-            endpoint_.display, c.peer);
-        c.dead = true;
+      if (c.reads.size() >= kMaxReads) {
+        Disconnect(c, absl::StrFormat("has more than %d READs outstanding", kMaxReads));
         break;
       }
       c.reads.push_back(read);
@@ -871,15 +980,11 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       break;
     }
     default:
-      Log(LogLevel::kWarn, "%s: %s sent an unexpected %s message; disconnecting it",
-          endpoint_.display, c.peer, std::string(MsgTypeName(f.type)));
-      c.dead = true;
+      Disconnect(c, absl::StrFormat("sent an unexpected %s message", MsgTypeName(f.type)));
       break;
   }
   if (!r.ok()) {
-    Log(LogLevel::kWarn, "%s: %s sent a truncated %s message; disconnecting it", endpoint_.display,
-        c.peer, std::string(MsgTypeName(f.type)));
-    c.dead = true;
+    Disconnect(c, absl::StrFormat("sent a truncated %s message", MsgTypeName(f.type)));
   }
 }
 
@@ -924,6 +1029,28 @@ void UcxPublisher::ServeWaits(Conn& c) {
       ++it;
       continue;
     }
+    if (!HoldFits(c, slot->version, MonotonicNow())) {
+      // This connection held the version for lease_max_hold already: it gets a newer one (an
+      // exact request waits until the version is gone: NotFound), a poll an answer now.
+      if (!w.now) {
+        ++it;
+        continue;
+      }
+      c.out +=
+          Writer(MsgType::kRefused)
+              .U64(w.request)
+              .U32(static_cast<uint32_t>(absl::StatusCode::kDeadlineExceeded))
+              .Str(absl::StrFormat("this subscriber held version %d for lease_max_hold (%s); "
+                                   "no newer version yet",
+                                   slot->version, absl::FormatDuration(options_.lease_max_hold)))
+              .Finish();
+      it = c.waits.erase(it);
+      continue;
+    }
+    if (c.leases >= kMaxLeases) {
+      Disconnect(c, absl::StrFormat("holds %d leases and asks for more", kMaxLeases));
+      return;
+    }
     it = c.waits.erase(it);
     Grant(c, w, *slot);
   }
@@ -938,9 +1065,19 @@ void UcxPublisher::Grant(Conn& c, const PendingWait& w, Slot& slot) {
                  .Finish();
     return;
   }
+  // The hold of a version counts from this connection's first grant of it; versions no slot
+  // holds any more are forgotten.
+  std::erase_if(c.first_grant, [&](const auto& entry) {
+    return std::none_of(slots_.begin(), slots_.end(), [&](const auto& s) {
+      return s->state == Slot::State::kReady && s->version == entry.first;
+    });
+  });
+  const absl::Time now = MonotonicNow();
+  const absl::Time hold_start = c.first_grant.emplace(slot.version, now).first->second;
   const uint64_t id = next_lease_++;
-  leases_[id] = Lease{&slot, c.id, slot.version, MonotonicNow() + options_.lease};
+  leases_[id] = Lease{&slot, c.id, slot.version, now + options_.lease, hold_start};
   ++slot.leases;
+  ++c.leases;
   Writer g(MsgType::kGrant);
   g.U64(w.request).U64(id).U64(static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)));
   g.Raw(slot.grant_body);
@@ -1004,9 +1141,7 @@ void UcxPublisher::ServeReads(Conn& c) {
 void UcxPublisher::Drop(Conn& c) {
   for (auto it = leases_.begin(); it != leases_.end();) {
     if (it->second.conn == c.id) {
-      --it->second.slot->leases;
-      ++changes_;
-      it = leases_.erase(it);
+      EndLease(it++);
     } else {
       ++it;
     }

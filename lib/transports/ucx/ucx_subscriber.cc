@@ -80,7 +80,7 @@ struct Pull {
   absl::Status error;
   LandingSink* sink = nullptr;
   const Manifest* manifest = nullptr;
-  std::string source;  // for messages: "ucx://h:p/c: ... from publisher ..."
+  std::string source;     // for messages: "ucx://h:p/c: ... from publisher ..."
   bool midpoint = false;  // the fail point ucx.during_get was passed
 
   // The fail point ucx.during_get, once per version: when half of the `total` bytes are

@@ -5,8 +5,13 @@
 // takes every file descriptor, takes every connection). Each case checks the outcome: the
 // publisher's RSS (this process's, read from /proc/self/status) stays bounded, the hostile
 // connection is closed, publishes do not time out, an honest subscriber still receives a
-// bit-exact version, and errors carry their exact codes.
+// bit-exact version, and errors carry their exact codes. Also: where UCX's own tcp transport
+// listens.
+#include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -14,8 +19,10 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -387,6 +394,113 @@ TEST_F(UcxControlPlaneTest, AcceptAtTheFdLimitBacksOffLogsRateLimitedAndServesOn
   EXPECT_GE(lines, 1) << log;
   // At most one line per 10 s (RateLimitedLog::kDefaultInterval), the first at once.
   EXPECT_LE(lines, 1 + absl::ToInt64Seconds(absl::Now() - start) / 10) << log.substr(0, 4000);
+}
+
+// The addresses ("192.0.2.2 port 40000") of the TCP sockets this process listens on, from
+// /proc/self/net/tcp{,6} (the network namespace's sockets) and /proc/self/fd (this process's).
+struct Listening {
+  std::string address;
+  bool loopback = false;
+  int port = 0;
+};
+std::vector<Listening> ListeningSockets() {
+  std::set<std::string> inodes;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (dirent* e = ::readdir(d)) {
+      char target[256] = {};
+      const std::string link = std::string("/proc/self/fd/") + e->d_name;
+      const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+      absl::string_view t(target, n > 0 ? n : 0);
+      if (absl::ConsumePrefix(&t, "socket:[") && absl::ConsumeSuffix(&t, "]")) {
+        inodes.emplace(t);
+      }
+    }
+    ::closedir(d);
+  }
+  std::vector<Listening> out;
+  for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // the header
+    while (std::getline(in, line)) {
+      std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+      if (f.size() < 10 || f[3] != "0A" || inodes.count(f[9]) == 0) continue;
+      const std::vector<std::string> hostport = absl::StrSplit(f[1], ':');
+      Listening l;
+      l.port = std::stoi(hostport[1], nullptr, 16);
+      char text[INET6_ADDRSTRLEN] = {};
+      if (hostport[0].size() == 8) {
+        in_addr a{static_cast<uint32_t>(std::stoul(hostport[0], nullptr, 16))};
+        ::inet_ntop(AF_INET, &a, text, sizeof(text));
+        l.loopback = (ntohl(a.s_addr) >> 24) == 127;
+      } else {
+        in6_addr a{};
+        for (int w = 0; w < 4; ++w) {
+          const uint32_t word =
+              static_cast<uint32_t>(std::stoul(hostport[0].substr(w * 8, 8), nullptr, 16));
+          std::memcpy(reinterpret_cast<char*>(&a) + w * 4, &word, 4);
+        }
+        ::inet_ntop(AF_INET6, &a, text, sizeof(text));
+        l.loopback = IN6_IS_ADDR_LOOPBACK(&a);
+      }
+      l.address = text;
+      out.push_back(l);
+    }
+  }
+  return out;
+}
+
+// Issue 17: "a 0.0.0.0 publisher also opens UCX TCP listeners on every interface". With
+// UCX_TLS=tcp and UCX_NET_DEVICES unset, UCX's tcp transport listens only on the channel's
+// interfaces: loopback for a wildcard or loopback publisher, the address's own interface for a
+// publisher on one address (and, for its subscriber, the interface it reaches that address
+// from); the rendezvous listens where the URI says. Every listening socket of this process is
+// checked while a version has just been received bit-exact.
+TEST(UcxListenersTest, UcxTcpListensOnlyOnTheChannelsInterfaces) {
+  std::string external;  // a non-loopback IPv4 address of this host
+  ifaddrs* list = nullptr;
+  ASSERT_EQ(::getifaddrs(&list), 0);
+  for (ifaddrs* i = list; i != nullptr && external.empty(); i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET ||
+        (i->ifa_flags & IFF_LOOPBACK) != 0 || (i->ifa_flags & IFF_UP) == 0) {
+      continue;
+    }
+    char text[INET_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, text,
+                sizeof(text));
+    external = text;
+  }
+  ::freeifaddrs(list);
+  if (external.empty()) {
+    GTEST_SKIP() << "this host has no non-loopback IPv4 address: every listener is on loopback";
+  }
+  const testing::ScopedEnvs env({{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", ""}});
+  for (const std::string& host : {std::string("0.0.0.0"), std::string("127.0.0.1"), external}) {
+    SCOPED_TRACE(host);
+    const int port = testing::FreePort();
+    auto pub = Publisher::Open(absl::StrFormat("ucx://%s:%d/p", host, port));
+    if (absl::IsUnavailable(pub.status())) GTEST_SKIP() << "UCX cannot run here: " << pub.status();
+    ASSERT_TRUE(pub.ok()) << pub.status();
+    const auto v1 = MakeVersion(3, 1, 1 << 14);
+    ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+    auto sub = Subscriber::Open(
+        absl::StrFormat("ucx://%s:%d/p", host == "0.0.0.0" ? "127.0.0.1" : host, port));
+    ASSERT_TRUE(sub.ok()) << sub.status();
+    auto u = (*sub)->WaitForVersion(1, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    ExpectSameTensors(**u, v1);
+    int ucx_listeners = 0;
+    for (const Listening& l : ListeningSockets()) {
+      std::printf("[ measured ] %s: listening on %s port %d\n", host.c_str(), l.address.c_str(),
+                  l.port);
+      if (l.port == port) continue;  // the rendezvous
+      ++ucx_listeners;
+      EXPECT_TRUE(l.loopback || (host == external && l.address == external))
+          << "UCX listens on " << l.address << " port " << l.port;
+    }
+    EXPECT_GT(ucx_listeners, 0) << "UCX's tcp opened no listener: nothing was checked";
+  }
 }
 
 }  // namespace

@@ -3,6 +3,8 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -137,6 +139,85 @@ bool PeerIsLocal(int fd) {
            std::memcmp(&a.sin6_addr, &b.sin6_addr, sizeof(in6_addr)) == 0;
   }
   return false;
+}
+
+namespace {
+
+bool SameAddress(const sockaddr* a, const sockaddr* b) {
+  if (a == nullptr || b == nullptr || a->sa_family != b->sa_family) return false;
+  if (a->sa_family == AF_INET) {
+    return reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr ==
+           reinterpret_cast<const sockaddr_in*>(b)->sin_addr.s_addr;
+  }
+  if (a->sa_family == AF_INET6) {
+    return std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr,
+                       &reinterpret_cast<const sockaddr_in6*>(b)->sin6_addr, sizeof(in6_addr)) == 0;
+  }
+  return false;
+}
+
+bool IsLoopbackAddress(const sockaddr* a) {
+  if (a->sa_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (a->sa_family == AF_INET6) {
+    return IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr);
+  }
+  return false;
+}
+
+struct IfAddrsDeleter {
+  void operator()(ifaddrs* a) const { freeifaddrs(a); }
+};
+using IfAddrsPtr = std::unique_ptr<ifaddrs, IfAddrsDeleter>;
+
+IfAddrsPtr Interfaces() {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return nullptr;
+  return IfAddrsPtr(list);
+}
+
+}  // namespace
+
+std::string LoopbackInterface() {
+  IfAddrsPtr list = Interfaces();
+  for (ifaddrs* i = list.get(); i != nullptr; i = i->ifa_next) {
+    if ((i->ifa_flags & IFF_LOOPBACK) != 0 && i->ifa_name != nullptr) return i->ifa_name;
+  }
+  return "lo";
+}
+
+std::vector<std::string> TcpInterfacesFor(const std::string& host, int port, bool listening) {
+  std::vector<std::string> out;
+  auto add = [&](std::string name) {
+    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(std::move(name));
+  };
+  std::string error;
+  AddrInfoPtr addrs = Resolve(host, port, /*passive=*/listening, &error);
+  IfAddrsPtr interfaces = Interfaces();
+  for (addrinfo* a = addrs.get(); a != nullptr; a = a->ai_next) {
+    sockaddr_storage local{};
+    const sockaddr* mine = a->ai_addr;
+    if (!listening) {
+      // The local address the kernel would send from (a UDP connect sends nothing).
+      Fd probe(::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+      socklen_t len = sizeof(local);
+      if (!probe || ::connect(probe.get(), a->ai_addr, a->ai_addrlen) != 0 ||
+          ::getsockname(probe.get(), reinterpret_cast<sockaddr*>(&local), &len) != 0) {
+        continue;
+      }
+      mine = reinterpret_cast<const sockaddr*>(&local);
+    }
+    if (IsUnspecified(mine) || IsLoopbackAddress(mine)) {
+      add(LoopbackInterface());
+      continue;
+    }
+    for (ifaddrs* i = interfaces.get(); i != nullptr; i = i->ifa_next) {
+      if (i->ifa_name != nullptr && SameAddress(i->ifa_addr, mine)) add(i->ifa_name);
+    }
+  }
+  if (out.empty()) add(LoopbackInterface());
+  return out;
 }
 
 absl::StatusOr<Fd> Listen(const std::string& host, int port, std::string_view uri) {

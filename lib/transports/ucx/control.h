@@ -70,6 +70,18 @@ std::string DescribeSockaddr(const sockaddr* addr, socklen_t len);
 // the socket's own local address.
 bool PeerIsLocal(int fd);
 
+// The name of this host's loopback network interface ("lo" on Linux).
+std::string LoopbackInterface();
+
+// The network interfaces ("eth0", "lo") that carry a channel's traffic on this host, to which
+// Context::Create confines the TCP listeners UCX's own tcp transport opens: for a publisher
+// (`listening`) the interfaces that own `host`'s addresses, and the loopback interface for a
+// loopback or wildcard host (weightbus moves no byte over UCX's tcp: where only tcp links two
+// processes, the bytes go over the control connection); for a subscriber the interfaces the
+// kernel routes to `host`'s addresses through. Never empty: the loopback interface when nothing
+// matches (a host that does not resolve fails in Listen or Connect, naming it).
+std::vector<std::string> TcpInterfacesFor(const std::string& host, int port, bool listening);
+
 // Listens on host:port (a name, an address or a wildcard). Errors name the address, family and
 // port: FailedPrecondition when the port is in use, InvalidArgument when the host does not
 // resolve, Internal otherwise.

@@ -1167,7 +1167,8 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& 
   WB_ASSIGN_OR_RETURN(FailPoints failpoints, FailPoints::Parse(config.String("failpoints")));
   WB_ASSIGN_OR_RETURN(
       std::shared_ptr<Context> context,
-      Context::Create(/*wakeup=*/true, endpoint.display, IsLoopback(endpoint.host)));
+      Context::Create(/*wakeup=*/true, endpoint.display, IsLoopback(endpoint.host),
+                      TcpInterfacesFor(endpoint.host, endpoint.port, /*listening=*/true)));
   WB_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(context, endpoint.display));
   WB_ASSIGN_OR_RETURN(std::string address, worker->Address());
   WB_ASSIGN_OR_RETURN(int efd, worker->EventFd());

@@ -1052,7 +1052,8 @@ absl::StatusOr<std::unique_ptr<TransportSubscriber>> OpenUcxSubscriber(const Uri
   WB_ASSIGN_OR_RETURN(FailPoints failpoints, FailPoints::Parse(config.String("failpoints")));
   WB_ASSIGN_OR_RETURN(
       std::shared_ptr<Context> context,
-      Context::Create(/*wakeup=*/false, endpoint.display, IsLoopback(endpoint.host)));
+      Context::Create(/*wakeup=*/false, endpoint.display, IsLoopback(endpoint.host),
+                      TcpInterfacesFor(endpoint.host, endpoint.port, /*listening=*/false)));
   WB_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(context, endpoint.display));
   return std::unique_ptr<TransportSubscriber>(new UcxSubscriber(
       std::move(endpoint), options, std::move(failpoints), std::move(context), std::move(worker)));

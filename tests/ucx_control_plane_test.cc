@@ -33,6 +33,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "expect_tensors.h"
 #include "test_model.h"
@@ -205,6 +206,70 @@ TEST_F(UcxControlPlaneTest, ALeaseRenewedForEverBlocksTheSlotNoLongerThanLeaseMa
   versions_.resize(3);
   versions_[2] = v2;
   ExpectHonestSubscriberReceives(2);
+}
+
+// The same with many connections taking turns: each asks for the exact version of one of the
+// two staging slots as soon as the previous one's hold ran out, and renews its lease for ever,
+// so that both slots stay leased however long each connection's hold is bounded. While a
+// Publish waits for a slot, new leases go only to the newest version: the other slot drains,
+// the Publish goes through, and the turn-taker waiting on that slot's version is answered
+// NotFound.
+TEST_F(UcxControlPlaneTest, ConnectionsTakingTurnsRenewingForEverDoNotStopPublishes) {
+  OpenPublisher("staging_slots=2&lease=50ms&lease_max_hold=200ms");
+  if (IsSkipped()) return;
+  Publish(2);
+  std::atomic<bool> stop{false};
+  // One attacker per slot: up to 400 connections (80 s of holds), one after the other.
+  absl::Notification holding1, holding2;  // each attacker's first grant
+  auto take_turns = [&](uint64_t version, absl::StatusCode* ended, absl::Notification* holding) {
+    // The previous turn's connection stays open (its lease not yet expired) until this turn
+    // holds, so that the slot is never free in between.
+    std::unique_ptr<HostileClient> previous;
+    for (int turn = 0; turn < 400 && !stop.load(); ++turn) {
+      auto next = std::make_unique<HostileClient>(port_);
+      HostileClient& c = *next;
+      if (!c.Greet("policy") || !c.Send(Wait(1, version, /*mode=*/1))) return;
+      absl::StatusOr<Frame> f = c.Receive();
+      if (!f.ok()) return;
+      if (f->type == MsgType::kRefused) {
+        Reader r(f->payload);
+        r.U64();
+        *ended = static_cast<absl::StatusCode>(r.U32());
+        return;
+      }
+      if (f->type != MsgType::kGrant) return;
+      Reader g(f->payload);
+      g.U64();
+      const uint64_t lease = g.U64();
+      if (!holding->HasBeenNotified()) holding->Notify();
+      previous = std::move(next);
+      while (!stop.load()) {  // renew until refused
+        if (!c.Send(Writer(MsgType::kRenew).U64(lease).Finish())) return;
+        absl::StatusOr<Frame> renewed = c.Receive();
+        if (!renewed.ok()) return;
+        Reader r(renewed->payload);
+        r.U64();
+        if (renewed->type == MsgType::kRenewed && r.U8() == 0) break;
+      }
+    }
+  };
+  absl::StatusCode ended1 = absl::StatusCode::kOk, ended2 = absl::StatusCode::kOk;
+  std::thread a([&] { take_turns(1, &ended1, &holding1); });
+  std::thread b([&] { take_turns(2, &ended2, &holding2); });
+  const bool both_hold = holding1.WaitForNotificationWithTimeout(kTimeout) &&
+                         holding2.WaitForNotificationWithTimeout(kTimeout);
+  const std::vector<testing::OwnedTensor> v3 = MakeVersion(17, 3, 1 << 16);
+  const absl::Status published = pub_->Publish(3, Views(v3), {}, absl::Seconds(20));
+  stop = true;
+  a.join();
+  b.join();
+  ASSERT_TRUE(both_hold);
+  ASSERT_TRUE(published.ok()) << published;
+  // Version 1's slot (the older one) took version 3; its turn-taker learned that it is gone.
+  EXPECT_EQ(ended1, absl::StatusCode::kNotFound);
+  versions_.resize(4);
+  versions_[3] = v3;
+  ExpectHonestSubscriberReceives(3);
 }
 
 // Audit: "two connections sending partial frames grew the publisher by 1.4 GiB". A publisher

@@ -323,6 +323,7 @@ class UcxPublisher final : public TransportPublisher {
   uint64_t next_region_ = 1;                   // Publish only
   uint64_t changes_ ABSL_GUARDED_BY(mu_) = 0;  // bumped whenever a slot or lease frees up
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  int publishes_waiting_ ABSL_GUARDED_BY(mu_) = 0;  // Publish calls waiting for a slot
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   // Accepting pauses until then after accept() failed for lack of descriptors or memory.
   absl::Time accept_resume_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
@@ -586,6 +587,13 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
   {
     absl::MutexLock lock(&mu_);
     if (cancelled_) return Cancelled();
+    // While this Publish waits, new leases go only to the newest version (ServeWaits): the
+    // other slots drain within lease_max_hold + lease, however many connections take turns.
+    ++publishes_waiting_;
+    absl::Cleanup done_waiting = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      --publishes_waiting_;
+      Wake();  // deferred WAITs are served again
+    };
     while ((slot = PickSlot()) == nullptr) {
       absl::Time wake = deadline;
       const absl::Time mono = MonotonicNow(), now = absl::Now();
@@ -1027,6 +1035,10 @@ void UcxPublisher::ServeWaits(Conn& c) {
     }
     if (slot == nullptr) {
       ++it;
+      continue;
+    }
+    if (publishes_waiting_ > 0 && slot != newest_ && !Kept(*slot)) {
+      ++it;  // a Publish waits for this slot to drain (answered once it is through)
       continue;
     }
     if (!HoldFits(c, slot->version, MonotonicNow())) {

@@ -132,6 +132,9 @@ struct Conn {
   std::deque<PendingRead> reads;
   int leases = 0;           // leases_ entries of this connection
   bool over_limit = false;  // accepted beyond max_connections: HELLO gets ResourceExhausted
+  // Frames may wait in `in`, unhandled because `out` held kMaxOutput: handled once it drains,
+  // whether or not more bytes arrive.
+  bool held_frames = false;
   // When this connection was first granted each version it was granted (versions no slot
   // holds any more are forgotten): lease_max_hold counts from there, across renewals and
   // repeated requests.
@@ -696,6 +699,7 @@ void UcxPublisher::Loop() {
         fds.push_back({c->fd.get(), events, 0});
         ids.push_back(id);
         if (!c->greeted) next = std::min(next, c->hello_deadline);
+        if (c->held_frames && c->out.size() < kMaxOutput) next = mono;
       }
       for (const auto& [id, l] : leases_) next = std::min(next, l.expiry);
       timeout_ms = static_cast<int>(
@@ -723,10 +727,10 @@ void UcxPublisher::Loop() {
     }
     if (fds[1].revents != 0) Accept();
     for (size_t k = 0; k < ids.size(); ++k) {
-      if (fds[k + 3].revents == 0) continue;
       auto it = conns_.find(ids[k]);
       if (it == conns_.end()) continue;
       Conn& c = *it->second;
+      if (fds[k + 3].revents == 0 && !(c.held_frames && c.out.size() < kMaxOutput)) continue;
       absl::StatusOr<bool> open = true;
       if (c.out.size() < kMaxOutput) open = ReadAvailable(c.fd.get(), c.in, kMaxInput);
       while (!c.dead && c.out.size() < kMaxOutput) {
@@ -738,6 +742,7 @@ void UcxPublisher::Loop() {
         if (!f->has_value()) break;
         Handle(c, **f);
       }
+      c.held_frames = !c.dead && c.out.size() >= kMaxOutput;
       if (!open.ok() || !*open) {
         conn_log_.Log(LogLevel::kInfo, "%s: %s disconnected%s", endpoint_.display, c.peer,
                       open.ok() ? "" : " (" + std::string(open.status().message()) + ")");

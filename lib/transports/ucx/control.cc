@@ -61,6 +61,40 @@ AddrInfoPtr Resolve(const std::string& host, int port, bool passive, std::string
   return AddrInfoPtr(result);
 }
 
+bool SameAddress(const sockaddr* a, const sockaddr* b) {
+  if (a == nullptr || b == nullptr || a->sa_family != b->sa_family) return false;
+  if (a->sa_family == AF_INET) {
+    return reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr ==
+           reinterpret_cast<const sockaddr_in*>(b)->sin_addr.s_addr;
+  }
+  if (a->sa_family == AF_INET6) {
+    return std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr,
+                       &reinterpret_cast<const sockaddr_in6*>(b)->sin6_addr, sizeof(in6_addr)) == 0;
+  }
+  return false;
+}
+
+bool IsLoopbackAddress(const sockaddr* a) {
+  if (a->sa_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (a->sa_family == AF_INET6) {
+    return IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr);
+  }
+  return false;
+}
+
+struct IfAddrsDeleter {
+  void operator()(ifaddrs* a) const { freeifaddrs(a); }
+};
+using IfAddrsPtr = std::unique_ptr<ifaddrs, IfAddrsDeleter>;
+
+IfAddrsPtr Interfaces() {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return nullptr;
+  return IfAddrsPtr(list);
+}
+
 }  // namespace
 
 absl::Time MonotonicNow() {
@@ -123,61 +157,13 @@ bool PeerIsLocal(int fd) {
   sockaddr_storage self{}, peer{};
   socklen_t self_len = sizeof(self), peer_len = sizeof(peer);
   if (::getsockname(fd, reinterpret_cast<sockaddr*>(&self), &self_len) != 0 ||
-      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0 ||
-      self.ss_family != peer.ss_family) {
+      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0) {
     return false;
   }
-  if (peer.ss_family == AF_INET) {
-    const auto& a = reinterpret_cast<const sockaddr_in&>(self);
-    const auto& b = reinterpret_cast<const sockaddr_in&>(peer);
-    return (ntohl(b.sin_addr.s_addr) >> 24) == 127 || a.sin_addr.s_addr == b.sin_addr.s_addr;
-  }
-  if (peer.ss_family == AF_INET6) {
-    const auto& a = reinterpret_cast<const sockaddr_in6&>(self);
-    const auto& b = reinterpret_cast<const sockaddr_in6&>(peer);
-    return IN6_IS_ADDR_LOOPBACK(&b.sin6_addr) ||
-           std::memcmp(&a.sin6_addr, &b.sin6_addr, sizeof(in6_addr)) == 0;
-  }
-  return false;
+  const auto* a = reinterpret_cast<const sockaddr*>(&self);
+  const auto* b = reinterpret_cast<const sockaddr*>(&peer);
+  return a->sa_family == b->sa_family && (IsLoopbackAddress(b) || SameAddress(a, b));
 }
-
-namespace {
-
-bool SameAddress(const sockaddr* a, const sockaddr* b) {
-  if (a == nullptr || b == nullptr || a->sa_family != b->sa_family) return false;
-  if (a->sa_family == AF_INET) {
-    return reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr ==
-           reinterpret_cast<const sockaddr_in*>(b)->sin_addr.s_addr;
-  }
-  if (a->sa_family == AF_INET6) {
-    return std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr,
-                       &reinterpret_cast<const sockaddr_in6*>(b)->sin6_addr, sizeof(in6_addr)) == 0;
-  }
-  return false;
-}
-
-bool IsLoopbackAddress(const sockaddr* a) {
-  if (a->sa_family == AF_INET) {
-    return (ntohl(reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr) >> 24) == 127;
-  }
-  if (a->sa_family == AF_INET6) {
-    return IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr);
-  }
-  return false;
-}
-
-struct IfAddrsDeleter {
-  void operator()(ifaddrs* a) const { freeifaddrs(a); }
-};
-using IfAddrsPtr = std::unique_ptr<ifaddrs, IfAddrsDeleter>;
-
-IfAddrsPtr Interfaces() {
-  ifaddrs* list = nullptr;
-  if (::getifaddrs(&list) != 0) return nullptr;
-  return IfAddrsPtr(list);
-}
-
-}  // namespace
 
 std::string LoopbackInterface() {
   IfAddrsPtr list = Interfaces();

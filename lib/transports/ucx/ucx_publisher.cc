@@ -284,6 +284,9 @@ class UcxPublisher final : public TransportPublisher {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ServeWaits(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Grant(Conn& c, const PendingWait& w, Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers WAIT `request` with REFUSED.
+  void Refuse(Conn& c, uint64_t request, absl::StatusCode code, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers queued READs while the connection's output is short (bounded memory per
   // subscriber: at most kReadBacklog bytes queued beyond one DATA frame).
   void ServeReads(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -1015,26 +1018,18 @@ void UcxPublisher::ServeWaits(Conn& c) {
           if (s->state == Slot::State::kReady) held.push_back(s->version);
         }
         std::sort(held.begin(), held.end());
-        c.out +=
-            Writer(MsgType::kRefused)
-                .U64(w.request)
-                .U32(static_cast<uint32_t>(absl::StatusCode::kNotFound))
-                .Str(absl::StrFormat("the publisher no longer holds version %d (it holds: "
-                                     "%s)",
-                                     w.version, held.empty() ? "none" : absl::StrJoin(held, ", ")))
-                .Finish();
+        Refuse(c, w.request, absl::StatusCode::kNotFound,
+               absl::StrFormat("the publisher no longer holds version %d (it holds: %s)", w.version,
+                               held.empty() ? "none" : absl::StrJoin(held, ", ")));
         it = c.waits.erase(it);
         continue;
       }
     } else if (newest_ != nullptr && newest_->version >= w.version) {
       slot = newest_;
     } else if (w.now) {
-      c.out += Writer(MsgType::kRefused)
-                   .U64(w.request)
-                   .U32(static_cast<uint32_t>(absl::StatusCode::kDeadlineExceeded))
-                   .Str(absl::StrFormat("no version >= %d yet (newest: %s)", w.version,
-                                        newest_ ? std::to_string(newest_->version) : "none"))
-                   .Finish();
+      Refuse(c, w.request, absl::StatusCode::kDeadlineExceeded,
+             absl::StrFormat("no version >= %d yet (newest: %s)", w.version,
+                             newest_ ? std::to_string(newest_->version) : "none"));
       it = c.waits.erase(it);
       continue;
     }
@@ -1053,14 +1048,10 @@ void UcxPublisher::ServeWaits(Conn& c) {
         ++it;
         continue;
       }
-      c.out +=
-          Writer(MsgType::kRefused)
-              .U64(w.request)
-              .U32(static_cast<uint32_t>(absl::StatusCode::kDeadlineExceeded))
-              .Str(absl::StrFormat("this subscriber held version %d for lease_max_hold (%s); "
-                                   "no newer version yet",
-                                   slot->version, absl::FormatDuration(options_.lease_max_hold)))
-              .Finish();
+      Refuse(c, w.request, absl::StatusCode::kDeadlineExceeded,
+             absl::StrFormat("this subscriber held version %d for lease_max_hold (%s); no newer "
+                             "version yet",
+                             slot->version, absl::FormatDuration(options_.lease_max_hold)));
       it = c.waits.erase(it);
       continue;
     }
@@ -1073,13 +1064,15 @@ void UcxPublisher::ServeWaits(Conn& c) {
   }
 }
 
+void UcxPublisher::Refuse(Conn& c, uint64_t request, absl::StatusCode code,
+                          const std::string& why) {
+  c.out +=
+      Writer(MsgType::kRefused).U64(request).U32(static_cast<uint32_t>(code)).Str(why).Finish();
+}
+
 void UcxPublisher::Grant(Conn& c, const PendingWait& w, Slot& slot) {
   if (absl::Status s = failpoints_.Hit("ucx.before_grant"); !s.ok()) {
-    c.out += Writer(MsgType::kRefused)
-                 .U64(w.request)
-                 .U32(static_cast<uint32_t>(s.code()))
-                 .Str(std::string(s.message()))
-                 .Finish();
+    Refuse(c, w.request, s.code(), std::string(s.message()));
     return;
   }
   // The hold of a version counts from this connection's first grant of it; versions no slot

@@ -161,9 +161,9 @@ class UcxControlPlaneTest : public ::testing::Test {
 };
 
 // Audit: "a client that keeps renewing its leases makes every later publish time out". A lease
-// is renewed only within lease_max_hold of the connection's first grant of the version: the
-// renewal after that is refused (RENEWED, not valid), the lease expires, and the Publish that
-// waited for the only staging slot goes through.
+// is renewed only within lease_max_hold of its grant: the renewal after that is refused
+// (RENEWED, not valid), the lease expires, and the Publish that waited for the only staging
+// slot goes through.
 TEST_F(UcxControlPlaneTest, ALeaseRenewedForEverBlocksTheSlotNoLongerThanLeaseMaxHold) {
   OpenPublisher("staging_slots=1&lease=100ms&lease_max_hold=1s");
   if (IsSkipped()) return;
@@ -208,68 +208,82 @@ TEST_F(UcxControlPlaneTest, ALeaseRenewedForEverBlocksTheSlotNoLongerThanLeaseMa
   ExpectHonestSubscriberReceives(2);
 }
 
-// The same with many connections taking turns: each asks for the exact version of one of the
-// two staging slots as soon as the previous one's hold ran out, and renews its lease for ever,
-// so that both slots stay leased however long each connection's hold is bounded. While a
-// Publish waits for a slot, new leases go only to the newest version: the other slot drains,
-// the Publish goes through, and the turn-taker waiting on that slot's version is answered
-// NotFound.
+// The same with many connections taking turns: each asks for the exact version of a staging
+// slot before the previous one's hold ran out, and renews its lease for ever, so that every slot
+// stays leased however long each lease's hold is bounded. While a Publish waits for a slot, no
+// new lease goes to a slot it could take (with two slots every one but the newest's; with one,
+// that one): the slot drains, the Publish goes through, and the turn-taker waiting on that
+// slot's version is answered NotFound.
 TEST_F(UcxControlPlaneTest, ConnectionsTakingTurnsRenewingForEverDoNotStopPublishes) {
-  OpenPublisher("staging_slots=2&lease=50ms&lease_max_hold=200ms");
-  if (IsSkipped()) return;
-  Publish(2);
-  std::atomic<bool> stop{false};
-  // One attacker per slot: up to 400 connections (80 s of holds), one after the other.
-  absl::Notification holding1, holding2;  // each attacker's first grant
-  auto take_turns = [&](uint64_t version, absl::StatusCode* ended, absl::Notification* holding) {
-    // The previous turn's connection stays open (its lease not yet expired) until this turn
-    // holds, so that the slot is never free in between.
-    std::unique_ptr<HostileClient> previous;
-    for (int turn = 0; turn < 400 && !stop.load(); ++turn) {
-      auto next = std::make_unique<HostileClient>(port_);
-      HostileClient& c = *next;
-      if (!c.Greet("policy") || !c.Send(Wait(1, version, /*mode=*/1))) return;
-      absl::StatusOr<Frame> f = c.Receive();
-      if (!f.ok()) return;
-      if (f->type == MsgType::kRefused) {
-        Reader r(f->payload);
-        r.U64();
-        *ended = static_cast<absl::StatusCode>(r.U32());
-        return;
-      }
-      if (f->type != MsgType::kGrant) return;
-      Reader g(f->payload);
-      g.U64();
-      const uint64_t lease = g.U64();
-      if (!holding->HasBeenNotified()) holding->Notify();
-      previous = std::move(next);
-      while (!stop.load()) {  // renew until refused
-        if (!c.Send(Writer(MsgType::kRenew).U64(lease).Finish())) return;
-        absl::StatusOr<Frame> renewed = c.Receive();
-        if (!renewed.ok()) return;
-        Reader r(renewed->payload);
-        r.U64();
-        if (renewed->type == MsgType::kRenewed && r.U8() == 0) break;
-      }
+  for (const int slots : {1, 2}) {
+    SCOPED_TRACE(absl::StrFormat("staging_slots=%d", slots));
+    port_ = testing::FreePort();
+    versions_.clear();
+    OpenPublisher(absl::StrFormat("staging_slots=%d&lease=50ms&lease_max_hold=200ms", slots));
+    if (IsSkipped()) return;
+    Publish(2);
+    // One attacker per version held (version 2 alone in one slot, versions 1 and 2 in two), each
+    // up to 400 connections (80 s of holds), one after the other.
+    struct Attacker {
+      uint64_t version;
+      absl::Notification holding;  // its first grant
+      absl::StatusCode ended = absl::StatusCode::kOk;
+      std::thread thread;
+    };
+    std::vector<std::unique_ptr<Attacker>> attackers;
+    for (uint64_t v = slots == 1 ? 2 : 1; v <= 2; ++v) {
+      attackers.push_back(std::make_unique<Attacker>());
+      attackers.back()->version = v;
     }
-  };
-  absl::StatusCode ended1 = absl::StatusCode::kOk, ended2 = absl::StatusCode::kOk;
-  std::thread a([&] { take_turns(1, &ended1, &holding1); });
-  std::thread b([&] { take_turns(2, &ended2, &holding2); });
-  const bool both_hold = holding1.WaitForNotificationWithTimeout(kTimeout) &&
-                         holding2.WaitForNotificationWithTimeout(kTimeout);
-  const std::vector<testing::OwnedTensor> v3 = MakeVersion(17, 3, 1 << 16);
-  const absl::Status published = pub_->Publish(3, Views(v3), {}, absl::Seconds(20));
-  stop = true;
-  a.join();
-  b.join();
-  ASSERT_TRUE(both_hold);
-  ASSERT_TRUE(published.ok()) << published;
-  // Version 1's slot (the older one) took version 3; its turn-taker learned that it is gone.
-  EXPECT_EQ(ended1, absl::StatusCode::kNotFound);
-  versions_.resize(4);
-  versions_[3] = v3;
-  ExpectHonestSubscriberReceives(3);
+    std::atomic<bool> stop{false};
+    auto take_turns = [&](Attacker& a) {
+      // The previous turn's connection stays open (its lease not yet expired) until this turn
+      // holds, so that the slot is never free in between.
+      std::unique_ptr<HostileClient> previous;
+      for (int turn = 0; turn < 400 && !stop.load(); ++turn) {
+        auto next = std::make_unique<HostileClient>(port_);
+        HostileClient& c = *next;
+        if (!c.Greet("policy") || !c.Send(Wait(1, a.version, /*mode=*/1))) return;
+        absl::StatusOr<Frame> f = c.Receive();
+        if (!f.ok()) return;
+        if (f->type == MsgType::kRefused) {
+          Reader r(f->payload);
+          r.U64();
+          a.ended = static_cast<absl::StatusCode>(r.U32());
+          return;
+        }
+        if (f->type != MsgType::kGrant) return;
+        Reader g(f->payload);
+        g.U64();
+        const uint64_t lease = g.U64();
+        if (!a.holding.HasBeenNotified()) a.holding.Notify();
+        previous = std::move(next);
+        while (!stop.load()) {  // renew until refused
+          if (!c.Send(Writer(MsgType::kRenew).U64(lease).Finish())) return;
+          absl::StatusOr<Frame> renewed = c.Receive();
+          if (!renewed.ok()) return;
+          Reader r(renewed->payload);
+          r.U64();
+          if (renewed->type == MsgType::kRenewed && r.U8() == 0) break;
+        }
+      }
+    };
+    for (auto& a : attackers) a->thread = std::thread([&, p = a.get()] { take_turns(*p); });
+    bool all_hold = true;
+    for (auto& a : attackers) all_hold &= a->holding.WaitForNotificationWithTimeout(kTimeout);
+    const std::vector<testing::OwnedTensor> v3 = MakeVersion(17, 3, 1 << 16);
+    const absl::Status published = pub_->Publish(3, Views(v3), {}, absl::Seconds(20));
+    stop = true;
+    for (auto& a : attackers) a->thread.join();
+    ASSERT_TRUE(all_hold);
+    ASSERT_TRUE(published.ok()) << published;
+    // The oldest version's slot took version 3; its turn-taker learned that it is gone.
+    EXPECT_EQ(attackers.front()->ended, absl::StatusCode::kNotFound);
+    versions_.resize(4);
+    versions_[3] = v3;
+    ExpectHonestSubscriberReceives(3);
+    pub_.reset();
+  }
 }
 
 // Audit: "two connections sending partial frames grew the publisher by 1.4 GiB". A publisher

@@ -28,10 +28,10 @@ const SettingTable& UcxSettings() {
           {.name = "lease_max_hold",
            .type = SettingType::kDuration,
            .default_value = "5m",
-           .doc = "longest one subscriber connection may hold one version, renewals and repeated "
-                  "requests included (at least lease); a renewal that would go past it is "
-                  "refused, so a client that renews for ever blocks a staging slot at most this "
-                  "long; a transfer must finish within it",
+           .doc = "longest a lease lasts, renewals included (at least lease): a renewal that "
+                  "would go past it is refused, and while a Publish waits for a staging slot no "
+                  "new lease is granted on it, so clients that renew for ever block a slot at "
+                  "most this long; a transfer must finish within it",
            .min = "10ms"},
           {.name = "max_connections",
            .type = SettingType::kInt,

@@ -96,7 +96,7 @@ struct Lease {
   uint64_t conn = 0;
   uint64_t version = 0;
   absl::Time expiry;      // MonotonicNow() time
-  absl::Time hold_start;  // the connection's first grant of this version (lease_max_hold)
+  absl::Time hold_start;  // when it was granted: renewals end lease_max_hold after it
 };
 
 // A READ of slot bytes over the control connection (Conn::bytes_over_control).
@@ -135,10 +135,6 @@ struct Conn {
   // Frames may wait in `in`, unhandled because `out` held kMaxOutput: handled once it drains,
   // whether or not more bytes arrive.
   bool held_frames = false;
-  // When this connection was first granted each version it was granted (versions no slot
-  // holds any more are forgotten): lease_max_hold counts from there, across renewals and
-  // repeated requests.
-  std::map<uint64_t, absl::Time> first_grant;
 };
 
 class UcxPublisher final : public TransportPublisher {
@@ -293,10 +289,6 @@ class UcxPublisher final : public TransportPublisher {
   void Drop(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends a lease (released, expired, or its connection gone).
   void EndLease(std::map<uint64_t, Lease>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether connection `c` may hold version `version` for another full lease from `now`
-  // (lease_max_hold counted from its first grant of that version).
-  bool HoldFits(const Conn& c, uint64_t version, absl::Time now) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks `c` to be closed now, logging why (rate-limited).
   void Disconnect(Conn& c, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -368,12 +360,6 @@ void UcxPublisher::EndLease(std::map<uint64_t, Lease>::iterator it) {
   if (conn != conns_.end()) --conn->second->leases;
   ++changes_;
   leases_.erase(it);
-}
-
-bool UcxPublisher::HoldFits(const Conn& c, uint64_t version, absl::Time now) const {
-  auto first = c.first_grant.find(version);
-  return first == c.first_grant.end() ||
-         now + options_.lease <= first->second + options_.lease_max_hold;
 }
 
 void UcxPublisher::Disconnect(Conn& c, const std::string& why) {
@@ -593,8 +579,8 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
   {
     absl::MutexLock lock(&mu_);
     if (cancelled_) return Cancelled();
-    // While this Publish waits, new leases go only to the newest version (ServeWaits): the
-    // other slots drain within lease_max_hold + lease, however many connections take turns.
+    // While this Publish waits, no new lease goes to a slot it could take (ServeWaits): they
+    // drain within lease_max_hold + lease, however many connections take turns.
     ++publishes_waiting_;
     absl::Cleanup done_waiting = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
       --publishes_waiting_;
@@ -935,7 +921,7 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       auto it = leases_.find(id);
       const absl::Time now = MonotonicNow();
       bool valid = it != leases_.end() && it->second.conn == c.id;
-      // A renewal is one more full lease, within lease_max_hold of the first grant.
+      // A renewal is one more full lease, within lease_max_hold of the grant.
       if (valid && now + options_.lease > it->second.hold_start + options_.lease_max_hold) {
         lease_log_.Log(
             LogLevel::kWarn,
@@ -1037,21 +1023,20 @@ void UcxPublisher::ServeWaits(Conn& c) {
       ++it;
       continue;
     }
-    if (publishes_waiting_ > 0 && slot != newest_ && !Kept(*slot)) {
-      ++it;  // a Publish waits for this slot to drain (answered once it is through)
-      continue;
-    }
-    if (!HoldFits(c, slot->version, MonotonicNow())) {
-      // This connection held the version for lease_max_hold already: it gets a newer one (an
-      // exact request waits until the version is gone: NotFound), a poll an answer now.
+    // While a Publish waits for a slot, no new lease goes to a slot it could take (every slot
+    // but the newest's, and that one too when it is the only one): they drain within
+    // lease_max_hold + lease however many connections take turns. A wait is answered once the
+    // Publish is through; a poll now, as if no version were there yet.
+    if (publishes_waiting_ > 0 && !Kept(*slot) &&
+        (slot != newest_ || options_.staging_slots == 1)) {
       if (!w.now) {
         ++it;
         continue;
       }
       Refuse(c, w.request, absl::StatusCode::kDeadlineExceeded,
-             absl::StrFormat("this subscriber held version %d for lease_max_hold (%s); no newer "
-                             "version yet",
-                             slot->version, absl::FormatDuration(options_.lease_max_hold)));
+             absl::StrFormat("version %d is about to be replaced (a publish waits for its "
+                             "staging slot)",
+                             slot->version));
       it = c.waits.erase(it);
       continue;
     }
@@ -1075,17 +1060,9 @@ void UcxPublisher::Grant(Conn& c, const PendingWait& w, Slot& slot) {
     Refuse(c, w.request, s.code(), std::string(s.message()));
     return;
   }
-  // The hold of a version counts from this connection's first grant of it; versions no slot
-  // holds any more are forgotten.
-  std::erase_if(c.first_grant, [&](const auto& entry) {
-    return std::none_of(slots_.begin(), slots_.end(), [&](const auto& s) {
-      return s->state == Slot::State::kReady && s->version == entry.first;
-    });
-  });
   const absl::Time now = MonotonicNow();
-  const absl::Time hold_start = c.first_grant.emplace(slot.version, now).first->second;
   const uint64_t id = next_lease_++;
-  leases_[id] = Lease{&slot, c.id, slot.version, now + options_.lease, hold_start};
+  leases_[id] = Lease{&slot, c.id, slot.version, now + options_.lease, now};
   ++slot.leases;
   ++c.leases;
   Writer g(MsgType::kGrant);

@@ -26,8 +26,11 @@ Two adapters, for the two ways vLLM lets weights be updated from outside:
    finish_weight_update session that vLLM's GPU worker drives). Register it in every vLLM
    process, select it, and run rounds with sync_weights (which labels vLLM's weight version):
 
-       WeightTransferEngineFactory.register_engine("weightbus", "weightbus.vllm",
-                                                   "WeightbusWeightTransferEngine")
+       # `pip install .` does this in every vLLM process (the vllm.general_plugins entry
+       # point weightbus.vllm:register_plugin); without the installed package, call it (or
+       # WeightTransferEngineFactory.register_engine("weightbus", "weightbus.vllm",
+       # "WeightbusWeightTransferEngine")) in each process yourself.
+       weightbus.vllm.register_plugin()
        llm = LLM(model=..., weight_transfer_config=WeightTransferConfig(backend="weightbus"))
        llm.init_weight_transfer_engine({"init_info": {"uri": "disk:///mnt/shared/policy"}})
        version = weightbus.vllm.sync_weights(llm)      # between rollouts: the newest version
@@ -332,6 +335,31 @@ def sync_weights(llm, update_info: Union[None, Dict[str, Any], List[Dict[str, An
         raise RuntimeError(f"nothing newer was received, and the workers hold different "
                            f"versions {held} (in worker order)")
     return held[0]
+
+
+ENGINE_NAME = "weightbus"
+
+
+def register_plugin() -> None:
+    """The `vllm.general_plugins` entry point of the installed package (pyproject.toml): vLLM
+    calls it in each of its processes (vllm/plugins/__init__.py, load_general_plugins), so the
+    engine is registered wherever vLLM's GPU worker creates engines. Registers
+    WeightbusWeightTransferEngine as "weightbus" with vLLM's WeightTransferEngineFactory
+    (vllm/distributed/weight_transfer/factory.py), lazily by module path, so weightbus.vllm's
+    engine is imported only when a WeightTransferConfig(backend="weightbus") selects it.
+    Without vLLM it registers with weightbus.testing.worker's factory (its stand-in).
+
+    Safe to call more than once per process (vLLM's plugins may be): an existing "weightbus"
+    entry is kept. Thread-safety: call it from one thread (vLLM does, at start-up)."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        from .testing.worker import WeightTransferEngineFactory
+    try:
+        WeightTransferEngineFactory.register_engine(ENGINE_NAME, __name__,
+                                                    "WeightbusWeightTransferEngine")
+    except ValueError:  # "already registered" (the only ValueError with a class_name given)
+        pass
 
 
 def _applied_version(worker) -> Optional[int]:

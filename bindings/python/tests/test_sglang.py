@@ -12,7 +12,7 @@ import torch
 
 import weightbus
 import weightbus.sglang
-from conftest import ucx_publisher
+from conftest import readme_snippet, run_python, ucx_publisher
 from weightbus.testing.llama import HfLlamaForCausalLM, LlamaConfig, VllmStyleLlamaForCausalLM
 from weightbus.testing.sglang import Engine, ServerArgs
 
@@ -200,3 +200,11 @@ def test_custom_loader_over_ucx():
             (True, "Success")
         _assert_holds(engine, v1)
         weightbus.sglang.close_subscribers()
+
+
+def test_readme_standin_snippet_runs():
+    """The README's SGLang section on the stand-in, run as written in a fresh interpreter."""
+    code = readme_snippet("The same on the stand-in")
+    assert "update_weights_from_disk" in code and "update_weights_from_tensor" in code
+    done = run_python(code + "\nprint('snippet ok')\n")
+    assert done.returncode == 0 and done.stdout.strip() == "snippet ok", done.stderr

@@ -14,7 +14,7 @@ import torch
 import llama2c_reference
 import weightbus
 import weightbus.vllm
-from conftest import REPO_ROOT, SliceWatch, fixtures_dir, late_uri, run_python
+from conftest import SliceWatch, fixtures_dir, late_uri, readme_snippet, run_python
 from weightbus.testing.llama import (HfLlamaForCausalLM, LlamaConfig, VllmStyleLlamaForCausalLM,
                                      load_hf_checkpoint)
 from weightbus.testing.worker import (LayerwiseReload, StandInGpuWorker, StandInLLM,
@@ -527,14 +527,14 @@ def test_engine_hundred_rounds_with_flat_memory(channel, layerwise):
     assert growth < size, (growth, size)
 
 
-def test_readme_standin_snippet_runs():
-    """The README's vLLM section: the native-engine round on the stand-ins, run as written in a
-    fresh interpreter."""
-    readme = (REPO_ROOT / "README.md").read_text()
-    after = readme.index("The same round without vLLM")
-    start = readme.index("```python\n", after) + len("```python\n")
-    code = readme[start:readme.index("```", start)]
-    assert "sync_weights" in code
+@pytest.mark.parametrize("marker, uses", [("The same round without vLLM", "sync_weights"),
+                                           ("The worker-extension round without vLLM",
+                                            "update_replica")])
+def test_readme_standin_snippet_runs(marker, uses):
+    """The README's vLLM section: the native-engine and the worker-extension rounds on the
+    stand-ins, run as written in a fresh interpreter."""
+    code = readme_snippet(marker)
+    assert uses in code
     done = run_python(code + "\nprint('snippet ok')\n")
     assert done.returncode == 0 and done.stdout.strip() == "snippet ok", done.stderr
 

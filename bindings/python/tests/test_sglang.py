@@ -58,30 +58,26 @@ def _close_loader_subscribers():
 
 # ---- disk:// and update_weights_from_disk ----
 
-def test_disk_update_loads_the_newest_version_directory(channel):
-    v1, v2 = _version(1), _version(2)
-    with weightbus.Publisher(channel) as pub:
-        pub.publish(1, v1)
-        pub.publish(2, v2)
+def _published(channel, versions, **options):
+    """Publishes _version(v) as version v for each v; returns {v: tensors}."""
+    out = {v: _version(v) for v in versions}
+    with weightbus.Publisher(channel, **options) as pub:
+        for v, tensors in out.items():
+            pub.publish(v, tensors)
+    return out
+
+
+@pytest.mark.parametrize("asked, loaded", [(None, 2), (1, 1)])
+def test_disk_update_loads_the_newest_or_the_named_version_directory(channel, asked, loaded):
+    """None: the newest committed version's directory; 1: exactly v1's, although v2 exists."""
+    published = _published(channel, (1, 2))
     engine = _engine()
-    version, (success, message, paused) = weightbus.sglang.update_weights_from_disk(engine,
-                                                                                    channel)
-    assert (version, success, paused) == (2, True, 0), message
-    _assert_holds(engine, v2)
-    assert engine.tokenizer_manager.model_path == str(_version_dir(channel, 2))
+    version, (success, message, paused) = weightbus.sglang.update_weights_from_disk(
+        engine, channel, version=asked)
+    assert (version, success, paused) == (loaded, True, 0), message
+    _assert_holds(engine, published[loaded])
+    assert engine.tokenizer_manager.model_path == str(_version_dir(channel, loaded))
     assert [s.cache_flushes for s in engine.schedulers] == [1, 1]
-
-
-def test_disk_update_of_a_named_version_loads_it_although_newer_exist(channel):
-    v1, v2 = _version(1), _version(2)
-    with weightbus.Publisher(channel) as pub:
-        pub.publish(1, v1)
-        pub.publish(2, v2)
-    engine = _engine()
-    version, (success, message, _) = weightbus.sglang.update_weights_from_disk(engine, channel,
-                                                                               version=1)
-    assert (version, success) == (1, True), message
-    _assert_holds(engine, v1)
 
 
 def test_pin_keeps_the_directory_from_retention_until_released(channel):
@@ -115,9 +111,7 @@ def test_pin_keeps_the_directory_from_retention_until_released(channel):
 def test_http_update_with_weight_version(channel):
     """The HTTP body (UpdateWeightFromDiskReqInput) carries weight_version; SGLang labels the
     weights with it on success."""
-    v1 = _version(1)
-    with weightbus.Publisher(channel) as pub:
-        pub.publish(1, v1)
+    v1 = _published(channel, (1,))[1]
     engine = _engine(ranks=1)
     with weightbus.sglang.pin_disk_version(channel) as pin:
         success, message, _ = engine.http_update_weights_from_disk(
@@ -157,10 +151,8 @@ def test_disk_update_reports_sglang_failure_for_a_directory_without_weights(tmp_
 # ---- update_weights_from_tensor with the custom weight loader ----
 
 def test_custom_loader_loads_exactly_the_named_version_on_every_rank(channel):
-    v1, v2 = _version(1), _version(2)
-    with weightbus.Publisher(channel) as pub:
-        pub.publish(1, v1)
-        pub.publish(2, v2)
+    published = _published(channel, (1, 2))
+    v1, v2 = published[1], published[2]
     engine = _engine(ranks=2, custom_loader=True)
     assert weightbus.sglang.update_weights_from_tensor(engine, channel, 1) == (True, "Success")
     _assert_holds(engine, v1)
@@ -174,10 +166,7 @@ def test_custom_loader_errors_leave_the_model_as_it_was(channel):
     """A version the channel no longer holds: NotFoundError out of the loader (SGLang's
     ModelRunner does not catch it), nothing loaded. A request that is not weightbus's:
     InvalidArgumentError."""
-    v2 = _version(2)
-    with weightbus.Publisher(channel, retention=1) as pub:
-        pub.publish(1, _version(1))
-        pub.publish(2, v2)
+    v2 = _published(channel, (1, 2), retention=1)[2]
     engine = _engine(ranks=2, custom_loader=True)
     with pytest.raises(weightbus.NotFoundError, match="version 1"):
         weightbus.sglang.update_weights_from_tensor(engine, channel, 1)

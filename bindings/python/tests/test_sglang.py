@@ -134,6 +134,12 @@ def test_pin_errors(channel, tmp_path):
     for uri in ("ucx://127.0.0.1:9/x", f"delta+disk://{tmp_path}/d"):
         with pytest.raises(weightbus.InvalidArgumentError, match="needs a disk:// channel"):
             weightbus.sglang.pin_disk_version(uri)
+    # A version directory without its readers' lock cannot be pinned: refused, not unpinned.
+    lock = _version_dir(channel, 3) / ".readers.lock"
+    os.rename(lock, lock.with_name("lock.moved"))
+    with pytest.raises(weightbus.FailedPreconditionError, match="has no .readers.lock"):
+        weightbus.sglang.pin_disk_version(channel)
+    os.rename(lock.with_name("lock.moved"), lock)
     # LATEST naming a missing directory: a corrupt channel, not "gone".
     os.rename(_version_dir(channel, 3), _version_dir(channel, 3).with_name("moved"))
     with pytest.raises(weightbus.FailedPreconditionError, match="LATEST names version 3"):

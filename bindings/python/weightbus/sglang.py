@@ -139,7 +139,8 @@ def pin_disk_version(uri: str, version: Optional[int] = None) -> DiskVersionPin:
     Errors: InvalidArgumentError for a URI that is not disk:// (delta+disk included);
     NotFoundError when the channel has no committed version yet, or no longer (or not yet)
     holds `version`, naming the versions it holds; FailedPreconditionError when LATEST names a
-    version whose directory is missing (a corrupt channel)."""
+    version whose directory is missing, or the directory lacks .readers.lock or the manifest
+    (a corrupt channel)."""
     if version is not None:
         version = _api._version(version, "version")
     channel = _channel_dir(uri)
@@ -167,8 +168,13 @@ def pin_disk_version(uri: str, version: Optional[int] = None) -> DiskVersionPin:
             raise NotFoundError(f"{uri}: the channel no longer holds version {version} (it "
                                 f"holds {_held_versions(versions_dir)})") from None
         try:
-            lock_fd = os.open(_READERS_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                              dir_fd=dir_fd)
+            try:
+                lock_fd = os.open(_READERS_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                  dir_fd=dir_fd)
+            except FileNotFoundError:
+                raise FailedPreconditionError(
+                    f"{uri}: {path} has no {_READERS_LOCK} (not a weightbus version "
+                    f"directory, or a corrupt one)") from None
             try:
                 fcntl.flock(lock_fd, fcntl.LOCK_SH)
                 held = os.fstat(dir_fd)

@@ -187,7 +187,10 @@ class WB_EXPORT Update {
 
   uint64_t version() const;
   const Manifest& manifest() const;
-  // One view per manifest tensor, in manifest order.
+  // One view per manifest tensor, in manifest order. Of a group version (Manifest::group), one
+  // per tensor assembled from its parts (each rank's slice copied to its place in the tensor of
+  // the global shape; a replicated part read from one rank), in order of first appearance, with
+  // no shard; manifest() lists the parts as published.
   absl::Span<const TensorView> tensors() const;
   // The view named `name`, or nullptr.
   const TensorView* Find(std::string_view name) const;

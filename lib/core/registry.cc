@@ -177,6 +177,7 @@ std::string DescribeCapabilities(const TransportCapabilities& c) {
            {c.keep_versions_from, "keep_versions_from"},
            {c.wait_for_receivers, "wait_for_receivers"},
            {c.all_subscribers_take_part, "all_subscribers_take_part"},
+           {c.publisher_groups, "publisher_groups"},
            {c.open_version, "open_version"},
            {c.list_versions, "list_versions"},
            {c.cancel, "cancel"},

@@ -225,7 +225,7 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_
     return absl::UnimplementedError(absl::StrFormat(
         "%s: world_size=%d asks for a publisher group (rank %d), which this transport stack does "
         "not implement (capabilities: %s); publish through a single publisher (world_size=1) or "
-        "use a transport with publisher groups (disk://)",
+        "use a transport that declares publisher_groups (`weightbus --version` lists them)",
         uri.Display(), world_size, rank, internal::DescribeCapabilities(impl->capabilities)));
   }
   impl->identity =

@@ -22,6 +22,7 @@
 //       .tmp-rank-<5 digits>-<pid>/    a rank's part being written
 //       rank-<5 digits>.failed         the set was refused ({"code", "message"}); the part no
 //                                      longer counts
+//       rank-<5 digits>.withdrawn      the rank gave up waiting and took its part back
 //   <root>/versions/v<20 digits>/      a committed group version: the rank-*/ parts, the group's
 //                                      weightbus.manifest.json and .readers.lock
 #pragma once
@@ -53,6 +54,8 @@ inline constexpr char kTrashPrefix[] = ".trash-";
 inline constexpr char kLatestTmpPrefix[] = ".LATEST.tmp-";
 inline constexpr char kGroupPrefix[] = ".group-";
 inline constexpr char kGroupLock[] = "group.lock";
+inline constexpr char kFailedSuffix[] = ".failed";
+inline constexpr char kWithdrawnSuffix[] = ".withdrawn";
 // Largest manifest or index file read (a million tensors fit comfortably).
 inline constexpr size_t kMaxMetadataFile = size_t{512} << 20;
 

@@ -20,6 +20,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -508,7 +509,8 @@ absl::Status DiskPublisher::PublishPart(PublishJob& job, absl::Time deadline) {
   const std::string group_name = GroupDirName(version);
   const std::string group_path = absl::StrFormat("%s/%s", channel_.VersionsDir(), group_name);
   const std::string rank_name = RankDirName(group_.rank);
-  const std::string failed_name = rank_name + ".failed";
+  const std::string failed_name = rank_name + kFailedSuffix;
+  const std::string withdrawn_name = rank_name + kWithdrawnSuffix;
   const std::string tmp_name = absl::StrFormat("%s%s-%d", kTmpPrefix, rank_name, getpid());
   const std::string tmp = absl::StrFormat("%s/%s", group_path, tmp_name);
   WB_RETURN_IF_ERROR(CheckStillOwner(version));
@@ -541,6 +543,7 @@ absl::Status DiskPublisher::PublishPart(PublishJob& job, absl::Time deadline) {
     WB_ASSIGN_OR_RETURN(auto locked, LockGroup(deadline));
     WB_RETURN_IF_ERROR(CheckStillOwner(version));
     WB_RETURN_IF_ERROR(RemoveTreeAt(gfd, failed_name, group_path + "/" + failed_name));
+    WB_RETURN_IF_ERROR(RemoveTreeAt(gfd, withdrawn_name, group_path + "/" + withdrawn_name));
     WB_RETURN_IF_ERROR(RemoveTreeAt(gfd, rank_name, group_path + "/" + rank_name));
     if (::renameat(gfd, tmp_name.c_str(), gfd, rank_name.c_str()) != 0) {
       return ErrnoStatus(errno, absl::StrFormat("rename %s -> %s/%s", tmp, group_path, rank_name));
@@ -558,9 +561,12 @@ absl::Status DiskPublisher::PublishPart(PublishJob& job, absl::Time deadline) {
     const bool final = cancelled || absl::Now() > deadline;
     std::optional<absl::Status> outcome;
     {
-      // The last step (withdrawing this rank's part) must run even past the deadline.
-      WB_ASSIGN_OR_RETURN(auto locked,
-                          LockGroup(final ? absl::Now() + absl::Seconds(10) : deadline));
+      // The last step (withdrawing this rank's part) must run even past the deadline; an
+      // earlier one that cannot have the lock by the deadline becomes the last.
+      absl::StatusOr<std::unique_ptr<FlockHeld>> locked =
+          LockGroup(final ? absl::Now() + absl::Seconds(10) : deadline);
+      if (!final && absl::IsDeadlineExceeded(locked.status())) continue;
+      if (!locked.ok()) return locked.status();
       outcome = GroupStep(version, gfd, final);
     }
     if (outcome) {
@@ -602,7 +608,7 @@ std::optional<absl::Status> DiskPublisher::GroupStep(uint64_t version, int gfd, 
     if (absl::Status s = CheckStillOwner(version); !s.ok()) return s;
     return CommitLatest(version);
   }
-  const std::string failed_name = RankDirName(group_.rank) + ".failed";
+  const std::string failed_name = RankDirName(group_.rank) + kFailedSuffix;
   absl::StatusOr<std::string> failed =
       ReadSmallFileAt(gfd, failed_name, 1 << 20, group_path + "/" + failed_name);
   if (failed.ok()) {
@@ -616,29 +622,36 @@ std::optional<absl::Status> DiskPublisher::GroupStep(uint64_t version, int gfd, 
   }
   if (!absl::IsNotFound(failed.status())) return failed.status();
 
-  // The parts present: rank-<r>/ with its manifest, not refused.
+  // The parts present: rank-<r>/ with its manifest, not refused (rank-<r>.failed) nor withdrawn
+  // (rank-<r>.withdrawn: the rank gave up waiting).
   std::vector<Manifest> parts(group_.world_size);
-  std::vector<int> missing;
+  std::vector<int> missing, gave_up;
   absl::StatusOr<std::vector<std::string>> names = ListDirAt(gfd, group_path);
   if (!names.ok()) return names.status();
-  std::vector<bool> present(group_.world_size, false), refused(group_.world_size, false);
+  std::vector<bool> present(group_.world_size, false), refused(group_.world_size, false),
+      withdrawn(group_.world_size, false);
   for (const std::string& name : *names) {
     int r = -1;
-    const bool is_failed = absl::EndsWith(name, ".failed");
-    const absl::string_view base =
-        is_failed ? absl::string_view(name).substr(0, name.size() - 7) : absl::string_view(name);
-    if (!absl::StartsWith(base, "rank-") || !absl::SimpleAtoi(base.substr(5), &r) || r < 0) {
-      continue;
+    absl::string_view base = name;
+    std::vector<bool>* mark = &present;
+    for (auto [suffix, kind] : {std::pair{kFailedSuffix, &refused},
+                                std::pair{kWithdrawnSuffix, &withdrawn}}) {
+      if (absl::ConsumeSuffix(&base, suffix)) mark = kind;
     }
+    if (!absl::ConsumePrefix(&base, "rank-") || !absl::SimpleAtoi(base, &r) || r < 0) continue;
     if (r >= group_.world_size) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "%s version %d: %s holds a part of rank %d, but this group has world_size %d: the "
           "ranks disagree on world_size",
           Display(), version, group_path, r, group_.world_size));
     }
-    (is_failed ? refused : present)[r] = true;
+    (*mark)[r] = true;
   }
   for (int r = 0; r < group_.world_size; ++r) {
+    if (withdrawn[r]) {
+      gave_up.push_back(r);
+      continue;
+    }
     if (!present[r] || refused[r]) {
       missing.push_back(r);
       continue;
@@ -664,19 +677,32 @@ std::optional<absl::Status> DiskPublisher::GroupStep(uint64_t version, int gfd, 
     }
     parts[r] = *std::move(m);
   }
-  if (missing.empty()) return CommitGroup(version, gfd, parts);
+  if (missing.empty() && gave_up.empty()) return CommitGroup(version, gfd, parts);
   if (!final) return std::nullopt;
   // Withdraw: without this rank's part the version can never commit, so an error here means
-  // the version never becomes visible, also if the missing ranks come later.
+  // the version never becomes visible, also if the missing ranks come later. The marker tells
+  // the ranks still waiting that this one gave up (it is not one of the missing).
   const std::string rank_name = RankDirName(group_.rank);
-  if (absl::Status s = RemoveTreeAt(gfd, rank_name, group_path + "/" + rank_name); !s.ok()) {
+  const std::string marker = rank_name + kWithdrawnSuffix;
+  for (const std::string& name : {rank_name, marker}) {
+    if (absl::Status s = RemoveTreeAt(gfd, name, group_path + "/" + name); !s.ok()) return s;
+  }
+  if (absl::Status s = WriteSmallFileAt(gfd, marker, "", false, group_path + "/" + marker);
+      !s.ok()) {
     return s;
   }
+  auto ranks = [&](const std::vector<int>& rs, std::string_view what) {
+    return absl::StrFormat("rank%s %s of the group of %d %s %s part", rs.size() > 1 ? "s" : "",
+                           absl::StrJoin(rs, ", "), group_.world_size, what,
+                           rs.size() > 1 ? "their" : "its");
+  };
+  std::vector<std::string> why;
+  if (!missing.empty()) why.push_back(ranks(missing, "did not publish") + " by the deadline");
+  if (!gave_up.empty()) why.push_back(ranks(gave_up, "gave up waiting and withdrew"));
   return absl::DeadlineExceededError(absl::StrFormat(
-      "%s: version %d was not committed: rank%s %s of the group of %d did not publish %s part by "
-      "the deadline; this rank's (%d) part was withdrawn and nothing of version %d is visible",
-      Display(), version, missing.size() > 1 ? "s" : "", absl::StrJoin(missing, ", "),
-      group_.world_size, missing.size() > 1 ? "their" : "its", group_.rank, version));
+      "%s: version %d was not committed: %s; this rank's (%d) part was withdrawn and nothing of "
+      "version %d is visible",
+      Display(), version, absl::StrJoin(why, "; "), group_.rank, version));
 }
 
 absl::Status DiskPublisher::CommitGroup(uint64_t version, int gfd,
@@ -717,7 +743,7 @@ absl::Status DiskPublisher::CommitGroup(uint64_t version, int gfd,
     j["code"] = static_cast<int>(error.code());
     j["message"] = std::string(error.message());
     for (int r = 0; r < group_.world_size; ++r) {
-      const std::string name = RankDirName(r) + ".failed";
+      const std::string name = RankDirName(r) + kFailedSuffix;
       WB_RETURN_IF_ERROR(RemoveTreeAt(gfd, name, group_path + "/" + name));
       WB_RETURN_IF_ERROR(WriteSmallFileAt(gfd, name, j.dump(), sync_, group_path + "/" + name));
     }

@@ -418,14 +418,24 @@ TEST(GroupChecksTest, ASinglePublisherAndAGroupRankExcludeEachOther) {
 }
 
 TEST(GroupChecksTest, ATransportWithoutGroupsRefusesWorldSizeAboveOne) {
-  const std::vector<std::string> schemes = Transports();
-  if (std::find(schemes.begin(), schemes.end(), "ucx") == schemes.end()) {
-    GTEST_SKIP() << testing::MissingTransports({"ucx"});
+  if (const std::string why = testing::MissingTransports({"ucx"}); !why.empty()) {
+    GTEST_SKIP() << why;
   }
   auto p = Publisher::Open("ucx://127.0.0.1:1/channel?rank=1&world_size=2");
   EXPECT_EQ(p.status().code(), absl::StatusCode::kUnimplemented) << p.status();
   EXPECT_THAT(std::string(p.status().message()),
               HasSubstr("world_size=2 asks for a publisher group (rank 1)"));
+}
+
+TEST(GroupChecksTest, ALayerRefusesWorldSizeAboveOne) {
+  if (const std::string why = testing::MissingTransports({"delta"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
+  ScratchDir dir;
+  auto p = Publisher::Open("delta+" + ChannelUri(dir) + "?rank=0&world_size=2");
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kUnimplemented) << p.status();
+  EXPECT_THAT(std::string(p.status().message()), HasSubstr("world_size=2 asks for a publisher group (rank 0), which this transport stack "
+                        "does not implement"));
 }
 
 }  // namespace

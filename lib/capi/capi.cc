@@ -1061,7 +1061,15 @@ wb_status_t wb_update_tensor_info(const wb_update_t* update, size_t index, wb_te
     WB_CHECK_ARG(kFn, update);
     WB_CHECK_ARG(kFn, info);
     if (absl::Status s = CheckIndex(kFn, update, index, /*dlpack=*/false); !s.ok()) return s;
-    const wb::TensorInfo& t = update->state->update->manifest().tensors[index];
+    const wb::Manifest& manifest = update->state->update->manifest();
+    // A group version's manifest lists the ranks' parts; its tensors are handed over whole.
+    wb::TensorInfo assembled;
+    if (manifest.group) {
+      const wb::TensorView& v = update->state->update->tensors()[index];
+      assembled = wb::TensorInfo{v.name, v.dtype, v.shape, std::nullopt,
+                                 wb::ByteSize(v.dtype, v.shape).value_or(0), 0, 0};
+    }
+    const wb::TensorInfo& t = manifest.group ? assembled : manifest.tensors[index];
     auto data = [](const std::vector<int64_t>& v) { return v.empty() ? nullptr : v.data(); };
     const wb_tensor_info_t value{sizeof(wb_tensor_info_t),
                                  t.name.c_str(),

@@ -579,7 +579,9 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
     needed[i] = place[i] != Place::kSkip || m.tensors[i].nbytes == 0;
     if (place[i] == Place::kSkip) continue;
     fetched_bytes += m.tensors[i].nbytes;
-    std::byte* base = place[i] == Place::kDirect ? home(whole_of[i]) : staging->data();
+    std::byte* base = place[i] == Place::kDirect ? home(whole_of[i])
+                      : staging                  ? staging->data()
+                                                 : nullptr;
     const uint64_t off = place[i] == Place::kDirect ? *part_offset[i] : staging_offset[i];
     targets[i] = base == nullptr ? nullptr : base + off;
   }

@@ -121,6 +121,9 @@ void ExpectWholeModel(const std::string& uri, uint64_t version, int world,
 struct GroupCase {
   int world;
   std::string layout;
+  friend void PrintTo(const GroupCase& c, std::ostream* os) {
+    *os << c.layout << " world_size " << c.world;
+  }
 };
 
 class GroupProcessTest : public ::testing::TestWithParam<GroupCase> {};
@@ -255,6 +258,22 @@ void PublishAll(std::vector<Rank>& ranks, uint64_t version,
   for (std::thread& t : threads) t.join();
 }
 
+// Publishes `version` from every rank, expects every rank to succeed and returns the version as
+// a subscriber receives it (nullptr, with the failures reported, otherwise).
+std::unique_ptr<Update> PublishAllAndReceive(std::vector<Rank>& ranks, const std::string& uri,
+                                             uint64_t version) {
+  PublishAll(ranks, version);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    EXPECT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status;
+  }
+  auto sub = Subscriber::Open(uri);
+  EXPECT_TRUE(sub.ok()) << sub.status();
+  if (!sub.ok()) return nullptr;
+  auto u = (*sub)->ReceiveVersion(version, kTimeout);
+  EXPECT_TRUE(u.ok()) << u.status();
+  return u.ok() ? *std::move(u) : nullptr;
+}
+
 std::vector<Rank> Group(const std::string& uri, int world) {
   std::vector<Rank> ranks(world);
   for (int r = 0; r < world; ++r) ranks[r].publisher = OpenRank(uri, r, world);
@@ -277,88 +296,72 @@ void ExpectRefused(const std::vector<Rank>& ranks, const std::string& uri, absl:
   EXPECT_EQ(*none, nullptr);
 }
 
-TEST(GroupChecksTest, RanksDisagreeingOnDtypeAreRefusedForEveryRankThenARetryCommits) {
+// Two ranks' row slices of "w" [8, 4] that do not fit together, and what the refusal names.
+struct Misfit {
+  friend void PrintTo(const Misfit& m, std::ostream* os) { *os << m.name; }
+  std::string name;
+  int64_t begin0, rows0, begin1, rows1;
+  DType dtype1 = DType::kF32;
+  int64_t global_rows1 = 8;
+  float bias1 = 0;
+  std::vector<std::string> named;
+};
+
+class MisfitTest : public ::testing::TestWithParam<Misfit> {};
+
+TEST_P(MisfitTest, IsRefusedForEveryRankAndACorrectedRetryCommits) {
+  const Misfit& c = GetParam();
   ScratchDir dir;
   const std::string uri = ChannelUri(dir);
   std::vector<Rank> ranks = Group(uri, 2);
+  ranks[0].views = {RowSlice(ranks[0], c.begin0, c.rows0)};
+  ranks[1].views = {RowSlice(ranks[1], c.begin1, c.rows1, c.bias1, c.dtype1, c.global_rows1)};
+  PublishAll(ranks, 1);
+  ExpectRefused(ranks, uri, absl::StatusCode::kInvalidArgument, c.named);
+  // Both ranks publish the version again, fitting together this time.
+  for (Rank& r : ranks) r.storage.clear();
   ranks[0].views = {RowSlice(ranks[0], 0, 4)};
-  ranks[1].views = {RowSlice(ranks[1], 4, 4, 0, DType::kI32)};
-  PublishAll(ranks, 1);
-  ExpectRefused(ranks, uri, absl::StatusCode::kInvalidArgument,
-                {"version 1", "tensor \"w\"", "rank 0 publishes F32 of global shape [8, 4]",
-                 "rank 1 I32 of global shape [8, 4]"});
-  // Both ranks publish the version again, right this time.
-  ranks[1].storage.clear();
   ranks[1].views = {RowSlice(ranks[1], 4, 4)};
-  PublishAll(ranks, 1);
-  EXPECT_TRUE(ranks[0].status.ok()) << ranks[0].status;
-  EXPECT_TRUE(ranks[1].status.ok()) << ranks[1].status;
-  auto sub = Subscriber::Open(uri);
-  ASSERT_TRUE(sub.ok());
-  auto u = (*sub)->ReceiveVersion(1, kTimeout);
-  ASSERT_TRUE(u.ok()) << u.status();
-  ASSERT_EQ((*u)->tensors().size(), 1u);
-  const float* w = static_cast<const float*>((*u)->tensors()[0].data);
+  std::unique_ptr<Update> u = PublishAllAndReceive(ranks, uri, 1);
+  ASSERT_NE(u, nullptr);
+  ASSERT_EQ(u->tensors().size(), 1u);
+  const float* w = static_cast<const float*>(u->tensors()[0].data);
   for (int k = 0; k < 32; ++k) ASSERT_EQ(w[k], static_cast<float>(k)) << k;
 }
 
-TEST(GroupChecksTest, RanksDisagreeingOnTheGlobalShapeAreRefused) {
-  ScratchDir dir;
-  const std::string uri = ChannelUri(dir);
-  std::vector<Rank> ranks = Group(uri, 2);
-  ranks[0].views = {RowSlice(ranks[0], 0, 4)};
-  ranks[1].views = {RowSlice(ranks[1], 4, 4, 0, DType::kF32, /*global_rows=*/9)};
-  PublishAll(ranks, 1);
-  ExpectRefused(ranks, uri, absl::StatusCode::kInvalidArgument,
-                {"tensor \"w\"", "global shape [8, 4]", "global shape [9, 4]", "rank 1"});
-}
+INSTANTIATE_TEST_SUITE_P(
+    GroupChecksTest, MisfitTest,
+    ::testing::Values(
+        Misfit{"dtype", 0, 4, 4, 4, DType::kI32, 8, 0,
+               {"version 1", "tensor \"w\"", "rank 0 publishes F32 of global shape [8, 4]",
+                "rank 1 I32 of global shape [8, 4]"}},
+        Misfit{"global_shape", 0, 4, 4, 4, DType::kF32, 9, 0,
+               {"tensor \"w\"", "rank 0 publishes F32 of global shape [8, 4]",
+                "rank 1 F32 of global shape [9, 4]"}},
+        Misfit{"overlap", 0, 5, 4, 4, DType::kF32, 8, 0,
+               {"tensor \"w\"", "rank 0 ([5, 4] at [0, 0])", "rank 1 ([4, 4] at [4, 0])",
+                "overlap"}},
+        Misfit{"replicas_differ", 0, 8, 0, 8, DType::kF32, 8, 1,
+               {"tensor \"w\"", "rank 0 ([8, 4] at [0, 0])", "rank 1 ([8, 4] at [0, 0])",
+                "different bytes"}},
+        Misfit{"gap", 0, 3, 4, 4, DType::kF32, 8, 0,
+               {"tensor \"w\" of global shape [8, 4]", "cover 28 of its 32 elements",
+                "rank 0 ([3, 4] at [0, 0])", "rank 1 ([4, 4] at [4, 0])"}}),
+    [](const auto& info) { return info.param.name; });
 
-TEST(GroupChecksTest, OverlappingSlicesAreRefused) {
-  ScratchDir dir;
-  const std::string uri = ChannelUri(dir);
-  std::vector<Rank> ranks = Group(uri, 2);
-  ranks[0].views = {RowSlice(ranks[0], 0, 5)};
-  ranks[1].views = {RowSlice(ranks[1], 4, 4)};
-  PublishAll(ranks, 1);
-  ExpectRefused(ranks, uri, absl::StatusCode::kInvalidArgument,
-                {"tensor \"w\"", "rank 0 ([5, 4] at [0, 0])", "rank 1 ([4, 4] at [4, 0])",
-                 "overlap"});
-}
-
-TEST(GroupChecksTest, ReplicasMustHoldTheSameBytes) {
+TEST(GroupChecksTest, ReplicasWithTheSameBytesAreReadOnce) {
   ScratchDir dir;
   const std::string uri = ChannelUri(dir);
   std::vector<Rank> ranks = Group(uri, 2);
   ranks[0].views = {RowSlice(ranks[0], 0, 8)};
-  ranks[1].views = {RowSlice(ranks[1], 0, 8, /*bias=*/1)};
-  PublishAll(ranks, 1);
-  ExpectRefused(ranks, uri, absl::StatusCode::kInvalidArgument,
-                {"tensor \"w\"", "rank 0 ([8, 4] at [0, 0])", "rank 1 ([8, 4] at [0, 0])",
-                 "different bytes"});
-  // The same bytes on both ranks are a replicated tensor: read once.
-  ranks[1].storage.clear();
   ranks[1].views = {RowSlice(ranks[1], 0, 8)};
-  PublishAll(ranks, 1);
-  ASSERT_TRUE(ranks[0].status.ok()) << ranks[0].status;
-  ASSERT_TRUE(ranks[1].status.ok()) << ranks[1].status;
-  auto sub = Subscriber::Open(uri);
-  ASSERT_TRUE(sub.ok());
-  auto u = (*sub)->ReceiveVersion(1, kTimeout);
-  ASSERT_TRUE(u.ok()) << u.status();
-  EXPECT_EQ((*u)->manifest().tensors.size(), 2u);  // both replicas listed
-  EXPECT_EQ((*u)->stats().bytes, 8u * 4 * 4);      // one read
-}
-
-TEST(GroupChecksTest, AGapIsRefused) {
-  ScratchDir dir;
-  const std::string uri = ChannelUri(dir);
-  std::vector<Rank> ranks = Group(uri, 2);
-  ranks[0].views = {RowSlice(ranks[0], 0, 3)};
-  ranks[1].views = {RowSlice(ranks[1], 4, 4)};
-  PublishAll(ranks, 1);
-  ExpectRefused(ranks, uri, absl::StatusCode::kInvalidArgument,
-                {"tensor \"w\" of global shape [8, 4]", "cover 28 of its 32 elements",
-                 "rank 0 ([3, 4] at [0, 0])", "rank 1 ([4, 4] at [4, 0])"});
+  std::unique_ptr<Update> u = PublishAllAndReceive(ranks, uri, 1);
+  ASSERT_NE(u, nullptr);
+  EXPECT_EQ(u->manifest().tensors.size(), 2u);  // both replicas listed
+  EXPECT_EQ(u->manifest().tensors[1].owner, 1);
+  EXPECT_EQ(u->stats().bytes, 8u * 4 * 4);      // one read
+  const float* w = static_cast<const float*>(u->tensors()[0].data);
+  for (int k = 0; k < 32; ++k) ASSERT_EQ(w[k], static_cast<float>(k)) << k;
 }
 
 TEST(GroupChecksTest, ARankTimingOutWithdrawsItsPartSoALateRankCannotCommit) {

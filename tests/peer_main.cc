@@ -29,6 +29,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/time/clock.h"
+#include "absl/types/span.h"
 #include "test_model.h"
 #include "test_support.h"
 #include "weightbus/llama2c.h"
@@ -89,6 +90,21 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
   return true;
 }
 
+// Publishes version `v` and prints "published V", or prints why not and returns false.
+bool PublishOne(weightbus::Publisher& pub, uint64_t v,
+                absl::Span<const weightbus::TensorView> views, const weightbus::Metadata& metadata,
+                const Flags& f) {
+  absl::Status s = pub.Publish(v, views, metadata, absl::Seconds(f.timeout_s));
+  if (!s.ok()) {
+    std::fprintf(stderr, "publish %llu: %s\n", static_cast<unsigned long long>(v),
+                 s.ToString().c_str());
+    return false;
+  }
+  std::printf("published %llu\n", static_cast<unsigned long long>(v));
+  std::fflush(stdout);
+  return true;
+}
+
 int Publish(const Flags& f) {
   auto pub = weightbus::Publisher::Open(f.uri, f.options);
   if (!pub.ok()) {
@@ -97,18 +113,12 @@ int Publish(const Flags& f) {
   }
   for (uint64_t v = f.start; v < f.start + f.versions; ++v) {
     auto tensors = weightbus::testing::MakeVersion(f.seed, v, f.bytes);
-    absl::Status s = (*pub)->Publish(v, weightbus::testing::Views(tensors), {{"peer", "test"}},
-                                     absl::Seconds(f.timeout_s));
-    if (!s.ok()) {
-      std::fprintf(stderr, "publish %llu: %s\n", static_cast<unsigned long long>(v),
-                   s.ToString().c_str());
+    if (!PublishOne(**pub, v, weightbus::testing::Views(tensors), {{"peer", "test"}}, f)) {
       return 1;
     }
-    std::printf("published %llu\n", static_cast<unsigned long long>(v));
-    std::fflush(stdout);
     if (v == f.start && f.first_subscribers > 0) {
       // Every subscriber is in before the rest: none of them can miss versions by starting late.
-      s = (*pub)->WaitForReceivers(v, f.first_subscribers, absl::Seconds(f.timeout_s));
+      absl::Status s = (*pub)->WaitForReceivers(v, f.first_subscribers, absl::Seconds(f.timeout_s));
       if (!s.ok()) {
         std::fprintf(stderr, "wait for %d subscribers of the first version: %s\n",
                      f.first_subscribers, s.ToString().c_str());
@@ -185,15 +195,7 @@ int PublishLlama(const Flags& f) {
     return 1;
   }
   for (uint64_t v = f.start; v < f.start + f.versions; ++v) {
-    absl::Status s = (*pub)->Publish(v, views, {{"step", std::to_string(v)}},
-                                     absl::Seconds(f.timeout_s));
-    if (!s.ok()) {
-      std::fprintf(stderr, "publish %llu: %s\n", static_cast<unsigned long long>(v),
-                   s.ToString().c_str());
-      return 1;
-    }
-    std::printf("published %llu\n", static_cast<unsigned long long>(v));
-    std::fflush(stdout);
+    if (!PublishOne(**pub, v, views, {{"step", std::to_string(v)}}, f)) return 1;
   }
   return 0;
 }

@@ -152,10 +152,10 @@ TEST_P(GroupProcessTest, RanksPublishTheirSlicesAndSubscribersReceiveTheWholeMod
     ASSERT_GE(t.owner, 0);
     ASSERT_LT(t.owner, world);
     ++parts_of[t.owner];
-    const Manifest part = *Manifest::FromJson(
-        testing::ReadFileOrDie(absl::StrFormat("%s/rank-%05d/weightbus.manifest.json", v2,
-                                               t.owner)),
-        "part");
+    const Manifest part =
+        *Manifest::FromJson(testing::ReadFileOrDie(absl::StrFormat(
+                                "%s/rank-%05d/weightbus.manifest.json", v2, t.owner)),
+                            "part");
     EXPECT_NE(part.Find(t.name), nullptr) << t.name << " of rank " << t.owner;
   }
   for (int r = 0; r < world; ++r) EXPECT_GT(parts_of[r], 0) << "rank " << r;
@@ -212,8 +212,8 @@ TEST(GroupProcessTest, RankKilledMidPublishLeavesNothingAndTheNextVersionCommits
   std::vector<Child> again = StartRanks(dir, uri, kWorld, "rows", 2, 1, "second");
   const std::vector<int> again_codes = WaitAll(again);
   for (int r = 0; r < kWorld; ++r) {
-    EXPECT_EQ(again_codes[r], 0)
-        << testing::ReadFileOrDie(dir / absl::StrFormat("second%d.log", r));
+    EXPECT_EQ(again_codes[r], 0) << testing::ReadFileOrDie(dir /
+                                                           absl::StrFormat("second%d.log", r));
   }
   ExpectWholeModel(uri, 2, kWorld);
   EXPECT_FALSE(Exists(dir / "channel/versions/.group-v00000000000000000001"));
@@ -242,7 +242,12 @@ TensorView RowSlice(Rank& rank, int64_t begin, int64_t rows, float bias = 0,
                     DType dtype = DType::kF32, int64_t global_rows = 8) {
   rank.storage.emplace_back(rows * 4);
   for (int64_t k = 0; k < rows * 4; ++k) rank.storage.back()[k] = begin * 4 + k + bias;
-  return TensorView{"w", dtype, {rows, 4}, {}, rank.storage.back().data(), Device{},
+  return TensorView{"w",
+                    dtype,
+                    {rows, 4},
+                    {},
+                    rank.storage.back().data(),
+                    Device{},
                     Shard{{global_rows, 4}, {begin, 0}}};
 }
 
@@ -251,9 +256,8 @@ void PublishAll(std::vector<Rank>& ranks, uint64_t version,
                 absl::Duration timeout = absl::Seconds(30)) {
   std::vector<std::thread> threads;
   for (Rank& r : ranks) {
-    threads.emplace_back([&r, version, timeout] {
-      r.status = r.publisher->Publish(version, r.views, {}, timeout);
-    });
+    threads.emplace_back(
+        [&r, version, timeout] { r.status = r.publisher->Publish(version, r.views, {}, timeout); });
   }
   for (std::thread& t : threads) t.join();
 }
@@ -331,22 +335,57 @@ TEST_P(MisfitTest, IsRefusedForEveryRankAndACorrectedRetryCommits) {
 
 INSTANTIATE_TEST_SUITE_P(
     GroupChecksTest, MisfitTest,
-    ::testing::Values(
-        Misfit{"dtype", 0, 4, 4, 4, DType::kI32, 8, 0,
-               {"version 1", "tensor \"w\"", "rank 0 publishes F32 of global shape [8, 4]",
-                "rank 1 I32 of global shape [8, 4]"}},
-        Misfit{"global_shape", 0, 4, 4, 4, DType::kF32, 9, 0,
-               {"tensor \"w\"", "rank 0 publishes F32 of global shape [8, 4]",
-                "rank 1 F32 of global shape [9, 4]"}},
-        Misfit{"overlap", 0, 5, 4, 4, DType::kF32, 8, 0,
-               {"tensor \"w\"", "rank 0 ([5, 4] at [0, 0])", "rank 1 ([4, 4] at [4, 0])",
-                "overlap"}},
-        Misfit{"replicas_differ", 0, 8, 0, 8, DType::kF32, 8, 1,
-               {"tensor \"w\"", "rank 0 ([8, 4] at [0, 0])", "rank 1 ([8, 4] at [0, 0])",
-                "different bytes"}},
-        Misfit{"gap", 0, 3, 4, 4, DType::kF32, 8, 0,
-               {"tensor \"w\" of global shape [8, 4]", "cover 28 of its 32 elements",
-                "rank 0 ([3, 4] at [0, 0])", "rank 1 ([4, 4] at [4, 0])"}}),
+    ::testing::Values(Misfit{"dtype",
+                             0,
+                             4,
+                             4,
+                             4,
+                             DType::kI32,
+                             8,
+                             0,
+                             {"version 1", "tensor \"w\"",
+                              "rank 0 publishes F32 of global shape [8, 4]",
+                              "rank 1 I32 of global shape [8, 4]"}},
+                      Misfit{"global_shape",
+                             0,
+                             4,
+                             4,
+                             4,
+                             DType::kF32,
+                             9,
+                             0,
+                             {"tensor \"w\"", "rank 0 publishes F32 of global shape [8, 4]",
+                              "rank 1 F32 of global shape [9, 4]"}},
+                      Misfit{"overlap",
+                             0,
+                             5,
+                             4,
+                             4,
+                             DType::kF32,
+                             8,
+                             0,
+                             {"tensor \"w\"", "rank 0 ([5, 4] at [0, 0])",
+                              "rank 1 ([4, 4] at [4, 0])", "overlap"}},
+                      Misfit{"replicas_differ",
+                             0,
+                             8,
+                             0,
+                             8,
+                             DType::kF32,
+                             8,
+                             1,
+                             {"tensor \"w\"", "rank 0 ([8, 4] at [0, 0])",
+                              "rank 1 ([8, 4] at [0, 0])", "different bytes"}},
+                      Misfit{"gap",
+                             0,
+                             3,
+                             4,
+                             4,
+                             DType::kF32,
+                             8,
+                             0,
+                             {"tensor \"w\" of global shape [8, 4]", "cover 28 of its 32 elements",
+                              "rank 0 ([3, 4] at [0, 0])", "rank 1 ([4, 4] at [4, 0])"}}),
     [](const auto& info) { return info.param.name; });
 
 TEST(GroupChecksTest, ReplicasWithTheSameBytesAreReadOnce) {
@@ -359,7 +398,7 @@ TEST(GroupChecksTest, ReplicasWithTheSameBytesAreReadOnce) {
   ASSERT_NE(u, nullptr);
   EXPECT_EQ(u->manifest().tensors.size(), 2u);  // both replicas listed
   EXPECT_EQ(u->manifest().tensors[1].owner, 1);
-  EXPECT_EQ(u->stats().bytes, 8u * 4 * 4);      // one read
+  EXPECT_EQ(u->stats().bytes, 8u * 4 * 4);  // one read
   const float* w = static_cast<const float*>(u->tensors()[0].data);
   for (int k = 0; k < 32; ++k) ASSERT_EQ(w[k], static_cast<float>(k)) << k;
 }
@@ -437,8 +476,10 @@ TEST(GroupChecksTest, ALayerRefusesWorldSizeAboveOne) {
   ScratchDir dir;
   auto p = Publisher::Open("delta+" + ChannelUri(dir) + "?rank=0&world_size=2");
   EXPECT_EQ(p.status().code(), absl::StatusCode::kUnimplemented) << p.status();
-  EXPECT_THAT(std::string(p.status().message()), HasSubstr("world_size=2 asks for a publisher group (rank 0), which this transport stack "
-                        "does not implement"));
+  EXPECT_THAT(
+      std::string(p.status().message()),
+      HasSubstr("world_size=2 asks for a publisher group (rank 0), which this transport stack "
+                "does not implement"));
 }
 
 }  // namespace

@@ -156,7 +156,8 @@ int PublishLlama(const Flags& f) {
     return 1;
   }
   int rank = 0, world = 1;
-  if (auto it = f.options.find("rank"); it != f.options.end()) (void)absl::SimpleAtoi(it->second, &rank);
+  if (auto it = f.options.find("rank"); it != f.options.end())
+    (void)absl::SimpleAtoi(it->second, &rank);
   if (auto it = f.options.find("world_size"); it != f.options.end()) {
     (void)absl::SimpleAtoi(it->second, &world);
   }
@@ -171,8 +172,8 @@ int PublishLlama(const Flags& f) {
         const size_t d = cols ? 1 : 0;
         const int64_t n = t.shape[d] / world;
         if (t.shape[d] % world != 0) {
-          std::fprintf(stderr, "%s: dimension %zu of %lld does not split %d ways\n",
-                       t.name.c_str(), d, static_cast<long long>(t.shape[d]), world);
+          std::fprintf(stderr, "%s: dimension %zu of %lld does not split %d ways\n", t.name.c_str(),
+                       d, static_cast<long long>(t.shape[d]), world);
           return 1;
         }
         weightbus::Shard shard{t.shape, {0, 0}};

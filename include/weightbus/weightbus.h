@@ -496,8 +496,9 @@ WB_EXPORT wb_status_t wb_update_tensor(const wb_update_t* update, size_t index, 
 /* Tensor `index` as the manifest describes it: name, dtype, shape, size, checksum and shard
  * (see wb_tensor_info_t). Of a group version (published by ranks with world_size > 1), the
  * tensor assembled from its parts: its global shape, no shard, and xxh3 0 (each part was
- * verified against its own checksum; the parts and their owner ranks are in the manifest JSON). Errors: WB_OUT_OF_RANGE past the end; WB_INVALID_ARGUMENT for a NULL
- * argument or an info->struct_size smaller than the first layout (use WB_TENSOR_INFO_INIT). */
+ * verified against its own checksum; the parts and their owner ranks are in the manifest JSON).
+ * Errors: WB_OUT_OF_RANGE past the end; WB_INVALID_ARGUMENT for a NULL argument or an
+ * info->struct_size smaller than the first layout (use WB_TENSOR_INFO_INIT). */
 WB_EXPORT wb_status_t wb_update_tensor_info(const wb_update_t* update, size_t index,
                                             wb_tensor_info_t* info);
 

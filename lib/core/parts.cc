@@ -63,9 +63,9 @@ absl::StatusOr<std::vector<AssembledTensor>> AssembleParts(const std::vector<Ten
   for (size_t i = 0; i < parts.size(); ++i) {
     const TensorInfo& p = parts[i];
     if (p.owner < 0 || p.owner >= world_size) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "tensor \"%s\": owner rank %d is not in [0, world_size=%d)", p.name, p.owner,
-          world_size));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("tensor \"%s\": owner rank %d is not in [0, world_size=%d)", p.name,
+                          p.owner, world_size));
     }
     const std::vector<int64_t>& global = GlobalShape(p);
     const std::vector<int64_t> offsets = Offsets(p);
@@ -77,17 +77,17 @@ absl::StatusOr<std::vector<AssembledTensor>> AssembleParts(const std::vector<Ten
     for (size_t d = 0; d < p.shape.size(); ++d) {
       if (offsets[d] < 0 || p.shape[d] < 0 || offsets[d] > global[d] - p.shape[d]) {
         return absl::InvalidArgumentError(absl::StrFormat(
-            "tensor \"%s\": the slice of %s does not fit in global shape %s (dimension %d)",
-            p.name, Slice(p), ShapeString(global), d));
+            "tensor \"%s\": the slice of %s does not fit in global shape %s (dimension %d)", p.name,
+            Slice(p), ShapeString(global), d));
       }
     }
     auto [it, inserted] = index.emplace(p.name, out.size());
     if (inserted) {
       absl::StatusOr<uint64_t> nbytes = ByteSize(p.dtype, global);
       if (!nbytes.ok()) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "tensor \"%s\" of global shape %s: %s", p.name, ShapeString(global),
-            nbytes.status().message()));
+        return absl::InvalidArgumentError(absl::StrFormat("tensor \"%s\" of global shape %s: %s",
+                                                          p.name, ShapeString(global),
+                                                          nbytes.status().message()));
       }
       out.push_back(AssembledTensor{p.name, p.dtype, global, *nbytes, {}});
       all.emplace_back();

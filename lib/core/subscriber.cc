@@ -47,7 +47,8 @@ class Verifier final : public internal::LandingSink {
         progress_(manifest.tensors.size()) {}
 
   void Landed(size_t i) override {
-    if (!needed_[i] || landed_[i].exchange(true)) return;  // a transport reporting twice is harmless
+    if (!needed_[i] || landed_[i].exchange(true))
+      return;  // a transport reporting twice is harmless
     if (progress_[i] != nullptr) {
       Advance(i, manifest_.tensors[i].nbytes, /*complete=*/true);
       return;
@@ -60,7 +61,8 @@ class Verifier final : public internal::LandingSink {
   }
 
   void LandedPrefix(size_t i, uint64_t bytes) override {
-    if (!needed_[i] || landed_[i].load() || bytes == 0 || bytes >= manifest_.tensors[i].nbytes) return;
+    if (!needed_[i] || landed_[i].load() || bytes == 0 || bytes >= manifest_.tensors[i].nbytes)
+      return;
     if (progress_[i] == nullptr) progress_[i] = std::make_unique<Progress>();
     Advance(i, bytes, /*complete=*/false);
   }
@@ -363,8 +365,8 @@ static absl::Status CheckManifest(const internal::Uri& uri, const Manifest& m) {
 
 // What version `m` hands over: its tensors, or a group version's tensors assembled from their
 // parts (checked to fit together; a manifest whose parts do not is DataLoss).
-static absl::StatusOr<std::vector<internal::AssembledTensor>> HandedOver(
-    const internal::Uri& uri, const Manifest& m) {
+static absl::StatusOr<std::vector<internal::AssembledTensor>> HandedOver(const internal::Uri& uri,
+                                                                         const Manifest& m) {
   if (m.group) {
     absl::StatusOr<std::vector<internal::AssembledTensor>> a =
         internal::AssembleParts(m.tensors, m.publisher.world_size);
@@ -525,8 +527,8 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
   // version) lands straight in its home when it is a contiguous run of it (library memory, or a
   // contiguous destination with bind_mode=direct), else in staging, from which it is copied
   // (scattered, for a column slice) into its home after every part is verified.
-  const size_t n = m.tensors.size();   // parts
-  const size_t nw = wholes.size();     // tensors handed over
+  const size_t n = m.tensors.size();  // parts
+  const size_t nw = wholes.size();    // tensors handed over
   std::vector<const Binding*> bound(nw, nullptr);
   std::vector<uint64_t> home_offset(nw, 0);  // in the library buffer
   uint64_t library_bytes = 0, staging_bytes = 0;
@@ -545,8 +547,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
   std::vector<uint64_t> staging_offset(n, 0);
   for (size_t w = 0; w < nw; ++w) {
     const bool direct_home =
-        bound[w] == nullptr ||
-        (!staged && IsContiguous(wholes[w].shape, bound[w]->dest.strides));
+        bound[w] == nullptr || (!staged && IsContiguous(wholes[w].shape, bound[w]->dest.strides));
     for (size_t i : wholes[w].parts) {
       whole_of[i] = w;
       part_offset[i] = m.group ? internal::ContiguousOffset(m.tensors[i]) : uint64_t{0};
@@ -635,9 +636,9 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
     if (place[i] != Place::kStaging || m.tensors[i].nbytes == 0) continue;
     const size_t w = whole_of[i];
     const TensorInfo& part = m.tensors[i];
-    const std::vector<int64_t>& strides =
-        bound[w] != nullptr && !bound[w]->dest.strides.empty() ? bound[w]->dest.strides
-                                                               : internal::RowMajorStrides(wholes[w].shape);
+    const std::vector<int64_t>& strides = bound[w] != nullptr && !bound[w]->dest.strides.empty()
+                                              ? bound[w]->dest.strides
+                                              : internal::RowMajorStrides(wholes[w].shape);
     if (part_offset[i] && IsContiguous(wholes[w].shape, strides)) {
       std::memcpy(home(w) + *part_offset[i], targets[i], part.nbytes);
       continue;

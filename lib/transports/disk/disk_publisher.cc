@@ -19,9 +19,9 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
-#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "core/buffer.h"
@@ -104,9 +104,9 @@ class FlockHeld {
 struct GroupRole {
   int rank = 0;
   int world_size = 1;
-  UniqueFd rank_lock;         // publisher-r<rank>.lock, LOCK_EX
-  UniqueFd group_lock;        // group.lock, taken LOCK_EX around each step of the commit
-  absl::Duration poll;        // how often a rank waiting for the others looks again
+  UniqueFd rank_lock;   // publisher-r<rank>.lock, LOCK_EX
+  UniqueFd group_lock;  // group.lock, taken LOCK_EX around each step of the commit
+  absl::Duration poll;  // how often a rank waiting for the others looks again
   bool grouped() const { return world_size > 1; }
 };
 
@@ -379,8 +379,7 @@ absl::Status DiskPublisher::FinishFile(UniqueFd& fd, const std::string& path, ab
 }
 
 absl::StatusOr<const Manifest*> DiskPublisher::WriteCheckpoint(int dir_fd, const std::string& dir,
-                                                               PublishJob& job,
-                                                               absl::Time deadline,
+                                                               PublishJob& job, absl::Time deadline,
                                                                size_t* files_written) {
   const uint64_t version = job.version();
   WB_ASSIGN_OR_RETURN(std::vector<FilePlan> files, PlanFiles(job.tensors(), shard_size_));
@@ -572,9 +571,9 @@ absl::Status DiskPublisher::PublishPart(PublishJob& job, absl::Time deadline) {
     if (outcome) {
       if (outcome->ok()) return *outcome;
       if (absl::IsDeadlineExceeded(*outcome) && cancelled) {
-        return absl::CancelledError(absl::StrFormat(
-            "%s: the publisher was cancelled while waiting for its group: %s", Display(),
-            outcome->message()));
+        return absl::CancelledError(
+            absl::StrFormat("%s: the publisher was cancelled while waiting for its group: %s",
+                            Display(), outcome->message()));
       }
       return *outcome;
     }
@@ -634,8 +633,8 @@ std::optional<absl::Status> DiskPublisher::GroupStep(uint64_t version, int gfd, 
     int r = -1;
     absl::string_view base = name;
     std::vector<bool>* mark = &present;
-    for (auto [suffix, kind] : {std::pair{kFailedSuffix, &refused},
-                                std::pair{kWithdrawnSuffix, &withdrawn}}) {
+    for (auto [suffix, kind] :
+         {std::pair{kFailedSuffix, &refused}, std::pair{kWithdrawnSuffix, &withdrawn}}) {
       if (absl::ConsumeSuffix(&base, suffix)) mark = kind;
     }
     if (!absl::ConsumePrefix(&base, "rank-") || !absl::SimpleAtoi(base, &r) || r < 0) continue;
@@ -666,8 +665,8 @@ std::optional<absl::Status> DiskPublisher::GroupStep(uint64_t version, int gfd, 
     absl::StatusOr<Manifest> m = Manifest::FromJson(*text, path);
     if (!m.ok()) return m.status();
     if (m->version != version || m->publisher.rank != r) {
-      return absl::DataLossError(absl::StrFormat("%s is the part of rank %d for version %d",
-                                                 path, m->publisher.rank, m->version));
+      return absl::DataLossError(absl::StrFormat("%s is the part of rank %d for version %d", path,
+                                                 m->publisher.rank, m->version));
     }
     if (m->publisher.world_size != group_.world_size) {
       return absl::FailedPreconditionError(absl::StrFormat(
@@ -725,9 +724,9 @@ absl::Status DiskPublisher::CommitGroup(uint64_t version, int gfd,
       if (inserted) {
         metadata_from[key] = part.publisher.rank;
       } else if (it->second != value && refused.ok()) {
-        refused = absl::InvalidArgumentError(absl::StrFormat(
-            "metadata \"%s\" is \"%s\" from rank %d but \"%s\" from rank %d", key, it->second,
-            metadata_from[key], value, part.publisher.rank));
+        refused = absl::InvalidArgumentError(
+            absl::StrFormat("metadata \"%s\" is \"%s\" from rank %d but \"%s\" from rank %d", key,
+                            it->second, metadata_from[key], value, part.publisher.rank));
       }
     }
   }
@@ -760,10 +759,9 @@ absl::Status DiskPublisher::CommitGroup(uint64_t version, int gfd,
   for (const char* name : {kManifestFile, kReaderLock}) {
     WB_RETURN_IF_ERROR(RemoveTreeAt(gfd, name, group_path + "/" + name));
   }
-  WB_RETURN_IF_ERROR(WriteSmallFileAt(gfd, kManifestFile, m.ToJson(), sync_,
-                                      group_path + "/" + kManifestFile));
   WB_RETURN_IF_ERROR(
-      WriteSmallFileAt(gfd, kReaderLock, "", false, group_path + "/" + kReaderLock));
+      WriteSmallFileAt(gfd, kManifestFile, m.ToJson(), sync_, group_path + "/" + kManifestFile));
+  WB_RETURN_IF_ERROR(WriteSmallFileAt(gfd, kReaderLock, "", false, group_path + "/" + kReaderLock));
   if (sync_) WB_RETURN_IF_ERROR(FsyncFd(gfd, group_path));
   WB_RETURN_IF_ERROR(failpoints_.Hit("disk.before_group_rename"));
   WB_RETURN_IF_ERROR(CheckStillOwner(version));
@@ -771,8 +769,8 @@ absl::Status DiskPublisher::CommitGroup(uint64_t version, int gfd,
   const std::string final_name = VersionDirName(version);
   WB_RETURN_IF_ERROR(RemoveTreeAt(vfd, final_name, channel_.VersionDir(version)));
   if (::renameat(vfd, GroupDirName(version).c_str(), vfd, final_name.c_str()) != 0) {
-    return ErrnoStatus(errno,
-                       absl::StrFormat("rename %s -> %s", group_path, channel_.VersionDir(version)));
+    return ErrnoStatus(
+        errno, absl::StrFormat("rename %s -> %s", group_path, channel_.VersionDir(version)));
   }
   absl::Status s = sync_ ? FsyncFd(vfd, channel_.VersionsDir()) : absl::OkStatus();
   if (s.ok()) s = failpoints_.Hit("disk.before_commit");
@@ -863,8 +861,8 @@ absl::Status DiskPublisher::CleanLeftovers() {
       absl::StatusOr<Manifest> m =
           text.ok() ? Manifest::FromJson(*text, dir) : absl::StatusOr<Manifest>(text.status());
       if (!m.ok() || !m->group || m->publisher.world_size != group_.world_size) continue;
-      Log(LogLevel::kInfo, "%s: completing the commit of version %d, left by rank %d",
-          Display(), v, m->publisher.rank);
+      Log(LogLevel::kInfo, "%s: completing the commit of version %d, left by rank %d", Display(), v,
+          m->publisher.rank);
       WB_RETURN_IF_ERROR(CommitLatest(v));
       latest = v;
     }
@@ -885,8 +883,8 @@ absl::Status DiskPublisher::CleanLeftovers() {
       WB_ASSIGN_OR_RETURN(std::vector<std::string> inside, ListDirAt(gfd->get(), path));
       for (const std::string& entry : inside) {
         if (!absl::StartsWith(entry, own_tmp)) continue;
-        Log(LogLevel::kInfo, "removing %s/%s, left by an earlier process of rank %d", path,
-            entry, group_.rank);
+        Log(LogLevel::kInfo, "removing %s/%s, left by an earlier process of rank %d", path, entry,
+            group_.rank);
         WB_RETURN_IF_ERROR(RemoveTreeAt(gfd->get(), entry, path + "/" + entry));
       }
     }
@@ -966,8 +964,7 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenDiskPublisher(const Uri&
         group.grouped() ? absl::StrFormat(" or rank %d of its group", group.rank) : "", who));
   };
   auto record = [&](UniqueFd& fd, const std::string& path) {
-    if (::ftruncate(fd.get(), 0) != 0 ||
-        ::pwrite(fd.get(), holder.data(), holder.size(), 0) < 0) {
+    if (::ftruncate(fd.get(), 0) != 0 || ::pwrite(fd.get(), holder.data(), holder.size(), 0) < 0) {
       Log(LogLevel::kWarn, "could not record the holder in %s", path);
     }
   };

@@ -356,8 +356,8 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(cons
       WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenDirAt(dfd, RankDirName(r), rank_dir));
       dirs.push_back(std::move(fd));
       where.emplace_back();
-      WB_RETURN_IF_ERROR(ReadCheckpoint(dirs.back().get(), rank_dir, v, dirs.size() - 1, files,
-                                        where.back()));
+      WB_RETURN_IF_ERROR(
+          ReadCheckpoint(dirs.back().get(), rank_dir, v, dirs.size() - 1, files, where.back()));
     }
     dirs.insert(dirs.begin(), *std::move(dir_fd));  // kept open with the version's pin
     for (DataFile& f : files) ++f.dir;
@@ -401,8 +401,8 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(cons
     locations.push_back(Location{k, files[k].header.data_start + e->begin});
   }
   return std::unique_ptr<IncomingVersion>(
-      new DiskVersion(std::move(manifest), std::move(dirs), std::move(files),
-                      std::move(locations), *std::move(pin), io_.get(), &failpoints_));
+      new DiskVersion(std::move(manifest), std::move(dirs), std::move(files), std::move(locations),
+                      *std::move(pin), io_.get(), &failpoints_));
 }
 
 absl::Status DiskSubscriber::ReadCheckpoint(int dfd, const std::string& dir, uint64_t v,

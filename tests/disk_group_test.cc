@@ -47,14 +47,16 @@ const std::vector<tools::OwnedTensor>& Model() {
   return *model;
 }
 
-// Starts the ranks of a group publishing the fixture with `layout` (peer_main.cc).
+// Starts the ranks of a group publishing the fixture with `layout` (peer_main.cc); with `only`
+// >= 0, that rank alone.
 std::vector<Child> StartRanks(const ScratchDir& dir, const std::string& uri, int world,
                               const std::string& layout, uint64_t start, uint64_t versions,
                               const std::string& log_tag,
                               const std::map<int, std::string>& failpoints = {},
-                              double timeout_s = 60) {
+                              double timeout_s = 60, int only = -1) {
   std::vector<Child> ranks;
   for (int r = 0; r < world; ++r) {
+    if (only >= 0 && r != only) continue;
     std::map<std::string, std::string> env;
     if (auto it = failpoints.find(r); it != failpoints.end()) {
       env["WEIGHTBUS_FAILPOINTS"] = it->second;
@@ -218,6 +220,53 @@ TEST(GroupProcessTest, RankKilledMidPublishLeavesNothingAndTheNextVersionCommits
   ExpectWholeModel(uri, 2, kWorld);
   EXPECT_FALSE(Exists(dir / "channel/versions/.group-v00000000000000000001"));
   EXPECT_FALSE(Exists(testing::DiskVersionDir(dir, 1)));
+}
+
+TEST(GroupProcessTest, RestartedRankRepublishesTheSameVersionWhileTheOthersWait) {
+  constexpr int kWorld = 2, kVictim = 1;
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  testing::PausePoint paused("disk.after_file");
+  std::vector<Child> ranks =
+      StartRanks(dir, uri, kWorld, "cols", 1, 1, "first", {{kVictim, paused.Spec()}});
+  ASSERT_EQ(ranks.size(), kWorld);
+  ASSERT_TRUE(paused.WaitReached(kTimeout));
+  ranks[kVictim].Kill(SIGKILL);
+  ASSERT_TRUE(ranks[kVictim].Wait(kTimeout).ok());
+  // The survivor is still waiting; the restarted rank removes what its predecessor left and
+  // publishes the same version, which completes the set.
+  std::vector<Child> restarted =
+      StartRanks(dir, uri, kWorld, "cols", 1, 1, "restarted", {}, 60, /*only=*/kVictim);
+  ASSERT_EQ(WaitAll(restarted), std::vector<int>{0})
+      << testing::ReadFileOrDie(dir / absl::StrFormat("restarted%d.log", kVictim));
+  ASSERT_EQ(ranks[0].Wait(kTimeout).ok(), true);
+  EXPECT_THAT(testing::ReadFileOrDie(dir / "first0.log"), HasSubstr("published 1"));
+  ExpectWholeModel(uri, 1, kWorld);
+  for (const auto& e : std::filesystem::directory_iterator(testing::DiskVersionDir(dir, 1))) {
+    EXPECT_FALSE(e.path().filename().string().starts_with(".tmp-")) << e.path();
+  }
+}
+
+TEST(GroupProcessTest, ARankKilledAfterItsPartIsPlacedStillCountsAndMayRetry) {
+  constexpr int kWorld = 2, kVictim = 0;
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  // The victim's part is durable and placed: the other rank completes the set and commits.
+  testing::PausePoint paused("disk.after_part");
+  std::vector<Child> ranks =
+      StartRanks(dir, uri, kWorld, "rows", 1, 1, "first", {{kVictim, paused.Spec()}});
+  ASSERT_EQ(ranks.size(), kWorld);
+  ASSERT_TRUE(paused.WaitReached(kTimeout));
+  ranks[kVictim].Kill(SIGKILL);
+  absl::StatusOr<int> other = ranks[1].Wait(kTimeout);
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ(ExitCode(*other), 0) << testing::ReadFileOrDie(dir / "first1.log");
+  ExpectWholeModel(uri, 1, kWorld);
+  // The restarted rank retries the version it was publishing: the same bytes, so a success
+  // that writes nothing.
+  std::vector<Child> retry =
+      StartRanks(dir, uri, kWorld, "rows", 1, 1, "retry", {}, 60, /*only=*/kVictim);
+  EXPECT_EQ(WaitAll(retry), std::vector<int>{0}) << testing::ReadFileOrDie(dir / "retry0.log");
 }
 
 // ---- cross-rank checks, one thread per rank ----------------------------------------------
@@ -403,6 +452,26 @@ TEST(GroupChecksTest, ReplicasWithTheSameBytesAreReadOnce) {
   for (int k = 0; k < 32; ++k) ASSERT_EQ(w[k], static_cast<float>(k)) << k;
 }
 
+TEST(GroupChecksTest, ACorruptPartIsDataLossNamingTheTensorAndTheOwnersFile) {
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  std::vector<Rank> ranks = Group(uri, 2);
+  ranks[0].views = {RowSlice(ranks[0], 0, 4)};
+  ranks[1].views = {RowSlice(ranks[1], 4, 4)};
+  ASSERT_NE(PublishAllAndReceive(ranks, uri, 1), nullptr);
+  // Flip a bit of the last byte of rank 1's file: the last element of its slice of "w".
+  const std::string file = testing::DiskVersionDir(dir, 1) + "/rank-00001/model.safetensors";
+  std::string bytes = testing::ReadFileOrDie(file);
+  bytes.back() ^= 1;
+  testing::WriteFileOrDie(file, bytes);
+  auto sub = Subscriber::Open(uri);
+  ASSERT_TRUE(sub.ok());
+  auto u = (*sub)->ReceiveVersion(1, kTimeout);
+  EXPECT_EQ(u.status().code(), absl::StatusCode::kDataLoss) << u.status();
+  EXPECT_THAT(std::string(u.status().message()),
+              HasSubstr("tensor \"w\" from file " + file + " bytes"));
+}
+
 TEST(GroupChecksTest, ARankTimingOutWithdrawsItsPartSoALateRankCannotCommit) {
   ScratchDir dir;
   const std::string uri = ChannelUri(dir);
@@ -422,6 +491,30 @@ TEST(GroupChecksTest, ARankTimingOutWithdrawsItsPartSoALateRankCannotCommit) {
   EXPECT_TRUE(ranks[0].status.ok()) << ranks[0].status;
   EXPECT_TRUE(ranks[1].status.ok()) << ranks[1].status;
   EXPECT_EQ(testing::ReadFileOrDie(dir / "channel/LATEST"), "2\n");
+}
+
+TEST(GroupChecksTest, CancelEndsARankWaitingForItsGroupAndWithdrawsItsPart) {
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  testing::PausePoint placed("disk.after_part");
+  placed.Release();  // only announces that the part is placed
+  Rank rank;
+  {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", placed.Spec());
+    rank.publisher = OpenRank(uri, 0, 2);
+  }
+  ASSERT_NE(rank.publisher, nullptr);
+  rank.views = {RowSlice(rank, 0, 4)};
+  std::thread publishing(
+      [&] { rank.status = rank.publisher->Publish(1, rank.views, {}, kTimeout); });
+  ASSERT_TRUE(placed.WaitReached(kTimeout));
+  rank.publisher->Cancel();
+  publishing.join();
+  EXPECT_EQ(rank.status.code(), absl::StatusCode::kCancelled) << rank.status;
+  EXPECT_THAT(std::string(rank.status.message()), HasSubstr("rank 1 of the group of 2"));
+  const std::string group = dir / "channel/versions/.group-v00000000000000000001";
+  EXPECT_FALSE(Exists(group + "/rank-00000"));
+  EXPECT_TRUE(Exists(group + "/rank-00000.withdrawn"));
 }
 
 TEST(GroupChecksTest, RanksDisagreeingOnWorldSizeAreFailedPrecondition) {

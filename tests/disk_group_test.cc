@@ -65,7 +65,7 @@ std::vector<Child> StartRanks(const ScratchDir& dir, const std::string& uri, int
         {Peer(), "publish-llama", uri, "--layout", layout, "--start", std::to_string(start),
          "--versions", std::to_string(versions), "--timeout-s", absl::StrFormat("%g", timeout_s),
          "--set", absl::StrFormat("rank=%d", r), "--set", absl::StrFormat("world_size=%d", world),
-         "--set", "poll_interval=5ms"},
+         "--set", "poll_interval=5ms", "--set", "shard_size=100KiB"},  // several files a rank
         env, dir / absl::StrFormat("%s%d.log", log_tag, r));
     EXPECT_TRUE(c.ok()) << c.status();
     if (c.ok()) ranks.push_back(*std::move(c));
@@ -160,7 +160,11 @@ TEST_P(GroupProcessTest, RanksPublishTheirSlicesAndSubscribersReceiveTheWholeMod
                             "part");
     EXPECT_NE(part.Find(t.name), nullptr) << t.name << " of rank " << t.owner;
   }
-  for (int r = 0; r < world; ++r) EXPECT_GT(parts_of[r], 0) << "rank " << r;
+  for (int r = 0; r < world; ++r) {
+    EXPECT_GT(parts_of[r], 0) << "rank " << r;
+    // shard_size=100KiB: each rank's part spans several files with an index.
+    EXPECT_TRUE(Exists(absl::StrFormat("%s/rank-%05d/model.safetensors.index.json", v2, r)));
+  }
   EXPECT_THAT(testing::ReadFileOrDie(v2 + "/weightbus.manifest.json"),
               HasSubstr("\"weightbus.manifest/2\""));
   // Nothing left of the group's staging (version 1 was retired into its own directory).

@@ -191,6 +191,9 @@ class DiskPublisher final : public TransportPublisher {
   // publisher was cancelled), this rank's part withdrawn and DeadlineExceeded (Cancelled)
   // naming the missing ranks.
   std::optional<absl::Status> GroupStep(uint64_t version, int gfd, bool final);
+  // Takes this rank's part of `version` back (rank-<r>/ removed, rank-<r>.withdrawn written),
+  // under group.lock: the version cannot commit without it.
+  absl::Status Withdraw(uint64_t version, int gfd);
   // Commits the complete set of parts `parts` (their manifests, by rank), or records why not.
   absl::Status CommitGroup(uint64_t version, int gfd, const std::vector<Manifest>& parts);
   // Makes LATEST name `version`, whose directory is complete: the commit point.
@@ -567,6 +570,14 @@ absl::Status DiskPublisher::PublishPart(PublishJob& job, absl::Time deadline) {
       if (!final && absl::IsDeadlineExceeded(locked.status())) continue;
       if (!locked.ok()) return locked.status();
       outcome = GroupStep(version, gfd, final);
+      if (outcome && !outcome->ok() && !absl::IsDeadlineExceeded(*outcome)) {
+        // Whatever went wrong, this rank reports it failed: its part must not count in a
+        // later set (a refused part carries its .failed marker already).
+        if (absl::Status s = Withdraw(version, gfd); !s.ok()) {
+          Log(LogLevel::kWarn, "%s: withdrawing the part of rank %d of version %d: %s", Display(),
+              group_.rank, version, std::string(s.message()));
+        }
+      }
     }
     if (outcome) {
       if (outcome->ok()) return *outcome;
@@ -681,15 +692,7 @@ std::optional<absl::Status> DiskPublisher::GroupStep(uint64_t version, int gfd, 
   // Withdraw: without this rank's part the version can never commit, so an error here means
   // the version never becomes visible, also if the missing ranks come later. The marker tells
   // the ranks still waiting that this one gave up (it is not one of the missing).
-  const std::string rank_name = RankDirName(group_.rank);
-  const std::string marker = rank_name + kWithdrawnSuffix;
-  for (const std::string& name : {rank_name, marker}) {
-    if (absl::Status s = RemoveTreeAt(gfd, name, group_path + "/" + name); !s.ok()) return s;
-  }
-  if (absl::Status s = WriteSmallFileAt(gfd, marker, "", false, group_path + "/" + marker);
-      !s.ok()) {
-    return s;
-  }
+  if (absl::Status s = Withdraw(version, gfd); !s.ok()) return s;
   auto ranks = [&](const std::vector<int>& rs, std::string_view what) {
     return absl::StrFormat("rank%s %s of the group of %d %s %s part", rs.size() > 1 ? "s" : "",
                            absl::StrJoin(rs, ", "), group_.world_size, what,
@@ -702,6 +705,17 @@ std::optional<absl::Status> DiskPublisher::GroupStep(uint64_t version, int gfd, 
       "%s: version %d was not committed: %s; this rank's (%d) part was withdrawn and nothing of "
       "version %d is visible",
       Display(), version, absl::StrJoin(why, "; "), group_.rank, version));
+}
+
+absl::Status DiskPublisher::Withdraw(uint64_t version, int gfd) {
+  const std::string group_path =
+      absl::StrFormat("%s/%s", channel_.VersionsDir(), GroupDirName(version));
+  const std::string rank_name = RankDirName(group_.rank);
+  const std::string marker = rank_name + kWithdrawnSuffix;
+  for (const std::string& name : {rank_name, marker}) {
+    WB_RETURN_IF_ERROR(RemoveTreeAt(gfd, name, group_path + "/" + name));
+  }
+  return WriteSmallFileAt(gfd, marker, "", false, group_path + "/" + marker);
 }
 
 absl::Status DiskPublisher::CommitGroup(uint64_t version, int gfd,

@@ -73,6 +73,23 @@ std::vector<Child> StartRanks(const ScratchDir& dir, const std::string& uri, int
   return ranks;
 }
 
+// Starts the ranks publishing version 1 with rank `victim` held at pause point `point`, then
+// SIGKILLs the victim there (its Child is reaped); the others go on.
+std::vector<Child> StartAndKillAt(const ScratchDir& dir, const std::string& uri, int world,
+                                  const std::string& layout, int victim, const std::string& point,
+                                  double timeout_s = 60) {
+  testing::PausePoint paused(point);
+  std::vector<Child> ranks =
+      StartRanks(dir, uri, world, layout, 1, 1, "first", {{victim, paused.Spec()}}, timeout_s);
+  EXPECT_EQ(ranks.size(), static_cast<size_t>(world));
+  EXPECT_TRUE(paused.WaitReached(kTimeout))
+      << testing::ReadFileOrDie(dir / absl::StrFormat("first%d.log", victim));
+  EXPECT_EQ(paused.ReachedBy(), ranks[victim].pid());
+  ranks[victim].Kill(SIGKILL);
+  EXPECT_TRUE(ranks[victim].Wait(kTimeout).ok());
+  return ranks;
+}
+
 // Waits for every rank and returns their exit codes.
 std::vector<int> WaitAll(std::vector<Child>& ranks) {
   std::vector<int> codes;
@@ -186,14 +203,8 @@ TEST(GroupProcessTest, RankKilledMidPublishLeavesNothingAndTheNextVersionCommits
   ScratchDir dir;
   const std::string uri = ChannelUri(dir);
   // The victim stops after its first data file is durable, before its part is placed.
-  testing::PausePoint paused("disk.after_file");
-  std::vector<Child> ranks = StartRanks(dir, uri, kWorld, "rows", 1, 1, "first",
-                                        {{kVictim, paused.Spec()}}, /*timeout_s=*/8);
-  ASSERT_EQ(ranks.size(), kWorld);
-  ASSERT_TRUE(paused.WaitReached(kTimeout))
-      << testing::ReadFileOrDie(dir / absl::StrFormat("first%d.log", kVictim));
-  EXPECT_EQ(paused.ReachedBy(), ranks[kVictim].pid());
-  ranks[kVictim].Kill(SIGKILL);
+  std::vector<Child> ranks =
+      StartAndKillAt(dir, uri, kWorld, "rows", kVictim, "disk.after_file", /*timeout_s=*/8);
   const std::vector<int> codes = WaitAll(ranks);
   for (int r = 0; r < kWorld; ++r) {
     const std::string log = testing::ReadFileOrDie(dir / absl::StrFormat("first%d.log", r));
@@ -230,21 +241,16 @@ TEST(GroupProcessTest, RestartedRankRepublishesTheSameVersionWhileTheOthersWait)
   constexpr int kWorld = 2, kVictim = 1;
   ScratchDir dir;
   const std::string uri = ChannelUri(dir);
-  testing::PausePoint paused("disk.after_file");
-  std::vector<Child> ranks =
-      StartRanks(dir, uri, kWorld, "cols", 1, 1, "first", {{kVictim, paused.Spec()}});
-  ASSERT_EQ(ranks.size(), kWorld);
-  ASSERT_TRUE(paused.WaitReached(kTimeout));
-  ranks[kVictim].Kill(SIGKILL);
-  ASSERT_TRUE(ranks[kVictim].Wait(kTimeout).ok());
+  std::vector<Child> ranks = StartAndKillAt(dir, uri, kWorld, "cols", kVictim, "disk.after_file");
   // The survivor is still waiting; the restarted rank removes what its predecessor left and
   // publishes the same version, which completes the set.
   std::vector<Child> restarted =
       StartRanks(dir, uri, kWorld, "cols", 1, 1, "restarted", {}, 60, /*only=*/kVictim);
   ASSERT_EQ(WaitAll(restarted), std::vector<int>{0})
       << testing::ReadFileOrDie(dir / absl::StrFormat("restarted%d.log", kVictim));
-  ASSERT_EQ(ranks[0].Wait(kTimeout).ok(), true);
-  EXPECT_THAT(testing::ReadFileOrDie(dir / "first0.log"), HasSubstr("published 1"));
+  absl::StatusOr<int> survivor = ranks[0].Wait(kTimeout);
+  ASSERT_TRUE(survivor.ok());
+  EXPECT_EQ(ExitCode(*survivor), 0) << testing::ReadFileOrDie(dir / "first0.log");
   ExpectWholeModel(uri, 1, kWorld);
   for (const auto& e : std::filesystem::directory_iterator(testing::DiskVersionDir(dir, 1))) {
     EXPECT_FALSE(e.path().filename().string().starts_with(".tmp-")) << e.path();
@@ -256,12 +262,7 @@ TEST(GroupProcessTest, ARankKilledAfterItsPartIsPlacedStillCountsAndMayRetry) {
   ScratchDir dir;
   const std::string uri = ChannelUri(dir);
   // The victim's part is durable and placed: the other rank completes the set and commits.
-  testing::PausePoint paused("disk.after_part");
-  std::vector<Child> ranks =
-      StartRanks(dir, uri, kWorld, "rows", 1, 1, "first", {{kVictim, paused.Spec()}});
-  ASSERT_EQ(ranks.size(), kWorld);
-  ASSERT_TRUE(paused.WaitReached(kTimeout));
-  ranks[kVictim].Kill(SIGKILL);
+  std::vector<Child> ranks = StartAndKillAt(dir, uri, kWorld, "rows", kVictim, "disk.after_part");
   absl::StatusOr<int> other = ranks[1].Wait(kTimeout);
   ASSERT_TRUE(other.ok());
   EXPECT_EQ(ExitCode(*other), 0) << testing::ReadFileOrDie(dir / "first1.log");
@@ -302,6 +303,21 @@ TensorView RowSlice(Rank& rank, int64_t begin, int64_t rows, float bias = 0,
                     rank.storage.back().data(),
                     Device{},
                     Shard{{global_rows, 4}, {begin, 0}}};
+}
+
+// Rank 0 publishes rows [0, 4) of "w", rank 1 rows [4, 8): a dim-0 split in two.
+void SplitInHalves(std::vector<Rank>& ranks) {
+  for (Rank& r : ranks) r.storage.clear();
+  ranks[0].views = {RowSlice(ranks[0], 0, 4)};
+  ranks[1].views = {RowSlice(ranks[1], 4, 4)};
+}
+
+// `u` holds "w" whole, element k equal to k.
+void ExpectWholeW(const Update& u) {
+  ASSERT_EQ(u.tensors().size(), 1u);
+  EXPECT_EQ(u.tensors()[0].shape, (std::vector<int64_t>{8, 4}));
+  const float* w = static_cast<const float*>(u.tensors()[0].data);
+  for (int k = 0; k < 32; ++k) ASSERT_EQ(w[k], static_cast<float>(k)) << k;
 }
 
 // Publishes `version` from every rank at once; fills each rank's status.
@@ -376,14 +392,10 @@ TEST_P(MisfitTest, IsRefusedForEveryRankAndACorrectedRetryCommits) {
   PublishAll(ranks, 1);
   ExpectRefused(ranks, uri, absl::StatusCode::kInvalidArgument, c.named);
   // Both ranks publish the version again, fitting together this time.
-  for (Rank& r : ranks) r.storage.clear();
-  ranks[0].views = {RowSlice(ranks[0], 0, 4)};
-  ranks[1].views = {RowSlice(ranks[1], 4, 4)};
+  SplitInHalves(ranks);
   std::unique_ptr<Update> u = PublishAllAndReceive(ranks, uri, 1);
   ASSERT_NE(u, nullptr);
-  ASSERT_EQ(u->tensors().size(), 1u);
-  const float* w = static_cast<const float*>(u->tensors()[0].data);
-  for (int k = 0; k < 32; ++k) ASSERT_EQ(w[k], static_cast<float>(k)) << k;
+  ExpectWholeW(*u);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -452,16 +464,14 @@ TEST(GroupChecksTest, ReplicasWithTheSameBytesAreReadOnce) {
   EXPECT_EQ(u->manifest().tensors.size(), 2u);  // both replicas listed
   EXPECT_EQ(u->manifest().tensors[1].owner, 1);
   EXPECT_EQ(u->stats().bytes, 8u * 4 * 4);  // one read
-  const float* w = static_cast<const float*>(u->tensors()[0].data);
-  for (int k = 0; k < 32; ++k) ASSERT_EQ(w[k], static_cast<float>(k)) << k;
+  ExpectWholeW(*u);
 }
 
 TEST(GroupChecksTest, ACorruptPartIsDataLossNamingTheTensorAndTheOwnersFile) {
   ScratchDir dir;
   const std::string uri = ChannelUri(dir);
   std::vector<Rank> ranks = Group(uri, 2);
-  ranks[0].views = {RowSlice(ranks[0], 0, 4)};
-  ranks[1].views = {RowSlice(ranks[1], 4, 4)};
+  SplitInHalves(ranks);
   ASSERT_NE(PublishAllAndReceive(ranks, uri, 1), nullptr);
   // Flip a bit of the last byte of rank 1's file: the last element of its slice of "w".
   const std::string file = testing::DiskVersionDir(dir, 1) + "/rank-00001/model.safetensors";
@@ -480,8 +490,7 @@ TEST(GroupChecksTest, ARankTimingOutWithdrawsItsPartSoALateRankCannotCommit) {
   ScratchDir dir;
   const std::string uri = ChannelUri(dir);
   std::vector<Rank> ranks = Group(uri, 2);
-  ranks[0].views = {RowSlice(ranks[0], 0, 4)};
-  ranks[1].views = {RowSlice(ranks[1], 4, 4)};
+  SplitInHalves(ranks);
   absl::Status first = ranks[0].publisher->Publish(1, ranks[0].views, {}, absl::Milliseconds(50));
   EXPECT_EQ(first.code(), absl::StatusCode::kDeadlineExceeded) << first;
   EXPECT_THAT(std::string(first.message()),
@@ -527,8 +536,7 @@ TEST(GroupChecksTest, RanksDisagreeingOnWorldSizeAreFailedPrecondition) {
   std::vector<Rank> ranks(2);
   ranks[0].publisher = OpenRank(uri, 0, 2);
   ranks[1].publisher = OpenRank(uri, 3, 4);
-  ranks[0].views = {RowSlice(ranks[0], 0, 4)};
-  ranks[1].views = {RowSlice(ranks[1], 4, 4)};
+  SplitInHalves(ranks);
   PublishAll(ranks, 1, absl::Seconds(2));
   EXPECT_EQ(ranks[0].status.code(), absl::StatusCode::kFailedPrecondition) << ranks[0].status;
   EXPECT_THAT(std::string(ranks[0].status.message()),

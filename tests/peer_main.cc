@@ -12,6 +12,13 @@
 // A worker of a tensor-parallel group: reads version numbers from stdin, one per line, receives
 // exactly each (Subscriber::ReceiveVersion), checks its bytes as subscribe does and answers
 // "received V ok", or "notfound V: MESSAGE" when the channel no longer holds V; ends at EOF.
+//   wb_test_peer publish-llama URI --layout rows|cols [--versions N] [--start S] [--timeout-s T]
+//                [--set rank=R --set world_size=W]...
+// One rank of a publisher group publishing its slices of the stories260K fixture (converted to
+// Hugging Face Llama, F32), `versions` times with the same bytes: `rows` shards every matrix on
+// dimension 0 (FSDP2), `cols` on dimension 1 (Megatron column slices, published as strided
+// views of the whole matrix) with model.embed_tokens.weight owned whole by the last rank; norm
+// vectors are replicated (every rank publishes them whole).
 // Exit codes: 0 all good, 1 error, 3 content mismatch or a version going backwards.
 #include <cstdio>
 #include <cstring>
@@ -22,13 +29,17 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/time/clock.h"
+#include "absl/types/span.h"
 #include "test_model.h"
+#include "test_support.h"
+#include "weightbus/llama2c.h"
 #include "weightbus/weightbus.hpp"
 
 namespace {
 
 struct Flags {
   std::string role, uri;
+  std::string layout = "rows";
   uint64_t versions = 1, start = 1, seed = 1, bytes = 1 << 16, until = 1;
   int interval_ms = 0;
   int until_subscribers = 0;
@@ -63,6 +74,8 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
       ok = absl::SimpleAtoi(v, &f->first_subscribers);
     else if (k == "--serve-ms")
       ok = absl::SimpleAtoi(v, &f->serve_ms);
+    else if (k == "--layout")
+      f->layout = v;
     else if (k == "--timeout-s")
       ok = absl::SimpleAtod(v, &f->timeout_s);
     else if (k == "--set") {
@@ -77,6 +90,21 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
   return true;
 }
 
+// Publishes version `v` and prints "published V", or prints why not and returns false.
+bool PublishOne(weightbus::Publisher& pub, uint64_t v,
+                absl::Span<const weightbus::TensorView> views, const weightbus::Metadata& metadata,
+                const Flags& f) {
+  absl::Status s = pub.Publish(v, views, metadata, absl::Seconds(f.timeout_s));
+  if (!s.ok()) {
+    std::fprintf(stderr, "publish %llu: %s\n", static_cast<unsigned long long>(v),
+                 s.ToString().c_str());
+    return false;
+  }
+  std::printf("published %llu\n", static_cast<unsigned long long>(v));
+  std::fflush(stdout);
+  return true;
+}
+
 int Publish(const Flags& f) {
   auto pub = weightbus::Publisher::Open(f.uri, f.options);
   if (!pub.ok()) {
@@ -85,18 +113,12 @@ int Publish(const Flags& f) {
   }
   for (uint64_t v = f.start; v < f.start + f.versions; ++v) {
     auto tensors = weightbus::testing::MakeVersion(f.seed, v, f.bytes);
-    absl::Status s = (*pub)->Publish(v, weightbus::testing::Views(tensors), {{"peer", "test"}},
-                                     absl::Seconds(f.timeout_s));
-    if (!s.ok()) {
-      std::fprintf(stderr, "publish %llu: %s\n", static_cast<unsigned long long>(v),
-                   s.ToString().c_str());
+    if (!PublishOne(**pub, v, weightbus::testing::Views(tensors), {{"peer", "test"}}, f)) {
       return 1;
     }
-    std::printf("published %llu\n", static_cast<unsigned long long>(v));
-    std::fflush(stdout);
     if (v == f.start && f.first_subscribers > 0) {
       // Every subscriber is in before the rest: none of them can miss versions by starting late.
-      s = (*pub)->WaitForReceivers(v, f.first_subscribers, absl::Seconds(f.timeout_s));
+      absl::Status s = (*pub)->WaitForReceivers(v, f.first_subscribers, absl::Seconds(f.timeout_s));
       if (!s.ok()) {
         std::fprintf(stderr, "wait for %d subscribers of the first version: %s\n",
                      f.first_subscribers, s.ToString().c_str());
@@ -119,6 +141,63 @@ int Publish(const Flags& f) {
     std::fflush(stdout);
   }
   if (f.serve_ms > 0) absl::SleepFor(absl::Milliseconds(f.serve_ms));
+  return 0;
+}
+
+int PublishLlama(const Flags& f) {
+  auto ckpt = weightbus::tools::ReadLlama2c(weightbus::testing::FixturePath("stories260K.bin"));
+  if (!ckpt.ok()) {
+    std::fprintf(stderr, "fixture: %s\n", ckpt.status().ToString().c_str());
+    return 1;
+  }
+  auto model = weightbus::tools::ConvertToHf(*ckpt, weightbus::DType::kF32);
+  if (!model.ok()) {
+    std::fprintf(stderr, "convert: %s\n", model.status().ToString().c_str());
+    return 1;
+  }
+  int rank = 0, world = 1;
+  if (auto it = f.options.find("rank"); it != f.options.end())
+    (void)absl::SimpleAtoi(it->second, &rank);
+  if (auto it = f.options.find("world_size"); it != f.options.end()) {
+    (void)absl::SimpleAtoi(it->second, &world);
+  }
+  const bool cols = f.layout == "cols";
+  std::vector<weightbus::TensorView> views;
+  for (const weightbus::tools::OwnedTensor& t : *model) {
+    weightbus::TensorView v = t.view();
+    if (t.shape.size() == 2) {
+      if (cols && t.name == "model.embed_tokens.weight") {
+        if (rank != world - 1) continue;  // owned whole by one rank
+      } else {
+        const size_t d = cols ? 1 : 0;
+        const int64_t n = t.shape[d] / world;
+        if (t.shape[d] % world != 0) {
+          std::fprintf(stderr, "%s: dimension %zu of %lld does not split %d ways\n", t.name.c_str(),
+                       d, static_cast<long long>(t.shape[d]), world);
+          return 1;
+        }
+        weightbus::Shard shard{t.shape, {0, 0}};
+        shard.offsets[d] = n * rank;
+        v.shape[d] = n;
+        if (cols) {
+          v.strides = {t.shape[1], 1};
+          v.data = t.bytes.data() + n * rank * 4;
+        } else {
+          v.data = t.bytes.data() + n * rank * t.shape[1] * 4;
+        }
+        v.shard = shard;
+      }
+    }
+    views.push_back(std::move(v));
+  }
+  auto pub = weightbus::Publisher::Open(f.uri, f.options);
+  if (!pub.ok()) {
+    std::fprintf(stderr, "open: %s\n", pub.status().ToString().c_str());
+    return 1;
+  }
+  for (uint64_t v = f.start; v < f.start + f.versions; ++v) {
+    if (!PublishOne(**pub, v, views, {{"step", std::to_string(v)}}, f)) return 1;
+  }
   return 0;
 }
 
@@ -211,10 +290,12 @@ int Receive(const Flags& f) {
 int main(int argc, char** argv) {
   Flags f;
   if (!ParseFlags(argc, argv, &f)) {
-    std::fprintf(stderr, "usage: wb_test_peer publish|subscribe|receive URI [flags]\n");
+    std::fprintf(stderr,
+                 "usage: wb_test_peer publish|publish-llama|subscribe|receive URI [flags]\n");
     return 2;
   }
   if (f.role == "publish") return Publish(f);
+  if (f.role == "publish-llama") return PublishLlama(f);
   if (f.role == "subscribe") return Subscribe(f);
   if (f.role == "receive") return Receive(f);
   return 2;

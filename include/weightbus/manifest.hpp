@@ -26,6 +26,12 @@ struct TensorInfo {
   std::optional<Shard> shard;  // set when the publisher described a shard
   uint64_t nbytes = 0;         // = DTypeSize(dtype) * NumElements(shape), contiguous row-major
   uint64_t xxh3 = 0;           // XXH3-64 (seed 0) of the nbytes contiguous bytes
+  // The rank of the publisher group that owns (published, stores and serves) these bytes
+  // (setting `rank`); 0 for a single publisher. In a group version (Manifest::group)
+  // the manifest lists every rank's parts: a name appears once per owner, each entry a whole
+  // tensor or a Shard of it, and replicated parts (the same slice from several ranks) carry
+  // equal checksums. Format weightbus.manifest/2 (docs/FORMAT.md).
+  int owner = 0;
   friend bool operator==(const TensorInfo&, const TensorInfo&) = default;
 };
 
@@ -45,6 +51,11 @@ struct PublisherIdentity {
 };
 
 // Everything a subscriber needs to know about a version before receiving its bytes.
+//
+// A group version (`group`, published by a publisher group: every rank opens
+// with the settings `rank` and `world_size` and publishes the parts it owns) lists in `tensors`
+// the parts of every rank, each with its `owner`; `publisher` is the rank that committed the
+// group. Subscribers receive each tensor assembled from its parts (Update::tensors()).
 // Value type; copying is cheap relative to the weights it describes.
 struct WB_EXPORT Manifest {
   uint64_t version = 0;
@@ -53,16 +64,21 @@ struct WB_EXPORT Manifest {
   int64_t publish_start_unix_ns = 0;  // when Publish was called (CLOCK_REALTIME, ns)
   int64_t sealed_unix_ns = 0;         // when every checksum was known (CLOCK_REALTIME, ns)
   Metadata metadata;
+  // True for a version of a publisher group (and for one rank's part of it): its tensors are
+  // parts with owners, and a name may appear once per owner. Format weightbus.manifest/2.
+  bool group = false;
 
-  // Sum of every tensor's nbytes.
+  // Sum of every tensor's nbytes (of a group version: of every part, replicas included).
   uint64_t total_bytes() const;
   // The tensor named `name`, or nullptr. Linear in the number of tensors.
   const TensorInfo* Find(std::string_view name) const;
 
-  // JSON encoding (format "weightbus.manifest/1", documented in docs/FORMAT.md). Checksums are
+  // JSON encoding (format "weightbus.manifest/1", or "weightbus.manifest/2" for a group
+  // version, whose tensors carry "owner"; documented in docs/FORMAT.md). Checksums are
   // 16 lowercase hex digits so that no JSON reader loses precision.
   std::string ToJson() const;
-  // Parses ToJson's output. `source` names where the text came from, for error messages.
+  // Parses ToJson's output (either format). `source` names where the text came from, for
+  // error messages.
   // Errors: DataLoss naming `source` and the offending field.
   static absl::StatusOr<Manifest> FromJson(std::string_view json, std::string_view source);
 

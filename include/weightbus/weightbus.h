@@ -494,15 +494,19 @@ WB_EXPORT wb_status_t wb_update_tensor(const wb_update_t* update, size_t index, 
                                        wb_dtype_t* dtype, const DLTensor** tensor);
 
 /* Tensor `index` as the manifest describes it: name, dtype, shape, size, checksum and shard
- * (see wb_tensor_info_t). Errors: WB_OUT_OF_RANGE past the end; WB_INVALID_ARGUMENT for a NULL
- * argument or an info->struct_size smaller than the first layout (use WB_TENSOR_INFO_INIT). */
+ * (see wb_tensor_info_t). Of a group version (published by ranks with world_size > 1), the
+ * tensor assembled from its parts: its global shape, no shard, and xxh3 0 (each part was
+ * verified against its own checksum; the parts and their owner ranks are in the manifest JSON).
+ * Errors: WB_OUT_OF_RANGE past the end; WB_INVALID_ARGUMENT for a NULL argument or an
+ * info->struct_size smaller than the first layout (use WB_TENSOR_INFO_INIT). */
 WB_EXPORT wb_status_t wb_update_tensor_info(const wb_update_t* update, size_t index,
                                             wb_tensor_info_t* info);
 
 /* The index of the tensor named `name`; WB_NOT_FOUND when the version has none. */
 WB_EXPORT wb_status_t wb_update_find(const wb_update_t* update, const char* name, size_t* index);
 
-/* The version's manifest as JSON (format "weightbus.manifest/1", docs/FORMAT.md): metadata,
+/* The version's manifest as JSON (format "weightbus.manifest/1", or "/2" for a group version,
+ * whose tensors are the ranks' parts with their "owner"; docs/FORMAT.md): metadata,
  * publisher identity, checksums, shards. NUL-terminated; valid until wb_update_destroy. */
 WB_EXPORT wb_status_t wb_update_manifest_json(const wb_update_t* update, const char** json,
                                               size_t* length);

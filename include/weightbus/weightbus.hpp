@@ -100,9 +100,11 @@ struct PublishStats {
 // unaffected).
 class WB_EXPORT Publisher {
  public:
-  // Opens `uri` for publishing. Errors: InvalidArgument for a malformed URI or setting;
-  // Unimplemented for a scheme not compiled in (the message lists those that are);
-  // FailedPrecondition if another live publisher holds the channel; transport errors.
+  // Opens `uri` for publishing. Errors: InvalidArgument for a malformed URI or setting (also
+  // rank >= world_size); Unimplemented for a scheme not compiled in (the message lists those
+  // that are), and for world_size > 1 on a stack without publisher groups (ucx://, layers);
+  // FailedPrecondition if another live publisher holds the channel (for a group rank: a single
+  // publisher, or another process of the same rank); transport errors.
   static absl::StatusOr<std::unique_ptr<Publisher>> Open(std::string_view uri,
                                                          const Options& options = {});
 
@@ -128,11 +130,26 @@ class WB_EXPORT Publisher {
   // as Publish returns. Checksums (XXH3-64) are computed here, concurrently with the
   // transport's work.
   //
+  // Publisher groups: a publisher opened with the settings `rank` and `world_size` > 1 (one
+  // process per rank, on a transport that declares publisher groups: disk://) is one rank of a
+  // group. It publishes the tensors it owns: whole tensors, or slices (TensorView::shard: the
+  // global shape and the slice's offsets, e.g. an FSDP2 DTensor's local shard or a Megatron
+  // tensor-parallel slice), a tensor replicated on several ranks published by each with the
+  // same bytes. Every rank calls Publish with the same version; it returns OK once the version
+  // is committed with every rank's part (whichever rank completes the set commits it), all or
+  // nothing across ranks. Subscribers receive every tensor whole (Update::tensors()).
+  //
   // Errors: FailedPrecondition (version not above the latest, naming both); InvalidArgument for
   // an empty/duplicate/non-UTF-8 name, a bad shape, strides, shard or null data (naming the
   // tensor); Unimplemented for a non-CPU tensor; DeadlineExceeded after `timeout` (for ucx:
-  // also when every staging slot is still read by subscribers, naming them); ResourceExhausted
-  // when the disk or memory is full; Internal for other system errors.
+  // also when every staging slot is still read by subscribers, naming them; for a group rank:
+  // when other ranks' parts are not there by then, naming the version and the missing ranks;
+  // this rank's part is withdrawn, so the version never becomes visible); for a group rank
+  // also InvalidArgument when the ranks' parts do not fit together (ranks disagreeing on a
+  // tensor's dtype or global shape, overlapping slices other than replicas with equal bytes, a
+  // gap), naming the tensor, the ranks and their shapes, returned to every rank of the set, and
+  // FailedPrecondition when ranks disagree on world_size; ResourceExhausted when the disk or
+  // memory is full; Internal for other system errors.
   absl::Status Publish(uint64_t version, absl::Span<const TensorView> tensors,
                        const Metadata& metadata, absl::Duration timeout);
 
@@ -187,7 +204,10 @@ class WB_EXPORT Update {
 
   uint64_t version() const;
   const Manifest& manifest() const;
-  // One view per manifest tensor, in manifest order.
+  // One view per manifest tensor, in manifest order. Of a group version (Manifest::group), one
+  // per tensor assembled from its parts (each rank's slice copied to its place in the tensor of
+  // the global shape; a replicated part read from one rank), in order of first appearance, with
+  // no shard; manifest() lists the parts as published.
   absl::Span<const TensorView> tensors() const;
   // The view named `name`, or nullptr.
   const TensorView* Find(std::string_view name) const;

@@ -46,6 +46,9 @@ struct UpdateState {
   std::unique_ptr<wb::Update> update;
   std::vector<CTensor> tensors;
   std::string manifest_json;
+  // Of a group version (whose manifest lists the ranks' parts): one entry per tensor handed
+  // over, as assembled (global shape, no shard, xxh3 0), for wb_update_tensor_info.
+  std::vector<wb::TensorInfo> assembled;
 };
 
 // A DLManagedTensor exported by wb_update_export_dlpack: owns a reference to the update and
@@ -648,6 +651,12 @@ absl::Status HandOver(absl::StatusOr<std::unique_ptr<wb::Update>> received, wb_u
     c.dl.byte_offset = 0;
   }
   state->manifest_json = state->update->manifest().ToJson();
+  if (state->update->manifest().group) {
+    for (const wb::TensorView& v : views) {
+      state->assembled.push_back(wb::TensorInfo{v.name, v.dtype, v.shape, std::nullopt,
+                                                wb::ByteSize(v.dtype, v.shape).value_or(0), 0, 0});
+    }
+  }
   *update = new wb_update{std::move(state)};
   return absl::OkStatus();
 }
@@ -1061,7 +1070,10 @@ wb_status_t wb_update_tensor_info(const wb_update_t* update, size_t index, wb_te
     WB_CHECK_ARG(kFn, update);
     WB_CHECK_ARG(kFn, info);
     if (absl::Status s = CheckIndex(kFn, update, index, /*dlpack=*/false); !s.ok()) return s;
-    const wb::TensorInfo& t = update->state->update->manifest().tensors[index];
+    const wb::Manifest& manifest = update->state->update->manifest();
+    // A group version's manifest lists the ranks' parts; its tensors are handed over whole.
+    const wb::TensorInfo& t =
+        manifest.group ? update->state->assembled[index] : manifest.tensors[index];
     auto data = [](const std::vector<int64_t>& v) { return v.empty() ? nullptr : v.data(); };
     const wb_tensor_info_t value{sizeof(wb_tensor_info_t),
                                  t.name.c_str(),

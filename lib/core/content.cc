@@ -21,9 +21,9 @@ std::optional<std::string> ContentDifference(const std::vector<TensorInfo>& a,
                              ShapeString(x.shape), a_label, DTypeName(y.dtype),
                              ShapeString(y.shape), b_label);
     }
-    if (x.shard != y.shard) {
-      return absl::StrFormat("tensor \"%s\": its shard differs (%s vs %s)", x.name, a_label,
-                             b_label);
+    if (x.shard != y.shard || x.owner != y.owner) {
+      return absl::StrFormat("tensor \"%s\": its shard or owner differs (%s vs %s)", x.name,
+                             a_label, b_label);
     }
     if (x.xxh3 != y.xxh3) {
       return absl::StrFormat("tensor \"%s\": XXH3-64 %016x (%s) vs %016x (%s)", x.name, x.xxh3,

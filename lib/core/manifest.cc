@@ -14,7 +14,11 @@ namespace {
 
 using nlohmann::ordered_json;
 
+// Format 1: one publisher. Format 2: a publisher group; tensors carry "owner" (the rank that
+// holds their bytes). A reader takes both; a writer writes 1 unless the version is a group's,
+// so a single publisher's manifests stay readable by older libraries.
 constexpr std::string_view kFormat = "weightbus.manifest/1";
+constexpr std::string_view kGroupFormat = "weightbus.manifest/2";
 
 std::string Hex64(uint64_t v) { return absl::StrFormat("%016x", v); }
 
@@ -120,7 +124,7 @@ const TensorInfo* Manifest::Find(std::string_view name) const {
 
 std::string Manifest::ToJson() const {
   ordered_json j;
-  j["format"] = kFormat;
+  j["format"] = group ? kGroupFormat : kFormat;
   j["version"] = version;
   ordered_json pub;
   pub["host"] = publisher.host;
@@ -150,6 +154,7 @@ std::string Manifest::ToJson() const {
       s["offsets"] = ShapeJson(t.shard->offsets);
       e["shard"] = std::move(s);
     }
+    if (group) e["owner"] = t.owner;
     ts.push_back(std::move(e));
   }
   j["tensors"] = std::move(ts);
@@ -172,9 +177,11 @@ absl::StatusOr<Manifest> Manifest::FromJson(std::string_view json, std::string_v
   Manifest m;
   absl::StatusOr<std::string> format = r.Get<std::string>(j, "format", "");
   if (!format.ok()) return format.status();
-  if (*format != kFormat) {
-    return r.Error(".format", absl::StrFormat("is \"%s\", expected \"%s\"", *format, kFormat));
+  if (*format != kFormat && *format != kGroupFormat) {
+    return r.Error(".format", absl::StrFormat("is \"%s\", expected \"%s\" or \"%s\"", *format,
+                                              kFormat, kGroupFormat));
   }
+  m.group = *format == kGroupFormat;
   absl::StatusOr<uint64_t> version = r.Get<uint64_t>(j, "version", "");
   if (!version.ok()) return version.status();
   m.version = *version;
@@ -271,6 +278,15 @@ absl::StatusOr<Manifest> Manifest::FromJson(std::string_view json, std::string_v
       s.global_shape = *std::move(gs);
       s.offsets = *std::move(off);
       t.shard = std::move(s);
+    }
+    if (m.group) {
+      auto owner = r.Get<int>(e, "owner", path);
+      if (!owner.ok()) return owner.status();
+      if (*owner >= m.publisher.world_size) {
+        return r.Error(path + ".owner", absl::StrFormat("is %d, not a rank below world_size %d",
+                                                        *owner, m.publisher.world_size));
+      }
+      t.owner = *owner;
     }
     m.tensors.push_back(std::move(t));
   }

@@ -221,6 +221,13 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_
     return absl::InvalidArgumentError(absl::StrFormat("%s: rank %d is not in [0, world_size=%d)",
                                                       uri.Display(), rank, world_size));
   }
+  if (world_size > 1 && !impl->capabilities.publisher_groups) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "%s: world_size=%d asks for a publisher group (rank %d), which this transport stack does "
+        "not implement (capabilities: %s); publish through a single publisher (world_size=1) or "
+        "use a transport that declares publisher_groups (`weightbus --version` lists them)",
+        uri.Display(), world_size, rank, internal::DescribeCapabilities(impl->capabilities)));
+  }
   impl->identity =
       PublisherIdentity{internal::HostName(),       getpid(),
                         static_cast<int>(rank),     static_cast<int>(world_size),
@@ -279,6 +286,7 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   m.publisher = identity;
   m.publish_start_unix_ns = absl::ToUnixNanos(start);
   m.metadata = metadata;
+  m.group = identity.world_size > 1;  // this rank's part of a group version
   m.tensors.reserve(tensors.size());
   absl::flat_hash_set<absl::string_view> names;
   uint64_t pack_bytes = 0;
@@ -292,7 +300,8 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
       return absl::InvalidArgumentError(absl::StrFormat(
           "%s version %d: tensor name \"%s\" appears twice", uri.Display(), version, view.name));
     }
-    m.tensors.push_back(TensorInfo{view.name, view.dtype, view.shape, view.shard, *nbytes, 0});
+    m.tensors.push_back(
+        TensorInfo{view.name, view.dtype, view.shape, view.shard, *nbytes, 0, identity.rank});
     if (!IsContiguous(view.shape, view.strides)) pack_bytes += (*nbytes + 63) & ~uint64_t{63};
   }
   for (const auto& [key, value] : metadata) {
@@ -372,6 +381,11 @@ absl::Status Publisher::Impl::Republish(Job& job, absl::Time start, absl::Time d
     committed = *last_manifest;
   } else {
     committed = backend->CommittedManifest(version);
+  }
+  if (committed.ok() && committed->group) {
+    // A group version: this rank's own parts are what a retry of this rank must match.
+    std::erase_if(committed->tensors,
+                  [this](const TensorInfo& t) { return t.owner != identity.rank; });
   }
   if (!committed.ok()) {
     return absl::FailedPreconditionError(absl::StrFormat(

@@ -163,6 +163,9 @@ TransportCapabilities StackCapabilities(const std::vector<const TransportDescrip
                                         const Config& config) {
   TransportCapabilities caps;
   for (size_t i = stack.size(); i-- > 0;) {
+    // A layer carries a publisher group only if it says so itself (it must split its encoding
+    // by rank): it does not inherit that from the transport beneath.
+    if (i + 1 < stack.size()) caps.publisher_groups = false;
     caps = stack[i]->capabilities(config, caps);
   }
   return caps;
@@ -177,6 +180,7 @@ std::string DescribeCapabilities(const TransportCapabilities& c) {
            {c.keep_versions_from, "keep_versions_from"},
            {c.wait_for_receivers, "wait_for_receivers"},
            {c.all_subscribers_take_part, "all_subscribers_take_part"},
+           {c.publisher_groups, "publisher_groups"},
            {c.open_version, "open_version"},
            {c.list_versions, "list_versions"},
            {c.cancel, "cancel"},

@@ -17,6 +17,7 @@
 #include "core/checksum.h"
 #include "core/content.h"
 #include "core/failpoint.h"
+#include "core/parts.h"
 #include "core/registry.h"
 #include "core/status.h"
 #include "core/tensor_pack.h"
@@ -34,17 +35,20 @@ uint64_t AlignUp(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
 // behind the transfer, while the bytes are still in cache, instead of in one pass at the end.
 class Verifier final : public internal::LandingSink {
  public:
+  // `needed[i]` false: tensor i is not fetched (a replica read from another rank) and not checked.
   Verifier(const Manifest& manifest, const std::vector<std::byte*>& targets,
-           internal::WorkerPool& pool)
+           const std::vector<bool>& needed, internal::WorkerPool& pool)
       : manifest_(manifest),
         targets_(targets),
+        needed_(needed),
         pool_(pool),
         actual_(manifest.tensors.size(), 0),
         landed_(manifest.tensors.size()),
         progress_(manifest.tensors.size()) {}
 
   void Landed(size_t i) override {
-    if (landed_[i].exchange(true)) return;  // a transport reporting twice is harmless
+    if (!needed_[i] || landed_[i].exchange(true))
+      return;  // a transport reporting twice is harmless
     if (progress_[i] != nullptr) {
       Advance(i, manifest_.tensors[i].nbytes, /*complete=*/true);
       return;
@@ -57,7 +61,8 @@ class Verifier final : public internal::LandingSink {
   }
 
   void LandedPrefix(size_t i, uint64_t bytes) override {
-    if (landed_[i].load() || bytes == 0 || bytes >= manifest_.tensors[i].nbytes) return;
+    if (!needed_[i] || landed_[i].load() || bytes == 0 || bytes >= manifest_.tensors[i].nbytes)
+      return;
     if (progress_[i] == nullptr) progress_[i] = std::make_unique<Progress>();
     Advance(i, bytes, /*complete=*/false);
   }
@@ -68,6 +73,7 @@ class Verifier final : public internal::LandingSink {
   // After Drain: the first tensor never reported or whose checksum differs, or -1.
   std::optional<size_t> FirstFailure(bool* never_landed) const {
     for (size_t i = 0; i < actual_.size(); ++i) {
+      if (!needed_[i]) continue;
       if (!landed_[i].load()) {
         *never_landed = true;
         return i;
@@ -127,6 +133,7 @@ class Verifier final : public internal::LandingSink {
 
   const Manifest& manifest_;
   const std::vector<std::byte*>& targets_;
+  const std::vector<bool>& needed_;
   internal::WorkerPool& pool_;
   std::vector<uint64_t> actual_;
   std::vector<std::atomic<bool>> landed_;
@@ -199,7 +206,11 @@ class Subscriber::Impl : public internal::ChannelSetup {
   std::string CurrentText() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     return current ? std::to_string(*current) : "none";
   }
-  absl::Status CheckBindings(const Manifest& m) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // `tensors`: what version `version` hands over (the manifest's tensors, or a group version's
+  // assembled ones).
+  absl::Status CheckBindings(uint64_t version,
+                             const std::vector<internal::AssembledTensor>& tensors) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 };
 
 absl::StatusOr<std::unique_ptr<Subscriber>> Subscriber::Open(std::string_view uri_text,
@@ -309,21 +320,25 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Poll(uint64_t min_version,
   return impl_->Wait(min_version, now, now + receive_timeout, /*poll=*/true);
 }
 
-absl::Status Subscriber::Impl::CheckBindings(const Manifest& m) const {
+absl::Status Subscriber::Impl::CheckBindings(
+    uint64_t version, const std::vector<internal::AssembledTensor>& tensors) const {
+  absl::flat_hash_map<absl::string_view, const internal::AssembledTensor*> by_name;
+  for (const internal::AssembledTensor& t : tensors) by_name.emplace(t.name, &t);
   for (const auto& [name, binding] : bindings) {
-    const TensorInfo* info = m.Find(name);
-    if (info == nullptr) {
+    auto found = by_name.find(name);
+    if (found == by_name.end()) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "%s: tensor \"%s\" is bound but version %d has no tensor of that name (it has %d "
           "tensors); nothing was written",
-          uri.Display(), name, m.version, m.tensors.size()));
+          uri.Display(), name, version, tensors.size()));
     }
+    const internal::AssembledTensor* info = found->second;
     const Destination& d = binding.dest;
     if (d.dtype != info->dtype || d.shape != info->shape) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "%s: tensor \"%s\" of version %d is %s %s but its bound destination is %s %s; "
           "nothing was written",
-          uri.Display(), name, m.version, DTypeName(info->dtype), ShapeString(info->shape),
+          uri.Display(), name, version, DTypeName(info->dtype), ShapeString(info->shape),
           DTypeName(d.dtype), ShapeString(d.shape)));
     }
   }
@@ -340,12 +355,34 @@ static absl::Status CheckManifest(const internal::Uri& uri, const Manifest& m) {
           "%s version %d: manifest entry \"%s\" claims %d bytes for %s %s", uri.Display(),
           m.version, t.name, t.nbytes, DTypeName(t.dtype), ShapeString(t.shape)));
     }
-    if (!names.insert(t.name).second) {
+    if (!m.group && !names.insert(t.name).second) {
       return absl::DataLossError(absl::StrFormat(
           "%s version %d: manifest names tensor \"%s\" twice", uri.Display(), m.version, t.name));
     }
   }
   return absl::OkStatus();
+}
+
+// What version `m` hands over: its tensors, or a group version's tensors assembled from their
+// parts (checked to fit together; a manifest whose parts do not is DataLoss).
+static absl::StatusOr<std::vector<internal::AssembledTensor>> HandedOver(const internal::Uri& uri,
+                                                                         const Manifest& m) {
+  if (m.group) {
+    absl::StatusOr<std::vector<internal::AssembledTensor>> a =
+        internal::AssembleParts(m.tensors, m.publisher.world_size);
+    if (!a.ok()) {
+      return absl::DataLossError(absl::StrFormat("%s version %d: the group's parts do not fit: %s",
+                                                 uri.Display(), m.version, a.status().message()));
+    }
+    return a;
+  }
+  std::vector<internal::AssembledTensor> out;
+  out.reserve(m.tensors.size());
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    const TensorInfo& t = m.tensors[i];
+    out.push_back(internal::AssembledTensor{t.name, t.dtype, t.shape, t.nbytes, {i}});
+  }
+  return out;
 }
 
 absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_version,
@@ -482,24 +519,46 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
           *current, session(held_session), *diff, *current, *current));
     }
   }
-  WB_RETURN_IF_ERROR(CheckBindings(m));
+  WB_ASSIGN_OR_RETURN(const std::vector<internal::AssembledTensor> wholes, HandedOver(uri, m));
+  WB_RETURN_IF_ERROR(CheckBindings(m.version, wholes));
 
-  // Decide where each tensor lands: library memory (kept by the Update), staging (copied into a
-  // bound destination after verification) or the bound destination itself.
-  const size_t n = m.tensors.size();
-  enum class Place { kLibrary, kStaging, kDirect };
-  std::vector<Place> place(n, Place::kLibrary);
-  std::vector<const Binding*> bound(n, nullptr);
+  // Decide where each tensor handed over lives (its home): library memory (kept by the Update)
+  // or a bound destination. Each part read (a tensor is its own one part, except in a group
+  // version) lands straight in its home when it is a contiguous run of it (library memory, or a
+  // contiguous destination with bind_mode=direct), else in staging, from which it is copied
+  // (scattered, for a column slice) into its home after every part is verified.
+  const size_t n = m.tensors.size();  // parts
+  const size_t nw = wholes.size();    // tensors handed over
+  std::vector<const Binding*> bound(nw, nullptr);
+  std::vector<uint64_t> home_offset(nw, 0);  // in the library buffer
   uint64_t library_bytes = 0, staging_bytes = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const TensorInfo& t = m.tensors[i];
-    if (auto it = bindings.find(t.name); it != bindings.end()) {
-      bound[i] = &it->second;
-      const bool contiguous = IsContiguous(t.shape, it->second.dest.strides);
-      place[i] = (staged || !contiguous) ? Place::kStaging : Place::kDirect;
+  for (size_t w = 0; w < nw; ++w) {
+    if (auto it = bindings.find(wholes[w].name); it != bindings.end()) {
+      bound[w] = &it->second;
+    } else {
+      home_offset[w] = library_bytes;
+      library_bytes += AlignUp(wholes[w].nbytes);
     }
-    if (place[i] == Place::kLibrary) library_bytes += AlignUp(t.nbytes);
-    if (place[i] == Place::kStaging) staging_bytes += AlignUp(t.nbytes);
+  }
+  enum class Place { kSkip, kDirect, kStaging };
+  std::vector<Place> place(n, Place::kSkip);
+  std::vector<size_t> whole_of(n, 0);
+  std::vector<std::optional<uint64_t>> part_offset(n);  // in its tensor, when contiguous there
+  std::vector<uint64_t> staging_offset(n, 0);
+  for (size_t w = 0; w < nw; ++w) {
+    const bool direct_home =
+        bound[w] == nullptr || (!staged && IsContiguous(wholes[w].shape, bound[w]->dest.strides));
+    for (size_t i : wholes[w].parts) {
+      whole_of[i] = w;
+      part_offset[i] = m.group ? internal::ContiguousOffset(m.tensors[i]) : uint64_t{0};
+      if (direct_home && part_offset[i]) {
+        place[i] = Place::kDirect;
+      } else {
+        place[i] = Place::kStaging;
+        staging_offset[i] = staging_bytes;
+        staging_bytes += AlignUp(m.tensors[i].nbytes);
+      }
+    }
   }
   std::shared_ptr<internal::HostBuffer> library, staging;
   if (library_bytes > 0) {
@@ -508,23 +567,24 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
   if (staging_bytes > 0) {
     WB_ASSIGN_OR_RETURN(staging, pool->Get(staging_bytes));
   }
+  // Where tensor w's element [0, ..., 0] is (nullptr for an empty library tensor).
+  auto home = [&](size_t w) -> std::byte* {
+    if (bound[w] != nullptr) return static_cast<std::byte*>(bound[w]->dest.data);
+    return library ? library->data() + home_offset[w] : nullptr;
+  };
   std::vector<std::byte*> targets(n, nullptr);
-  uint64_t library_off = 0, staging_off = 0;
+  std::vector<bool> needed(n, false);
+  uint64_t fetched_bytes = 0;
   for (size_t i = 0; i < n; ++i) {
-    const uint64_t size = AlignUp(m.tensors[i].nbytes);
-    switch (place[i]) {
-      case Place::kLibrary:  // no buffer at all when every such tensor is empty
-        targets[i] = library ? library->data() + library_off : nullptr;
-        library_off += size;
-        break;
-      case Place::kStaging:
-        targets[i] = staging ? staging->data() + staging_off : nullptr;
-        staging_off += size;
-        break;
-      case Place::kDirect:
-        targets[i] = static_cast<std::byte*>(bound[i]->dest.data);
-        break;
-    }
+    // Parts without bytes are "fetched" (and checked) as any tensor; a skipped replica is not.
+    needed[i] = place[i] != Place::kSkip || m.tensors[i].nbytes == 0;
+    if (place[i] == Place::kSkip) continue;
+    fetched_bytes += m.tensors[i].nbytes;
+    std::byte* base = place[i] == Place::kDirect ? home(whole_of[i])
+                      : staging                  ? staging->data()
+                                                 : nullptr;
+    const uint64_t off = place[i] == Place::kDirect ? *part_offset[i] : staging_offset[i];
+    targets[i] = base == nullptr ? nullptr : base + off;
   }
 
   const absl::Time allocated = absl::Now();
@@ -534,13 +594,16 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
         "deadline; version %s stays current",
         uri.Display(), m.version, library_bytes + staging_bytes, CurrentText()));
   }
-  Verifier verifier(m, targets, *hashers);
+  Verifier verifier(m, targets, needed, *hashers);
   absl::Status fetch = failpoints.Hit("core.before_fetch");
   if (fetch.ok()) fetch = incoming->Fetch(targets, verifier, deadline);
   const absl::Time fetched = absl::Now();
   verifier.Drain();
   const absl::Time verified = absl::Now();
-  const bool any_direct = std::find(place.begin(), place.end(), Place::kDirect) != place.end();
+  bool any_direct = false;  // into a bound destination
+  for (size_t i = 0; i < n; ++i) {
+    any_direct |= place[i] == Place::kDirect && bound[whole_of[i]] != nullptr;
+  }
   const std::string direct_note =
       any_direct ? " (bind_mode=direct: bound destinations may hold partial data of this version)"
                  : "";
@@ -568,34 +631,43 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
   const std::optional<internal::CodecStats> codec = incoming->FetchCodecStats();
   incoming.reset();  // releases the transport's pin on the version
 
-  // Everything verified: only now touch staged destinations.
+  // Everything verified: only now touch staged destinations, and place staged parts.
   for (size_t i = 0; i < n; ++i) {
-    if (place[i] != Place::kStaging) continue;
-    const Destination& d = bound[i]->dest;
-    if (m.tensors[i].nbytes == 0) continue;
-    if (IsContiguous(d.shape, d.strides)) {
-      std::memcpy(d.data, targets[i], m.tensors[i].nbytes);
-    } else {
-      internal::UnpackStrided(targets[i], DTypeSize(d.dtype), d.shape, d.strides, d.data);
+    if (place[i] != Place::kStaging || m.tensors[i].nbytes == 0) continue;
+    const size_t w = whole_of[i];
+    const TensorInfo& part = m.tensors[i];
+    const std::vector<int64_t>& strides = bound[w] != nullptr && !bound[w]->dest.strides.empty()
+                                              ? bound[w]->dest.strides
+                                              : internal::RowMajorStrides(wholes[w].shape);
+    if (part_offset[i] && IsContiguous(wholes[w].shape, strides)) {
+      std::memcpy(home(w) + *part_offset[i], targets[i], part.nbytes);
+      continue;
     }
+    // A slice scattered into its tensor (element strides of the home), from its first element.
+    const std::vector<int64_t> offsets =
+        m.group ? internal::Offsets(part) : std::vector<int64_t>(part.shape.size(), 0);
+    int64_t first = 0;
+    for (size_t d = 0; d < offsets.size(); ++d) first += offsets[d] * strides[d];
+    const size_t elem = DTypeSize(part.dtype);
+    internal::UnpackStrided(targets[i], elem, part.shape, strides,
+                            home(w) + first * static_cast<int64_t>(elem));
   }
   staging.reset();
   const absl::Time end = absl::Now();
 
-  impl->views.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    const TensorInfo& t = m.tensors[i];
-    TensorView v{t.name, t.dtype, t.shape, {}, targets[i], Device{}, t.shard};
-    if (bound[i] != nullptr) {
-      v.data = bound[i]->dest.data;
-      v.strides = bound[i]->dest.strides;
-    }
-    impl->index.emplace(t.name, i);
+  impl->views.reserve(nw);
+  for (size_t w = 0; w < nw; ++w) {
+    const internal::AssembledTensor& t = wholes[w];
+    // A group version's tensors are handed over whole; a single publisher's keep their shard.
+    std::optional<Shard> shard = m.group ? std::nullopt : m.tensors[t.parts.front()].shard;
+    TensorView v{t.name, t.dtype, t.shape, {}, home(w), Device{}, std::move(shard)};
+    if (bound[w] != nullptr) v.strides = bound[w]->dest.strides;
+    impl->index.emplace(t.name, w);
     impl->views.push_back(std::move(v));
   }
   impl->buffer = std::move(library);
   impl->stats = UpdateStats{};
-  impl->stats.bytes = m.total_bytes();
+  impl->stats.bytes = fetched_bytes;
   impl->stats.wait = found - start;
   impl->stats.allocate = allocated - found;
   impl->stats.fetch = fetched - allocated;
@@ -607,7 +679,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
     impl->stats.decode = codec->time;
     impl->stats.wire_bytes = codec->wire_bytes;
   } else if (stack.size() == 1) {
-    impl->stats.wire_bytes = m.total_bytes();
+    impl->stats.wire_bytes = fetched_bytes;
   }
   current = m.version;
   held_session = m.publisher.session;

@@ -60,6 +60,13 @@ struct TransportCapabilities {
   // them, and a subscriber that stops asking stalls the publisher. False: subscribers come, go
   // and skip versions freely.
   bool all_subscribers_take_part = false;
+  // A publisher may be one rank of a group (settings `rank`, `world_size` > 1): Publish stores
+  // only this rank's parts (manifest tensors with owner = rank) and commits the version once
+  // every rank's part is there, all or nothing across ranks, returning DeadlineExceeded naming
+  // the missing ranks when they are not there by the deadline (and InvalidArgument when the
+  // ranks' parts do not fit together, internal::AssembleParts). Without it the core refuses
+  // world_size > 1 at Publisher::Open (Unimplemented).
+  bool publisher_groups = false;
 
   // -- Subscriber side --
   // TransportSubscriber::OpenVersion opens an exact version the channel still holds.
@@ -217,6 +224,8 @@ class IncomingVersion {
   virtual const Manifest& manifest() const = 0;
   // Writes tensor i's manifest().tensors[i].nbytes bytes to targets[i] (contiguous, caller
   // owned), calling sink.Landed(i) when each is complete. Errors name the tensor and source.
+  // A null targets[i] for a tensor with bytes means the core does not need it (a replica of a
+  // group version's part that it reads from another rank): skip it, and do not call Landed.
   virtual absl::Status Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
                              absl::Time deadline) = 0;
   // Where tensor i's bytes come from, for messages, e.g. "/ch/v1/model.safetensors bytes [8, 24)".

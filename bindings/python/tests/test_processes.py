@@ -101,3 +101,40 @@ assert "torch" not in sys.modules
         update = sub.wait(3, timeout=60)
         assert np.array_equal(update.numpy("a"), np.arange(10.0).reshape(2, 5)[:, ::2])
         assert update["bits"].tolist() == [1.0, 3.0]
+
+
+# One rank of a publisher group: rows of "w" on dimension 0 (an FSDP2 shard, contiguous),
+# columns of "v" on dimension 1 (a Megatron column slice: a strided torch view), "b" replicated.
+GROUP_RANK = TENSORS + r'''
+import sys, torch, weightbus
+uri, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+g = torch.Generator().manual_seed(7)
+w, v, b = torch.randn(8, 6, generator=g), torch.randn(4, 8, generator=g), torch.rand(5, generator=g)
+rows, cols = 8 // world, 8 // world
+with weightbus.Publisher(uri, rank=rank, world_size=world, poll_interval="5ms") as pub:
+    pub.publish(1, {"w": w[rank * rows:(rank + 1) * rows], "v": v[:, rank * cols:(rank + 1) * cols],
+                    "b": b},
+                shards={"w": ((8, 6), (rank * rows, 0)), "v": ((4, 8), (0, rank * cols))},
+                timeout=60)
+print("published 1")
+'''
+
+
+def test_publisher_group_processes_and_a_whole_model_subscriber(channel):
+    world = 2
+    children = [subprocess.Popen([sys.executable, "-c", GROUP_RANK, channel, str(r), str(world)],
+                                 env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for r in range(world)]
+    for child in children:
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+    g = torch.Generator().manual_seed(7)
+    want = {"w": torch.randn(8, 6, generator=g), "v": torch.randn(4, 8, generator=g),
+            "b": torch.rand(5, generator=g)}
+    update = weightbus.Subscriber(channel).receive(1, timeout=60)
+    assert sorted(name for name, _ in update) == ["b", "v", "w"]
+    for name, tensor in update:
+        assert torch.equal(tensor, want[name]), name
+        assert update.tensor_info(name).shard is None  # handed over whole
+    owners = sorted({t["owner"] for t in update.manifest["tensors"]})
+    assert update.manifest["format"] == "weightbus.manifest/2" and owners == [0, 1]

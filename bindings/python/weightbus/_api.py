@@ -355,7 +355,12 @@ class Publisher(_Handle):
 
     Options are settings by name (`weightbus settings` lists them); values may be str, int,
     float or bool (metadata, unlike options, is str only). Only one live publisher may hold a
-    channel.
+    channel, or one per rank of a publisher group: with rank=R, world_size=N (N > 1, disk://)
+    every rank publishes the slices it owns (`shards` of publish: an FSDP2 DTensor's local
+    shard is its `to_local()` with global_shape = the DTensor's shape and offsets from its
+    placement; a Megatron TP slice likewise) and the version commits once every rank's part is
+    there, all or nothing; subscribers receive every tensor whole (docs/TRANSPORTS.md,
+    "Publisher groups").
     """
 
     _destroy = staticmethod(lambda h: lib.wb_publisher_destroy(h))

@@ -30,6 +30,12 @@ std::optional<uint64_t> ParseVersionDirName(std::string_view name) {
   return v;
 }
 
+std::string GroupDirName(uint64_t version) {
+  return absl::StrFormat("%s%s", kGroupPrefix, VersionDirName(version));
+}
+std::string RankDirName(int rank) { return absl::StrFormat("rank-%05d", rank); }
+std::string RankLockName(int rank) { return absl::StrFormat("publisher-r%05d.lock", rank); }
+
 std::string ShardFileName(size_t k, size_t n) {
   if (n == 1) return kSingleFile;
   return absl::StrFormat("model-%05d-of-%05d.safetensors", k, n);
@@ -206,8 +212,8 @@ absl::StatusOr<std::optional<uint64_t>> Channel::ReadLatest() const {
   return std::optional<uint64_t>(v);
 }
 
-absl::Status Channel::WriteLatest(uint64_t version, bool sync) const {
-  const std::string tmp = absl::StrFormat("%s%d", kLatestTmpPrefix, getpid());
+absl::Status Channel::WriteLatest(uint64_t version, bool sync, std::string_view tag) const {
+  const std::string tmp = absl::StrFormat("%s%s%d", kLatestTmpPrefix, tag, getpid());
   const std::string tmp_path = Path(tmp);
   // The name is this process's: whatever is there (a stale file, or a planted link) goes first,
   // and the new file is created exclusively.

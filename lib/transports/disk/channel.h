@@ -12,6 +12,19 @@
 //       .readers.lock                  flock(LOCK_SH) by readers; retention needs LOCK_EX
 //   <root>/versions/.tmp-*/            a version being written (never read)
 //   <root>/versions/.trash-*/          a version being deleted (never read)
+// A publisher group (world_size > 1; docs/FORMAT.md, "Publisher groups"):
+//   <root>/publisher.lock              flock(LOCK_SH) by every rank (keeps a single publisher out)
+//   <root>/publisher-r<5 digits>.lock  flock(LOCK_EX) by the one live process of that rank
+//   <root>/group.lock                  flock(LOCK_EX) while a rank adds, withdraws or commits
+//   <root>/versions/.group-v<20 digits>/  a group version being assembled (never read):
+//       rank-<5 digits>/               one rank's part, renamed in once durable (the marker): its
+//                                      safetensors files, index and part manifest
+//       .tmp-rank-<5 digits>-<pid>/    a rank's part being written
+//       rank-<5 digits>.failed         the set was refused ({"code", "message"}); the part no
+//                                      longer counts
+//       rank-<5 digits>.withdrawn      the rank gave up waiting and took its part back
+//   <root>/versions/v<20 digits>/      a committed group version: the rank-*/ parts, the group's
+//                                      weightbus.manifest.json and .readers.lock
 #pragma once
 
 #include <sys/types.h>
@@ -39,12 +52,22 @@ inline constexpr char kSingleFile[] = "model.safetensors";
 inline constexpr char kTmpPrefix[] = ".tmp-";
 inline constexpr char kTrashPrefix[] = ".trash-";
 inline constexpr char kLatestTmpPrefix[] = ".LATEST.tmp-";
+inline constexpr char kGroupPrefix[] = ".group-";
+inline constexpr char kGroupLock[] = "group.lock";
+inline constexpr char kFailedSuffix[] = ".failed";
+inline constexpr char kWithdrawnSuffix[] = ".withdrawn";
 // Largest manifest or index file read (a million tensors fit comfortably).
 inline constexpr size_t kMaxMetadataFile = size_t{512} << 20;
 
 // "v00000000000000000042" for 42: fixed width, so names sort like numbers.
 std::string VersionDirName(uint64_t version);
 std::optional<uint64_t> ParseVersionDirName(std::string_view name);
+// ".group-v00000000000000000042": a group version being assembled.
+std::string GroupDirName(uint64_t version);
+// "rank-00003": a rank's part of a group version.
+std::string RankDirName(int rank);
+// "publisher-r00003.lock": the lock of one rank of a publisher group.
+std::string RankLockName(int rank);
 // "model.safetensors" when n == 1, else "model-0000K-of-0000N.safetensors" (k is 1-based).
 std::string ShardFileName(size_t k, size_t n);
 
@@ -101,7 +124,9 @@ class Channel {
   // Points LATEST at `version`: write a temporary file, fsync it (if `sync`) and rename it over
   // LATEST. Once this returns OK the version is committed (visible); the caller then fsyncs the
   // root directory to make the commit durable.
-  absl::Status WriteLatest(uint64_t version, bool sync) const;
+  // `tag` (non-empty for a rank of a group, which shares the channel with its other ranks)
+  // names the temporary file along with the pid.
+  absl::Status WriteLatest(uint64_t version, bool sync, std::string_view tag = "") const;
   // Numbers of the version directories present (committed or not), ascending.
   absl::StatusOr<std::vector<uint64_t>> ListVersionDirs() const;
   // OK while the path root() still names the directory this object holds and `name` in it is

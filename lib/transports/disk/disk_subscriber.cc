@@ -33,7 +33,8 @@ namespace {
 // A data file of a version; opened only while it is being read, so versions with thousands of
 // shards do not need thousands of descriptors.
 struct DataFile {
-  std::string name;  // in the version directory
+  size_t dir = 0;    // the directory holding it: the version's, or a group rank's part
+  std::string name;  // in that directory
   std::string path;  // for messages
   safetensors::Header header;
 };
@@ -46,10 +47,10 @@ struct Location {
 
 class DiskVersion final : public IncomingVersion {
  public:
-  DiskVersion(Manifest manifest, UniqueFd dir, std::vector<DataFile> files,
+  DiskVersion(Manifest manifest, std::vector<UniqueFd> dirs, std::vector<DataFile> files,
               std::vector<Location> locations, UniqueFd pin, FileIo* io, FailPoints* failpoints)
       : manifest_(std::move(manifest)),
-        dir_(std::move(dir)),
+        dirs_(std::move(dirs)),
         files_(std::move(files)),
         locations_(std::move(locations)),
         pin_(std::move(pin)),
@@ -68,8 +69,10 @@ class DiskVersion final : public IncomingVersion {
                      absl::Time deadline) override {
     WB_RETURN_IF_ERROR(failpoints_->Hit("disk.before_read"));
     // File by file, sequentially within each file.
-    std::vector<size_t> order(manifest_.tensors.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::vector<size_t> order;  // the tensors wanted (a group's replicas may be skipped)
+    for (size_t i = 0; i < manifest_.tensors.size(); ++i) {
+      if (targets[i] != nullptr || manifest_.tensors[i].nbytes == 0) order.push_back(i);
+    }
     std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
       const Location &la = locations_[a], &lb = locations_[b];
       return la.file != lb.file ? la.file < lb.file : la.offset < lb.offset;
@@ -78,8 +81,8 @@ class DiskVersion final : public IncomingVersion {
       const size_t file = locations_[order[begin]].file;
       size_t end = begin;
       while (end < order.size() && locations_[order[end]].file == file) ++end;
-      WB_ASSIGN_OR_RETURN(UniqueFd fd,
-                          OpenAt(dir_.get(), files_[file].name, O_RDONLY, files_[file].path));
+      WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenAt(dirs_[files_[file].dir].get(), files_[file].name,
+                                              O_RDONLY, files_[file].path));
       // Whole-file sequential reads: let the kernel read ahead further on a cold cache.
       (void)::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
       std::vector<IoRequest> requests;
@@ -102,7 +105,9 @@ class DiskVersion final : public IncomingVersion {
 
  private:
   Manifest manifest_;
-  UniqueFd dir_;  // the version directory, held open: files are opened relative to it
+  // The version directory (and a group version's rank directories), held open: files are
+  // opened relative to them.
+  std::vector<UniqueFd> dirs_;
   std::vector<DataFile> files_;
   std::vector<Location> locations_;
   UniqueFd pin_;  // shared flock on .readers.lock: retention leaves this version alone
@@ -177,6 +182,12 @@ class DiskSubscriber final : public TransportSubscriber {
   // OpenCommitted's work, before missing files are turned into DataLoss.
   absl::StatusOr<std::unique_ptr<IncomingVersion>> PinAndOpen(const Channel& channel, uint64_t v,
                                                               absl::Time deadline);
+  // Where each tensor of one checkpoint directory is: its file (index into `files`) and entry.
+  using Where = absl::flat_hash_map<std::string, std::pair<size_t, const safetensors::Entry*>>;
+  // Reads the safetensors headers of the checkpoint in directory `dfd` (path `dir`, index
+  // `dir_index` among the version's directories), appending its files to `files`.
+  absl::Status ReadCheckpoint(int dfd, const std::string& dir, uint64_t v, size_t dir_index,
+                              std::vector<DataFile>& files, Where& where);
   void WatchIfPossible();
   void Sleep(absl::Time deadline);
   absl::Status CheckCancelled() const {
@@ -330,6 +341,73 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(cons
                         manifest_path, manifest.version, v));
   }
 
+  // Which files hold which tensors: the version directory's checkpoint, or, for a group
+  // version, each rank's (rank-<r>/), where its parts are found by their owner.
+  std::vector<UniqueFd> dirs;
+  std::vector<DataFile> files;
+  std::vector<Where> where;  // per directory
+  if (!manifest.group) {
+    dirs.push_back(*std::move(dir_fd));
+    where.emplace_back();
+    WB_RETURN_IF_ERROR(ReadCheckpoint(dirs[0].get(), dir, v, 0, files, where[0]));
+  } else {
+    for (int r = 0; r < manifest.publisher.world_size; ++r) {
+      const std::string rank_dir = absl::StrFormat("%s/%s", dir, RankDirName(r));
+      WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenDirAt(dfd, RankDirName(r), rank_dir));
+      dirs.push_back(std::move(fd));
+      where.emplace_back();
+      WB_RETURN_IF_ERROR(
+          ReadCheckpoint(dirs.back().get(), rank_dir, v, dirs.size() - 1, files, where.back()));
+    }
+    dirs.insert(dirs.begin(), *std::move(dir_fd));  // kept open with the version's pin
+    for (DataFile& f : files) ++f.dir;
+    where.insert(where.begin(), Where());
+  }
+  // Every tensor a file holds is in the manifest, and every manifest tensor in its files.
+  std::vector<size_t> listed(where.size(), 0);
+  for (const TensorInfo& t : manifest.tensors) ++listed[manifest.group ? t.owner + 1 : 0];
+  for (size_t d = 0; d < where.size(); ++d) {
+    if (where[d].size() == listed[d]) continue;
+    for (const auto& [name, loc] : where[d]) {
+      bool found = false;
+      for (const TensorInfo& t : manifest.tensors) {
+        found |= t.name == name && (!manifest.group || static_cast<size_t>(t.owner) + 1 == d);
+      }
+      if (!found) {
+        return absl::DataLossError(absl::StrFormat(
+            "version %d: %s holds tensor \"%s\", which the manifest %s does not list", v,
+            files[loc.first].path, name, manifest_path));
+      }
+    }
+  }
+  std::vector<Location> locations;
+  locations.reserve(manifest.tensors.size());
+  for (const TensorInfo& t : manifest.tensors) {
+    const Where& w = where[manifest.group ? t.owner + 1 : 0];
+    auto it = w.find(t.name);
+    if (it == w.end()) {
+      return absl::DataLossError(absl::StrFormat(
+          "version %d: manifest tensor \"%s\"%s is in none of the files (%d files)", v, t.name,
+          manifest.group ? absl::StrFormat(" of rank %d", t.owner) : "", files.size()));
+    }
+    const auto& [k, e] = it->second;
+    if (e->dtype != t.dtype || e->shape != t.shape || e->nbytes() != t.nbytes) {
+      return absl::DataLossError(absl::StrFormat(
+          "version %d: tensor \"%s\" is %s %s (%d bytes) in %s but %s %s (%d bytes) in the "
+          "manifest",
+          v, t.name, DTypeName(e->dtype), ShapeString(e->shape), e->nbytes(), files[k].path,
+          DTypeName(t.dtype), ShapeString(t.shape), t.nbytes));
+    }
+    locations.push_back(Location{k, files[k].header.data_start + e->begin});
+  }
+  return std::unique_ptr<IncomingVersion>(
+      new DiskVersion(std::move(manifest), std::move(dirs), std::move(files), std::move(locations),
+                      *std::move(pin), io_.get(), &failpoints_));
+}
+
+absl::Status DiskSubscriber::ReadCheckpoint(int dfd, const std::string& dir, uint64_t v,
+                                            size_t dir_index, std::vector<DataFile>& files,
+                                            Where& where) {
   // Which files: the index's weight_map when sharded, else the single file.
   std::vector<std::string> names;
   const std::string index_path = absl::StrFormat("%s/%s", dir, kIndexFile);
@@ -360,11 +438,10 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(cons
     names.push_back(kSingleFile);
   }
 
-  std::vector<DataFile> files;
-  absl::flat_hash_map<std::string, std::pair<size_t, const safetensors::Entry*>> where;
-  files.reserve(names.size());
+  const size_t first = files.size();
   for (const std::string& name : names) {
     DataFile f;
+    f.dir = dir_index;
     f.name = name;
     f.path = absl::StrFormat("%s/%s", dir, name);
     WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenAt(dfd, name, O_RDONLY, f.path));
@@ -383,7 +460,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(cons
     f.header = *std::move(header);
     files.push_back(std::move(f));
   }
-  for (size_t k = 0; k < files.size(); ++k) {
+  for (size_t k = first; k < files.size(); ++k) {
     for (const safetensors::Entry& e : files[k].header.tensors) {
       if (!where.emplace(e.name, std::make_pair(k, &e)).second) {
         return absl::DataLossError(absl::StrFormat("version %d: tensor \"%s\" is in both %s and %s",
@@ -392,37 +469,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DiskSubscriber::PinAndOpen(cons
       }
     }
   }
-  if (where.size() != manifest.tensors.size()) {
-    for (const auto& [name, loc] : where) {
-      if (manifest.Find(name) == nullptr) {
-        return absl::DataLossError(absl::StrFormat(
-            "version %d: %s holds tensor \"%s\", which the manifest %s does not list", v,
-            files[loc.first].path, name, manifest_path));
-      }
-    }
-  }
-  std::vector<Location> locations;
-  locations.reserve(manifest.tensors.size());
-  for (const TensorInfo& t : manifest.tensors) {
-    auto it = where.find(t.name);
-    if (it == where.end()) {
-      return absl::DataLossError(
-          absl::StrFormat("version %d: manifest tensor \"%s\" is in none of the files (%d files)",
-                          v, t.name, files.size()));
-    }
-    const auto& [k, e] = it->second;
-    if (e->dtype != t.dtype || e->shape != t.shape || e->nbytes() != t.nbytes) {
-      return absl::DataLossError(absl::StrFormat(
-          "version %d: tensor \"%s\" is %s %s (%d bytes) in %s but %s %s (%d bytes) in the "
-          "manifest",
-          v, t.name, DTypeName(e->dtype), ShapeString(e->shape), e->nbytes(), files[k].path,
-          DTypeName(t.dtype), ShapeString(t.shape), t.nbytes));
-    }
-    locations.push_back(Location{k, files[k].header.data_start + e->begin});
-  }
-  return std::unique_ptr<IncomingVersion>(
-      new DiskVersion(std::move(manifest), *std::move(dir_fd), std::move(files),
-                      std::move(locations), *std::move(pin), io_.get(), &failpoints_));
+  return absl::OkStatus();
 }
 
 }  // namespace

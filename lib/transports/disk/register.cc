@@ -88,6 +88,7 @@ TransportCapabilities DiskCapabilities(const Config&, const TransportCapabilitie
   c.cross_process = true;
   c.durable = true;
   c.late_joiners = true;
+  c.publisher_groups = true;  // versions/.group-vN/rank-R parts, committed by the last rank
   return c;
 }
 

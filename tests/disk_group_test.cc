@@ -1,0 +1,591 @@
+// SPDX-License-Identifier: Apache-2.0
+// Publisher groups on disk:// (docs/FORMAT.md, "Publisher groups"): world_size 2 and 4 ranks as
+// separate processes publishing FSDP2-style row shards and Megatron-style column slices of the
+// stories260K fixture plus replicated norms, the subscriber's assembled tensors bit-exact
+// against the checkpoint; a rank SIGKILLed mid-publish (the version never visible, the
+// survivors' DeadlineExceeded naming it, the restarted rank and the survivors publishing the
+// next one); and, in one process with a thread per rank, the cross-rank checks with their codes.
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_format.h"
+#include "test_support.h"
+#include "weightbus/llama2c.h"
+#include "weightbus/weightbus.hpp"
+
+namespace weightbus {
+namespace {
+
+using ::testing::HasSubstr;
+using ::weightbus::testing::Child;
+using ::weightbus::testing::ExitCode;
+using ::weightbus::testing::ScratchDir;
+
+constexpr absl::Duration kTimeout = absl::Seconds(60);
+
+std::string Peer() { return testing::BinaryPath("tests/wb_test_peer"); }
+std::string ChannelUri(const ScratchDir& dir) { return "disk://" + dir.path() + "/channel"; }
+bool Exists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+// The fixture as the peer converts it: what every assembled version must equal.
+const std::vector<tools::OwnedTensor>& Model() {
+  static const auto* model = [] {
+    auto ckpt = tools::ReadLlama2c(testing::FixturePath("stories260K.bin"));
+    EXPECT_TRUE(ckpt.ok()) << ckpt.status();
+    auto m = tools::ConvertToHf(*ckpt, DType::kF32);
+    EXPECT_TRUE(m.ok()) << m.status();
+    return new std::vector<tools::OwnedTensor>(*std::move(m));
+  }();
+  return *model;
+}
+
+// Starts the ranks of a group publishing the fixture with `layout` (peer_main.cc); with `only`
+// >= 0, that rank alone.
+std::vector<Child> StartRanks(const ScratchDir& dir, const std::string& uri, int world,
+                              const std::string& layout, uint64_t start, uint64_t versions,
+                              const std::string& log_tag,
+                              const std::map<int, std::string>& failpoints = {},
+                              double timeout_s = 60, int only = -1) {
+  std::vector<Child> ranks;
+  for (int r = 0; r < world; ++r) {
+    if (only >= 0 && r != only) continue;
+    std::map<std::string, std::string> env;
+    if (auto it = failpoints.find(r); it != failpoints.end()) {
+      env["WEIGHTBUS_FAILPOINTS"] = it->second;
+    }
+    auto c = Child::Start(
+        {Peer(), "publish-llama", uri, "--layout", layout, "--start", std::to_string(start),
+         "--versions", std::to_string(versions), "--timeout-s", absl::StrFormat("%g", timeout_s),
+         "--set", absl::StrFormat("rank=%d", r), "--set", absl::StrFormat("world_size=%d", world),
+         "--set", "poll_interval=5ms", "--set", "shard_size=100KiB"},  // several files a rank
+        env, dir / absl::StrFormat("%s%d.log", log_tag, r));
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (c.ok()) ranks.push_back(*std::move(c));
+  }
+  return ranks;
+}
+
+// Starts the ranks publishing version 1 with rank `victim` held at pause point `point`, then
+// SIGKILLs the victim there (its Child is reaped); the others go on.
+std::vector<Child> StartAndKillAt(const ScratchDir& dir, const std::string& uri, int world,
+                                  const std::string& layout, int victim, const std::string& point,
+                                  double timeout_s = 60) {
+  testing::PausePoint paused(point);
+  std::vector<Child> ranks =
+      StartRanks(dir, uri, world, layout, 1, 1, "first", {{victim, paused.Spec()}}, timeout_s);
+  EXPECT_EQ(ranks.size(), static_cast<size_t>(world));
+  EXPECT_TRUE(paused.WaitReached(kTimeout))
+      << testing::ReadFileOrDie(dir / absl::StrFormat("first%d.log", victim));
+  EXPECT_EQ(paused.ReachedBy(), ranks[victim].pid());
+  ranks[victim].Kill(SIGKILL);
+  EXPECT_TRUE(ranks[victim].Wait(kTimeout).ok());
+  return ranks;
+}
+
+// Waits for every rank and returns their exit codes.
+std::vector<int> WaitAll(std::vector<Child>& ranks) {
+  std::vector<int> codes;
+  for (Child& c : ranks) {
+    absl::StatusOr<int> s = c.Wait(kTimeout);
+    codes.push_back(s.ok() ? ExitCode(*s) : -1);
+  }
+  return codes;
+}
+
+// Receives exactly `version` and checks every assembled tensor against the fixture, byte for
+// byte; `bind` receives them into caller buffers instead (bind_mode direct or staged).
+void ExpectWholeModel(const std::string& uri, uint64_t version, int world,
+                      const std::string& bind_mode = "") {
+  Options options;
+  if (!bind_mode.empty()) options["bind_mode"] = bind_mode;
+  auto sub = Subscriber::Open(uri, options);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  std::vector<std::vector<std::byte>> buffers;
+  if (!bind_mode.empty()) {
+    buffers.reserve(Model().size());
+    for (const tools::OwnedTensor& t : Model()) {
+      buffers.emplace_back(t.bytes.size(), std::byte{0xee});
+      ASSERT_TRUE((*sub)->Bind(t.name, {t.dtype, t.shape, {}, buffers.back().data()}).ok());
+    }
+  }
+  auto u = (*sub)->ReceiveVersion(version, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_TRUE((*u)->manifest().group);
+  EXPECT_EQ((*u)->manifest().publisher.world_size, world);
+  ASSERT_EQ((*u)->tensors().size(), Model().size());
+  for (size_t i = 0; i < Model().size(); ++i) {
+    const tools::OwnedTensor& t = Model()[i];
+    const TensorView* found = (*u)->Find(t.name);
+    ASSERT_NE(found, nullptr) << t.name;
+    const TensorView& v = *found;
+    EXPECT_EQ(v.shape, t.shape) << t.name;
+    EXPECT_FALSE(v.shard.has_value()) << t.name;
+    EXPECT_EQ(std::memcmp(v.data, t.bytes.data(), t.bytes.size()), 0) << t.name;
+    if (!bind_mode.empty()) EXPECT_EQ(v.data, buffers[i].data()) << t.name;
+  }
+  // Replicated norms were read once; every byte of the model once.
+  uint64_t model_bytes = 0;
+  for (const tools::OwnedTensor& t : Model()) model_bytes += t.bytes.size();
+  EXPECT_EQ((*u)->stats().bytes, model_bytes);
+}
+
+struct GroupCase {
+  int world;
+  std::string layout;
+  friend void PrintTo(const GroupCase& c, std::ostream* os) {
+    *os << c.layout << " world_size " << c.world;
+  }
+};
+
+class GroupProcessTest : public ::testing::TestWithParam<GroupCase> {};
+
+TEST_P(GroupProcessTest, RanksPublishTheirSlicesAndSubscribersReceiveTheWholeModel) {
+  const auto [world, layout] = GetParam();
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  std::vector<Child> ranks = StartRanks(dir, uri, world, layout, 1, 2, "rank");
+  const std::vector<int> codes = WaitAll(ranks);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(codes[r], 0) << testing::ReadFileOrDie(dir / absl::StrFormat("rank%d.log", r));
+  }
+  ExpectWholeModel(uri, 2, world);
+  ExpectWholeModel(uri, 2, world, "direct");
+  ExpectWholeModel(uri, 2, world, "staged");
+
+  // The committed version: one directory per rank, each holding only its own parts, and a
+  // manifest naming the owner of every part.
+  const std::string v2 = testing::DiskVersionDir(dir, 2);  // dir/channel/versions/v...2
+  auto manifest = Manifest::FromJson(testing::ReadFileOrDie(v2 + "/weightbus.manifest.json"), v2);
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+  EXPECT_TRUE(manifest->group);
+  std::vector<int> parts_of(world, 0);
+  for (const TensorInfo& t : manifest->tensors) {
+    ASSERT_GE(t.owner, 0);
+    ASSERT_LT(t.owner, world);
+    ++parts_of[t.owner];
+    const Manifest part =
+        *Manifest::FromJson(testing::ReadFileOrDie(absl::StrFormat(
+                                "%s/rank-%05d/weightbus.manifest.json", v2, t.owner)),
+                            "part");
+    EXPECT_NE(part.Find(t.name), nullptr) << t.name << " of rank " << t.owner;
+  }
+  for (int r = 0; r < world; ++r) {
+    EXPECT_GT(parts_of[r], 0) << "rank " << r;
+    // shard_size=100KiB: each rank's part spans several files with an index.
+    EXPECT_TRUE(Exists(absl::StrFormat("%s/rank-%05d/model.safetensors.index.json", v2, r)));
+  }
+  EXPECT_THAT(testing::ReadFileOrDie(v2 + "/weightbus.manifest.json"),
+              HasSubstr("\"weightbus.manifest/2\""));
+  // Nothing left of the group's staging (version 1 was retired into its own directory).
+  for (const auto& e : std::filesystem::directory_iterator(dir / "channel/versions")) {
+    EXPECT_FALSE(e.path().filename().string().starts_with(".")) << e.path();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, GroupProcessTest,
+                         ::testing::Values(GroupCase{2, "rows"}, GroupCase{4, "rows"},
+                                           GroupCase{2, "cols"}, GroupCase{4, "cols"}),
+                         [](const auto& info) {
+                           return absl::StrFormat("%s_world%d", info.param.layout,
+                                                  info.param.world);
+                         });
+
+TEST(GroupProcessTest, RankKilledMidPublishLeavesNothingAndTheNextVersionCommits) {
+  constexpr int kWorld = 4, kVictim = 2;
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  // The victim stops after its first data file is durable, before its part is placed.
+  std::vector<Child> ranks =
+      StartAndKillAt(dir, uri, kWorld, "rows", kVictim, "disk.after_file", /*timeout_s=*/8);
+  const std::vector<int> codes = WaitAll(ranks);
+  for (int r = 0; r < kWorld; ++r) {
+    const std::string log = testing::ReadFileOrDie(dir / absl::StrFormat("first%d.log", r));
+    if (r == kVictim) continue;
+    EXPECT_EQ(codes[r], 1) << log;
+    EXPECT_THAT(log, HasSubstr("DEADLINE_EXCEEDED")) << log;
+    EXPECT_THAT(log, HasSubstr("version 1 was not committed: rank 2 of the group of 4 did not "
+                               "publish its part by the deadline"))
+        << log;
+  }
+  // Never visible: no LATEST, nothing to receive.
+  EXPECT_FALSE(Exists(dir / "channel/LATEST"));
+  {
+    auto sub = Subscriber::Open(uri);
+    ASSERT_TRUE(sub.ok());
+    auto none = (*sub)->Poll(1, kTimeout);
+    ASSERT_TRUE(none.ok()) << none.status();
+    EXPECT_EQ(*none, nullptr);
+  }
+  // The restarted rank and the survivors publish the next version, which subscribers receive;
+  // version 1's partial parts are gone once version 2 is committed.
+  std::vector<Child> again = StartRanks(dir, uri, kWorld, "rows", 2, 1, "second");
+  const std::vector<int> again_codes = WaitAll(again);
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(again_codes[r], 0) << testing::ReadFileOrDie(dir /
+                                                           absl::StrFormat("second%d.log", r));
+  }
+  ExpectWholeModel(uri, 2, kWorld);
+  EXPECT_FALSE(Exists(dir / "channel/versions/.group-v00000000000000000001"));
+  EXPECT_FALSE(Exists(testing::DiskVersionDir(dir, 1)));
+}
+
+TEST(GroupProcessTest, RestartedRankRepublishesTheSameVersionWhileTheOthersWait) {
+  constexpr int kWorld = 2, kVictim = 1;
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  std::vector<Child> ranks = StartAndKillAt(dir, uri, kWorld, "cols", kVictim, "disk.after_file");
+  // The survivor is still waiting; the restarted rank removes what its predecessor left and
+  // publishes the same version, which completes the set.
+  std::vector<Child> restarted =
+      StartRanks(dir, uri, kWorld, "cols", 1, 1, "restarted", {}, 60, /*only=*/kVictim);
+  ASSERT_EQ(WaitAll(restarted), std::vector<int>{0})
+      << testing::ReadFileOrDie(dir / absl::StrFormat("restarted%d.log", kVictim));
+  absl::StatusOr<int> survivor = ranks[0].Wait(kTimeout);
+  ASSERT_TRUE(survivor.ok());
+  EXPECT_EQ(ExitCode(*survivor), 0) << testing::ReadFileOrDie(dir / "first0.log");
+  ExpectWholeModel(uri, 1, kWorld);
+  for (const auto& e : std::filesystem::directory_iterator(testing::DiskVersionDir(dir, 1))) {
+    EXPECT_FALSE(e.path().filename().string().starts_with(".tmp-")) << e.path();
+  }
+}
+
+TEST(GroupProcessTest, ARankKilledAfterItsPartIsPlacedStillCountsAndMayRetry) {
+  constexpr int kWorld = 2, kVictim = 0;
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  // The victim's part is durable and placed: the other rank completes the set and commits.
+  std::vector<Child> ranks = StartAndKillAt(dir, uri, kWorld, "rows", kVictim, "disk.after_part");
+  absl::StatusOr<int> other = ranks[1].Wait(kTimeout);
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ(ExitCode(*other), 0) << testing::ReadFileOrDie(dir / "first1.log");
+  ExpectWholeModel(uri, 1, kWorld);
+  // The restarted rank retries the version it was publishing: the same bytes, so a success
+  // that writes nothing.
+  std::vector<Child> retry =
+      StartRanks(dir, uri, kWorld, "rows", 1, 1, "retry", {}, 60, /*only=*/kVictim);
+  EXPECT_EQ(WaitAll(retry), std::vector<int>{0}) << testing::ReadFileOrDie(dir / "retry0.log");
+}
+
+// ---- cross-rank checks, one thread per rank ----------------------------------------------
+
+struct Rank {
+  std::unique_ptr<Publisher> publisher;
+  std::vector<std::vector<float>> storage;
+  std::vector<TensorView> views;
+  absl::Status status;
+};
+
+std::unique_ptr<Publisher> OpenRank(const std::string& uri, int rank, int world) {
+  auto p = Publisher::Open(uri, {{"rank", std::to_string(rank)},
+                                 {"world_size", std::to_string(world)},
+                                 {"poll_interval", "2ms"}});
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? *std::move(p) : nullptr;
+}
+
+// A row slice [begin, begin + rows) of a [8, 4] F32 tensor "w" whose element k is k (+ `bias`).
+TensorView RowSlice(Rank& rank, int64_t begin, int64_t rows, float bias = 0,
+                    DType dtype = DType::kF32, int64_t global_rows = 8) {
+  rank.storage.emplace_back(rows * 4);
+  for (int64_t k = 0; k < rows * 4; ++k) rank.storage.back()[k] = begin * 4 + k + bias;
+  return TensorView{"w",
+                    dtype,
+                    {rows, 4},
+                    {},
+                    rank.storage.back().data(),
+                    Device{},
+                    Shard{{global_rows, 4}, {begin, 0}}};
+}
+
+// Rank 0 publishes rows [0, 4) of "w", rank 1 rows [4, 8): a dim-0 split in two.
+void SplitInHalves(std::vector<Rank>& ranks) {
+  for (Rank& r : ranks) r.storage.clear();
+  ranks[0].views = {RowSlice(ranks[0], 0, 4)};
+  ranks[1].views = {RowSlice(ranks[1], 4, 4)};
+}
+
+// `u` holds "w" whole, element k equal to k.
+void ExpectWholeW(const Update& u) {
+  ASSERT_EQ(u.tensors().size(), 1u);
+  EXPECT_EQ(u.tensors()[0].shape, (std::vector<int64_t>{8, 4}));
+  const float* w = static_cast<const float*>(u.tensors()[0].data);
+  for (int k = 0; k < 32; ++k) ASSERT_EQ(w[k], static_cast<float>(k)) << k;
+}
+
+// Publishes `version` from every rank at once; fills each rank's status.
+void PublishAll(std::vector<Rank>& ranks, uint64_t version,
+                absl::Duration timeout = absl::Seconds(30)) {
+  std::vector<std::thread> threads;
+  for (Rank& r : ranks) {
+    threads.emplace_back(
+        [&r, version, timeout] { r.status = r.publisher->Publish(version, r.views, {}, timeout); });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+// Publishes `version` from every rank, expects every rank to succeed and returns the version as
+// a subscriber receives it (nullptr, with the failures reported, otherwise).
+std::unique_ptr<Update> PublishAllAndReceive(std::vector<Rank>& ranks, const std::string& uri,
+                                             uint64_t version) {
+  PublishAll(ranks, version);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    EXPECT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status;
+  }
+  auto sub = Subscriber::Open(uri);
+  EXPECT_TRUE(sub.ok()) << sub.status();
+  if (!sub.ok()) return nullptr;
+  auto u = (*sub)->ReceiveVersion(version, kTimeout);
+  EXPECT_TRUE(u.ok()) << u.status();
+  return u.ok() ? *std::move(u) : nullptr;
+}
+
+std::vector<Rank> Group(const std::string& uri, int world) {
+  std::vector<Rank> ranks(world);
+  for (int r = 0; r < world; ++r) ranks[r].publisher = OpenRank(uri, r, world);
+  return ranks;
+}
+
+// Every rank's status has `code` and names `what`; nothing was committed.
+void ExpectRefused(const std::vector<Rank>& ranks, const std::string& uri, absl::StatusCode code,
+                   const std::vector<std::string>& what) {
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    EXPECT_EQ(ranks[r].status.code(), code) << "rank " << r << ": " << ranks[r].status;
+    for (const std::string& w : what) {
+      EXPECT_THAT(std::string(ranks[r].status.message()), HasSubstr(w)) << "rank " << r;
+    }
+  }
+  auto sub = Subscriber::Open(uri);
+  ASSERT_TRUE(sub.ok());
+  auto none = (*sub)->Poll(0, kTimeout);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(*none, nullptr);
+}
+
+// Two ranks' row slices of "w" [8, 4] that do not fit together, and what the refusal names.
+struct Misfit {
+  friend void PrintTo(const Misfit& m, std::ostream* os) { *os << m.name; }
+  std::string name;
+  int64_t begin0, rows0, begin1, rows1;
+  DType dtype1 = DType::kF32;
+  int64_t global_rows1 = 8;
+  float bias1 = 0;
+  std::vector<std::string> named;
+};
+
+class MisfitTest : public ::testing::TestWithParam<Misfit> {};
+
+TEST_P(MisfitTest, IsRefusedForEveryRankAndACorrectedRetryCommits) {
+  const Misfit& c = GetParam();
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  std::vector<Rank> ranks = Group(uri, 2);
+  ranks[0].views = {RowSlice(ranks[0], c.begin0, c.rows0)};
+  ranks[1].views = {RowSlice(ranks[1], c.begin1, c.rows1, c.bias1, c.dtype1, c.global_rows1)};
+  PublishAll(ranks, 1);
+  ExpectRefused(ranks, uri, absl::StatusCode::kInvalidArgument, c.named);
+  // Both ranks publish the version again, fitting together this time.
+  SplitInHalves(ranks);
+  std::unique_ptr<Update> u = PublishAllAndReceive(ranks, uri, 1);
+  ASSERT_NE(u, nullptr);
+  ExpectWholeW(*u);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    GroupChecksTest, MisfitTest,
+    ::testing::Values(Misfit{"dtype",
+                             0,
+                             4,
+                             4,
+                             4,
+                             DType::kI32,
+                             8,
+                             0,
+                             {"version 1", "tensor \"w\"",
+                              "rank 0 publishes F32 of global shape [8, 4]",
+                              "rank 1 I32 of global shape [8, 4]"}},
+                      Misfit{"global_shape",
+                             0,
+                             4,
+                             4,
+                             4,
+                             DType::kF32,
+                             9,
+                             0,
+                             {"tensor \"w\"", "rank 0 publishes F32 of global shape [8, 4]",
+                              "rank 1 F32 of global shape [9, 4]"}},
+                      Misfit{"overlap",
+                             0,
+                             5,
+                             4,
+                             4,
+                             DType::kF32,
+                             8,
+                             0,
+                             {"tensor \"w\"", "rank 0 ([5, 4] at [0, 0])",
+                              "rank 1 ([4, 4] at [4, 0])", "overlap"}},
+                      Misfit{"replicas_differ",
+                             0,
+                             8,
+                             0,
+                             8,
+                             DType::kF32,
+                             8,
+                             1,
+                             {"tensor \"w\"", "rank 0 ([8, 4] at [0, 0])",
+                              "rank 1 ([8, 4] at [0, 0])", "different bytes"}},
+                      Misfit{"gap",
+                             0,
+                             3,
+                             4,
+                             4,
+                             DType::kF32,
+                             8,
+                             0,
+                             {"tensor \"w\" of global shape [8, 4]", "cover 28 of its 32 elements",
+                              "rank 0 ([3, 4] at [0, 0])", "rank 1 ([4, 4] at [4, 0])"}}),
+    [](const auto& info) { return info.param.name; });
+
+TEST(GroupChecksTest, ReplicasWithTheSameBytesAreReadOnce) {
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  std::vector<Rank> ranks = Group(uri, 2);
+  ranks[0].views = {RowSlice(ranks[0], 0, 8)};
+  ranks[1].views = {RowSlice(ranks[1], 0, 8)};
+  std::unique_ptr<Update> u = PublishAllAndReceive(ranks, uri, 1);
+  ASSERT_NE(u, nullptr);
+  EXPECT_EQ(u->manifest().tensors.size(), 2u);  // both replicas listed
+  EXPECT_EQ(u->manifest().tensors[1].owner, 1);
+  EXPECT_EQ(u->stats().bytes, 8u * 4 * 4);  // one read
+  ExpectWholeW(*u);
+}
+
+TEST(GroupChecksTest, ACorruptPartIsDataLossNamingTheTensorAndTheOwnersFile) {
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  std::vector<Rank> ranks = Group(uri, 2);
+  SplitInHalves(ranks);
+  ASSERT_NE(PublishAllAndReceive(ranks, uri, 1), nullptr);
+  // Flip a bit of the last byte of rank 1's file: the last element of its slice of "w".
+  const std::string file = testing::DiskVersionDir(dir, 1) + "/rank-00001/model.safetensors";
+  std::string bytes = testing::ReadFileOrDie(file);
+  bytes.back() ^= 1;
+  testing::WriteFileOrDie(file, bytes);
+  auto sub = Subscriber::Open(uri);
+  ASSERT_TRUE(sub.ok());
+  auto u = (*sub)->ReceiveVersion(1, kTimeout);
+  EXPECT_EQ(u.status().code(), absl::StatusCode::kDataLoss) << u.status();
+  EXPECT_THAT(std::string(u.status().message()),
+              HasSubstr("tensor \"w\" from file " + file + " bytes"));
+}
+
+TEST(GroupChecksTest, ARankTimingOutWithdrawsItsPartSoALateRankCannotCommit) {
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  std::vector<Rank> ranks = Group(uri, 2);
+  SplitInHalves(ranks);
+  absl::Status first = ranks[0].publisher->Publish(1, ranks[0].views, {}, absl::Milliseconds(50));
+  EXPECT_EQ(first.code(), absl::StatusCode::kDeadlineExceeded) << first;
+  EXPECT_THAT(std::string(first.message()),
+              HasSubstr("version 1 was not committed: rank 1 of the group of 2 did not publish "
+                        "its part by the deadline; this rank's (0) part was withdrawn"));
+  absl::Status late = ranks[1].publisher->Publish(1, ranks[1].views, {}, absl::Milliseconds(50));
+  EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
+  EXPECT_THAT(std::string(late.message()), HasSubstr("rank 0 of the group of 2"));
+  EXPECT_FALSE(Exists(dir / "channel/LATEST"));
+  PublishAll(ranks, 2);
+  EXPECT_TRUE(ranks[0].status.ok()) << ranks[0].status;
+  EXPECT_TRUE(ranks[1].status.ok()) << ranks[1].status;
+  EXPECT_EQ(testing::ReadFileOrDie(dir / "channel/LATEST"), "2\n");
+}
+
+TEST(GroupChecksTest, CancelEndsARankWaitingForItsGroupAndWithdrawsItsPart) {
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  testing::PausePoint placed("disk.after_part");
+  placed.Release();  // only announces that the part is placed
+  Rank rank;
+  {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", placed.Spec());
+    rank.publisher = OpenRank(uri, 0, 2);
+  }
+  ASSERT_NE(rank.publisher, nullptr);
+  rank.views = {RowSlice(rank, 0, 4)};
+  std::thread publishing(
+      [&] { rank.status = rank.publisher->Publish(1, rank.views, {}, kTimeout); });
+  ASSERT_TRUE(placed.WaitReached(kTimeout));
+  rank.publisher->Cancel();
+  publishing.join();
+  EXPECT_EQ(rank.status.code(), absl::StatusCode::kCancelled) << rank.status;
+  EXPECT_THAT(std::string(rank.status.message()), HasSubstr("rank 1 of the group of 2"));
+  const std::string group = dir / "channel/versions/.group-v00000000000000000001";
+  EXPECT_FALSE(Exists(group + "/rank-00000"));
+  EXPECT_TRUE(Exists(group + "/rank-00000.withdrawn"));
+}
+
+TEST(GroupChecksTest, RanksDisagreeingOnWorldSizeAreFailedPrecondition) {
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  std::vector<Rank> ranks(2);
+  ranks[0].publisher = OpenRank(uri, 0, 2);
+  ranks[1].publisher = OpenRank(uri, 3, 4);
+  SplitInHalves(ranks);
+  PublishAll(ranks, 1, absl::Seconds(2));
+  EXPECT_EQ(ranks[0].status.code(), absl::StatusCode::kFailedPrecondition) << ranks[0].status;
+  EXPECT_THAT(std::string(ranks[0].status.message()),
+              HasSubstr("a part of rank 3, but this group has world_size 2"));
+}
+
+TEST(GroupChecksTest, ASinglePublisherAndAGroupRankExcludeEachOther) {
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  {
+    auto rank = OpenRank(uri, 0, 2);
+    ASSERT_NE(rank, nullptr);
+    auto single = Publisher::Open(uri);
+    EXPECT_EQ(single.status().code(), absl::StatusCode::kFailedPrecondition) << single.status();
+    auto same_rank = Publisher::Open(uri, {{"rank", "0"}, {"world_size", "2"}});
+    EXPECT_EQ(same_rank.status().code(), absl::StatusCode::kFailedPrecondition)
+        << same_rank.status();
+    EXPECT_THAT(std::string(same_rank.status().message()), HasSubstr("rank 0 of its group"));
+    auto other_rank = Publisher::Open(uri, {{"rank", "1"}, {"world_size", "2"}});
+    EXPECT_TRUE(other_rank.ok()) << other_rank.status();
+  }
+  auto single = Publisher::Open(uri);
+  ASSERT_TRUE(single.ok()) << single.status();
+  auto rank = Publisher::Open(uri, {{"rank", "1"}, {"world_size", "2"}});
+  EXPECT_EQ(rank.status().code(), absl::StatusCode::kFailedPrecondition) << rank.status();
+}
+
+TEST(GroupChecksTest, ATransportWithoutGroupsRefusesWorldSizeAboveOne) {
+  if (const std::string why = testing::MissingTransports({"ucx"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
+  auto p = Publisher::Open("ucx://127.0.0.1:1/channel?rank=1&world_size=2");
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kUnimplemented) << p.status();
+  EXPECT_THAT(std::string(p.status().message()),
+              HasSubstr("world_size=2 asks for a publisher group (rank 1)"));
+}
+
+TEST(GroupChecksTest, ALayerRefusesWorldSizeAboveOne) {
+  if (const std::string why = testing::MissingTransports({"delta"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
+  ScratchDir dir;
+  auto p = Publisher::Open("delta+" + ChannelUri(dir) + "?rank=0&world_size=2");
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kUnimplemented) << p.status();
+  EXPECT_THAT(
+      std::string(p.status().message()),
+      HasSubstr("world_size=2 asks for a publisher group (rank 0), which this transport stack "
+                "does not implement"));
+}
+
+}  // namespace
+}  // namespace weightbus

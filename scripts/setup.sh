@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 # python3-*: the Python bindings' tests and examples/rl_loop.py run with Debian's
 # /usr/bin/python3 (a pyenv or venv python3 first on PATH does not see these packages).
 packages=(cmake ninja-build g++ pkg-config
-          libabsl-dev libzstd-dev libxxhash-dev liburing-dev nlohmann-json3-dev
+          libabsl-dev libzstd-dev libxxhash-dev libsodium-dev liburing-dev nlohmann-json3-dev
           libgtest-dev libbenchmark-dev libcli11-dev libdlpack-dev libucx-dev ucx-utils zstd
           clang-format
           python3 python3-numpy python3-torch python3-pytest ${SETUP_EXTRA_PACKAGES:-})

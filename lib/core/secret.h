@@ -74,6 +74,10 @@ absl::Status CheckManifestMac(const ChannelKey* key, const Manifest& m, std::str
 // its own), so a proof cannot be replayed to another connection or reflected back.
 std::array<uint8_t, 32> HandshakeProof(const ChannelKey& key, std::string_view role,
                                        const Nonce& first, const Nonce& second);
+// The bytes of a nonce or proof, to send as a string.
+inline std::string_view AsText(const std::array<uint8_t, 32>& bytes) {
+  return std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+}
 // Constant-time check of a proof received as bytes (any length; wrong lengths are false).
 bool ProofMatches(const std::array<uint8_t, 32>& expected, std::string_view received);
 

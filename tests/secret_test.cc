@@ -114,7 +114,8 @@ TEST_F(SecretTest, OnDiskAProcessWithoutTheKeyCannotPublishAVersionSubscribersAc
   ASSERT_TRUE((*pub)->Publish(1, Views(v1), {{"step", "100"}}, kTimeout).ok());
 
   // The same secret from an environment variable: the same key.
-  const testing::ScopedEnv env("WB_TEST_CHANNEL_SECRET", "the channel's real secret, 41 bytes long");
+  const testing::ScopedEnv env("WB_TEST_CHANNEL_SECRET",
+                               "the channel's real secret, 41 bytes long");
   auto sub = Subscriber::Open(Uri(), {{"secret_env", "WB_TEST_CHANNEL_SECRET"}});
   ASSERT_TRUE(sub.ok()) << sub.status();
   auto u1 = (*sub)->WaitForVersion(1, kTimeout);
@@ -126,8 +127,8 @@ TEST_F(SecretTest, OnDiskAProcessWithoutTheKeyCannotPublishAVersionSubscribersAc
   // A publisher process with another secret writes version 2 into the directory (once the real
   // publisher has let go of the channel's lock: a forger need not respect it anyway).
   pub->reset();
-  auto forger = Child::Start({Peer(), "publish", Uri(), "--start", "2", "--versions", "1",
-                              "--set", "secret_file=" + other_key_},
+  auto forger = Child::Start({Peer(), "publish", Uri(), "--start", "2", "--versions", "1", "--set",
+                              "secret_file=" + other_key_},
                              {}, dir_ / "forger.log");
   ASSERT_TRUE(forger.ok()) << forger.status();
   auto forged = forger->Wait(kTimeout);
@@ -151,8 +152,7 @@ TEST_F(SecretTest, OnDiskAProcessWithoutTheKeyCannotPublishAVersionSubscribersAc
   ASSERT_EQ(ExitCode(*plained), 0) << testing::ReadFileOrDie(dir_ / "plain.log");
   auto u3 = (*sub)->WaitForVersion(2, kTimeout);
   ASSERT_EQ(u3.status().code(), absl::StatusCode::kPermissionDenied) << u3.status();
-  EXPECT_THAT(u3.status().message(),
-              HasSubstr(": version 3 (publisher session "));
+  EXPECT_THAT(u3.status().message(), HasSubstr(": version 3 (publisher session "));
   EXPECT_THAT(u3.status().message(),
               HasSubstr("carries no MAC, but this subscriber requires the channel's shared "
                         "secret: refusing it as unauthenticated"));
@@ -173,8 +173,7 @@ TEST_F(SecretTest, OnDiskAProcessWithoutTheKeyCannotPublishAVersionSubscribersAc
   ASSERT_TRUE(stranger.ok()) << stranger.status();
   auto refused = (*stranger)->WaitForVersion(4, kTimeout);
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(refused.status().message(),
-              HasSubstr(": version 4 (publisher session "));
+  EXPECT_THAT(refused.status().message(), HasSubstr(": version 4 (publisher session "));
   EXPECT_THAT(refused.status().message(),
               HasSubstr("is authenticated with a shared secret this subscriber does not have: "
                         "configure the channel's secret with secret_file or secret_env"));
@@ -190,14 +189,13 @@ TEST_F(SecretTest, OnDiskAManifestEditedByHandIsRefused) {
   const std::string original = testing::ReadFileOrDie(path);
   ASSERT_THAT(original, HasSubstr("\"step\": \"100\""));
   ASSERT_THAT(original, HasSubstr("\"weightbus.mac\""));
-  testing::WriteFileOrDie(path, absl::StrReplaceAll(original, {{"\"step\": \"100\"",
-                                                                "\"step\": \"999\""}}));
+  testing::WriteFileOrDie(
+      path, absl::StrReplaceAll(original, {{"\"step\": \"100\"", "\"step\": \"999\""}}));
   auto sub = Subscriber::Open(Uri(), With(key_));
   ASSERT_TRUE(sub.ok()) << sub.status();
   auto u = (*sub)->WaitForVersion(1, kTimeout);
   ASSERT_EQ(u.status().code(), absl::StatusCode::kPermissionDenied) << u.status();
-  EXPECT_THAT(u.status().message(),
-              HasSubstr(": version 1 (publisher session "));
+  EXPECT_THAT(u.status().message(), HasSubstr(": version 1 (publisher session "));
   EXPECT_THAT(u.status().message(), HasSubstr("has a wrong MAC"));
   EXPECT_THAT(u.status().message(), HasSubstr("version none stays current"));
   EXPECT_FALSE((*sub)->current_version().has_value());

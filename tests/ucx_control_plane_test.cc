@@ -9,7 +9,6 @@
 // listens, and shared-secret channels (docs/SECURITY.md): a stranger gets no manifest and no
 // rkey, its receipts do not count, and a squatter on the port is refused by subscribers.
 #include <arpa/inet.h>
-#include <sys/stat.h>
 #include <dirent.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
@@ -17,6 +16,7 @@
 #include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -37,10 +37,10 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "core/secret.h"
 #include "expect_tensors.h"
 #include "test_model.h"
 #include "test_support.h"
-#include "core/secret.h"
 #include "transports/ucx/control.h"
 #include "ucx_tls.h"
 #include "weightbus/weightbus.hpp"
@@ -147,9 +147,10 @@ class UcxControlPlaneTest : public ::testing::Test {
     ASSERT_TRUE(pub_->Publish(v, Views(versions_[v]), {}, kTimeout).ok()) << v;
   }
 
-  // A new honest subscriber receives version `v` (or newer) bit-exact within kTimeout.
-  void ExpectHonestSubscriberReceives(uint64_t v) {
-    auto sub = Subscriber::Open(Uri());
+  // A new honest subscriber (with the settings `query`) receives version `v` (or newer)
+  // bit-exact within kTimeout.
+  void ExpectHonestSubscriberReceives(uint64_t v, const std::string& query = "") {
+    auto sub = Subscriber::Open(Uri(query));
     ASSERT_TRUE(sub.ok()) << sub.status();
     auto u = (*sub)->WaitForVersion(v, kTimeout);
     ASSERT_TRUE(u.ok()) << u.status();
@@ -611,6 +612,33 @@ class UcxSecretTest : public UcxControlPlaneTest {
       types.push_back(f->type);
     }
   }
+  // The next frame is ERROR with `code`: its message.
+  static std::string ExpectError(HostileClient& hostile, absl::StatusCode code) {
+    absl::StatusOr<Frame> f = hostile.Receive();
+    EXPECT_TRUE(f.ok()) << f.status();
+    if (!f.ok()) return "";
+    EXPECT_EQ(f->type, MsgType::kError);
+    Reader r(f->payload);
+    EXPECT_EQ(static_cast<absl::StatusCode>(r.U32()), code);
+    return r.Str();
+  }
+  // Sends HELLO with a nonce; the publisher answers CHALLENGE.
+  static void ExpectChallenged(HostileClient& hostile) {
+    ASSERT_TRUE(hostile.Send(Hello(/*with_nonce=*/true)));
+    absl::StatusOr<Frame> challenge = hostile.Receive();
+    ASSERT_TRUE(challenge.ok()) << challenge.status();
+    ASSERT_EQ(challenge->type, MsgType::kChallenge);
+  }
+  // A subscriber with the settings `query` is refused version 1 with PermissionDenied, its
+  // message containing `why`, and holds nothing.
+  void ExpectSubscriberRefused(const std::string& query, const std::string& why) {
+    auto sub = Subscriber::Open(Uri(query));
+    ASSERT_TRUE(sub.ok()) << sub.status();
+    auto u = (*sub)->WaitForVersion(1, kTimeout);
+    ASSERT_EQ(u.status().code(), absl::StatusCode::kPermissionDenied) << u.status();
+    EXPECT_THAT(u.status().message(), HasSubstr(why));
+    EXPECT_FALSE((*sub)->current_version().has_value());
+  }
   static std::string Hello(bool with_nonce) {
     Writer hello(MsgType::kHello);
     hello.Str(kMagic).U32(kProtocolVersion).Str("policy").U64(0xbad).Str("a stranger");
@@ -644,11 +672,7 @@ TEST_F(UcxSecretTest, AuthenticatedPeersExchangeVersionsBitExactOverSharedMemory
   env_.emplace(testing::kShm.env);
   OpenPublisher(Secret(key_));
   if (IsSkipped()) return;
-  auto sub = Subscriber::Open(Uri(Secret(key_)));
-  ASSERT_TRUE(sub.ok()) << sub.status();
-  auto u = (*sub)->WaitForVersion(1, kTimeout);
-  ASSERT_TRUE(u.ok()) << u.status();
-  ExpectSameTensors(**u, versions_[1]);
+  ExpectHonestSubscriberReceives(1, Secret(key_));
 }
 
 // The audit: "any process that reaches the rendezvous gets the manifest and the memory keys".
@@ -658,12 +682,7 @@ TEST_F(UcxSecretTest, AStrangerGetsNoManifestAndNoRkey) {
   {  // No authentication at all: ERROR PermissionDenied, then the connection closes.
     HostileClient stranger(port_);
     ASSERT_TRUE(stranger.Send(Hello(/*with_nonce=*/false) + Wait(1, 1)));
-    absl::StatusOr<Frame> f = stranger.Receive();
-    ASSERT_TRUE(f.ok()) << f.status();
-    ASSERT_EQ(f->type, MsgType::kError);
-    Reader r(f->payload);
-    EXPECT_EQ(static_cast<absl::StatusCode>(r.U32()), absl::StatusCode::kPermissionDenied);
-    const std::string message = r.Str();
+    const std::string message = ExpectError(stranger, absl::StatusCode::kPermissionDenied);
     EXPECT_THAT(message, HasSubstr(absl::StrFormat("the publisher at port %d (", port_)));
     EXPECT_THAT(message, HasSubstr(") of channel \"policy\" requires the channel's shared "
                                    "secret: configure secret_file or secret_env"));
@@ -671,44 +690,25 @@ TEST_F(UcxSecretTest, AStrangerGetsNoManifestAndNoRkey) {
   }
   {  // A nonce, then a WAIT instead of the proof: closed, with no GRANT.
     HostileClient stranger(port_);
-    ASSERT_TRUE(stranger.Send(Hello(/*with_nonce=*/true)));
-    absl::StatusOr<Frame> challenge = stranger.Receive();
-    ASSERT_TRUE(challenge.ok()) << challenge.status();
-    ASSERT_EQ(challenge->type, MsgType::kChallenge);
+    ExpectChallenged(stranger);
     (void)stranger.Send(Wait(1, 1));
     EXPECT_THAT(FramesUntilClosed(stranger), ::testing::IsEmpty());
   }
   {  // A wrong proof: ERROR PermissionDenied, closed, with no WELCOME and no GRANT.
     HostileClient stranger(port_);
-    ASSERT_TRUE(stranger.Send(Hello(/*with_nonce=*/true)));
-    absl::StatusOr<Frame> challenge = stranger.Receive();
-    ASSERT_TRUE(challenge.ok()) << challenge.status();
-    ASSERT_EQ(challenge->type, MsgType::kChallenge);
-    ASSERT_TRUE(stranger.Send(Writer(MsgType::kProof).Str(std::string(32, 'x')).Finish() +
-                              Wait(1, 1)));
-    absl::StatusOr<Frame> f = stranger.Receive();
-    ASSERT_TRUE(f.ok()) << f.status();
-    ASSERT_EQ(f->type, MsgType::kError);
-    Reader r(f->payload);
-    EXPECT_EQ(static_cast<absl::StatusCode>(r.U32()), absl::StatusCode::kPermissionDenied);
-    EXPECT_THAT(r.Str(), HasSubstr("refused this subscriber: its proof of the channel's shared "
-                                   "secret is wrong"));
+    ExpectChallenged(stranger);
+    ASSERT_TRUE(
+        stranger.Send(Writer(MsgType::kProof).Str(std::string(32, 'x')).Finish() + Wait(1, 1)));
+    EXPECT_THAT(ExpectError(stranger, absl::StatusCode::kPermissionDenied),
+                HasSubstr("refused this subscriber: its proof of the channel's shared "
+                          "secret is wrong"));
     EXPECT_THAT(FramesUntilClosed(stranger), ::testing::IsEmpty());
   }
-  // A subscriber without the secret hears why.
-  auto sub = Subscriber::Open(Uri());
-  ASSERT_TRUE(sub.ok()) << sub.status();
-  auto u = (*sub)->WaitForVersion(1, kTimeout);
-  ASSERT_EQ(u.status().code(), absl::StatusCode::kPermissionDenied) << u.status();
-  EXPECT_THAT(u.status().message(),
-              HasSubstr("of channel \"policy\" requires the channel's shared secret: "
-                        "configure secret_file or secret_env"));
-  // Honest subscribers are still served.
-  auto honest = Subscriber::Open(Uri(Secret(key_)));
-  ASSERT_TRUE(honest.ok()) << honest.status();
-  auto h = (*honest)->WaitForVersion(1, kTimeout);
-  ASSERT_TRUE(h.ok()) << h.status();
-  ExpectSameTensors(**h, versions_[1]);
+  // A subscriber without the secret hears why; honest subscribers are still served.
+  ExpectSubscriberRefused("",
+                          "of channel \"policy\" requires the channel's shared secret: "
+                          "configure secret_file or secret_env");
+  ExpectHonestSubscriberReceives(1, Secret(key_));
 }
 
 // The audit: "forged receipts satisfy --until-subscribers with no real subscriber".
@@ -736,26 +736,16 @@ TEST_F(UcxSecretTest, ReceiptsFromUnauthenticatedPeersDoNotCount) {
 TEST_F(UcxSecretTest, ASquatterOnThePortIsRefusedBySubscribers) {
   OpenPublisher();  // no secret
   if (IsSkipped()) return;
-  auto sub = Subscriber::Open(Uri(Secret(key_)));
-  ASSERT_TRUE(sub.ok()) << sub.status();
-  auto u = (*sub)->WaitForVersion(1, kTimeout);
-  ASSERT_EQ(u.status().code(), absl::StatusCode::kPermissionDenied) << u.status();
-  EXPECT_THAT(u.status().message(),
-              HasSubstr("did not authenticate itself with the channel's shared secret (WELCOME "
-                        "without CHALLENGE: a publisher without the secret, or another process "
-                        "on its port); refusing it"));
-  EXPECT_FALSE((*sub)->current_version().has_value());
+  ExpectSubscriberRefused(Secret(key_),
+                          "did not authenticate itself with the channel's shared secret (WELCOME "
+                          "without CHALLENGE: a publisher without the secret, or another process "
+                          "on its port); refusing it");
   pub_.reset();
-
   OpenPublisher(Secret(other_key_));  // another secret
   if (IsSkipped()) return;
-  auto sub2 = Subscriber::Open(Uri(Secret(key_)));
-  ASSERT_TRUE(sub2.ok()) << sub2.status();
-  auto u2 = (*sub2)->WaitForVersion(1, kTimeout);
-  ASSERT_EQ(u2.status().code(), absl::StatusCode::kPermissionDenied) << u2.status();
-  EXPECT_THAT(u2.status().message(),
-              HasSubstr("failed to prove the channel's shared secret (a publisher with another "
-                        "secret, or another process on its port); refusing it"));
+  ExpectSubscriberRefused(Secret(key_),
+                          "failed to prove the channel's shared secret (a publisher with another "
+                          "secret, or another process on its port); refusing it");
 }
 
 }  // namespace

@@ -81,8 +81,7 @@ void Ints(crypto_auth_hmacsha512256_state& state, const std::vector<int64_t>& v)
 }
 
 std::string Hex(const uint8_t* bytes, size_t n) {
-  return absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(bytes), n));
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(bytes), n));
 }
 
 }  // namespace
@@ -127,9 +126,9 @@ absl::StatusOr<std::optional<ChannelKey>> LoadChannelKey(const Config& config,
   } else {
     const char* value = std::getenv(env.c_str());
     if (value == nullptr || *value == '\0') {
-      return absl::NotFoundError(absl::StrFormat(
-          "%s: secret_env names the environment variable %s, which is %s", where, env,
-          value == nullptr ? "not set" : "empty"));
+      return absl::NotFoundError(
+          absl::StrFormat("%s: secret_env names the environment variable %s, which is %s", where,
+                          env, value == nullptr ? "not set" : "empty"));
     }
     secret = value;
     source = absl::StrFormat("environment variable %s (secret_env)", env);
@@ -148,8 +147,7 @@ absl::StatusOr<std::optional<ChannelKey>> LoadChannelKey(const Config& config,
   crypto_generichash_state state;
   crypto_generichash_init(&state, nullptr, 0, key.bytes.size());
   crypto_generichash_update(&state, reinterpret_cast<const uint8_t*>(kContext), sizeof kContext);
-  crypto_generichash_update(&state, reinterpret_cast<const uint8_t*>(secret.data()),
-                            secret.size());
+  crypto_generichash_update(&state, reinterpret_cast<const uint8_t*>(secret.data()), secret.size());
   crypto_generichash_final(&state, key.bytes.data(), key.bytes.size());
   sodium_memzero(secret.data(), secret.size());
   return key;

@@ -893,8 +893,7 @@ void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
     c.publisher_nonce = RandomNonce();
     const auto proof =
         HandshakeProof(*options_.key, "publisher", c.subscriber_nonce, c.publisher_nonce);
-    c.out +=
-        Writer(MsgType::kChallenge).Str(AsText(c.publisher_nonce)).Str(AsText(proof)).Finish();
+    c.out += Writer(MsgType::kChallenge).Str(AsText(c.publisher_nonce)).Str(AsText(proof)).Finish();
     c.challenged = true;
     return;
   }

@@ -675,6 +675,28 @@ TEST_F(UcxSecretTest, AuthenticatedPeersExchangeVersionsBitExactOverSharedMemory
   ExpectHonestSubscriberReceives(1, Secret(key_));
 }
 
+// The delta layer over ucx://: the handshake beneath, the MAC carried through keyframes and
+// deltas.
+TEST_F(UcxSecretTest, DeltaOverUcxWithASecretIsBitExact) {
+  if (const std::string why = testing::MissingTransports({"delta", "ucx"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
+  const std::string uri = "delta+" + Uri(Secret(key_) + "&keyframe_interval=2");
+  auto pub = Publisher::Open(uri);
+  if (absl::IsUnavailable(pub.status())) GTEST_SKIP() << "UCX cannot run here: " << pub.status();
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = Subscriber::Open(uri);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  for (uint64_t v = 1; v <= 3; ++v) {  // keyframes and a delta
+    const auto tensors = MakeVersion(9, v, 1 << 16);
+    ASSERT_TRUE((*pub)->Publish(v, Views(tensors), {}, kTimeout).ok()) << v;
+    auto u = (*sub)->WaitForVersion(v, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    ASSERT_EQ((*u)->version(), v);
+    ExpectSameTensors(**u, tensors);
+  }
+}
+
 // The audit: "any process that reaches the rendezvous gets the manifest and the memory keys".
 TEST_F(UcxSecretTest, AStrangerGetsNoManifestAndNoRkey) {
   OpenPublisher(Secret(key_));

@@ -95,7 +95,7 @@ Nonce RandomNonce() {
 
 absl::Status RefuseInlineSecret(const std::map<std::string, std::string>& map,
                                 std::string_view where, std::string_view uri) {
-  for (const char* name : {"secret", "key", "secret_value"}) {
+  for (const char* name : {"secret"}) {
     if (map.count(name) != 0) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "%s: setting \"%s\" in %s is refused: a channel's secret is never given in a URI or "

@@ -53,6 +53,18 @@ class SecretTest : public ::testing::Test {
   }
   std::string Uri() const { return "disk://" + dir_.path() + "/channel"; }
   Options With(const std::string& key) const { return {{"secret_file", key}}; }
+  // A wb_test_peer process publishes `version` to the channel with `flags` and exits 0.
+  void PublishFromAnotherProcess(uint64_t version, std::vector<std::string> flags) {
+    std::vector<std::string> argv = {
+        Peer(), "publish", Uri(), "--start", std::to_string(version), "--versions", "1"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    const std::string log = dir_ / absl::StrFormat("publisher%d.log", version);
+    auto child = Child::Start(argv, {}, log);
+    ASSERT_TRUE(child.ok()) << child.status();
+    auto exited = child->Wait(kTimeout);
+    ASSERT_TRUE(exited.ok());
+    ASSERT_EQ(ExitCode(*exited), 0) << testing::ReadFileOrDie(log);
+  }
 
   ScratchDir dir_;
   const std::string key_ = dir_ / "key";
@@ -127,13 +139,7 @@ TEST_F(SecretTest, OnDiskAProcessWithoutTheKeyCannotPublishAVersionSubscribersAc
   // A publisher process with another secret writes version 2 into the directory (once the real
   // publisher has let go of the channel's lock: a forger need not respect it anyway).
   pub->reset();
-  auto forger = Child::Start({Peer(), "publish", Uri(), "--start", "2", "--versions", "1", "--set",
-                              "secret_file=" + other_key_},
-                             {}, dir_ / "forger.log");
-  ASSERT_TRUE(forger.ok()) << forger.status();
-  auto forged = forger->Wait(kTimeout);
-  ASSERT_TRUE(forged.ok());
-  ASSERT_EQ(ExitCode(*forged), 0) << testing::ReadFileOrDie(dir_ / "forger.log");
+  PublishFromAnotherProcess(2, {"--set", "secret_file=" + other_key_});
   auto u2 = (*sub)->WaitForVersion(2, kTimeout);
   ASSERT_EQ(u2.status().code(), absl::StatusCode::kPermissionDenied) << u2.status();
   EXPECT_THAT(u2.status().message(), HasSubstr(Uri() + ": version 2 (publisher session "));
@@ -144,12 +150,7 @@ TEST_F(SecretTest, OnDiskAProcessWithoutTheKeyCannotPublishAVersionSubscribersAc
   EXPECT_EQ((*sub)->current_version(), 1u);
 
   // A publisher process without any secret writes version 3.
-  auto plain = Child::Start({Peer(), "publish", Uri(), "--start", "3", "--versions", "1"}, {},
-                            dir_ / "plain.log");
-  ASSERT_TRUE(plain.ok()) << plain.status();
-  auto plained = plain->Wait(kTimeout);
-  ASSERT_TRUE(plained.ok());
-  ASSERT_EQ(ExitCode(*plained), 0) << testing::ReadFileOrDie(dir_ / "plain.log");
+  PublishFromAnotherProcess(3, {});
   auto u3 = (*sub)->WaitForVersion(2, kTimeout);
   ASSERT_EQ(u3.status().code(), absl::StatusCode::kPermissionDenied) << u3.status();
   EXPECT_THAT(u3.status().message(), HasSubstr(": version 3 (publisher session "));

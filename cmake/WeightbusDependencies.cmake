@@ -6,9 +6,12 @@ find_package(absl REQUIRED)
 find_package(dlpack REQUIRED)  # libdlpack-dev: DLTensor in the C API
 find_package(nlohmann_json 3.10 REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
+# libsodium-dev: the manifest MAC and the ucx peer handshake of channels with a shared secret
+# (lib/core/secret.*). Required, so that no build can silently ignore a configured secret.
+pkg_check_modules(SODIUM REQUIRED IMPORTED_TARGET libsodium)
 # Each transport's dependency is looked for only when it is built. WEIGHTBUS_PKG_MODULES: the
 # pkg-config modules libweightbus links (for weightbus.pc's Libs.private, WeightbusInstall).
-set(WEIGHTBUS_PKG_MODULES XXHASH)
+set(WEIGHTBUS_PKG_MODULES XXHASH SODIUM)
 if(WEIGHTBUS_WITH_DELTA)
   pkg_check_modules(ZSTD REQUIRED IMPORTED_TARGET libzstd)
   list(APPEND WEIGHTBUS_PKG_MODULES ZSTD)

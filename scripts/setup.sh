@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 # python3-venv, -pip, -setuptools and -wheel: `pip install --no-build-isolation .` and its test
 # (pip_install), offline.
 packages=(cmake ninja-build g++ pkg-config
-          libabsl-dev libzstd-dev libxxhash-dev liburing-dev nlohmann-json3-dev
+          libabsl-dev libzstd-dev libxxhash-dev libsodium-dev liburing-dev nlohmann-json3-dev
           libgtest-dev libbenchmark-dev libcli11-dev libdlpack-dev libucx-dev ucx-utils zstd
           clang-format
           python3 python3-numpy python3-torch python3-pytest

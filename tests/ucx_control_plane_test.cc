@@ -6,7 +6,8 @@
 // publisher's RSS (this process's, read from /proc/self/status) stays bounded, the hostile
 // connection is closed, publishes do not time out, an honest subscriber still receives a
 // bit-exact version, and errors carry their exact codes. Also: where UCX's own tcp transport
-// listens.
+// listens, and shared-secret channels (docs/SECURITY.md): a stranger gets no manifest and no
+// rkey, its receipts do not count, and a squatter on the port is refused by subscribers.
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
@@ -15,6 +16,7 @@
 #include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -35,6 +37,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "core/secret.h"
 #include "expect_tensors.h"
 #include "test_model.h"
 #include "test_support.h"
@@ -144,9 +147,10 @@ class UcxControlPlaneTest : public ::testing::Test {
     ASSERT_TRUE(pub_->Publish(v, Views(versions_[v]), {}, kTimeout).ok()) << v;
   }
 
-  // A new honest subscriber receives version `v` (or newer) bit-exact within kTimeout.
-  void ExpectHonestSubscriberReceives(uint64_t v) {
-    auto sub = Subscriber::Open(Uri());
+  // A new honest subscriber (with the settings `query`) receives version `v` (or newer)
+  // bit-exact within kTimeout.
+  void ExpectHonestSubscriberReceives(uint64_t v, const std::string& query = "") {
+    auto sub = Subscriber::Open(Uri(query));
     ASSERT_TRUE(sub.ok()) << sub.status();
     auto u = (*sub)->WaitForVersion(v, kTimeout);
     ASSERT_TRUE(u.ok()) << u.status();
@@ -580,6 +584,190 @@ TEST(UcxListenersTest, UcxTcpListensOnlyOnTheChannelsInterfaces) {
     }
     EXPECT_GT(ucx_listeners, 0) << "UCX's tcp opened no listener: nothing was checked";
   }
+}
+
+// Shared-secret channels. Secret files (mode 0600) in a scratch directory, named in the URI
+// query (a path, never the secret).
+class UcxSecretTest : public UcxControlPlaneTest {
+ protected:
+  void SetUp() override {
+    UcxControlPlaneTest::SetUp();
+    for (const auto& [path, secret] : {std::pair{key_, "the channel's real secret, 41 bytes long"},
+                                       std::pair{other_key_, "another secret, long enough"}}) {
+      testing::WriteFileOrDie(path, secret);
+      ASSERT_EQ(::chmod(path.c_str(), 0600), 0);
+    }
+  }
+  std::string Secret(const std::string& key) const { return "secret_file=" + key; }
+
+  // Frames the publisher sends `hostile` until it closes the connection, by type.
+  static std::vector<MsgType> FramesUntilClosed(HostileClient& hostile) {
+    std::vector<MsgType> types;
+    while (true) {
+      absl::StatusOr<Frame> f = hostile.Receive();
+      if (!f.ok()) {
+        EXPECT_TRUE(absl::IsUnavailable(f.status())) << f.status();  // closed, not timed out
+        return types;
+      }
+      types.push_back(f->type);
+    }
+  }
+  // The next frame is ERROR with `code`: its message.
+  static std::string ExpectError(HostileClient& hostile, absl::StatusCode code) {
+    absl::StatusOr<Frame> f = hostile.Receive();
+    EXPECT_TRUE(f.ok()) << f.status();
+    if (!f.ok()) return "";
+    EXPECT_EQ(f->type, MsgType::kError);
+    Reader r(f->payload);
+    EXPECT_EQ(static_cast<absl::StatusCode>(r.U32()), code);
+    return r.Str();
+  }
+  // Sends HELLO with a nonce; the publisher answers CHALLENGE.
+  static void ExpectChallenged(HostileClient& hostile) {
+    ASSERT_TRUE(hostile.Send(Hello(/*with_nonce=*/true)));
+    absl::StatusOr<Frame> challenge = hostile.Receive();
+    ASSERT_TRUE(challenge.ok()) << challenge.status();
+    ASSERT_EQ(challenge->type, MsgType::kChallenge);
+  }
+  // A subscriber with the settings `query` is refused version 1 with PermissionDenied, its
+  // message containing `why`, and holds nothing.
+  void ExpectSubscriberRefused(const std::string& query, const std::string& why) {
+    auto sub = Subscriber::Open(Uri(query));
+    ASSERT_TRUE(sub.ok()) << sub.status();
+    auto u = (*sub)->WaitForVersion(1, kTimeout);
+    ASSERT_EQ(u.status().code(), absl::StatusCode::kPermissionDenied) << u.status();
+    EXPECT_THAT(u.status().message(), HasSubstr(why));
+    EXPECT_FALSE((*sub)->current_version().has_value());
+  }
+  static std::string Hello(bool with_nonce) {
+    Writer hello(MsgType::kHello);
+    hello.Str(kMagic).U32(kProtocolVersion).Str("policy").U64(0xbad).Str("a stranger");
+    if (with_nonce) hello.Str(internal::AsText(internal::RandomNonce()));
+    return std::move(hello).Finish();
+  }
+
+  testing::ScratchDir dir_;
+  const std::string key_ = dir_ / "key";
+  const std::string other_key_ = dir_ / "other_key";
+};
+
+TEST_F(UcxSecretTest, AuthenticatedPeersExchangeVersionsBitExact) {
+  OpenPublisher(Secret(key_));
+  if (IsSkipped()) return;
+  auto sub = Subscriber::Open(Uri(Secret(key_)));
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  auto u = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ExpectSameTensors(**u, versions_[1]);
+  EXPECT_TRUE(pub_->WaitForReceivers(1, 1, kTimeout).ok());
+  Publish(2);
+  auto u2 = (*sub)->WaitForVersion(2, kTimeout);
+  ASSERT_TRUE(u2.ok()) << u2.status();
+  ExpectSameTensors(**u2, versions_[2]);
+}
+
+// Over shared memory the grant carries rkeys: the same handshake guards them.
+TEST_F(UcxSecretTest, AuthenticatedPeersExchangeVersionsBitExactOverSharedMemory) {
+  env_.reset();
+  env_.emplace(testing::kShm.env);
+  OpenPublisher(Secret(key_));
+  if (IsSkipped()) return;
+  ExpectHonestSubscriberReceives(1, Secret(key_));
+}
+
+// The delta layer over ucx://: the handshake beneath, the MAC carried through keyframes and
+// deltas.
+TEST_F(UcxSecretTest, DeltaOverUcxWithASecretIsBitExact) {
+  if (const std::string why = testing::MissingTransports({"delta", "ucx"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
+  const std::string uri = "delta+" + Uri(Secret(key_) + "&keyframe_interval=2");
+  auto pub = Publisher::Open(uri);
+  if (absl::IsUnavailable(pub.status())) GTEST_SKIP() << "UCX cannot run here: " << pub.status();
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = Subscriber::Open(uri);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  for (uint64_t v = 1; v <= 3; ++v) {  // keyframes and a delta
+    const auto tensors = MakeVersion(9, v, 1 << 16);
+    ASSERT_TRUE((*pub)->Publish(v, Views(tensors), {}, kTimeout).ok()) << v;
+    auto u = (*sub)->WaitForVersion(v, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    ASSERT_EQ((*u)->version(), v);
+    ExpectSameTensors(**u, tensors);
+  }
+}
+
+// The audit: "any process that reaches the rendezvous gets the manifest and the memory keys".
+TEST_F(UcxSecretTest, AStrangerGetsNoManifestAndNoRkey) {
+  OpenPublisher(Secret(key_));
+  if (IsSkipped()) return;
+  {  // No authentication at all: ERROR PermissionDenied, then the connection closes.
+    HostileClient stranger(port_);
+    ASSERT_TRUE(stranger.Send(Hello(/*with_nonce=*/false) + Wait(1, 1)));
+    const std::string message = ExpectError(stranger, absl::StatusCode::kPermissionDenied);
+    EXPECT_THAT(message, HasSubstr(absl::StrFormat("the publisher at port %d (", port_)));
+    EXPECT_THAT(message, HasSubstr(") of channel \"policy\" requires the channel's shared "
+                                   "secret: configure secret_file or secret_env"));
+    EXPECT_THAT(FramesUntilClosed(stranger), ::testing::IsEmpty());
+  }
+  {  // A nonce, then a WAIT instead of the proof: closed, with no GRANT.
+    HostileClient stranger(port_);
+    ExpectChallenged(stranger);
+    (void)stranger.Send(Wait(1, 1));
+    EXPECT_THAT(FramesUntilClosed(stranger), ::testing::IsEmpty());
+  }
+  {  // A wrong proof: ERROR PermissionDenied, closed, with no WELCOME and no GRANT.
+    HostileClient stranger(port_);
+    ExpectChallenged(stranger);
+    ASSERT_TRUE(
+        stranger.Send(Writer(MsgType::kProof).Str(std::string(32, 'x')).Finish() + Wait(1, 1)));
+    EXPECT_THAT(ExpectError(stranger, absl::StatusCode::kPermissionDenied),
+                HasSubstr("refused this subscriber: its proof of the channel's shared "
+                          "secret is wrong"));
+    EXPECT_THAT(FramesUntilClosed(stranger), ::testing::IsEmpty());
+  }
+  // A subscriber without the secret hears why; honest subscribers are still served.
+  ExpectSubscriberRefused("",
+                          "of channel \"policy\" requires the channel's shared secret: "
+                          "configure secret_file or secret_env");
+  ExpectHonestSubscriberReceives(1, Secret(key_));
+}
+
+// The audit: "forged receipts satisfy --until-subscribers with no real subscriber".
+TEST_F(UcxSecretTest, ReceiptsFromUnauthenticatedPeersDoNotCount) {
+  OpenPublisher(Secret(key_));
+  if (IsSkipped()) return;
+  const std::string receipt = Writer(MsgType::kAccepted).U64(1).Finish();
+  for (const bool with_nonce : {false, true}) {
+    HostileClient stranger(port_);
+    ASSERT_TRUE(stranger.Send(Hello(with_nonce) + receipt));
+    (void)FramesUntilClosed(stranger);  // the publisher has handled both frames
+  }
+  const absl::Status none = pub_->WaitForReceivers(1, 1, absl::Milliseconds(300));
+  ASSERT_EQ(none.code(), absl::StatusCode::kDeadlineExceeded) << none;
+  EXPECT_THAT(none.message(), HasSubstr("0 of the 1 subscribers waited for had received "
+                                        "version 1"));
+  auto sub = Subscriber::Open(Uri(Secret(key_)));
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  ASSERT_TRUE((*sub)->WaitForVersion(1, kTimeout).ok());
+  EXPECT_TRUE(pub_->WaitForReceivers(1, 1, kTimeout).ok());
+}
+
+// The audit: "a process that binds the port first serves version 1,000,000". Subscribers with
+// the secret refuse a publisher that cannot prove it, before any manifest.
+TEST_F(UcxSecretTest, ASquatterOnThePortIsRefusedBySubscribers) {
+  OpenPublisher();  // no secret
+  if (IsSkipped()) return;
+  ExpectSubscriberRefused(Secret(key_),
+                          "did not authenticate itself with the channel's shared secret (WELCOME "
+                          "without CHALLENGE: a publisher without the secret, or another process "
+                          "on its port); refusing it");
+  pub_.reset();
+  OpenPublisher(Secret(other_key_));  // another secret
+  if (IsSkipped()) return;
+  ExpectSubscriberRefused(Secret(key_),
+                          "failed to prove the channel's shared secret (a publisher with another "
+                          "secret, or another process on its port); refusing it");
 }
 
 }  // namespace

@@ -84,7 +84,9 @@ typedef enum wb_status {
   WB_FAILED_PRECONDITION = 101, /* channel state: version not above the latest, channel held */
   WB_NOT_FOUND = 102,           /* a named file, tensor or channel does not exist */
   WB_ALREADY_EXISTS = 103,      /* something to be created exists already */
-  WB_PERMISSION_DENIED = 104,   /* the system refused access (the message names the path) */
+  WB_PERMISSION_DENIED = 104,   /* access refused: by the system (the message names the path) or
+                                   by a shared-secret channel (an unauthenticated peer or version,
+                                   docs/SECURITY.md) */
   WB_OUT_OF_RANGE = 105,        /* an index or value past the valid range */
   WB_UNIMPLEMENTED = 106,       /* a feature, transport, device or struct field not built in */
   WB_DATA_LOSS = 107,           /* stored or received bytes are malformed or fail a checksum */

@@ -24,10 +24,12 @@ absl::StatusOr<ChannelSetup> SetUpChannel(std::string_view uri_text, const Optio
           "from the environment variable WEIGHTBUS_FAILPOINTS",
           s.uri.Display(), where));
     }
+    WB_RETURN_IF_ERROR(RefuseInlineSecret(*map, where, s.uri.Display()));
   }
   WB_ASSIGN_OR_RETURN(Config config, ResolveConfig(s.stack, s.uri, options));
   s.config = std::make_unique<Config>(std::move(config));
   s.capabilities = StackCapabilities(s.stack, *s.config);
+  WB_ASSIGN_OR_RETURN(s.key, LoadChannelKey(*s.config, s.uri.Display()));
   WB_ASSIGN_OR_RETURN(s.failpoints, FailPoints::Parse(s.config->String("failpoints")));
   const int64_t hash_threads = s.config->Int("hash_threads");  // 0..kMaxThreads (CoreSettings)
   WB_ASSIGN_OR_RETURN(

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "core/config.h"
 #include "core/failpoint.h"
 #include "core/registry.h"
+#include "core/secret.h"
 #include "core/uri.h"
 #include "core/worker_pool.h"
 #include "weightbus/weightbus.hpp"
@@ -27,10 +29,13 @@ struct ChannelSetup {
   TransportCapabilities capabilities;  // of the whole stack (StackCapabilities)
   FailPoints failpoints;
   std::unique_ptr<WorkerPool> hashers;  // XXH3 checksums, overlapped with transfers
+  // The channel's key (settings secret_file / secret_env), when it has a shared secret.
+  std::optional<ChannelKey> key;
 };
 
 // Errors: InvalidArgument for a malformed URI or setting (naming it); Unimplemented for a scheme
-// this build lacks; ResourceExhausted when threads cannot be started.
+// this build lacks; ResourceExhausted when threads cannot be started; LoadChannelKey's errors
+// for a shared secret that cannot be read, and RefuseInlineSecret's for one given inline.
 absl::StatusOr<ChannelSetup> SetUpChannel(std::string_view uri_text, const Options& options);
 
 }  // namespace weightbus::internal

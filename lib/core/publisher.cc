@@ -82,6 +82,12 @@ class Job final : public internal::PublishJob {
                           manifest_.version, manifest_.tensors.size()));
     }
     if (manifest_.sealed_unix_ns == 0) manifest_.sealed_unix_ns = absl::ToUnixNanos(absl::Now());
+    // A shared-secret channel: the MAC over the sealed manifest, which subscribers check before
+    // accepting any byte of the version, whatever the transport beneath (core/secret.h).
+    if (key_ != nullptr) {
+      manifest_.metadata[std::string(internal::kMacMetadataKey)] =
+          internal::ManifestMac(*key_, manifest_);
+    }
     return &manifest_;
   }
 
@@ -146,6 +152,7 @@ class Job final : public internal::PublishJob {
   std::vector<PackedTensor> packed_;
   std::vector<const TensorView*> views_;  // the caller's views, for gathering strided ones
   std::unique_ptr<internal::HostBuffer> pack_buffer_;
+  const internal::ChannelKey* key_ = nullptr;  // the channel's, when it has a shared secret
 
  private:
   static constexpr uint64_t kBlock = 256 * 1024;  // copied or gathered, then hashed from L2
@@ -281,6 +288,7 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   }
 
   Job job;
+  job.key_ = key ? &*key : nullptr;
   Manifest& m = job.manifest_;
   m.version = version;
   m.publisher = identity;
@@ -305,10 +313,10 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
     if (!IsContiguous(view.shape, view.strides)) pack_bytes += (*nbytes + 63) & ~uint64_t{63};
   }
   for (const auto& [key, value] : metadata) {
-    if (key == internal::kLayerMetadataKey) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("%s version %d: metadata key \"%s\" is reserved for layers",
-                          uri.Display(), version, key));
+    if (key == internal::kLayerMetadataKey || key == internal::kMacMetadataKey) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s version %d: metadata key \"%s\" is reserved for %s", uri.Display(), version, key,
+          key == internal::kMacMetadataKey ? "the manifest MAC" : "layers"));
     }
     if (!internal::IsValidUtf8(key) || !internal::IsValidUtf8(value)) {
       return absl::InvalidArgumentError(

@@ -66,6 +66,18 @@ const SettingTable& CoreSettings() {
            .type = SettingType::kString,
            .default_value = "",
            .doc = "free-form label recorded in each manifest's publisher identity"},
+          {.name = "secret_file",
+           .type = SettingType::kString,
+           .default_value = "",
+           .doc = "path of a file (mode 0600: group and others may not read it) holding the "
+                  "channel's shared secret (16..4096 bytes): publishers MAC every manifest and "
+                  "subscribers refuse versions without a valid MAC; ucx:// peers authenticate "
+                  "each other (docs/SECURITY.md). Never the secret itself"},
+          {.name = "secret_env",
+           .type = SettingType::kString,
+           .default_value = "",
+           .doc = "name of an environment variable holding the channel's shared secret, as "
+                  "secret_file (set one of them). Never the secret itself"},
           {.name = "log_level",
            .type = SettingType::kEnum,
            .default_value = "warn",

@@ -506,6 +506,10 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
         "have (its tensors are the layer's encoding, not the model); subscribe to %s+%s",
         uri.Display(), m.version, layer->second, layer->second, uri.Display()));
   }
+  // A shared-secret channel: nothing of a version without a valid MAC is accepted.
+  WB_RETURN_IF_ERROR(
+      internal::CheckManifestMac(key ? &*key : nullptr, m, uri.Display(), CurrentText()));
+  impl->manifest.metadata.erase(std::string(internal::kMacMetadataKey));
   if (current && m.version == *current) {
     if (std::optional<std::string> diff =
             internal::ContentDifference(m.tensors, "offered", held_tensors, "held")) {

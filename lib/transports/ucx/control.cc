@@ -109,6 +109,10 @@ std::string_view MsgTypeName(MsgType type) {
       return "HELLO";
     case MsgType::kWelcome:
       return "WELCOME";
+    case MsgType::kChallenge:
+      return "CHALLENGE";
+    case MsgType::kProof:
+      return "PROOF";
     case MsgType::kError:
       return "ERROR";
     case MsgType::kWait:

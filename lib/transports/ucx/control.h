@@ -53,6 +53,10 @@ enum class MsgType : uint8_t {
   kRead = 15,      // sub -> pub: request id, lease id, offset in the slot, length (bytes over
                    // the control connection, when WELCOME said so)
   kData = 16,      // pub -> sub: request id, ok flag, the bytes (or, not ok, why not)
+  // Shared-secret channels (core/secret.h): HELLO then ends with the subscriber's nonce; the
+  // publisher answers CHALLENGE instead of WELCOME, and WELCOME follows a valid PROOF.
+  kChallenge = 17,  // pub -> sub: the publisher's nonce and its proof over both nonces
+  kProof = 18,      // sub -> pub: the subscriber's proof over both nonces
 };
 
 std::string_view MsgTypeName(MsgType type);

@@ -3,6 +3,7 @@
 
 #include "absl/strings/str_format.h"
 #include "core/registry.h"
+#include "core/status.h"
 #include "transports/ucx/ucx_transport.h"
 
 namespace weightbus::internal::ucx {
@@ -165,6 +166,7 @@ absl::StatusOr<UcxOptions> ReadOptions(const Endpoint& endpoint, const Config& c
                                                                 // page-aligned
   o.copy_threads = config.Int("copy_threads");
   o.cuda_staging = config.String("staging_memory") == "cuda";
+  WB_ASSIGN_OR_RETURN(o.key, LoadChannelKey(config, endpoint.display));
   return o;
 }
 

@@ -120,7 +120,11 @@ struct Conn {
   Fd fd;
   std::string peer;  // "127.0.0.1 port 40000 (IPv4)", then with the subscriber's own words
   std::string in, out;
-  bool greeted = false;
+  bool greeted = false;  // WELCOME sent: the peer may ask for versions and report receipts
+  // A shared-secret channel: CHALLENGE sent, PROOF awaited (`greeted` stays false until it
+  // checks out), with both sides' nonces.
+  bool challenged = false;
+  Nonce subscriber_nonce{}, publisher_nonce{};
   bool dead = false;          // close now
   bool closing = false;       // close once `out` is flushed (after an ERROR)
   absl::Time hello_deadline;  // MonotonicNow() time
@@ -276,6 +280,10 @@ class UcxPublisher final : public TransportPublisher {
   void Accept() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Handle(Conn& c, const Frame& f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleHello(Conn& c, const Frame& f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A shared-secret channel: checks the PROOF that answers this publisher's CHALLENGE.
+  void HandleProof(Conn& c, const Frame& f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends WELCOME: from now on `c` may ask for versions (and its receipts count).
+  void Welcome(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendError(Conn& c, absl::StatusCode code, const std::string& message)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ServeWaits(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -331,6 +339,7 @@ class UcxPublisher final : public TransportPublisher {
   RateLimitedLog conn_log_;    // subscribers connecting and going away (info)
   RateLimitedLog lease_log_;   // leases expired or held for lease_max_hold
   RateLimitedLog accept_log_;  // accept() failures and connections refused
+  RateLimitedLog auth_log_;    // peers refused for lack of the channel's shared secret
   // UcxPublisherCounters (ucx_transport.h); written by the progress thread only.
   std::atomic<uint64_t> reads_served_{0};
   std::atomic<uint64_t> sleeps_with_reads_ready_{0};
@@ -865,8 +874,53 @@ void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
                               endpoint_.port, description_, endpoint_.channel, channel));
     return;
   }
-  c.greeted = true;
   c.subscriber_id = subscriber_id;
+  if (options_.key) {
+    // A shared-secret channel: the subscriber's nonce ends its HELLO; nothing but CHALLENGE
+    // goes to it until its PROOF checks out (no manifest, no rkey, no receipt counted).
+    const std::string nonce = r.at_end() ? std::string() : r.Str();
+    if (!r.ok() || nonce.size() != c.subscriber_nonce.size()) {
+      auth_log_.Log(LogLevel::kWarn,
+                    "%s: refusing %s: it did not authenticate (this channel has a shared secret)",
+                    endpoint_.display, c.peer);
+      SendError(c, absl::StatusCode::kPermissionDenied,
+                absl::StrFormat("the publisher at port %d (%s) of channel \"%s\" requires the "
+                                "channel's shared secret: configure secret_file or secret_env",
+                                endpoint_.port, description_, endpoint_.channel));
+      return;
+    }
+    std::memcpy(c.subscriber_nonce.data(), nonce.data(), nonce.size());
+    c.publisher_nonce = RandomNonce();
+    const auto proof =
+        HandshakeProof(*options_.key, "publisher", c.subscriber_nonce, c.publisher_nonce);
+    c.out += Writer(MsgType::kChallenge).Str(AsText(c.publisher_nonce)).Str(AsText(proof)).Finish();
+    c.challenged = true;
+    return;
+  }
+  Welcome(c);
+}
+
+void UcxPublisher::HandleProof(Conn& c, const Frame& f) {
+  Reader r(f.payload);
+  const std::string proof = r.Str();
+  const auto expected =
+      HandshakeProof(*options_.key, "subscriber", c.publisher_nonce, c.subscriber_nonce);
+  if (!r.ok() || !ProofMatches(expected, proof)) {
+    auth_log_.Log(LogLevel::kWarn,
+                  "%s: refusing %s: its proof of the channel's shared secret is wrong",
+                  endpoint_.display, c.peer);
+    SendError(c, absl::StatusCode::kPermissionDenied,
+              absl::StrFormat("the publisher at port %d (%s) of channel \"%s\" refused this "
+                              "subscriber: its proof of the channel's shared secret is wrong (a "
+                              "different secret)",
+                              endpoint_.port, description_, endpoint_.channel));
+    return;
+  }
+  Welcome(c);
+}
+
+void UcxPublisher::Welcome(Conn& c) {
+  c.greeted = true;
   // Where UCP would emulate gets in software (tcp, ud), this worker would answer them, and UCX
   // 1.13 aborts the process when it answers a get of a subscriber that is gone (a get request
   // still queued on the socket of a subscriber that timed out or was killed while this process
@@ -885,12 +939,15 @@ void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
 }
 
 void UcxPublisher::Handle(Conn& c, const Frame& f) {
+  if (c.closing) return;  // an ERROR is on its way out: what the peer sent after it is moot
   if (!c.greeted) {
-    if (f.type != MsgType::kHello) {
-      c.dead = true;
-      return;
+    if (c.challenged && f.type == MsgType::kProof) {
+      HandleProof(c, f);
+    } else if (!c.challenged && f.type == MsgType::kHello) {
+      HandleHello(c, f);
+    } else {
+      c.dead = true;  // anything else before WELCOME: not a subscriber (or not an honest one)
     }
-    HandleHello(c, f);
     return;
   }
   Reader r(f.payload);

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <map>
 
 #include "absl/strings/str_format.h"
@@ -353,9 +354,42 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline, std::string_view 
   Writer hello(MsgType::kHello);
   hello.Str(kMagic).U32(kProtocolVersion).Str(endpoint_.channel).U64(subscriber_id_);
   hello.Str(description_);
+  const Nonce nonce = RandomNonce();
+  if (options_.key) hello.Str(AsText(nonce));
   absl::Status sent = s->control.Send(std::move(hello).Finish(), connect_deadline);
   absl::StatusOr<Frame> answer =
       sent.ok() ? s->control.Receive(connect_deadline) : absl::StatusOr<Frame>(sent);
+  if (answer.ok() && answer->type == MsgType::kChallenge) {
+    // A shared-secret channel: the publisher proves the secret first, then this subscriber.
+    if (!options_.key) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s: %s requires the channel's shared secret: configure secret_file or secret_env",
+          endpoint_.display, s->control.peer()));
+    }
+    Reader c(answer->payload);
+    const std::string publisher_nonce_text = c.Str();
+    const std::string publisher_proof = c.Str();
+    Nonce publisher_nonce{};
+    const bool sized = publisher_nonce_text.size() == publisher_nonce.size();
+    if (sized) std::memcpy(publisher_nonce.data(), publisher_nonce_text.data(), 32);
+    if (!c.ok() || !sized ||
+        !ProofMatches(HandshakeProof(*options_.key, "publisher", nonce, publisher_nonce),
+                      publisher_proof)) {
+      return absl::PermissionDeniedError(absl::StrFormat(
+          "%s: %s failed to prove the channel's shared secret (a publisher with another "
+          "secret, or another process on its port); refusing it",
+          endpoint_.display, s->control.peer()));
+    }
+    const auto proof = HandshakeProof(*options_.key, "subscriber", publisher_nonce, nonce);
+    sent = s->control.Send(Writer(MsgType::kProof).Str(AsText(proof)).Finish(), connect_deadline);
+    answer = sent.ok() ? s->control.Receive(connect_deadline) : absl::StatusOr<Frame>(sent);
+  } else if (answer.ok() && answer->type == MsgType::kWelcome && options_.key) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "%s: %s did not authenticate itself with the channel's shared secret (WELCOME without "
+        "CHALLENGE: a publisher without the secret, or another process on its port); refusing "
+        "it",
+        endpoint_.display, s->control.peer()));
+  }
   if (!answer.ok()) {
     return absl::UnavailableError(absl::StrFormat(
         "%s: %s accepted the connection but did not greet within the connect timeout: %s",

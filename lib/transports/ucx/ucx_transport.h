@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/config.h"
+#include "core/secret.h"
 #include "core/transport.h"
 #include "core/uri.h"
 
@@ -49,6 +50,9 @@ struct UcxOptions {
   uint64_t max_region = 0;
   int64_t copy_threads = 0;
   bool cuda_staging = false;
+  // The channel's key (core settings secret_file / secret_env): peers prove it to each other
+  // before the publisher sends any manifest or memory key (docs/SECURITY.md).
+  std::optional<ChannelKey> key;
 };
 absl::StatusOr<UcxOptions> ReadOptions(const Endpoint& endpoint, const Config& config);
 

@@ -503,15 +503,12 @@ absl::Status UcxPublisher::CopyIntoSlot(const std::vector<Region>& regions, Publ
 
 std::string UcxPublisher::BuildGrantBody(const Slot& slot, const Manifest& manifest,
                                          const std::vector<uint64_t>& offsets) const {
-  Writer w(MsgType::kGrant);
-  w.U64(manifest.version).Str(manifest.ToJson()).U32(static_cast<uint32_t>(slot.regions.size()));
+  GrantBody body{manifest.version, manifest.ToJson(), {}, offsets};
   for (const Region& r : slot.regions) {
-    w.U64(r.id).U64(r.base).U64(reinterpret_cast<uintptr_t>(r.mem->data())).U64(r.mem->size());
-    w.Str(r.rkey);
+    body.regions.push_back(GrantRegion{r.id, r.base, reinterpret_cast<uintptr_t>(r.mem->data()),
+                                       r.mem->size(), r.rkey});
   }
-  w.U32(static_cast<uint32_t>(offsets.size()));
-  for (uint64_t o : offsets) w.U64(o);
-  return std::move(w).Body();
+  return EncodeGrantBody(body);
 }
 
 absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
@@ -735,23 +732,21 @@ void UcxPublisher::Accept() {
 }
 
 void UcxPublisher::SendError(Conn& c, absl::StatusCode code, const std::string& message) {
-  c.out += Writer(MsgType::kError).U32(static_cast<uint32_t>(code)).Str(message).Finish();
+  c.out += Encode(ErrorMsg{static_cast<uint32_t>(code), message});
   c.closing = true;
 }
 
 void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
-  Reader r(f.payload);
-  const std::string magic = r.Str();
-  const uint32_t protocol = r.U32();
-  const std::string channel = r.Str();
-  const uint64_t subscriber_id = r.U64();
-  const std::string who = r.Str();
-  if (!r.ok() || magic != kMagic) {
+  absl::StatusOr<HelloMsg> hello = DecodeHello(f.payload);
+  if (!hello.ok() || hello->magic != kMagic) {
     Log(LogLevel::kInfo, "%s: %s is not a weightbus subscriber; disconnecting it",
         endpoint_.display, c.peer);
     c.dead = true;
     return;
   }
+  const uint32_t protocol = hello->protocol;
+  const std::string& channel = hello->channel;
+  const std::string& who = hello->description;
   c.peer = absl::StrFormat("subscriber %s at %s", who, c.peer.substr(strlen("subscriber at ")));
   if (protocol != kProtocolVersion) {
     SendError(c, absl::StatusCode::kFailedPrecondition,
@@ -766,7 +761,7 @@ void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
     return;
   }
   c.greeted = true;
-  c.subscriber_id = subscriber_id;
+  c.subscriber_id = hello->subscriber_id;
   // Where UCP would emulate gets in software (tcp, ud), this worker would answer them, and UCX
   // 1.13 aborts the process when it answers a get of a subscriber that is gone (a get request
   // still queued on the socket of a subscriber that timed out or was killed while this process
@@ -775,12 +770,10 @@ void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
   // connection instead, and no UCP endpoint connects the two.
   const bool local = PeerIsLocal(c.fd.get());
   c.bytes_over_control = local ? !(rma_.one_host || rma_.network) : !rma_.network;
-  Writer w(MsgType::kWelcome);
-  w.U32(kProtocolVersion).U64(session_id_).Str(worker_address_);
-  w.U64(static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)));
-  w.U8(newest_ != nullptr).U64(newest_ ? newest_->version : 0).Str(description_);
-  w.U8(c.bytes_over_control);
-  c.out += std::move(w).Finish();
+  c.out += Encode(WelcomeMsg{kProtocolVersion, session_id_, worker_address_,
+                             static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)),
+                             newest_ != nullptr, newest_ ? newest_->version : 0, description_,
+                             c.bytes_over_control});
   Log(LogLevel::kInfo, "%s: %s connected", endpoint_.display, c.peer);
 }
 
@@ -793,36 +786,44 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
     HandleHello(c, f);
     return;
   }
-  Reader r(f.payload);
+  // A malformed message disconnects its sender (logged with the decoder's words).
+  absl::Status malformed;
+  auto decoded = [&](auto m) {
+    if (!m.ok()) malformed = m.status();
+    return m;
+  };
   switch (f.type) {
     case MsgType::kWait: {
+      absl::StatusOr<WaitMsg> m = decoded(DecodeWait(f.payload));
+      if (!m.ok()) break;
       PendingWait w;
-      w.request = r.U64();
-      w.version = r.U64();
-      const uint8_t mode = r.U8();
-      w.exact = mode == 1;
-      w.now = mode == 2;
-      if (r.ok()) c.waits.push_back(w);
+      w.request = m->request;
+      w.version = m->version;
+      w.exact = m->mode == kWaitExact;
+      w.now = m->mode == kWaitNewestNow;
+      c.waits.push_back(w);
       break;
     }
     case MsgType::kCancel: {
-      const uint64_t request = r.U64();
-      std::erase_if(c.waits, [&](const PendingWait& w) { return w.request == request; });
+      absl::StatusOr<CancelMsg> m = decoded(DecodeCancel(f.payload));
+      if (!m.ok()) break;
+      std::erase_if(c.waits, [&](const PendingWait& w) { return w.request == m->request; });
       break;
     }
     case MsgType::kRenew: {
-      const uint64_t id = r.U64();
-      if (!r.ok()) break;
+      absl::StatusOr<RenewMsg> m = decoded(DecodeRenew(f.payload));
+      if (!m.ok()) break;
+      const uint64_t id = m->lease;
       auto it = leases_.find(id);
       const bool valid = it != leases_.end() && it->second.conn == c.id;
       if (valid) it->second.expiry = MonotonicNow() + options_.lease;
-      c.out += Writer(MsgType::kRenewed).U64(id).U8(valid).Finish();
+      c.out += Encode(RenewedMsg{id, valid});
       break;
     }
     case MsgType::kRelease: {
-      const uint64_t id = r.U64();
-      const bool ack = r.U8() != 0;
-      if (!r.ok()) break;
+      absl::StatusOr<ReleaseMsg> m = decoded(DecodeRelease(f.payload));
+      if (!m.ok()) break;
+      const uint64_t id = m->lease;
       auto it = leases_.find(id);
       const bool valid = it != leases_.end() && it->second.conn == c.id;
       if (valid) {
@@ -830,24 +831,25 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
         ++changes_;
         leases_.erase(it);
       }
-      if (ack) c.out += Writer(MsgType::kReleased).U64(id).U8(valid).Finish();
+      if (m->ack) c.out += Encode(ReleasedMsg{id, valid});
       break;
     }
     case MsgType::kAccepted: {
-      const uint64_t v = r.U64();
-      if (!r.ok()) break;
-      auto [it, inserted] = receivers_.emplace(c.subscriber_id, v);
-      if (!inserted) it->second = std::max(it->second, v);
+      absl::StatusOr<AcceptedMsg> m = decoded(DecodeAccepted(f.payload));
+      if (!m.ok()) break;
+      auto [it, inserted] = receivers_.emplace(c.subscriber_id, m->version);
+      if (!inserted) it->second = std::max(it->second, m->version);
       ++changes_;
       break;
     }
     case MsgType::kRead: {
+      absl::StatusOr<ReadMsg> m = decoded(DecodeRead(f.payload));
+      if (!m.ok()) break;
       PendingRead read;
-      read.request = r.U64();
-      read.lease = r.U64();
-      read.offset = r.U64();
-      read.length = r.U64();
-      if (!r.ok()) break;
+      read.request = m->request;
+      read.lease = m->lease;
+      read.offset = m->offset;
+      read.length = m->length;
       if (c.reads.size() >= 4096) {  // a subscriber keeps at most gets_in_flight (<= 1024) out
         Log(LogLevel::kWarn, "%s: %s has more than 4096 READs outstanding; disconnecting it",
             endpoint_.display, c.peer);
@@ -858,16 +860,14 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       break;
     }
     case MsgType::kList: {
-      const uint64_t request = r.U64();
-      std::vector<uint64_t> versions;
+      absl::StatusOr<ListMsg> m = decoded(DecodeList(f.payload));
+      if (!m.ok()) break;
+      VersionsMsg answer{m->request, {}};
       for (const auto& s : slots_) {
-        if (s->state == Slot::State::kReady) versions.push_back(s->version);
+        if (s->state == Slot::State::kReady) answer.versions.push_back(s->version);
       }
-      std::sort(versions.begin(), versions.end());
-      Writer w(MsgType::kVersions);
-      w.U64(request).U32(static_cast<uint32_t>(versions.size()));
-      for (uint64_t v : versions) w.U64(v);
-      c.out += std::move(w).Finish();
+      std::sort(answer.versions.begin(), answer.versions.end());
+      c.out += Encode(answer);
       break;
     }
     default:
@@ -876,9 +876,9 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       c.dead = true;
       break;
   }
-  if (!r.ok()) {
-    Log(LogLevel::kWarn, "%s: %s sent a truncated %s message; disconnecting it", endpoint_.display,
-        c.peer, std::string(MsgTypeName(f.type)));
+  if (!malformed.ok()) {
+    Log(LogLevel::kWarn, "%s: %s sent a %s; disconnecting it", endpoint_.display, c.peer,
+        std::string(malformed.message()));
     c.dead = true;
   }
 }
@@ -897,26 +897,20 @@ void UcxPublisher::ServeWaits(Conn& c) {
           if (s->state == Slot::State::kReady) held.push_back(s->version);
         }
         std::sort(held.begin(), held.end());
-        c.out +=
-            Writer(MsgType::kRefused)
-                .U64(w.request)
-                .U32(static_cast<uint32_t>(absl::StatusCode::kNotFound))
-                .Str(absl::StrFormat("the publisher no longer holds version %d (it holds: "
-                                     "%s)",
-                                     w.version, held.empty() ? "none" : absl::StrJoin(held, ", ")))
-                .Finish();
+        c.out += Encode(RefusedMsg{
+            w.request, static_cast<uint32_t>(absl::StatusCode::kNotFound),
+            absl::StrFormat("the publisher no longer holds version %d (it holds: %s)", w.version,
+                            held.empty() ? "none" : absl::StrJoin(held, ", "))});
         it = c.waits.erase(it);
         continue;
       }
     } else if (newest_ != nullptr && newest_->version >= w.version) {
       slot = newest_;
     } else if (w.now) {
-      c.out += Writer(MsgType::kRefused)
-                   .U64(w.request)
-                   .U32(static_cast<uint32_t>(absl::StatusCode::kDeadlineExceeded))
-                   .Str(absl::StrFormat("no version >= %d yet (newest: %s)", w.version,
-                                        newest_ ? std::to_string(newest_->version) : "none"))
-                   .Finish();
+      c.out +=
+          Encode(RefusedMsg{w.request, static_cast<uint32_t>(absl::StatusCode::kDeadlineExceeded),
+                            absl::StrFormat("no version >= %d yet (newest: %s)", w.version,
+                                            newest_ ? std::to_string(newest_->version) : "none")});
       it = c.waits.erase(it);
       continue;
     }
@@ -931,26 +925,20 @@ void UcxPublisher::ServeWaits(Conn& c) {
 
 void UcxPublisher::Grant(Conn& c, const PendingWait& w, Slot& slot) {
   if (absl::Status s = failpoints_.Hit("ucx.before_grant"); !s.ok()) {
-    c.out += Writer(MsgType::kRefused)
-                 .U64(w.request)
-                 .U32(static_cast<uint32_t>(s.code()))
-                 .Str(std::string(s.message()))
-                 .Finish();
+    c.out +=
+        Encode(RefusedMsg{w.request, static_cast<uint32_t>(s.code()), std::string(s.message())});
     return;
   }
   const uint64_t id = next_lease_++;
   leases_[id] = Lease{&slot, c.id, slot.version, MonotonicNow() + options_.lease};
   ++slot.leases;
-  Writer g(MsgType::kGrant);
-  g.U64(w.request).U64(id).U64(static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)));
-  g.Raw(slot.grant_body);
   std::vector<uint64_t> live;
   for (const auto& s : slots_) {
     for (const Region& r : s->regions) live.push_back(r.id);
   }
-  g.U32(static_cast<uint32_t>(live.size()));
-  for (uint64_t l : live) g.U64(l);
-  c.out += std::move(g).Finish();
+  c.out +=
+      EncodeGrant(w.request, id, static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)),
+                  slot.grant_body, live);
 }
 
 void UcxPublisher::ServeReads(Conn& c) {
@@ -959,7 +947,7 @@ void UcxPublisher::ServeReads(Conn& c) {
     const PendingRead read = c.reads.front();
     c.reads.pop_front();
     auto refuse = [&](const std::string& why) {
-      c.out += Writer(MsgType::kData).U64(read.request).U8(0).Str(why).Finish();
+      c.out += Encode(DataMsg{read.request, false, why});
     };
     auto it = leases_.find(read.lease);
     if (it == leases_.end() || it->second.conn != c.id) {
@@ -992,11 +980,7 @@ void UcxPublisher::ServeReads(Conn& c) {
       }
       bytes = host.data();
     }
-    c.out += Writer(MsgType::kData)
-                 .U64(read.request)
-                 .U8(1)
-                 .Str(std::string_view(bytes, read.length))
-                 .Finish();
+    c.out += Encode(DataMsg{read.request, true, std::string_view(bytes, read.length)});
     reads_served_.fetch_add(1, std::memory_order_relaxed);
   }
 }

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Replay driver for the safetensors fuzz target, for compilers without libFuzzer (and for CTest).
 //
-//   safetensors_fuzz_replay [--mutations=N] [--write-seeds=DIR] PATH...
+//   safetensors_fuzz_replay [--mutations=N] [--write-seeds=DIR] [--regressions=DIR] PATH...
 //
 // Runs LLVMFuzzerTestOneInput on built-in seeds, on every file given (a directory stands for the
 // regular files directly inside it), and on N deterministic mutations (fixed seed) of each of
@@ -198,15 +198,6 @@ std::string Mutate(const std::string& input, Rng& rng) {
   return out;
 }
 
-bool ReadWhole(const fs::path& path, std::string* out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  *out = ss.str();
-  return true;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -226,23 +217,10 @@ int main(int argc, char** argv) {
       }
       continue;
     }
-    std::error_code ec;
-    std::vector<fs::path> files;
-    if (fs::is_directory(arg, ec)) {
-      for (const auto& entry : fs::directory_iterator(arg)) {
-        if (entry.is_regular_file()) files.push_back(entry.path());
-      }
-      std::sort(files.begin(), files.end());
-    } else {
-      files.push_back(arg);
-    }
-    for (const fs::path& file : files) {
-      std::string bytes;
-      if (!ReadWhole(file, &bytes)) {
-        std::fprintf(stderr, "safetensors_fuzz_replay: cannot read %s\n", file.c_str());
-        return 2;
-      }
-      inputs.emplace_back(file.string(), std::move(bytes));
+    const bool optional = arg.rfind("--regressions=", 0) == 0;
+    if (!weightbus::fuzz::ReadInputs(optional ? arg.substr(14) : arg, optional,
+                                     "safetensors_fuzz_replay", &inputs)) {
+      return 2;
     }
   }
 

@@ -352,8 +352,11 @@ class Fields {
   }
 
  private:
+  // The value read, or T{} once anything failed (a count read after a failure must not be used
+  // to size anything).
   template <typename T>
   T Keep(absl::StatusOr<T> v) {
+    if (!status_.ok()) return T{};
     if (v.ok()) return *v;
     if (status_.ok()) status_ = v.status();
     return T{};

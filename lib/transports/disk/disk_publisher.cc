@@ -211,7 +211,8 @@ absl::Status DiskPublisher::CheckStillOwner(uint64_t version) const {
 absl::Status DiskPublisher::WriteFile(int dir_fd, const std::string& dir, const FilePlan& plan,
                                       PublishJob& job, absl::Time deadline) {
   const std::string path = absl::StrFormat("%s/%s", dir, plan.name);
-  WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenAt(dir_fd, plan.name, O_WRONLY | O_CREAT | O_EXCL, path));
+  WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenAt(dir_fd, plan.name, O_WRONLY | O_CREAT | O_EXCL, path,
+                                          channel_.modes().file));
   const uint64_t size = plan.layout.file_size();
   // Reserve every block first: a full disk fails here, before any data moves.
   if (size > 0) {
@@ -328,9 +329,7 @@ absl::Status DiskPublisher::Publish(PublishJob& job, absl::Time deadline) {
   // rename and the commit.
   WB_RETURN_IF_ERROR(CheckStillOwner(version));
   WB_RETURN_IF_ERROR(RemoveTreeAt(vfd, tmp_name, tmp));
-  if (::mkdirat(vfd, tmp_name.c_str(), 0755) != 0) {
-    return ErrnoStatus(errno, absl::StrFormat("create %s", tmp));
-  }
+  WB_RETURN_IF_ERROR(MakeDirAt(vfd, tmp_name, channel_.modes().dir, /*exist_ok=*/false, tmp));
   bool renamed = false, committed = false;
   absl::Cleanup cleanup = [&] {
     if (committed) return;
@@ -349,8 +348,9 @@ absl::Status DiskPublisher::Publish(PublishJob& job, absl::Time deadline) {
 
   const absl::Time written = absl::Now();
   WB_ASSIGN_OR_RETURN(const Manifest* manifest, job.SealedManifest(deadline));
+  const mode_t file_mode = channel_.modes().file;
   WB_RETURN_IF_ERROR(WriteSmallFileAt(tmp_fd.get(), kManifestFile, manifest->ToJson(), sync_,
-                                      absl::StrFormat("%s/%s", tmp, kManifestFile)));
+                                      absl::StrFormat("%s/%s", tmp, kManifestFile), file_mode));
   if (files.size() > 1) {
     nlohmann::ordered_json index;
     index["metadata"]["total_size"] = manifest->total_bytes();
@@ -360,10 +360,10 @@ absl::Status DiskPublisher::Publish(PublishJob& job, absl::Time deadline) {
       for (size_t i : plan.tensors) map[manifest->tensors[i].name] = plan.name;
     }
     WB_RETURN_IF_ERROR(WriteSmallFileAt(tmp_fd.get(), kIndexFile, index.dump(2), sync_,
-                                        absl::StrFormat("%s/%s", tmp, kIndexFile)));
+                                        absl::StrFormat("%s/%s", tmp, kIndexFile), file_mode));
   }
   WB_RETURN_IF_ERROR(WriteSmallFileAt(tmp_fd.get(), kReaderLock, "", false,
-                                      absl::StrFormat("%s/%s", tmp, kReaderLock)));
+                                      absl::StrFormat("%s/%s", tmp, kReaderLock), file_mode));
   if (sync_) WB_RETURN_IF_ERROR(FsyncFd(tmp_fd.get(), tmp));
   const absl::Time sealed = absl::Now();
   WB_RETURN_IF_ERROR(failpoints_.Hit("disk.before_rename"));
@@ -489,19 +489,25 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenDiskPublisher(const Uri&
   WB_ASSIGN_OR_RETURN(std::string root, ChannelRoot(uri));
   const int64_t retention = config.Int("retention");  // >= 1 (DiskSettings)
   // The root's own path is the user's to name (links in it are followed); inside it nothing is.
-  WB_RETURN_IF_ERROR(MakeDirs(root));
-  WB_ASSIGN_OR_RETURN(Channel channel, Channel::Open(root));
-  if (::mkdirat(channel.fd(), kVersionsDir, 0755) != 0 && errno != EEXIST) {
-    return ErrnoStatus(errno, absl::StrFormat("create directory %s", channel.VersionsDir()));
-  }
+  const Modes modes = ChannelModes(config.Bool("group_access"));
+  WB_RETURN_IF_ERROR(MakeDirs(root, modes.dir));
+  WB_ASSIGN_OR_RETURN(Channel channel, Channel::Open(root, modes));
+  WB_RETURN_IF_ERROR(
+      MakeDirAt(channel.fd(), kVersionsDir, modes.dir, /*exist_ok=*/true, channel.VersionsDir()));
   WB_ASSIGN_OR_RETURN(UniqueFd versions, channel.OpenVersionsDir());
   const std::string lock_path = channel.Path(kPublisherLock);
-  WB_ASSIGN_OR_RETURN(UniqueFd lock,
-                      OpenAt(channel.fd(), kPublisherLock, O_RDWR | O_CREAT, lock_path));
+  WB_ASSIGN_OR_RETURN(
+      UniqueFd lock, OpenAt(channel.fd(), kPublisherLock, O_RDWR | O_CREAT, lock_path, modes.file));
   struct stat lock_stat;
   if (::fstat(lock.get(), &lock_stat) != 0 || !S_ISREG(lock_stat.st_mode)) {
     return absl::FailedPreconditionError(
         absl::StrFormat("%s is not a regular file; remove it", lock_path));
+  }
+  // The lock holds the holder's description: it gets the channel's file mode like the rest
+  // (whether just created or left by an earlier publisher of this user).
+  if (lock_stat.st_uid == ::geteuid() && (lock_stat.st_mode & 07777) != modes.file &&
+      ::fchmod(lock.get(), modes.file) != 0) {
+    return ErrnoStatus(errno, absl::StrFormat("chmod %s to %o", lock_path, modes.file));
   }
   lock.CloseInForkedChildren();  // a forked child's copy would hold the lock after we let go
   if (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {

@@ -175,7 +175,7 @@ void WriteUcxSeeds(const fs::path& dir, const std::vector<std::string>& manifest
 
 int main(int argc, char** argv) {
   if (argc != 3) Fail("usage: fuzz_seeds OUTDIR STORIES260K_BIN");
-  const fs::path out = argv[1];
+  const fs::path out = fs::absolute(argv[1]);
   const fs::path work = out / ".work";
   std::error_code ec;
   fs::remove_all(work, ec);

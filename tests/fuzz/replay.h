@@ -69,6 +69,22 @@ inline void ReplayOne(const std::string& name, const std::string& bytes) {
   LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
 }
 
+// The mutations' random numbers: splitmix64 of a fixed seed, so every run replays the same inputs.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t Next() {
+    uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  size_t Below(size_t n) { return n == 0 ? 0 : static_cast<size_t>(Next() % n); }
+
+ private:
+  uint64_t state_;
+};
+
 // One input: a name for messages and its bytes.
 using Input = std::pair<std::string, std::string>;
 

@@ -29,20 +29,7 @@
 
 namespace {
 
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : state_(seed) {}
-  uint64_t Next() {  // splitmix64
-    uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  size_t Below(size_t n) { return n == 0 ? 0 : static_cast<size_t>(Next() % n); }
-
- private:
-  uint64_t state_;
-};
+using weightbus::fuzz::Rng;
 
 std::string Mutate(std::string s, Rng& rng) {
   const size_t ops = 1 + rng.Below(3);

@@ -99,21 +99,7 @@ std::vector<std::pair<std::string, std::string>> BuiltinSeeds() {
   };
 }
 
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : state_(seed) {}
-  uint64_t Next() {
-    state_ += 0x9e3779b97f4a7c15ull;
-    uint64_t z = state_;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  size_t Below(size_t n) { return n == 0 ? 0 : static_cast<size_t>(Next() % n); }
-
- private:
-  uint64_t state_;
-};
+using weightbus::fuzz::Rng;
 
 // Bytes that matter to the parser: JSON syntax, digits, signs, and UTF-8 edge bytes.
 constexpr char kInteresting[] =

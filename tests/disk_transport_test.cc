@@ -292,6 +292,21 @@ TEST(DiskTransportTest, InvalidTensorsAreRejectedByName) {
   EXPECT_EQ((*u)->manifest().tensors[0].shard->offsets, std::vector<int64_t>{2});
 }
 
+// More tensors than a version may hold (kMaxTensors) is refused before anything is written.
+TEST(DiskTransportTest, MoreTensorsThanTheLimitIsInvalidArgument) {
+  ScratchDir dir;
+  auto pub = Publisher::Open(Uri(dir));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  std::vector<TensorView> views(kMaxTensors + 1, TensorView{"t", DType::kU8, {0}});
+  const absl::Status s = (*pub)->Publish(1, views, {}, kTimeout);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(std::string(s.message()),
+            absl::StrFormat("disk://%s/channel version 1 has 1048577 tensors, more than the limit "
+                            "of 1048576",
+                            dir.path()));
+  EXPECT_EQ(testing::ListTree(dir.path() + "/channel/versions"), std::vector<std::string>{});
+}
+
 TEST(DiskTransportTest, WaitTimesOutNamingWhatItWaitedFor) {
   ScratchDir dir;
   auto sub = Subscriber::Open(Uri(dir));

@@ -297,7 +297,7 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline, std::string_view 
       }
       if (!f->has_value()) break;
       HandleStray(**f);
-      if (!session_) return absl::OkStatus();  // an ERROR frame; caller reconnects below
+      if (!session_) break;  // an ERROR frame ended the session: reconnect below
     }
     if (alive.ok() && session_) return absl::OkStatus();
     Log(LogLevel::kInfo, "%s: reconnecting (%s)", endpoint_.display, std::string(alive.message()));

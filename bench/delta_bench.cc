@@ -436,45 +436,38 @@ int Main(int argc, char** argv) {
   bool no_zstd_cli = false;
   std::string work = (std::filesystem::temp_directory_path() / "wb-delta-bench").string();
   std::string json;
-  CLI::App app(
+  Command app(
+      "weightbus-delta-bench",
       "weightbus-delta-bench: the delta codec on realistic bf16 update streams (stories260K with "
       "real gradients, a synthetic Qwen2.5-0.5B with Adam), against zstd on the same bytes. "
-      "Output follows nccl-tests and ends with \"# OK\" or \"# FAILED: ...\".",
-      "weightbus-delta-bench");
-  app.add_option("--streams", streams, "update streams to run")
-      ->delimiter(',')
-      ->allow_extra_args(false)
-      ->check(CLI::IsMember({"stories", "qwen"}))
-      ->type_name("NAME,...")
-      ->default_str("stories,qwen");
-  app.add_option("--lrs", lrs, "Adam learning rates, one stream each")
-      ->delimiter(',')
-      ->allow_extra_args(false)
-      ->check(PositiveNumber())
-      ->type_name("LR,...")
-      ->default_str("1e-6,3e-6,1e-5");
-  AddFlag(app, "stories-steps", &stories_steps, "training steps of the stories stream")
-      ->check(CLI::Range(1, 1000000).description(""));
-  AddFlag(app, "qwen-steps", &qwen_steps, "steps of the qwen stream")
-      ->check(CLI::Range(1, 1000000).description(""));
-  AddFlag(app, "scale", &scale, "scale the qwen model's tensors by this factor")
-      ->check(PositiveNumber());
-  AddFlag(app, "keyframe-interval", &keyframe_interval,
+      "Output follows nccl-tests and ends with \"# OK\" or \"# FAILED: ...\".");
+  app.AddList("streams", &streams, "update streams to run")
+      .OneOf({"stories", "qwen"})
+      .TypeName("NAME,...")
+      .DefaultText("stories,qwen");
+  app.AddList("lrs", &lrs, "Adam learning rates, one stream each")
+      .Positive()
+      .TypeName("LR,...")
+      .DefaultText("1e-6,3e-6,1e-5");
+  app.Add("stories-steps", &stories_steps, "training steps of the stories stream")
+      .InRange(1, 1000000);
+  app.Add("qwen-steps", &qwen_steps, "steps of the qwen stream").InRange(1, 1000000);
+  app.Add("scale", &scale, "scale the qwen model's tensors by this factor").Positive();
+  app.Add("keyframe-interval", &keyframe_interval,
           "a keyframe every K versions (0: only the first)")
-      ->check(CLI::Range(0, 1000000).description(""));
-  AddSizeFlag(app, "chunk-size", &options.chunk_size, "the codec's chunk");
-  AddFlag(app, "zstd-level", &options.zstd_level,
+      .InRange(0, 1000000);
+  app.AddSize("chunk-size", &options.chunk_size, "the codec's chunk");
+  app.Add("zstd-level", &options.zstd_level,
           "0: the codec's own zstd configuration; 1..22: that zstd level")
-      ->check(CLI::Range(0, 22).description(""));
-  AddFlag(app, "groups", &options.max_groups, "most magnitude groups of the sparse method (1..4)")
-      ->check(CLI::Range(1, 4).description(""));
-  AddFlag(app, "seed", &seed, "the update streams' random seed");
-  AddFlag(app, "work", &work, "scratch directory")->type_name("DIR");
-  AddFlag(app, "python", &python, "interpreter with torch for the stories stream")
-      ->type_name("PATH");
-  app.add_flag("--no-zstd-cli", no_zstd_cli, "leave the zstd CLI baseline out");
-  AddFlag(app, "json", &json, "write every figure to this file")->type_name("FILE");
-  if (std::optional<int> exit_status = ParseFlags(app, argc, argv)) return *exit_status;
+      .InRange(0, 22);
+  app.Add("groups", &options.max_groups, "most magnitude groups of the sparse method (1..4)")
+      .InRange(1, 4);
+  app.Add("seed", &seed, "the update streams' random seed");
+  app.Add("work", &work, "scratch directory").TypeName("DIR");
+  app.Add("python", &python, "interpreter with torch for the stories stream").TypeName("PATH");
+  app.AddSwitch("no-zstd-cli", &no_zstd_cli, "leave the zstd CLI baseline out");
+  app.Add("json", &json, "write every figure to this file").TypeName("FILE");
+  if (std::optional<int> exit_status = app.Parse(argc, argv)) return *exit_status;
   const bool zstd_cli = !no_zstd_cli;
   std::filesystem::create_directories(work);
   const std::string shm = std::filesystem::exists("/dev/shm") ? "/dev/shm" : work;

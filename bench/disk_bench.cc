@@ -172,26 +172,22 @@ int Main(int argc, char** argv) {
   int reps = 3;
   std::string python = "/usr/bin/python3";
   bool no_torch = false, no_cold = false;
-  CLI::App app(
+  Command app(
+      "weightbus-disk-bench",
       "weightbus-disk-bench: durable publish and subscribe of a synthetic ~1 GiB bf16 model with "
       "Qwen2.5-0.5B's tensor shapes over disk://, against memcpy, dd, pread and torch.save/load "
       "on the same directory in the same run. Output follows nccl-tests and ends with \"# OK\" "
-      "or \"# FAILED: ...\".",
-      "weightbus-disk-bench");
-  AddFlag(app, "dir", &dir,
-          "where the channel and baselines write (default: $TMPDIR/wb-disk-bench-PID)")
-      ->type_name("DIR");
-  AddFlag(app, "shapes", &shapes_path, "tensor shapes (JSON)")->type_name("FILE");
-  AddFlag(app, "scale", &scale, "scale every tensor's elements by this factor")
-      ->check(PositiveNumber());
-  AddFlag(app, "reps", &reps, "repetitions per figure (median)")
-      ->check(CLI::Range(1, 100000).description(""));
-  AddFlag(app, "json", &json, "write every row to this file")->type_name("FILE");
-  AddFlag(app, "python", &python, "interpreter with torch for the torch baseline")
-      ->type_name("PATH");
-  app.add_flag("--no-torch", no_torch, "leave the torch.save/torch.load baseline out");
-  app.add_flag("--no-cold", no_cold, "leave the cold page cache figures out");
-  if (std::optional<int> exit_status = ParseFlags(app, argc, argv)) return *exit_status;
+      "or \"# FAILED: ...\".");
+  app.Add("dir", &dir, "where the channel and baselines write (default: $TMPDIR/wb-disk-bench-PID)")
+      .TypeName("DIR");
+  app.Add("shapes", &shapes_path, "tensor shapes (JSON)").TypeName("FILE");
+  app.Add("scale", &scale, "scale every tensor's elements by this factor").Positive();
+  app.Add("reps", &reps, "repetitions per figure (median)").InRange(1, 100000);
+  app.Add("json", &json, "write every row to this file").TypeName("FILE");
+  app.Add("python", &python, "interpreter with torch for the torch baseline").TypeName("PATH");
+  app.AddSwitch("no-torch", &no_torch, "leave the torch.save/torch.load baseline out");
+  app.AddSwitch("no-cold", &no_cold, "leave the cold page cache figures out");
+  if (std::optional<int> exit_status = app.Parse(argc, argv)) return *exit_status;
   if (dir.empty()) {
     dir = (std::filesystem::temp_directory_path() / absl::StrFormat("wb-disk-bench-%d", getpid()))
               .string();

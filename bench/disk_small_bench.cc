@@ -43,20 +43,19 @@ int Main(int argc, char** argv) {
   int reps = 3;
   std::string fsync = "true";
   std::string only;  // "many" or "few": that case alone
-  CLI::App app(
+  Command app(
+      "weightbus-disk-small-bench",
       "weightbus-disk-small-bench: publish time over disk:// of a version made of many small "
-      "tensors against the same bytes in few tensors.",
-      "weightbus-disk-small-bench");
-  AddFlag(app, "dir", &dir, "where the channels go (default: $TMPDIR/wb-small-bench-PID)")
-      ->type_name("DIR");
-  AddFlag(app, "small", &small, "small tensors (4..64 KiB each) in the \"many\" case");
-  AddFlag(app, "big", &big, "big tensors in both cases");
-  AddSizeFlag(app, "big-bytes", &big_bytes, "bytes of each big tensor");
-  AddFlag(app, "reps", &reps, "repetitions (median)")->check(CLI::Range(1, 100000).description(""));
-  AddFlag(app, "fsync", &fsync, "the channels' fsync setting")
-      ->check(CLI::IsMember({"true", "false"}));
-  AddFlag(app, "only", &only, "run one case alone")->check(CLI::IsMember({"many", "few"}));
-  if (std::optional<int> exit_status = ParseFlags(app, argc, argv)) return *exit_status;
+      "tensors against the same bytes in few tensors.");
+  app.Add("dir", &dir, "where the channels go (default: $TMPDIR/wb-small-bench-PID)")
+      .TypeName("DIR");
+  app.Add("small", &small, "small tensors (4..64 KiB each) in the \"many\" case");
+  app.Add("big", &big, "big tensors in both cases");
+  app.AddSize("big-bytes", &big_bytes, "bytes of each big tensor");
+  app.Add("reps", &reps, "repetitions (median)").InRange(1, 100000);
+  app.Add("fsync", &fsync, "the channels' fsync setting").OneOf({"true", "false"});
+  app.Add("only", &only, "run one case alone").OneOf({"many", "few"});
+  if (std::optional<int> exit_status = app.Parse(argc, argv)) return *exit_status;
   if (dir.empty()) {
     dir = (std::filesystem::temp_directory_path() / absl::StrFormat("wb-small-bench-%d", getpid()))
               .string();

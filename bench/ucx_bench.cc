@@ -188,37 +188,33 @@ int Main(int argc, char** argv) {
     std::string role, uri;
     uint64_t count = 1;
   } flags;
-  CLI::App app(
+  Command app(
+      "weightbus-ucx-bench",
       "weightbus-ucx-bench: ucx:// publish and pull of synthetic bf16 models with "
       "Qwen2.5-0.5B's tensor shapes, against ucx_perftest and memcpy in the same run, per UCX_TLS "
-      "setting. Output follows nccl-tests and ends with \"# OK\" or \"# FAILED: ...\".",
-      "weightbus-ucx-bench");
-  AddRepeatedFlag(app, "tls", &flags.tls,
+      "setting. Output follows nccl-tests and ends with \"# OK\" or \"# FAILED: ...\".");
+  app.AddRepeated("tls", &flags.tls,
                   "one UCX_TLS setting per flag (repeatable; tcp runs with UCX_NET_DEVICES=lo)")
-      ->default_str("posix,sysv,cma,self and tcp");
-  AddSizeListFlag(app, "sizes", &flags.sizes, "model sizes");
-  app.add_option("--subscribers", flags.subscribers, "subscriber process counts")
-      ->delimiter(',')
-      ->allow_extra_args(false)
-      ->check(CLI::Range(1, 1000).description(""))
-      ->type_name("N,...")
-      ->default_str("1,4");
-  AddSizeFlag(app, "multi-max-bytes", &flags.multi_max_bytes,
+      .DefaultText("posix,sysv,cma,self and tcp");
+  app.AddSizeList("sizes", &flags.sizes, "model sizes");
+  app.AddList("subscribers", &flags.subscribers, "subscriber process counts")
+      .InRange(1, 1000)
+      .TypeName("N,...")
+      .DefaultText("1,4");
+  app.AddSize("multi-max-bytes", &flags.multi_max_bytes,
               "runs with more than one subscriber only up to this model size");
-  AddFlag(app, "reps", &flags.reps, "measured versions per figure (median)")
-      ->check(CLI::Range(1, 100000).description(""));
-  AddFlag(app, "warmup", &flags.warmup, "versions before the measured ones")
-      ->check(CLI::Range(0, 100000).description(""));
-  AddFlag(app, "json", &flags.json, "write every row to this file")->type_name("FILE");
-  AddFlag(app, "perftest", &flags.perftest, "ucx_perftest (Debian's ucx-utils)")->type_name("PATH");
-  app.add_flag("--no-perftest", flags.no_perftest, "leave the ucx_perftest baseline out");
-  AddFlag(app, "shapes", &flags.shapes, "tensor shapes (JSON) to scale")->type_name("FILE");
-  app.add_flag("--read-weights", flags.read_weights,
-               "each subscriber reads every byte of a version before asking for the next");
-  AddFlag(app, "role", &flags.role, "")->check(CLI::IsMember({"subscriber"}))->group("");
-  AddFlag(app, "uri", &flags.uri, "")->group("");
-  AddFlag(app, "count", &flags.count, "")->group("");
-  if (std::optional<int> exit_status = ParseFlags(app, argc, argv)) return *exit_status;
+  app.Add("reps", &flags.reps, "measured versions per figure (median)").InRange(1, 100000);
+  app.Add("warmup", &flags.warmup, "versions before the measured ones").InRange(0, 100000);
+  app.Add("json", &flags.json, "write every row to this file").TypeName("FILE");
+  app.Add("perftest", &flags.perftest, "ucx_perftest (Debian's ucx-utils)").TypeName("PATH");
+  app.AddSwitch("no-perftest", &flags.no_perftest, "leave the ucx_perftest baseline out");
+  app.Add("shapes", &flags.shapes, "tensor shapes (JSON) to scale").TypeName("FILE");
+  app.AddSwitch("read-weights", &flags.read_weights,
+                "each subscriber reads every byte of a version before asking for the next");
+  app.Add("role", &flags.role, "").OneOf({"subscriber"}).Hidden();
+  app.Add("uri", &flags.uri, "").Hidden();
+  app.Add("count", &flags.count, "").Hidden();
+  if (std::optional<int> exit_status = app.Parse(argc, argv)) return *exit_status;
   if (flags.role == "subscriber") return SubscriberMain(flags.uri, flags.count, flags.read_weights);
   const std::vector<std::string>& tls_list = flags.tls;
   const std::vector<uint64_t>& sizes = flags.sizes;

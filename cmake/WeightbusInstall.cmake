@@ -18,6 +18,7 @@ install(FILES
     ${PROJECT_SOURCE_DIR}/include/weightbus/weightbus.hpp
     ${PROJECT_SOURCE_DIR}/include/weightbus/types.hpp
     ${PROJECT_SOURCE_DIR}/include/weightbus/manifest.hpp
+    ${PROJECT_SOURCE_DIR}/include/weightbus/placement.hpp
     ${PROJECT_SOURCE_DIR}/include/weightbus/safetensors.hpp
     ${PROJECT_SOURCE_DIR}/include/weightbus/export.h
     ${PROJECT_BINARY_DIR}/include/weightbus/version.h

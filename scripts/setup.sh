@@ -8,12 +8,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # python3-*: the Python bindings' tests and examples/rl_loop.py run with Debian's
-# /usr/bin/python3 (a pyenv or venv python3 first on PATH does not see these packages).
+# /usr/bin/python3 (a pyenv or venv python3 first on PATH does not see these packages);
+# python3-venv, -pip, -setuptools and -wheel: `pip install --no-build-isolation .` and its test
+# (pip_install), offline.
 packages=(cmake ninja-build g++ pkg-config
           libabsl-dev libzstd-dev libxxhash-dev liburing-dev nlohmann-json3-dev
           libgtest-dev libbenchmark-dev libcli11-dev libdlpack-dev libucx-dev ucx-utils zstd
           clang-format
-          python3 python3-numpy python3-torch python3-pytest ${SETUP_EXTRA_PACKAGES:-})
+          python3 python3-numpy python3-torch python3-pytest
+          python3-venv python3-pip python3-setuptools python3-wheel ${SETUP_EXTRA_PACKAGES:-})
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -27,7 +27,7 @@ fi
 grep -q ' T wb_subscriber_wait@@WEIGHTBUS_0$' <<< "$exports"
 grep -q 'SONAME.*libweightbus\.so\.0\]' <<< "$(readelf -d "$lib")"
 
-# find_package(weightbus)
+# find_package(weightbus); the consumer project sets no C++ standard (the target carries C++20).
 cmake -S "$src/tests/install" -B "$work/cmake" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" \
   -DCMAKE_BUILD_RPATH="$libdir" > "$work/cmake.log" || { cat "$work/cmake.log"; exit 1; }
 cmake --build "$work/cmake" > "$work/build.log" || { cat "$work/build.log"; exit 1; }
@@ -40,7 +40,8 @@ export PKG_CONFIG_PATH=$libdir/pkgconfig
 cc -std=c11 -Wall -Werror "$src/tests/install/consumer.c" -o "$work/pc_c" \
   $(pkg-config --cflags --libs weightbus) -Wl,-rpath,"$libdir"
 "$work/pc_c" "$work/ch_pc_c"
-c++ -std=c++20 "$src/tests/install/consumer.cc" -o "$work/pc_cxx" \
+# No -std here: weightbus-cpp's Cflags carry -std=c++20 (the headers need it).
+c++ "$src/tests/install/consumer.cc" -o "$work/pc_cxx" \
   $(pkg-config --cflags --libs weightbus-cpp) -Wl,-rpath,"$libdir"
 "$work/pc_cxx" "$work/ch_pc_cxx"
 

@@ -22,26 +22,26 @@ int main(int argc, char** argv) {
   // child's failure), not kill the bench.
   signal(SIGPIPE, SIG_IGN);
   weightbus::tools::SetFatalErrorPolicy({"weightbus-bench", 2, RunCleanup});
-  CLI::App app(
-      "weightbus-bench: which transport, and how much of a training step does weight "
-      "sync eat?",
-      "weightbus-bench");
-  app.require_subcommand(1);
-  CLI::App* run = app.add_subcommand(
+  weightbus::tools::Command app(
+      "weightbus-bench",
+      "weightbus-bench: which transport, and how much of a training step does weight sync eat?");
+  app.RequireSubcommands(1, 1);
+  weightbus::tools::Command& run = app.AddSubcommand(
       "run", "measure every transport built here side by side, with baselines in the same run");
-  CLI::App* model =
-      app.add_subcommand("model", "the analytic cost model of weight sync for a real cluster");
-  CLI::App* worker = app.add_subcommand("__worker", "run's child processes")->group("");
-  const Subcommand run_main = AddRunCommand(*run);
-  const Subcommand model_main = AddModelCommand(*model);
-  const Subcommand worker_main = AddWorkerCommand(*worker);
-  if (std::optional<int> exit_status = weightbus::tools::ParseFlags(app, argc, argv)) {
+  weightbus::tools::Command& model =
+      app.AddSubcommand("model", "the analytic cost model of weight sync for a real cluster");
+  weightbus::tools::Command& worker =
+      app.AddSubcommand("__worker", "run's child processes").Hidden();
+  const Subcommand run_main = AddRunCommand(run);
+  const Subcommand model_main = AddModelCommand(model);
+  const Subcommand worker_main = AddWorkerCommand(worker);
+  if (std::optional<int> exit_status = app.Parse(argc, argv)) {
     return *exit_status;
   }
   // The arguments after the subcommand's name (always the first argument: the bench itself has
   // no flags but --help).
   const std::vector<std::string> rest(argv + 2, argv + argc);
-  if (*run) return run_main(rest);
-  if (*model) return model_main(rest);
+  if (run.given()) return run_main(rest);
+  if (model.given()) return model_main(rest);
   return worker_main(rest);
 }

@@ -113,22 +113,23 @@ constexpr FlagDef kFlags[] = {
 // The flags as parsed: each one's text and whether it was given.
 class ModelFlags {
  public:
-  void AddTo(CLI::App& app) {
+  void AddTo(tools::Command& app) {
     for (const FlagDef& f : kFlags) {
-      const std::string name = std::string("--") + f.name;
       if (f.kind == FlagKind::kSwitch) {
-        options_[f.name] = app.add_flag(name, f.help)->group(f.group);
+        flags_.emplace(f.name, app.AddSwitch(f.name, &switches_[f.name], f.help).Group(f.group));
         continue;
       }
-      CLI::Option* o = app.add_option(name, text_[f.name], f.help)->type_name(f.value_name);
-      o->group(f.group);
-      if (f.kind == FlagKind::kNumber) o->check(NumberText());
-      if (f.kind == FlagKind::kCount)
-        o->check(tools::UnsignedText(std::numeric_limits<uint64_t>::max()));
-      options_[f.name] = o;
+      tools::Flag o = app.Add(f.name, &text_[f.name], f.help).TypeName(f.value_name).Group(f.group);
+      if (f.kind == FlagKind::kNumber) o.Check(NumberText);
+      if (f.kind == FlagKind::kCount) {
+        o.Check([](const std::string& text) {
+          return tools::UnsignedCheck(text, std::numeric_limits<uint64_t>::max());
+        });
+      }
+      flags_.emplace(f.name, o);
     }
   }
-  bool Has(const std::string& name) const { return options_.at(name)->count() > 0; }
+  bool Has(const std::string& name) const { return flags_.at(name).given(); }
   std::optional<std::string> Get(const std::string& name) const {
     if (!Has(name)) return std::nullopt;
     return text_.at(name);
@@ -142,18 +143,15 @@ class ModelFlags {
 
  private:
   // A number (also "inf"), not NaN.
-  static CLI::Validator NumberText() {
-    return CLI::Validator(
-        [](std::string& text) -> std::string {
-          double v = 0;
-          if (absl::SimpleAtod(text, &v) && !std::isnan(v)) return "";
-          return absl::StrFormat("\"%s\" is not a number", text);
-        },
-        "", "");
+  static std::string NumberText(const std::string& text) {
+    double v = 0;
+    if (absl::SimpleAtod(text, &v) && !std::isnan(v)) return "";
+    return absl::StrFormat("\"%s\" is not a number", text);
   }
 
   std::map<std::string, std::string> text_;
-  std::map<std::string, CLI::Option*> options_;
+  std::map<std::string, bool> switches_;  // the switches' values (given() says the same)
+  std::map<std::string, tools::Flag> flags_;
 };
 
 [[noreturn]] void Usage(const std::string& message) { Die(message + " (see --help)"); }
@@ -572,8 +570,8 @@ int Model(const ModelFlags& args) {
 
 }  // namespace
 
-Subcommand AddModelCommand(CLI::App& command) {
-  command.footer(kFooter);
+Subcommand AddModelCommand(tools::Command& command) {
+  command.Footer(kFooter);
   auto flags = std::make_shared<ModelFlags>();
   flags->AddTo(command);
   return [flags](const std::vector<std::string>&) { return Model(*flags); };

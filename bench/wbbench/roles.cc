@@ -227,22 +227,20 @@ int RunWorker(const WorkerFlags& flags) {
 
 }  // namespace
 
-Subcommand AddWorkerCommand(CLI::App& command) {
+Subcommand AddWorkerCommand(tools::Command& command) {
   auto flags = std::make_shared<WorkerFlags>();
-  command.add_option("ROLE", flags->role, "publisher or subscriber")
-      ->required()
-      ->check(CLI::IsMember({"publisher", "subscriber"}));
-  tools::AddFlag(command, "uri", &flags->uri, "the channel");
-  tools::AddFlag(command, "store", &flags->store, "the pre-generated versions");
-  tools::AddDurationFlag(command, "timeout-s", &flags->timeout, "publisher: per version");
-  tools::AddDurationFlag(command, "wait-timeout-s", &flags->wait_timeout,
-                         "subscriber: per version");
-  tools::AddFlag(command, "count", &flags->count, "subscriber: versions to receive");
-  tools::AddFlag(command, "corrupt-version", &flags->corrupt_version,
-                 "publisher: flip one bit of this version");
-  tools::AddFlag(command, "parent-pid", &flags->parent_pid,
-                 "exit at once unless this is the parent");
-  tools::AddRepeatedFlag(command, "set", &flags->settings, "a channel setting (repeatable)");
+  command.AddPositional("ROLE", &flags->role, "publisher or subscriber")
+      .Required()
+      .OneOf({"publisher", "subscriber"});
+  command.Add("uri", &flags->uri, "the channel");
+  command.Add("store", &flags->store, "the pre-generated versions");
+  command.AddDuration("timeout-s", &flags->timeout, "publisher: per version");
+  command.AddDuration("wait-timeout-s", &flags->wait_timeout, "subscriber: per version");
+  command.Add("count", &flags->count, "subscriber: versions to receive");
+  command.Add("corrupt-version", &flags->corrupt_version,
+              "publisher: flip one bit of this version");
+  command.Add("parent-pid", &flags->parent_pid, "exit at once unless this is the parent");
+  command.AddRepeated("set", &flags->settings, "a channel setting (repeatable)");
   return [flags](const std::vector<std::string>&) { return RunWorker(*flags); };
 }
 

@@ -49,9 +49,6 @@ namespace weightbus::bench {
 namespace {
 
 namespace fs = std::filesystem;
-using tools::AddFlag;
-using tools::AddSizeFlag;
-using tools::AddSizeListFlag;
 using tools::FormatSize;
 
 struct RunOptions {
@@ -464,29 +461,29 @@ struct RunFlags {
   uint64_t min_size = 0, max_size = 0, factor = 2;
   std::string dir, store;
   bool no_baselines = false, no_torch = false, no_perftest = false;
-  CLI::Option *model_flag, *shapes_flag, *size_flag, *min_size_flag, *max_size_flag, *factor_flag,
-      *versions_flag, *perftest_reps_flag, *torch_reps_flag, *transports_flag, *dir_flag,
-      *store_flag;
+  std::optional<tools::Flag> model_flag, shapes_flag, size_flag, min_size_flag, max_size_flag,
+      factor_flag, versions_flag, perftest_reps_flag, torch_reps_flag, transports_flag, dir_flag,
+      store_flag;
 };
 
 // The sizes of a sweep: --size A,B,C, or --min-size/--max-size/--factor (nccl-tests' -b/-e/-f:
 // min, min x factor, ... up to max). Empty without either; one size for a plain --size.
 std::vector<uint64_t> SweepSizes(const RunFlags& f) {
   std::vector<uint64_t> sizes;
-  const bool range = *f.min_size_flag || *f.max_size_flag || *f.factor_flag;
-  if (range && *f.size_flag) Die("--size or --min-size/--max-size/--factor, not both");
+  const bool range = f.min_size_flag->given() || f.max_size_flag->given() || f.factor_flag->given();
+  if (range && f.size_flag->given()) Die("--size or --min-size/--max-size/--factor, not both");
   if (range) {
-    if (!*f.min_size_flag || !*f.max_size_flag) {
+    if (!f.min_size_flag->given() || !f.max_size_flag->given()) {
       Die("a sweep takes --min-size and --max-size (and --factor, default 2)");
     }
     const uint64_t lo = f.min_size, hi = f.max_size, factor = f.factor;
     if (lo < 1024 || hi < lo) Die("--min-size must be at least 1KiB and at most --max-size");
     if (factor < 2) Die("--factor must be at least 2");
     for (uint64_t x = lo; x <= hi; x = x > hi / factor ? hi + 1 : x * factor) sizes.push_back(x);
-  } else if (*f.size_flag) {
+  } else if (f.size_flag->given()) {
     sizes = f.sizes;
   }
-  if (sizes.size() > 1 && *f.model_flag)
+  if (sizes.size() > 1 && f.model_flag->given())
     Die("a sweep of sizes is of synthetic models, not --model");
   if (sizes.size() > 1 && f.o.quick) Die("--quick is one size (stories260K)");
   return sizes;
@@ -548,8 +545,8 @@ int RunSweep(const std::vector<std::string>& argv, const std::vector<uint64_t>& 
 
 namespace {
 
-void AddRunFlags(CLI::App& cmd, RunFlags& f) {
-  cmd.footer(R"(
+void AddRunFlags(tools::Command& cmd, RunFlags& f) {
+  cmd.Footer(R"(
 One publisher and N subscriber processes per transport (disk, ucx, delta+disk, delta+ucx:
 whichever this build has), the same realistic versions through each, and the baselines (memcpy,
 write+fsync/read, ucx_perftest, torch.save/load, gloo broadcast) in the same run. Output in the
@@ -557,60 +554,58 @@ style of nccl-tests; ends with "# OK" or "# FAILED: reason". Metrics: docs/PERFO
   RunOptions& o = f.o;
   o.shapes = WEIGHTBUS_SHAPES_FILE;
   f.transports_flag =
-      AddFlag(cmd, "transports", &f.transports, "comma-separated subset (default: every one built)")
-          ->type_name("LIST");
-  AddFlag(cmd, "subscribers", &o.subscribers, "replica processes per transport (1 to 1000)")
-      ->check(CLI::Range(1, 1000).description(""));
-  f.versions_flag = AddFlag(cmd, "versions", &o.versions, "versions to publish (--quick: 4)")
-                        ->check(CLI::Range(1, 1000000).description(""));
-  AddFlag(cmd, "warmup", &o.warmup, "of them, not measured")
-      ->check(CLI::Range(0, 1000000).description(""));
-  f.model_flag = AddFlag(cmd, "model", &o.model,
+      cmd.Add("transports", &f.transports, "comma-separated subset (default: every one built)")
+          .TypeName("LIST");
+  cmd.Add("subscribers", &o.subscribers, "replica processes per transport (1 to 1000)")
+      .InRange(1, 1000);
+  f.versions_flag =
+      cmd.Add("versions", &o.versions, "versions to publish (--quick: 4)").InRange(1, 1000000);
+  cmd.Add("warmup", &o.warmup, "of them, not measured").InRange(0, 1000000);
+  f.model_flag = cmd.Add("model", &o.model,
                          "a llama2.c .bin or safetensors file/directory (the weights to sync)")
-                     ->type_name("PATH");
-  f.shapes_flag = AddFlag(cmd, "shapes", &o.shapes,
+                     .TypeName("PATH");
+  f.shapes_flag = cmd.Add("shapes", &o.shapes,
                           "tensor shapes (JSON) of the synthetic model (default: Qwen2.5-0.5B's)")
-                      ->type_name("FILE");
-  f.size_flag = AddSizeListFlag(cmd, "size", &f.sizes,
+                      .TypeName("FILE");
+  f.size_flag = cmd.AddSizeList("size", &f.sizes,
                                 "a synthetic model of this size, shaped like --shapes; a list "
                                 "(64MiB,1GiB) is a sweep: one whole run per size")
-                    ->default_str(FormatSize(o.size));
+                    .DefaultText(FormatSize(o.size));
   f.min_size_flag =
-      AddSizeFlag(cmd, "min-size", &f.min_size,
+      cmd.AddSize("min-size", &f.min_size,
                   "a sweep: --min-size A --max-size B [--factor F] runs A, A x F, ... up to B; "
                   "output files get the size in their name (run.json -> run-64.0MiB.json); the "
                   "status is the worst")
-          ->default_str("");
+          .DefaultText("");
   f.max_size_flag =
-      AddSizeFlag(cmd, "max-size", &f.max_size, "the sweep's largest size")->default_str("");
-  f.factor_flag = AddFlag(cmd, "factor", &f.factor, "the sweep's factor (at least 2)");
-  AddFlag(cmd, "lr", &o.lr, "the update stream: Adam steps of this learning rate")
-      ->check(tools::PositiveNumber());
-  AddFlag(cmd, "seed", &o.seed, "the update stream's seed");
-  f.dir_flag = AddFlag(cmd, "dir", &f.dir,
+      cmd.AddSize("max-size", &f.max_size, "the sweep's largest size").DefaultText("");
+  f.factor_flag = cmd.Add("factor", &f.factor, "the sweep's factor (at least 2)");
+  cmd.Add("lr", &o.lr, "the update stream: Adam steps of this learning rate").Positive();
+  cmd.Add("seed", &o.seed, "the update stream's seed");
+  f.dir_flag = cmd.Add("dir", &f.dir,
                        "where channels and baselines write (in DIR/wbbench-PID; default $TMPDIR)")
-                   ->type_name("DIR");
-  f.store_flag = AddFlag(cmd, "store", &f.store,
+                   .TypeName("DIR");
+  f.store_flag = cmd.Add("store", &f.store,
                          "the pre-generated versions (in DIR/wbbench-PID; default /dev/shm)")
-                     ->type_name("DIR");
-  cmd.add_flag("--keep", o.keep, "keep --dir and --store afterwards");
-  tools::AddRepeatedFlag(cmd, "set", &o.settings,
-                         "a channel setting (repeatable), given to every transport whose stack "
-                         "has it (core settings to all; `weightbus settings` lists them)")
-      ->type_name("KEY=VALUE");
-  tools::AddDurationFlag(cmd, "timeout", &o.timeout, "per version (at least 1s)");
-  cmd.add_flag("--no-baselines", f.no_baselines, "leave every baseline out");
-  cmd.add_flag("--no-torch", f.no_torch, "leave the torch baselines out");
-  cmd.add_flag("--no-perftest", f.no_perftest, "leave the ucx_perftest baseline out");
-  AddFlag(cmd, "python", &o.python, "interpreter with torch for its baselines")->type_name("PATH");
-  AddFlag(cmd, "perftest", &o.perftest_path, "ucx_perftest")->type_name("PATH");
+                     .TypeName("DIR");
+  cmd.AddSwitch("keep", &o.keep, "keep --dir and --store afterwards");
+  cmd.AddRepeated("set", &o.settings,
+                  "a channel setting (repeatable), given to every transport whose stack "
+                  "has it (core settings to all; `weightbus settings` lists them)")
+      .TypeName("KEY=VALUE");
+  cmd.AddDuration("timeout", &o.timeout, "per version (at least 1s)");
+  cmd.AddSwitch("no-baselines", &f.no_baselines, "leave every baseline out");
+  cmd.AddSwitch("no-torch", &f.no_torch, "leave the torch baselines out");
+  cmd.AddSwitch("no-perftest", &f.no_perftest, "leave the ucx_perftest baseline out");
+  cmd.Add("python", &o.python, "interpreter with torch for its baselines").TypeName("PATH");
+  cmd.Add("perftest", &o.perftest_path, "ucx_perftest").TypeName("PATH");
   f.perftest_reps_flag =
-      AddFlag(cmd, "perftest-reps", &o.perftest_reps, "repetitions of ucx_perftest (--quick: 1)")
-          ->check(CLI::Range(1, 100000).description(""));
+      cmd.Add("perftest-reps", &o.perftest_reps, "repetitions of ucx_perftest (--quick: 1)")
+          .InRange(1, 100000);
   f.torch_reps_flag =
-      AddFlag(cmd, "torch-reps", &o.torch_reps, "repetitions of the torch baselines (--quick: 1)")
-          ->check(CLI::Range(1, 100000).description(""));
-  AddFlag(cmd, "corrupt-version", &o.corrupt_version,
+      cmd.Add("torch-reps", &o.torch_reps, "repetitions of the torch baselines (--quick: 1)")
+          .InRange(1, 100000);
+  cmd.Add("corrupt-version", &o.corrupt_version,
           "fault injection: every publisher flips one bit of version N before publishing it, so "
           "replicas receive bytes that differ from what the store says was meant (the "
           "correctness column must catch it: FAILED); 0: none");
@@ -621,17 +616,15 @@ style of nccl-tests; ends with "# OK" or "# FAILED: reason". Metrics: docs/PERFO
         std::tuple{"plot", &o.plot,
                    "a bar chart (SVG) of time until the last replica, "
                    "with the baselines"}}) {
-    cmd.add_option_function<std::string>(
-           std::string("--") + name, [out = out](const std::string& path) { *out = path; }, what)
-        ->type_name("FILE");
+    cmd.Add(name, out, what).TypeName("FILE");
   }
-  cmd.add_flag("--quick", o.quick,
-               "the stories260K checkpoint, 4 versions, 1 rep of each baseline");
-  AddFlag(cmd, "order", &o.order,
+  cmd.AddSwitch("quick", &o.quick,
+                "the stories260K checkpoint, 4 versions, 1 rep of each baseline");
+  cmd.Add("order", &o.order,
           "interleaved: each version through every transport and the baselines in turn (all "
           "processes alive at once: noise hits all alike); sequential: one transport after the "
           "other; auto: interleaved when it fits in memory (about 5 model sizes per process)")
-      ->check(CLI::IsMember({"auto", "interleaved", "sequential"}));
+      .OneOf({"auto", "interleaved", "sequential"});
 }
 
 int Run(RunFlags& f, const std::vector<std::string>& argv) {
@@ -640,15 +633,15 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
   const std::vector<uint64_t> sizes = SweepSizes(f);
   if (sizes.size() > 1) return RunSweep(argv, sizes);
   if (o.quick) {
-    if (!*f.model_flag) o.model = WEIGHTBUS_STORIES_FILE;
-    if (!*f.versions_flag) o.versions = 4;
-    if (!*f.perftest_reps_flag) o.perftest_reps = 1;
-    if (!*f.torch_reps_flag) o.torch_reps = 1;
+    if (!f.model_flag->given()) o.model = WEIGHTBUS_STORIES_FILE;
+    if (!f.versions_flag->given()) o.versions = 4;
+    if (!f.perftest_reps_flag->given()) o.perftest_reps = 1;
+    if (!f.torch_reps_flag->given()) o.torch_reps = 1;
   }
-  if (*f.model_flag && (*f.shapes_flag || *f.size_flag)) {
+  if (f.model_flag->given() && (f.shapes_flag->given() || f.size_flag->given())) {
     Die("--size and --shapes describe a synthetic model: not with --model");
   }
-  if (*f.shapes_flag || !sizes.empty()) o.model.clear();
+  if (f.shapes_flag->given() || !sizes.empty()) o.model.clear();
   if (!sizes.empty()) o.size = sizes[0];
   o.baselines = !f.no_baselines;
   o.torch = o.baselines && !f.no_torch;
@@ -718,7 +711,7 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
     r.skipped.push_back({"delta+disk, delta+ucx", "no delta layer in this build"});
   }
   if (!have_ucx) r.skipped.push_back({"ucx", "not built (WEIGHTBUS_WITH_UCX)"});
-  if (*f.transports_flag) {
+  if (f.transports_flag->given()) {
     for (const std::string& t : std::vector<std::string>(absl::StrSplit(f.transports, ','))) {
       if (!Contains(available, t)) {
         Die(absl::StrFormat("--transports: \"%s\" is not available in this build (available: %s)",
@@ -751,11 +744,11 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
     }
     return fs::absolute(path, ec).lexically_normal().string();
   };
-  o.dir = (*f.dir_flag ? parent_dir("dir", f.dir) : tmp) + "/" + run_name;
+  o.dir = (f.dir_flag->given() ? parent_dir("dir", f.dir) : tmp) + "/" + run_name;
   const bool shm = fs::is_directory("/dev/shm");
-  o.store = *f.store_flag ? parent_dir("store", f.store) + "/" + run_name
-            : shm         ? "/dev/shm/" + run_name
-                          : o.dir + "/store";
+  o.store = f.store_flag->given() ? parent_dir("store", f.store) + "/" + run_name
+            : shm                 ? "/dev/shm/" + run_name
+                                  : o.dir + "/store";
   if (fs::exists(o.dir) || fs::exists(o.store)) Die(o.dir + " or " + o.store + " exists already");
   // From here on an early end (an error, Ctrl-C) removes what this run made.
   HandleSignalsWithCleanup();
@@ -1114,7 +1107,7 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
 
 }  // namespace
 
-Subcommand AddRunCommand(CLI::App& command) {
+Subcommand AddRunCommand(tools::Command& command) {
   auto flags = std::make_shared<RunFlags>();
   AddRunFlags(command, *flags);
   return [flags](const std::vector<std::string>& argv) { return Run(*flags, argv); };

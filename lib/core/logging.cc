@@ -42,4 +42,29 @@ void LogLine(LogLevel level, std::string_view message) {
   (void)!write(STDERR_FILENO, line.data(), line.size());
 }
 
+bool RateLimitedLog::Admit(absl::Time now, uint64_t* held_back, absl::Duration* over) {
+  absl::MutexLock lock(&mu_);
+  if (last_ != absl::InfinitePast() && now - last_ < interval_) {
+    ++held_;
+    ++suppressed_;
+    return false;
+  }
+  *held_back = held_;
+  *over = last_ == absl::InfinitePast() ? absl::ZeroDuration() : now - last_;
+  held_ = 0;
+  last_ = now;
+  ++logged_;
+  return true;
+}
+
+uint64_t RateLimitedLog::logged() const {
+  absl::MutexLock lock(&mu_);
+  return logged_;
+}
+
+uint64_t RateLimitedLog::suppressed() const {
+  absl::MutexLock lock(&mu_);
+  return suppressed_;
+}
+
 }  // namespace weightbus::internal

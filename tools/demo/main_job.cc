@@ -293,31 +293,30 @@ int main(int argc, char** argv) {
   Options o;
   o.checkpoint = WEIGHTBUS_DEFAULT_CHECKPOINT;
   std::string role = "trainer";
-  CLI::App app(
+  Command app(
+      "weightbus-demo",
       "weightbus-demo: the main job. A trainer converts a llama2.c checkpoint, checks the "
       "conversion with two forward passes, and publishes a sequence of Adam-updated bf16 "
       "versions; replica processes receive each one and check it bit-exact. Exit status 0 only "
-      "when the logits check passed and every replica verified every version.",
-      "weightbus-demo");
-  AddFlag(app, "checkpoint", &o.checkpoint, "llama2.c checkpoint")->type_name("PATH");
-  AddFlag(app, "uri", &o.uri, "channel (default: disk://<workdir>/channel)")->type_name("URI");
-  AddFlag(app, "versions", &o.versions,
+      "when the logits check passed and every replica verified every version.");
+  app.Add("checkpoint", &o.checkpoint, "llama2.c checkpoint").TypeName("PATH");
+  app.Add("uri", &o.uri, "channel (default: disk://<workdir>/channel)").TypeName("URI");
+  app.Add("versions", &o.versions,
           "versions to publish (1 to 1000000); version 1 is the converted checkpoint, each later "
           "one follows one Adam step")
-      ->check(CLI::Range(uint64_t{1}, uint64_t{1000000}).description(""));
-  AddFlag(app, "replicas", &o.replicas, "replica processes (1 to 1000)")
-      ->check(CLI::Range(1, 1000).description(""));
-  AddFlag(app, "lr", &o.lr, "Adam learning rate (above 0)")->check(PositiveNumber());
-  AddFlag(app, "seed", &o.seed, "the update stream's random seed");
-  AddFlag(app, "workdir", &o.workdir,
+      .InRange(1, 1000000);
+  app.Add("replicas", &o.replicas, "replica processes (1 to 1000)").InRange(1, 1000);
+  app.Add("lr", &o.lr, "Adam learning rate (above 0)").Positive();
+  app.Add("seed", &o.seed, "the update stream's random seed");
+  app.Add("workdir", &o.workdir,
           "where to convert and keep the channel (default: a temporary directory, removed at the "
           "end unless --keep)")
-      ->type_name("DIR");
-  app.add_flag("--keep", o.keep, "keep the temporary work directory");
+      .TypeName("DIR");
+  app.AddSwitch("keep", &o.keep, "keep the temporary work directory");
   // A replica process, started by the trainer with the trainer's flags.
-  AddFlag(app, "role", &role, "")->check(CLI::IsMember({"trainer", "replica"}))->group("");
-  AddFlag(app, "index", &o.index, "")->group("");
-  if (std::optional<int> exit_status = ParseFlags(app, argc, argv)) return *exit_status;
+  app.Add("role", &role, "").OneOf({"trainer", "replica"}).Hidden();
+  app.Add("index", &o.index, "").Hidden();
+  if (std::optional<int> exit_status = app.Parse(argc, argv)) return *exit_status;
   if (role == "replica") return RunReplica(o);
   signal(SIGPIPE, SIG_IGN);
   return RunTrainer(argv[0][0] == '/' ? argv[0] : std::filesystem::absolute(argv[0]).string(), o);

@@ -4,8 +4,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <utility>
 
+#include "CLI/CLI.hpp"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -135,84 +137,199 @@ absl::StatusOr<absl::Duration> ParseDuration(std::string_view text) {
       "\"%s\" is not a duration (a number of seconds, or e.g. 500ms, 2s, 1m)", std::string(text)));
 }
 
-CLI::Validator UnsignedText(uint64_t max) {
-  return CLI::Validator(
-      [max](std::string& text) -> std::string {
-        if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos) {
-          return absl::StrFormat("\"%s\" is not a non-negative integer", text);
-        }
-        uint64_t value = 0;
-        if (!absl::SimpleAtoi(text, &value) || value > max) {
-          return absl::StrFormat("%s is out of range: at most %d", text, max);
-        }
-        return "";
-      },
-      "", "");
+// ---- Flag
+
+std::string UnsignedCheck(const std::string& text, uint64_t max) {
+  if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos) {
+    return absl::StrFormat("\"%s\" is not a non-negative integer", text);
+  }
+  uint64_t value = 0;
+  if (!absl::SimpleAtoi(text, &value) || value > max) {
+    return absl::StrFormat("%s is out of range: at most %d", text, max);
+  }
+  return "";
 }
 
-CLI::Validator KeyValueText() {
-  return CLI::Validator(
-      [](std::string& text) -> std::string {
-        const size_t eq = text.find('=');
-        if (eq == std::string::npos || eq == 0) {
-          return absl::StrFormat("\"%s\" is not KEY=VALUE", text);
-        }
-        return "";
-      },
-      "", "");
+namespace {
+
+// A CLI11 check from a function returning "" (accepted) or the reason.
+CLI::Validator MakeCheck(std::function<std::string(const std::string&)> check) {
+  return CLI::Validator([check = std::move(check)](std::string& text) { return check(text); }, "",
+                        "");
 }
 
-CLI::Validator PositiveNumber() {
-  return CLI::Validator(
-      [](std::string& text) -> std::string {
-        double v = 0;
-        if (absl::SimpleAtod(text, &v) && std::isfinite(v) && v > 0) return "";
-        return absl::StrFormat("\"%s\" is not a number above 0", text);
-      },
-      "", "");
+}  // namespace
+
+Flag& Flag::Required() {
+  option_->required();
+  return *this;
+}
+Flag& Flag::TypeName(const std::string& name) {
+  option_->type_name(name);
+  return *this;
+}
+Flag& Flag::DefaultText(const std::string& text) {
+  option_->default_str(text);
+  return *this;
+}
+Flag& Flag::Group(const std::string& heading) {
+  option_->group(heading);
+  return *this;
+}
+Flag& Flag::Hidden() { return Group(""); }
+Flag& Flag::OneOf(const std::vector<std::string>& names) {
+  option_->check(CLI::IsMember(names));
+  return *this;
+}
+Flag& Flag::InRange(int64_t lo, int64_t hi) {
+  return Check([lo, hi](const std::string& text) -> std::string {
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(text, &v)) return absl::StrFormat("\"%s\" is not an integer", text);
+    if (v < lo || v > hi) return absl::StrFormat("%d is out of range: %d to %d", v, lo, hi);
+    return "";
+  });
+}
+Flag& Flag::Positive() {
+  return Check([](const std::string& text) -> std::string {
+    double v = 0;
+    if (absl::SimpleAtod(text, &v) && std::isfinite(v) && v > 0) return "";
+    return absl::StrFormat("\"%s\" is not a number above 0", text);
+  });
+}
+Flag& Flag::KeyValue() {
+  return Check([](const std::string& text) -> std::string {
+    const size_t eq = text.find('=');
+    if (eq == std::string::npos || eq == 0) return absl::StrFormat("\"%s\" is not KEY=VALUE", text);
+    return "";
+  });
+}
+Flag& Flag::Check(std::function<std::string(const std::string& value)> check) {
+  option_->check(MakeCheck(std::move(check)));
+  return *this;
+}
+bool Flag::given() const { return option_->count() > 0; }
+
+// ---- Command
+
+Command::Command(const std::string& name, const std::string& description)
+    : owned_(std::make_unique<CLI::App>(description, name)), app_(owned_.get()) {}
+
+Command::Command(CLI::App* app) : app_(app) {}
+
+Command::~Command() = default;
+
+Command& Command::AddSubcommand(const std::string& name, const std::string& description) {
+  subcommands_.push_back(
+      std::unique_ptr<Command>(new Command(app_->add_subcommand(name, description))));
+  return *subcommands_.back();
+}
+Command& Command::Hidden() {
+  app_->group("");
+  return *this;
+}
+Command& Command::Footer(const std::string& text) {
+  app_->footer(text);
+  return *this;
+}
+Command& Command::RequireSubcommands(size_t min, size_t max) {
+  app_->require_subcommand(min, max);
+  return *this;
+}
+bool Command::given() const { return static_cast<bool>(*app_); }
+std::string Command::Help() const { return app_->help(); }
+
+Flag Command::Add(const std::string& name, std::string* out, const std::string& help) {
+  return Flag(app_->add_option("--" + name, *out, help)->capture_default_str());
+}
+Flag Command::Add(const std::string& name, std::optional<std::string>* out,
+                  const std::string& help) {
+  return Flag(app_->add_option_function<std::string>(
+      "--" + name, [out](const std::string& text) { *out = text; }, help));
+}
+Flag Command::Add(const std::string& name, int* out, const std::string& help) {
+  return Flag(app_->add_option("--" + name, *out, help)->capture_default_str());
+}
+Flag Command::Add(const std::string& name, double* out, const std::string& help) {
+  return Flag(app_->add_option("--" + name, *out, help)->capture_default_str());
+}
+Flag Command::Add(const std::string& name, unsigned* out, const std::string& help) {
+  Flag flag(app_->add_option("--" + name, *out, help)->capture_default_str());
+  return flag.Check([](const std::string& text) {
+    return UnsignedCheck(text, std::numeric_limits<unsigned>::max());
+  });
+}
+Flag Command::Add(const std::string& name, uint64_t* out, const std::string& help) {
+  Flag flag(app_->add_option("--" + name, *out, help)->capture_default_str());
+  return flag.Check([](const std::string& text) {
+    return UnsignedCheck(text, std::numeric_limits<uint64_t>::max());
+  });
 }
 
-CLI::Option* AddSizeFlag(CLI::App& app, const std::string& name, uint64_t* out,
-                         const std::string& help) {
-  return app.add_option("--" + name, *out, help)
-      ->transform(SizeTransform())
-      ->type_name("SIZE")
-      ->default_str(FormatSize(*out));
+namespace {
+template <typename T>
+CLI::Option* ListOption(CLI::App& app, const std::string& name, std::vector<T>* out,
+                        const std::string& help) {
+  return app.add_option("--" + name, *out, help)->delimiter(',')->allow_extra_args(false);
+}
+}  // namespace
+
+Flag Command::AddList(const std::string& name, std::vector<std::string>* out,
+                      const std::string& help) {
+  return Flag(ListOption(*app_, name, out, help)->default_str(absl::StrJoin(*out, ",")));
+}
+Flag Command::AddList(const std::string& name, std::vector<int>* out, const std::string& help) {
+  return Flag(ListOption(*app_, name, out, help)->default_str(absl::StrJoin(*out, ",")));
+}
+Flag Command::AddList(const std::string& name, std::vector<double>* out, const std::string& help) {
+  return Flag(ListOption(*app_, name, out, help)->default_str(absl::StrJoin(*out, ",")));
 }
 
-CLI::Option* AddSizeListFlag(CLI::App& app, const std::string& name, std::vector<uint64_t>* out,
-                             const std::string& help) {
+Flag Command::AddSwitch(const std::string& name, bool* out, const std::string& help) {
+  return Flag(app_->add_flag("--" + name, *out, help));
+}
+
+Flag Command::AddPositional(const std::string& name, std::string* out, const std::string& help) {
+  return Flag(app_->add_option(name, *out, help));
+}
+
+Flag Command::AddSize(const std::string& name, uint64_t* out, const std::string& help) {
+  return Flag(app_->add_option("--" + name, *out, help)
+                  ->transform(SizeTransform())
+                  ->type_name("SIZE")
+                  ->default_str(FormatSize(*out)));
+}
+
+Flag Command::AddSizeList(const std::string& name, std::vector<uint64_t>* out,
+                          const std::string& help) {
   std::vector<std::string> shown;
   for (uint64_t b : *out) shown.push_back(FormatSize(b));
-  return app.add_option("--" + name, *out, help)
-      ->delimiter(',')
-      ->allow_extra_args(false)
-      ->transform(SizeTransform())
-      ->type_name("SIZE,...")
-      ->default_str(absl::StrJoin(shown, ","));
+  return Flag(ListOption(*app_, name, out, help)
+                  ->transform(SizeTransform())
+                  ->type_name("SIZE,...")
+                  ->default_str(absl::StrJoin(shown, ",")));
 }
 
-CLI::Option* AddDurationFlag(CLI::App& app, const std::string& name, absl::Duration* out,
-                             const std::string& help) {
-  return app
-      .add_option_function<std::string>(
-          "--" + name, [out](const std::string& text) { *out = *ParseDuration(text); }, help)
-      ->check(CLI::Validator(
-          [](std::string& text) -> std::string {
-            absl::StatusOr<absl::Duration> d = ParseDuration(text);
-            return d.ok() ? "" : std::string(d.status().message());
-          },
-          "", "DURATION"))
-      ->type_name("DURATION")
-      ->default_str(absl::FormatDuration(*out));
+Flag Command::AddDuration(const std::string& name, absl::Duration* out, const std::string& help) {
+  return Flag(
+      app_->add_option_function<std::string>(
+              "--" + name, [out](const std::string& text) { *out = *ParseDuration(text); }, help)
+          ->check(CLI::Validator(
+              [](std::string& text) -> std::string {
+                absl::StatusOr<absl::Duration> d = ParseDuration(text);
+                return d.ok() ? "" : std::string(d.status().message());
+              },
+              "", "DURATION"))
+          ->type_name("DURATION")
+          ->default_str(absl::FormatDuration(*out)));
 }
 
-CLI::Option* AddRepeatedFlag(CLI::App& app, const std::string& name, std::vector<std::string>* out,
-                             const std::string& help) {
-  return app.add_option("--" + name, *out, help)->allow_extra_args(false);
+Flag Command::AddRepeated(const std::string& name, std::vector<std::string>* out,
+                          const std::string& help) {
+  return Flag(app_->add_option("--" + name, *out, help)->allow_extra_args(false));
 }
 
-std::optional<int> ParseFlags(CLI::App& app, const std::vector<std::string>& args) {
+std::optional<int> Command::Parse(const std::vector<std::string>& args) {
+  CLI::App& app = *app_;
   const bool has_subcommands = !app.get_subcommands({}).empty();
   app.get_formatter()->column_width(34);
   if (has_subcommands && args.empty()) {
@@ -250,8 +367,8 @@ std::optional<int> ParseFlags(CLI::App& app, const std::vector<std::string>& arg
   return std::nullopt;
 }
 
-std::optional<int> ParseFlags(CLI::App& app, int argc, const char* const* argv) {
-  return ParseFlags(app, std::vector<std::string>(argv + 1, argv + argc));
+std::optional<int> Command::Parse(int argc, const char* const* argv) {
+  return Parse(std::vector<std::string>(argv + 1, argv + argc));
 }
 
 }  // namespace weightbus::tools

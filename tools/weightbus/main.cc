@@ -386,104 +386,100 @@ absl::Status SettingsCommand() {
 }
 
 int Main(int argc, char** argv) {
-  CLI::App app("weightbus: convert, publish, subscribe and inspect model weights.", "weightbus");
-  app.footer(kFooter);
-  app.require_subcommand(0, 1);
+  Command app("weightbus", "weightbus: convert, publish, subscribe and inspect model weights.");
+  app.Footer(kFooter);
+  app.RequireSubcommands(0, 1);
   bool show_version = false;
-  app.add_flag("--version", show_version,
-               "print the library version and the transports compiled in, one per line");
+  app.AddSwitch("version", &show_version,
+                "print the library version and the transports compiled in, one per line");
 
   ConvertFlags convert;
-  CLI::App* convert_cmd =
-      app.add_subcommand("convert-llama2c", "llama2.c checkpoint -> Hugging Face safetensors");
-  convert_cmd->footer(
+  Command& convert_cmd =
+      app.AddSubcommand("convert-llama2c", "llama2.c checkpoint -> Hugging Face safetensors");
+  convert_cmd.Footer(
       "\nWrites OUT_DIR/model.safetensors and OUT_DIR/config.json (Hugging Face Llama names and\n"
       "layout).");
-  convert_cmd->add_option("IN", convert.in, "llama2.c checkpoint (.bin)")->required();
-  convert_cmd->add_option("OUT_DIR", convert.out, "directory to write")->required();
-  AddFlag(*convert_cmd, "dtype", &convert.dtype, "dtype of the written tensors")
-      ->check(CLI::IsMember({"bf16", "f32"}));
+  convert_cmd.AddPositional("IN", &convert.in, "llama2.c checkpoint (.bin)").Required();
+  convert_cmd.AddPositional("OUT_DIR", &convert.out, "directory to write").Required();
+  convert_cmd.Add("dtype", &convert.dtype, "dtype of the written tensors").OneOf({"bf16", "f32"});
 
   PublishFlags publish;
-  CLI::App* publish_cmd = app.add_subcommand("publish", "publish a checkpoint as version N");
-  publish_cmd->footer(
+  Command& publish_cmd = app.AddSubcommand("publish", "publish a checkpoint as version N");
+  publish_cmd.Footer(
       "\nPublishes a safetensors file or Hugging Face directory as version N. Transports that\n"
       "serve versions from the publisher's process (ucx://) keep serving until --serve elapses\n"
       "or, with --until-subscribers K, until K subscribers hold the version (at most --timeout).");
-  publish_cmd->add_option("URI", publish.uri, "channel URI")->required();
-  publish_cmd->add_option("--from", publish.from, "safetensors file or checkpoint directory")
-      ->required();
-  publish_cmd->add_option("--version", publish.version, "the version number to publish")
-      ->check(UnsignedText(std::numeric_limits<uint64_t>::max()))
-      ->required();
-  AddDurationFlag(*publish_cmd, "timeout", &publish.timeout,
-                  "how long publishing (and --until-subscribers) may take");
-  AddRepeatedFlag(*publish_cmd, "metadata", &publish.metadata,
-                  "metadata of the version (repeatable)")
-      ->type_name("K=V")
-      ->check(KeyValueText());
-  AddRepeatedFlag(*publish_cmd, "set", &publish.set,
-                  "a channel setting (repeatable; `weightbus settings` lists them)")
-      ->type_name("K=V")
-      ->check(KeyValueText());
-  AddDurationFlag(*publish_cmd, "serve", &publish.serve,
-                  "keep serving the version this long after publishing");
-  AddFlag(*publish_cmd, "until-subscribers", &publish.until_subscribers,
-          "wait until this many subscribers hold the version (0: do not wait; at most 1000000)")
-      ->check(CLI::Range(uint64_t{0}, uint64_t{1000000}).description(""));
+  publish_cmd.AddPositional("URI", &publish.uri, "channel URI").Required();
+  publish_cmd.Add("from", &publish.from, "safetensors file or checkpoint directory").Required();
+  publish_cmd.Add("version", &publish.version, "the version number to publish").Required();
+  publish_cmd.AddDuration("timeout", &publish.timeout,
+                          "how long publishing (and --until-subscribers) may take");
+  publish_cmd.AddRepeated("metadata", &publish.metadata, "metadata of the version (repeatable)")
+      .TypeName("K=V")
+      .KeyValue();
+  publish_cmd
+      .AddRepeated("set", &publish.set,
+                   "a channel setting (repeatable; `weightbus settings` lists them)")
+      .TypeName("K=V")
+      .KeyValue();
+  publish_cmd.AddDuration("serve", &publish.serve,
+                          "keep serving the version this long after publishing");
+  publish_cmd
+      .Add("until-subscribers", &publish.until_subscribers,
+           "wait until this many subscribers hold the version (0: do not wait; at most 1000000)")
+      .InRange(0, 1000000);
 
   SubscribeFlags subscribe;
-  CLI::App* subscribe_cmd =
-      app.add_subcommand("subscribe", "receive the newest version into a directory");
-  subscribe_cmd->footer(
+  Command& subscribe_cmd =
+      app.AddSubcommand("subscribe", "receive the newest version into a directory");
+  subscribe_cmd.Footer(
       "\nReceives the newest version >= --min-version and writes it to DIR/model.safetensors\n"
       "(with DIR/weightbus.manifest.json); --follow keeps receiving newer versions until none\n"
       "comes within the timeout or --count versions were received. Each file is replaced\n"
       "atomically, the model first; the model's metadata names its manifest (weightbus.version,\n"
       "weightbus.manifest_xxh3), so `inspect DIR` detects a pair left by an interrupted write.");
-  subscribe_cmd->add_option("URI", subscribe.uri, "channel URI")->required();
-  subscribe_cmd->add_option("--to", subscribe.to, "directory to write the model to")->required();
-  AddFlag(*subscribe_cmd, "min-version", &subscribe.min_version, "the oldest version to accept");
-  AddDurationFlag(*subscribe_cmd, "timeout", &subscribe.timeout, "how long to wait per version");
-  subscribe_cmd->add_flag("--follow", subscribe.follow, "keep receiving newer versions");
-  AddFlag(*subscribe_cmd, "count", &subscribe.count,
-          "with --follow: stop after this many versions (0: no limit)");
-  AddRepeatedFlag(*subscribe_cmd, "set", &subscribe.set, "a channel setting (repeatable)")
-      ->type_name("K=V")
-      ->check(KeyValueText());
+  subscribe_cmd.AddPositional("URI", &subscribe.uri, "channel URI").Required();
+  subscribe_cmd.Add("to", &subscribe.to, "directory to write the model to").Required();
+  subscribe_cmd.Add("min-version", &subscribe.min_version, "the oldest version to accept");
+  subscribe_cmd.AddDuration("timeout", &subscribe.timeout, "how long to wait per version");
+  subscribe_cmd.AddSwitch("follow", &subscribe.follow, "keep receiving newer versions");
+  subscribe_cmd.Add("count", &subscribe.count,
+                    "with --follow: stop after this many versions (0: no limit)");
+  subscribe_cmd.AddRepeated("set", &subscribe.set, "a channel setting (repeatable)")
+      .TypeName("K=V")
+      .KeyValue();
 
   InspectFlags inspect;
-  CLI::App* inspect_cmd =
-      app.add_subcommand("inspect", "list the tensors and checksums of a checkpoint or channel");
-  inspect_cmd->footer(
+  Command& inspect_cmd =
+      app.AddSubcommand("inspect", "list the tensors and checksums of a checkpoint or channel");
+  inspect_cmd.Footer(
       "\nLists versions, tensors, dtypes, shapes, bytes and XXH3-64 checksums of a safetensors\n"
       "file, a checkpoint directory, a disk channel directory, or a channel URI.");
-  inspect_cmd->add_option("PATH_OR_URI", inspect.target, "what to inspect")->required();
-  inspect_cmd->add_flag("--json", inspect.json, "print JSON instead of a table");
-  AddDurationFlag(*inspect_cmd, "timeout", &inspect.timeout,
-                  "for a URI: how long to wait for a version");
+  inspect_cmd.AddPositional("PATH_OR_URI", &inspect.target, "what to inspect").Required();
+  inspect_cmd.AddSwitch("json", &inspect.json, "print JSON instead of a table");
+  inspect_cmd.AddDuration("timeout", &inspect.timeout, "for a URI: how long to wait for a version");
 
-  CLI::App* settings_cmd = app.add_subcommand(
+  Command& settings_cmd = app.AddSubcommand(
       "settings", "every setting with its type, default, environment variable and meaning");
 
-  if (std::optional<int> exit_status = ParseFlags(app, argc, argv)) return *exit_status;
+  if (std::optional<int> exit_status = app.Parse(argc, argv)) return *exit_status;
   absl::Status status;
-  if (*convert_cmd) {
+  if (convert_cmd.given()) {
     status = ConvertCommand(convert);
-  } else if (*publish_cmd) {
+  } else if (publish_cmd.given()) {
     status = PublishCommand(publish);
-  } else if (*subscribe_cmd) {
+  } else if (subscribe_cmd.given()) {
     status = SubscribeCommand(subscribe);
-  } else if (*inspect_cmd) {
+  } else if (inspect_cmd.given()) {
     status = InspectCommand(inspect);
-  } else if (*settings_cmd) {
+  } else if (settings_cmd.given()) {
     status = SettingsCommand();
   } else if (show_version) {
     std::printf("weightbus %s\n", std::string(LibraryVersion()).c_str());
     for (const std::string& t : Transports()) std::printf("%s\n", t.c_str());
     return 0;
   } else {
-    std::fputs(app.help().c_str(), stderr);
+    std::fputs(app.Help().c_str(), stderr);
     return kUsageExitStatus;
   }
   if (!status.ok()) {

@@ -38,6 +38,13 @@ def child_env(**extra) -> dict:
     return env
 
 
+def readme_snippet(marker: str) -> str:
+    """The first ```python block of README.md after the text `marker`."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    start = readme.index("```python\n", readme.index(marker)) + len("```python\n")
+    return readme[start:readme.index("```", start)]
+
+
 def run_python(code: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter (a real process) and returns the finished process."""
     return subprocess.run([sys.executable, "-c", code, *args], env=child_env(),

@@ -95,6 +95,34 @@ def test_iterable_of_pairs_and_newest_version(channel):
         assert [(n, t.tolist()) for n, t in update] == [("w", [3.0, 3.0])]
 
 
+def test_update_is_a_state_dict_for_load_state_dict(channel):
+    """An Update is a Mapping of name -> tensor: a real torch module loads it with
+    load_state_dict, bit for bit; strict=True refuses a version missing a parameter, strict=False
+    reports it. Iterating the Update itself still yields (name, tensor) pairs."""
+    from collections.abc import Mapping
+    torch.manual_seed(5)
+    source = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.LayerNorm(4))
+    state = {k: v.detach().clone() for k, v in source.state_dict().items()}
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, state)
+        pub.publish(2, {k: v for k, v in state.items() if k != "1.bias"})
+    target = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.LayerNorm(4))
+    with weightbus.Subscriber(channel) as sub:
+        with sub.receive(1) as update:
+            assert isinstance(update, Mapping)
+            assert update.keys() == list(state) and len(update.values()) == len(state)
+            assert update.get("nope") is None and update.get("0.weight") is update["0.weight"]
+            assert [name for name, _ in update] == list(state)
+            result = target.load_state_dict(update, strict=True)
+            assert (result.missing_keys, result.unexpected_keys) == ([], [])
+        for name, tensor in target.state_dict().items():
+            assert torch.equal(tensor.view(torch.uint8), state[name].view(torch.uint8)), name
+        with sub.receive(2) as update:
+            with pytest.raises(RuntimeError, match='Missing key\\(s\\) in state_dict: "1.bias"'):
+                target.load_state_dict(update, strict=True)
+            assert target.load_state_dict(update, strict=False).missing_keys == ["1.bias"]
+
+
 def test_poll_takes_what_is_there_without_waiting(channel):
     with weightbus.Publisher(channel) as pub, weightbus.Subscriber(channel) as sub:
         assert sub.poll(1) is None                    # nothing committed: None, no error

@@ -14,7 +14,7 @@ import torch
 import llama2c_reference
 import weightbus
 import weightbus.vllm
-from conftest import REPO_ROOT, SliceWatch, fixtures_dir, late_uri, run_python
+from conftest import SliceWatch, fixtures_dir, late_uri, readme_snippet, run_python
 from weightbus.testing.llama import (HfLlamaForCausalLM, LlamaConfig, VllmStyleLlamaForCausalLM,
                                      load_hf_checkpoint)
 from weightbus.testing.worker import (LayerwiseReload, StandInGpuWorker, StandInLLM,
@@ -527,13 +527,63 @@ def test_engine_hundred_rounds_with_flat_memory(channel, layerwise):
     assert growth < size, (growth, size)
 
 
-def test_readme_standin_snippet_runs():
-    """The README's vLLM section: the native-engine round on the stand-ins, run as written in a
-    fresh interpreter."""
-    readme = (REPO_ROOT / "README.md").read_text()
-    after = readme.index("The same round without vLLM")
-    start = readme.index("```python\n", after) + len("```python\n")
-    code = readme[start:readme.index("```", start)]
-    assert "sync_weights" in code
+@pytest.mark.parametrize("marker, uses", [("The same round without vLLM", "sync_weights"),
+                                           ("The worker-extension round without vLLM",
+                                            "update_replica")])
+def test_readme_standin_snippet_runs(marker, uses):
+    """The README's vLLM section: the native-engine and the worker-extension rounds on the
+    stand-ins, run as written in a fresh interpreter."""
+    code = readme_snippet(marker)
+    assert uses in code
     done = run_python(code + "\nprint('snippet ok')\n")
     assert done.returncode == 0 and done.stdout.strip() == "snippet ok", done.stderr
+
+
+class _RecordingExtension(WeightbusWorkerExtension):
+    """A user's worker extension overriding the applied-version hook: records the version and
+    whether the model already held all of it when the hook ran."""
+
+    expected: dict = {}
+
+    def weightbus_on_applied(self, applied):
+        self.applied_calls = getattr(self, "applied_calls", [])
+        whole = _holds(self.model_runner.model, self.expected[applied.version])
+        self.applied_calls.append((applied.version, applied.changed, whole))
+
+
+def test_applied_version_hooks_run_once_after_the_whole_version(channel):
+    """The worker hook runs once per newly applied version in each worker, with the whole
+    version already in the model; update_replica's on_applied (the prefix cache reset) runs
+    once per engine and only when something new was applied."""
+    versions = {v: _version(SMALL, v) for v in (1, 2)}
+    _RecordingExtension.expected = versions
+    workers = [make_worker(VllmStyleLlamaForCausalLM(SMALL), _RecordingExtension)
+               for _ in range(2)]
+    llm = StandInLLM(workers)
+    llm.collective_rpc("weightbus_init", (channel,))
+    resets = lambda v: (seen.append(v), llm.reset_prefix_cache())  # noqa: E731
+    seen = []
+    assert weightbus.vllm.update_replica(llm, on_applied=resets) is None  # nothing yet
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, versions[1])
+        pub.publish(2, versions[2])
+        assert weightbus.vllm.update_replica(llm, version=1, on_applied=resets) == 1
+        assert weightbus.vllm.update_replica(llm, version=1, on_applied=resets) == 1
+        assert weightbus.vllm.update_replica(llm, on_applied=resets) == 2
+        assert weightbus.vllm.update_replica(llm, on_applied=resets) == 2
+    assert seen == [1, 2] and llm.prefix_cache_resets == 2
+    for w in workers:
+        assert w.applied_calls == [(1, True, True), (2, True, True)]
+    llm.collective_rpc("weightbus_close")
+
+
+def test_sync_weights_on_applied_once_per_new_version(channel, layerwise):
+    llm = _engine_llm(SMALL, ranks=2)
+    llm.init_weight_transfer_engine({"init_info": {"uri": channel}})
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, _version(SMALL, 1))
+        reset = lambda v: llm.reset_prefix_cache()  # noqa: E731
+        assert weightbus.vllm.sync_weights(llm, on_applied=reset) == 1
+        assert weightbus.vllm.sync_weights(llm, on_applied=reset) == 1  # nothing newer
+    assert llm.prefix_cache_resets == 1
+    llm.collective_rpc("shutdown")

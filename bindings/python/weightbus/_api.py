@@ -471,6 +471,13 @@ class Update(_Handle):
     Iterating yields (name, torch.Tensor) in publish order: zero-copy views of library memory
     (valid for as long as the tensor object lives, even after close()), or the caller's own
     tensors for names bound with Subscriber.bind. Do not write into the library's views.
+
+    Also a read-only mapping of name -> torch.Tensor (collections.abc.Mapping: keys(), values(),
+    items(), get(), [name], `in`, len()), so torch takes it as a state dict:
+    `model.load_state_dict(update, strict=True)` copies every tensor into the model's
+    parameters (torch raises for missing or unexpected names with strict=True). Unlike a dict,
+    iterating the Update itself yields (name, tensor) pairs, for load_weights(list(update));
+    keys() yields the names.
     """
 
     _destroy = staticmethod(lambda h: lib.wb_update_destroy(h))
@@ -557,8 +564,21 @@ class Update(_Handle):
         for name in self.names:
             yield name, self[name]
 
-    def items(self):
+    def keys(self) -> List[str]:
+        """The tensor names in publish order (a new list)."""
+        return list(self.names)
+
+    def values(self) -> List[Any]:
+        """The tensors (as [name]) in publish order."""
+        return [self[name] for name in self.names]
+
+    def items(self) -> List[Tuple[str, Any]]:
+        """(name, tensor) pairs in publish order."""
         return list(iter(self))
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """The tensor `name`, or `default` when the version has none of that name."""
+        return self[name] if name in self._index else default
 
     def numpy(self, name: str):
         """The tensor `name` as a zero-copy numpy array (BF16 as uint16 bits)."""
@@ -572,6 +592,11 @@ class Update(_Handle):
 
     def __repr__(self) -> str:
         return f"<weightbus.Update version={self.version} tensors={len(self.names)}>"
+
+
+# A Mapping by registration, not inheritance: Mapping's own __iter__ (names) and keys view
+# would contradict the (name, tensor) iteration that load_weights(list(update)) relies on.
+Mapping.register(Update)
 
 
 class Subscriber(_Handle):

@@ -26,8 +26,11 @@ Two adapters, for the two ways vLLM lets weights be updated from outside:
    finish_weight_update session that vLLM's GPU worker drives). Register it in every vLLM
    process, select it, and run rounds with sync_weights (which labels vLLM's weight version):
 
-       WeightTransferEngineFactory.register_engine("weightbus", "weightbus.vllm",
-                                                   "WeightbusWeightTransferEngine")
+       # `pip install .` does this in every vLLM process (the vllm.general_plugins entry
+       # point weightbus.vllm:register_plugin); without the installed package, call it (or
+       # WeightTransferEngineFactory.register_engine("weightbus", "weightbus.vllm",
+       # "WeightbusWeightTransferEngine")) in each process yourself.
+       weightbus.vllm.register_plugin()
        llm = LLM(model=..., weight_transfer_config=WeightTransferConfig(backend="weightbus"))
        llm.init_weight_transfer_engine({"init_info": {"uri": "disk:///mnt/shared/policy"}})
        version = weightbus.vllm.sync_weights(llm)      # between rollouts: the newest version
@@ -212,7 +215,18 @@ class WeightbusWorkerExtension:
         self._weightbus_version = update.version
         self._weightbus_last = AppliedVersion(update.version, True, received - start,
                                               done - received, time.time())
+        self.weightbus_on_applied(self._weightbus_last)
         return update.version
+
+    def weightbus_on_applied(self, applied: AppliedVersion) -> None:
+        """Hook, called once for each version this worker newly applies: after the whole
+        version is in the model (load_weights, the post-load processing, the device
+        synchronized), before weightbus_update returns, so before the driver's collective_rpc
+        returns and admits new requests. Not called when weightbus_update applied nothing.
+        Default: nothing; override it in a subclass named as worker_extension_cls. For work
+        done once per engine, not per worker (llm.reset_prefix_cache()), use update_replica's
+        on_applied on the driver. An exception from it propagates out of weightbus_update; the
+        version stays applied (weightbus_version() reports it)."""
 
     def weightbus_version(self) -> Optional[int]:
         """The version the model holds (None before the first update)."""
@@ -245,6 +259,36 @@ class WeightbusWorkerExtension:
         model.load_weights(weights=list(update))
         process_weights_after_loading(model, getattr(self, "model_config", None),
                                       getattr(self, "device", None))
+
+
+def update_replica(llm, version: Optional[int] = None, min_version: Optional[int] = None,
+                   timeout: Optional[float] = 60.0,
+                   on_applied: Optional[Callable[[int], None]] = None) -> Optional[int]:
+    """One weightbus_update on every worker of a vLLM `LLM` whose worker_extension_cls is
+    WeightbusWorkerExtension (anything with its collective_rpc): `version` (exactly that one),
+    `min_version` (wait for one at least that new) or neither (the newest, without waiting), as
+    WeightbusWorkerExtension.weightbus_update takes them. Returns the version every worker
+    holds (None before the first).
+
+    on_applied(version) is called once, after every worker holds the whole version and before
+    this returns (so before the caller submits new requests), and only when some worker newly
+    applied it: e.g. `on_applied=lambda v: llm.reset_prefix_cache()`, since KV blocks cached
+    for prefixes under the old weights must not be reused. Raises what a worker raised (then
+    on_applied is not called), or RuntimeError naming each worker's version when the workers
+    hold different versions."""
+    kwargs: Dict[str, Any] = {"timeout": timeout}
+    if version is not None:
+        kwargs["version"] = version
+    if min_version is not None:
+        kwargs["min_version"] = min_version
+    held = llm.collective_rpc("weightbus_update", kwargs=kwargs)
+    if len(set(held)) != 1:
+        raise RuntimeError(f"the workers hold different versions {held} (in worker order)")
+    changed = any(last is not None and last["changed"]
+                  for last in llm.collective_rpc("weightbus_last_update"))
+    if changed and on_applied is not None:
+        on_applied(held[0])
+    return held[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,7 +346,8 @@ def received_version(worker) -> Optional[int]:
 
 
 def sync_weights(llm, update_info: Union[None, Dict[str, Any], List[Dict[str, Any]]] = None, *,
-                 draft: bool = False) -> Optional[int]:
+                 draft: bool = False,
+                 on_applied: Optional[Callable[[int], None]] = None) -> Optional[int]:
     """One whole update round on a vLLM `LLM` (or anything with its weight-sync methods) whose
     engine is WeightbusWeightTransferEngine: start_weight_update (start_draft_weight_update
     with `draft`), update_weights(update_info: one dict for every worker or a list of
@@ -314,7 +359,11 @@ def sync_weights(llm, update_info: Union[None, Dict[str, Any], List[Dict[str, An
     Raises what the update raised (vLLM's worker has then reset the target and the engine
     aborted its session: the next round starts clean), or RuntimeError naming each worker's
     version when TP workers received different versions (the round is finished, unlabelled).
-    A draft round never moves the label: vLLM's weight version names the target model."""
+    A draft round never moves the label: vLLM's weight version names the target model.
+
+    on_applied(v) is called once when the round applied a new version v, after
+    finish_weight_update (every worker finalized) and before this returns, so before the caller
+    admits new requests: e.g. `on_applied=lambda v: llm.reset_prefix_cache()`."""
     (llm.start_draft_weight_update if draft else llm.start_weight_update)()
     llm.update_weights({"update_info": {} if update_info is None else update_info})
     received = llm.collective_rpc(received_version)
@@ -326,12 +375,39 @@ def sync_weights(llm, update_info: Union[None, Dict[str, Any], List[Dict[str, An
     label = None if draft or version is None else str(version)
     llm.finish_weight_update(weight_version=label)
     if version is not None:
+        if on_applied is not None:
+            on_applied(version)
         return version
     held = llm.collective_rpc(_applied_draft_version if draft else _applied_version)
     if len(set(held)) != 1:
         raise RuntimeError(f"nothing newer was received, and the workers hold different "
                            f"versions {held} (in worker order)")
     return held[0]
+
+
+ENGINE_NAME = "weightbus"
+
+
+def register_plugin() -> None:
+    """The `vllm.general_plugins` entry point of the installed package (pyproject.toml): vLLM
+    calls it in each of its processes (vllm/plugins/__init__.py, load_general_plugins), so the
+    engine is registered wherever vLLM's GPU worker creates engines. Registers
+    WeightbusWeightTransferEngine as "weightbus" with vLLM's WeightTransferEngineFactory
+    (vllm/distributed/weight_transfer/factory.py), lazily by module path, so weightbus.vllm's
+    engine is imported only when a WeightTransferConfig(backend="weightbus") selects it.
+    Without vLLM it registers with weightbus.testing.worker's factory (its stand-in).
+
+    Safe to call more than once per process (vLLM's plugins may be): an existing "weightbus"
+    entry is kept. Thread-safety: call it from one thread (vLLM does, at start-up)."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        from .testing.worker import WeightTransferEngineFactory
+    try:
+        WeightTransferEngineFactory.register_engine(ENGINE_NAME, __name__,
+                                                    "WeightbusWeightTransferEngine")
+    except ValueError:  # "already registered" (the only ValueError with a class_name given)
+        pass
 
 
 def _applied_version(worker) -> Optional[int]:

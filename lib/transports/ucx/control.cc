@@ -3,6 +3,8 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -57,6 +59,40 @@ AddrInfoPtr Resolve(const std::string& host, int port, bool passive, std::string
     return nullptr;
   }
   return AddrInfoPtr(result);
+}
+
+bool SameAddress(const sockaddr* a, const sockaddr* b) {
+  if (a == nullptr || b == nullptr || a->sa_family != b->sa_family) return false;
+  if (a->sa_family == AF_INET) {
+    return reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr ==
+           reinterpret_cast<const sockaddr_in*>(b)->sin_addr.s_addr;
+  }
+  if (a->sa_family == AF_INET6) {
+    return std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr,
+                       &reinterpret_cast<const sockaddr_in6*>(b)->sin6_addr, sizeof(in6_addr)) == 0;
+  }
+  return false;
+}
+
+bool IsLoopbackAddress(const sockaddr* a) {
+  if (a->sa_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (a->sa_family == AF_INET6) {
+    return IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr);
+  }
+  return false;
+}
+
+struct IfAddrsDeleter {
+  void operator()(ifaddrs* a) const { freeifaddrs(a); }
+};
+using IfAddrsPtr = std::unique_ptr<ifaddrs, IfAddrsDeleter>;
+
+IfAddrsPtr Interfaces() {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return nullptr;
+  return IfAddrsPtr(list);
 }
 
 }  // namespace
@@ -121,22 +157,53 @@ bool PeerIsLocal(int fd) {
   sockaddr_storage self{}, peer{};
   socklen_t self_len = sizeof(self), peer_len = sizeof(peer);
   if (::getsockname(fd, reinterpret_cast<sockaddr*>(&self), &self_len) != 0 ||
-      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0 ||
-      self.ss_family != peer.ss_family) {
+      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0) {
     return false;
   }
-  if (peer.ss_family == AF_INET) {
-    const auto& a = reinterpret_cast<const sockaddr_in&>(self);
-    const auto& b = reinterpret_cast<const sockaddr_in&>(peer);
-    return (ntohl(b.sin_addr.s_addr) >> 24) == 127 || a.sin_addr.s_addr == b.sin_addr.s_addr;
+  const auto* a = reinterpret_cast<const sockaddr*>(&self);
+  const auto* b = reinterpret_cast<const sockaddr*>(&peer);
+  return a->sa_family == b->sa_family && (IsLoopbackAddress(b) || SameAddress(a, b));
+}
+
+std::string LoopbackInterface() {
+  IfAddrsPtr list = Interfaces();
+  for (ifaddrs* i = list.get(); i != nullptr; i = i->ifa_next) {
+    if ((i->ifa_flags & IFF_LOOPBACK) != 0 && i->ifa_name != nullptr) return i->ifa_name;
   }
-  if (peer.ss_family == AF_INET6) {
-    const auto& a = reinterpret_cast<const sockaddr_in6&>(self);
-    const auto& b = reinterpret_cast<const sockaddr_in6&>(peer);
-    return IN6_IS_ADDR_LOOPBACK(&b.sin6_addr) ||
-           std::memcmp(&a.sin6_addr, &b.sin6_addr, sizeof(in6_addr)) == 0;
+  return "lo";
+}
+
+std::vector<std::string> TcpInterfacesFor(const std::string& host, int port, bool listening) {
+  std::vector<std::string> out;
+  auto add = [&](std::string name) {
+    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(std::move(name));
+  };
+  std::string error;
+  AddrInfoPtr addrs = Resolve(host, port, /*passive=*/listening, &error);
+  IfAddrsPtr interfaces = Interfaces();
+  for (addrinfo* a = addrs.get(); a != nullptr; a = a->ai_next) {
+    sockaddr_storage local{};
+    const sockaddr* mine = a->ai_addr;
+    if (!listening) {
+      // The local address the kernel would send from (a UDP connect sends nothing).
+      Fd probe(::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+      socklen_t len = sizeof(local);
+      if (!probe || ::connect(probe.get(), a->ai_addr, a->ai_addrlen) != 0 ||
+          ::getsockname(probe.get(), reinterpret_cast<sockaddr*>(&local), &len) != 0) {
+        continue;
+      }
+      mine = reinterpret_cast<const sockaddr*>(&local);
+    }
+    if (IsUnspecified(mine) || IsLoopbackAddress(mine)) {
+      add(LoopbackInterface());
+      continue;
+    }
+    for (ifaddrs* i = interfaces.get(); i != nullptr; i = i->ifa_next) {
+      if (i->ifa_name != nullptr && SameAddress(i->ifa_addr, mine)) add(i->ifa_name);
+    }
   }
-  return false;
+  if (out.empty()) add(LoopbackInterface());
+  return out;
 }
 
 absl::StatusOr<Fd> Listen(const std::string& host, int port, std::string_view uri) {
@@ -661,12 +728,12 @@ std::optional<uint64_t> LeadingId(std::string_view payload) {
   return LoadLe<uint64_t>(payload.data());
 }
 
-absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer) {
+absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer, uint32_t max_frame) {
   if (buffer.size() < 4) return std::nullopt;
   const uint32_t n = LoadLe<uint32_t>(buffer.data());
-  if (n == 0 || n > kMaxFrame) {
+  if (n == 0 || n > max_frame) {
     return absl::DataLossError(absl::StrFormat(
-        "malformed control frame: payload length %d (must be 1..%d)", n, kMaxFrame));
+        "malformed control frame: payload length %d (must be 1..%d)", n, max_frame));
   }
   if (buffer.size() < 4 + size_t{n}) return std::nullopt;
   Frame f{static_cast<MsgType>(static_cast<uint8_t>(buffer[4])), buffer.substr(5, n - 1)};
@@ -674,10 +741,11 @@ absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer) {
   return f;
 }
 
-absl::StatusOr<bool> ReadAvailable(int fd, std::string& buffer) {
+absl::StatusOr<bool> ReadAvailable(int fd, std::string& buffer, size_t max_buffer) {
   char chunk[64 * 1024];
-  while (true) {
-    const ssize_t n = ::recv(fd, chunk, sizeof(chunk), MSG_DONTWAIT);
+  while (buffer.size() < max_buffer) {
+    const size_t room = std::min(sizeof(chunk), max_buffer - buffer.size());
+    const ssize_t n = ::recv(fd, chunk, room, MSG_DONTWAIT);
     if (n > 0) {
       buffer.append(chunk, static_cast<size_t>(n));
       continue;
@@ -687,6 +755,7 @@ absl::StatusOr<bool> ReadAvailable(int fd, std::string& buffer) {
     if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
     return absl::UnavailableError(absl::StrFormat("connection broke: %s", strerror(errno)));
   }
+  return true;
 }
 
 absl::Status WriteAvailable(int fd, std::string& buffer) {

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -29,6 +30,10 @@ inline constexpr char kMagic[] = "weightbus-ucx";
 inline constexpr uint32_t kProtocolVersion = 2;
 // Largest frame accepted (a manifest of a very large model fits many times over).
 inline constexpr uint32_t kMaxFrame = uint32_t{1} << 30;
+// Largest frame a publisher accepts from a subscriber: every message a subscriber sends is a
+// few integers, or HELLO's channel name (<= 1024 bytes) and description. A frame header that
+// declares more is DataLoss before any of its bytes is buffered.
+inline constexpr uint32_t kMaxRequestFrame = uint32_t{64} << 10;
 
 enum class MsgType : uint8_t {
   kHello = 1,      // sub -> pub: magic, protocol, channel, subscriber id, description
@@ -64,6 +69,18 @@ std::string DescribeSockaddr(const sockaddr* addr, socklen_t len);
 // Whether the peer of connected socket `fd` is on this host: its address is a loopback one or
 // the socket's own local address.
 bool PeerIsLocal(int fd);
+
+// The name of this host's loopback network interface ("lo" on Linux).
+std::string LoopbackInterface();
+
+// The network interfaces ("eth0", "lo") that carry a channel's traffic on this host, to which
+// Context::Create confines the TCP listeners UCX's own tcp transport opens: for a publisher
+// (`listening`) the interfaces that own `host`'s addresses, and the loopback interface for a
+// loopback or wildcard host (weightbus moves no byte over UCX's tcp: where only tcp links two
+// processes, the bytes go over the control connection); for a subscriber the interfaces the
+// kernel routes to `host`'s addresses through. Never empty: the loopback interface when nothing
+// matches (a host that does not resolve fails in Listen or Connect, naming it).
+std::vector<std::string> TcpInterfacesFor(const std::string& host, int port, bool listening);
 
 // Listens on host:port (a name, an address or a wildcard). Errors name the address, family and
 // port: FailedPrecondition when the port is in use, InvalidArgument when the host does not
@@ -282,12 +299,16 @@ absl::Status ErrorStatus(std::string_view payload, std::string_view prefix);
 std::optional<uint64_t> LeadingId(std::string_view payload);
 
 // Removes one complete frame from the front of `buffer`, if there is one.
-// Errors: DataLoss for a frame above kMaxFrame or without a type byte.
-absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer);
+// Errors: DataLoss for a frame whose header declares more than `max_frame` payload bytes (known
+// from its first 4 bytes) or no type byte.
+absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer, uint32_t max_frame = kMaxFrame);
 
-// Reads whatever is available on non-blocking `fd` into `buffer`. Returns false on EOF.
+// Reads what is available on non-blocking `fd` into `buffer`, until the socket has no more or
+// `buffer` holds at least `max_buffer` bytes (the rest stays in the socket: the peer is slowed
+// down, not buffered without bound). Returns false on EOF.
 // Errors: Unavailable with the errno text (connection reset).
-absl::StatusOr<bool> ReadAvailable(int fd, std::string& buffer);
+absl::StatusOr<bool> ReadAvailable(int fd, std::string& buffer,
+                                   size_t max_buffer = std::numeric_limits<size_t>::max());
 
 // Writes as much of `buffer` as the socket takes now and erases it from the front.
 // Errors: Unavailable with the errno text.

@@ -25,6 +25,23 @@ const SettingTable& UcxSettings() {
            .doc = "how long a subscriber's hold on a version lasts without renewal; a stalled "
                   "subscriber blocks slot reuse at most this long (a disconnected one not at all)",
            .min = "10ms"},
+          {.name = "lease_max_hold",
+           .type = SettingType::kDuration,
+           .default_value = "5m",
+           .doc = "longest a lease lasts, renewals included (at least lease): a renewal that "
+                  "would go past it is refused, and while a Publish waits for a staging slot no "
+                  "new lease is granted on it, so clients that renew for ever block a slot at "
+                  "most this long; a transfer must finish within it",
+           .min = "10ms"},
+          {.name = "max_connections",
+           .type = SettingType::kInt,
+           .default_value = "1024",
+           .doc = "subscriber control connections a publisher serves at once; one more is "
+                  "answered ResourceExhausted (and closed), so that one peer cannot take every "
+                  "file descriptor",
+           .min = "1",
+           .max = "65536",
+           .unit = "connections"},
           {.name = "connect_timeout",
            .type = SettingType::kDuration,
            .default_value = "5s",
@@ -133,6 +150,14 @@ absl::StatusOr<UcxOptions> ReadOptions(const Endpoint& endpoint, const Config& c
   UcxOptions o;
   o.staging_slots = config.Int("staging_slots");
   o.lease = config.Duration("lease");
+  o.lease_max_hold = config.Duration("lease_max_hold");
+  if (o.lease_max_hold < o.lease) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: lease_max_hold=%s is shorter than lease=%s (a version is held for one lease at "
+        "least)",
+        endpoint.display, absl::FormatDuration(o.lease_max_hold), absl::FormatDuration(o.lease)));
+  }
+  o.max_connections = config.Int("max_connections");
   o.connect_timeout = config.Duration("connect_timeout");
   o.get_chunk_size = config.Bytes("get_chunk_size");
   o.gets_in_flight = config.Int("gets_in_flight");

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "transports/ucx/ucp_util.h"
 
+#include <algorithm>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -8,12 +9,15 @@
 #include <mutex>
 
 #include <ucs/debug/log_def.h>
+#include <uct/api/uct.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "core/logging.h"
+#include "transports/ucx/control.h"
 
 #ifdef WEIGHTBUS_UCX_CUDA
 #include <cuda_runtime_api.h>
@@ -55,18 +59,95 @@ absl::Status UcsError(ucs_status_t status, std::string_view what) {
 }
 
 namespace {
+
 void RouteUcxLogs();
+
+// Whether a UCX_TLS value (nullptr: unset, UCX's "all") selects the tcp transport.
+bool TlsSelectsTcp(const char* tls) {
+  if (tls == nullptr || *tls == '\0') return true;
+  absl::string_view list(tls);
+  const bool negated = absl::ConsumePrefix(&list, "^");
+  bool named = false;
+  for (absl::string_view t : absl::StrSplit(list, ',')) named |= t == "tcp" || t == "all";
+  return named != negated;
+}
+
+// The network devices of this host's transports other than tcp (InfiniBand/RoCE ports such as
+// "mlx5_0:1"), from UCT's resource lists; looked up once per process.
+const std::vector<std::string>& NonTcpNetworkDevices() {
+  static const std::vector<std::string>* devices = [] {
+    auto* out = new std::vector<std::string>;
+    uct_component_h* components = nullptr;
+    unsigned count = 0;
+    if (uct_query_components(&components, &count) != UCS_OK) return out;
+    for (unsigned c = 0; c < count; ++c) {
+      uct_component_attr_t attr{};
+      attr.field_mask = UCT_COMPONENT_ATTR_FIELD_MD_RESOURCE_COUNT;
+      if (uct_component_query(components[c], &attr) != UCS_OK || attr.md_resource_count == 0) {
+        continue;
+      }
+      std::vector<uct_md_resource_desc_t> mds(attr.md_resource_count);
+      attr.field_mask = UCT_COMPONENT_ATTR_FIELD_MD_RESOURCES;
+      attr.md_resources = mds.data();
+      if (uct_component_query(components[c], &attr) != UCS_OK) continue;
+      for (const uct_md_resource_desc_t& md_resource : mds) {
+        uct_md_config_t* config = nullptr;
+        if (uct_md_config_read(components[c], nullptr, nullptr, &config) != UCS_OK) continue;
+        uct_md_h md = nullptr;
+        const ucs_status_t opened = uct_md_open(components[c], md_resource.md_name, config, &md);
+        uct_config_release(config);
+        if (opened != UCS_OK) continue;
+        uct_tl_resource_desc_t* tls = nullptr;
+        unsigned tl_count = 0;
+        if (uct_md_query_tl_resources(md, &tls, &tl_count) == UCS_OK) {
+          for (unsigned t = 0; t < tl_count; ++t) {
+            const std::string dev = tls[t].dev_name;
+            if (tls[t].dev_type == UCT_DEVICE_TYPE_NET && std::strcmp(tls[t].tl_name, "tcp") != 0 &&
+                std::find(out->begin(), out->end(), dev) == out->end()) {
+              out->push_back(dev);
+            }
+          }
+          uct_release_tl_resource_list(tls);
+        }
+        uct_md_close(md);
+      }
+    }
+    uct_release_component_list(components);
+    return out;
+  }();
+  return *devices;
+}
+
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<Context>> Context::Create(bool wakeup, std::string_view uri,
-                                                         bool one_host) {
+absl::StatusOr<std::shared_ptr<Context>> Context::Create(
+    bool wakeup, std::string_view uri, bool one_host,
+    const std::vector<std::string>& tcp_interfaces) {
   RouteUcxLogs();  // before UCX reads its configuration (it warns about unknown UCX_* there)
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) {
     return UcsError(s, absl::StrFormat("%s: reading the UCX configuration (UCX_* variables)", uri));
   }
-  if (one_host && std::getenv("UCX_TLS") == nullptr) {
+  const char* tls = std::getenv("UCX_TLS");
+  if (!(one_host && tls == nullptr) && std::getenv("UCX_NET_DEVICES") == nullptr &&
+      TlsSelectsTcp(tls)) {
+    // UCX's tcp opens a listening socket on every interface it uses (UCX_NET_DEVICES=all):
+    // confine it to the channel's interfaces, keeping every other network device.
+    std::vector<std::string> devices = NonTcpNetworkDevices();
+    for (const std::string& i :
+         tcp_interfaces.empty() ? std::vector<std::string>{LoopbackInterface()} : tcp_interfaces) {
+      if (std::find(devices.begin(), devices.end(), i) == devices.end()) devices.push_back(i);
+    }
+    const std::string list = absl::StrJoin(devices, ",");
+    s = ucp_config_modify(config, "NET_DEVICES", list.c_str());
+    if (s != UCS_OK) {
+      ucp_config_release(config);
+      return UcsError(s, absl::StrFormat("%s: setting UCX_NET_DEVICES=%s", uri, list));
+    }
+    Log(LogLevel::kDebug, "%s: UCX_NET_DEVICES unset: using UCX_NET_DEVICES=%s", uri, list);
+  }
+  if (one_host && tls == nullptr) {
     s = ucp_config_modify(config, "TLS", "^tcp");
     if (s != UCS_OK) {
       ucp_config_release(config);

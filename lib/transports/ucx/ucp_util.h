@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -32,9 +33,15 @@ class Context {
   // unless UCX_TLS is set, TCP is left out (UCX_TLS=^tcp): with UCX's defaults (UCX 1.13) a
   // one-sided get between two processes of one host goes over TCP on lo at ~0.6 GB/s instead of
   // shared memory or CMA at 3-6 GB/s (BENCHMARKS.md, "weightbus-bench").
+  // `tcp_interfaces`: where UCX's tcp transport, when UCX_TLS selects it, may open its own
+  // listening sockets (one per interface; network interface names such as "lo" or "eth0", from
+  // TcpInterfacesFor in control.h): unless UCX_NET_DEVICES is set, UCX_NET_DEVICES becomes every
+  // other network device (InfiniBand/RoCE ports, as UCX's default "all" would take) plus these,
+  // instead of every interface of the host (issue 17). Empty: the loopback interface.
   // Errors: Unavailable when UCX cannot initialize (no usable transport), naming `uri`.
-  static absl::StatusOr<std::shared_ptr<Context>> Create(bool wakeup, std::string_view uri,
-                                                         bool one_host);
+  static absl::StatusOr<std::shared_ptr<Context>> Create(
+      bool wakeup, std::string_view uri, bool one_host,
+      const std::vector<std::string>& tcp_interfaces = {});
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;

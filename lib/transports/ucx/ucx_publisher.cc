@@ -44,6 +44,21 @@ namespace {
 
 constexpr uint64_t kTensorAlign = 64;
 
+// What one subscriber connection may make the publisher hold (issue 17: one peer must not
+// exhaust the control plane). Honest subscribers stay far below each bound: they keep one WAIT
+// and a few leases out, and at most gets_in_flight (<= 1024) READs.
+constexpr size_t kMaxInput = size_t{1} << 20;    // bytes read ahead of the frames handled
+constexpr size_t kMaxOutput = size_t{32} << 20;  // answers queued before reading stops
+constexpr size_t kMaxWaits = 64;                 // WAITs outstanding
+constexpr int kMaxLeases = 64;                   // leases held
+constexpr size_t kMaxReads = 4096;               // READs outstanding
+// Connections accepted beyond max_connections only to answer their HELLO with
+// ResourceExhausted; more than this many such at once are closed without a word.
+constexpr size_t kMaxRefusing = 16;
+// Backoff of accept() at the fd limit (EMFILE, ENFILE) or out of kernel memory.
+constexpr absl::Duration kAcceptBackoffMin = absl::Milliseconds(10);
+constexpr absl::Duration kAcceptBackoffMax = absl::Seconds(1);
+
 // One piece of a staging slot: registered memory covering [base, base + size()) of the slot's
 // byte range.
 struct Region {
@@ -80,7 +95,8 @@ struct Lease {
   Slot* slot = nullptr;
   uint64_t conn = 0;
   uint64_t version = 0;
-  absl::Time expiry;  // MonotonicNow() time
+  absl::Time expiry;      // MonotonicNow() time
+  absl::Time hold_start;  // when it was granted: renewals end lease_max_hold after it
 };
 
 // A READ of slot bytes over the control connection (Conn::bytes_over_control).
@@ -114,6 +130,11 @@ struct Conn {
   // UCP transport with one-sided hardware support reaches it (see UcxPublisher::HandleHello).
   bool bytes_over_control = false;
   std::deque<PendingRead> reads;
+  int leases = 0;           // leases_ entries of this connection
+  bool over_limit = false;  // accepted beyond max_connections: HELLO gets ResourceExhausted
+  // Frames may wait in `in`, unhandled because `out` held kMaxOutput: handled once it drains,
+  // whether or not more bytes arrive.
+  bool held_frames = false;
 };
 
 class UcxPublisher final : public TransportPublisher {
@@ -259,10 +280,17 @@ class UcxPublisher final : public TransportPublisher {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ServeWaits(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Grant(Conn& c, const PendingWait& w, Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers WAIT `request` with REFUSED.
+  void Refuse(Conn& c, uint64_t request, absl::StatusCode code, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers queued READs while the connection's output is short (bounded memory per
   // subscriber: at most kReadBacklog bytes queued beyond one DATA frame).
   void ServeReads(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Drop(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends a lease (released, expired, or its connection gone).
+  void EndLease(std::map<uint64_t, Lease>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks `c` to be closed now, logging why (rate-limited).
+  void Disconnect(Conn& c, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Endpoint endpoint_;
   const UcxOptions options_;
@@ -293,7 +321,16 @@ class UcxPublisher final : public TransportPublisher {
   uint64_t next_region_ = 1;                   // Publish only
   uint64_t changes_ ABSL_GUARDED_BY(mu_) = 0;  // bumped whenever a slot or lease frees up
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  int publishes_waiting_ ABSL_GUARDED_BY(mu_) = 0;  // Publish calls waiting for a slot
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  // Accepting pauses until then after accept() failed for lack of descriptors or memory.
+  absl::Time accept_resume_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  absl::Duration accept_backoff_ ABSL_GUARDED_BY(mu_) = kAcceptBackoffMin;
+  // Messages a peer or the system can repeat at will, each at most once per 10 s.
+  RateLimitedLog peer_log_;    // a subscriber's misbehaviour that disconnects it
+  RateLimitedLog conn_log_;    // subscribers connecting and going away (info)
+  RateLimitedLog lease_log_;   // leases expired or held for lease_max_hold
+  RateLimitedLog accept_log_;  // accept() failures and connections refused
   // UcxPublisherCounters (ucx_transport.h); written by the progress thread only.
   std::atomic<uint64_t> reads_served_{0};
   std::atomic<uint64_t> sleeps_with_reads_ready_{0};
@@ -307,15 +344,27 @@ void UcxPublisher::ExpireLeases(absl::Time now) {
     }
     const Lease& l = it->second;
     auto conn = conns_.find(l.conn);
-    Log(LogLevel::kWarn,
+    lease_log_.Log(
+        LogLevel::kWarn,
         "%s: %s held version %d without renewing its lease for %s; the lease expired and the "
         "version's staging slot may be reused",
         endpoint_.display, conn != conns_.end() ? conn->second->peer : "a subscriber", l.version,
         absl::FormatDuration(options_.lease));
-    --l.slot->leases;
-    ++changes_;
-    it = leases_.erase(it);
+    EndLease(it++);
   }
+}
+
+void UcxPublisher::EndLease(std::map<uint64_t, Lease>::iterator it) {
+  --it->second.slot->leases;
+  auto conn = conns_.find(it->second.conn);
+  if (conn != conns_.end()) --conn->second->leases;
+  ++changes_;
+  leases_.erase(it);
+}
+
+void UcxPublisher::Disconnect(Conn& c, const std::string& why) {
+  peer_log_.Log(LogLevel::kWarn, "%s: %s %s; disconnecting it", endpoint_.display, c.peer, why);
+  c.dead = true;
 }
 
 Slot* UcxPublisher::PickSlot() {
@@ -527,6 +576,13 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
   {
     absl::MutexLock lock(&mu_);
     if (cancelled_) return Cancelled();
+    // While this Publish waits, no new lease goes to a slot it could take (ServeWaits): they
+    // drain within lease_max_hold + lease, however many connections take turns.
+    ++publishes_waiting_;
+    absl::Cleanup done_waiting = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      --publishes_waiting_;
+      Wake();  // deferred WAITs are served again
+    };
     while ((slot = PickSlot()) == nullptr) {
       absl::Time wake = deadline;
       const absl::Time mono = MonotonicNow(), now = absl::Now();
@@ -611,19 +667,25 @@ void UcxPublisher::Loop() {
       if (stopping_) break;
       fds.clear();
       ids.clear();
-      fds.push_back({wake_.get(), POLLIN, 0});
-      fds.push_back({listener_.get(), POLLIN, 0});
-      fds.push_back({efd_, POLLIN, 0});
       const absl::Time mono = MonotonicNow();
       absl::Time next = mono + absl::Seconds(1);
+      fds.push_back({wake_.get(), POLLIN, 0});
+      // While accepting is paused (no descriptors left), the listener is not polled: its queued
+      // connections would wake poll at once, for ever.
+      const bool accepting = mono >= accept_resume_;
+      if (!accepting) next = std::min(next, accept_resume_);
+      fds.push_back({accepting ? listener_.get() : -1, POLLIN, 0});
+      fds.push_back({efd_, POLLIN, 0});
       for (const auto& [id, c] : conns_) {
-        short events = POLLIN;
+        // A connection with kMaxOutput queued is read no further until its peer reads.
+        short events = c->out.size() < kMaxOutput ? POLLIN : 0;
         // Queued READs are served as the socket drains (none is left behind with `out` empty).
         if (!c->out.empty() || !c->reads.empty()) events |= POLLOUT;
         if (!c->reads.empty() && c->out.empty()) reads_ready = true;
         fds.push_back({c->fd.get(), events, 0});
         ids.push_back(id);
         if (!c->greeted) next = std::min(next, c->hello_deadline);
+        if (c->held_frames && c->out.size() < kMaxOutput) next = mono;
       }
       for (const auto& [id, l] : leases_) next = std::min(next, l.expiry);
       timeout_ms = static_cast<int>(
@@ -651,25 +713,25 @@ void UcxPublisher::Loop() {
     }
     if (fds[1].revents != 0) Accept();
     for (size_t k = 0; k < ids.size(); ++k) {
-      if (fds[k + 3].revents == 0) continue;
       auto it = conns_.find(ids[k]);
       if (it == conns_.end()) continue;
       Conn& c = *it->second;
-      absl::StatusOr<bool> open = ReadAvailable(c.fd.get(), c.in);
-      while (!c.dead) {
-        absl::StatusOr<std::optional<Frame>> f = TakeFrame(c.in);
+      if (fds[k + 3].revents == 0 && !(c.held_frames && c.out.size() < kMaxOutput)) continue;
+      absl::StatusOr<bool> open = true;
+      if (c.out.size() < kMaxOutput) open = ReadAvailable(c.fd.get(), c.in, kMaxInput);
+      while (!c.dead && c.out.size() < kMaxOutput) {
+        absl::StatusOr<std::optional<Frame>> f = TakeFrame(c.in, kMaxRequestFrame);
         if (!f.ok()) {
-          Log(LogLevel::kWarn, "%s: %s sent a malformed message (%s); disconnecting it",
-              endpoint_.display, c.peer, std::string(f.status().message()));
-          c.dead = true;
+          Disconnect(c, absl::StrFormat("sent a malformed message (%s)", f.status().message()));
           break;
         }
         if (!f->has_value()) break;
         Handle(c, **f);
       }
+      c.held_frames = !c.dead && c.out.size() >= kMaxOutput;
       if (!open.ok() || !*open) {
-        Log(LogLevel::kInfo, "%s: %s disconnected%s", endpoint_.display, c.peer,
-            open.ok() ? "" : " (" + std::string(open.status().message()) + ")");
+        conn_log_.Log(LogLevel::kInfo, "%s: %s disconnected%s", endpoint_.display, c.peer,
+                      open.ok() ? "" : " (" + std::string(open.status().message()) + ")");
         c.dead = true;
       }
     }
@@ -678,8 +740,8 @@ void UcxPublisher::Loop() {
     for (auto it = conns_.begin(); it != conns_.end();) {
       Conn& c = *it->second;
       if (!c.greeted && now > c.hello_deadline && !c.dead) {
-        Log(LogLevel::kInfo, "%s: %s did not greet within %s; disconnecting it", endpoint_.display,
-            c.peer, absl::FormatDuration(options_.connect_timeout));
+        conn_log_.Log(LogLevel::kInfo, "%s: %s did not greet within %s; disconnecting it",
+                      endpoint_.display, c.peer, absl::FormatDuration(options_.connect_timeout));
         c.dead = true;
       }
       if (!c.dead && c.greeted && !c.closing) ServeWaits(c);
@@ -714,10 +776,38 @@ void UcxPublisher::Accept() {
     const int fd = ::accept4(listener_.get(), reinterpret_cast<sockaddr*>(&addr), &len,
                              SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        Log(LogLevel::kWarn, "%s: accept: %s", endpoint_.display, strerror(errno));
+      const int err = errno;
+      if (err == EAGAIN || err == EWOULDBLOCK || err == EINTR) return;
+      if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+        // Out of descriptors or kernel memory: stop accepting for a while (doubling up to
+        // kAcceptBackoffMax) and serve the connections there are; the new ones wait in the
+        // listen queue.
+        accept_resume_ = MonotonicNow() + accept_backoff_;
+        accept_log_.Log(LogLevel::kWarn,
+                        "%s: accept: %s (%d connections open, max_connections %d); not accepting "
+                        "for %s, serving the connected subscribers meanwhile (raise the fd "
+                        "limit, ulimit -n, or lower max_connections)",
+                        endpoint_.display, strerror(err), conns_.size(), options_.max_connections,
+                        absl::FormatDuration(accept_backoff_));
+        accept_backoff_ = std::min(accept_backoff_ * 2, kAcceptBackoffMax);
+        return;
       }
+      accept_log_.Log(LogLevel::kWarn, "%s: accept: %s", endpoint_.display, strerror(err));
       return;
+    }
+    accept_backoff_ = kAcceptBackoffMin;
+    const std::string peer =
+        "subscriber at " + DescribeSockaddr(reinterpret_cast<sockaddr*>(&addr), len);
+    const bool over_limit = conns_.size() >= static_cast<size_t>(options_.max_connections);
+    if (over_limit &&
+        conns_.size() >= static_cast<size_t>(options_.max_connections) + kMaxRefusing) {
+      accept_log_.Log(LogLevel::kWarn,
+                      "%s: closing the connection of %s at once: %d connections are open "
+                      "(max_connections %d) and %d more wait to be refused",
+                      endpoint_.display, peer, conns_.size(), options_.max_connections,
+                      kMaxRefusing);
+      ::close(fd);
+      continue;
     }
     int one = 1;
     (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -725,7 +815,8 @@ void UcxPublisher::Accept() {
     c->id = next_conn_++;
     c->fd = Fd(fd);
     c->fd.CloseInForkedChildren();  // the subscriber sees the connection close with us
-    c->peer = "subscriber at " + DescribeSockaddr(reinterpret_cast<sockaddr*>(&addr), len);
+    c->peer = peer;
+    c->over_limit = over_limit;
     c->hello_deadline = MonotonicNow() + options_.connect_timeout;
     conns_[c->id] = std::move(c);
   }
@@ -739,8 +830,8 @@ void UcxPublisher::SendError(Conn& c, absl::StatusCode code, const std::string& 
 void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
   absl::StatusOr<HelloMsg> hello = DecodeHello(f.payload);
   if (!hello.ok() || hello->magic != kMagic) {
-    Log(LogLevel::kInfo, "%s: %s is not a weightbus subscriber; disconnecting it",
-        endpoint_.display, c.peer);
+    conn_log_.Log(LogLevel::kInfo, "%s: %s is not a weightbus subscriber; disconnecting it",
+                  endpoint_.display, c.peer);
     c.dead = true;
     return;
   }
@@ -752,6 +843,15 @@ void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
     SendError(c, absl::StatusCode::kFailedPrecondition,
               absl::StrFormat("publisher %s speaks ucx control protocol %d, the subscriber %d",
                               description_, kProtocolVersion, protocol));
+    return;
+  }
+  if (c.over_limit) {
+    accept_log_.Log(LogLevel::kWarn, "%s: refusing %s: %d connections are open (max_connections)",
+                    endpoint_.display, c.peer, options_.max_connections);
+    SendError(c, absl::StatusCode::kResourceExhausted,
+              absl::StrFormat("the publisher at port %d (%s) already serves %d subscriber "
+                              "connections, its max_connections; try again later",
+                              endpoint_.port, description_, options_.max_connections));
     return;
   }
   if (channel != endpoint_.channel) {
@@ -774,7 +874,7 @@ void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
                              static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)),
                              newest_ != nullptr, newest_ ? newest_->version : 0, description_,
                              c.bytes_over_control});
-  Log(LogLevel::kInfo, "%s: %s connected", endpoint_.display, c.peer);
+  conn_log_.Log(LogLevel::kInfo, "%s: %s connected", endpoint_.display, c.peer);
 }
 
 void UcxPublisher::Handle(Conn& c, const Frame& f) {
@@ -801,6 +901,10 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       w.version = m->version;
       w.exact = m->mode == kWaitExact;
       w.now = m->mode == kWaitNewestNow;
+      if (c.waits.size() >= kMaxWaits) {
+        Disconnect(c, absl::StrFormat("has more than %d WAITs outstanding", kMaxWaits));
+        break;
+      }
       c.waits.push_back(w);
       break;
     }
@@ -815,8 +919,20 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       if (!m.ok()) break;
       const uint64_t id = m->lease;
       auto it = leases_.find(id);
-      const bool valid = it != leases_.end() && it->second.conn == c.id;
-      if (valid) it->second.expiry = MonotonicNow() + options_.lease;
+      const absl::Time now = MonotonicNow();
+      bool valid = it != leases_.end() && it->second.conn == c.id;
+      // A renewal is one more full lease, within lease_max_hold of the grant.
+      if (valid && now + options_.lease > it->second.hold_start + options_.lease_max_hold) {
+        lease_log_.Log(
+            LogLevel::kWarn,
+            "%s: %s has held version %d for %s, lease_max_hold %s; its lease is not "
+            "renewed (the version's staging slot frees when it expires)",
+            endpoint_.display, c.peer, it->second.version,
+            absl::FormatDuration(absl::Trunc(now - it->second.hold_start, absl::Milliseconds(1))),
+            absl::FormatDuration(options_.lease_max_hold));
+        valid = false;
+      }
+      if (valid) it->second.expiry = now + options_.lease;
       c.out += Encode(RenewedMsg{id, valid});
       break;
     }
@@ -826,11 +942,7 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       const uint64_t id = m->lease;
       auto it = leases_.find(id);
       const bool valid = it != leases_.end() && it->second.conn == c.id;
-      if (valid) {
-        --it->second.slot->leases;
-        ++changes_;
-        leases_.erase(it);
-      }
+      if (valid) EndLease(it);
       if (m->ack) c.out += Encode(ReleasedMsg{id, valid});
       break;
     }
@@ -850,10 +962,8 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       read.lease = m->lease;
       read.offset = m->offset;
       read.length = m->length;
-      if (c.reads.size() >= 4096) {  // a subscriber keeps at most gets_in_flight (<= 1024) out
-        Log(LogLevel::kWarn, "%s: %s has more than 4096 READs outstanding; disconnecting it",
-            endpoint_.display, c.peer);
-        c.dead = true;
+      if (c.reads.size() >= kMaxReads) {
+        Disconnect(c, absl::StrFormat("has more than %d READs outstanding", kMaxReads));
         break;
       }
       c.reads.push_back(read);
@@ -871,15 +981,11 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       break;
     }
     default:
-      Log(LogLevel::kWarn, "%s: %s sent an unexpected %s message; disconnecting it",
-          endpoint_.display, c.peer, std::string(MsgTypeName(f.type)));
-      c.dead = true;
+      Disconnect(c, absl::StrFormat("sent an unexpected %s message", MsgTypeName(f.type)));
       break;
   }
   if (!malformed.ok()) {
-    Log(LogLevel::kWarn, "%s: %s sent a %s; disconnecting it", endpoint_.display, c.peer,
-        std::string(malformed.message()));
-    c.dead = true;
+    Disconnect(c, absl::StrFormat("sent a %s", malformed.message()));
   }
 }
 
@@ -897,20 +1003,18 @@ void UcxPublisher::ServeWaits(Conn& c) {
           if (s->state == Slot::State::kReady) held.push_back(s->version);
         }
         std::sort(held.begin(), held.end());
-        c.out += Encode(RefusedMsg{
-            w.request, static_cast<uint32_t>(absl::StatusCode::kNotFound),
-            absl::StrFormat("the publisher no longer holds version %d (it holds: %s)", w.version,
-                            held.empty() ? "none" : absl::StrJoin(held, ", "))});
+        Refuse(c, w.request, absl::StatusCode::kNotFound,
+               absl::StrFormat("the publisher no longer holds version %d (it holds: %s)", w.version,
+                               held.empty() ? "none" : absl::StrJoin(held, ", ")));
         it = c.waits.erase(it);
         continue;
       }
     } else if (newest_ != nullptr && newest_->version >= w.version) {
       slot = newest_;
     } else if (w.now) {
-      c.out +=
-          Encode(RefusedMsg{w.request, static_cast<uint32_t>(absl::StatusCode::kDeadlineExceeded),
-                            absl::StrFormat("no version >= %d yet (newest: %s)", w.version,
-                                            newest_ ? std::to_string(newest_->version) : "none")});
+      Refuse(c, w.request, absl::StatusCode::kDeadlineExceeded,
+             absl::StrFormat("no version >= %d yet (newest: %s)", w.version,
+                             newest_ ? std::to_string(newest_->version) : "none"));
       it = c.waits.erase(it);
       continue;
     }
@@ -918,20 +1022,47 @@ void UcxPublisher::ServeWaits(Conn& c) {
       ++it;
       continue;
     }
+    // While a Publish waits for a slot, no new lease goes to a slot it could take (every slot
+    // but the newest's, and that one too when it is the only one): they drain within
+    // lease_max_hold + lease however many connections take turns. A wait is answered once the
+    // Publish is through; a poll now, as if no version were there yet.
+    if (publishes_waiting_ > 0 && !Kept(*slot) &&
+        (slot != newest_ || options_.staging_slots == 1)) {
+      if (!w.now) {
+        ++it;
+        continue;
+      }
+      Refuse(c, w.request, absl::StatusCode::kDeadlineExceeded,
+             absl::StrFormat("version %d is about to be replaced (a publish waits for its "
+                             "staging slot)",
+                             slot->version));
+      it = c.waits.erase(it);
+      continue;
+    }
+    if (c.leases >= kMaxLeases) {
+      Disconnect(c, absl::StrFormat("holds %d leases and asks for more", kMaxLeases));
+      return;
+    }
     it = c.waits.erase(it);
     Grant(c, w, *slot);
   }
 }
 
+void UcxPublisher::Refuse(Conn& c, uint64_t request, absl::StatusCode code,
+                          const std::string& why) {
+  c.out += Encode(RefusedMsg{request, static_cast<uint32_t>(code), why});
+}
+
 void UcxPublisher::Grant(Conn& c, const PendingWait& w, Slot& slot) {
   if (absl::Status s = failpoints_.Hit("ucx.before_grant"); !s.ok()) {
-    c.out +=
-        Encode(RefusedMsg{w.request, static_cast<uint32_t>(s.code()), std::string(s.message())});
+    Refuse(c, w.request, s.code(), std::string(s.message()));
     return;
   }
+  const absl::Time now = MonotonicNow();
   const uint64_t id = next_lease_++;
-  leases_[id] = Lease{&slot, c.id, slot.version, MonotonicNow() + options_.lease};
+  leases_[id] = Lease{&slot, c.id, slot.version, now + options_.lease, now};
   ++slot.leases;
+  ++c.leases;
   std::vector<uint64_t> live;
   for (const auto& s : slots_) {
     for (const Region& r : s->regions) live.push_back(r.id);
@@ -988,9 +1119,7 @@ void UcxPublisher::ServeReads(Conn& c) {
 void UcxPublisher::Drop(Conn& c) {
   for (auto it = leases_.begin(); it != leases_.end();) {
     if (it->second.conn == c.id) {
-      --it->second.slot->leases;
-      ++changes_;
-      it = leases_.erase(it);
+      EndLease(it++);
     } else {
       ++it;
     }
@@ -1016,7 +1145,8 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& 
   WB_ASSIGN_OR_RETURN(FailPoints failpoints, FailPoints::Parse(config.String("failpoints")));
   WB_ASSIGN_OR_RETURN(
       std::shared_ptr<Context> context,
-      Context::Create(/*wakeup=*/true, endpoint.display, IsLoopback(endpoint.host)));
+      Context::Create(/*wakeup=*/true, endpoint.display, IsLoopback(endpoint.host),
+                      TcpInterfacesFor(endpoint.host, endpoint.port, /*listening=*/true)));
   WB_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(context, endpoint.display));
   WB_ASSIGN_OR_RETURN(std::string address, worker->Address());
   WB_ASSIGN_OR_RETURN(int efd, worker->EventFd());

@@ -72,7 +72,20 @@ struct Pull {
   absl::Status error;
   LandingSink* sink = nullptr;
   const Manifest* manifest = nullptr;
-  std::string source;  // for messages: "ucx://h:p/c: ... from publisher ..."
+  std::string source;     // for messages: "ucx://h:p/c: ... from publisher ..."
+  bool midpoint = false;  // the fail point ucx.during_get was passed
+
+  // The fail point ucx.during_get, once per version: when half of the `total` bytes are
+  // requested (`issued_bytes` by the first `issued` gets) and at least one get has finished.
+  // Called after every get issued and every completion seen, so that it fires for any size
+  // (shared-memory gets complete inside ucp_get_nbx: a version of at most one burst of gets is
+  // all here before the first progress call; a read's DATA may complete the last one).
+  absl::Status Midpoint(FailPoints& failpoints, uint64_t issued_bytes, uint64_t total,
+                        size_t issued) {
+    if (midpoint || issued_bytes * 2 < total || inflight >= issued) return absl::OkStatus();
+    midpoint = true;
+    return failpoints.Hit("ucx.during_get");
+  }
 
   void Complete(size_t k, ucs_status_t status) {
     --inflight;
@@ -738,7 +751,6 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
   const uint64_t window = static_cast<uint64_t>(options_.gets_in_flight);
   size_t next = 0;
   uint64_t issued_bytes = 0;
-  bool midpoint = false;
   std::optional<absl::Time> renew_sent;  // a RENEW awaiting its RENEWED
   absl::Time last_check = absl::InfinitePast();
   absl::Status status;
@@ -767,17 +779,14 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
       }
       issued_bytes += op.length;
       ++next;
+      status = pull.Midpoint(failpoints_, issued_bytes, total, next);
+      if (!status.ok()) break;
     }
-    if (!pull.error.ok()) break;
+    if (!status.ok() || !pull.error.ok()) break;
     if (next == pull.ops.size() && pull.inflight == 0) break;
     const unsigned progressed = ucp_worker_progress(worker);
-    if (!midpoint && issued_bytes * 2 >= total && pull.inflight < next) {
-      midpoint = true;  // at least one get finished and half of the bytes are requested
-      if (absl::Status fp = failpoints_.Hit("ucx.during_get"); !fp.ok()) {
-        status = fp;
-        break;
-      }
-    }
+    status = pull.Midpoint(failpoints_, issued_bytes, total, next);
+    if (!status.ok()) break;
     // Every millisecond (or when idle): the deadline, the publisher's liveness, the lease.
     const absl::Time now = absl::Now();
     if (progressed != 0 && now - last_check < absl::Milliseconds(1)) continue;
@@ -900,7 +909,6 @@ absl::Status UcxSubscriber::ReadOverControl(UcxVersion& v, Pull& pull, uint64_t 
   next_request_ += pull.ops.size();
   size_t next = 0;
   uint64_t issued_bytes = 0;
-  bool midpoint = false;
   std::optional<absl::Time> renew_sent;
   while (pull.error.ok() && (next < pull.ops.size() || pull.inflight > 0)) {
     while (pull.inflight < window && next < pull.ops.size()) {
@@ -912,10 +920,7 @@ absl::Status UcxSubscriber::ReadOverControl(UcxVersion& v, Pull& pull, uint64_t 
       issued_bytes += op.length;
       ++next;
     }
-    if (!midpoint && issued_bytes * 2 >= total && pull.inflight < next) {
-      midpoint = true;  // at least one read finished and half of the bytes are requested
-      WB_RETURN_IF_ERROR(failpoints_.Hit("ucx.during_get"));
-    }
+    WB_RETURN_IF_ERROR(pull.Midpoint(failpoints_, issued_bytes, total, next));
     const absl::Time mono = MonotonicNow();
     if (!renew_sent && mono - v.lease_base_ > s.lease / 4) {
       WB_RETURN_IF_ERROR(
@@ -961,6 +966,7 @@ absl::Status UcxSubscriber::ReadOverControl(UcxVersion& v, Pull& pull, uint64_t 
       }
       WB_RETURN_IF_ERROR(CopyBytes(pull.ops[k].local, bytes.data(), bytes.size()));
       pull.Complete(k, UCS_OK);
+      WB_RETURN_IF_ERROR(pull.Midpoint(failpoints_, issued_bytes, total, next));
     } else if (f->type == MsgType::kRenewed) {
       absl::StatusOr<RenewedMsg> renewed = DecodeRenewed(f->payload);
       if (!renewed.ok()) {
@@ -1021,7 +1027,8 @@ absl::StatusOr<std::unique_ptr<TransportSubscriber>> OpenUcxSubscriber(const Uri
   WB_ASSIGN_OR_RETURN(FailPoints failpoints, FailPoints::Parse(config.String("failpoints")));
   WB_ASSIGN_OR_RETURN(
       std::shared_ptr<Context> context,
-      Context::Create(/*wakeup=*/false, endpoint.display, IsLoopback(endpoint.host)));
+      Context::Create(/*wakeup=*/false, endpoint.display, IsLoopback(endpoint.host),
+                      TcpInterfacesFor(endpoint.host, endpoint.port, /*listening=*/false)));
   WB_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(context, endpoint.display));
   return std::unique_ptr<TransportSubscriber>(new UcxSubscriber(
       std::move(endpoint), options, std::move(failpoints), std::move(context), std::move(worker)));

@@ -41,6 +41,8 @@ bool IsLoopback(const std::string& host);
 struct UcxOptions {
   int64_t staging_slots = 2;
   absl::Duration lease;
+  absl::Duration lease_max_hold;  // >= lease
+  int64_t max_connections = 0;
   absl::Duration connect_timeout;
   uint64_t get_chunk_size = 0;
   int64_t gets_in_flight = 0;

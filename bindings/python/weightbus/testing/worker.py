@@ -350,6 +350,12 @@ class StandInLLM:
     def __init__(self, workers: Sequence[StandInGpuWorker]):
         self.workers = list(workers)
         self._weight_version = "0"
+        self.prefix_cache_resets = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """LLM.reset_prefix_cache (counted here)."""
+        self.prefix_cache_resets += 1
+        return True
 
     def collective_rpc(self, method: Union[str, Callable], args: Sequence[Any] = (),
                        kwargs: Optional[Dict[str, Any]] = None) -> List[Any]:

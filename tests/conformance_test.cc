@@ -20,6 +20,7 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
@@ -244,6 +245,50 @@ TEST_P(ConformanceTest, StridedViewsAndStridedDestinations) {
 }
 
 // Bound destinations receive each version in place, in both bind modes.
+// Tensor names are names, never paths (docs/TRANSPORTS.md): names that look like paths, hold a
+// NUL byte or are 300 characters of UTF-8 round-trip exactly, with their bytes, also into
+// destinations bound by those names, and nothing appears in the test's directory outside the
+// stack's channel (for disk stacks `channel/`; the others keep nothing there).
+TEST_P(ConformanceTest, PathLikeNulAndLongUtf8TensorNamesRoundTripAndStayInsideTheChannel) {
+  const std::vector<std::string> names = testing::PathLikeTensorNames();
+  const std::vector<std::string> before = testing::ListTree(dir_.path());
+  std::vector<std::vector<std::byte>> bytes, dest;
+  std::vector<TensorView> views;
+  for (size_t i = 0; i < names.size(); ++i) {
+    bytes.push_back(testing::RandomBytes(64 + i, i));
+    dest.emplace_back(bytes.back().size());
+  }
+  for (size_t i = 0; i < names.size(); ++i) {
+    views.push_back(TensorView{
+        names[i], DType::kU8, {static_cast<int64_t>(bytes[i].size())}, {}, bytes[i].data()});
+  }
+  auto pub = OpenPublisher(Uri());
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(pub && sub);
+  for (size_t i = 0; i < names.size(); i += 2) {  // every other one bound
+    ASSERT_TRUE(
+        sub->Bind(names[i], Destination{DType::kU8, views[i].shape, {}, dest[i].data()}).ok());
+  }
+  ASSERT_TRUE(pub->Publish(1, views, {}, kTimeout).ok());
+  auto u = sub->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ASSERT_EQ((*u)->manifest().tensors.size(), names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    SCOPED_TRACE(absl::CHexEscape(names[i]));
+    EXPECT_EQ((*u)->manifest().tensors[i].name, names[i]);
+    const TensorView& got = (*u)->tensors()[i];
+    EXPECT_EQ(got.name, names[i]);
+    ASSERT_EQ(got.shape, views[i].shape);
+    EXPECT_EQ(std::memcmp(got.data, bytes[i].data(), bytes[i].size()), 0);
+    if (i % 2 == 0) EXPECT_TRUE(dest[i] == bytes[i]);
+  }
+  for (const std::string& path : testing::ListTree(dir_.path())) {
+    if (std::find(before.begin(), before.end(), path) != before.end()) continue;
+    EXPECT_TRUE(path == "channel" || absl::StartsWith(path, "channel/"))
+        << absl::CHexEscape(path) << " appeared outside the channel";
+  }
+}
+
 TEST_P(ConformanceTest, BoundDestinationsReceiveInPlace) {
   auto pub = OpenPublisher(Uri());
   ASSERT_TRUE(pub);

@@ -3,10 +3,12 @@
 // mid-publish (between files, before commit), a re-publish over a crashed attempt's leftovers,
 // a full disk (a small tmpfs in a private mount namespace) and a > 2 GiB tensor.
 #include <fcntl.h>
+#include <grp.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -39,6 +41,63 @@ std::string Peer() { return testing::BinaryPath("tests/wb_test_peer"); }
 std::string ChannelUri(const ScratchDir& dir) { return "disk://" + dir.path() + "/channel"; }
 
 using ::weightbus::testing::ExitCode;
+
+// Runs `argv` as user `uid` with primary group `gid` (and no other group) and returns its exit
+// code; its stderr goes to `log`. Needs root.
+int RunAs(uid_t uid, gid_t gid, const std::vector<std::string>& argv, const std::string& log) {
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {  // only async-signal-safe calls until exec
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0666);
+    if (fd >= 0) ::dup2(fd, 2);
+    if (::setgroups(1, &gid) != 0 || ::setgid(gid) != 0 || ::setuid(uid) != 0) ::_exit(100);
+    ::execv(args[0], args.data());
+    ::_exit(101);
+  }
+  int status = 0;
+  if (pid < 0 || ::waitpid(pid, &status, 0) != pid) return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// Who can read a channel (docs/TRANSPORTS.md): a subscriber process of another user gets
+// nothing from an owner-only channel (PermissionDenied naming the path), and with
+// group_access=true one of the publisher's group receives every byte; one of another group still
+// gets nothing.
+TEST(DiskProcessTest, AnotherUsersSubscriberReadsTheChannelOnlyWithGroupAccess) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a subscriber as another user";
+  const uid_t nobody = 65534;
+  const gid_t own_group = ::getegid(), other_group = 65534;
+  ASSERT_NE(own_group, other_group);
+  for (const bool group_access : {false, true}) {
+    SCOPED_TRACE(group_access ? "group_access=true" : "owner only");
+    ScratchDir dir;
+    ASSERT_EQ(::chmod(dir.path().c_str(), 0755), 0);  // the scratch directory is not the test
+    const std::string uri = ChannelUri(dir);
+    auto pub = Publisher::Open(uri, {{"group_access", group_access ? "true" : "false"}});
+    ASSERT_TRUE(pub.ok()) << pub.status();
+    auto tensors = MakeVersion(23, 1, 65536);
+    ASSERT_TRUE((*pub)->Publish(1, Views(tensors), {}, kTimeout).ok());
+    const std::vector<std::string> subscribe = {Peer(),  "subscribe",   uri,  "--until",
+                                                "1",     "--seed",      "23", "--bytes",
+                                                "65536", "--timeout-s", "10"};
+    const std::string log = dir / "sub.log";
+    EXPECT_EQ(RunAs(nobody, own_group, subscribe, log), group_access ? 0 : 1)
+        << testing::ReadFileOrDie(log);
+    if (!group_access) {
+      EXPECT_TRUE(absl::StrContains(testing::ReadFileOrDie(log),
+                                    "PERMISSION_DENIED: open channel directory " + dir.path() +
+                                        "/channel (a channel is readable by its publisher's user "
+                                        "only, or also by its group when published with "
+                                        "group_access=true): Permission denied"))
+          << testing::ReadFileOrDie(log);
+    }
+    EXPECT_EQ(RunAs(nobody, other_group, subscribe, log), 1) << testing::ReadFileOrDie(log);
+    EXPECT_TRUE(absl::StrContains(testing::ReadFileOrDie(log), "Permission denied"))
+        << testing::ReadFileOrDie(log);
+  }
+}
 
 TEST(DiskProcessTest, TwoSubscriberProcessesFollowAPublisherProcessBitExact) {
   ScratchDir dir;

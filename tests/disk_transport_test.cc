@@ -12,10 +12,12 @@
 
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <thread>
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -64,6 +66,147 @@ TEST(DiskTransportTest, VersionDirectoryIsAHuggingFaceCheckpoint) {
   EXPECT_EQ(testing::ReadFileOrDie(dir.path() + "/channel/LATEST"), "1\n");
   EXPECT_TRUE(
       std::filesystem::exists(testing::DiskVersionDir(dir, 1) + "/weightbus.manifest.json"));
+}
+
+// Every directory and file a publisher creates in a channel has exactly the channel's mode (stat
+// of the whole tree, lstat: nothing is a link), whatever the umask: owner-only by default,
+// group-readable with group_access=true. A channel directory that exists keeps its own mode. A
+// subscriber of the same user receives every version either way.
+TEST(DiskModesTest, ChannelIsOwnerOnlyByDefaultAndGroupReadableWithGroupAccess) {
+  struct Case {
+    std::string query;
+    mode_t umask;
+    mode_t dir, file;
+  };
+  for (const Case& c : {Case{"", 0, 0700, 0600}, Case{"group_access=true", 077, 0750, 0640},
+                        Case{"group_access=true", 0, 0750, 0640}}) {
+    SCOPED_TRACE(absl::StrFormat("%s umask %03o", c.query, c.umask));
+    ScratchDir dir;
+    const mode_t old_umask = ::umask(c.umask);
+    const std::string query = c.query.empty() ? "shard_size=5000" : c.query + "&shard_size=5000";
+    {
+      auto pub = Publisher::Open(Uri(dir, query));
+      ASSERT_TRUE(pub.ok()) << pub.status();
+      auto sub = Subscriber::Open(Uri(dir));
+      ASSERT_TRUE(sub.ok()) << sub.status();
+      for (uint64_t v = 1; v <= 2; ++v) {
+        auto tensors = MakeVersion(5, v, 16384);  // several shards: an index file too
+        ASSERT_TRUE((*pub)->Publish(v, Views(tensors), {}, kTimeout).ok());
+        auto u = (*sub)->WaitForVersion(v, kTimeout);
+        ASSERT_TRUE(u.ok()) << u.status();
+        ExpectSameTensors(**u, tensors);
+      }
+    }
+    ::umask(old_umask);
+    const std::string root = dir.path() + "/channel";
+    ASSERT_TRUE(
+        std::filesystem::exists(testing::DiskVersionDir(dir, 2) + "/model.safetensors.index.json"));
+    size_t dirs = 0, files = 0;
+    auto expect_mode = [&](const std::string& path) {
+      struct stat st;
+      ASSERT_EQ(::lstat(path.c_str(), &st), 0) << path;
+      ASSERT_TRUE(S_ISDIR(st.st_mode) || S_ISREG(st.st_mode)) << path;
+      EXPECT_EQ(st.st_mode & 07777, S_ISDIR(st.st_mode) ? c.dir : c.file)
+          << absl::StrFormat("%s is %03o", path, st.st_mode & 07777);
+      ++(S_ISDIR(st.st_mode) ? dirs : files);
+    };
+    expect_mode(root);
+    for (const auto& e : std::filesystem::recursive_directory_iterator(root)) {
+      expect_mode(e.path().string());
+    }
+    // root, versions, 2 versions; LATEST, publisher.lock, per version manifest, index, reader
+    // lock and at least two shards.
+    EXPECT_EQ(dirs, 4u);
+    EXPECT_GE(files, 2u + 2 * 5);
+  }
+
+  // An existing channel directory keeps the mode its user gave it.
+  ScratchDir dir;
+  const std::string root = dir.path() + "/channel";
+  ASSERT_EQ(::mkdir(root.c_str(), 0755), 0);
+  ASSERT_EQ(::chmod(root.c_str(), 0755), 0);
+  auto pub = Publisher::Open(Uri(dir));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto tensors = MakeVersion(5, 1, 1024);
+  ASSERT_TRUE((*pub)->Publish(1, Views(tensors), {}, kTimeout).ok());
+  struct stat st;
+  ASSERT_EQ(::stat(root.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0755u);
+  ASSERT_EQ(::stat((root + "/versions").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0700u);
+  ASSERT_EQ(::stat((testing::DiskVersionDir(dir, 1) + "/model.safetensors").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+}
+
+// Tensor names reach the disk only inside files (the safetensors header, the manifest), never as
+// paths: after a version of path-like names (testing::PathLikeTensorNames, the conformance suite
+// round-trips them on every stack) the only new entries of the test's directory are the
+// channel's own, no file named like the escaping names' last components exists where those
+// paths would lead from any directory of the channel, /etc/passwd is untouched, and any
+// safetensors reader finds every name in the file. Sharded, so several files and an index.
+TEST(DiskNamesTest, PathLikeTensorNamesLiveInsideFilesAndCreateNothingOutsideTheChannel) {
+  ScratchDir dir;
+  const std::vector<std::string> names = testing::PathLikeTensorNames();
+  struct stat passwd_before {};
+  const bool have_passwd = ::stat("/etc/passwd", &passwd_before) == 0;
+  const std::vector<std::string> before = testing::ListTree(dir.path());
+  std::vector<std::vector<std::byte>> bytes;
+  std::vector<TensorView> views;
+  for (size_t i = 0; i < names.size(); ++i) bytes.push_back(testing::RandomBytes(4096, i));
+  for (size_t i = 0; i < names.size(); ++i) {
+    views.push_back(TensorView{names[i], DType::kU8, {4096}, {}, bytes[i].data()});
+  }
+  {
+    auto pub = Publisher::Open(Uri(dir, "shard_size=10000"));
+    ASSERT_TRUE(pub.ok()) << pub.status();
+    ASSERT_TRUE((*pub)->Publish(1, views, {}, kTimeout).ok());
+  }
+  const std::vector<std::string> after = testing::ListTree(dir.path());
+  std::vector<std::string> dirs = {dir.path()};
+  for (const std::string& path : after) {
+    if (std::find(before.begin(), before.end(), path) != before.end()) continue;
+    EXPECT_TRUE(path == "channel" || absl::StartsWith(path, "channel/"))
+        << absl::CHexEscape(path) << " appeared outside the channel";
+    EXPECT_EQ(path.find("wb-escape"), std::string::npos) << absl::CHexEscape(path);
+    if (std::filesystem::is_directory(dir / path)) dirs.push_back(dir / path);
+  }
+  // Where each name would lead, taken as a path from each directory of the channel (and the
+  // scratch directory): nothing named like an escaping name's last component is there.
+  for (const std::string& name : names) {
+    const std::string plain = name.substr(0, name.find('\0'));
+    if (plain.find("wb-escape") == std::string::npos) continue;
+    for (const std::string& d : dirs) {
+      const std::filesystem::path target = std::filesystem::path(d) / plain;
+      EXPECT_FALSE(std::filesystem::exists(target.lexically_normal())) << target.lexically_normal();
+    }
+  }
+  if (have_passwd) {
+    struct stat passwd_after {};
+    ASSERT_EQ(::stat("/etc/passwd", &passwd_after), 0);
+    EXPECT_EQ(passwd_after.st_mtim.tv_sec, passwd_before.st_mtim.tv_sec);
+    EXPECT_EQ(passwd_after.st_mtim.tv_nsec, passwd_before.st_mtim.tv_nsec);
+    EXPECT_EQ(passwd_after.st_size, passwd_before.st_size);
+  }
+  // Inside the files: every name, byte for byte, in one of the version's safetensors files.
+  std::map<std::string, std::vector<std::byte>> found;
+  for (const auto& e : std::filesystem::directory_iterator(testing::DiskVersionDir(dir, 1))) {
+    if (e.path().extension() != ".safetensors") continue;
+    auto file = safetensors::ReadFile(e.path().string());
+    ASSERT_TRUE(file.ok()) << file.status();
+    for (const safetensors::Entry& t : file->header.tensors) {
+      std::span<const std::byte> b = file->Bytes(t);
+      found[t.name] = std::vector<std::byte>(b.begin(), b.end());
+    }
+  }
+  ASSERT_EQ(found.size(), names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    ASSERT_EQ(found.count(names[i]), 1u) << absl::CHexEscape(names[i]);
+    EXPECT_TRUE(found[names[i]] == bytes[i]) << absl::CHexEscape(names[i]);
+  }
+  // A channel path with ".." segments is refused before anything is created.
+  auto escaping = Publisher::Open("disk://" + dir.path() + "/channel/../../escape");
+  EXPECT_EQ(escaping.status().code(), absl::StatusCode::kInvalidArgument) << escaping.status();
+  EXPECT_FALSE(std::filesystem::exists(std::filesystem::path(dir.path()).parent_path() / "escape"));
 }
 
 TEST(DiskTransportTest, ShardsLargeVersionsIntoIndexedFiles) {
@@ -147,6 +290,21 @@ TEST(DiskTransportTest, InvalidTensorsAreRejectedByName) {
   ASSERT_TRUE(u.ok());
   ASSERT_TRUE((*u)->manifest().tensors[0].shard.has_value());
   EXPECT_EQ((*u)->manifest().tensors[0].shard->offsets, std::vector<int64_t>{2});
+}
+
+// More tensors than a version may hold (kMaxTensors) is refused before anything is written.
+TEST(DiskTransportTest, MoreTensorsThanTheLimitIsInvalidArgument) {
+  ScratchDir dir;
+  auto pub = Publisher::Open(Uri(dir));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  std::vector<TensorView> views(kMaxTensors + 1, TensorView{"t", DType::kU8, {0}});
+  const absl::Status s = (*pub)->Publish(1, views, {}, kTimeout);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(std::string(s.message()),
+            absl::StrFormat("disk://%s/channel version 1 has 1048577 tensors, more than the limit "
+                            "of 1048576",
+                            dir.path()));
+  EXPECT_EQ(testing::ListTree(dir.path() + "/channel/versions"), std::vector<std::string>{});
 }
 
 TEST(DiskTransportTest, WaitTimesOutNamingWhatItWaitedFor) {

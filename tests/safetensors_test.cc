@@ -777,6 +777,66 @@ TEST(SafetensorsMalformedTest, IllTypedFields) {
       "field \"data_offsets\" holds 18446744073709551616 at index 1");
 }
 
+// The limits of types.hpp, each at the limit (accepted) and one past it (refused, naming the
+// limit and the value found).
+TEST(SafetensorsMalformedTest, NameLengthRankAndTensorCountLimits) {
+  const std::string long_name(kMaxTensorNameBytes + 1, 'n');
+  EXPECT_REJECTED(
+      MakeFile("{\"" + long_name + R"(":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}})"),
+      absl::StrFormat("tensor name '%s'... is 4097 bytes long, more than the limit of 4096",
+                      std::string(64, 'n')));
+  ParseOk(MakeFile("{\"" + long_name.substr(1) +
+                   R"(":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}})"));
+
+  auto ones = [](size_t rank) {
+    std::string dims;
+    for (size_t d = 0; d < rank; ++d) dims += d == 0 ? "1" : ",1";
+    return dims;
+  };
+  EXPECT_REJECTED(MakeFile(R"({"w":{"dtype":"U8","shape":[)" + ones(kMaxRank + 1) +
+                               R"(],"data_offsets":[0,1]}})",
+                           Zeros(1)),
+                  "tensor 'w' has a shape of rank 65, more than the limit of 64");
+  // A shape of a million dimensions is refused without holding them.
+  EXPECT_REJECTED(
+      MakeFile(R"({"w":{"dtype":"U8","shape":[)" + ones(1'000'000) + R"(],"data_offsets":[0,1]}})",
+               Zeros(1)),
+      "tensor 'w' has a shape of rank 1000000, more than the limit of 64");
+  ParseOk(
+      MakeFile(R"({"w":{"dtype":"U8","shape":[)" + ones(kMaxRank) + R"(],"data_offsets":[0,1]}})",
+               Zeros(1)));
+
+  std::string header = "{";
+  for (size_t i = 0; i <= kMaxTensors; ++i) {
+    absl::StrAppend(&header, i == 0 ? "" : ",", "\"", i, R"(":{"dtype":"U8","shape":[0],)",
+                    R"("data_offsets":[0,0]})");
+  }
+  header += "}";
+  const std::string file = MakeFile(header);
+  EXPECT_STATUS(ParseFile(file, "many.safetensors").status(), absl::StatusCode::kDataLoss,
+                "safetensors file many.safetensors: header declares more than 1048576 tensors, "
+                "the limit");
+  // The writer refuses what the reader would.
+  std::vector<TensorSpec> specs(kMaxTensors + 1, TensorSpec{"t", DType::kU8, {0}});
+  EXPECT_STATUS(PlanFile(specs, {}).status(), absl::StatusCode::kInvalidArgument,
+                "1048577 tensors, more than the limit of 1048576 per file");
+  EXPECT_STATUS(PlanFile({TensorSpec{long_name, DType::kU8, {1}}}, {}).status(),
+                absl::StatusCode::kInvalidArgument,
+                "has a name of 4097 bytes and a shape of rank 1; the limits are 4096 bytes and "
+                "rank 64");
+}
+
+// A shape whose byte size overflows 64 bits, and offsets past the end, are refused naming both
+// sides (the rules behind these limits; more cases in ByteSizeDoesNotMatchShape and
+// OffsetsBeyondTheDataRegion).
+TEST(SafetensorsMalformedTest, ShapeProductOverflowingSixtyFourBitsNamesShapeAndSpan) {
+  EXPECT_REJECTED(
+      MakeFile(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}})",
+               Zeros(8)),
+      "tensor 'w' has dtype F32 and shape [4294967296, 4294967296], whose byte size overflows "
+      "64 bits, but data_offsets [0, 8] span 8 bytes");
+}
+
 TEST(SafetensorsMalformedTest, UnknownDType) {
   EXPECT_REJECTED(MakeFile(R"({"w":{"dtype":"F3","shape":[4],"data_offsets":[0,2]}})", Zeros(2)),
                   "tensor 'w' has unknown dtype \"F3\"", "BF16", "F8_E8M0", "F4", "C64");

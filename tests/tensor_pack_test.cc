@@ -123,6 +123,28 @@ TEST(TensorPackTest, PackAndUnpackAreInverseForAnyStrides) {
   PackStrided(nullptr, 4, {0, 3}, {3, 1}, nullptr);  // nothing to touch
 }
 
+// Publish refuses what every parser would refuse (types.hpp limits): a name of more than
+// kMaxTensorNameBytes bytes and a shape of rank above kMaxRank, each at the limit accepted.
+TEST(TensorPackTest, ValidateViewAppliesTheNameAndRankLimits) {
+  uint8_t byte = 7;
+  TensorView view{std::string(kMaxTensorNameBytes + 1, 'n'), DType::kU8, {1}, {}, &byte};
+  absl::StatusOr<uint64_t> v = ValidateView(view);
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(std::string(v.status().message()),
+            absl::StrFormat("tensor name \"%s...\" is 4097 bytes long, more than the limit of 4096",
+                            std::string(64, 'n')));
+  view.name.pop_back();
+  EXPECT_TRUE(ValidateView(view).ok());
+  view.name = "w";
+  view.shape.assign(kMaxRank + 1, 1);
+  v = ValidateView(view);
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(std::string(v.status().message()),
+            "tensor \"w\" has a shape of rank 65, more than the limit of 64");
+  view.shape.pop_back();
+  EXPECT_TRUE(ValidateView(view).ok());
+}
+
 TEST(TensorPackTest, Utf8Validation) {
   size_t at = 0;
   EXPECT_TRUE(IsValidUtf8("plain.ascii/name with spaces"));

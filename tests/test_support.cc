@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "test_support.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -85,6 +87,41 @@ std::string FixturePath(const std::string& rel) {
 
 std::string BinaryPath(const std::string& rel) {
   return absl::StrCat(WEIGHTBUS_BINARY_DIR, "/", rel);
+}
+
+std::vector<std::string> PathLikeTensorNames() {
+  const std::string tag = absl::StrFormat("wb-escape-%d", ::getpid());
+  std::vector<std::string> names = {
+      "../../etc/passwd",
+      "../../../../../../" + tag + "-1",
+      "/etc/passwd",
+      "/tmp/" + tag + "-2",
+      "model/../../" + tag + "-3",
+      "./" + tag + "-4",
+      ".",
+      "..",
+      "LATEST",
+      "versions",
+      "model.safetensors",
+      "weightbus.manifest.json",
+      std::string("nul\0/../") + tag + "-5",
+  };
+  std::string long_name;
+  const char* pieces[] = {"a", "\xc3\xa9", "\xe8\xaa\x9e", "\xf0\x9f\x98\x80"};  // 1-4 bytes
+  for (int i = 0; i < 300; ++i) long_name += pieces[i % 4];
+  names.push_back(long_name);
+  return names;
+}
+
+std::vector<std::string> ListTree(const std::string& root) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (auto it = std::filesystem::recursive_directory_iterator(root, ec);
+       !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+    out.push_back(std::filesystem::relative(it->path(), root).string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 std::vector<std::byte> RandomBytes(size_t n, uint64_t seed) {

@@ -104,6 +104,16 @@ std::string FixturePath(const std::string& rel);
 // Path of a built executable in the build tree, e.g. BinaryPath("tools/weightbus").
 std::string BinaryPath(const std::string& rel);
 
+// Tensor names that a transport must carry as names and never use as paths (docs/TRANSPORTS.md):
+// relative and absolute paths that leave a directory (their last component names no file
+// anywhere: wb-escape-<pid>-N), "." and "..", the names of a disk:// channel's own files, a name
+// with a NUL byte inside, and one of 300 UTF-8 characters of 1 to 4 bytes (803 bytes).
+std::vector<std::string> PathLikeTensorNames();
+
+// Every path below `root` (not `root` itself), relative to it, sorted; links are listed, never
+// followed.
+std::vector<std::string> ListTree(const std::string& root);
+
 // Deterministic pseudo-random bytes (splitmix64 of `seed`).
 std::vector<std::byte> RandomBytes(size_t n, uint64_t seed);
 // XXH3-64 (seed 0) of `n` bytes at `data`, computed with libxxhash directly.

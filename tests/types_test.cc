@@ -188,6 +188,76 @@ TEST(ManifestIntegerFieldsTest, FloatsFractionsOutOfRangeAndStringsAreDataLossNa
   EXPECT_EQ(huge_pid.status().code(), absl::StatusCode::kDataLoss) << huge_pid.status();
 }
 
+// A manifest is read from disk or received from a peer: the limits of types.hpp and the rules
+// Publish applies hold for it too, each refused with DataLoss naming the field, the value found
+// and the limit or the other side.
+TEST(ManifestLimitsTest, NamesRanksCountsShardsAndTotalsBeyondTheLimitsAreDataLoss) {
+  auto expect = [](const std::string& json, const std::string& message) {
+    absl::StatusOr<Manifest> m = Manifest::FromJson(json, "limits.json");
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss) << m.status();
+    EXPECT_EQ(std::string(m.status().message()), message);
+  };
+  const std::string long_name(kMaxTensorNameBytes + 1, 'n');
+  expect(WithField({"tensors", size_t{0}, "name"}, "\"" + long_name + "\""),
+         "manifest limits.json: field .tensors[0].name is 4097 bytes long, more than the limit "
+         "of 4096 (it starts \"" +
+             std::string(64, 'n') + "\")");
+  EXPECT_TRUE(Manifest::FromJson(
+                  WithField({"tensors", size_t{0}, "name"}, "\"" + long_name.substr(1) + "\""),
+                  "at the limit")
+                  .ok());
+  expect(WithField({"tensors", size_t{0}, "name"}, "\"\""),
+         "manifest limits.json: field .tensors[0].name is empty");
+
+  ordered_json two = GoodManifest();
+  two["tensors"].push_back(two["tensors"][0]);
+  expect(two.dump(),
+         "manifest limits.json: field .tensors[1].name \"w\" is also the name of .tensors[0]");
+
+  std::string dims = "[1";
+  for (size_t d = 1; d <= kMaxRank; ++d) dims += ",1";
+  dims += "]";
+  expect(WithField({"tensors", size_t{0}, "shape"}, dims),
+         "manifest limits.json: field .tensors[0].shape has 65 dimensions, more than the limit "
+         "of 64");
+
+  ordered_json many = GoodManifest();
+  many["tensors"] = ordered_json::array();
+  for (size_t i = 0; i <= kMaxTensors; ++i) many["tensors"].push_back(ordered_json::object());
+  expect(many.dump(),
+         "manifest limits.json: field .tensors has 1048577 entries, more than the limit of "
+         "1048576");
+
+  expect(WithField({"tensors", size_t{0}, "shard", "offsets"}, "[2]"),
+         "manifest limits.json: field .tensors[0].shard has global_shape [4, 3] and offsets [2], "
+         "which must have the rank of shape [2, 3]");
+  expect(WithField({"tensors", size_t{0}, "shard", "offsets"}, "[3, 0]"),
+         "manifest limits.json: field .tensors[0].shard places shape [2, 3] at offsets [3, 0], "
+         "outside global_shape [4, 3] (dimension 0)");
+
+  // Two tensors of 2^63 bytes each: each fits, their sum does not.
+  ordered_json big = GoodManifest();
+  big["tensors"][0] = {{"name", "a"},
+                       {"dtype", "U16"},
+                       {"shape", {uint64_t{1} << 62}},
+                       {"nbytes", uint64_t{1} << 63},
+                       {"xxh3", "0000000000000000"}};
+  big["tensors"].push_back(big["tensors"][0]);
+  big["tensors"][1]["name"] = "b";
+  expect(big.dump(),
+         "manifest limits.json: field .tensors[1].nbytes is 9223372036854775808: the tensors' "
+         "total size overflows 64 bits");
+  // A shape whose byte size overflows 64 bits names the shape and what nbytes claims.
+  ordered_json wide = GoodManifest();
+  wide["tensors"][0]["dtype"] = "F64";
+  wide["tensors"][0]["shape"] = {uint64_t{1} << 31, uint64_t{1} << 31};
+  wide["tensors"][0].erase("shard");
+  expect(wide.dump(),
+         "manifest limits.json: field .tensors[0].nbytes is 12 but tensor \"w\" of F64 "
+         "[2147483648, 2147483648] needs shape [2147483648, 2147483648] of F64 overflows a "
+         "64-bit byte count");
+}
+
 }  // namespace manifest_integers
 }  // namespace
 }  // namespace weightbus

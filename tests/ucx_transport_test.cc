@@ -932,6 +932,70 @@ TEST(UcxControlTest, FramesRoundTripAndMalformedOnesAreDataLoss) {
   EXPECT_FALSE(lying.ok());
 }
 
+// Every message has one decoder (control.h): a message claiming more than it carries (a count,
+// a string length), one with bytes after its fields, and flags or modes out of range are
+// DataLoss naming the message, the field, the claim and what is there; status codes from the
+// wire never read as OK.
+TEST(UcxControlTest, MessagesClaimingMoreThanTheyCarryAreDataLossNamingBothSides) {
+  using namespace ucx;
+  auto expect = [](const absl::Status& s, const std::string& message) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+    EXPECT_EQ(std::string(s.message()), message);
+  };
+  // GRANT: request, lease, lease_ns, version, manifest, then a region count far beyond the rest.
+  std::string grant =
+      Writer(MsgType::kGrant).U64(1).U64(2).U64(3).U64(4).Str("{}").U32(1000000).U64(0).Body();
+  expect(DecodeGrant(grant).status(),
+         "malformed GRANT message (50 bytes): claims 1000000 regions of at least 36 bytes each but "
+         "only 8 bytes remain");
+  expect(
+      DecodeVersions(Writer(MsgType::kVersions).U64(5).U32(4000000).U64(6).U64(7).Body()).status(),
+      "malformed VERSIONS message (28 bytes): claims 4000000 versions of at least 8 bytes each "
+      "but only 16 bytes remain");
+  expect(
+      DecodeRefused(Writer(MsgType::kRefused).U64(1).U32(5).U32(300).Raw("short").Body()).status(),
+      "malformed REFUSED message (21 bytes): the message needs 300 bytes but only 5 remain");
+  expect(DecodeRenew(Writer(MsgType::kRenew).U64(1).U8(0).Body()).status(),
+         "malformed RENEW message (9 bytes): 1 bytes follow the last field");
+  expect(DecodeRead(Writer(MsgType::kRead).U64(1).U64(2).Body()).status(),
+         "malformed READ message (16 bytes): truncated before the offset");
+  expect(DecodeRelease(Writer(MsgType::kRelease).U64(1).U8(2).Body()).status(),
+         "malformed RELEASE message (9 bytes): ack is 2, expected 0 or 1");
+  expect(DecodeWait(Writer(MsgType::kWait).U64(1).U64(2).U8(3).Body()).status(),
+         "malformed WAIT message (17 bytes): mode 3, expected 0 (newest), 1 (exact) or 2 (newest "
+         "now)");
+  // HELLO may carry fields of a later protocol after its own.
+  HelloMsg hello{kMagic, kProtocolVersion + 1, "c", 9, "sub"};
+  auto decoded = DecodeHello(Encode(hello).substr(5) + "later fields");
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->protocol, kProtocolVersion + 1);
+  EXPECT_EQ(decoded->description, "sub");
+
+  // A GRANT round-trips, and the publisher's split encoding is the same bytes.
+  GrantMsg g{7, 8, 9, {10, "{\"m\":1}", {{1, 0, 0x1000, 64, "rkey"}}, {0, 32}}, {1, 2}};
+  const std::string frame = Encode(g);
+  EXPECT_EQ(EncodeGrant(7, 8, 9, EncodeGrantBody(g.body), g.live), frame);
+  auto back = DecodeGrant(frame.substr(5));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->body.regions, g.body.regions);
+  EXPECT_EQ(back->body.offsets, g.body.offsets);
+  EXPECT_EQ(back->live, g.live);
+  EXPECT_EQ(back->body.manifest_json, g.body.manifest_json);
+
+  // Code 0 (OK) or an unknown code from a peer is the fallback, never success.
+  EXPECT_EQ(StatusCodeFromWire(0, absl::StatusCode::kUnavailable), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(StatusCodeFromWire(99, absl::StatusCode::kInternal), absl::StatusCode::kInternal);
+  EXPECT_EQ(StatusCodeFromWire(5, absl::StatusCode::kInternal), absl::StatusCode::kNotFound);
+  const absl::Status zero = ErrorStatus(Encode(ErrorMsg{0, "all fine"}).substr(5), "pub: ");
+  EXPECT_EQ(zero.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(std::string(zero.message()), "pub: all fine");
+  const absl::Status cut = ErrorStatus(std::string("\x05\0\0", 3), "pub: ");
+  EXPECT_EQ(cut.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(std::string(cut.message()),
+            "pub: the publisher sent a malformed ERROR message (3 bytes): truncated before the "
+            "status code");
+}
+
 // A publisher that speaks the control protocol by hand (this thread's own UCX worker supplies a
 // real address and a real 4 KiB registration), so that a test can send grants no real publisher
 // would: one crafted GRANT per WAIT, then it keeps the connection open until told to stop.

@@ -79,7 +79,12 @@ struct WB_EXPORT Manifest {
   std::string ToJson() const;
   // Parses ToJson's output (either format). `source` names where the text came from, for
   // error messages.
-  // Errors: DataLoss naming `source` and the offending field.
+  // Errors: DataLoss naming `source` and the offending field: a missing or ill-typed field, a
+  // byte size that does not match dtype and shape (or overflows 64 bits, alone or summed over
+  // the tensors), an empty name, a name given twice (in a group version: twice by one owner), a
+  // shard whose ranks differ from the shape's or that lies outside its global shape, and the
+  // limits of types.hpp (kMaxTensors, kMaxTensorNameBytes, kMaxRank), with the value found and
+  // the limit.
   static absl::StatusOr<Manifest> FromJson(std::string_view json, std::string_view source);
 
   friend bool operator==(const Manifest&, const Manifest&) = default;

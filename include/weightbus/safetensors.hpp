@@ -60,7 +60,9 @@ struct WB_EXPORT Header {
 // Errors (all DataLoss, one distinct message per rule, each naming `source` and, where one is
 // involved, the tensor): file shorter than 8 bytes; header length beyond the file or above
 // kMaxHeaderSize; header not valid UTF-8 (with the byte offset); header not a JSON object;
-// duplicate tensor names; missing or ill-typed fields; unknown dtype; negative dimension;
+// duplicate tensor names; more than kMaxTensors tensors; a name longer than kMaxTensorNameBytes;
+// a shape of rank above kMaxRank (types.hpp); missing or ill-typed fields; unknown dtype;
+// negative dimension; a shape whose byte size overflows 64 bits;
 // data_offsets with begin > end; byte size not equal to dtype size x element count; offsets
 // beyond the data region; overlapping offsets; a hole between tensors; bytes after the last
 // tensor; "__metadata__" not an object of strings.
@@ -98,7 +100,8 @@ struct Layout {
 // multiple of its element size (as the reference writer does). Header keys appear in data
 // order after "__metadata__" (omitted when `metadata` is empty).
 // Errors: InvalidArgument for an empty, non-UTF-8 or duplicate name, the reserved name
-// "__metadata__", a negative dimension or a size overflow.
+// "__metadata__", a negative dimension, a size overflow, or one of the limits of types.hpp
+// (kMaxTensors, kMaxTensorNameBytes, kMaxRank).
 WB_EXPORT absl::StatusOr<Layout> PlanFile(absl::Span<const TensorSpec> tensors,
                                           const Metadata& metadata);
 

@@ -132,6 +132,13 @@ struct Destination {
   Device device;
 };
 
+// Limits that Publish and every parser of stored or received descriptions (safetensors headers,
+// manifests, delta records) apply alike, so that whatever one side accepts the other does too.
+// Errors name the limit and the value found.
+inline constexpr size_t kMaxTensorNameBytes = 4096;     // bytes of one tensor name (UTF-8)
+inline constexpr size_t kMaxRank = 64;                  // dimensions of one shape
+inline constexpr size_t kMaxTensors = size_t{1} << 20;  // tensors in one version or one file
+
 // Number of elements of `shape` (1 for a 0-d scalar), or InvalidArgument for a negative
 // dimension or a product that overflows int64.
 WB_EXPORT absl::StatusOr<int64_t> NumElements(const std::vector<int64_t>& shape);

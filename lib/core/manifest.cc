@@ -6,6 +6,9 @@
 #include <limits>
 #include <type_traits>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
 
@@ -94,6 +97,10 @@ class Reader {
 
   absl::StatusOr<std::vector<int64_t>> Shape(const ordered_json& v, std::string_view path) const {
     if (!v.is_array()) return Error(path, "is not an array");
+    if (v.size() > kMaxRank) {
+      return Error(path, absl::StrFormat("has %d dimensions, more than the limit of %d", v.size(),
+                                         kMaxRank));
+    }
     std::vector<int64_t> out;
     for (size_t i = 0; i < v.size(); ++i) {
       absl::StatusOr<int64_t> d = Integer<int64_t>(v[i], absl::StrFormat("%s[%d]", path, i), 0);
@@ -225,7 +232,13 @@ absl::StatusOr<Manifest> Manifest::FromJson(std::string_view json, std::string_v
 
   auto ts_it = j.find("tensors");
   if (ts_it == j.end() || !ts_it->is_array()) return r.Error(".tensors", "is not an array");
+  if (ts_it->size() > kMaxTensors) {
+    return r.Error(".tensors", absl::StrFormat("has %d entries, more than the limit of %d",
+                                               ts_it->size(), kMaxTensors));
+  }
   m.tensors.reserve(ts_it->size());
+  absl::flat_hash_map<std::string, size_t> seen;  // name -> index
+  uint64_t total = 0;
   for (size_t i = 0; i < ts_it->size(); ++i) {
     const ordered_json& e = (*ts_it)[i];
     std::string path = absl::StrFormat(".tensors[%d]", i);
@@ -234,6 +247,14 @@ absl::StatusOr<Manifest> Manifest::FromJson(std::string_view json, std::string_v
     auto tname = r.Get<std::string>(e, "name", path);
     if (!tname.ok()) return tname.status();
     t.name = *tname;
+    if (t.name.empty()) return r.Error(path + ".name", "is empty");
+    if (t.name.size() > kMaxTensorNameBytes) {
+      return r.Error(path + ".name",
+                     absl::StrFormat("is %d bytes long, more than the limit of %d (it starts "
+                                     "\"%s\")",
+                                     t.name.size(), kMaxTensorNameBytes,
+                                     absl::CHexEscape(t.name.substr(0, 64))));
+    }
     auto dtype_name = r.Get<std::string>(e, "dtype", path);
     if (!dtype_name.ok()) return dtype_name.status();
     absl::StatusOr<DType> dtype = DTypeFromName(*dtype_name);
@@ -254,6 +275,10 @@ absl::StatusOr<Manifest> Manifest::FromJson(std::string_view json, std::string_v
                                      DTypeName(t.dtype), ShapeString(t.shape),
                                      expected.ok() ? std::to_string(*expected)
                                                    : std::string(expected.status().message())));
+    }
+    if (__builtin_add_overflow(total, t.nbytes, &total)) {
+      return r.Error(path + ".nbytes",
+                     absl::StrFormat("is %d: the tensors' total size overflows 64 bits", t.nbytes));
     }
     auto xxh = r.Get<std::string>(e, "xxh3", path);
     if (!xxh.ok()) return xxh.status();
@@ -277,16 +302,42 @@ absl::StatusOr<Manifest> Manifest::FromJson(std::string_view json, std::string_v
       if (!off.ok()) return off.status();
       s.global_shape = *std::move(gs);
       s.offsets = *std::move(off);
+      if (s.global_shape.size() != t.shape.size() || s.offsets.size() != t.shape.size()) {
+        return r.Error(path + ".shard",
+                       absl::StrFormat("has global_shape %s and offsets %s, which must have the "
+                                       "rank of shape %s",
+                                       ShapeString(s.global_shape), ShapeString(s.offsets),
+                                       ShapeString(t.shape)));
+      }
+      for (size_t d = 0; d < t.shape.size(); ++d) {
+        // Every value is >= 0 (Shape): the difference cannot overflow.
+        if (s.offsets[d] > s.global_shape[d] - t.shape[d]) {
+          return r.Error(path + ".shard",
+                         absl::StrFormat("places shape %s at offsets %s, outside global_shape %s "
+                                         "(dimension %d)",
+                                         ShapeString(t.shape), ShapeString(s.offsets),
+                                         ShapeString(s.global_shape), d));
+        }
+      }
       t.shard = std::move(s);
     }
     if (m.group) {
       auto owner = r.Get<int>(e, "owner", path);
       if (!owner.ok()) return owner.status();
-      if (*owner >= m.publisher.world_size) {
+      if (*owner < 0 || *owner >= m.publisher.world_size) {
         return r.Error(path + ".owner", absl::StrFormat("is %d, not a rank below world_size %d",
                                                         *owner, m.publisher.world_size));
       }
       t.owner = *owner;
+    }
+    // A name appears once, or in a group version once per owner (each rank's part).
+    const std::string key = m.group ? absl::StrCat(t.name, std::string(1, '\0'), t.owner) : t.name;
+    if (auto [it, inserted] = seen.emplace(key, i); !inserted) {
+      return r.Error(
+          path + ".name",
+          absl::StrFormat(
+              "\"%s\" is also the name of .tensors[%d]%s", absl::CHexEscape(t.name), it->second,
+              m.group ? absl::StrFormat(" (both owned by rank %d)", t.owner) : std::string()));
     }
     m.tensors.push_back(std::move(t));
   }

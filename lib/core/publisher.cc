@@ -296,6 +296,11 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
         uri.Display(), version, *latest));
   }
 
+  if (tensors.size() > kMaxTensors) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s version %d has %d tensors, more than the limit of %d", uri.Display(),
+                        version, tensors.size(), kMaxTensors));
+  }
   Job job;
   job.key_ = key ? &*key : nullptr;
   Manifest& m = job.manifest_;

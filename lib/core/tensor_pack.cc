@@ -105,6 +105,16 @@ absl::StatusOr<uint64_t> ValidateView(const TensorView& view) {
   if (view.name.empty()) {
     return absl::InvalidArgumentError("a tensor has an empty name");
   }
+  if (view.name.size() > kMaxTensorNameBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "tensor name \"%s...\" is %d bytes long, more than the limit of %d",
+        absl::CHexEscape(view.name.substr(0, 64)), view.name.size(), kMaxTensorNameBytes));
+  }
+  if (view.shape.size() > kMaxRank) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tensor \"%s\" has a shape of rank %d, more than the limit of %d",
+                        view.name, view.shape.size(), kMaxRank));
+  }
   size_t bad = 0;
   if (!IsValidUtf8(view.name, &bad)) {
     return absl::InvalidArgumentError(

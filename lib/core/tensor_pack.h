@@ -15,10 +15,10 @@
 
 namespace weightbus::internal {
 
-// Checks a view to be published: non-empty valid UTF-8 name, valid shape, strides of matching
-// rank, data non-null unless empty, CPU device, shard consistent with the shape.
-// Returns the packed byte size. Errors: InvalidArgument naming the tensor; Unimplemented for
-// a non-CPU device.
+// Checks a view to be published: non-empty valid UTF-8 name of at most kMaxTensorNameBytes,
+// valid shape of rank at most kMaxRank, strides of matching rank, data non-null unless empty, CPU
+// device, shard consistent with the shape. Returns the packed byte size. Errors: InvalidArgument
+// naming the tensor; Unimplemented for a non-CPU device.
 absl::StatusOr<uint64_t> ValidateView(const TensorView& view);
 
 // Checks a destination for tensor `name`, as ValidateView. Returns its packed byte size.

@@ -133,11 +133,12 @@ struct RawTensor {
   std::optional<Kind> dtype_bad_kind;    // "dtype" is not a string
   std::optional<Kind> shape_bad_kind;    // "shape" is not an array
   std::optional<Kind> offsets_bad_kind;  // "data_offsets" is not an array
-  std::vector<int64_t> shape;
+  std::vector<int64_t> shape;            // at most kMaxRank dimensions are kept
+  size_t rank = 0;                       // dimensions in the header
   // First dimension that is not an int64 integer: index, and its rendering.
   std::optional<std::pair<size_t, std::string>> bad_dim;
   bool bad_dim_too_large = false;
-  std::vector<uint64_t> offsets;
+  std::vector<uint64_t> offsets;  // the first two are kept
   size_t offsets_count = 0;
   // First element of "data_offsets" that is not a non-negative integer.
   std::optional<std::pair<size_t, std::string>> bad_offset;
@@ -233,6 +234,7 @@ class HeaderSax final : public nlohmann::json_sax<json> {
 
   std::vector<Ctx> ctx_;
   absl::flat_hash_set<std::string> names_;  // top-level keys seen
+  size_t tensor_keys_ = 0;                  // top-level keys other than "__metadata__"
   bool pending_metadata_ = false;           // the top-level key just read is "__metadata__"
   std::string pending_name_;                // the top-level key just read (a tensor name)
   Field pending_field_ = Field::kOther;
@@ -249,6 +251,15 @@ bool HeaderSax::key(string_t& k) {
         return Fail("safetensors file %s: duplicate tensor name %s", Quoted(k));
       }
       pending_metadata_ = k == kMetadataKey;
+      if (!pending_metadata_ && ++tensor_keys_ > kMaxTensors) {
+        return Fail("safetensors file %s: header declares more than %d tensors, the limit",
+                    kMaxTensors);
+      }
+      if (k.size() > kMaxTensorNameBytes) {
+        return Fail(
+            "safetensors file %s: tensor name %s... is %d bytes long, more than the limit of %d",
+            Quoted(std::string_view(k).substr(0, 64)), k.size(), kMaxTensorNameBytes);
+      }
       if (!pending_metadata_) pending_name_ = std::move(k);
       return true;
     case Ctx::kTensor: {
@@ -346,7 +357,8 @@ HeaderSax::Ctx HeaderSax::OnValue(const Value& v) {
       return Ctx::kSkip;
 
     case Ctx::kShape: {
-      const size_t index = raw_.shape.size();
+      const size_t index = raw_.rank++;
+      if (index >= kMaxRank) return Ctx::kSkip;  // reported by FinishTensor
       if (v.kind == Kind::kInteger) {
         if (!v.is_unsigned) {
           raw_.shape.push_back(v.i);  // negative: reported by FinishTensor
@@ -372,7 +384,7 @@ HeaderSax::Ctx HeaderSax::OnValue(const Value& v) {
     case Ctx::kOffsets: {
       const size_t index = raw_.offsets_count++;
       if (v.kind == Kind::kInteger && (v.is_unsigned || v.i >= 0)) {
-        raw_.offsets.push_back(v.is_unsigned ? v.u : static_cast<uint64_t>(v.i));
+        if (index < 2) raw_.offsets.push_back(v.is_unsigned ? v.u : static_cast<uint64_t>(v.i));
       } else if (!raw_.bad_offset) {
         raw_.bad_offset.emplace(
             index, v.kind == Kind::kString ? absl::StrFormat("\"%s\"", *v.str) : v.text);
@@ -405,6 +417,11 @@ void HeaderSax::FinishTensor() {
   if (t.shape_bad_kind) {
     Fail("safetensors file %s: tensor %s field \"shape\" is %s, expected an array of integers",
          name, KindName(*t.shape_bad_kind));
+    return;
+  }
+  if (t.rank > kMaxRank) {
+    Fail("safetensors file %s: tensor %s has a shape of rank %d, more than the limit of %d", name,
+         t.rank, kMaxRank);
     return;
   }
   if (t.bad_dim) {
@@ -870,6 +887,10 @@ absl::StatusOr<File> ParseFile(std::string_view bytes, std::string_view source) 
 
 absl::StatusOr<Layout> PlanFile(absl::Span<const TensorSpec> tensors, const Metadata& metadata) {
   const size_t count = tensors.size();
+  if (count > kMaxTensors) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%d tensors, more than the limit of %d per file", count, kMaxTensors));
+  }
   std::vector<uint64_t> nbytes(count);
   std::unordered_map<std::string_view, size_t> seen;
   seen.reserve(count);
@@ -883,6 +904,13 @@ absl::StatusOr<Layout> PlanFile(absl::Span<const TensorSpec> tensors, const Meta
       return absl::InvalidArgumentError(
           absl::StrFormat("tensor %d has a name that is not valid UTF-8 at byte %d (%s): %s", i,
                           bad->offset, bad->reason, Quoted(t.name)));
+    }
+    if (t.name.size() > kMaxTensorNameBytes || t.shape.size() > kMaxRank) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "tensor %d (%s...) has a name of %d bytes and a shape of rank %d; the limits are %d "
+          "bytes and rank %d",
+          i, Quoted(std::string_view(t.name).substr(0, 64)), t.name.size(), t.shape.size(),
+          kMaxTensorNameBytes, kMaxRank));
     }
     if (t.name == kMetadataKey) {
       return absl::InvalidArgumentError(absl::StrFormat(

@@ -2,7 +2,7 @@
 // Replay driver for the delta decoder's fuzz target, for compilers without libFuzzer (and for
 // CTest).
 //
-//   delta_fuzz_replay [--mutations=N] [--write-seeds=DIR] [PATH...]
+//   delta_fuzz_replay [--mutations=N] [--write-seeds=DIR] [--regressions=DIR] [PATH...]
 //
 // Builds seeds from real encoded blobs: chunk records of every method (same, stored, planes,
 // xor, sparse) for every dtype, grouped sparse records with 2, 3 and 4 magnitude groups, in one
@@ -290,40 +290,23 @@ std::string Mutate(const std::string& in, std::mt19937_64& rng) {
   return s;
 }
 
-std::vector<std::pair<std::string, std::string>> ReadInputs(const std::string& path) {
-  std::vector<std::pair<std::string, std::string>> out;
-  std::vector<fs::path> files;
-  if (fs::is_directory(path)) {
-    for (const auto& e : fs::directory_iterator(path)) {
-      if (e.is_regular_file()) files.push_back(e.path());
-    }
-  } else {
-    files.push_back(path);
-  }
-  for (const fs::path& f : files) {
-    std::ifstream in(f, std::ios::binary);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    out.emplace_back(f.string(), ss.str());
-  }
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   weightbus::fuzz::InstallReplayCrashHandler("delta_fuzz_replay", "delta-fuzz-crash.bin");
   size_t mutations = 200;
   std::string write_seeds;
-  std::vector<std::string> paths;
+  std::vector<std::pair<std::string, bool>> paths;  // path, optional
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a.rfind("--mutations=", 0) == 0) {
       mutations = std::stoul(a.substr(12));
     } else if (a.rfind("--write-seeds=", 0) == 0) {
       write_seeds = a.substr(14);
+    } else if (a.rfind("--regressions=", 0) == 0) {
+      paths.emplace_back(a.substr(14), true);
     } else {
-      paths.push_back(a);
+      paths.emplace_back(a, false);
     }
   }
   std::vector<std::pair<std::string, std::string>> inputs = Seeds();
@@ -335,8 +318,8 @@ int main(int argc, char** argv) {
           << inputs[i].second;
     }
   }
-  for (const std::string& p : paths) {
-    for (auto& input : ReadInputs(p)) inputs.push_back(std::move(input));
+  for (const auto& [path, optional] : paths) {
+    if (!weightbus::fuzz::ReadInputs(path, optional, "delta_fuzz_replay", &inputs)) return 2;
   }
   std::mt19937_64 rng(2026);
   for (const auto& [name, bytes] : inputs) {

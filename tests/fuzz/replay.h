@@ -8,11 +8,17 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
 
@@ -61,6 +67,60 @@ inline void ReplayOne(const std::string& name, const std::string& bytes) {
   g_replay.size = bytes.size();
   std::snprintf(g_replay.name, sizeof(g_replay.name), "%s", name.c_str());
   LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+}
+
+// The mutations' random numbers: splitmix64 of a fixed seed, so every run replays the same inputs.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t Next() {
+    uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  size_t Below(size_t n) { return n == 0 ? 0 : static_cast<size_t>(Next() % n); }
+
+ private:
+  uint64_t state_;
+};
+
+// One input: a name for messages and its bytes.
+using Input = std::pair<std::string, std::string>;
+
+// Appends the inputs of `path` to `out`: the file, or the regular files directly inside the
+// directory in name order. A missing path adds nothing when `optional` (a target's
+// tests/fuzz/regressions/<target>/, absent while it has no findings) and is an error otherwise.
+// Returns false, with a message naming `tool` and the path on stderr, on an error.
+inline bool ReadInputs(const std::string& path, bool optional, const char* tool,
+                       std::vector<Input>* out) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    if (optional) return true;
+    std::fprintf(stderr, "%s: %s does not exist\n", tool, path.c_str());
+    return false;
+  }
+  std::vector<fs::path> files;
+  if (fs::is_directory(path, ec)) {
+    for (const auto& entry : fs::directory_iterator(path)) {
+      if (entry.is_regular_file()) files.push_back(entry.path());
+    }
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(path);
+  }
+  for (const fs::path& file : files) {
+    std::ifstream in(file, std::ios::binary);
+    if (!in) {
+      std::fprintf(stderr, "%s: cannot read %s\n", tool, file.c_str());
+      return false;
+    }
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    out->emplace_back(file.string(), ss.str());
+  }
+  return true;
 }
 
 }  // namespace weightbus::fuzz

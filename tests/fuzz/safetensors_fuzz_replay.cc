@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Replay driver for the safetensors fuzz target, for compilers without libFuzzer (and for CTest).
 //
-//   safetensors_fuzz_replay [--mutations=N] [--write-seeds=DIR] PATH...
+//   safetensors_fuzz_replay [--mutations=N] [--write-seeds=DIR] [--regressions=DIR] PATH...
 //
 // Runs LLVMFuzzerTestOneInput on built-in seeds, on every file given (a directory stands for the
 // regular files directly inside it), and on N deterministic mutations (fixed seed) of each of
@@ -99,21 +99,7 @@ std::vector<std::pair<std::string, std::string>> BuiltinSeeds() {
   };
 }
 
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : state_(seed) {}
-  uint64_t Next() {
-    state_ += 0x9e3779b97f4a7c15ull;
-    uint64_t z = state_;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  size_t Below(size_t n) { return n == 0 ? 0 : static_cast<size_t>(Next() % n); }
-
- private:
-  uint64_t state_;
-};
+using weightbus::fuzz::Rng;
 
 // Bytes that matter to the parser: JSON syntax, digits, signs, and UTF-8 edge bytes.
 constexpr char kInteresting[] =
@@ -198,15 +184,6 @@ std::string Mutate(const std::string& input, Rng& rng) {
   return out;
 }
 
-bool ReadWhole(const fs::path& path, std::string* out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  *out = ss.str();
-  return true;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -226,23 +203,10 @@ int main(int argc, char** argv) {
       }
       continue;
     }
-    std::error_code ec;
-    std::vector<fs::path> files;
-    if (fs::is_directory(arg, ec)) {
-      for (const auto& entry : fs::directory_iterator(arg)) {
-        if (entry.is_regular_file()) files.push_back(entry.path());
-      }
-      std::sort(files.begin(), files.end());
-    } else {
-      files.push_back(arg);
-    }
-    for (const fs::path& file : files) {
-      std::string bytes;
-      if (!ReadWhole(file, &bytes)) {
-        std::fprintf(stderr, "safetensors_fuzz_replay: cannot read %s\n", file.c_str());
-        return 2;
-      }
-      inputs.emplace_back(file.string(), std::move(bytes));
+    const bool optional = arg.rfind("--regressions=", 0) == 0;
+    if (!weightbus::fuzz::ReadInputs(optional ? arg.substr(14) : arg, optional,
+                                     "safetensors_fuzz_replay", &inputs)) {
+      return 2;
     }
   }
 

@@ -145,7 +145,16 @@ absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view sourc
         return bad(absl::StrFormat("names base %d and keyframe %d, which are not below it", r.base,
                                    r.keyframe_version));
       }
-      for (const auto& x : j.at("xxh3")) {
+      const ordered_json& sums = j.at("xxh3");
+      if (!sums.is_array() || sums.size() > kMaxTensors) {
+        return bad(
+            absl::StrFormat("has field \"xxh3\" that is %s, not an array of at most %d "
+                            "checksums",
+                            sums.is_array() ? absl::StrFormat("%d checksums", sums.size())
+                                            : std::string(sums.type_name()),
+                            kMaxTensors));
+      }
+      for (const auto& x : sums) {
         uint64_t v = 0;
         if (!x.is_string() || !ParseHex64(x.get<std::string>(), &v)) {
           return bad("has a malformed checksum");

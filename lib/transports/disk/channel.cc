@@ -41,6 +41,10 @@ std::string ShardFileName(size_t k, size_t n) {
   return absl::StrFormat("model-%05d-of-%05d.safetensors", k, n);
 }
 
+Modes ChannelModes(bool group_access) {
+  return group_access ? Modes{0750, 0640} : Modes{0700, 0600};
+}
+
 namespace {
 
 absl::Status OpenError(int err, const std::string& path) {
@@ -75,6 +79,10 @@ absl::StatusOr<UniqueFd> OpenAt(int dirfd, const std::string& name, int flags,
   if (fl < 0 || ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
     return ErrnoStatus(errno, absl::StrFormat("fcntl %s", path));
   }
+  // Created here: exactly `mode`, whatever the umask.
+  if ((flags & O_CREAT) && (flags & O_EXCL) && ::fchmod(fd, mode) != 0) {
+    return ErrnoStatus(errno, absl::StrFormat("chmod %s to %o", path, mode));
+  }
   return out;
 }
 
@@ -87,10 +95,35 @@ absl::Status FsyncFd(int fd, const std::string& path) {
   return absl::OkStatus();
 }
 
-absl::Status MakeDirs(const std::string& path) {
+absl::Status MakeDirs(const std::string& path, mode_t mode) {
   std::error_code ec;
-  std::filesystem::create_directories(path, ec);
-  if (ec) return ErrnoStatus(ec.value(), absl::StrFormat("create directory %s", path));
+  const std::filesystem::path p(path);
+  if (std::filesystem::is_directory(p, ec)) return absl::OkStatus();
+  if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path(), ec);
+  if (ec) return ErrnoStatus(ec.value(), absl::StrFormat("create directory %s", p.parent_path()));
+  if (::mkdir(path.c_str(), mode) != 0) {
+    if (errno == EEXIST) return absl::OkStatus();  // made meanwhile by someone else: theirs
+    return ErrnoStatus(errno, absl::StrFormat("create directory %s", path));
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrFormat("open directory %s", path));
+  const UniqueFd dir(fd);
+  if (::fchmod(fd, mode) != 0) {
+    return ErrnoStatus(errno, absl::StrFormat("chmod %s to %o", path, mode));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MakeDirAt(int dirfd, const std::string& name, mode_t mode, bool exist_ok,
+                       const std::string& path) {
+  if (::mkdirat(dirfd, name.c_str(), mode) != 0) {
+    if (errno == EEXIST && exist_ok) return absl::OkStatus();
+    return ErrnoStatus(errno, absl::StrFormat("create directory %s", path));
+  }
+  WB_ASSIGN_OR_RETURN(UniqueFd dir, OpenDirAt(dirfd, name, path));
+  if (::fchmod(dir.get(), mode) != 0) {
+    return ErrnoStatus(errno, absl::StrFormat("chmod %s to %o", path, mode));
+  }
   return absl::OkStatus();
 }
 
@@ -139,8 +172,8 @@ absl::Status RemoveTreeAt(int dirfd, const std::string& name, const std::string&
 }
 
 absl::Status WriteSmallFileAt(int dirfd, const std::string& name, std::string_view contents,
-                              bool sync, const std::string& path) {
-  WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenAt(dirfd, name, O_WRONLY | O_CREAT | O_EXCL, path));
+                              bool sync, const std::string& path, mode_t mode) {
+  WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenAt(dirfd, name, O_WRONLY | O_CREAT | O_EXCL, path, mode));
   size_t done = 0;
   while (done < contents.size()) {
     ssize_t n = ::write(fd.get(), contents.data() + done, contents.size() - done);
@@ -181,10 +214,17 @@ absl::StatusOr<std::string> ReadSmallFileAt(int dirfd, const std::string& name, 
   return out;
 }
 
-absl::StatusOr<Channel> Channel::Open(std::string root) {
+absl::StatusOr<Channel> Channel::Open(std::string root, Modes modes) {
   int fd = ::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0 && errno == EACCES) {
+    return ErrnoStatus(
+        errno, absl::StrFormat("open channel directory %s (a channel is readable by its "
+                               "publisher's user only, or also by its group when published with "
+                               "group_access=true)",
+                               root));
+  }
   if (fd < 0) return ErrnoStatus(errno, absl::StrFormat("open channel directory %s", root));
-  return Channel(std::move(root), UniqueFd(fd));
+  return Channel(std::move(root), UniqueFd(fd), modes);
 }
 
 std::string Channel::Path(std::string_view rel) const {
@@ -219,7 +259,7 @@ absl::Status Channel::WriteLatest(uint64_t version, bool sync, std::string_view 
   // and the new file is created exclusively.
   WB_RETURN_IF_ERROR(RemoveTreeAt(fd(), tmp, tmp_path));
   absl::Status written =
-      WriteSmallFileAt(fd(), tmp, absl::StrFormat("%d\n", version), sync, tmp_path);
+      WriteSmallFileAt(fd(), tmp, absl::StrFormat("%d\n", version), sync, tmp_path, modes_.file);
   if (!written.ok()) {
     ::unlinkat(fd(), tmp.c_str(), 0);
     return written;

@@ -71,6 +71,17 @@ std::string RankLockName(int rank);
 // "model.safetensors" when n == 1, else "model-0000K-of-0000N.safetensors" (k is 1-based).
 std::string ShardFileName(size_t k, size_t n);
 
+// The modes of what a publisher creates in a channel (docs/TRANSPORTS.md, "disk://": who can
+// read a channel): by default its user's only, directories 0700 and files 0600; with the setting
+// `group_access` its group may read too, 0750 and 0640. They are applied exactly (fchmod after
+// each creation), so the process umask neither widens nor narrows them. What exists already (a
+// channel directory the user made, `versions` of an earlier publisher) keeps its mode.
+struct Modes {
+  mode_t dir = 0700;
+  mode_t file = 0600;
+};
+Modes ChannelModes(bool group_access);
+
 // Every file and directory inside a channel is reached with the *at() calls relative to a
 // descriptor of the directory holding it, and opened with O_NOFOLLOW (O_CLOEXEC too): a symbolic
 // link planted in a channel (publisher.lock, a LATEST temporary, `versions`, a version directory
@@ -80,23 +91,29 @@ std::string ShardFileName(size_t k, size_t n);
 // file's path for messages.
 
 // openat(dirfd, name, flags | O_NOFOLLOW | O_CLOEXEC, mode); opened with O_NONBLOCK (cleared
-// once open) so that a FIFO planted in the channel cannot block. Callers that read check the
-// file is regular.
+// once open) so that a FIFO planted in the channel cannot block. A file it creates (O_CREAT |
+// O_EXCL) gets exactly `mode` (fchmod). Callers that read check the file is regular.
 absl::StatusOr<UniqueFd> OpenAt(int dirfd, const std::string& name, int flags,
-                                const std::string& path, mode_t mode = 0644);
+                                const std::string& path, mode_t mode = 0600);
 // A directory below `dirfd` (O_DIRECTORY | O_NOFOLLOW).
 absl::StatusOr<UniqueFd> OpenDirAt(int dirfd, const std::string& name, const std::string& path);
 // fsync of an open file or directory (so a rename or create in it is durable).
 absl::Status FsyncFd(int fd, const std::string& path);
-// mkdir -p of a path the user names (the channel root; links in it are followed).
-absl::Status MakeDirs(const std::string& path);
+// mkdir -p of a path the user names (the channel root; links in it are followed). Missing
+// parents are made as mkdir -p makes them; `path` itself, when this call creates it, gets exactly
+// `mode` (an existing one keeps its own).
+absl::Status MakeDirs(const std::string& path, mode_t mode);
+// mkdirat(dirfd, name) with exactly `mode`; an existing directory is fine (and keeps its mode)
+// when `exist_ok`.
+absl::Status MakeDirAt(int dirfd, const std::string& name, mode_t mode, bool exist_ok,
+                       const std::string& path);
 // Removes `name` below `dirfd`, a file, link or directory tree (never following a link); a
 // missing name is fine.
 absl::Status RemoveTreeAt(int dirfd, const std::string& name, const std::string& path);
-// Creates `name` below `dirfd` (O_EXCL: it must not exist), writes `contents` and, if `sync`,
-// fsyncs it.
+// Creates `name` below `dirfd` (O_EXCL: it must not exist) with exactly `mode`, writes
+// `contents` and, if `sync`, fsyncs it.
 absl::Status WriteSmallFileAt(int dirfd, const std::string& name, std::string_view contents,
-                              bool sync, const std::string& path);
+                              bool sync, const std::string& path, mode_t mode);
 // Reads a whole small file of at most `max_bytes`. Errors: NotFound, DataLoss if larger.
 absl::StatusOr<std::string> ReadSmallFileAt(int dirfd, const std::string& name, size_t max_bytes,
                                             const std::string& path);
@@ -107,9 +124,11 @@ absl::StatusOr<std::vector<std::string>> ListDirAt(int dirfd, const std::string&
 // publisher keeps working on the directory it locked even if the path comes to name another.
 class Channel {
  public:
-  // Opens the directory `root` (it must exist). Errors: NotFound when it does not.
-  static absl::StatusOr<Channel> Open(std::string root);
+  // Opens the directory `root` (it must exist); what this object creates in it gets `modes`.
+  // Errors: NotFound when it does not.
+  static absl::StatusOr<Channel> Open(std::string root, Modes modes = {});
   const std::string& root() const { return root_; }
+  const Modes& modes() const { return modes_; }
   int fd() const { return fd_.get(); }
   // Paths for messages.
   std::string Path(std::string_view rel) const;
@@ -135,9 +154,11 @@ class Channel {
   absl::Status CheckStillAt(int fd, const std::string& name) const;
 
  private:
-  Channel(std::string root, UniqueFd fd) : root_(std::move(root)), fd_(std::move(fd)) {}
+  Channel(std::string root, UniqueFd fd, Modes modes)
+      : root_(std::move(root)), fd_(std::move(fd)), modes_(modes) {}
   std::string root_;
   UniqueFd fd_;
+  Modes modes_;
 };
 
 }  // namespace weightbus::internal::disk

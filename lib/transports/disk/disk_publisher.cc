@@ -277,7 +277,8 @@ absl::Status DiskPublisher::CheckStillOwner(uint64_t version) const {
 absl::Status DiskPublisher::WriteFile(int dir_fd, const std::string& dir, const FilePlan& plan,
                                       PublishJob& job, absl::Time deadline) {
   const std::string path = absl::StrFormat("%s/%s", dir, plan.name);
-  WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenAt(dir_fd, plan.name, O_WRONLY | O_CREAT | O_EXCL, path));
+  WB_ASSIGN_OR_RETURN(UniqueFd fd, OpenAt(dir_fd, plan.name, O_WRONLY | O_CREAT | O_EXCL, path,
+                                          channel_.modes().file));
   const uint64_t size = plan.layout.file_size();
   // Reserve every block first: a full disk fails here, before any data moves.
   if (size > 0) {
@@ -393,7 +394,8 @@ absl::StatusOr<const Manifest*> DiskPublisher::WriteCheckpoint(int dir_fd, const
   }
   WB_ASSIGN_OR_RETURN(const Manifest* manifest, job.SealedManifest(deadline));
   WB_RETURN_IF_ERROR(WriteSmallFileAt(dir_fd, kManifestFile, manifest->ToJson(), sync_,
-                                      absl::StrFormat("%s/%s", dir, kManifestFile)));
+                                      absl::StrFormat("%s/%s", dir, kManifestFile),
+                                      channel_.modes().file));
   if (files.size() > 1) {
     nlohmann::ordered_json index;
     index["metadata"]["total_size"] = manifest->total_bytes();
@@ -403,7 +405,8 @@ absl::StatusOr<const Manifest*> DiskPublisher::WriteCheckpoint(int dir_fd, const
       for (size_t i : plan.tensors) map[manifest->tensors[i].name] = plan.name;
     }
     WB_RETURN_IF_ERROR(WriteSmallFileAt(dir_fd, kIndexFile, index.dump(2), sync_,
-                                        absl::StrFormat("%s/%s", dir, kIndexFile)));
+                                        absl::StrFormat("%s/%s", dir, kIndexFile),
+                                        channel_.modes().file));
   }
   *files_written = files.size();
   return manifest;
@@ -442,9 +445,7 @@ absl::Status DiskPublisher::Publish(PublishJob& job, absl::Time deadline) {
   // rename and the commit.
   WB_RETURN_IF_ERROR(CheckStillOwner(version));
   WB_RETURN_IF_ERROR(RemoveTreeAt(vfd, tmp_name, tmp));
-  if (::mkdirat(vfd, tmp_name.c_str(), 0755) != 0) {
-    return ErrnoStatus(errno, absl::StrFormat("create %s", tmp));
-  }
+  WB_RETURN_IF_ERROR(MakeDirAt(vfd, tmp_name, channel_.modes().dir, /*exist_ok=*/false, tmp));
   bool renamed = false, committed = false;
   absl::Cleanup cleanup = [&] {
     if (committed) return;
@@ -459,8 +460,9 @@ absl::Status DiskPublisher::Publish(PublishJob& job, absl::Time deadline) {
                       WriteCheckpoint(tmp_fd.get(), tmp, job, deadline, &files));
   (void)manifest;
   const absl::Time written = absl::Now();
+  const mode_t file_mode = channel_.modes().file;
   WB_RETURN_IF_ERROR(WriteSmallFileAt(tmp_fd.get(), kReaderLock, "", false,
-                                      absl::StrFormat("%s/%s", tmp, kReaderLock)));
+                                      absl::StrFormat("%s/%s", tmp, kReaderLock), file_mode));
   if (sync_) WB_RETURN_IF_ERROR(FsyncFd(tmp_fd.get(), tmp));
   const absl::Time sealed = absl::Now();
   WB_RETURN_IF_ERROR(failpoints_.Hit("disk.before_rename"));
@@ -516,17 +518,14 @@ absl::Status DiskPublisher::PublishPart(PublishJob& job, absl::Time deadline) {
   const std::string tmp_name = absl::StrFormat("%s%s-%d", kTmpPrefix, rank_name, getpid());
   const std::string tmp = absl::StrFormat("%s/%s", group_path, tmp_name);
   WB_RETURN_IF_ERROR(CheckStillOwner(version));
-  if (::mkdirat(vfd, group_name.c_str(), 0755) != 0 && errno != EEXIST) {
-    return ErrnoStatus(errno, absl::StrFormat("create %s", group_path));
-  }
+  WB_RETURN_IF_ERROR(
+      MakeDirAt(vfd, group_name, channel_.modes().dir, /*exist_ok=*/true, group_path));
   // Held open: once the set is complete the directory is renamed to vN, and this descriptor
   // follows it.
   WB_ASSIGN_OR_RETURN(UniqueFd group_fd, OpenDirAt(vfd, group_name, group_path));
   const int gfd = group_fd.get();
   WB_RETURN_IF_ERROR(RemoveTreeAt(gfd, tmp_name, tmp));
-  if (::mkdirat(gfd, tmp_name.c_str(), 0755) != 0) {
-    return ErrnoStatus(errno, absl::StrFormat("create %s", tmp));
-  }
+  WB_RETURN_IF_ERROR(MakeDirAt(gfd, tmp_name, channel_.modes().dir, /*exist_ok=*/false, tmp));
   bool placed = false;
   absl::Cleanup cleanup = [&] {
     if (!placed) (void)RemoveTreeAt(gfd, tmp_name, tmp);
@@ -715,7 +714,7 @@ absl::Status DiskPublisher::Withdraw(uint64_t version, int gfd) {
   for (const std::string& name : {rank_name, marker}) {
     WB_RETURN_IF_ERROR(RemoveTreeAt(gfd, name, group_path + "/" + name));
   }
-  return WriteSmallFileAt(gfd, marker, "", false, group_path + "/" + marker);
+  return WriteSmallFileAt(gfd, marker, "", false, group_path + "/" + marker, channel_.modes().file);
 }
 
 absl::Status DiskPublisher::CommitGroup(uint64_t version, int gfd,
@@ -758,7 +757,8 @@ absl::Status DiskPublisher::CommitGroup(uint64_t version, int gfd,
     for (int r = 0; r < group_.world_size; ++r) {
       const std::string name = RankDirName(r) + kFailedSuffix;
       WB_RETURN_IF_ERROR(RemoveTreeAt(gfd, name, group_path + "/" + name));
-      WB_RETURN_IF_ERROR(WriteSmallFileAt(gfd, name, j.dump(), sync_, group_path + "/" + name));
+      WB_RETURN_IF_ERROR(WriteSmallFileAt(gfd, name, j.dump(), sync_, group_path + "/" + name,
+                                          channel_.modes().file));
     }
     if (sync_) WB_RETURN_IF_ERROR(FsyncFd(gfd, group_path));
     return error;
@@ -773,9 +773,10 @@ absl::Status DiskPublisher::CommitGroup(uint64_t version, int gfd,
   for (const char* name : {kManifestFile, kReaderLock}) {
     WB_RETURN_IF_ERROR(RemoveTreeAt(gfd, name, group_path + "/" + name));
   }
-  WB_RETURN_IF_ERROR(
-      WriteSmallFileAt(gfd, kManifestFile, m.ToJson(), sync_, group_path + "/" + kManifestFile));
-  WB_RETURN_IF_ERROR(WriteSmallFileAt(gfd, kReaderLock, "", false, group_path + "/" + kReaderLock));
+  WB_RETURN_IF_ERROR(WriteSmallFileAt(gfd, kManifestFile, m.ToJson(), sync_,
+                                      group_path + "/" + kManifestFile, channel_.modes().file));
+  WB_RETURN_IF_ERROR(WriteSmallFileAt(gfd, kReaderLock, "", false, group_path + "/" + kReaderLock,
+                                      channel_.modes().file));
   if (sync_) WB_RETURN_IF_ERROR(FsyncFd(gfd, group_path));
   WB_RETURN_IF_ERROR(failpoints_.Hit("disk.before_group_rename"));
   WB_RETURN_IF_ERROR(CheckStillOwner(version));
@@ -941,19 +942,25 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenDiskPublisher(const Uri&
   WB_ASSIGN_OR_RETURN(std::string root, ChannelRoot(uri));
   const int64_t retention = config.Int("retention");  // >= 1 (DiskSettings)
   // The root's own path is the user's to name (links in it are followed); inside it nothing is.
-  WB_RETURN_IF_ERROR(MakeDirs(root));
-  WB_ASSIGN_OR_RETURN(Channel channel, Channel::Open(root));
-  if (::mkdirat(channel.fd(), kVersionsDir, 0755) != 0 && errno != EEXIST) {
-    return ErrnoStatus(errno, absl::StrFormat("create directory %s", channel.VersionsDir()));
-  }
+  const Modes modes = ChannelModes(config.Bool("group_access"));
+  WB_RETURN_IF_ERROR(MakeDirs(root, modes.dir));
+  WB_ASSIGN_OR_RETURN(Channel channel, Channel::Open(root, modes));
+  WB_RETURN_IF_ERROR(
+      MakeDirAt(channel.fd(), kVersionsDir, modes.dir, /*exist_ok=*/true, channel.VersionsDir()));
   WB_ASSIGN_OR_RETURN(UniqueFd versions, channel.OpenVersionsDir());
   const std::string lock_path = channel.Path(kPublisherLock);
-  WB_ASSIGN_OR_RETURN(UniqueFd lock,
-                      OpenAt(channel.fd(), kPublisherLock, O_RDWR | O_CREAT, lock_path));
+  WB_ASSIGN_OR_RETURN(
+      UniqueFd lock, OpenAt(channel.fd(), kPublisherLock, O_RDWR | O_CREAT, lock_path, modes.file));
   struct stat lock_stat;
   if (::fstat(lock.get(), &lock_stat) != 0 || !S_ISREG(lock_stat.st_mode)) {
     return absl::FailedPreconditionError(
         absl::StrFormat("%s is not a regular file; remove it", lock_path));
+  }
+  // The lock holds the holder's description: it gets the channel's file mode like the rest
+  // (whether just created or left by an earlier publisher of this user).
+  if (lock_stat.st_uid == ::geteuid() && (lock_stat.st_mode & 07777) != modes.file &&
+      ::fchmod(lock.get(), modes.file) != 0) {
+    return ErrnoStatus(errno, absl::StrFormat("chmod %s to %o", lock_path, modes.file));
   }
   lock.CloseInForkedChildren();  // a forked child's copy would hold the lock after we let go
   GroupRole group;

@@ -46,6 +46,12 @@ const SettingTable& DiskSettings() {
            .default_value = "100ms",
            .doc = "how often subscribers re-read LATEST; inotify wakes them sooner on a local "
                   "filesystem, polling covers network filesystems"},
+          {.name = "group_access",
+           .type = SettingType::kBool,
+           .default_value = "false",
+           .doc = "false: a channel the publisher creates is its user's only (directories 0700, "
+                  "files 0600); true: its group may read it too (0750, 0640), for subscribers "
+                  "run by other users of that group"},
           {.name = "fsync",
            .type = SettingType::kBool,
            .default_value = "true",

@@ -368,6 +368,397 @@ std::string Reader::Str() {
   return s.ok() ? std::string(*s) : std::string();
 }
 
+namespace {
+
+// Reads one message's fields in order; the first failure is kept (later reads return 0 or empty)
+// and reported by Done, worded with the message's name and size.
+class Fields {
+ public:
+  Fields(MsgType type, std::string_view payload)
+      : type_(type), size_(payload.size()), r_(payload) {}
+
+  uint64_t U64(std::string_view what) { return Keep(r_.U64(what)); }
+  uint32_t U32(std::string_view what) { return Keep(r_.U32(what)); }
+  uint8_t U8(std::string_view what) { return Keep(r_.U8(what)); }
+  bool Flag(std::string_view what) {
+    const uint8_t v = U8(what);
+    if (v > 1 && status_.ok()) {
+      status_ = absl::DataLossError(absl::StrFormat("%s is %d, expected 0 or 1", what, v));
+    }
+    return v == 1;
+  }
+  std::string Str(std::string_view what) { return std::string(View(what)); }
+  // A string in place (a view of the payload).
+  std::string_view View(std::string_view what) {
+    const uint32_t n = U32(absl::StrFormat("%s's length", what));
+    if (!status_.ok()) return {};
+    return Keep(r_.View(n, what));
+  }
+  // A count of elements of at least `min_bytes` each: more than the rest of the message can
+  // hold is refused before anything is allocated for them.
+  uint32_t Count(std::string_view what, size_t min_bytes) {
+    const uint32_t n = U32(absl::StrFormat("the number of %s", what));
+    if (status_.ok() && uint64_t{n} * min_bytes > r_.remaining()) {
+      status_ = absl::DataLossError(
+          absl::StrFormat("claims %d %s of at least %d bytes each but only %d bytes remain", n,
+                          what, min_bytes, r_.remaining()));
+      return 0;
+    }
+    return n;
+  }
+  bool ok() const { return status_.ok(); }
+
+  // The message, or the first failure; with `exact`, bytes after the last field are one too.
+  template <typename T>
+  absl::StatusOr<T> Done(T message, bool exact = true) {
+    if (status_.ok() && exact && !r_.at_end()) {
+      status_ =
+          absl::DataLossError(absl::StrFormat("%d bytes follow the last field", r_.remaining()));
+    }
+    if (!status_.ok()) {
+      return absl::DataLossError(absl::StrFormat("malformed %s message (%d bytes): %s",
+                                                 MsgTypeName(type_), size_, status_.message()));
+    }
+    return message;
+  }
+
+ private:
+  // The value read, or T{} once anything failed (a count read after a failure must not be used
+  // to size anything).
+  template <typename T>
+  T Keep(absl::StatusOr<T> v) {
+    if (!status_.ok()) return T{};
+    if (v.ok()) return *v;
+    if (status_.ok()) status_ = v.status();
+    return T{};
+  }
+
+  MsgType type_;
+  size_t size_;
+  ByteReader r_;
+  absl::Status status_;
+};
+
+Writer& U64s(Writer& w, const std::vector<uint64_t>& values) {
+  w.U32(static_cast<uint32_t>(values.size()));
+  for (uint64_t v : values) w.U64(v);
+  return w;
+}
+
+std::vector<uint64_t> U64s(Fields& f, std::string_view what) {
+  const uint32_t n = f.Count(what, 8);
+  std::vector<uint64_t> out;
+  out.reserve(n);
+  for (uint32_t k = 0; k < n && f.ok(); ++k) out.push_back(f.U64(what));
+  return out;
+}
+
+}  // namespace
+
+std::string Encode(const HelloMsg& m) {
+  Writer w(MsgType::kHello);
+  w.Str(m.magic).U32(m.protocol).Str(m.channel).U64(m.subscriber_id).Str(m.description);
+  if (!m.nonce.empty()) w.Str(m.nonce);
+  return w.Finish();
+}
+
+std::string Encode(const ChallengeMsg& m) {
+  return Writer(MsgType::kChallenge).Str(m.publisher_nonce).Str(m.proof).Finish();
+}
+
+std::string Encode(const ProofMsg& m) { return Writer(MsgType::kProof).Str(m.proof).Finish(); }
+
+std::string Encode(const WelcomeMsg& m) {
+  return Writer(MsgType::kWelcome)
+      .U32(m.protocol)
+      .U64(m.session_id)
+      .Str(m.worker_address)
+      .U64(m.lease_ns)
+      .U8(m.has_newest)
+      .U64(m.newest)
+      .Str(m.description)
+      .U8(m.bytes_over_control)
+      .Finish();
+}
+
+std::string Encode(const ErrorMsg& m) {
+  return Writer(MsgType::kError).U32(m.code).Str(m.message).Finish();
+}
+
+std::string Encode(const WaitMsg& m) {
+  return Writer(MsgType::kWait).U64(m.request).U64(m.version).U8(m.mode).Finish();
+}
+
+std::string EncodeGrantBody(const GrantBody& b) {
+  Writer w(MsgType::kGrant);
+  w.U64(b.version).Str(b.manifest_json).U32(static_cast<uint32_t>(b.regions.size()));
+  for (const GrantRegion& r : b.regions) {
+    w.U64(r.id).U64(r.base).U64(r.address).U64(r.length).Str(r.rkey);
+  }
+  U64s(w, b.offsets);
+  return w.Body();
+}
+
+std::string EncodeGrant(uint64_t request, uint64_t lease, uint64_t lease_ns,
+                        std::string_view encoded_body, const std::vector<uint64_t>& live) {
+  Writer w(MsgType::kGrant);
+  w.U64(request).U64(lease).U64(lease_ns).Raw(encoded_body);
+  return U64s(w, live).Finish();
+}
+
+std::string Encode(const GrantMsg& m) {
+  return EncodeGrant(m.request, m.lease, m.lease_ns, EncodeGrantBody(m.body), m.live);
+}
+
+std::string Encode(const RefusedMsg& m) {
+  return Writer(MsgType::kRefused).U64(m.request).U32(m.code).Str(m.message).Finish();
+}
+
+std::string Encode(const CancelMsg& m) { return Writer(MsgType::kCancel).U64(m.request).Finish(); }
+
+std::string Encode(const RenewMsg& m) { return Writer(MsgType::kRenew).U64(m.lease).Finish(); }
+
+std::string Encode(const ReleaseMsg& m) {
+  return Writer(MsgType::kRelease).U64(m.lease).U8(m.ack).Finish();
+}
+
+std::string Encode(const ReleasedMsg& m) {
+  return Writer(MsgType::kReleased).U64(m.lease).U8(m.valid).Finish();
+}
+
+std::string Encode(const AcceptedMsg& m) {
+  return Writer(MsgType::kAccepted).U64(m.version).Finish();
+}
+
+std::string Encode(const ListMsg& m) { return Writer(MsgType::kList).U64(m.request).Finish(); }
+
+std::string Encode(const VersionsMsg& m) {
+  Writer w(MsgType::kVersions);
+  w.U64(m.request);
+  return U64s(w, m.versions).Finish();
+}
+
+std::string Encode(const RenewedMsg& m) {
+  return Writer(MsgType::kRenewed).U64(m.lease).U8(m.valid).Finish();
+}
+
+std::string Encode(const ReadMsg& m) {
+  return Writer(MsgType::kRead).U64(m.request).U64(m.lease).U64(m.offset).U64(m.length).Finish();
+}
+
+std::string Encode(const DataMsg& m) {
+  return Writer(MsgType::kData).U64(m.request).U8(m.ok).Str(m.bytes).Finish();
+}
+
+absl::StatusOr<HelloMsg> DecodeHello(std::string_view payload) {
+  Fields f(MsgType::kHello, payload);
+  HelloMsg m;
+  m.magic = f.Str("the magic");
+  m.protocol = f.U32("the protocol");
+  m.channel = f.Str("the channel");
+  m.subscriber_id = f.U64("the subscriber id");
+  m.description = f.Str("the description");
+  // The nonce of a shared-secret channel: a string that ends the message exactly. Other trailing
+  // bytes (a later protocol version's fields) are left alone.
+  const size_t fields =
+      4 + m.magic.size() + 4 + 4 + m.channel.size() + 8 + 4 + m.description.size();
+  if (f.ok() && payload.size() >= fields + 4) {
+    ByteReader rest(payload.substr(fields));
+    const absl::StatusOr<uint32_t> n = rest.U32("the nonce's length");
+    if (n.ok() && *n == rest.remaining()) m.nonce = std::string(payload.substr(fields + 4));
+  }
+  return f.Done(std::move(m), /*exact=*/false);
+}
+
+absl::StatusOr<ChallengeMsg> DecodeChallenge(std::string_view payload) {
+  Fields f(MsgType::kChallenge, payload);
+  ChallengeMsg m;
+  m.publisher_nonce = f.Str("the publisher nonce");
+  m.proof = f.Str("the proof");
+  return f.Done(std::move(m));
+}
+
+absl::StatusOr<ProofMsg> DecodeProof(std::string_view payload) {
+  Fields f(MsgType::kProof, payload);
+  ProofMsg m;
+  m.proof = f.Str("the proof");
+  return f.Done(std::move(m));
+}
+
+absl::StatusOr<WelcomeMsg> DecodeWelcome(std::string_view payload) {
+  Fields f(MsgType::kWelcome, payload);
+  WelcomeMsg m;
+  m.protocol = f.U32("the protocol");
+  m.session_id = f.U64("the session id");
+  m.worker_address = f.Str("the worker address");
+  m.lease_ns = f.U64("the lease");
+  m.has_newest = f.Flag("has_newest");
+  m.newest = f.U64("the newest version");
+  m.description = f.Str("the description");
+  m.bytes_over_control = f.Flag("bytes_over_control");
+  return f.Done(std::move(m), /*exact=*/false);
+}
+
+absl::StatusOr<ErrorMsg> DecodeError(std::string_view payload) {
+  Fields f(MsgType::kError, payload);
+  ErrorMsg m;
+  m.code = f.U32("the status code");
+  m.message = f.Str("the message");
+  return f.Done(std::move(m), /*exact=*/false);
+}
+
+absl::StatusOr<WaitMsg> DecodeWait(std::string_view payload) {
+  Fields f(MsgType::kWait, payload);
+  WaitMsg m;
+  m.request = f.U64("the request id");
+  m.version = f.U64("the version");
+  m.mode = f.U8("the mode");
+  absl::StatusOr<WaitMsg> out = f.Done(m);
+  if (out.ok() && m.mode > kWaitNewestNow) {
+    return absl::DataLossError(absl::StrFormat(
+        "malformed WAIT message (%d bytes): mode %d, expected 0 (newest), 1 (exact) or 2 (newest "
+        "now)",
+        payload.size(), m.mode));
+  }
+  return out;
+}
+
+absl::StatusOr<GrantMsg> DecodeGrant(std::string_view payload) {
+  Fields f(MsgType::kGrant, payload);
+  GrantMsg m;
+  m.request = f.U64("the request id");
+  m.lease = f.U64("the lease id");
+  m.lease_ns = f.U64("the lease");
+  m.body.version = f.U64("the version");
+  m.body.manifest_json = f.Str("the manifest");
+  // A region is at least its four u64 and the rkey's length.
+  const uint32_t nregions = f.Count("regions", 4 * 8 + 4);
+  m.body.regions.reserve(nregions);
+  for (uint32_t k = 0; k < nregions && f.ok(); ++k) {
+    GrantRegion g;
+    const std::string at = absl::StrFormat("region %d", k);
+    g.id = f.U64(at + " id");
+    g.base = f.U64(at + " base");
+    g.address = f.U64(at + " address");
+    g.length = f.U64(at + " length");
+    g.rkey = f.Str(at + " rkey");
+    m.body.regions.push_back(std::move(g));
+  }
+  m.body.offsets = U64s(f, "tensor offsets");
+  m.live = U64s(f, "live region ids");
+  return f.Done(std::move(m));
+}
+
+absl::StatusOr<RefusedMsg> DecodeRefused(std::string_view payload) {
+  Fields f(MsgType::kRefused, payload);
+  RefusedMsg m;
+  m.request = f.U64("the request id");
+  m.code = f.U32("the status code");
+  m.message = f.Str("the message");
+  return f.Done(std::move(m));
+}
+
+absl::StatusOr<CancelMsg> DecodeCancel(std::string_view payload) {
+  Fields f(MsgType::kCancel, payload);
+  CancelMsg m;
+  m.request = f.U64("the request id");
+  return f.Done(m);
+}
+
+absl::StatusOr<RenewMsg> DecodeRenew(std::string_view payload) {
+  Fields f(MsgType::kRenew, payload);
+  RenewMsg m;
+  m.lease = f.U64("the lease id");
+  return f.Done(m);
+}
+
+absl::StatusOr<ReleaseMsg> DecodeRelease(std::string_view payload) {
+  Fields f(MsgType::kRelease, payload);
+  ReleaseMsg m;
+  m.lease = f.U64("the lease id");
+  m.ack = f.Flag("ack");
+  return f.Done(m);
+}
+
+absl::StatusOr<ReleasedMsg> DecodeReleased(std::string_view payload) {
+  Fields f(MsgType::kReleased, payload);
+  ReleasedMsg m;
+  m.lease = f.U64("the lease id");
+  m.valid = f.Flag("valid");
+  return f.Done(m);
+}
+
+absl::StatusOr<AcceptedMsg> DecodeAccepted(std::string_view payload) {
+  Fields f(MsgType::kAccepted, payload);
+  AcceptedMsg m;
+  m.version = f.U64("the version");
+  return f.Done(m);
+}
+
+absl::StatusOr<ListMsg> DecodeList(std::string_view payload) {
+  Fields f(MsgType::kList, payload);
+  ListMsg m;
+  m.request = f.U64("the request id");
+  return f.Done(m);
+}
+
+absl::StatusOr<VersionsMsg> DecodeVersions(std::string_view payload) {
+  Fields f(MsgType::kVersions, payload);
+  VersionsMsg m;
+  m.request = f.U64("the request id");
+  m.versions = U64s(f, "versions");
+  return f.Done(std::move(m));
+}
+
+absl::StatusOr<RenewedMsg> DecodeRenewed(std::string_view payload) {
+  Fields f(MsgType::kRenewed, payload);
+  RenewedMsg m;
+  m.lease = f.U64("the lease id");
+  m.valid = f.Flag("valid");
+  return f.Done(m);
+}
+
+absl::StatusOr<ReadMsg> DecodeRead(std::string_view payload) {
+  Fields f(MsgType::kRead, payload);
+  ReadMsg m;
+  m.request = f.U64("the request id");
+  m.lease = f.U64("the lease id");
+  m.offset = f.U64("the offset");
+  m.length = f.U64("the length");
+  return f.Done(m);
+}
+
+absl::StatusOr<DataMsg> DecodeData(std::string_view payload) {
+  Fields f(MsgType::kData, payload);
+  DataMsg m;
+  m.request = f.U64("the request id");
+  m.ok = f.Flag("ok");
+  m.bytes = f.View("the bytes");
+  return f.Done(std::move(m));
+}
+
+absl::StatusCode StatusCodeFromWire(uint32_t code, absl::StatusCode fallback) {
+  if (code == 0 || code > static_cast<uint32_t>(absl::StatusCode::kUnauthenticated)) {
+    return fallback;
+  }
+  return static_cast<absl::StatusCode>(code);
+}
+
+absl::Status ErrorStatus(std::string_view payload, std::string_view prefix) {
+  absl::StatusOr<ErrorMsg> e = DecodeError(payload);
+  if (!e.ok()) {
+    return absl::UnavailableError(
+        absl::StrFormat("%sthe publisher sent a %s", prefix, e.status().message()));
+  }
+  return absl::Status(StatusCodeFromWire(e->code, absl::StatusCode::kUnavailable),
+                      absl::StrFormat("%s%s", prefix, e->message));
+}
+
+std::optional<uint64_t> LeadingId(std::string_view payload) {
+  if (payload.size() < 8) return std::nullopt;
+  return LoadLe<uint64_t>(payload.data());
+}
+
 absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer, uint32_t max_frame) {
   if (buffer.size() < 4) return std::nullopt;
   const uint32_t n = LoadLe<uint32_t>(buffer.data());

@@ -143,6 +143,179 @@ struct Frame {
   std::string payload;  // without the type byte
 };
 
+// ---- The messages: one struct each, fields in wire order ------------------------------------
+// Encode(m) builds a message's complete frame; DecodeX(payload) parses a frame's payload (after
+// the type byte) and is the only place each message is parsed (fuzzed by
+// tests/fuzz/ucx_control_fuzz.cc). Flags are one byte, 0 or 1. Decode errors are DataLoss
+// naming the message and the field, with what the message claims and what it carries
+// ("malformed GRANT message (61 bytes): region 1 rkey needs 300 bytes but only 12 remain",
+// "... claims 4000000 offsets of 8 bytes but only 16 bytes remain"). HELLO, WELCOME and ERROR
+// may carry more bytes after their fields (a later protocol version must still be told apart);
+// every other message must end where its fields do.
+
+struct HelloMsg {     // sub -> pub
+  std::string magic;  // kMagic
+  uint32_t protocol = 0;
+  std::string channel;
+  uint64_t subscriber_id = 0;
+  std::string description;
+  // On a shared-secret channel (docs/SECURITY.md): the subscriber's nonce, after the fields above
+  // (absent, i.e. empty, otherwise; a publisher without a secret ignores it).
+  std::string nonce;
+};
+struct ChallengeMsg {  // pub -> sub, on a shared-secret channel: answers HELLO
+  std::string publisher_nonce;
+  std::string proof;  // the publisher's proof over both nonces
+};
+struct ProofMsg {     // sub -> pub: answers CHALLENGE
+  std::string proof;  // the subscriber's proof over both nonces
+};
+struct WelcomeMsg {  // pub -> sub
+  uint32_t protocol = 0;
+  uint64_t session_id = 0;
+  std::string worker_address;  // packed ucp address
+  uint64_t lease_ns = 0;
+  bool has_newest = false;
+  uint64_t newest = 0;
+  std::string description;
+  bool bytes_over_control = false;  // READ/DATA instead of gets
+};
+struct ErrorMsg {     // pub -> sub
+  uint32_t code = 0;  // absl::StatusCode
+  std::string message;
+};
+// WAIT modes.
+inline constexpr uint8_t kWaitNewest = 0;     // the newest version >= `version`, waiting for one
+inline constexpr uint8_t kWaitExact = 1;      // exactly `version`
+inline constexpr uint8_t kWaitNewestNow = 2;  // the newest >= `version` now, else REFUSED
+struct WaitMsg {                              // sub -> pub
+  uint64_t request = 0;
+  uint64_t version = 0;
+  uint8_t mode = kWaitNewest;  // 0..2
+};
+struct GrantRegion {
+  uint64_t id = 0;
+  uint64_t base = 0;     // offset in the slot's byte range
+  uint64_t address = 0;  // in the publisher's address space
+  uint64_t length = 0;
+  std::string rkey;  // packed
+  friend bool operator==(const GrantRegion&, const GrantRegion&) = default;
+};
+// The part of a GRANT that is the same for every grant of one staged version (the publisher
+// encodes it once per slot).
+struct GrantBody {
+  uint64_t version = 0;
+  std::string manifest_json;
+  std::vector<GrantRegion> regions;
+  std::vector<uint64_t> offsets;  // per tensor: its offset in the slot
+};
+struct GrantMsg {  // pub -> sub
+  uint64_t request = 0;
+  uint64_t lease = 0;
+  uint64_t lease_ns = 0;
+  GrantBody body;
+  std::vector<uint64_t> live;  // ids of every region the publisher still holds
+};
+struct RefusedMsg {  // pub -> sub
+  uint64_t request = 0;
+  uint32_t code = 0;  // absl::StatusCode
+  std::string message;
+};
+struct CancelMsg {  // sub -> pub
+  uint64_t request = 0;
+};
+struct RenewMsg {  // sub -> pub
+  uint64_t lease = 0;
+};
+struct ReleaseMsg {  // sub -> pub
+  uint64_t lease = 0;
+  bool ack = false;  // answer with RELEASED
+};
+struct ReleasedMsg {  // pub -> sub
+  uint64_t lease = 0;
+  bool valid = false;  // the lease was still held when released
+};
+struct AcceptedMsg {  // sub -> pub
+  uint64_t version = 0;
+};
+struct ListMsg {  // sub -> pub
+  uint64_t request = 0;
+};
+struct VersionsMsg {  // pub -> sub
+  uint64_t request = 0;
+  std::vector<uint64_t> versions;  // ascending
+};
+struct RenewedMsg {  // pub -> sub
+  uint64_t lease = 0;
+  bool valid = false;  // the lease was still held (and is now extended)
+};
+struct ReadMsg {  // sub -> pub
+  uint64_t request = 0;
+  uint64_t lease = 0;
+  uint64_t offset = 0;  // in the slot
+  uint64_t length = 0;
+};
+struct DataMsg {  // pub -> sub
+  uint64_t request = 0;
+  bool ok = false;
+  // The bytes read, or (not ok) why not. A view: of what the encoder was given, of the payload
+  // the decoder was given (which must outlive it).
+  std::string_view bytes;
+};
+
+std::string Encode(const HelloMsg& m);
+std::string Encode(const ChallengeMsg& m);
+std::string Encode(const ProofMsg& m);
+std::string Encode(const WelcomeMsg& m);
+std::string Encode(const ErrorMsg& m);
+std::string Encode(const WaitMsg& m);
+std::string Encode(const GrantMsg& m);
+std::string Encode(const RefusedMsg& m);
+std::string Encode(const CancelMsg& m);
+std::string Encode(const RenewMsg& m);
+std::string Encode(const ReleaseMsg& m);
+std::string Encode(const ReleasedMsg& m);
+std::string Encode(const AcceptedMsg& m);
+std::string Encode(const ListMsg& m);
+std::string Encode(const VersionsMsg& m);
+std::string Encode(const RenewedMsg& m);
+std::string Encode(const ReadMsg& m);
+std::string Encode(const DataMsg& m);
+// A GRANT from its per-grant fields and a body encoded once with EncodeGrantBody.
+std::string EncodeGrantBody(const GrantBody& body);
+std::string EncodeGrant(uint64_t request, uint64_t lease, uint64_t lease_ns,
+                        std::string_view encoded_body, const std::vector<uint64_t>& live);
+
+absl::StatusOr<HelloMsg> DecodeHello(std::string_view payload);
+absl::StatusOr<ChallengeMsg> DecodeChallenge(std::string_view payload);
+absl::StatusOr<ProofMsg> DecodeProof(std::string_view payload);
+absl::StatusOr<WelcomeMsg> DecodeWelcome(std::string_view payload);
+absl::StatusOr<ErrorMsg> DecodeError(std::string_view payload);
+absl::StatusOr<WaitMsg> DecodeWait(std::string_view payload);
+absl::StatusOr<GrantMsg> DecodeGrant(std::string_view payload);
+absl::StatusOr<RefusedMsg> DecodeRefused(std::string_view payload);
+absl::StatusOr<CancelMsg> DecodeCancel(std::string_view payload);
+absl::StatusOr<RenewMsg> DecodeRenew(std::string_view payload);
+absl::StatusOr<ReleaseMsg> DecodeRelease(std::string_view payload);
+absl::StatusOr<ReleasedMsg> DecodeReleased(std::string_view payload);
+absl::StatusOr<AcceptedMsg> DecodeAccepted(std::string_view payload);
+absl::StatusOr<ListMsg> DecodeList(std::string_view payload);
+absl::StatusOr<VersionsMsg> DecodeVersions(std::string_view payload);
+absl::StatusOr<RenewedMsg> DecodeRenewed(std::string_view payload);
+absl::StatusOr<ReadMsg> DecodeRead(std::string_view payload);
+absl::StatusOr<DataMsg> DecodeData(std::string_view payload);
+
+// A status code received in an ERROR or REFUSED message: a known non-OK absl::StatusCode as it
+// is, anything else (0 included: a peer must never make a failure read as success) `fallback`.
+absl::StatusCode StatusCodeFromWire(uint32_t code, absl::StatusCode fallback);
+// The status an ERROR payload carries, its message prefixed with `prefix`; a malformed one is
+// Unavailable saying so.
+absl::Status ErrorStatus(std::string_view payload, std::string_view prefix);
+
+// The first field of a payload (the request or lease id every answer starts with), to match an
+// answer to its request before decoding it; nullopt when the payload is shorter than 8 bytes.
+std::optional<uint64_t> LeadingId(std::string_view payload);
+
 // Removes one complete frame from the front of `buffer`, if there is one.
 // Errors: DataLoss for a frame whose header declares more than `max_frame` payload bytes (known
 // from its first 4 bytes) or no type byte.

@@ -561,15 +561,12 @@ absl::Status UcxPublisher::CopyIntoSlot(const std::vector<Region>& regions, Publ
 
 std::string UcxPublisher::BuildGrantBody(const Slot& slot, const Manifest& manifest,
                                          const std::vector<uint64_t>& offsets) const {
-  Writer w(MsgType::kGrant);
-  w.U64(manifest.version).Str(manifest.ToJson()).U32(static_cast<uint32_t>(slot.regions.size()));
+  GrantBody body{manifest.version, manifest.ToJson(), {}, offsets};
   for (const Region& r : slot.regions) {
-    w.U64(r.id).U64(r.base).U64(reinterpret_cast<uintptr_t>(r.mem->data())).U64(r.mem->size());
-    w.Str(r.rkey);
+    body.regions.push_back(GrantRegion{r.id, r.base, reinterpret_cast<uintptr_t>(r.mem->data()),
+                                       r.mem->size(), r.rkey});
   }
-  w.U32(static_cast<uint32_t>(offsets.size()));
-  for (uint64_t o : offsets) w.U64(o);
-  return std::move(w).Body();
+  return EncodeGrantBody(body);
 }
 
 absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
@@ -835,23 +832,21 @@ void UcxPublisher::Accept() {
 }
 
 void UcxPublisher::SendError(Conn& c, absl::StatusCode code, const std::string& message) {
-  c.out += Writer(MsgType::kError).U32(static_cast<uint32_t>(code)).Str(message).Finish();
+  c.out += Encode(ErrorMsg{static_cast<uint32_t>(code), message});
   c.closing = true;
 }
 
 void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
-  Reader r(f.payload);
-  const std::string magic = r.Str();
-  const uint32_t protocol = r.U32();
-  const std::string channel = r.Str();
-  const uint64_t subscriber_id = r.U64();
-  const std::string who = r.Str();
-  if (!r.ok() || magic != kMagic) {
+  absl::StatusOr<HelloMsg> hello = DecodeHello(f.payload);
+  if (!hello.ok() || hello->magic != kMagic) {
     conn_log_.Log(LogLevel::kInfo, "%s: %s is not a weightbus subscriber; disconnecting it",
                   endpoint_.display, c.peer);
     c.dead = true;
     return;
   }
+  const uint32_t protocol = hello->protocol;
+  const std::string& channel = hello->channel;
+  const std::string& who = hello->description;
   c.peer = absl::StrFormat("subscriber %s at %s", who, c.peer.substr(strlen("subscriber at ")));
   if (protocol != kProtocolVersion) {
     SendError(c, absl::StatusCode::kFailedPrecondition,
@@ -874,12 +869,12 @@ void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
                               endpoint_.port, description_, endpoint_.channel, channel));
     return;
   }
-  c.subscriber_id = subscriber_id;
+  c.subscriber_id = hello->subscriber_id;
   if (options_.key) {
     // A shared-secret channel: the subscriber's nonce ends its HELLO; nothing but CHALLENGE
     // goes to it until its PROOF checks out (no manifest, no rkey, no receipt counted).
-    const std::string nonce = r.at_end() ? std::string() : r.Str();
-    if (!r.ok() || nonce.size() != c.subscriber_nonce.size()) {
+    const std::string& nonce = hello->nonce;
+    if (nonce.size() != c.subscriber_nonce.size()) {
       auth_log_.Log(LogLevel::kWarn,
                     "%s: refusing %s: it did not authenticate (this channel has a shared secret)",
                     endpoint_.display, c.peer);
@@ -893,7 +888,8 @@ void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
     c.publisher_nonce = RandomNonce();
     const auto proof =
         HandshakeProof(*options_.key, "publisher", c.subscriber_nonce, c.publisher_nonce);
-    c.out += Writer(MsgType::kChallenge).Str(AsText(c.publisher_nonce)).Str(AsText(proof)).Finish();
+    c.out +=
+        Encode(ChallengeMsg{std::string(AsText(c.publisher_nonce)), std::string(AsText(proof))});
     c.challenged = true;
     return;
   }
@@ -901,11 +897,10 @@ void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
 }
 
 void UcxPublisher::HandleProof(Conn& c, const Frame& f) {
-  Reader r(f.payload);
-  const std::string proof = r.Str();
+  absl::StatusOr<ProofMsg> proof = DecodeProof(f.payload);
   const auto expected =
       HandshakeProof(*options_.key, "subscriber", c.publisher_nonce, c.subscriber_nonce);
-  if (!r.ok() || !ProofMatches(expected, proof)) {
+  if (!proof.ok() || !ProofMatches(expected, proof->proof)) {
     auth_log_.Log(LogLevel::kWarn,
                   "%s: refusing %s: its proof of the channel's shared secret is wrong",
                   endpoint_.display, c.peer);
@@ -929,12 +924,10 @@ void UcxPublisher::Welcome(Conn& c) {
   // connection instead, and no UCP endpoint connects the two.
   const bool local = PeerIsLocal(c.fd.get());
   c.bytes_over_control = local ? !(rma_.one_host || rma_.network) : !rma_.network;
-  Writer w(MsgType::kWelcome);
-  w.U32(kProtocolVersion).U64(session_id_).Str(worker_address_);
-  w.U64(static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)));
-  w.U8(newest_ != nullptr).U64(newest_ ? newest_->version : 0).Str(description_);
-  w.U8(c.bytes_over_control);
-  c.out += std::move(w).Finish();
+  c.out += Encode(WelcomeMsg{kProtocolVersion, session_id_, worker_address_,
+                             static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)),
+                             newest_ != nullptr, newest_ ? newest_->version : 0, description_,
+                             c.bytes_over_control});
   conn_log_.Log(LogLevel::kInfo, "%s: %s connected", endpoint_.display, c.peer);
 }
 
@@ -950,16 +943,21 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
     }
     return;
   }
-  Reader r(f.payload);
+  // A malformed message disconnects its sender (logged with the decoder's words).
+  absl::Status malformed;
+  auto decoded = [&](auto m) {
+    if (!m.ok()) malformed = m.status();
+    return m;
+  };
   switch (f.type) {
     case MsgType::kWait: {
+      absl::StatusOr<WaitMsg> m = decoded(DecodeWait(f.payload));
+      if (!m.ok()) break;
       PendingWait w;
-      w.request = r.U64();
-      w.version = r.U64();
-      const uint8_t mode = r.U8();
-      w.exact = mode == 1;
-      w.now = mode == 2;
-      if (!r.ok()) break;
+      w.request = m->request;
+      w.version = m->version;
+      w.exact = m->mode == kWaitExact;
+      w.now = m->mode == kWaitNewestNow;
       if (c.waits.size() >= kMaxWaits) {
         Disconnect(c, absl::StrFormat("has more than %d WAITs outstanding", kMaxWaits));
         break;
@@ -968,13 +966,15 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       break;
     }
     case MsgType::kCancel: {
-      const uint64_t request = r.U64();
-      std::erase_if(c.waits, [&](const PendingWait& w) { return w.request == request; });
+      absl::StatusOr<CancelMsg> m = decoded(DecodeCancel(f.payload));
+      if (!m.ok()) break;
+      std::erase_if(c.waits, [&](const PendingWait& w) { return w.request == m->request; });
       break;
     }
     case MsgType::kRenew: {
-      const uint64_t id = r.U64();
-      if (!r.ok()) break;
+      absl::StatusOr<RenewMsg> m = decoded(DecodeRenew(f.payload));
+      if (!m.ok()) break;
+      const uint64_t id = m->lease;
       auto it = leases_.find(id);
       const absl::Time now = MonotonicNow();
       bool valid = it != leases_.end() && it->second.conn == c.id;
@@ -990,34 +990,35 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
         valid = false;
       }
       if (valid) it->second.expiry = now + options_.lease;
-      c.out += Writer(MsgType::kRenewed).U64(id).U8(valid).Finish();
+      c.out += Encode(RenewedMsg{id, valid});
       break;
     }
     case MsgType::kRelease: {
-      const uint64_t id = r.U64();
-      const bool ack = r.U8() != 0;
-      if (!r.ok()) break;
+      absl::StatusOr<ReleaseMsg> m = decoded(DecodeRelease(f.payload));
+      if (!m.ok()) break;
+      const uint64_t id = m->lease;
       auto it = leases_.find(id);
       const bool valid = it != leases_.end() && it->second.conn == c.id;
       if (valid) EndLease(it);
-      if (ack) c.out += Writer(MsgType::kReleased).U64(id).U8(valid).Finish();
+      if (m->ack) c.out += Encode(ReleasedMsg{id, valid});
       break;
     }
     case MsgType::kAccepted: {
-      const uint64_t v = r.U64();
-      if (!r.ok()) break;
-      auto [it, inserted] = receivers_.emplace(c.subscriber_id, v);
-      if (!inserted) it->second = std::max(it->second, v);
+      absl::StatusOr<AcceptedMsg> m = decoded(DecodeAccepted(f.payload));
+      if (!m.ok()) break;
+      auto [it, inserted] = receivers_.emplace(c.subscriber_id, m->version);
+      if (!inserted) it->second = std::max(it->second, m->version);
       ++changes_;
       break;
     }
     case MsgType::kRead: {
+      absl::StatusOr<ReadMsg> m = decoded(DecodeRead(f.payload));
+      if (!m.ok()) break;
       PendingRead read;
-      read.request = r.U64();
-      read.lease = r.U64();
-      read.offset = r.U64();
-      read.length = r.U64();
-      if (!r.ok()) break;
+      read.request = m->request;
+      read.lease = m->lease;
+      read.offset = m->offset;
+      read.length = m->length;
       if (c.reads.size() >= kMaxReads) {
         Disconnect(c, absl::StrFormat("has more than %d READs outstanding", kMaxReads));
         break;
@@ -1026,24 +1027,22 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       break;
     }
     case MsgType::kList: {
-      const uint64_t request = r.U64();
-      std::vector<uint64_t> versions;
+      absl::StatusOr<ListMsg> m = decoded(DecodeList(f.payload));
+      if (!m.ok()) break;
+      VersionsMsg answer{m->request, {}};
       for (const auto& s : slots_) {
-        if (s->state == Slot::State::kReady) versions.push_back(s->version);
+        if (s->state == Slot::State::kReady) answer.versions.push_back(s->version);
       }
-      std::sort(versions.begin(), versions.end());
-      Writer w(MsgType::kVersions);
-      w.U64(request).U32(static_cast<uint32_t>(versions.size()));
-      for (uint64_t v : versions) w.U64(v);
-      c.out += std::move(w).Finish();
+      std::sort(answer.versions.begin(), answer.versions.end());
+      c.out += Encode(answer);
       break;
     }
     default:
       Disconnect(c, absl::StrFormat("sent an unexpected %s message", MsgTypeName(f.type)));
       break;
   }
-  if (!r.ok()) {
-    Disconnect(c, absl::StrFormat("sent a truncated %s message", MsgTypeName(f.type)));
+  if (!malformed.ok()) {
+    Disconnect(c, absl::StrFormat("sent a %s", malformed.message()));
   }
 }
 
@@ -1108,8 +1107,7 @@ void UcxPublisher::ServeWaits(Conn& c) {
 
 void UcxPublisher::Refuse(Conn& c, uint64_t request, absl::StatusCode code,
                           const std::string& why) {
-  c.out +=
-      Writer(MsgType::kRefused).U64(request).U32(static_cast<uint32_t>(code)).Str(why).Finish();
+  c.out += Encode(RefusedMsg{request, static_cast<uint32_t>(code), why});
 }
 
 void UcxPublisher::Grant(Conn& c, const PendingWait& w, Slot& slot) {
@@ -1122,16 +1120,13 @@ void UcxPublisher::Grant(Conn& c, const PendingWait& w, Slot& slot) {
   leases_[id] = Lease{&slot, c.id, slot.version, now + options_.lease, now};
   ++slot.leases;
   ++c.leases;
-  Writer g(MsgType::kGrant);
-  g.U64(w.request).U64(id).U64(static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)));
-  g.Raw(slot.grant_body);
   std::vector<uint64_t> live;
   for (const auto& s : slots_) {
     for (const Region& r : s->regions) live.push_back(r.id);
   }
-  g.U32(static_cast<uint32_t>(live.size()));
-  for (uint64_t l : live) g.U64(l);
-  c.out += std::move(g).Finish();
+  c.out +=
+      EncodeGrant(w.request, id, static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)),
+                  slot.grant_body, live);
 }
 
 void UcxPublisher::ServeReads(Conn& c) {
@@ -1140,7 +1135,7 @@ void UcxPublisher::ServeReads(Conn& c) {
     const PendingRead read = c.reads.front();
     c.reads.pop_front();
     auto refuse = [&](const std::string& why) {
-      c.out += Writer(MsgType::kData).U64(read.request).U8(0).Str(why).Finish();
+      c.out += Encode(DataMsg{read.request, false, why});
     };
     auto it = leases_.find(read.lease);
     if (it == leases_.end() || it->second.conn != c.id) {
@@ -1173,11 +1168,7 @@ void UcxPublisher::ServeReads(Conn& c) {
       }
       bytes = host.data();
     }
-    c.out += Writer(MsgType::kData)
-                 .U64(read.request)
-                 .U8(1)
-                 .Str(std::string_view(bytes, read.length))
-                 .Finish();
+    c.out += Encode(DataMsg{read.request, true, std::string_view(bytes, read.length)});
     reads_served_.fetch_add(1, std::memory_order_relaxed);
   }
 }

@@ -29,14 +29,6 @@
 namespace weightbus::internal::ucx {
 namespace {
 
-struct GrantRegion {
-  uint64_t id = 0;
-  uint64_t base = 0;     // offset in the slot's byte range
-  uint64_t address = 0;  // in the publisher's address space
-  uint64_t length = 0;
-  std::string rkey;  // packed
-};
-
 // One connection to the publisher: the control stream and the UCP endpoint to its worker, with
 // the remote keys unpacked on it (cached by region id: unpacking may map shared memory).
 struct Session {
@@ -319,7 +311,7 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline, std::string_view 
       }
       if (!f->has_value()) break;
       HandleStray(**f);
-      if (!session_) return absl::OkStatus();  // an ERROR frame; caller reconnects below
+      if (!session_) break;  // an ERROR frame ended the session: reconnect below
     }
     if (alive.ok() && session_) return absl::OkStatus();
     Log(LogLevel::kInfo, "%s: reconnecting (%s)", endpoint_.display, std::string(alive.message()));
@@ -351,12 +343,10 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline, std::string_view 
   auto s = std::make_unique<Session>();
   s->control = ControlStream(std::move(fd), "the publisher at " + where);
   s->generation = ++generation_;
-  Writer hello(MsgType::kHello);
-  hello.Str(kMagic).U32(kProtocolVersion).Str(endpoint_.channel).U64(subscriber_id_);
-  hello.Str(description_);
   const Nonce nonce = RandomNonce();
-  if (options_.key) hello.Str(AsText(nonce));
-  absl::Status sent = s->control.Send(std::move(hello).Finish(), connect_deadline);
+  HelloMsg hello{kMagic, kProtocolVersion, endpoint_.channel, subscriber_id_, description_};
+  if (options_.key) hello.nonce = std::string(AsText(nonce));
+  absl::Status sent = s->control.Send(Encode(hello), connect_deadline);
   absl::StatusOr<Frame> answer =
       sent.ok() ? s->control.Receive(connect_deadline) : absl::StatusOr<Frame>(sent);
   if (answer.ok() && answer->type == MsgType::kChallenge) {
@@ -366,22 +356,20 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline, std::string_view 
           "%s: %s requires the channel's shared secret: configure secret_file or secret_env",
           endpoint_.display, s->control.peer()));
     }
-    Reader c(answer->payload);
-    const std::string publisher_nonce_text = c.Str();
-    const std::string publisher_proof = c.Str();
+    absl::StatusOr<ChallengeMsg> challenge = DecodeChallenge(answer->payload);
     Nonce publisher_nonce{};
-    const bool sized = publisher_nonce_text.size() == publisher_nonce.size();
-    if (sized) std::memcpy(publisher_nonce.data(), publisher_nonce_text.data(), 32);
-    if (!c.ok() || !sized ||
-        !ProofMatches(HandshakeProof(*options_.key, "publisher", nonce, publisher_nonce),
-                      publisher_proof)) {
+    const bool sized =
+        challenge.ok() && challenge->publisher_nonce.size() == publisher_nonce.size();
+    if (sized) std::memcpy(publisher_nonce.data(), challenge->publisher_nonce.data(), 32);
+    if (!sized || !ProofMatches(HandshakeProof(*options_.key, "publisher", nonce, publisher_nonce),
+                                challenge->proof)) {
       return absl::PermissionDeniedError(absl::StrFormat(
           "%s: %s failed to prove the channel's shared secret (a publisher with another "
           "secret, or another process on its port); refusing it",
           endpoint_.display, s->control.peer()));
     }
     const auto proof = HandshakeProof(*options_.key, "subscriber", publisher_nonce, nonce);
-    sent = s->control.Send(Writer(MsgType::kProof).Str(AsText(proof)).Finish(), connect_deadline);
+    sent = s->control.Send(Encode(ProofMsg{std::string(AsText(proof))}), connect_deadline);
     answer = sent.ok() ? s->control.Receive(connect_deadline) : absl::StatusOr<Frame>(sent);
   } else if (answer.ok() && answer->type == MsgType::kWelcome && options_.key) {
     return absl::PermissionDeniedError(absl::StrFormat(
@@ -395,39 +383,35 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline, std::string_view 
         "%s: %s accepted the connection but did not greet within the connect timeout: %s",
         endpoint_.display, s->control.peer(), answer.status().message()));
   }
-  Reader r(answer->payload);
   if (answer->type == MsgType::kError) {
-    const auto code = static_cast<absl::StatusCode>(r.U32());
-    const std::string message = r.Str();
-    return absl::Status(r.ok() ? code : absl::StatusCode::kUnavailable,
-                        absl::StrFormat("%s: %s", endpoint_.display, message));
+    return ErrorStatus(answer->payload, absl::StrFormat("%s: ", endpoint_.display));
   }
   if (answer->type != MsgType::kWelcome) {
     return absl::UnavailableError(absl::StrFormat(
         "%s: %s answered the greeting with %s, not WELCOME (is it a weightbus publisher?)",
         endpoint_.display, s->control.peer(), MsgTypeName(answer->type)));
   }
-  const uint32_t protocol = r.U32();
-  s->session_id = r.U64();
-  const std::string worker_address = r.Str();
-  s->lease = absl::Nanoseconds(static_cast<int64_t>(r.U64()));
-  const bool has_newest = r.U8() != 0;
-  const uint64_t newest = r.U64();
-  const std::string who = r.Str();
+  absl::StatusOr<WelcomeMsg> welcome = DecodeWelcome(answer->payload);
+  if (!welcome.ok() || welcome->protocol != kProtocolVersion || welcome->worker_address.empty()) {
+    return absl::UnavailableError(absl::StrFormat(
+        "%s: %s sent a malformed WELCOME (%s)", endpoint_.display, s->control.peer(),
+        welcome.ok()
+            ? absl::StrFormat("protocol %d, expected %d%s", welcome->protocol, kProtocolVersion,
+                              welcome->worker_address.empty() ? ", no worker address" : "")
+            : std::string(welcome.status().message())));
+  }
+  s->session_id = welcome->session_id;
+  s->lease = absl::Nanoseconds(static_cast<int64_t>(welcome->lease_ns));
+  const std::string& worker_address = welcome->worker_address;
   // The publisher says so when only software RMA reaches this subscriber from its side; this
   // subscriber's own transports may be the limit instead (UCX_TLS differs between the two).
-  s->bytes_over_control = r.U8() != 0;
+  s->bytes_over_control = welcome->bytes_over_control;
   if (!s->bytes_over_control) {
     const bool local = PeerIsLocal(s->control.fd());
     s->bytes_over_control = local ? !(rma_.one_host || rma_.network) : !rma_.network;
   }
-  if (!r.ok() || protocol != kProtocolVersion || worker_address.empty()) {
-    return absl::UnavailableError(
-        absl::StrFormat("%s: %s sent a malformed WELCOME (protocol %d, expected %d)",
-                        endpoint_.display, s->control.peer(), protocol, kProtocolVersion));
-  }
-  if (has_newest) s->newest = newest;
-  s->publisher = absl::StrFormat("publisher %s at %s", who, where);
+  if (welcome->has_newest) s->newest = welcome->newest;
+  s->publisher = absl::StrFormat("publisher %s at %s", welcome->description, where);
   s->control.set_peer(s->publisher);
   if (s->bytes_over_control) {
     session_ = std::move(s);
@@ -482,22 +466,18 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline, std::string_view 
 }
 
 void UcxSubscriber::HandleStray(const Frame& f) {
-  Reader r(f.payload);
   switch (f.type) {
     case MsgType::kGrant: {
-      r.U64();  // request id
-      const uint64_t lease = r.U64();
-      if (r.ok()) {
-        (void)session_->control.Send(Writer(MsgType::kRelease).U64(lease).U8(0).Finish(),
+      // A grant answering a request given up on: its lease is released unused.
+      if (absl::StatusOr<GrantMsg> g = DecodeGrant(f.payload); g.ok()) {
+        (void)session_->control.Send(Encode(ReleaseMsg{g->lease, false}),
                                      absl::Now() + absl::Seconds(1));
       }
       break;
     }
     case MsgType::kError: {
-      const uint32_t code = r.U32();
-      const std::string message = r.Str();
-      Log(LogLevel::kWarn, "%s: %s ended the session: %s (code %d)", endpoint_.display,
-          session_->publisher, message, code);
+      Log(LogLevel::kWarn, "%s: %s ended the session: %s", endpoint_.display, session_->publisher,
+          ErrorStatus(f.payload, "").ToString());
       CloseSession();
       break;
     }
@@ -517,13 +497,9 @@ absl::StatusOr<Frame> UcxSubscriber::Await(absl::Time deadline,
     if (!f.ok()) return f.status();
     if (want(*f)) return f;
     if (f->type == MsgType::kError) {
-      Reader r(f->payload);
-      const auto code = static_cast<absl::StatusCode>(r.U32());
-      const std::string message = r.Str();
       const std::string publisher = session_->publisher;
       CloseSession();
-      return absl::Status(r.ok() ? code : absl::StatusCode::kUnavailable,
-                          absl::StrFormat("%s: %s: %s", endpoint_.display, publisher, message));
+      return ErrorStatus(f->payload, absl::StrFormat("%s: %s: ", endpoint_.display, publisher));
     }
     HandleStray(*f);
   }
@@ -543,19 +519,17 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::Request(uint64_t
   WB_RETURN_IF_ERROR(EnsureSession(deadline, waiting_for, poll));
   const uint64_t request = next_request_++;
   const absl::Time asked = MonotonicNow();
-  const uint8_t mode = exact ? 1 : poll ? 2 : 0;
-  absl::Status sent = session_->control.Send(
-      Writer(MsgType::kWait).U64(request).U64(version).U8(mode).Finish(), deadline);
+  const uint8_t mode = exact ? kWaitExact : poll ? kWaitNewestNow : kWaitNewest;
+  absl::Status sent = session_->control.Send(Encode(WaitMsg{request, version, mode}), deadline);
   if (!sent.ok()) return SessionLost(sent, "while asking for a version");
   absl::StatusOr<Frame> f = Await(deadline, [&](const Frame& f) {
     if (f.type != MsgType::kGrant && f.type != MsgType::kRefused) return false;
-    Reader r(f.payload);
-    return r.U64() == request;
+    return LeadingId(f.payload) == request;
   });
   if (!f.ok()) {
     if (absl::IsDeadlineExceeded(f.status()) && session_) {
       // The publisher may still grant it later; the late grant is then released unused.
-      (void)session_->control.Send(Writer(MsgType::kCancel).U64(request).Finish(),
+      (void)session_->control.Send(Encode(CancelMsg{request}),
                                    absl::Now() + absl::Milliseconds(100));
       const std::optional<uint64_t> newest = session_->newest;
       return absl::DeadlineExceededError(absl::StrFormat(
@@ -570,50 +544,44 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::Request(uint64_t
                                                    exact ? "==" : ">=", version));
   }
   if (f->type == MsgType::kRefused) {
-    Reader r(f->payload);
-    r.U64();
-    const auto code = static_cast<absl::StatusCode>(r.U32());
-    const std::string message = r.Str();
+    absl::StatusOr<RefusedMsg> refused = DecodeRefused(f->payload);
+    if (!refused.ok()) {
+      return absl::DataLossError(absl::StrFormat("%s: %s sent a %s", endpoint_.display,
+                                                 session_->publisher, refused.status().message()));
+    }
     return absl::Status(
-        r.ok() ? code : absl::StatusCode::kInternal,
-        absl::StrFormat("%s: %s: %s", endpoint_.display, session_->publisher, message));
+        StatusCodeFromWire(refused->code, absl::StatusCode::kInternal),
+        absl::StrFormat("%s: %s: %s", endpoint_.display, session_->publisher, refused->message));
   }
   return ParseGrant(*f, asked);
 }
 
 absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const Frame& f,
                                                                            absl::Time asked) {
-  Reader r(f.payload);
-  r.U64();  // request id
-  const uint64_t lease = r.U64();
-  const uint64_t lease_ns = r.U64();
-  const uint64_t version = r.U64();
-  const std::string manifest_json = r.Str();
-  const uint32_t nregions = r.U32();
-  std::vector<GrantRegion> regions;
-  for (uint32_t k = 0; k < nregions && r.ok(); ++k) {
-    GrantRegion g;
-    g.id = r.U64();
-    g.base = r.U64();
-    g.address = r.U64();
-    g.length = r.U64();
-    g.rkey = r.Str();
-    regions.push_back(std::move(g));
-  }
-  const uint32_t ntensors = r.U32();
-  std::vector<uint64_t> offsets;
-  for (uint32_t k = 0; k < ntensors && r.ok(); ++k) offsets.push_back(r.U64());
-  const uint32_t nlive = r.U32();
-  std::vector<uint64_t> live;
-  for (uint32_t k = 0; k < nlive && r.ok(); ++k) live.push_back(r.U64());
   const std::string source = session_->publisher;
+  absl::StatusOr<GrantMsg> grant = DecodeGrant(f.payload);
+  if (!grant.ok()) {
+    // Its lease id, when the message has one, is released.
+    if (f.payload.size() >= 16) {
+      (void)session_->control.Send(
+          Encode(ReleaseMsg{LoadLe<uint64_t>(f.payload.data() + 8), false}),
+          absl::Now() + absl::Seconds(1));
+    }
+    return absl::DataLossError(
+        absl::StrFormat("%s: %s sent a %s", endpoint_.display, source, grant.status().message()));
+  }
+  const uint64_t lease = grant->lease;
+  const uint64_t lease_ns = grant->lease_ns;
+  const uint64_t version = grant->body.version;
+  const std::string& manifest_json = grant->body.manifest_json;
+  std::vector<GrantRegion>& regions = grant->body.regions;
+  std::vector<uint64_t>& offsets = grant->body.offsets;
+  const std::vector<uint64_t>& live = grant->live;
   auto malformed = [&](const std::string& why) {
-    (void)session_->control.Send(Writer(MsgType::kRelease).U64(lease).U8(0).Finish(),
-                                 absl::Now() + absl::Seconds(1));
+    (void)session_->control.Send(Encode(ReleaseMsg{lease, false}), absl::Now() + absl::Seconds(1));
     return absl::DataLossError(absl::StrFormat("%s: %s sent a malformed grant of version %d: %s",
                                                endpoint_.display, source, version, why));
   };
-  if (!r.ok() || !r.at_end()) return malformed("truncated or oversized message");
   session_->lease = absl::Nanoseconds(static_cast<int64_t>(lease_ns));
   absl::StatusOr<Manifest> manifest =
       Manifest::FromJson(manifest_json, absl::StrFormat("the manifest granted by %s", source));
@@ -658,24 +626,18 @@ absl::StatusOr<std::vector<uint64_t>> UcxSubscriber::ListVersions() {
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
   WB_RETURN_IF_ERROR(EnsureSession(deadline));
   const uint64_t request = next_request_++;
-  absl::Status sent =
-      session_->control.Send(Writer(MsgType::kList).U64(request).Finish(), deadline);
+  absl::Status sent = session_->control.Send(Encode(ListMsg{request}), deadline);
   if (!sent.ok()) return SessionLost(sent, "while listing versions");
   absl::StatusOr<Frame> f = Await(deadline, [&](const Frame& f) {
-    Reader r(f.payload);
-    return f.type == MsgType::kVersions && r.U64() == request;
+    return f.type == MsgType::kVersions && LeadingId(f.payload) == request;
   });
   if (!f.ok()) return SessionLost(f.status(), "while listing versions");
-  Reader r(f->payload);
-  r.U64();
-  const uint32_t n = r.U32();
-  std::vector<uint64_t> versions;
-  for (uint32_t k = 0; k < n && r.ok(); ++k) versions.push_back(r.U64());
-  if (!r.ok()) {
-    return absl::DataLossError(
-        absl::StrFormat("%s: malformed VERSIONS from %s", endpoint_.display, session_->publisher));
+  absl::StatusOr<VersionsMsg> versions = DecodeVersions(f->payload);
+  if (!versions.ok()) {
+    return absl::DataLossError(absl::StrFormat("%s: %s sent a %s", endpoint_.display,
+                                               session_->publisher, versions.status().message()));
   }
-  return versions;
+  return std::move(versions->versions);
 }
 
 absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> targets,
@@ -700,7 +662,7 @@ absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> ta
     if (!session_ || absl::IsUnavailable(pulled) || absl::IsDeadlineExceeded(pulled)) {
       CloseSession();  // a broken or abandoned connection: the next call reconnects
     } else {
-      (void)session_->control.Send(Writer(MsgType::kRelease).U64(v.lease_id_).U8(0).Finish(),
+      (void)session_->control.Send(Encode(ReleaseMsg{v.lease_id_, false}),
                                    absl::Now() + absl::Seconds(1));
     }
     return pulled;
@@ -711,24 +673,26 @@ absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> ta
   // reused the memory while we read it.
   v.released_ = true;
   if (MonotonicNow() < v.lease_base_ + session_->lease * 0.95) {
-    absl::Status sent =
-        session_->control.Send(Writer(MsgType::kRelease).U64(v.lease_id_).U8(0).Finish(), deadline);
+    absl::Status sent = session_->control.Send(Encode(ReleaseMsg{v.lease_id_, false}), deadline);
     if (!sent.ok()) return SessionLost(sent, "after the transfer", true);
     return absl::OkStatus();
   }
-  absl::Status sent =
-      session_->control.Send(Writer(MsgType::kRelease).U64(v.lease_id_).U8(1).Finish(), deadline);
+  absl::Status sent = session_->control.Send(Encode(ReleaseMsg{v.lease_id_, true}), deadline);
   if (!sent.ok()) return SessionLost(sent, "before the transfer was confirmed", true);
   absl::StatusOr<Frame> f = Await(deadline, [&](const Frame& f) {
-    Reader r(f.payload);
-    return f.type == MsgType::kReleased && r.U64() == v.lease_id_;
+    return f.type == MsgType::kReleased && LeadingId(f.payload) == v.lease_id_;
   });
   if (!f.ok()) {
     return SessionLost(f.status(), "before the transfer was confirmed", true);
   }
-  Reader r(f->payload);
-  r.U64();
-  if (r.U8() == 0) {
+  absl::StatusOr<ReleasedMsg> released = DecodeReleased(f->payload);
+  if (!released.ok()) {
+    return absl::DataLossError(
+        absl::StrFormat("%s sent a %s; the bytes of version %d are not "
+                        "trusted",
+                        v.source_, released.status().message(), v.manifest_.version));
+  }
+  if (!released->valid) {
     return absl::UnavailableError(absl::StrFormat(
         "the hold on version %d expired before the transfer finished (lease %s); %s may have "
         "reused its memory, so the bytes are not trusted",
@@ -879,11 +843,16 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
       break;
     }
     if (f->has_value() && (*f)->type == MsgType::kRenewed) {
-      Reader r((*f)->payload);
-      const uint64_t id = r.U64();
-      const bool valid = r.U8() != 0;
-      if (r.ok() && id == v.lease_id_ && renew_sent) {
-        if (!valid) {
+      absl::StatusOr<RenewedMsg> renewed = DecodeRenewed((*f)->payload);
+      if (!renewed.ok()) {
+        status = absl::DataLossError(
+            absl::StrFormat("%s sent a %s while version %d was being "
+                            "received",
+                            s.publisher, renewed.status().message(), m.version));
+        break;
+      }
+      if (renewed->lease == v.lease_id_ && renew_sent) {
+        if (!renewed->valid) {
           status = absl::UnavailableError(absl::StrFormat(
               "the hold on version %d expired before the transfer finished (lease %s); %s may "
               "have reused its memory, so the bytes are not trusted",
@@ -895,11 +864,9 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
       }
     } else if (f->has_value()) {
       if ((*f)->type == MsgType::kError) {
-        Reader r((*f)->payload);
-        r.U32();
         status = absl::UnavailableError(
             absl::StrFormat("%s ended the session while version %d was being received: %s",
-                            s.publisher, m.version, r.Str()));
+                            s.publisher, m.version, ErrorStatus((*f)->payload, "").message()));
         break;
       }
       const std::string publisher_name = s.publisher;
@@ -913,8 +880,8 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
     }
     const absl::Time mono = MonotonicNow();
     if (!renew_sent && mono - v.lease_base_ > s.lease / 4) {
-      absl::Status renewed = s.control.Send(Writer(MsgType::kRenew).U64(v.lease_id_).Finish(),
-                                            std::min(deadline, now + s.lease));
+      absl::Status renewed =
+          s.control.Send(Encode(RenewMsg{v.lease_id_}), std::min(deadline, now + s.lease));
       if (!renewed.ok()) {
         status = renewed;
         break;
@@ -977,13 +944,8 @@ absl::Status UcxSubscriber::ReadOverControl(UcxVersion& v, Pull& pull, uint64_t 
   while (pull.error.ok() && (next < pull.ops.size() || pull.inflight > 0)) {
     while (pull.inflight < window && next < pull.ops.size()) {
       const GetOp& op = pull.ops[next];
-      absl::Status sent = s.control.Send(Writer(MsgType::kRead)
-                                             .U64(base + next)
-                                             .U64(v.lease_id_)
-                                             .U64(op.slot_offset)
-                                             .U64(op.length)
-                                             .Finish(),
-                                         deadline);
+      absl::Status sent = s.control.Send(
+          Encode(ReadMsg{base + next, v.lease_id_, op.slot_offset, op.length}), deadline);
       if (!sent.ok()) return sent;
       ++pull.inflight;
       issued_bytes += op.length;
@@ -992,8 +954,8 @@ absl::Status UcxSubscriber::ReadOverControl(UcxVersion& v, Pull& pull, uint64_t 
     WB_RETURN_IF_ERROR(pull.Midpoint(failpoints_, issued_bytes, total, next));
     const absl::Time mono = MonotonicNow();
     if (!renew_sent && mono - v.lease_base_ > s.lease / 4) {
-      WB_RETURN_IF_ERROR(s.control.Send(Writer(MsgType::kRenew).U64(v.lease_id_).Finish(),
-                                        std::min(deadline, absl::Now() + s.lease)));
+      WB_RETURN_IF_ERROR(
+          s.control.Send(Encode(RenewMsg{v.lease_id_}), std::min(deadline, absl::Now() + s.lease)));
       renew_sent = mono;
     }
     // Wake at least every quarter lease to renew it.
@@ -1010,17 +972,23 @@ absl::Status UcxSubscriber::ReadOverControl(UcxVersion& v, Pull& pull, uint64_t 
       return absl::UnavailableError(absl::StrFormat("%s while version %d was being received",
                                                     f.status().message(), m.version));
     }
-    Reader r(f->payload);
     if (f->type == MsgType::kData) {
-      const uint64_t id = r.U64();
-      const bool ok = r.U8() != 0;
-      const std::string bytes = r.Str();
-      if (r.ok() && (id < base || id - base >= pull.ops.size())) continue;  // an earlier Fetch's
-      const uint64_t k = id - base;
-      if (!r.ok() || k >= next || pull.done[k] || (ok && bytes.size() != pull.ops[k].length)) {
+      absl::StatusOr<DataMsg> data = DecodeData(f->payload);
+      if (!data.ok()) {
         return absl::DataLossError(
-            absl::StrFormat("%s sent a malformed DATA message while version %d was being received",
-                            s.publisher, m.version));
+            absl::StrFormat("%s sent a %s while version %d was being received", s.publisher,
+                            data.status().message(), m.version));
+      }
+      const uint64_t id = data->request;
+      const bool ok = data->ok;
+      const std::string_view bytes = data->bytes;
+      if (id < base || id - base >= pull.ops.size()) continue;  // an earlier Fetch's
+      const uint64_t k = id - base;
+      if (k >= next || pull.done[k] || (ok && bytes.size() != pull.ops[k].length)) {
+        return absl::DataLossError(absl::StrFormat(
+            "%s sent a DATA message for read %d (%d bytes) that was not asked for, was answered "
+            "already or does not match its request, while version %d was being received",
+            s.publisher, k, bytes.size(), m.version));
       }
       if (!ok) {
         return absl::UnavailableError(
@@ -1031,10 +999,15 @@ absl::Status UcxSubscriber::ReadOverControl(UcxVersion& v, Pull& pull, uint64_t 
       pull.Complete(k, UCS_OK);
       WB_RETURN_IF_ERROR(pull.Midpoint(failpoints_, issued_bytes, total, next));
     } else if (f->type == MsgType::kRenewed) {
-      const uint64_t id = r.U64();
-      const bool valid = r.U8() != 0;
-      if (r.ok() && id == v.lease_id_ && renew_sent) {
-        if (!valid) {
+      absl::StatusOr<RenewedMsg> renewed = DecodeRenewed(f->payload);
+      if (!renewed.ok()) {
+        return absl::DataLossError(
+            absl::StrFormat("%s sent a %s while version %d was being "
+                            "received",
+                            s.publisher, renewed.status().message(), m.version));
+      }
+      if (renewed->lease == v.lease_id_ && renew_sent) {
+        if (!renewed->valid) {
           return absl::UnavailableError(absl::StrFormat(
               "the hold on version %d expired before the transfer finished (lease %s); %s may "
               "have reused its memory, so the bytes are not trusted",
@@ -1044,10 +1017,9 @@ absl::Status UcxSubscriber::ReadOverControl(UcxVersion& v, Pull& pull, uint64_t 
         renew_sent.reset();
       }
     } else if (f->type == MsgType::kError) {
-      r.U32();
       return absl::UnavailableError(
           absl::StrFormat("%s ended the session while version %d was being received: %s",
-                          s.publisher, m.version, r.Str()));
+                          s.publisher, m.version, ErrorStatus(f->payload, "").message()));
     } else {
       const std::string publisher_name = s.publisher;
       HandleStray(*f);
@@ -1066,14 +1038,14 @@ void UcxSubscriber::Release(UcxVersion& v) {
   if (v.released_) return;
   v.released_ = true;
   if (!session_ || session_->generation != v.generation_) return;
-  (void)session_->control.Send(Writer(MsgType::kRelease).U64(v.lease_id_).U8(0).Finish(),
+  (void)session_->control.Send(Encode(ReleaseMsg{v.lease_id_, false}),
                                absl::Now() + absl::Seconds(1));
 }
 
 void UcxSubscriber::Accepted(UcxVersion& v) {
   absl::MutexLock lock(&mu_);
   if (!session_ || session_->generation != v.generation_) return;
-  (void)session_->control.Send(Writer(MsgType::kAccepted).U64(v.manifest_.version).Finish(),
+  (void)session_->control.Send(Encode(AcceptedMsg{v.manifest_.version}),
                                absl::Now() + absl::Seconds(1));
 }
 

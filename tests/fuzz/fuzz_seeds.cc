@@ -1,0 +1,242 @@
+// SPDX-License-Identifier: Apache-2.0
+// Writes the seed corpora of the fuzz targets from real inputs, produced by the library itself:
+//
+//   fuzz_seeds OUTDIR STORIES260K_BIN
+//
+// It converts the real trained Llama checkpoint stories260K.bin (../shared/fixtures) to Hugging
+// Face layout in BF16 and publishes it, then one Adam-like step of it, over disk:// and
+// delta+disk:// channels in OUTDIR/.work (removed afterwards), together with a small version that
+// has every dtype, a 0-d scalar, a zero-size tensor, shards and metadata. From what the library
+// wrote it keeps:
+//   OUTDIR/manifest_fuzz/ the versions' weightbus.manifest.json files (plain and delta-inner)
+//   OUTDIR/delta_record_fuzz/ the delta layer's inner manifests (keyframe and delta records)
+//   OUTDIR/safetensors_fuzz/ the versions' model.safetensors files
+//   OUTDIR/ucx_control_fuzz/ one frame of every control message, encoded by control.h with
+//                         realistic contents (GRANTs carry the real manifests)
+// Each directory is written only when this build has what produces it (disk, delta, ucx).
+// Exit status 0 on success; 1 with a message naming the step otherwise.
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "weightbus/llama2c.h"
+#include "weightbus/manifest.hpp"
+#include "weightbus/weightbus.hpp"
+#ifdef WB_FUZZ_SEEDS_UCX
+#include "transports/ucx/control.h"
+#endif
+
+namespace {
+
+namespace fs = std::filesystem;
+using weightbus::DType;
+using weightbus::TensorView;
+
+[[noreturn]] void Fail(const std::string& what) {
+  std::fprintf(stderr, "fuzz_seeds: %s\n", what.c_str());
+  std::exit(1);
+}
+
+void Ok(const absl::Status& s, const std::string& what) {
+  if (!s.ok()) Fail(absl::StrFormat("%s: %s", what, s.ToString()));
+}
+
+std::string ReadWhole(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) Fail("cannot read " + path.string());
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void WriteFile(const fs::path& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out << bytes;
+  if (!out) Fail("cannot write " + path.string());
+}
+
+// The small version: every dtype (sizes valid for the sub-byte ones), a scalar, a zero-size
+// tensor, a shard and names with characters a path would not take.
+struct Small {
+  std::vector<std::vector<std::byte>> bytes;
+  std::vector<TensorView> views;
+};
+
+Small SmallVersion() {
+  Small s;
+  int i = 0;
+  for (DType dtype : weightbus::kAllDTypes) {
+    TensorView v;
+    v.name = absl::StrFormat("model.layers.%d.%s", i++, weightbus::DTypeName(dtype));
+    v.dtype = dtype;
+    v.shape = {2, 4};
+    s.bytes.emplace_back(*weightbus::ByteSize(dtype, v.shape));
+    for (size_t k = 0; k < s.bytes.back().size(); ++k) s.bytes.back()[k] = std::byte(k * 37 + i);
+    s.views.push_back(v);
+  }
+  s.views.push_back(TensorView{.name = "scalar", .dtype = DType::kF32, .shape = {}});
+  s.bytes.emplace_back(4, std::byte{0x3f});
+  s.views.push_back(
+      TensorView{.name = "empty/../x \xc3\xa9", .dtype = DType::kBF16, .shape = {0, 3}});
+  s.bytes.emplace_back();
+  TensorView shard{.name = "lm_head.weight", .dtype = DType::kBF16, .shape = {4, 8}};
+  shard.shard = weightbus::Shard{{16, 8}, {4, 0}};
+  s.views.push_back(shard);
+  s.bytes.emplace_back(64, std::byte{0x41});
+  for (size_t k = 0; k < s.views.size(); ++k) {
+    s.views[k].data = s.bytes[k].empty() ? nullptr : s.bytes[k].data();
+  }
+  return s;
+}
+
+// Publishes `versions` (each a list of views) to `uri` and returns the channel's version
+// directories' paths, newest last.
+std::vector<fs::path> PublishAll(const std::string& uri, const fs::path& root,
+                                 const std::vector<std::vector<TensorView>>& versions,
+                                 const weightbus::Metadata& metadata) {
+  auto pub = weightbus::Publisher::Open(uri);
+  Ok(pub.status(), "open " + uri);
+  std::vector<fs::path> dirs;
+  for (size_t v = 0; v < versions.size(); ++v) {
+    Ok((*pub)->Publish(v + 1, versions[v], metadata, absl::Seconds(60)),
+       absl::StrFormat("publish version %d to %s", v + 1, uri));
+    dirs.push_back(root / "versions" / absl::StrFormat("v%020d", v + 1));
+  }
+  return dirs;
+}
+
+#ifdef WB_FUZZ_SEEDS_UCX
+// One frame of every control message, with the contents a real session has: the GRANTs carry
+// `manifests` (the versions published above).
+void WriteUcxSeeds(const fs::path& dir, const std::vector<std::string>& manifests) {
+  namespace ucx = weightbus::internal::ucx;
+  fs::create_directories(dir);
+  std::string address(164, '\0'), rkey(58, '\0');  // typical packed sizes (shm + tcp)
+  for (size_t i = 0; i < address.size(); ++i) address[i] = static_cast<char>(i * 131 + 7);
+  for (size_t i = 0; i < rkey.size(); ++i) rkey[i] = static_cast<char>(i * 61 + 3);
+  const std::vector<std::pair<std::string, std::string>> frames = {
+      {"hello", ucx::Encode(ucx::HelloMsg{ucx::kMagic, ucx::kProtocolVersion, "policy",
+                                          0x1234abcd5678ef00, "replica-0 pid 4242 on host-a"})},
+      {"hello-nonce",
+       ucx::Encode(ucx::HelloMsg{ucx::kMagic, ucx::kProtocolVersion, "policy", 0x1234abcd5678ef00,
+                                 "replica-0 pid 4242 on host-a", std::string(32, '\x5a')})},
+      {"challenge", ucx::Encode(ucx::ChallengeMsg{std::string(32, '\x3c'), std::string(32, 'p')})},
+      {"proof", ucx::Encode(ucx::ProofMsg{std::string(32, 's')})},
+      {"welcome",
+       ucx::Encode(ucx::WelcomeMsg{ucx::kProtocolVersion, 0x0f1e2d3c4b5a6978, address,
+                                   30'000'000'000, true, 7, "trainer pid 17 on host-b", false})},
+      {"error", ucx::Encode(ucx::ErrorMsg{5,
+                                          "the publisher at port 5555 serves channel "
+                                          "\"policy\", not \"other\""})},
+      {"wait", ucx::Encode(ucx::WaitMsg{3, 8, ucx::kWaitNewest})},
+      {"wait-exact", ucx::Encode(ucx::WaitMsg{4, 6, ucx::kWaitExact})},
+      {"refused", ucx::Encode(ucx::RefusedMsg{4, 5,
+                                              "the publisher no longer holds version 6 "
+                                              "(it holds: 7, 8)"})},
+      {"cancel", ucx::Encode(ucx::CancelMsg{3})},
+      {"renew", ucx::Encode(ucx::RenewMsg{11})},
+      {"release", ucx::Encode(ucx::ReleaseMsg{11, true})},
+      {"released", ucx::Encode(ucx::ReleasedMsg{11, true})},
+      {"accepted", ucx::Encode(ucx::AcceptedMsg{8})},
+      {"list", ucx::Encode(ucx::ListMsg{5})},
+      {"versions", ucx::Encode(ucx::VersionsMsg{5, {6, 7, 8}})},
+      {"renewed", ucx::Encode(ucx::RenewedMsg{11, false})},
+      {"read", ucx::Encode(ucx::ReadMsg{100, 11, 65536, 65536})},
+      {"data", ucx::Encode(ucx::DataMsg{100, true, std::string_view(rkey)})},
+  };
+  for (const auto& [name, frame] : frames) WriteFile(dir / (name + ".bin"), frame);
+  // A session as a subscriber sees it: WELCOME, then a GRANT per version, then a RENEWED.
+  std::string session = frames[1].second;
+  for (size_t v = 0; v < manifests.size(); ++v) {
+    auto m = weightbus::Manifest::FromJson(manifests[v], "seed manifest");
+    Ok(m.status(), "parse a seed manifest");
+    ucx::GrantBody body{m->version, manifests[v], {}, {}};
+    uint64_t offset = 0;
+    for (const weightbus::TensorInfo& t : m->tensors) {
+      body.offsets.push_back(offset);
+      offset += (t.nbytes + 63) / 64 * 64;
+    }
+    // The slot in two regions, as a publisher with a staging chunk below the slot size has.
+    const uint64_t half = (offset / 2 + 4095) / 4096 * 4096;
+    body.regions.push_back({2 * v + 1, 0, 0x7f0000000000 + v * 0x10000000, half, rkey});
+    body.regions.push_back(
+        {2 * v + 2, half, 0x7f0000800000 + v * 0x10000000, offset - half + 4096, rkey});
+    const std::string grant =
+        ucx::EncodeGrant(v + 1, 10 + v, 30'000'000'000, ucx::EncodeGrantBody(body), {1, 2, 3, 4});
+    WriteFile(dir / absl::StrFormat("grant-%d.bin", v + 1), grant);
+    session += grant;
+  }
+  session += frames[13].second;
+  WriteFile(dir / "session.bin", session);
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) Fail("usage: fuzz_seeds OUTDIR STORIES260K_BIN");
+  const fs::path out = fs::absolute(argv[1]);
+  const fs::path work = out / ".work";
+  std::error_code ec;
+  fs::remove_all(work, ec);
+  fs::create_directories(work);
+  for (const char* sub : {"manifest_fuzz", "delta_record_fuzz", "safetensors_fuzz"}) {
+    fs::create_directories(out / sub);
+  }
+
+  auto checkpoint = weightbus::tools::ReadLlama2c(argv[2]);
+  Ok(checkpoint.status(), "read the llama2.c checkpoint");
+  auto model = weightbus::tools::ConvertToHf(*checkpoint, DType::kBF16);
+  Ok(model.status(), "convert it to Hugging Face layout");
+  std::vector<TensorView> v1, v2;
+  std::vector<weightbus::tools::OwnedTensor> stepped = *model;
+  for (auto& t : stepped) {
+    // One step of an update: every 50th BF16 element's low mantissa bit flips.
+    for (size_t k = 0; k < t.bytes.size(); k += 100) t.bytes[k] ^= std::byte{1};
+  }
+  for (const auto& t : *model) v1.push_back(t.view());
+  for (const auto& t : stepped) v2.push_back(t.view());
+  const Small small = SmallVersion();
+  const weightbus::Metadata metadata = {{"step", "1"}, {"run", "fuzz seeds \xe2\x9c\x93"}};
+
+  std::vector<std::string> manifests;
+  const fs::path plain = work / "plain";
+  auto dirs = PublishAll("disk://" + plain.string() + "?retention=10&fsync=false", plain,
+                         {v1, v2, small.views}, metadata);
+  {
+    for (size_t v = 0; v < dirs.size(); ++v) {
+      const std::string m = ReadWhole(dirs[v] / "weightbus.manifest.json");
+      manifests.push_back(m);
+      WriteFile(out / "manifest_fuzz" / absl::StrFormat("disk-v%d.json", v + 1), m);
+    }
+    // stories260K (520 KB) and the small version.
+    fs::copy_file(dirs[0] / "model.safetensors",
+                  out / "safetensors_fuzz" / "stories260K-bf16.safetensors",
+                  fs::copy_options::overwrite_existing);
+    fs::copy_file(dirs[2] / "model.safetensors",
+                  out / "safetensors_fuzz" / "every-dtype.safetensors",
+                  fs::copy_options::overwrite_existing);
+  }
+
+#ifdef WB_FUZZ_SEEDS_DELTA
+  const fs::path delta = work / "delta";
+  auto delta_dirs = PublishAll("delta+disk://" + delta.string() + "?retention=10&fsync=false",
+                               delta, {v1, v2, v1, small.views}, metadata);
+  for (size_t v = 0; v < delta_dirs.size(); ++v) {
+    const std::string m = ReadWhole(delta_dirs[v] / "weightbus.manifest.json");
+    WriteFile(out / "delta_record_fuzz" / absl::StrFormat("delta-disk-v%d.json", v + 1), m);
+    WriteFile(out / "manifest_fuzz" / absl::StrFormat("delta-disk-inner-v%d.json", v + 1), m);
+  }
+#endif
+#ifdef WB_FUZZ_SEEDS_UCX
+  WriteUcxSeeds(out / "ucx_control_fuzz", manifests);
+#endif
+  fs::remove_all(work, ec);
+  std::printf("fuzz_seeds: wrote the seed corpora to %s\n", out.c_str());
+  return 0;
+}

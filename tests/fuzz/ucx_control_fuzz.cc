@@ -1,0 +1,136 @@
+// SPDX-License-Identifier: Apache-2.0
+// Fuzz target of the ucx:// control plane (lib/transports/ucx/control.h): the bytes a peer
+// sends on a control connection. The input is cut into frames with TakeFrame, as both sides do,
+// and each frame's payload is decoded with its message's decoder (a frame of an unknown type
+// with every decoder). Every frame must be taken whole or refused with DataLoss; every decoder
+// must refuse with DataLoss naming the message ("malformed GRANT message ...") or return a
+// message that Encode writes back byte for byte (HELLO, WELCOME and ERROR: as a prefix, since they
+// may carry fields of a later protocol). A status code from the wire never reads as OK.
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "absl/strings/str_format.h"
+#include "core/bytes.h"
+#include "fuzz_check.h"
+#include "transports/ucx/control.h"
+
+namespace {
+
+namespace ucx = weightbus::internal::ucx;
+using ucx::MsgType;
+
+constexpr char kTarget[] = "ucx_control_fuzz";
+
+template <typename... Detail>
+void Check(bool ok, const char* what, const Detail&... detail) {
+  weightbus::fuzz::Check(ok, kTarget, what, detail...);
+}
+
+// Decodes `payload` as a `type` message and checks the result; `exact`: the message must end
+// where its fields do.
+template <typename Decode>
+void Try(MsgType type, const std::string& payload, Decode decode, bool exact) {
+  auto m = decode(payload);
+  const std::string name(ucx::MsgTypeName(type));
+  if (!m.ok()) {
+    weightbus::fuzz::CheckRefusal(m.status(), absl::StatusCode::kDataLoss,
+                                  absl::StrFormat("malformed %s message", name), kTarget);
+    return;
+  }
+  const std::string frame = ucx::Encode(*m);
+  Check(frame.size() >= 5 && static_cast<uint8_t>(frame[4]) == static_cast<uint8_t>(type),
+        "Encode wrote another type", name);
+  Check(weightbus::internal::LoadLe<uint32_t>(frame.data()) == frame.size() - 4,
+        "Encode wrote a wrong length prefix", name);
+  const std::string_view body = std::string_view(frame).substr(5);
+  if (exact) {
+    Check(body == payload, "decode/encode round trip changed the message", name);
+  } else {
+    Check(std::string_view(payload).substr(0, body.size()) == body,
+          "decode/encode round trip changed the message's fields", name);
+  }
+}
+
+void DecodeAs(MsgType type, const std::string& p) {
+  switch (type) {
+    case MsgType::kHello:
+      return Try(type, p, ucx::DecodeHello, false);
+    case MsgType::kWelcome:
+      return Try(type, p, ucx::DecodeWelcome, false);
+    case MsgType::kError: {
+      Try(type, p, ucx::DecodeError, false);
+      Check(!ucx::ErrorStatus(p, "").ok(), "an ERROR message read as OK");
+      return;
+    }
+    case MsgType::kWait:
+      return Try(type, p, ucx::DecodeWait, true);
+    case MsgType::kGrant: {
+      Try(type, p, ucx::DecodeGrant, true);
+      if (auto g = ucx::DecodeGrant(p); g.ok()) {
+        // The publisher's split encoding (a body encoded once per slot) is the same bytes.
+        Check(ucx::EncodeGrant(g->request, g->lease, g->lease_ns, ucx::EncodeGrantBody(g->body),
+                               g->live) == ucx::Encode(*g),
+              "EncodeGrant differs from Encode(GrantMsg)");
+      }
+      return;
+    }
+    case MsgType::kRefused:
+      return Try(type, p, ucx::DecodeRefused, true);
+    case MsgType::kCancel:
+      return Try(type, p, ucx::DecodeCancel, true);
+    case MsgType::kRenew:
+      return Try(type, p, ucx::DecodeRenew, true);
+    case MsgType::kRelease:
+      return Try(type, p, ucx::DecodeRelease, true);
+    case MsgType::kReleased:
+      return Try(type, p, ucx::DecodeReleased, true);
+    case MsgType::kAccepted:
+      return Try(type, p, ucx::DecodeAccepted, true);
+    case MsgType::kList:
+      return Try(type, p, ucx::DecodeList, true);
+    case MsgType::kVersions:
+      return Try(type, p, ucx::DecodeVersions, true);
+    case MsgType::kRenewed:
+      return Try(type, p, ucx::DecodeRenewed, true);
+    case MsgType::kRead:
+      return Try(type, p, ucx::DecodeRead, true);
+    case MsgType::kData:
+      return Try(type, p, ucx::DecodeData, true);
+    case MsgType::kChallenge:
+      return Try(type, p, ucx::DecodeChallenge, true);
+    case MsgType::kProof:
+      return Try(type, p, ucx::DecodeProof, true);
+  }
+  // An unknown type: no decoder may crash on it either.
+  for (uint8_t t = 1; t <= 18; ++t) DecodeAs(static_cast<MsgType>(t), p);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  std::string buffer(reinterpret_cast<const char*>(data), size);
+  while (true) {
+    const size_t before = buffer.size();
+    absl::StatusOr<std::optional<ucx::Frame>> f = ucx::TakeFrame(buffer);
+    if (!f.ok()) {
+      weightbus::fuzz::CheckRefusal(f.status(), absl::StatusCode::kDataLoss,
+                                    "malformed control frame", kTarget);
+      return 0;
+    }
+    if (!f->has_value()) {
+      Check(buffer.size() == before, "TakeFrame consumed bytes without a frame");
+      return 0;
+    }
+    const ucx::Frame& frame = **f;
+    Check(buffer.size() + 5 + frame.payload.size() == before, "TakeFrame lost or kept bytes");
+    const std::optional<uint64_t> id = ucx::LeadingId(frame.payload);
+    Check(id.has_value() == (frame.payload.size() >= 8), "LeadingId on a short payload");
+    Check(ucx::StatusCodeFromWire(static_cast<uint32_t>(before), absl::StatusCode::kInternal) !=
+              absl::StatusCode::kOk,
+          "a wire status code read as OK");
+    DecodeAs(frame.type, frame.payload);
+  }
+}

@@ -21,6 +21,7 @@
 #include "nlohmann/json.hpp"
 #include "test_model.h"
 #include "test_support.h"
+#include "weightbus/checkpoint.h"
 #include "weightbus/update_stream.h"
 #include "weightbus/weightbus.hpp"
 
@@ -642,6 +643,167 @@ TEST(DeltaTransportTest, OverUcxFollowersAndLateJoinersAreBitExact) {
   EXPECT_TRUE((*pub)->WaitForReceivers(38, 2, kTimeout).ok());
   absl::Status three = (*pub)->WaitForReceivers(38, 3, absl::Milliseconds(200));
   EXPECT_EQ(three.code(), absl::StatusCode::kDeadlineExceeded) << three;
+}
+
+// --- A new publisher of a channel (a restarted trainer, each `weightbus publish`) ---------------
+
+// Runs the CLI (tools/weightbus) with `env` added; fails the test if it hangs.
+testing::RunResult Cli(const std::vector<std::string>& args,
+                       const std::map<std::string, std::string>& env = {}) {
+  std::vector<std::string> argv = {testing::BinaryPath("tools/weightbus")};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto r = testing::RunCommand(argv, absl::Seconds(60), env);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *r : testing::RunResult{};
+}
+
+// The tensors of a checkpoint directory, in its order (the order the CLI publishes them in).
+std::vector<OwnedTensor> LoadTensors(const std::string& dir) {
+  auto ckpt = tools::LoadCheckpoint(dir);
+  EXPECT_TRUE(ckpt.ok()) << ckpt.status();
+  std::vector<OwnedTensor> out;
+  if (!ckpt.ok()) return out;
+  for (const TensorView& v : ckpt->tensors) {
+    const auto* p = static_cast<const std::byte*>(v.data);
+    const uint64_t n = ByteSize(v.dtype, v.shape).value();
+    out.push_back(OwnedTensor{v.name, v.dtype, v.shape, std::vector<std::byte>(p, p + n)});
+  }
+  return out;
+}
+
+// The next training step of `tensors` as a checkpoint at `dir`: one bf16 element in 97 moves by
+// one unit in the last place (about what a step at lr 1e-6 changes).
+std::vector<OwnedTensor> SaveNextStep(std::vector<OwnedTensor> tensors, int step,
+                                      const std::string& dir) {
+  for (OwnedTensor& t : tensors) {
+    for (size_t i = 2 * static_cast<size_t>(step); i + 1 < t.bytes.size(); i += 2 * 97) {
+      t.bytes[i] = std::byte(uint8_t(t.bytes[i]) + 1);
+    }
+  }
+  EXPECT_TRUE(tools::SaveCheckpoint(dir, Views(tensors), nullptr).ok());
+  return tensors;
+}
+
+// The real stories260K model converted by the CLI to a bf16 checkpoint at `dir`/v1.
+std::vector<OwnedTensor> ConvertStories(const ScratchDir& dir) {
+  auto conv = Cli({"convert-llama2c", testing::FixturePath("stories260K.bin"), dir / "v1",
+                   "--dtype", "bf16"});
+  EXPECT_EQ(conv.exit_code, 0) << conv.output;
+  return LoadTensors(dir / "v1");
+}
+
+// Issue 16: each `weightbus publish` of a new version is a new publisher. The second one's
+// first version is a delta against the channel's newest version (read back and checked against
+// its checksums), and so is the first version of a publisher restarted after being killed in
+// the middle of a publish; a subscriber following and a late joiner receive every version
+// bit-exactly.
+TEST(DeltaTransportTest, RestartedPublisherProcessContinuesTheChainWithADelta) {
+  ScratchDir dir;
+  std::vector<std::vector<OwnedTensor>> versions(1);
+  versions.push_back(ConvertStories(dir));
+  ASSERT_FALSE(versions[1].empty());
+  for (int v = 2; v <= 3; ++v) {
+    versions.push_back(SaveNextStep(versions.back(), v, dir / absl::StrCat("v", v)));
+  }
+  const std::string uri = Uri(dir);
+  auto sub = Subscriber::Open(uri);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+
+  auto first = Cli({"publish", uri, "--from", dir / "v1", "--version", "1"});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_EQ(RecordOnDisk(dir, 1)["kind"], "keyframe");
+  EXPECT_EQ(RecordOnDisk(dir, 1)["reason"], "the channel holds no version yet");
+  auto u1 = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u1.ok()) << u1.status();
+  ExpectSameTensors(**u1, versions[1]);
+
+  auto second = Cli({"publish", uri, "--from", dir / "v2", "--version", "2"});
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  nlohmann::json r2 = RecordOnDisk(dir, 2);
+  EXPECT_EQ(r2["kind"], "delta") << r2.dump();
+  EXPECT_EQ(r2["base"], 1);
+  EXPECT_EQ(r2["keyframe"], 1);
+  // A delta: a small fraction of the keyframe's bytes.
+  EXPECT_LT(r2["encoded_bytes"].get<uint64_t>() * 10, RecordOnDisk(dir, 1)["encoded_bytes"]);
+  auto u2 = (*sub)->WaitForVersion(2, kTimeout);
+  ASSERT_TRUE(u2.ok()) << u2.status();
+  ExpectSameTensors(**u2, versions[2]);
+
+  // A publisher killed after writing version 3, before committing it; then restarted.
+  auto killed = Cli({"publish", uri, "--from", dir / "v3", "--version", "3"},
+                    {{"WEIGHTBUS_FAILPOINTS", "disk.before_commit=kill"}});
+  ASSERT_EQ(killed.exit_code, 128 + SIGKILL) << killed.output;
+  auto nothing = (*sub)->Poll(3, kTimeout);  // version 3 was not committed
+  ASSERT_TRUE(nothing.ok()) << nothing.status();
+  EXPECT_EQ(*nothing, nullptr);
+  auto restarted = Cli({"publish", uri, "--from", dir / "v3", "--version", "3"});
+  ASSERT_EQ(restarted.exit_code, 0) << restarted.output;
+  nlohmann::json r3 = RecordOnDisk(dir, 3);
+  EXPECT_EQ(r3["kind"], "delta") << r3.dump();
+  EXPECT_EQ(r3["base"], 2);
+  EXPECT_EQ(r3["keyframe"], 1);
+  auto u3 = (*sub)->WaitForVersion(3, kTimeout);
+  ASSERT_TRUE(u3.ok()) << u3.status();
+  ExpectSameTensors(**u3, versions[3]);
+  EXPECT_EQ((*u3)->stats().wire_bytes, r3["encoded_bytes"].get<uint64_t>());  // one delta
+
+  auto late = Subscriber::Open(uri);  // replays keyframe 1 and the deltas 2 and 3
+  ASSERT_TRUE(late.ok());
+  auto u = (*late)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ASSERT_EQ((*u)->version(), 3u);
+  ExpectSameTensors(**u, versions[3]);
+}
+
+// A new publisher whose reading of the channel's newest version does not match that version's
+// checksums (here: the record of version 2 names another checksum for one tensor, so its
+// content differs from what the channel says it is) publishes a keyframe, and says why: in the
+// record and in its log. Subscribers receive it bit-exactly.
+TEST(DeltaTransportTest, NewPublisherWhoseBaseDiffersFromTheChannelSendsAKeyframeAndSaysWhy) {
+  ScratchDir dir;
+  std::vector<std::vector<OwnedTensor>> versions(1);
+  versions.push_back(ConvertStories(dir));
+  ASSERT_FALSE(versions[1].empty());
+  for (int v = 2; v <= 3; ++v) {
+    versions.push_back(SaveNextStep(versions.back(), v, dir / absl::StrCat("v", v)));
+  }
+  const std::string uri = Uri(dir);
+  for (int v = 1; v <= 2; ++v) {
+    auto r = Cli({"publish", uri, "--from", dir / absl::StrCat("v", v), "--version",
+                  std::to_string(v)});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  ASSERT_EQ(RecordOnDisk(dir, 2)["kind"], "delta");
+  const std::string manifest_path = testing::DiskVersionDir(dir, 2) + "/weightbus.manifest.json";
+  auto manifest = nlohmann::json::parse(testing::ReadFileOrDie(manifest_path));
+  nlohmann::json record = RecordOnDisk(dir, 2);
+  const std::string name = versions[2][5].name;
+  record["xxh3"][5] = "0123456789abcdef";
+  manifest["metadata"]["weightbus.delta"] = record.dump();
+  testing::WriteFileOrDie(manifest_path, manifest.dump(1));
+
+  auto third = Cli({"publish", uri, "--from", dir / "v3", "--version", "3"});
+  ASSERT_EQ(third.exit_code, 0) << third.output;
+  nlohmann::json r3 = RecordOnDisk(dir, 3);
+  EXPECT_EQ(r3["kind"], "keyframe") << r3.dump();
+  const std::string reason = r3["reason"].get<std::string>();
+  EXPECT_THAT(reason, ::testing::HasSubstr("newest version 2"));
+  EXPECT_THAT(reason, ::testing::HasSubstr("\"" + name + "\""));
+  EXPECT_THAT(reason, ::testing::HasSubstr("0123456789abcdef"));
+  EXPECT_THAT(third.output, ::testing::HasSubstr("publishing a keyframe")) << third.output;
+
+  auto sub = Subscriber::Open(uri);
+  ASSERT_TRUE(sub.ok());
+  auto u = (*sub)->WaitForVersion(3, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ExpectSameTensors(**u, versions[3]);
+
+  // delta_resume=false: a new publisher's first version is a keyframe, said so.
+  auto fourth = Cli({"publish", Uri(dir, "delta_resume=false"), "--from", dir / "v1",
+                     "--version", "4"});
+  ASSERT_EQ(fourth.exit_code, 0) << fourth.output;
+  EXPECT_EQ(RecordOnDisk(dir, 4)["kind"], "keyframe");
+  EXPECT_EQ(RecordOnDisk(dir, 4)["reason"], "the first version of this publisher");
 }
 
 }  // namespace

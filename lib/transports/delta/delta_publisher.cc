@@ -4,13 +4,16 @@
 // publish the encoded blob through the transport beneath as a one-tensor version whose manifest
 // metadata carries the delta record. Keeps the chain from the newest keyframe alive with
 // KeepVersionsFrom, so that late joiners can replay it.
+#include <algorithm>
 #include <cstring>
+#include <functional>
 
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "core/buffer.h"
 #include "core/checksum.h"
 #include "core/logging.h"
+#include "core/registry.h"
 #include "core/status.h"
 #include "transports/delta/delta_transport.h"
 
@@ -31,14 +34,19 @@ struct Base {
   std::byte* tensor(size_t i) { return buffer ? buffer->data() + offsets[i] : nullptr; }
 };
 
+// Opens a subscriber of this layer over the transport beneath (NewReader), for reading the
+// channel back.
+using ReaderFactory = std::function<absl::StatusOr<std::unique_ptr<TransportSubscriber>>()>;
+
 class DeltaPublisher final : public TransportPublisher {
  public:
   DeltaPublisher(std::string uri, LayerOptions options, std::unique_ptr<TransportPublisher> inner,
-                 std::unique_ptr<Parallel> parallel)
+                 std::shared_ptr<Parallel> parallel, ReaderFactory open_reader)
       : uri_(std::move(uri)),
         options_(options),
         inner_(std::move(inner)),
-        parallel_(std::move(parallel)) {}
+        parallel_(std::move(parallel)),
+        open_reader_(std::move(open_reader)) {}
 
   absl::StatusOr<std::optional<uint64_t>> LatestVersion() override {
     return inner_->LatestVersion();
@@ -80,13 +88,25 @@ class DeltaPublisher final : public TransportPublisher {
   // keyframe), or only the chunks of `delta` that changed.
   void CommitBase(const Manifest& manifest, absl::Span<const PackedTensor> data, Storage* storage,
                   const EncodedVersion* delta);
+  // Before the first version this object publishes: continues the chain of the channel's newest
+  // version (published by an earlier publisher: a restarted trainer, each `weightbus publish`)
+  // by reading that version back, checked against its checksums, as the base. Returns why not
+  // when it cannot (the first version is then a keyframe).
+  std::optional<std::string> Resume(uint64_t version, const std::vector<TensorInfo>& layout,
+                                    absl::Time deadline);
+  // The subscriber that reads this channel back, opened on first use.
+  absl::StatusOr<TransportSubscriber*> Reader();
 
   std::string uri_;
   LayerOptions options_;
   std::unique_ptr<TransportPublisher> inner_;
-  std::unique_ptr<Parallel> parallel_;
+  std::shared_ptr<Parallel> parallel_;
+  ReaderFactory open_reader_;
+  std::unique_ptr<TransportSubscriber> reader_;
+  bool resume_tried_ = false;
+  std::string no_base_reason_ = "the first version of this publisher";
   std::optional<Base> base_;
-  std::optional<uint64_t> keyframe_;  // newest keyframe published
+  std::optional<uint64_t> keyframe_;  // newest keyframe in the chain of base_
   uint64_t deltas_since_keyframe_ = 0;
   uint64_t keyframe_bytes_ = 0;           // its encoded size
   std::optional<uint64_t> outer_floor_;   // from a layer above, if any
@@ -135,6 +155,51 @@ void DeltaPublisher::CommitBase(const Manifest& manifest, absl::Span<const Packe
   base_->fingerprint = Fingerprint(manifest);
 }
 
+absl::StatusOr<TransportSubscriber*> DeltaPublisher::Reader() {
+  if (!reader_) {
+    WB_ASSIGN_OR_RETURN(reader_, open_reader_());
+  }
+  return reader_.get();
+}
+
+std::optional<std::string> DeltaPublisher::Resume(uint64_t version,
+                                                  const std::vector<TensorInfo>& layout,
+                                                  absl::Time deadline) {
+  absl::StatusOr<std::optional<uint64_t>> latest = inner_->LatestVersion();
+  if (!latest.ok()) {
+    return absl::StrFormat("the channel's newest version cannot be found: %s",
+                           latest.status().message());
+  }
+  if (!*latest) return "the channel holds no version yet";
+  const uint64_t from = **latest;
+  absl::StatusOr<TransportSubscriber*> reader = Reader();
+  absl::StatusOr<ChainVersion> read =
+      reader.ok() ? ReadChainVersion(**reader, from, layout, deadline) : reader.status();
+  if (!read.ok()) {
+    std::string why = absl::StrFormat(
+        "a new publisher continues the channel's chain only from its newest version %d as the "
+        "channel's checksums describe it, which failed: %s",
+        from, read.status().message());
+    Log(LogLevel::kWarn, "%s version %d: publishing a keyframe: %s", uri_, version, why);
+    return why;
+  }
+  Base b;
+  b.manifest = std::move(read->manifest);
+  b.fingerprint = Fingerprint(b.manifest);
+  b.buffer = std::move(read->buffer);
+  b.offsets = std::move(read->offsets);
+  base_ = std::move(b);
+  keyframe_ = read->keyframe;
+  keyframe_bytes_ = read->keyframe_bytes;
+  deltas_since_keyframe_ = read->deltas_since_keyframe;
+  ApplyFloor();  // the chain a late joiner replays stays, whatever retention says
+  Log(LogLevel::kInfo,
+      "%s: continuing the channel's chain: version %d applies to version %d (keyframe %d + %d "
+      "deltas, read back and checked against its checksums)",
+      uri_, version, from, *keyframe_, deltas_since_keyframe_);
+  return std::nullopt;
+}
+
 absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   const uint64_t version = job.version();
   absl::Span<const PackedTensor> packed = job.tensors();
@@ -147,13 +212,28 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   }
   const std::vector<TensorLayout> layout = LayoutOf(infos);
 
+  if (!base_ && !resume_tried_ && options_.resume) {
+    resume_tried_ = true;
+    if (std::optional<std::string> why = Resume(version, infos, deadline)) {
+      no_base_reason_ = *std::move(why);
+    }
+  }
   // A chain never exceeds max_chain deltas: the floor kept for it (KeepVersionsFrom) then moves
   // on, and the channel holds at most max(retention, max_chain + 2) versions (README.md).
-  bool keyframe =
-      !base_ || !SameLayout(base_->manifest.tensors, infos) ||
-      (options_.keyframe_interval > 0 &&
-       deltas_since_keyframe_ + 1 >= static_cast<uint64_t>(options_.keyframe_interval)) ||
-      deltas_since_keyframe_ >= static_cast<uint64_t>(options_.max_chain);
+  std::string reason;
+  if (!base_) {
+    reason = no_base_reason_;
+  } else if (!SameLayout(base_->manifest.tensors, infos)) {
+    reason = absl::StrFormat("the tensor layout differs from version %d's",
+                             base_->manifest.version);
+  } else if (options_.keyframe_interval > 0 &&
+             deltas_since_keyframe_ + 1 >= static_cast<uint64_t>(options_.keyframe_interval)) {
+    reason = absl::StrFormat("keyframe_interval=%d", options_.keyframe_interval);
+  } else if (deltas_since_keyframe_ >= static_cast<uint64_t>(options_.max_chain)) {
+    reason = absl::StrFormat("delta_max_chain=%d deltas after keyframe %d", options_.max_chain,
+                             *keyframe_);
+  }
+  bool keyframe = !reason.empty();
   const absl::Time start = absl::Now();
   last_stats_.reset();
   auto encode = [&](bool as_keyframe) -> absl::StatusOr<EncodedVersion> {
@@ -169,10 +249,10 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   // A delta as large as the last keyframe helps no one: send a keyframe (which also shortens the
   // chain a late joiner replays).
   if (!keyframe && encoded.bytes.size() >= keyframe_bytes_) {
-    Log(LogLevel::kInfo,
-        "%s: the delta of version %d (%d bytes) is not smaller than the last keyframe (%d "
-        "bytes); publishing a keyframe instead",
-        uri_, version, encoded.bytes.size(), keyframe_bytes_);
+    reason = absl::StrFormat(
+        "the delta against version %d (%d bytes) is not smaller than keyframe %d (%d bytes)",
+        base_->manifest.version, encoded.bytes.size(), *keyframe_, keyframe_bytes_);
+    Log(LogLevel::kInfo, "%s version %d: publishing a keyframe: %s", uri_, version, reason);
     keyframe = true;
     WB_ASSIGN_OR_RETURN(encoded, encode(true));
   }
@@ -189,6 +269,8 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   record.version = version;
   record.keyframe_version = keyframe ? version : *keyframe_;
   record.encoded_bytes = encoded.bytes.size();
+  record.reason =
+      keyframe ? reason : absl::StrFormat("delta against version %d", base_->manifest.version);
   if (keyframe) {
     record.tensors = target_manifest->tensors;
   } else {
@@ -244,9 +326,23 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
 absl::StatusOr<std::unique_ptr<TransportPublisher>> WrapPublisher(
     const Uri& uri, const Config& config, std::unique_ptr<TransportPublisher> inner) {
   WB_ASSIGN_OR_RETURN(LayerOptions options, ReadLayerOptions(uri, config));
-  WB_ASSIGN_OR_RETURN(std::unique_ptr<Parallel> parallel, Parallel::Create(options.threads));
-  return std::unique_ptr<TransportPublisher>(
-      new DeltaPublisher(uri.Display(), options, std::move(inner), std::move(parallel)));
+  WB_ASSIGN_OR_RETURN(std::shared_ptr<Parallel> parallel, Parallel::Create(options.threads));
+  // The stack beneath this layer, as a subscriber reads it.
+  WB_ASSIGN_OR_RETURN(std::vector<const TransportDescriptor*> stack, ResolveStack(uri));
+  auto self = std::find_if(stack.begin(), stack.end(), [](const TransportDescriptor* d) {
+    return d->scheme == "delta";
+  });
+  std::vector<const TransportDescriptor*> beneath(self == stack.end() ? self : self + 1,
+                                                  stack.end());
+  ReaderFactory open_reader = [beneath, uri, config, parallel, display = uri.Display()]()
+      -> absl::StatusOr<std::unique_ptr<TransportSubscriber>> {
+    if (beneath.empty()) return absl::UnimplementedError("no transport beneath the layer");
+    WB_ASSIGN_OR_RETURN(std::unique_ptr<TransportSubscriber> inner,
+                        OpenSubscriberStack(beneath, uri, config));
+    return NewReader(display, std::move(inner), parallel);
+  };
+  return std::unique_ptr<TransportPublisher>(new DeltaPublisher(
+      uri.Display(), options, std::move(inner), std::move(parallel), std::move(open_reader)));
 }
 
 }  // namespace weightbus::internal::delta

@@ -83,6 +83,9 @@ class DeltaIncoming final : public IncomingVersion {
     if (!fetched_) return std::nullopt;
     return codec_;
   }
+  // The encoded versions this reconstructs from, oldest first (none for a duplicate).
+  const std::vector<Step>& steps() const { return steps_; }
+  bool from_base() const { return from_base_; }
 
  private:
   absl::Status FetchStep(size_t k, absl::Span<std::byte* const> targets, LandingSink& sink,
@@ -105,7 +108,7 @@ class DeltaIncoming final : public IncomingVersion {
 class DeltaSubscriber final : public TransportSubscriber {
  public:
   DeltaSubscriber(std::string uri, std::unique_ptr<TransportSubscriber> inner,
-                  std::unique_ptr<Parallel> parallel)
+                  std::shared_ptr<Parallel> parallel)
       : uri_(std::move(uri)), inner_(std::move(inner)), parallel_(std::move(parallel)) {}
 
   absl::StatusOr<std::unique_ptr<IncomingVersion>> WaitForVersion(uint64_t min_version,
@@ -114,6 +117,7 @@ class DeltaSubscriber final : public TransportSubscriber {
                                                                absl::Time deadline) override;
   absl::StatusOr<std::vector<uint64_t>> ListVersions() override { return inner_->ListVersions(); }
   void Cancel() override { inner_->Cancel(); }
+  const std::string& uri() const { return uri_; }
 
  private:
   friend class DeltaIncoming;
@@ -131,7 +135,7 @@ class DeltaSubscriber final : public TransportSubscriber {
 
   std::string uri_;
   std::unique_ptr<TransportSubscriber> inner_;
-  std::unique_ptr<Parallel> parallel_;
+  std::shared_ptr<Parallel> parallel_;
   std::optional<Base> base_;
   std::shared_ptr<BufferPool> blobs_ = BufferPool::Create(1);
 };
@@ -434,8 +438,74 @@ absl::StatusOr<std::unique_ptr<TransportSubscriber>> WrapSubscriber(
     const Uri& uri, const Config& config, std::unique_ptr<TransportSubscriber> inner) {
   WB_ASSIGN_OR_RETURN(LayerOptions options, ReadLayerOptions(uri, config));
   WB_ASSIGN_OR_RETURN(std::unique_ptr<Parallel> parallel, Parallel::Create(options.threads));
+  return NewReader(uri.Display(), std::move(inner), std::move(parallel));
+}
+
+std::unique_ptr<TransportSubscriber> NewReader(std::string uri,
+                                               std::unique_ptr<TransportSubscriber> inner,
+                                               std::shared_ptr<Parallel> parallel) {
   return std::unique_ptr<TransportSubscriber>(
-      new DeltaSubscriber(uri.Display(), std::move(inner), std::move(parallel)));
+      new DeltaSubscriber(std::move(uri), std::move(inner), std::move(parallel)));
+}
+
+absl::StatusOr<ChainVersion> ReadChainVersion(TransportSubscriber& reader, uint64_t version,
+                                              const std::vector<TensorInfo>& layout,
+                                              absl::Time deadline) {
+  auto& delta = static_cast<DeltaSubscriber&>(reader);
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<IncomingVersion> opened,
+                      delta.OpenVersion(version, deadline));
+  auto& incoming = static_cast<DeltaIncoming&>(*opened);
+  const Manifest& m = incoming.manifest();
+  if (incoming.steps().empty() || incoming.from_base()) {
+    return absl::InternalError(absl::StrFormat(
+        "%s: version %d was not planned from its keyframe (the reader holds a version)", delta.uri(),
+        version));
+  }
+  if (!SameLayout(m.tensors, layout)) {
+    std::string diff = absl::StrFormat("%d tensors, this call %d", m.tensors.size(), layout.size());
+    for (size_t i = 0; i < std::min(m.tensors.size(), layout.size()); ++i) {
+      if (!SameLayout({m.tensors[i]}, {layout[i]})) {
+        diff = absl::StrFormat("tensor %d is \"%s\" %s %s there, \"%s\" %s %s in this call", i,
+                               m.tensors[i].name, DTypeName(m.tensors[i].dtype),
+                               ShapeString(m.tensors[i].shape), layout[i].name,
+                               DTypeName(layout[i].dtype), ShapeString(layout[i].shape));
+        break;
+      }
+    }
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: version %d has another tensor layout (%s)", delta.uri(), version, diff));
+  }
+  ChainVersion out;
+  uint64_t total = 0;
+  for (const TensorInfo& t : m.tensors) {
+    out.offsets.push_back(total);
+    total += AlignUp(t.nbytes);
+  }
+  if (total > 0) {
+    WB_ASSIGN_OR_RETURN(out.buffer, HostBuffer::Allocate(total));
+  }
+  std::vector<std::byte*> targets;
+  for (uint64_t offset : out.offsets) targets.push_back(out.buffer ? out.buffer->data() + offset : nullptr);
+  struct Ignore final : public LandingSink {
+    void Landed(size_t) override {}
+  } sink;
+  WB_RETURN_IF_ERROR(incoming.Fetch(targets, sink, deadline));
+  // What the core does for a subscriber: every tensor against the checksum its record gives.
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    const uint64_t sum = Xxh3(targets[i], m.tensors[i].nbytes);
+    if (sum != m.tensors[i].xxh3) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s: tensor \"%s\" of version %d as reconstructed from the channel (%s) has XXH3-64 "
+          "%016x, but the channel's record of the version says %016x",
+          delta.uri(), m.tensors[i].name, version, incoming.DescribeSource(i), sum,
+          m.tensors[i].xxh3));
+    }
+  }
+  out.manifest = m;
+  out.keyframe = incoming.steps().front().version;
+  out.deltas_since_keyframe = incoming.steps().size() - 1;
+  out.keyframe_bytes = incoming.steps().front().record.encoded_bytes;
+  return out;
 }
 
 }  // namespace weightbus::internal::delta

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/buffer.h"
 #include "core/config.h"
 #include "core/transport.h"
 #include "core/uri.h"
@@ -37,6 +38,9 @@ struct LayerOptions {
   int64_t max_chain = 1000;
   EncodeOptions encode;
   int threads = 0;
+  // A new publisher continues the chain of the channel's newest version (setting
+  // delta_resume): it reads that version back as the base of its first delta.
+  bool resume = true;
 };
 
 // The layer's settings (ranges checked by Config::Resolve). Errors: InvalidArgument naming the
@@ -58,6 +62,9 @@ struct Record {
   uint64_t encoded_bytes = 0;       // size of the blob
   std::vector<TensorInfo> tensors;  // keyframes: the target's tensors
   std::vector<uint64_t> xxh3;       // deltas: the target's checksums, in the base's tensor order
+  // Why the publisher chose this encoding (for people and logs: "keyframe_interval=50", "the
+  // channel holds no version yet", "delta against version 7"); optional, never interpreted.
+  std::string reason;
 
   VersionIds ids() const { return VersionIds{keyframe, version, base, keyframe_version}; }
 };
@@ -87,5 +94,34 @@ std::vector<TensorLayout> LayoutOf(const std::vector<TensorInfo>& tensors);
 
 // Names, dtypes and shapes (not checksums) equal: a delta between them is possible.
 bool SameLayout(const std::vector<TensorInfo>& a, const std::vector<TensorInfo>& b);
+
+// A subscriber of this layer over `inner` (a subscriber of the transport beneath) that shares
+// `parallel`: what the publishing side uses to read its own channel back (ReadChainVersion).
+std::unique_ptr<TransportSubscriber> NewReader(std::string uri,
+                                               std::unique_ptr<TransportSubscriber> inner,
+                                               std::shared_ptr<Parallel> parallel);
+
+// A version of the channel as the layer reconstructed it from the chain the channel holds,
+// checked against the version's checksums: what a new publisher continues the chain from.
+struct ChainVersion {
+  Manifest manifest;                   // the version as subscribers receive it
+  std::unique_ptr<HostBuffer> buffer;  // its tensors, tensor i at offsets[i]
+  std::vector<uint64_t> offsets;
+  uint64_t keyframe = 0;               // the keyframe its chain starts from
+  uint64_t deltas_since_keyframe = 0;  // deltas from that keyframe up to this version
+  uint64_t keyframe_bytes = 0;         // the keyframe's encoded size
+};
+
+// Reads `version` through `reader` (from NewReader: it never accepts what it reads, so it always
+// replays the chain from its keyframe), decodes it and checks every tensor against the XXH3-64
+// the channel's records give for it. `layout` is what the caller is about to publish: a version
+// of another layout is refused before anything is read. Errors: FailedPrecondition when the
+// version was not published through this layer or has another layout (naming the first
+// difference); NotFound/Unimplemented when its chain cannot be opened; DataLoss when a blob or
+// a reconstructed tensor fails its checksum (naming the tensor, both checksums); others from
+// the transport beneath.
+absl::StatusOr<ChainVersion> ReadChainVersion(TransportSubscriber& reader, uint64_t version,
+                                              const std::vector<TensorInfo>& layout,
+                                              absl::Time deadline);
 
 }  // namespace weightbus::internal::delta

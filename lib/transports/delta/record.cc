@@ -66,6 +66,7 @@ std::string RecordToJson(const Record& r) {
   }
   j["keyframe"] = r.keyframe_version;
   j["encoded_bytes"] = r.encoded_bytes;
+  if (!r.reason.empty()) j["reason"] = r.reason;
   if (r.keyframe) {
     Manifest m;
     m.version = r.version;
@@ -119,6 +120,10 @@ absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view sourc
     r.keyframe = kind == "keyframe";
     WB_RETURN_IF_ERROR(u64("keyframe", &r.keyframe_version));
     WB_RETURN_IF_ERROR(u64("encoded_bytes", &r.encoded_bytes));
+    if (auto f = j.find("reason"); f != j.end()) {
+      if (!f->is_string()) return bad("has a field \"reason\" that is not a string");
+      r.reason = f->get<std::string>();
+    }
     if (r.keyframe) {
       if (r.keyframe_version != r.version) return bad("is a keyframe naming another keyframe");
       Manifest m;

@@ -57,6 +57,14 @@ const SettingTable& DeltaSettings() {
            .min = "1",
            .max = "4",
            .unit = "groups"},
+          {.name = "delta_resume",
+           .type = SettingType::kBool,
+           .default_value = "true",
+           .doc = "a new publisher (a restarted trainer, each `weightbus publish`) continues the "
+                  "chain of the channel's newest version: it reads that version back, checks it "
+                  "against the version's checksums and sends its first version as a delta "
+                  "against it (a keyframe, saying why, when that fails); false: its first "
+                  "version is a keyframe"},
       }};
   return *table;
 }
@@ -76,6 +84,7 @@ absl::StatusOr<LayerOptions> ReadLayerOptions(const Uri& uri, const Config& conf
   o.encode.zstd_level = static_cast<int>(config.Int("delta_zstd_level"));
   o.encode.max_groups = static_cast<int>(config.Int("delta_groups"));
   o.threads = static_cast<int>(config.Int("delta_threads"));
+  o.resume = config.Bool("delta_resume");
   return o;
 }
 

@@ -26,6 +26,7 @@ uint64_t AlignUp(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
 // The bytes of the last version published: what the next delta is computed against.
 struct Base {
   Manifest manifest;
+  Manifest inner;  // its encoded version as published on the channel
   uint64_t fingerprint = 0;
   std::unique_ptr<HostBuffer> buffer;
   std::vector<uint64_t> offsets;  // of each tensor in `buffer`
@@ -41,12 +42,14 @@ using ReaderFactory = std::function<absl::StatusOr<std::unique_ptr<TransportSubs
 class DeltaPublisher final : public TransportPublisher {
  public:
   DeltaPublisher(std::string uri, LayerOptions options, std::unique_ptr<TransportPublisher> inner,
-                 std::shared_ptr<Parallel> parallel, ReaderFactory open_reader)
+                 std::shared_ptr<Parallel> parallel, ReaderFactory open_reader,
+                 bool check_at_rest)
       : uri_(std::move(uri)),
         options_(options),
         inner_(std::move(inner)),
         parallel_(std::move(parallel)),
-        open_reader_(std::move(open_reader)) {}
+        open_reader_(std::move(open_reader)),
+        check_at_rest_(check_at_rest) {}
 
   absl::StatusOr<std::optional<uint64_t>> LatestVersion() override {
     return inner_->LatestVersion();
@@ -102,6 +105,9 @@ class DeltaPublisher final : public TransportPublisher {
   std::unique_ptr<TransportPublisher> inner_;
   std::shared_ptr<Parallel> parallel_;
   ReaderFactory open_reader_;
+  // The transport beneath keeps versions at rest (durable): before a delta against the base,
+  // check that the channel still holds the base's encoded version intact.
+  bool check_at_rest_ = false;
   std::unique_ptr<TransportSubscriber> reader_;
   bool resume_tried_ = false;
   std::string no_base_reason_ = "the first version of this publisher";
@@ -185,6 +191,7 @@ std::optional<std::string> DeltaPublisher::Resume(uint64_t version,
   }
   Base b;
   b.manifest = std::move(read->manifest);
+  b.inner = std::move(read->inner);
   b.fingerprint = Fingerprint(b.manifest);
   b.buffer = std::move(read->buffer);
   b.offsets = std::move(read->offsets);
@@ -232,6 +239,22 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   } else if (deltas_since_keyframe_ >= static_cast<uint64_t>(options_.max_chain)) {
     reason = absl::StrFormat("delta_max_chain=%d deltas after keyframe %d", options_.max_chain,
                              *keyframe_);
+  }
+  if (reason.empty() && check_at_rest_) {
+    // Subscribers that do not hold the base need the channel's copy of it to apply a delta
+    // against it: a corrupt one (a flipped bit at rest, an edited manifest) would stop them
+    // until the next keyframe, so the keyframe comes now. Each version is checked once, when it
+    // is the base (a delta: a few KB to MB; a keyframe once per chain).
+    absl::StatusOr<TransportSubscriber*> reader = Reader();
+    absl::Status intact =
+        reader.ok() ? CheckEncodedVersion(**reader, base_->inner, deadline) : reader.status();
+    if (!intact.ok()) {
+      reason = absl::StrFormat(
+          "the channel's copy of version %d, the base of a delta, cannot be read back intact "
+          "(subscribers that do not hold it could not apply the delta): %s",
+          base_->manifest.version, intact.message());
+      Log(LogLevel::kWarn, "%s version %d: publishing a keyframe: %s", uri_, version, reason);
+    }
   }
   bool keyframe = !reason.empty();
   const absl::Time start = absl::Now();
@@ -296,11 +319,13 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   if (keyframe) {
     WB_ASSIGN_OR_RETURN(storage, PrepareBase(infos));
   }
+  Manifest published = inner;
   SealedPublishJob sealed(std::move(inner), {encoded.bytes.data()});
   WB_RETURN_IF_ERROR(inner_->Publish(sealed, deadline));
 
   // Published: from now on the next delta is against this version.
   CommitBase(*target_manifest, packed, storage ? &*storage : nullptr, &encoded);
+  base_->inner = std::move(published);
   if (keyframe) {
     keyframe_ = version;
     keyframe_bytes_ = encoded.bytes.size();
@@ -334,6 +359,7 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> WrapPublisher(
   });
   std::vector<const TransportDescriptor*> beneath(self == stack.end() ? self : self + 1,
                                                   stack.end());
+  const bool durable = !beneath.empty() && StackCapabilities(beneath, config).durable;
   ReaderFactory open_reader = [beneath, uri, config, parallel, display = uri.Display()]()
       -> absl::StatusOr<std::unique_ptr<TransportSubscriber>> {
     if (beneath.empty()) return absl::UnimplementedError("no transport beneath the layer");
@@ -342,7 +368,7 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> WrapPublisher(
     return NewReader(display, std::move(inner), parallel);
   };
   return std::unique_ptr<TransportPublisher>(new DeltaPublisher(
-      uri.Display(), options, std::move(inner), std::move(parallel), std::move(open_reader)));
+      uri.Display(), options, std::move(inner), std::move(parallel), std::move(open_reader), durable));
 }
 
 }  // namespace weightbus::internal::delta

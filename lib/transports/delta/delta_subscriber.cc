@@ -59,6 +59,30 @@ struct Step {
   std::unique_ptr<IncomingVersion> incoming;  // null until (re)opened for fetching
 };
 
+// The blob of an encoded version, checked against the XXH3-64 its inner manifest gives.
+// Errors: DataLoss naming the version, where its bytes come from and both checksums.
+absl::StatusOr<std::shared_ptr<HostBuffer>> FetchBlob(const std::string& uri,
+                                                      IncomingVersion& incoming, BufferPool& pool,
+                                                      absl::Time deadline) {
+  const Manifest& inner = incoming.manifest();
+  const TensorInfo& info = inner.tensors[0];
+  WB_ASSIGN_OR_RETURN(std::shared_ptr<HostBuffer> blob, pool.Get(info.nbytes));
+  struct Counter final : public LandingSink {
+    void Landed(size_t) override { ++landed; }
+    int landed = 0;
+  } counter;
+  std::byte* const target[1] = {blob->data()};
+  WB_RETURN_IF_ERROR(incoming.Fetch(target, counter, deadline));
+  const uint64_t sum = Xxh3(blob->data(), info.nbytes);
+  if (counter.landed != 1 || sum != info.xxh3) {
+    return absl::DataLossError(absl::StrFormat(
+        "%s: the encoded version %d (%s) fails verification: XXH3-64 of its %d bytes is %016x "
+        "but its manifest says %016x",
+        uri, inner.version, incoming.DescribeSource(0), info.nbytes, sum, info.xxh3));
+  }
+  return blob;
+}
+
 class DeltaSubscriber;
 
 class DeltaIncoming final : public IncomingVersion {
@@ -118,6 +142,8 @@ class DeltaSubscriber final : public TransportSubscriber {
   absl::StatusOr<std::vector<uint64_t>> ListVersions() override { return inner_->ListVersions(); }
   void Cancel() override { inner_->Cancel(); }
   const std::string& uri() const { return uri_; }
+  TransportSubscriber& inner() { return *inner_; }
+  BufferPool& blobs() { return *blobs_; }
 
  private:
   friend class DeltaIncoming;
@@ -351,23 +377,25 @@ absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> tar
     step.incoming = *std::move(again);
   }
   // The encoded blob, checked against the checksum its inner manifest carries.
-  const TensorInfo& blob_info = step.inner.tensors[0];
-  WB_ASSIGN_OR_RETURN(std::shared_ptr<HostBuffer> blob, owner_->blobs_->Get(blob_info.nbytes));
-  struct Counter final : public LandingSink {
-    void Landed(size_t) override { ++landed; }
-    int landed = 0;
-  } counter;
-  std::byte* const blob_target[1] = {blob->data()};
-  WB_RETURN_IF_ERROR(step.incoming->Fetch(blob_target, counter, deadline));
-  const absl::Span<const std::byte> bytes(blob->data(), blob_info.nbytes);
-  const uint64_t sum = Xxh3(bytes.data(), bytes.size());
-  if (counter.landed != 1 || sum != blob_info.xxh3) {
-    return absl::DataLossError(absl::StrFormat(
-        "%s: the encoded version %d (%s) fails verification: XXH3-64 of its %d bytes is %016x "
-        "but its manifest says %016x",
-        owner_->uri_, step.version, step.incoming->DescribeSource(0), bytes.size(), sum,
-        blob_info.xxh3));
+  absl::StatusOr<std::shared_ptr<HostBuffer>> fetched =
+      FetchBlob(owner_->uri_, *step.incoming, *owner_->blobs_, deadline);
+  if (absl::IsDataLoss(fetched.status())) {
+    // Repair from the channel: bytes damaged on their way (a transfer, a read) come right when
+    // read again; bytes damaged at rest fail again, and the subscriber keeps its version.
+    absl::StatusOr<std::unique_ptr<IncomingVersion>> again =
+        owner_->inner_->OpenVersion(step.version, deadline);
+    if (again.ok() && (*again)->manifest() == step.inner) {
+      absl::StatusOr<std::shared_ptr<HostBuffer>> second =
+          FetchBlob(owner_->uri_, **again, *owner_->blobs_, deadline);
+      if (second.ok()) {
+        Log(LogLevel::kWarn, "%s (read again: intact)", fetched.status().message());
+        step.incoming = *std::move(again);
+        fetched = std::move(second);
+      }
+    }
   }
+  WB_ASSIGN_OR_RETURN(std::shared_ptr<HostBuffer> blob, std::move(fetched));
+  const absl::Span<const std::byte> bytes(blob->data(), step.inner.tensors[0].nbytes);
   codec_.wire_bytes += bytes.size();
   const absl::Time decode_start = absl::Now();
   const std::vector<TensorLayout> layout = LayoutOf(step.manifest.tensors);
@@ -448,6 +476,19 @@ std::unique_ptr<TransportSubscriber> NewReader(std::string uri,
       new DeltaSubscriber(std::move(uri), std::move(inner), std::move(parallel)));
 }
 
+absl::Status CheckEncodedVersion(TransportSubscriber& reader, const Manifest& published,
+                                 absl::Time deadline) {
+  auto& delta = static_cast<DeltaSubscriber&>(reader);
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<IncomingVersion> incoming,
+                      delta.inner().OpenVersion(published.version, deadline));
+  if (incoming->manifest() != published) {
+    return absl::DataLossError(absl::StrFormat(
+        "%s: the manifest of version %d on the channel is not the one this publisher published",
+        delta.uri(), published.version));
+  }
+  return FetchBlob(delta.uri(), *incoming, delta.blobs(), deadline).status();
+}
+
 absl::StatusOr<ChainVersion> ReadChainVersion(TransportSubscriber& reader, uint64_t version,
                                               const std::vector<TensorInfo>& layout,
                                               absl::Time deadline) {
@@ -502,6 +543,7 @@ absl::StatusOr<ChainVersion> ReadChainVersion(TransportSubscriber& reader, uint6
     }
   }
   out.manifest = m;
+  out.inner = incoming.steps().back().inner;
   out.keyframe = incoming.steps().front().version;
   out.deltas_since_keyframe = incoming.steps().size() - 1;
   out.keyframe_bytes = incoming.steps().front().record.encoded_bytes;

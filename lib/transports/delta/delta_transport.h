@@ -105,6 +105,7 @@ std::unique_ptr<TransportSubscriber> NewReader(std::string uri,
 // checked against the version's checksums: what a new publisher continues the chain from.
 struct ChainVersion {
   Manifest manifest;                   // the version as subscribers receive it
+  Manifest inner;                      // its encoded version's manifest on the channel
   std::unique_ptr<HostBuffer> buffer;  // its tensors, tensor i at offsets[i]
   std::vector<uint64_t> offsets;
   uint64_t keyframe = 0;               // the keyframe its chain starts from
@@ -123,5 +124,14 @@ struct ChainVersion {
 absl::StatusOr<ChainVersion> ReadChainVersion(TransportSubscriber& reader, uint64_t version,
                                               const std::vector<TensorInfo>& layout,
                                               absl::Time deadline);
+
+// Checks that the channel still holds the encoded version `published` (an inner manifest this
+// publisher published) intact: the same manifest, and a blob whose bytes match its XXH3-64.
+// What a publisher does before sending a delta against it, so that a corrupt version at rest
+// costs subscribers one keyframe instead of every version up to the next one. `reader` as for
+// ReadChainVersion. Errors: DataLoss naming the version, the file and both checksums (or that
+// its manifest changed); NotFound when the channel no longer holds it; others from beneath.
+absl::Status CheckEncodedVersion(TransportSubscriber& reader, const Manifest& published,
+                                 absl::Time deadline);
 
 }  // namespace weightbus::internal::delta

@@ -4,6 +4,7 @@
 // produce, driven through mem:// (tests/mem_transport.h), which delivers versions in any order,
 // may lack OpenVersion and corrupts bytes or records on request: out-of-order deltas, missed
 // versions, wrong bases, corrupt blobs, malformed records.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -362,5 +363,90 @@ TEST(DeltaRecordTest, IntegerFieldsRefuseFloatsFractionsOutOfRangeAndStrings) {
 }
 
 }  // namespace record_integers
+
+// Receives version >= v through the public API and checks it byte for byte.
+void ExpectReceived(Subscriber& sub, uint64_t v, const std::vector<OwnedTensor>& expected,
+                    std::string* encoding) {
+  auto u = sub.WaitForVersion(v, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ASSERT_EQ((*u)->version(), v);
+  ASSERT_EQ((*u)->tensors().size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    ASSERT_EQ((*u)->manifest().tensors[i].xxh3,
+              Xxh3(expected[i].bytes.data(), expected[i].bytes.size()));
+    if (!expected[i].bytes.empty()) {
+      ASSERT_EQ(std::memcmp((*u)->tensors()[i].data, expected[i].bytes.data(),
+                            expected[i].bytes.size()),
+                0)
+          << expected[i].name;
+    }
+  }
+  *encoding = (*u)->stats().encoding;
+}
+
+// Issue 16: the layer never makes a sync slower than the transport beneath. Versions of 16 MiB
+// whose every byte changes (random tensors) gain nothing from encoding, and mem:// moves them
+// by copying, far faster than they encode: once the rates are measured (a keyframe, a delta
+// attempt) they go plainly, and the stats and the record say which choice and why. Every
+// kProbe-th plain version a delta is tried again: with few changes it pays and goes as a delta
+// on the plain version. Subscribers following and late joiners receive every version
+// bit-exactly. (The choice follows measured rates; the margins here are 10x and more.)
+TEST(DeltaLayerTest, VersionsThatDoNotPayForTheirEncodingGoPlainlyAndSaySo) {
+  const std::string uri = "delta+mem:///plain-choice";
+  auto pub = Publisher::Open(uri);
+  auto sub = Subscriber::Open(uri);
+  ASSERT_TRUE(pub.ok() && sub.ok()) << pub.status() << sub.status();
+  constexpr uint64_t kBytes = uint64_t{16} << 20;
+  std::vector<OwnedTensor> current;
+  uint64_t v = 0;
+  std::string got;
+  std::optional<uint64_t> first_plain;
+  while (v < 8 && !first_plain) {
+    current = testing::MakeVersion(7, ++v, kBytes);
+    ASSERT_TRUE((*pub)->Publish(v, testing::Views(current), {}, kTimeout).ok());
+    const PublishStats st = (*pub)->last_stats();
+    if (v == 1) EXPECT_EQ(st.encoding, "keyframe: the channel holds no version yet");
+    if (absl::StartsWith(st.encoding, "plain: ")) {
+      first_plain = v;
+      EXPECT_THAT(st.encoding, ::testing::HasSubstr("sent plainly: encoding and decoding a "));
+      EXPECT_EQ(st.wire_bytes, st.bytes);
+    }
+    ExpectReceived(**sub, v, current, &got);
+    if (first_plain) EXPECT_EQ(got, absl::StrFormat("plain version %d", v));
+  }
+  ASSERT_TRUE(first_plain.has_value()) << "no version of random bytes went plainly";
+  {
+    auto late = Subscriber::Open(uri);
+    ASSERT_TRUE(late.ok());
+    ExpectReceived(**late, v, current, &got);
+    EXPECT_EQ(got, absl::StrFormat("plain version %d", v));
+  }
+  // Now a few elements change per version: the probe encodes a delta, which pays.
+  std::optional<uint64_t> delta;
+  for (int k = 0; k <= 20 && !delta; ++k) {
+    current[0].bytes[static_cast<size_t>(k) * 4099] ^= std::byte{0x10};
+    ASSERT_TRUE((*pub)->Publish(++v, testing::Views(current), {}, kTimeout).ok());
+    if (absl::StartsWith((*pub)->last_stats().encoding, "delta: delta against version ")) {
+      delta = v;
+    }
+    ExpectReceived(**sub, v, current, &got);
+  }
+  ASSERT_TRUE(delta.has_value()) << "no delta within 20 versions of few changes";
+  EXPECT_EQ(got, absl::StrFormat("delta %d on this subscriber's copy of version %d", v, v - 1));
+  auto late = Subscriber::Open(uri);  // replays the plain base and the delta
+  ASSERT_TRUE(late.ok());
+  ExpectReceived(**late, v, current, &got);
+  EXPECT_THAT(got, ::testing::HasSubstr(absl::StrFormat("+ 1 deltas up to %d", v)));
+
+  // delta_send_plain=false: always encoded.
+  auto encoded = Publisher::Open("delta+mem:///plain-choice-off?delta_send_plain=false");
+  ASSERT_TRUE(encoded.ok());
+  for (uint64_t w = 1; w <= 4; ++w) {
+    auto t = testing::MakeVersion(8, w, kBytes);
+    ASSERT_TRUE((*encoded)->Publish(w, testing::Views(t), {}, kTimeout).ok());
+    EXPECT_THAT((*encoded)->last_stats().encoding, ::testing::StartsWith("keyframe: "));
+  }
+}
+
 }  // namespace
 }  // namespace weightbus::internal::delta

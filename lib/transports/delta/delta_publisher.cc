@@ -8,6 +8,7 @@
 #include <cstring>
 #include <functional>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "core/buffer.h"
@@ -27,12 +28,41 @@ uint64_t AlignUp(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
 struct Base {
   Manifest manifest;
   Manifest inner;  // its encoded version as published on the channel
+  bool plain = false;  // sent plainly (kind "plain")
   uint64_t fingerprint = 0;
   std::unique_ptr<HostBuffer> buffer;
   std::vector<uint64_t> offsets;  // of each tensor in `buffer`
 
   const std::byte* tensor(size_t i) const { return buffer ? buffer->data() + offsets[i] : nullptr; }
   std::byte* tensor(size_t i) { return buffer ? buffer->data() + offsets[i] : nullptr; }
+};
+
+// What this publisher measured: the rates that decide whether a version is worth encoding.
+struct Rates {
+  // Encoding one kind (delta or keyframe): model bytes per second of wall time with this
+  // publisher's threads, and encoded bytes per model byte, of the last encode (0: none yet).
+  struct Codec {
+    double bytes_per_s = 0;
+    double ratio = 0;
+    void Measure(uint64_t bytes, absl::Duration took, uint64_t encoded) {
+      const double s = std::max(absl::ToDoubleSeconds(took), 1e-9);
+      bytes_per_s = static_cast<double>(bytes) / s;
+      ratio = bytes == 0 ? 0 : static_cast<double>(encoded) / static_cast<double>(bytes);
+    }
+  };
+  Codec delta, keyframe;
+  // Bytes per second through the transport beneath (its Publish), from publishes of at least
+  // kMinTransfer bytes, where fixed costs do not dominate (0: none yet).
+  static constexpr uint64_t kMinTransfer = uint64_t{1} << 20;
+  double transfer_bytes_per_s = 0;
+  // Versions sent plainly in a row: every kProbe-th delta candidate is encoded again to measure
+  // the rates afresh (the change density of a run varies).
+  static constexpr int kProbe = 16;
+  int plain_run = 0;
+  void MeasureTransfer(uint64_t bytes, absl::Duration took) {
+    if (bytes < kMinTransfer) return;
+    transfer_bytes_per_s = static_cast<double>(bytes) / std::max(absl::ToDoubleSeconds(took), 1e-9);
+  }
 };
 
 // Opens a subscriber of this layer over the transport beneath (NewReader), for reading the
@@ -97,6 +127,10 @@ class DeltaPublisher final : public TransportPublisher {
   // when it cannot (the first version is then a keyframe).
   std::optional<std::string> Resume(uint64_t version, const std::vector<TensorInfo>& layout,
                                     absl::Time deadline);
+  // Why this version (of `bytes` tensor bytes, a keyframe or a delta as `keyframe` says) goes
+  // plainly: when the measured rates predict that encoding it here and decoding it at a
+  // subscriber take longer than sending the bytes it saves. nullopt: encode it.
+  std::optional<std::string> PlainReason(bool keyframe, uint64_t bytes) const;
   // The subscriber that reads this channel back, opened on first use.
   absl::StatusOr<TransportSubscriber*> Reader();
 
@@ -116,6 +150,7 @@ class DeltaPublisher final : public TransportPublisher {
   uint64_t deltas_since_keyframe_ = 0;
   uint64_t keyframe_bytes_ = 0;           // its encoded size
   std::optional<uint64_t> outer_floor_;   // from a layer above, if any
+  Rates rates_;
   std::optional<CodecStats> last_stats_;  // of the last successful Publish
 };
 
@@ -159,6 +194,28 @@ void DeltaPublisher::CommitBase(const Manifest& manifest, absl::Span<const Packe
     });
   }
   base_->fingerprint = Fingerprint(manifest);
+}
+
+std::optional<std::string> DeltaPublisher::PlainReason(bool keyframe, uint64_t bytes) const {
+  if (!options_.choose_plain || bytes < Rates::kMinTransfer) return std::nullopt;
+  const Rates::Codec& codec = keyframe ? rates_.keyframe : rates_.delta;
+  const double transfer = rates_.transfer_bytes_per_s;
+  if (transfer <= 0 || codec.bytes_per_s <= 0) return std::nullopt;  // not measured yet
+  if (!keyframe && rates_.plain_run > 0 && rates_.plain_run % Rates::kProbe == 0) {
+    return std::nullopt;  // measure again
+  }
+  const double n = static_cast<double>(bytes);
+  // Decoding is assumed to cost what encoding did: the codec decodes 1.7x-2x faster than it
+  // encodes per core (BENCHMARKS.md), and a subscriber may have fewer cores free.
+  const double codec_s = 2 * n / codec.bytes_per_s;
+  const double saved_s = (n - n * codec.ratio) / transfer;
+  if (codec_s <= saved_s) return std::nullopt;
+  return absl::StrFormat(
+      "sent plainly: encoding and decoding a %s (%.3f s at the %.2f GB/s measured, decoding "
+      "assumed as slow) would cost more than the %.3f s its %.1fx fewer bytes save at the "
+      "%.2f GB/s measured through the transport beneath",
+      keyframe ? "keyframe" : "delta", codec_s, codec.bytes_per_s / 1e9, saved_s,
+      codec.ratio > 0 ? 1 / codec.ratio : 0.0, transfer / 1e9);
 }
 
 absl::StatusOr<TransportSubscriber*> DeltaPublisher::Reader() {
@@ -240,7 +297,7 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     reason = absl::StrFormat("delta_max_chain=%d deltas after keyframe %d", options_.max_chain,
                              *keyframe_);
   }
-  if (reason.empty() && check_at_rest_) {
+  if (reason.empty() && check_at_rest_ && !base_->plain) {
     // Subscribers that do not hold the base need the channel's copy of it to apply a delta
     // against it: a corrupt one (a flipped bit at rest, an edited manifest) would stop them
     // until the next keyframe, so the keyframe comes now. Each version is checked once, when it
@@ -257,6 +314,12 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     }
   }
   bool keyframe = !reason.empty();
+  uint64_t total_bytes = 0;
+  for (const TensorInfo& t : infos) total_bytes += t.nbytes;
+  // Sent plainly when encoding and decoding would cost more time than the bytes they save
+  // (predicted from this publisher's measured rates); reason says why.
+  std::optional<std::string> plain = PlainReason(keyframe, total_bytes);
+  if (plain) reason = keyframe ? absl::StrCat(*plain, "; a keyframe was due: ", reason) : *plain;
   const absl::Time start = absl::Now();
   last_stats_.reset();
   auto encode = [&](bool as_keyframe) -> absl::StatusOr<EncodedVersion> {
@@ -268,7 +331,16 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     }
     return EncodeVersion(ids, layout, base, target, options_.encode, *parallel_);
   };
-  WB_ASSIGN_OR_RETURN(EncodedVersion encoded, encode(keyframe));
+  EncodedVersion encoded;
+  if (!plain) {
+    WB_ASSIGN_OR_RETURN(encoded, encode(keyframe));
+    const absl::Duration took = absl::Now() - start;
+    (keyframe ? rates_.keyframe : rates_.delta).Measure(total_bytes, took, encoded.bytes.size());
+    if (!keyframe) rates_.plain_run = 0;
+  } else {
+    ++rates_.plain_run;
+    keyframe = true;
+  }
   // A delta as large as the last keyframe helps no one: send a keyframe (which also shortens the
   // chain a late joiner replays).
   if (!keyframe && encoded.bytes.size() >= keyframe_bytes_) {
@@ -277,7 +349,9 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
         base_->manifest.version, encoded.bytes.size(), *keyframe_, keyframe_bytes_);
     Log(LogLevel::kInfo, "%s version %d: publishing a keyframe: %s", uri_, version, reason);
     keyframe = true;
+    const absl::Time again = absl::Now();
     WB_ASSIGN_OR_RETURN(encoded, encode(true));
+    rates_.keyframe.Measure(total_bytes, absl::Now() - again, encoded.bytes.size());
   }
   const absl::Time encoded_at = absl::Now();
 
@@ -289,14 +363,15 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   }
   Record record;
   record.keyframe = keyframe;
+  record.plain = plain.has_value();
   record.version = version;
   record.keyframe_version = keyframe ? version : *keyframe_;
-  record.encoded_bytes = encoded.bytes.size();
+  record.encoded_bytes = plain ? total_bytes : encoded.bytes.size();
   record.reason =
       keyframe ? reason : absl::StrFormat("delta against version %d", base_->manifest.version);
-  if (keyframe) {
+  if (keyframe && !plain) {
     record.tensors = target_manifest->tensors;
-  } else {
+  } else if (!keyframe) {
     record.base = base_->manifest.version;
     record.base_fingerprint = base_->fingerprint;
     for (const TensorInfo& t : target_manifest->tensors) record.xxh3.push_back(t.xxh3);
@@ -309,39 +384,50 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   inner.metadata = target_manifest->metadata;
   inner.metadata[std::string(kRecordKey)] = RecordToJson(record);
   inner.metadata[std::string(kLayerMetadataKey)] = "delta";
-  inner.tensors.push_back(TensorInfo{std::string(kBlobName),
-                                     DType::kU8,
-                                     {static_cast<int64_t>(encoded.bytes.size())},
-                                     std::nullopt,
-                                     encoded.bytes.size(),
-                                     Xxh3(encoded.bytes.data(), encoded.bytes.size())});
+  std::vector<const std::byte*> data;
+  if (plain) {
+    inner.tensors = target_manifest->tensors;
+    data = target;
+  } else {
+    inner.tensors.push_back(TensorInfo{std::string(kBlobName),
+                                       DType::kU8,
+                                       {static_cast<int64_t>(encoded.bytes.size())},
+                                       std::nullopt,
+                                       encoded.bytes.size(),
+                                       Xxh3(encoded.bytes.data(), encoded.bytes.size())});
+    data = {encoded.bytes.data()};
+  }
   std::optional<Storage> storage;
   if (keyframe) {
     WB_ASSIGN_OR_RETURN(storage, PrepareBase(infos));
   }
   Manifest published = inner;
-  SealedPublishJob sealed(std::move(inner), {encoded.bytes.data()});
+  SealedPublishJob sealed(std::move(inner), std::move(data));
+  const absl::Time transfer_start = absl::Now();
   WB_RETURN_IF_ERROR(inner_->Publish(sealed, deadline));
+  rates_.MeasureTransfer(record.encoded_bytes, absl::Now() - transfer_start);
 
   // Published: from now on the next delta is against this version.
   CommitBase(*target_manifest, packed, storage ? &*storage : nullptr, &encoded);
   base_->inner = std::move(published);
+  base_->plain = plain.has_value();
   if (keyframe) {
     keyframe_ = version;
-    keyframe_bytes_ = encoded.bytes.size();
+    keyframe_bytes_ = record.encoded_bytes;
     deltas_since_keyframe_ = 0;
     ApplyFloor();
   } else {
     ++deltas_since_keyframe_;
   }
-  last_stats_ = CodecStats{encoded_at - start, encoded.bytes.size()};
+  const char* kind = plain ? "plain" : keyframe ? "keyframe" : "delta";
+  last_stats_ = CodecStats{encoded_at - start, record.encoded_bytes,
+                           absl::StrFormat("%s: %s", kind, record.reason)};
   Log(LogLevel::kDebug,
       "%s version %d: %s of %d bytes for %d bytes of tensors (%.1fx), %d of %d "
       "elements changed, encoded in %s",
-      uri_, version, keyframe ? "keyframe" : "delta", encoded.bytes.size(),
-      target_manifest->total_bytes(),
+      uri_, version, kind, record.encoded_bytes, target_manifest->total_bytes(),
       static_cast<double>(target_manifest->total_bytes()) /
-          static_cast<double>(encoded.bytes.size()),
+          static_cast<double>(std::max<uint64_t>(1, record.encoded_bytes)),
       encoded.changed_elements, encoded.total_elements, absl::FormatDuration(encoded_at - start));
   return absl::OkStatus();
 }

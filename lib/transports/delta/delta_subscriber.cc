@@ -105,7 +105,9 @@ class DeltaIncoming final : public IncomingVersion {
   // the base moves nothing: 0 bytes).
   std::optional<CodecStats> FetchCodecStats() const override {
     if (!fetched_) return std::nullopt;
-    return codec_;
+    CodecStats c = codec_;
+    c.encoding = Chain();
+    return c;
   }
   // The encoded versions this reconstructs from, oldest first (none for a duplicate).
   const std::vector<Step>& steps() const { return steps_; }
@@ -376,6 +378,17 @@ absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> tar
     }
     step.incoming = *std::move(again);
   }
+  if (step.record.plain) {
+    // The version's own tensors: straight into the targets (verified by the core, for the last
+    // step as they land).
+    struct Ignore final : public LandingSink {
+      void Landed(size_t) override {}
+    } ignore;
+    WB_RETURN_IF_ERROR(step.incoming->Fetch(targets, last ? sink : ignore, deadline));
+    codec_.wire_bytes += step.inner.total_bytes();
+    if (!last) step.incoming.reset();
+    return absl::OkStatus();
+  }
   // The encoded blob, checked against the checksum its inner manifest carries.
   absl::StatusOr<std::shared_ptr<HostBuffer>> fetched =
       FetchBlob(owner_->uri_, *step.incoming, *owner_->blobs_, deadline);
@@ -448,9 +461,10 @@ std::string DeltaIncoming::Chain() const {
                : absl::StrFormat("deltas %d..%d on this subscriber's copy of version %d", first,
                                  last, steps_.front().record.base);
   }
-  return steps_.size() == 1
-             ? absl::StrFormat("keyframe %d", first)
-             : absl::StrFormat("keyframe %d + %d deltas up to %d", first, steps_.size() - 1, last);
+  const char* start = steps_.front().record.plain ? "plain version" : "keyframe";
+  return steps_.size() == 1 ? absl::StrFormat("%s %d", start, first)
+                            : absl::StrFormat("%s %d + %d deltas up to %d", start, first,
+                                              steps_.size() - 1, last);
 }
 
 std::string DeltaIncoming::DescribeSource(size_t tensor_index) const {

@@ -41,6 +41,8 @@ struct LayerOptions {
   // A new publisher continues the chain of the channel's newest version (setting
   // delta_resume): it reads that version back as the base of its first delta.
   bool resume = true;
+  // A version goes plainly when encoding would cost more time than it saves (delta_send_plain).
+  bool choose_plain = true;
 };
 
 // The layer's settings (ranges checked by Config::Resolve). Errors: InvalidArgument naming the
@@ -55,6 +57,9 @@ absl::StatusOr<std::unique_ptr<TransportSubscriber>> WrapSubscriber(
 // What the inner manifest's metadata says about an encoded version (docs/FORMAT.md).
 struct Record {
   bool keyframe = true;
+  // A keyframe sent plainly (kind "plain"): the inner manifest holds the version's own tensors,
+  // not a blob, because encoding would have cost more time than the bytes it saves.
+  bool plain = false;
   uint64_t version = 0;
   uint64_t base = 0;                // deltas: the version they apply to
   uint64_t keyframe_version = 0;    // the keyframe the chain starts from
@@ -77,8 +82,8 @@ uint64_t Fingerprint(const Manifest& manifest);
 std::string RecordToJson(const Record& record);
 
 // Parses and checks the record of an inner manifest (`source` names it for messages): the
-// record key, exactly one U8 tensor named kBlobName whose size matches the record, and a
-// consistent record. Errors: FailedPrecondition when the version has no record (it was not
+// record key, exactly one U8 tensor named kBlobName whose size matches the record (a plain
+// version: its tensors, whose sizes add up to it), and a consistent record. Errors: FailedPrecondition when the version has no record (it was not
 // published through the delta layer); DataLoss for anything malformed.
 absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view source);
 

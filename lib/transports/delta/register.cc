@@ -65,6 +65,14 @@ const SettingTable& DeltaSettings() {
                   "against the version's checksums and sends its first version as a delta "
                   "against it (a keyframe, saying why, when that fails); false: its first "
                   "version is a keyframe"},
+          {.name = "delta_send_plain",
+           .type = SettingType::kBool,
+           .default_value = "true",
+           .doc = "send a version of at least 1 MiB plainly (its tensors as they are, through the "
+                  "transport beneath) when this publisher's measured encoding rate and transfer "
+                  "rate predict that encoding and decoding it would take longer than sending the "
+                  "bytes it saves; the stats and the record say which and why. false: always "
+                  "encode"},
       }};
   return *table;
 }
@@ -85,6 +93,7 @@ absl::StatusOr<LayerOptions> ReadLayerOptions(const Uri& uri, const Config& conf
   o.encode.max_groups = static_cast<int>(config.Int("delta_groups"));
   o.threads = static_cast<int>(config.Int("delta_threads"));
   o.resume = config.Bool("delta_resume");
+  o.choose_plain = config.Bool("delta_send_plain");
   return o;
 }
 

@@ -32,7 +32,7 @@ inline constexpr std::string_view kRecordFormat = "weightbus.delta/1";
 const SettingTable& DeltaSettings();
 
 struct LayerOptions {
-  int64_t keyframe_interval = 50;
+  int64_t keyframe_interval = 0;
   // Most deltas after a keyframe (setting delta_max_chain): a chain never grows longer, so that
   // the versions kept for it (KeepVersionsFrom) stay bounded even with keyframe_interval 0.
   int64_t max_chain = 1000;

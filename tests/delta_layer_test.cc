@@ -391,30 +391,41 @@ void ExpectReceived(Subscriber& sub, uint64_t v, const std::vector<OwnedTensor>&
 // kProbe-th plain version a delta is tried again: with few changes it pays and goes as a delta
 // on the plain version. Subscribers following and late joiners receive every version
 // bit-exactly. (The choice follows measured rates; the margins here are 10x and more.)
+constexpr uint64_t kPlainBytes = uint64_t{16} << 20;
+
+// Publishes random versions of kPlainBytes (every byte changes) from version *v + 1 on until
+// one goes plainly (at most 8), receiving each on `sub`; returns whether one did. `current`
+// ends as the last version's tensors.
+bool PublishUntilPlain(Publisher& pub, Subscriber& sub, uint64_t seed, uint64_t* v,
+                       std::vector<OwnedTensor>* current) {
+  for (int k = 0; k < 8; ++k) {
+    *current = testing::MakeVersion(seed, ++*v, kPlainBytes);
+    EXPECT_TRUE(pub.Publish(*v, testing::Views(*current), {}, kTimeout).ok());
+    const PublishStats st = pub.last_stats();
+    if (*v == 1) EXPECT_EQ(st.encoding, "keyframe: the channel holds no version yet");
+    std::string got;
+    ExpectReceived(sub, *v, *current, &got);
+    if (absl::StartsWith(st.encoding, "plain: ")) {
+      EXPECT_THAT(st.encoding, ::testing::HasSubstr("sent plainly: encoding and decoding a "));
+      EXPECT_EQ(st.wire_bytes, st.bytes);
+      EXPECT_EQ(got, absl::StrFormat("plain version %d", *v));
+      return true;
+    }
+  }
+  return false;
+}
+
 TEST(DeltaLayerTest, VersionsThatDoNotPayForTheirEncodingGoPlainlyAndSaySo) {
   const std::string uri = "delta+mem:///plain-choice";
   auto pub = Publisher::Open(uri);
   auto sub = Subscriber::Open(uri);
   ASSERT_TRUE(pub.ok() && sub.ok()) << pub.status() << sub.status();
-  constexpr uint64_t kBytes = uint64_t{16} << 20;
+  constexpr uint64_t kBytes = kPlainBytes;
   std::vector<OwnedTensor> current;
   uint64_t v = 0;
   std::string got;
-  std::optional<uint64_t> first_plain;
-  while (v < 8 && !first_plain) {
-    current = testing::MakeVersion(7, ++v, kBytes);
-    ASSERT_TRUE((*pub)->Publish(v, testing::Views(current), {}, kTimeout).ok());
-    const PublishStats st = (*pub)->last_stats();
-    if (v == 1) EXPECT_EQ(st.encoding, "keyframe: the channel holds no version yet");
-    if (absl::StartsWith(st.encoding, "plain: ")) {
-      first_plain = v;
-      EXPECT_THAT(st.encoding, ::testing::HasSubstr("sent plainly: encoding and decoding a "));
-      EXPECT_EQ(st.wire_bytes, st.bytes);
-    }
-    ExpectReceived(**sub, v, current, &got);
-    if (first_plain) EXPECT_EQ(got, absl::StrFormat("plain version %d", v));
-  }
-  ASSERT_TRUE(first_plain.has_value()) << "no version of random bytes went plainly";
+  ASSERT_TRUE(PublishUntilPlain(**pub, **sub, 7, &v, &current))
+      << "no version of random bytes went plainly";
   {
     auto late = Subscriber::Open(uri);
     ASSERT_TRUE(late.ok());
@@ -446,6 +457,48 @@ TEST(DeltaLayerTest, VersionsThatDoNotPayForTheirEncodingGoPlainlyAndSaySo) {
     ASSERT_TRUE((*encoded)->Publish(w, testing::Views(t), {}, kTimeout).ok());
     EXPECT_THAT((*encoded)->last_stats().encoding, ::testing::StartsWith("keyframe: "));
   }
+}
+
+// A plain version damaged on the channel is checked, like a delta, before the publisher sends a
+// delta against it: the version that would have been that delta goes whole (a keyframe, or
+// plainly) saying why, and a subscriber that could not receive a damaged version is caught up
+// by it.
+TEST(DeltaLayerTest, DamagedPlainBaseIsCaughtBeforeADeltaAgainstIt) {
+  const std::string name = "plain-damaged";
+  auto pub = Publisher::Open("delta+mem:///" + name);
+  auto sub = Subscriber::Open("delta+mem:///" + name);
+  ASSERT_TRUE(pub.ok() && sub.ok());
+  testing::mem::MemChannel channel(name);
+  std::vector<OwnedTensor> current;
+  uint64_t v = 0;
+  ASSERT_TRUE(PublishUntilPlain(**pub, **sub, 9, &v, &current));
+  channel.CorruptByte(v, 0, 100);  // damaged on the channel after the subscriber had it
+  // Few changes from now on: versions stay plain until the probe tries a delta against the
+  // newest one, which is damaged on the channel each time (as the first one is).
+  std::string encoding;
+  for (int k = 0; k <= 20; ++k) {
+    current[0].bytes[static_cast<size_t>(k) * 4099 + 7] ^= std::byte{0x10};
+    ASSERT_TRUE((*pub)->Publish(++v, testing::Views(current), {}, kTimeout).ok());
+    encoding = (*pub)->last_stats().encoding;
+    if (absl::StrContains(encoding, "cannot be read back intact")) break;
+    ASSERT_THAT(encoding, ::testing::StartsWith("plain: "));
+    channel.CorruptByte(v, 0, 100);
+    if (k == 0) {
+      auto refused = (*sub)->WaitForVersion(v, absl::Seconds(5));
+      ASSERT_TRUE(absl::IsDataLoss(refused.status())) << refused.status();
+      ASSERT_EQ((*sub)->current_version(), std::optional<uint64_t>(v - 1));
+    }
+  }
+  // A keyframe was due, sent as a keyframe or plainly (random bytes: plainly, as the rates
+  // say), never as a delta against the damaged version.
+  EXPECT_THAT(encoding, ::testing::HasSubstr(absl::StrFormat(
+                            "the channel's copy of version %d, the base of a delta, cannot be "
+                            "read back intact",
+                            v - 1)));
+  EXPECT_THAT(encoding, ::testing::HasSubstr("fails verification"));
+  EXPECT_FALSE(absl::StartsWith(encoding, "delta: ")) << encoding;
+  std::string got;
+  ExpectReceived(**sub, v, current, &got);
 }
 
 }  // namespace

@@ -711,6 +711,18 @@ std::vector<OwnedTensor> ConvertStories(const ScratchDir& dir) {
   return LoadTensors(dir / "v1");
 }
 
+// Checkpoints `dir`/v1..v3 of three training steps of stories260K; versions[v] holds v's
+// tensors (versions[0] is empty). Empty on failure (the test has failed then).
+std::vector<std::vector<OwnedTensor>> StoriesSteps(const ScratchDir& dir) {
+  std::vector<std::vector<OwnedTensor>> versions(1);
+  versions.push_back(ConvertStories(dir));
+  if (versions[1].empty()) return {};
+  for (int v = 2; v <= 3; ++v) {
+    versions.push_back(SaveNextStep(versions.back(), v, dir / absl::StrCat("v", v)));
+  }
+  return versions;
+}
+
 // Issue 16: each `weightbus publish` of a new version is a new publisher. The second one's
 // first version is a delta against the channel's newest version (read back and checked against
 // its checksums), and so is the first version of a publisher restarted after being killed in
@@ -718,12 +730,8 @@ std::vector<OwnedTensor> ConvertStories(const ScratchDir& dir) {
 // bit-exactly.
 TEST(DeltaTransportTest, RestartedPublisherProcessContinuesTheChainWithADelta) {
   ScratchDir dir;
-  std::vector<std::vector<OwnedTensor>> versions(1);
-  versions.push_back(ConvertStories(dir));
-  ASSERT_FALSE(versions[1].empty());
-  for (int v = 2; v <= 3; ++v) {
-    versions.push_back(SaveNextStep(versions.back(), v, dir / absl::StrCat("v", v)));
-  }
+  const std::vector<std::vector<OwnedTensor>> versions = StoriesSteps(dir);
+  ASSERT_EQ(versions.size(), 4u);
   const std::string uri = Uri(dir);
   auto sub = Subscriber::Open(uri);
   ASSERT_TRUE(sub.ok()) << sub.status();
@@ -780,12 +788,8 @@ TEST(DeltaTransportTest, RestartedPublisherProcessContinuesTheChainWithADelta) {
 // record and in its log. Subscribers receive it bit-exactly.
 TEST(DeltaTransportTest, NewPublisherWhoseBaseDiffersFromTheChannelSendsAKeyframeAndSaysWhy) {
   ScratchDir dir;
-  std::vector<std::vector<OwnedTensor>> versions(1);
-  versions.push_back(ConvertStories(dir));
-  ASSERT_FALSE(versions[1].empty());
-  for (int v = 2; v <= 3; ++v) {
-    versions.push_back(SaveNextStep(versions.back(), v, dir / absl::StrCat("v", v)));
-  }
+  const std::vector<std::vector<OwnedTensor>> versions = StoriesSteps(dir);
+  ASSERT_EQ(versions.size(), 4u);
   const std::string uri = Uri(dir);
   for (int v = 1; v <= 2; ++v) {
     auto r = Cli({"publish", uri, "--from", dir / absl::StrCat("v", v), "--version",

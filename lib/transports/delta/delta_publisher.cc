@@ -297,11 +297,12 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     reason = absl::StrFormat("delta_max_chain=%d deltas after keyframe %d", options_.max_chain,
                              *keyframe_);
   }
-  if (reason.empty() && check_at_rest_ && !base_->plain) {
+  if (reason.empty() && check_at_rest_) {
     // Subscribers that do not hold the base need the channel's copy of it to apply a delta
     // against it: a corrupt one (a flipped bit at rest, an edited manifest) would stop them
     // until the next keyframe, so the keyframe comes now. Each version is checked once, when it
-    // is the base (a delta: a few KB to MB; a keyframe once per chain).
+    // is the base (a delta: a few KB to MB; a keyframe or a plain version once per chain, and
+    // only when a delta follows it).
     absl::StatusOr<TransportSubscriber*> reader = Reader();
     absl::Status intact =
         reader.ok() ? CheckEncodedVersion(**reader, base_->inner, deadline) : reader.status();

@@ -29,6 +29,9 @@ struct Base {
   Manifest manifest;
   Manifest inner;  // its encoded version as published on the channel
   bool plain = false;  // sent plainly (kind "plain")
+  // `buffer` holds the version's bytes (false after a plain version this publisher did not copy:
+  // the next version is then whole).
+  bool has_bytes = true;
   uint64_t fingerprint = 0;
   std::unique_ptr<HostBuffer> buffer;
   std::vector<uint64_t> offsets;  // of each tensor in `buffer`
@@ -68,6 +71,39 @@ struct Rates {
 // Opens a subscriber of this layer over the transport beneath (NewReader), for reading the
 // channel back.
 using ReaderFactory = std::function<absl::StatusOr<std::unique_ptr<TransportSubscriber>>()>;
+
+// The core's job, handed to the transport beneath unchanged except for the manifest, which
+// `finish` completes (the layer's record in its metadata): a version sent plainly is staged,
+// copied and checksummed by the transport beneath exactly as without the layer.
+class ForwardingJob final : public PublishJob {
+ public:
+  ForwardingJob(PublishJob& outer, std::function<absl::Status(Manifest&)> finish)
+      : outer_(outer), finish_(std::move(finish)) {}
+  uint64_t version() const override { return outer_.version(); }
+  absl::Span<const PackedTensor> tensors() const override { return outer_.tensors(); }
+  absl::StatusOr<const Manifest*> SealedManifest(absl::Time deadline) override {
+    if (!manifest_) {
+      WB_ASSIGN_OR_RETURN(const Manifest* sealed, outer_.SealedManifest(deadline));
+      Manifest m = *sealed;
+      WB_RETURN_IF_ERROR(finish_(m));
+      manifest_ = std::move(m);
+    }
+    return &*manifest_;
+  }
+  void CopyWithChecksum(size_t i, absl::Span<const CopyTarget> pieces) override {
+    outer_.CopyWithChecksum(i, pieces);
+  }
+  void CopyRange(size_t i, uint64_t offset, uint64_t size, std::byte* dst) const override {
+    outer_.CopyRange(i, offset, size, dst);
+  }
+  bool ClaimChecksum(size_t i) override { return outer_.ClaimChecksum(i); }
+  void SetChecksum(size_t i, uint64_t xxh3) override { outer_.SetChecksum(i, xxh3); }
+
+ private:
+  PublishJob& outer_;
+  std::function<absl::Status(Manifest&)> finish_;
+  std::optional<Manifest> manifest_;
+};
 
 class DeltaPublisher final : public TransportPublisher {
  public:
@@ -131,6 +167,9 @@ class DeltaPublisher final : public TransportPublisher {
   // plainly: when the measured rates predict that encoding it here and decoding it at a
   // subscriber take longer than sending the bytes it saves. nullopt: encode it.
   std::optional<std::string> PlainReason(bool keyframe, uint64_t bytes) const;
+  // Publishes the job plainly (record kind "plain", `reason` why) through the transport beneath.
+  absl::Status PublishPlain(PublishJob& job, const std::vector<TensorInfo>& infos,
+                            const std::string& reason, uint64_t bytes, absl::Time deadline);
   // The subscriber that reads this channel back, opened on first use.
   absl::StatusOr<TransportSubscriber*> Reader();
 
@@ -218,6 +257,63 @@ std::optional<std::string> DeltaPublisher::PlainReason(bool keyframe, uint64_t b
       codec.ratio > 0 ? 1 / codec.ratio : 0.0, transfer / 1e9);
 }
 
+absl::Status DeltaPublisher::PublishPlain(PublishJob& job, const std::vector<TensorInfo>& infos,
+                                          const std::string& reason, uint64_t bytes,
+                                          absl::Time deadline) {
+  const uint64_t version = job.version();
+  last_stats_.reset();
+  ++rates_.plain_run;
+  // A copy is kept only when the next version may be a delta against this one (the next probe,
+  // PlainReason): otherwise a plain version costs this layer no copy at either end.
+  const bool keep = rates_.plain_run % Rates::kProbe == 0;
+  Record record;
+  record.plain = true;
+  record.keep = keep;
+  record.version = version;
+  record.keyframe_version = version;
+  record.encoded_bytes = bytes;
+  record.reason = reason;
+  ForwardingJob forward(job, [&](Manifest& m) -> absl::Status {
+    if (m.metadata.count(std::string(kRecordKey)) > 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s version %d: metadata key \"%s\" is reserved for the delta layer",
+                          uri_, version, kRecordKey));
+    }
+    m.metadata[std::string(kRecordKey)] = RecordToJson(record);
+    m.metadata[std::string(kLayerMetadataKey)] = "delta";
+    return absl::OkStatus();
+  });
+  std::optional<Storage> storage;
+  if (keep) {
+    WB_ASSIGN_OR_RETURN(storage, PrepareBase(infos));
+  }
+  const absl::Time start = absl::Now();
+  WB_RETURN_IF_ERROR(inner_->Publish(forward, deadline));
+  rates_.MeasureTransfer(bytes, absl::Now() - start);
+  WB_ASSIGN_OR_RETURN(const Manifest* published, forward.SealedManifest(deadline));
+  Manifest target = *published;
+  target.metadata.erase(std::string(kRecordKey));
+  target.metadata.erase(std::string(kLayerMetadataKey));
+  if (keep) {
+    CommitBase(target, job.tensors(), &*storage, nullptr);
+  } else {
+    if (!base_) base_.emplace();
+    base_->manifest = target;
+    base_->fingerprint = Fingerprint(target);
+  }
+  base_->inner = *published;
+  base_->plain = true;
+  base_->has_bytes = keep;
+  keyframe_ = version;
+  keyframe_bytes_ = bytes;
+  deltas_since_keyframe_ = 0;
+  ApplyFloor();
+  last_stats_ = CodecStats{absl::ZeroDuration(), bytes, absl::StrCat("plain: ", reason)};
+  Log(LogLevel::kDebug, "%s version %d: %d bytes sent plainly (%s)", uri_, version, bytes,
+      reason);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<TransportSubscriber*> DeltaPublisher::Reader() {
   if (!reader_) {
     WB_ASSIGN_OR_RETURN(reader_, open_reader_());
@@ -287,6 +383,9 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   std::string reason;
   if (!base_) {
     reason = no_base_reason_;
+  } else if (!base_->has_bytes) {
+    reason = absl::StrFormat("version %d went plainly and this publisher kept no copy of it",
+                             base_->manifest.version);
   } else if (!SameLayout(base_->manifest.tensors, infos)) {
     reason = absl::StrFormat("the tensor layout differs from version %d's",
                              base_->manifest.version);
@@ -320,7 +419,10 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   // Sent plainly when encoding and decoding would cost more time than the bytes they save
   // (predicted from this publisher's measured rates); reason says why.
   std::optional<std::string> plain = PlainReason(keyframe, total_bytes);
-  if (plain) reason = keyframe ? absl::StrCat(*plain, "; a keyframe was due: ", reason) : *plain;
+  if (plain) {
+    reason = keyframe ? absl::StrCat(*plain, "; a keyframe was due: ", reason) : *plain;
+    return PublishPlain(job, infos, reason, total_bytes, deadline);
+  }
   const absl::Time start = absl::Now();
   last_stats_.reset();
   auto encode = [&](bool as_keyframe) -> absl::StatusOr<EncodedVersion> {
@@ -332,16 +434,10 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     }
     return EncodeVersion(ids, layout, base, target, options_.encode, *parallel_);
   };
-  EncodedVersion encoded;
-  if (!plain) {
-    WB_ASSIGN_OR_RETURN(encoded, encode(keyframe));
-    const absl::Duration took = absl::Now() - start;
-    (keyframe ? rates_.keyframe : rates_.delta).Measure(total_bytes, took, encoded.bytes.size());
-    if (!keyframe) rates_.plain_run = 0;
-  } else {
-    ++rates_.plain_run;
-    keyframe = true;
-  }
+  WB_ASSIGN_OR_RETURN(EncodedVersion encoded, encode(keyframe));
+  (keyframe ? rates_.keyframe : rates_.delta)
+      .Measure(total_bytes, absl::Now() - start, encoded.bytes.size());
+  if (!keyframe) rates_.plain_run = 0;
   // A delta as large as the last keyframe helps no one: send a keyframe (which also shortens the
   // chain a late joiner replays).
   if (!keyframe && encoded.bytes.size() >= keyframe_bytes_) {
@@ -364,15 +460,14 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   }
   Record record;
   record.keyframe = keyframe;
-  record.plain = plain.has_value();
   record.version = version;
   record.keyframe_version = keyframe ? version : *keyframe_;
-  record.encoded_bytes = plain ? total_bytes : encoded.bytes.size();
+  record.encoded_bytes = encoded.bytes.size();
   record.reason =
       keyframe ? reason : absl::StrFormat("delta against version %d", base_->manifest.version);
-  if (keyframe && !plain) {
+  if (keyframe) {
     record.tensors = target_manifest->tensors;
-  } else if (!keyframe) {
+  } else {
     record.base = base_->manifest.version;
     record.base_fingerprint = base_->fingerprint;
     for (const TensorInfo& t : target_manifest->tensors) record.xxh3.push_back(t.xxh3);
@@ -385,25 +480,18 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   inner.metadata = target_manifest->metadata;
   inner.metadata[std::string(kRecordKey)] = RecordToJson(record);
   inner.metadata[std::string(kLayerMetadataKey)] = "delta";
-  std::vector<const std::byte*> data;
-  if (plain) {
-    inner.tensors = target_manifest->tensors;
-    data = target;
-  } else {
-    inner.tensors.push_back(TensorInfo{std::string(kBlobName),
-                                       DType::kU8,
-                                       {static_cast<int64_t>(encoded.bytes.size())},
-                                       std::nullopt,
-                                       encoded.bytes.size(),
-                                       Xxh3(encoded.bytes.data(), encoded.bytes.size())});
-    data = {encoded.bytes.data()};
-  }
+  inner.tensors.push_back(TensorInfo{std::string(kBlobName),
+                                     DType::kU8,
+                                     {static_cast<int64_t>(encoded.bytes.size())},
+                                     std::nullopt,
+                                     encoded.bytes.size(),
+                                     Xxh3(encoded.bytes.data(), encoded.bytes.size())});
   std::optional<Storage> storage;
   if (keyframe) {
     WB_ASSIGN_OR_RETURN(storage, PrepareBase(infos));
   }
   Manifest published = inner;
-  SealedPublishJob sealed(std::move(inner), std::move(data));
+  SealedPublishJob sealed(std::move(inner), {encoded.bytes.data()});
   const absl::Time transfer_start = absl::Now();
   WB_RETURN_IF_ERROR(inner_->Publish(sealed, deadline));
   rates_.MeasureTransfer(record.encoded_bytes, absl::Now() - transfer_start);
@@ -411,7 +499,7 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   // Published: from now on the next delta is against this version.
   CommitBase(*target_manifest, packed, storage ? &*storage : nullptr, &encoded);
   base_->inner = std::move(published);
-  base_->plain = plain.has_value();
+  base_->plain = false;
   if (keyframe) {
     keyframe_ = version;
     keyframe_bytes_ = record.encoded_bytes;
@@ -420,7 +508,7 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   } else {
     ++deltas_since_keyframe_;
   }
-  const char* kind = plain ? "plain" : keyframe ? "keyframe" : "delta";
+  const char* kind = keyframe ? "keyframe" : "delta";
   last_stats_ = CodecStats{encoded_at - start, record.encoded_bytes,
                            absl::StrFormat("%s: %s", kind, record.reason)};
   Log(LogLevel::kDebug,

@@ -40,6 +40,10 @@ struct Base {
   uint64_t fingerprint = 0;
   std::unique_ptr<HostBuffer> buffer;
   std::vector<uint64_t> offsets;
+  // `buffer` holds the version's bytes: false after a plain version whose record says no delta
+  // will follow it directly (its bytes are then not copied; a delta against it is replayed
+  // from the channel).
+  bool has_bytes = true;
 
   std::byte* tensor(size_t i) const { return buffer ? buffer->data() + offsets[i] : nullptr; }
 };
@@ -117,6 +121,11 @@ class DeltaIncoming final : public IncomingVersion {
   absl::Status FetchStep(size_t k, absl::Span<std::byte* const> targets, LandingSink& sink,
                          absl::Time deadline);
   std::string Chain() const;
+  // A single plain version whose record says no delta follows it directly: its bytes are not
+  // copied into the base.
+  bool PlainNotKept() const {
+    return !duplicate_ && steps_.size() == 1 && steps_[0].record.plain && !steps_[0].record.keep;
+  }
 
   DeltaSubscriber* owner_;
   std::vector<Step> steps_;
@@ -158,6 +167,13 @@ class DeltaSubscriber final : public TransportSubscriber {
     return absl::StrFormat("%s version %d", uri_, version);
   }
   absl::StatusOr<Storage> PrepareStorage(const Manifest& manifest) const;
+  // The base becomes `manifest`'s version without its bytes (Base::has_bytes).
+  void AdoptManifest(const Manifest& manifest) {
+    if (!base_) base_.emplace();
+    base_->manifest = manifest;
+    base_->fingerprint = Fingerprint(manifest);
+    base_->has_bytes = false;
+  }
   void AdoptBase(const Manifest& manifest, absl::Span<std::byte* const> targets, Storage* storage,
                  const std::vector<Chunk>& chunks, const std::vector<Method>& methods);
 
@@ -213,7 +229,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::Plan(
         "order)",
         uri_, version, base_->manifest.version));
   }
-  if (base_ && version == base_->manifest.version) {
+  if (base_ && base_->has_bytes && version == base_->manifest.version) {
     // Delivered again: the same bytes if its tensors and checksums are the base's.
     bool same;
     if (record.keyframe) {
@@ -244,7 +260,8 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::Plan(
   while (true) {
     const Record& r = steps.back().record;
     if (r.keyframe) break;
-    if (base_ && r.base == base_->manifest.version && r.base_fingerprint == base_->fingerprint) {
+    if (base_ && base_->has_bytes && r.base == base_->manifest.version &&
+        r.base_fingerprint == base_->fingerprint) {
       from_base = true;
       break;
     }
@@ -328,6 +345,7 @@ void DeltaSubscriber::AdoptBase(const Manifest& manifest, absl::Span<std::byte* 
   }
   base_->manifest = manifest;
   base_->fingerprint = Fingerprint(manifest);
+  base_->has_bytes = true;
 }
 
 absl::Status DeltaIncoming::Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
@@ -345,7 +363,7 @@ absl::Status DeltaIncoming::Fetch(absl::Span<std::byte* const> targets, LandingS
   }
   // A single delta on the base only refreshes the chunks it changes; anything else replaces the
   // whole base.
-  if (!(from_base_ && steps_.size() == 1)) {
+  if (!(from_base_ && steps_.size() == 1) && !PlainNotKept()) {
     WB_ASSIGN_OR_RETURN(storage_, owner_->PrepareStorage(m));
   }
   for (size_t k = 0; k < steps_.size(); ++k) {
@@ -440,7 +458,11 @@ absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> tar
 
 void DeltaIncoming::Accepted() {
   if (duplicate_ || !fetched_) return;
-  owner_->AdoptBase(manifest(), targets_, storage_ ? &*storage_ : nullptr, chunks_, methods_);
+  if (PlainNotKept()) {
+    owner_->AdoptManifest(manifest());
+  } else {
+    owner_->AdoptBase(manifest(), targets_, storage_ ? &*storage_ : nullptr, chunks_, methods_);
+  }
   // The encoded version of the one delivered (not the chain's earlier ones) is accepted beneath
   // too: a transport that reports receipts to its publisher (ucx) counts this subscriber.
   if (steps_.back().incoming) steps_.back().incoming->Accepted();

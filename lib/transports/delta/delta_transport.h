@@ -60,6 +60,9 @@ struct Record {
   // A keyframe sent plainly (kind "plain"): the inner manifest holds the version's own tensors,
   // not a blob, because encoding would have cost more time than the bytes it saves.
   bool plain = false;
+  // Plain versions: the publisher kept a copy, so the next version may be a delta against this
+  // one; subscribers keep one too (otherwise they need not).
+  bool keep = false;
   uint64_t version = 0;
   uint64_t base = 0;                // deltas: the version they apply to
   uint64_t keyframe_version = 0;    // the keyframe the chain starts from

@@ -68,7 +68,7 @@ std::string RecordToJson(const Record& r) {
   j["encoded_bytes"] = r.encoded_bytes;
   if (!r.reason.empty()) j["reason"] = r.reason;
   if (r.plain) {
-    // The tensors are the inner manifest's own.
+    j["keep"] = r.keep;  // the tensors are the inner manifest's own
   } else if (r.keyframe) {
     Manifest m;
     m.version = r.version;
@@ -132,6 +132,10 @@ absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view sourc
     if (r.plain) {
       if (r.keyframe_version != r.version) return bad("is a keyframe naming another keyframe");
       r.tensors = inner.tensors;
+      if (auto f = j.find("keep"); f != j.end()) {
+        if (!f->is_boolean()) return bad("has a field \"keep\" that is not a boolean");
+        r.keep = f->get<bool>();
+      }
     } else if (r.keyframe) {
       if (r.keyframe_version != r.version) return bad("is a keyframe naming another keyframe");
       Manifest m;

@@ -237,9 +237,20 @@ void DeltaPublisher::CommitBase(const Manifest& manifest, absl::Span<const Packe
 
 std::optional<std::string> DeltaPublisher::PlainReason(bool keyframe, uint64_t bytes) const {
   if (!options_.choose_plain || bytes < Rates::kMinTransfer) return std::nullopt;
-  const Rates::Codec& codec = keyframe ? rates_.keyframe : rates_.delta;
   const double transfer = rates_.transfer_bytes_per_s;
-  if (transfer <= 0 || codec.bytes_per_s <= 0) return std::nullopt;  // not measured yet
+  if (transfer <= 0) {
+    // Nothing measured yet: a whole version goes plainly, which costs what the transport beneath
+    // costs and measures it; a delta is encoded (and measured).
+    if (!keyframe) return std::nullopt;
+    return std::string(
+        "sent plainly: a whole version before this publisher has measured the transport beneath "
+        "(plainly it costs what that transport costs)");
+  }
+  // A keyframe not measured yet is judged by the delta's figures: it encodes more slowly and
+  // saves fewer bytes, so where a delta does not pay, neither does a keyframe.
+  const bool judge_keyframe = keyframe && rates_.keyframe.bytes_per_s > 0;
+  const Rates::Codec& codec = judge_keyframe ? rates_.keyframe : rates_.delta;
+  if (codec.bytes_per_s <= 0) return std::nullopt;  // not measured yet: encode and measure
   if (!keyframe && rates_.plain_run > 0 && rates_.plain_run % Rates::kProbe == 0) {
     return std::nullopt;  // measure again
   }
@@ -253,8 +264,9 @@ std::optional<std::string> DeltaPublisher::PlainReason(bool keyframe, uint64_t b
       "sent plainly: encoding and decoding a %s (%.3f s at the %.2f GB/s measured, decoding "
       "assumed as slow) would cost more than the %.3f s its %.1fx fewer bytes save at the "
       "%.2f GB/s measured through the transport beneath",
-      keyframe ? "keyframe" : "delta", codec_s, codec.bytes_per_s / 1e9, saved_s,
-      codec.ratio > 0 ? 1 / codec.ratio : 0.0, transfer / 1e9);
+      keyframe && !judge_keyframe ? "delta (so a keyframe too)" : keyframe ? "keyframe" : "delta",
+      codec_s, codec.bytes_per_s / 1e9, saved_s, codec.ratio > 0 ? 1 / codec.ratio : 0.0,
+      transfer / 1e9);
 }
 
 absl::Status DeltaPublisher::PublishPlain(PublishJob& job, const std::vector<TensorInfo>& infos,
@@ -264,8 +276,9 @@ absl::Status DeltaPublisher::PublishPlain(PublishJob& job, const std::vector<Ten
   last_stats_.reset();
   ++rates_.plain_run;
   // A copy is kept only when the next version may be a delta against this one (the next probe,
-  // PlainReason): otherwise a plain version costs this layer no copy at either end.
-  const bool keep = rates_.plain_run % Rates::kProbe == 0;
+  // or no delta measured yet: PlainReason): otherwise a plain version costs this layer no copy
+  // at either end.
+  const bool keep = rates_.plain_run % Rates::kProbe == 0 || rates_.delta.bytes_per_s <= 0;
   Record record;
   record.plain = true;
   record.keep = keep;

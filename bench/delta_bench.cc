@@ -477,7 +477,8 @@ int Main(int argc, char** argv) {
   AddFlag(app, "scale", &scale, "scale the qwen model's tensors by this factor")
       ->check(PositiveNumber());
   AddFlag(app, "keyframe-interval", &keyframe_interval,
-          "a keyframe every K versions in the end-to-end run and the average of the table (0: on demand, the default of keyframe_interval)")
+          "a keyframe every K versions in the end-to-end run and the average of the table (0: on "
+          "demand, the default of keyframe_interval)")
       ->check(CLI::Range(0, 1000000).description(""));
   AddSizeFlag(app, "chunk-size", &options.chunk_size, "the codec's chunk");
   AddFlag(app, "zstd-level", &options.zstd_level,
@@ -606,12 +607,12 @@ int Main(int argc, char** argv) {
     }
     // Issue 16: what users pay over a run, on the real-gradient stream.
     if (b.stream == "stories" && b.lr == 1e-6 && b.averaged_on_demand < 200) {
-      failures.push_back(absl::StrFormat("stories lr 1e-6: stream average %.1fx < 200x",
-                                         b.averaged_on_demand));
+      failures.push_back(
+          absl::StrFormat("stories lr 1e-6: stream average %.1fx < 200x", b.averaged_on_demand));
     }
     if (b.stream == "stories" && b.lr == 1e-5 && b.averaged_on_demand < 50) {
-      failures.push_back(absl::StrFormat("stories lr 1e-5: stream average %.1fx < 50x",
-                                         b.averaged_on_demand));
+      failures.push_back(
+          absl::StrFormat("stories lr 1e-5: stream average %.1fx < 50x", b.averaged_on_demand));
     }
     if (b.lr == 1e-6) {
       if (b.median_ratio < 100) {

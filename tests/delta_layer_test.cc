@@ -375,9 +375,9 @@ void ExpectReceived(Subscriber& sub, uint64_t v, const std::vector<OwnedTensor>&
     ASSERT_EQ((*u)->manifest().tensors[i].xxh3,
               Xxh3(expected[i].bytes.data(), expected[i].bytes.size()));
     if (!expected[i].bytes.empty()) {
-      ASSERT_EQ(std::memcmp((*u)->tensors()[i].data, expected[i].bytes.data(),
-                            expected[i].bytes.size()),
-                0)
+      ASSERT_EQ(
+          std::memcmp((*u)->tensors()[i].data, expected[i].bytes.data(), expected[i].bytes.size()),
+          0)
           << expected[i].name;
     }
   }

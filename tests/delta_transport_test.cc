@@ -705,8 +705,8 @@ std::vector<OwnedTensor> SaveNextStep(std::vector<OwnedTensor> tensors, int step
 
 // The real stories260K model converted by the CLI to a bf16 checkpoint at `dir`/v1.
 std::vector<OwnedTensor> ConvertStories(const ScratchDir& dir) {
-  auto conv = Cli({"convert-llama2c", testing::FixturePath("stories260K.bin"), dir / "v1",
-                   "--dtype", "bf16"});
+  auto conv = Cli(
+      {"convert-llama2c", testing::FixturePath("stories260K.bin"), dir / "v1", "--dtype", "bf16"});
   EXPECT_EQ(conv.exit_code, 0) << conv.output;
   return LoadTensors(dir / "v1");
 }
@@ -792,8 +792,8 @@ TEST(DeltaTransportTest, NewPublisherWhoseBaseDiffersFromTheChannelSendsAKeyfram
   ASSERT_EQ(versions.size(), 4u);
   const std::string uri = Uri(dir);
   for (int v = 1; v <= 2; ++v) {
-    auto r = Cli({"publish", uri, "--from", dir / absl::StrCat("v", v), "--version",
-                  std::to_string(v)});
+    auto r =
+        Cli({"publish", uri, "--from", dir / absl::StrCat("v", v), "--version", std::to_string(v)});
     ASSERT_EQ(r.exit_code, 0) << r.output;
   }
   ASSERT_EQ(RecordOnDisk(dir, 2)["kind"], "delta");
@@ -822,8 +822,8 @@ TEST(DeltaTransportTest, NewPublisherWhoseBaseDiffersFromTheChannelSendsAKeyfram
   ExpectSameTensors(**u, versions[3]);
 
   // delta_resume=false: a new publisher's first version is a keyframe, said so.
-  auto fourth = Cli({"publish", Uri(dir, "delta_resume=false"), "--from", dir / "v1",
-                     "--version", "4"});
+  auto fourth =
+      Cli({"publish", Uri(dir, "delta_resume=false"), "--from", dir / "v1", "--version", "4"});
   ASSERT_EQ(fourth.exit_code, 0) << fourth.output;
   EXPECT_EQ(RecordOnDisk(dir, 4)["kind"], "keyframe");
   EXPECT_EQ(RecordOnDisk(dir, 4)["reason"], "the first version of this publisher");

@@ -27,7 +27,7 @@ uint64_t AlignUp(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
 // The bytes of the last version published: what the next delta is computed against.
 struct Base {
   Manifest manifest;
-  Manifest inner;  // its encoded version as published on the channel
+  Manifest inner;      // its encoded version as published on the channel
   bool plain = false;  // sent plainly (kind "plain")
   // `buffer` holds the version's bytes (false after a plain version this publisher did not copy:
   // the next version is then whole).
@@ -108,8 +108,7 @@ class ForwardingJob final : public PublishJob {
 class DeltaPublisher final : public TransportPublisher {
  public:
   DeltaPublisher(std::string uri, LayerOptions options, std::unique_ptr<TransportPublisher> inner,
-                 std::shared_ptr<Parallel> parallel, ReaderFactory open_reader,
-                 bool check_at_rest)
+                 std::shared_ptr<Parallel> parallel, ReaderFactory open_reader, bool check_at_rest)
       : uri_(std::move(uri)),
         options_(options),
         inner_(std::move(inner)),
@@ -187,8 +186,8 @@ class DeltaPublisher final : public TransportPublisher {
   std::optional<Base> base_;
   std::optional<uint64_t> keyframe_;  // newest keyframe in the chain of base_
   uint64_t deltas_since_keyframe_ = 0;
-  uint64_t keyframe_bytes_ = 0;           // its encoded size
-  std::optional<uint64_t> outer_floor_;   // from a layer above, if any
+  uint64_t keyframe_bytes_ = 0;          // its encoded size
+  std::optional<uint64_t> outer_floor_;  // from a layer above, if any
   Rates rates_;
   std::optional<CodecStats> last_stats_;  // of the last successful Publish
 };
@@ -264,7 +263,9 @@ std::optional<std::string> DeltaPublisher::PlainReason(bool keyframe, uint64_t b
       "sent plainly: encoding and decoding a %s (%.3f s at the %.2f GB/s measured, decoding "
       "assumed as slow) would cost more than the %.3f s its %.1fx fewer bytes save at the "
       "%.2f GB/s measured through the transport beneath",
-      keyframe && !judge_keyframe ? "delta (so a keyframe too)" : keyframe ? "keyframe" : "delta",
+      keyframe && !judge_keyframe ? "delta (so a keyframe too)"
+      : keyframe                  ? "keyframe"
+                                  : "delta",
       codec_s, codec.bytes_per_s / 1e9, saved_s, codec.ratio > 0 ? 1 / codec.ratio : 0.0,
       transfer / 1e9);
 }
@@ -322,8 +323,7 @@ absl::Status DeltaPublisher::PublishPlain(PublishJob& job, const std::vector<Ten
   deltas_since_keyframe_ = 0;
   ApplyFloor();
   last_stats_ = CodecStats{absl::ZeroDuration(), bytes, absl::StrCat("plain: ", reason)};
-  Log(LogLevel::kDebug, "%s version %d: %d bytes sent plainly (%s)", uri_, version, bytes,
-      reason);
+  Log(LogLevel::kDebug, "%s version %d: %d bytes sent plainly (%s)", uri_, version, bytes, reason);
   return absl::OkStatus();
 }
 
@@ -400,8 +400,8 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     reason = absl::StrFormat("version %d went plainly and this publisher kept no copy of it",
                              base_->manifest.version);
   } else if (!SameLayout(base_->manifest.tensors, infos)) {
-    reason = absl::StrFormat("the tensor layout differs from version %d's",
-                             base_->manifest.version);
+    reason =
+        absl::StrFormat("the tensor layout differs from version %d's", base_->manifest.version);
   } else if (options_.keyframe_interval > 0 &&
              deltas_since_keyframe_ + 1 >= static_cast<uint64_t>(options_.keyframe_interval)) {
     reason = absl::StrFormat("keyframe_interval=%d", options_.keyframe_interval);
@@ -542,21 +542,22 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> WrapPublisher(
   WB_ASSIGN_OR_RETURN(std::shared_ptr<Parallel> parallel, Parallel::Create(options.threads));
   // The stack beneath this layer, as a subscriber reads it.
   WB_ASSIGN_OR_RETURN(std::vector<const TransportDescriptor*> stack, ResolveStack(uri));
-  auto self = std::find_if(stack.begin(), stack.end(), [](const TransportDescriptor* d) {
-    return d->scheme == "delta";
-  });
+  auto self = std::find_if(stack.begin(), stack.end(),
+                           [](const TransportDescriptor* d) { return d->scheme == "delta"; });
   std::vector<const TransportDescriptor*> beneath(self == stack.end() ? self : self + 1,
                                                   stack.end());
   const bool durable = !beneath.empty() && StackCapabilities(beneath, config).durable;
-  ReaderFactory open_reader = [beneath, uri, config, parallel, display = uri.Display()]()
-      -> absl::StatusOr<std::unique_ptr<TransportSubscriber>> {
+  ReaderFactory open_reader =
+      [beneath, uri, config, parallel,
+       display = uri.Display()]() -> absl::StatusOr<std::unique_ptr<TransportSubscriber>> {
     if (beneath.empty()) return absl::UnimplementedError("no transport beneath the layer");
     WB_ASSIGN_OR_RETURN(std::unique_ptr<TransportSubscriber> inner,
                         OpenSubscriberStack(beneath, uri, config));
     return NewReader(display, std::move(inner), parallel);
   };
-  return std::unique_ptr<TransportPublisher>(new DeltaPublisher(
-      uri.Display(), options, std::move(inner), std::move(parallel), std::move(open_reader), durable));
+  return std::unique_ptr<TransportPublisher>(
+      new DeltaPublisher(uri.Display(), options, std::move(inner), std::move(parallel),
+                         std::move(open_reader), durable));
 }
 
 }  // namespace weightbus::internal::delta

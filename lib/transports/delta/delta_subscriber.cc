@@ -484,9 +484,9 @@ std::string DeltaIncoming::Chain() const {
                                  last, steps_.front().record.base);
   }
   const char* start = steps_.front().record.plain ? "plain version" : "keyframe";
-  return steps_.size() == 1 ? absl::StrFormat("%s %d", start, first)
-                            : absl::StrFormat("%s %d + %d deltas up to %d", start, first,
-                                              steps_.size() - 1, last);
+  return steps_.size() == 1
+             ? absl::StrFormat("%s %d", start, first)
+             : absl::StrFormat("%s %d + %d deltas up to %d", start, first, steps_.size() - 1, last);
 }
 
 std::string DeltaIncoming::DescribeSource(size_t tensor_index) const {
@@ -561,8 +561,8 @@ absl::StatusOr<ChainVersion> ReadChainVersion(TransportSubscriber& reader, uint6
   const Manifest& m = incoming.manifest();
   if (incoming.steps().empty() || incoming.from_base()) {
     return absl::InternalError(absl::StrFormat(
-        "%s: version %d was not planned from its keyframe (the reader holds a version)", delta.uri(),
-        version));
+        "%s: version %d was not planned from its keyframe (the reader holds a version)",
+        delta.uri(), version));
   }
   if (!SameLayout(m.tensors, layout)) {
     std::string diff = absl::StrFormat("%d tensors, this call %d", m.tensors.size(), layout.size());
@@ -588,7 +588,8 @@ absl::StatusOr<ChainVersion> ReadChainVersion(TransportSubscriber& reader, uint6
     WB_ASSIGN_OR_RETURN(out.buffer, HostBuffer::Allocate(total));
   }
   std::vector<std::byte*> targets;
-  for (uint64_t offset : out.offsets) targets.push_back(out.buffer ? out.buffer->data() + offset : nullptr);
+  for (uint64_t offset : out.offsets)
+    targets.push_back(out.buffer ? out.buffer->data() + offset : nullptr);
   struct Ignore final : public LandingSink {
     void Landed(size_t) override {}
   } sink;

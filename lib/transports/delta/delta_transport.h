@@ -86,8 +86,9 @@ std::string RecordToJson(const Record& record);
 
 // Parses and checks the record of an inner manifest (`source` names it for messages): the
 // record key, exactly one U8 tensor named kBlobName whose size matches the record (a plain
-// version: its tensors, whose sizes add up to it), and a consistent record. Errors: FailedPrecondition when the version has no record (it was not
-// published through the delta layer); DataLoss for anything malformed.
+// version: its tensors, whose sizes add up to it), and a consistent record. Errors:
+// FailedPrecondition when the version has no record (it was not published through the delta layer);
+// DataLoss for anything malformed.
 absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view source);
 
 // The target manifest of a version: `inner`'s version, publisher, times and metadata (without

@@ -81,13 +81,14 @@ def repair(work):
             raise SystemExit("FAILED: the corrupt version 3 was applied")
         except weightbus.DataLossError:
             pass
+        held = sub.current_version
         start = time.perf_counter()
         pub.publish(4, {"w": next(versions)})
         u = sub.wait(min_version=4, timeout=60)
         took = time.perf_counter() - start
-    print(f"repair of one corrupted delta (64 MiB model, 1% changed): version 3 {kind(channel, 3)}"
-          f" refused, subscriber held {sub.current_version}; version 4 ({kind(channel, 4)[:60]}) "
-          f"held {took * 1000:.0f} ms after its publish began")
+    print(f"repair of one corrupted delta (64 MiB model, 1% changed): version 3 (a delta) refused,"
+          f" the subscriber kept version {held}; version 4 ({kind(channel, 4)[:70]}...) held "
+          f"{took * 1000:.0f} ms after its publish began")
 
 
 def one_host(uri, channel, versions=6):

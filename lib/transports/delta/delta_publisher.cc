@@ -49,8 +49,9 @@ struct Rates {
     double ratio = 0;
     void Measure(uint64_t bytes, absl::Duration took, uint64_t encoded) {
       const double s = std::max(absl::ToDoubleSeconds(took), 1e-9);
-      bytes_per_s = static_cast<double>(bytes) / s;
-      ratio = bytes == 0 ? 0 : static_cast<double>(encoded) / static_cast<double>(bytes);
+      bytes_per_s = Smooth(bytes_per_s, static_cast<double>(bytes) / s);
+      ratio =
+          Smooth(ratio, bytes == 0 ? 0 : static_cast<double>(encoded) / static_cast<double>(bytes));
     }
   };
   Codec delta, keyframe;
@@ -64,8 +65,13 @@ struct Rates {
   int plain_run = 0;
   void MeasureTransfer(uint64_t bytes, absl::Duration took) {
     if (bytes < kMinTransfer) return;
-    transfer_bytes_per_s = static_cast<double>(bytes) / std::max(absl::ToDoubleSeconds(took), 1e-9);
+    transfer_bytes_per_s =
+        Smooth(transfer_bytes_per_s,
+               static_cast<double>(bytes) / std::max(absl::ToDoubleSeconds(took), 1e-9));
   }
+  // Each measurement counts half, the ones before it the other half: one slow version on a
+  // shared machine does not flip the choice by itself.
+  static double Smooth(double old, double now) { return old <= 0 ? now : (old + now) / 2; }
 };
 
 // Opens a subscriber of this layer over the transport beneath (NewReader), for reading the
@@ -169,6 +175,11 @@ class DeltaPublisher final : public TransportPublisher {
   // Publishes the job plainly (record kind "plain", `reason` why) through the transport beneath.
   absl::Status PublishPlain(PublishJob& job, const std::vector<TensorInfo>& infos,
                             const std::string& reason, uint64_t bytes, absl::Time deadline);
+  // Before encoding a large delta whose rates are not measured yet, or a probe (PlainReason):
+  // encodes every kSampleStride-th chunk on this thread and sets rates_.delta from it. Returns
+  // whether it did (false: too few chunks to sample, or the rates are known).
+  bool SampleDelta(const std::vector<TensorLayout>& layout,
+                   const std::vector<const std::byte*>& target, uint64_t bytes);
   // The subscriber that reads this channel back, opened on first use.
   absl::StatusOr<TransportSubscriber*> Reader();
 
@@ -268,6 +279,35 @@ std::optional<std::string> DeltaPublisher::PlainReason(bool keyframe, uint64_t b
                                   : "delta",
       codec_s, codec.bytes_per_s / 1e9, saved_s, codec.ratio > 0 ? 1 / codec.ratio : 0.0,
       transfer / 1e9);
+}
+
+bool DeltaPublisher::SampleDelta(const std::vector<TensorLayout>& layout,
+                                 const std::vector<const std::byte*>& target, uint64_t bytes) {
+  constexpr size_t kSampleStride = 16;
+  const bool probe = rates_.plain_run > 0 && rates_.plain_run % Rates::kProbe == 0;
+  if (!options_.choose_plain || bytes < Rates::kMinTransfer || rates_.transfer_bytes_per_s <= 0 ||
+      !base_ || !base_->has_bytes || (rates_.delta.bytes_per_s > 0 && !probe)) {
+    return false;
+  }
+  const std::vector<Chunk> chunks = PlanChunks(layout, options_.encode.chunk_size);
+  if (chunks.size() < 2 * kSampleStride) return false;
+  const absl::Time start = absl::Now();
+  uint64_t raw = 0, encoded = 0;
+  std::vector<std::byte> out;
+  for (size_t c = kSampleStride / 2; c < chunks.size(); c += kSampleStride) {
+    std::vector<ChunkInput> spans;
+    for (const Piece& p : chunks[c].pieces) {
+      spans.push_back(
+          ChunkInput{base_->tensor(p.tensor) + p.offset, target[p.tensor] + p.offset, p.bytes});
+    }
+    out.clear();
+    encoded += EncodeChunk(chunks[c].dtype, spans, false, options_.encode, &out).encoded_bytes;
+    raw += chunks[c].bytes;
+  }
+  // One thread encoded the sample; the whole version is encoded by all of them.
+  rates_.delta.Measure(raw * static_cast<uint64_t>(parallel_->threads()), absl::Now() - start,
+                       encoded * static_cast<uint64_t>(parallel_->threads()));
+  return true;
 }
 
 absl::Status DeltaPublisher::PublishPlain(PublishJob& job, const std::vector<TensorInfo>& infos,
@@ -432,6 +472,13 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   // Sent plainly when encoding and decoding would cost more time than the bytes they save
   // (predicted from this publisher's measured rates); reason says why.
   std::optional<std::string> plain = PlainReason(keyframe, total_bytes);
+  if (!plain && !keyframe && SampleDelta(layout, target, total_bytes)) {
+    // The delta's rates, measured afresh on a sample of its chunks rather than by encoding it
+    // all: what a probe costs when the answer is "plainly".
+    rates_.plain_run = 0;
+    plain = PlainReason(false, total_bytes);
+    if (plain) absl::StrAppend(&*plain, " (sampled)");
+  }
   if (plain) {
     reason = keyframe ? absl::StrCat(*plain, "; a keyframe was due: ", reason) : *plain;
     return PublishPlain(job, infos, reason, total_bytes, deadline);

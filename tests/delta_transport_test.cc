@@ -744,17 +744,21 @@ TEST(DeltaTransportTest, RestartedPublisherProcessContinuesTheChainWithADelta) {
   ASSERT_TRUE(u1.ok()) << u1.status();
   ExpectSameTensors(**u1, versions[1]);
 
-  auto second = Cli({"publish", uri, "--from", dir / "v2", "--version", "2"});
-  ASSERT_EQ(second.exit_code, 0) << second.output;
-  nlohmann::json r2 = RecordOnDisk(dir, 2);
-  EXPECT_EQ(r2["kind"], "delta") << r2.dump();
-  EXPECT_EQ(r2["base"], 1);
-  EXPECT_EQ(r2["keyframe"], 1);
-  // A delta: a small fraction of the keyframe's bytes.
-  EXPECT_LT(r2["encoded_bytes"].get<uint64_t>() * 10, RecordOnDisk(dir, 1)["encoded_bytes"]);
-  auto u2 = (*sub)->WaitForVersion(2, kTimeout);
-  ASSERT_TRUE(u2.ok()) << u2.status();
-  ExpectSameTensors(**u2, versions[2]);
+  // Each new publisher's first version: a delta against the channel's newest, received exactly.
+  auto expect_delta = [&](int v, const testing::RunResult& run) {
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    nlohmann::json r = RecordOnDisk(dir, v);
+    EXPECT_EQ(r["kind"], "delta") << r.dump();
+    EXPECT_EQ(r["base"], v - 1);
+    EXPECT_EQ(r["keyframe"], 1);
+    // A small fraction of the keyframe's bytes.
+    EXPECT_LT(r["encoded_bytes"].get<uint64_t>() * 10, RecordOnDisk(dir, 1)["encoded_bytes"]);
+    auto u = (*sub)->WaitForVersion(v, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    ExpectSameTensors(**u, versions[v]);
+    EXPECT_EQ((*u)->stats().wire_bytes, r["encoded_bytes"].get<uint64_t>());  // one delta
+  };
+  expect_delta(2, Cli({"publish", uri, "--from", dir / "v2", "--version", "2"}));
 
   // A publisher killed after writing version 3, before committing it; then restarted.
   auto killed = Cli({"publish", uri, "--from", dir / "v3", "--version", "3"},
@@ -763,16 +767,7 @@ TEST(DeltaTransportTest, RestartedPublisherProcessContinuesTheChainWithADelta) {
   auto nothing = (*sub)->Poll(3, kTimeout);  // version 3 was not committed
   ASSERT_TRUE(nothing.ok()) << nothing.status();
   EXPECT_EQ(*nothing, nullptr);
-  auto restarted = Cli({"publish", uri, "--from", dir / "v3", "--version", "3"});
-  ASSERT_EQ(restarted.exit_code, 0) << restarted.output;
-  nlohmann::json r3 = RecordOnDisk(dir, 3);
-  EXPECT_EQ(r3["kind"], "delta") << r3.dump();
-  EXPECT_EQ(r3["base"], 2);
-  EXPECT_EQ(r3["keyframe"], 1);
-  auto u3 = (*sub)->WaitForVersion(3, kTimeout);
-  ASSERT_TRUE(u3.ok()) << u3.status();
-  ExpectSameTensors(**u3, versions[3]);
-  EXPECT_EQ((*u3)->stats().wire_bytes, r3["encoded_bytes"].get<uint64_t>());  // one delta
+  expect_delta(3, Cli({"publish", uri, "--from", dir / "v3", "--version", "3"}));
 
   auto late = Subscriber::Open(uri);  // replays keyframe 1 and the deltas 2 and 3
   ASSERT_TRUE(late.ok());

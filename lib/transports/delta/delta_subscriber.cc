@@ -63,6 +63,34 @@ struct Step {
   std::unique_ptr<IncomingVersion> incoming;  // null until (re)opened for fetching
 };
 
+// A LandingSink for fetches whose caller checks whole tensors itself.
+struct IgnoreLanding final : public LandingSink {
+  void Landed(size_t) override {}
+};
+
+// Fetches `incoming` into `targets` (one per tensor of `m`, its manifest or the one it
+// reconstructs) and checks every tensor against m's checksum, as the core does for a subscriber.
+// `what` names the version and `whose` where the checksum comes from, for the message. Errors:
+// DataLoss naming the tensor, its source and both checksums; others from the fetch.
+absl::Status FetchVerified(IncomingVersion& incoming, const Manifest& m,
+                           absl::Span<std::byte* const> targets, absl::Time deadline,
+                           const std::string& uri, const std::string& what,
+                           const std::string& whose) {
+  IgnoreLanding sink;
+  WB_RETURN_IF_ERROR(incoming.Fetch(targets, sink, deadline));
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    const uint64_t sum = Xxh3(targets[i], m.tensors[i].nbytes);
+    if (sum != m.tensors[i].xxh3) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s: tensor \"%s\" of %s (%s) fails verification: XXH3-64 of its %d bytes is %016x "
+          "but %s says %016x",
+          uri, m.tensors[i].name, what, incoming.DescribeSource(i), m.tensors[i].nbytes, sum, whose,
+          m.tensors[i].xxh3));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // The blob of an encoded version, checked against the XXH3-64 its inner manifest gives.
 // Errors: DataLoss naming the version, where its bytes come from and both checksums.
 absl::StatusOr<std::shared_ptr<HostBuffer>> FetchBlob(const std::string& uri,
@@ -399,9 +427,7 @@ absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> tar
   if (step.record.plain) {
     // The version's own tensors: straight into the targets (verified by the core, for the last
     // step as they land).
-    struct Ignore final : public LandingSink {
-      void Landed(size_t) override {}
-    } ignore;
+    IgnoreLanding ignore;
     WB_RETURN_IF_ERROR(step.incoming->Fetch(targets, last ? sink : ignore, deadline));
     codec_.wire_bytes += step.inner.total_bytes();
     if (!last) step.incoming.reset();
@@ -534,21 +560,8 @@ absl::Status CheckEncodedVersion(TransportSubscriber& reader, const Manifest& pu
     targets.push_back(buffer->data() + at);
     at += t.nbytes;
   }
-  struct Ignore final : public LandingSink {
-    void Landed(size_t) override {}
-  } sink;
-  WB_RETURN_IF_ERROR(incoming->Fetch(targets, sink, deadline));
-  for (size_t i = 0; i < m.tensors.size(); ++i) {
-    const uint64_t sum = Xxh3(targets[i], m.tensors[i].nbytes);
-    if (sum != m.tensors[i].xxh3) {
-      return absl::DataLossError(absl::StrFormat(
-          "%s: tensor \"%s\" of the plain version %d (%s) fails verification: XXH3-64 of its %d "
-          "bytes is %016x but its manifest says %016x",
-          delta.uri(), m.tensors[i].name, m.version, incoming->DescribeSource(i),
-          m.tensors[i].nbytes, sum, m.tensors[i].xxh3));
-    }
-  }
-  return absl::OkStatus();
+  return FetchVerified(*incoming, m, targets, deadline, delta.uri(),
+                       absl::StrFormat("the plain version %d", m.version), "its manifest");
 }
 
 absl::StatusOr<ChainVersion> ReadChainVersion(TransportSubscriber& reader, uint64_t version,
@@ -590,21 +603,10 @@ absl::StatusOr<ChainVersion> ReadChainVersion(TransportSubscriber& reader, uint6
   std::vector<std::byte*> targets;
   for (uint64_t offset : out.offsets)
     targets.push_back(out.buffer ? out.buffer->data() + offset : nullptr);
-  struct Ignore final : public LandingSink {
-    void Landed(size_t) override {}
-  } sink;
-  WB_RETURN_IF_ERROR(incoming.Fetch(targets, sink, deadline));
-  // What the core does for a subscriber: every tensor against the checksum its record gives.
-  for (size_t i = 0; i < m.tensors.size(); ++i) {
-    const uint64_t sum = Xxh3(targets[i], m.tensors[i].nbytes);
-    if (sum != m.tensors[i].xxh3) {
-      return absl::DataLossError(absl::StrFormat(
-          "%s: tensor \"%s\" of version %d as reconstructed from the channel (%s) has XXH3-64 "
-          "%016x, but the channel's record of the version says %016x",
-          delta.uri(), m.tensors[i].name, version, incoming.DescribeSource(i), sum,
-          m.tensors[i].xxh3));
-    }
-  }
+  WB_RETURN_IF_ERROR(
+      FetchVerified(incoming, m, targets, deadline, delta.uri(),
+                    absl::StrFormat("version %d as reconstructed from the channel", version),
+                    "the channel's record of the version"));
   out.manifest = m;
   out.inner = incoming.steps().back().inner;
   out.keyframe = incoming.steps().front().version;

@@ -15,7 +15,7 @@ const SettingTable& DeltaSettings() {
            .doc = "a keyframe (the whole version, compressed) every N versions and deltas in "
                   "between; 0 (default): keyframes only when needed (first version, new tensor "
                   "layout, a damaged base on the channel, delta_max_chain reached), which over a "
-                  "run costs 5x fewer bytes than every 50 (BENCHMARKS.md). A late joiner replays "
+                  "run costs 3x fewer bytes than every 50 (BENCHMARKS.md). A late joiner replays "
                   "the newest keyframe and the deltas after it",
            .min = "0",
            .unit = "versions"},

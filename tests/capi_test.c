@@ -759,6 +759,14 @@ static void TestLayerStats(const char* dir) {
   CHECK_OK(wb_publisher_last_stats(pub, &before_encode));
   CHECK(before_encode.version == 1 && before_encode.encode_ns == 0 &&
         before_encode.wire_bytes == 42);
+  /* Which encoding the layer chose, and why (the first version of a channel: a keyframe). */
+  CHECK(ps.encoding && strcmp(ps.encoding, "keyframe: the channel holds no version yet") == 0);
+  const char* mark = "untouched";
+  wb_publish_stats_t before_encoding = WB_PUBLISH_STATS_INIT;
+  before_encoding.struct_size = offsetof(wb_publish_stats_t, encoding);
+  before_encoding.encoding = mark;
+  CHECK_OK(wb_publisher_last_stats(pub, &before_encoding));
+  CHECK(before_encoding.wire_bytes == ps.wire_bytes && before_encoding.encoding == mark);
 
   wb_subscriber_t* sub = NULL;
   CHECK_OK(wb_subscriber_create(uri, NULL, &sub));
@@ -769,6 +777,7 @@ static void TestLayerStats(const char* dir) {
     CHECK_OK(wb_update_stats(update, &us));
     CHECK(us.bytes == sizeof(zeros) && us.wire_bytes == ps.wire_bytes);
     CHECK(us.decode_ns > 0 && us.decode_ns <= us.fetch_ns);
+    CHECK(us.encoding && strcmp(us.encoding, "keyframe 1") == 0);
     const DLTensor* received = NULL;
     CHECK_OK(wb_update_tensor(update, 0, NULL, NULL, &received));
     CHECK(received && memcmp(received->data, zeros, sizeof(zeros)) == 0);

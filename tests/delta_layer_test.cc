@@ -4,6 +4,7 @@
 // produce, driven through mem:// (tests/mem_transport.h), which delivers versions in any order,
 // may lack OpenVersion and corrupts bytes or records on request: out-of-order deltas, missed
 // versions, wrong bases, corrupt blobs, malformed records.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -362,5 +363,149 @@ TEST(DeltaRecordTest, IntegerFieldsRefuseFloatsFractionsOutOfRangeAndStrings) {
 }
 
 }  // namespace record_integers
+
+// Receives version >= v through the public API and checks it byte for byte.
+void ExpectReceived(Subscriber& sub, uint64_t v, const std::vector<OwnedTensor>& expected,
+                    std::string* encoding) {
+  auto u = sub.WaitForVersion(v, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ASSERT_EQ((*u)->version(), v);
+  ASSERT_EQ((*u)->tensors().size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    ASSERT_EQ((*u)->manifest().tensors[i].xxh3,
+              Xxh3(expected[i].bytes.data(), expected[i].bytes.size()));
+    if (!expected[i].bytes.empty()) {
+      ASSERT_EQ(
+          std::memcmp((*u)->tensors()[i].data, expected[i].bytes.data(), expected[i].bytes.size()),
+          0)
+          << expected[i].name;
+    }
+  }
+  *encoding = (*u)->stats().encoding;
+}
+
+// Issue 16: the layer never makes a sync slower than the transport beneath. Versions of 16 MiB
+// whose every byte changes (random tensors) gain nothing from encoding, and mem:// moves them
+// by copying, far faster than they encode: once the rates are measured (a keyframe, a delta
+// attempt) they go plainly, and the stats and the record say which choice and why. Every
+// kProbe-th plain version a delta is tried again: with few changes it pays and goes as a delta
+// on the plain version. Subscribers following and late joiners receive every version
+// bit-exactly. (The choice follows measured rates; the margins here are 10x and more.)
+constexpr uint64_t kPlainBytes = uint64_t{16} << 20;
+
+// Publishes random versions of kPlainBytes (every byte changes) from version *v + 1 on until
+// one goes plainly by the measured rates (at most 8), receiving each on `sub`; returns whether
+// one did. `current`
+// ends as the last version's tensors.
+bool PublishUntilPlain(Publisher& pub, Subscriber& sub, uint64_t seed, uint64_t* v,
+                       std::vector<OwnedTensor>* current) {
+  for (int k = 0; k < 8; ++k) {
+    *current = testing::MakeVersion(seed, ++*v, kPlainBytes);
+    EXPECT_TRUE(pub.Publish(*v, testing::Views(*current), {}, kTimeout).ok());
+    const PublishStats st = pub.last_stats();
+    // Before anything is measured, a whole version goes plainly (what the transport costs).
+    if (*v == 1) {
+      EXPECT_EQ(st.encoding,
+                "plain: sent plainly: a whole version before this publisher has measured the "
+                "transport beneath (plainly it costs what that transport costs); a keyframe was "
+                "due: the channel holds no version yet");
+    }
+    std::string got;
+    ExpectReceived(sub, *v, *current, &got);
+    if (absl::StartsWith(st.encoding, "plain: sent plainly: encoding and decoding a ")) {
+      EXPECT_EQ(st.wire_bytes, st.bytes);
+      EXPECT_EQ(got, absl::StrFormat("plain version %d", *v));
+      return true;
+    }
+  }
+  return false;
+}
+
+TEST(DeltaLayerTest, VersionsThatDoNotPayForTheirEncodingGoPlainlyAndSaySo) {
+  const std::string uri = "delta+mem:///plain-choice";
+  auto pub = Publisher::Open(uri);
+  auto sub = Subscriber::Open(uri);
+  ASSERT_TRUE(pub.ok() && sub.ok()) << pub.status() << sub.status();
+  constexpr uint64_t kBytes = kPlainBytes;
+  std::vector<OwnedTensor> current;
+  uint64_t v = 0;
+  std::string got;
+  ASSERT_TRUE(PublishUntilPlain(**pub, **sub, 7, &v, &current))
+      << "no version of random bytes went plainly";
+  {
+    auto late = Subscriber::Open(uri);
+    ASSERT_TRUE(late.ok());
+    ExpectReceived(**late, v, current, &got);
+    EXPECT_EQ(got, absl::StrFormat("plain version %d", v));
+  }
+  // Now a few elements change per version: the probe encodes a delta, which pays.
+  std::optional<uint64_t> delta;
+  for (int k = 0; k <= 20 && !delta; ++k) {
+    current[0].bytes[static_cast<size_t>(k) * 4099] ^= std::byte{0x10};
+    ASSERT_TRUE((*pub)->Publish(++v, testing::Views(current), {}, kTimeout).ok());
+    if (absl::StartsWith((*pub)->last_stats().encoding, "delta: delta against version ")) {
+      delta = v;
+    }
+    ExpectReceived(**sub, v, current, &got);
+  }
+  ASSERT_TRUE(delta.has_value()) << "no delta within 20 versions of few changes";
+  EXPECT_EQ(got, absl::StrFormat("delta %d on this subscriber's copy of version %d", v, v - 1));
+  auto late = Subscriber::Open(uri);  // replays the plain base and the delta
+  ASSERT_TRUE(late.ok());
+  ExpectReceived(**late, v, current, &got);
+  EXPECT_THAT(got, ::testing::HasSubstr(absl::StrFormat("+ 1 deltas up to %d", v)));
+
+  // delta_send_plain=false: always encoded.
+  auto encoded = Publisher::Open("delta+mem:///plain-choice-off?delta_send_plain=false");
+  ASSERT_TRUE(encoded.ok());
+  for (uint64_t w = 1; w <= 4; ++w) {
+    auto t = testing::MakeVersion(8, w, kBytes);
+    ASSERT_TRUE((*encoded)->Publish(w, testing::Views(t), {}, kTimeout).ok());
+    EXPECT_THAT((*encoded)->last_stats().encoding, ::testing::StartsWith("keyframe: "));
+  }
+}
+
+// A plain version damaged on the channel is checked, like a delta, before the publisher sends a
+// delta against it: the version that would have been that delta goes whole (a keyframe, or
+// plainly) saying why, and a subscriber that could not receive a damaged version is caught up
+// by it.
+TEST(DeltaLayerTest, DamagedPlainBaseIsCaughtBeforeADeltaAgainstIt) {
+  const std::string name = "plain-damaged";
+  auto pub = Publisher::Open("delta+mem:///" + name);
+  auto sub = Subscriber::Open("delta+mem:///" + name);
+  ASSERT_TRUE(pub.ok() && sub.ok());
+  testing::mem::MemChannel channel(name);
+  std::vector<OwnedTensor> current;
+  uint64_t v = 0;
+  ASSERT_TRUE(PublishUntilPlain(**pub, **sub, 9, &v, &current));
+  channel.CorruptByte(v, 0, 100);  // damaged on the channel after the subscriber had it
+  // Few changes from now on: versions stay plain until the probe tries a delta against the
+  // newest one, which is damaged on the channel each time (as the first one is).
+  std::string encoding;
+  for (int k = 0; k <= 20; ++k) {
+    current[0].bytes[static_cast<size_t>(k) * 4099 + 7] ^= std::byte{0x10};
+    ASSERT_TRUE((*pub)->Publish(++v, testing::Views(current), {}, kTimeout).ok());
+    encoding = (*pub)->last_stats().encoding;
+    if (absl::StrContains(encoding, "cannot be read back intact")) break;
+    ASSERT_THAT(encoding, ::testing::StartsWith("plain: "));
+    channel.CorruptByte(v, 0, 100);
+    if (k == 0) {
+      auto refused = (*sub)->WaitForVersion(v, absl::Seconds(5));
+      ASSERT_TRUE(absl::IsDataLoss(refused.status())) << refused.status();
+      ASSERT_EQ((*sub)->current_version(), std::optional<uint64_t>(v - 1));
+    }
+  }
+  // A keyframe was due, sent as a keyframe or plainly (random bytes: plainly, as the rates
+  // say), never as a delta against the damaged version.
+  EXPECT_THAT(encoding, ::testing::HasSubstr(absl::StrFormat(
+                            "the channel's copy of version %d, the base of a delta, cannot be "
+                            "read back intact",
+                            v - 1)));
+  EXPECT_THAT(encoding, ::testing::HasSubstr("fails verification"));
+  EXPECT_FALSE(absl::StartsWith(encoding, "delta: ")) << encoding;
+  std::string got;
+  ExpectReceived(**sub, v, current, &got);
+}
+
 }  // namespace
 }  // namespace weightbus::internal::delta

@@ -21,6 +21,7 @@
 #include "nlohmann/json.hpp"
 #include "test_model.h"
 #include "test_support.h"
+#include "weightbus/checkpoint.h"
 #include "weightbus/update_stream.h"
 #include "weightbus/weightbus.hpp"
 
@@ -236,41 +237,60 @@ void FlipBit(const std::string& path, uint64_t from_end) {
   ::close(fd);
 }
 
-TEST(DeltaTransportTest, FlippedBitInADeltaIsDetectedAndThePreviousVersionKept) {
+// Issue 16: a delta corrupted at rest (one flipped bit in version 3 on disk) is refused by a
+// subscriber that needs it, which keeps version 2; the publisher, checking its base before the
+// next delta, sends version 4 as a keyframe (the record says why), so that subscriber is caught
+// up one version later, with no periodic keyframe (keyframe_interval=0). A subscriber that had
+// received version 3 before the damage is unaffected, and version 5 is a delta again.
+TEST(DeltaTransportTest, CorruptDeltaAtRestIsRepairedByTheNextVersionWithoutPeriodicKeyframes) {
   ScratchDir dir;
-  auto pub = Publisher::Open(Uri(dir, "keyframe_interval=5"));
-  auto sub = Subscriber::Open(Uri(dir));
-  ASSERT_TRUE(pub.ok() && sub.ok());
+  auto pub = Publisher::Open(Uri(dir, "keyframe_interval=0"));
+  auto held = Subscriber::Open(Uri(dir));   // will hold version 2 when 3 is damaged
+  auto ahead = Subscriber::Open(Uri(dir));  // received version 3 before
+  ASSERT_TRUE(pub.ok() && held.ok() && ahead.ok());
   VersionStream stream(4, 1e-4);
   std::vector<std::vector<OwnedTensor>> versions(1);
   for (uint64_t v = 1; v <= 3; ++v) {
     versions.push_back(stream.Next());
     ASSERT_TRUE((*pub)->Publish(v, Views(versions[v]), {}, kTimeout).ok());
-    if (v == 2) ASSERT_TRUE((*sub)->WaitForVersion(2, kTimeout).ok());
+    if (v == 2) ASSERT_TRUE((*held)->WaitForVersion(2, kTimeout).ok());
   }
+  auto ahead3 = (*ahead)->WaitForVersion(3, kTimeout);
+  ASSERT_TRUE(ahead3.ok()) << ahead3.status();
+  ExpectSameTensors(**ahead3, versions[3]);
   // Version 3 is a delta on 2; corrupt its encoded bytes.
   ASSERT_EQ(RecordOnDisk(dir, 3)["kind"], "delta");
   const std::string file = testing::DiskVersionDir(dir, 3) + "/model.safetensors";
   FlipBit(file, 10);
-  auto update = (*sub)->WaitForVersion(3, absl::Seconds(5));
+  auto update = (*held)->WaitForVersion(3, absl::Seconds(5));
   ASSERT_TRUE(absl::IsDataLoss(update.status())) << update.status();
   EXPECT_NE(update.status().message().find("fails verification"), std::string::npos)
       << update.status();
   EXPECT_NE(update.status().message().find(file), std::string::npos) << update.status();
-  EXPECT_EQ((*sub)->current_version(), std::optional<uint64_t>(2));
+  EXPECT_EQ((*held)->current_version(), std::optional<uint64_t>(2));
 
-  // Versions 4 and 5 need the corrupt version 3: refused as well, until the keyframe 6.
-  for (uint64_t v = 4; v <= 6; ++v) {
-    versions.push_back(stream.Next());
-    ASSERT_TRUE((*pub)->Publish(v, Views(versions[v]), {}, kTimeout).ok());
-    auto u = (*sub)->WaitForVersion(v, absl::Seconds(5));
-    if (v < 6) {
-      EXPECT_TRUE(absl::IsDataLoss(u.status())) << u.status();
-      EXPECT_EQ((*sub)->current_version(), std::optional<uint64_t>(2));
-    } else {
-      ASSERT_TRUE(u.ok()) << u.status();
-      ExpectSameTensors(**u, versions[6]);
-    }
+  versions.push_back(stream.Next());
+  ASSERT_TRUE((*pub)->Publish(4, Views(versions[4]), {}, kTimeout).ok());
+  nlohmann::json r4 = RecordOnDisk(dir, 4);
+  EXPECT_EQ(r4["kind"], "keyframe") << r4.dump();
+  EXPECT_THAT(r4["reason"].get<std::string>(),
+              ::testing::HasSubstr("the channel's copy of version 3, the base of a delta, cannot "
+                                   "be read back intact"));
+  EXPECT_THAT(r4["reason"].get<std::string>(), ::testing::HasSubstr("fails verification"));
+  for (auto* sub : {&held, &ahead}) {
+    auto u = (**sub)->WaitForVersion(4, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    ExpectSameTensors(**u, versions[4]);
+  }
+  versions.push_back(stream.Next());
+  ASSERT_TRUE((*pub)->Publish(5, Views(versions[5]), {}, kTimeout).ok());
+  EXPECT_EQ(RecordOnDisk(dir, 5)["kind"], "delta");
+  EXPECT_EQ(RecordOnDisk(dir, 5)["base"], 4);
+  for (auto* sub : {&held, &ahead}) {
+    auto u = (**sub)->WaitForVersion(5, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    ExpectSameTensors(**u, versions[5]);
+    EXPECT_EQ((*u)->stats().wire_bytes, RecordOnDisk(dir, 5)["encoded_bytes"].get<uint64_t>());
   }
 }
 
@@ -642,6 +662,166 @@ TEST(DeltaTransportTest, OverUcxFollowersAndLateJoinersAreBitExact) {
   EXPECT_TRUE((*pub)->WaitForReceivers(38, 2, kTimeout).ok());
   absl::Status three = (*pub)->WaitForReceivers(38, 3, absl::Milliseconds(200));
   EXPECT_EQ(three.code(), absl::StatusCode::kDeadlineExceeded) << three;
+}
+
+// --- A new publisher of a channel (a restarted trainer, each `weightbus publish`) ---------------
+
+// Runs the CLI (tools/weightbus) with `env` added; fails the test if it hangs.
+testing::RunResult Cli(const std::vector<std::string>& args,
+                       const std::map<std::string, std::string>& env = {}) {
+  std::vector<std::string> argv = {testing::BinaryPath("tools/weightbus")};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto r = testing::RunCommand(argv, absl::Seconds(60), env);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *r : testing::RunResult{};
+}
+
+// The tensors of a checkpoint directory, in its order (the order the CLI publishes them in).
+std::vector<OwnedTensor> LoadTensors(const std::string& dir) {
+  auto ckpt = tools::LoadCheckpoint(dir);
+  EXPECT_TRUE(ckpt.ok()) << ckpt.status();
+  std::vector<OwnedTensor> out;
+  if (!ckpt.ok()) return out;
+  for (const TensorView& v : ckpt->tensors) {
+    const auto* p = static_cast<const std::byte*>(v.data);
+    const uint64_t n = ByteSize(v.dtype, v.shape).value();
+    out.push_back(OwnedTensor{v.name, v.dtype, v.shape, std::vector<std::byte>(p, p + n)});
+  }
+  return out;
+}
+
+// The next training step of `tensors` as a checkpoint at `dir`: one bf16 element in 97 moves by
+// one unit in the last place (about what a step at lr 1e-6 changes).
+std::vector<OwnedTensor> SaveNextStep(std::vector<OwnedTensor> tensors, int step,
+                                      const std::string& dir) {
+  for (OwnedTensor& t : tensors) {
+    for (size_t i = 2 * static_cast<size_t>(step); i + 1 < t.bytes.size(); i += 2 * 97) {
+      t.bytes[i] = std::byte(uint8_t(t.bytes[i]) + 1);
+    }
+  }
+  EXPECT_TRUE(tools::SaveCheckpoint(dir, Views(tensors), nullptr).ok());
+  return tensors;
+}
+
+// The real stories260K model converted by the CLI to a bf16 checkpoint at `dir`/v1.
+std::vector<OwnedTensor> ConvertStories(const ScratchDir& dir) {
+  auto conv = Cli(
+      {"convert-llama2c", testing::FixturePath("stories260K.bin"), dir / "v1", "--dtype", "bf16"});
+  EXPECT_EQ(conv.exit_code, 0) << conv.output;
+  return LoadTensors(dir / "v1");
+}
+
+// Checkpoints `dir`/v1..v3 of three training steps of stories260K; versions[v] holds v's
+// tensors (versions[0] is empty). Empty on failure (the test has failed then).
+std::vector<std::vector<OwnedTensor>> StoriesSteps(const ScratchDir& dir) {
+  std::vector<std::vector<OwnedTensor>> versions(1);
+  versions.push_back(ConvertStories(dir));
+  if (versions[1].empty()) return {};
+  for (int v = 2; v <= 3; ++v) {
+    versions.push_back(SaveNextStep(versions.back(), v, dir / absl::StrCat("v", v)));
+  }
+  return versions;
+}
+
+// Issue 16: each `weightbus publish` of a new version is a new publisher. The second one's
+// first version is a delta against the channel's newest version (read back and checked against
+// its checksums), and so is the first version of a publisher restarted after being killed in
+// the middle of a publish; a subscriber following and a late joiner receive every version
+// bit-exactly.
+TEST(DeltaTransportTest, RestartedPublisherProcessContinuesTheChainWithADelta) {
+  ScratchDir dir;
+  const std::vector<std::vector<OwnedTensor>> versions = StoriesSteps(dir);
+  ASSERT_EQ(versions.size(), 4u);
+  const std::string uri = Uri(dir);
+  auto sub = Subscriber::Open(uri);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+
+  auto first = Cli({"publish", uri, "--from", dir / "v1", "--version", "1"});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_EQ(RecordOnDisk(dir, 1)["kind"], "keyframe");
+  EXPECT_EQ(RecordOnDisk(dir, 1)["reason"], "the channel holds no version yet");
+  auto u1 = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u1.ok()) << u1.status();
+  ExpectSameTensors(**u1, versions[1]);
+
+  // Each new publisher's first version: a delta against the channel's newest, received exactly.
+  auto expect_delta = [&](int v, const testing::RunResult& run) {
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    nlohmann::json r = RecordOnDisk(dir, v);
+    EXPECT_EQ(r["kind"], "delta") << r.dump();
+    EXPECT_EQ(r["base"], v - 1);
+    EXPECT_EQ(r["keyframe"], 1);
+    // A small fraction of the keyframe's bytes.
+    EXPECT_LT(r["encoded_bytes"].get<uint64_t>() * 10, RecordOnDisk(dir, 1)["encoded_bytes"]);
+    auto u = (*sub)->WaitForVersion(v, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    ExpectSameTensors(**u, versions[v]);
+    EXPECT_EQ((*u)->stats().wire_bytes, r["encoded_bytes"].get<uint64_t>());  // one delta
+  };
+  expect_delta(2, Cli({"publish", uri, "--from", dir / "v2", "--version", "2"}));
+
+  // A publisher killed after writing version 3, before committing it; then restarted.
+  auto killed = Cli({"publish", uri, "--from", dir / "v3", "--version", "3"},
+                    {{"WEIGHTBUS_FAILPOINTS", "disk.before_commit=kill"}});
+  ASSERT_EQ(killed.exit_code, 128 + SIGKILL) << killed.output;
+  auto nothing = (*sub)->Poll(3, kTimeout);  // version 3 was not committed
+  ASSERT_TRUE(nothing.ok()) << nothing.status();
+  EXPECT_EQ(*nothing, nullptr);
+  expect_delta(3, Cli({"publish", uri, "--from", dir / "v3", "--version", "3"}));
+
+  auto late = Subscriber::Open(uri);  // replays keyframe 1 and the deltas 2 and 3
+  ASSERT_TRUE(late.ok());
+  auto u = (*late)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ASSERT_EQ((*u)->version(), 3u);
+  ExpectSameTensors(**u, versions[3]);
+}
+
+// A new publisher whose reading of the channel's newest version does not match that version's
+// checksums (here: the record of version 2 names another checksum for one tensor, so its
+// content differs from what the channel says it is) publishes a keyframe, and says why: in the
+// record and in its log. Subscribers receive it bit-exactly.
+TEST(DeltaTransportTest, NewPublisherWhoseBaseDiffersFromTheChannelSendsAKeyframeAndSaysWhy) {
+  ScratchDir dir;
+  const std::vector<std::vector<OwnedTensor>> versions = StoriesSteps(dir);
+  ASSERT_EQ(versions.size(), 4u);
+  const std::string uri = Uri(dir);
+  for (int v = 1; v <= 2; ++v) {
+    auto r =
+        Cli({"publish", uri, "--from", dir / absl::StrCat("v", v), "--version", std::to_string(v)});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  ASSERT_EQ(RecordOnDisk(dir, 2)["kind"], "delta");
+  const std::string manifest_path = testing::DiskVersionDir(dir, 2) + "/weightbus.manifest.json";
+  auto manifest = nlohmann::json::parse(testing::ReadFileOrDie(manifest_path));
+  nlohmann::json record = RecordOnDisk(dir, 2);
+  const std::string name = versions[2][5].name;
+  record["xxh3"][5] = "0123456789abcdef";
+  manifest["metadata"]["weightbus.delta"] = record.dump();
+  testing::WriteFileOrDie(manifest_path, manifest.dump(1));
+
+  auto third = Cli({"publish", uri, "--from", dir / "v3", "--version", "3"});
+  ASSERT_EQ(third.exit_code, 0) << third.output;
+  nlohmann::json r3 = RecordOnDisk(dir, 3);
+  EXPECT_EQ(r3["kind"], "keyframe") << r3.dump();
+  const std::string reason = r3["reason"].get<std::string>();
+  EXPECT_THAT(reason, ::testing::HasSubstr("newest version 2"));
+  EXPECT_THAT(reason, ::testing::HasSubstr("\"" + name + "\""));
+  EXPECT_THAT(reason, ::testing::HasSubstr("0123456789abcdef"));
+  EXPECT_THAT(third.output, ::testing::HasSubstr("publishing a keyframe")) << third.output;
+
+  auto sub = Subscriber::Open(uri);
+  ASSERT_TRUE(sub.ok());
+  auto u = (*sub)->WaitForVersion(3, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ExpectSameTensors(**u, versions[3]);
+
+  // delta_resume=false: a new publisher's first version is a keyframe, said so.
+  auto fourth =
+      Cli({"publish", Uri(dir, "delta_resume=false"), "--from", dir / "v1", "--version", "4"});
+  ASSERT_EQ(fourth.exit_code, 0) << fourth.output;
+  EXPECT_EQ(RecordOnDisk(dir, 4)["kind"], "keyframe");
+  EXPECT_EQ(RecordOnDisk(dir, 4)["reason"], "the first version of this publisher");
 }
 
 }  // namespace

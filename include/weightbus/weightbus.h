@@ -277,9 +277,14 @@ typedef struct wb_publish_stats {
   int64_t encode_ns;   /* part of transport_ns a layer (delta) spent encoding; 0 without one */
   uint64_t wire_bytes; /* bytes the transport carried for the tensors: `bytes`, or what a layer
                           encoded them to; 0 when a layer does not report it */
+  /* Appended later in 0.1 (a caller's shorter struct does not receive it): */
+  const char* encoding; /* a layer's choice for this version and why, UTF-8 (e.g. "delta: delta
+                           against version 7", "plain: sent plainly: ..."); "" without a layer.
+                           Owned by the library: valid until this thread's next call of
+                           wb_publisher_last_stats */
 } wb_publish_stats_t;
 #define WB_PUBLISH_STATS_INIT \
-  { sizeof(wb_publish_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+  { sizeof(wb_publish_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL }
 #define WB_PUBLISH_UNCHANGED ((uint64_t)1)
 
 /* Timing of one received version (durations in nanoseconds). Output struct as above. */
@@ -296,9 +301,13 @@ typedef struct wb_update_stats {
   int64_t decode_ns;   /* part of fetch_ns a layer (delta) spent decoding; 0 without one */
   uint64_t wire_bytes; /* bytes received for the tensors: `bytes`, or their encoded size under
                           a layer; 0 when a layer does not report it */
+  /* Appended later in 0.1 (a caller's shorter struct does not receive it): */
+  const char* encoding; /* how a layer reconstructed it, UTF-8 (e.g. "delta 8 on this
+                           subscriber's copy of version 7"); "" without a layer. Owned by the
+                           update: valid until wb_update_destroy */
 } wb_update_stats_t;
 #define WB_UPDATE_STATS_INIT \
-  { sizeof(wb_update_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+  { sizeof(wb_update_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL }
 
 /* One tensor of a version as its manifest describes it (weightbus::TensorInfo): also for
  * sub-byte dtypes, which have no DLTensor. An output struct: set struct_size

@@ -79,6 +79,9 @@ struct PublishStats {
                                  // a layer encoded them to; 0 when a layer does not report it
   bool unchanged = false;        // the call re-published the latest version with the same
                                  // tensors (a retry): nothing was written
+  std::string encoding;          // a layer's choice for this version and why, e.g. "delta: delta
+                                 // against version 7", "plain: sent plainly: encoding ...",
+                                 // "keyframe: keyframe_interval=50"; empty without a layer
 };
 
 // Publishes versions of a set of named tensors to one channel.
@@ -192,6 +195,8 @@ struct UpdateStats {
   absl::Duration decode;       // part of `fetch` a layer (delta) spent decoding; 0 if none
   uint64_t wire_bytes = 0;     // bytes received for the tensors: `bytes`, or their encoded size
                                // under a layer; 0 when a layer does not report it
+  std::string encoding;        // how a layer reconstructed it, e.g. "delta 8 on this
+                               // subscriber's copy of version 7"; empty without a layer
 };
 
 // One received, verified version. Immutable. Views into library-owned buffers stay valid for

@@ -864,7 +864,12 @@ wb_status_t wb_publisher_last_stats(wb_publisher_t* publisher, wb_publish_stats_
                              absl::ToInt64Nanoseconds(s.transport),
                              s.unchanged ? WB_PUBLISH_UNCHANGED : 0,
                              absl::ToInt64Nanoseconds(s.encode),
-                             s.wire_bytes};
+                             s.wire_bytes,
+                             nullptr};
+    // The text lives until this thread's next call (as wb_last_error_message's).
+    thread_local std::string encoding;
+    encoding = s.encoding;
+    value.encoding = encoding.c_str();
     return WriteOutput(kFn, value, stats, kPublishStatsV1);
   });
 }
@@ -1131,7 +1136,8 @@ wb_status_t wb_update_stats(const wb_update_t* update, wb_update_stats_t* stats)
                             absl::ToInt64Nanoseconds(s.copy_out),
                             s.ready_unix_ns,
                             absl::ToInt64Nanoseconds(s.decode),
-                            s.wire_bytes};
+                            s.wire_bytes,
+                            s.encoding.c_str()};  // the update's own: valid while it lives
     return WriteOutput(kFn, value, stats, kUpdateStatsV1);
   });
 }

@@ -390,6 +390,7 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   if (std::optional<internal::CodecStats> codec = backend->LastCodecStats()) {
     stats.encode = codec->time;
     stats.wire_bytes = codec->wire_bytes;
+    stats.encoding = codec->encoding;
   } else if (this->stack.size() == 1) {
     stats.wire_bytes = m.total_bytes();
   }

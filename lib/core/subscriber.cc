@@ -682,6 +682,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
   if (codec) {
     impl->stats.decode = codec->time;
     impl->stats.wire_bytes = codec->wire_bytes;
+    impl->stats.encoding = codec->encoding;
   } else if (stack.size() == 1) {
     impl->stats.wire_bytes = fetched_bytes;
   }

@@ -167,6 +167,7 @@ inline constexpr std::string_view kLayerMetadataKey = "weightbus.layer";
 struct CodecStats {
   absl::Duration time;      // encoding (publisher) or decoding (subscriber) time
   uint64_t wire_bytes = 0;  // bytes of the version as the transport beneath carried it
+  std::string encoding;     // what the layer did with the version and why (PublishStats::encoding)
 };
 
 class TransportPublisher {

@@ -780,15 +780,16 @@ def test_shards_round_trip_and_are_checked(channel):
 
 
 def test_stats_report_what_a_layer_encoded(tmp_path):
-    """encode/decode and wire_bytes: a plain transport carries the tensor bytes; the delta layer
-    reports its encoded size (64 KiB of zeros compress) and its encode/decode time."""
+    """encode/decode, wire_bytes and encoding: a plain transport carries the tensor bytes; the
+    delta layer reports its encoded size (64 KiB of zeros compress), its encode/decode time and
+    which encoding it chose and why."""
     zeros = {"zeros": torch.zeros(16384, dtype=torch.int32)}
     plain = f"disk://{tmp_path}/plain?fsync=false"
     with weightbus.Publisher(plain) as pub, weightbus.Subscriber(plain) as sub:
         ps = pub.publish(1, zeros)
-        assert ps.wire_bytes == ps.bytes == 65536 and ps.encode == 0
+        assert ps.wire_bytes == ps.bytes == 65536 and ps.encode == 0 and ps.encoding == ""
         us = sub.wait(1, timeout=30).stats
-        assert us.wire_bytes == us.bytes == 65536 and us.decode == 0
+        assert us.wire_bytes == us.bytes == 65536 and us.decode == 0 and us.encoding == ""
     if "delta" not in weightbus.transports():
         pytest.skip("the delta layer is not built")
     layered = f"delta+disk://{tmp_path}/delta?fsync=false"
@@ -796,8 +797,10 @@ def test_stats_report_what_a_layer_encoded(tmp_path):
         ps = pub.publish(1, zeros)
         assert ps.bytes == 65536 and 0 < ps.wire_bytes < ps.bytes
         assert 0 < ps.encode <= ps.transport
+        assert ps.encoding == "keyframe: the channel holds no version yet"  # which, and why
         update = sub.wait(1, timeout=30)
         assert update.stats.wire_bytes == ps.wire_bytes and update.stats.bytes == 65536
+        assert update.stats.encoding == "keyframe 1"
         assert 0 < update.stats.decode <= update.stats.fetch
         assert torch.equal(update["zeros"], zeros["zeros"])
 

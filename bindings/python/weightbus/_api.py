@@ -127,12 +127,15 @@ class PublishStats:
     encode: float = 0.0   # part of `transport` a layer (delta) spent encoding; 0 without one
     wire_bytes: int = 0   # bytes the transport carried: `bytes`, or what a layer encoded them to;
                           # 0 when a layer does not report it
+    encoding: str = ""    # a layer's choice for this version and why ("delta: delta against
+                          # version 7", "plain: sent plainly: ..."); "" without a layer
 
     @classmethod
     def _from_c(cls, s) -> "PublishStats":
         return cls(s.version, s.bytes, s.stall_ns / 1e9, s.pack_ns / 1e9,
                    s.checksum_wait_ns / 1e9, s.transport_ns / 1e9,
-                   bool(s.flags & _lib.WB_PUBLISH_UNCHANGED), s.encode_ns / 1e9, s.wire_bytes)
+                   bool(s.flags & _lib.WB_PUBLISH_UNCHANGED), s.encode_ns / 1e9, s.wire_bytes,
+                   (s.encoding or b"").decode("utf-8", "replace"))
 
 
 @dataclass(frozen=True)
@@ -149,12 +152,14 @@ class UpdateStats:
     decode: float = 0.0   # part of `fetch` a layer (delta) spent decoding; 0 without one
     wire_bytes: int = 0   # bytes received: `bytes`, or their encoded size under a layer; 0 when
                           # a layer does not report it
+    encoding: str = ""    # how a layer reconstructed it ("delta 8 on this subscriber's copy of
+                          # version 7"); "" without a layer
 
     @classmethod
     def _from_c(cls, s) -> "UpdateStats":
         return cls(s.bytes, s.wait_ns / 1e9, s.allocate_ns / 1e9, s.fetch_ns / 1e9,
                    s.verify_wait_ns / 1e9, s.copy_out_ns / 1e9, s.ready_unix_ns,
-                   s.decode_ns / 1e9, s.wire_bytes)
+                   s.decode_ns / 1e9, s.wire_bytes, (s.encoding or b"").decode("utf-8", "replace"))
 
 
 @dataclass(frozen=True)

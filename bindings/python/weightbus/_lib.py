@@ -78,7 +78,7 @@ class wb_publish_stats_t(Structure):
     _fields_ = [("struct_size", c_size_t), ("version", c_uint64), ("bytes", c_uint64),
                 ("stall_ns", c_int64), ("pack_ns", c_int64), ("checksum_wait_ns", c_int64),
                 ("transport_ns", c_int64), ("flags", c_uint64), ("encode_ns", c_int64),
-                ("wire_bytes", c_uint64)]
+                ("wire_bytes", c_uint64), ("encoding", c_char_p)]
 
 
 WB_PUBLISH_UNCHANGED = 1
@@ -88,7 +88,7 @@ class wb_update_stats_t(Structure):
     _fields_ = [("struct_size", c_size_t), ("bytes", c_uint64), ("wait_ns", c_int64),
                 ("allocate_ns", c_int64), ("fetch_ns", c_int64), ("verify_wait_ns", c_int64),
                 ("copy_out_ns", c_int64), ("ready_unix_ns", c_int64), ("decode_ns", c_int64),
-                ("wire_bytes", c_uint64)]
+                ("wire_bytes", c_uint64), ("encoding", c_char_p)]
 
 
 class wb_setting_info_t(Structure):

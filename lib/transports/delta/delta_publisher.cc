@@ -4,13 +4,17 @@
 // publish the encoded blob through the transport beneath as a one-tensor version whose manifest
 // metadata carries the delta record. Keeps the chain from the newest keyframe alive with
 // KeepVersionsFrom, so that late joiners can replay it.
+#include <algorithm>
 #include <cstring>
+#include <functional>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "core/buffer.h"
 #include "core/checksum.h"
 #include "core/logging.h"
+#include "core/registry.h"
 #include "core/status.h"
 #include "transports/delta/delta_transport.h"
 
@@ -23,6 +27,11 @@ uint64_t AlignUp(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
 // The bytes of the last version published: what the next delta is computed against.
 struct Base {
   Manifest manifest;
+  Manifest inner;      // its encoded version as published on the channel
+  bool plain = false;  // sent plainly (kind "plain")
+  // `buffer` holds the version's bytes (false after a plain version this publisher did not copy:
+  // the next version is then whole).
+  bool has_bytes = true;
   uint64_t fingerprint = 0;
   std::unique_ptr<HostBuffer> buffer;
   std::vector<uint64_t> offsets;  // of each tensor in `buffer`
@@ -31,14 +40,87 @@ struct Base {
   std::byte* tensor(size_t i) { return buffer ? buffer->data() + offsets[i] : nullptr; }
 };
 
+// What this publisher measured: the rates that decide whether a version is worth encoding.
+struct Rates {
+  // Encoding one kind (delta or keyframe): model bytes per second of wall time with this
+  // publisher's threads, and encoded bytes per model byte, of the last encode (0: none yet).
+  struct Codec {
+    double bytes_per_s = 0;
+    double ratio = 0;
+    void Measure(uint64_t bytes, absl::Duration took, uint64_t encoded) {
+      const double s = std::max(absl::ToDoubleSeconds(took), 1e-9);
+      bytes_per_s = Smooth(bytes_per_s, static_cast<double>(bytes) / s);
+      ratio =
+          Smooth(ratio, bytes == 0 ? 0 : static_cast<double>(encoded) / static_cast<double>(bytes));
+    }
+  };
+  Codec delta, keyframe;
+  // Bytes per second through the transport beneath (its Publish), from publishes of at least
+  // kMinTransfer bytes, where fixed costs do not dominate (0: none yet).
+  static constexpr uint64_t kMinTransfer = uint64_t{1} << 20;
+  double transfer_bytes_per_s = 0;
+  // Versions sent plainly in a row: every kProbe-th delta candidate is encoded again to measure
+  // the rates afresh (the change density of a run varies).
+  static constexpr int kProbe = 16;
+  int plain_run = 0;
+  void MeasureTransfer(uint64_t bytes, absl::Duration took) {
+    if (bytes < kMinTransfer) return;
+    transfer_bytes_per_s =
+        Smooth(transfer_bytes_per_s,
+               static_cast<double>(bytes) / std::max(absl::ToDoubleSeconds(took), 1e-9));
+  }
+  // Each measurement counts half, the ones before it the other half: one slow version on a
+  // shared machine does not flip the choice by itself.
+  static double Smooth(double old, double now) { return old <= 0 ? now : (old + now) / 2; }
+};
+
+// Opens a subscriber of this layer over the transport beneath (NewReader), for reading the
+// channel back.
+using ReaderFactory = std::function<absl::StatusOr<std::unique_ptr<TransportSubscriber>>()>;
+
+// The core's job, handed to the transport beneath unchanged except for the manifest, which
+// `finish` completes (the layer's record in its metadata): a version sent plainly is staged,
+// copied and checksummed by the transport beneath exactly as without the layer.
+class ForwardingJob final : public PublishJob {
+ public:
+  ForwardingJob(PublishJob& outer, std::function<absl::Status(Manifest&)> finish)
+      : outer_(outer), finish_(std::move(finish)) {}
+  uint64_t version() const override { return outer_.version(); }
+  absl::Span<const PackedTensor> tensors() const override { return outer_.tensors(); }
+  absl::StatusOr<const Manifest*> SealedManifest(absl::Time deadline) override {
+    if (!manifest_) {
+      WB_ASSIGN_OR_RETURN(const Manifest* sealed, outer_.SealedManifest(deadline));
+      Manifest m = *sealed;
+      WB_RETURN_IF_ERROR(finish_(m));
+      manifest_ = std::move(m);
+    }
+    return &*manifest_;
+  }
+  void CopyWithChecksum(size_t i, absl::Span<const CopyTarget> pieces) override {
+    outer_.CopyWithChecksum(i, pieces);
+  }
+  void CopyRange(size_t i, uint64_t offset, uint64_t size, std::byte* dst) const override {
+    outer_.CopyRange(i, offset, size, dst);
+  }
+  bool ClaimChecksum(size_t i) override { return outer_.ClaimChecksum(i); }
+  void SetChecksum(size_t i, uint64_t xxh3) override { outer_.SetChecksum(i, xxh3); }
+
+ private:
+  PublishJob& outer_;
+  std::function<absl::Status(Manifest&)> finish_;
+  std::optional<Manifest> manifest_;
+};
+
 class DeltaPublisher final : public TransportPublisher {
  public:
   DeltaPublisher(std::string uri, LayerOptions options, std::unique_ptr<TransportPublisher> inner,
-                 std::unique_ptr<Parallel> parallel)
+                 std::shared_ptr<Parallel> parallel, ReaderFactory open_reader, bool check_at_rest)
       : uri_(std::move(uri)),
         options_(options),
         inner_(std::move(inner)),
-        parallel_(std::move(parallel)) {}
+        parallel_(std::move(parallel)),
+        open_reader_(std::move(open_reader)),
+        check_at_rest_(check_at_rest) {}
 
   absl::StatusOr<std::optional<uint64_t>> LatestVersion() override {
     return inner_->LatestVersion();
@@ -80,16 +162,44 @@ class DeltaPublisher final : public TransportPublisher {
   // keyframe), or only the chunks of `delta` that changed.
   void CommitBase(const Manifest& manifest, absl::Span<const PackedTensor> data, Storage* storage,
                   const EncodedVersion* delta);
+  // Before the first version this object publishes: continues the chain of the channel's newest
+  // version (published by an earlier publisher: a restarted trainer, each `weightbus publish`)
+  // by reading that version back, checked against its checksums, as the base. Returns why not
+  // when it cannot (the first version is then a keyframe).
+  std::optional<std::string> Resume(uint64_t version, const std::vector<TensorInfo>& layout,
+                                    absl::Time deadline);
+  // Why this version (of `bytes` tensor bytes, a keyframe or a delta as `keyframe` says) goes
+  // plainly: when the measured rates predict that encoding it here and decoding it at a
+  // subscriber take longer than sending the bytes it saves. nullopt: encode it.
+  std::optional<std::string> PlainReason(bool keyframe, uint64_t bytes) const;
+  // Publishes the job plainly (record kind "plain", `reason` why) through the transport beneath.
+  absl::Status PublishPlain(PublishJob& job, const std::vector<TensorInfo>& infos,
+                            const std::string& reason, uint64_t bytes, absl::Time deadline);
+  // Before encoding a large delta whose rates are not measured yet, or a probe (PlainReason):
+  // encodes every kSampleStride-th chunk on this thread and sets rates_.delta from it. Returns
+  // whether it did (false: too few chunks to sample, or the rates are known).
+  bool SampleDelta(const std::vector<TensorLayout>& layout,
+                   const std::vector<const std::byte*>& target, uint64_t bytes);
+  // The subscriber that reads this channel back, opened on first use.
+  absl::StatusOr<TransportSubscriber*> Reader();
 
   std::string uri_;
   LayerOptions options_;
   std::unique_ptr<TransportPublisher> inner_;
-  std::unique_ptr<Parallel> parallel_;
+  std::shared_ptr<Parallel> parallel_;
+  ReaderFactory open_reader_;
+  // The transport beneath keeps versions at rest (durable): before a delta against the base,
+  // check that the channel still holds the base's encoded version intact.
+  bool check_at_rest_ = false;
+  std::unique_ptr<TransportSubscriber> reader_;
+  bool resume_tried_ = false;
+  std::string no_base_reason_ = "the first version of this publisher";
   std::optional<Base> base_;
-  std::optional<uint64_t> keyframe_;  // newest keyframe published
+  std::optional<uint64_t> keyframe_;  // newest keyframe in the chain of base_
   uint64_t deltas_since_keyframe_ = 0;
-  uint64_t keyframe_bytes_ = 0;           // its encoded size
-  std::optional<uint64_t> outer_floor_;   // from a layer above, if any
+  uint64_t keyframe_bytes_ = 0;          // its encoded size
+  std::optional<uint64_t> outer_floor_;  // from a layer above, if any
+  Rates rates_;
   std::optional<CodecStats> last_stats_;  // of the last successful Publish
 };
 
@@ -135,6 +245,174 @@ void DeltaPublisher::CommitBase(const Manifest& manifest, absl::Span<const Packe
   base_->fingerprint = Fingerprint(manifest);
 }
 
+std::optional<std::string> DeltaPublisher::PlainReason(bool keyframe, uint64_t bytes) const {
+  if (!options_.choose_plain || bytes < Rates::kMinTransfer) return std::nullopt;
+  const double transfer = rates_.transfer_bytes_per_s;
+  if (transfer <= 0) {
+    // Nothing measured yet: a whole version goes plainly, which costs what the transport beneath
+    // costs and measures it; a delta is encoded (and measured).
+    if (!keyframe) return std::nullopt;
+    return std::string(
+        "sent plainly: a whole version before this publisher has measured the transport beneath "
+        "(plainly it costs what that transport costs)");
+  }
+  // A keyframe not measured yet is judged by the delta's figures: it encodes more slowly and
+  // saves fewer bytes, so where a delta does not pay, neither does a keyframe.
+  const bool judge_keyframe = keyframe && rates_.keyframe.bytes_per_s > 0;
+  const Rates::Codec& codec = judge_keyframe ? rates_.keyframe : rates_.delta;
+  if (codec.bytes_per_s <= 0) return std::nullopt;  // not measured yet: encode and measure
+  if (!keyframe && rates_.plain_run > 0 && rates_.plain_run % Rates::kProbe == 0) {
+    return std::nullopt;  // measure again
+  }
+  const double n = static_cast<double>(bytes);
+  // Decoding is assumed to cost what encoding did: the codec decodes 1.7x-2x faster than it
+  // encodes per core (BENCHMARKS.md), and a subscriber may have fewer cores free.
+  const double codec_s = 2 * n / codec.bytes_per_s;
+  const double saved_s = (n - n * codec.ratio) / transfer;
+  if (codec_s <= saved_s) return std::nullopt;
+  return absl::StrFormat(
+      "sent plainly: encoding and decoding a %s (%.3f s at the %.2f GB/s measured, decoding "
+      "assumed as slow) would cost more than the %.3f s its %.1fx fewer bytes save at the "
+      "%.2f GB/s measured through the transport beneath",
+      keyframe && !judge_keyframe ? "delta (so a keyframe too)"
+      : keyframe                  ? "keyframe"
+                                  : "delta",
+      codec_s, codec.bytes_per_s / 1e9, saved_s, codec.ratio > 0 ? 1 / codec.ratio : 0.0,
+      transfer / 1e9);
+}
+
+bool DeltaPublisher::SampleDelta(const std::vector<TensorLayout>& layout,
+                                 const std::vector<const std::byte*>& target, uint64_t bytes) {
+  constexpr size_t kSampleStride = 16;
+  const bool probe = rates_.plain_run > 0 && rates_.plain_run % Rates::kProbe == 0;
+  if (!options_.choose_plain || bytes < Rates::kMinTransfer || rates_.transfer_bytes_per_s <= 0 ||
+      !base_ || !base_->has_bytes || (rates_.delta.bytes_per_s > 0 && !probe)) {
+    return false;
+  }
+  const std::vector<Chunk> chunks = PlanChunks(layout, options_.encode.chunk_size);
+  if (chunks.size() < 2 * kSampleStride) return false;
+  const absl::Time start = absl::Now();
+  uint64_t raw = 0, encoded = 0;
+  std::vector<std::byte> out;
+  for (size_t c = kSampleStride / 2; c < chunks.size(); c += kSampleStride) {
+    std::vector<ChunkInput> spans;
+    for (const Piece& p : chunks[c].pieces) {
+      spans.push_back(
+          ChunkInput{base_->tensor(p.tensor) + p.offset, target[p.tensor] + p.offset, p.bytes});
+    }
+    out.clear();
+    encoded += EncodeChunk(chunks[c].dtype, spans, false, options_.encode, &out).encoded_bytes;
+    raw += chunks[c].bytes;
+  }
+  // One thread encoded the sample; the whole version is encoded by all of them.
+  rates_.delta.Measure(raw * static_cast<uint64_t>(parallel_->threads()), absl::Now() - start,
+                       encoded * static_cast<uint64_t>(parallel_->threads()));
+  return true;
+}
+
+absl::Status DeltaPublisher::PublishPlain(PublishJob& job, const std::vector<TensorInfo>& infos,
+                                          const std::string& reason, uint64_t bytes,
+                                          absl::Time deadline) {
+  const uint64_t version = job.version();
+  last_stats_.reset();
+  ++rates_.plain_run;
+  // A copy is kept only when the next version may be a delta against this one (the next probe,
+  // or no delta measured yet: PlainReason): otherwise a plain version costs this layer no copy
+  // at either end.
+  const bool keep = rates_.plain_run % Rates::kProbe == 0 || rates_.delta.bytes_per_s <= 0;
+  Record record;
+  record.plain = true;
+  record.keep = keep;
+  record.version = version;
+  record.keyframe_version = version;
+  record.encoded_bytes = bytes;
+  record.reason = reason;
+  ForwardingJob forward(job, [&](Manifest& m) -> absl::Status {
+    if (m.metadata.count(std::string(kRecordKey)) > 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s version %d: metadata key \"%s\" is reserved for the delta layer",
+                          uri_, version, kRecordKey));
+    }
+    m.metadata[std::string(kRecordKey)] = RecordToJson(record);
+    m.metadata[std::string(kLayerMetadataKey)] = "delta";
+    return absl::OkStatus();
+  });
+  std::optional<Storage> storage;
+  if (keep) {
+    WB_ASSIGN_OR_RETURN(storage, PrepareBase(infos));
+  }
+  const absl::Time start = absl::Now();
+  WB_RETURN_IF_ERROR(inner_->Publish(forward, deadline));
+  rates_.MeasureTransfer(bytes, absl::Now() - start);
+  WB_ASSIGN_OR_RETURN(const Manifest* published, forward.SealedManifest(deadline));
+  Manifest target = *published;
+  target.metadata.erase(std::string(kRecordKey));
+  target.metadata.erase(std::string(kLayerMetadataKey));
+  if (keep) {
+    CommitBase(target, job.tensors(), &*storage, nullptr);
+  } else {
+    if (!base_) base_.emplace();
+    base_->manifest = target;
+    base_->fingerprint = Fingerprint(target);
+  }
+  base_->inner = *published;
+  base_->plain = true;
+  base_->has_bytes = keep;
+  keyframe_ = version;
+  keyframe_bytes_ = bytes;
+  deltas_since_keyframe_ = 0;
+  ApplyFloor();
+  last_stats_ = CodecStats{absl::ZeroDuration(), bytes, absl::StrCat("plain: ", reason)};
+  Log(LogLevel::kDebug, "%s version %d: %d bytes sent plainly (%s)", uri_, version, bytes, reason);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TransportSubscriber*> DeltaPublisher::Reader() {
+  if (!reader_) {
+    WB_ASSIGN_OR_RETURN(reader_, open_reader_());
+  }
+  return reader_.get();
+}
+
+std::optional<std::string> DeltaPublisher::Resume(uint64_t version,
+                                                  const std::vector<TensorInfo>& layout,
+                                                  absl::Time deadline) {
+  absl::StatusOr<std::optional<uint64_t>> latest = inner_->LatestVersion();
+  if (!latest.ok()) {
+    return absl::StrFormat("the channel's newest version cannot be found: %s",
+                           latest.status().message());
+  }
+  if (!*latest) return "the channel holds no version yet";
+  const uint64_t from = **latest;
+  absl::StatusOr<TransportSubscriber*> reader = Reader();
+  absl::StatusOr<ChainVersion> read =
+      reader.ok() ? ReadChainVersion(**reader, from, layout, deadline) : reader.status();
+  if (!read.ok()) {
+    std::string why = absl::StrFormat(
+        "a new publisher continues the channel's chain only from its newest version %d as the "
+        "channel's checksums describe it, which failed: %s",
+        from, read.status().message());
+    Log(LogLevel::kWarn, "%s version %d: publishing a keyframe: %s", uri_, version, why);
+    return why;
+  }
+  Base b;
+  b.manifest = std::move(read->manifest);
+  b.inner = std::move(read->inner);
+  b.fingerprint = Fingerprint(b.manifest);
+  b.buffer = std::move(read->buffer);
+  b.offsets = std::move(read->offsets);
+  base_ = std::move(b);
+  keyframe_ = read->keyframe;
+  keyframe_bytes_ = read->keyframe_bytes;
+  deltas_since_keyframe_ = read->deltas_since_keyframe;
+  ApplyFloor();  // the chain a late joiner replays stays, whatever retention says
+  Log(LogLevel::kInfo,
+      "%s: continuing the channel's chain: version %d applies to version %d (keyframe %d + %d "
+      "deltas, read back and checked against its checksums)",
+      uri_, version, from, *keyframe_, deltas_since_keyframe_);
+  return std::nullopt;
+}
+
 absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   const uint64_t version = job.version();
   absl::Span<const PackedTensor> packed = job.tensors();
@@ -147,13 +425,64 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   }
   const std::vector<TensorLayout> layout = LayoutOf(infos);
 
+  if (!base_ && !resume_tried_ && options_.resume) {
+    resume_tried_ = true;
+    if (std::optional<std::string> why = Resume(version, infos, deadline)) {
+      no_base_reason_ = *std::move(why);
+    }
+  }
   // A chain never exceeds max_chain deltas: the floor kept for it (KeepVersionsFrom) then moves
   // on, and the channel holds at most max(retention, max_chain + 2) versions (README.md).
-  bool keyframe =
-      !base_ || !SameLayout(base_->manifest.tensors, infos) ||
-      (options_.keyframe_interval > 0 &&
-       deltas_since_keyframe_ + 1 >= static_cast<uint64_t>(options_.keyframe_interval)) ||
-      deltas_since_keyframe_ >= static_cast<uint64_t>(options_.max_chain);
+  std::string reason;
+  if (!base_) {
+    reason = no_base_reason_;
+  } else if (!base_->has_bytes) {
+    reason = absl::StrFormat("version %d went plainly and this publisher kept no copy of it",
+                             base_->manifest.version);
+  } else if (!SameLayout(base_->manifest.tensors, infos)) {
+    reason =
+        absl::StrFormat("the tensor layout differs from version %d's", base_->manifest.version);
+  } else if (options_.keyframe_interval > 0 &&
+             deltas_since_keyframe_ + 1 >= static_cast<uint64_t>(options_.keyframe_interval)) {
+    reason = absl::StrFormat("keyframe_interval=%d", options_.keyframe_interval);
+  } else if (deltas_since_keyframe_ >= static_cast<uint64_t>(options_.max_chain)) {
+    reason = absl::StrFormat("delta_max_chain=%d deltas after keyframe %d", options_.max_chain,
+                             *keyframe_);
+  }
+  if (reason.empty() && check_at_rest_) {
+    // Subscribers that do not hold the base need the channel's copy of it to apply a delta
+    // against it: a corrupt one (a flipped bit at rest, an edited manifest) would stop them
+    // until the next keyframe, so the keyframe comes now. Each version is checked once, when it
+    // is the base (a delta: a few KB to MB; a keyframe or a plain version once per chain, and
+    // only when a delta follows it).
+    absl::StatusOr<TransportSubscriber*> reader = Reader();
+    absl::Status intact =
+        reader.ok() ? CheckEncodedVersion(**reader, base_->inner, deadline) : reader.status();
+    if (!intact.ok()) {
+      reason = absl::StrFormat(
+          "the channel's copy of version %d, the base of a delta, cannot be read back intact "
+          "(subscribers that do not hold it could not apply the delta): %s",
+          base_->manifest.version, intact.message());
+      Log(LogLevel::kWarn, "%s version %d: publishing a keyframe: %s", uri_, version, reason);
+    }
+  }
+  bool keyframe = !reason.empty();
+  uint64_t total_bytes = 0;
+  for (const TensorInfo& t : infos) total_bytes += t.nbytes;
+  // Sent plainly when encoding and decoding would cost more time than the bytes they save
+  // (predicted from this publisher's measured rates); reason says why.
+  std::optional<std::string> plain = PlainReason(keyframe, total_bytes);
+  if (!plain && !keyframe && SampleDelta(layout, target, total_bytes)) {
+    // The delta's rates, measured afresh on a sample of its chunks rather than by encoding it
+    // all: what a probe costs when the answer is "plainly".
+    rates_.plain_run = 0;
+    plain = PlainReason(false, total_bytes);
+    if (plain) absl::StrAppend(&*plain, " (sampled)");
+  }
+  if (plain) {
+    reason = keyframe ? absl::StrCat(*plain, "; a keyframe was due: ", reason) : *plain;
+    return PublishPlain(job, infos, reason, total_bytes, deadline);
+  }
   const absl::Time start = absl::Now();
   last_stats_.reset();
   auto encode = [&](bool as_keyframe) -> absl::StatusOr<EncodedVersion> {
@@ -166,15 +495,20 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     return EncodeVersion(ids, layout, base, target, options_.encode, *parallel_);
   };
   WB_ASSIGN_OR_RETURN(EncodedVersion encoded, encode(keyframe));
+  (keyframe ? rates_.keyframe : rates_.delta)
+      .Measure(total_bytes, absl::Now() - start, encoded.bytes.size());
+  if (!keyframe) rates_.plain_run = 0;
   // A delta as large as the last keyframe helps no one: send a keyframe (which also shortens the
   // chain a late joiner replays).
   if (!keyframe && encoded.bytes.size() >= keyframe_bytes_) {
-    Log(LogLevel::kInfo,
-        "%s: the delta of version %d (%d bytes) is not smaller than the last keyframe (%d "
-        "bytes); publishing a keyframe instead",
-        uri_, version, encoded.bytes.size(), keyframe_bytes_);
+    reason = absl::StrFormat(
+        "the delta against version %d (%d bytes) is not smaller than keyframe %d (%d bytes)",
+        base_->manifest.version, encoded.bytes.size(), *keyframe_, keyframe_bytes_);
+    Log(LogLevel::kInfo, "%s version %d: publishing a keyframe: %s", uri_, version, reason);
     keyframe = true;
+    const absl::Time again = absl::Now();
     WB_ASSIGN_OR_RETURN(encoded, encode(true));
+    rates_.keyframe.Measure(total_bytes, absl::Now() - again, encoded.bytes.size());
   }
   const absl::Time encoded_at = absl::Now();
 
@@ -189,6 +523,8 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   record.version = version;
   record.keyframe_version = keyframe ? version : *keyframe_;
   record.encoded_bytes = encoded.bytes.size();
+  record.reason =
+      keyframe ? reason : absl::StrFormat("delta against version %d", base_->manifest.version);
   if (keyframe) {
     record.tensors = target_manifest->tensors;
   } else {
@@ -214,27 +550,33 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   if (keyframe) {
     WB_ASSIGN_OR_RETURN(storage, PrepareBase(infos));
   }
+  Manifest published = inner;
   SealedPublishJob sealed(std::move(inner), {encoded.bytes.data()});
+  const absl::Time transfer_start = absl::Now();
   WB_RETURN_IF_ERROR(inner_->Publish(sealed, deadline));
+  rates_.MeasureTransfer(record.encoded_bytes, absl::Now() - transfer_start);
 
   // Published: from now on the next delta is against this version.
   CommitBase(*target_manifest, packed, storage ? &*storage : nullptr, &encoded);
+  base_->inner = std::move(published);
+  base_->plain = false;
   if (keyframe) {
     keyframe_ = version;
-    keyframe_bytes_ = encoded.bytes.size();
+    keyframe_bytes_ = record.encoded_bytes;
     deltas_since_keyframe_ = 0;
     ApplyFloor();
   } else {
     ++deltas_since_keyframe_;
   }
-  last_stats_ = CodecStats{encoded_at - start, encoded.bytes.size()};
+  const char* kind = keyframe ? "keyframe" : "delta";
+  last_stats_ = CodecStats{encoded_at - start, record.encoded_bytes,
+                           absl::StrFormat("%s: %s", kind, record.reason)};
   Log(LogLevel::kDebug,
       "%s version %d: %s of %d bytes for %d bytes of tensors (%.1fx), %d of %d "
       "elements changed, encoded in %s",
-      uri_, version, keyframe ? "keyframe" : "delta", encoded.bytes.size(),
-      target_manifest->total_bytes(),
+      uri_, version, kind, record.encoded_bytes, target_manifest->total_bytes(),
       static_cast<double>(target_manifest->total_bytes()) /
-          static_cast<double>(encoded.bytes.size()),
+          static_cast<double>(std::max<uint64_t>(1, record.encoded_bytes)),
       encoded.changed_elements, encoded.total_elements, absl::FormatDuration(encoded_at - start));
   return absl::OkStatus();
 }
@@ -244,9 +586,25 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
 absl::StatusOr<std::unique_ptr<TransportPublisher>> WrapPublisher(
     const Uri& uri, const Config& config, std::unique_ptr<TransportPublisher> inner) {
   WB_ASSIGN_OR_RETURN(LayerOptions options, ReadLayerOptions(uri, config));
-  WB_ASSIGN_OR_RETURN(std::unique_ptr<Parallel> parallel, Parallel::Create(options.threads));
+  WB_ASSIGN_OR_RETURN(std::shared_ptr<Parallel> parallel, Parallel::Create(options.threads));
+  // The stack beneath this layer, as a subscriber reads it.
+  WB_ASSIGN_OR_RETURN(std::vector<const TransportDescriptor*> stack, ResolveStack(uri));
+  auto self = std::find_if(stack.begin(), stack.end(),
+                           [](const TransportDescriptor* d) { return d->scheme == "delta"; });
+  std::vector<const TransportDescriptor*> beneath(self == stack.end() ? self : self + 1,
+                                                  stack.end());
+  const bool durable = !beneath.empty() && StackCapabilities(beneath, config).durable;
+  ReaderFactory open_reader =
+      [beneath, uri, config, parallel,
+       display = uri.Display()]() -> absl::StatusOr<std::unique_ptr<TransportSubscriber>> {
+    if (beneath.empty()) return absl::UnimplementedError("no transport beneath the layer");
+    WB_ASSIGN_OR_RETURN(std::unique_ptr<TransportSubscriber> inner,
+                        OpenSubscriberStack(beneath, uri, config));
+    return NewReader(display, std::move(inner), parallel);
+  };
   return std::unique_ptr<TransportPublisher>(
-      new DeltaPublisher(uri.Display(), options, std::move(inner), std::move(parallel)));
+      new DeltaPublisher(uri.Display(), options, std::move(inner), std::move(parallel),
+                         std::move(open_reader), durable));
 }
 
 }  // namespace weightbus::internal::delta

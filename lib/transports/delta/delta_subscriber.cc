@@ -40,6 +40,10 @@ struct Base {
   uint64_t fingerprint = 0;
   std::unique_ptr<HostBuffer> buffer;
   std::vector<uint64_t> offsets;
+  // `buffer` holds the version's bytes: false after a plain version whose record says no delta
+  // will follow it directly (its bytes are then not copied; a delta against it is replayed
+  // from the channel).
+  bool has_bytes = true;
 
   std::byte* tensor(size_t i) const { return buffer ? buffer->data() + offsets[i] : nullptr; }
 };
@@ -58,6 +62,58 @@ struct Step {
   Manifest manifest;  // the version it reconstructs
   std::unique_ptr<IncomingVersion> incoming;  // null until (re)opened for fetching
 };
+
+// A LandingSink for fetches whose caller checks whole tensors itself.
+struct IgnoreLanding final : public LandingSink {
+  void Landed(size_t) override {}
+};
+
+// Fetches `incoming` into `targets` (one per tensor of `m`, its manifest or the one it
+// reconstructs) and checks every tensor against m's checksum, as the core does for a subscriber.
+// `what` names the version and `whose` where the checksum comes from, for the message. Errors:
+// DataLoss naming the tensor, its source and both checksums; others from the fetch.
+absl::Status FetchVerified(IncomingVersion& incoming, const Manifest& m,
+                           absl::Span<std::byte* const> targets, absl::Time deadline,
+                           const std::string& uri, const std::string& what,
+                           const std::string& whose) {
+  IgnoreLanding sink;
+  WB_RETURN_IF_ERROR(incoming.Fetch(targets, sink, deadline));
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    const uint64_t sum = Xxh3(targets[i], m.tensors[i].nbytes);
+    if (sum != m.tensors[i].xxh3) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s: tensor \"%s\" of %s (%s) fails verification: XXH3-64 of its %d bytes is %016x "
+          "but %s says %016x",
+          uri, m.tensors[i].name, what, incoming.DescribeSource(i), m.tensors[i].nbytes, sum, whose,
+          m.tensors[i].xxh3));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The blob of an encoded version, checked against the XXH3-64 its inner manifest gives.
+// Errors: DataLoss naming the version, where its bytes come from and both checksums.
+absl::StatusOr<std::shared_ptr<HostBuffer>> FetchBlob(const std::string& uri,
+                                                      IncomingVersion& incoming, BufferPool& pool,
+                                                      absl::Time deadline) {
+  const Manifest& inner = incoming.manifest();
+  const TensorInfo& info = inner.tensors[0];
+  WB_ASSIGN_OR_RETURN(std::shared_ptr<HostBuffer> blob, pool.Get(info.nbytes));
+  struct Counter final : public LandingSink {
+    void Landed(size_t) override { ++landed; }
+    int landed = 0;
+  } counter;
+  std::byte* const target[1] = {blob->data()};
+  WB_RETURN_IF_ERROR(incoming.Fetch(target, counter, deadline));
+  const uint64_t sum = Xxh3(blob->data(), info.nbytes);
+  if (counter.landed != 1 || sum != info.xxh3) {
+    return absl::DataLossError(absl::StrFormat(
+        "%s: the encoded version %d (%s) fails verification: XXH3-64 of its %d bytes is %016x "
+        "but its manifest says %016x",
+        uri, inner.version, incoming.DescribeSource(0), info.nbytes, sum, info.xxh3));
+  }
+  return blob;
+}
 
 class DeltaSubscriber;
 
@@ -81,13 +137,23 @@ class DeltaIncoming final : public IncomingVersion {
   // the base moves nothing: 0 bytes).
   std::optional<CodecStats> FetchCodecStats() const override {
     if (!fetched_) return std::nullopt;
-    return codec_;
+    CodecStats c = codec_;
+    c.encoding = Chain();
+    return c;
   }
+  // The encoded versions this reconstructs from, oldest first (none for a duplicate).
+  const std::vector<Step>& steps() const { return steps_; }
+  bool from_base() const { return from_base_; }
 
  private:
   absl::Status FetchStep(size_t k, absl::Span<std::byte* const> targets, LandingSink& sink,
                          absl::Time deadline);
   std::string Chain() const;
+  // A single plain version whose record says no delta follows it directly: its bytes are not
+  // copied into the base.
+  bool PlainNotKept() const {
+    return !duplicate_ && steps_.size() == 1 && steps_[0].record.plain && !steps_[0].record.keep;
+  }
 
   DeltaSubscriber* owner_;
   std::vector<Step> steps_;
@@ -105,7 +171,7 @@ class DeltaIncoming final : public IncomingVersion {
 class DeltaSubscriber final : public TransportSubscriber {
  public:
   DeltaSubscriber(std::string uri, std::unique_ptr<TransportSubscriber> inner,
-                  std::unique_ptr<Parallel> parallel)
+                  std::shared_ptr<Parallel> parallel)
       : uri_(std::move(uri)), inner_(std::move(inner)), parallel_(std::move(parallel)) {}
 
   absl::StatusOr<std::unique_ptr<IncomingVersion>> WaitForVersion(uint64_t min_version,
@@ -114,6 +180,9 @@ class DeltaSubscriber final : public TransportSubscriber {
                                                                absl::Time deadline) override;
   absl::StatusOr<std::vector<uint64_t>> ListVersions() override { return inner_->ListVersions(); }
   void Cancel() override { inner_->Cancel(); }
+  const std::string& uri() const { return uri_; }
+  TransportSubscriber& inner() { return *inner_; }
+  BufferPool& blobs() { return *blobs_; }
 
  private:
   friend class DeltaIncoming;
@@ -126,12 +195,19 @@ class DeltaSubscriber final : public TransportSubscriber {
     return absl::StrFormat("%s version %d", uri_, version);
   }
   absl::StatusOr<Storage> PrepareStorage(const Manifest& manifest) const;
+  // The base becomes `manifest`'s version without its bytes (Base::has_bytes).
+  void AdoptManifest(const Manifest& manifest) {
+    if (!base_) base_.emplace();
+    base_->manifest = manifest;
+    base_->fingerprint = Fingerprint(manifest);
+    base_->has_bytes = false;
+  }
   void AdoptBase(const Manifest& manifest, absl::Span<std::byte* const> targets, Storage* storage,
                  const std::vector<Chunk>& chunks, const std::vector<Method>& methods);
 
   std::string uri_;
   std::unique_ptr<TransportSubscriber> inner_;
-  std::unique_ptr<Parallel> parallel_;
+  std::shared_ptr<Parallel> parallel_;
   std::optional<Base> base_;
   std::shared_ptr<BufferPool> blobs_ = BufferPool::Create(1);
 };
@@ -181,7 +257,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::Plan(
         "order)",
         uri_, version, base_->manifest.version));
   }
-  if (base_ && version == base_->manifest.version) {
+  if (base_ && base_->has_bytes && version == base_->manifest.version) {
     // Delivered again: the same bytes if its tensors and checksums are the base's.
     bool same;
     if (record.keyframe) {
@@ -212,7 +288,8 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::Plan(
   while (true) {
     const Record& r = steps.back().record;
     if (r.keyframe) break;
-    if (base_ && r.base == base_->manifest.version && r.base_fingerprint == base_->fingerprint) {
+    if (base_ && base_->has_bytes && r.base == base_->manifest.version &&
+        r.base_fingerprint == base_->fingerprint) {
       from_base = true;
       break;
     }
@@ -296,6 +373,7 @@ void DeltaSubscriber::AdoptBase(const Manifest& manifest, absl::Span<std::byte* 
   }
   base_->manifest = manifest;
   base_->fingerprint = Fingerprint(manifest);
+  base_->has_bytes = true;
 }
 
 absl::Status DeltaIncoming::Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
@@ -313,7 +391,7 @@ absl::Status DeltaIncoming::Fetch(absl::Span<std::byte* const> targets, LandingS
   }
   // A single delta on the base only refreshes the chunks it changes; anything else replaces the
   // whole base.
-  if (!(from_base_ && steps_.size() == 1)) {
+  if (!(from_base_ && steps_.size() == 1) && !PlainNotKept()) {
     WB_ASSIGN_OR_RETURN(storage_, owner_->PrepareStorage(m));
   }
   for (size_t k = 0; k < steps_.size(); ++k) {
@@ -346,24 +424,35 @@ absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> tar
     }
     step.incoming = *std::move(again);
   }
-  // The encoded blob, checked against the checksum its inner manifest carries.
-  const TensorInfo& blob_info = step.inner.tensors[0];
-  WB_ASSIGN_OR_RETURN(std::shared_ptr<HostBuffer> blob, owner_->blobs_->Get(blob_info.nbytes));
-  struct Counter final : public LandingSink {
-    void Landed(size_t) override { ++landed; }
-    int landed = 0;
-  } counter;
-  std::byte* const blob_target[1] = {blob->data()};
-  WB_RETURN_IF_ERROR(step.incoming->Fetch(blob_target, counter, deadline));
-  const absl::Span<const std::byte> bytes(blob->data(), blob_info.nbytes);
-  const uint64_t sum = Xxh3(bytes.data(), bytes.size());
-  if (counter.landed != 1 || sum != blob_info.xxh3) {
-    return absl::DataLossError(absl::StrFormat(
-        "%s: the encoded version %d (%s) fails verification: XXH3-64 of its %d bytes is %016x "
-        "but its manifest says %016x",
-        owner_->uri_, step.version, step.incoming->DescribeSource(0), bytes.size(), sum,
-        blob_info.xxh3));
+  if (step.record.plain) {
+    // The version's own tensors: straight into the targets (verified by the core, for the last
+    // step as they land).
+    IgnoreLanding ignore;
+    WB_RETURN_IF_ERROR(step.incoming->Fetch(targets, last ? sink : ignore, deadline));
+    codec_.wire_bytes += step.inner.total_bytes();
+    if (!last) step.incoming.reset();
+    return absl::OkStatus();
   }
+  // The encoded blob, checked against the checksum its inner manifest carries.
+  absl::StatusOr<std::shared_ptr<HostBuffer>> fetched =
+      FetchBlob(owner_->uri_, *step.incoming, *owner_->blobs_, deadline);
+  if (absl::IsDataLoss(fetched.status())) {
+    // Repair from the channel: bytes damaged on their way (a transfer, a read) come right when
+    // read again; bytes damaged at rest fail again, and the subscriber keeps its version.
+    absl::StatusOr<std::unique_ptr<IncomingVersion>> again =
+        owner_->inner_->OpenVersion(step.version, deadline);
+    if (again.ok() && (*again)->manifest() == step.inner) {
+      absl::StatusOr<std::shared_ptr<HostBuffer>> second =
+          FetchBlob(owner_->uri_, **again, *owner_->blobs_, deadline);
+      if (second.ok()) {
+        Log(LogLevel::kWarn, "%s (read again: intact)", fetched.status().message());
+        step.incoming = *std::move(again);
+        fetched = std::move(second);
+      }
+    }
+  }
+  WB_ASSIGN_OR_RETURN(std::shared_ptr<HostBuffer> blob, std::move(fetched));
+  const absl::Span<const std::byte> bytes(blob->data(), step.inner.tensors[0].nbytes);
   codec_.wire_bytes += bytes.size();
   const absl::Time decode_start = absl::Now();
   const std::vector<TensorLayout> layout = LayoutOf(step.manifest.tensors);
@@ -395,7 +484,11 @@ absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> tar
 
 void DeltaIncoming::Accepted() {
   if (duplicate_ || !fetched_) return;
-  owner_->AdoptBase(manifest(), targets_, storage_ ? &*storage_ : nullptr, chunks_, methods_);
+  if (PlainNotKept()) {
+    owner_->AdoptManifest(manifest());
+  } else {
+    owner_->AdoptBase(manifest(), targets_, storage_ ? &*storage_ : nullptr, chunks_, methods_);
+  }
   // The encoded version of the one delivered (not the chain's earlier ones) is accepted beneath
   // too: a transport that reports receipts to its publisher (ucx) counts this subscriber.
   if (steps_.back().incoming) steps_.back().incoming->Accepted();
@@ -416,9 +509,10 @@ std::string DeltaIncoming::Chain() const {
                : absl::StrFormat("deltas %d..%d on this subscriber's copy of version %d", first,
                                  last, steps_.front().record.base);
   }
+  const char* start = steps_.front().record.plain ? "plain version" : "keyframe";
   return steps_.size() == 1
-             ? absl::StrFormat("keyframe %d", first)
-             : absl::StrFormat("keyframe %d + %d deltas up to %d", first, steps_.size() - 1, last);
+             ? absl::StrFormat("%s %d", start, first)
+             : absl::StrFormat("%s %d + %d deltas up to %d", start, first, steps_.size() - 1, last);
 }
 
 std::string DeltaIncoming::DescribeSource(size_t tensor_index) const {
@@ -434,8 +528,91 @@ absl::StatusOr<std::unique_ptr<TransportSubscriber>> WrapSubscriber(
     const Uri& uri, const Config& config, std::unique_ptr<TransportSubscriber> inner) {
   WB_ASSIGN_OR_RETURN(LayerOptions options, ReadLayerOptions(uri, config));
   WB_ASSIGN_OR_RETURN(std::unique_ptr<Parallel> parallel, Parallel::Create(options.threads));
+  return NewReader(uri.Display(), std::move(inner), std::move(parallel));
+}
+
+std::unique_ptr<TransportSubscriber> NewReader(std::string uri,
+                                               std::unique_ptr<TransportSubscriber> inner,
+                                               std::shared_ptr<Parallel> parallel) {
   return std::unique_ptr<TransportSubscriber>(
-      new DeltaSubscriber(uri.Display(), std::move(inner), std::move(parallel)));
+      new DeltaSubscriber(std::move(uri), std::move(inner), std::move(parallel)));
+}
+
+absl::Status CheckEncodedVersion(TransportSubscriber& reader, const Manifest& published,
+                                 absl::Time deadline) {
+  auto& delta = static_cast<DeltaSubscriber&>(reader);
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<IncomingVersion> incoming,
+                      delta.inner().OpenVersion(published.version, deadline));
+  if (incoming->manifest() != published) {
+    return absl::DataLossError(absl::StrFormat(
+        "%s: the manifest of version %d on the channel is not the one this publisher published",
+        delta.uri(), published.version));
+  }
+  const Manifest& m = incoming->manifest();
+  if (m.tensors.size() == 1 && m.tensors[0].name == kBlobName) {
+    return FetchBlob(delta.uri(), *incoming, delta.blobs(), deadline).status();
+  }
+  // A plain version: its own tensors, each against its checksum.
+  WB_ASSIGN_OR_RETURN(std::shared_ptr<HostBuffer> buffer, delta.blobs().Get(m.total_bytes()));
+  std::vector<std::byte*> targets;
+  uint64_t at = 0;
+  for (const TensorInfo& t : m.tensors) {
+    targets.push_back(buffer->data() + at);
+    at += t.nbytes;
+  }
+  return FetchVerified(*incoming, m, targets, deadline, delta.uri(),
+                       absl::StrFormat("the plain version %d", m.version), "its manifest");
+}
+
+absl::StatusOr<ChainVersion> ReadChainVersion(TransportSubscriber& reader, uint64_t version,
+                                              const std::vector<TensorInfo>& layout,
+                                              absl::Time deadline) {
+  auto& delta = static_cast<DeltaSubscriber&>(reader);
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<IncomingVersion> opened,
+                      delta.OpenVersion(version, deadline));
+  auto& incoming = static_cast<DeltaIncoming&>(*opened);
+  const Manifest& m = incoming.manifest();
+  if (incoming.steps().empty() || incoming.from_base()) {
+    return absl::InternalError(absl::StrFormat(
+        "%s: version %d was not planned from its keyframe (the reader holds a version)",
+        delta.uri(), version));
+  }
+  if (!SameLayout(m.tensors, layout)) {
+    std::string diff = absl::StrFormat("%d tensors, this call %d", m.tensors.size(), layout.size());
+    for (size_t i = 0; i < std::min(m.tensors.size(), layout.size()); ++i) {
+      if (!SameLayout({m.tensors[i]}, {layout[i]})) {
+        diff = absl::StrFormat("tensor %d is \"%s\" %s %s there, \"%s\" %s %s in this call", i,
+                               m.tensors[i].name, DTypeName(m.tensors[i].dtype),
+                               ShapeString(m.tensors[i].shape), layout[i].name,
+                               DTypeName(layout[i].dtype), ShapeString(layout[i].shape));
+        break;
+      }
+    }
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: version %d has another tensor layout (%s)", delta.uri(), version, diff));
+  }
+  ChainVersion out;
+  uint64_t total = 0;
+  for (const TensorInfo& t : m.tensors) {
+    out.offsets.push_back(total);
+    total += AlignUp(t.nbytes);
+  }
+  if (total > 0) {
+    WB_ASSIGN_OR_RETURN(out.buffer, HostBuffer::Allocate(total));
+  }
+  std::vector<std::byte*> targets;
+  for (uint64_t offset : out.offsets)
+    targets.push_back(out.buffer ? out.buffer->data() + offset : nullptr);
+  WB_RETURN_IF_ERROR(
+      FetchVerified(incoming, m, targets, deadline, delta.uri(),
+                    absl::StrFormat("version %d as reconstructed from the channel", version),
+                    "the channel's record of the version"));
+  out.manifest = m;
+  out.inner = incoming.steps().back().inner;
+  out.keyframe = incoming.steps().front().version;
+  out.deltas_since_keyframe = incoming.steps().size() - 1;
+  out.keyframe_bytes = incoming.steps().front().record.encoded_bytes;
+  return out;
 }
 
 }  // namespace weightbus::internal::delta

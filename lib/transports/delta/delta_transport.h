@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/buffer.h"
 #include "core/config.h"
 #include "core/transport.h"
 #include "core/uri.h"
@@ -31,12 +32,17 @@ inline constexpr std::string_view kRecordFormat = "weightbus.delta/1";
 const SettingTable& DeltaSettings();
 
 struct LayerOptions {
-  int64_t keyframe_interval = 50;
+  int64_t keyframe_interval = 0;
   // Most deltas after a keyframe (setting delta_max_chain): a chain never grows longer, so that
   // the versions kept for it (KeepVersionsFrom) stay bounded even with keyframe_interval 0.
   int64_t max_chain = 1000;
   EncodeOptions encode;
   int threads = 0;
+  // A new publisher continues the chain of the channel's newest version (setting
+  // delta_resume): it reads that version back as the base of its first delta.
+  bool resume = true;
+  // A version goes plainly when encoding would cost more time than it saves (delta_send_plain).
+  bool choose_plain = true;
 };
 
 // The layer's settings (ranges checked by Config::Resolve). Errors: InvalidArgument naming the
@@ -51,6 +57,12 @@ absl::StatusOr<std::unique_ptr<TransportSubscriber>> WrapSubscriber(
 // What the inner manifest's metadata says about an encoded version (docs/FORMAT.md).
 struct Record {
   bool keyframe = true;
+  // A keyframe sent plainly (kind "plain"): the inner manifest holds the version's own tensors,
+  // not a blob, because encoding would have cost more time than the bytes it saves.
+  bool plain = false;
+  // Plain versions: the publisher kept a copy, so the next version may be a delta against this
+  // one; subscribers keep one too (otherwise they need not).
+  bool keep = false;
   uint64_t version = 0;
   uint64_t base = 0;                // deltas: the version they apply to
   uint64_t keyframe_version = 0;    // the keyframe the chain starts from
@@ -58,6 +70,9 @@ struct Record {
   uint64_t encoded_bytes = 0;       // size of the blob
   std::vector<TensorInfo> tensors;  // keyframes: the target's tensors
   std::vector<uint64_t> xxh3;       // deltas: the target's checksums, in the base's tensor order
+  // Why the publisher chose this encoding (for people and logs: "keyframe_interval=50", "the
+  // channel holds no version yet", "delta against version 7"); optional, never interpreted.
+  std::string reason;
 
   VersionIds ids() const { return VersionIds{keyframe, version, base, keyframe_version}; }
 };
@@ -70,9 +85,10 @@ uint64_t Fingerprint(const Manifest& manifest);
 std::string RecordToJson(const Record& record);
 
 // Parses and checks the record of an inner manifest (`source` names it for messages): the
-// record key, exactly one U8 tensor named kBlobName whose size matches the record, and a
-// consistent record. Errors: FailedPrecondition when the version has no record (it was not
-// published through the delta layer); DataLoss for anything malformed.
+// record key, exactly one U8 tensor named kBlobName whose size matches the record (a plain
+// version: its tensors, whose sizes add up to it), and a consistent record. Errors:
+// FailedPrecondition when the version has no record (it was not published through the delta layer);
+// DataLoss for anything malformed.
 absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view source);
 
 // The target manifest of a version: `inner`'s version, publisher, times and metadata (without
@@ -87,5 +103,44 @@ std::vector<TensorLayout> LayoutOf(const std::vector<TensorInfo>& tensors);
 
 // Names, dtypes and shapes (not checksums) equal: a delta between them is possible.
 bool SameLayout(const std::vector<TensorInfo>& a, const std::vector<TensorInfo>& b);
+
+// A subscriber of this layer over `inner` (a subscriber of the transport beneath) that shares
+// `parallel`: what the publishing side uses to read its own channel back (ReadChainVersion).
+std::unique_ptr<TransportSubscriber> NewReader(std::string uri,
+                                               std::unique_ptr<TransportSubscriber> inner,
+                                               std::shared_ptr<Parallel> parallel);
+
+// A version of the channel as the layer reconstructed it from the chain the channel holds,
+// checked against the version's checksums: what a new publisher continues the chain from.
+struct ChainVersion {
+  Manifest manifest;                   // the version as subscribers receive it
+  Manifest inner;                      // its encoded version's manifest on the channel
+  std::unique_ptr<HostBuffer> buffer;  // its tensors, tensor i at offsets[i]
+  std::vector<uint64_t> offsets;
+  uint64_t keyframe = 0;               // the keyframe its chain starts from
+  uint64_t deltas_since_keyframe = 0;  // deltas from that keyframe up to this version
+  uint64_t keyframe_bytes = 0;         // the keyframe's encoded size
+};
+
+// Reads `version` through `reader` (from NewReader: it never accepts what it reads, so it always
+// replays the chain from its keyframe), decodes it and checks every tensor against the XXH3-64
+// the channel's records give for it. `layout` is what the caller is about to publish: a version
+// of another layout is refused before anything is read. Errors: FailedPrecondition when the
+// version was not published through this layer or has another layout (naming the first
+// difference); NotFound/Unimplemented when its chain cannot be opened; DataLoss when a blob or
+// a reconstructed tensor fails its checksum (naming the tensor, both checksums); others from
+// the transport beneath.
+absl::StatusOr<ChainVersion> ReadChainVersion(TransportSubscriber& reader, uint64_t version,
+                                              const std::vector<TensorInfo>& layout,
+                                              absl::Time deadline);
+
+// Checks that the channel still holds the encoded version `published` (an inner manifest this
+// publisher published) intact: the same manifest, and a blob whose bytes match its XXH3-64.
+// What a publisher does before sending a delta against it, so that a corrupt version at rest
+// costs subscribers one keyframe instead of every version up to the next one. `reader` as for
+// ReadChainVersion. Errors: DataLoss naming the version, the file and both checksums (or that
+// its manifest changed); NotFound when the channel no longer holds it; others from beneath.
+absl::Status CheckEncodedVersion(TransportSubscriber& reader, const Manifest& published,
+                                 absl::Time deadline);
 
 }  // namespace weightbus::internal::delta

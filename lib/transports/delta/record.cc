@@ -59,14 +59,17 @@ bool SameLayout(const std::vector<TensorInfo>& a, const std::vector<TensorInfo>&
 std::string RecordToJson(const Record& r) {
   ordered_json j;
   j["format"] = kRecordFormat;
-  j["kind"] = r.keyframe ? "keyframe" : "delta";
+  j["kind"] = r.plain ? "plain" : r.keyframe ? "keyframe" : "delta";
   if (!r.keyframe) {
     j["base"] = r.base;
     j["base_fingerprint"] = Hex64(r.base_fingerprint);
   }
   j["keyframe"] = r.keyframe_version;
   j["encoded_bytes"] = r.encoded_bytes;
-  if (r.keyframe) {
+  if (!r.reason.empty()) j["reason"] = r.reason;
+  if (r.plain) {
+    j["keep"] = r.keep;  // the tensors are the inner manifest's own
+  } else if (r.keyframe) {
     Manifest m;
     m.version = r.version;
     m.tensors = r.tensors;
@@ -115,11 +118,25 @@ absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view sourc
                                  kRecordFormat));
     }
     const std::string kind = j.at("kind").get<std::string>();
-    if (kind != "keyframe" && kind != "delta") return bad("has an unknown kind");
-    r.keyframe = kind == "keyframe";
+    if (kind != "keyframe" && kind != "delta" && kind != "plain") {
+      return bad("has an unknown kind");
+    }
+    r.plain = kind == "plain";
+    r.keyframe = kind != "delta";
     WB_RETURN_IF_ERROR(u64("keyframe", &r.keyframe_version));
     WB_RETURN_IF_ERROR(u64("encoded_bytes", &r.encoded_bytes));
-    if (r.keyframe) {
+    if (auto f = j.find("reason"); f != j.end()) {
+      if (!f->is_string()) return bad("has a field \"reason\" that is not a string");
+      r.reason = f->get<std::string>();
+    }
+    if (r.plain) {
+      if (r.keyframe_version != r.version) return bad("is a keyframe naming another keyframe");
+      r.tensors = inner.tensors;
+      if (auto f = j.find("keep"); f != j.end()) {
+        if (!f->is_boolean()) return bad("has a field \"keep\" that is not a boolean");
+        r.keep = f->get<bool>();
+      }
+    } else if (r.keyframe) {
       if (r.keyframe_version != r.version) return bad("is a keyframe naming another keyframe");
       Manifest m;
       ordered_json wrapper;
@@ -164,6 +181,13 @@ absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view sourc
     }
   } catch (const std::exception& e) {
     return bad(absl::StrFormat("is malformed (%s)", e.what()));
+  }
+  if (r.plain) {
+    if (inner.total_bytes() != r.encoded_bytes) {
+      return bad(absl::StrFormat("says %d bytes, but its tensors hold %d", r.encoded_bytes,
+                                 inner.total_bytes()));
+    }
+    return r;
   }
   if (inner.tensors.size() != 1 || inner.tensors[0].name != kBlobName ||
       inner.tensors[0].dtype != DType::kU8 || inner.tensors[0].nbytes != r.encoded_bytes) {

@@ -11,11 +11,12 @@ const SettingTable& DeltaSettings() {
       {
           {.name = "keyframe_interval",
            .type = SettingType::kInt,
-           .default_value = "50",
+           .default_value = "0",
            .doc = "a keyframe (the whole version, compressed) every N versions and deltas in "
-                  "between; 0: keyframes only when needed (first version, new tensor layout, "
-                  "delta_max_chain reached). A late joiner replays the newest keyframe and the "
-                  "deltas after it",
+                  "between; 0 (default): keyframes only when needed (first version, new tensor "
+                  "layout, a damaged base on the channel, delta_max_chain reached), which over a "
+                  "run costs 3x fewer bytes than every 50 (BENCHMARKS.md). A late joiner replays "
+                  "the newest keyframe and the deltas after it",
            .min = "0",
            .unit = "versions"},
           {.name = "delta_max_chain",
@@ -57,6 +58,22 @@ const SettingTable& DeltaSettings() {
            .min = "1",
            .max = "4",
            .unit = "groups"},
+          {.name = "delta_resume",
+           .type = SettingType::kBool,
+           .default_value = "true",
+           .doc = "a new publisher (a restarted trainer, each `weightbus publish`) continues the "
+                  "chain of the channel's newest version: it reads that version back, checks it "
+                  "against the version's checksums and sends its first version as a delta "
+                  "against it (a keyframe, saying why, when that fails); false: its first "
+                  "version is a keyframe"},
+          {.name = "delta_send_plain",
+           .type = SettingType::kBool,
+           .default_value = "true",
+           .doc = "send a version of at least 1 MiB plainly (its tensors as they are, through the "
+                  "transport beneath) when this publisher's measured encoding rate and transfer "
+                  "rate predict that encoding and decoding it would take longer than sending the "
+                  "bytes it saves; the stats and the record say which and why. false: always "
+                  "encode"},
       }};
   return *table;
 }
@@ -76,6 +93,8 @@ absl::StatusOr<LayerOptions> ReadLayerOptions(const Uri& uri, const Config& conf
   o.encode.zstd_level = static_cast<int>(config.Int("delta_zstd_level"));
   o.encode.max_groups = static_cast<int>(config.Int("delta_groups"));
   o.threads = static_cast<int>(config.Int("delta_threads"));
+  o.resume = config.Bool("delta_resume");
+  o.choose_plain = config.Bool("delta_send_plain");
   return o;
 }
 

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""The delta layer over a run (issue 16, BENCHMARKS.md): the late-joiner catch-up time after a
+full chain, the time to repair one corrupted delta, and one host with 2 replicas of a 256 MiB
+model of which 14% of the elements change per version, delta+disk against plain disk.
+
+    PYTHONPATH=bindings/python /usr/bin/python3 bench/delta_over_a_run.py [--dir /tmp/wb-run]
+
+Models are uint16 arrays (bf16 bit patterns) of random values of which a fraction moves by one
+unit per version. Times are wall times of this process (publisher and subscribers in threads,
+as replicas in one host share its cores); the kind of each version is read from its record.
+"""
+import argparse
+import glob
+import json
+import os
+import shutil
+import threading
+import time
+
+import numpy as np
+import weightbus
+
+rng = np.random.default_rng(1)
+
+
+def stream(nbytes, fraction, versions):
+    w = rng.integers(0, 1 << 16, nbytes // 2, dtype=np.uint16)
+    for _ in range(versions):
+        yield w
+        w = w.copy()
+        w[rng.integers(0, w.size, int(w.size * fraction))] += 1
+
+
+def fresh(path):
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+def kind(channel, v):
+    """The record's kind and reason of version v of a delta+disk channel ("plain disk" else)."""
+    path = f"{channel}/versions/v{v:020d}/weightbus.manifest.json"
+    metadata = json.load(open(path))["metadata"]
+    if "weightbus.delta" not in metadata:
+        return "plain disk"
+    record = json.loads(metadata["weightbus.delta"])
+    return f"{record['kind']}: {record.get('reason', '')[:100]}"
+
+
+def late_joiner(work):
+    channel = fresh(f"{work}/late")
+    uri = f"delta+disk://{channel}?fsync=false"
+    with weightbus.Publisher(uri) as pub:
+        for v, w in enumerate(stream(520064, 0.01, 1000), 1):
+            pub.publish(v, {"w": w})
+        start = time.perf_counter()
+        with weightbus.Subscriber(uri) as sub:
+            u = sub.wait(min_version=1000, timeout=60)
+            took = time.perf_counter() - start
+    print(f"late joiner after a keyframe and 999 deltas of a 0.5 MB model (1% changed per "
+          f"version): {took * 1000:.0f} ms to version {u.version}")
+
+
+def repair(work):
+    channel = fresh(f"{work}/repair")
+    uri = f"delta+disk://{channel}?fsync=false"
+    versions = stream(64 << 20, 0.01, 4)
+    with weightbus.Publisher(uri) as pub, weightbus.Subscriber(uri) as sub:
+        for v in (1, 2):
+            pub.publish(v, {"w": next(versions)})
+            sub.wait(min_version=v, timeout=60)
+        pub.publish(3, {"w": next(versions)})
+        data = glob.glob(f"{channel}/versions/*3/model.safetensors")[0]
+        with open(data, "r+b") as f:  # one bit at rest
+            f.seek(-10, 2)
+            b = f.read(1)
+            f.seek(-10, 2)
+            f.write(bytes([b[0] ^ 4]))
+        try:
+            sub.wait(min_version=3, timeout=5)
+            raise SystemExit("FAILED: the corrupt version 3 was applied")
+        except weightbus.DataLossError:
+            pass
+        held = sub.current_version
+        start = time.perf_counter()
+        pub.publish(4, {"w": next(versions)})
+        u = sub.wait(min_version=4, timeout=60)
+        took = time.perf_counter() - start
+    print(f"repair of one corrupted delta (64 MiB model, 1% changed): version 3 (a delta) refused,"
+          f" the subscriber kept version {held}; version 4 ({kind(channel, 4)[:70]}...) held "
+          f"{took * 1000:.0f} ms after its publish began")
+
+
+def one_host(uri, channel, versions=6):
+    subs = [weightbus.Subscriber(uri) for _ in range(2)]
+    times = []
+    with weightbus.Publisher(uri) as pub:
+        for v, w in enumerate(stream(256 << 20, 0.14, versions), 1):
+            start = time.perf_counter()
+            pub.publish(v, {"w": w})
+            done = []
+
+            def receive(s):
+                s.wait(min_version=v, timeout=120)
+                done.append(time.perf_counter() - start)
+
+            threads = [threading.Thread(target=receive, args=(s,)) for s in subs]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+            times.append(max(done))
+            print(f"  {uri.split('?')[0]:40s} version {v}: {max(done) * 1000:5.0f} ms to the "
+                  f"last replica; {kind(channel, v)}")
+    for s in subs:
+        s.close()
+    return sorted(times)[len(times) // 2], times
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", default="/tmp/wb-delta-over-a-run")
+    work = parser.parse_args().dir
+    os.makedirs(work, exist_ok=True)
+    late_joiner(work)
+    repair(work)
+    print("one host, 2 replicas, 256 MiB, 14% of the elements changed per version:")
+    results = {}
+    for name, query in (("disk", None), ("delta+disk", ""),
+                        ("delta+disk, delta_send_plain=false", "&delta_send_plain=false")):
+        channel = fresh(f"{work}/{name.split(',')[0]}")
+        uri = (f"disk://{channel}?fsync=false" if query is None
+               else f"delta+disk://{channel}?fsync=false{query}")
+        results[name] = one_host(uri, channel)
+    for name, (median, times) in results.items():
+        print(f"  {name:36s} median {median * 1000:5.0f} ms to the last replica, all versions "
+              f"{' '.join(f'{t * 1000:.0f}' for t in times)} ms")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

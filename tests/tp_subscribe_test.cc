@@ -365,5 +365,68 @@ TEST(TpSubscribeErrorsTest, ACorruptPartLeavesDestinationsUntouched) {
   EXPECT_FALSE(sub->current_version().has_value());
 }
 
+// Fused destinations, listed by name: vLLM's gate_up_proj (each rank's gate rows, then its up
+// rows) and qkv_proj with grouped-query attention (8 query heads, 4 KV heads of 8 rows; at TP 8
+// each KV head is replicated on two ranks), from a group of 2 publishing row shards.
+TEST(TpSubscribeFusedTest, GateUpAndQkvAreAssembledFromTheirParts) {
+  ScratchDir dir;
+  const std::string uri = "disk://" + dir.path() + "/channel";
+  ASSERT_NO_FATAL_FAILURE(Publish(uri, PublishCase{2, "rows"}, 1));
+  auto find = [](const std::string& name) -> const tools::OwnedTensor& {
+    for (const tools::OwnedTensor& t : Model()) {
+      if (t.name == name) return t;
+    }
+    ADD_FAILURE() << name;
+    return Model().front();
+  };
+  const std::string p = "model.layers.1.";
+  const tools::OwnedTensor& gate = find(p + "mlp.gate_proj.weight");  // [172, 64]
+  const tools::OwnedTensor& up = find(p + "mlp.up_proj.weight");
+  const tools::OwnedTensor& q = find(p + "self_attn.q_proj.weight");  // [64, 64]
+  const tools::OwnedTensor& k = find(p + "self_attn.k_proj.weight");  // [32, 64]
+  const tools::OwnedTensor& v = find(p + "self_attn.v_proj.weight");
+  // Rows [begin, end) of `t`, row-major.
+  auto rows = [](const tools::OwnedTensor& t, int64_t begin, int64_t end) {
+    return SliceBytes(t, Box{{begin, 0}, {end, t.shape[1]}});
+  };
+  for (int tp : {2, 4, 8}) {
+    for (int r = 0; r < tp; ++r) {
+      SCOPED_TRACE(absl::StrFormat("TP rank %d of %d", r, tp));
+      std::vector<std::string> names = {p + "self_attn.qkv_proj.weight"};
+      if (tp != 8) names.push_back(p + "mlp.gate_up_proj.weight");  // 172 rows split 2 or 4 ways
+      auto sub = Subscriber::Open(
+          uri, {},
+          SubscribePlacements{{{"*.qkv_proj.weight", Placement::Qkv(8, 4, 8)},
+                               {"*.gate_up_proj.weight", Placement::GateUp()}},
+                              {tp, r},
+                              names});
+      ASSERT_TRUE(sub.ok()) << sub.status();
+      auto u = (*sub)->ReceiveVersion(1, kTimeout);
+      ASSERT_TRUE(u.ok()) << u.status();
+      ASSERT_EQ((*u)->tensors().size(), names.size());
+
+      std::vector<std::byte> qkv = rows(q, 64 / tp * r, 64 / tp * (r + 1));
+      const int64_t kv_begin = tp <= 4 ? 32 / tp * r : 8 * (r / (tp / 4));
+      const int64_t kv_rows = tp <= 4 ? 32 / tp : 8;
+      for (const tools::OwnedTensor* t : {&k, &v}) {
+        const std::vector<std::byte> b = rows(*t, kv_begin, kv_begin + kv_rows);
+        qkv.insert(qkv.end(), b.begin(), b.end());
+      }
+      const TensorView& got_qkv = (*u)->tensors()[0];
+      EXPECT_EQ(got_qkv.shape, (std::vector<int64_t>{64 / tp + 2 * kv_rows, 64}));
+      EXPECT_EQ(std::memcmp(got_qkv.data, qkv.data(), qkv.size()), 0);
+      if (tp == 8) continue;
+      const int64_t n = 172 / tp;
+      std::vector<std::byte> gate_up = rows(gate, n * r, n * (r + 1));
+      const std::vector<std::byte> up_rows = rows(up, n * r, n * (r + 1));
+      gate_up.insert(gate_up.end(), up_rows.begin(), up_rows.end());
+      const TensorView& got_gu = (*u)->tensors()[1];
+      EXPECT_EQ(got_gu.name, p + "mlp.gate_up_proj.weight");
+      EXPECT_EQ(got_gu.shape, (std::vector<int64_t>{2 * n, 64}));
+      EXPECT_EQ(std::memcmp(got_gu.data, gate_up.data(), gate_up.size()), 0);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace weightbus

@@ -13,6 +13,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
+#include "stories260k.h"
 #include "test_support.h"
 #include "weightbus/llama2c.h"
 #include "weightbus/weightbus.hpp"
@@ -25,16 +26,7 @@ using ::weightbus::testing::ScratchDir;
 
 constexpr absl::Duration kTimeout = absl::Seconds(60);
 
-const std::vector<tools::OwnedTensor>& Model() {
-  static const auto* model = [] {
-    auto ckpt = tools::ReadLlama2c(testing::FixturePath("stories260K.bin"));
-    EXPECT_TRUE(ckpt.ok()) << ckpt.status();
-    auto m = tools::ConvertToHf(*ckpt, DType::kF32);
-    EXPECT_TRUE(m.ok()) << m.status();
-    return new std::vector<tools::OwnedTensor>(*std::move(m));
-  }();
-  return *model;
-}
+const std::vector<tools::OwnedTensor>& Model() { return testing::Stories260K(); }
 
 uint64_t ModelBytes() {
   uint64_t n = 0;

@@ -1104,8 +1104,8 @@ TEST_P(ConformanceTest, SubscribersWithPlacementsReceiveTheirSlices) {
       }
       EXPECT_EQ(got("col"), std::make_pair(std::vector<int64_t>{2, 6}, col));
       EXPECT_EQ(got("row"), std::make_pair(std::vector<int64_t>{4, 3}, row));
-      EXPECT_EQ(got("norm"),
-                std::make_pair(std::vector<int64_t>{6}, std::vector<float>(m.begin(), m.begin() + 6)));
+      EXPECT_EQ(got("norm"), std::make_pair(std::vector<int64_t>{6},
+                                            std::vector<float>(m.begin(), m.begin() + 6)));
     }
   }
 }

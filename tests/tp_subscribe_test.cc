@@ -37,11 +37,12 @@ uint64_t ModelBytes() {
 // Llama's tensor-parallel layout as vLLM shards it: column-parallel q/k/v/gate/up, row-parallel
 // o/down, the vocabulary split over the embedding and the head; norms replicated.
 std::vector<PlacementRule> LlamaRules() {
-  return {{"*.q_proj.weight", Placement::Shard(0)},    {"*.k_proj.weight", Placement::Shard(0)},
-          {"*.v_proj.weight", Placement::Shard(0)},    {"*.gate_proj.weight", Placement::Shard(0)},
-          {"*.up_proj.weight", Placement::Shard(0)},   {"*.o_proj.weight", Placement::Shard(1)},
-          {"*.down_proj.weight", Placement::Shard(1)}, {"*embed_tokens.weight", Placement::Shard(0)},
-          {"lm_head.weight", Placement::Shard(0)}};
+  return {
+      {"*.q_proj.weight", Placement::Shard(0)},    {"*.k_proj.weight", Placement::Shard(0)},
+      {"*.v_proj.weight", Placement::Shard(0)},    {"*.gate_proj.weight", Placement::Shard(0)},
+      {"*.up_proj.weight", Placement::Shard(0)},   {"*.o_proj.weight", Placement::Shard(1)},
+      {"*.down_proj.weight", Placement::Shard(1)}, {"*embed_tokens.weight", Placement::Shard(0)},
+      {"lm_head.weight", Placement::Shard(0)}};
 }
 
 // The dimension LlamaRules splits `name` on, or -1 (replicated); written out again here so
@@ -72,7 +73,9 @@ int64_t Elements(const Box& b) {
   for (size_t d = 0; d < b.begin.size(); ++d) n *= b.end[d] - b.begin[d];
   return n;
 }
-Box Whole(const std::vector<int64_t>& shape) { return {std::vector<int64_t>(shape.size(), 0), shape}; }
+Box Whole(const std::vector<int64_t>& shape) {
+  return {std::vector<int64_t>(shape.size(), 0), shape};
+}
 // Block `r` of `n` of dimension `dim`.
 Box Block(const std::vector<int64_t>& shape, int dim, int r, int n) {
   Box b = Whole(shape);
@@ -141,7 +144,8 @@ void Publish(const std::string& uri, const PublishCase& c, uint64_t version) {
     });
   }
   for (std::thread& t : threads) t.join();
-  for (int r = 0; r < c.world; ++r) ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+  for (int r = 0; r < c.world; ++r)
+    ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
 }
 
 // Rank `r` of `tp`'s slice of `t`, sliced here from the checkpoint: its box and row-major bytes.
@@ -187,8 +191,8 @@ TEST_P(TpSubscribeTest, EveryTpRankReceivesExactlyItsSlicesAndReadsOnlyThePartsT
   ASSERT_NO_FATAL_FAILURE(Publish(uri, c, 2));
   for (int tp : {1, 2, 4}) {
     for (int r = 0; r < tp; ++r) {
-      SCOPED_TRACE(absl::StrFormat("publishers %d (%s), TP rank %d of %d", c.world, c.layout, r,
-                                   tp));
+      SCOPED_TRACE(
+          absl::StrFormat("publishers %d (%s), TP rank %d of %d", c.world, c.layout, r, tp));
       std::unique_ptr<Subscriber> sub = OpenTp(uri, r, tp);
       ASSERT_NE(sub, nullptr);
       // Version 2 replays the plan computed for version 1 (same layout).
@@ -209,12 +213,13 @@ TEST_P(TpSubscribeTest, EveryTpRankReceivesExactlyItsSlicesAndReadsOnlyThePartsT
         }
         EXPECT_EQ((*u)->stats().bytes, BytesMet(c, r, tp));
         if (version == 1) {
-          std::printf("[ bytes    ] publishers %d %-4s TP %d rank %d: fetched %llu of %llu model "
-                      "bytes (%.0f%%)\n",
-                      c.world, c.world == 1 ? "" : c.layout.c_str(), tp, r,
-                      static_cast<unsigned long long>((*u)->stats().bytes),
-                      static_cast<unsigned long long>(ModelBytes()),
-                      100.0 * (*u)->stats().bytes / ModelBytes());
+          std::printf(
+              "[ bytes    ] publishers %d %-4s TP %d rank %d: fetched %llu of %llu model "
+              "bytes (%.0f%%)\n",
+              c.world, c.world == 1 ? "" : c.layout.c_str(), tp, r,
+              static_cast<unsigned long long>((*u)->stats().bytes),
+              static_cast<unsigned long long>(ModelBytes()),
+              100.0 * (*u)->stats().bytes / ModelBytes());
         }
       }
     }
@@ -270,7 +275,8 @@ TEST(TpSubscribeBindTest, BoundDestinationsReceiveTheSlice) {
   auto again = sub->ReceiveVersion(1, kTimeout);
   EXPECT_EQ(again.status().code(), absl::StatusCode::kInvalidArgument) << again.status();
   EXPECT_THAT(std::string(again.status().message()),
-              HasSubstr("\"" + q + "\" of version 1 is F32 [32, 64] but its bound destination "
+              HasSubstr("\"" + q +
+                        "\" of version 1 is F32 [32, 64] but its bound destination "
                         "is F32 [64, 64]"));
   for (float x : whole) ASSERT_EQ(x, -1);
 }
@@ -304,8 +310,8 @@ TEST(TpSubscribeErrorsTest, ADegreeThatDoesNotDivideIsRefusedBeforeAnyFetch) {
 TEST(TpSubscribeErrorsTest, ARankOutsideTheGroupIsRefusedAtOpen) {
   ScratchDir dir;
   const std::string uri = "disk://" + dir.path() + "/channel";
-  for (TensorParallelRank bad : {TensorParallelRank{2, 2}, TensorParallelRank{0, 0},
-                                 TensorParallelRank{2, -1}}) {
+  for (TensorParallelRank bad :
+       {TensorParallelRank{2, 2}, TensorParallelRank{0, 0}, TensorParallelRank{2, -1}}) {
     auto sub = Subscriber::Open(uri, {}, SubscribePlacements{LlamaRules(), bad, {}});
     EXPECT_EQ(sub.status().code(), absl::StatusCode::kInvalidArgument) << sub.status();
     EXPECT_THAT(std::string(sub.status().message()),
@@ -352,7 +358,8 @@ TEST(TpSubscribeErrorsTest, ACorruptPartLeavesDestinationsUntouched) {
   ASSERT_TRUE(sub->Bind(o->name, {DType::kF32, {64, 32}, {}, dest.data()}).ok());
   auto u = sub->ReceiveVersion(1, kTimeout);
   EXPECT_EQ(u.status().code(), absl::StatusCode::kDataLoss) << u.status();
-  EXPECT_THAT(std::string(u.status().message()), HasSubstr("\"" + o->name + "\" from file " + file));
+  EXPECT_THAT(std::string(u.status().message()),
+              HasSubstr("\"" + o->name + "\" from file " + file));
   for (float x : dest) ASSERT_EQ(x, -1);
   EXPECT_FALSE(sub->current_version().has_value());
 }
@@ -386,12 +393,12 @@ TEST(TpSubscribeFusedTest, GateUpAndQkvAreAssembledFromTheirParts) {
       SCOPED_TRACE(absl::StrFormat("TP rank %d of %d", r, tp));
       std::vector<std::string> names = {p + "self_attn.qkv_proj.weight"};
       if (tp != 8) names.push_back(p + "mlp.gate_up_proj.weight");  // 172 rows split 2 or 4 ways
-      auto sub = Subscriber::Open(
-          uri, {},
-          SubscribePlacements{{{"*.qkv_proj.weight", Placement::Qkv(8, 4, 8)},
-                               {"*.gate_up_proj.weight", Placement::GateUp()}},
-                              {tp, r},
-                              names});
+      auto sub =
+          Subscriber::Open(uri, {},
+                           SubscribePlacements{{{"*.qkv_proj.weight", Placement::Qkv(8, 4, 8)},
+                                                {"*.gate_up_proj.weight", Placement::GateUp()}},
+                                               {tp, r},
+                                               names});
       ASSERT_TRUE(sub.ok()) << sub.status();
       auto u = (*sub)->ReceiveVersion(1, kTimeout);
       ASSERT_TRUE(u.ok()) << u.status();

@@ -938,9 +938,9 @@ static absl::StatusOr<wb::SubscribePlacements> ReadPlacements(const char* functi
         p = wb::Placement::Shard(r.dim);
         break;
       case WB_PLACEMENT_QKV:
-        p = parts->empty() ? wb::Placement::Qkv(r.num_heads, r.num_kv_heads, r.head_size)
-                           : wb::Placement::Qkv(r.num_heads, r.num_kv_heads, r.head_size, fused,
-                                                *parts);
+        p = parts->empty()
+                ? wb::Placement::Qkv(r.num_heads, r.num_kv_heads, r.head_size)
+                : wb::Placement::Qkv(r.num_heads, r.num_kv_heads, r.head_size, fused, *parts);
         p.dim = r.dim;
         break;
       case WB_PLACEMENT_MERGED:
@@ -949,13 +949,13 @@ static absl::StatusOr<wb::SubscribePlacements> ReadPlacements(const char* functi
         break;
       case WB_PLACEMENT_EXPERTS:
         p = wb::Placement::ExpertsMerged(
-            fused, *parts, r.expert_order == 1 ? wb::ExpertOrder::kRoundRobin
-                                               : wb::ExpertOrder::kLinear);
+            fused, *parts,
+            r.expert_order == 1 ? wb::ExpertOrder::kRoundRobin : wb::ExpertOrder::kLinear);
         break;
       default:
         return absl::InvalidArgumentError(absl::StrFormat(
-            "%s: placements.rules[%d] (\"%s\") has kind %d, not a wb_placement_kind_t", function,
-            i, r.pattern, static_cast<int>(r.kind)));
+            "%s: placements.rules[%d] (\"%s\") has kind %d, not a wb_placement_kind_t", function, i,
+            r.pattern, static_cast<int>(r.kind)));
     }
     out.rules.push_back({r.pattern, std::move(p)});
   }

@@ -18,8 +18,8 @@
 #include "core/content.h"
 #include "core/failpoint.h"
 #include "core/parts.h"
-#include "core/reshard.h"
 #include "core/registry.h"
+#include "core/reshard.h"
 #include "core/status.h"
 #include "core/tensor_pack.h"
 #include "core/worker_pool.h"
@@ -223,8 +223,8 @@ class Subscriber::Impl : public internal::ChannelSetup {
   // them) and verifies those `needed`; accepted, and the transport's pin released, only when
   // all are. `direct_note` explains the state of bound destinations on failure. Fills
   // times->fetched and times->verified, and *codec.
-  absl::Status FetchVerified(std::unique_ptr<internal::IncomingVersion> incoming,
-                             const Manifest& m, const std::vector<std::byte*>& targets,
+  absl::Status FetchVerified(std::unique_ptr<internal::IncomingVersion> incoming, const Manifest& m,
+                             const std::vector<std::byte*>& targets,
                              const std::vector<bool>& needed, uint64_t mapped,
                              const std::string& direct_note, absl::Time deadline, Times* times,
                              std::optional<internal::CodecStats>* codec)
@@ -881,14 +881,13 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveResharded(
                         staging_offset[i];
     }
     const bool scratch = bound[t] != nullptr && !IsContiguous(tp.shape, bound[t]->dest.strides);
-    std::byte* home = bound[t] != nullptr && !scratch
-                          ? static_cast<std::byte*>(bound[t]->dest.data)
-                      : scratch ? staging->data() + home_offset[t]
-                      : library ? library->data() + home_offset[t]
-                                : nullptr;
+    std::byte* home = bound[t] != nullptr && !scratch ? static_cast<std::byte*>(bound[t]->dest.data)
+                      : scratch                       ? staging->data() + home_offset[t]
+                      : library                       ? library->data() + home_offset[t]
+                                                      : nullptr;
     if (absl::Status s = internal::ApplyPlan(tp, rank_data, {home, tp.nbytes}); !s.ok()) {
-      return absl::InternalError(absl::StrFormat("%s version %d: %s", uri.Display(), m.version,
-                                                 s.message()));
+      return absl::InternalError(
+          absl::StrFormat("%s version %d: %s", uri.Display(), m.version, s.message()));
     }
     if (scratch) {
       internal::UnpackStrided(home, DTypeSize(tp.dtype), tp.shape, bound[t]->dest.strides,

@@ -175,7 +175,7 @@ class Placement:
     the constructors: Placement.shard(0) column-parallel (vLLM output_dim=0), shard(1)
     row-parallel (input_dim=1), replicate(), qkv(num_heads, num_kv_heads, head_size),
     gate_up(), merged(fused, parts), experts(order)."""
-    kind: int = 0                     # wb_placement_kind_t
+    kind: int = 0                     # wb_placement_kind_t (_lib.PLACEMENT_KINDS)
     dim: int = 0
     num_heads: int = 0
     num_kv_heads: int = 0
@@ -190,17 +190,17 @@ class Placement:
 
     @staticmethod
     def shard(dim: int) -> "Placement":
-        return Placement(kind=1, dim=dim)
+        return Placement(kind=_lib.PLACEMENT_KINDS["SHARD"], dim=dim)
 
     @staticmethod
     def qkv(num_heads: int, num_kv_heads: int, head_size: int, fused: str = "qkv_proj",
             parts: Sequence[str] = ("q_proj", "k_proj", "v_proj")) -> "Placement":
-        return Placement(kind=2, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        return Placement(kind=_lib.PLACEMENT_KINDS["QKV"], num_heads=num_heads, num_kv_heads=num_kv_heads,
                          head_size=head_size, fused=fused, parts=tuple(parts))
 
     @staticmethod
     def merged(fused: str, parts: Sequence[str]) -> "Placement":
-        return Placement(kind=3, fused=fused, parts=tuple(parts))
+        return Placement(kind=_lib.PLACEMENT_KINDS["MERGED"], fused=fused, parts=tuple(parts))
 
     @staticmethod
     def gate_up() -> "Placement":
@@ -211,7 +211,7 @@ class Placement:
                 parts: Sequence[str] = ()) -> "Placement":
         if order not in ("linear", "round_robin"):
             raise ValueError(f"expert order {order!r} is not 'linear' or 'round_robin'")
-        return Placement(kind=4, fused=fused, parts=tuple(parts),
+        return Placement(kind=_lib.PLACEMENT_KINDS["EXPERTS"], fused=fused, parts=tuple(parts),
                          expert_order=int(order == "round_robin"))
 
 

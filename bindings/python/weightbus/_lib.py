@@ -125,6 +125,8 @@ def new_params(struct_type):
 
 
 # wb_dtype_t: safetensors names <-> enum values.
+# wb_placement_kind_t
+PLACEMENT_KINDS = {"REPLICATE": 0, "SHARD": 1, "QKV": 2, "MERGED": 3, "EXPERTS": 4}
 DTYPE_FROM_DLPACK = 0
 DTYPES = {"BOOL": 1, "U8": 2, "I8": 3, "U16": 4, "I16": 5, "F16": 6, "BF16": 7, "U32": 8,
           "I32": 9, "F32": 10, "U64": 11, "I64": 12, "F64": 13, "F8_E4M3": 14, "F8_E5M2": 15,

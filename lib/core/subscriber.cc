@@ -839,7 +839,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveResharded(
     const internal::TensorPlan& tp = plan.tensors[t];
     if (auto it = bindings.find(tp.name); it != bindings.end()) {
       bound[t] = &it->second;
-      if (!IsContiguous(tp.shape, bound[t]->dest.strides)) {
+      if (tp.nbytes > 0 && !IsContiguous(tp.shape, bound[t]->dest.strides)) {
         home_offset[t] = staging_bytes;
         staging_bytes += AlignUp(tp.nbytes);
       }
@@ -880,7 +880,8 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveResharded(
                         layout.tensors[r.source_tensor].parts[r.source_part].byte_offset +
                         staging_offset[i];
     }
-    const bool scratch = bound[t] != nullptr && !IsContiguous(tp.shape, bound[t]->dest.strides);
+    const bool scratch =
+        bound[t] != nullptr && tp.nbytes > 0 && !IsContiguous(tp.shape, bound[t]->dest.strides);
     std::byte* home = bound[t] != nullptr && !scratch ? static_cast<std::byte*>(bound[t]->dest.data)
                       : scratch                       ? staging->data() + home_offset[t]
                       : library                       ? library->data() + home_offset[t]

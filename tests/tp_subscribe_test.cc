@@ -364,6 +364,32 @@ TEST(TpSubscribeErrorsTest, ACorruptPartLeavesDestinationsUntouched) {
   EXPECT_FALSE(sub->current_version().has_value());
 }
 
+// A version whose layout differs (here: "w" grows from 4 to 8 rows) gets a new plan; a stale
+// one would hand over the old slice shape.
+TEST(TpSubscribePlanTest, ALayoutChangeBetweenVersionsIsReplanned) {
+  ScratchDir dir;
+  const std::string uri = "disk://" + dir.path() + "/channel";
+  auto pub = Publisher::Open(uri);
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub =
+      Subscriber::Open(uri, {}, SubscribePlacements{{{"w", Placement::Shard(0)}}, {2, 1}, {}});
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  std::vector<float> m(48);
+  for (int i = 0; i < 48; ++i) m[i] = static_cast<float>(i);
+  for (int64_t rows : {4, 8, 8}) {
+    const uint64_t v = (*sub)->current_version().value_or(0) + 1;
+    ASSERT_TRUE(
+        (*pub)
+            ->Publish(v, {TensorView{"w", DType::kF32, {rows, 6}, {}, m.data()}}, {}, kTimeout)
+            .ok());
+    auto u = (*sub)->ReceiveVersion(v, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    const TensorView& w = (*u)->tensors()[0];
+    EXPECT_EQ(w.shape, (std::vector<int64_t>{rows / 2, 6})) << "version " << v;
+    EXPECT_EQ(std::memcmp(w.data, m.data() + rows / 2 * 6, rows / 2 * 6 * 4), 0) << "version " << v;
+  }
+}
+
 // Fused destinations, listed by name: vLLM's gate_up_proj (each rank's gate rows, then its up
 // rows) and qkv_proj with grouped-query attention (8 query heads, 4 KV heads of 8 rows; at TP 8
 // each KV head is replicated on two ranks), from a group of 2 publishing row shards.

@@ -871,6 +871,77 @@ static void TestUcxReceivers(void) {
   wb_publisher_destroy(pub);
 }
 
+/* wb_subscriber_create_tp: each worker of a TP group of 2 receives its slices (a row-parallel
+ * [2, 4] matrix cut on its columns, a column-parallel one on its rows); a rank outside the
+ * group and a degree that does not divide are refused naming them. */
+static void TestPlacements(const char* dir) {
+  char uri[512];
+  snprintf(uri, sizeof(uri), "disk://%s/tp?fsync=false", dir);
+  wb_publisher_t* pub = NULL;
+  CHECK_OK(wb_publisher_create(uri, NULL, &pub));
+  if (pub == NULL) return;
+  float m[2][4] = {{0, 1, 2, 3}, {4, 5, 6, 7}};
+  int64_t shape[] = {2, 4};
+  DLTensor tensors[2] = {Tensor(m, 2, shape, NULL, kDLFloat, 32),
+                         Tensor(m, 2, shape, NULL, kDLFloat, 32)};
+  const char* tensor_names[] = {"row", "col"};
+  CHECK_OK(wb_publisher_publish(pub, 1, tensor_names, tensors, 2, NULL, 30000));
+  wb_placement_rule_t rules[2];
+  memset(rules, 0, sizeof(rules));
+  rules[0].pattern = "row";
+  rules[0].kind = WB_PLACEMENT_SHARD;
+  rules[0].dim = 1;
+  rules[1].pattern = "c*";
+  rules[1].kind = WB_PLACEMENT_SHARD;
+  rules[1].dim = 0;
+  wb_placements_t placements = WB_PLACEMENTS_INIT;
+  placements.rules = rules;
+  placements.num_rules = 2;
+  placements.tp_size = 2;
+  for (int r = 0; r < 2; ++r) {
+    placements.tp_rank = r;
+    wb_subscriber_t* sub = NULL;
+    CHECK_OK(wb_subscriber_create_tp(uri, NULL, &placements, &sub));
+    if (sub == NULL) continue;
+    wb_update_t* update = NULL;
+    CHECK_OK(wb_subscriber_poll(sub, 1, 30000, &update));
+    CHECK(update != NULL);
+    if (update != NULL) {
+      const DLTensor* row = NULL;
+      const DLTensor* col = NULL;
+      CHECK_OK(wb_update_tensor(update, 0, NULL, NULL, &row));
+      CHECK_OK(wb_update_tensor(update, 1, NULL, NULL, &col));
+      if (row != NULL && col != NULL) {
+        CHECK(row->ndim == 2 && row->shape[0] == 2 && row->shape[1] == 2);
+        CHECK(col->ndim == 2 && col->shape[0] == 1 && col->shape[1] == 4);
+        const float* rv = (const float*)row->data;
+        CHECK(rv[0] == m[0][2 * r] && rv[1] == m[0][2 * r + 1] && rv[2] == m[1][2 * r] &&
+              rv[3] == m[1][2 * r + 1]);
+        CHECK(memcmp(col->data, m[r], sizeof(m[r])) == 0);
+      }
+      wb_tensor_info_t info = WB_TENSOR_INFO_INIT;
+      CHECK_OK(wb_update_tensor_info(update, 0, &info));
+      CHECK(info.ndim == 2 && info.shape[0] == 2 && info.shape[1] == 2 && info.nbytes == 16);
+      wb_update_destroy(update);
+    }
+    wb_subscriber_destroy(sub);
+  }
+  wb_subscriber_t* sub = NULL;
+  placements.tp_rank = 2;
+  CHECK_STATUS(wb_subscriber_create_tp(uri, NULL, &placements, &sub), WB_INVALID_ARGUMENT,
+               "TP rank 2 of a group of size 2");
+  placements.tp_size = 3;
+  placements.tp_rank = 0;
+  CHECK_OK(wb_subscriber_create_tp(uri, NULL, &placements, &sub));
+  if (sub != NULL) {
+    wb_update_t* update = NULL;
+    CHECK_STATUS(wb_subscriber_poll(sub, 1, 30000, &update), WB_INVALID_ARGUMENT,
+                 "TP degree 3 does not divide dimension 1 of size 4");
+    wb_subscriber_destroy(sub);
+  }
+  wb_publisher_destroy(pub);
+}
+
 int main(void) {
   char dir[] = "/tmp/wb_capi_test_XXXXXX";
   if (mkdtemp(dir) == NULL) {
@@ -887,6 +958,7 @@ int main(void) {
   TestLayerStats(dir);
   TestUcxReceivers();
   TestReceiveVersion(dir);
+  TestPlacements(dir);
 
   wb_publisher_t* publisher = NULL;
   CHECK_OK(wb_publisher_create(uri, NULL, &publisher));

@@ -1105,6 +1105,56 @@ TEST_P(ConformanceTest, TransportCancelEndsWaitsInFlightWhereDeclared) {
   }
 }
 
+// Every rank of a TP group of 2 opened with placements receives only its slices (docs/
+// RESHARDING.md, "Subscribing with placements"): a column-parallel [4, 6] matrix cut on its
+// rows, a row-parallel one on its columns, a vector whole; two versions through one plan.
+TEST_P(ConformanceTest, SubscribersWithPlacementsReceiveTheirSlices) {
+  auto pub = OpenPublisher(Uri());
+  ASSERT_TRUE(pub);
+  auto values = [](uint64_t v) {
+    std::vector<float> m(24);
+    for (int i = 0; i < 24; ++i) m[i] = static_cast<float>(i) + 100.0f * static_cast<float>(v);
+    return m;
+  };
+  const SubscribePlacements placements{
+      {{"col", Placement::Shard(0)}, {"row", Placement::Shard(1)}}, {2, 0}, {}};
+  std::vector<std::unique_ptr<Subscriber>> subs;
+  for (int r = 0; r < 2; ++r) {
+    SubscribePlacements p = placements;
+    p.rank.rank = r;
+    auto sub = Subscriber::Open(Uri(), {}, p);
+    ASSERT_TRUE(sub.ok()) << sub.status();
+    subs.push_back(*std::move(sub));
+  }
+  for (uint64_t v : {1, 2}) {
+    const std::vector<float> m = values(v);
+    ASSERT_TRUE(pub->Publish(v,
+                             {TensorView{"col", DType::kF32, {4, 6}, {}, m.data()},
+                              TensorView{"row", DType::kF32, {4, 6}, {}, m.data()},
+                              TensorView{"norm", DType::kF32, {6}, {}, m.data()}},
+                             {}, kTimeout)
+                    .ok());
+    for (int r = 0; r < 2; ++r) {
+      SCOPED_TRACE(absl::StrFormat("version %d, TP rank %d of 2", v, r));
+      auto u = subs[r]->ReceiveVersion(v, kTimeout);
+      ASSERT_TRUE(u.ok()) << u.status();
+      auto got = [&](const char* name) {
+        const TensorView* t = (*u)->Find(name);
+        const float* p = static_cast<const float*>(t->data);
+        return std::make_pair(t->shape, std::vector<float>(p, p + *NumElements(t->shape)));
+      };
+      std::vector<float> col(m.begin() + 12 * r, m.begin() + 12 * (r + 1)), row;
+      for (int i = 0; i < 4; ++i) {
+        row.insert(row.end(), m.begin() + 6 * i + 3 * r, m.begin() + 6 * i + 3 * (r + 1));
+      }
+      EXPECT_EQ(got("col"), std::make_pair(std::vector<int64_t>{2, 6}, col));
+      EXPECT_EQ(got("row"), std::make_pair(std::vector<int64_t>{4, 3}, row));
+      EXPECT_EQ(got("norm"), std::make_pair(std::vector<int64_t>{6},
+                                            std::vector<float>(m.begin(), m.begin() + 6)));
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Exact versions (Subscriber::ReceiveVersion) and tensor-parallel groups whose leader picks the
 // version once (README, "One version per tensor-parallel group").

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_format.h"
+#include "stories260k.h"
 #include "test_support.h"
 #include "weightbus/llama2c.h"
 #include "weightbus/weightbus.hpp"
@@ -36,16 +37,7 @@ bool Exists(const std::string& path) {
 }
 
 // The fixture as the peer converts it: what every assembled version must equal.
-const std::vector<tools::OwnedTensor>& Model() {
-  static const auto* model = [] {
-    auto ckpt = tools::ReadLlama2c(testing::FixturePath("stories260K.bin"));
-    EXPECT_TRUE(ckpt.ok()) << ckpt.status();
-    auto m = tools::ConvertToHf(*ckpt, DType::kF32);
-    EXPECT_TRUE(m.ok()) << m.status();
-    return new std::vector<tools::OwnedTensor>(*std::move(m));
-  }();
-  return *model;
-}
+const std::vector<tools::OwnedTensor>& Model() { return testing::Stories260K(); }
 
 // Starts the ranks of a group publishing the fixture with `layout` (peer_main.cc); with `only`
 // >= 0, that rank alone.

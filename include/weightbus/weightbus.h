@@ -403,6 +403,61 @@ typedef struct wb_update wb_update_t;
 WB_EXPORT wb_status_t wb_subscriber_create(const char* uri, const wb_open_params_t* params,
                                            wb_subscriber_t** subscriber);
 
+/* Placements (weightbus/placement.hpp, docs/RESHARDING.md "Subscribing with placements"): the
+ * slice of each tensor one worker of a tensor-parallel (TP) group receives. */
+typedef enum wb_placement_kind {
+  WB_PLACEMENT_REPLICATE = 0, /* the whole tensor */
+  WB_PLACEMENT_SHARD = 1,     /* 1/tp_size of dimension `dim` (0 column-, 1 row-parallel) */
+  WB_PLACEMENT_QKV = 2,       /* vLLM qkv_proj from q/k/v with grouped-query attention */
+  WB_PLACEMENT_MERGED = 3,    /* vLLM MergedColumnParallelLinear (gate_up_proj) */
+  WB_PLACEMENT_EXPERTS = 4    /* stacked experts split on dimension 0 (expert parallel) */
+} wb_placement_kind_t;
+
+/* One rule: tensors whose name matches `pattern` (fnmatch(3) glob, '*' also matches '.' and
+ * '/') get this placement; the first matching rule wins, a name none matches is received whole.
+ * QKV: num_heads, num_kv_heads, head_size (rows), and optionally `fused` and `parts` (NULL:
+ * "qkv_proj" from "q_proj", "k_proj", "v_proj"). MERGED: `fused` and its `parts` in order
+ * (e.g. "gate_up_proj" from "gate_proj", "up_proj"). EXPERTS: `expert_order` 0 linear, 1 round
+ * robin. Strings are read during the call only. An array element type: it never grows. */
+typedef struct wb_placement_rule {
+  const char* pattern;
+  wb_placement_kind_t kind;
+  int dim;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  const char* fused;
+  const char* const* parts;
+  size_t num_parts;
+  int expert_order;
+} wb_placement_rule_t;
+
+/* Parameters of wb_subscriber_create_tp: this worker's rank among tp_size, its rules, and
+ * optionally the destination tensors to receive (NULL: every tensor of the version; needed
+ * for fused destinations such as qkv_proj, which the version does not have). */
+typedef struct wb_placements {
+  size_t struct_size; /* sizeof(wb_placements_t) */
+  const wb_placement_rule_t* rules;
+  size_t num_rules;
+  int tp_size;
+  int tp_rank;
+  const char* const* tensors;
+  size_t num_tensors;
+} wb_placements_t;
+#define WB_PLACEMENTS_INIT \
+  { sizeof(wb_placements_t), NULL, 0, 1, 0, NULL, 0 }
+
+/* As wb_subscriber_create, for one worker of a TP group: every update holds only this worker's
+ * slices (slice-shaped, row-major; bound destinations must be slice-shaped), and only the
+ * published parts those slices meet are fetched. Errors here: WB_INVALID_ARGUMENT for a rank
+ * outside [0, tp_size), an unknown kind or a NULL pattern. On receive, before any byte is
+ * fetched: WB_INVALID_ARGUMENT naming the tensor, dimension and degree when tp_size does not
+ * divide a dimension or head count, WB_NOT_FOUND for a destination or source the version
+ * lacks; the previous version stays current. */
+WB_EXPORT wb_status_t wb_subscriber_create_tp(const char* uri, const wb_open_params_t* params,
+                                              const wb_placements_t* placements,
+                                              wb_subscriber_t** subscriber);
+
 /* Closes the subscriber. Updates it returned stay valid. NULL is a no-op. May be called while
  * other threads are inside calls on `subscriber`: it first cancels as wb_subscriber_cancel does
  * (a wait for a version returns WB_CANCELLED promptly), then waits for those calls to return (a
@@ -508,6 +563,8 @@ WB_EXPORT wb_status_t wb_update_tensor(const wb_update_t* update, size_t index, 
  * (see wb_tensor_info_t). Of a group version (published by ranks with world_size > 1), the
  * tensor assembled from its parts: its global shape, no shard, and xxh3 0 (each part was
  * verified against its own checksum; the parts and their owner ranks are in the manifest JSON).
+ * Of a subscriber created by wb_subscriber_create_tp, likewise this worker's slice: its shape,
+ * no shard, xxh3 0.
  * Errors: WB_OUT_OF_RANGE past the end; WB_INVALID_ARGUMENT for a NULL argument or an
  * info->struct_size smaller than the first layout (use WB_TENSOR_INFO_INIT). */
 WB_EXPORT wb_status_t wb_update_tensor_info(const wb_update_t* update, size_t index,

@@ -38,6 +38,7 @@
 #include "absl/types/span.h"
 #include "weightbus/export.h"
 #include "weightbus/manifest.hpp"
+#include "weightbus/placement.hpp"
 #include "weightbus/types.hpp"
 #include "weightbus/version.h"
 
@@ -212,7 +213,9 @@ class WB_EXPORT Update {
   // One view per manifest tensor, in manifest order. Of a group version (Manifest::group), one
   // per tensor assembled from its parts (each rank's slice copied to its place in the tensor of
   // the global shape; a replicated part read from one rank), in order of first appearance, with
-  // no shard; manifest() lists the parts as published.
+  // no shard; manifest() lists the parts as published. Of a subscriber opened with placements,
+  // one per destination tensor (SubscribePlacements::tensors, or the version's tensors), each
+  // this worker's slice, row-major, with no shard.
   absl::Span<const TensorView> tensors() const;
   // The view named `name`, or nullptr.
   const TensorView* Find(std::string_view name) const;
@@ -223,6 +226,20 @@ class WB_EXPORT Update {
 
  private:
   std::unique_ptr<Impl> impl_;
+};
+
+// What one worker of a tensor-parallel (TP) group receives (docs/RESHARDING.md, "Subscribing
+// with placements"): of each tensor, the slice `rules` give worker `rank` (weightbus/
+// placement.hpp; the first rule whose pattern matches a tensor's name wins, a name no rule
+// matches is received whole).
+struct SubscribePlacements {
+  std::vector<PlacementRule> rules;
+  TensorParallelRank rank;
+  // The destination tensors to receive, in order. Empty: every tensor of the version under its
+  // own name. Fused placements (Qkv, GateUp, ExpertsMerged) name destinations that are not in
+  // the version (e.g. "model.layers.0.self_attn.qkv_proj.weight" from q_proj, k_proj, v_proj),
+  // so they are listed here.
+  std::vector<std::string> tensors;
 };
 
 // Receives versions from one channel.
@@ -251,6 +268,19 @@ class WB_EXPORT Subscriber {
   // Opens `uri` for subscribing; the channel need not exist yet. Errors as Publisher::Open.
   static absl::StatusOr<std::unique_ptr<Subscriber>> Open(std::string_view uri,
                                                           const Options& options = {});
+  // Opens `uri` for one worker of a TP group: every Update holds only this worker's slices
+  // (Update::tensors() are slice-shaped, row-major, and bound destinations must have the
+  // slice's dtype and shape). The transfer plan (which published parts to read and where each
+  // byte goes) is computed for the first version and again only when a version's layout (its
+  // parts, owners, shapes) differs; only the parts the plan reads are fetched and verified.
+  // Errors at Open: InvalidArgument for a rank outside [0, size) or size < 1. On receive,
+  // before any byte is fetched (the previous version stays current): InvalidArgument naming
+  // the tensor, dimension and degree when the TP degree does not divide a dimension or a head
+  // count, NotFound for a listed destination or a fused source the version lacks; the rest as
+  // WaitForVersion.
+  static absl::StatusOr<std::unique_ptr<Subscriber>> Open(std::string_view uri,
+                                                          const Options& options,
+                                                          SubscribePlacements placements);
   ~Subscriber();
   Subscriber(const Subscriber&) = delete;
   Subscriber& operator=(const Subscriber&) = delete;

@@ -46,8 +46,8 @@ struct UpdateState {
   std::unique_ptr<wb::Update> update;
   std::vector<CTensor> tensors;
   std::string manifest_json;
-  // Of a group version (whose manifest lists the ranks' parts): one entry per tensor handed
-  // over, as assembled (global shape, no shard, xxh3 0), for wb_update_tensor_info.
+  // Of a group version (whose manifest lists the ranks' parts) or a TP subscriber's slices: one
+  // entry per tensor handed over (its shape, no shard, xxh3 0), for wb_update_tensor_info.
   std::vector<wb::TensorInfo> assembled;
 };
 
@@ -213,6 +213,7 @@ constexpr size_t kBindParamsV1 = sizeof(wb_bind_params_t);
 constexpr size_t kPublishStatsV1 = offsetof(wb_publish_stats_t, flags);    // before `flags`
 constexpr size_t kUpdateStatsV1 = offsetof(wb_update_stats_t, decode_ns);  // before `decode_ns`
 constexpr size_t kSettingInfoV1 = sizeof(wb_setting_info_t);
+constexpr size_t kPlacementsV1 = sizeof(wb_placements_t);
 constexpr size_t kTensorInfoV1 = sizeof(wb_tensor_info_t);
 
 absl::Duration Timeout(int64_t timeout_ms) {
@@ -651,7 +652,14 @@ absl::Status HandOver(absl::StatusOr<std::unique_ptr<wb::Update>> received, wb_u
     c.dl.byte_offset = 0;
   }
   state->manifest_json = state->update->manifest().ToJson();
-  if (state->update->manifest().group) {
+  // Handed over otherwise than published: a group version's tensors assembled, or a TP
+  // subscriber's slices (SubscribePlacements).
+  const wb::Manifest& m = state->update->manifest();
+  bool as_published = !m.group && views.size() == m.tensors.size();
+  for (size_t i = 0; as_published && i < views.size(); ++i) {
+    as_published = views[i].name == m.tensors[i].name && views[i].shape == m.tensors[i].shape;
+  }
+  if (!as_published) {
     for (const wb::TensorView& v : views) {
       state->assembled.push_back(wb::TensorInfo{v.name, v.dtype, v.shape, std::nullopt,
                                                 wb::ByteSize(v.dtype, v.shape).value_or(0), 0, 0});
@@ -893,9 +901,80 @@ wb_status_t wb_publisher_uri(wb_publisher_t* publisher, const char** uri) {
   });
 }
 
-wb_status_t wb_subscriber_create(const char* uri, const wb_open_params_t* params_in,
-                                 wb_subscriber_t** subscriber) {
-  constexpr const char* kFn = "wb_subscriber_create";
+// The C placements as weightbus::SubscribePlacements.
+static absl::StatusOr<wb::SubscribePlacements> ReadPlacements(const char* function,
+                                                              const wb_placements_t& in) {
+  wb::SubscribePlacements out;
+  out.rank = {in.tp_size, in.tp_rank};
+  if (in.num_rules > 0 && in.rules == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: placements.rules is NULL with num_rules %d", function, in.num_rules));
+  }
+  auto strings = [&](const char* const* list, size_t n,
+                     const char* what) -> absl::StatusOr<std::vector<std::string>> {
+    std::vector<std::string> v;
+    if (n > 0 && list == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: %s is NULL with %d entries", function, what, n));
+    }
+    for (size_t i = 0; i < n; ++i) {
+      if (list[i] == nullptr) {
+        return absl::InvalidArgumentError(absl::StrFormat("%s: %s[%d] is NULL", function, what, i));
+      }
+      v.emplace_back(list[i]);
+    }
+    return v;
+  };
+  for (size_t i = 0; i < in.num_rules; ++i) {
+    const wb_placement_rule_t& r = in.rules[i];
+    if (r.pattern == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: placements.rules[%d].pattern is NULL", function, i));
+    }
+    absl::StatusOr<std::vector<std::string>> parts =
+        strings(r.parts, r.num_parts, "placements.rules[].parts");
+    if (!parts.ok()) return parts.status();
+    const std::string fused = r.fused == nullptr ? "" : r.fused;
+    wb::Placement p;
+    switch (r.kind) {
+      case WB_PLACEMENT_REPLICATE:
+        break;
+      case WB_PLACEMENT_SHARD:
+        p = wb::Placement::Shard(r.dim);
+        break;
+      case WB_PLACEMENT_QKV:
+        p = parts->empty()
+                ? wb::Placement::Qkv(r.num_heads, r.num_kv_heads, r.head_size)
+                : wb::Placement::Qkv(r.num_heads, r.num_kv_heads, r.head_size, fused, *parts);
+        p.dim = r.dim;
+        break;
+      case WB_PLACEMENT_MERGED:
+        p = wb::Placement::Merged(fused, *parts);
+        p.dim = r.dim;
+        break;
+      case WB_PLACEMENT_EXPERTS:
+        p = wb::Placement::ExpertsMerged(
+            fused, *parts,
+            r.expert_order == 1 ? wb::ExpertOrder::kRoundRobin : wb::ExpertOrder::kLinear);
+        break;
+      default:
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: placements.rules[%d] (\"%s\") has kind %d, not a wb_placement_kind_t", function, i,
+            r.pattern, static_cast<int>(r.kind)));
+    }
+    out.rules.push_back({r.pattern, std::move(p)});
+  }
+  absl::StatusOr<std::vector<std::string>> tensors =
+      strings(in.tensors, in.num_tensors, "placements.tensors");
+  if (!tensors.ok()) return tensors.status();
+  out.tensors = *std::move(tensors);
+  return out;
+}
+
+static wb_status_t CreateSubscriber(const char* kFn, const char* uri,
+                                    const wb_open_params_t* params_in,
+                                    const wb_placements_t* placements_in,
+                                    wb_subscriber_t** subscriber) {
   return Guard(kFn, [&]() -> absl::Status {
     WB_CHECK_ARG(kFn, uri);
     WB_CHECK_ARG(kFn, subscriber);
@@ -904,11 +983,40 @@ wb_status_t wb_subscriber_create(const char* uri, const wb_open_params_t* params
     absl::StatusOr<wb::Options> options =
         ReadOptions(kFn, "params.options", params.options, params.num_options);
     if (!options.ok()) return options.status();
-    absl::StatusOr<std::unique_ptr<wb::Subscriber>> s = wb::Subscriber::Open(uri, *options);
+    absl::StatusOr<std::unique_ptr<wb::Subscriber>> s;
+    if (placements_in == nullptr) {
+      s = wb::Subscriber::Open(uri, *options);
+    } else {
+      wb_placements_t placements;
+      if (absl::Status r = ReadParams(kFn, placements_in, kPlacementsV1, &placements); !r.ok()) {
+        return r;
+      }
+      absl::StatusOr<wb::SubscribePlacements> p = ReadPlacements(kFn, placements);
+      if (!p.ok()) return p.status();
+      s = wb::Subscriber::Open(uri, *options, *std::move(p));
+    }
     if (!s.ok()) return s.status();
     *subscriber = new wb_subscriber{std::move(*s)};
     return absl::OkStatus();
   });
+}
+
+wb_status_t wb_subscriber_create(const char* uri, const wb_open_params_t* params_in,
+                                 wb_subscriber_t** subscriber) {
+  return CreateSubscriber("wb_subscriber_create", uri, params_in, nullptr, subscriber);
+}
+
+wb_status_t wb_subscriber_create_tp(const char* uri, const wb_open_params_t* params_in,
+                                    const wb_placements_t* placements,
+                                    wb_subscriber_t** subscriber) {
+  constexpr const char* kFn = "wb_subscriber_create_tp";
+  if (placements == nullptr) {
+    return Guard(kFn, [&]() -> absl::Status {
+      WB_CHECK_ARG(kFn, placements);
+      return absl::OkStatus();
+    });
+  }
+  return CreateSubscriber(kFn, uri, params_in, placements, subscriber);
 }
 
 void wb_subscriber_destroy(wb_subscriber_t* subscriber) {
@@ -1076,9 +1184,10 @@ wb_status_t wb_update_tensor_info(const wb_update_t* update, size_t index, wb_te
     WB_CHECK_ARG(kFn, info);
     if (absl::Status s = CheckIndex(kFn, update, index, /*dlpack=*/false); !s.ok()) return s;
     const wb::Manifest& manifest = update->state->update->manifest();
-    // A group version's manifest lists the ranks' parts; its tensors are handed over whole.
-    const wb::TensorInfo& t =
-        manifest.group ? update->state->assembled[index] : manifest.tensors[index];
+    // A group version's manifest lists the ranks' parts; its tensors are handed over whole (or
+    // as a TP subscriber's slices).
+    const wb::TensorInfo& t = !update->state->assembled.empty() ? update->state->assembled[index]
+                                                                : manifest.tensors[index];
     auto data = [](const std::vector<int64_t>& v) { return v.empty() ? nullptr : v.data(); };
     const wb_tensor_info_t value{sizeof(wb_tensor_info_t),
                                  t.name.c_str(),

@@ -19,6 +19,7 @@
 #include "core/failpoint.h"
 #include "core/parts.h"
 #include "core/registry.h"
+#include "core/reshard.h"
 #include "core/status.h"
 #include "core/tensor_pack.h"
 #include "core/worker_pool.h"
@@ -182,6 +183,14 @@ class Subscriber::Impl : public internal::ChannelSetup {
   // What the current version holds, to refuse other content under the same version number.
   std::string held_session ABSL_GUARDED_BY(mu);
   std::vector<TensorInfo> held_tensors ABSL_GUARDED_BY(mu);
+  // Set at Open for one worker of a TP group; its plan is kept across versions.
+  std::optional<SubscribePlacements> placements;
+  internal::PlanCache plans ABSL_GUARDED_BY(mu);
+
+  // When a receive passed each stage, for UpdateStats.
+  struct Times {
+    absl::Time start, found, allocated, fetched, verified, end;
+  };
 
   // Finds a version >= max(min_version, current) by `find_deadline` and receives it by
   // `receive_deadline`. With `poll`, finding none by find_deadline returns nullptr.
@@ -203,6 +212,30 @@ class Subscriber::Impl : public internal::ChannelSetup {
   absl::StatusOr<std::unique_ptr<Update>> Receive(
       std::unique_ptr<internal::IncomingVersion> incoming, std::pair<uint64_t, bool> wanted,
       absl::Time start, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Receive for a subscriber with placements, after the manifest checks: plans this worker's
+  // slices of `wholes` (what version impl->manifest hands over), fetches the parts the plan
+  // reads and assembles the slices.
+  absl::StatusOr<std::unique_ptr<Update>> ReceiveResharded(
+      std::unique_ptr<internal::IncomingVersion> incoming, std::unique_ptr<Update::Impl> impl,
+      const std::vector<internal::AssembledTensor>& wholes, Times times, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Fetches the parts with a non-null target (`mapped` bytes of buffers were allocated for
+  // them) and verifies those `needed`; accepted, and the transport's pin released, only when
+  // all are. `direct_note` explains the state of bound destinations on failure. Fills
+  // times->fetched and times->verified, and *codec.
+  absl::Status FetchVerified(std::unique_ptr<internal::IncomingVersion> incoming, const Manifest& m,
+                             const std::vector<std::byte*>& targets,
+                             const std::vector<bool>& needed, uint64_t mapped,
+                             const std::string& direct_note, absl::Time deadline, Times* times,
+                             std::optional<internal::CodecStats>* codec)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Makes impl's version current and hands it over (its views set; `library` the buffer they
+  // point into, `fetched_bytes` received).
+  std::unique_ptr<Update> HandOver(std::unique_ptr<Update::Impl> impl,
+                                   std::shared_ptr<internal::HostBuffer> library,
+                                   uint64_t fetched_bytes, const Times& times,
+                                   const std::optional<internal::CodecStats>& codec)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   std::string CurrentText() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     return current ? std::to_string(*current) : "none";
   }
@@ -223,6 +256,21 @@ absl::StatusOr<std::unique_ptr<Subscriber>> Subscriber::Open(std::string_view ur
   WB_ASSIGN_OR_RETURN(impl->backend,
                       internal::OpenSubscriberStack(impl->stack, impl->uri, *impl->config));
   return std::unique_ptr<Subscriber>(new Subscriber(std::move(impl)));
+}
+
+absl::StatusOr<std::unique_ptr<Subscriber>> Subscriber::Open(std::string_view uri_text,
+                                                             const Options& options,
+                                                             SubscribePlacements placements) {
+  const TensorParallelRank& r = placements.rank;
+  if (r.size < 1 || r.rank < 0 || r.rank >= r.size) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: placements for TP rank %d of a group of size %d: the size must be >= 1 and the "
+        "rank in [0, size)",
+        uri_text, r.rank, r.size));
+  }
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<Subscriber> sub, Open(uri_text, options));
+  sub->impl_->placements = std::move(placements);
+  return sub;
 }
 
 Subscriber::Subscriber(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -524,6 +572,12 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
     }
   }
   WB_ASSIGN_OR_RETURN(const std::vector<internal::AssembledTensor> wholes, HandedOver(uri, m));
+  Times times;
+  times.start = start;
+  times.found = found;
+  if (placements) {
+    return ReceiveResharded(std::move(incoming), std::move(impl), wholes, times, deadline);
+  }
   WB_RETURN_IF_ERROR(CheckBindings(m.version, wholes));
 
   // Decide where each tensor handed over lives (its home): library memory (kept by the Update)
@@ -579,61 +633,26 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
   std::vector<std::byte*> targets(n, nullptr);
   std::vector<bool> needed(n, false);
   uint64_t fetched_bytes = 0;
+  bool any_direct = false;  // into a bound destination
   for (size_t i = 0; i < n; ++i) {
     // Parts without bytes are "fetched" (and checked) as any tensor; a skipped replica is not.
     needed[i] = place[i] != Place::kSkip || m.tensors[i].nbytes == 0;
     if (place[i] == Place::kSkip) continue;
     fetched_bytes += m.tensors[i].nbytes;
+    any_direct |= place[i] == Place::kDirect && bound[whole_of[i]] != nullptr;
     std::byte* base = place[i] == Place::kDirect ? home(whole_of[i])
                       : staging                  ? staging->data()
                                                  : nullptr;
     const uint64_t off = place[i] == Place::kDirect ? *part_offset[i] : staging_offset[i];
     targets[i] = base == nullptr ? nullptr : base + off;
   }
-
-  const absl::Time allocated = absl::Now();
-  if (allocated > deadline) {
-    return absl::DeadlineExceededError(absl::StrFormat(
-        "%s: version %d found, but mapping %d bytes of receive buffers took until past the "
-        "deadline; version %s stays current",
-        uri.Display(), m.version, library_bytes + staging_bytes, CurrentText()));
-  }
-  Verifier verifier(m, targets, needed, *hashers);
-  absl::Status fetch = failpoints.Hit("core.before_fetch");
-  if (fetch.ok()) fetch = incoming->Fetch(targets, verifier, deadline);
-  const absl::Time fetched = absl::Now();
-  verifier.Drain();
-  const absl::Time verified = absl::Now();
-  bool any_direct = false;  // into a bound destination
-  for (size_t i = 0; i < n; ++i) {
-    any_direct |= place[i] == Place::kDirect && bound[whole_of[i]] != nullptr;
-  }
   const std::string direct_note =
       any_direct ? " (bind_mode=direct: bound destinations may hold partial data of this version)"
                  : "";
-  if (!fetch.ok()) {
-    return absl::Status(fetch.code(), absl::StrFormat("%s: receiving version %d failed: %s%s; "
-                                                      "version %s stays current",
-                                                      uri.Display(), m.version, fetch.message(),
-                                                      direct_note, CurrentText()));
-  }
-  bool never_landed = false;
-  if (std::optional<size_t> bad = verifier.FirstFailure(&never_landed)) {
-    const TensorInfo& t = m.tensors[*bad];
-    if (never_landed) {
-      return absl::InternalError(
-          absl::StrFormat("%s version %d: transport finished without delivering tensor \"%s\"",
-                          uri.Display(), m.version, t.name));
-    }
-    return absl::DataLossError(absl::StrFormat(
-        "%s version %d: tensor \"%s\" from %s fails verification: XXH3-64 of the received %d "
-        "bytes is %016x but the manifest says %016x%s; version %s stays current",
-        uri.Display(), m.version, t.name, incoming->DescribeSource(*bad), t.nbytes,
-        verifier.actual(*bad), t.xxh3, direct_note, CurrentText()));
-  }
-  incoming->Accepted();
-  const std::optional<internal::CodecStats> codec = incoming->FetchCodecStats();
-  incoming.reset();  // releases the transport's pin on the version
+  std::optional<internal::CodecStats> codec;
+  WB_RETURN_IF_ERROR(FetchVerified(std::move(incoming), m, targets, needed,
+                                   library_bytes + staging_bytes, direct_note, deadline, &times,
+                                   &codec));
 
   // Everything verified: only now touch staged destinations, and place staged parts.
   for (size_t i = 0; i < n; ++i) {
@@ -657,7 +676,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
                             home(w) + first * static_cast<int64_t>(elem));
   }
   staging.reset();
-  const absl::Time end = absl::Now();
+  times.end = absl::Now();
 
   impl->views.reserve(nw);
   for (size_t w = 0; w < nw; ++w) {
@@ -669,15 +688,68 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
     impl->index.emplace(t.name, w);
     impl->views.push_back(std::move(v));
   }
+  return HandOver(std::move(impl), std::move(library), fetched_bytes, times, codec);
+}
+
+absl::Status Subscriber::Impl::FetchVerified(std::unique_ptr<internal::IncomingVersion> incoming,
+                                             const Manifest& m,
+                                             const std::vector<std::byte*>& targets,
+                                             const std::vector<bool>& needed, uint64_t mapped,
+                                             const std::string& direct_note, absl::Time deadline,
+                                             Times* times,
+                                             std::optional<internal::CodecStats>* codec) {
+  times->allocated = absl::Now();
+  if (times->allocated > deadline) {
+    return absl::DeadlineExceededError(absl::StrFormat(
+        "%s: version %d found, but mapping %d bytes of receive buffers took until past the "
+        "deadline; version %s stays current",
+        uri.Display(), m.version, mapped, CurrentText()));
+  }
+  Verifier verifier(m, targets, needed, *hashers);
+  absl::Status fetch = failpoints.Hit("core.before_fetch");
+  if (fetch.ok()) fetch = incoming->Fetch(targets, verifier, deadline);
+  times->fetched = absl::Now();
+  verifier.Drain();
+  times->verified = absl::Now();
+  if (!fetch.ok()) {
+    return absl::Status(fetch.code(), absl::StrFormat("%s: receiving version %d failed: %s%s; "
+                                                      "version %s stays current",
+                                                      uri.Display(), m.version, fetch.message(),
+                                                      direct_note, CurrentText()));
+  }
+  bool never_landed = false;
+  if (std::optional<size_t> bad = verifier.FirstFailure(&never_landed)) {
+    const TensorInfo& t = m.tensors[*bad];
+    if (never_landed) {
+      return absl::InternalError(
+          absl::StrFormat("%s version %d: transport finished without delivering tensor \"%s\"",
+                          uri.Display(), m.version, t.name));
+    }
+    return absl::DataLossError(absl::StrFormat(
+        "%s version %d: tensor \"%s\" from %s fails verification: XXH3-64 of the received %d "
+        "bytes is %016x but the manifest says %016x%s; version %s stays current",
+        uri.Display(), m.version, t.name, incoming->DescribeSource(*bad), t.nbytes,
+        verifier.actual(*bad), t.xxh3, direct_note, CurrentText()));
+  }
+  incoming->Accepted();
+  *codec = incoming->FetchCodecStats();
+  incoming.reset();  // releases the transport's pin on the version
+  return absl::OkStatus();
+}
+
+std::unique_ptr<Update> Subscriber::Impl::HandOver(
+    std::unique_ptr<Update::Impl> impl, std::shared_ptr<internal::HostBuffer> library,
+    uint64_t fetched_bytes, const Times& times, const std::optional<internal::CodecStats>& codec) {
+  const Manifest& m = impl->manifest;
   impl->buffer = std::move(library);
   impl->stats = UpdateStats{};
   impl->stats.bytes = fetched_bytes;
-  impl->stats.wait = found - start;
-  impl->stats.allocate = allocated - found;
-  impl->stats.fetch = fetched - allocated;
-  impl->stats.verify_wait = verified - fetched;
-  impl->stats.copy_out = end - verified;
-  impl->stats.ready_unix_ns = absl::ToUnixNanos(end);
+  impl->stats.wait = times.found - times.start;
+  impl->stats.allocate = times.allocated - times.found;
+  impl->stats.fetch = times.fetched - times.allocated;
+  impl->stats.verify_wait = times.verified - times.fetched;
+  impl->stats.copy_out = times.end - times.verified;
+  impl->stats.ready_unix_ns = absl::ToUnixNanos(times.end);
   // Wire bytes: the tensors' own for a plain transport; a layer reports its encoded size.
   if (codec) {
     impl->stats.decode = codec->time;
@@ -690,6 +762,154 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
   held_session = m.publisher.session;
   held_tensors = m.tensors;
   return std::make_unique<Update>(std::move(impl));
+}
+
+absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveResharded(
+    std::unique_ptr<internal::IncomingVersion> incoming, std::unique_ptr<Update::Impl> impl,
+    const std::vector<internal::AssembledTensor>& wholes, Times times, absl::Time deadline) {
+  const Manifest& m = impl->manifest;
+  const TensorParallelRank rank = placements->rank;
+  // The layout the planner reads: each tensor's parts as AssembleParts chose them (the one
+  // home of the manifest's consistency rules: owners, dtypes, global shapes, fit, gaps, and
+  // replicas read once after their checksums were compared), each at its byte offset in a
+  // virtual space per owner (its parts one after another). A single publisher is rank 0 of a
+  // group of one, owning every tensor whole.
+  internal::SourceLayout layout;
+  layout.world_size = m.group ? m.publisher.world_size : 1;
+  std::vector<std::vector<size_t>> part_index(wholes.size());  // [tensor][part]: manifest index
+  std::vector<uint64_t> owner_bytes(layout.world_size, 0);
+  layout.tensors.reserve(wholes.size());
+  for (size_t w = 0; w < wholes.size(); ++w) {
+    internal::SourceTensor& st = layout.tensors.emplace_back();
+    st.name = wholes[w].name;
+    for (size_t i : wholes[w].parts) {
+      const TensorInfo& p = m.tensors[i];
+      const int owner = m.group ? p.owner : 0;
+      st.parts.push_back(internal::SourcePart{
+          owner, p.dtype, wholes[w].shape,
+          m.group ? internal::Offsets(p) : std::vector<int64_t>(p.shape.size(), 0), p.shape,
+          owner_bytes[owner], p.nbytes});
+      owner_bytes[owner] += p.nbytes;
+      part_index[w].push_back(i);
+    }
+  }
+  std::vector<std::string> names = placements->tensors;
+  if (names.empty()) {
+    for (const internal::AssembledTensor& t : wholes) names.push_back(t.name);
+  }
+  auto refuse = [&](const absl::Status& why) {
+    return absl::Status(
+        why.code(), absl::StrFormat("%s version %d: cannot plan the slices of TP rank %d of %d: "
+                                    "%s; nothing was fetched, version %s stays current",
+                                    uri.Display(), m.version, rank.rank, rank.size, why.message(),
+                                    CurrentText()));
+  };
+  absl::StatusOr<std::vector<internal::TensorRequest>> requests =
+      internal::ResolvePlacements(placements->rules, names);
+  if (!requests.ok()) return refuse(requests.status());
+  absl::StatusOr<const internal::ReshardPlan*> planned = plans.Get(layout, *requests, rank);
+  if (!planned.ok()) return refuse(planned.status());
+  const internal::ReshardPlan& plan = **planned;
+
+  std::vector<internal::AssembledTensor> slices;
+  slices.reserve(plan.tensors.size());
+  for (const internal::TensorPlan& t : plan.tensors) {
+    slices.push_back(internal::AssembledTensor{t.name, t.dtype, t.shape, t.nbytes, {}});
+  }
+  WB_RETURN_IF_ERROR(CheckBindings(m.version, slices));
+
+  // Staging holds the parts the plan reads; each slice is assembled from it into its home
+  // (library memory, or a bound destination; a strided one through a row-major scratch slice
+  // in staging) once every part is verified.
+  const size_t n = m.tensors.size();
+  std::vector<bool> read(n, false);
+  for (const internal::TensorPlan& t : plan.tensors) {
+    for (const internal::ByteRange& r : t.ranges) {
+      read[part_index[r.source_tensor][r.source_part]] = true;
+    }
+  }
+  std::vector<uint64_t> staging_offset(n, 0);
+  uint64_t staging_bytes = 0, fetched_bytes = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (!read[i]) continue;
+    staging_offset[i] = staging_bytes;
+    staging_bytes += AlignUp(m.tensors[i].nbytes);
+    fetched_bytes += m.tensors[i].nbytes;
+  }
+  const size_t nt = plan.tensors.size();
+  std::vector<const Binding*> bound(nt, nullptr);
+  std::vector<uint64_t> home_offset(nt, 0);  // in library, or staging for a scratch slice
+  uint64_t library_bytes = 0;
+  for (size_t t = 0; t < nt; ++t) {
+    const internal::TensorPlan& tp = plan.tensors[t];
+    if (auto it = bindings.find(tp.name); it != bindings.end()) {
+      bound[t] = &it->second;
+      if (tp.nbytes > 0 && !IsContiguous(tp.shape, bound[t]->dest.strides)) {
+        home_offset[t] = staging_bytes;
+        staging_bytes += AlignUp(tp.nbytes);
+      }
+    } else {
+      home_offset[t] = library_bytes;
+      library_bytes += AlignUp(tp.nbytes);
+    }
+  }
+  std::shared_ptr<internal::HostBuffer> library, staging;
+  if (library_bytes > 0) {
+    WB_ASSIGN_OR_RETURN(library, pool->Get(library_bytes));
+  }
+  if (staging_bytes > 0) {
+    WB_ASSIGN_OR_RETURN(staging, pool->Get(staging_bytes));
+  }
+  std::vector<std::byte*> targets(n, nullptr);
+  std::vector<bool> needed(n, false);
+  for (size_t i = 0; i < n; ++i) {
+    needed[i] = read[i] || m.tensors[i].nbytes == 0;  // as Receive: empty parts are checked
+    if (read[i]) targets[i] = staging->data() + staging_offset[i];
+  }
+  std::optional<internal::CodecStats> codec;
+  WB_RETURN_IF_ERROR(FetchVerified(std::move(incoming), m, targets, needed,
+                                   library_bytes + staging_bytes, "", deadline, &times, &codec));
+
+  // Every part read is verified: assemble the slices. The plan's source offsets are in the
+  // virtual per-owner space; each range is moved to where its part lies in staging.
+  const absl::Span<const std::byte> staged =
+      staging ? absl::Span<const std::byte>(staging->data(), staging_bytes)
+              : absl::Span<const std::byte>();
+  const std::vector<absl::Span<const std::byte>> rank_data(layout.world_size, staged);
+  impl->views.reserve(nt);
+  for (size_t t = 0; t < nt; ++t) {
+    internal::TensorPlan tp = plan.tensors[t];
+    for (internal::ByteRange& r : tp.ranges) {
+      const size_t i = part_index[r.source_tensor][r.source_part];
+      r.source_offset = r.source_offset -
+                        layout.tensors[r.source_tensor].parts[r.source_part].byte_offset +
+                        staging_offset[i];
+    }
+    const bool scratch =
+        bound[t] != nullptr && tp.nbytes > 0 && !IsContiguous(tp.shape, bound[t]->dest.strides);
+    std::byte* home = bound[t] != nullptr && !scratch ? static_cast<std::byte*>(bound[t]->dest.data)
+                      : scratch                       ? staging->data() + home_offset[t]
+                      : library                       ? library->data() + home_offset[t]
+                                                      : nullptr;
+    if (absl::Status s = internal::ApplyPlan(tp, rank_data, {home, tp.nbytes}); !s.ok()) {
+      return absl::InternalError(
+          absl::StrFormat("%s version %d: %s", uri.Display(), m.version, s.message()));
+    }
+    if (scratch) {
+      internal::UnpackStrided(home, DTypeSize(tp.dtype), tp.shape, bound[t]->dest.strides,
+                              bound[t]->dest.data);
+    }
+    TensorView v{tp.name, tp.dtype, tp.shape, {}, home, Device{}, std::nullopt};
+    if (bound[t] != nullptr) {
+      v.data = bound[t]->dest.data;
+      v.strides = bound[t]->dest.strides;
+    }
+    impl->index.emplace(tp.name, t);
+    impl->views.push_back(std::move(v));
+  }
+  staging.reset();
+  times.end = absl::Now();
+  return HandOver(std::move(impl), std::move(library), fetched_bytes, times, codec);
 }
 
 }  // namespace weightbus

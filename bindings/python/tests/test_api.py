@@ -876,3 +876,42 @@ def test_publish_works_while_another_thread_is_still_importing_torch(channel, mo
         monkeypatch.setitem(sys.modules, "torch", torch)
         update = sub.receive(1, timeout=10)
         assert update["w"].tolist() == list(range(6))
+
+
+def test_placements_give_each_tp_worker_its_slices(channel):
+    """Subscriber(placements=..., tp_rank=, tp_size=): every worker of a TP group of 2 receives
+    its slices: q_proj cut on its rows, o_proj on its columns, a norm whole, and the fused
+    gate_up_proj listed by name; a degree that does not divide and a rank outside the group
+    are refused naming them."""
+    q = torch.arange(48, dtype=torch.float32).reshape(8, 6)
+    o = torch.arange(48, dtype=torch.float32).reshape(6, 8) + 100
+    gate = torch.arange(24, dtype=torch.float32).reshape(4, 6) + 200
+    up = torch.arange(24, dtype=torch.float32).reshape(4, 6) + 300
+    norm = torch.ones(6)
+    rules = {"*.q_proj.weight": weightbus.Placement.shard(0),
+             "*.o_proj.weight": weightbus.Placement.shard(1),
+             "*.gate_up_proj.weight": weightbus.Placement.gate_up()}
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, {"l.q_proj.weight": q, "l.o_proj.weight": o, "l.gate_proj.weight": gate,
+                        "l.up_proj.weight": up, "l.norm.weight": norm})
+        for r in range(2):
+            with weightbus.Subscriber(channel, placements=rules, tp_rank=r, tp_size=2) as sub:
+                update = sub.receive(1, timeout=30)
+                assert torch.equal(update["l.q_proj.weight"], q[4 * r:4 * (r + 1)])
+                assert torch.equal(update["l.o_proj.weight"], o[:, 4 * r:4 * (r + 1)])
+                assert torch.equal(update["l.norm.weight"], norm)
+                assert update.tensor_info("l.o_proj.weight").shape == (6, 4)
+            with weightbus.Subscriber(channel, placements=rules, tp_rank=r, tp_size=2,
+                                      tensors=["l.gate_up_proj.weight"]) as sub:
+                update = sub.receive(1, timeout=30)
+                want = torch.cat([gate[2 * r:2 * (r + 1)], up[2 * r:2 * (r + 1)]])
+                assert torch.equal(update["l.gate_up_proj.weight"], want)
+        with weightbus.Subscriber(channel, placements=rules, tp_rank=0, tp_size=3) as sub:
+            with pytest.raises(weightbus.InvalidArgumentError,
+                               match=r'tensor "l.q_proj.weight" .*TP degree 3 does not divide '
+                                     r'dimension 0 of size 8'):
+                sub.receive(1, timeout=30)
+            assert sub.current_version is None
+        with pytest.raises(weightbus.InvalidArgumentError,
+                           match="TP rank 2 of a group of size 2"):
+            weightbus.Subscriber(channel, placements=rules, tp_rank=2, tp_size=2)

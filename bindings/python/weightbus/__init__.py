@@ -14,8 +14,8 @@ numpy are optional and imported only when used. Errors raise a subclass of Weigh
 per status (weightbus.errors). weightbus.vllm integrates with vLLM.
 """
 from . import _lib
-from ._api import (Publisher, PublishStats, SettingInfo, Shard, Subscriber, TensorInfo, Update,
-                   UpdateStats, settings, transports)
+from ._api import (Placement, Publisher, PublishStats, SettingInfo, Shard, Subscriber,
+                   TensorInfo, Update, UpdateStats, settings, transports)
 from .errors import (AbortedError, AlreadyExistsError, CancelledError, DataLossError,
                      DeadlineExceededError, FailedPreconditionError, InternalError,
                      InvalidArgumentError, NotFoundError, OutOfRangeError, PermissionDeniedError,
@@ -33,7 +33,7 @@ library_path = _lib.library_path
 DTYPES = tuple(_lib.DTYPES)
 
 __all__ = [
-    "Publisher", "Subscriber", "Update", "PublishStats", "UpdateStats", "Shard", "TensorInfo",
+    "Placement", "Publisher", "Subscriber", "Update", "PublishStats", "UpdateStats", "Shard", "TensorInfo",
     "SettingInfo", "transports", "settings", "DTYPES",
     "WeightbusError", "DeadlineExceededError", "UnavailableError", "ResourceExhaustedError",
     "AbortedError", "InvalidArgumentError", "FailedPreconditionError", "NotFoundError",

@@ -174,6 +174,82 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """The slice of a tensor one worker of a tensor-parallel (TP) group receives
+    (wb_placement_rule_t; docs/RESHARDING.md, "Subscribing with placements"). Build one with
+    the constructors: Placement.shard(0) column-parallel (vLLM output_dim=0), shard(1)
+    row-parallel (input_dim=1), replicate(), qkv(num_heads, num_kv_heads, head_size),
+    gate_up(), merged(fused, parts), experts(order)."""
+    kind: int = 0                     # wb_placement_kind_t (_lib.PLACEMENT_KINDS)
+    dim: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_size: int = 0
+    fused: str = ""
+    parts: Tuple[str, ...] = ()
+    expert_order: int = 0             # 0 linear, 1 round robin
+
+    @staticmethod
+    def replicate() -> "Placement":
+        return Placement()
+
+    @staticmethod
+    def shard(dim: int) -> "Placement":
+        return Placement(kind=_lib.PLACEMENT_KINDS["SHARD"], dim=dim)
+
+    @staticmethod
+    def qkv(num_heads: int, num_kv_heads: int, head_size: int, fused: str = "qkv_proj",
+            parts: Sequence[str] = ("q_proj", "k_proj", "v_proj")) -> "Placement":
+        return Placement(kind=_lib.PLACEMENT_KINDS["QKV"], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                         head_size=head_size, fused=fused, parts=tuple(parts))
+
+    @staticmethod
+    def merged(fused: str, parts: Sequence[str]) -> "Placement":
+        return Placement(kind=_lib.PLACEMENT_KINDS["MERGED"], fused=fused, parts=tuple(parts))
+
+    @staticmethod
+    def gate_up() -> "Placement":
+        return Placement.merged("gate_up_proj", ("gate_proj", "up_proj"))
+
+    @staticmethod
+    def experts(order: str = "linear", fused: str = "",
+                parts: Sequence[str] = ()) -> "Placement":
+        if order not in ("linear", "round_robin"):
+            raise ValueError(f"expert order {order!r} is not 'linear' or 'round_robin'")
+        return Placement(kind=_lib.PLACEMENT_KINDS["EXPERTS"], fused=fused, parts=tuple(parts),
+                         expert_order=int(order == "round_robin"))
+
+
+def _placements_struct(placements, tp_rank: int, tp_size: int, tensors):
+    """wb_placements_t for (pattern, Placement) pairs or a {pattern: Placement} dict, and what
+    must stay alive while it is used."""
+    items = list(placements.items()) if isinstance(placements, Mapping) else list(placements)
+    keep = []
+    rules = (_lib.wb_placement_rule_t * max(len(items), 1))()
+    for i, (pattern, p) in enumerate(items):
+        if not isinstance(p, Placement):
+            raise TypeError(f"placement for {pattern!r} is {type(p).__name__}, not a "
+                            "weightbus.Placement")
+        parts = (ctypes.c_char_p * max(len(p.parts), 1))(*[x.encode() for x in p.parts])
+        keep.append(parts)
+        rules[i] = _lib.wb_placement_rule_t(pattern.encode(), p.kind, p.dim, p.num_heads,
+                                            p.num_kv_heads, p.head_size, p.fused.encode(),
+                                            ctypes.cast(parts, ctypes.POINTER(ctypes.c_char_p)),
+                                            len(p.parts), p.expert_order)
+    names = list(tensors or [])
+    names_array = (ctypes.c_char_p * max(len(names), 1))(*[n.encode() for n in names])
+    keep += [rules, names_array]
+    value = new_params(_lib.wb_placements_t)
+    value.rules = ctypes.cast(rules, ctypes.POINTER(_lib.wb_placement_rule_t))
+    value.num_rules = len(items)
+    value.tp_size = tp_size
+    value.tp_rank = tp_rank
+    value.tensors = ctypes.cast(names_array, ctypes.POINTER(ctypes.c_char_p))
+    value.num_tensors = len(names)
+    return value, keep
+
+
+@dataclass(frozen=True)
 class TensorInfo:
     """One tensor of a version as its manifest describes it (wb_tensor_info_t)."""
     name: str
@@ -618,17 +694,37 @@ class Subscriber(_Handle):
         for name, tensor in update: ...
 
     Options are settings by name, as for Publisher. The channel need not exist yet.
+
+    One worker of a tensor-parallel group receives only its slices (docs/RESHARDING.md,
+    "Subscribing with placements"): `placements` maps name patterns (fnmatch globs, first match
+    wins; other tensors whole) to a Placement, with this worker's `tp_rank` of `tp_size`;
+    `tensors` lists the destinations when fused ones (qkv_proj, gate_up_proj) are wanted.
+
+        sub = weightbus.Subscriber("disk:///mnt/ch", tp_rank=r, tp_size=2, placements={
+            "*.q_proj.weight": weightbus.Placement.shard(0),
+            "*.o_proj.weight": weightbus.Placement.shard(1)})
+
+    Errors: InvalidArgumentError for a rank outside [0, tp_size); on receive, before any byte
+    is fetched, InvalidArgumentError naming the tensor and degree when tp_size does not divide
+    a dimension or head count.
     """
 
     _destroy = staticmethod(lambda h: lib.wb_subscriber_destroy(h))
     _cancel = staticmethod(lambda h: lib.wb_subscriber_cancel(h))
 
-    def __init__(self, uri: str, **options):
+    def __init__(self, uri: str, *, placements=None, tp_rank: int = 0, tp_size: int = 1,
+                 tensors: Optional[Sequence[str]] = None, **options):
         super().__init__()
         params, keep = _open_params(options)
         handle = ctypes.c_void_p()
-        check(lib.wb_subscriber_create(uri.encode(), ctypes.byref(params),
-                                       ctypes.byref(handle)))
+        if placements is None and tp_size == 1 and tensors is None:
+            check(lib.wb_subscriber_create(uri.encode(), ctypes.byref(params),
+                                           ctypes.byref(handle)))
+        else:
+            tp, tp_keep = _placements_struct(placements or {}, tp_rank, tp_size, tensors)
+            check(lib.wb_subscriber_create_tp(uri.encode(), ctypes.byref(params),
+                                              ctypes.byref(tp), ctypes.byref(handle)))
+            del tp_keep
         self._handle = handle
         self._uri = _handle_uri(lib.wb_subscriber_uri, handle)
         self._bound: Dict[str, Any] = {}   # name -> what the library writes into

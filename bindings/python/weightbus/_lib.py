@@ -64,6 +64,19 @@ class wb_shard_t(Structure):
                 ("offsets", POINTER(c_int64))]
 
 
+class wb_placement_rule_t(Structure):
+    _fields_ = [("pattern", c_char_p), ("kind", c_int), ("dim", c_int),
+                ("num_heads", c_int64), ("num_kv_heads", c_int64), ("head_size", c_int64),
+                ("fused", c_char_p), ("parts", POINTER(c_char_p)), ("num_parts", c_size_t),
+                ("expert_order", c_int)]
+
+
+class wb_placements_t(Structure):
+    _fields_ = [("struct_size", c_size_t), ("rules", POINTER(wb_placement_rule_t)),
+                ("num_rules", c_size_t), ("tp_size", c_int), ("tp_rank", c_int),
+                ("tensors", POINTER(c_char_p)), ("num_tensors", c_size_t)]
+
+
 class wb_publish_params_t(Structure):
     _fields_ = [("struct_size", c_size_t), ("metadata", POINTER(wb_option_t)),
                 ("num_metadata", c_size_t), ("dtypes", POINTER(c_int)),
@@ -112,6 +125,8 @@ def new_params(struct_type):
 
 
 # wb_dtype_t: safetensors names <-> enum values.
+# wb_placement_kind_t
+PLACEMENT_KINDS = {"REPLICATE": 0, "SHARD": 1, "QKV": 2, "MERGED": 3, "EXPERTS": 4}
 DTYPE_FROM_DLPACK = 0
 DTYPES = {"BOOL": 1, "U8": 2, "I8": 3, "U16": 4, "I16": 5, "F16": 6, "BF16": 7, "U32": 8,
           "I32": 9, "F32": 10, "U64": 11, "I64": 12, "F64": 13, "F8_E4M3": 14, "F8_E5M2": 15,
@@ -177,6 +192,8 @@ _SIGNATURES = {
     "wb_publisher_wait_for_receivers": (_status, [c_void_p, c_uint64, c_int, c_int64]),
     "wb_publisher_uri": (_status, [c_void_p, _P(c_char_p)]),
     "wb_subscriber_create": (_status, [c_char_p, _P(wb_open_params_t), _P(c_void_p)]),
+    "wb_subscriber_create_tp": (_status, [c_char_p, _P(wb_open_params_t), _P(wb_placements_t),
+                                          _P(c_void_p)]),
     "wb_subscriber_destroy": (None, [c_void_p]),
     "wb_subscriber_cancel": (_status, [c_void_p]),
     "wb_subscriber_bind": (_status, [c_void_p, c_char_p, _P(DLTensor), _P(wb_bind_params_t)]),

@@ -37,10 +37,11 @@ cmake --build "$build" --target fuzz_seeds delta_fuzz_replay >/dev/null
 "$build/tests/fuzz/delta_fuzz_replay" --mutations=0 --write-seeds="$seeds/delta_fuzz" >/dev/null
 
 if [[ ! -f build-fuzz/CMakeCache.txt ]]; then
+  mkdir -p build-fuzz
   cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DWEIGHTBUS_FUZZ=ON \
     -DWEIGHTBUS_BUILD_BENCH=OFF -DWEIGHTBUS_FIXTURES_DIR="$fixtures" >build-fuzz/configure.log 2>&1 ||
-    { mkdir -p build-fuzz; cat build-fuzz/configure.log >&2; exit 1; }
+    { cat build-fuzz/configure.log >&2; exit 1; }
 fi
 cmake --build build-fuzz --target fuzzers
 if ((${#targets[@]} == 0)); then

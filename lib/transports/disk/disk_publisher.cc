@@ -184,6 +184,11 @@ class DiskPublisher final : public TransportPublisher {
                                                   size_t* files_written);
   // Publish of one rank of a group: its part, then the group commit (docs/FORMAT.md).
   absl::Status PublishPart(PublishJob& job, absl::Time deadline);
+  // A single publisher's version (Publish without a group).
+  absl::Status PublishWhole(PublishJob& job, absl::Time deadline);
+  // `s` (ResourceExhausted: the filesystem is full) with what the channel holds and what frees
+  // space, so that a channel kept full by its own retention says so.
+  absl::Status ExplainFull(absl::Status s);
   // One look at the group version held open as `gfd` (`.group-vN`, or `vN` once renamed),
   // under group.lock: nullopt while other ranks' parts are missing, else the outcome for this
   // rank: OK when the version is committed (by this rank if it completes the set), the
@@ -432,7 +437,25 @@ absl::Status DiskPublisher::CommitLatest(uint64_t version) {
 }
 
 absl::Status DiskPublisher::Publish(PublishJob& job, absl::Time deadline) {
-  if (group_.grouped()) return PublishPart(job, deadline);
+  absl::Status s = group_.grouped() ? PublishPart(job, deadline) : PublishWhole(job, deadline);
+  if (s.code() == absl::StatusCode::kResourceExhausted) s = ExplainFull(std::move(s));
+  return s;
+}
+
+absl::Status DiskPublisher::ExplainFull(absl::Status s) {
+  absl::StatusOr<std::vector<uint64_t>> dirs = channel_.ListVersionDirs();
+  const size_t held = dirs.ok() ? dirs->size() : 0;
+  return absl::Status(
+      s.code(),
+      absl::StrFormat("%s; the channel holds %d version director%s (retention=%d keeps the newest "
+                      "%d committed ones, and versions a reader pins): free space on the "
+                      "filesystem of %s or lower retention; a filesystem that fits only "
+                      "retention - 1 versions never publishes again until space is freed",
+                      s.message(), held, held == 1 ? "y" : "ies", retention_, retention_,
+                      channel_.root()));
+}
+
+absl::Status DiskPublisher::PublishWhole(PublishJob& job, absl::Time deadline) {
   const uint64_t version = job.version();
   const std::string versions = channel_.VersionsDir();
   const std::string tmp_name =

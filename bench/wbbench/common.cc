@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -51,6 +52,17 @@ void RunCleanup() {
   c.paths.clear();
 }
 
+namespace {
+std::atomic<int> stop_signal{0};  // the signal being handled, 0 while none
+}  // namespace
+
+int ExitStatus(int status) {
+  if (stop_signal.load() != 0) {
+    for (;;) pause();  // every handled signal is blocked here: the signal's thread exits
+  }
+  return status;
+}
+
 void HandleSignalsWithCleanup() {
   sigset_t set;
   sigemptyset(&set);
@@ -59,6 +71,7 @@ void HandleSignalsWithCleanup() {
   std::thread([set] {
     int sig = 0;
     if (sigwait(&set, &sig) != 0) return;
+    stop_signal.store(sig);
     std::fprintf(stderr,
                  "\nweightbus-bench: %s: stopping the processes, removing the run's "
                  "directories\n",

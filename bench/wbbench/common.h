@@ -29,6 +29,11 @@ using tools::OrDie;
 // signals below run it; a normal end removes what it made itself. Thread-safe.
 void RemoveOnExit(const std::string& path);
 void RunCleanup();
+// The status to end with: `status`, unless a signal (HandleSignalsWithCleanup) is stopping the
+// run; then the calling thread waits for the signal's thread to exit with 128 + the signal, so a
+// run stopped by a signal always ends with that status, also when stopping its workers made a
+// measurement fail first.
+int ExitStatus(int status);
 // Blocks SIGINT, SIGTERM and SIGHUP in this process and starts a thread that waits for them,
 // runs the cleanup and exits with 128 + the signal. Call before starting other threads or
 // children (children start with every signal unblocked again).

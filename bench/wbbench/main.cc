@@ -21,7 +21,10 @@ int main(int argc, char** argv) {
   // A child that died closes its pipe: writing to it must fail with EPIPE (reported as that
   // child's failure), not kill the bench.
   signal(SIGPIPE, SIG_IGN);
-  weightbus::tools::SetFatalErrorPolicy({"weightbus-bench", 2, RunCleanup});
+  weightbus::tools::SetFatalErrorPolicy({"weightbus-bench", 2, [] {
+                                           RunCleanup();
+                                           (void)ExitStatus(2);
+                                         }});
   weightbus::tools::Command app(
       "weightbus-bench",
       "weightbus-bench: which transport, and how much of a training step does weight sync eat?");
@@ -41,7 +44,7 @@ int main(int argc, char** argv) {
   // The arguments after the subcommand's name (always the first argument: the bench itself has
   // no flags but --help).
   const std::vector<std::string> rest(argv + 2, argv + argc);
-  if (run.given()) return run_main(rest);
+  if (run.given()) return ExitStatus(run_main(rest));
   if (model.given()) return model_main(rest);
   return worker_main(rest);
 }

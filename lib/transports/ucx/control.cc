@@ -407,6 +407,7 @@ class Fields {
     return n;
   }
   bool ok() const { return status_.ok(); }
+  size_t remaining() const { return r_.remaining(); }
 
   // The message, or the first failure; with `exact`, bytes after the last field are one too.
   template <typename T>
@@ -560,9 +561,8 @@ absl::StatusOr<HelloMsg> DecodeHello(std::string_view payload) {
   m.description = f.Str("the description");
   // The nonce of a shared-secret channel: a string that ends the message exactly. Other trailing
   // bytes (a later protocol version's fields) are left alone.
-  const size_t fields =
-      4 + m.magic.size() + 4 + 4 + m.channel.size() + 8 + 4 + m.description.size();
-  if (f.ok() && payload.size() >= fields + 4) {
+  const size_t fields = payload.size() - f.remaining();
+  if (f.ok() && f.remaining() >= 4) {
     ByteReader rest(payload.substr(fields));
     const absl::StatusOr<uint32_t> n = rest.U32("the nonce's length");
     if (n.ok() && *n == rest.remaining()) m.nonce = std::string(payload.substr(fields + 4));

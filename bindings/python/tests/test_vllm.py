@@ -553,16 +553,17 @@ class _RecordingExtension(WeightbusWorkerExtension):
 
 def test_applied_version_hooks_run_once_after_the_whole_version(channel):
     """The worker hook runs once per newly applied version in each worker, with the whole
-    version already in the model; update_replica's on_applied (the prefix cache reset) runs
-    once per engine and only when something new was applied."""
+    version already in the model; update_replica resets the prefix cache and calls on_applied
+    once per engine, only when something new was applied, and resets each worker's LoRA
+    state once per new version (vLLM's model runner has reset_lora_state)."""
     versions = {v: _version(SMALL, v) for v in (1, 2)}
     _RecordingExtension.expected = versions
     workers = [make_worker(VllmStyleLlamaForCausalLM(SMALL), _RecordingExtension)
                for _ in range(2)]
     llm = StandInLLM(workers)
     llm.collective_rpc("weightbus_init", (channel,))
-    resets = lambda v: (seen.append(v), llm.reset_prefix_cache())  # noqa: E731
     seen = []
+    resets = seen.append
     assert weightbus.vllm.update_replica(llm, on_applied=resets) is None  # nothing yet
     with weightbus.Publisher(channel) as pub:
         pub.publish(1, versions[1])
@@ -574,6 +575,13 @@ def test_applied_version_hooks_run_once_after_the_whole_version(channel):
     assert seen == [1, 2] and llm.prefix_cache_resets == 2
     for w in workers:
         assert w.applied_calls == [(1, True, True), (2, True, True)]
+        assert w.model_runner.lora_resets == 2
+    assert weightbus.vllm.update_replica(llm, reset_prefix_cache=False) == 2
+    llm.collective_rpc("weightbus_close")
+    llm.collective_rpc("weightbus_init", (channel,))
+    assert weightbus.vllm.update_replica(llm, reset_prefix_cache=False,
+                                         on_applied=resets) == 2
+    assert seen == [1, 2, 2] and llm.prefix_cache_resets == 2
     llm.collective_rpc("weightbus_close")
 
 
@@ -582,8 +590,11 @@ def test_sync_weights_on_applied_once_per_new_version(channel, layerwise):
     llm.init_weight_transfer_engine({"init_info": {"uri": channel}})
     with weightbus.Publisher(channel) as pub:
         pub.publish(1, _version(SMALL, 1))
-        reset = lambda v: llm.reset_prefix_cache()  # noqa: E731
-        assert weightbus.vllm.sync_weights(llm, on_applied=reset) == 1
-        assert weightbus.vllm.sync_weights(llm, on_applied=reset) == 1  # nothing newer
+        seen = []
+        assert weightbus.vllm.sync_weights(llm, on_applied=seen.append) == 1
+        assert weightbus.vllm.sync_weights(llm, on_applied=seen.append) == 1  # nothing newer
+        assert llm.prefix_cache_resets == 1 and seen == [1]
+        pub.publish(2, _version(SMALL, 2))
+        assert weightbus.vllm.sync_weights(llm, reset_prefix_cache=False) == 2
     assert llm.prefix_cache_resets == 1
     llm.collective_rpc("shutdown")

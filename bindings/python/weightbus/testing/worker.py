@@ -58,7 +58,7 @@ class StandInWorker:
     """The attributes of vLLM's GPU worker that worker extensions use."""
 
     def __init__(self, model: torch.nn.Module, device: Optional[torch.device] = None):
-        self.model_runner = types.SimpleNamespace(model=model)
+        self.model_runner = _ModelRunner(model, None)
         self.model_config = None
         self.device = device or torch.device("cpu")
 

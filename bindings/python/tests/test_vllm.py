@@ -545,6 +545,66 @@ def test_readme_standin_snippet_runs(marker, uses):
     assert done.returncode == 0 and done.stdout.strip() == "snippet ok", done.stderr
 
 
+# A `vllm` package for the README's vLLM snippets: LLM builds two stand-in TP workers (the GPU
+# worker with its weight-transfer engine, or a worker with the extension mixed in), running the
+# entry point's register_plugin as vLLM's load_general_plugins would; a trainer has published
+# versions 1..18 of the stand-in Llama the workers hold.
+_FAKE_VLLM = """
+import sys, tempfile, types, importlib
+import torch, weightbus, weightbus.vllm
+from weightbus.testing import worker as _w
+from weightbus.testing.llama import HfLlamaForCausalLM, LlamaConfig, VllmStyleLlamaForCausalLM
+CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1)
+CHANNEL = tempfile.mkdtemp() + "/policy"
+
+class LLM(_w.StandInLLM):
+    def __init__(self, model, weight_transfer_config=None, worker_extension_cls=None):
+        weightbus.vllm.register_plugin()
+        if worker_extension_cls is not None:
+            module, name = worker_extension_cls.rsplit(".", 1)
+            cls = getattr(importlib.import_module(module), name)
+            workers = [_w.make_worker(VllmStyleLlamaForCausalLM(CONFIG), cls) for _ in range(2)]
+        else:
+            workers = [_w.StandInGpuWorker(VllmStyleLlamaForCausalLM(CONFIG),
+                                           _w.make_vllm_config(), weight_transfer_config,
+                                           rank=rank) for rank in range(2)]
+        super().__init__(workers)
+
+vllm = types.ModuleType("vllm")
+vllm.LLM = LLM
+config = types.ModuleType("vllm.config")
+config.WeightTransferConfig = _w.WeightTransferConfig
+vllm.config = config
+sys.modules.update({"vllm": vllm, "vllm.config": config})
+PUBLISHED = {}
+with weightbus.Publisher("disk://" + CHANNEL + "?fsync=false") as pub:
+    for v in range(1, 19):
+        torch.manual_seed(v)
+        PUBLISHED[v] = HfLlamaForCausalLM(CONFIG).state_dict()
+        pub.publish(v, PUBLISHED[v])
+"""
+
+
+@pytest.mark.parametrize("marker, check", [
+    ("in every process that creates", "assert version == 18\n"
+     "assert llm.collective_rpc(weightbus.vllm.last_update)[0]['version'] == 18\n"),
+    ("prefetches as the native engine does", "assert versions == [18, 18] and version == 18\n"
+     "assert llm.prefix_cache_resets == 0\n")])
+def test_readme_vllm_snippet_runs(marker, check):
+    """The README's vLLM snippets themselves (`from vllm import LLM`, the native engine and the
+    worker extension), run as written in a fresh interpreter against a `vllm` module built from
+    the stand-ins, the channel path swapped for a temporary one."""
+    code = readme_snippet(marker)
+    assert "from vllm import LLM" in code or "LLM(model=" in code
+    code = code.replace("/mnt/shared/policy", "\" + CHANNEL + \"")
+    if "from vllm import LLM" not in code:
+        code = "from vllm import LLM\nimport weightbus.vllm\n" + code
+    program = _FAKE_VLLM + code + "\n" + check + "\nprint('snippet ok')\n"
+    done = run_python(program)
+    assert done.returncode == 0 and done.stdout.strip() == "snippet ok", done.stderr
+
+
 class _RecordingExtension(WeightbusWorkerExtension):
     """A user's worker extension overriding the applied-version hook: records the version and
     whether the model already held all of it when the hook ran."""

@@ -14,11 +14,13 @@ Two adapters, for the two ways vLLM lets weights be updated from outside:
 
    weightbus_update receives a version (zero-copy CPU tensors), hands it to the model's
    `load_weights(weights=[(name, tensor), ...])` (which fuses q/k/v and gate/up and shards for
-   tensor parallelism, so every worker subscribes and receives the full tensors), runs the
-   model's post-load processing (vllm.model_executor.model_loader.utils.
-   process_weights_after_loading) and returns the version now applied. It relies on the
-   worker attributes `model_runner.model`, `model_config` and `device`, as vLLM's own RLHF
-   example (examples/offline_inference/rlhf_utils.py) does.
+   tensor parallelism, so every worker subscribes and receives the full tensors) inside
+   vLLM's layerwise reload where vLLM has it (else followed by the post-load processing,
+   vllm.model_executor.model_loader.utils.process_weights_after_loading), resets the
+   worker's LoRA state and returns the version now applied. It relies on the worker
+   attributes `model_runner.model`, `model_config` and `device`, as vLLM's own RLHF example
+   (examples/offline_inference/rlhf_utils.py) does. weightbus_init(..., prefetch=True)
+   receives the next version in the background so that the update only applies it.
 
 2. WeightbusWeightTransferEngine, vLLM's native weight-transfer engine
    (vllm/distributed/weight_transfer/base.py: WeightTransferEngine, with the constructor
@@ -32,7 +34,8 @@ Two adapters, for the two ways vLLM lets weights be updated from outside:
        # "WeightbusWeightTransferEngine")) in each process yourself.
        weightbus.vllm.register_plugin()
        llm = LLM(model=..., weight_transfer_config=WeightTransferConfig(backend="weightbus"))
-       llm.init_weight_transfer_engine({"init_info": {"uri": "disk:///mnt/shared/policy"}})
+       llm.init_weight_transfer_engine({"init_info": {"uri": "disk:///mnt/shared/policy",
+                                                      "prefetch": True}})
        version = weightbus.vllm.sync_weights(llm)      # between rollouts: the newest version
 
    Some vLLM releases type WeightTransferConfig.backend as a Literal of the built-in names;
@@ -43,10 +46,12 @@ weightbus.testing.llama.VllmStyleLlamaForCausalLM, whose load_weights does what 
 does, inside the stand-ins of weightbus.testing.worker (vLLM's worker, its engine base class,
 factory and GPU-worker lifecycle, written from vLLM's source; bindings/python/tests/test_vllm.py).
 """
+import atexit
 import contextlib
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -182,6 +187,16 @@ def layerwise_reload_functions(override=None) -> Optional[Tuple[Callable, Callab
     return initialize_layerwise_reload, finalize_layerwise_reload
 
 
+_PREFETCHES: "weakref.WeakSet[_Prefetch]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_prefetches() -> None:
+    """Ends every background receive before the interpreter (and the library) shut down."""
+    for prefetch in list(_PREFETCHES):
+        prefetch.close()
+
+
 class _Prefetch:
     """One version received ahead of the update RPC, in a background thread, into the
     library's memory (the staging): the `prefetch` option of both adapters.
@@ -204,6 +219,7 @@ class _Prefetch:
         self._thread: Optional[threading.Thread] = None
         self._slot: Dict[str, Any] = {}
         self.floor: Optional[int] = None  # the floor of the prefetch in flight or staged
+        _PREFETCHES.add(self)
 
     def start(self, floor: int) -> None:
         """Drops what is staged or in flight, then receives the newest version >= floor in
@@ -283,6 +299,12 @@ class _Prefetch:
     def close(self) -> None:
         self.cancel()
         self._drop_subscriber()
+
+    def __del__(self):
+        try:
+            self.close()  # a dropped adapter must not leave a thread waiting for ever
+        except Exception:  # interpreter shutdown
+            pass
 
     def _drop_subscriber(self) -> None:
         subscriber, self._subscriber = self._subscriber, None
@@ -602,7 +624,9 @@ class WeightbusUpdateInfo(_UpdateInfoBase):
     newer ones exist, waiting up to `timeout` seconds if it is not committed yet: every TP
     worker given the same number loads the same weights (README, "One version per
     tensor-parallel group"). NotFoundError when the channel no longer holds it,
-    FailedPreconditionError below the version this worker received last.
+    FailedPreconditionError below the version this worker holds. With prefetch, a staged
+    version is taken when it is the one these rules pick (WeightbusWeightTransferEngine,
+    "Prefetch").
     timeout: seconds (None: forever) for the wait and for the receive.
     is_checkpoint_format: the tensors are in checkpoint (Hugging Face) names and layout and go
     through the model's load_weights; weightbus versions always are."""

@@ -107,8 +107,9 @@ def main():
     ratio = med["prefetch"]["round"] / med["full"]["round"]
     print(f"# prefetch round = {ratio:.2f}x the full-receive round "
           f"({med['full']['round'] * 1e3:.1f} -> {med['prefetch']['round'] * 1e3:.1f} ms)")
-    print("# OK" if wrong == 0 and ratio < 1 else f"# FAILED: {wrong} wrong rounds; ratio {ratio:.2f}")
-    return 0 if wrong == 0 else 1
+    ok = wrong == 0 and ratio < 1
+    print("# OK" if ok else f"# FAILED: {wrong} wrong rounds; ratio {ratio:.2f}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

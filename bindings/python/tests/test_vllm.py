@@ -687,16 +687,35 @@ def _remove_version(channel, version):
     shutil.rmtree(directory)
 
 
-def test_engine_prefetch_then_apply(channel, layerwise):
+def test_engine_prefetch_then_apply(channel, layerwise, tmp_path, monkeypatch):
     """With "prefetch": each TP worker receives the version in the background as soon as it is
-    committed; the round then only applies it: it succeeds although the version's files are
-    gone, and both workers hold its bytes."""
+    committed, while the engine keeps serving (both models compute a forward pass while the
+    prefetches are held inside their receives at a pause fail point); the round then only
+    applies it: it succeeds although the version's files are gone, and both workers hold its
+    bytes."""
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    monkeypatch.setenv("WEIGHTBUS_FAILPOINTS", f"core.before_fetch=pause:{pause}")
     llm = _engine_llm(SMALL, ranks=2)
     llm.init_weight_transfer_engine({"init_info": {"uri": channel, "prefetch": True}})
+    monkeypatch.delenv("WEIGHTBUS_FAILPOINTS")
     assert weightbus.vllm.prefetched_versions(llm) == [None, None]  # nothing published
-    v1 = _version(SMALL, 1)
+    v0, v1 = _version(SMALL, 0), _version(SMALL, 1)
+    for w in llm.workers:  # what the engine serves with
+        w.model_runner.model.load_weights(weights=list(v0.items()))
+        weightbus.vllm.process_weights_after_loading(w.model_runner.model)
+    ids = torch.tensor([[1, 5, 9, 13]])
     with weightbus.Publisher(channel) as pub:
         pub.publish(1, v1)
+        try:
+            assert _wait_until((pause / "core.before_fetch.reached").exists)
+            with torch.no_grad():
+                want = _reference(SMALL, v0)(ids)
+            for w in llm.workers:
+                torch.testing.assert_close(w.model_runner.model(ids), want, rtol=1e-5,
+                                           atol=1e-5)
+        finally:
+            (pause / "core.before_fetch.release").touch()
         assert weightbus.vllm.prefetched_versions(llm, timeout=30) == [1, 1]
         _remove_version(channel, 1)
         assert weightbus.vllm.sync_weights(llm, {"version": 1, "timeout": 30}) == 1

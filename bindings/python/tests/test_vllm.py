@@ -755,6 +755,13 @@ def test_engine_prefetch_keeps_exact_versions(channel, layerwise):
         with pytest.raises(weightbus.FailedPreconditionError, match="holds version 4 already"):
             llm.update_weights({"update_info": {"version": 3, "timeout": 30}})
         assert _holds(model, versions[4]) and layerwise.reloading == []
+        # {} with nothing newer: the prefetch's wait is cancelled, nothing is applied, and
+        # the prefetch started after the round stages the next version.
+        assert weightbus.vllm.sync_weights(llm, {"timeout": 30}) == 4
+        pub.publish(5, versions[1])
+        assert weightbus.vllm.prefetched_versions(llm, timeout=30) == [5]
+        assert weightbus.vllm.sync_weights(llm, {"timeout": 30}) == 5
+        assert _holds(model, versions[1]) and last()["prefetched"]
     llm.collective_rpc("shutdown")
 
 

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _api
-from .errors import FailedPreconditionError, InvalidArgumentError
+from .errors import CancelledError, FailedPreconditionError, InvalidArgumentError
 
 _log = logging.getLogger(__name__)
 
@@ -259,22 +259,27 @@ class _Prefetch:
              timeout: Optional[float]) -> Optional["_api.Update"]:
         """The staged update, handed over (the caller closes it), when it is what the caller
         is about to receive: exactly `version` when given, else any version >= floor. With
-        `version` or `wait`, a receive still in flight is waited for up to `timeout`;
-        otherwise (the newest without waiting) it is cancelled. Returns None for a full
-        receive: nothing started, cancelled, failed (logged), or a version other than the one
-        asked for (dropped: one staged version at most)."""
+        `version` or `wait`, a receive still in flight is waited for up to `timeout` (then
+        cancelled); otherwise (the newest without waiting) its wait for a version is
+        cancelled, while a receive already under way is let finish and used. Returns None for
+        a full receive: nothing started, cancelled, failed (logged), or a version other than
+        the one asked for (dropped: one staged version at most)."""
         if self._thread is None:
             return None
         done = self._slot["done"]
-        if not (done.wait(timeout) if version is not None or wait else done.is_set()):
-            self.cancel()
-            return None
+        if version is not None or wait:
+            if not done.wait(timeout):
+                self.cancel()
+                return None
+        elif not done.is_set():
+            self._drop_subscriber()  # cancels a wait; a receive under way finishes first
         self._thread.join()
         self._thread, self.floor = None, None
         result = self._slot.pop("result", None)
         if not isinstance(result, _api.Update):
-            _log.warning("weightbus prefetch from %s failed (%s: %s); receiving in full",
-                         self._uri, type(result).__name__, result)
+            if not isinstance(result, CancelledError):
+                _log.warning("weightbus prefetch from %s failed (%s: %s); receiving in full",
+                             self._uri, type(result).__name__, result)
             self._drop_subscriber()
             return None
         if (version is not None and result.version != version) or result.version < floor:
@@ -768,7 +773,8 @@ class WeightbusWeightTransferEngine(_EngineBase):
     (freed) and the asked-for version received in full; for update_info without a version,
     the staged one is applied unless a newer one was committed meanwhile (that one is received
     in full). A receive still in flight is waited for when update_info names a version
-    (within its timeout), cancelled otherwise. A prefetch that fails is logged and the update
+    (within its timeout); without one, a background wait for a version is cancelled and a
+    receive already under way is let finish and used. A prefetch that fails is logged and the update
     receives in full; at most one version is staged. Draft rounds never use it.
     last_update tells which way a round went.
 

@@ -207,7 +207,9 @@ class _Prefetch:
     asked for can be dropped and the asked-for one still received. The background receive is
     a Subscriber.wait (the newest committed version >= floor, waiting for one without a
     bound), so what is staged is a whole, verified version or nothing (all-or-nothing). At
-    most one version is staged or in flight: start() drops the previous one first.
+    most one version is staged or in flight: start() drops the previous one first. Not
+    Subscriber.bind: a bound receive writes into the parameters, which the engine is still
+    generating with; the apply (load_weights) is the one copy into them.
 
     Thread-safety: start/take/cancel/close from one thread (the adapter's); only the
     background thread touches the prefetch subscriber while a receive is in flight."""

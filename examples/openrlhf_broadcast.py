@@ -46,9 +46,8 @@ class WeightbusBroadcast:
             tensors = {name: p.detach() for name, p in model.named_parameters()
                        if "value_head" not in name}
             self.publisher.publish(global_step, tensors)
-        for engine in self.engines:  # each engine: exactly this version on every TP worker
-            weightbus.vllm.update_replica(engine, version=global_step,
-                                          on_applied=lambda v, e=engine: e.reset_prefix_cache())
+        for engine in self.engines:  # exactly this version on every TP worker; prefix
+            weightbus.vllm.update_replica(engine, version=global_step)  # cache reset inside
 
     def close(self) -> None:
         for engine in self.engines:

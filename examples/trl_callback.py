@@ -7,7 +7,8 @@ transformers calls TrainerCallback.on_step_end(args, state, control, **kwargs) a
 optimizer step, with the model in kwargs["model"] and the step in state.global_step; only the
 main process (state.is_world_process_zero) publishes. The replicas run vLLM with
 worker_extension_cls="weightbus.vllm.WeightbusWorkerExtension" and, between generations,
-weightbus.vllm.update_replica(llm, version=step, on_applied=lambda v: llm.reset_prefix_cache()).
+weightbus.vllm.update_replica(llm, version=step) (which resets vLLM's prefix cache once per new
+version before it returns).
 With TRL's GRPOTrainer, leave TRL's own vLLM weight sync off (vllm_mode/colocate settings per
 TRL's docs) so the weights reach vLLM one way.
 
@@ -85,8 +86,7 @@ def _demo(uri: str) -> int:
         optimizer.step()
         state.global_step += 1
         callback.on_step_end(None, state, None, model=policy)
-        version = weightbus.vllm.update_replica(llm, version=state.global_step,
-                                                on_applied=lambda v: llm.reset_prefix_cache())
+        version = weightbus.vllm.update_replica(llm, version=state.global_step)
         assert version == state.global_step
         for worker in llm.workers:
             held = worker.model_runner.model.state_dict()

@@ -5,7 +5,9 @@ native weight-transfer engine, created by the stand-in's WeightTransferEngineFac
 by the stand-in GPU worker with vLLM's lifecycle (weightbus.testing.worker), on small
 random Llamas."""
 import os
+import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from weightbus.testing.llama import (HfLlamaForCausalLM, LlamaConfig, VllmStyleL
 from weightbus.testing.worker import (LayerwiseReload, StandInGpuWorker, StandInLLM,
                                      StandInWorker, WeightTransferConfig,
                                      WeightTransferEngineFactory, collective_rpc, make_vllm_config,
-                                     make_worker)
+                                     make_worker, quantize_linear_layers)
 from weightbus.vllm import WeightbusWeightTransferEngine, WeightbusWorkerExtension
 
 TOKENS = torch.tensor([[1, 403, 407, 261, 378, 290, 500, 13, 100, 50, 499, 2]])
@@ -505,12 +507,13 @@ def _rss_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_engine_hundred_rounds_with_flat_memory(channel, layerwise):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_engine_hundred_rounds_with_flat_memory(channel, layerwise, prefetch):
     """100 rounds in a row through vLLM's lifecycle, each a new version: resident memory after
     round 100 is within one version's size of what it was after round 10 (a version kept per
-    round would add 90 of them)."""
+    round would add 90 of them). With prefetch too (one staged version at most)."""
     llm = _engine_llm(SMALL)
-    llm.init_weight_transfer_engine({"init_info": {"uri": channel}})
+    llm.init_weight_transfer_engine({"init_info": {"uri": channel, "prefetch": prefetch}})
     versions = [_version(SMALL, seed) for seed in range(2)]
     size = sum(t.numel() * t.element_size() for t in versions[0].values())
     rss = {}
@@ -518,9 +521,12 @@ def test_engine_hundred_rounds_with_flat_memory(channel, layerwise):
         for version in range(1, 101):
             pub.publish(version, versions[version % 2])
             assert weightbus.vllm.sync_weights(llm, {"version": version, "timeout": 30}) == version
+            if prefetch:  # the round took the prefetched version (waited for, if in flight)
+                assert llm.collective_rpc(weightbus.vllm.last_update)[0]["prefetched"], version
             if version in (10, 100):
                 rss[version] = _rss_bytes()
     assert _holds(llm.workers[0].model_runner.model, versions[0])
+    llm.collective_rpc("shutdown")
     growth = rss[100] - rss[10]
     print(f"version {size} bytes; RSS after round 10 {rss[10]}, after 100 {rss[100]}, "
           f"growth {growth}")
@@ -539,6 +545,66 @@ def test_readme_standin_snippet_runs(marker, uses):
     assert done.returncode == 0 and done.stdout.strip() == "snippet ok", done.stderr
 
 
+# A `vllm` package for the README's vLLM snippets: LLM builds two stand-in TP workers (the GPU
+# worker with its weight-transfer engine, or a worker with the extension mixed in), running the
+# entry point's register_plugin as vLLM's load_general_plugins would; a trainer has published
+# versions 1..18 of the stand-in Llama the workers hold.
+_FAKE_VLLM = """
+import sys, tempfile, types, importlib
+import torch, weightbus, weightbus.vllm
+from weightbus.testing import worker as _w
+from weightbus.testing.llama import HfLlamaForCausalLM, LlamaConfig, VllmStyleLlamaForCausalLM
+CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1)
+CHANNEL = tempfile.mkdtemp() + "/policy"
+
+class LLM(_w.StandInLLM):
+    def __init__(self, model, weight_transfer_config=None, worker_extension_cls=None):
+        weightbus.vllm.register_plugin()
+        if worker_extension_cls is not None:
+            module, name = worker_extension_cls.rsplit(".", 1)
+            cls = getattr(importlib.import_module(module), name)
+            workers = [_w.make_worker(VllmStyleLlamaForCausalLM(CONFIG), cls) for _ in range(2)]
+        else:
+            workers = [_w.StandInGpuWorker(VllmStyleLlamaForCausalLM(CONFIG),
+                                           _w.make_vllm_config(), weight_transfer_config,
+                                           rank=rank) for rank in range(2)]
+        super().__init__(workers)
+
+vllm = types.ModuleType("vllm")
+vllm.LLM = LLM
+config = types.ModuleType("vllm.config")
+config.WeightTransferConfig = _w.WeightTransferConfig
+vllm.config = config
+sys.modules.update({"vllm": vllm, "vllm.config": config})
+PUBLISHED = {}
+with weightbus.Publisher("disk://" + CHANNEL + "?fsync=false") as pub:
+    for v in range(1, 19):
+        torch.manual_seed(v)
+        PUBLISHED[v] = HfLlamaForCausalLM(CONFIG).state_dict()
+        pub.publish(v, PUBLISHED[v])
+"""
+
+
+@pytest.mark.parametrize("marker, check", [
+    ("in every process that creates", "assert version == 18\n"
+     "assert llm.collective_rpc(weightbus.vllm.last_update)[0]['version'] == 18\n"),
+    ("prefetches as the native engine does", "assert versions == [18, 18] and version == 18\n"
+     "assert llm.prefix_cache_resets == 0\n")])
+def test_readme_vllm_snippet_runs(marker, check):
+    """The README's vLLM snippets themselves (`from vllm import LLM`, the native engine and the
+    worker extension), run as written in a fresh interpreter against a `vllm` module built from
+    the stand-ins, the channel path swapped for a temporary one."""
+    code = readme_snippet(marker)
+    assert "from vllm import LLM" in code or "LLM(model=" in code
+    code = code.replace("/mnt/shared/policy", "\" + CHANNEL + \"")
+    if "from vllm import LLM" not in code:
+        code = "from vllm import LLM\nimport weightbus.vllm\n" + code
+    program = _FAKE_VLLM + code + "\n" + check + "\nprint('snippet ok')\n"
+    done = run_python(program)
+    assert done.returncode == 0 and done.stdout.strip() == "snippet ok", done.stderr
+
+
 class _RecordingExtension(WeightbusWorkerExtension):
     """A user's worker extension overriding the applied-version hook: records the version and
     whether the model already held all of it when the hook ran."""
@@ -553,16 +619,17 @@ class _RecordingExtension(WeightbusWorkerExtension):
 
 def test_applied_version_hooks_run_once_after_the_whole_version(channel):
     """The worker hook runs once per newly applied version in each worker, with the whole
-    version already in the model; update_replica's on_applied (the prefix cache reset) runs
-    once per engine and only when something new was applied."""
+    version already in the model; update_replica resets the prefix cache and calls on_applied
+    once per engine, only when something new was applied, and resets each worker's LoRA
+    state once per new version (vLLM's model runner has reset_lora_state)."""
     versions = {v: _version(SMALL, v) for v in (1, 2)}
     _RecordingExtension.expected = versions
     workers = [make_worker(VllmStyleLlamaForCausalLM(SMALL), _RecordingExtension)
                for _ in range(2)]
     llm = StandInLLM(workers)
     llm.collective_rpc("weightbus_init", (channel,))
-    resets = lambda v: (seen.append(v), llm.reset_prefix_cache())  # noqa: E731
     seen = []
+    resets = seen.append
     assert weightbus.vllm.update_replica(llm, on_applied=resets) is None  # nothing yet
     with weightbus.Publisher(channel) as pub:
         pub.publish(1, versions[1])
@@ -574,6 +641,13 @@ def test_applied_version_hooks_run_once_after_the_whole_version(channel):
     assert seen == [1, 2] and llm.prefix_cache_resets == 2
     for w in workers:
         assert w.applied_calls == [(1, True, True), (2, True, True)]
+        assert w.model_runner.lora_resets == 2
+    assert weightbus.vllm.update_replica(llm, reset_prefix_cache=False) == 2
+    llm.collective_rpc("weightbus_close")
+    llm.collective_rpc("weightbus_init", (channel,))
+    assert weightbus.vllm.update_replica(llm, reset_prefix_cache=False,
+                                         on_applied=resets) == 2
+    assert seen == [1, 2, 2] and llm.prefix_cache_resets == 2
     llm.collective_rpc("weightbus_close")
 
 
@@ -582,8 +656,243 @@ def test_sync_weights_on_applied_once_per_new_version(channel, layerwise):
     llm.init_weight_transfer_engine({"init_info": {"uri": channel}})
     with weightbus.Publisher(channel) as pub:
         pub.publish(1, _version(SMALL, 1))
-        reset = lambda v: llm.reset_prefix_cache()  # noqa: E731
-        assert weightbus.vllm.sync_weights(llm, on_applied=reset) == 1
-        assert weightbus.vllm.sync_weights(llm, on_applied=reset) == 1  # nothing newer
+        seen = []
+        assert weightbus.vllm.sync_weights(llm, on_applied=seen.append) == 1
+        assert weightbus.vllm.sync_weights(llm, on_applied=seen.append) == 1  # nothing newer
+        assert llm.prefix_cache_resets == 1 and seen == [1]
+        pub.publish(2, _version(SMALL, 2))
+        assert weightbus.vllm.sync_weights(llm, reset_prefix_cache=False) == 2
     assert llm.prefix_cache_resets == 1
     llm.collective_rpc("shutdown")
+
+
+# ---- prefetch then apply (issue 13, item 9) ----
+
+def _wait_until(condition, timeout=30.0):
+    """Polls `condition` every 5 ms up to `timeout` s (tests/test_support.cc's WaitUntil)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _remove_version(channel, version):
+    """Deletes a committed disk:// version's directory: a full receive of it is then
+    impossible, so a round that still applies it took the prefetched copy."""
+    root = channel[len("disk://"):].split("?")[0]
+    directory = Path(root, "versions", f"v{version:020d}")
+    assert directory.is_dir(), directory
+    shutil.rmtree(directory)
+
+
+def test_engine_prefetch_then_apply(channel, layerwise, tmp_path, monkeypatch):
+    """With "prefetch": each TP worker receives the version in the background as soon as it is
+    committed, while the engine keeps serving (both models compute a forward pass while the
+    prefetches are held inside their receives at a pause fail point); the round then only
+    applies it: it succeeds although the version's files are gone, and both workers hold its
+    bytes."""
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    monkeypatch.setenv("WEIGHTBUS_FAILPOINTS", f"core.before_fetch=pause:{pause}")
+    llm = _engine_llm(SMALL, ranks=2)
+    llm.init_weight_transfer_engine({"init_info": {"uri": channel, "prefetch": True}})
+    monkeypatch.delenv("WEIGHTBUS_FAILPOINTS")
+    assert weightbus.vllm.prefetched_versions(llm) == [None, None]  # nothing published
+    v0, v1 = _version(SMALL, 0), _version(SMALL, 1)
+    for w in llm.workers:  # what the engine serves with
+        w.model_runner.model.load_weights(weights=list(v0.items()))
+        weightbus.vllm.process_weights_after_loading(w.model_runner.model)
+    ids = torch.tensor([[1, 5, 9, 13]])
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, v1)
+        try:
+            assert _wait_until((pause / "core.before_fetch.reached").exists)
+            with torch.no_grad():
+                want = _reference(SMALL, v0)(ids)
+            for w in llm.workers:
+                torch.testing.assert_close(w.model_runner.model(ids), want, rtol=1e-5,
+                                           atol=1e-5)
+        finally:
+            (pause / "core.before_fetch.release").touch()
+        assert weightbus.vllm.prefetched_versions(llm, timeout=30) == [1, 1]
+        _remove_version(channel, 1)
+        assert weightbus.vllm.sync_weights(llm, {"version": 1, "timeout": 30}) == 1
+    for w in llm.workers:
+        assert _holds(w.model_runner.model, v1)
+        figures = w.weight_transfer_engine.last_update
+        assert figures["prefetched"] and figures["version"] == 1 and figures["changed"]
+    assert llm.get_weight_version() == "1" and layerwise.reloading == []
+    llm.collective_rpc("shutdown")
+
+
+def test_engine_prefetch_keeps_exact_versions(channel, layerwise):
+    """A staged version other than the one asked for is dropped and the asked-for one received
+    in full (the engine applies exactly the version it is told); for {} the staged version is
+    applied unless a newer one was committed since; a version below the applied one is refused
+    although the prefetch subscriber never held it."""
+    versions = {v: _version(SMALL, v) for v in (1, 2, 3, 4)}
+    llm = _engine_llm(SMALL)
+    model = llm.workers[0].model_runner.model
+    last = lambda: llm.workers[0].weight_transfer_engine.last_update  # noqa: E731
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, versions[1])
+        pub.publish(2, versions[2])
+        llm.init_weight_transfer_engine({"init_info": {"uri": channel, "prefetch": True}})
+        assert weightbus.vllm.prefetched_versions(llm, timeout=30) == [2]   # the newest
+        assert weightbus.vllm.sync_weights(llm, {"version": 1, "timeout": 30}) == 1
+        assert _holds(model, versions[1]) and not last()["prefetched"]
+        assert weightbus.vllm.prefetched_versions(llm, timeout=30) == [2]   # prefetched again
+        assert weightbus.vllm.sync_weights(llm, {"version": 2, "timeout": 30}) == 2
+        assert _holds(model, versions[2]) and last()["prefetched"]
+        pub.publish(3, versions[3])
+        assert weightbus.vllm.prefetched_versions(llm, timeout=30) == [3]
+        pub.publish(4, versions[4])
+        assert weightbus.vllm.sync_weights(llm, {"timeout": 30}) == 4       # newer than staged
+        assert _holds(model, versions[4]) and not last()["prefetched"]
+        llm.start_weight_update()
+        with pytest.raises(weightbus.FailedPreconditionError, match="holds version 4 already"):
+            llm.update_weights({"update_info": {"version": 3, "timeout": 30}})
+        assert _holds(model, versions[4]) and layerwise.reloading == []
+        # {} with nothing newer: the prefetch's wait is cancelled, nothing is applied, and
+        # the prefetch started after the round stages the next version.
+        assert weightbus.vllm.sync_weights(llm, {"timeout": 30}) == 4
+        pub.publish(5, versions[1])
+        assert weightbus.vllm.prefetched_versions(llm, timeout=30) == [5]
+        assert weightbus.vllm.sync_weights(llm, {"timeout": 30}) == 5
+        assert _holds(model, versions[1]) and last()["prefetched"]
+    llm.collective_rpc("shutdown")
+
+
+def test_engine_failed_prefetch_falls_back_to_a_full_receive(channel, layerwise, monkeypatch):
+    """A prefetch that fails (its subscriber's second fetch hits an error fail point) only makes
+    that round a full receive, on the engine's own subscriber; the next prefetch runs on a
+    fresh subscriber and the round after applies it."""
+    monkeypatch.setenv("WEIGHTBUS_FAILPOINTS", "core.before_fetch=error@2")
+    llm = _engine_llm(SMALL)
+    llm.init_weight_transfer_engine({"init_info": {"uri": channel, "prefetch": True}})
+    monkeypatch.delenv("WEIGHTBUS_FAILPOINTS")
+    engine = llm.workers[0].weight_transfer_engine
+    model = llm.workers[0].model_runner.model
+    versions = {v: _version(SMALL, v) for v in (1, 2, 3)}
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, versions[1])
+        assert weightbus.vllm.sync_weights(llm, {"version": 1, "timeout": 30}) == 1
+        assert engine.last_update["prefetched"]                  # the prefetch's 1st fetch
+        pub.publish(2, versions[2])
+        assert engine.wait_prefetched(timeout=30) is None        # its 2nd fetch failed
+        assert weightbus.vllm.sync_weights(llm, {"version": 2, "timeout": 30}) == 2
+        assert _holds(model, versions[2]) and not engine.last_update["prefetched"]
+        pub.publish(3, versions[3])
+        assert engine.wait_prefetched(timeout=30) == 3
+        assert weightbus.vllm.sync_weights(llm, {"version": 3, "timeout": 30}) == 3
+        assert _holds(model, versions[3]) and engine.last_update["prefetched"]
+    assert layerwise.reloading == []
+    llm.collective_rpc("shutdown")
+
+
+def test_worker_extension_prefetches_while_the_worker_serves(channel, tmp_path, monkeypatch):
+    """weightbus_init(prefetch=True): the receive runs in a background thread while the worker
+    keeps computing (a forward pass completes while the prefetch is held inside its receive at
+    a pause fail point); weightbus_update then only applies it (the version's files are gone
+    by then), for min_version and for exactly `version`."""
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    monkeypatch.setenv("WEIGHTBUS_FAILPOINTS", f"core.before_fetch=pause:{pause}")
+    worker = _make_workers(SMALL, 1)[0]
+    worker.weightbus_init(channel, prefetch=True)
+    monkeypatch.delenv("WEIGHTBUS_FAILPOINTS")
+    model = worker.model_runner.model
+    v0 = _version(SMALL, 0)
+    model.load_weights(weights=list(v0.items()))        # what the engine serves with
+    weightbus.vllm.process_weights_after_loading(model)
+    versions = {v: _version(SMALL, v) for v in (1, 2)}
+    ids = torch.tensor([[1, 5, 9, 13]])
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, versions[1])
+        try:
+            assert _wait_until((pause / "core.before_fetch.reached").exists)
+            assert worker.weightbus_prefetched(timeout=0) is None   # held inside the receive
+            with torch.no_grad():
+                want = _reference(SMALL, v0)(ids)
+            torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-5)  # still serving
+        finally:
+            (pause / "core.before_fetch.release").touch()
+        assert worker.weightbus_prefetched(timeout=30) == 1
+        _remove_version(channel, 1)
+        assert worker.weightbus_update(min_version=1, timeout=30) == 1
+        assert _holds(model, versions[1]) and worker.weightbus_last_update()["prefetched"]
+        pub.publish(2, versions[2])
+        assert worker.weightbus_prefetched(timeout=30) == 2
+        _remove_version(channel, 2)
+        assert worker.weightbus_update(version=2, timeout=30) == 2
+        assert _holds(model, versions[2]) and worker.weightbus_last_update()["prefetched"]
+        assert worker.model_runner.lora_resets == 2
+    worker.weightbus_close()
+
+
+# ---- layerwise reload (issue 13, item 10) ----
+
+def _quantized_model(config, tensors):
+    """A vLLM-style Llama whose linear layers are int8 after processing (Int8LinearMethod,
+    like vLLM's online FP8), loaded with `tensors` as vLLM loads at start-up."""
+    model = quantize_linear_layers(VllmStyleLlamaForCausalLM(config))
+    model.load_weights(weights=list(tensors.items()))
+    weightbus.vllm.process_weights_after_loading(model)
+    return model
+
+
+def _same_state(model, reference):
+    a, b = dict(model.named_parameters()), dict(reference.named_parameters())
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("path", ["engine", "worker_extension"])
+def test_layerwise_reload_of_a_quantized_model(channel, monkeypatch, path):
+    """A model whose parameters are int8 after loading (kernel format): through layerwise
+    reload (the stand-in written from vLLM's layerwise.py), an update leaves exactly the
+    kernel tensors a fresh start-up load of that version makes, in the same storage (CUDA
+    graphs captured on them stay valid). Without it (load_weights + process, the fallback
+    where vLLM has no layerwise reload) the checkpoint floats are cast into the int8 kernel
+    tensors and the model is wrong: the reason layerwise reload is used where vLLM has it."""
+    reload = LayerwiseReload()
+    v0, v1, v2 = (_version(SMALL, seed) for seed in (0, 1, 2))
+    model = _quantized_model(SMALL, v0)
+    storage = {name: p.data_ptr() for name, p in model.named_parameters()}
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
+    if path == "engine":
+        monkeypatch.setattr(WeightbusWeightTransferEngine, "layerwise", reload)
+        if "weightbus" not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine("weightbus", "weightbus.vllm",
+                                                        "WeightbusWeightTransferEngine")
+        llm = StandInLLM([StandInGpuWorker(model, make_vllm_config(),
+                                           WeightTransferConfig(backend="weightbus"))])
+        llm.init_weight_transfer_engine({"init_info": {"uri": channel}})
+        update = lambda v: weightbus.vllm.sync_weights(llm, {"version": v,  # noqa: E731
+                                                             "timeout": 30})
+        unset = lambda: monkeypatch.setattr(WeightbusWeightTransferEngine,  # noqa: E731
+                                            "layerwise", None)
+    else:
+        monkeypatch.setattr(WeightbusWorkerExtension, "weightbus_layerwise", reload)
+        worker = make_worker(model, WeightbusWorkerExtension)
+        worker.weightbus_init(channel)
+        update = lambda v: worker.weightbus_update(version=v, timeout=30)  # noqa: E731
+        unset = lambda: monkeypatch.setattr(WeightbusWorkerExtension,  # noqa: E731
+                                            "weightbus_layerwise", None)
+    ids = torch.tensor([[1, 5, 9, 13, 2]])
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, v1)
+        pub.publish(2, v2)
+        assert update(1) == 1
+        fresh = _quantized_model(SMALL, v1)
+        assert _same_state(model, fresh)
+        assert {name: p.data_ptr() for name, p in model.named_parameters()} == storage
+        torch.testing.assert_close(model(ids), fresh(ids), rtol=0, atol=0)
+        assert reload.reloading == [] and reload.finalized == 1
+        unset()  # vLLM is not installed here: the plain load_weights + process fallback
+        assert update(2) == 2
+        fresh = _quantized_model(SMALL, v2)
+        assert not _same_state(model, fresh)
+        assert not torch.allclose(model(ids), fresh(ids), rtol=1e-2, atol=1e-2)

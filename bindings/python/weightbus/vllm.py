@@ -14,11 +14,13 @@ Two adapters, for the two ways vLLM lets weights be updated from outside:
 
    weightbus_update receives a version (zero-copy CPU tensors), hands it to the model's
    `load_weights(weights=[(name, tensor), ...])` (which fuses q/k/v and gate/up and shards for
-   tensor parallelism, so every worker subscribes and receives the full tensors), runs the
-   model's post-load processing (vllm.model_executor.model_loader.utils.
-   process_weights_after_loading) and returns the version now applied. It relies on the
-   worker attributes `model_runner.model`, `model_config` and `device`, as vLLM's own RLHF
-   example (examples/offline_inference/rlhf_utils.py) does.
+   tensor parallelism, so every worker subscribes and receives the full tensors) inside
+   vLLM's layerwise reload where vLLM has it (else followed by the post-load processing,
+   vllm.model_executor.model_loader.utils.process_weights_after_loading), resets the
+   worker's LoRA state and returns the version now applied. It relies on the worker
+   attributes `model_runner.model`, `model_config` and `device`, as vLLM's own RLHF example
+   (examples/offline_inference/rlhf_utils.py) does. weightbus_init(..., prefetch=True)
+   receives the next version in the background so that the update only applies it.
 
 2. WeightbusWeightTransferEngine, vLLM's native weight-transfer engine
    (vllm/distributed/weight_transfer/base.py: WeightTransferEngine, with the constructor
@@ -32,7 +34,8 @@ Two adapters, for the two ways vLLM lets weights be updated from outside:
        # "WeightbusWeightTransferEngine")) in each process yourself.
        weightbus.vllm.register_plugin()
        llm = LLM(model=..., weight_transfer_config=WeightTransferConfig(backend="weightbus"))
-       llm.init_weight_transfer_engine({"init_info": {"uri": "disk:///mnt/shared/policy"}})
+       llm.init_weight_transfer_engine({"init_info": {"uri": "disk:///mnt/shared/policy",
+                                                      "prefetch": True}})
        version = weightbus.vllm.sync_weights(llm)      # between rollouts: the newest version
 
    Some vLLM releases type WeightTransferConfig.backend as a Literal of the built-in names;
@@ -43,12 +46,19 @@ weightbus.testing.llama.VllmStyleLlamaForCausalLM, whose load_weights does what 
 does, inside the stand-ins of weightbus.testing.worker (vLLM's worker, its engine base class,
 factory and GPU-worker lifecycle, written from vLLM's source; bindings/python/tests/test_vllm.py).
 """
+import atexit
+import contextlib
+import logging
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _api
-from .errors import InvalidArgumentError
+from .errors import CancelledError, FailedPreconditionError, InvalidArgumentError
+
+_log = logging.getLogger(__name__)
 
 # The checkpoint names of the output projection and of the input embedding it may be tied to.
 LM_HEAD = "lm_head.weight"
@@ -141,27 +151,267 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _device_context(device):
+    """`with torch.device(device)`, as vLLM's worker wraps layerwise reload (tensors a reload
+    materializes land on the model's device); nothing on a torch without device contexts
+    (before 2.0) or without a device."""
+    if device is None or not hasattr(type(device), "__enter__"):
+        return contextlib.nullcontext()
+    return device
+
+
+def layerwise_reload_functions(override=None) -> Optional[Tuple[Callable, Callable]]:
+    """vLLM's layerwise reload, (initialize_layerwise_reload(model),
+    finalize_layerwise_reload(model, model_config)) from
+    vllm.model_executor.model_loader.reload, or None where this vLLM (or no vLLM) lacks it.
+    `override`: an object with initialize(model) and finalize(model, model_config) used
+    instead (weightbus.testing.worker.LayerwiseReload, the stand-in written from vLLM's
+    layerwise.py).
+
+    Layerwise reload is what makes a checkpoint-format reload safe for models whose
+    parameters are not in checkpoint format after loading (FP8/INT4 online quantization,
+    repacked MoE experts, Marlin layouts): initialize puts each layer's checkpoint-format
+    parameters back (on the meta device) and wraps their weight loaders; as soon as a layer
+    has all its weights, the layer is materialized, loaded, processed (quant_method.
+    process_weights_after_loading) and the processed values are copied into the original
+    kernel tensors (same storage, so CUDA graphs stay valid); finalize processes what is left
+    and puts untouched layers back. A plain load_weights into processed parameters copies
+    checkpoint values into kernel-format tensors instead (wrong values, or a shape error)."""
+    if override is not None:
+        return override.initialize, override.finalize
+    try:
+        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                             initialize_layerwise_reload)
+    except ImportError:
+        return None
+    return initialize_layerwise_reload, finalize_layerwise_reload
+
+
+_PREFETCHES: "weakref.WeakSet[_Prefetch]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_prefetches() -> None:
+    """Ends every background receive before the interpreter (and the library) shut down."""
+    for prefetch in list(_PREFETCHES):
+        prefetch.close()
+
+
+class _Prefetch:
+    """One version received ahead of the update RPC, in a background thread, into the
+    library's memory (the staging): the `prefetch` option of both adapters.
+
+    It has a Subscriber of its own (same URI and options): the adapter's subscriber stays free
+    for a full receive (calls on one subscriber are serialized, and a background wait would
+    hold it), and its version order is untouched, so a staged version that is not the one
+    asked for can be dropped and the asked-for one still received. The background receive is
+    a Subscriber.wait (the newest committed version >= floor, waiting for one without a
+    bound), so what is staged is a whole, verified version or nothing (all-or-nothing). At
+    most one version is staged or in flight: start() drops the previous one first. Not
+    Subscriber.bind: a bound receive writes into the parameters, which the engine is still
+    generating with; the apply (load_weights) is the one copy into them.
+
+    Thread-safety: start/take/cancel/close from one thread (the adapter's); only the
+    background thread touches the prefetch subscriber while a receive is in flight."""
+
+    def __init__(self, uri: str, options: Dict[str, Any]):
+        self._uri = uri
+        self._options = dict(options)
+        self._subscriber: Optional[_api.Subscriber] = None
+        self._thread: Optional[threading.Thread] = None
+        self._slot: Dict[str, Any] = {}
+        self.floor: Optional[int] = None  # the floor of the prefetch in flight or staged
+        _PREFETCHES.add(self)
+
+    def start(self, floor: int) -> None:
+        """Drops what is staged or in flight, then receives the newest version >= floor in
+        the background. A subscriber that cannot be opened is logged; the adapter then does
+        full receives (the next start tries again)."""
+        self.cancel()
+        try:
+            if self._subscriber is None:
+                self._subscriber = _api.Subscriber(self._uri, **self._options)
+        except Exception as e:
+            _log.warning("weightbus prefetch: opening %s failed (%s); updates receive in full",
+                         self._uri, e)
+            return
+        subscriber, slot = self._subscriber, {"done": threading.Event()}
+
+        def run():
+            try:
+                slot["result"] = subscriber.wait(floor, None)
+            except BaseException as e:  # kept for take(); a cancelled wait lands here too
+                slot["result"] = e
+            finally:
+                slot["done"].set()
+
+        self._slot, self.floor = slot, floor
+        self._thread = threading.Thread(target=run, name="weightbus-prefetch", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: Optional[float]) -> Optional[int]:
+        """Blocks up to `timeout` seconds (None: forever) for the background receive to end;
+        returns the staged version, or None (none in flight, failed, or not ended in time)."""
+        if self._thread is None or not self._slot["done"].wait(timeout):
+            return None
+        result = self._slot.get("result")
+        return result.version if isinstance(result, _api.Update) else None
+
+    def take(self, version: Optional[int], floor: int, wait: bool,
+             timeout: Optional[float]) -> Optional["_api.Update"]:
+        """The staged update, handed over (the caller closes it), when it is what the caller
+        is about to receive: exactly `version` when given, else any version >= floor. With
+        `version` or `wait`, a receive still in flight is waited for up to `timeout` (then
+        cancelled); otherwise (the newest without waiting) its wait for a version is
+        cancelled, while a receive already under way is let finish and used. Returns None for
+        a full receive: nothing started, cancelled, failed (logged), or a version other than
+        the one asked for (dropped: one staged version at most)."""
+        if self._thread is None:
+            return None
+        done = self._slot["done"]
+        if version is not None or wait:
+            if not done.wait(timeout):
+                self.cancel()
+                return None
+        elif not done.is_set():
+            self._drop_subscriber()  # cancels a wait; a receive under way finishes first
+        self._thread.join()
+        self._thread, self.floor = None, None
+        result = self._slot.pop("result", None)
+        if not isinstance(result, _api.Update):
+            if not isinstance(result, CancelledError):
+                _log.warning("weightbus prefetch from %s failed (%s: %s); receiving in full",
+                             self._uri, type(result).__name__, result)
+            self._drop_subscriber()
+            return None
+        if (version is not None and result.version != version) or result.version < floor:
+            result.close()
+            return None
+        return result
+
+    def cancel(self) -> None:
+        """Ends the background receive (a wait in flight is cancelled; the cancelled
+        subscriber is closed and a new one opened by the next start) and drops what is
+        staged."""
+        if self._thread is None:
+            return
+        if not self._slot["done"].is_set():
+            self._drop_subscriber()  # cancels the wait; returns once the call has returned
+        self._thread.join()
+        self._thread, self.floor = None, None
+        result = self._slot.pop("result", None)
+        if isinstance(result, _api.Update):
+            result.close()
+
+    def close(self) -> None:
+        self.cancel()
+        self._drop_subscriber()
+
+    def __del__(self):
+        try:
+            self.close()  # a dropped adapter must not leave a thread waiting for ever
+        except Exception:  # interpreter shutdown
+            pass
+
+    def _drop_subscriber(self) -> None:
+        subscriber, self._subscriber = self._subscriber, None
+        if subscriber is not None:
+            subscriber.close()
+
+
+def _fetch(subscriber: "_api.Subscriber", prefetch: Optional[_Prefetch], held: Optional[int],
+           version: Optional[int] = None, wait_min: Optional[int] = None,
+           timeout: Optional[float] = 60.0) -> Tuple[Optional["_api.Update"], bool]:
+    """The receive of both adapters: exactly `version`; else, with `wait_min`, the newest
+    version >= wait_min (waiting up to `timeout`); else the newest above `held` without
+    waiting (None when there is none). Takes the prefetched version when it is that one
+    (True in the result), else receives in full on `subscriber`. For the newest, a staged
+    version is used only when nothing newer is committed (a newer one is received in full and
+    the staged one dropped). A version below `held` is FailedPreconditionError: what a worker
+    applies never goes back, prefetched or not."""
+    uri = subscriber.uri
+    if version is not None and held is not None and version < held:
+        raise FailedPreconditionError(
+            f"{uri}: cannot apply version {version}: this worker holds version {held} already, "
+            f"and the versions it applies never decrease")
+    floor = 0 if held is None else held + 1
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def left() -> Optional[float]:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    staged = None
+    if prefetch is not None and (version is None or held is None or version > held):
+        staged = prefetch.take(version, max(floor, wait_min or 0), wait_min is not None,
+                               timeout)
+    if staged is not None:
+        if version is not None:
+            return staged, True
+        try:
+            newer = subscriber.poll(staged.version + 1, left())
+        except BaseException:
+            staged.close()
+            raise
+        if newer is None:
+            return staged, True
+        staged.close()
+        return newer, False
+    if version is not None:
+        return subscriber.receive(version, left()), False
+    if wait_min is not None:
+        return subscriber.wait(max(floor, wait_min), left()), False
+    return subscriber.poll(floor, timeout), False
+
+
 @dataclass
 class AppliedVersion:
-    """What one weightbus_update did on one worker."""
+    """What one weightbus_update (or one engine round) did on one worker."""
     version: Optional[int]    # the version now in the model (None: none yet)
     changed: bool             # whether this call applied a new version
-    receive_s: float = 0.0    # waiting for and receiving the version
-    load_s: float = 0.0       # load_weights + post-load processing
+    receive_s: float = 0.0    # waiting for and receiving the version (taking it, prefetched)
+    load_s: float = 0.0       # load_weights + post-load processing (or layerwise reload)
     applied_unix: float = 0.0  # time.time() when the model held the version
+    prefetched: bool = False  # the version came from the prefetch (only applied here)
 
 
 class WeightbusWorkerExtension:
     """Mixin for vLLM workers (worker_extension_cls); see the module docstring. The host class
-    provides `model_runner.model` (with load_weights), and optionally `model_config` and
-    `device`."""
+    provides `model_runner.model` (with load_weights), and optionally `model_config`,
+    `device` and `model_runner.reset_lora_state` (vLLM's GPU model runner has all of them).
 
-    def weightbus_init(self, uri: str, options: Optional[Dict[str, Any]] = None) -> bool:
-        """Subscribes this worker to the channel at `uri` (settings in `options`)."""
+    Applying a version: vLLM's layerwise reload where this vLLM has it
+    (layerwise_reload_functions: initialize, load_weights, finalize, inside the device
+    context as vLLM's worker does), which FP8/INT4 and repacked-MoE models need; else
+    load_weights + process_weights_after_loading. Then the device is synchronized, LoRA state
+    is reset where the model runner has reset_lora_state (vLLM's worker does the same after a
+    native-engine update: adapters built on the old weights are dropped), and
+    weightbus_on_applied runs. The prefix cache is the engine's, not a worker's: reset it once
+    per new version from the driver (update_replica does, before returning).
+
+    Prefetch (weightbus_init(..., prefetch=True)): after init and after every update, the
+    next version (the newest above the applied one, as soon as one is committed) is received
+    in a background thread into staging while the worker generates; weightbus_update then
+    only applies it when it is the version asked for (exactly `version`, or for the newest:
+    when nothing newer has been committed since), else drops it and receives in full. See
+    _Prefetch for the rules; memory: one staged version of host memory at most on top of the
+    model; a failed prefetch only makes the next update a full receive."""
+
+    # Layerwise reload stand-in (an object with initialize(model) and finalize(model,
+    # model_config), e.g. weightbus.testing.worker.LayerwiseReload); None: vLLM's where it
+    # exists, else load_weights + process_weights_after_loading.
+    weightbus_layerwise = None
+
+    def weightbus_init(self, uri: str, options: Optional[Dict[str, Any]] = None,
+                       prefetch: bool = False) -> bool:
+        """Subscribes this worker to the channel at `uri` (settings in `options`); with
+        `prefetch`, starts receiving the first version in the background (a second
+        subscriber on the same channel)."""
         self.weightbus_close()
         self._weightbus_subscriber = _api.Subscriber(uri, **(options or {}))
         self._weightbus_version: Optional[int] = None
         self._weightbus_last: Optional[AppliedVersion] = None
+        self._weightbus_prefetch = _Prefetch(uri, options or {}) if prefetch else None
+        self._weightbus_prefetch_next()
         return True
 
     def weightbus_update(self, min_version: Optional[int] = None,
@@ -186,51 +436,65 @@ class WeightbusWorkerExtension:
         llm.collective_rpc("weightbus_update", kwargs={"version": v}), so that no replica
         mixes versions (README, "One version per tensor-parallel group"). A model that holds
         it already returns at once; NotFoundError when the channel no longer holds it,
-        FailedPreconditionError below the version this worker received last."""
+        FailedPreconditionError below the version this worker holds.
+
+        With prefetch on, a staged version that is the one asked for is applied without a
+        receive (weightbus_last_update()["prefetched"]); a prefetch still receiving it is
+        waited for (within `timeout`). Whatever happens, a new prefetch starts before this
+        returns or raises."""
         if version is not None and min_version is not None:
             raise ValueError("weightbus_update takes min_version or version, not both")
         subscriber = self._weightbus_require()
         current = self._weightbus_version
-        floor = 0 if current is None else current + 1
-        must_advance = min_version is not None and (current is None or current < min_version)
         start = time.perf_counter()
-        if version is not None and version != current:
-            update = subscriber.receive(version, timeout)
-        elif must_advance:
-            update = subscriber.wait(max(floor, min_version), timeout)
-        elif version is not None:
-            self._weightbus_last = AppliedVersion(current, False, receive_s=0.0)
+        if version is not None and version == current:
+            self._weightbus_last = AppliedVersion(current, False)
             return current
-        else:
-            update = subscriber.poll(floor, timeout)
+        must_advance = min_version is not None and (current is None or current < min_version)
+        try:
+            update, prefetched = _fetch(subscriber, self._weightbus_prefetch, current, version,
+                                        min_version if must_advance else None, timeout)
             if update is None:
                 self._weightbus_last = AppliedVersion(current, False,
                                                       receive_s=time.perf_counter() - start)
                 return current
-        received = time.perf_counter()
-        with update:
-            self._weightbus_load(update)
-        _synchronize(getattr(self, "device", None))
-        done = time.perf_counter()
-        self._weightbus_version = update.version
-        self._weightbus_last = AppliedVersion(update.version, True, received - start,
-                                              done - received, time.time())
+            received = time.perf_counter()
+            with update:
+                self._weightbus_load(update)
+            _synchronize(getattr(self, "device", None))
+            done = time.perf_counter()
+            self._weightbus_version = update.version
+            reset_lora = getattr(self.model_runner, "reset_lora_state", None)
+            if reset_lora is not None:
+                reset_lora()
+            self._weightbus_last = AppliedVersion(update.version, True, received - start,
+                                                  done - received, time.time(), prefetched)
+        finally:
+            self._weightbus_prefetch_next()
         self.weightbus_on_applied(self._weightbus_last)
         return update.version
 
     def weightbus_on_applied(self, applied: AppliedVersion) -> None:
         """Hook, called once for each version this worker newly applies: after the whole
         version is in the model (load_weights, the post-load processing, the device
-        synchronized), before weightbus_update returns, so before the driver's collective_rpc
-        returns and admits new requests. Not called when weightbus_update applied nothing.
-        Default: nothing; override it in a subclass named as worker_extension_cls. For work
-        done once per engine, not per worker (llm.reset_prefix_cache()), use update_replica's
-        on_applied on the driver. An exception from it propagates out of weightbus_update; the
-        version stays applied (weightbus_version() reports it)."""
+        synchronized, LoRA state reset), before weightbus_update returns, so before the
+        driver's collective_rpc returns and admits new requests. Not called when
+        weightbus_update applied nothing. Default: nothing; override it in a subclass named as
+        worker_extension_cls. For work done once per engine, not per worker
+        (llm.reset_prefix_cache()), use update_replica on the driver. An exception from it
+        propagates out of weightbus_update; the version stays applied (weightbus_version()
+        reports it)."""
 
     def weightbus_version(self) -> Optional[int]:
         """The version the model holds (None before the first update)."""
         return getattr(self, "_weightbus_version", None)
+
+    def weightbus_prefetched(self, timeout: Optional[float] = 0.0) -> Optional[int]:
+        """The version staged by the prefetch, waiting up to `timeout` seconds (None:
+        forever) for the background receive to end; None when prefetch is off, nothing is
+        staged yet, or the prefetch failed (the next update then receives in full)."""
+        prefetch = getattr(self, "_weightbus_prefetch", None)
+        return None if prefetch is None else prefetch.wait(timeout)
 
     def weightbus_last_update(self) -> Optional[Dict[str, Any]]:
         """Figures of the last weightbus_update call (a dict, so it crosses collective_rpc)."""
@@ -238,6 +502,11 @@ class WeightbusWorkerExtension:
         return None if last is None else dict(last.__dict__)
 
     def weightbus_close(self) -> bool:
+        """Ends the prefetch (a background wait is cancelled) and closes the subscribers."""
+        prefetch = getattr(self, "_weightbus_prefetch", None)
+        if prefetch is not None:
+            prefetch.close()
+        self._weightbus_prefetch = None
         subscriber = getattr(self, "_weightbus_subscriber", None)
         if subscriber is not None:
             subscriber.close()
@@ -252,30 +521,50 @@ class WeightbusWorkerExtension:
                                "before weightbus_update")
         return subscriber
 
+    def _weightbus_prefetch_next(self) -> None:
+        prefetch = getattr(self, "_weightbus_prefetch", None)
+        current = getattr(self, "_weightbus_version", None)
+        floor = 0 if current is None else current + 1
+        if prefetch is not None and prefetch.floor != floor:
+            prefetch.start(floor)
+
     def _weightbus_load(self, update) -> None:
         model = self.model_runner.model
-        if ties_word_embeddings(model, getattr(self, "model_config", None)):
+        model_config = getattr(self, "model_config", None)
+        device = getattr(self, "device", None)
+        if ties_word_embeddings(model, model_config):
             check_tied_embeddings(update, self._weightbus_subscriber.uri)
-        model.load_weights(weights=list(update))
-        process_weights_after_loading(model, getattr(self, "model_config", None),
-                                      getattr(self, "device", None))
+        reload = layerwise_reload_functions(self.weightbus_layerwise)
+        if reload is not None and self.weightbus_layerwise is None and model_config is None:
+            reload = None  # vLLM's finalize needs the ModelConfig (attention layers)
+        with _device_context(device):
+            if reload is None:
+                model.load_weights(weights=list(update))
+                process_weights_after_loading(model, model_config, device)
+                return
+            reload[0](model)
+            try:
+                model.load_weights(weights=list(update))
+            finally:  # also on failure, as vLLM's disk engine aborts: no layer left wrapped
+                reload[1](model, model_config)
 
 
 def update_replica(llm, version: Optional[int] = None, min_version: Optional[int] = None,
                    timeout: Optional[float] = 60.0,
-                   on_applied: Optional[Callable[[int], None]] = None) -> Optional[int]:
+                   on_applied: Optional[Callable[[int], None]] = None,
+                   reset_prefix_cache: bool = True) -> Optional[int]:
     """One weightbus_update on every worker of a vLLM `LLM` whose worker_extension_cls is
     WeightbusWorkerExtension (anything with its collective_rpc): `version` (exactly that one),
     `min_version` (wait for one at least that new) or neither (the newest, without waiting), as
     WeightbusWorkerExtension.weightbus_update takes them. Returns the version every worker
     holds (None before the first).
 
-    on_applied(version) is called once, after every worker holds the whole version and before
-    this returns (so before the caller submits new requests), and only when some worker newly
-    applied it: e.g. `on_applied=lambda v: llm.reset_prefix_cache()`, since KV blocks cached
-    for prefixes under the old weights must not be reused. Raises what a worker raised (then
-    on_applied is not called), or RuntimeError naming each worker's version when the workers
-    hold different versions."""
+    When some worker newly applied the version, after every worker holds all of it and before
+    this returns (so before the caller submits new requests): `llm.reset_prefix_cache()` when
+    `reset_prefix_cache` and the engine has it (KV blocks cached for prefixes under the old
+    weights must not be reused), then on_applied(version), once. Raises what a worker raised
+    (then neither runs), or RuntimeError naming each worker's version when the workers hold
+    different versions."""
     kwargs: Dict[str, Any] = {"timeout": timeout}
     if version is not None:
         kwargs["version"] = version
@@ -286,9 +575,18 @@ def update_replica(llm, version: Optional[int] = None, min_version: Optional[int
         raise RuntimeError(f"the workers hold different versions {held} (in worker order)")
     changed = any(last is not None and last["changed"]
                   for last in llm.collective_rpc("weightbus_last_update"))
-    if changed and on_applied is not None:
-        on_applied(held[0])
+    if changed:
+        _after_new_version(llm, held[0], on_applied, reset_prefix_cache)
     return held[0]
+
+
+def _after_new_version(llm, version: int, on_applied: Optional[Callable[[int], None]],
+                       reset_prefix_cache: bool) -> None:
+    """What both drivers do once per newly applied version, before new requests."""
+    if reset_prefix_cache and hasattr(llm, "reset_prefix_cache"):
+        llm.reset_prefix_cache()
+    if on_applied is not None:
+        on_applied(version)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,11 +607,18 @@ except Exception:  # ImportError, or an import-time failure of a partial install
 class WeightbusInitInfo(_InitInfoBase):
     """init_info of WeightbusWeightTransferEngine: the channel and its settings (Subscriber
     options), and optionally the channel of the speculative draft (MTP/EAGLE) model: without
-    `draft_uri` the engine refuses draft updates (supports_draft_weight_update is False)."""
+    `draft_uri` the engine refuses draft updates (supports_draft_weight_update is False).
+
+    prefetch: receive the next target version in the background while the engine generates
+    (after init and after every round: the newest version above the applied one, as soon as
+    one is committed), so that update_weights only applies it (WeightbusWeightTransferEngine,
+    "Prefetch"). Costs one more subscriber on the channel and up to one version of host
+    memory."""
     uri: str
     options: Dict[str, Any] = field(default_factory=dict)
     draft_uri: Optional[str] = None
     draft_options: Dict[str, Any] = field(default_factory=dict)
+    prefetch: bool = False
 
 
 @dataclass
@@ -326,7 +631,9 @@ class WeightbusUpdateInfo(_UpdateInfoBase):
     newer ones exist, waiting up to `timeout` seconds if it is not committed yet: every TP
     worker given the same number loads the same weights (README, "One version per
     tensor-parallel group"). NotFoundError when the channel no longer holds it,
-    FailedPreconditionError below the version this worker received last.
+    FailedPreconditionError below the version this worker holds. With prefetch, a staged
+    version is taken when it is the one these rules pick (WeightbusWeightTransferEngine,
+    "Prefetch").
     timeout: seconds (None: forever) for the wait and for the receive.
     is_checkpoint_format: the tensors are in checkpoint (Hugging Face) names and layout and go
     through the model's load_weights; weightbus versions always are."""
@@ -345,9 +652,29 @@ def received_version(worker) -> Optional[int]:
     return worker.weight_transfer_engine.received_version
 
 
+def last_update(worker) -> Optional[Dict[str, Any]]:
+    """For `llm.collective_rpc(weightbus.vllm.last_update)`: this worker's engine's figures of
+    its last round (WeightbusWeightTransferEngine.last_update: receive_s, load_s, prefetched).
+    Callables over vLLM's multiprocess executor: see received_version."""
+    return worker.weight_transfer_engine.last_update
+
+
+def _prefetched(worker, timeout: Optional[float]) -> Optional[int]:
+    return worker.weight_transfer_engine.wait_prefetched(timeout)
+
+
+def prefetched_versions(llm, timeout: Optional[float] = 0.0) -> List[Optional[int]]:
+    """The version each worker's engine has prefetched (in worker order; None: prefetch off,
+    nothing staged, or failed), waiting up to `timeout` seconds per worker (None: forever) for
+    its background receive to end: e.g. before a round, to know it will only apply. Runs a
+    callable through collective_rpc (see received_version)."""
+    return llm.collective_rpc(_prefetched, kwargs={"timeout": timeout})
+
+
 def sync_weights(llm, update_info: Union[None, Dict[str, Any], List[Dict[str, Any]]] = None, *,
                  draft: bool = False,
-                 on_applied: Optional[Callable[[int], None]] = None) -> Optional[int]:
+                 on_applied: Optional[Callable[[int], None]] = None,
+                 reset_prefix_cache: bool = True) -> Optional[int]:
     """One whole update round on a vLLM `LLM` (or anything with its weight-sync methods) whose
     engine is WeightbusWeightTransferEngine: start_weight_update (start_draft_weight_update
     with `draft`), update_weights(update_info: one dict for every worker or a list of
@@ -361,9 +688,11 @@ def sync_weights(llm, update_info: Union[None, Dict[str, Any], List[Dict[str, An
     version when TP workers received different versions (the round is finished, unlabelled).
     A draft round never moves the label: vLLM's weight version names the target model.
 
-    on_applied(v) is called once when the round applied a new version v, after
-    finish_weight_update (every worker finalized) and before this returns, so before the caller
-    admits new requests: e.g. `on_applied=lambda v: llm.reset_prefix_cache()`."""
+    When the round applied a new version v, after finish_weight_update (every worker
+    finalized; vLLM's worker reset LoRA state after a target round) and before this returns,
+    so before the caller admits new requests: `llm.reset_prefix_cache()` when
+    `reset_prefix_cache` and the engine has it (a draft round too: the draft model's KV
+    blocks are cached with the target's), then on_applied(v), once."""
     (llm.start_draft_weight_update if draft else llm.start_weight_update)()
     llm.update_weights({"update_info": {} if update_info is None else update_info})
     received = llm.collective_rpc(received_version)
@@ -375,8 +704,7 @@ def sync_weights(llm, update_info: Union[None, Dict[str, Any], List[Dict[str, An
     label = None if draft or version is None else str(version)
     llm.finish_weight_update(weight_version=label)
     if version is not None:
-        if on_applied is not None:
-            on_applied(version)
+        _after_new_version(llm, version, on_applied, reset_prefix_cache)
         return version
     held = llm.collective_rpc(_applied_draft_version if draft else _applied_version)
     if len(set(held)) != 1:
@@ -436,10 +764,25 @@ class WeightbusWeightTransferEngine(_EngineBase):
     - finish_weight_update(): finalizes (layerwise reload, or the post-load processing) and
       makes the received version the applied one. vLLM labels the weights only from the
       caller's LLM.finish_weight_update(weight_version=...): see sync_weights.
-    - shutdown(): aborts an open session and closes the subscribers.
+    - shutdown(): aborts an open session, ends the prefetch and closes the subscribers.
+
+    Prefetch (init_info "prefetch": true): after init and after every round (also a failed
+    one), a background thread receives the next target version, the newest above the applied
+    one, as soon as one is committed, into staging (library memory), while vLLM's worker goes
+    on serving. update_weights then takes it instead of receiving, so the RPC only applies
+    (load_weights, layerwise reload): exactly the version update_info names, as without
+    prefetch. The rule for a staged version that is not the one asked for: it is dropped
+    (freed) and the asked-for version received in full; for update_info without a version,
+    the staged one is applied unless a newer one was committed meanwhile (that one is received
+    in full). A receive still in flight is waited for when update_info names a version
+    (within its timeout); without one, a background wait for a version is cancelled and a
+    receive already under way is let finish and used. A prefetch that fails is logged and the update
+    receives in full; at most one version is staged. Draft rounds never use it.
+    last_update tells which way a round went.
 
     Every TP worker receives the full tensors (load_weights shards them). Not thread-safe: vLLM
-    calls one worker's engine from one thread."""
+    calls one worker's engine from one thread (the prefetch's background thread touches only
+    its own subscriber)."""
 
     init_info_cls = WeightbusInitInfo
     update_info_cls = WeightbusUpdateInfo
@@ -460,6 +803,8 @@ class WeightbusWeightTransferEngine(_EngineBase):
         self._version: Optional[int] = None
         self._draft_version: Optional[int] = None
         self._session: Optional[Dict[str, Any]] = None
+        self._prefetch: Optional[_Prefetch] = None
+        self._last: Optional[AppliedVersion] = None
 
     # -- the interface --
     def init_transfer_engine(self, init_info: WeightbusInitInfo) -> None:
@@ -471,6 +816,9 @@ class WeightbusWeightTransferEngine(_EngineBase):
             self._draft_subscriber = _api.Subscriber(init_info.draft_uri,
                                                      **init_info.draft_options)
         self.supports_draft_weight_update = self._draft_subscriber is not None
+        if init_info.prefetch:
+            self._prefetch = _Prefetch(init_info.uri, init_info.options)
+            self._prefetch_next()
 
     def start_weight_update(self) -> None:
         if self._subscriber is None:
@@ -488,7 +836,8 @@ class WeightbusWeightTransferEngine(_EngineBase):
         self._session = {"version": None, "draft": draft, "reload": None}
         if reload is not None:
             try:
-                reload[0](self.model)
+                with _device_context(self.device):
+                    reload[0](self.model)
             except BaseException:
                 self._session = None
                 raise
@@ -517,22 +866,28 @@ class WeightbusWeightTransferEngine(_EngineBase):
             raise RuntimeError(f"{type(self).__name__} loads one version per update session "
                                f"(version {session['version']} was loaded in this one); "
                                f"finish_weight_update, then start another")
-        subscriber = self._draft_subscriber if session["draft"] else self._subscriber
-        applied = self._draft_version if session["draft"] else self._version
-        floor = 0 if applied is None else applied + 1
-        if update_info.version is None:
-            update = subscriber.poll(floor, update_info.timeout)
-            if update is None:
-                return
+        draft = session["draft"]
+        subscriber = self._draft_subscriber if draft else self._subscriber
+        applied = self._draft_version if draft else self._version
+        start = time.perf_counter()
+        if update_info.version is not None and update_info.version == applied:
+            update, prefetched = subscriber.receive(applied, update_info.timeout), False
         else:
-            update = subscriber.receive(update_info.version, update_info.timeout)
+            update, prefetched = _fetch(subscriber, None if draft else self._prefetch, applied,
+                                        update_info.version, None, update_info.timeout)
+        received = time.perf_counter()
+        if update is None:
+            self._last = AppliedVersion(applied, False, receive_s=received - start)
+            return
         with update:
             if ties_word_embeddings(self.model, self.model_config):
                 check_tied_embeddings(update, subscriber.uri)
             if self.model is None:
                 raise RuntimeError("no model to load into")
-            self.model.load_weights(weights=list(update))
+            with _device_context(self.device):
+                self.model.load_weights(weights=list(update))
             session["version"] = update.version
+        session["figures"] = (received - start, time.perf_counter() - received, prefetched)
 
     def finish_weight_update(self) -> None:
         """Finalizes the session: the layerwise reload (or the post-load processing) runs and
@@ -541,19 +896,27 @@ class WeightbusWeightTransferEngine(_EngineBase):
         if self._session is None:
             raise RuntimeError("no weightbus weight update is in progress")
         session = self._session
+        finish = time.perf_counter()
         try:
-            if session["reload"] is not None:
-                session["reload"](self.model, self.model_config)
-            elif session["version"] is not None and self.model is not None:
-                process_weights_after_loading(self.model, self.model_config, self.device)
+            with _device_context(self.device):
+                if session["reload"] is not None:
+                    session["reload"](self.model, self.model_config)
+                elif session["version"] is not None and self.model is not None:
+                    process_weights_after_loading(self.model, self.model_config, self.device)
             _synchronize(self.device)
         finally:
             self._session = None
+            if session["version"] is not None:
+                if session["draft"]:
+                    self._draft_version = session["version"]
+                else:
+                    self._version = session["version"]
+            self._prefetch_next()
         if session["version"] is not None:
-            if session["draft"]:
-                self._draft_version = session["version"]
-            else:
-                self._version = session["version"]
+            receive_s, load_s, prefetched = session["figures"]
+            self._last = AppliedVersion(session["version"], True, receive_s,
+                                        load_s + time.perf_counter() - finish, time.time(),
+                                        prefetched)
 
     @property
     def received_version(self) -> Optional[int]:
@@ -570,8 +933,24 @@ class WeightbusWeightTransferEngine(_EngineBase):
         """The version the draft model holds (None before the first)."""
         return self._draft_version
 
+    @property
+    def last_update(self) -> Optional[Dict[str, Any]]:
+        """Figures of the last round that received (AppliedVersion's fields, a dict): for a
+        finished round, receive_s (taking the staged version, or the full receive), load_s
+        (load_weights and finalizing: the apply), prefetched; None before the first."""
+        return None if self._last is None else dict(self._last.__dict__)
+
+    def wait_prefetched(self, timeout: Optional[float] = 0.0) -> Optional[int]:
+        """The version the prefetch has staged, waiting up to `timeout` seconds (None:
+        forever) for its background receive to end; None when prefetch is off, nothing is
+        staged yet, or the prefetch failed (the next round then receives in full)."""
+        return None if self._prefetch is None else self._prefetch.wait(timeout)
+
     def shutdown(self) -> None:
         self._abort_session()
+        if self._prefetch is not None:
+            self._prefetch.close()
+            self._prefetch = None
         for subscriber in (self._subscriber, self._draft_subscriber):
             if subscriber is not None:
                 subscriber.close()
@@ -580,16 +959,16 @@ class WeightbusWeightTransferEngine(_EngineBase):
 
     # -- internals --
     def _layerwise(self) -> Optional[Tuple[Callable, Callable]]:
-        if self.layerwise is not None:
-            return self.layerwise.initialize, self.layerwise.finalize
-        if self.model is None or self.model_config is None:
+        if self.layerwise is None and (self.model is None or self.model_config is None):
             return None
-        try:
-            from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                                 initialize_layerwise_reload)
-        except ImportError:
-            return None
-        return initialize_layerwise_reload, finalize_layerwise_reload
+        return layerwise_reload_functions(self.layerwise)
+
+    def _prefetch_next(self) -> None:
+        """Starts the prefetch of the version after the applied one, unless that one is in
+        flight or staged already."""
+        floor = 0 if self._version is None else self._version + 1
+        if self._prefetch is not None and self._prefetch.floor != floor:
+            self._prefetch.start(floor)
 
     def _abort_session(self) -> None:
         """Ends an open session without applying it, as vLLM's disk engine does: the layerwise
@@ -599,9 +978,10 @@ class WeightbusWeightTransferEngine(_EngineBase):
         session, self._session = self._session, None
         if session is not None and session["reload"] is not None:
             try:
-                session["reload"](self.model, self.model_config)
+                with _device_context(self.device):
+                    session["reload"](self.model, self.model_config)
             except Exception as e:  # the original error is the one to raise
-                import logging
-                logging.getLogger(__name__).exception(
+                _log.exception(
                     "weightbus: finalizing the layerwise reload of an aborted update failed: %s",
                     e)
+        self._prefetch_next()

@@ -445,7 +445,8 @@ class VllmStyleLlamaForCausalLM(nn.Module):
             if name.startswith("lm_head."):
                 if self.config.tie_word_embeddings:
                     continue
-                default_weight_loader(self.lm_head.weight, tensor)
+                head = self.lm_head.weight  # vLLM's AutoWeightsLoader: the param's loader
+                getattr(head, "weight_loader", default_weight_loader)(head, tensor)
                 loaded.add("lm_head.weight")
             elif name.startswith("model."):
                 model_weights.append((name[len("model."):], tensor))

@@ -47,6 +47,7 @@ has it, else torch.cuda.synchronize() where CUDA is available, else nothing.
 """
 import importlib
 import types
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Generic, List, Optional, Sequence, TypeVar, Union
@@ -58,7 +59,7 @@ class StandInWorker:
     """The attributes of vLLM's GPU worker that worker extensions use."""
 
     def __init__(self, model: torch.nn.Module, device: Optional[torch.device] = None):
-        self.model_runner = types.SimpleNamespace(model=model)
+        self.model_runner = _ModelRunner(model, None)
         self.model_config = None
         self.device = device or torch.device("cpu")
 
@@ -394,17 +395,164 @@ class StandInLLM:
         return self._weight_version
 
 
-# ---- vllm/model_executor/model_loader/reload (layerwise reload), as far as engines see it ----
+# ---- vllm/model_executor/model_loader/reload/layerwise.py ----
+#
+# Written from vllm-project/vllm vllm/model_executor/model_loader/reload/layerwise.py
+# @ 01424e4b5c6768cacbb637fa08e7064a4301ec68 (record_metadata_for_reloading,
+# initialize_layerwise_reload, make_online_process_loader, _layerwise_process,
+# _copy_and_restore_kernel_tensors, finalize_layerwise_processing) and its callers
+# (vllm/model_executor/model_loader/utils.py initialize_model records the metadata of every
+# model it builds; vllm/distributed/weight_transfer/disk_engine.py and ipc_engine.py
+# initialize in start_weight_update and finalize in finish_weight_update and on every abort;
+# the GPU worker runs both under `with torch.device(self.device)`). What is kept: per layer
+# (module), the checkpoint-format parameters recorded before the first processing are put
+# back on the meta device at initialize, with weight loaders that only buffer their
+# arguments; once a layer has been given as many elements as its checkpoint-format
+# parameters hold, it is materialized on the kernel tensors' device, the buffered loads are
+# replayed through the original loaders, quant_method.process_weights_after_loading runs, and
+# the processed values are copied into the original kernel tensors, which are put back (their
+# storage never changes: CUDA graphs captured on them stay valid). finalize processes layers
+# that got only part of their elements and puts untouched layers back as they were. Left
+# out: vLLM's runtime-mapped layers (quant methods that map checkpoint names onto kernel
+# tensors directly), attention-layer scale reloading and torchao; the element count is the
+# loaded tensor's numel (vLLM counts the elements the loader writes).
+
+@dataclass
+class _LayerInfo:
+    restore: Dict[str, tuple] = field(default_factory=dict)  # name -> (shape, dtype, attrs)
+    kernel: Optional[Dict[str, torch.Tensor]] = None  # the layer's tensors while reloading
+    loaded: List[tuple] = field(default_factory=list)  # (name, loader, args) buffered
+    load_numel: int = 0
+    load_numel_total: int = 0
+
+
+_LAYERWISE_INFO: "weakref.WeakKeyDictionary[torch.nn.Module, _LayerInfo]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _direct_parameters(layer: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    return dict(layer.named_parameters(recurse=False))
+
+
+def record_metadata_for_reloading(model: torch.nn.Module) -> None:
+    """Records every layer's parameters as they are now (shape, dtype, attributes such as
+    weight_loader) as the checkpoint format layerwise reload puts back: call it before the
+    first process_weights_after_loading, as vLLM's initialize_model does."""
+    for layer in model.modules():
+        info = _LAYERWISE_INFO.setdefault(layer, _LayerInfo())
+        info.restore = {name: (tuple(p.shape), p.dtype, dict(p.__dict__))
+                        for name, p in _direct_parameters(layer).items()}
+
+
+def _original_loader(param: torch.Tensor) -> Callable:
+    from .llama import default_weight_loader
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    while getattr(loader, "__name__", "") == "online_process_loader":
+        loader = loader.__wrapped__
+    return loader
+
+
+def _set_parameters(layer: torch.nn.Module, tensors: Dict[str, torch.Tensor]) -> None:
+    for name in list(_direct_parameters(layer)):
+        delattr(layer, name)
+    for name, tensor in tensors.items():
+        layer.register_parameter(name, tensor)
+
+
+def _make_online_process_loader(layer: torch.nn.Module, info: _LayerInfo, name: str,
+                                original: Callable) -> Callable:
+    def online_process_loader(param, loaded_weight, *args, **kwargs):
+        if info.kernel is None or info.load_numel >= info.load_numel_total:
+            return None  # loaded past its size: vLLM ignores the excess ("Excessive loading")
+        info.loaded.append((name, original, (loaded_weight,) + args, kwargs))
+        info.load_numel += loaded_weight.numel()
+        if info.load_numel >= info.load_numel_total:
+            _layerwise_process(layer, info)
+        return None
+
+    online_process_loader.__wrapped__ = original
+    return online_process_loader
+
+
+def initialize_layerwise_reload(model: torch.nn.Module) -> None:
+    """vLLM's initialize_layerwise_reload (see the section comment). A layer never recorded
+    is recorded here (the stand-in's models are not built by vLLM's initialize_model; right
+    while their parameters are still in checkpoint format)."""
+    for layer in model.modules():
+        info = _LAYERWISE_INFO.get(layer)
+        if info is None:
+            record_metadata_for_reloading(layer)
+            info = _LAYERWISE_INFO[layer]
+        if info.kernel is not None:
+            continue  # already initialized
+        if not info.restore:
+            continue
+        info.kernel = _direct_parameters(layer)
+        info.loaded, info.load_numel = [], 0
+        info.load_numel_total = 0
+        restored = {}
+        for name, (shape, dtype, attrs) in info.restore.items():
+            param = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"),
+                                       requires_grad=False)
+            param.__dict__.update(attrs)
+            original = _original_loader(param)
+            param.weight_loader = _make_online_process_loader(layer, info, name, original)
+            restored[name] = param
+            info.load_numel_total += param.numel()
+        _set_parameters(layer, restored)
+
+
+def _layerwise_process(layer: torch.nn.Module, info: _LayerInfo) -> None:
+    """Materializes `layer`, replays its buffered loads, processes it and copies the result
+    into its kernel tensors, which go back on the layer."""
+    kernel = info.kernel
+    device = next(iter(kernel.values())).device if kernel else torch.device("cpu")
+    materialized = {}
+    for name, (shape, dtype, attrs) in info.restore.items():
+        param = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device),
+                                   requires_grad=False)
+        param.__dict__.update(attrs)
+        materialized[name] = param
+    _set_parameters(layer, materialized)
+    for name, loader, args, kwargs in info.loaded:
+        loader(getattr(layer, name), *args, **kwargs)
+    method = getattr(layer, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(layer)
+    processed = _direct_parameters(layer)
+    with torch.no_grad():
+        for name, tensor in kernel.items():
+            if name not in processed:
+                raise RuntimeError(f"layerwise reload: {type(layer).__name__} has no "
+                                   f"parameter {name!r} after processing")
+            if processed[name].data_ptr() != tensor.data_ptr():
+                tensor.data.copy_(processed[name].data)
+    _set_parameters(layer, kernel)
+    info.kernel, info.loaded, info.load_numel = None, [], 0
+
+
+def finalize_layerwise_reload(model: torch.nn.Module, model_config: Any = None) -> None:
+    """vLLM's finalize_layerwise_reload: layers given only part of their elements are
+    processed now; layers given none get their kernel tensors back untouched."""
+    for layer in model.modules():
+        info = _LAYERWISE_INFO.get(layer)
+        if info is None or info.kernel is None:
+            continue
+        if info.load_numel > 0:
+            _layerwise_process(layer, info)
+        else:
+            _set_parameters(layer, info.kernel)
+            info.kernel, info.loaded = None, []
+
 
 class LayerwiseReload:
-    """What a checkpoint-format engine sees of vLLM's layerwise reload
-    (initialize_layerwise_reload(model) in start_weight_update,
-    finalize_layerwise_reload(model, model_config) in finish_weight_update and on every abort,
-    as disk_engine.py does): `initialize` puts the model in reload mode, `finalize` runs the
-    post-load processing (weightbus.vllm.process_weights_after_loading) and takes it out.
-    `reloading` lists the models left in reload mode: a model in it after a failed update
-    is the half-reloaded model of issue 13, item 2. Pass it to the engine as
-    `weightbus.vllm.WeightbusWeightTransferEngine.layerwise` (a test's monkeypatch)."""
+    """The layerwise reload above, as an engine sees it (initialize_layerwise_reload(model) in
+    start_weight_update, finalize_layerwise_reload(model, model_config) in finish_weight_update
+    and on every abort), counting what happened: `reloading` lists the models left in reload
+    mode (a model in it after a failed update is the half-reloaded model of issue 13, item 2),
+    `finalized` counts finalizations. Pass it to the engine as
+    `weightbus.vllm.WeightbusWeightTransferEngine.layerwise`, or to the worker extension as
+    `WeightbusWorkerExtension.weightbus_layerwise` (a test's monkeypatch)."""
 
     def __init__(self):
         self.reloading: List[torch.nn.Module] = []
@@ -413,12 +561,52 @@ class LayerwiseReload:
     def initialize(self, model: torch.nn.Module) -> None:
         if any(m is model for m in self.reloading):
             raise RuntimeError("initialize_layerwise_reload: the model is already reloading")
+        initialize_layerwise_reload(model)
         self.reloading.append(model)
 
     def finalize(self, model: torch.nn.Module, model_config: Any) -> None:
-        from weightbus.vllm import process_weights_after_loading
         if not any(m is model for m in self.reloading):
             raise RuntimeError("finalize_layerwise_reload: the model is not reloading")
         self.reloading = [m for m in self.reloading if m is not model]
-        process_weights_after_loading(model)
+        finalize_layerwise_reload(model, model_config)
         self.finalized += 1
+
+
+class Int8LinearMethod:
+    """A quantization method shaped like vLLM's online-quantized ones (Fp8LinearMethod with a
+    bf16 checkpoint, and friends): the checkpoint holds a float `weight`;
+    process_weights_after_loading replaces it with kernel-format parameters, an int8
+    `weight` and a per-row float `weight_scale` (w ~ weight * weight_scale), and does nothing
+    once the weight is int8 (vLLM's _already_called_process_weights_after_loading). So a
+    plain load_weights into a processed layer casts checkpoint floats into the int8 kernel
+    tensor (wrong values, silently), and only layerwise reload loads it right."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if layer.weight.dtype == torch.int8:
+            return
+        w = layer.weight.detach().float()
+        scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
+        q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+        attrs = {k: v for k, v in layer.weight.__dict__.items()}
+        delattr(layer, "weight")
+        layer.weight = torch.nn.Parameter(q, requires_grad=False)
+        layer.weight.__dict__.update(attrs)
+        if "weight_scale" in _direct_parameters(layer):
+            delattr(layer, "weight_scale")
+        layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return x @ (layer.weight.float() * layer.weight_scale).t().to(x.dtype)
+
+
+def quantize_linear_layers(model: torch.nn.Module) -> torch.nn.Module:
+    """Records `model`'s checkpoint format for layerwise reload (as vLLM's initialize_model
+    does) and gives every linear layer (a module with an UnquantizedLinearMethod) the
+    Int8LinearMethod: load a version, then process_weights_after_loading, before use.
+    Returns `model`."""
+    from .llama import UnquantizedLinearMethod
+    record_metadata_for_reloading(model)
+    for module in model.modules():
+        if isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod):
+            module.quant_method = Int8LinearMethod()
+    return model

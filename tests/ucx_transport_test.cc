@@ -694,6 +694,112 @@ TEST_P(UcxInternalTest, ProgressThreadNeverSleepsWithReadsReady) {
   EXPECT_EQ(counters->sleeps_with_reads_ready, 0u);
 }
 
+// Issue 14: registrations and gets grow with a version's bytes, not its tensor count. 3000
+// tensors of 4 KiB plus two of 3 MiB, received into one buffer where they lie back to back (as
+// a replica's parameters do): one registration over shared memory (none over the control
+// connection) and one get per 1 MiB chunk of the 17.7 MiB; then the same bytes into targets
+// with a gap after every 100th tensor (each run of 100 gets its own gets, still one
+// registration: gaps under a page) and into separate allocations (a registration and gets per
+// allocation). Every tensor lands once, prefixes grow, the bytes are exact.
+TEST_P(UcxInternalTest, RegistrationsAndGetsScaleWithBytesNotTensors) {
+  const int port = weightbus::FreePort();
+  const std::string uri_text =
+      absl::StrFormat("ucx://127.0.0.1:%d/small?get_chunk_size=1MiB&lease=60s", port);
+  auto pub = OpenTransportPublisher(uri_text);
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = OpenTransportSubscriber(uri_text);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  constexpr size_t kSmall = 3000;
+  std::vector<uint64_t> sizes(kSmall, 4096);
+  sizes.insert(sizes.begin() + 1000, 3 << 20);
+  sizes.push_back(3 << 20);
+  sizes.insert(sizes.begin() + 7, 0);  // an empty tensor inside a run
+  uint64_t total = 0;
+  for (uint64_t n : sizes) total += n;
+  const bool over_control = GetParam().name == weightbus::testing::kTcp.name;
+  enum class Layout { kBackToBack, kGapEvery100, kSeparate };
+  // The targets, alive to the end (as a replica's parameters are).
+  std::vector<std::byte> one(total + 64 * sizes.size());
+  std::vector<std::vector<std::byte>> separate;
+  uint64_t version = 0;
+  for (Layout layout : {Layout::kBackToBack, Layout::kGapEvery100, Layout::kSeparate}) {
+    SCOPED_TRACE(static_cast<int>(layout));
+    ++version;
+    Manifest m;
+    m.version = version;
+    std::vector<std::vector<std::byte>> bytes;
+    for (uint64_t size : sizes) {
+      bytes.push_back(testing::RandomBytes(size, version * 100000 + bytes.size()));
+      m.tensors.push_back(TensorInfo{absl::StrFormat("t%d", bytes.size() - 1),
+                                     DType::kU8,
+                                     {static_cast<int64_t>(size)},
+                                     std::nullopt,
+                                     size,
+                                     testing::Xxh3(bytes.back().data(), size)});
+    }
+    std::vector<const std::byte*> sources;
+    for (const auto& b : bytes) sources.push_back(b.data());
+    SealedPublishJob job(m, sources);
+    ASSERT_TRUE((*pub)->Publish(job, absl::Now() + absl::Seconds(30)).ok());
+    std::vector<std::byte*> targets;
+    uint64_t at = 0;
+    separate.assign(sizes.size(), {});
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      if (layout == Layout::kSeparate) {
+        separate[i].resize(std::max<uint64_t>(sizes[i], 1));
+        targets.push_back(separate[i].data());
+        continue;
+      }
+      targets.push_back(one.data() + at);
+      at += sizes[i] + (layout == Layout::kGapEvery100 && i % 100 == 99 ? 64 : 0);
+    }
+    auto incoming = (*sub)->WaitForVersion(version, absl::Now() + kTimeout);
+    ASSERT_TRUE(incoming.ok()) << incoming.status();
+    struct Sink : LandingSink {
+      std::vector<int> landed;
+      std::vector<uint64_t> prefix;
+      bool prefixes_grow = true;
+      void Landed(size_t i) override { ++landed[i]; }
+      void LandedPrefix(size_t i, uint64_t bytes) override {
+        prefixes_grow &= bytes > prefix[i];
+        prefix[i] = bytes;
+      }
+    } sink;
+    sink.landed.assign(sizes.size(), 0);
+    sink.prefix.assign(sizes.size(), 0);
+    const ucx::UcxSubscriberCounters before = *ucx::SubscriberCounters(**sub);
+    absl::Status fetched = (*incoming)->Fetch(targets, sink, absl::Now() + kTimeout);
+    ASSERT_TRUE(fetched.ok()) << fetched;
+    const ucx::UcxSubscriberCounters after = *ucx::SubscriberCounters(**sub);
+    EXPECT_EQ(sink.landed, std::vector<int>(sizes.size(), 1));
+    EXPECT_TRUE(sink.prefixes_grow);
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      ASSERT_EQ(std::memcmp(targets[i], bytes[i].data(), sizes[i]), 0) << "tensor " << i;
+    }
+    const uint64_t chunks = (total + (1 << 20) - 1) >> 20;
+    const uint64_t gets = after.gets - before.gets;
+    const uint64_t registrations = after.registrations - before.registrations;
+    switch (layout) {
+      case Layout::kBackToBack:
+        EXPECT_EQ(gets, chunks);
+        EXPECT_EQ(registrations, over_control ? 0u : 1u);
+        break;
+      case Layout::kGapEvery100:
+        // 31 runs (30 of 100 or 101 tensors with the big ones, and the last): at most one
+        // partial chunk more each.
+        EXPECT_GE(gets, chunks);
+        EXPECT_LE(gets, chunks + 31);
+        EXPECT_EQ(registrations, over_control ? 0u : 1u);
+        break;
+      case Layout::kSeparate:
+        EXPECT_EQ(gets, kSmall + 2 * 3);  // one per small tensor, 3 per 3 MiB one
+        EXPECT_LE(registrations, over_control ? 0u : kSmall + 2);
+        break;
+    }
+    incoming->reset();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Tls, UcxInternalTest,
                          ::testing::Values(weightbus::testing::kShm, weightbus::testing::kTcp),
                          [](const ::testing::TestParamInfo<weightbus::testing::Tls>& info) {

@@ -335,6 +335,67 @@ TEST_P(UcxTransportTest, MidTransferFailPointFiresForEverySize) {
   }
 }
 
+// Issue 14, the contract of each bind mode when a transfer fails midway (the fail point
+// ucx.during_get on version 2's receive only, after half its bytes were requested and a get
+// finished): the version is never reported applied (Internal naming the fail point, version 1
+// stays current); with bind_mode=staged the bound destinations still hold version 1 bit-exact;
+// with bind_mode=direct they hold part of version 2 (the error says so) and the previous version
+// is re-fetched bit-exact with ReceiveVersion(1) while the channel holds it (staging_slots=2).
+// Either way the next receive of version 2 lands bit-exact.
+TEST_P(UcxTransportTest, MidTransferFailureKeepsThePreviousVersionInEitherBindMode) {
+  for (const std::string mode : {"staged", "direct"}) {
+    SCOPED_TRACE(mode);
+    port_ = FreePort();
+    auto pub = Publisher::Open(Uri("staging_slots=2"));
+    ASSERT_TRUE(pub.ok()) << pub.status();
+    const std::vector<OwnedTensor> v1 = MakeVersion(7, 1, 2 << 20);
+    const std::vector<OwnedTensor> v2 = MakeVersion(7, 2, 2 << 20);
+    auto sub = [&] {
+      testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", "ucx.during_get=error@2");
+      return Subscriber::Open(Uri("get_chunk_size=64KiB&bind_mode=" + mode));
+    }();
+    ASSERT_TRUE(sub.ok()) << sub.status();
+    std::vector<std::vector<std::byte>> dest(v1.size());
+    for (size_t i = 0; i < v1.size(); ++i) {
+      dest[i].resize(v1[i].bytes.size());
+      ASSERT_TRUE((*sub)->Bind(v1[i].name, {v1[i].dtype, v1[i].shape, {}, dest[i].data()}).ok());
+    }
+    auto holds = [&](const std::vector<OwnedTensor>& v) {
+      for (size_t i = 0; i < v.size(); ++i) {
+        if (dest[i] != v[i].bytes) return false;
+      }
+      return true;
+    };
+    ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+    auto u1 = (*sub)->WaitForVersion(1, kTimeout);
+    ASSERT_TRUE(u1.ok()) << u1.status();
+    EXPECT_TRUE(holds(v1));
+    ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, kTimeout).ok());
+    auto failed = (*sub)->WaitForVersion(2, kTimeout);
+    ASSERT_EQ(failed.status().code(), absl::StatusCode::kInternal) << failed.status();
+    EXPECT_THAT(failed.status().message(), HasSubstr("failpoint ucx.during_get fired (error)"));
+    EXPECT_THAT(failed.status().message(), HasSubstr("version 1 stays current"));
+    EXPECT_EQ((*sub)->current_version(), 1u);
+    if (mode == "staged") {
+      EXPECT_TRUE(holds(v1)) << "a failed staged receive touched a bound destination";
+      EXPECT_THAT(std::string(failed.status().message()),
+                  ::testing::Not(HasSubstr("partial data")));
+    } else {
+      EXPECT_FALSE(holds(v1)) << "direct: the gets that finished wrote into the destinations";
+      EXPECT_THAT(failed.status().message(),
+                  HasSubstr("bind_mode=direct: bound destinations may hold partial data"));
+      auto again = (*sub)->ReceiveVersion(1, kTimeout);
+      ASSERT_TRUE(again.ok()) << again.status();
+      EXPECT_TRUE(holds(v1)) << "re-fetching the previous version restores it";
+      EXPECT_EQ((*sub)->current_version(), 1u);
+    }
+    auto u2 = (*sub)->WaitForVersion(2, kTimeout);
+    ASSERT_TRUE(u2.ok()) << u2.status();
+    EXPECT_TRUE(holds(v2));
+    EXPECT_EQ((*sub)->current_version(), 2u);
+  }
+}
+
 // Item 4 of issue 10: a wait whose deadline comes before connect_timeout ends while no
 // publisher is reachable yet is DeadlineExceeded (naming channel, version and connect error),
 // so that callers waiting in slices keep waiting; a publisher that comes up is then found.

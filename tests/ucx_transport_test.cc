@@ -515,6 +515,31 @@ using ::weightbus::testing::OpenTransportSubscriber;
 
 using ::testing::HasSubstr;
 
+// Publishes `version` as U8 tensors "t0", "t1", ... of `sizes` bytes, tensor i's bytes random
+// from seed `seed + i`; returns the bytes.
+std::vector<std::vector<std::byte>> PublishRandomTensors(TransportPublisher& pub, uint64_t version,
+                                                         const std::vector<uint64_t>& sizes,
+                                                         uint64_t seed) {
+  Manifest m;
+  m.version = version;
+  std::vector<std::vector<std::byte>> bytes;
+  for (uint64_t size : sizes) {
+    bytes.push_back(weightbus::testing::RandomBytes(size, seed + bytes.size()));
+    m.tensors.push_back(TensorInfo{absl::StrFormat("t%d", bytes.size() - 1),
+                                   DType::kU8,
+                                   {static_cast<int64_t>(size)},
+                                   std::nullopt,
+                                   size,
+                                   weightbus::testing::Xxh3(bytes.back().data(), size)});
+  }
+  std::vector<const std::byte*> sources;
+  for (const auto& b : bytes) sources.push_back(b.data());
+  SealedPublishJob job(m, sources);
+  const absl::Status published = pub.Publish(job, absl::Now() + absl::Seconds(30));
+  EXPECT_TRUE(published.ok()) << published;
+  return bytes;
+}
+
 class UcxInternalTest : public ::testing::TestWithParam<weightbus::testing::Tls> {
  protected:
   void SetUp() override {
@@ -710,24 +735,10 @@ TEST_P(UcxInternalTest, ProgressThreadNeverSleepsWithReadsReady) {
   constexpr uint64_t kVersions = 4;
   for (uint64_t v = 1; v <= kVersions; ++v) {
     SCOPED_TRACE(v);
-    Manifest m;
-    m.version = v;
-    std::vector<std::vector<std::byte>> bytes;
-    for (int r = 0; r < kRepeats; ++r) {
-      for (uint64_t size : sizes) {
-        bytes.push_back(testing::RandomBytes(size, v * 1000 + bytes.size()));
-        m.tensors.push_back(TensorInfo{absl::StrFormat("t%d", bytes.size() - 1),
-                                       DType::kU8,
-                                       {static_cast<int64_t>(size)},
-                                       std::nullopt,
-                                       size,
-                                       testing::Xxh3(bytes.back().data(), size)});
-      }
-    }
-    std::vector<const std::byte*> sources;
-    for (const auto& b : bytes) sources.push_back(b.data());
-    SealedPublishJob job(m, sources);
-    ASSERT_TRUE((*pub)->Publish(job, absl::Now() + absl::Seconds(30)).ok());
+    std::vector<uint64_t> repeated;
+    for (int r = 0; r < kRepeats; ++r) repeated.insert(repeated.end(), sizes.begin(), sizes.end());
+    const std::vector<std::vector<std::byte>> bytes =
+        PublishRandomTensors(**pub, v, repeated, v * 1000);
     auto incoming = (*sub)->WaitForVersion(v, absl::Now() + kTimeout);
     ASSERT_TRUE(incoming.ok()) << incoming.status();
     ASSERT_EQ((*incoming)->manifest().version, v);
@@ -786,22 +797,8 @@ TEST_P(UcxInternalTest, RegistrationsAndGetsScaleWithBytesNotTensors) {
   for (Layout layout : {Layout::kBackToBack, Layout::kGapEvery100, Layout::kSeparate}) {
     SCOPED_TRACE(static_cast<int>(layout));
     ++version;
-    Manifest m;
-    m.version = version;
-    std::vector<std::vector<std::byte>> bytes;
-    for (uint64_t size : sizes) {
-      bytes.push_back(testing::RandomBytes(size, version * 100000 + bytes.size()));
-      m.tensors.push_back(TensorInfo{absl::StrFormat("t%d", bytes.size() - 1),
-                                     DType::kU8,
-                                     {static_cast<int64_t>(size)},
-                                     std::nullopt,
-                                     size,
-                                     testing::Xxh3(bytes.back().data(), size)});
-    }
-    std::vector<const std::byte*> sources;
-    for (const auto& b : bytes) sources.push_back(b.data());
-    SealedPublishJob job(m, sources);
-    ASSERT_TRUE((*pub)->Publish(job, absl::Now() + absl::Seconds(30)).ok());
+    const std::vector<std::vector<std::byte>> bytes =
+        PublishRandomTensors(**pub, version, sizes, version * 100000);
     std::vector<std::byte*> targets;
     uint64_t at = 0;
     separate.assign(sizes.size(), {});

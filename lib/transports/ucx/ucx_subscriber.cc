@@ -68,11 +68,11 @@ struct GetOp {
 // The gets of one Fetch and their completion bookkeeping (touched only by the fetching thread:
 // UCX calls completions from inside ucp_worker_progress).
 struct Pull {
-  std::vector<GetOp> ops;             // in slot order within each run of tensors
-  std::vector<uint32_t> remaining;    // per tensor: gets not yet complete
-  std::vector<size_t> next_in_order;  // per tensor: its first get not yet complete
-  std::vector<size_t> end_op;         // per tensor: one past its last get
-  std::vector<bool> done;             // per get
+  std::vector<GetOp> ops;                          // in slot order within each run of tensors
+  std::vector<uint32_t> remaining;                 // per tensor: gets not yet complete
+  std::vector<size_t> next_in_order;               // per tensor: its first get not yet complete
+  std::vector<size_t> end_op;                      // per tensor: one past its last get
+  std::vector<bool> done;                          // per get
   const std::vector<uint64_t>* offsets = nullptr;  // per tensor, in the slot
   uint64_t inflight = 0;
   absl::Status error;

@@ -335,6 +335,67 @@ TEST_P(UcxTransportTest, MidTransferFailPointFiresForEverySize) {
   }
 }
 
+// Issue 14, the contract of each bind mode when a transfer fails midway (the fail point
+// ucx.during_get on version 2's receive only, after half its bytes were requested and a get
+// finished): the version is never reported applied (Internal naming the fail point, version 1
+// stays current); with bind_mode=staged the bound destinations still hold version 1 bit-exact;
+// with bind_mode=direct they hold part of version 2 (the error says so) and the previous version
+// is re-fetched bit-exact with ReceiveVersion(1) while the channel holds it (staging_slots=2).
+// Either way the next receive of version 2 lands bit-exact.
+TEST_P(UcxTransportTest, MidTransferFailureKeepsThePreviousVersionInEitherBindMode) {
+  for (const std::string mode : {"staged", "direct"}) {
+    SCOPED_TRACE(mode);
+    port_ = FreePort();
+    auto pub = Publisher::Open(Uri("staging_slots=2"));
+    ASSERT_TRUE(pub.ok()) << pub.status();
+    const std::vector<OwnedTensor> v1 = MakeVersion(7, 1, 2 << 20);
+    const std::vector<OwnedTensor> v2 = MakeVersion(7, 2, 2 << 20);
+    auto sub = [&] {
+      testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", "ucx.during_get=error@2");
+      return Subscriber::Open(Uri("get_chunk_size=64KiB&bind_mode=" + mode));
+    }();
+    ASSERT_TRUE(sub.ok()) << sub.status();
+    std::vector<std::vector<std::byte>> dest(v1.size());
+    for (size_t i = 0; i < v1.size(); ++i) {
+      dest[i].resize(v1[i].bytes.size());
+      ASSERT_TRUE((*sub)->Bind(v1[i].name, {v1[i].dtype, v1[i].shape, {}, dest[i].data()}).ok());
+    }
+    auto holds = [&](const std::vector<OwnedTensor>& v) {
+      for (size_t i = 0; i < v.size(); ++i) {
+        if (dest[i] != v[i].bytes) return false;
+      }
+      return true;
+    };
+    ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+    auto u1 = (*sub)->WaitForVersion(1, kTimeout);
+    ASSERT_TRUE(u1.ok()) << u1.status();
+    EXPECT_TRUE(holds(v1));
+    ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, kTimeout).ok());
+    auto failed = (*sub)->WaitForVersion(2, kTimeout);
+    ASSERT_EQ(failed.status().code(), absl::StatusCode::kInternal) << failed.status();
+    EXPECT_THAT(failed.status().message(), HasSubstr("failpoint ucx.during_get fired (error)"));
+    EXPECT_THAT(failed.status().message(), HasSubstr("version 1 stays current"));
+    EXPECT_EQ((*sub)->current_version(), 1u);
+    if (mode == "staged") {
+      EXPECT_TRUE(holds(v1)) << "a failed staged receive touched a bound destination";
+      EXPECT_THAT(std::string(failed.status().message()),
+                  ::testing::Not(HasSubstr("partial data")));
+    } else {
+      EXPECT_FALSE(holds(v1)) << "direct: the gets that finished wrote into the destinations";
+      EXPECT_THAT(failed.status().message(),
+                  HasSubstr("bind_mode=direct: bound destinations may hold partial data"));
+      auto again = (*sub)->ReceiveVersion(1, kTimeout);
+      ASSERT_TRUE(again.ok()) << again.status();
+      EXPECT_TRUE(holds(v1)) << "re-fetching the previous version restores it";
+      EXPECT_EQ((*sub)->current_version(), 1u);
+    }
+    auto u2 = (*sub)->WaitForVersion(2, kTimeout);
+    ASSERT_TRUE(u2.ok()) << u2.status();
+    EXPECT_TRUE(holds(v2));
+    EXPECT_EQ((*sub)->current_version(), 2u);
+  }
+}
+
 // Item 4 of issue 10: a wait whose deadline comes before connect_timeout ends while no
 // publisher is reachable yet is DeadlineExceeded (naming channel, version and connect error),
 // so that callers waiting in slices keep waiting; a publisher that comes up is then found.
@@ -453,6 +514,31 @@ using ::weightbus::testing::OpenTransportPublisher;
 using ::weightbus::testing::OpenTransportSubscriber;
 
 using ::testing::HasSubstr;
+
+// Publishes `version` as U8 tensors "t0", "t1", ... of `sizes` bytes, tensor i's bytes random
+// from seed `seed + i`; returns the bytes.
+std::vector<std::vector<std::byte>> PublishRandomTensors(TransportPublisher& pub, uint64_t version,
+                                                         const std::vector<uint64_t>& sizes,
+                                                         uint64_t seed) {
+  Manifest m;
+  m.version = version;
+  std::vector<std::vector<std::byte>> bytes;
+  for (uint64_t size : sizes) {
+    bytes.push_back(weightbus::testing::RandomBytes(size, seed + bytes.size()));
+    m.tensors.push_back(TensorInfo{absl::StrFormat("t%d", bytes.size() - 1),
+                                   DType::kU8,
+                                   {static_cast<int64_t>(size)},
+                                   std::nullopt,
+                                   size,
+                                   weightbus::testing::Xxh3(bytes.back().data(), size)});
+  }
+  std::vector<const std::byte*> sources;
+  for (const auto& b : bytes) sources.push_back(b.data());
+  SealedPublishJob job(m, sources);
+  const absl::Status published = pub.Publish(job, absl::Now() + absl::Seconds(30));
+  EXPECT_TRUE(published.ok()) << published;
+  return bytes;
+}
 
 class UcxInternalTest : public ::testing::TestWithParam<weightbus::testing::Tls> {
  protected:
@@ -649,24 +735,10 @@ TEST_P(UcxInternalTest, ProgressThreadNeverSleepsWithReadsReady) {
   constexpr uint64_t kVersions = 4;
   for (uint64_t v = 1; v <= kVersions; ++v) {
     SCOPED_TRACE(v);
-    Manifest m;
-    m.version = v;
-    std::vector<std::vector<std::byte>> bytes;
-    for (int r = 0; r < kRepeats; ++r) {
-      for (uint64_t size : sizes) {
-        bytes.push_back(testing::RandomBytes(size, v * 1000 + bytes.size()));
-        m.tensors.push_back(TensorInfo{absl::StrFormat("t%d", bytes.size() - 1),
-                                       DType::kU8,
-                                       {static_cast<int64_t>(size)},
-                                       std::nullopt,
-                                       size,
-                                       testing::Xxh3(bytes.back().data(), size)});
-      }
-    }
-    std::vector<const std::byte*> sources;
-    for (const auto& b : bytes) sources.push_back(b.data());
-    SealedPublishJob job(m, sources);
-    ASSERT_TRUE((*pub)->Publish(job, absl::Now() + absl::Seconds(30)).ok());
+    std::vector<uint64_t> repeated;
+    for (int r = 0; r < kRepeats; ++r) repeated.insert(repeated.end(), sizes.begin(), sizes.end());
+    const std::vector<std::vector<std::byte>> bytes =
+        PublishRandomTensors(**pub, v, repeated, v * 1000);
     auto incoming = (*sub)->WaitForVersion(v, absl::Now() + kTimeout);
     ASSERT_TRUE(incoming.ok()) << incoming.status();
     ASSERT_EQ((*incoming)->manifest().version, v);
@@ -692,6 +764,98 @@ TEST_P(UcxInternalTest, ProgressThreadNeverSleepsWithReadsReady) {
     EXPECT_EQ(counters->reads_served, 0u) << "shared memory moves the bytes with UCP gets";
   }
   EXPECT_EQ(counters->sleeps_with_reads_ready, 0u);
+}
+
+// Issue 14: registrations and gets grow with a version's bytes, not its tensor count. 3000
+// tensors of 4 KiB plus two of 3 MiB, received into one buffer where they lie back to back (as
+// a replica's parameters do): one registration over shared memory (none over the control
+// connection) and one get per 1 MiB chunk of the 17.7 MiB; then the same bytes into targets
+// with a gap after every 100th tensor (each run of 100 gets its own gets, still one
+// registration: gaps under a page) and into separate allocations (a registration and gets per
+// allocation). Every tensor lands once, prefixes grow, the bytes are exact.
+TEST_P(UcxInternalTest, RegistrationsAndGetsScaleWithBytesNotTensors) {
+  const int port = weightbus::FreePort();
+  const std::string uri_text =
+      absl::StrFormat("ucx://127.0.0.1:%d/small?get_chunk_size=1MiB&lease=60s", port);
+  auto pub = OpenTransportPublisher(uri_text);
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = OpenTransportSubscriber(uri_text);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  constexpr size_t kSmall = 3000;
+  std::vector<uint64_t> sizes(kSmall, 4096);
+  sizes.insert(sizes.begin() + 1000, 3 << 20);
+  sizes.push_back(3 << 20);
+  sizes.insert(sizes.begin() + 7, 0);  // an empty tensor inside a run
+  uint64_t total = 0;
+  for (uint64_t n : sizes) total += n;
+  const bool over_control = GetParam().name == weightbus::testing::kTcp.name;
+  enum class Layout { kBackToBack, kGapEvery100, kSeparate };
+  // The targets, alive to the end (as a replica's parameters are).
+  std::vector<std::byte> one(total + 64 * sizes.size());
+  std::vector<std::vector<std::byte>> separate;
+  uint64_t version = 0;
+  for (Layout layout : {Layout::kBackToBack, Layout::kGapEvery100, Layout::kSeparate}) {
+    SCOPED_TRACE(static_cast<int>(layout));
+    ++version;
+    const std::vector<std::vector<std::byte>> bytes =
+        PublishRandomTensors(**pub, version, sizes, version * 100000);
+    std::vector<std::byte*> targets;
+    uint64_t at = 0;
+    separate.assign(sizes.size(), {});
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      if (layout == Layout::kSeparate) {
+        separate[i].resize(std::max<uint64_t>(sizes[i], 1));
+        targets.push_back(separate[i].data());
+        continue;
+      }
+      targets.push_back(one.data() + at);
+      at += sizes[i] + (layout == Layout::kGapEvery100 && i % 100 == 99 ? 64 : 0);
+    }
+    auto incoming = (*sub)->WaitForVersion(version, absl::Now() + kTimeout);
+    ASSERT_TRUE(incoming.ok()) << incoming.status();
+    struct Sink : LandingSink {
+      std::vector<int> landed;
+      std::vector<uint64_t> prefix;
+      bool prefixes_grow = true;
+      void Landed(size_t i) override { ++landed[i]; }
+      void LandedPrefix(size_t i, uint64_t bytes) override {
+        prefixes_grow &= bytes > prefix[i];
+        prefix[i] = bytes;
+      }
+    } sink;
+    sink.landed.assign(sizes.size(), 0);
+    sink.prefix.assign(sizes.size(), 0);
+    const ucx::UcxSubscriberCounters before = *ucx::SubscriberCounters(**sub);
+    absl::Status fetched = (*incoming)->Fetch(targets, sink, absl::Now() + kTimeout);
+    ASSERT_TRUE(fetched.ok()) << fetched;
+    const ucx::UcxSubscriberCounters after = *ucx::SubscriberCounters(**sub);
+    EXPECT_EQ(sink.landed, std::vector<int>(sizes.size(), 1));
+    EXPECT_TRUE(sink.prefixes_grow);
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      ASSERT_EQ(std::memcmp(targets[i], bytes[i].data(), sizes[i]), 0) << "tensor " << i;
+    }
+    const uint64_t chunks = (total + (1 << 20) - 1) >> 20;
+    const uint64_t gets = after.gets - before.gets;
+    const uint64_t registrations = after.registrations - before.registrations;
+    switch (layout) {
+      case Layout::kBackToBack:
+        EXPECT_EQ(gets, chunks);
+        EXPECT_EQ(registrations, over_control ? 0u : 1u);
+        break;
+      case Layout::kGapEvery100:
+        // 31 runs (30 of 100 or 101 tensors with the big ones, and the last): at most one
+        // partial chunk more each.
+        EXPECT_GE(gets, chunks);
+        EXPECT_LE(gets, chunks + 31);
+        EXPECT_EQ(registrations, over_control ? 0u : 1u);
+        break;
+      case Layout::kSeparate:
+        EXPECT_EQ(gets, kSmall + 2 * 3);  // one per small tensor, 3 per 3 MiB one
+        EXPECT_LE(registrations, over_control ? 0u : kSmall + 2);
+        break;
+    }
+    incoming->reset();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, UcxInternalTest,

@@ -252,8 +252,12 @@ struct SubscribePlacements {
 // against the manifest (dtype, shape, device) and a mismatch fails naming the tensor and both
 // sides. With the setting bind_mode=staged (default) bytes are received and verified in library
 // memory first, so a failed update never touches a destination; bind_mode=direct receives
-// straight into destinations (one copy fewer) and on a failed verification leaves their contents
-// unspecified (the error says so).
+// straight into contiguous destinations (one copy fewer). Its contract when a receive fails
+// (transfer error, timeout, failed verification): the version is not handed over and
+// current_version() stays; bound destinations hold unspecified bytes, a mix of the previous
+// version's and the failed one's (the error says so); ReceiveVersion(current_version())
+// re-fetches the previous version while the channel still holds it (disk: `retention`; ucx:
+// `staging_slots` >= 2), and any successful receive writes every byte of every bound tensor.
 //
 // Thread safety: calls are serialized internally. Lifetime: destinations must stay valid while
 // bound; Updates may outlive the Subscriber.

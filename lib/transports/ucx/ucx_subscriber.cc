@@ -50,25 +50,30 @@ struct Session {
   std::map<uint64_t, std::unique_ptr<RemoteKey>> rkeys;
 };
 
-// One get of a Fetch: it crosses neither a remote region nor a local registration boundary.
+// One get of a Fetch: a contiguous run of slot bytes into a contiguous run of target bytes,
+// crossing neither a remote region nor a local registration boundary. Neighbouring tensors that
+// are contiguous on both sides share gets (small tensors cost one get per chunk, not one each):
+// it covers tensors [first, last] of the manifest.
 struct GetOp {
-  size_t tensor;
+  size_t first;
+  size_t last;
   ucp_rkey_h rkey;
   uint64_t remote;
   std::byte* local;
   uint64_t length;
   uint64_t slot_offset;  // where the bytes start in the slot (READ over the control connection)
   ucp_mem_h memh;
-  uint64_t tensor_end;  // the tensor's bytes [0, tensor_end) are covered by it and earlier gets
 };
 
 // The gets of one Fetch and their completion bookkeeping (touched only by the fetching thread:
 // UCX calls completions from inside ucp_worker_progress).
 struct Pull {
-  std::vector<GetOp> ops;             // a tensor's gets are consecutive, in byte order
-  std::vector<uint32_t> remaining;    // per tensor: gets not yet complete
-  std::vector<size_t> next_in_order;  // per tensor: its first get not yet complete
-  std::vector<bool> done;             // per get
+  std::vector<GetOp> ops;                          // in slot order within each run of tensors
+  std::vector<uint32_t> remaining;                 // per tensor: gets not yet complete
+  std::vector<size_t> next_in_order;               // per tensor: its first get not yet complete
+  std::vector<size_t> end_op;                      // per tensor: one past its last get
+  std::vector<bool> done;                          // per get
+  const std::vector<uint64_t>* offsets = nullptr;  // per tensor, in the slot
   uint64_t inflight = 0;
   absl::Status error;
   LandingSink* sink = nullptr;
@@ -95,21 +100,26 @@ struct Pull {
       if (error.ok()) {
         error = UcsError(status, absl::StrFormat("get of %d bytes of tensor \"%s\" (version %d) "
                                                  "%s failed",
-                                                 op.length, manifest->tensors[op.tensor].name,
+                                                 op.length, manifest->tensors[op.first].name,
                                                  manifest->version, source));
       }
       return;
     }
     done[k] = true;
-    if (--remaining[op.tensor] == 0) {
-      sink->Landed(op.tensor);
-      return;
+    for (size_t t = op.first; t <= op.last; ++t) {
+      const uint64_t nbytes = manifest->tensors[t].nbytes;
+      if (nbytes == 0) continue;  // landed before the first get
+      if (--remaining[t] == 0) {
+        sink->Landed(t);
+        continue;
+      }
+      // Report the complete prefix (gets over tcp may complete out of order).
+      size_t& next = next_in_order[t];
+      if (next != k) continue;
+      while (next < end_op[t] && done[next]) ++next;
+      const GetOp& last = ops[next - 1];
+      sink->LandedPrefix(t, std::min(nbytes, last.slot_offset + last.length - (*offsets)[t]));
     }
-    // Report the complete prefix (gets over tcp may complete out of order).
-    size_t& next = next_in_order[op.tensor];
-    if (next != k) return;
-    while (next < ops.size() && ops[next].tensor == op.tensor && done[next]) ++next;
-    sink->LandedPrefix(op.tensor, ops[next - 1].tensor_end);
   }
 };
 
@@ -196,6 +206,11 @@ class UcxSubscriber final : public TransportSubscriber {
   // A wait in flight returns Cancelled within about 50 ms (Await receives in slices and checks
   // the flag); so does every later call. Only sets an atomic flag: safe from any thread.
   void Cancel() override { cancelled_.store(true); }
+  UcxSubscriberCounters counters() {
+    absl::MutexLock lock(&mu_);
+    return UcxSubscriberCounters{registrations_.registrations(),
+                                 gets_.load(std::memory_order_relaxed)};
+  }
 
   absl::Status Fetch(UcxVersion& v, absl::Span<std::byte* const> targets, LandingSink& sink,
                      absl::Time deadline);
@@ -251,6 +266,7 @@ class UcxSubscriber final : public TransportSubscriber {
   uint64_t next_request_ ABSL_GUARDED_BY(mu_) = 1;
   bool try_peer_errors_ ABSL_GUARDED_BY(mu_) = true;
   std::atomic<bool> cancelled_{false};
+  std::atomic<uint64_t> gets_{0};  // UcxSubscriberCounters::gets
   absl::Status CancelledStatus() const {
     return absl::CancelledError(
         absl::StrFormat("%s: the subscriber is being closed (Cancel)", endpoint_.display));
@@ -732,42 +748,107 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
   pull.sink = &sink;
   pull.manifest = &m;
   pull.source = absl::StrFormat("from %s", s.publisher);
+  pull.offsets = &v.offsets_;
+  pull.end_op.assign(n, 0);
   uint64_t total = 0;
   // A DATA frame carries at most 16 MiB (frames are held whole in memory on both sides).
   const uint64_t chunk = s.bytes_over_control
                              ? std::min<uint64_t>(options_.get_chunk_size, 16 << 20)
                              : options_.get_chunk_size;
   for (size_t i = 0; i < n; ++i) {
-    const uint64_t nbytes = m.tensors[i].nbytes;
-    if (nbytes == 0) continue;
-    if (targets[i] == nullptr) {
+    if (m.tensors[i].nbytes != 0 && targets[i] == nullptr) {
       return absl::InternalError(absl::StrFormat("no target for tensor \"%s\"", m.tensors[i].name));
     }
-    for (uint64_t piece = 0; piece < nbytes; piece += options_.max_region) {
-      const uint64_t piece_len = std::min(options_.max_region, nbytes - piece);
-      ucp_mem_h memh =
-          s.bytes_over_control ? nullptr : registrations_.Get(targets[i] + piece, piece_len);
-      for (uint64_t done = 0; done < piece_len;) {
-        const uint64_t off = v.offsets_[i] + piece + done;
-        auto region = std::upper_bound(v.regions_.begin(), v.regions_.end(), off,
-                                       [](uint64_t o, const GrantRegion& g) { return o < g.base; });
-        const size_t k = static_cast<size_t>(region - v.regions_.begin()) - 1;
-        const GrantRegion& g = v.regions_[k];
-        const uint64_t len = std::min({chunk, piece_len - done, g.base + g.length - off});
-        if (pull.remaining[i] == 0) pull.next_in_order[i] = pull.ops.size();
-        pull.ops.push_back(GetOp{i, rkeys[k], g.address + (off - g.base), targets[i] + piece + done,
-                                 len, off, memh, piece + done + len});
-        ++pull.remaining[i];
-        done += len;
-        total += len;
-      }
+  }
+  // Registrations: one per run of targets that ascend with gaps under a page (every byte of such
+  // a gap lies on a page the neighbouring targets occupy, so the run is mapped memory: the
+  // core's library buffer, a replica's parameters bound in one allocation), cut at max_region.
+  // Gets: one per chunk of a run of tensors contiguous both in the slot and in the targets.
+  constexpr uint64_t kPage = 4096;
+  std::byte* reg_begin = nullptr;  // the registration run the current tensor lies in
+  std::byte* reg_end = nullptr;
+  std::vector<std::pair<std::byte*, std::byte*>> reg_runs;  // [begin, end) per run
+  std::vector<size_t> reg_run_of(n, 0);
+  for (size_t i = 0; i < n && !s.bytes_over_control; ++i) {
+    const uint64_t nbytes = m.tensors[i].nbytes;
+    if (nbytes == 0) continue;
+    std::byte* t = targets[i];
+    if (reg_begin != nullptr && t >= reg_end && t - reg_end < static_cast<ptrdiff_t>(kPage)) {
+      reg_runs.back().second = reg_end = t + nbytes;
+    } else {
+      reg_runs.emplace_back(t, t + nbytes);
+      reg_begin = t;
+      reg_end = t + nbytes;
     }
+    reg_run_of[i] = reg_runs.size() - 1;
+  }
+  // The registration of the max_region piece of run `r` that holds `p`, and where it ends.
+  auto registration = [&](size_t r, std::byte* p) -> std::pair<ucp_mem_h, std::byte*> {
+    const auto [begin, end] = reg_runs[r];
+    std::byte* piece = begin + (p - begin) / options_.max_region * options_.max_region;
+    const uint64_t len = std::min<uint64_t>(options_.max_region, end - piece);
+    return {registrations_.Get(piece, len), piece + len};
+  };
+  for (size_t i = 0; i < n;) {
+    if (m.tensors[i].nbytes == 0) {
+      ++i;
+      continue;
+    }
+    // The run [i, j): each tensor starts where the previous one ends, in the slot and the
+    // targets (zero-byte tensors between them are skipped over).
+    size_t j = i + 1, last = i;
+    uint64_t run_len = m.tensors[i].nbytes;
+    while (j < n) {
+      const uint64_t nb = m.tensors[j].nbytes;
+      if (nb != 0) {
+        if (v.offsets_[j] != v.offsets_[i] + run_len || targets[j] != targets[i] + run_len ||
+            (!s.bytes_over_control && reg_run_of[j] != reg_run_of[i])) {
+          break;
+        }
+        run_len += nb;
+        last = j;
+      }
+      ++j;
+    }
+    size_t t = i;  // the first tensor the next get touches
+    for (uint64_t done = 0; done < run_len;) {
+      const uint64_t off = v.offsets_[i] + done;
+      std::byte* local = targets[i] + done;
+      auto region = std::upper_bound(v.regions_.begin(), v.regions_.end(), off,
+                                     [](uint64_t o, const GrantRegion& g) { return o < g.base; });
+      const size_t k = static_cast<size_t>(region - v.regions_.begin()) - 1;
+      const GrantRegion& g = v.regions_[k];
+      uint64_t len = std::min({chunk, run_len - done, g.base + g.length - off});
+      ucp_mem_h memh = nullptr;
+      if (!s.bytes_over_control) {
+        const auto [handle, piece_end] = registration(reg_run_of[i], local);
+        memh = handle;
+        len = std::min<uint64_t>(len, piece_end - local);
+      }
+      while (m.tensors[t].nbytes == 0 || v.offsets_[t] + m.tensors[t].nbytes <= off) ++t;
+      size_t u = t;  // the last tensor it touches
+      while (u < last && (m.tensors[u + 1].nbytes == 0 || v.offsets_[u + 1] < off + len)) ++u;
+      while (m.tensors[u].nbytes == 0) --u;
+      const size_t op = pull.ops.size();
+      for (size_t w = t; w <= u; ++w) {
+        if (m.tensors[w].nbytes == 0) continue;
+        if (pull.remaining[w] == 0) pull.next_in_order[w] = op;
+        ++pull.remaining[w];
+        pull.end_op[w] = op + 1;
+      }
+      pull.ops.push_back(GetOp{t, u, s.bytes_over_control ? nullptr : rkeys[k],
+                               g.address + (off - g.base), local, len, off, memh});
+      done += len;
+      total += len;
+    }
+    i = j;
   }
   for (size_t i = 0; i < n; ++i) {
     if (m.tensors[i].nbytes == 0) sink.Landed(i);
   }
   std::vector<GetContext> contexts(pull.ops.size());
   pull.done.assign(pull.ops.size(), false);
+  gets_.fetch_add(pull.ops.size(), std::memory_order_relaxed);
   const absl::Time planned = absl::Now();
   if (s.bytes_over_control) {
     absl::Status status = ReadOverControl(v, pull, total, deadline);
@@ -1050,6 +1131,12 @@ void UcxSubscriber::Accepted(UcxVersion& v) {
 }
 
 }  // namespace
+
+std::optional<UcxSubscriberCounters> SubscriberCounters(TransportSubscriber& subscriber) {
+  auto* ucx = dynamic_cast<UcxSubscriber*>(&subscriber);
+  if (ucx == nullptr) return std::nullopt;
+  return ucx->counters();
+}
 
 absl::StatusOr<std::unique_ptr<TransportSubscriber>> OpenUcxSubscriber(const Uri& uri,
                                                                        const Config& config) {

@@ -77,4 +77,16 @@ struct UcxPublisherCounters {
 // wrapped by a layer); nullopt otherwise. `publisher` must be alive for the call only.
 std::optional<UcxPublisherCounters> PublisherCounters(const TransportPublisher& publisher);
 
+// What a ucx:// subscriber has done so far (monotonic counts since it opened), for tests and
+// diagnostics: both grow with a version's bytes, not with its tensor count (receive buffers are
+// registered per contiguous run, and neighbouring tensors contiguous on both sides share gets).
+struct UcxSubscriberCounters {
+  uint64_t registrations = 0;  // receive-buffer registrations made (ucp_mem_map)
+  uint64_t gets = 0;           // ucp_get_nbx calls, or READs over the control connection
+};
+
+// The counters of `subscriber` when it is a ucx:// subscriber made by OpenUcxSubscriber (not
+// wrapped by a layer); nullopt otherwise. Waits for a call in flight on it to return.
+std::optional<UcxSubscriberCounters> SubscriberCounters(TransportSubscriber& subscriber);
+
 }  // namespace weightbus::internal::ucx

@@ -26,7 +26,7 @@ namespace weightbus::testing::fault {
 struct Flags {
   int iterations = 12;      // --iterations: faults per transport stack
   uint64_t seed = 0;        // --seed: 0 draws one (printed); a printed one replays the run
-  int memory_versions = 30; // --memory-versions: versions of the memory case
+  int memory_versions = 60; // --memory-versions: versions of the memory case
   int memory_subscribers = 8;
   uint64_t bytes = 1 << 20; // --bytes: approximate bytes per version
 };

@@ -3,7 +3,7 @@
 //   --iterations N        faults per transport stack (CTest: the small default; the long run
 //                         scripts/fault.sh --iterations 200)
 //   --seed S              replay the draws of a run that printed seed S (0 or absent: a new one)
-//   --memory-versions N   versions of the memory case (default 30; the long run 500)
+//   --memory-versions N   versions of the memory case (default 60; the long run 500)
 //   --bytes B             approximate bytes per version (default 1 MiB)
 #include <cstdio>
 #include <cstring>

@@ -110,6 +110,7 @@ std::optional<std::string> PeerProcess::Next(absl::Time deadline, Tally& tally, 
   std::optional<std::string> line = child_.ReadLine(deadline, &late);
   if (timed_out != nullptr) *timed_out = late;
   if (!line) return line;
+  lines_.push_back(*line);
   const int64_t ms = Field(*line, "ms=");
   const int64_t hwm = Field(*line, "hwm_kb=");
   if (hwm >= 0) hwm_kib_ = hwm;

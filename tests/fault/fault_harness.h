@@ -90,6 +90,7 @@ class PeerProcess {
   int64_t hwm_kib() const { return hwm_kib_; }
   std::map<uint64_t, int64_t>& hwm_at() { return hwm_at_; }  // VmHWM at each version
   const std::vector<std::string>& problems() const { return problems_; }
+  const std::vector<std::string>& lines() const { return lines_; }  // every line read
   std::string LogTail() const;
 
  private:
@@ -110,6 +111,7 @@ class PeerProcess {
   int64_t open_hwm_kib_ = -1, hwm_kib_ = -1;
   std::map<uint64_t, int64_t> hwm_at_;
   std::vector<std::string> problems_;
+  std::vector<std::string> lines_;
 };
 
 // How much later than its own timeout a wait may return before it counts as a hang: scheduling

@@ -24,7 +24,7 @@ namespace weightbus::testing::fault {
 
 // The suite's command-line flags (fault_main.cc), read by every case.
 struct Flags {
-  int iterations = 12;      // --iterations: faults per transport stack
+  int iterations = 25;      // --iterations: faults per transport stack
   uint64_t seed = 0;        // --seed: 0 draws one (printed); a printed one replays the run
   int memory_versions = 60; // --memory-versions: versions of the memory case
   int memory_subscribers = 8;

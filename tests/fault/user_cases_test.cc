@@ -11,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "fault/fault_harness.h"
 #include "test_model.h"
@@ -105,6 +106,93 @@ TEST_P(UserCaseTest, ASubscriberMuchSlowerThanTheOthersSlowsThemAtMostByItsLease
   }
   EXPECT_EQ(tally.torn + tally.hangs + tally.crashes, 0) << tally.Describe();
   absl::PrintF("[ case ] %s slow subscriber: %s\n", GetParam().name, tally.Describe());
+}
+
+// Publishes racing a pause: a subscriber process paused (a pause point) after it picked version
+// 1 and before it fetches it, on a channel that keeps one version (one staging slot, a 1 s
+// lease): the publisher publishes versions 2..6 meanwhile, each within its timeout. Released, the
+// subscriber hands over version 1 whole or refuses it (its pin or lease outlived, DataLoss or
+// Unavailable), never torn, and then receives version 6.
+TEST_P(UserCaseTest, PublishesRacingAPausedSubscriberNeverTearItsVersion) {
+  Channel c = MakeChannel(GetParam(), dir_, KeepOne() + (OnDisk() ? "" : "&lease=1s"));
+  Tally tally;
+  PeerProcess pub(PeerProcess::Role::kPublisher, "publisher",
+                  PeerArgs("serve", c.uri, {"--timeout-s", "30"}), c.env, dir_ / "pub.log",
+                  kTimeout);
+  ASSERT_TRUE(pub.Start(tally).ok()) << pub.LogTail();
+  pub.Send(1);
+  ASSERT_TRUE(pub.AwaitAnswered(absl::Now() + kTimeout, tally)) << pub.LogTail();
+  PausePoint fetch("core.before_fetch");
+  auto env = c.env;
+  env["WEIGHTBUS_FAILPOINTS"] = fetch.Spec();
+  PeerProcess sub(PeerProcess::Role::kSubscriber, "paused",
+                  PeerArgs("follow", c.uri, {"--until", "6", "--timeout-s", "30"}), env,
+                  dir_ / "sub.log", kTimeout);
+  ASSERT_TRUE(sub.Start(tally).ok());
+  ASSERT_TRUE(fetch.WaitReached(kTimeout)) << sub.LogTail();
+  for (uint64_t v = 2; v <= 6; ++v) pub.Send(v);
+  ASSERT_TRUE(pub.AwaitAnswered(absl::Now() + kTimeout, tally)) << pub.LogTail();
+  EXPECT_EQ(pub.published(), 6u) << pub.LogTail();
+  EXPECT_EQ(tally.publish_failures, 0) << pub.LogTail();
+  fetch.Release();
+  ASSERT_TRUE(sub.AwaitHolds(6, absl::Now() + kTimeout, tally)) << sub.LogTail();
+  sub.Finish(absl::Now() + kTimeout, tally);
+  pub.Finish(absl::Now() + kTimeout, tally);
+  for (const PeerProcess* p : {&pub, &sub}) {
+    EXPECT_TRUE(p->problems().empty()) << p->problems()[0];
+  }
+  EXPECT_EQ(tally.torn + tally.hangs + tally.crashes, 0) << tally.Describe();
+  absl::PrintF("[ case ] %s publishes racing a pause: %s; subscriber saw: %s\n", GetParam().name,
+               tally.Describe(), absl::StrJoin(sub.lines(), " | "));
+}
+
+// A stale session left by a crashed trainer: the trainer process SIGKILLed in the middle of
+// publishing version 2 (disk: its files written, not renamed; ucx: staged, not yet visible), leaving
+// its lock, temporary files or port behind. A new trainer process takes over cleanly: it opens
+// the channel, publishes version 3, and a subscriber that held version 1 from the dead one
+// receives version 3 whole; on disk nothing of the crashed attempt is left.
+TEST_P(UserCaseTest, AStaleSessionOfACrashedTrainerIsTakenOverByTheNextTrainer) {
+  Tally tally;
+  // Once per version: version 2's files are written, or its bytes staged.
+  PausePoint mid(OnDisk() ? "disk.before_rename" : "ucx.after_copy", 2);
+  auto env = channel_.env;
+  env["WEIGHTBUS_FAILPOINTS"] = mid.Spec();
+  PeerProcess crashed(PeerProcess::Role::kPublisher, "crashed",
+                      PeerArgs("serve", channel_.uri, {"--timeout-s", "30"}), env,
+                      dir_ / "crashed.log", kTimeout);
+  ASSERT_TRUE(crashed.Start(tally).ok()) << crashed.LogTail();
+  PeerProcess sub(PeerProcess::Role::kSubscriber, "subscriber",
+                  PeerArgs("follow", channel_.uri, {"--until", "3", "--timeout-s", "30"}),
+                  channel_.env, dir_ / "sub.log", kTimeout);
+  crashed.Send(1);
+  ASSERT_TRUE(crashed.AwaitAnswered(absl::Now() + kTimeout, tally)) << crashed.LogTail();
+  ASSERT_TRUE(sub.Start(tally).ok());
+  ASSERT_TRUE(sub.AwaitHolds(1, absl::Now() + kTimeout, tally)) << sub.LogTail();
+  crashed.Send(2);
+  ASSERT_TRUE(mid.WaitReached(kTimeout)) << crashed.LogTail();
+  crashed.KillAndReap(tally);
+  if (OnDisk()) {
+    EXPECT_EQ(ReadFileOrDie(dir_.path() + "/channel/LATEST"), "1\n");
+  }
+  PeerProcess next(PeerProcess::Role::kPublisher, "next",
+                   PeerArgs("serve", channel_.uri, {"--timeout-s", "30"}), channel_.env,
+                   dir_ / "next.log", kTimeout);
+  ASSERT_TRUE(next.Start(tally).ok()) << next.LogTail();
+  next.Send(3);
+  ASSERT_TRUE(next.AwaitAnswered(absl::Now() + kTimeout, tally)) << next.LogTail();
+  ASSERT_EQ(next.published(), 3u) << next.LogTail();
+  ASSERT_TRUE(sub.AwaitHolds(3, absl::Now() + kTimeout, tally)) << sub.LogTail();
+  if (OnDisk()) {
+    for (const std::string& path : ListTree(dir_.path() + "/channel")) {
+      EXPECT_FALSE(absl::StrContains(path, ".tmp-")) << path << " left by the crashed trainer";
+    }
+  }
+  sub.Finish(absl::Now() + kTimeout, tally);
+  next.Finish(absl::Now() + kTimeout, tally);
+  for (const PeerProcess* p : {&crashed, &next, &sub}) {
+    EXPECT_TRUE(p->problems().empty()) << p->problems()[0];
+  }
+  EXPECT_EQ(tally.torn + tally.hangs + tally.crashes, 0) << tally.Describe();
 }
 
 // A barrier reused across rounds (Publisher::WaitForReceivers: the version is the round's key):

@@ -1501,7 +1501,8 @@ TEST(MemTransportTest, DeclaredCapabilitiesFollowTheSettings) {
   EXPECT_EQ(internal::DescribeCapabilities(*all),
             "reads_strided_views, copies_with_checksums, committed_manifest, keep_versions_from, "
             "wait_for_receivers, open_version, list_versions, cancel, durable, late_joiners");
-  auto bare = testing::StackCapabilitiesOf(absl::StrReplaceAll(testing::kBareMem, {{"{name}", "x"}}));
+  auto bare =
+      testing::StackCapabilitiesOf(absl::StrReplaceAll(testing::kBareMem, {{"{name}", "x"}}));
   ASSERT_TRUE(bare.ok()) << bare.status();
   EXPECT_EQ(internal::DescribeCapabilities(*bare), "late_joiners");
   if (!testing::MissingTransports({"delta"}).empty()) return;  // a layer over it: delta's

@@ -129,6 +129,18 @@ void ExpectWholeModel(const std::string& uri, uint64_t version, int world,
   EXPECT_EQ((*u)->stats().bytes, model_bytes);
 }
 
+// Every rank of a group of `world` publishes `version` (exit 0), which subscribers receive whole.
+void ExpectTheGroupPublishes(const ScratchDir& dir, const std::string& uri, int world,
+                             uint64_t version) {
+  std::vector<Child> again = StartRanks(dir, uri, world, "rows", version, 1, "second");
+  const std::vector<int> again_codes = WaitAll(again);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(again_codes[r], 0) << testing::ReadFileOrDie(dir /
+                                                           absl::StrFormat("second%d.log", r));
+  }
+  ExpectWholeModel(uri, version, world);
+}
+
 struct GroupCase {
   int world;
   std::string layout;
@@ -218,13 +230,7 @@ TEST(GroupProcessTest, RankKilledMidPublishLeavesNothingAndTheNextVersionCommits
   }
   // The restarted rank and the survivors publish the next version, which subscribers receive;
   // version 1's partial parts are gone once version 2 is committed.
-  std::vector<Child> again = StartRanks(dir, uri, kWorld, "rows", 2, 1, "second");
-  const std::vector<int> again_codes = WaitAll(again);
-  for (int r = 0; r < kWorld; ++r) {
-    EXPECT_EQ(again_codes[r], 0) << testing::ReadFileOrDie(dir /
-                                                           absl::StrFormat("second%d.log", r));
-  }
-  ExpectWholeModel(uri, 2, kWorld);
+  ExpectTheGroupPublishes(dir, uri, kWorld, 2);
   EXPECT_FALSE(Exists(dir / "channel/versions/.group-v00000000000000000001"));
   EXPECT_FALSE(Exists(testing::DiskVersionDir(dir, 1)));
 }
@@ -302,13 +308,7 @@ TEST(GroupProcessTest, TheCommittingRankKilledMidCommitIsReplacedByAnotherRank) 
   }
   ExpectWholeModel(uri, 1, kWorld);
   EXPECT_FALSE(Exists(dir / "channel/versions/.group-v00000000000000000001"));
-  std::vector<Child> again = StartRanks(dir, uri, kWorld, "rows", 2, 1, "second");
-  const std::vector<int> again_codes = WaitAll(again);
-  for (int r = 0; r < kWorld; ++r) {
-    EXPECT_EQ(again_codes[r], 0) << testing::ReadFileOrDie(dir /
-                                                           absl::StrFormat("second%d.log", r));
-  }
-  ExpectWholeModel(uri, 2, kWorld);
+  ExpectTheGroupPublishes(dir, uri, kWorld, 2);
 }
 
 // ---- cross-rank checks, one thread per rank ----------------------------------------------

@@ -22,8 +22,8 @@
 //   wb_test_peer serve URI [--seed X] [--bytes B] [--timeout-s T] [--set K=V]...
 // A publisher driven through stdin (the fault-injection suite, tests/fault/): prints "open" once
 // the channel is open ("open hwm_kb=H"), then publishes each version number read from stdin, one
-// per line, and answers "published V ms=M hwm_kb=H" or "failed V ms=M CODE: MESSAGE" (M: the wall time of the Publish
-// call, in milliseconds; a failure does not end it); ends at EOF.
+// per line, and answers "published V ms=M hwm_kb=H" or "failed V ms=M CODE: MESSAGE" (M: the wall
+// time of the Publish call, in milliseconds; a failure does not end it); ends at EOF.
 //   wb_test_peer follow URI --until N [--seed X] [--bytes B] [--timeout-s T] [--set K=V]...
 // A subscriber that outlives faults: as subscribe, but a wait that fails prints
 // "error ms=M CODE: MESSAGE" and it waits again; each version prints
@@ -35,14 +35,16 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/types/span.h"
 #include "test_model.h"
@@ -105,6 +107,18 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
   return true;
 }
 
+// Opens a publisher or subscriber (`Handle`) on the channel, or says why not ("open: ...") on
+// stderr and returns nullptr.
+template <typename Handle>
+std::unique_ptr<Handle> Open(const Flags& f) {
+  auto h = Handle::Open(f.uri, f.options);
+  if (!h.ok()) {
+    std::fprintf(stderr, "open: %s\n", h.status().ToString().c_str());
+    return nullptr;
+  }
+  return *std::move(h);
+}
+
 // Publishes version `v` and prints "published V", or prints why not and returns false.
 bool PublishOne(weightbus::Publisher& pub, uint64_t v,
                 absl::Span<const weightbus::TensorView> views, const weightbus::Metadata& metadata,
@@ -121,19 +135,16 @@ bool PublishOne(weightbus::Publisher& pub, uint64_t v,
 }
 
 int Publish(const Flags& f) {
-  auto pub = weightbus::Publisher::Open(f.uri, f.options);
-  if (!pub.ok()) {
-    std::fprintf(stderr, "open: %s\n", pub.status().ToString().c_str());
-    return 1;
-  }
+  auto pub = Open<weightbus::Publisher>(f);
+  if (pub == nullptr) return 1;
   for (uint64_t v = f.start; v < f.start + f.versions; ++v) {
     auto tensors = weightbus::testing::MakeVersion(f.seed, v, f.bytes);
-    if (!PublishOne(**pub, v, weightbus::testing::Views(tensors), {{"peer", "test"}}, f)) {
+    if (!PublishOne(*pub, v, weightbus::testing::Views(tensors), {{"peer", "test"}}, f)) {
       return 1;
     }
     if (v == f.start && f.first_subscribers > 0) {
       // Every subscriber is in before the rest: none of them can miss versions by starting late.
-      absl::Status s = (*pub)->WaitForReceivers(v, f.first_subscribers, absl::Seconds(f.timeout_s));
+      absl::Status s = pub->WaitForReceivers(v, f.first_subscribers, absl::Seconds(f.timeout_s));
       if (!s.ok()) {
         std::fprintf(stderr, "wait for %d subscribers of the first version: %s\n",
                      f.first_subscribers, s.ToString().c_str());
@@ -144,8 +155,7 @@ int Publish(const Flags& f) {
   }
   if (f.until_subscribers > 0) {
     const uint64_t last = f.start + f.versions - 1;
-    absl::Status s =
-        (*pub)->WaitForReceivers(last, f.until_subscribers, absl::Seconds(f.timeout_s));
+    absl::Status s = pub->WaitForReceivers(last, f.until_subscribers, absl::Seconds(f.timeout_s));
     if (!s.ok()) {
       std::fprintf(stderr, "wait for %d subscribers: %s\n", f.until_subscribers,
                    s.ToString().c_str());
@@ -205,13 +215,10 @@ int PublishLlama(const Flags& f) {
     }
     views.push_back(std::move(v));
   }
-  auto pub = weightbus::Publisher::Open(f.uri, f.options);
-  if (!pub.ok()) {
-    std::fprintf(stderr, "open: %s\n", pub.status().ToString().c_str());
-    return 1;
-  }
+  auto pub = Open<weightbus::Publisher>(f);
+  if (pub == nullptr) return 1;
   for (uint64_t v = f.start; v < f.start + f.versions; ++v) {
-    if (!PublishOne(**pub, v, views, {{"step", std::to_string(v)}}, f)) return 1;
+    if (!PublishOne(*pub, v, views, {{"step", std::to_string(v)}}, f)) return 1;
   }
   return 0;
 }
@@ -243,14 +250,11 @@ bool SameAsExpected(const Flags& f, const weightbus::Update& u) {
 }
 
 int Subscribe(const Flags& f) {
-  auto sub = weightbus::Subscriber::Open(f.uri, f.options);
-  if (!sub.ok()) {
-    std::fprintf(stderr, "open: %s\n", sub.status().ToString().c_str());
-    return 1;
-  }
+  auto sub = Open<weightbus::Subscriber>(f);
+  if (sub == nullptr) return 1;
   uint64_t last = 0;
   while (last < f.until) {
-    auto u = (*sub)->WaitForVersion(last + 1, absl::Seconds(f.timeout_s));
+    auto u = sub->WaitForVersion(last + 1, absl::Seconds(f.timeout_s));
     if (!u.ok()) {
       std::fprintf(stderr, "wait for > %llu: %s\n", static_cast<unsigned long long>(last),
                    u.status().ToString().c_str());
@@ -270,20 +274,27 @@ int Subscribe(const Flags& f) {
   return 0;
 }
 
-int Receive(const Flags& f) {
-  auto sub = weightbus::Subscriber::Open(f.uri, f.options);
-  if (!sub.ok()) {
-    std::fprintf(stderr, "open: %s\n", sub.status().ToString().c_str());
-    return 1;
-  }
+// The next version number on stdin, one per line; nullopt at EOF, or after saying on stderr
+// that a line is not a number (then `*malformed`).
+std::optional<uint64_t> NextVersionLine(bool* malformed) {
   char line[64];
-  while (std::fgets(line, sizeof(line), stdin) != nullptr) {
-    uint64_t v = 0;
-    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &v)) {
-      std::fprintf(stderr, "not a version: %s\n", line);
-      return 1;
-    }
-    auto u = (*sub)->ReceiveVersion(v, absl::Seconds(f.timeout_s));
+  if (std::fgets(line, sizeof(line), stdin) == nullptr) return std::nullopt;
+  uint64_t v = 0;
+  if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &v)) {
+    std::fprintf(stderr, "not a version: %s\n", line);
+    *malformed = true;
+    return std::nullopt;
+  }
+  return v;
+}
+
+int Receive(const Flags& f) {
+  auto sub = Open<weightbus::Subscriber>(f);
+  if (sub == nullptr) return 1;
+  bool malformed = false;
+  while (std::optional<uint64_t> next = NextVersionLine(&malformed)) {
+    const uint64_t v = *next;
+    auto u = sub->ReceiveVersion(v, absl::Seconds(f.timeout_s));
     if (absl::IsNotFound(u.status())) {
       std::printf("notfound %llu: %s\n", static_cast<unsigned long long>(v),
                   std::string(u.status().message()).c_str());
@@ -301,7 +312,7 @@ int Receive(const Flags& f) {
     }
     std::fflush(stdout);
   }
-  return 0;
+  return malformed ? 1 : 0;
 }
 
 // This process's peak resident set (VmHWM of /proc/self/status) in KiB, -1 if unreadable.
@@ -326,40 +337,30 @@ void PrintLine(const std::string& line) {
 }
 
 int Serve(const Flags& f) {
-  auto pub = weightbus::Publisher::Open(f.uri, f.options);
-  if (!pub.ok()) {
-    std::fprintf(stderr, "open: %s\n", pub.status().ToString().c_str());
-    return 1;
-  }
+  auto pub = Open<weightbus::Publisher>(f);
+  if (pub == nullptr) return 1;
   PrintLine(absl::StrFormat("open hwm_kb=%d", PeakRssKib()));
-  char line[64];
-  while (std::fgets(line, sizeof(line), stdin) != nullptr) {
-    uint64_t v = 0;
-    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &v)) {
-      std::fprintf(stderr, "not a version: %s\n", line);
-      return 1;
-    }
+  bool malformed = false;
+  while (std::optional<uint64_t> next = NextVersionLine(&malformed)) {
+    const uint64_t v = *next;
     auto tensors = weightbus::testing::MakeVersion(f.seed, v, f.bytes);
     const absl::Time start = absl::Now();
-    const absl::Status s = (*pub)->Publish(v, weightbus::testing::Views(tensors), {{"peer", "serve"}},
-                                           absl::Seconds(f.timeout_s));
+    const absl::Status s = pub->Publish(v, weightbus::testing::Views(tensors), {{"peer", "serve"}},
+                                        absl::Seconds(f.timeout_s));
     const int64_t ms = MillisSince(start);
     PrintLine(s.ok() ? absl::StrFormat("published %d ms=%d hwm_kb=%d", v, ms, PeakRssKib())
                      : absl::StrFormat("failed %d ms=%d %s", v, ms, s.ToString()));
   }
-  return 0;
+  return malformed ? 1 : 0;
 }
 
 int Follow(const Flags& f) {
-  auto sub = weightbus::Subscriber::Open(f.uri, f.options);
-  if (!sub.ok()) {
-    std::fprintf(stderr, "open: %s\n", sub.status().ToString().c_str());
-    return 1;
-  }
+  auto sub = Open<weightbus::Subscriber>(f);
+  if (sub == nullptr) return 1;
   uint64_t last = 0;
   while (last < f.until) {
     const absl::Time start = absl::Now();
-    auto u = (*sub)->WaitForVersion(last + 1, absl::Seconds(f.timeout_s));
+    auto u = sub->WaitForVersion(last + 1, absl::Seconds(f.timeout_s));
     const int64_t ms = MillisSince(start);
     if (!u.ok()) {
       PrintLine(absl::StrFormat("error ms=%d %s", ms, u.status().ToString()));
@@ -385,8 +386,9 @@ int Follow(const Flags& f) {
 int main(int argc, char** argv) {
   Flags f;
   if (!ParseFlags(argc, argv, &f)) {
-    std::fprintf(stderr,
-                 "usage: wb_test_peer publish|publish-llama|subscribe|receive|serve|follow URI [flags]\n");
+    std::fprintf(
+        stderr,
+        "usage: wb_test_peer publish|publish-llama|subscribe|receive|serve|follow URI [flags]\n");
     return 2;
   }
   if (f.role == "publish") return Publish(f);

@@ -23,9 +23,7 @@ Flags& GlobalFlags() {
   return flags;
 }
 
-uint64_t SeedFor(const std::string& name) {
-  return absl::HashOf(GlobalFlags().seed, name) | 1;
-}
+uint64_t SeedFor(const std::string& name) { return absl::HashOf(GlobalFlags().seed, name) | 1; }
 
 std::string Tally::Describe() const {
   std::vector<std::string> codes;
@@ -188,8 +186,8 @@ void PeerProcess::KillAndReap(Tally& tally) {
   if (!status.ok()) {
     Problem("not reaped after SIGKILL: " + status.status().ToString(), tally, &Tally::hangs);
   } else if (process::ExitCode(*status) != 128 + SIGKILL) {
-    Problem("ended with " + process::DescribeWaitStatus(*status) + " instead of our SIGKILL",
-            tally, &Tally::crashes);
+    Problem("ended with " + process::DescribeWaitStatus(*status) + " instead of our SIGKILL", tally,
+            &Tally::crashes);
   }
 }
 

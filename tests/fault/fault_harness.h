@@ -24,11 +24,11 @@ namespace weightbus::testing::fault {
 
 // The suite's command-line flags (fault_main.cc), read by every case.
 struct Flags {
-  int iterations = 25;      // --iterations: faults per transport stack
-  uint64_t seed = 0;        // --seed: 0 draws one (printed); a printed one replays the run
-  int memory_versions = 60; // --memory-versions: versions of the memory case
+  int iterations = 25;       // --iterations: faults per transport stack
+  uint64_t seed = 0;         // --seed: 0 draws one (printed); a printed one replays the run
+  int memory_versions = 60;  // --memory-versions: versions of the memory case
   int memory_subscribers = 8;
-  uint64_t bytes = 1 << 20; // --bytes: approximate bytes per version
+  uint64_t bytes = 1 << 20;  // --bytes: approximate bytes per version
 };
 Flags& GlobalFlags();
 // The run's seed for `name` (a stack or a case): GlobalFlags().seed, or the one drawn for this
@@ -83,9 +83,9 @@ class PeerProcess {
   Role role() const { return role_; }
   const std::string& name() const { return name_; }
   pid_t pid() const { return child_.pid(); }
-  uint64_t held() const { return held_; }                  // a subscriber's newest version
-  std::optional<uint64_t> first() const { return first_; } // its first since (re)start
-  uint64_t published() const { return published_; }        // a publisher's newest published
+  uint64_t held() const { return held_; }                   // a subscriber's newest version
+  std::optional<uint64_t> first() const { return first_; }  // its first since (re)start
+  uint64_t published() const { return published_; }         // a publisher's newest published
   int64_t open_hwm_kib() const { return open_hwm_kib_; }
   int64_t hwm_kib() const { return hwm_kib_; }
   std::map<uint64_t, int64_t>& hwm_at() { return hwm_at_; }  // VmHWM at each version

@@ -40,8 +40,8 @@ class FaultTest : public ::testing::TestWithParam<Stack> {
   std::unique_ptr<PeerProcess> Publisher(const std::string& name) {
     return std::make_unique<PeerProcess>(
         PeerProcess::Role::kPublisher, name,
-        std::vector<std::string>{BinaryPath("tests/wb_test_peer"), "serve", channel_.uri,
-                                 "--seed", std::to_string(seed_), "--bytes",
+        std::vector<std::string>{BinaryPath("tests/wb_test_peer"), "serve", channel_.uri, "--seed",
+                                 std::to_string(seed_), "--bytes",
                                  std::to_string(GlobalFlags().bytes), "--timeout-s",
                                  absl::StrFormat("%g", absl::ToDoubleSeconds(kPublisherTimeout))},
         channel_.env, dir_ / (name + ".log"), kPublisherTimeout);
@@ -50,9 +50,8 @@ class FaultTest : public ::testing::TestWithParam<Stack> {
     return std::make_unique<PeerProcess>(
         PeerProcess::Role::kSubscriber, name,
         std::vector<std::string>{BinaryPath("tests/wb_test_peer"), "follow", channel_.uri,
-                                 "--until", std::to_string(until), "--seed",
-                                 std::to_string(seed_), "--bytes",
-                                 std::to_string(GlobalFlags().bytes), "--timeout-s",
+                                 "--until", std::to_string(until), "--seed", std::to_string(seed_),
+                                 "--bytes", std::to_string(GlobalFlags().bytes), "--timeout-s",
                                  absl::StrFormat("%g", absl::ToDoubleSeconds(kSubscriberTimeout))},
         channel_.env, dir_ / (name + ".log"), kSubscriberTimeout);
   }
@@ -93,7 +92,8 @@ TEST_P(FaultTest, RandomKillsAndStopsNeverTearAVersionNorHangNorCrashASurvivor) 
   Tally tally;
   auto pub = Publisher("publisher");
   std::vector<std::unique_ptr<PeerProcess>> subs;
-  for (int i = 0; i < 2; ++i) subs.push_back(Subscriber(absl::StrFormat("subscriber%d", i), kFinal));
+  for (int i = 0; i < 2; ++i)
+    subs.push_back(Subscriber(absl::StrFormat("subscriber%d", i), kFinal));
   std::vector<PeerProcess*> all = {pub.get()};
   for (auto& s : subs) all.push_back(s.get());
   ASSERT_TRUE(pub->Start(tally).ok()) << pub->LogTail();
@@ -141,7 +141,8 @@ TEST_P(FaultTest, RandomKillsAndStopsNeverTearAVersionNorHangNorCrashASurvivor) 
     }
     if (victim != pub.get() || !kill) {
       ASSERT_TRUE(pub->AwaitAnswered(absl::Now() + kProgress, tally))
-          << "the burst was never answered\n" << Problems(all) << pub->LogTail();
+          << "the burst was never answered\n"
+          << Problems(all) << pub->LogTail();
     }
     burst = std::max(absl::Milliseconds(5), absl::Now() - start);
     for (PeerProcess* p : all) EXPECT_TRUE(p->CheckAlive(tally)) << p->name();
@@ -170,11 +171,12 @@ TEST_P(FaultTest, RandomKillsAndStopsNeverTearAVersionNorHangNorCrashASurvivor) 
 
 // 8 subscriber processes receive every one of N versions (each checked byte for byte); every
 // process's peak resident set (VmHWM) must be flat: from version N/2 to N it grows by less than
-// one version, two under a delta layer (nothing kept per version); the growth from version 10 to N is reported (the delta
-// layer's chain since its last keyframe and the allocator's warm-up land there; its keyframe
-// interval is 8 here so the chain's bound is reached early).
+// one version, two under a delta layer (nothing kept per version); the growth from version 10 to N
+// is reported (the delta layer's chain since its last keyframe and the allocator's warm-up land
+// there; its keyframe interval is 8 here so the chain's bound is reached early).
 TEST_P(FaultTest, EverySubscribersPeakRssStaysFlatOverManyVersions) {
-  if (absl::StrContains(GetParam().uri, "+")) channel_ = MakeChannel(GetParam(), dir_, "keyframe_interval=8");
+  if (absl::StrContains(GetParam().uri, "+"))
+    channel_ = MakeChannel(GetParam(), dir_, "keyframe_interval=8");
   seed_ = SeedFor(GetParam().name) % 1000 + 1;
   const int n = std::max(GlobalFlags().memory_versions, 11);
   Tally tally;

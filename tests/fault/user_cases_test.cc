@@ -26,8 +26,13 @@ constexpr uint64_t kBytes = 1 << 18;
 
 std::vector<std::string> PeerArgs(const std::string& role, const std::string& uri,
                                   std::vector<std::string> more) {
-  std::vector<std::string> argv = {BinaryPath("tests/wb_test_peer"), role, uri, "--seed",
-                                   std::to_string(kSeed), "--bytes", std::to_string(kBytes)};
+  std::vector<std::string> argv = {BinaryPath("tests/wb_test_peer"),
+                                   role,
+                                   uri,
+                                   "--seed",
+                                   std::to_string(kSeed),
+                                   "--bytes",
+                                   std::to_string(kBytes)};
   argv.insert(argv.end(), more.begin(), more.end());
   return argv;
 }
@@ -50,6 +55,23 @@ class UserCaseTest : public ::testing::TestWithParam<Stack> {
     return q;
   }
 
+  // A `wb_test_peer serve` process on `c`, not started.
+  PeerProcess Publisher(const Channel& c, const std::string& name,
+                        std::map<std::string, std::string> extra_env = {}) const {
+    std::map<std::string, std::string> env = c.env;
+    env.insert(extra_env.begin(), extra_env.end());
+    return PeerProcess(PeerProcess::Role::kPublisher, name,
+                       PeerArgs("serve", c.uri, {"--timeout-s", "30"}), env, dir_ / (name + ".log"),
+                       kTimeout);
+  }
+  // Starts `pub` and has it publish `version`.
+  static void StartAndPublish(PeerProcess& pub, uint64_t version, Tally& tally) {
+    ASSERT_TRUE(pub.Start(tally).ok()) << pub.LogTail();
+    pub.Send(version);
+    ASSERT_TRUE(pub.AwaitAnswered(absl::Now() + kTimeout, tally)) << pub.LogTail();
+    ASSERT_EQ(pub.published(), version) << pub.LogTail();
+  }
+
   ScratchDir dir_;
   Channel channel_;
   std::optional<ScopedEnvs> env_;
@@ -64,12 +86,8 @@ TEST_P(UserCaseTest, ASubscriberMuchSlowerThanTheOthersSlowsThemAtMostByItsLease
   Channel c = MakeChannel(GetParam(), dir_, KeepOne() + "&lease=1s");
   if (OnDisk()) c = MakeChannel(GetParam(), dir_, KeepOne());
   Tally tally;
-  PeerProcess pub(PeerProcess::Role::kPublisher, "publisher",
-                  PeerArgs("serve", c.uri, {"--timeout-s", "30"}), c.env, dir_ / "pub.log",
-                  kTimeout);
-  ASSERT_TRUE(pub.Start(tally).ok()) << pub.LogTail();
-  pub.Send(1);
-  ASSERT_TRUE(pub.AwaitAnswered(absl::Now() + kTimeout, tally)) << pub.LogTail();
+  PeerProcess pub = Publisher(c, "publisher");
+  ASSERT_NO_FATAL_FAILURE(StartAndPublish(pub, 1, tally));
   PausePoint reading(ReadingPoint());
   auto slow_env = c.env;
   slow_env["WEIGHTBUS_FAILPOINTS"] = reading.Spec();
@@ -116,12 +134,8 @@ TEST_P(UserCaseTest, ASubscriberMuchSlowerThanTheOthersSlowsThemAtMostByItsLease
 TEST_P(UserCaseTest, PublishesRacingAPausedSubscriberNeverTearItsVersion) {
   Channel c = MakeChannel(GetParam(), dir_, KeepOne() + (OnDisk() ? "" : "&lease=1s"));
   Tally tally;
-  PeerProcess pub(PeerProcess::Role::kPublisher, "publisher",
-                  PeerArgs("serve", c.uri, {"--timeout-s", "30"}), c.env, dir_ / "pub.log",
-                  kTimeout);
-  ASSERT_TRUE(pub.Start(tally).ok()) << pub.LogTail();
-  pub.Send(1);
-  ASSERT_TRUE(pub.AwaitAnswered(absl::Now() + kTimeout, tally)) << pub.LogTail();
+  PeerProcess pub = Publisher(c, "publisher");
+  ASSERT_NO_FATAL_FAILURE(StartAndPublish(pub, 1, tally));
   PausePoint fetch("core.before_fetch");
   auto env = c.env;
   env["WEIGHTBUS_FAILPOINTS"] = fetch.Spec();
@@ -147,25 +161,19 @@ TEST_P(UserCaseTest, PublishesRacingAPausedSubscriberNeverTearItsVersion) {
 }
 
 // A stale session left by a crashed trainer: the trainer process SIGKILLed in the middle of
-// publishing version 2 (disk: its files written, not renamed; ucx: staged, not yet visible), leaving
-// its lock, temporary files or port behind. A new trainer process takes over cleanly: it opens
-// the channel, publishes version 3, and a subscriber that held version 1 from the dead one
+// publishing version 2 (disk: its files written, not renamed; ucx: staged, not yet visible),
+// leaving its lock, temporary files or port behind. A new trainer process takes over cleanly: it
+// opens the channel, publishes version 3, and a subscriber that held version 1 from the dead one
 // receives version 3 whole; on disk nothing of the crashed attempt is left.
 TEST_P(UserCaseTest, AStaleSessionOfACrashedTrainerIsTakenOverByTheNextTrainer) {
   Tally tally;
   // Once per version: version 2's files are written, or its bytes staged.
   PausePoint mid(OnDisk() ? "disk.before_rename" : "ucx.after_copy", 2);
-  auto env = channel_.env;
-  env["WEIGHTBUS_FAILPOINTS"] = mid.Spec();
-  PeerProcess crashed(PeerProcess::Role::kPublisher, "crashed",
-                      PeerArgs("serve", channel_.uri, {"--timeout-s", "30"}), env,
-                      dir_ / "crashed.log", kTimeout);
-  ASSERT_TRUE(crashed.Start(tally).ok()) << crashed.LogTail();
+  PeerProcess crashed = Publisher(channel_, "crashed", {{"WEIGHTBUS_FAILPOINTS", mid.Spec()}});
+  ASSERT_NO_FATAL_FAILURE(StartAndPublish(crashed, 1, tally));
   PeerProcess sub(PeerProcess::Role::kSubscriber, "subscriber",
                   PeerArgs("follow", channel_.uri, {"--until", "3", "--timeout-s", "30"}),
                   channel_.env, dir_ / "sub.log", kTimeout);
-  crashed.Send(1);
-  ASSERT_TRUE(crashed.AwaitAnswered(absl::Now() + kTimeout, tally)) << crashed.LogTail();
   ASSERT_TRUE(sub.Start(tally).ok());
   ASSERT_TRUE(sub.AwaitHolds(1, absl::Now() + kTimeout, tally)) << sub.LogTail();
   crashed.Send(2);
@@ -174,13 +182,8 @@ TEST_P(UserCaseTest, AStaleSessionOfACrashedTrainerIsTakenOverByTheNextTrainer) 
   if (OnDisk()) {
     EXPECT_EQ(ReadFileOrDie(dir_.path() + "/channel/LATEST"), "1\n");
   }
-  PeerProcess next(PeerProcess::Role::kPublisher, "next",
-                   PeerArgs("serve", channel_.uri, {"--timeout-s", "30"}), channel_.env,
-                   dir_ / "next.log", kTimeout);
-  ASSERT_TRUE(next.Start(tally).ok()) << next.LogTail();
-  next.Send(3);
-  ASSERT_TRUE(next.AwaitAnswered(absl::Now() + kTimeout, tally)) << next.LogTail();
-  ASSERT_EQ(next.published(), 3u) << next.LogTail();
+  PeerProcess next = Publisher(channel_, "next");
+  ASSERT_NO_FATAL_FAILURE(StartAndPublish(next, 3, tally));
   ASSERT_TRUE(sub.AwaitHolds(3, absl::Now() + kTimeout, tally)) << sub.LogTail();
   if (OnDisk()) {
     for (const std::string& path : ListTree(dir_.path() + "/channel")) {

@@ -7,7 +7,6 @@
 #include <atomic>
 #include <filesystem>
 
-#include "absl/hash/hash.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
@@ -23,7 +22,16 @@ Flags& GlobalFlags() {
   return flags;
 }
 
-uint64_t SeedFor(const std::string& name) { return absl::HashOf(GlobalFlags().seed, name) | 1; }
+uint64_t SeedFor(const std::string& name) {
+  // Stable across processes and builds (absl::Hash is salted per process): FNV-1a of the name,
+  // mixed with the run's seed by splitmix64's finaliser.
+  uint64_t h = 14695981039346656037ull;
+  for (const char c : name) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  uint64_t z = GlobalFlags().seed ^ h;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return (z ^ (z >> 31)) | 1;
+}
 
 std::string Tally::Describe() const {
   std::vector<std::string> codes;

@@ -84,8 +84,9 @@ TEST_P(FaultTest, RandomKillsAndStopsNeverTearAVersionNorHangNorCrashASurvivor) 
   seed_ = seed % 1000 + 1;  // the model's seed
   std::mt19937_64 rng(seed);
   const std::string replay = absl::StrFormat(
-      "replay: tests/fault/fault_test --seed %d --gtest_filter='*/%s' (stack seed %d)",
-      GlobalFlags().seed, GetParam().name, seed);
+      "replay: build/tests/fault/fault_test --seed %d --iterations %d "
+      "--gtest_filter='*Random*/%s' (stack seed %d)",
+      GlobalFlags().seed, GlobalFlags().iterations, GetParam().name, seed);
   absl::PrintF("[ fault ] %s: %d iterations; %s\n", GetParam().name, GlobalFlags().iterations,
                replay);
   SCOPED_TRACE(replay);

@@ -52,40 +52,8 @@ using ::weightbus::testing::Views;
 
 constexpr absl::Duration kTimeout = absl::Seconds(30);
 
-// One stack the contract runs over. `uri` is a template: {dir} becomes a fresh directory,
-// {port} a free loopback port, {name} a fresh channel name; `env` is set for the test (UCX_TLS).
-// `kept`: the setting that bounds how many versions the channel holds (KeepOnly below).
-struct Stack {
-  std::string name;
-  std::string uri;
-  Tls env = {};
-  std::string kept;
-};
-void PrintTo(const Stack& s, std::ostream* os) { *os << s.name; }
-
-// mem:// with every optional capability switched off: the core's and the layers' paths for a
-// transport that has none of them.
-constexpr char kBareMem[] =
-    "mem:///{name}?cancel=false&committed_manifest=false&reads_strided_views=false&"
-    "copies_with_checksums=false&keep_versions_from=false&wait_for_receivers=false&"
-    "open_version=false&list_versions=false&durable=false";
-
-// Every stack; one line per stack (a new transport adds its own and delta over it, e.g.
-// {"nccl", "nccl://127.0.0.1:{port}/channel"}). Those whose transport this build lacks are
-// skipped.
-const std::vector<Stack>& Stacks() {
-  static const auto* stacks = new std::vector<Stack>{
-      {"disk", "disk://{dir}/channel", {}, "retention"},
-      {"ucx_shm", "ucx://127.0.0.1:{port}/channel", testing::kShm, "staging_slots"},
-      {"ucx_tcp", "ucx://127.0.0.1:{port}/channel", testing::kTcp, "staging_slots"},
-      {"delta_disk", "delta+disk://{dir}/channel", {}, "retention"},
-      {"delta_ucx", "delta+ucx://127.0.0.1:{port}/channel", testing::kShm, "staging_slots"},
-      {"mem", "mem:///{name}", {}, "retention"},
-      {"mem_bare", kBareMem, {}, "retention"},
-      {"delta_mem_bare", std::string("delta+") + kBareMem, {}, "retention"},
-  };
-  return *stacks;
-}
+using ::weightbus::testing::Stack;
+using ::weightbus::testing::Stacks;
 
 class ConformanceTest : public ::testing::TestWithParam<Stack> {
  protected:
@@ -94,8 +62,7 @@ class ConformanceTest : public ::testing::TestWithParam<Stack> {
     const std::string scheme = GetParam().uri.substr(0, GetParam().uri.find("://"));
     const std::string transport = scheme.substr(scheme.rfind('+') + 1);
     // The transport and every layer over it ("delta+disk": delta and disk).
-    if (const std::string why = testing::MissingTransports(absl::StrSplit(scheme, '+'));
-        !why.empty()) {
+    if (const std::string why = testing::MissingStackTransports(GetParam()); !why.empty()) {
       GTEST_SKIP() << why;
     }
     static std::atomic<int> channels{0};
@@ -125,11 +92,7 @@ class ConformanceTest : public ::testing::TestWithParam<Stack> {
 
   // The test's channel; `query` is appended to the stack's own.
   std::string Uri(const std::string& query = "") const {
-    std::string uri = absl::StrReplaceAll(
-        GetParam().uri,
-        {{"{dir}", dir_.path()}, {"{port}", std::to_string(port_)}, {"{name}", name_}});
-    if (!query.empty()) uri += (absl::StrContains(uri, "?") ? "&" : "?") + query;
-    return uri;
+    return testing::StackUri(GetParam(), dir_.path(), port_, name_, query);
   }
 
   std::optional<testing::ScopedEnvs> env_;  // the stack's environment, restored after the case
@@ -1538,12 +1501,13 @@ TEST(MemTransportTest, DeclaredCapabilitiesFollowTheSettings) {
   EXPECT_EQ(internal::DescribeCapabilities(*all),
             "reads_strided_views, copies_with_checksums, committed_manifest, keep_versions_from, "
             "wait_for_receivers, open_version, list_versions, cancel, durable, late_joiners");
-  auto bare = testing::StackCapabilitiesOf(absl::StrReplaceAll(kBareMem, {{"{name}", "x"}}));
+  auto bare =
+      testing::StackCapabilitiesOf(absl::StrReplaceAll(testing::kBareMem, {{"{name}", "x"}}));
   ASSERT_TRUE(bare.ok()) << bare.status();
   EXPECT_EQ(internal::DescribeCapabilities(*bare), "late_joiners");
   if (!testing::MissingTransports({"delta"}).empty()) return;  // a layer over it: delta's
   auto layered = testing::StackCapabilitiesOf(
-      absl::StrReplaceAll(std::string("delta+") + kBareMem, {{"{name}", "x"}}));
+      absl::StrReplaceAll(std::string("delta+") + testing::kBareMem, {{"{name}", "x"}}));
   ASSERT_TRUE(layered.ok()) << layered.status();
   EXPECT_EQ(internal::DescribeCapabilities(*layered),
             "none");  // no late joiners without OpenVersion

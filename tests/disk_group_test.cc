@@ -129,6 +129,18 @@ void ExpectWholeModel(const std::string& uri, uint64_t version, int world,
   EXPECT_EQ((*u)->stats().bytes, model_bytes);
 }
 
+// Every rank of a group of `world` publishes `version` (exit 0), which subscribers receive whole.
+void ExpectTheGroupPublishes(const ScratchDir& dir, const std::string& uri, int world,
+                             uint64_t version) {
+  std::vector<Child> again = StartRanks(dir, uri, world, "rows", version, 1, "second");
+  const std::vector<int> again_codes = WaitAll(again);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(again_codes[r], 0) << testing::ReadFileOrDie(dir /
+                                                           absl::StrFormat("second%d.log", r));
+  }
+  ExpectWholeModel(uri, version, world);
+}
+
 struct GroupCase {
   int world;
   std::string layout;
@@ -218,13 +230,7 @@ TEST(GroupProcessTest, RankKilledMidPublishLeavesNothingAndTheNextVersionCommits
   }
   // The restarted rank and the survivors publish the next version, which subscribers receive;
   // version 1's partial parts are gone once version 2 is committed.
-  std::vector<Child> again = StartRanks(dir, uri, kWorld, "rows", 2, 1, "second");
-  const std::vector<int> again_codes = WaitAll(again);
-  for (int r = 0; r < kWorld; ++r) {
-    EXPECT_EQ(again_codes[r], 0) << testing::ReadFileOrDie(dir /
-                                                           absl::StrFormat("second%d.log", r));
-  }
-  ExpectWholeModel(uri, 2, kWorld);
+  ExpectTheGroupPublishes(dir, uri, kWorld, 2);
   EXPECT_FALSE(Exists(dir / "channel/versions/.group-v00000000000000000001"));
   EXPECT_FALSE(Exists(testing::DiskVersionDir(dir, 1)));
 }
@@ -264,6 +270,45 @@ TEST(GroupProcessTest, ARankKilledAfterItsPartIsPlacedStillCountsAndMayRetry) {
   std::vector<Child> retry =
       StartRanks(dir, uri, kWorld, "rows", 1, 1, "retry", {}, 60, /*only=*/kVictim);
   EXPECT_EQ(WaitAll(retry), std::vector<int>{0}) << testing::ReadFileOrDie(dir / "retry0.log");
+}
+
+// The rank that completes the set commits (group manifest written and fsynced, then the rename
+// and LATEST); killed there, between the group manifest and the rename, another rank commits
+// version 1 in its place: every survivor's Publish returns OK, subscribers receive the whole
+// model, and the group (the dead rank restarted) publishes version 2 (issue 17: a group rank
+// dying mid-commit).
+TEST(GroupProcessTest, TheCommittingRankKilledMidCommitIsReplacedByAnotherRank) {
+  constexpr int kWorld = 4;
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  testing::PausePoint commit("disk.before_group_rename");
+  // Every rank could be the one to complete the set: each gets the point, one reaches it.
+  std::map<int, std::string> failpoints;
+  for (int r = 0; r < kWorld; ++r) failpoints[r] = commit.Spec();
+  std::vector<Child> ranks =
+      StartRanks(dir, uri, kWorld, "rows", 1, 1, "first", failpoints, /*timeout_s=*/8);
+  ASSERT_EQ(ranks.size(), static_cast<size_t>(kWorld));
+  ASSERT_TRUE(commit.WaitReached(kTimeout)) << testing::ReadFileOrDie(dir / "first0.log");
+  int committer = -1;
+  for (int r = 0; r < kWorld; ++r) {
+    if (ranks[r].pid() == commit.ReachedBy()) committer = r;
+  }
+  ASSERT_GE(committer, 0) << "pid " << commit.ReachedBy() << " is none of the ranks";
+  EXPECT_TRUE(Exists(dir / "channel/versions/.group-v00000000000000000001/weightbus.manifest.json"))
+      << "held after the group manifest was written";
+  ranks[committer].Kill(SIGKILL);
+  ASSERT_TRUE(ranks[committer].Wait(kTimeout).ok());
+  // Whichever rank looks at the set next finds it complete and commits it in the dead one's
+  // place (the point, released, no longer holds it).
+  commit.Release();
+  const std::vector<int> codes = WaitAll(ranks);
+  for (int r = 0; r < kWorld; ++r) {
+    const std::string log = testing::ReadFileOrDie(dir / absl::StrFormat("first%d.log", r));
+    EXPECT_EQ(codes[r], r == committer ? 128 + SIGKILL : 0) << "rank " << r << ": " << log;
+  }
+  ExpectWholeModel(uri, 1, kWorld);
+  EXPECT_FALSE(Exists(dir / "channel/versions/.group-v00000000000000000001"));
+  ExpectTheGroupPublishes(dir, uri, kWorld, 2);
 }
 
 // ---- cross-rank checks, one thread per rank ----------------------------------------------

@@ -19,15 +19,32 @@
 // dimension 0 (FSDP2), `cols` on dimension 1 (Megatron column slices, published as strided
 // views of the whole matrix) with model.embed_tokens.weight owned whole by the last rank; norm
 // vectors are replicated (every rank publishes them whole).
+//   wb_test_peer serve URI [--seed X] [--bytes B] [--timeout-s T] [--set K=V]...
+// A publisher driven through stdin (the fault-injection suite, tests/fault/): prints "open" once
+// the channel is open ("open hwm_kb=H"), then publishes each version number read from stdin, one
+// per line, and answers "published V ms=M hwm_kb=H" or "failed V ms=M CODE: MESSAGE" (M: the wall
+// time of the Publish call, in milliseconds; a failure does not end it); ends at EOF.
+//   wb_test_peer follow URI --until N [--seed X] [--bytes B] [--timeout-s T] [--set K=V]...
+// A subscriber that outlives faults: as subscribe, but a wait that fails prints
+// "error ms=M CODE: MESSAGE" and it waits again; each version prints
+// "received V ok ms=M hwm_kb=H" (M: the wall time of the wait that returned it, H: this process's
+// peak resident set, VmHWM); a version whose bytes differ prints "mismatch V: WHY", one going
+// backwards "backwards V after W", and it ends with 3. Ends with 0 once it holds N or above.
 // Exit codes: 0 all good, 1 error, 3 content mismatch or a version going backwards.
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <map>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/types/span.h"
 #include "test_model.h"
@@ -90,6 +107,18 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
   return true;
 }
 
+// Opens a publisher or subscriber (`Handle`) on the channel, or says why not ("open: ...") on
+// stderr and returns nullptr.
+template <typename Handle>
+std::unique_ptr<Handle> Open(const Flags& f) {
+  auto h = Handle::Open(f.uri, f.options);
+  if (!h.ok()) {
+    std::fprintf(stderr, "open: %s\n", h.status().ToString().c_str());
+    return nullptr;
+  }
+  return *std::move(h);
+}
+
 // Publishes version `v` and prints "published V", or prints why not and returns false.
 bool PublishOne(weightbus::Publisher& pub, uint64_t v,
                 absl::Span<const weightbus::TensorView> views, const weightbus::Metadata& metadata,
@@ -106,19 +135,16 @@ bool PublishOne(weightbus::Publisher& pub, uint64_t v,
 }
 
 int Publish(const Flags& f) {
-  auto pub = weightbus::Publisher::Open(f.uri, f.options);
-  if (!pub.ok()) {
-    std::fprintf(stderr, "open: %s\n", pub.status().ToString().c_str());
-    return 1;
-  }
+  auto pub = Open<weightbus::Publisher>(f);
+  if (pub == nullptr) return 1;
   for (uint64_t v = f.start; v < f.start + f.versions; ++v) {
     auto tensors = weightbus::testing::MakeVersion(f.seed, v, f.bytes);
-    if (!PublishOne(**pub, v, weightbus::testing::Views(tensors), {{"peer", "test"}}, f)) {
+    if (!PublishOne(*pub, v, weightbus::testing::Views(tensors), {{"peer", "test"}}, f)) {
       return 1;
     }
     if (v == f.start && f.first_subscribers > 0) {
       // Every subscriber is in before the rest: none of them can miss versions by starting late.
-      absl::Status s = (*pub)->WaitForReceivers(v, f.first_subscribers, absl::Seconds(f.timeout_s));
+      absl::Status s = pub->WaitForReceivers(v, f.first_subscribers, absl::Seconds(f.timeout_s));
       if (!s.ok()) {
         std::fprintf(stderr, "wait for %d subscribers of the first version: %s\n",
                      f.first_subscribers, s.ToString().c_str());
@@ -129,8 +155,7 @@ int Publish(const Flags& f) {
   }
   if (f.until_subscribers > 0) {
     const uint64_t last = f.start + f.versions - 1;
-    absl::Status s =
-        (*pub)->WaitForReceivers(last, f.until_subscribers, absl::Seconds(f.timeout_s));
+    absl::Status s = pub->WaitForReceivers(last, f.until_subscribers, absl::Seconds(f.timeout_s));
     if (!s.ok()) {
       std::fprintf(stderr, "wait for %d subscribers: %s\n", f.until_subscribers,
                    s.ToString().c_str());
@@ -190,48 +215,46 @@ int PublishLlama(const Flags& f) {
     }
     views.push_back(std::move(v));
   }
-  auto pub = weightbus::Publisher::Open(f.uri, f.options);
-  if (!pub.ok()) {
-    std::fprintf(stderr, "open: %s\n", pub.status().ToString().c_str());
-    return 1;
-  }
+  auto pub = Open<weightbus::Publisher>(f);
+  if (pub == nullptr) return 1;
   for (uint64_t v = f.start; v < f.start + f.versions; ++v) {
-    if (!PublishOne(**pub, v, views, {{"step", std::to_string(v)}}, f)) return 1;
+    if (!PublishOne(*pub, v, views, {{"step", std::to_string(v)}}, f)) return 1;
   }
   return 0;
 }
 
-// Whether `u` holds exactly the tensors of its version (test_model.h), byte for byte; says
-// which tensor differs otherwise.
-bool SameAsExpected(const Flags& f, const weightbus::Update& u) {
+// "" when `u` holds exactly the tensors of its version (test_model.h), byte for byte; which
+// tensor differs otherwise.
+std::string DiffersFromExpected(const Flags& f, const weightbus::Update& u) {
   const uint64_t v = u.version();
   auto expected = weightbus::testing::MakeVersion(f.seed, v, f.bytes);
   if (u.tensors().size() != expected.size()) {
-    std::fprintf(stderr, "version %llu has %zu tensors, expected %zu\n",
-                 static_cast<unsigned long long>(v), u.tensors().size(), expected.size());
-    return false;
+    return absl::StrFormat("version %d has %d tensors, expected %d", v, u.tensors().size(),
+                           expected.size());
   }
   for (const auto& e : expected) {
     const weightbus::TensorView* got = u.Find(e.name);
     if (got == nullptr || got->dtype != e.dtype || got->shape != e.shape ||
         (!e.bytes.empty() && std::memcmp(got->data, e.bytes.data(), e.bytes.size()) != 0)) {
-      std::fprintf(stderr, "version %llu: tensor %s differs\n", static_cast<unsigned long long>(v),
-                   e.name.c_str());
-      return false;
+      return absl::StrFormat("version %d: tensor %s differs", v, e.name);
     }
   }
-  return true;
+  return "";
+}
+
+// Whether `u` holds exactly the tensors of its version; says which tensor differs otherwise.
+bool SameAsExpected(const Flags& f, const weightbus::Update& u) {
+  const std::string why = DiffersFromExpected(f, u);
+  if (!why.empty()) std::fprintf(stderr, "%s\n", why.c_str());
+  return why.empty();
 }
 
 int Subscribe(const Flags& f) {
-  auto sub = weightbus::Subscriber::Open(f.uri, f.options);
-  if (!sub.ok()) {
-    std::fprintf(stderr, "open: %s\n", sub.status().ToString().c_str());
-    return 1;
-  }
+  auto sub = Open<weightbus::Subscriber>(f);
+  if (sub == nullptr) return 1;
   uint64_t last = 0;
   while (last < f.until) {
-    auto u = (*sub)->WaitForVersion(last + 1, absl::Seconds(f.timeout_s));
+    auto u = sub->WaitForVersion(last + 1, absl::Seconds(f.timeout_s));
     if (!u.ok()) {
       std::fprintf(stderr, "wait for > %llu: %s\n", static_cast<unsigned long long>(last),
                    u.status().ToString().c_str());
@@ -251,20 +274,27 @@ int Subscribe(const Flags& f) {
   return 0;
 }
 
-int Receive(const Flags& f) {
-  auto sub = weightbus::Subscriber::Open(f.uri, f.options);
-  if (!sub.ok()) {
-    std::fprintf(stderr, "open: %s\n", sub.status().ToString().c_str());
-    return 1;
-  }
+// The next version number on stdin, one per line; nullopt at EOF, or after saying on stderr
+// that a line is not a number (then `*malformed`).
+std::optional<uint64_t> NextVersionLine(bool* malformed) {
   char line[64];
-  while (std::fgets(line, sizeof(line), stdin) != nullptr) {
-    uint64_t v = 0;
-    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &v)) {
-      std::fprintf(stderr, "not a version: %s\n", line);
-      return 1;
-    }
-    auto u = (*sub)->ReceiveVersion(v, absl::Seconds(f.timeout_s));
+  if (std::fgets(line, sizeof(line), stdin) == nullptr) return std::nullopt;
+  uint64_t v = 0;
+  if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &v)) {
+    std::fprintf(stderr, "not a version: %s\n", line);
+    *malformed = true;
+    return std::nullopt;
+  }
+  return v;
+}
+
+int Receive(const Flags& f) {
+  auto sub = Open<weightbus::Subscriber>(f);
+  if (sub == nullptr) return 1;
+  bool malformed = false;
+  while (std::optional<uint64_t> next = NextVersionLine(&malformed)) {
+    const uint64_t v = *next;
+    auto u = sub->ReceiveVersion(v, absl::Seconds(f.timeout_s));
     if (absl::IsNotFound(u.status())) {
       std::printf("notfound %llu: %s\n", static_cast<unsigned long long>(v),
                   std::string(u.status().message()).c_str());
@@ -282,6 +312,72 @@ int Receive(const Flags& f) {
     }
     std::fflush(stdout);
   }
+  return malformed ? 1 : 0;
+}
+
+// This process's peak resident set (VmHWM of /proc/self/status) in KiB, -1 if unreadable.
+int64_t PeakRssKib() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    int64_t kib = -1;
+    if (absl::StartsWith(line, "VmHWM:") &&
+        absl::SimpleAtoi(absl::StripSuffix(absl::StripAsciiWhitespace(line.substr(6)), " kB"),
+                         &kib)) {
+      return kib;
+    }
+  }
+  return -1;
+}
+
+int64_t MillisSince(absl::Time start) { return absl::ToInt64Milliseconds(absl::Now() - start); }
+
+void PrintLine(const std::string& line) {
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+}
+
+int Serve(const Flags& f) {
+  auto pub = Open<weightbus::Publisher>(f);
+  if (pub == nullptr) return 1;
+  PrintLine(absl::StrFormat("open hwm_kb=%d", PeakRssKib()));
+  bool malformed = false;
+  while (std::optional<uint64_t> next = NextVersionLine(&malformed)) {
+    const uint64_t v = *next;
+    auto tensors = weightbus::testing::MakeVersion(f.seed, v, f.bytes);
+    const absl::Time start = absl::Now();
+    const absl::Status s = pub->Publish(v, weightbus::testing::Views(tensors), {{"peer", "serve"}},
+                                        absl::Seconds(f.timeout_s));
+    const int64_t ms = MillisSince(start);
+    PrintLine(s.ok() ? absl::StrFormat("published %d ms=%d hwm_kb=%d", v, ms, PeakRssKib())
+                     : absl::StrFormat("failed %d ms=%d %s", v, ms, s.ToString()));
+  }
+  return malformed ? 1 : 0;
+}
+
+int Follow(const Flags& f) {
+  auto sub = Open<weightbus::Subscriber>(f);
+  if (sub == nullptr) return 1;
+  uint64_t last = 0;
+  while (last < f.until) {
+    const absl::Time start = absl::Now();
+    auto u = sub->WaitForVersion(last + 1, absl::Seconds(f.timeout_s));
+    const int64_t ms = MillisSince(start);
+    if (!u.ok()) {
+      PrintLine(absl::StrFormat("error ms=%d %s", ms, u.status().ToString()));
+      continue;
+    }
+    const uint64_t v = (*u)->version();
+    if (v <= last) {
+      PrintLine(absl::StrFormat("backwards %d after %d", v, last));
+      return 3;
+    }
+    if (const std::string why = DiffersFromExpected(f, **u); !why.empty()) {
+      PrintLine(absl::StrFormat("mismatch %d: %s", v, why));
+      return 3;
+    }
+    PrintLine(absl::StrFormat("received %d ok ms=%d hwm_kb=%d", v, ms, PeakRssKib()));
+    last = v;
+  }
   return 0;
 }
 
@@ -290,13 +386,16 @@ int Receive(const Flags& f) {
 int main(int argc, char** argv) {
   Flags f;
   if (!ParseFlags(argc, argv, &f)) {
-    std::fprintf(stderr,
-                 "usage: wb_test_peer publish|publish-llama|subscribe|receive URI [flags]\n");
+    std::fprintf(
+        stderr,
+        "usage: wb_test_peer publish|publish-llama|subscribe|receive|serve|follow URI [flags]\n");
     return 2;
   }
   if (f.role == "publish") return Publish(f);
   if (f.role == "publish-llama") return PublishLlama(f);
   if (f.role == "subscribe") return Subscribe(f);
   if (f.role == "receive") return Receive(f);
+  if (f.role == "serve") return Serve(f);
+  if (f.role == "follow") return Follow(f);
   return 2;
 }

@@ -6,11 +6,16 @@
 
 #include <atomic>
 #include <memory>
+#include <ostream>
+#include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "core/channel_setup.h"
 #include "core/registry.h"
@@ -18,6 +23,7 @@
 #include "core/uri.h"
 #include "test_model.h"
 #include "test_support.h"
+#include "ucx_tls.h"
 #include "weightbus/weightbus.hpp"
 
 namespace weightbus::testing {
@@ -83,6 +89,59 @@ inline absl::StatusOr<Fetched> FetchAndVerify(internal::IncomingVersion& incomin
   }
   incoming.Accepted();
   return f;
+}
+
+// One transport stack the conformance suite (tests/conformance_test.cc) and the fault-injection
+// suite (tests/fault/) run over. `uri` is a template: {dir} becomes a fresh directory,
+// {port} a free loopback port, {name} a fresh channel name; `env` is set for the test (UCX_TLS).
+// `kept`: the setting that bounds how many versions the channel holds (KeepOnly below).
+struct Stack {
+  std::string name;
+  std::string uri;
+  Tls env = {};
+  std::string kept;
+  // Whether processes other than the publisher's reach the channel (mem:// lives in one process).
+  bool cross_process = true;
+};
+inline void PrintTo(const Stack& s, std::ostream* os) { *os << s.name; }
+
+// mem:// with every optional capability switched off: the core's and the layers' paths for a
+// transport that has none of them.
+inline constexpr char kBareMem[] =
+    "mem:///{name}?cancel=false&committed_manifest=false&reads_strided_views=false&"
+    "copies_with_checksums=false&keep_versions_from=false&wait_for_receivers=false&"
+    "open_version=false&list_versions=false&durable=false";
+
+// Every stack; one line per stack (a new transport adds its own and delta over it, e.g.
+// {"nccl", "nccl://127.0.0.1:{port}/channel"}). Those whose transport this build lacks are
+// skipped.
+inline const std::vector<Stack>& Stacks() {
+  static const auto* stacks = new std::vector<Stack>{
+      {"disk", "disk://{dir}/channel", {}, "retention"},
+      {"ucx_shm", "ucx://127.0.0.1:{port}/channel", testing::kShm, "staging_slots"},
+      {"ucx_tcp", "ucx://127.0.0.1:{port}/channel", testing::kTcp, "staging_slots"},
+      {"delta_disk", "delta+disk://{dir}/channel", {}, "retention"},
+      {"delta_ucx", "delta+ucx://127.0.0.1:{port}/channel", testing::kShm, "staging_slots"},
+      {"mem", "mem:///{name}", {}, "retention", false},
+      {"mem_bare", kBareMem, {}, "retention", false},
+      {"delta_mem_bare", std::string("delta+") + kBareMem, {}, "retention", false},
+  };
+  return *stacks;
+}
+
+// Why this build cannot run `stack` (its transport or a layer over it left out), or "".
+inline std::string MissingStackTransports(const Stack& stack) {
+  const std::string scheme = stack.uri.substr(0, stack.uri.find("://"));
+  return MissingTransports(absl::StrSplit(scheme, '+'));
+}
+
+// `stack`'s URI with {dir}, {port} and {name} filled in and `query` appended to its own.
+inline std::string StackUri(const Stack& stack, const std::string& dir, int port,
+                            const std::string& name, const std::string& query = "") {
+  std::string uri = absl::StrReplaceAll(
+      stack.uri, {{"{dir}", dir}, {"{port}", std::to_string(port)}, {"{name}", name}});
+  if (!query.empty()) uri += (absl::StrContains(uri, "?") ? "&" : "?") + query;
+  return uri;
 }
 
 // The stack `uri_text` names, resolved as Publisher::Open and Subscriber::Open resolve it

@@ -348,8 +348,8 @@ TEST(DeltaCodecTest, ContextModelIsSmallerThanSparse) {
 // just over a window, or span every class all round-trip.
 TEST(DeltaCodecTest, ContextModelClassWindowsAtTheEdges) {
   auto parallel = Threads(1);
-  for (const std::pair<int, int>& classes : std::vector<std::pair<int, int>>{
-           {250, 255}, {224, 255}, {200, 232}, {0, 31}, {0, 255}}) {
+  for (const std::pair<int, int>& classes :
+       std::vector<std::pair<int, int>>{{250, 255}, {224, 255}, {200, 232}, {0, 31}, {0, 255}}) {
     SCOPED_TRACE(absl::StrFormat("classes %d..%d", classes.first, classes.second));
     Version a, b;
     const size_t n = 4096;

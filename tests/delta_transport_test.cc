@@ -870,8 +870,8 @@ TEST(DeltaTransportTest, LateJoinersStoppedByADamagedOrMissingChainAreCaughtUpOn
   // Damage at rest after the publisher's check of version 3 (done when 4 was published on it).
   const std::string file = testing::DiskVersionDir(dir, 3) + "/model.safetensors";
   FlipBit(file, 10);
-  auto stopped = Cli({"subscribe", uri, "--to", dir / "late1", "--min-version", "4", "--timeout",
-                      "10s"});
+  auto stopped =
+      Cli({"subscribe", uri, "--to", dir / "late1", "--min-version", "4", "--timeout", "10s"});
   EXPECT_NE(stopped.exit_code, 0) << stopped.output;
   EXPECT_THAT(stopped.output, ::testing::HasSubstr("fails verification"));
   EXPECT_THAT(stopped.output, ::testing::HasSubstr("asked the publisher for a keyframe"));
@@ -890,8 +890,8 @@ TEST(DeltaTransportTest, LateJoinersStoppedByADamagedOrMissingChainAreCaughtUpOn
   EXPECT_THAT(r5["reason"].get<std::string>(),
               ::testing::HasSubstr("cannot reconstruct version 4"));
   EXPECT_TRUE(Requests(dir).empty());
-  auto caught_up = Cli({"subscribe", uri, "--to", dir / "late2", "--min-version", "5",
-                        "--timeout", "10s"});
+  auto caught_up =
+      Cli({"subscribe", uri, "--to", dir / "late2", "--min-version", "5", "--timeout", "10s"});
   ASSERT_EQ(caught_up.exit_code, 0) << caught_up.output;
   {
     std::map<std::string, std::vector<std::byte>> got;
@@ -916,8 +916,8 @@ TEST(DeltaTransportTest, LateJoinersStoppedByADamagedOrMissingChainAreCaughtUpOn
   }
   // A missing version of the chain: version 6's directory is removed behind the channel's back.
   std::filesystem::remove_all(testing::DiskVersionDir(dir, 6));
-  auto missing = Cli({"subscribe", uri, "--to", dir / "late3", "--min-version", "7",
-                      "--timeout", "2s"});
+  auto missing =
+      Cli({"subscribe", uri, "--to", dir / "late3", "--min-version", "7", "--timeout", "2s"});
   EXPECT_NE(missing.exit_code, 0) << missing.output;
   ASSERT_EQ(Requests(dir).size(), 1u) << missing.output;
   publish(8);

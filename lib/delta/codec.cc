@@ -1083,8 +1083,9 @@ ModelContexts& ThreadContexts() {
 
 // v >= 1 with lengths of at most max_len.
 template <int kAdaptive, size_t kLengths>
-inline __attribute__((always_inline)) void PutGamma(RangeEncoder& e, uint64_t v, int max_len, Prob (&len)[kLengths],
-              Prob (&mantissa)[kMantissaLengths][1 << kAdaptive]) {
+inline __attribute__((always_inline)) void PutGamma(
+    RangeEncoder& e, uint64_t v, int max_len, Prob (&len)[kLengths],
+    Prob (&mantissa)[kMantissaLengths][1 << kAdaptive]) {
   const int l = static_cast<int>(std::bit_width(v)) - 1;
   for (int i = 0; i < l; ++i) e.Bit(len[i], 1);
   if (l < max_len) e.Bit(len[l], 0);
@@ -1104,8 +1105,9 @@ inline __attribute__((always_inline)) void PutGamma(RangeEncoder& e, uint64_t v,
 }
 
 template <int kAdaptive, size_t kLengths>
-inline __attribute__((always_inline)) uint64_t GetGamma(RangeDecoder& d, int max_len, Prob (&len)[kLengths],
-                  Prob (&mantissa)[kMantissaLengths][1 << kAdaptive]) {
+inline __attribute__((always_inline)) uint64_t GetGamma(
+    RangeDecoder& d, int max_len, Prob (&len)[kLengths],
+    Prob (&mantissa)[kMantissaLengths][1 << kAdaptive]) {
   int l = 0;
   while (l < max_len && d.Bit(len[l]) != 0) ++l;
   Prob* m = mantissa[std::min(l, kMantissaLengths - 1)];
@@ -1326,17 +1328,17 @@ absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, b
           absl::StrFormat("modeled record ends inside change %d of %d", k, count));
     }
     if (magnitude > kHalf || (magnitude == kHalf && !negative)) {
-      return absl::DataLossError(absl::StrFormat(
-          "modeled change %d has magnitude %d, more than a %d-byte element holds", k, magnitude,
-          w));
+      return absl::DataLossError(
+          absl::StrFormat("modeled change %d has magnitude %d, more than a %d-byte element holds",
+                          k, magnitude, w));
     }
     if (!FindClass<T>(bases, is_float, c, gap, &cursor)) {
       return absl::DataLossError(absl::StrFormat(
           "modeled change %d: %d more elements of magnitude class %d are not in the chunk", k,
           gap + 1, c));
     }
-    const T delta = negative ? static_cast<T>(T{0} - static_cast<T>(magnitude))
-                             : static_cast<T>(magnitude);
+    const T delta =
+        negative ? static_cast<T>(T{0} - static_cast<T>(magnitude)) : static_cast<T>(magnitude);
     const ChunkOutput& span = spans[cursor.span];
     const T updated = static_cast<T>(Load<T>(span.base + cursor.at * w) + delta);
     std::memcpy(span.out + cursor.at * w, &updated, w);
@@ -1615,8 +1617,8 @@ absl::Status DecodeChunkT(DType dtype, absl::Span<const ChunkOutput> spans, bool
     return absl::DataLossError(absl::StrFormat("unknown chunk method %d", method));
   }
   const Method m = static_cast<Method>(method);
-  if (keyframe && (m == Method::kSame || m == Method::kXor || m == Method::kSparse ||
-                   m == Method::kModeled)) {
+  if (keyframe &&
+      (m == Method::kSame || m == Method::kXor || m == Method::kSparse || m == Method::kModeled)) {
     return absl::DataLossError(
         absl::StrFormat("chunk method %s needs a base, but this is a keyframe", MethodName(m)));
   }

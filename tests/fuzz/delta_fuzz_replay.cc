@@ -196,9 +196,8 @@ std::vector<std::pair<std::string, std::string>> Seeds() {
       }
     }
   }
-  for (Method m :
-       {Method::kSame, Method::kStored, Method::kPlanes, Method::kXor, Method::kSparse,
-        Method::kModeled}) {
+  for (Method m : {Method::kSame, Method::kStored, Method::kPlanes, Method::kXor, Method::kSparse,
+                   Method::kModeled}) {
     if (methods[m] == 0) Fail(absl::StrFormat("no seed uses method %s", MethodName(m)));
   }
   for (int g : {1, 2, 3, 4}) {

@@ -483,8 +483,7 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     requests_->Remove(answered);
     if (!requests.empty() && reason.empty()) {
       reason = absl::StrFormat("%d subscriber%s asked for a keyframe (%s): %s", requests.size(),
-                               requests.size() == 1 ? "" : "s", requests_->dir(),
-                               requests[0].text);
+                               requests.size() == 1 ? "" : "s", requests_->dir(), requests[0].text);
       Log(LogLevel::kWarn, "%s version %d: publishing a keyframe: %s", uri_, version, reason);
     }
   }

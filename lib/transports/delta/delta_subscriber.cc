@@ -199,9 +199,12 @@ class DeltaSubscriber final : public TransportSubscriber {
   }
   // Asks the publisher for a keyframe (channels on disk): `version` cannot be reconstructed
   // because of `failure` (DataLoss: damaged; NotFound: a version of its chain is gone). Other
-  // failures (a deadline, a cancel) ask for nothing.
-  void RequestKeyframe(uint64_t version, const absl::Status& failure) const {
+  // failures (a deadline, a cancel) ask for nothing; a version is asked about once (a caller
+  // that waits again meets the same failure until the keyframe comes).
+  void RequestKeyframe(uint64_t version, const absl::Status& failure) {
     if (!requests_ || !(absl::IsDataLoss(failure) || absl::IsNotFound(failure))) return;
+    if (requested_ == version) return;
+    requested_ = version;
     const std::optional<uint64_t> holds =
         base_ ? std::optional<uint64_t>(base_->manifest.version) : std::nullopt;
     if (absl::Status s = requests_->Leave(version, holds, std::string(failure.message())); s.ok()) {
@@ -226,6 +229,7 @@ class DeltaSubscriber final : public TransportSubscriber {
   std::unique_ptr<TransportSubscriber> inner_;
   std::shared_ptr<Parallel> parallel_;
   std::optional<RequestBox> requests_;
+  std::optional<uint64_t> requested_;  // the version last asked about
   std::optional<Base> base_;
   std::shared_ptr<BufferPool> blobs_ = BufferPool::Create(1);
 };

@@ -67,8 +67,8 @@ absl::Status RequestBox::Leave(uint64_t version, std::optional<uint64_t> holds,
   }
   // The directory gets the channel's own permissions (owner-only, or group_access).
   if (::mkdir(dir_.c_str(), root_stat.st_mode & 07777) != 0 && errno != EEXIST) {
-    return absl::PermissionDeniedError(absl::StrFormat(
-        "keyframe request: cannot create %s: %s", dir_, std::strerror(errno)));
+    return absl::PermissionDeniedError(
+        absl::StrFormat("keyframe request: cannot create %s: %s", dir_, std::strerror(errno)));
   }
   nlohmann::ordered_json j;
   j["format"] = kRequestFormat;
@@ -80,8 +80,8 @@ absl::Status RequestBox::Leave(uint64_t version, std::optional<uint64_t> holds,
   const std::string text = j.dump();
   const std::string tmp = absl::StrFormat("%s/%s%s", dir_, kTmpPrefix, name_);
   const std::string path = absl::StrFormat("%s/%s", dir_, name_);
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC,
-                        root_stat.st_mode & 0666);
+  const int fd =
+      ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, root_stat.st_mode & 0666);
   if (fd < 0) {
     return absl::PermissionDeniedError(
         absl::StrFormat("keyframe request: cannot write %s: %s", tmp, std::strerror(errno)));
@@ -114,10 +114,9 @@ std::vector<KeyframeRequest> RequestBox::Pending() const {
     if (j.is_object() && j.value("format", "") == kRequestFormat && j.contains("version") &&
         j["version"].is_number_unsigned()) {
       r.version = j["version"].get<uint64_t>();
-      r.text = absl::StrFormat("%s (pid %s) cannot reconstruct version %d: %s",
-                               j.value("host", "?"),
-                               j.contains("pid") ? j["pid"].dump() : std::string("?"), r.version,
-                               j.value("reason", ""));
+      r.text = absl::StrFormat(
+          "%s (pid %s) cannot reconstruct version %d: %s", j.value("host", "?"),
+          j.contains("pid") ? j["pid"].dump() : std::string("?"), r.version, j.value("reason", ""));
     } else {
       // Not a request this library wrote: answered like any (a keyframe is never wrong).
       r.text = absl::StrFormat("%s (not a request of format %s)", r.path, kRequestFormat);

@@ -34,6 +34,11 @@ namespace {
 // was smaller in every chunk, by 1.1x to 1.9x, even with every element changed: BENCHMARKS.md,
 // "method choice". XOR wins on data whose differences are not small, such as random bytes.)
 constexpr uint64_t kXorMinDivisor = 4;
+// The modeled method codes a chunk only when at most 1/kModeledMaxDivisor of its elements
+// changed: it costs about 100 ns per change to encode and as much to decode, which on denser
+// chunks (14% changed: 10 s per 256 MiB version on 2 cores) costs far more time than the bytes
+// it saves over sparse (BENCHMARKS.md, issue 16).
+constexpr uint64_t kModeledMaxDivisor = 8;
 // Streams shorter than this are stored: a zstd frame costs more than it could save.
 constexpr size_t kMinZstdBytes = 32;
 // zstd_level value for the codec's own zstd configuration (see Scratch::Compressor).
@@ -1439,7 +1444,7 @@ ChunkResult EncodeChunkT(DType dtype, absl::Span<const ChunkInput> spans, bool k
   Method sparse_method = Method::kSparse;  // of the candidate in s.record2
   if (complete) {
     r.changed = count;
-    if (options.context_model) {
+    if (options.context_model && count <= n / kModeledMaxDivisor) {
       EncodeModeledRecord<T>(spans, rotate, count, s, &s.record2);
       r.modeled_bytes = s.record2.size();
       sparse_method = Method::kModeled;

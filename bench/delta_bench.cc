@@ -162,8 +162,8 @@ Timed EncodeDecode(const std::vector<OwnedTensor>* prev, const std::vector<Owned
 struct StepRow {
   int step = 0;
   StepStatistics stats;
-  uint64_t bytes = 0, plain_bytes = 0;  // plain_bytes: with the other groups setting
-  double enc_gbs = 0, dec_gbs = 0;
+  uint64_t bytes = 0, plain_bytes = 0;  // plain_bytes: with the other method (modeled/sparse)
+  double enc_gbs = 0, dec_gbs = 0, other_enc_gbs = 0, other_dec_gbs = 0;
   ZstdSizes xor_zstd;
   bool exact = false;
 };
@@ -180,7 +180,8 @@ struct Block {
   std::string method_note;
   // Summary
   double median_ratio = 0, min_ratio = 0, late_ratio = 0, vs_change_floor = 0, vs_value_floor = 0,
-         averaged_ratio = 0, enc_gbs = 0, dec_gbs = 0, plain_ratio = 0;
+         averaged_ratio = 0, enc_gbs = 0, dec_gbs = 0, plain_ratio = 0, other_enc_gbs = 0,
+         other_dec_gbs = 0;
   // The stream average with a keyframe every 50 and 200 versions, and on demand: keyframes only
   // when needed (keyframe_interval=0), one per delta_max_chain deltas in a steady stream.
   double averaged_50 = 0, averaged_200 = 0, averaged_on_demand = 0;
@@ -224,7 +225,9 @@ Block RunBlock(const std::string& stream, const std::string& description, double
   std::printf("#\n# %s, lr %g: %s; %llu bf16 elements, %llu bytes; %d steps\n", stream.c_str(), lr,
               description.c_str(), static_cast<unsigned long long>(b.elements),
               static_cast<unsigned long long>(b.raw), steps);
-  const std::string other_groups = options.max_groups == 1 ? "groups 4" : "groups 1";
+  // The other side of the size/speed trade-off: the sparse method (zstd planes) when the context
+  // model is on, else the context model.
+  const std::string other_groups = options.context_model ? "sparse" : "modeled";
   std::printf("# %4s %10s %14s %8s %8s %9s %9s %9s %9s %8s %8s %6s\n", "step", "unchanged",
               "floor: values", "changes", "ours", "ours/", "ratio", other_groups.c_str(),
               "XOR zstd", "enc", "dec", "exact");
@@ -238,9 +241,9 @@ Block RunBlock(const std::string& stream, const std::string& description, double
               8.0 * b.keyframe_bytes / b.elements, "-", Ratio(b.raw, b.keyframe_bytes), "-",
               full_zstd.c_str(), b.keyframe_enc_gbs, b.keyframe_dec_gbs,
               b.keyframe_exact ? "yes" : "NO");
-  // The other side of the groups trade-off, for the "other" column.
+  // The other side of the trade-off, for the "other" column.
   codec::EncodeOptions plain = options;
-  plain.max_groups = options.max_groups == 1 ? 4 : 1;
+  plain.context_model = !options.context_model;
   std::vector<std::vector<std::byte>> scratch;
   for (int k = 1; k <= steps; ++k) {
     next(k, &cur);
@@ -252,7 +255,12 @@ Block RunBlock(const std::string& stream, const std::string& description, double
     row.enc_gbs = b.raw / 1e9 / t.encode_s;
     row.dec_gbs = b.raw / 1e9 / t.decode_s;
     row.exact = t.exact;
-    row.plain_bytes = EncodeDecode(&prev, cur, plain, 1, *one, scratch).encoded.bytes.size();
+    {
+      Timed other = EncodeDecode(&prev, cur, plain, reps, *one, scratch);
+      row.plain_bytes = other.encoded.bytes.size();
+      row.other_enc_gbs = b.raw / 1e9 / other.encode_s;
+      row.other_dec_gbs = b.raw / 1e9 / other.decode_s;
+    }
     if (zstd_cli && (!sample_zstd || k == 1 || k == steps || k == (steps + 1) / 2)) {
       row.xor_zstd = ZstdCli(cur, &prev, dir);
     }
@@ -261,9 +269,15 @@ Block RunBlock(const std::string& stream, const std::string& description, double
       codec::EncodeOptions all = options;
       all.try_all_methods = true;
       codec::EncodedVersion e = EncodeDecode(&prev, cur, all, 1, *one, scratch).encoded;
-      int sparse_wins = 0, both = 0;
-      double lo = 1e300, hi = 0;
+      int sparse_wins = 0, both = 0, modeled_wins = 0, modeled_both = 0;
+      double lo = 1e300, hi = 0, mlo = 1e300, mhi = 0;
       for (const codec::ChunkResult& r : e.results) {
+        if (r.sparse_bytes != 0 && r.modeled_bytes != 0) {
+          ++modeled_both;
+          modeled_wins += r.modeled_bytes <= r.sparse_bytes;
+          mlo = std::min(mlo, double(r.sparse_bytes) / r.modeled_bytes);
+          mhi = std::max(mhi, double(r.sparse_bytes) / r.modeled_bytes);
+        }
         if (r.sparse_bytes == 0 || r.xor_bytes == 0) continue;
         ++both;
         sparse_wins += r.sparse_bytes <= r.xor_bytes;
@@ -272,8 +286,10 @@ Block RunBlock(const std::string& stream, const std::string& description, double
       }
       b.method_note = absl::StrFormat(
           "method choice at step %d (every method tried): sparse smaller than XOR in %d of %d "
-          "chunks; XOR/sparse size %.2fx..%.2fx",
-          k, sparse_wins, both, both ? lo : 0, hi);
+          "chunks; XOR/sparse size %.2fx..%.2fx; modeled smaller than sparse in %d of %d chunks, "
+          "sparse/modeled size %.2fx..%.2fx",
+          k, sparse_wins, both, both ? lo : 0, hi, modeled_wins, modeled_both,
+          modeled_both ? mlo : 0, mhi);
     }
     const double ours = 8.0 * row.bytes / b.elements;
     const std::string zstd_text =
@@ -290,7 +306,8 @@ Block RunBlock(const std::string& stream, const std::string& description, double
     b.steps.push_back(row);
     std::swap(prev, cur);
   }
-  std::vector<double> ratios, late, vs_change, vs_value, enc, dec, plain_ratios;
+  std::vector<double> ratios, late, vs_change, vs_value, enc, dec, plain_ratios, other_enc,
+      other_dec;
   double delta_bytes = 0;
   for (const StepRow& r : b.steps) {
     ratios.push_back(Ratio(b.raw, r.bytes));
@@ -301,6 +318,8 @@ Block RunBlock(const std::string& stream, const std::string& description, double
     vs_value.push_back(ours / r.stats.floor_bits());
     enc.push_back(r.enc_gbs);
     dec.push_back(r.dec_gbs);
+    other_enc.push_back(r.other_enc_gbs);
+    other_dec.push_back(r.other_dec_gbs);
     delta_bytes += r.bytes;
   }
   b.median_ratio = Median(ratios);
@@ -311,6 +330,8 @@ Block RunBlock(const std::string& stream, const std::string& description, double
   b.vs_value_floor = Median(vs_value);
   b.enc_gbs = Median(enc);
   b.dec_gbs = Median(dec);
+  b.other_enc_gbs = Median(other_enc);
+  b.other_dec_gbs = Median(other_dec);
   // One keyframe and K - 1 deltas of the measured mean size per K versions.
   const double mean_delta = delta_bytes / b.steps.size();
   auto averaged = [&](int interval) {
@@ -324,10 +345,10 @@ Block RunBlock(const std::string& stream, const std::string& description, double
   std::printf("# %s\n", b.method_note.c_str());
   std::printf(
       "# summary: per-step ratio median %.1fx (min %.1fx, second half %.1fx; with %s "
-      "%.1fx); ours / floor: %.3f of the change floor, %.3f of the value floor "
-      "(medians)\n",
+      "%.1fx, encoded at %.2f and decoded at %.2f GB/s); ours / floor: %.3f of the change "
+      "floor, %.3f of the value floor (medians)\n",
       b.median_ratio, b.min_ratio, b.late_ratio, other_groups.c_str(), b.plain_ratio,
-      b.vs_change_floor, b.vs_value_floor);
+      b.other_enc_gbs, b.other_dec_gbs, b.vs_change_floor, b.vs_value_floor);
   std::printf(
       "# summary: keyframe %.3fx (zstd -1 %s, -3 %s of the same bytes); with a "
       "keyframe every %d versions %.1fx on average; one core encodes deltas at %.2f "
@@ -401,8 +422,9 @@ std::string EndToEnd(const std::string& work, const std::string& stream_dir, int
   std::filesystem::remove_all(channel);
   const std::string uri = absl::StrFormat(
       "delta+disk://%s?fsync=false&keyframe_interval=%d&delta_groups=%d&delta_chunk_size=%d&"
-      "delta_zstd_level=%d",
-      channel, keyframe_interval, options.max_groups, options.chunk_size, options.zstd_level);
+      "delta_zstd_level=%d&delta_model=%s",
+      channel, keyframe_interval, options.max_groups, options.chunk_size, options.zstd_level,
+      options.context_model ? "context" : "sparse");
   auto pub = OrDie(Publisher::Open(uri));
   auto sub = OrDie(Subscriber::Open(uri));
   uint64_t data = 0, manifest = 0, raw = 0, plain_manifest = 0;
@@ -480,6 +502,10 @@ int Main(int argc, char** argv) {
       .InRange(0, 22);
   app.Add("groups", &options.max_groups, "most magnitude groups of the sparse method (1..4)")
       .InRange(1, 4);
+  bool sparse = false;
+  app.AddSwitch("sparse", &sparse,
+                "code deltas with the sparse method (delta_model=sparse) instead of the context "
+                "model (the default)");
   app.Add("seed", &seed, "the update streams' random seed");
   app.Add("work", &work, "scratch directory").TypeName("DIR");
   app.Add("python", &python, "interpreter with torch for the stories stream").TypeName("PATH");
@@ -487,6 +513,7 @@ int Main(int argc, char** argv) {
   app.Add("json", &json, "write every figure to this file").TypeName("FILE");
   if (std::optional<int> exit_status = app.Parse(argc, argv)) return *exit_status;
   const bool zstd_cli = !no_zstd_cli;
+  options.context_model = !sparse;
   std::filesystem::create_directories(work);
   const std::string shm = std::filesystem::exists("/dev/shm") ? "/dev/shm" : work;
 
@@ -496,9 +523,10 @@ int Main(int argc, char** argv) {
               std::string(LibraryVersion()).c_str(), u.release,
               std::thread::hardware_concurrency());
   std::printf(
-      "# codec: chunk %llu bytes, zstd level %d%s, at most %d magnitude groups; rates "
+      "# codec: %s, chunk %llu bytes, zstd level %d%s, at most %d magnitude groups; rates "
       "are one core's: model bytes / CPU seconds of the one thread that encodes or "
       "decodes (best of 5 runs for stories, 2 for qwen)\n",
+      options.context_model ? "delta_model=context" : "delta_model=sparse",
       static_cast<unsigned long long>(options.chunk_size), options.zstd_level,
       options.zstd_level == 0 ? " (entropy mode)" : "", options.max_groups);
   std::printf(
@@ -631,7 +659,8 @@ int Main(int argc, char** argv) {
     j["chunk_size"] = options.chunk_size;
     j["zstd_level"] = options.zstd_level;
     j["groups"] = options.max_groups;
-    j["other_groups"] = options.max_groups == 1 ? 4 : 1;
+    j["delta_model"] = options.context_model ? "context" : "sparse";
+    j["other_method"] = options.context_model ? "sparse" : "context";
     j["keyframe_interval"] = keyframe_interval;
     j["forward_check"] = forward_check;
     j["end_to_end"] = e2e;
@@ -658,7 +687,9 @@ int Main(int argc, char** argv) {
                                {"floor_values_bits", r.stats.floor_bits()},
                                {"floor_changes_bits", r.stats.change_floor_bits()},
                                {"bytes", r.bytes},
-                               {"bytes_other_groups", r.plain_bytes},
+                               {"bytes_other_method", r.plain_bytes},
+                               {"other_encode_gbs", r.other_enc_gbs},
+                               {"other_decode_gbs", r.other_dec_gbs},
                                {"xor_zstd1", r.xor_zstd.level1},
                                {"xor_zstd3", r.xor_zstd.level3},
                                {"encode_gbs", r.enc_gbs},

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """The delta layer over a run (issue 16, BENCHMARKS.md): the late-joiner catch-up time after a
-full chain, the time to repair one corrupted delta, and one host with 2 replicas of a 256 MiB
-model of which 14% of the elements change per version, delta+disk against plain disk.
+full chain, the time to repair one corrupted delta, the time a late joiner stopped by a delta
+damaged at rest after the publisher's check (or by a missing version of the chain) takes to be
+caught up through a keyframe request, and one host with 2 replicas of a 256 MiB model of which
+14% of the elements change per version, delta+disk against plain disk.
 
     PYTHONPATH=bindings/python /usr/bin/python3 bench/delta_over_a_run.py [--dir /tmp/wb-run]
 
@@ -91,6 +93,44 @@ def repair(work):
           f"{took * 1000:.0f} ms after its publish began")
 
 
+def repair_on_request(work, nbytes, damage):
+    """A late joiner stopped by version 3 (damaged at rest after version 4 was published on it,
+    or its directory gone) asks for a keyframe; the time from the next publish's start until it
+    holds that version."""
+    channel = fresh(f"{work}/request-{damage}")
+    # Always encoded: a version sent plainly needs no base, and the chain would not break.
+    uri = f"delta+disk://{channel}?fsync=false&delta_send_plain=false"
+    versions = stream(nbytes, 0.01, 6)
+    with weightbus.Publisher(uri) as pub:
+        for v in (1, 2, 3, 4):
+            pub.publish(v, {"w": next(versions)})
+        vdir = glob.glob(f"{channel}/versions/*3")[0]
+        if damage == "bit":
+            with open(f"{vdir}/model.safetensors", "r+b") as f:
+                f.seek(-10, 2)
+                b = f.read(1)
+                f.seek(-10, 2)
+                f.write(bytes([b[0] ^ 4]))
+        else:
+            shutil.rmtree(vdir)
+        with weightbus.Subscriber(uri) as late:
+            try:
+                late.wait(min_version=4, timeout=2)
+                raise SystemExit("FAILED: the late joiner applied a broken chain")
+            except (weightbus.DataLossError, TimeoutError):
+                pass
+            requests = glob.glob(f"{channel}/delta-requests/*.json")
+            start = time.perf_counter()
+            pub.publish(5, {"w": next(versions)})
+            u = late.wait(min_version=5, timeout=60)
+            took = time.perf_counter() - start
+    left = glob.glob(f"{channel}/delta-requests/*.json")
+    print(f"late joiner stopped by version 3 ({'one bit flipped at rest' if damage == 'bit' else 'its directory removed'}), "
+          f"{nbytes / 1e6:.1f} MB model: {len(requests)} request(s) left; version 5 "
+          f"({kind(channel, 5)[:60]}...) held {took * 1000:.0f} ms after its publish began "
+          f"(version {u.version}; {len(left)} request(s) left after)")
+
+
 def one_host(uri, channel, versions=6):
     subs = [weightbus.Subscriber(uri) for _ in range(2)]
     times = []
@@ -122,6 +162,9 @@ def main():
     os.makedirs(work, exist_ok=True)
     late_joiner(work)
     repair(work)
+    for nbytes in (520064, 64 << 20):
+        for damage in ("bit", "missing"):
+            repair_on_request(work, nbytes, damage)
     print("one host, 2 replicas, 256 MiB, 14% of the elements changed per version:")
     results = {}
     for name, query in (("disk", None), ("delta+disk", ""),

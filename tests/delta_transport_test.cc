@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <random>
 
 #include "absl/strings/match.h"
@@ -328,7 +329,7 @@ TEST(DeltaTransportTest, CorruptDeltaWithAMatchingBlobChecksumIsStillRefused) {
 // checksum in the inner manifest is rewritten to match, so only the decoder stands in the way.
 TEST(DeltaTransportTest, OverclaimingSparseGroupInAChannelIsDataLossForEverySubscriber) {
   ScratchDir dir;
-  auto pub = Publisher::Open(Uri(dir));
+  auto pub = Publisher::Open(Uri(dir, "delta_model=sparse"));
   auto follower = Subscriber::Open(Uri(dir));
   ASSERT_TRUE(pub.ok() && follower.ok());
   const size_t n = size_t{1} << 20;
@@ -822,6 +823,115 @@ TEST(DeltaTransportTest, NewPublisherWhoseBaseDiffersFromTheChannelSendsAKeyfram
   ASSERT_EQ(fourth.exit_code, 0) << fourth.output;
   EXPECT_EQ(RecordOnDisk(dir, 4)["kind"], "keyframe");
   EXPECT_EQ(RecordOnDisk(dir, 4)["reason"], "the first version of this publisher");
+}
+
+}  // namespace
+}  // namespace weightbus
+
+namespace weightbus {
+namespace {
+
+// The request files subscribers left in the channel's back channel (delta-requests/).
+std::vector<std::string> Requests(const ScratchDir& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir / "channel/delta-requests", ec)) {
+    if (e.path().extension() == ".json") out.push_back(e.path().string());
+  }
+  return out;
+}
+
+// Issue 16, the back channel: a delta damaged at rest *after* the publisher checked it (version
+// 3, flipped once version 4 was published on it) stops a late joiner, a separate process
+// (`weightbus subscribe`), which replays keyframe 1 and deltas 2, 3, 4. It leaves a keyframe
+// request in the channel; the publisher's next version is a keyframe saying who asked and why
+// (not a delta, although no periodic keyframe is due and its base is intact), a second late
+// joiner process receives it bit-exactly, and so does the subscriber that held version 4 all
+// along (more bytes once). The request is gone once answered; the version after is a delta
+// again. Then a version of the chain disappears (version 5's directory removed): a late joiner
+// that needs it asks the same way and is caught up by the next version.
+TEST(DeltaTransportTest, LateJoinersStoppedByADamagedOrMissingChainAreCaughtUpOnRequest) {
+  ScratchDir dir;
+  const std::string uri = Uri(dir);
+  auto pub = Publisher::Open(uri);
+  auto held = Subscriber::Open(uri);
+  ASSERT_TRUE(pub.ok() && held.ok());
+  VersionStream stream(21, 1e-4);
+  std::vector<std::vector<OwnedTensor>> versions(1);
+  auto publish = [&](uint64_t v) {
+    versions.push_back(stream.Next());
+    ASSERT_TRUE((*pub)->Publish(v, Views(versions[v]), {}, kTimeout).ok());
+  };
+  for (uint64_t v = 1; v <= 4; ++v) publish(v);
+  auto u4 = (*held)->WaitForVersion(4, kTimeout);
+  ASSERT_TRUE(u4.ok()) << u4.status();
+  for (uint64_t v = 2; v <= 4; ++v) ASSERT_EQ(RecordOnDisk(dir, v)["kind"], "delta") << v;
+
+  // Damage at rest after the publisher's check of version 3 (done when 4 was published on it).
+  const std::string file = testing::DiskVersionDir(dir, 3) + "/model.safetensors";
+  FlipBit(file, 10);
+  auto stopped =
+      Cli({"subscribe", uri, "--to", dir / "late1", "--min-version", "4", "--timeout", "10s"});
+  EXPECT_NE(stopped.exit_code, 0) << stopped.output;
+  EXPECT_THAT(stopped.output, ::testing::HasSubstr("fails verification"));
+  EXPECT_THAT(stopped.output, ::testing::HasSubstr("asked the publisher for a keyframe"));
+  std::vector<std::string> requests = Requests(dir);
+  ASSERT_EQ(requests.size(), 1u);
+  nlohmann::json request = nlohmann::json::parse(testing::ReadFileOrDie(requests[0]));
+  EXPECT_EQ(request["format"], "weightbus.delta-request/1");
+  EXPECT_EQ(request["version"], 4);
+  EXPECT_THAT(request["reason"].get<std::string>(), ::testing::HasSubstr(file));
+
+  publish(5);
+  nlohmann::json r5 = RecordOnDisk(dir, 5);
+  EXPECT_EQ(r5["kind"], "keyframe") << r5.dump();
+  EXPECT_THAT(r5["reason"].get<std::string>(),
+              ::testing::HasSubstr("1 subscriber asked for a keyframe"));
+  EXPECT_THAT(r5["reason"].get<std::string>(),
+              ::testing::HasSubstr("cannot reconstruct version 4"));
+  EXPECT_TRUE(Requests(dir).empty());
+  auto caught_up =
+      Cli({"subscribe", uri, "--to", dir / "late2", "--min-version", "5", "--timeout", "10s"});
+  ASSERT_EQ(caught_up.exit_code, 0) << caught_up.output;
+  {
+    std::map<std::string, std::vector<std::byte>> got;
+    for (OwnedTensor& t : LoadTensors(dir / "late2")) got[t.name] = std::move(t.bytes);
+    ASSERT_EQ(got.size(), versions[5].size());
+    for (const OwnedTensor& t : versions[5]) {
+      ASSERT_EQ(got.count(t.name), 1u) << t.name;
+      EXPECT_TRUE(got[t.name] == t.bytes) << t.name;
+    }
+  }
+  auto u5 = (*held)->WaitForVersion(5, kTimeout);
+  ASSERT_TRUE(u5.ok()) << u5.status();
+  ExpectSameTensors(**u5, versions[5]);
+
+  for (uint64_t v = 6; v <= 7; ++v) {
+    publish(v);
+    EXPECT_EQ(RecordOnDisk(dir, v)["kind"], "delta");
+    auto u = (*held)->WaitForVersion(v, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    ASSERT_EQ((*u)->version(), v);
+    ExpectSameTensors(**u, versions[v]);
+  }
+  // A missing version of the chain: version 6's directory is removed behind the channel's back.
+  std::filesystem::remove_all(testing::DiskVersionDir(dir, 6));
+  auto missing =
+      Cli({"subscribe", uri, "--to", dir / "late3", "--min-version", "7", "--timeout", "2s"});
+  EXPECT_NE(missing.exit_code, 0) << missing.output;
+  ASSERT_EQ(Requests(dir).size(), 1u) << missing.output;
+  publish(8);
+  EXPECT_EQ(RecordOnDisk(dir, 8)["kind"], "keyframe") << RecordOnDisk(dir, 8).dump();
+  EXPECT_THAT(RecordOnDisk(dir, 8)["reason"].get<std::string>(),
+              ::testing::HasSubstr("cannot reconstruct version 7"));
+  auto late = Subscriber::Open(uri);
+  ASSERT_TRUE(late.ok());
+  auto u8 = (*late)->WaitForVersion(8, kTimeout);
+  ASSERT_TRUE(u8.ok()) << u8.status();
+  ExpectSameTensors(**u8, versions[8]);
+  auto held8 = (*held)->WaitForVersion(8, kTimeout);
+  ASSERT_TRUE(held8.ok()) << held8.status();
+  ExpectSameTensors(**held8, versions[8]);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 
 #if defined(__SSE2__)
@@ -22,6 +23,7 @@
 #include "core/bytes.h"
 #include "core/checksum.h"
 #include "core/status.h"
+#include "delta/range_coder.h"
 #include "zstd.h"
 
 namespace weightbus::internal::delta {
@@ -32,6 +34,11 @@ namespace {
 // was smaller in every chunk, by 1.1x to 1.9x, even with every element changed: BENCHMARKS.md,
 // "method choice". XOR wins on data whose differences are not small, such as random bytes.)
 constexpr uint64_t kXorMinDivisor = 4;
+// The modeled method codes a chunk only when at most 1/kModeledMaxDivisor of its elements
+// changed: it costs about 100 ns per change to encode and as much to decode, which on denser
+// chunks (14% changed: 10 s per 256 MiB version on 2 cores) costs far more time than the bytes
+// it saves over sparse (BENCHMARKS.md, issue 16).
+constexpr uint64_t kModeledMaxDivisor = 8;
 // Streams shorter than this are stored: a zstd frame costs more than it could save.
 constexpr size_t kMinZstdBytes = 32;
 // zstd_level value for the codec's own zstd configuration (see Scratch::Compressor).
@@ -92,6 +99,7 @@ struct Scratch {
   std::vector<uint8_t> target_values;  // and what is added there
   std::vector<std::byte> record;       // candidate records
   std::vector<std::byte> record2;
+  std::vector<std::byte> record3;
 
   ~Scratch() {
     ZSTD_freeCCtx(cctx);
@@ -619,7 +627,7 @@ struct SelectTable {
 };
 constexpr SelectTable kSelect;
 
-inline uint32_t Select(uint64_t x, uint32_t r) {
+inline __attribute__((always_inline)) uint32_t Select(uint64_t x, uint32_t r) {
   constexpr uint64_t kOnes = 0x0101010101010101ULL, kHigh = 0x8080808080808080ULL;
   uint64_t c = x - ((x >> 1) & 0x5555555555555555ULL);
   c = (c & 0x3333333333333333ULL) + ((c >> 2) & 0x3333333333333333ULL);
@@ -1017,9 +1025,343 @@ void AddAt(std::byte* at, T delta) {
   std::memcpy(at, &updated, sizeof(T));
 }
 
+// ---------------------------------------------------------------------------------------------
+// The modeled method: every change in position order as decisions of an adaptive binary range
+// coder (range_coder.h) whose contexts are the magnitude class of the base element. Per change:
+// its class (8 decisions down a binary tree), how many elements *of that class* lie between the
+// previous change and it (an Elias-gamma code: the length in unary, then the bits below the
+// leading one, the first kGapAdaptive of them adaptive, in contexts of the class), and the
+// change new - base as a sign and a magnitude (the same code, kMagnitudeAdaptive adaptive bits).
+// Counting only the elements of the change's class is what makes the class pay: in training,
+// small weights change far more often than large ones, and a gap among the elements of one class
+// follows that class's own rate. The decoder finds each change by counting elements of the class
+// from the previous change on (one pass over the base in all), so no rank index is built.
+
+constexpr int kGapAdaptive = 2;
+// Classes are coded as offsets of this many bits from the chunk's smallest class of a change
+// when its changes' classes fit (they span about 20 on training deltas), else as 8 bits.
+constexpr int kClassWindowBits = 5;
+constexpr int kMagnitudeAdaptive = 3;
+constexpr int kGapLengths = 33;        // gap + 1 < 2^32: lengths 0..32
+constexpr int kMagnitudeLengths = 64;  // magnitudes <= 2^63: lengths 0..63
+constexpr int kMantissaLengths = 17;   // lengths with their own mantissa contexts (longer share)
+
+// The contexts of one magnitude class, contiguous.
+struct ClassContexts {
+  Prob gap_len[kGapLengths];
+  Prob gap_mantissa[kMantissaLengths][1 << kGapAdaptive];
+  Prob sign;
+  Prob magnitude_len[kMagnitudeLengths];
+  Prob magnitude_mantissa[kMantissaLengths][1 << kMagnitudeAdaptive];
+};
+static_assert(sizeof(ClassContexts) % sizeof(Prob) == 0);
+
+// Every context of a chunk, each starting at probability 1/2. A class's contexts are reset when
+// the chunk first uses the class (chunks use a few dozen of the 256).
+class ModelContexts {
+ public:
+  void Reset() {
+    std::fill(std::begin(cls), std::end(cls), kProbHalf);
+    std::fill(std::begin(used_), std::end(used_), false);
+  }
+  ClassContexts& Of(uint8_t c) {
+    ClassContexts& k = classes_[c];
+    if (!used_[c]) {
+      Prob* p = reinterpret_cast<Prob*>(&k);
+      std::fill(p, p + sizeof(ClassContexts) / sizeof(Prob), kProbHalf);
+      used_[c] = true;
+    }
+    return k;
+  }
+  Prob cls[256];  // the binary tree of the class, node 1..255
+
+ private:
+  ClassContexts classes_[256];
+  bool used_[256];
+};
+
+ModelContexts& ThreadContexts() {
+  thread_local std::unique_ptr<ModelContexts> contexts = std::make_unique<ModelContexts>();
+  contexts->Reset();
+  return *contexts;
+}
+
+// v >= 1 with lengths of at most max_len.
+template <int kAdaptive, size_t kLengths>
+inline __attribute__((always_inline)) void PutGamma(
+    RangeEncoder& e, uint64_t v, int max_len, Prob (&len)[kLengths],
+    Prob (&mantissa)[kMantissaLengths][1 << kAdaptive]) {
+  const int l = static_cast<int>(std::bit_width(v)) - 1;
+  for (int i = 0; i < l; ++i) e.Bit(len[i], 1);
+  if (l < max_len) e.Bit(len[l], 0);
+  Prob* m = mantissa[std::min(l, kMantissaLengths - 1)];
+  uint32_t node = 1;
+  int i = l - 1;
+  for (; i >= 0 && l - 1 - i < kAdaptive; --i) {
+    const uint32_t bit = static_cast<uint32_t>(v >> i) & 1;
+    e.Bit(m[node], bit);
+    node = node * 2 + bit;
+  }
+  // The rest directly, at most 32 bits at a time.
+  for (; i >= 0; i -= 32) {
+    const int take = std::min(i + 1, 32);
+    e.Direct(static_cast<uint32_t>((v >> (i + 1 - take)) & ((uint64_t{1} << take) - 1)), take);
+  }
+}
+
+template <int kAdaptive, size_t kLengths>
+inline __attribute__((always_inline)) uint64_t GetGamma(
+    RangeDecoder& d, int max_len, Prob (&len)[kLengths],
+    Prob (&mantissa)[kMantissaLengths][1 << kAdaptive]) {
+  int l = 0;
+  while (l < max_len && d.Bit(len[l]) != 0) ++l;
+  Prob* m = mantissa[std::min(l, kMantissaLengths - 1)];
+  uint64_t v = 1;
+  uint32_t node = 1;
+  int i = l - 1;
+  for (; i >= 0 && l - 1 - i < kAdaptive; --i) {
+    const uint32_t bit = d.Bit(m[node]);
+    node = node * 2 + bit;
+    v = v * 2 + bit;
+  }
+  for (; i >= 0; i -= 32) {
+    const int take = std::min(i + 1, 32);
+    v = (v << take) | d.Direct(take);
+  }
+  return v;
+}
+
+// The base values of a chunk's spans.
+struct BaseSpan {
+  const std::byte* base;
+  uint64_t n;  // elements
+};
+
+// Bit i set when element i of the m (<= 64 bytes' worth) at p has class c (every element of a
+// non-float dtype has class 0).
 template <typename T>
-ChunkResult EncodeChunkT(DType dtype, absl::Span<const ChunkInput> spans, bool keyframe, int level,
-                         bool try_all, int max_groups, std::vector<std::byte>* out) {
+inline __attribute__((always_inline)) uint64_t ClassMask(const std::byte* p, size_t m, uint8_t c,
+                                                         bool is_float) {
+  if (!is_float) return c != 0 ? 0 : (m == 64 ? ~uint64_t{0} : (uint64_t{1} << m) - 1);
+#if defined(__SSE2__)
+  if constexpr (sizeof(T) == 2) {
+    if (m == 32) {
+      // ClassOf(x) == c exactly when the 8 bits above the sign's neighbour match c << 7.
+      const __m128i want = _mm_set1_epi16(static_cast<int16_t>(c << 7));
+      const __m128i bits = _mm_set1_epi16(0x7f80);
+      __m128i eq[4];
+      for (int k = 0; k < 4; ++k) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * k));
+        eq[k] = _mm_cmpeq_epi16(_mm_and_si128(v, bits), want);
+      }
+      return static_cast<uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(eq[0], eq[1]))) |
+             (static_cast<uint64_t>(
+                  static_cast<uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(eq[2], eq[3]))))
+              << 16);
+    }
+  }
+#endif
+  uint64_t mask = 0;
+  for (size_t i = 0; i < m; ++i) {
+    mask |= static_cast<uint64_t>(ClassOf(Load<T>(p + i * sizeof(T))) == c) << i;
+  }
+  return mask;
+}
+
+// A position in a chunk: span and element within it.
+struct SpanCursor {
+  size_t span = 0;
+  uint64_t at = 0;
+};
+
+// Elements of class c from `from` up to (not including) `to`.
+template <typename T>
+uint64_t CountClass(absl::Span<const BaseSpan> spans, bool is_float, uint8_t c, SpanCursor from,
+                    SpanCursor to) {
+  constexpr size_t kBlock = 64 / sizeof(T);
+  uint64_t count = 0;
+  for (size_t s = from.span; s <= to.span && s < spans.size(); ++s) {
+    const uint64_t end = s == to.span ? to.at : spans[s].n;
+    for (uint64_t i = s == from.span ? from.at : 0; i < end;) {
+      const size_t m = static_cast<size_t>(std::min<uint64_t>(kBlock, end - i));
+      count += PopCount(ClassMask<T>(spans[s].base + i * sizeof(T), m, c, is_float));
+      i += m;
+    }
+  }
+  return count;
+}
+
+// Moves `at` to the element of class c that has k elements of class c between `at` and it;
+// false when the chunk ends first.
+template <typename T>
+bool FindClass(absl::Span<const BaseSpan> spans, bool is_float, uint8_t c, uint64_t k,
+               SpanCursor* at) {
+  constexpr size_t kBlock = 64 / sizeof(T);
+  for (size_t s = at->span; s < spans.size(); ++s) {
+    const uint64_t n = spans[s].n;
+    for (uint64_t i = s == at->span ? at->at : 0; i < n;) {
+      const size_t m = static_cast<size_t>(std::min<uint64_t>(kBlock, n - i));
+      const uint64_t mask = ClassMask<T>(spans[s].base + i * sizeof(T), m, c, is_float);
+      const uint32_t in_block = PopCount(mask);
+      if (k < in_block) {
+        *at = SpanCursor{s, i + Select(mask, static_cast<uint32_t>(k))};
+        return true;
+      }
+      k -= in_block;
+      i += m;
+    }
+  }
+  return false;
+}
+
+// The modeled record of `count` changes at s.positions (element indices in the chunk, ascending)
+// with s.values (zigzag(new - base)).
+template <typename T>
+void EncodeModeledRecord(absl::Span<const ChunkInput> spans, bool is_float, size_t count,
+                         Scratch& s, std::vector<std::byte>* out) {
+  constexpr size_t w = sizeof(T);
+  using S = std::make_signed_t<T>;
+  absl::InlinedVector<BaseSpan, 4> bases;
+  for (const ChunkInput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
+  // The classes of the changes, and the narrowest window of them.
+  Grow(s.groups, count);
+  uint8_t lo = 255, hi = 0;
+  {
+    uint64_t first = 0;
+    size_t span = 0;
+    for (size_t k = 0; k < count; ++k) {
+      while (s.positions[k] >= first + bases[span].n) first += bases[span++].n;
+      const uint8_t c =
+          is_float ? ClassOf(Load<T>(bases[span].base + (s.positions[k] - first) * w)) : 0;
+      s.groups[k] = c;
+      lo = std::min(lo, c);
+      hi = std::max(hi, c);
+    }
+  }
+  const int class_bits = hi - lo < (1 << kClassWindowBits) ? kClassWindowBits : 8;
+  const uint8_t class_base =
+      class_bits == 8 ? 0 : std::min<uint8_t>(lo, 256 - (1 << kClassWindowBits));
+  ModelContexts& ctx = ThreadContexts();
+  // Two coders, so that a decoder's two chains of decisions overlap: the classes (coder A, after
+  // the header) and the gaps and changes (the rest of the record).
+  std::vector<std::byte>& classes = s.record3;
+  classes.clear();
+  out->clear();
+  RangeEncoder a(&classes), e(out);
+  const T* values = reinterpret_cast<const T*>(s.values.data());
+  SpanCursor cursor;   // one past the previous change
+  uint64_t first = 0;  // element index of bases[span.span]
+  SpanCursor change;
+  for (size_t k = 0; k < count; ++k) {
+    const uint64_t position = s.positions[k];
+    while (position >= first + bases[change.span].n) first += bases[change.span++].n;
+    change.at = position - first;
+    const uint8_t c = s.groups[k];
+    const uint32_t offset = c - class_base;
+    for (uint32_t node = 1, i = class_bits; i-- > 0;) {
+      const uint32_t bit = (offset >> i) & 1;
+      a.Bit(ctx.cls[node], bit);
+      node = node * 2 + bit;
+    }
+    ClassContexts& k_ctx = ctx.Of(c);
+    const uint64_t gap = CountClass<T>(bases, is_float, c, cursor, change);
+    PutGamma<kGapAdaptive>(e, gap + 1, kGapLengths - 1, k_ctx.gap_len, k_ctx.gap_mantissa);
+    const S d = static_cast<S>(UnZigZag(values[k]));
+    const uint32_t negative = d < 0;
+    const uint64_t magnitude = negative ? static_cast<T>(T{0} - static_cast<T>(d))
+                                        : static_cast<uint64_t>(static_cast<T>(d));
+    e.Bit(k_ctx.sign, negative);
+    PutGamma<kMagnitudeAdaptive>(e, magnitude, 8 * static_cast<int>(w) - 1, k_ctx.magnitude_len,
+                                 k_ctx.magnitude_mantissa);
+    cursor = SpanCursor{change.span, change.at + 1};
+  }
+  a.Finish();
+  e.Finish();
+  std::vector<std::byte> header;
+  ByteVectorWriter(&header)
+      .U8(static_cast<uint8_t>(Method::kModeled))
+      .Varint(count)
+      .U8(static_cast<uint8_t>(class_bits))
+      .U8(class_base)
+      .Varint(classes.size());
+  header.insert(header.end(), classes.begin(), classes.end());
+  out->insert(out->begin(), header.begin(), header.end());
+}
+
+// Applies a modeled record to the spans (whose `out` already holds the base).
+template <typename T>
+absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, bool is_float,
+                           size_t n) {
+  constexpr size_t w = sizeof(T);
+  WB_ASSIGN_OR_RETURN(uint64_t count, r.Varint("modeled change count"));
+  if (count == 0 || count > n) {
+    return absl::DataLossError(
+        absl::StrFormat("modeled record claims %d changes in %d elements", count, n));
+  }
+  absl::InlinedVector<BaseSpan, 4> bases;
+  for (const ChunkOutput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
+  WB_ASSIGN_OR_RETURN(uint8_t class_bits, r.U8("modeled class width"));
+  WB_ASSIGN_OR_RETURN(uint8_t class_base, r.U8("modeled class base"));
+  if ((class_bits != kClassWindowBits && class_bits != 8) || (class_bits == 8 && class_base != 0) ||
+      class_base + (1 << class_bits) > 256) {
+    return absl::DataLossError(absl::StrFormat(
+        "modeled record codes classes in %d bits from %d (expected %d bits from at most %d, or 8 "
+        "from 0)",
+        class_bits, class_base, kClassWindowBits, 256 - (1 << kClassWindowBits)));
+  }
+  WB_ASSIGN_OR_RETURN(uint64_t classes_size, r.Varint("modeled class stream size"));
+  WB_ASSIGN_OR_RETURN(const std::byte* classes, r.Bytes(classes_size, "modeled class stream"));
+  const size_t size = r.remaining();
+  WB_ASSIGN_OR_RETURN(const std::byte* payload, r.Bytes(size, "modeled payload"));
+  RangeDecoder a(classes, classes_size), d(payload, size);
+  ModelContexts& ctx = ThreadContexts();
+  constexpr uint64_t kHalf = uint64_t{1} << (8 * w - 1);
+  const uint32_t class_top = 1u << class_bits;
+  SpanCursor cursor;
+  for (uint64_t k = 0; k < count; ++k) {
+    uint32_t node = 1;
+    for (int i = 0; i < class_bits; ++i) node = node * 2 + a.Bit(ctx.cls[node]);
+    const uint8_t c = static_cast<uint8_t>(class_base + (node - class_top));
+    ClassContexts& k_ctx = ctx.Of(c);
+    const uint64_t gap =
+        GetGamma<kGapAdaptive>(d, kGapLengths - 1, k_ctx.gap_len, k_ctx.gap_mantissa) - 1;
+    const uint32_t negative = d.Bit(k_ctx.sign);
+    const uint64_t magnitude = GetGamma<kMagnitudeAdaptive>(
+        d, 8 * static_cast<int>(w) - 1, k_ctx.magnitude_len, k_ctx.magnitude_mantissa);
+    if (d.overrun() || a.overrun()) {
+      return absl::DataLossError(
+          absl::StrFormat("modeled record ends inside change %d of %d", k, count));
+    }
+    if (magnitude > kHalf || (magnitude == kHalf && !negative)) {
+      return absl::DataLossError(
+          absl::StrFormat("modeled change %d has magnitude %d, more than a %d-byte element holds",
+                          k, magnitude, w));
+    }
+    if (!FindClass<T>(bases, is_float, c, gap, &cursor)) {
+      return absl::DataLossError(absl::StrFormat(
+          "modeled change %d: %d more elements of magnitude class %d are not in the chunk", k,
+          gap + 1, c));
+    }
+    const T delta =
+        negative ? static_cast<T>(T{0} - static_cast<T>(magnitude)) : static_cast<T>(magnitude);
+    const ChunkOutput& span = spans[cursor.span];
+    const T updated = static_cast<T>(Load<T>(span.base + cursor.at * w) + delta);
+    std::memcpy(span.out + cursor.at * w, &updated, w);
+    ++cursor.at;
+  }
+  if (d.remaining() != 0 || a.remaining() != 0) {
+    return absl::DataLossError(
+        absl::StrFormat("%d bytes left over after the modeled record's %d changes",
+                        d.remaining() + a.remaining(), count));
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+ChunkResult EncodeChunkT(DType dtype, absl::Span<const ChunkInput> spans, bool keyframe,
+                         const EncodeOptions& options, std::vector<std::byte>* out) {
+  const int level = options.zstd_level;
+  const bool try_all = options.try_all_methods;
   constexpr size_t w = sizeof(T);
   Scratch& s = ThreadScratch();
   ChunkResult r;
@@ -1062,8 +1404,8 @@ ChunkResult EncodeChunkT(DType dtype, absl::Span<const ChunkInput> spans, bool k
   // Delta: find the changed elements, grouped by magnitude for floats when a sample says the
   // groups differ enough.
   Grouping grouping;
-  if (IsFloat(dtype) && w >= 2 && max_groups > 1) {
-    grouping = SampleGrouping<T>(spans, n, std::min(max_groups, kMaxGroups));
+  if (!options.context_model && IsFloat(dtype) && w >= 2 && options.max_groups > 1) {
+    grouping = SampleGrouping<T>(spans, n, std::min(options.max_groups, kMaxGroups));
   }
   Grow(s.values, (n + 1) * w);
   size_t count = 0;
@@ -1099,11 +1441,26 @@ ChunkResult EncodeChunkT(DType dtype, absl::Span<const ChunkInput> spans, bool k
     return r;
   }
   bool have_sparse = false;
+  Method sparse_method = Method::kSparse;  // of the candidate in s.record2
   if (complete) {
     r.changed = count;
-    EncodeSparseRecord<T>(grouping, count, level, s, &s.record2);
+    if (options.context_model && count <= n / kModeledMaxDivisor) {
+      EncodeModeledRecord<T>(spans, rotate, count, s, &s.record2);
+      r.modeled_bytes = s.record2.size();
+      sparse_method = Method::kModeled;
+      if (try_all) {
+        EncodeSparseRecord<T>(grouping, count, level, s, &s.record);
+        r.sparse_bytes = s.record.size();
+        if (s.record.size() < s.record2.size()) {
+          std::swap(s.record, s.record2);
+          sparse_method = Method::kSparse;
+        }
+      }
+    } else {
+      EncodeSparseRecord<T>(grouping, count, level, s, &s.record2);
+      r.sparse_bytes = s.record2.size();
+    }
     have_sparse = true;
-    r.sparse_bytes = s.record2.size();
   }
   if (!complete || try_all || count > n / kXorMinDivisor) {
     const uint64_t changed = split(true);
@@ -1115,10 +1472,10 @@ ChunkResult EncodeChunkT(DType dtype, absl::Span<const ChunkInput> spans, bool k
     if (!have_sparse || s.record.size() < s.record2.size()) {
       emit(Method::kXor, s.record);
     } else {
-      emit(Method::kSparse, s.record2);
+      emit(sparse_method, s.record2);
     }
   } else {
-    emit(Method::kSparse, s.record2);
+    emit(sparse_method, s.record2);
   }
   if (out->size() - start >= 1 + r.raw_bytes) put_stored();
   r.encoded_bytes = out->size() - start;
@@ -1261,11 +1618,12 @@ absl::Status DecodeChunkT(DType dtype, absl::Span<const ChunkOutput> spans, bool
   const bool rotate = IsFloat(dtype);
   ByteReader r(record.data(), record.size());
   WB_ASSIGN_OR_RETURN(uint8_t method, r.U8("chunk method"));
-  if (method > static_cast<uint8_t>(Method::kSparse)) {
+  if (method > static_cast<uint8_t>(Method::kModeled)) {
     return absl::DataLossError(absl::StrFormat("unknown chunk method %d", method));
   }
   const Method m = static_cast<Method>(method);
-  if (keyframe && (m == Method::kSame || m == Method::kXor || m == Method::kSparse)) {
+  if (keyframe &&
+      (m == Method::kSame || m == Method::kXor || m == Method::kSparse || m == Method::kModeled)) {
     return absl::DataLossError(
         absl::StrFormat("chunk method %s needs a base, but this is a keyframe", MethodName(m)));
   }
@@ -1297,6 +1655,10 @@ absl::Status DecodeChunkT(DType dtype, absl::Span<const ChunkOutput> spans, bool
     case Method::kSparse:  // copies the base itself, window by window
       WB_RETURN_IF_ERROR(DecodeSparse<T>(r, spans, dtype, n, s));
       break;
+    case Method::kModeled:
+      copy_base();
+      WB_RETURN_IF_ERROR(DecodeModeled<T>(r, spans, rotate, n));
+      break;
   }
   if (r.remaining() != 0) {
     return absl::DataLossError(
@@ -1319,6 +1681,8 @@ std::string_view MethodName(Method method) {
       return "xor";
     case Method::kSparse:
       return "sparse";
+    case Method::kModeled:
+      return "modeled";
   }
   return "?";
 }
@@ -1392,8 +1756,7 @@ void Parallel::For(size_t n, const std::function<void(size_t)>& fn) {
 ChunkResult EncodeChunk(DType dtype, absl::Span<const ChunkInput> spans, bool keyframe,
                         const EncodeOptions& options, std::vector<std::byte>* out) {
   return WithElement(DTypeSize(dtype), [&](auto t) {
-    return EncodeChunkT<decltype(t)>(dtype, spans, keyframe, options.zstd_level,
-                                     options.try_all_methods, options.max_groups, out);
+    return EncodeChunkT<decltype(t)>(dtype, spans, keyframe, options, out);
   });
 }
 
@@ -1485,10 +1848,10 @@ absl::StatusOr<VersionHeader> ParseHeader(absl::Span<const std::byte> bytes) {
     return absl::DataLossError("not an encoded weightbus delta version (bad magic)");
   }
   WB_ASSIGN_OR_RETURN(uint8_t format, r.U8("the format version"));
-  if (format != kFormatVersion) {
-    return absl::UnimplementedError(
-        absl::StrFormat("delta format version %d is not supported (this library reads version %d)",
-                        format, kFormatVersion));
+  if (format < kMinFormatVersion || format > kFormatVersion) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "delta format version %d is not supported (this library reads versions %d..%d)", format,
+        kMinFormatVersion, kFormatVersion));
   }
   VersionHeader h;
   WB_ASSIGN_OR_RETURN(uint8_t kind, r.U8("the kind"));

@@ -16,6 +16,10 @@
 //   sparse  the positions of changed elements as gaps between them (narrowed to 1, 2 or 4 bytes
 //           with escapes), plus the changes as zigzag-coded wrapping differences new - base,
 //           both split into byte planes and zstd-compressed (deltas only)
+//   modeled the same changes as decisions of an adaptive binary range coder in contexts of the
+//           base element's magnitude class: each change's class, how many elements of that
+//           class precede it since the previous change, and new - base (deltas only; the
+//           default: 1.4x smaller than sparse on training deltas, decoding about 2-3x slower)
 //
 // Everything is bit-exact for any dtype: differences wrap, XOR is its own inverse, planes only
 // reorder bytes. Elements are DTypeSize bytes wide; sub-byte dtypes (F4, F6_*) are coded as
@@ -40,8 +44,11 @@
 
 namespace weightbus::internal::delta {
 
-// Version of the encoded format (the byte after the magic). Decoders refuse newer versions.
-inline constexpr uint8_t kFormatVersion = 1;
+// Version of the encoded format (the byte after the magic) that encoders write. Decoders read
+// versions kMinFormatVersion..kFormatVersion and refuse newer ones. Version 2 added the
+// modeled method.
+inline constexpr uint8_t kFormatVersion = 2;
+inline constexpr uint8_t kMinFormatVersion = 1;
 // First four bytes of every encoded version.
 inline constexpr char kMagic[4] = {'W', 'B', 'D', 'L'};
 
@@ -56,6 +63,7 @@ enum class Method : uint8_t {
   kPlanes = 2,
   kXor = 3,
   kSparse = 4,
+  kModeled = 5,
 };
 std::string_view MethodName(Method method);
 
@@ -114,8 +122,13 @@ struct EncodeOptions {
   bool try_all_methods = false;
   // Most magnitude groups of the sparse method (1..4). 1: plain positions, the fastest to decode;
   // 2..4: changes located within groups of weights of similar magnitude, 15-30% fewer bytes on
-  // training deltas at a third of the decoding speed (BENCHMARKS.md).
+  // training deltas at a third of the decoding speed (BENCHMARKS.md). Only without
+  // context_model.
   int max_groups = 1;
+  // Deltas code their changes with the modeled method (an adaptive context model of the base's
+  // magnitudes; the smallest) instead of the sparse one (zstd byte planes; the fastest to
+  // decode). XOR planes are still tried where many elements changed.
+  bool context_model = true;
 };
 
 // What happened to one chunk, for statistics and for the publisher's bookkeeping.
@@ -127,6 +140,7 @@ struct ChunkResult {
   // Sizes of the candidate records that were encoded (0: not tried), for measurements.
   uint64_t sparse_bytes = 0;
   uint64_t xor_bytes = 0;
+  uint64_t modeled_bytes = 0;
 };
 
 // Identifies a version and what it applies to.

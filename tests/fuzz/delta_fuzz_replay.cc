@@ -155,7 +155,7 @@ std::vector<std::pair<std::string, std::string>> Seeds() {
       {Pattern::kGraded, false}, {Pattern::kConstant, false}};
   for (DType dtype : kAllDTypes) {
     for (const auto& [pattern, keyframe] : patterns) {
-      for (int max_groups : {1, 2, 3, 4}) {
+      for (int max_groups : {0, 1, 2, 3, 4}) {  // 0: the context model (modeled records)
         if (max_groups > 1 &&
             (!IsFloat(dtype) || (pattern != Pattern::kSmall && pattern != Pattern::kGraded))) {
           continue;
@@ -174,7 +174,8 @@ std::vector<std::pair<std::string, std::string>> Seeds() {
             at += piece;
           }
           EncodeOptions options;
-          options.max_groups = max_groups;
+          options.context_model = max_groups == 0;
+          options.max_groups = std::max(max_groups, 1);
           std::vector<std::byte> record;
           const ChunkResult r = EncodeChunk(dtype, inputs, keyframe, options, &record);
           ++methods[r.method];
@@ -195,8 +196,8 @@ std::vector<std::pair<std::string, std::string>> Seeds() {
       }
     }
   }
-  for (Method m :
-       {Method::kSame, Method::kStored, Method::kPlanes, Method::kXor, Method::kSparse}) {
+  for (Method m : {Method::kSame, Method::kStored, Method::kPlanes, Method::kXor, Method::kSparse,
+                   Method::kModeled}) {
     if (methods[m] == 0) Fail(absl::StrFormat("no seed uses method %s", MethodName(m)));
   }
   for (int g : {1, 2, 3, 4}) {
@@ -217,7 +218,7 @@ std::vector<std::pair<std::string, std::string>> Seeds() {
   for (size_t l = 0; l < layouts.size(); ++l) {
     const std::vector<TensorLayout> layout = weightbus::delta_fuzz::LayoutOf(layouts[l]);
     for (uint64_t chunk : {64, 1024, 65536}) {
-      for (int max_groups : {1, 4}) {
+      for (int max_groups : {0, 1, 4}) {  // 0: the context model
         const uint8_t seed = static_cast<uint8_t>(l * 7 + chunk % 251);
         std::vector<std::vector<std::byte>> base, target;
         std::vector<const std::byte*> bp, tp;
@@ -232,7 +233,8 @@ std::vector<std::pair<std::string, std::string>> Seeds() {
         }
         EncodeOptions options;
         options.chunk_size = chunk;
-        options.max_groups = max_groups;
+        options.context_model = max_groups == 0;
+        options.max_groups = std::max(max_groups, 1);
         for (bool keyframe : {true, false}) {
           const VersionIds ids{keyframe, 7, keyframe ? 0u : 6u, keyframe ? 7u : 3u};
           auto e = EncodeVersion(ids, layout, bp, tp, options, **parallel);

@@ -114,13 +114,15 @@ class ForwardingJob final : public PublishJob {
 class DeltaPublisher final : public TransportPublisher {
  public:
   DeltaPublisher(std::string uri, LayerOptions options, std::unique_ptr<TransportPublisher> inner,
-                 std::shared_ptr<Parallel> parallel, ReaderFactory open_reader, bool check_at_rest)
+                 std::shared_ptr<Parallel> parallel, ReaderFactory open_reader, bool check_at_rest,
+                 std::optional<RequestBox> requests)
       : uri_(std::move(uri)),
         options_(options),
         inner_(std::move(inner)),
         parallel_(std::move(parallel)),
         open_reader_(std::move(open_reader)),
-        check_at_rest_(check_at_rest) {}
+        check_at_rest_(check_at_rest),
+        requests_(std::move(requests)) {}
 
   absl::StatusOr<std::optional<uint64_t>> LatestVersion() override {
     return inner_->LatestVersion();
@@ -191,6 +193,8 @@ class DeltaPublisher final : public TransportPublisher {
   // The transport beneath keeps versions at rest (durable): before a delta against the base,
   // check that the channel still holds the base's encoded version intact.
   bool check_at_rest_ = false;
+  // Where subscribers ask for keyframes (channels on disk).
+  std::optional<RequestBox> requests_;
   std::unique_ptr<TransportSubscriber> reader_;
   bool resume_tried_ = false;
   std::string no_base_reason_ = "the first version of this publisher";
@@ -466,6 +470,23 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
       Log(LogLevel::kWarn, "%s version %d: publishing a keyframe: %s", uri_, version, reason);
     }
   }
+  // Subscribers that cannot reconstruct a version of this chain (a delta damaged at rest after
+  // it was checked, a version gone) asked for a keyframe: this version is one. A request about
+  // a version before the chain's keyframe was answered by that keyframe already.
+  std::vector<KeyframeRequest> requests;
+  if (requests_) {
+    std::vector<KeyframeRequest> answered;
+    for (KeyframeRequest& r : requests_->Pending()) {
+      (keyframe_ && r.version != 0 && r.version < *keyframe_ ? answered : requests)
+          .push_back(std::move(r));
+    }
+    requests_->Remove(answered);
+    if (!requests.empty() && reason.empty()) {
+      reason = absl::StrFormat("%d subscriber%s asked for a keyframe (%s): %s", requests.size(),
+                               requests.size() == 1 ? "" : "s", requests_->dir(), requests[0].text);
+      Log(LogLevel::kWarn, "%s version %d: publishing a keyframe: %s", uri_, version, reason);
+    }
+  }
   bool keyframe = !reason.empty();
   uint64_t total_bytes = 0;
   for (const TensorInfo& t : infos) total_bytes += t.nbytes;
@@ -481,7 +502,9 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   }
   if (plain) {
     reason = keyframe ? absl::StrCat(*plain, "; a keyframe was due: ", reason) : *plain;
-    return PublishPlain(job, infos, reason, total_bytes, deadline);
+    WB_RETURN_IF_ERROR(PublishPlain(job, infos, reason, total_bytes, deadline));
+    if (requests_) requests_->Remove(requests);  // a plain version needs no base either
+    return absl::OkStatus();
   }
   const absl::Time start = absl::Now();
   last_stats_.reset();
@@ -565,6 +588,7 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     keyframe_bytes_ = record.encoded_bytes;
     deltas_since_keyframe_ = 0;
     ApplyFloor();
+    if (requests_) requests_->Remove(requests);
   } else {
     ++deltas_since_keyframe_;
   }
@@ -604,7 +628,7 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> WrapPublisher(
   };
   return std::unique_ptr<TransportPublisher>(
       new DeltaPublisher(uri.Display(), options, std::move(inner), std::move(parallel),
-                         std::move(open_reader), durable));
+                         std::move(open_reader), durable, RequestBox::ForUri(uri)));
 }
 
 }  // namespace weightbus::internal::delta

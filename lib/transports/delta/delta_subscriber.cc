@@ -171,8 +171,11 @@ class DeltaIncoming final : public IncomingVersion {
 class DeltaSubscriber final : public TransportSubscriber {
  public:
   DeltaSubscriber(std::string uri, std::unique_ptr<TransportSubscriber> inner,
-                  std::shared_ptr<Parallel> parallel)
-      : uri_(std::move(uri)), inner_(std::move(inner)), parallel_(std::move(parallel)) {}
+                  std::shared_ptr<Parallel> parallel, std::optional<RequestBox> requests)
+      : uri_(std::move(uri)),
+        inner_(std::move(inner)),
+        parallel_(std::move(parallel)),
+        requests_(std::move(requests)) {}
 
   absl::StatusOr<std::unique_ptr<IncomingVersion>> WaitForVersion(uint64_t min_version,
                                                                   absl::Time deadline) override;
@@ -194,6 +197,23 @@ class DeltaSubscriber final : public TransportSubscriber {
   std::string Source(uint64_t version) const {
     return absl::StrFormat("%s version %d", uri_, version);
   }
+  // Asks the publisher for a keyframe (channels on disk): `version` cannot be reconstructed
+  // because of `failure` (DataLoss: damaged; NotFound: a version of its chain is gone). Other
+  // failures (a deadline, a cancel) ask for nothing; a version is asked about once (a caller
+  // that waits again meets the same failure until the keyframe comes).
+  void RequestKeyframe(uint64_t version, const absl::Status& failure) {
+    if (!requests_ || !(absl::IsDataLoss(failure) || absl::IsNotFound(failure))) return;
+    if (requested_ == version) return;
+    requested_ = version;
+    const std::optional<uint64_t> holds =
+        base_ ? std::optional<uint64_t>(base_->manifest.version) : std::nullopt;
+    if (absl::Status s = requests_->Leave(version, holds, std::string(failure.message())); s.ok()) {
+      Log(LogLevel::kWarn, "%s: asked the publisher for a keyframe in %s: %s", uri_,
+          requests_->dir(), failure.message());
+    } else {
+      Log(LogLevel::kWarn, "%s: %s (waiting for the next keyframe instead)", uri_, s.message());
+    }
+  }
   absl::StatusOr<Storage> PrepareStorage(const Manifest& manifest) const;
   // The base becomes `manifest`'s version without its bytes (Base::has_bytes).
   void AdoptManifest(const Manifest& manifest) {
@@ -208,6 +228,8 @@ class DeltaSubscriber final : public TransportSubscriber {
   std::string uri_;
   std::unique_ptr<TransportSubscriber> inner_;
   std::shared_ptr<Parallel> parallel_;
+  std::optional<RequestBox> requests_;
+  std::optional<uint64_t> requested_;  // the version last asked about
   std::optional<Base> base_;
   std::shared_ptr<BufferPool> blobs_ = BufferPool::Create(1);
 };
@@ -227,6 +249,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::WaitForVersion
     }
     const uint64_t version = (*got)->manifest().version;
     absl::StatusOr<std::unique_ptr<IncomingVersion>> planned = Plan(*std::move(got), deadline);
+    if (!planned.ok()) RequestKeyframe(version, planned.status());
     if (planned.ok() ||
         !(absl::IsNotFound(planned.status()) || absl::IsUnimplemented(planned.status()))) {
       return planned;
@@ -400,7 +423,10 @@ absl::Status DeltaIncoming::Fetch(absl::Span<std::byte* const> targets, LandingS
           absl::StrFormat("%s: the deadline passed after %d of the %d encoded versions of %s",
                           owner_->uri_, k, steps_.size(), Chain()));
     }
-    WB_RETURN_IF_ERROR(FetchStep(k, targets, sink, deadline));
+    if (absl::Status s = FetchStep(k, targets, sink, deadline); !s.ok()) {
+      owner_->RequestKeyframe(steps_.back().version, s);
+      return s;
+    }
   }
   fetched_ = true;
   return absl::OkStatus();
@@ -528,14 +554,16 @@ absl::StatusOr<std::unique_ptr<TransportSubscriber>> WrapSubscriber(
     const Uri& uri, const Config& config, std::unique_ptr<TransportSubscriber> inner) {
   WB_ASSIGN_OR_RETURN(LayerOptions options, ReadLayerOptions(uri, config));
   WB_ASSIGN_OR_RETURN(std::unique_ptr<Parallel> parallel, Parallel::Create(options.threads));
-  return NewReader(uri.Display(), std::move(inner), std::move(parallel));
+  return std::unique_ptr<TransportSubscriber>(new DeltaSubscriber(
+      uri.Display(), std::move(inner), std::move(parallel), RequestBox::ForUri(uri)));
 }
 
 std::unique_ptr<TransportSubscriber> NewReader(std::string uri,
                                                std::unique_ptr<TransportSubscriber> inner,
                                                std::shared_ptr<Parallel> parallel) {
+  // The publisher's own reader asks for nothing: it sends a keyframe itself when reading fails.
   return std::unique_ptr<TransportSubscriber>(
-      new DeltaSubscriber(std::move(uri), std::move(inner), std::move(parallel)));
+      new DeltaSubscriber(std::move(uri), std::move(inner), std::move(parallel), std::nullopt));
 }
 
 absl::Status CheckEncodedVersion(TransportSubscriber& reader, const Manifest& published,

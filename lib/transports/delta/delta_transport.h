@@ -143,4 +143,39 @@ absl::StatusOr<ChainVersion> ReadChainVersion(TransportSubscriber& reader, uint6
 absl::Status CheckEncodedVersion(TransportSubscriber& reader, const Manifest& published,
                                  absl::Time deadline);
 
+// Keyframe requests, the back channel of a channel on disk (requests.cc): the directory inside
+// the channel where subscribers leave them.
+inline constexpr std::string_view kRequestDir = "delta-requests";
+
+struct KeyframeRequest {
+  std::string path;      // the request's file
+  uint64_t version = 0;  // the version the subscriber could not reconstruct (0: unreadable)
+  std::string text;      // who asked and why, for the keyframe's reason and logs
+};
+
+// The requests of one channel on disk. A subscriber's object writes one file (replaced by its
+// next request); a publisher reads and removes them. Thread-compatible.
+class RequestBox {
+ public:
+  // The box of `uri` when the transport at the bottom of its stack is disk:// (the channel's
+  // directory is the URI's path), else nullopt: other transports have no such channel.
+  static std::optional<RequestBox> ForUri(const Uri& uri);
+
+  // Subscriber: asks the publisher for a keyframe because `version` cannot be reconstructed
+  // (`why`), while this subscriber holds `holds`. Creates delta-requests/ with the channel's
+  // permissions. Errors: PermissionDenied/NotFound/Internal naming the path (a subscriber that
+  // cannot write the channel then waits for the next keyframe, as without a back channel).
+  absl::Status Leave(uint64_t version, std::optional<uint64_t> holds, std::string_view why) const;
+  // Publisher: every request present (unreadable files included, with version 0).
+  std::vector<KeyframeRequest> Pending() const;
+  // Publisher: removes answered requests (a failure is logged, not returned).
+  void Remove(const std::vector<KeyframeRequest>& served) const;
+
+  const std::string& dir() const { return dir_; }
+
+ private:
+  explicit RequestBox(std::string root);
+  std::string root_, dir_, name_;
+};
+
 }  // namespace weightbus::internal::delta

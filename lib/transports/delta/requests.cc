@@ -1,0 +1,138 @@
+// SPDX-License-Identifier: Apache-2.0
+// Keyframe requests: the back channel of delta+disk:// (README.md, "A delta that cannot be
+// applied"). A subscriber that cannot reconstruct a version (a damaged delta of the chain, a
+// base the channel no longer holds) leaves a small JSON file in the channel's delta-requests/
+// directory; the publisher looks there before each version and, finding a request about its
+// current chain, sends that version as a keyframe and removes the requests it answered.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <system_error>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "core/logging.h"
+#include "nlohmann/json.hpp"
+#include "transports/delta/delta_transport.h"
+
+namespace weightbus::internal::delta {
+namespace {
+
+constexpr char kRequestFormat[] = "weightbus.delta-request/1";
+constexpr char kTmpPrefix[] = ".tmp-";
+// Largest request file read (a request is a few hundred bytes; the reason is cut to fit).
+constexpr size_t kMaxRequestFile = 16 << 10;
+constexpr size_t kMaxReason = 2000;
+
+std::string HostName() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) != 0) return "unknown-host";
+  return host;
+}
+
+}  // namespace
+
+std::optional<RequestBox> RequestBox::ForUri(const Uri& uri) {
+  const std::vector<std::string> schemes = absl::StrSplit(uri.scheme, '+');
+  if (schemes.empty() || schemes.back() != "disk" || uri.path.empty() || uri.path == "/") {
+    return std::nullopt;
+  }
+  std::string root = uri.path;
+  while (root.size() > 1 && root.back() == '/') root.pop_back();
+  return RequestBox(root);
+}
+
+RequestBox::RequestBox(std::string root)
+    : root_(std::move(root)), dir_(root_ + "/" + std::string(kRequestDir)) {
+  std::random_device random;
+  name_ = absl::StrFormat("%s-%d-%016x.json", HostName(), ::getpid(),
+                          (uint64_t{random()} << 32) | random());
+}
+
+absl::Status RequestBox::Leave(uint64_t version, std::optional<uint64_t> holds,
+                               std::string_view why) const {
+  std::error_code ec;
+  struct stat root_stat;
+  if (::stat(root_.c_str(), &root_stat) != 0) {
+    return absl::NotFoundError(absl::StrFormat("keyframe request: cannot stat the channel %s: %s",
+                                               root_, std::strerror(errno)));
+  }
+  // The directory gets the channel's own permissions (owner-only, or group_access).
+  if (::mkdir(dir_.c_str(), root_stat.st_mode & 07777) != 0 && errno != EEXIST) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("keyframe request: cannot create %s: %s", dir_, std::strerror(errno)));
+  }
+  nlohmann::ordered_json j;
+  j["format"] = kRequestFormat;
+  j["version"] = version;
+  if (holds) j["holds"] = *holds;
+  j["host"] = HostName();
+  j["pid"] = ::getpid();
+  j["reason"] = std::string(why.substr(0, kMaxReason));
+  const std::string text = j.dump();
+  const std::string tmp = absl::StrFormat("%s/%s%s", dir_, kTmpPrefix, name_);
+  const std::string path = absl::StrFormat("%s/%s", dir_, name_);
+  const int fd =
+      ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, root_stat.st_mode & 0666);
+  if (fd < 0) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("keyframe request: cannot write %s: %s", tmp, std::strerror(errno)));
+  }
+  const ssize_t wrote = ::write(fd, text.data(), text.size());
+  ::close(fd);
+  if (wrote != static_cast<ssize_t>(text.size()) || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    ::unlink(tmp.c_str());
+    return absl::InternalError(
+        absl::StrFormat("keyframe request: cannot write %s: %s", path, std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<KeyframeRequest> RequestBox::Pending() const {
+  std::vector<KeyframeRequest> out;
+  std::error_code ec;
+  std::filesystem::directory_iterator it(dir_, ec);
+  if (ec) return out;  // no directory: no request yet
+  for (const std::filesystem::directory_entry& e : it) {
+    const std::string name = e.path().filename().string();
+    if (absl::StartsWith(name, kTmpPrefix) || !absl::EndsWith(name, ".json")) continue;
+    std::ifstream f(e.path(), std::ios::binary);
+    std::string text(kMaxRequestFile, '\0');
+    f.read(text.data(), static_cast<std::streamsize>(text.size()));
+    text.resize(static_cast<size_t>(f.gcount()));
+    KeyframeRequest r;
+    r.path = e.path().string();
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    if (j.is_object() && j.value("format", "") == kRequestFormat && j.contains("version") &&
+        j["version"].is_number_unsigned()) {
+      r.version = j["version"].get<uint64_t>();
+      r.text = absl::StrFormat(
+          "%s (pid %s) cannot reconstruct version %d: %s", j.value("host", "?"),
+          j.contains("pid") ? j["pid"].dump() : std::string("?"), r.version, j.value("reason", ""));
+    } else {
+      // Not a request this library wrote: answered like any (a keyframe is never wrong).
+      r.text = absl::StrFormat("%s (not a request of format %s)", r.path, kRequestFormat);
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+void RequestBox::Remove(const std::vector<KeyframeRequest>& served) const {
+  for (const KeyframeRequest& r : served) {
+    if (::unlink(r.path.c_str()) != 0 && errno != ENOENT) {
+      Log(LogLevel::kWarn, "cannot remove the answered keyframe request %s: %s", r.path,
+          std::strerror(errno));
+    }
+  }
+}
+
+}  // namespace weightbus::internal::delta

@@ -25,6 +25,11 @@ struct wb_publisher {
   pid_t pid = getpid();  // the creating process: a forked child may not use the handle
 };
 
+struct wb_publish_stream {
+  std::unique_ptr<wb::PublishStream> impl;
+  pid_t pid = getpid();
+};
+
 struct wb_subscriber {
   std::unique_ptr<wb::Subscriber> impl;
   pid_t pid = getpid();
@@ -210,6 +215,7 @@ absl::Status WriteOutput(const char* function, const T& value, T* out, size_t fi
 constexpr size_t kOpenParamsV1 = sizeof(wb_open_params_t);
 constexpr size_t kPublishParamsV1 = offsetof(wb_publish_params_t, shards);  // before `shards`
 constexpr size_t kBindParamsV1 = sizeof(wb_bind_params_t);
+constexpr size_t kStreamAddParamsV1 = sizeof(wb_stream_add_params_t);
 constexpr size_t kPublishStatsV1 = offsetof(wb_publish_stats_t, flags);    // before `flags`
 constexpr size_t kUpdateStatsV1 = offsetof(wb_update_stats_t, decode_ns);  // before `decode_ns`
 constexpr size_t kSettingInfoV1 = sizeof(wb_setting_info_t);
@@ -900,6 +906,91 @@ wb_status_t wb_publisher_uri(wb_publisher_t* publisher, const char** uri) {
     return absl::OkStatus();
   });
 }
+
+wb_status_t wb_publisher_begin_publish(wb_publisher_t* publisher, uint64_t version,
+                                       const wb_publish_params_t* params_in,
+                                       wb_publish_stream_t** stream) {
+  constexpr const char* kFn = "wb_publisher_begin_publish";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_HANDLE(kFn, publisher);
+    WB_CHECK_ARG(kFn, stream);
+    wb_publish_params_t params;
+    if (absl::Status s = ReadParams(kFn, params_in, kPublishParamsV1, &params); !s.ok()) return s;
+    if (params.dtypes != nullptr || params.shards != nullptr) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: %s version %d: params.dtypes and params.shards must be NULL (give each tensor's "
+          "in its wb_stream_add_params_t)",
+          kFn, publisher->impl->uri(), version));
+    }
+    absl::StatusOr<wb::Metadata> metadata =
+        ReadOptions(kFn, "params.metadata", params.metadata, params.num_metadata);
+    if (!metadata.ok()) return metadata.status();
+    absl::StatusOr<std::unique_ptr<wb::PublishStream>> opened =
+        publisher->impl->BeginPublish(version, *metadata);
+    if (!opened.ok()) return opened.status();
+    auto handle = std::make_unique<wb_publish_stream>();
+    handle->impl = *std::move(opened);
+    *stream = handle.release();
+    return absl::OkStatus();
+  });
+}
+
+wb_status_t wb_publish_stream_add(wb_publish_stream_t* stream, const char* name,
+                                  const DLTensor* tensor, const wb_stream_add_params_t* params_in) {
+  constexpr const char* kFn = "wb_publish_stream_add";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_HANDLE(kFn, stream);
+    WB_CHECK_ARG(kFn, name);
+    WB_CHECK_ARG(kFn, tensor);
+    wb_stream_add_params_t params;
+    if (absl::Status s = ReadParams(kFn, params_in, kStreamAddParamsV1, &params); !s.ok()) {
+      return s;
+    }
+    const uint64_t version = stream->impl->version();
+    absl::StatusOr<Layout> layout = LayoutOf(name, *tensor, params.dtype);
+    absl::StatusOr<std::optional<wb::Shard>> shard =
+        layout.ok() ? ShardOf(name, stream->impl->tensor_count(), params.shard)
+                    : absl::StatusOr<std::optional<wb::Shard>>(layout.status());
+    if (!shard.ok()) {
+      return absl::Status(shard.status().code(),
+                          absl::StrFormat("%s: version %d: %s", kFn, version, shard.status().message()));
+    }
+    return stream->impl->Add(
+        wb::TensorView{name, layout->dtype, std::move(layout->shape), std::move(layout->strides),
+                       layout->data, layout->device, std::move(*shard)},
+        params.cuda_stream);
+  });
+}
+
+wb_status_t wb_publish_stream_commit(wb_publish_stream_t* stream, int64_t timeout_ms) {
+  constexpr const char* kFn = "wb_publish_stream_commit";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_HANDLE(kFn, stream);
+    return stream->impl->Commit(Timeout(timeout_ms));
+  });
+}
+
+wb_status_t wb_publish_stream_abort(wb_publish_stream_t* stream) {
+  constexpr const char* kFn = "wb_publish_stream_abort";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_HANDLE(kFn, stream);
+    stream->impl->Abort();
+    return absl::OkStatus();
+  });
+}
+
+void wb_publish_stream_destroy(wb_publish_stream_t* stream) {
+  if (stream == nullptr) return;
+  if (stream->pid != getpid()) {  // inherited across fork(): the parent's version, left alone
+    (void)stream->impl.release();
+  }
+  try {
+    delete stream;
+  } catch (...) {  // destructors do not throw; nothing may cross the boundary regardless
+  }
+}
+
+bool wb_supports_cuda_tensors(void) { return wb::SupportsCudaTensors(); }
 
 // The C placements as weightbus::SubscribePlacements.
 static absl::StatusOr<wb::SubscribePlacements> ReadPlacements(const char* function,

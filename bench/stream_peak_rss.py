@@ -40,7 +40,7 @@ base = status("VmRSS")
 if mode == "publish":
     stats = pub.publish(1, dict(produce()), timeout=600)
 else:
-    with pub.begin_publish(2) as stream:
+    with pub.begin_publish(1) as stream:
         for name, tensor in produce():
             stream.add(name, tensor)
             del tensor
@@ -56,14 +56,18 @@ def main() -> int:
     ap.add_argument("--tensor-mib", type=int, default=8)
     ap.add_argument("--bucket", default="64MiB", help="the stream_bucket setting")
     ap.add_argument("--dir", required=True, help="directory for the disk:// channel")
+    ap.add_argument("--stack", default="disk", choices=["disk", "delta+disk"],
+                    help="delta+disk: the layer reads a read-only mapping of the spool file")
     args = ap.parse_args()
-    uri = f"disk://{args.dir}/channel?fsync=false&retention=2"
+    # Each mode publishes version 1 of its own channel (a layer's first version, a keyframe).
+    uri = f"{args.stack}://{args.dir}/{{mode}}?fsync=false"
     print(f"# streaming publish peak RSS: model {args.model_mib} MiB in "
           f"{args.model_mib // args.tensor_mib} tensors of {args.tensor_mib} MiB, "
           f"stream_bucket={args.bucket}, {uri}")
     print(f"# {'mode':>8} {'model_MiB':>10} {'peak_above_baseline_MiB':>24} {'ratio':>7}")
     for mode in ("publish", "stream"):
-        out = subprocess.run([sys.executable, "-c", CHILD, mode, uri, str(args.model_mib),
+        out = subprocess.run([sys.executable, "-c", CHILD, mode, uri.format(mode=mode),
+                              str(args.model_mib),
                               str(args.tensor_mib), args.bucket], check=True,
                              capture_output=True, text=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
@@ -73,9 +77,9 @@ def main() -> int:
     check = subprocess.run([sys.executable, "-c", r"""
 import sys, torch, weightbus
 model_mib, tensor_mib = int(sys.argv[2]), int(sys.argv[3])
-with weightbus.Subscriber(sys.argv[1]) as sub:
-    for v in (1, 2):
-        u = sub.receive(v, timeout=120)
+for mode in ("publish", "stream"):
+    with weightbus.Subscriber(sys.argv[1].format(mode=mode)) as sub:
+        u = sub.receive(1, timeout=120)
         for i in range(model_mib // tensor_mib):
             g = torch.Generator().manual_seed(i)
             assert torch.equal(u[f"layers.{i}.weight"], torch.randn(tensor_mib * 262144, generator=g))

@@ -104,9 +104,11 @@ static int64_t shape_w[] = {2, 3}, shape_e[] = {4}, shape_u[] = {2, 2}, shape_t[
 static const char* const names[] = {"w", "e", "u", "t", "flags", "fp8", "scalar", "empty"};
 enum { kNumTensors = 8 };
 
-static wb_status_t PublishVersion(wb_publisher_t* publisher, uint64_t version) {
-  Fill((uint32_t)version);
-  DLTensor tensors[kNumTensors];
+/* The version's tensors over the buffers above, and their dtype overrides. */
+static const wb_dtype_t dtypes[kNumTensors] = {
+    WB_DTYPE_FROM_DLPACK, WB_DTYPE_FROM_DLPACK, WB_DTYPE_BF16,        WB_DTYPE_FROM_DLPACK,
+    WB_DTYPE_BOOL,        WB_DTYPE_F8_E4M3,     WB_DTYPE_FROM_DLPACK, WB_DTYPE_FROM_DLPACK};
+static void MakeTensors(DLTensor tensors[kNumTensors]) {
   tensors[0] = Tensor(w_f32, 2, shape_w, NULL, kDLFloat, 32);
   tensors[1] = Tensor(e_bf16, 1, shape_e, NULL, kDLBfloat, 16);
   tensors[2] = Tensor(u_bf16, 2, shape_u, NULL, kDLUInt, 16);
@@ -117,9 +119,12 @@ static wb_status_t PublishVersion(wb_publisher_t* publisher, uint64_t version) {
   tensors[5] = Tensor(fp8, 1, shape_fp8, NULL, kDLUInt, 8);
   tensors[6] = Tensor(&scalar, 0, NULL, NULL, kDLFloat, 64);
   tensors[7] = Tensor(empty_data, 2, shape_empty, NULL, kDLInt, 32);
-  const wb_dtype_t dtypes[kNumTensors] = {
-      WB_DTYPE_FROM_DLPACK, WB_DTYPE_FROM_DLPACK, WB_DTYPE_BF16,        WB_DTYPE_FROM_DLPACK,
-      WB_DTYPE_BOOL,        WB_DTYPE_F8_E4M3,     WB_DTYPE_FROM_DLPACK, WB_DTYPE_FROM_DLPACK};
+}
+
+static wb_status_t PublishVersion(wb_publisher_t* publisher, uint64_t version) {
+  Fill((uint32_t)version);
+  DLTensor tensors[kNumTensors];
+  MakeTensors(tensors);
   char step[32];
   snprintf(step, sizeof(step), "%llu", (unsigned long long)version);
   const wb_option_t metadata[] = {{"step", step}, {"origin", "capi_test.c"}};
@@ -394,27 +399,14 @@ static void TestStreamingPublish(const char* dir) {
   CHECK(update == NULL);
 
   /* Dtypes in the params are per tensor: refused at begin. */
-  const wb_dtype_t dtypes[1] = {WB_DTYPE_BF16};
   wb_publish_params_t bad = WB_PUBLISH_PARAMS_INIT;
   bad.dtypes = dtypes;
   CHECK_STATUS(wb_publisher_begin_publish(pub, 3, &bad, &stream), WB_INVALID_ARGUMENT,
                "params.dtypes and params.shards must be NULL");
 
   /* PublishVersion(3)'s tensors, streamed. */
-  Fill(3);
   DLTensor tensors[kNumTensors];
-  tensors[0] = Tensor(w_f32, 2, shape_w, NULL, kDLFloat, 32);
-  tensors[1] = Tensor(e_bf16, 1, shape_e, NULL, kDLBfloat, 16);
-  tensors[2] = Tensor(u_bf16, 2, shape_u, NULL, kDLUInt, 16);
-  tensors[3] = Tensor(big, 2, shape_t, strides_t, kDLFloat, 32);
-  tensors[3].byte_offset = 4 * sizeof(float);
-  tensors[4] = Tensor(flags, 1, shape_flags, NULL, kDLUInt, 8);
-  tensors[5] = Tensor(fp8, 1, shape_fp8, NULL, kDLUInt, 8);
-  tensors[6] = Tensor(&scalar, 0, NULL, NULL, kDLFloat, 64);
-  tensors[7] = Tensor(empty_data, 2, shape_empty, NULL, kDLInt, 32);
-  const wb_dtype_t overrides[kNumTensors] = {
-      WB_DTYPE_FROM_DLPACK, WB_DTYPE_FROM_DLPACK, WB_DTYPE_BF16,        WB_DTYPE_FROM_DLPACK,
-      WB_DTYPE_BOOL,        WB_DTYPE_F8_E4M3,     WB_DTYPE_FROM_DLPACK, WB_DTYPE_FROM_DLPACK};
+  MakeTensors(tensors);
   const wb_option_t metadata[] = {{"step", "3"}, {"origin", "capi_test.c"}};
   wb_publish_params_t params = WB_PUBLISH_PARAMS_INIT;
   params.metadata = metadata;
@@ -422,7 +414,7 @@ static void TestStreamingPublish(const char* dir) {
   CHECK_OK(wb_publisher_begin_publish(pub, 3, &params, &stream));
   for (int i = 0; i < kNumTensors; ++i) {
     wb_stream_add_params_t add = WB_STREAM_ADD_PARAMS_INIT;
-    add.dtype = overrides[i];
+    add.dtype = dtypes[i];
     Fill(3);
     CHECK_OK(wb_publish_stream_add(stream, names[i], &tensors[i], &add));
     Fill(99); /* the add copied the bytes: overwriting them now changes nothing published */

@@ -572,6 +572,23 @@ absl::Status IndexPastEnd(const char* function, const char* what, size_t index, 
       absl::StrFormat("%s: index %d is past the end of the %d %s", function, index, count, what));
 }
 
+// The published tensor `index` named `name`: its layout with the dtype `override` and its
+// shard. Errors name the tensor, prefixed with `where` ("<uri> version 7").
+absl::StatusOr<wb::TensorView> ViewOf(const char* name, size_t index, const DLTensor& tensor,
+                                      wb_dtype_t override, const wb_shard_t* shard_in,
+                                      std::string_view where) {
+  absl::StatusOr<Layout> layout = LayoutOf(name, tensor, override);
+  absl::StatusOr<std::optional<wb::Shard>> shard =
+      layout.ok() ? ShardOf(name, index, shard_in)
+                  : absl::StatusOr<std::optional<wb::Shard>>(layout.status());
+  if (!shard.ok()) {
+    return absl::Status(shard.status().code(),
+                        absl::StrFormat("%s: %s", where, shard.status().message()));
+  }
+  return wb::TensorView{name, layout->dtype, std::move(layout->shape), std::move(layout->strides),
+                        layout->data, layout->device, std::move(*shard)};
+}
+
 absl::Status Publish(wb_publisher_t* publisher, uint64_t version, const char* const* names,
                      const DLTensor* tensors, size_t num_tensors,
                      const wb_publish_params_t* params_in, int64_t timeout_ms) {
@@ -593,23 +610,12 @@ absl::Status Publish(wb_publisher_t* publisher, uint64_t version, const char* co
       return absl::InvalidArgumentError(absl::StrFormat("%s: %s version %d: names[%d] is NULL", kFn,
                                                         publisher->impl->uri(), version, i));
     }
-    const wb_dtype_t override = params.dtypes ? params.dtypes[i] : WB_DTYPE_FROM_DLPACK;
-    absl::StatusOr<Layout> layout = LayoutOf(names[i], tensors[i], override);
-    if (!layout.ok()) {
-      return absl::Status(layout.status().code(),
-                          absl::StrFormat("%s version %d: %s", publisher->impl->uri(), version,
-                                          layout.status().message()));
-    }
-    absl::StatusOr<std::optional<wb::Shard>> shard =
-        ShardOf(names[i], i, params.shards ? params.shards[i] : nullptr);
-    if (!shard.ok()) {
-      return absl::Status(shard.status().code(),
-                          absl::StrFormat("%s version %d: %s", publisher->impl->uri(), version,
-                                          shard.status().message()));
-    }
-    views.push_back(wb::TensorView{names[i], layout->dtype, std::move(layout->shape),
-                                   std::move(layout->strides), layout->data, layout->device,
-                                   std::move(*shard)});
+    absl::StatusOr<wb::TensorView> view =
+        ViewOf(names[i], i, tensors[i], params.dtypes ? params.dtypes[i] : WB_DTYPE_FROM_DLPACK,
+               params.shards ? params.shards[i] : nullptr,
+               absl::StrFormat("%s version %d", publisher->impl->uri(), version));
+    if (!view.ok()) return view.status();
+    views.push_back(*std::move(view));
   }
   return publisher->impl->Publish(version, views, *metadata, Timeout(timeout_ms));
 }
@@ -946,19 +952,11 @@ wb_status_t wb_publish_stream_add(wb_publish_stream_t* stream, const char* name,
     if (absl::Status s = ReadParams(kFn, params_in, kStreamAddParamsV1, &params); !s.ok()) {
       return s;
     }
-    const uint64_t version = stream->impl->version();
-    absl::StatusOr<Layout> layout = LayoutOf(name, *tensor, params.dtype);
-    absl::StatusOr<std::optional<wb::Shard>> shard =
-        layout.ok() ? ShardOf(name, stream->impl->tensor_count(), params.shard)
-                    : absl::StatusOr<std::optional<wb::Shard>>(layout.status());
-    if (!shard.ok()) {
-      return absl::Status(shard.status().code(),
-                          absl::StrFormat("%s: version %d: %s", kFn, version, shard.status().message()));
-    }
-    return stream->impl->Add(
-        wb::TensorView{name, layout->dtype, std::move(layout->shape), std::move(layout->strides),
-                       layout->data, layout->device, std::move(*shard)},
-        params.cuda_stream);
+    absl::StatusOr<wb::TensorView> view =
+        ViewOf(name, stream->impl->tensor_count(), *tensor, params.dtype, params.shard,
+               absl::StrFormat("%s: version %d", kFn, stream->impl->version()));
+    if (!view.ok()) return view.status();
+    return stream->impl->Add(*view, params.cuda_stream);
   });
 }
 

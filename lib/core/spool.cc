@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_format.h"
 #include "core/status.h"
 #include "core/tensor_pack.h"
@@ -137,8 +138,13 @@ absl::Status TensorSpool::AddCuda(const void* device_data, uint64_t nbytes, int 
     digests_.back() = Xxh3(nullptr, 0);
     return absl::OkStatus();
   }
-  absl::Status status = CudaStatus(cudaSetDevice(device), "cudaSetDevice");
-  if (status.ok()) status = EnsurePinned();
+  // The caller's current device is restored on return (the copy runs on `device`).
+  int previous = 0;
+  absl::Status status = CudaStatus(cudaGetDevice(&previous), "cudaGetDevice");
+  if (status.ok()) status = CudaStatus(cudaSetDevice(device), "cudaSetDevice");
+  if (!status.ok()) return broken_ = status;
+  absl::Cleanup restore = [previous] { (void)cudaSetDevice(previous); };
+  status = EnsurePinned(device);
   if (!status.ok()) return broken_ = status;
   auto stream = static_cast<cudaStream_t>(cuda_stream);
   for (uint64_t at = 0; at < nbytes;) {
@@ -174,20 +180,30 @@ absl::Status TensorSpool::AddCuda(const void* device_data, uint64_t nbytes, int 
 #endif
 }
 
-absl::Status TensorSpool::EnsurePinned() {
+absl::Status TensorSpool::EnsurePinned(int device) {
 #if defined(WEIGHTBUS_CORE_CUDA)
-  if (pinned_) return absl::OkStatus();
-  for (Bucket& b : buckets_) {
-    WB_RETURN_IF_ERROR(CudaStatus(
-        cudaHostRegister(b.buffer->data(), b.buffer->size(), cudaHostRegisterDefault),
-        absl::StrFormat("pinning the %d-byte staging bucket (cudaHostRegister)",
-                        b.buffer->size())));
+  if (!pinned_) {
+    // Portable: the pinned buckets serve copies from every device.
+    for (Bucket& b : buckets_) {
+      WB_RETURN_IF_ERROR(CudaStatus(
+          cudaHostRegister(b.buffer->data(), b.buffer->size(), cudaHostRegisterPortable),
+          absl::StrFormat("pinning the %d-byte staging bucket (cudaHostRegister)",
+                          b.buffer->size())));
+    }
+    pinned_ = true;
   }
-  pinned_ = true;
+  if (copy_event_ != nullptr && event_device_ == device) return absl::OkStatus();
+  // An event is recorded on streams of its own device: a tensor on another device than the
+  // last one's gets a new event (the previous copy was waited for by BeginTensor).
+  if (copy_event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(copy_event_));
+  copy_event_ = nullptr;
   cudaEvent_t event;
   WB_RETURN_IF_ERROR(
       CudaStatus(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate"));
   copy_event_ = event;
+  event_device_ = device;
+#else
+  (void)device;
 #endif
   return absl::OkStatus();
 }

@@ -94,7 +94,8 @@ class TensorSpool {
   absl::Status Flush();
   absl::Status WaitWriter();
   absl::Status WaitCudaCopy();
-  absl::Status EnsurePinned();
+  // Pins the buckets (once) and has an event for copies from `device`.
+  absl::Status EnsurePinned(int device);
 
   int fd_;
   std::string dir_;
@@ -118,6 +119,7 @@ class TensorSpool {
 
   bool pinned_ = false;
   void* copy_event_ = nullptr;  // cudaEvent_t recorded after the last queued copy
+  int event_device_ = -1;       // the device copy_event_ belongs to
   bool copy_pending_ = false;
 };
 

@@ -10,12 +10,13 @@ the trainer side uses; weightbus.vllm imports vLLM's own classes when vLLM is th
 StandInWeightSyncClient is the VLLMWeightSyncClient of a weightbus.testing.worker.StandInLLM:
 the four control-plane calls go to its workers, as vLLM's clients route them to an LLM.
 """
-import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Tuple
 
 import torch
+
+from .worker import WeightTransferEngineFactory
 
 
 def materialize_full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -109,20 +110,9 @@ class WeightTransferTrainerFactory:
 
     _registry: Dict[str, Callable[[], type]] = {}
 
-    @classmethod
-    def register_engine(cls, name: str, module_path_or_cls: Any,
-                        class_name: Optional[str] = None) -> None:
-        if name in cls._registry:
-            raise ValueError(f"Weight transfer trainer engine '{name}' is already registered.")
-        if isinstance(module_path_or_cls, str):
-            if class_name is None:
-                raise ValueError("class_name is required when registering with module path")
-            module_path = module_path_or_cls
-            cls._registry[name] = lambda: getattr(importlib.import_module(module_path),
-                                                  class_name)
-        else:
-            engine_cls = module_path_or_cls
-            cls._registry[name] = lambda: engine_cls
+    # The same conventions as WeightTransferEngineFactory.register_engine (vLLM's factory.py
+    # says so too), on this class's own registry.
+    register_engine = classmethod(WeightTransferEngineFactory.register_engine.__func__)
 
     @classmethod
     def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any,

@@ -66,10 +66,13 @@ def main() -> int:
           f"stream_bucket={args.bucket}, {uri}")
     print(f"# {'mode':>8} {'model_MiB':>10} {'peak_above_baseline_MiB':>24} {'ratio':>7}")
     for mode in ("publish", "stream"):
+        # A fixed mmap threshold: each freed tensor goes back to the system at once, instead of
+        # glibc's dynamic threshold keeping some of the producer's freed tensors in its heap
+        # (which made the streamed figure vary by tens of MiB between identical runs).
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576")
         out = subprocess.run([sys.executable, "-c", CHILD, mode, uri.format(mode=mode),
-                              str(args.model_mib),
-                              str(args.tensor_mib), args.bucket], check=True,
-                             capture_output=True, text=True).stdout
+                              str(args.model_mib), str(args.tensor_mib), args.bucket],
+                             check=True, capture_output=True, text=True, env=env).stdout
         r = json.loads(out.strip().splitlines()[-1])
         peak = (r["peak"] - r["baseline"]) / 2**20
         print(f"  {mode:>8} {r['bytes'] / 2**20:>10.0f} {peak:>24.1f} "

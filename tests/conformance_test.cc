@@ -1563,7 +1563,8 @@ TEST_P(ConformanceTest, StreamedVersionsAreAllOrNothingAndBitExact) {
     // A strided view (the transpose of a 3x5 matrix), gathered as it is added.
     std::vector<int32_t> m(15);
     for (int i = 0; i < 15; ++i) m[i] = i * 7 - 3;
-    ASSERT_TRUE((*stream)->Add(TensorView{"transposed", DType::kI32, {5, 3}, {1, 5}, m.data()}).ok());
+    ASSERT_TRUE(
+        (*stream)->Add(TensorView{"transposed", DType::kI32, {5, 3}, {1, 5}, m.data()}).ok());
     EXPECT_EQ((*stream)->tensor_count(), tensors.size() + 1);
     // Nothing is visible before Commit, and the spool has no name in its directory.
     auto early = sub->Poll(0, kTimeout);
@@ -1707,7 +1708,12 @@ TEST_P(ConformanceTest, StreamedGroupPartsCommitOneVersionWhereDeclared) {
   ASSERT_TRUE(s0.ok() && s1.ok()) << s0.status() << s1.status();
   for (int rank = 0; rank < 2; ++rank) {
     PublishStream& s = rank == 0 ? **s0 : **s1;
-    ASSERT_TRUE(s.Add(TensorView{"w", DType::kF32, {32, 32}, {}, whole.data() + rank * 32 * 32, {},
+    ASSERT_TRUE(s.Add(TensorView{"w",
+                                 DType::kF32,
+                                 {32, 32},
+                                 {},
+                                 whole.data() + rank * 32 * 32,
+                                 {},
                                  Shard{{64, 32}, {rank * 32, 0}}})
                     .ok());
     ASSERT_TRUE(s.Add(TensorView{"bias", DType::kF32, {}, {}, &bias}).ok());  // replicated
@@ -1719,8 +1725,9 @@ TEST_P(ConformanceTest, StreamedGroupPartsCommitOneVersionWhereDeclared) {
   // Again, both ranks at once.
   s0 = r0->BeginPublish(1);
   ASSERT_TRUE(s0.ok()) << s0.status();
-  ASSERT_TRUE((*s0)->Add(TensorView{"w", DType::kF32, {32, 32}, {}, whole.data(), {},
-                                    Shard{{64, 32}, {0, 0}}})
+  ASSERT_TRUE((*s0)
+                  ->Add(TensorView{
+                      "w", DType::kF32, {32, 32}, {}, whole.data(), {}, Shard{{64, 32}, {0, 0}}})
                   .ok());
   ASSERT_TRUE((*s0)->Add(TensorView{"bias", DType::kF32, {}, {}, &bias}).ok());
   absl::Status status0;

@@ -409,11 +409,11 @@ typedef struct wb_publish_stream wb_publish_stream_t;
 
 /* Parameters of wb_publish_stream_add. */
 typedef struct wb_stream_add_params {
-  size_t struct_size;     /* sizeof(wb_stream_add_params_t) */
-  wb_dtype_t dtype;       /* FROM_DLPACK or an override of the tensor's element type */
+  size_t struct_size;      /* sizeof(wb_stream_add_params_t) */
+  wb_dtype_t dtype;        /* FROM_DLPACK or an override of the tensor's element type */
   const wb_shard_t* shard; /* NULL, or the tensor as a shard of a larger one (wb_shard_t) */
-  void* cuda_stream;      /* a cudaStream_t for kDLCUDA tensors (NULL: the legacy default
-                             stream); ignored for host tensors */
+  void* cuda_stream;       /* a cudaStream_t for kDLCUDA tensors (NULL: the legacy default
+                              stream); ignored for host tensors */
 } wb_stream_add_params_t;
 #define WB_STREAM_ADD_PARAMS_INIT \
   { sizeof(wb_stream_add_params_t), WB_DTYPE_FROM_DLPACK, NULL, NULL }

@@ -257,7 +257,6 @@ class WB_EXPORT Publisher {
   class Impl;
 
  private:
-  friend class PublishStream;
   explicit Publisher(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

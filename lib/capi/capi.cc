@@ -585,8 +585,9 @@ absl::StatusOr<wb::TensorView> ViewOf(const char* name, size_t index, const DLTe
     return absl::Status(shard.status().code(),
                         absl::StrFormat("%s: %s", where, shard.status().message()));
   }
-  return wb::TensorView{name, layout->dtype, std::move(layout->shape), std::move(layout->strides),
-                        layout->data, layout->device, std::move(*shard)};
+  return wb::TensorView{
+      name,         layout->dtype,  std::move(layout->shape), std::move(layout->strides),
+      layout->data, layout->device, std::move(*shard)};
 }
 
 absl::Status Publish(wb_publisher_t* publisher, uint64_t version, const char* const* names,

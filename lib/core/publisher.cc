@@ -591,7 +591,7 @@ class PublishStream::Impl {
 };
 
 absl::StatusOr<std::unique_ptr<PublishStream>> Publisher::BeginPublish(uint64_t version,
-                                                                      const Metadata& metadata) {
+                                                                       const Metadata& metadata) {
   internal::CallScope scope(*impl_->gate, "BeginPublish");
   if (!scope.status().ok()) return scope.status();
   Impl& p = *impl_;
@@ -635,12 +635,12 @@ absl::Status PublishStream::Add(const TensorView& tensor, void* cuda_stream) {
   internal::CallScope scope(*owner->gate, "PublishStream::Add");
   if (!scope.status().ok()) return internal::Annotate(scope.status(), s.where);
   if (s.tensors.size() >= kMaxTensors) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: tensor \"%s\" would be tensor %d, above the limit of %d", s.where, tensor.name,
-        s.tensors.size() + 1, kMaxTensors));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: tensor \"%s\" would be tensor %d, above the limit of %d", s.where,
+                        tensor.name, s.tensors.size() + 1, kMaxTensors));
   }
-  WB_ASSIGN_OR_RETURN(TensorInfo info, CheckTensor(tensor, /*cuda_ok=*/true,
-                                                   owner->identity.rank, s.names, s.where));
+  WB_ASSIGN_OR_RETURN(TensorInfo info, CheckTensor(tensor, /*cuda_ok=*/true, owner->identity.rank,
+                                                   s.names, s.where));
   absl::Status status =
       tensor.device.type == DeviceType::kCuda
           ? s.spool->AddCuda(tensor.data, info.nbytes, tensor.device.index, cuda_stream)
@@ -729,7 +729,6 @@ uint64_t PublishStream::bytes() const {
 }
 
 bool SupportsCudaTensors() { return internal::SpoolSupportsCuda(); }
-
 
 absl::Status Publisher::WaitForReceivers(uint64_t version, int count, absl::Duration timeout) {
   internal::CallScope scope(*impl_->gate, "WaitForReceivers");

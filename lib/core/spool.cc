@@ -185,10 +185,10 @@ absl::Status TensorSpool::EnsurePinned(int device) {
   if (!pinned_) {
     // Portable: the pinned buckets serve copies from every device.
     for (Bucket& b : buckets_) {
-      WB_RETURN_IF_ERROR(CudaStatus(
-          cudaHostRegister(b.buffer->data(), b.buffer->size(), cudaHostRegisterPortable),
-          absl::StrFormat("pinning the %d-byte staging bucket (cudaHostRegister)",
-                          b.buffer->size())));
+      WB_RETURN_IF_ERROR(
+          CudaStatus(cudaHostRegister(b.buffer->data(), b.buffer->size(), cudaHostRegisterPortable),
+                     absl::StrFormat("pinning the %d-byte staging bucket (cudaHostRegister)",
+                                     b.buffer->size())));
     }
     pinned_ = true;
   }
@@ -223,7 +223,8 @@ absl::Status TensorSpool::WaitCudaCopy() {
 
 absl::Status TensorSpool::WaitWriter() {
   absl::MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(+[](bool* writing) { return !*writing; }, &writing_));
+  mu_.Await(absl::Condition(
+      +[](bool* writing) { return !*writing; }, &writing_));
   for (Bucket& b : buckets_) {  // the writer's results, now that it is idle
     for (auto [tensor, digest] : b.digests) digests_[tensor] = digest;
     b.digests.clear();
@@ -253,8 +254,8 @@ absl::Status TensorSpool::Flush() {
     }
     absl::Status status;
     for (uint64_t done = 0; done < b.fill;) {
-      const ssize_t n =
-          pwrite(fd_, b.buffer->data() + done, b.fill - done, static_cast<off_t>(file_offset + done));
+      const ssize_t n = pwrite(fd_, b.buffer->data() + done, b.fill - done,
+                               static_cast<off_t>(file_offset + done));
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {
         status = ErrnoStatus(n < 0 ? errno : ENOSPC,
@@ -301,8 +302,8 @@ absl::StatusOr<const std::byte*> TensorSpool::Map() {
   if (map_ != nullptr || file_end_ == 0) return map_;
   void* p = mmap(nullptr, file_end_, PROT_READ, MAP_SHARED, fd_, 0);
   if (p == MAP_FAILED) {
-    return ErrnoStatus(errno, absl::StrFormat("mapping the %d-byte spool file in \"%s\"",
-                                              file_end_, dir_));
+    return ErrnoStatus(
+        errno, absl::StrFormat("mapping the %d-byte spool file in \"%s\"", file_end_, dir_));
   }
   map_ = static_cast<const std::byte*>(p);
   map_size_ = file_end_;

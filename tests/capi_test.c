@@ -104,9 +104,11 @@ static int64_t shape_w[] = {2, 3}, shape_e[] = {4}, shape_u[] = {2, 2}, shape_t[
 static const char* const names[] = {"w", "e", "u", "t", "flags", "fp8", "scalar", "empty"};
 enum { kNumTensors = 8 };
 
-static wb_status_t PublishVersion(wb_publisher_t* publisher, uint64_t version) {
-  Fill((uint32_t)version);
-  DLTensor tensors[kNumTensors];
+/* The version's tensors over the buffers above, and their dtype overrides. */
+static const wb_dtype_t dtypes[kNumTensors] = {
+    WB_DTYPE_FROM_DLPACK, WB_DTYPE_FROM_DLPACK, WB_DTYPE_BF16,        WB_DTYPE_FROM_DLPACK,
+    WB_DTYPE_BOOL,        WB_DTYPE_F8_E4M3,     WB_DTYPE_FROM_DLPACK, WB_DTYPE_FROM_DLPACK};
+static void MakeTensors(DLTensor tensors[kNumTensors]) {
   tensors[0] = Tensor(w_f32, 2, shape_w, NULL, kDLFloat, 32);
   tensors[1] = Tensor(e_bf16, 1, shape_e, NULL, kDLBfloat, 16);
   tensors[2] = Tensor(u_bf16, 2, shape_u, NULL, kDLUInt, 16);
@@ -117,9 +119,12 @@ static wb_status_t PublishVersion(wb_publisher_t* publisher, uint64_t version) {
   tensors[5] = Tensor(fp8, 1, shape_fp8, NULL, kDLUInt, 8);
   tensors[6] = Tensor(&scalar, 0, NULL, NULL, kDLFloat, 64);
   tensors[7] = Tensor(empty_data, 2, shape_empty, NULL, kDLInt, 32);
-  const wb_dtype_t dtypes[kNumTensors] = {
-      WB_DTYPE_FROM_DLPACK, WB_DTYPE_FROM_DLPACK, WB_DTYPE_BF16,        WB_DTYPE_FROM_DLPACK,
-      WB_DTYPE_BOOL,        WB_DTYPE_F8_E4M3,     WB_DTYPE_FROM_DLPACK, WB_DTYPE_FROM_DLPACK};
+}
+
+static wb_status_t PublishVersion(wb_publisher_t* publisher, uint64_t version) {
+  Fill((uint32_t)version);
+  DLTensor tensors[kNumTensors];
+  MakeTensors(tensors);
   char step[32];
   snprintf(step, sizeof(step), "%llu", (unsigned long long)version);
   const wb_option_t metadata[] = {{"step", step}, {"origin", "capi_test.c"}};
@@ -352,6 +357,81 @@ static int RemoveEntry(const char* path, const struct stat* sb, int flag, struct
   (void)flag;
   (void)ftw;
   return remove(path);
+}
+
+/* The streaming publish: PublishVersion's tensors added one at a time (each from a buffer
+ * overwritten right after its add returns), committed as a version CheckUpdate accepts; an
+ * aborted or destroyed stream leaves nothing; errors name the tensor and the version. */
+static void TestStreamingPublish(const char* dir) {
+  char uri[512];
+  snprintf(uri, sizeof(uri), "disk://%s/stream?fsync=false&stream_bucket=8KiB", dir);
+  wb_publisher_t* pub = NULL;
+  CHECK_OK(wb_publisher_create(uri, NULL, &pub));
+  wb_subscriber_t* sub = NULL;
+  CHECK_OK(wb_subscriber_create(uri, NULL, &sub));
+  if (pub == NULL || sub == NULL) return;
+  CHECK(wb_supports_cuda_tensors() == true || wb_supports_cuda_tensors() == false);
+
+  /* Aborted, then destroyed uncommitted: nothing is visible. */
+  wb_publish_stream_t* stream = NULL;
+  CHECK_OK(wb_publisher_begin_publish(pub, 3, NULL, &stream));
+  uint8_t bytes[16] = {1};
+  int64_t shape16[] = {16};
+  DLTensor one = Tensor(bytes, 1, shape16, NULL, kDLUInt, 8);
+  CHECK_OK(wb_publish_stream_add(stream, "x", &one, NULL));
+  wb_publish_stream_t* second = (wb_publish_stream_t*)0x1;
+  CHECK_STATUS(wb_publisher_begin_publish(pub, 4, NULL, &second), WB_FAILED_PRECONDITION,
+               "version 3 is still being streamed");
+  CHECK(second == (wb_publish_stream_t*)0x1); /* outputs written only on success */
+  CHECK_STATUS(wb_publish_stream_add(stream, "x", &one, NULL), WB_INVALID_ARGUMENT,
+               "version 3: tensor name \"x\" appears twice");
+  CHECK_OK(wb_publish_stream_abort(stream));
+  CHECK_STATUS(wb_publish_stream_commit(stream, 1000), WB_FAILED_PRECONDITION,
+               "after the stream was aborted");
+  wb_publish_stream_destroy(stream);
+  wb_publish_stream_destroy(NULL);
+  stream = NULL;
+  CHECK_OK(wb_publisher_begin_publish(pub, 3, NULL, &stream));
+  CHECK_OK(wb_publish_stream_add(stream, "x", &one, NULL));
+  wb_publish_stream_destroy(stream);
+  wb_update_t* update = NULL;
+  CHECK_OK(wb_subscriber_poll(sub, 0, 30000, &update));
+  CHECK(update == NULL);
+
+  /* Dtypes in the params are per tensor: refused at begin. */
+  wb_publish_params_t bad = WB_PUBLISH_PARAMS_INIT;
+  bad.dtypes = dtypes;
+  CHECK_STATUS(wb_publisher_begin_publish(pub, 3, &bad, &stream), WB_INVALID_ARGUMENT,
+               "params.dtypes and params.shards must be NULL");
+
+  /* PublishVersion(3)'s tensors, streamed. */
+  DLTensor tensors[kNumTensors];
+  MakeTensors(tensors);
+  const wb_option_t metadata[] = {{"step", "3"}, {"origin", "capi_test.c"}};
+  wb_publish_params_t params = WB_PUBLISH_PARAMS_INIT;
+  params.metadata = metadata;
+  params.num_metadata = 2;
+  CHECK_OK(wb_publisher_begin_publish(pub, 3, &params, &stream));
+  for (int i = 0; i < kNumTensors; ++i) {
+    wb_stream_add_params_t add = WB_STREAM_ADD_PARAMS_INIT;
+    add.dtype = dtypes[i];
+    Fill(3);
+    CHECK_OK(wb_publish_stream_add(stream, names[i], &tensors[i], &add));
+    Fill(99); /* the add copied the bytes: overwriting them now changes nothing published */
+  }
+  CHECK_OK(wb_publish_stream_commit(stream, 30000));
+  wb_publish_stream_destroy(stream);
+  wb_publish_stats_t stats = WB_PUBLISH_STATS_INIT;
+  CHECK_OK(wb_publisher_last_stats(pub, &stats));
+  CHECK(stats.version == 3 && stats.bytes > 0);
+  CHECK_OK(wb_subscriber_poll(sub, 3, 30000, &update));
+  CHECK(update != NULL);
+  if (update != NULL) {
+    CheckUpdate(update, 3);
+    wb_update_destroy(update);
+  }
+  wb_subscriber_destroy(sub);
+  wb_publisher_destroy(pub);
 }
 
 static void TestVersionAndStatus(void) {
@@ -959,6 +1039,7 @@ int main(void) {
   TestUcxReceivers();
   TestReceiveVersion(dir);
   TestPlacements(dir);
+  TestStreamingPublish(dir);
 
   wb_publisher_t* publisher = NULL;
   CHECK_OK(wb_publisher_create(uri, NULL, &publisher));

@@ -8,6 +8,7 @@
 // (lib/core/transport.h): every capability a stack declares holds, and every optional method it
 // does not declare refuses cleanly. A transport added later gets all of it with one line in
 // Stacks() (docs/TRANSPORTS.md).
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <thread>
 
@@ -1487,6 +1489,224 @@ TEST_P(ConformanceTest, GroupOfProcessesNeverMixesVersionsWhilePublishesRace) {
         << testing::ReadFileOrDie(log(i));
   }
   std::cout << GetParam().name << ": " << rounds << " rounds, " << repicked << " re-picked\n";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Streaming publish (Publisher::BeginPublish): tensor by tensor, all or nothing.
+
+// Names in `dir` (a spool file has none: O_TMPFILE, or unlinked at once).
+std::vector<std::string> Entries(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) out.push_back(e.path().string());
+  return out;
+}
+
+// Adds each tensor from a scratch copy that is overwritten as soon as Add returns: what the
+// subscriber receives was copied during Add, not read later.
+void AddEach(PublishStream& stream, const std::vector<OwnedTensor>& tensors) {
+  for (const OwnedTensor& t : tensors) {
+    OwnedTensor scratch = t;
+    ASSERT_TRUE(stream.Add(scratch.View()).ok()) << t.name;
+    std::fill(scratch.bytes.begin(), scratch.bytes.end(), std::byte{0xAA});
+  }
+}
+
+TEST_P(ConformanceTest, StreamedVersionsAreAllOrNothingAndBitExact) {
+  ScratchDir spill;
+  // A bucket far smaller than the version: tensors span bucket halves and many writes.
+  const std::string query = "stream_bucket=16KiB&stream_spill_dir=" + spill.path();
+  auto pub = OpenPublisher(Uri(query));
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(pub && sub);
+  for (uint64_t v = 1; v <= 2; ++v) {
+    auto tensors = MakeVersion(11, v, 1 << 18);
+    auto stream = pub->BeginPublish(v, {{"step", std::to_string(v)}});
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    AddEach(**stream, tensors);
+    // A strided view (the transpose of a 3x5 matrix), gathered as it is added.
+    std::vector<int32_t> m(15);
+    for (int i = 0; i < 15; ++i) m[i] = i * 7 - 3;
+    ASSERT_TRUE(
+        (*stream)->Add(TensorView{"transposed", DType::kI32, {5, 3}, {1, 5}, m.data()}).ok());
+    EXPECT_EQ((*stream)->tensor_count(), tensors.size() + 1);
+    // Nothing is visible before Commit, and the spool has no name in its directory.
+    auto early = sub->Poll(0, kTimeout);
+    ASSERT_TRUE(early.ok()) << early.status();
+    if (v == 1) EXPECT_EQ(*early, nullptr);
+    if (v == 2) EXPECT_TRUE(*early == nullptr || (*early)->version() == 1);
+    EXPECT_EQ(Entries(spill.path()), std::vector<std::string>{});
+    ASSERT_TRUE((*stream)->Commit(kTimeout).ok());
+    EXPECT_EQ(pub->latest_version(), std::optional<uint64_t>(v));
+    EXPECT_EQ(pub->last_stats().version, v);
+    auto u = sub->WaitForVersion(v, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    EXPECT_EQ((*u)->version(), v);
+    EXPECT_EQ((*u)->manifest().metadata, (Metadata{{"step", std::to_string(v)}}));
+    const TensorView* t = (*u)->Find("transposed");
+    ASSERT_NE(t, nullptr);
+    std::vector<int32_t> expect;
+    for (int r = 0; r < 5; ++r) {
+      for (int c = 0; c < 3; ++c) expect.push_back(m[c * 5 + r]);
+    }
+    EXPECT_EQ(std::vector<int32_t>(static_cast<const int32_t*>(t->data),
+                                   static_cast<const int32_t*>(t->data) + 15),
+              expect);
+    // Every other tensor bit-exact, in the order added.
+    ASSERT_EQ((*u)->tensors().size(), tensors.size() + 1);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const TensorView& got = (*u)->tensors()[i];
+      EXPECT_EQ(got.name, tensors[i].name);
+      EXPECT_EQ(got.shape, tensors[i].shape);
+      EXPECT_EQ(std::memcmp(got.data, tensors[i].bytes.data(), tensors[i].bytes.size()), 0)
+          << got.name;
+    }
+    // A call after the end is FailedPrecondition naming the version.
+    absl::Status late = (*stream)->Add(tensors[0].View());
+    EXPECT_EQ(late.code(), absl::StatusCode::kFailedPrecondition) << late;
+    EXPECT_TRUE(absl::StrContains(late.message(), absl::StrFormat("version %d", v))) << late;
+  }
+
+  // Aborted, destroyed uncommitted, or failed: nothing of version 3 is ever visible.
+  auto a = pub->BeginPublish(3);
+  ASSERT_TRUE(a.ok()) << a.status();
+  AddEach(**a, MakeVersion(12, 3, 1 << 16));
+  // One open stream per Publisher, and versions below the latest are refused at once.
+  auto second = pub->BeginPublish(4);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
+  EXPECT_TRUE(absl::StrContains(second.status().message(), "version 3 is still being streamed"))
+      << second.status();
+  (*a)->Abort();
+  auto low = pub->BeginPublish(1);
+  EXPECT_EQ(low.status().code(), absl::StatusCode::kFailedPrecondition) << low.status();
+  EXPECT_TRUE(absl::StrContains(low.status().message(), "already has version 2")) << low.status();
+  {
+    auto dropped = pub->BeginPublish(3);
+    ASSERT_TRUE(dropped.ok()) << dropped.status();
+    AddEach(**dropped, MakeVersion(13, 3, 1 << 16));
+  }  // destroyed uncommitted
+  {
+    auto bad = pub->BeginPublish(3);
+    ASSERT_TRUE(bad.ok()) << bad.status();
+    auto tensors = MakeVersion(14, 3, 1 << 16);
+    AddEach(**bad, tensors);
+    // A tensor Publish would refuse is refused naming it and the version; the stream stays open.
+    absl::Status twice = (*bad)->Add(tensors[0].View());
+    EXPECT_EQ(twice.code(), absl::StatusCode::kInvalidArgument) << twice;
+    EXPECT_TRUE(absl::StrContains(twice.message(), "version 3")) << twice;
+    EXPECT_TRUE(absl::StrContains(twice.message(), "\"" + tensors[0].name + "\"")) << twice;
+    TensorView null_data{"null.data", DType::kF32, {4}, {}, nullptr};
+    absl::Status null_status = (*bad)->Add(null_data);
+    EXPECT_EQ(null_status.code(), absl::StatusCode::kInvalidArgument) << null_status;
+    EXPECT_TRUE(absl::StrContains(null_status.message(), "null.data")) << null_status;
+    // Another Publish takes version 3 meanwhile, with other bytes: the commit is refused.
+    auto other = MakeVersion(15, 3, 1 << 16);
+    ASSERT_TRUE(pub->Publish(3, Views(other), {}, kTimeout).ok());
+    absl::Status commit = (*bad)->Commit(kTimeout);
+    EXPECT_EQ(commit.code(), absl::StatusCode::kFailedPrecondition) << commit;
+    auto u = sub->WaitForVersion(3, kTimeout);
+    ASSERT_TRUE(u.ok()) << u.status();
+    ExpectSameTensors(**u, other);
+  }
+  auto after = sub->Poll(4, kTimeout);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(*after, nullptr);
+  EXPECT_EQ(sub->current_version(), std::optional<uint64_t>(3));
+  EXPECT_EQ(pub->latest_version(), std::optional<uint64_t>(3));
+  EXPECT_EQ(Entries(spill.path()), std::vector<std::string>{});
+
+  // The Publisher destroyed under an open stream: its calls return Cancelled, nothing shows.
+  auto orphan = pub->BeginPublish(4);
+  ASSERT_TRUE(orphan.ok()) << orphan.status();
+  AddEach(**orphan, MakeVersion(16, 4, 1 << 16));
+  pub.reset();
+  auto v4 = MakeVersion(16, 4, 1 << 16);
+  EXPECT_EQ((*orphan)->Add(v4[0].View()).code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ((*orphan)->Commit(kTimeout).code(), absl::StatusCode::kCancelled);
+  orphan->reset();
+
+  // A process that dies mid-stream leaves nothing a subscriber or a later publisher sees.
+  const std::string uri = Uri(query);
+  const pid_t child = ForkChild([&] {
+    auto p = Publisher::Open(uri);
+    if (!p.ok()) return int{kChildOther};
+    auto s = (*p)->BeginPublish(4);
+    if (!s.ok()) return int{kChildOther};
+    for (const OwnedTensor& t : MakeVersion(17, 4, 1 << 18)) {
+      if (!(*s)->Add(t.View()).ok()) return int{kChildOther};
+    }
+    raise(SIGKILL);
+    return int{kChildOther};
+  });
+  EXPECT_EQ(WaitChild(child), 128 + SIGKILL);
+  EXPECT_EQ(Entries(spill.path()), std::vector<std::string>{});
+  auto none = sub->Poll(4, absl::Seconds(1));
+  if (none.ok()) EXPECT_EQ(*none, nullptr);  // ucx: the publisher is gone (Unavailable)
+  pub = OpenPublisher(Uri(query));
+  ASSERT_TRUE(pub);
+  if (caps_.durable) EXPECT_EQ(pub->latest_version(), std::optional<uint64_t>(3));
+  auto stream = pub->BeginPublish(4);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  AddEach(**stream, v4);
+  ASSERT_TRUE((*stream)->Commit(kTimeout).ok());
+  auto fresh = OpenSubscriber(Uri());
+  ASSERT_TRUE(fresh);
+  auto u = fresh->WaitForVersion(4, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ExpectSameTensors(**u, v4);
+}
+
+// A group rank's stream is its part: every rank streams its slices, the version appears whole
+// once every rank committed, and not before.
+TEST_P(ConformanceTest, StreamedGroupPartsCommitOneVersionWhereDeclared) {
+  if (!caps_.publisher_groups) GTEST_SKIP() << "no publisher groups on this stack";
+  auto r0 = OpenPublisher(Uri("rank=0&world_size=2&stream_bucket=8KiB"));
+  auto r1 = OpenPublisher(Uri("rank=1&world_size=2&stream_bucket=8KiB"));
+  auto sub = OpenSubscriber(Uri());
+  ASSERT_TRUE(r0 && r1 && sub);
+  std::vector<float> whole(64 * 32);
+  for (size_t i = 0; i < whole.size(); ++i) whole[i] = static_cast<float>(i) * 0.25f;
+  const float bias = 3.5f;
+  auto s0 = r0->BeginPublish(1);
+  auto s1 = r1->BeginPublish(1);
+  ASSERT_TRUE(s0.ok() && s1.ok()) << s0.status() << s1.status();
+  for (int rank = 0; rank < 2; ++rank) {
+    PublishStream& s = rank == 0 ? **s0 : **s1;
+    ASSERT_TRUE(s.Add(TensorView{"w",
+                                 DType::kF32,
+                                 {32, 32},
+                                 {},
+                                 whole.data() + rank * 32 * 32,
+                                 {},
+                                 Shard{{64, 32}, {rank * 32, 0}}})
+                    .ok());
+    ASSERT_TRUE(s.Add(TensorView{"bias", DType::kF32, {}, {}, &bias}).ok());  // replicated
+  }
+  ASSERT_TRUE((*s0)->Commit(absl::Milliseconds(1)).code() == absl::StatusCode::kDeadlineExceeded);
+  auto nothing = sub->Poll(0, kTimeout);
+  ASSERT_TRUE(nothing.ok()) << nothing.status();
+  EXPECT_EQ(*nothing, nullptr);
+  // Again, both ranks at once.
+  s0 = r0->BeginPublish(1);
+  ASSERT_TRUE(s0.ok()) << s0.status();
+  ASSERT_TRUE((*s0)
+                  ->Add(TensorView{
+                      "w", DType::kF32, {32, 32}, {}, whole.data(), {}, Shard{{64, 32}, {0, 0}}})
+                  .ok());
+  ASSERT_TRUE((*s0)->Add(TensorView{"bias", DType::kF32, {}, {}, &bias}).ok());
+  absl::Status status0;
+  std::thread t([&] { status0 = (*s0)->Commit(kTimeout); });
+  const absl::Status status1 = (*s1)->Commit(kTimeout);
+  t.join();
+  ASSERT_TRUE(status0.ok()) << status0;
+  ASSERT_TRUE(status1.ok()) << status1;
+  auto u = sub->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  const TensorView* w = (*u)->Find("w");
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(w->shape, (std::vector<int64_t>{64, 32}));
+  EXPECT_EQ(std::memcmp(w->data, whole.data(), whole.size() * sizeof(float)), 0);
+  ASSERT_NE((*u)->Find("bias"), nullptr);
+  EXPECT_EQ(*static_cast<const float*>((*u)->Find("bias")->data), bias);
 }
 
 INSTANTIATE_TEST_SUITE_P(Stacks, ConformanceTest, ::testing::ValuesIn(Stacks()),

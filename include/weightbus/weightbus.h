@@ -393,6 +393,71 @@ WB_EXPORT wb_status_t wb_publisher_wait_for_receivers(wb_publisher_t* publisher,
 WB_EXPORT wb_status_t wb_publisher_uri(wb_publisher_t* publisher, const char** uri);
 
 /* ------------------------------------------------------------------------------------------ */
+/* Streaming publish: one version tensor by tensor (weightbus::PublishStream)                 */
+/* ------------------------------------------------------------------------------------------ */
+
+/* A version being published tensor by tensor: begin it, add each tensor as it is produced (the
+ * caller may free a host tensor as soon as its add returns), then commit or abort. All or
+ * nothing like wb_publisher_publish: nothing of the version is visible to any subscriber before
+ * commit returns WB_OK; abort, destroying the stream uncommitted, a failed commit or the process
+ * dying leaves nothing a subscriber sees. Added bytes go through a host bucket (setting
+ * stream_bucket, pinned for CUDA tensors) into an unlinked temporary file in stream_spill_dir,
+ * so the process holds the bucket, not the model. One thread drives a stream (not thread-safe);
+ * a publisher has at most one open stream. Once its publisher is cancelled or destroyed, every
+ * call on the stream returns WB_CANCELLED (destroy it still). */
+typedef struct wb_publish_stream wb_publish_stream_t;
+
+/* Parameters of wb_publish_stream_add. */
+typedef struct wb_stream_add_params {
+  size_t struct_size;      /* sizeof(wb_stream_add_params_t) */
+  wb_dtype_t dtype;        /* FROM_DLPACK or an override of the tensor's element type */
+  const wb_shard_t* shard; /* NULL, or the tensor as a shard of a larger one (wb_shard_t) */
+  void* cuda_stream;       /* a cudaStream_t for kDLCUDA tensors (NULL: the legacy default
+                              stream); ignored for host tensors */
+} wb_stream_add_params_t;
+#define WB_STREAM_ADD_PARAMS_INIT \
+  { sizeof(wb_stream_add_params_t), WB_DTYPE_FROM_DLPACK, NULL, NULL }
+
+/* Begins publishing `version` tensor by tensor. `params` gives its metadata (dtypes and shards
+ * must be NULL: they are per tensor, in wb_stream_add_params_t); NULL for none. Errors:
+ * WB_FAILED_PRECONDITION (the channel has a higher version, naming both; or this publisher
+ * already has an open stream, naming its version), WB_INVALID_ARGUMENT (reserved or non-UTF-8
+ * metadata, dtypes or shards given), WB_INTERNAL / WB_RESOURCE_EXHAUSTED creating the spool file,
+ * WB_CANCELLED. *stream is written only on WB_OK. */
+WB_EXPORT wb_status_t wb_publisher_begin_publish(wb_publisher_t* publisher, uint64_t version,
+                                                 const wb_publish_params_t* params,
+                                                 wb_publish_stream_t** stream);
+
+/* Adds `tensor` named `name` (unique, non-empty UTF-8) as the version's next tensor. Host
+ * tensors (kDLCPU, kDLCUDAHost, kDLCUDAManaged; strided ones gathered) are copied before this
+ * returns. A kDLCUDA tensor (contiguous; builds with CUDA only, wb_supports_cuda_tensors) is
+ * copied asynchronously to the pinned bucket on params->cuda_stream, overlapping whatever the
+ * caller does next; its memory must stay valid until the next call on this stream returns.
+ * Errors, naming the tensor and the version: WB_INVALID_ARGUMENT (a bad name, dtype, shape,
+ * strides, shard or override, a name already added: the stream stays open, the tensor was not
+ * added), WB_UNIMPLEMENTED (kDLCUDA without CUDA support: likewise), WB_FAILED_PRECONDITION
+ * (after commit or abort), WB_CANCELLED, WB_INTERNAL / WB_RESOURCE_EXHAUSTED (spool file: the
+ * version is dropped; abort or destroy). */
+WB_EXPORT wb_status_t wb_publish_stream_add(wb_publish_stream_t* stream, const char* name,
+                                            const DLTensor* tensor,
+                                            const wb_stream_add_params_t* params);
+
+/* Publishes the tensors added as the stream's version, with wb_publisher_publish's guarantee and
+ * errors; afterwards the stream is finished either way (wb_publisher_last_stats describes a
+ * successful commit). */
+WB_EXPORT wb_status_t wb_publish_stream_commit(wb_publish_stream_t* stream, int64_t timeout_ms);
+
+/* Drops the version (nothing of it is visible) and frees the spool. No effect after commit or a
+ * previous abort. */
+WB_EXPORT wb_status_t wb_publish_stream_abort(wb_publish_stream_t* stream);
+
+/* Aborts the version unless committed and frees the handle. NULL is a no-op. */
+WB_EXPORT void wb_publish_stream_destroy(wb_publish_stream_t* stream);
+
+/* Whether this build accepts kDLCUDA tensors in wb_publish_stream_add (built with CUDA). */
+WB_EXPORT bool wb_supports_cuda_tensors(void);
+
+/* ------------------------------------------------------------------------------------------ */
 /* Subscriber                                                                                  */
 /* ------------------------------------------------------------------------------------------ */
 

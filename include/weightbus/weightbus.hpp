@@ -85,6 +85,75 @@ struct PublishStats {
                                  // "keyframe: keyframe_interval=50"; empty without a layer
 };
 
+class Publisher;
+
+// One version published tensor by tensor (Publisher::BeginPublish): a trainer adds each tensor
+// as it produces it (e.g. gathers it from its shards) and may free it right after, so that the
+// whole model never has to be alive at once. The guarantee is Publish's: nothing of the version
+// is visible to any subscriber before Commit returns OK; Abort, destroying the stream
+// uncommitted, a failed Commit or the process dying leaves nothing a subscriber or a later
+// publisher sees.
+//
+// Memory: added bytes go through a host bucket of the setting `stream_bucket` (two halves: one
+// filled by Add while the other is written in the background) into an unlinked temporary file
+// in `stream_spill_dir`; Commit hands them to the transport from there (read back through the
+// transport's own window where it reads views piecewise, disk:// and ucx://; mapped read-only,
+// as reclaimable file-backed pages, for layers such as delta). The process's memory is thus
+// the bucket plus what the transport itself keeps (a ucx:// publisher serves versions from
+// registered staging memory), not the model. Disk space: the version's bytes, until the stream
+// ends.
+//
+// CUDA tensors (builds with CUDA, SupportsCudaTensors()): Add queues a copy into the pinned
+// bucket on the given stream and returns; the copy overlaps the caller producing the next
+// tensor. Their device memory must stay valid until the next call on this stream returns
+// (every call first waits for the previous copy).
+//
+// Thread safety: not thread-safe; one thread drives a stream. A Publisher has at most one open
+// stream. The stream must not outlive its Publisher's destruction in use: once the Publisher
+// is destroyed (or cancelled) every call returns Cancelled and the version is dropped.
+class WB_EXPORT PublishStream {
+ public:
+  ~PublishStream();  // aborts the version unless committed
+  PublishStream(const PublishStream&) = delete;
+  PublishStream& operator=(const PublishStream&) = delete;
+
+  // Adds `tensor` (validated as Publish validates each tensor) as the version's next tensor.
+  // Host tensors are copied before this returns (strided views gathered), so the caller may
+  // free or modify them at once; CUDA tensors as described above, `cuda_stream` being a
+  // cudaStream_t (nullptr: the legacy default stream; ignored for host tensors). Errors, naming
+  // the tensor and the version: InvalidArgument for a tensor Publish would refuse, a name
+  // already added, more than the tensor limit (the stream stays open: the tensor was not
+  // added); Unimplemented for a CUDA tensor without CUDA support; FailedPrecondition after
+  // Commit or Abort; Cancelled once the Publisher is cancelled or destroyed; Internal or
+  // ResourceExhausted (full disk) from the spool, after which only Abort is left.
+  absl::Status Add(const TensorView& tensor, void* cuda_stream = nullptr);
+
+  // Publishes the tensors added so far as the version, as Publish(version, tensors, metadata,
+  // timeout) would, with its errors (FailedPrecondition when another Publish took the version
+  // or a higher one meanwhile; a group rank's Commit is its part of the group version), after
+  // which the stream is finished either way (a failed Commit publishes nothing; add everything
+  // again under a new stream to retry). last_stats() of the Publisher describes it (`stall`:
+  // the Commit call, `pack`: 0).
+  absl::Status Commit(absl::Duration timeout);
+
+  // Drops the version: nothing of it was or will be visible; the spool is freed. No effect
+  // after Commit or a previous Abort.
+  void Abort();
+
+  uint64_t version() const;
+  size_t tensor_count() const;
+  uint64_t bytes() const;  // tensor bytes added
+
+  class Impl;
+  explicit PublishStream(std::unique_ptr<Impl> impl);
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Whether this build accepts CUDA tensors in PublishStream::Add (built with CUDA support).
+WB_EXPORT bool SupportsCudaTensors();
+
 // Publishes versions of a set of named tensors to one channel.
 //
 // Thread safety: Publish calls are serialized internally; the object may be shared between
@@ -156,6 +225,14 @@ class WB_EXPORT Publisher {
   // memory is full; Internal for other system errors.
   absl::Status Publish(uint64_t version, absl::Span<const TensorView> tensors,
                        const Metadata& metadata, absl::Duration timeout);
+
+  // Begins publishing `version` tensor by tensor (PublishStream): Add each tensor, then Commit
+  // (or Abort). `metadata` is the version's, as for Publish. Errors: FailedPrecondition when the
+  // channel already has a version above `version` (naming both) or this Publisher already has an
+  // open stream (naming its version); InvalidArgument for reserved or non-UTF-8 metadata;
+  // Internal/ResourceExhausted creating the spool in `stream_spill_dir`; Cancelled.
+  absl::StatusOr<std::unique_ptr<PublishStream>> BeginPublish(uint64_t version,
+                                                              const Metadata& metadata = {});
 
   // Waits up to `timeout` until at least `count` distinct subscribers have received and
   // verified `version` (or a newer version), e.g. to keep a one-shot publisher serving until its

@@ -25,6 +25,11 @@ struct wb_publisher {
   pid_t pid = getpid();  // the creating process: a forked child may not use the handle
 };
 
+struct wb_publish_stream {
+  std::unique_ptr<wb::PublishStream> impl;
+  pid_t pid = getpid();
+};
+
 struct wb_subscriber {
   std::unique_ptr<wb::Subscriber> impl;
   pid_t pid = getpid();
@@ -210,6 +215,7 @@ absl::Status WriteOutput(const char* function, const T& value, T* out, size_t fi
 constexpr size_t kOpenParamsV1 = sizeof(wb_open_params_t);
 constexpr size_t kPublishParamsV1 = offsetof(wb_publish_params_t, shards);  // before `shards`
 constexpr size_t kBindParamsV1 = sizeof(wb_bind_params_t);
+constexpr size_t kStreamAddParamsV1 = sizeof(wb_stream_add_params_t);
 constexpr size_t kPublishStatsV1 = offsetof(wb_publish_stats_t, flags);    // before `flags`
 constexpr size_t kUpdateStatsV1 = offsetof(wb_update_stats_t, decode_ns);  // before `decode_ns`
 constexpr size_t kSettingInfoV1 = sizeof(wb_setting_info_t);
@@ -566,6 +572,24 @@ absl::Status IndexPastEnd(const char* function, const char* what, size_t index, 
       absl::StrFormat("%s: index %d is past the end of the %d %s", function, index, count, what));
 }
 
+// The published tensor `index` named `name`: its layout with the dtype `override` and its
+// shard. Errors name the tensor, prefixed with `where` ("<uri> version 7").
+absl::StatusOr<wb::TensorView> ViewOf(const char* name, size_t index, const DLTensor& tensor,
+                                      wb_dtype_t override, const wb_shard_t* shard_in,
+                                      std::string_view where) {
+  absl::StatusOr<Layout> layout = LayoutOf(name, tensor, override);
+  absl::StatusOr<std::optional<wb::Shard>> shard =
+      layout.ok() ? ShardOf(name, index, shard_in)
+                  : absl::StatusOr<std::optional<wb::Shard>>(layout.status());
+  if (!shard.ok()) {
+    return absl::Status(shard.status().code(),
+                        absl::StrFormat("%s: %s", where, shard.status().message()));
+  }
+  return wb::TensorView{
+      name,         layout->dtype,  std::move(layout->shape), std::move(layout->strides),
+      layout->data, layout->device, std::move(*shard)};
+}
+
 absl::Status Publish(wb_publisher_t* publisher, uint64_t version, const char* const* names,
                      const DLTensor* tensors, size_t num_tensors,
                      const wb_publish_params_t* params_in, int64_t timeout_ms) {
@@ -587,23 +611,12 @@ absl::Status Publish(wb_publisher_t* publisher, uint64_t version, const char* co
       return absl::InvalidArgumentError(absl::StrFormat("%s: %s version %d: names[%d] is NULL", kFn,
                                                         publisher->impl->uri(), version, i));
     }
-    const wb_dtype_t override = params.dtypes ? params.dtypes[i] : WB_DTYPE_FROM_DLPACK;
-    absl::StatusOr<Layout> layout = LayoutOf(names[i], tensors[i], override);
-    if (!layout.ok()) {
-      return absl::Status(layout.status().code(),
-                          absl::StrFormat("%s version %d: %s", publisher->impl->uri(), version,
-                                          layout.status().message()));
-    }
-    absl::StatusOr<std::optional<wb::Shard>> shard =
-        ShardOf(names[i], i, params.shards ? params.shards[i] : nullptr);
-    if (!shard.ok()) {
-      return absl::Status(shard.status().code(),
-                          absl::StrFormat("%s version %d: %s", publisher->impl->uri(), version,
-                                          shard.status().message()));
-    }
-    views.push_back(wb::TensorView{names[i], layout->dtype, std::move(layout->shape),
-                                   std::move(layout->strides), layout->data, layout->device,
-                                   std::move(*shard)});
+    absl::StatusOr<wb::TensorView> view =
+        ViewOf(names[i], i, tensors[i], params.dtypes ? params.dtypes[i] : WB_DTYPE_FROM_DLPACK,
+               params.shards ? params.shards[i] : nullptr,
+               absl::StrFormat("%s version %d", publisher->impl->uri(), version));
+    if (!view.ok()) return view.status();
+    views.push_back(*std::move(view));
   }
   return publisher->impl->Publish(version, views, *metadata, Timeout(timeout_ms));
 }
@@ -900,6 +913,83 @@ wb_status_t wb_publisher_uri(wb_publisher_t* publisher, const char** uri) {
     return absl::OkStatus();
   });
 }
+
+wb_status_t wb_publisher_begin_publish(wb_publisher_t* publisher, uint64_t version,
+                                       const wb_publish_params_t* params_in,
+                                       wb_publish_stream_t** stream) {
+  constexpr const char* kFn = "wb_publisher_begin_publish";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_HANDLE(kFn, publisher);
+    WB_CHECK_ARG(kFn, stream);
+    wb_publish_params_t params;
+    if (absl::Status s = ReadParams(kFn, params_in, kPublishParamsV1, &params); !s.ok()) return s;
+    if (params.dtypes != nullptr || params.shards != nullptr) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: %s version %d: params.dtypes and params.shards must be NULL (give each tensor's "
+          "in its wb_stream_add_params_t)",
+          kFn, publisher->impl->uri(), version));
+    }
+    absl::StatusOr<wb::Metadata> metadata =
+        ReadOptions(kFn, "params.metadata", params.metadata, params.num_metadata);
+    if (!metadata.ok()) return metadata.status();
+    absl::StatusOr<std::unique_ptr<wb::PublishStream>> opened =
+        publisher->impl->BeginPublish(version, *metadata);
+    if (!opened.ok()) return opened.status();
+    auto handle = std::make_unique<wb_publish_stream>();
+    handle->impl = *std::move(opened);
+    *stream = handle.release();
+    return absl::OkStatus();
+  });
+}
+
+wb_status_t wb_publish_stream_add(wb_publish_stream_t* stream, const char* name,
+                                  const DLTensor* tensor, const wb_stream_add_params_t* params_in) {
+  constexpr const char* kFn = "wb_publish_stream_add";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_HANDLE(kFn, stream);
+    WB_CHECK_ARG(kFn, name);
+    WB_CHECK_ARG(kFn, tensor);
+    wb_stream_add_params_t params;
+    if (absl::Status s = ReadParams(kFn, params_in, kStreamAddParamsV1, &params); !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<wb::TensorView> view =
+        ViewOf(name, stream->impl->tensor_count(), *tensor, params.dtype, params.shard,
+               absl::StrFormat("%s: version %d", kFn, stream->impl->version()));
+    if (!view.ok()) return view.status();
+    return stream->impl->Add(*view, params.cuda_stream);
+  });
+}
+
+wb_status_t wb_publish_stream_commit(wb_publish_stream_t* stream, int64_t timeout_ms) {
+  constexpr const char* kFn = "wb_publish_stream_commit";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_HANDLE(kFn, stream);
+    return stream->impl->Commit(Timeout(timeout_ms));
+  });
+}
+
+wb_status_t wb_publish_stream_abort(wb_publish_stream_t* stream) {
+  constexpr const char* kFn = "wb_publish_stream_abort";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_HANDLE(kFn, stream);
+    stream->impl->Abort();
+    return absl::OkStatus();
+  });
+}
+
+void wb_publish_stream_destroy(wb_publish_stream_t* stream) {
+  if (stream == nullptr) return;
+  if (stream->pid != getpid()) {  // inherited across fork(): the parent's version, left alone
+    (void)stream->impl.release();
+  }
+  try {
+    delete stream;
+  } catch (...) {  // destructors do not throw; nothing may cross the boundary regardless
+  }
+}
+
+bool wb_supports_cuda_tensors(void) { return wb::SupportsCudaTensors(); }
 
 // The C placements as weightbus::SubscribePlacements.
 static absl::StatusOr<wb::SubscribePlacements> ReadPlacements(const char* function,

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 
 #if defined(__SSE2__)
@@ -21,6 +22,7 @@
 #include "core/content.h"
 #include "core/failpoint.h"
 #include "core/registry.h"
+#include "core/spool.h"
 #include "core/status.h"
 #include "core/system.h"
 #include "core/tensor_pack.h"
@@ -123,6 +125,13 @@ class Job final : public internal::PublishJob {
       std::memcpy(dst, packed_[i].data + offset, size);
       return;
     }
+    if (spool_ != nullptr) {  // a streamed version, read back from its spool file
+      if (absl::Status s = spool_->Read(i, offset, size, dst); !s.ok()) {
+        absl::MutexLock lock(&read_mu_);
+        if (read_status_.ok()) read_status_ = s;
+      }
+      return;
+    }
     const TensorView& v = *views_[i];
     internal::PackStridedRange(v.data, DTypeSize(v.dtype), v.shape, v.strides, offset, size, dst);
   }
@@ -135,6 +144,11 @@ class Job final : public internal::PublishJob {
     pool_ = &pool;
     copy_mode_ = copy_mode;
     claimed_ = std::vector<std::atomic<bool>>(packed_.size());
+    if (spool_ != nullptr) {  // checksummed as they were added: nothing left to hash
+      for (std::atomic<bool>& c : claimed_) c = true;
+      copy_mode_ = false;
+      return;
+    }
     if (copy_mode_) return;
     for (size_t i = 0; i < packed_.size(); ++i) {
       if (packed_[i].data == nullptr && manifest_.tensors[i].nbytes > 0) deferred_ = true;
@@ -153,6 +167,14 @@ class Job final : public internal::PublishJob {
   std::vector<const TensorView*> views_;  // the caller's views, for gathering strided ones
   std::unique_ptr<internal::HostBuffer> pack_buffer_;
   const internal::ChannelKey* key_ = nullptr;  // the channel's, when it has a shared secret
+  // A streamed version's bytes (PublishStream), read back with CopyRange where data is nullptr.
+  internal::TensorSpool* spool_ = nullptr;
+
+  // The first failure reading a spool back (the transport's CopyRange cannot return one).
+  absl::Status ReadStatus() const {
+    absl::MutexLock lock(&read_mu_);
+    return read_status_;
+  }
 
  private:
   static constexpr uint64_t kBlock = 256 * 1024;  // copied or gathered, then hashed from L2
@@ -187,6 +209,8 @@ class Job final : public internal::PublishJob {
     }
   }
 
+  mutable absl::Mutex read_mu_;
+  mutable absl::Status read_status_ ABSL_GUARDED_BY(read_mu_);
   internal::WorkerPool* pool_ = nullptr;
   bool copy_mode_ = false;
   bool deferred_ = false;  // strided views left for the transport to checksum
@@ -195,6 +219,15 @@ class Job final : public internal::PublishJob {
 };
 
 }  // namespace
+
+// What a PublishStream and its Publisher share: the Publisher clears `owner` when it is
+// destroyed, after which the stream's calls return Cancelled.
+// Lock order: a stream's `mu` before its Publisher's.
+struct StreamLink {
+  explicit StreamLink(Publisher::Impl* publisher) : owner(publisher) {}
+  absl::Mutex mu;
+  Publisher::Impl* owner ABSL_GUARDED_BY(mu) = nullptr;
+};
 
 class Publisher::Impl : public internal::ChannelSetup {
  public:
@@ -207,14 +240,58 @@ class Publisher::Impl : public internal::ChannelSetup {
   PublishStats stats ABSL_GUARDED_BY(mu);
   // The manifest of this object's last successful Publish (its tensors, for retries).
   std::optional<Manifest> last_manifest ABSL_GUARDED_BY(mu);
+  // The open PublishStream's link, if any (a Publisher has at most one).
+  std::shared_ptr<StreamLink> stream ABSL_GUARDED_BY(mu);
+  std::optional<uint64_t> stream_version ABSL_GUARDED_BY(mu);
 
   absl::Status Publish(uint64_t version, absl::Span<const TensorView> tensors,
                        const Metadata& metadata, absl::Duration timeout);
+  // FailedPrecondition when `version` is below the channel's latest, naming both.
+  absl::Status CheckVersion(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // InvalidArgument for a reserved metadata key or one that is not valid UTF-8.
+  absl::Status CheckMetadata(uint64_t version, const Metadata& metadata) const;
+  // The manifest of a new job for `version`, without tensors.
+  Manifest NewManifest(uint64_t version, const Metadata& metadata, absl::Time start) const;
+  // Hands a built job to the transport (to Republish for the latest version) and records its
+  // figures; `start` is when the caller's call began, `pack_time` what packing took.
+  absl::Status PublishBuiltJob(Job& job, absl::Time start, absl::Duration pack_time,
+                               absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Publish of the version the channel already has as its latest: OK, writing nothing, when
   // `job` holds the same tensors; FailedPrecondition naming the first difference otherwise.
   absl::Status Republish(Job& job, absl::Time start, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 };
+
+namespace {
+
+// The manifest entry of `view`, validated as Publish validates each tensor (`cuda_ok`: a CUDA
+// view is accepted, PublishStream copying it), its name added to `names` (InvalidArgument when
+// already there). `where` prefixes errors ("<uri> version 7").
+absl::StatusOr<TensorInfo> CheckTensor(const TensorView& view, bool cuda_ok, int owner,
+                                       absl::flat_hash_set<std::string>& names,
+                                       std::string_view where) {
+  absl::StatusOr<uint64_t> nbytes;
+  if (cuda_ok && view.device.type == DeviceType::kCuda) {
+    TensorView host = view;
+    host.device = Device{};
+    nbytes = internal::ValidateView(host);
+    if (nbytes.ok() && !IsContiguous(view.shape, view.strides)) {
+      nbytes = absl::InvalidArgumentError(absl::StrFormat(
+          "tensor \"%s\": a CUDA tensor must be contiguous (make it so on the device first)",
+          view.name));
+    }
+  } else {
+    nbytes = internal::ValidateView(view);
+  }
+  if (!nbytes.ok()) return internal::Annotate(nbytes.status(), where);
+  if (!names.insert(view.name).second) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: tensor name \"%s\" appears twice", where, view.name));
+  }
+  return TensorInfo{view.name, view.dtype, view.shape, view.shard, *nbytes, 0, owner};
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_text,
                                                            const Options& options) {
@@ -267,6 +344,17 @@ Publisher::~Publisher() {
     return;
   }
   Cancel();
+  // An open PublishStream: its calls in flight end first (Cancel made a Commit waiting in the
+  // transport return), later ones return Cancelled. Its version is dropped.
+  std::shared_ptr<StreamLink> stream;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    stream = impl_->stream;
+  }
+  if (stream) {
+    absl::MutexLock lock(&stream->mu);
+    stream->owner = nullptr;
+  }
   impl_->gate->CloseAndWait();
 }
 
@@ -283,49 +371,17 @@ absl::Status Publisher::Publish(uint64_t version, absl::Span<const TensorView> t
   return impl_->Publish(version, tensors, metadata, timeout);
 }
 
-absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorView> tensors,
-                                      const Metadata& metadata, absl::Duration timeout) {
-  const absl::Time start = absl::Now();
-  const absl::Time deadline = start + timeout;
-  absl::MutexLock lock(&mu);
-  WB_RETURN_IF_ERROR(gate->CheckNotClosing("Publish"));
+absl::Status Publisher::Impl::CheckVersion(uint64_t version) const {
   if (latest && version < *latest) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "%s: cannot publish version %d: the channel already has version %d (versions must "
         "increase)",
         uri.Display(), version, *latest));
   }
+  return absl::OkStatus();
+}
 
-  if (tensors.size() > kMaxTensors) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("%s version %d has %d tensors, more than the limit of %d", uri.Display(),
-                        version, tensors.size(), kMaxTensors));
-  }
-  Job job;
-  job.key_ = key ? &*key : nullptr;
-  Manifest& m = job.manifest_;
-  m.version = version;
-  m.publisher = identity;
-  m.publish_start_unix_ns = absl::ToUnixNanos(start);
-  m.metadata = metadata;
-  m.group = identity.world_size > 1;  // this rank's part of a group version
-  m.tensors.reserve(tensors.size());
-  absl::flat_hash_set<absl::string_view> names;
-  uint64_t pack_bytes = 0;
-  for (const TensorView& view : tensors) {
-    absl::StatusOr<uint64_t> nbytes = internal::ValidateView(view);
-    if (!nbytes.ok()) {
-      return internal::Annotate(nbytes.status(),
-                                absl::StrFormat("%s version %d", uri.Display(), version));
-    }
-    if (!names.insert(view.name).second) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s version %d: tensor name \"%s\" appears twice", uri.Display(), version, view.name));
-    }
-    m.tensors.push_back(
-        TensorInfo{view.name, view.dtype, view.shape, view.shard, *nbytes, 0, identity.rank});
-    if (!IsContiguous(view.shape, view.strides)) pack_bytes += (*nbytes + 63) & ~uint64_t{63};
-  }
+absl::Status Publisher::Impl::CheckMetadata(uint64_t version, const Metadata& metadata) const {
   for (const auto& [key, value] : metadata) {
     if (key == internal::kLayerMetadataKey || key == internal::kMacMetadataKey) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -338,6 +394,47 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
                           uri.Display(), version, key));
     }
   }
+  return absl::OkStatus();
+}
+
+Manifest Publisher::Impl::NewManifest(uint64_t version, const Metadata& metadata,
+                                      absl::Time start) const {
+  Manifest m;
+  m.version = version;
+  m.publisher = identity;
+  m.publish_start_unix_ns = absl::ToUnixNanos(start);
+  m.metadata = metadata;
+  m.group = identity.world_size > 1;  // this rank's part of a group version
+  return m;
+}
+
+absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorView> tensors,
+                                      const Metadata& metadata, absl::Duration timeout) {
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = start + timeout;
+  absl::MutexLock lock(&mu);
+  WB_RETURN_IF_ERROR(gate->CheckNotClosing("Publish"));
+  WB_RETURN_IF_ERROR(CheckVersion(version));
+  if (tensors.size() > kMaxTensors) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s version %d has %d tensors, more than the limit of %d", uri.Display(),
+                        version, tensors.size(), kMaxTensors));
+  }
+  Job job;
+  job.key_ = key ? &*key : nullptr;
+  Manifest& m = job.manifest_;
+  m = NewManifest(version, metadata, start);
+  m.tensors.reserve(tensors.size());
+  const std::string where = absl::StrFormat("%s version %d", uri.Display(), version);
+  absl::flat_hash_set<std::string> names;
+  uint64_t pack_bytes = 0;
+  for (const TensorView& view : tensors) {
+    WB_ASSIGN_OR_RETURN(TensorInfo info,
+                        CheckTensor(view, /*cuda_ok=*/false, identity.rank, names, where));
+    if (!IsContiguous(view.shape, view.strides)) pack_bytes += (info.nbytes + 63) & ~uint64_t{63};
+    m.tensors.push_back(std::move(info));
+  }
+  WB_RETURN_IF_ERROR(CheckMetadata(version, metadata));
 
   // Contiguous views are used in place. Strided ones are gathered by the transport as it reads
   // them (reads_strided_views: no extra memory), or else packed into one buffer that lives only
@@ -364,14 +461,21 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
     job.packed_[i].data = dst;
     pack_offset += (m.tensors[i].nbytes + 63) & ~uint64_t{63};
   }
-  const absl::Duration pack_time = absl::Now() - pack_start;
+  return PublishBuiltJob(job, start, absl::Now() - pack_start, deadline);
+}
 
+absl::Status Publisher::Impl::PublishBuiltJob(Job& job, absl::Time start, absl::Duration pack_time,
+                                              absl::Time deadline) {
+  const Manifest& m = job.manifest_;
+  const uint64_t version = m.version;
   if (latest && version == *latest) return Republish(job, start, deadline);
+  const absl::Time transport_start = absl::Now();
   job.StartHashing(*hashers, capabilities.copies_with_checksums);
   absl::Status status = failpoints.Hit("core.before_transport");
   if (status.ok()) status = backend->Publish(job, deadline);
   const absl::Time transport_end = absl::Now();
   job.WaitHashingDone();
+  if (status.ok()) status = job.ReadStatus();
   if (!status.ok()) {
     return internal::Annotate(
         status, absl::StrFormat("%s: publish of version %d failed", uri.Display(), version));
@@ -385,7 +489,7 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   stats.stall = end - start;
   stats.pack = pack_time;
   stats.checksum_wait = end - transport_end;
-  stats.transport = transport_end - pack_start - pack_time;
+  stats.transport = transport_end - transport_start;
   // Wire bytes: the tensors' own for a plain transport; a layer reports what it encoded them to.
   if (std::optional<internal::CodecStats> codec = backend->LastCodecStats()) {
     stats.encode = codec->time;
@@ -439,6 +543,192 @@ absl::Status Publisher::Impl::Republish(Job& job, absl::Time start, absl::Time d
   stats.unchanged = true;
   return absl::OkStatus();
 }
+
+// -- PublishStream --
+
+class PublishStream::Impl {
+ public:
+  enum class State { kOpen, kCommitted, kAborted, kFailed };
+
+  std::shared_ptr<StreamLink> link;
+  uint64_t version = 0;
+  Metadata metadata;
+  std::string where;  // "<uri> version 7", for messages
+  std::unique_ptr<internal::TensorSpool> spool;
+  std::vector<TensorInfo> tensors;
+  absl::flat_hash_set<std::string> names;
+  State state = State::kOpen;
+
+  // The stream's Publisher, or Cancelled once it is gone; FailedPrecondition unless open.
+  absl::StatusOr<Publisher::Impl*> Owner(std::string_view call)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(link->mu) {
+    if (link->owner == nullptr) {
+      return absl::CancelledError(absl::StrFormat(
+          "%s: PublishStream::%s: the Publisher was cancelled or destroyed; the version was "
+          "dropped",
+          where, call));
+    }
+    if (state != State::kOpen) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s: PublishStream::%s after the stream %s", where, call,
+          state == State::kCommitted ? "was committed"
+                                     : (state == State::kAborted ? "was aborted" : "failed")));
+    }
+    return link->owner;
+  }
+
+  // Ends the stream: frees the spool and lets the Publisher open another.
+  void Finish(Publisher::Impl* owner, State end) ABSL_EXCLUSIVE_LOCKS_REQUIRED(link->mu) {
+    state = end;
+    spool.reset();
+    if (owner == nullptr) return;
+    absl::MutexLock lock(&owner->mu);
+    if (owner->stream == link) {
+      owner->stream.reset();
+      owner->stream_version.reset();
+    }
+  }
+};
+
+absl::StatusOr<std::unique_ptr<PublishStream>> Publisher::BeginPublish(uint64_t version,
+                                                                       const Metadata& metadata) {
+  internal::CallScope scope(*impl_->gate, "BeginPublish");
+  if (!scope.status().ok()) return scope.status();
+  Impl& p = *impl_;
+  auto stream = std::make_unique<PublishStream::Impl>();
+  stream->version = version;
+  stream->metadata = metadata;
+  stream->where = absl::StrFormat("%s version %d", p.uri.Display(), version);
+  absl::MutexLock lock(&p.mu);
+  WB_RETURN_IF_ERROR(p.gate->CheckNotClosing("BeginPublish"));
+  WB_RETURN_IF_ERROR(p.CheckVersion(version));
+  if (p.stream) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: cannot begin a streaming publish of version %d: version %d is still being streamed "
+        "by this Publisher (commit or abort it first)",
+        p.uri.Display(), version, *p.stream_version));
+  }
+  WB_RETURN_IF_ERROR(p.CheckMetadata(version, metadata));
+  std::string dir = p.config->String("stream_spill_dir");
+  if (dir.empty()) {
+    const char* tmp = std::getenv("TMPDIR");  // the system's convention, not a setting
+    dir = (tmp != nullptr && *tmp != '\0') ? tmp : "/tmp";
+  }
+  absl::StatusOr<std::unique_ptr<internal::TensorSpool>> spool =
+      internal::TensorSpool::Create(dir, p.config->Bytes("stream_bucket"), p.hashers.get());
+  if (!spool.ok()) return internal::Annotate(spool.status(), stream->where);
+  stream->spool = *std::move(spool);
+  stream->link = std::make_shared<StreamLink>(impl_.get());
+  p.stream = stream->link;
+  p.stream_version = version;
+  return std::make_unique<PublishStream>(std::move(stream));
+}
+
+PublishStream::PublishStream(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+PublishStream::~PublishStream() { Abort(); }
+
+absl::Status PublishStream::Add(const TensorView& tensor, void* cuda_stream) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.link->mu);
+  WB_ASSIGN_OR_RETURN(Publisher::Impl * owner, s.Owner("Add"));
+  internal::CallScope scope(*owner->gate, "PublishStream::Add");
+  if (!scope.status().ok()) return internal::Annotate(scope.status(), s.where);
+  if (s.tensors.size() >= kMaxTensors) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: tensor \"%s\" would be tensor %d, above the limit of %d", s.where,
+                        tensor.name, s.tensors.size() + 1, kMaxTensors));
+  }
+  WB_ASSIGN_OR_RETURN(TensorInfo info, CheckTensor(tensor, /*cuda_ok=*/true, owner->identity.rank,
+                                                   s.names, s.where));
+  absl::Status status =
+      tensor.device.type == DeviceType::kCuda
+          ? s.spool->AddCuda(tensor.data, info.nbytes, tensor.device.index, cuda_stream)
+          : s.spool->AddHost(tensor, info.nbytes);
+  if (!status.ok()) {
+    s.names.erase(tensor.name);
+    if (status.code() == absl::StatusCode::kUnimplemented) {  // nothing added; stays open
+      return internal::Annotate(status, absl::StrFormat("%s: tensor \"%s\"", s.where, tensor.name));
+    }
+    s.Finish(owner, Impl::State::kFailed);
+    return internal::Annotate(
+        status, absl::StrFormat("%s: adding tensor \"%s\" failed (the version was dropped)",
+                                s.where, tensor.name));
+  }
+  s.tensors.push_back(std::move(info));
+  return absl::OkStatus();
+}
+
+absl::Status PublishStream::Commit(absl::Duration timeout) {
+  Impl& s = *impl_;
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = start + timeout;
+  absl::MutexLock lock(&s.link->mu);
+  WB_ASSIGN_OR_RETURN(Publisher::Impl * owner, s.Owner("Commit"));
+  internal::CallScope scope(*owner->gate, "PublishStream::Commit");
+  if (!scope.status().ok()) {
+    s.Finish(owner, Impl::State::kFailed);
+    return internal::Annotate(scope.status(), s.where);
+  }
+  absl::Status status = s.spool->Seal();
+  if (!status.ok()) {
+    s.Finish(owner, Impl::State::kFailed);
+    return internal::Annotate(status, absl::StrFormat("%s: commit failed", s.where));
+  }
+  Job job;
+  Publisher::Impl& p = *owner;
+  job.key_ = p.key ? &*p.key : nullptr;
+  job.spool_ = s.spool.get();
+  Manifest& m = job.manifest_;
+  m = p.NewManifest(s.version, s.metadata, start);
+  m.tensors = std::move(s.tensors);
+  for (size_t i = 0; i < m.tensors.size(); ++i) m.tensors[i].xxh3 = s.spool->checksum(i);
+  // Transports that read views piecewise get them from the spool file through CopyRange (no
+  // memory for the model); the others read a read-only mapping of it.
+  const std::byte* mapped = nullptr;
+  if (!p.capabilities.reads_strided_views) {
+    absl::StatusOr<const std::byte*> map = s.spool->Map();
+    if (!map.ok()) {
+      s.Finish(owner, Impl::State::kFailed);
+      return internal::Annotate(map.status(), absl::StrFormat("%s: commit failed", s.where));
+    }
+    mapped = *map;
+  }
+  job.packed_.resize(m.tensors.size());
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    job.packed_[i].info = &m.tensors[i];
+    if (mapped != nullptr) job.packed_[i].data = mapped + s.spool->offset(i);
+  }
+  {
+    absl::MutexLock publisher_lock(&p.mu);
+    status = p.gate->CheckNotClosing("PublishStream::Commit");
+    if (status.ok()) status = p.CheckVersion(s.version);
+    if (status.ok()) status = p.PublishBuiltJob(job, start, absl::ZeroDuration(), deadline);
+  }
+  s.Finish(owner, status.ok() ? Impl::State::kCommitted : Impl::State::kFailed);
+  return status;
+}
+
+void PublishStream::Abort() {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.link->mu);
+  if (s.state != Impl::State::kOpen) return;
+  s.Finish(s.link->owner, Impl::State::kAborted);
+}
+
+uint64_t PublishStream::version() const { return impl_->version; }
+
+size_t PublishStream::tensor_count() const {
+  absl::MutexLock lock(&impl_->link->mu);
+  return impl_->tensors.size();
+}
+
+uint64_t PublishStream::bytes() const {
+  absl::MutexLock lock(&impl_->link->mu);
+  return impl_->spool ? impl_->spool->bytes() : 0;
+}
+
+bool SupportsCudaTensors() { return internal::SpoolSupportsCuda(); }
 
 absl::Status Publisher::WaitForReceivers(uint64_t version, int count, absl::Duration timeout) {
   internal::CallScope scope(*impl_->gate, "WaitForReceivers");

@@ -78,6 +78,20 @@ const SettingTable& CoreSettings() {
            .default_value = "",
            .doc = "name of an environment variable holding the channel's shared secret, as "
                   "secret_file (set one of them). Never the secret itself"},
+          {.name = "stream_bucket",
+           .type = SettingType::kBytes,
+           .default_value = "64MiB",
+           .doc = "host memory a streaming publish (Publisher::BeginPublish) stages added "
+                  "tensors through, in two halves (one filled while the other is written to "
+                  "the spool file); pinned for CUDA tensors",
+           .min = "8KiB",
+           .max = "64GiB"},
+          {.name = "stream_spill_dir",
+           .type = SettingType::kString,
+           .default_value = "",
+           .doc = "directory of a streaming publish's spool file (unlinked: nothing is left "
+                  "behind), which holds the version's bytes until Commit; empty: $TMPDIR, else "
+                  "/tmp"},
           {.name = "log_level",
            .type = SettingType::kEnum,
            .default_value = "warn",

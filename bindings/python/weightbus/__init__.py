@@ -14,8 +14,9 @@ numpy are optional and imported only when used. Errors raise a subclass of Weigh
 per status (weightbus.errors). weightbus.vllm integrates with vLLM.
 """
 from . import _lib
-from ._api import (Placement, Publisher, PublishStats, SettingInfo, Shard, Subscriber,
-                   TensorInfo, Update, UpdateStats, settings, transports)
+from ._api import (Placement, Publisher, PublishStats, PublishStream, SettingInfo, Shard,
+                   Subscriber, TensorInfo, Update, UpdateStats, settings,
+                   supports_cuda_tensors, transports)
 from .errors import (AbortedError, AlreadyExistsError, CancelledError, DataLossError,
                      DeadlineExceededError, FailedPreconditionError, InternalError,
                      InvalidArgumentError, NotFoundError, OutOfRangeError, PermissionDeniedError,
@@ -33,8 +34,9 @@ library_path = _lib.library_path
 DTYPES = tuple(_lib.DTYPES)
 
 __all__ = [
-    "Placement", "Publisher", "Subscriber", "Update", "PublishStats", "UpdateStats", "Shard", "TensorInfo",
-    "SettingInfo", "transports", "settings", "DTYPES",
+    "Placement", "Publisher", "PublishStream", "Subscriber", "Update", "PublishStats",
+    "UpdateStats", "Shard", "TensorInfo", "SettingInfo", "transports", "settings",
+    "supports_cuda_tensors", "DTYPES",
     "WeightbusError", "DeadlineExceededError", "UnavailableError", "ResourceExhaustedError",
     "AbortedError", "InvalidArgumentError", "FailedPreconditionError", "NotFoundError",
     "AlreadyExistsError", "PermissionDeniedError", "OutOfRangeError", "UnimplementedError",

@@ -536,6 +536,28 @@ class Publisher(_Handle):
             check(status)
             return
 
+    def begin_publish(self, version: int,
+                      metadata: Optional[Mapping[str, str]] = None) -> "PublishStream":
+        """Begins publishing `version` tensor by tensor: add() each tensor as it is produced
+        (it may be freed as soon as add returns), then commit() or abort(). All or nothing, as
+        publish(): nothing is visible to any subscriber before commit() returns; abort(),
+        close(), leaving a `with` block without commit(), a failed commit or the process dying
+        leaves no trace. Memory: the `stream_bucket` setting (host staging, 64 MiB by default)
+        plus a spool file of the version's size in `stream_spill_dir` (unlinked), not the
+        model. `metadata` as for publish(). Raises FailedPreconditionError when the channel
+        has a higher version or this publisher already has an open stream (naming its
+        version), InvalidArgumentError for bad metadata."""
+        _version(version, "version")
+        meta_array, meta_count, meta_keep = _metadata_array(metadata)
+        params = new_params(_lib.wb_publish_params_t)
+        params.metadata = ctypes.cast(meta_array, ctypes.POINTER(_lib.wb_option_t))
+        params.num_metadata = meta_count
+        handle = ctypes.c_void_p()
+        check(self._call(lib.wb_publisher_begin_publish, version, ctypes.byref(params),
+                         ctypes.byref(handle)))
+        del meta_keep
+        return PublishStream(self, version, handle)
+
     @property
     def latest_version(self) -> Optional[int]:
         """The newest version on the channel (published by anyone), or None."""
@@ -549,6 +571,118 @@ class Publisher(_Handle):
         s = new_params(_lib.wb_publish_stats_t)
         check(self._call(lib.wb_publisher_last_stats, ctypes.byref(s)))
         return PublishStats._from_c(s)
+
+
+def supports_cuda_tensors() -> bool:
+    """Whether this build of libweightbus copies CUDA tensors itself (PublishStream.add queues
+    an asynchronous copy to pinned host memory); without it add() copies them to host first."""
+    return bool(lib.wb_supports_cuda_tensors())
+
+
+class PublishStream(_Handle):
+    """One version published tensor by tensor (Publisher.begin_publish).
+
+        with pub.begin_publish(step, metadata={"step": str(step)}) as stream:
+            for name, tensor in trainer_weights():   # gathered one at a time
+                stream.add(name, tensor)              # copied: free it right after
+            stream.commit(timeout=600)
+
+    add() copies a host tensor (torch, numpy or DLPack; any strides) before it returns. A CUDA
+    torch tensor is copied asynchronously into pinned host memory on the tensor's current
+    torch stream (supports_cuda_tensors(); otherwise synchronously to host first): add returns
+    once the copy is queued, and this object keeps the tensor alive until the next call, so
+    the copy overlaps producing the next tensor. Leaving the `with` block without commit()
+    aborts. Not thread-safe: one thread drives a stream. Errors name the tensor and the
+    version: InvalidArgumentError for a tensor publish() would refuse or a name already added
+    (the stream stays open), FailedPreconditionError after commit or abort, CancelledError
+    once the publisher is closed, InternalError/ResourceExhaustedError from the spool (the
+    version is dropped)."""
+
+    _destroy = staticmethod(lambda h: lib.wb_publish_stream_destroy(h))
+
+    def __init__(self, publisher: "Publisher", version: int, handle):
+        super().__init__()
+        self._publisher = publisher  # kept open while the stream lives
+        self._version = version
+        self._handle = handle
+        self._in_flight = None  # the CUDA tensor whose copy may still be running
+        self._tensors = 0
+        self._bytes = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def tensor_count(self) -> int:
+        """Tensors added so far."""
+        return self._tensors
+
+    @property
+    def bytes(self) -> int:
+        """Bytes added so far, as their DLPack element types count them."""
+        return self._bytes
+
+    def add(self, name: str, tensor, *, dtype: Optional[str] = None,
+            shard: Optional[Union[Shard, Tuple[Sequence[int], Sequence[int]]]] = None) -> None:
+        """Adds `tensor` as `name` (the version's next tensor). `dtype` overrides its element
+        type (as publish's `dtypes`), `shard` describes it as this rank's slice of a larger
+        tensor (as publish's `shards`). Blocks with the GIL released while a host tensor is
+        copied (and while the spool's bucket is written, when it is full)."""
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, got {type(name).__name__}")
+        obj, cuda_stream = tensor, None
+        if _needs_host_staging(obj):
+            if supports_cuda_tensors() and obj.device.type == "cuda":
+                import torch
+                obj = obj.detach()
+                if not obj.is_contiguous():
+                    obj = obj.contiguous()
+                cuda_stream = torch.cuda.current_stream(obj.device).cuda_stream
+            else:
+                obj = obj.detach().to("cpu")
+        outgoing = _tensors.Outgoing(1)
+        outgoing.set(0, name, obj, dtype)
+        params = new_params(_lib.wb_stream_add_params_t)
+        params.dtype = outgoing.overrides[0]
+        params.cuda_stream = cuda_stream
+        shard_keep = None
+        if shard is not None:
+            shard_array, shard_keep = _shards_array({name: shard}, [(name, obj)])
+            params.shard = shard_array[0]
+        check(self._call(lib.wb_publish_stream_add, name.encode(), ctypes.byref(outgoing.tensors[0]),
+                         ctypes.byref(params)))
+        # The previous CUDA tensor's copy is complete once this call returned (the C contract).
+        self._in_flight = obj if cuda_stream is not None else None
+        self._tensors += 1
+        dl = outgoing.tensors[0]
+        self._bytes += math.prod(dl.shape[d] for d in range(dl.ndim)) * dl.dtype.bits // 8
+        del outgoing, shard_keep
+
+    def commit(self, timeout: Optional[float] = 60.0) -> PublishStats:
+        """Publishes the tensors added as the version, all or nothing, blocking up to `timeout`
+        seconds (None: forever) with the GIL released; afterwards the stream is finished either
+        way. Raises as Publisher.publish (FailedPreconditionError when another publish took
+        the version or a higher one meanwhile). Returns the publish's figures."""
+        try:
+            check(self._call(lib.wb_publish_stream_commit, _timeout_ms(timeout)))
+        finally:
+            self._in_flight = None
+        return self._publisher.last_stats
+
+    def abort(self) -> None:
+        """Drops the version; nothing of it is visible. No effect after commit or abort."""
+        check(self._call(lib.wb_publish_stream_abort))
+        self._in_flight = None
+
+    def close(self) -> None:
+        """Aborts unless committed and frees the stream."""
+        super().close()
+        self._in_flight = None
+
+    def __repr__(self) -> str:
+        return (f"PublishStream(version={self._version}, tensors={self._tensors}, "
+                f"bytes={self._bytes})")
 
 
 class Update(_Handle):

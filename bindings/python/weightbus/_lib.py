@@ -83,6 +83,11 @@ class wb_publish_params_t(Structure):
                 ("shards", POINTER(POINTER(wb_shard_t)))]
 
 
+class wb_stream_add_params_t(Structure):
+    _fields_ = [("struct_size", c_size_t), ("dtype", c_int), ("shard", POINTER(wb_shard_t)),
+                ("cuda_stream", c_void_p)]
+
+
 class wb_bind_params_t(Structure):
     _fields_ = [("struct_size", c_size_t), ("dtype", c_int)]
 
@@ -191,6 +196,14 @@ _SIGNATURES = {
     "wb_publisher_last_stats": (_status, [c_void_p, _P(wb_publish_stats_t)]),
     "wb_publisher_wait_for_receivers": (_status, [c_void_p, c_uint64, c_int, c_int64]),
     "wb_publisher_uri": (_status, [c_void_p, _P(c_char_p)]),
+    "wb_publisher_begin_publish": (_status, [c_void_p, c_uint64, _P(wb_publish_params_t),
+                                             _P(c_void_p)]),
+    "wb_publish_stream_add": (_status, [c_void_p, c_char_p, _P(DLTensor),
+                                        _P(wb_stream_add_params_t)]),
+    "wb_publish_stream_commit": (_status, [c_void_p, c_int64]),
+    "wb_publish_stream_abort": (_status, [c_void_p]),
+    "wb_publish_stream_destroy": (None, [c_void_p]),
+    "wb_supports_cuda_tensors": (c_bool, []),
     "wb_subscriber_create": (_status, [c_char_p, _P(wb_open_params_t), _P(c_void_p)]),
     "wb_subscriber_create_tp": (_status, [c_char_p, _P(wb_open_params_t), _P(wb_placements_t),
                                           _P(c_void_p)]),

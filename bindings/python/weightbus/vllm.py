@@ -53,7 +53,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple, Union
 
 from . import _api
 from .errors import CancelledError, FailedPreconditionError, InvalidArgumentError
@@ -985,3 +985,125 @@ class WeightbusWeightTransferEngine(_EngineBase):
                     "weightbus: finalizing the layerwise reload of an aborted update failed: %s",
                     e)
         self._prefetch_next()
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer side: vLLM's TrainerWeightTransferEngine over a streaming publish
+# ---------------------------------------------------------------------------------------------
+
+try:  # vLLM's trainer-side classes when vLLM has them; weightbus.testing's copy otherwise.
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo as _TrainerInitInfoBase
+    from vllm.distributed.weight_transfer.base import \
+        TrainerWeightTransferEngine as _TrainerEngineBase
+except Exception:  # ImportError (no vLLM, or a vLLM without the trainer API)
+    from .testing.trainer import TrainerInitInfo as _TrainerInitInfoBase
+    from .testing.trainer import TrainerWeightTransferEngine as _TrainerEngineBase
+
+
+@dataclass
+class WeightbusTrainerInitInfo(_TrainerInitInfoBase):
+    """init_info of WeightbusTrainerEngine (vLLM's TrainerInitInfo: `rank` keyword-only, rank 0
+    the sender; `backend` is "weightbus", the key WeightTransferTrainerFactory dispatches on).
+
+    uri: the channel the sender publishes to; options: its Publisher settings (e.g.
+    stream_bucket, the host memory the streaming publish stages through, and stream_spill_dir).
+    worker_uri / worker_options: what the inference workers subscribe with (WeightbusInitInfo;
+    default: `uri` without its query, and no options), sent to them by trainer_init.
+    timeout: seconds for each round's commit and for the workers' receive (None: forever)."""
+    backend: ClassVar[str] = ENGINE_NAME
+    uri: str
+    options: Dict[str, Any] = field(default_factory=dict)
+    worker_uri: Optional[str] = None
+    worker_options: Dict[str, Any] = field(default_factory=dict)
+    timeout: Optional[float] = 600.0
+
+
+class WeightbusTrainerEngine(_TrainerEngineBase):
+    """vLLM's trainer-side engine for weightbus (TrainerWeightTransferEngine): each round,
+    send_weights() consumes the trainer's WeightSource one tensor at a time into a streaming
+    publish (Publisher.begin_publish: each tensor is copied into a bounded bucket, CUDA tensors
+    asynchronously into pinned memory, and may be freed before the next one is gathered; the
+    whole model is never alive at once), commits it as the next version, then drives the
+    inference side through the client: start_weight_update, update_weights({"version": v}) so
+    every worker loads exactly that version, finish_weight_update(weight_version=str(v)).
+
+    Every trainer rank calls trainer_init and send_weights and iterates the source (its
+    materialization is a collective); only the sender (rank 0) publishes and calls the client.
+    Errors: a failed commit raises before the inference side is asked to update (nothing was
+    published); a failed update_weights raises after the worker engines aborted their session
+    (the published version stays on the channel, and the next round publishes a newer one).
+    Not thread-safe: one round at a time."""
+
+    init_info_cls = WeightbusTrainerInitInfo
+
+    def __init__(self, init_info: WeightbusTrainerInitInfo, *, client: Any, source: Any,
+                 publisher: Optional["_api.Publisher"]) -> None:
+        super().__init__(client=client, source=source, is_sender=init_info.is_sender)
+        self.init_info = init_info
+        self.publisher = publisher
+        self.last_version: Optional[int] = None
+
+    @classmethod
+    def trainer_init(cls, init_info: WeightbusTrainerInitInfo, *, client: Any,
+                     source: Any = None) -> "WeightbusTrainerEngine":
+        """Opens the sender's Publisher on init_info.uri and tells the inference workers where
+        to subscribe (client.init_weight_transfer_engine with WeightbusInitInfo's fields);
+        other ranks only keep the source. Raises ValueError without a source or a uri."""
+        if source is None:
+            raise ValueError("WeightbusTrainerEngine needs a WeightSource (trainer_init's "
+                             "`source`): it publishes the full model each round")
+        if not init_info.uri:
+            raise ValueError("WeightbusTrainerInitInfo.uri is empty: name the channel")
+        publisher = None
+        if init_info.is_sender:
+            publisher = _api.Publisher(init_info.uri, **init_info.options)
+            try:
+                client.init_weight_transfer_engine({
+                    "uri": init_info.worker_uri or init_info.uri.split("?", 1)[0],
+                    "options": dict(init_info.worker_options)})
+            except BaseException:
+                publisher.close()
+                raise
+        return cls(init_info, client=client, source=source, publisher=publisher)
+
+    def send_weights(self) -> None:
+        """One round: streams the source as the channel's next version, then updates the
+        inference side to exactly that version (see the class docstring)."""
+        if not self.is_sender:
+            for _name, tensor in self.source:  # drives the collectives; nothing is sent
+                del tensor
+            return
+        latest = self.publisher.latest_version
+        version = 1 if latest is None else latest + 1
+        with self.publisher.begin_publish(version, metadata={"weight_version": str(version)}) \
+                as stream:
+            for name, tensor in self.source:
+                stream.add(name, tensor)
+                del tensor  # the stream holds a copy (or, for CUDA, the copy in flight)
+            stream.commit(timeout=self.init_info.timeout)
+        self.last_version = version
+        self.client.start_weight_update()
+        self.client.update_weights({"version": version, "timeout": self.init_info.timeout})
+        self.client.finish_weight_update(weight_version=str(version))
+
+    def shutdown(self) -> None:
+        """Closes the sender's Publisher (published versions stay on a durable channel)."""
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+
+
+def register_trainer_engine() -> None:
+    """Registers WeightbusTrainerEngine as "weightbus" with vLLM's WeightTransferTrainerFactory
+    (weightbus.testing.trainer's without vLLM), lazily by module path; an existing entry is
+    kept. Then WeightTransferTrainerFactory.trainer_init(WeightbusTrainerInitInfo(...,
+    rank=r), client=..., source=ModuleSource(model)) builds the engine."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    except ImportError:
+        from .testing.trainer import WeightTransferTrainerFactory
+    try:
+        WeightTransferTrainerFactory.register_engine(ENGINE_NAME, __name__,
+                                                     "WeightbusTrainerEngine")
+    except ValueError:  # already registered
+        pass

@@ -528,12 +528,15 @@ TEST(GroupChecksTest, ARankTimingOutWithdrawsItsPartSoALateRankCannotCommit) {
   const std::string uri = ChannelUri(dir);
   std::vector<Rank> ranks = Group(uri, 2);
   SplitInHalves(ranks);
-  absl::Status first = ranks[0].publisher->Publish(1, ranks[0].views, {}, absl::Milliseconds(50));
+  // The deadline covers this rank's own write and fsync as well as its wait for rank 1: long
+  // enough that a loaded machine still places the part before it ends (50 ms did not).
+  constexpr absl::Duration kGroupDeadline = absl::Seconds(2);
+  absl::Status first = ranks[0].publisher->Publish(1, ranks[0].views, {}, kGroupDeadline);
   EXPECT_EQ(first.code(), absl::StatusCode::kDeadlineExceeded) << first;
   EXPECT_THAT(std::string(first.message()),
               HasSubstr("version 1 was not committed: rank 1 of the group of 2 did not publish "
                         "its part by the deadline; this rank's (0) part was withdrawn"));
-  absl::Status late = ranks[1].publisher->Publish(1, ranks[1].views, {}, absl::Milliseconds(50));
+  absl::Status late = ranks[1].publisher->Publish(1, ranks[1].views, {}, kGroupDeadline);
   EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
   EXPECT_THAT(std::string(late.message()), HasSubstr("rank 0 of the group of 2"));
   EXPECT_FALSE(Exists(dir / "channel/LATEST"));

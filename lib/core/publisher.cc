@@ -94,8 +94,8 @@ class Job final : public internal::PublishJob {
   void CopyWithChecksum(size_t i, absl::Span<const internal::CopyTarget> pieces) override {
     // Whoever claims a tensor first computes its checksum.
     const bool hash = !claimed_[i].exchange(true);
-    std::optional<internal::Xxh3Stream> state;
-    if (hash) state.emplace();
+    std::optional<internal::TensorHasher> state;
+    if (hash) state.emplace(manifest_.tensors[i].nbytes, checksum_block_);
     const std::byte* src = packed_[i].data;
     uint64_t at = 0;  // bytes of the tensor copied so far
     for (const internal::CopyTarget& p : pieces) {
@@ -114,7 +114,7 @@ class Job final : public internal::PublishJob {
 #if defined(__SSE2__)
     _mm_sfence();  // streaming stores visible before the transport publishes the slot
 #endif
-    if (state) manifest_.tensors[i].xxh3 = state->Digest();
+    if (state) SetChecksum(i, state->Finish());
   }
 
   void CopyRange(size_t i, uint64_t offset, uint64_t size, std::byte* dst) const override {
@@ -143,7 +143,13 @@ class Job final : public internal::PublishJob {
   }
 
   bool ClaimChecksum(size_t i) override { return !claimed_[i].exchange(true); }
-  void SetChecksum(size_t i, uint64_t xxh3) override { manifest_.tensors[i].xxh3 = xxh3; }
+  void SetChecksum(size_t i, internal::TensorChecksums checksums) override {
+    TensorInfo& t = manifest_.tensors[i];
+    t.xxh3 = checksums.xxh3;
+    t.block_bytes = checksums.block_bytes;
+    t.block_xxh3 = std::move(checksums.blocks);
+  }
+  uint64_t checksum_block() const override { return checksum_block_; }
 
   // Checksum tasks read the caller's memory: Publish never returns before they end.
   void WaitHashingDone() { hashing_.WaitUntilZero(absl::InfiniteFuture()); }
@@ -153,6 +159,7 @@ class Job final : public internal::PublishJob {
   std::vector<const TensorView*> views_;  // the caller's views, for gathering strided ones
   std::unique_ptr<internal::HostBuffer> pack_buffer_;
   const internal::ChannelKey* key_ = nullptr;  // the channel's, when it has a shared secret
+  uint64_t checksum_block_ = 0;                 // setting checksum_block (0: no block checksums)
 
  private:
   static constexpr uint64_t kBlock = 256 * 1024;  // copied or gathered, then hashed from L2
@@ -171,16 +178,16 @@ class Job final : public internal::PublishJob {
       pool_->Submit([this, i] {
         const uint64_t n = manifest_.tensors[i].nbytes;
         if (packed_[i].data != nullptr || n == 0) {
-          manifest_.tensors[i].xxh3 = internal::Xxh3(packed_[i].data, n);
+          SetChecksum(i, internal::ChecksumTensor(packed_[i].data, n, checksum_block_));
         } else {  // a strided view: gathered block by block into a small scratch buffer
           std::vector<std::byte> scratch(std::min(kBlock, n));
-          internal::Xxh3Stream state;
+          internal::TensorHasher state(n, checksum_block_);
           for (uint64_t at = 0; at < n; at += kBlock) {
             const uint64_t len = std::min(kBlock, n - at);
             CopyRange(i, at, len, scratch.data());
             state.Update(scratch.data(), len);
           }
-          manifest_.tensors[i].xxh3 = state.Digest();
+          SetChecksum(i, state.Finish());
         }
         hashing_.Done();
       });
@@ -227,6 +234,13 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_
   if (rank >= world_size) {  // rank >= 0 and world_size >= 1: CoreSettings
     return absl::InvalidArgumentError(absl::StrFormat("%s: rank %d is not in [0, world_size=%d)",
                                                       uri.Display(), rank, world_size));
+  }
+  if (const uint64_t block = c.Bytes("checksum_block"); block != 0 && block < 4096) {
+    // Not a range: 0 (none) is allowed below the least block size.
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: checksum_block=%d is neither 0 (no block checksums) nor at least 4KiB (each block "
+        "costs 16 bytes of manifest)",
+        uri.Display(), block));
   }
   if (world_size > 1 && !impl->capabilities.publisher_groups) {
     return absl::UnimplementedError(absl::StrFormat(
@@ -303,6 +317,7 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   }
   Job job;
   job.key_ = key ? &*key : nullptr;
+  job.checksum_block_ = config->Bytes("checksum_block");
   Manifest& m = job.manifest_;
   m.version = version;
   m.publisher = identity;

@@ -51,6 +51,23 @@ const SettingTable& CoreSettings() {
            .min = "0",
            .max = "256",  // WorkerPool::kMaxThreads
            .unit = "threads"},
+          {.name = "checksum_block",
+           .type = SettingType::kBytes,
+           .default_value = "1MiB",
+           .doc = "publishers: besides each tensor's XXH3-64, record one per block of this many "
+                  "bytes of it in the manifest, so that a subscriber reading only some byte "
+                  "ranges (a TP worker's slices) verifies exactly the blocks it read (0: none; "
+                  "each block costs 16 bytes of manifest)",
+           .min = "0",
+           .max = "1GiB"},
+          {.name = "staging_window",
+           .type = SettingType::kBytes,
+           .default_value = "64MiB",
+           .doc = "subscribers with placements, on transports with partial_reads: the most "
+                  "bytes read and verified at a time before they are copied into the slices "
+                  "(at least one checksum block); the extra memory beyond the slices",
+           .min = "64KiB",
+           .max = "64GiB"},
           {.name = "rank",
            .type = SettingType::kInt,
            .default_value = "0",

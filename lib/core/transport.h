@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "core/checksum.h"
 #include "weightbus/manifest.hpp"
 
 namespace weightbus::internal {
@@ -134,12 +135,15 @@ class PublishJob {
   // from several threads. This default copies from tensors()[i].data.
   virtual void CopyRange(size_t i, uint64_t offset, uint64_t size, std::byte* dst) const;
   // For a strided view (data == nullptr) that the transport gathers with CopyRange in order, all
-  // of it: true when the caller is to compute its XXH3-64 from the gathered bytes and report it
-  // with SetChecksum before SealedManifest is called (the strides are then walked once); false
-  // when the checksum is someone else's. A tensor nobody claims is checksummed by
-  // SealedManifest. Defaults: false / no effect (the checksums are known).
+  // of it: true when the caller is to compute its checksums from the gathered bytes (a
+  // TensorHasher(nbytes, checksum_block()), core/checksum.h) and report them with SetChecksum
+  // before SealedManifest is called (the strides are then walked once); false when the checksum
+  // is someone else's. A tensor nobody claims is checksummed by SealedManifest. Defaults: false /
+  // no effect (the checksums are known).
   virtual bool ClaimChecksum(size_t i) { return false; }
-  virtual void SetChecksum(size_t i, uint64_t xxh3) {}
+  virtual void SetChecksum(size_t i, TensorChecksums checksums) {}
+  // The block size of the job's block checksums (setting `checksum_block`; 0: none).
+  virtual uint64_t checksum_block() const { return 0; }
 };
 
 // A PublishJob whose manifest is complete and whose bytes its creator owns: what a layer (such as

@@ -212,6 +212,7 @@ std::string DescribeCapabilities(const TransportCapabilities& c) {
            {c.publisher_groups, "publisher_groups"},
            {c.open_version, "open_version"},
            {c.list_versions, "list_versions"},
+           {c.partial_reads, "partial_reads"},
            {c.cancel, "cancel"},
            {c.cross_process, "cross_process"},
            {c.durable, "durable"},
@@ -267,6 +268,11 @@ void PublishJob::CopyWithChecksum(size_t i, absl::Span<const CopyTarget> pieces)
 
 void PublishJob::CopyRange(size_t i, uint64_t offset, uint64_t size, std::byte* dst) const {
   if (size > 0) std::memcpy(dst, tensors()[i].data + offset, size);
+}
+
+absl::Status IncomingVersion::FetchRanges(absl::Span<const RangeRead> reads, absl::Time) {
+  return absl::UnimplementedError(absl::StrFormat(
+      "this transport cannot read byte ranges of a version (%d ranges asked for)", reads.size()));
 }
 
 absl::StatusOr<std::unique_ptr<IncomingVersion>> TransportSubscriber::OpenVersion(uint64_t version,

@@ -31,5 +31,37 @@ TEST(ChecksumTest, VectorizedXxh3MatchesLibxxhashInOneGoAndInPieces) {
   }
 }
 
+// Block checksums are libxxhash's XXH3-64 of each block (the last one shorter), however the
+// bytes are fed, and the whole checksum is unchanged by computing them.
+TEST(ChecksumTest, TensorHasherBlocksAreXxh3OfEachBlock) {
+  const std::vector<std::byte> bytes = testing::RandomBytes((1 << 20) + 4097, 7);
+  for (uint64_t block : {uint64_t{0}, uint64_t{4096}, uint64_t{65536}, uint64_t{1} << 20,
+                         uint64_t{3} << 20}) {
+    for (size_t n : {size_t{0}, size_t{4096}, size_t{4097}, bytes.size()}) {
+      SCOPED_TRACE(testing::Xxh3(&block, sizeof block) ^ n);
+      std::vector<uint64_t> want;
+      for (uint64_t at = 0; block > 0 && at < n; at += block) {
+        want.push_back(testing::Xxh3(bytes.data() + at, std::min<uint64_t>(block, n - at)));
+      }
+      const TensorChecksums whole = ChecksumTensor(bytes.data(), n, block);
+      EXPECT_EQ(whole.xxh3, testing::Xxh3(bytes.data(), n)) << block << " " << n;
+      EXPECT_EQ(whole.block_bytes, block);
+      EXPECT_EQ(whole.blocks, want) << block << " " << n;
+      EXPECT_EQ(whole.blocks.size(), BlockCount(n, block));
+      TensorHasher hasher(n, block);
+      size_t done = 0, step = 1;
+      while (done < n) {
+        const size_t take = std::min(step, n - done);
+        hasher.Update(bytes.data() + done, take);
+        done += take;
+        step = step * 5 + 3;
+      }
+      const TensorChecksums streamed = hasher.Finish();
+      EXPECT_EQ(streamed.xxh3, whole.xxh3) << block << " " << n;
+      EXPECT_EQ(streamed.blocks, want) << block << " " << n;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace weightbus::internal

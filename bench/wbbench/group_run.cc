@@ -26,6 +26,8 @@ struct PairResult {
   uint64_t read_max = 0;        // the most bytes one TP rank read in a version
   uint64_t read_min = ~0ull;    // the fewest
   std::vector<double> last_s;   // per measured version: first publisher call to last rank ready
+  std::vector<double> commit_s;  // per measured version: first publisher call to the last
+                                 // rank's Publish returning (the group commit)
   double control_files = 0;     // per version (median)
   int64_t subscriber_rss = 0;   // the largest peak RSS of a TP rank
   int wrong = 0;                // slices that differed from the store, or versions that failed
@@ -101,7 +103,7 @@ class Pair {
           return Fail(names_[p] + "'s stdin is closed");
         }
       }
-      int64_t start_ns = 0;
+      int64_t start_ns = 0, committed_ns = 0;
       for (int p = 0; p < r.publishers; ++p) {
         std::optional<nlohmann::json> j = ReadJson(p, deadline);
         if (!j) return;
@@ -111,6 +113,8 @@ class Pair {
         }
         const int64_t s = j->value("call_start_unix_ns", int64_t{0});
         start_ns = start_ns == 0 ? s : std::min(start_ns, s);
+        committed_ns = std::max(
+            committed_ns, s + static_cast<int64_t>(j->value("stall_s", 0.0) * 1e9));
       }
       int64_t last_ns = 0;
       for (int t = 0; t < r.tp; ++t) {
@@ -129,7 +133,10 @@ class Pair {
         r.read_min = std::min(r.read_min, bytes);
         last_ns = std::max(last_ns, j->value("ready_unix_ns", int64_t{0}));
       }
-      if (v > c_.warmup && last_ns > 0) r.last_s.push_back((last_ns - start_ns) / 1e9);
+      if (v > c_.warmup && last_ns > 0) {
+        r.last_s.push_back((last_ns - start_ns) / 1e9);
+        r.commit_s.push_back((committed_ns - start_ns) / 1e9);
+      }
       control.push_back(ControlFiles(absl::StrFormat("%s/versions/v%020d", channel_, v)));
     }
     r.control_files = Median(control);
@@ -203,10 +210,11 @@ int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
       "the store\n");
   std::printf("# %d versions, the first %d not measured; settings: %s\n#\n", c.versions, c.warmup,
               c.settings.empty() ? "defaults" : absl::StrJoin(c.settings, " ").c_str());
-  std::printf("# %3s %3s %12s %12s %12s %7s %10s %8s %10s %6s\n", "N", "M", "model", "slices",
-              "read/rank", "read%", "last-rank", "control", "rss/rank", "#wrong");
-  std::printf("# %3s %3s %12s %12s %12s %7s %10s %8s %10s %6s\n", "", "", "(B)", "(B)", "(B)",
-              "(%)", "(s)", "(files)", "(MiB)", "");
+  std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %6s\n", "N", "M", "model",
+              "slices", "read/rank", "read%", "commit", "last-rank", "control", "rss/rank",
+              "#wrong");
+  std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %6s\n", "", "", "(B)", "(B)",
+              "(B)", "(%)", "(s)", "(s)", "(files)", "(MiB)", "");
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   int wrong = 0;
   std::string failure;
@@ -220,12 +228,13 @@ int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
         failure = absl::StrFormat("N=%d M=%d: %s", n, m, r.failure);
       }
       const double last = Median(r.last_s);
-      std::printf("  %3d %3d %12llu %12llu %12llu %7.1f %10.4f %8.0f %10.1f %6d\n", n, m,
+      std::printf("  %3d %3d %12llu %12llu %12llu %7.1f %8.4f %10.4f %8.0f %10.1f %6d\n", n, m,
                   static_cast<unsigned long long>(index.tensor_bytes),
                   static_cast<unsigned long long>(r.slice_bytes),
                   static_cast<unsigned long long>(r.read_max),
-                  100.0 * r.read_max / std::max<uint64_t>(index.tensor_bytes, 1), last,
-                  r.control_files, r.subscriber_rss / 1048576.0, r.wrong);
+                  100.0 * r.read_max / std::max<uint64_t>(index.tensor_bytes, 1),
+                  Median(r.commit_s), last, r.control_files, r.subscriber_rss / 1048576.0,
+                  r.wrong);
       std::fflush(stdout);
       rows.push_back({{"publishers", n},
                       {"tp", m},
@@ -235,6 +244,8 @@ int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
                       {"read_bytes_per_rank_min", r.read_min == ~0ull ? 0 : r.read_min},
                       {"last_rank_s_median", last},
                       {"last_rank_s", r.last_s},
+                      {"commit_s_median", Median(r.commit_s)},
+                      {"commit_s", r.commit_s},
                       {"control_files_per_version", r.control_files},
                       {"subscriber_peak_rss_bytes", r.subscriber_rss},
                       {"wrong", r.wrong},

@@ -193,8 +193,9 @@ TransportCapabilities StackCapabilities(const std::vector<const TransportDescrip
   TransportCapabilities caps;
   for (size_t i = stack.size(); i-- > 0;) {
     // A layer carries a publisher group only if it says so itself (it must split its encoding
-    // by rank): it does not inherit that from the transport beneath.
-    if (i + 1 < stack.size()) caps.publisher_groups = false;
+    // by rank), and reads byte ranges only if it says so (what lies beneath is its encoding,
+    // not the tensors' bytes): it does not inherit either from the transport beneath.
+    if (i + 1 < stack.size()) caps.publisher_groups = caps.partial_reads = false;
     caps = stack[i]->capabilities(config, caps);
   }
   return caps;

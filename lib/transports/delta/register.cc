@@ -105,7 +105,6 @@ TransportCapabilities LayerCapabilities(const Config&, const TransportCapabiliti
   c.reads_strided_views = false;
   c.copies_with_checksums = false;
   c.committed_manifest = false;
-  c.partial_reads = false;  // a version's bytes are its encoding: decoded whole
   // A late joiner replays the newest keyframe and the deltas after it with OpenVersion; without
   // it the joiner waits for the next keyframe.
   c.late_joiners = beneath.late_joiners && beneath.open_version;

@@ -190,6 +190,11 @@ std::unique_ptr<Subscriber> OpenTp(const std::string& uri, int r, int tp,
 
 class TpSubscribeTest : public ::testing::TestWithParam<PublishCase> {};
 
+std::string CaseName(const ::testing::TestParamInfo<PublishCase>& info) {
+  return absl::StrFormat("World%d%s", info.param.world,
+                         info.param.world == 1 ? "" : info.param.layout);
+}
+
 TEST_P(TpSubscribeTest, EveryTpRankReceivesExactlyItsSlicesAndReadsOnlyThePartsTheyMeet) {
   const PublishCase& c = GetParam();
   ScratchDir dir;
@@ -237,10 +242,7 @@ INSTANTIATE_TEST_SUITE_P(Publishers, TpSubscribeTest,
                          ::testing::Values(PublishCase{1, "rows"}, PublishCase{2, "rows"},
                                            PublishCase{2, "cols"}, PublishCase{4, "rows"},
                                            PublishCase{4, "cols"}),
-                         [](const auto& info) {
-                           return absl::StrFormat("World%d%s", info.param.world,
-                                                  info.param.world == 1 ? "" : info.param.layout);
-                         });
+                         CaseName);
 
 // Bound destinations are slice-shaped; a strided one gets the slice scattered into it.
 TEST(TpSubscribeBindTest, BoundDestinationsReceiveTheSlice) {
@@ -537,10 +539,7 @@ TEST_P(TpPartialReadTest, EachRankReadsExactlyTheBlocksItsSlicesTouch) {
 INSTANTIATE_TEST_SUITE_P(Publishers, TpPartialReadTest,
                          ::testing::Values(PublishCase{1, "rows"}, PublishCase{2, "rows"},
                                            PublishCase{4, "cols"}),
-                         [](const auto& info) {
-                           return absl::StrFormat("World%d%s", info.param.world,
-                                                  info.param.world == 1 ? "" : info.param.layout);
-                         });
+                         CaseName);
 
 // A manifest without block checksums (checksum_block=0, as every manifest written before them)
 // is read part by part and verified whole, as before.

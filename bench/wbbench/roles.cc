@@ -147,6 +147,17 @@ int PublisherMain(const WorkerFlags& flags) {
   return 0;
 }
 
+// Reports a receive of version `want` that failed; false when the subscriber is to give up (it
+// timed out: the transport did not deliver), true when the next version may be fine.
+bool EmitFailure(uint64_t want, int64_t call_ns, const absl::Status& status) {
+  Emit({{"version", want},
+        {"call_start_unix_ns", call_ns},
+        {"ok", false},
+        {"timed_out", absl::IsDeadlineExceeded(status)},
+        {"error", std::string(status.message())}});
+  return !absl::IsDeadlineExceeded(status);
+}
+
 // One TP rank of a replica (--tp M): subscribes with placements (tp_layout.h), receives into
 // library memory (its slices only) and checks every slice against the same slice read from the
 // store's file.
@@ -164,12 +175,7 @@ int TpSubscriberMain(const WorkerFlags& flags, const StoreIndex& index) {
     const int64_t call_ns = absl::ToUnixNanos(absl::Now());
     absl::StatusOr<std::unique_ptr<Update>> u = (*sub)->ReceiveVersion(want, flags.wait_timeout);
     if (!u.ok()) {
-      Emit({{"version", want},
-            {"call_start_unix_ns", call_ns},
-            {"ok", false},
-            {"timed_out", absl::IsDeadlineExceeded(u.status())},
-            {"error", std::string(u.status().message())}});
-      if (absl::IsDeadlineExceeded(u.status())) return 1;
+      if (!EmitFailure(want, call_ns, u.status())) return 1;
       continue;
     }
     const UpdateStats& st = (*u)->stats();
@@ -235,12 +241,7 @@ int SubscriberMain(const WorkerFlags& flags) {
     const int64_t call_ns = absl::ToUnixNanos(absl::Now());
     absl::StatusOr<std::unique_ptr<Update>> u = (*sub)->WaitForVersion(want, timeout);
     if (!u.ok()) {
-      Emit({{"version", want},
-            {"call_start_unix_ns", call_ns},
-            {"ok", false},
-            {"timed_out", absl::IsDeadlineExceeded(u.status())},
-            {"error", std::string(u.status().message())}});
-      if (absl::IsDeadlineExceeded(u.status())) return 1;
+      if (!EmitFailure(want, call_ns, u.status())) return 1;
       continue;  // a bad version: the next one may be fine
     }
     const Update& up = **u;

@@ -63,9 +63,10 @@ const SettingTable& CoreSettings() {
           {.name = "staging_window",
            .type = SettingType::kBytes,
            .default_value = "64MiB",
-           .doc = "subscribers with placements, on transports with partial_reads: the most "
-                  "bytes read and verified at a time before they are copied into the slices "
-                  "(at least one checksum block); the extra memory beyond the slices",
+           .doc = "subscribers with placements, on transports with partial_reads: bytes of "
+                  "staging for reading and verifying blocks before they are copied into the "
+                  "slices, in two halves (one read while the other is verified; each at least "
+                  "one checksum block); the extra memory beyond the slices",
            .min = "64KiB",
            .max = "64GiB"},
           {.name = "rank",

@@ -4,7 +4,9 @@
 // whole versions only, never a lower one after a higher one. Transport-neutral.
 #include <atomic>
 #include <cstring>
+#include <future>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
@@ -158,6 +160,19 @@ class Update::Impl {
   std::shared_ptr<internal::HostBuffer> buffer;  // library-owned tensors
   UpdateStats stats;
 };
+
+// Hands over slice `t` of a TP rank's plan (`tp`): its bound destination when it has one, else
+// `home` (library memory), row-major, with no shard.
+static void AddSliceView(Update::Impl& impl, const internal::TensorPlan& tp, size_t t,
+                         std::byte* home, const Binding* bound) {
+  TensorView v{tp.name, tp.dtype, tp.shape, {}, home, Device{}, std::nullopt};
+  if (bound != nullptr) {
+    v.data = bound->dest.data;
+    v.strides = bound->dest.strides;
+  }
+  impl.index.emplace(tp.name, t);
+  impl.views.push_back(std::move(v));
+}
 
 Update::Update(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Update::~Update() = default;
@@ -926,13 +941,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveResharded(
       internal::UnpackStrided(home, DTypeSize(tp.dtype), tp.shape, bound[t]->dest.strides,
                               bound[t]->dest.data);
     }
-    TensorView v{tp.name, tp.dtype, tp.shape, {}, home, Device{}, std::nullopt};
-    if (bound[t] != nullptr) {
-      v.data = bound[t]->dest.data;
-      v.strides = bound[t]->dest.strides;
-    }
-    impl->index.emplace(tp.name, t);
-    impl->views.push_back(std::move(v));
+    AddSliceView(*impl, tp, t, home, bound[t]);
   }
   staging.reset();
   times.end = absl::Now();
@@ -1013,9 +1022,9 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
   uint64_t read_bytes = 0;
   for (const Run& r : runs) read_bytes += block_end(r.part, r.end - 1) - block_begin(r.part, r.first);
 
-  // Windows of whole blocks, at most staging_window bytes each (at least one block).
-  const uint64_t window_limit =
-      std::max(config->Bytes("staging_window"), largest_block);
+  // Windows of whole blocks, two buffers of half of staging_window each (at least one block):
+  // the next window is read into one while the other is verified and copied out.
+  const uint64_t window_limit = std::max(config->Bytes("staging_window") / 2, largest_block);
   struct Chunk {
     size_t part;
     uint64_t first, end;  // blocks
@@ -1039,15 +1048,15 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
     }
   }
 
-  std::shared_ptr<internal::HostBuffer> library, scratch_buffer, window;
+  std::shared_ptr<internal::HostBuffer> library, scratch_buffer, window_buffers[2];
   if (library_bytes > 0) {
     WB_ASSIGN_OR_RETURN(library, pool->Get(library_bytes));
   }
   if (scratch_bytes > 0) {
     WB_ASSIGN_OR_RETURN(scratch_buffer, pool->Get(scratch_bytes));
   }
-  if (window_bytes > 0) {
-    WB_ASSIGN_OR_RETURN(window, pool->Get(window_bytes));
+  for (size_t b = 0; b < std::min<size_t>(windows.size(), 2); ++b) {
+    WB_ASSIGN_OR_RETURN(window_buffers[b], pool->Get(window_bytes));
   }
   auto home = [&](size_t t) -> std::byte* {
     if (scratch[t]) return scratch_buffer->data() + home_offset[t];
@@ -1059,7 +1068,8 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
     return absl::DeadlineExceededError(absl::StrFormat(
         "%s: version %d found, but mapping %d bytes of receive buffers took until past the "
         "deadline; version %s stays current",
-        uri.Display(), m.version, library_bytes + scratch_bytes + window_bytes, CurrentText()));
+        uri.Display(), m.version, library_bytes + scratch_bytes + 2 * window_bytes,
+        CurrentText()));
   }
   const bool any_direct = [&] {
     for (size_t t = 0; t < nt; ++t) {
@@ -1080,16 +1090,34 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
 
   absl::Status status = failpoints.Hit("core.before_fetch");
   if (!status.ok()) return failed(status);
-  size_t next_piece = 0;  // pieces before it lie wholly in earlier windows
-  for (const std::vector<Chunk>& chunks : windows) {
+  // Window w is read into window_buffers[w % 2] by `reading` while window w - 1 is checked.
+  auto read_window = [&](size_t w) {
     std::vector<internal::RangeRead> reads;
-    reads.reserve(chunks.size());
-    for (const Chunk& c : chunks) {
+    reads.reserve(windows[w].size());
+    for (const Chunk& c : windows[w]) {
       const uint64_t begin = block_begin(c.part, c.first);
       reads.push_back(internal::RangeRead{c.part, begin, block_end(c.part, c.end - 1) - begin,
-                                          window->data() + c.window_offset});
+                                          window_buffers[w % 2]->data() + c.window_offset});
     }
-    if (absl::Status s = incoming->FetchRanges(reads, deadline); !s.ok()) return failed(s);
+    return incoming->FetchRanges(reads, deadline);
+  };
+  // A thread when one can be started, else inline at get(); never left running on return (it
+  // writes into the window buffers through `incoming`).
+  std::future<absl::Status> reading;
+  absl::Cleanup wait_reading = [&] {
+    if (reading.valid()) reading.wait();
+  };
+  if (!windows.empty()) {
+    reading = std::async(std::launch::async | std::launch::deferred, read_window, size_t{0});
+  }
+  size_t next_piece = 0;  // pieces before it lie wholly in earlier windows
+  for (size_t w = 0; w < windows.size(); ++w) {
+    const std::vector<Chunk>& chunks = windows[w];
+    const std::shared_ptr<internal::HostBuffer>& window = window_buffers[w % 2];
+    if (absl::Status s = reading.get(); !s.ok()) return failed(s);
+    if (w + 1 < windows.size()) {
+      reading = std::async(std::launch::async | std::launch::deferred, read_window, w + 1);
+    }
     // Verify every block of the window on the hashing pool, then copy what the plan needs.
     struct Check {
       size_t chunk;
@@ -1148,10 +1176,11 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
     }
   }
   times.fetched = times.verified = absl::Now();
+  std::move(wait_reading).Invoke();
   incoming->Accepted();
   std::optional<internal::CodecStats> codec = incoming->FetchCodecStats();
   incoming.reset();  // releases the transport's pin on the version
-  window.reset();
+  for (auto& b : window_buffers) b.reset();
 
   // Every block verified: only now touch staged destinations.
   impl->views.reserve(nt);
@@ -1165,13 +1194,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
         internal::UnpackStrided(home(t), DTypeSize(tp.dtype), tp.shape, d.strides, d.data);
       }
     }
-    TensorView v{tp.name, tp.dtype, tp.shape, {}, home(t), Device{}, std::nullopt};
-    if (bound[t] != nullptr) {
-      v.data = bound[t]->dest.data;
-      v.strides = bound[t]->dest.strides;
-    }
-    impl->index.emplace(tp.name, t);
-    impl->views.push_back(std::move(v));
+    AddSliceView(*impl, tp, t, home(t), bound[t]);
   }
   scratch_buffer.reset();
   times.end = absl::Now();

@@ -41,8 +41,8 @@ TEST(ChecksumTest, VectorizedXxh3MatchesLibxxhashInOneGoAndInPieces) {
 // bytes are fed, and the whole checksum is unchanged by computing them.
 TEST(ChecksumTest, TensorHasherBlocksAreXxh3OfEachBlock) {
   const std::vector<std::byte> bytes = testing::RandomBytes((1 << 20) + 4097, 7);
-  for (uint64_t block : {uint64_t{0}, uint64_t{4096}, uint64_t{65536}, uint64_t{1} << 20,
-                         uint64_t{3} << 20}) {
+  for (uint64_t block :
+       {uint64_t{0}, uint64_t{4096}, uint64_t{65536}, uint64_t{1} << 20, uint64_t{3} << 20}) {
     for (size_t n : {size_t{0}, size_t{4096}, size_t{4097}, bytes.size()}) {
       SCOPED_TRACE(testing::Xxh3(&block, sizeof block) ^ n);
       std::vector<uint64_t> want;

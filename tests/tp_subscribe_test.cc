@@ -106,8 +106,7 @@ std::vector<Box> PublishedParts(const tools::OwnedTensor& t, const PublishCase& 
 // Publishes version `version` of `model` (the fixture unless given) as `c` says, with the
 // settings `extra`; every rank must succeed.
 void Publish(const std::string& uri, const PublishCase& c, uint64_t version,
-             const Options& extra = {},
-             const std::vector<tools::OwnedTensor>& model = Model()) {
+             const Options& extra = {}, const std::vector<tools::OwnedTensor>& model = Model()) {
   if (c.world == 1) {
     auto p = Publisher::Open(uri, extra);
     ASSERT_TRUE(p.ok()) << p.status();
@@ -367,9 +366,9 @@ TEST(TpSubscribeErrorsTest, ACorruptPartLeavesDestinationsUntouched) {
   ASSERT_TRUE(sub->Bind(o->name, {DType::kF32, {64, 32}, {}, dest.data()}).ok());
   auto u = sub->ReceiveVersion(1, kTimeout);
   EXPECT_EQ(u.status().code(), absl::StatusCode::kDataLoss) << u.status();
-  EXPECT_THAT(std::string(u.status().message()),
-              HasSubstr("tensor \"" + o->name + "\" (the part of source rank 1) fails "
-                        "verification in block 0 of 1"));
+  EXPECT_THAT(std::string(u.status().message()), HasSubstr("tensor \"" + o->name +
+                                                           "\" (the part of source rank 1) fails "
+                                                           "verification in block 0 of 1"));
   EXPECT_THAT(std::string(u.status().message()), HasSubstr("file " + file));
   for (float x : dest) ASSERT_EQ(x, -1);
   EXPECT_FALSE(sub->current_version().has_value());
@@ -509,8 +508,8 @@ TEST_P(TpPartialReadTest, EachRankReadsExactlyTheBlocksItsSlicesTouch) {
   ASSERT_NO_FATAL_FAILURE(Publish(uri, c, 1, {{"checksum_block", "4KiB"}}));
   for (int tp : {1, 2, 4}) {
     for (int r = 0; r < tp; ++r) {
-      SCOPED_TRACE(absl::StrFormat("publishers %d (%s), TP rank %d of %d", c.world, c.layout, r,
-                                   tp));
+      SCOPED_TRACE(
+          absl::StrFormat("publishers %d (%s), TP rank %d of %d", c.world, c.layout, r, tp));
       std::unique_ptr<Subscriber> sub = OpenTp(uri, r, tp, {{"staging_window", "64KiB"}});
       ASSERT_NE(sub, nullptr);
       auto u = sub->ReceiveVersion(1, kTimeout);
@@ -526,12 +525,12 @@ TEST_P(TpPartialReadTest, EachRankReadsExactlyTheBlocksItsSlicesTouch) {
       // Never more than the parts met; from a single publisher's whole tensors, less.
       EXPECT_LE(touched, BytesMet(c, r, tp));
       if (c.world == 1 && tp > 1) EXPECT_LT(touched, BytesMet(c, r, tp));
-      std::printf("[ bytes    ] publishers %d %-4s TP %d rank %d: read %llu of %llu model bytes "
-                  "(%.0f%%) in blocks of 4 KiB, %llu in the parts met\n",
-                  c.world, c.world == 1 ? "" : c.layout.c_str(), tp, r,
-                  static_cast<unsigned long long>(touched),
-                  static_cast<unsigned long long>(ModelBytes()), 100.0 * touched / ModelBytes(),
-                  static_cast<unsigned long long>(BytesMet(c, r, tp)));
+      std::printf(
+          "[ bytes    ] publishers %d %-4s TP %d rank %d: read %llu of %llu model bytes "
+          "(%.0f%%) in blocks of 4 KiB, %llu in the parts met\n",
+          c.world, c.world == 1 ? "" : c.layout.c_str(), tp, r,
+          static_cast<unsigned long long>(touched), static_cast<unsigned long long>(ModelBytes()),
+          100.0 * touched / ModelBytes(), static_cast<unsigned long long>(BytesMet(c, r, tp)));
     }
   }
 }
@@ -634,7 +633,8 @@ TEST(TpPartialReadCorruptionTest, ACorruptBlockIsDataLossAndThePreviousVersionIs
     EXPECT_THAT(message, HasSubstr("version 2: tensor \"" + gate +
                                    "\" (the part of source rank 1) fails verification in block 4 "
                                    "of 6 (bytes [16384, 20480) of its 22016, blocks of 4096 "
-                                   "bytes; file " + file));
+                                   "bytes; file " +
+                                   file));
     EXPECT_THAT(message, HasSubstr("version 1 stays current"));
     EXPECT_EQ(sub->current_version(), 1u);
     EXPECT_EQ(dest, dest_v1);

@@ -204,8 +204,7 @@ TEST(ManifestBlockChecksumsTest, RoundTripOldManifestsAndMalformedBlocks) {
   m.tensors[0].block_xxh3 = {0x1, 0xfedcba9876543210ULL, 0x0123456789abcdefULL};
   const ordered_json j = ordered_json::parse(m.ToJson());
   EXPECT_EQ(j["tensors"][0]["block_bytes"], 5);
-  EXPECT_EQ(j["tensors"][0]["blocks"],
-            "0000000000000001fedcba98765432100123456789abcdef");
+  EXPECT_EQ(j["tensors"][0]["blocks"], "0000000000000001fedcba98765432100123456789abcdef");
   absl::StatusOr<Manifest> back = Manifest::FromJson(m.ToJson(), "blocks");
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, m);

@@ -22,15 +22,15 @@ namespace fs = std::filesystem;
 // The figures of one (N, M) pair.
 struct PairResult {
   int publishers = 1, tp = 1;
-  uint64_t slice_bytes = 0;     // one TP rank's slices
-  uint64_t read_max = 0;        // the most bytes one TP rank read in a version
-  uint64_t read_min = ~0ull;    // the fewest
-  std::vector<double> last_s;   // per measured version: first publisher call to last rank ready
+  uint64_t slice_bytes = 0;      // one TP rank's slices
+  uint64_t read_max = 0;         // the most bytes one TP rank read in a version
+  uint64_t read_min = ~0ull;     // the fewest
+  std::vector<double> last_s;    // per measured version: first publisher call to last rank ready
   std::vector<double> commit_s;  // per measured version: first publisher call to the last
                                  // rank's Publish returning (the group commit)
-  double control_files = 0;     // per version (median)
-  int64_t subscriber_rss = 0;   // the largest peak RSS of a TP rank
-  int wrong = 0;                // slices that differed from the store, or versions that failed
+  double control_files = 0;      // per version (median)
+  int64_t subscriber_rss = 0;    // the largest peak RSS of a TP rank
+  int wrong = 0;                 // slices that differed from the store, or versions that failed
   std::string failure;
 };
 
@@ -49,8 +49,7 @@ int ControlFiles(const std::string& version_dir) {
 
 class Pair {
  public:
-  Pair(const GroupRunConfig& c, const StoreIndex& index, int publishers, int tp)
-      : c_(c) {
+  Pair(const GroupRunConfig& c, const StoreIndex& index, int publishers, int tp) : c_(c) {
     r.publishers = publishers;
     r.tp = tp;
     r.slice_bytes = SliceBytes(index, tp);
@@ -61,12 +60,16 @@ class Pair {
 
   void Run() {
     const std::string uri = "disk://" + channel_;
-    std::vector<std::string> common = {
-        "--uri",          uri,
-        "--store",        c_.store,
-        "--timeout-s",    absl::StrFormat("%.3f", absl::ToDoubleSeconds(c_.timeout)),
-        "--wait-timeout-s", absl::StrFormat("%.3f", absl::ToDoubleSeconds(c_.timeout)),
-        "--parent-pid",   std::to_string(getpid())};
+    std::vector<std::string> common = {"--uri",
+                                       uri,
+                                       "--store",
+                                       c_.store,
+                                       "--timeout-s",
+                                       absl::StrFormat("%.3f", absl::ToDoubleSeconds(c_.timeout)),
+                                       "--wait-timeout-s",
+                                       absl::StrFormat("%.3f", absl::ToDoubleSeconds(c_.timeout)),
+                                       "--parent-pid",
+                                       std::to_string(getpid())};
     for (const std::string& s : c_.settings) {
       common.push_back("--set");
       common.push_back(s);
@@ -74,17 +77,23 @@ class Pair {
     for (int rank = 0; rank < r.publishers; ++rank) {
       std::vector<std::string> a = {SelfPath(), "__worker", "publisher"};
       a.insert(a.end(), common.begin(), common.end());
-      for (const std::string& s : {absl::StrFormat("rank=%d", rank),
-                                   absl::StrFormat("world_size=%d", r.publishers)}) {
+      for (const std::string& s :
+           {absl::StrFormat("rank=%d", rank), absl::StrFormat("world_size=%d", r.publishers)}) {
         a.push_back("--set");
         a.push_back(s);
       }
       if (!Spawn(a, absl::StrFormat("publisher-%d", rank))) return;
     }
     for (int rank = 0; rank < r.tp; ++rank) {
-      std::vector<std::string> a = {SelfPath(), "__worker", "subscriber", "--count",
-                                    std::to_string(c_.versions), "--tp", std::to_string(r.tp),
-                                    "--tp-rank", std::to_string(rank)};
+      std::vector<std::string> a = {SelfPath(),
+                                    "__worker",
+                                    "subscriber",
+                                    "--count",
+                                    std::to_string(c_.versions),
+                                    "--tp",
+                                    std::to_string(r.tp),
+                                    "--tp-rank",
+                                    std::to_string(rank)};
       a.insert(a.end(), common.begin(), common.end());
       if (!Spawn(a, absl::StrFormat("tp-rank-%d", rank))) return;
     }
@@ -113,8 +122,8 @@ class Pair {
         }
         const int64_t s = j->value("call_start_unix_ns", int64_t{0});
         start_ns = start_ns == 0 ? s : std::min(start_ns, s);
-        committed_ns = std::max(
-            committed_ns, s + static_cast<int64_t>(j->value("stall_s", 0.0) * 1e9));
+        committed_ns =
+            std::max(committed_ns, s + static_cast<int64_t>(j->value("stall_s", 0.0) * 1e9));
       }
       int64_t last_ns = 0;
       for (int t = 0; t < r.tp; ++t) {
@@ -210,11 +219,10 @@ int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
       "the store\n");
   std::printf("# %d versions, the first %d not measured; settings: %s\n#\n", c.versions, c.warmup,
               c.settings.empty() ? "defaults" : absl::StrJoin(c.settings, " ").c_str());
-  std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %6s\n", "N", "M", "model",
-              "slices", "read/rank", "read%", "commit", "last-rank", "control", "rss/rank",
-              "#wrong");
-  std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %6s\n", "", "", "(B)", "(B)",
-              "(B)", "(%)", "(s)", "(s)", "(files)", "(MiB)", "");
+  std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %6s\n", "N", "M", "model", "slices",
+              "read/rank", "read%", "commit", "last-rank", "control", "rss/rank", "#wrong");
+  std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %6s\n", "", "", "(B)", "(B)", "(B)",
+              "(%)", "(s)", "(s)", "(files)", "(MiB)", "");
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   int wrong = 0;
   std::string failure;
@@ -233,8 +241,7 @@ int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
                   static_cast<unsigned long long>(r.slice_bytes),
                   static_cast<unsigned long long>(r.read_max),
                   100.0 * r.read_max / std::max<uint64_t>(index.tensor_bytes, 1),
-                  Median(r.commit_s), last, r.control_files, r.subscriber_rss / 1048576.0,
-                  r.wrong);
+                  Median(r.commit_s), last, r.control_files, r.subscriber_rss / 1048576.0, r.wrong);
       std::fflush(stdout);
       rows.push_back({{"publishers", n},
                       {"tp", m},

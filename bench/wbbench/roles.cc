@@ -90,7 +90,8 @@ int PublisherMain(const WorkerFlags& flags) {
   // One rank of a publisher group (--publishers N: settings rank and world_size) publishes its
   // shards only (tp_layout.h).
   int rank = 0, world = 1;
-  if (auto it = settings.find("rank"); it != settings.end()) (void)absl::SimpleAtoi(it->second, &rank);
+  if (auto it = settings.find("rank"); it != settings.end())
+    (void)absl::SimpleAtoi(it->second, &rank);
   if (auto it = settings.find("world_size"); it != settings.end()) {
     (void)absl::SimpleAtoi(it->second, &world);
   }
@@ -162,9 +163,9 @@ bool EmitFailure(uint64_t want, int64_t call_ns, const absl::Status& status) {
 // library memory (its slices only) and checks every slice against the same slice read from the
 // store's file.
 int TpSubscriberMain(const WorkerFlags& flags, const StoreIndex& index) {
-  absl::StatusOr<std::unique_ptr<Subscriber>> sub =
-      Subscriber::Open(flags.uri, ParseSettings(flags.settings),
-                       SubscribePlacements{TpRules(index, flags.tp), {flags.tp, flags.tp_rank}, {}});
+  absl::StatusOr<std::unique_ptr<Subscriber>> sub = Subscriber::Open(
+      flags.uri, ParseSettings(flags.settings),
+      SubscribePlacements{TpRules(index, flags.tp), {flags.tp, flags.tp_rank}, {}});
   if (!sub.ok()) {
     Emit({{"error", std::string(sub.status().message())}});
     return 1;

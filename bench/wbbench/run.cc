@@ -125,7 +125,8 @@ std::vector<tools::OwnedTensor> LoadMaster(const RunOptions& o, std::string* sou
   shapes = tools::ScaleShapes(shapes, static_cast<double>(o.size) / static_cast<double>(base));
   if (o.row_multiple > 1) {  // --publishers/--tp: rows every group size and TP degree divides
     for (tools::ShapeSpec& s : shapes) {
-      if (s.shape.size() == 2) s.shape[0] = (s.shape[0] + o.row_multiple - 1) / o.row_multiple * o.row_multiple;
+      if (s.shape.size() == 2)
+        s.shape[0] = (s.shape[0] + o.row_multiple - 1) / o.row_multiple * o.row_multiple;
     }
   }
   *source = absl::StrFormat("%s scaled to %s (synthetic, N(0, 0.02))",
@@ -821,9 +822,10 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
     gc.timeout = o.timeout;
     gc.settings = o.settings;
     gc.json = o.json;
-    absl::PrintF("# weightbus-bench run (weightbus %s): model %s: %d tensors, BF16, %d bytes (%s)\n",
-                 std::string(LibraryVersion()), source, index.tensors.size(), index.tensor_bytes,
-                 HumanBytes(index.tensor_bytes));
+    absl::PrintF(
+        "# weightbus-bench run (weightbus %s): model %s: %d tensors, BF16, %d bytes (%s)\n",
+        std::string(LibraryVersion()), source, index.tensors.size(), index.tensor_bytes,
+        HumanBytes(index.tensor_bytes));
     return ExitStatus(RunGroups(gc, index));
   }
   r.model_bytes = index.tensor_bytes;

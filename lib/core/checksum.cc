@@ -49,12 +49,22 @@ const Impl& Chosen() {
 #ifdef WEIGHTBUS_HAVE_AVX2_XXH3
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2")) {
-      return Impl{xxh3_avx2::Hash,   xxh3_avx2::NewState, xxh3_avx2::ResetState, xxh3_avx2::FreeState,
-                  xxh3_avx2::Update, xxh3_avx2::Digest,   "avx2"};
+      return Impl{xxh3_avx2::Hash,
+                  xxh3_avx2::NewState,
+                  xxh3_avx2::ResetState,
+                  xxh3_avx2::FreeState,
+                  xxh3_avx2::Update,
+                  xxh3_avx2::Digest,
+                  "avx2"};
     }
 #endif
-    return Impl{xxh3_base::Hash,   xxh3_base::NewState, xxh3_base::ResetState, xxh3_base::FreeState,
-                xxh3_base::Update, xxh3_base::Digest,   "sse2"};
+    return Impl{xxh3_base::Hash,
+                xxh3_base::NewState,
+                xxh3_base::ResetState,
+                xxh3_base::FreeState,
+                xxh3_base::Update,
+                xxh3_base::Digest,
+                "sse2"};
   }();
   return impl;
 }

@@ -37,7 +37,7 @@ class Xxh3Stream {
 // read.
 struct TensorChecksums {
   uint64_t xxh3 = 0;
-  uint64_t block_bytes = 0;     // 0: no block checksums
+  uint64_t block_bytes = 0;      // 0: no block checksums
   std::vector<uint64_t> blocks;  // BlockCount(nbytes, block_bytes) entries
 };
 

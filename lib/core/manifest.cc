@@ -323,8 +323,9 @@ absl::StatusOr<Manifest> Manifest::FromJson(std::string_view json, std::string_v
         uint64_t b = 0;
         auto [end, err] = std::from_chars(first, first + 16, b, 16);
         if (err != std::errc() || end != first + 16 || !IsLowerHex(first)) {
-          return r.Error(path + ".blocks", absl::StrFormat("checksum %d \"%s\" is not 16 hex digits",
-                                                           k, std::string_view(first, 16)));
+          return r.Error(path + ".blocks",
+                         absl::StrFormat("checksum %d \"%s\" is not 16 hex digits", k,
+                                         std::string_view(first, 16)));
         }
         t.block_xxh3.push_back(b);
       }

@@ -159,7 +159,7 @@ class Job final : public internal::PublishJob {
   std::vector<const TensorView*> views_;  // the caller's views, for gathering strided ones
   std::unique_ptr<internal::HostBuffer> pack_buffer_;
   const internal::ChannelKey* key_ = nullptr;  // the channel's, when it has a shared secret
-  uint64_t checksum_block_ = 0;                 // setting checksum_block (0: no block checksums)
+  uint64_t checksum_block_ = 0;                // setting checksum_block (0: no block checksums)
 
  private:
   static constexpr uint64_t kBlock = 256 * 1024;  // copied or gathered, then hashed from L2
@@ -317,7 +317,9 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   }
   Job job;
   job.key_ = key ? &*key : nullptr;
-  job.checksum_block_ = config->Bytes("checksum_block");
+  // Block checksums serve readers of byte ranges; through a layer (delta) subscribers decode
+  // versions whole, and the layer's records carry whole checksums only: none are recorded.
+  job.checksum_block_ = this->stack.size() == 1 ? config->Bytes("checksum_block") : 0;
   Manifest& m = job.manifest_;
   m.version = version;
   m.publisher = identity;

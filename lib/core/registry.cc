@@ -57,7 +57,7 @@ const SettingTable& CoreSettings() {
            .doc = "publishers: besides each tensor's XXH3-64, record one per block of this many "
                   "bytes of it in the manifest, so that a subscriber reading only some byte "
                   "ranges (a TP worker's slices) verifies exactly the blocks it read (0: none; "
-                  "each block costs 16 bytes of manifest)",
+                  "each block costs 16 bytes of manifest; none through a layer such as delta)",
            .min = "0",
            .max = "1GiB"},
           {.name = "staging_window",

@@ -966,8 +966,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
     const internal::TensorPlan& tp = plan.tensors[t];
     if (auto it = bindings.find(tp.name); it != bindings.end()) {
       bound[t] = &it->second;
-      scratch[t] =
-          tp.nbytes > 0 && (staged || !IsContiguous(tp.shape, bound[t]->dest.strides));
+      scratch[t] = tp.nbytes > 0 && (staged || !IsContiguous(tp.shape, bound[t]->dest.strides));
       if (scratch[t]) {
         home_offset[t] = scratch_bytes;
         scratch_bytes += AlignUp(tp.nbytes);
@@ -1020,7 +1019,8 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
     return std::min(m.tensors[part].nbytes, (k + 1) * m.tensors[part].block_bytes);
   };
   uint64_t read_bytes = 0;
-  for (const Run& r : runs) read_bytes += block_end(r.part, r.end - 1) - block_begin(r.part, r.first);
+  for (const Run& r : runs)
+    read_bytes += block_end(r.part, r.end - 1) - block_begin(r.part, r.first);
 
   // Windows of whole blocks, two buffers of half of staging_window each (at least one block):
   // the next window is read into one while the other is verified and copied out.
@@ -1068,8 +1068,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
     return absl::DeadlineExceededError(absl::StrFormat(
         "%s: version %d found, but mapping %d bytes of receive buffers took until past the "
         "deadline; version %s stays current",
-        uri.Display(), m.version, library_bytes + scratch_bytes + 2 * window_bytes,
-        CurrentText()));
+        uri.Display(), m.version, library_bytes + scratch_bytes + 2 * window_bytes, CurrentText()));
   }
   const bool any_direct = [&] {
     for (size_t t = 0; t < nt; ++t) {
@@ -1081,11 +1080,11 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
       any_direct ? " (bind_mode=direct: bound destinations may hold partial data of this version)"
                  : "";
   auto failed = [&](const absl::Status& s) {
-    return absl::Status(s.code(),
-                        absl::StrFormat("%s: receiving version %d failed: %s%s; version %s stays "
-                                        "current",
-                                        uri.Display(), m.version, s.message(), direct_note,
-                                        CurrentText()));
+    return absl::Status(
+        s.code(),
+        absl::StrFormat("%s: receiving version %d failed: %s%s; version %s stays "
+                        "current",
+                        uri.Display(), m.version, s.message(), direct_note, CurrentText()));
   };
 
   absl::Status status = failpoints.Hit("core.before_fetch");
@@ -1135,8 +1134,8 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
         const Chunk& c = chunks[check.chunk];
         const uint64_t at =
             c.window_offset + block_begin(c.part, check.block) - block_begin(c.part, c.first);
-        check.actual = internal::Xxh3(window->data() + at,
-                                      block_end(c.part, check.block) - block_begin(c.part, check.block));
+        check.actual = internal::Xxh3(
+            window->data() + at, block_end(c.part, check.block) - block_begin(c.part, check.block));
         pending.Done();
       });
     }
@@ -1149,10 +1148,10 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
           "%s version %d: tensor \"%s\" (the part of source rank %d) fails verification in block "
           "%d of %d (bytes [%d, %d) of its %d, blocks of %d bytes; %s): XXH3-64 of the bytes read "
           "is %016x but the manifest says %016x%s; version %s stays current",
-          uri.Display(), m.version, t.name, m.group ? t.owner : 0, check.block,
-          t.block_xxh3.size(), block_begin(part, check.block), block_end(part, check.block),
-          t.nbytes, t.block_bytes, incoming->DescribeSource(part), check.actual,
-          t.block_xxh3[check.block], direct_note, CurrentText()));
+          uri.Display(), m.version, t.name, m.group ? t.owner : 0, check.block, t.block_xxh3.size(),
+          block_begin(part, check.block), block_end(part, check.block), t.nbytes, t.block_bytes,
+          incoming->DescribeSource(part), check.actual, t.block_xxh3[check.block], direct_note,
+          CurrentText()));
     }
     // Copy the parts of the pieces that lie in this window's chunks. Chunks and pieces both
     // follow (part, offset); a piece may span chunks and windows.
@@ -1164,9 +1163,8 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
                pieces[next_piece].offset + pieces[next_piece].length <= lo))) {
         ++next_piece;
       }
-      for (size_t q = next_piece; q < pieces.size() && pieces[q].part == c.part &&
-                                  pieces[q].offset < hi;
-           ++q) {
+      for (size_t q = next_piece;
+           q < pieces.size() && pieces[q].part == c.part && pieces[q].offset < hi; ++q) {
         const Piece& p = pieces[q];
         const uint64_t from = std::max(p.offset, lo), to = std::min(p.offset + p.length, hi);
         if (from >= to) continue;

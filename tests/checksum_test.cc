@@ -12,6 +12,18 @@
 namespace weightbus::internal {
 namespace {
 
+// Hands `n` bytes at `data` to `update` in uneven pieces (1 byte, then each 3x + 7 the last).
+template <typename F>
+void FeedUnevenly(const std::byte* data, size_t n, F update) {
+  size_t done = 0, step = 1;
+  while (done < n) {
+    const size_t take = std::min(step, n - done);
+    update(data + done, take);
+    done += take;
+    step = step * 3 + 7;
+  }
+}
+
 TEST(ChecksumTest, VectorizedXxh3MatchesLibxxhashInOneGoAndInPieces) {
   const std::vector<std::byte> bytes = testing::RandomBytes(3 << 20, 99);
   for (size_t n : {size_t{0}, size_t{1}, size_t{16}, size_t{129}, size_t{240}, size_t{241},
@@ -20,14 +32,34 @@ TEST(ChecksumTest, VectorizedXxh3MatchesLibxxhashInOneGoAndInPieces) {
     EXPECT_EQ(Xxh3(bytes.data(), n), want) << n << " bytes, " << Xxh3Implementation();
     // Streamed in uneven pieces, as transfers land.
     Xxh3Stream stream;
-    size_t done = 0, step = 1;
-    while (done < n) {
-      const size_t take = std::min(step, n - done);
-      stream.Update(bytes.data() + done, take);
-      done += take;
-      step = step * 3 + 7;
-    }
+    FeedUnevenly(bytes.data(), n, [&](const std::byte* p, size_t k) { stream.Update(p, k); });
     EXPECT_EQ(stream.Digest(), want) << n << " bytes streamed";
+  }
+}
+
+// Block checksums are libxxhash's XXH3-64 of each block (the last one shorter), however the
+// bytes are fed, and the whole checksum is unchanged by computing them.
+TEST(ChecksumTest, TensorHasherBlocksAreXxh3OfEachBlock) {
+  const std::vector<std::byte> bytes = testing::RandomBytes((1 << 20) + 4097, 7);
+  for (uint64_t block :
+       {uint64_t{0}, uint64_t{4096}, uint64_t{65536}, uint64_t{1} << 20, uint64_t{3} << 20}) {
+    for (size_t n : {size_t{0}, size_t{4096}, size_t{4097}, bytes.size()}) {
+      SCOPED_TRACE(testing::Xxh3(&block, sizeof block) ^ n);
+      std::vector<uint64_t> want;
+      for (uint64_t at = 0; block > 0 && at < n; at += block) {
+        want.push_back(testing::Xxh3(bytes.data() + at, std::min<uint64_t>(block, n - at)));
+      }
+      const TensorChecksums whole = ChecksumTensor(bytes.data(), n, block);
+      EXPECT_EQ(whole.xxh3, testing::Xxh3(bytes.data(), n)) << block << " " << n;
+      EXPECT_EQ(whole.block_bytes, block);
+      EXPECT_EQ(whole.blocks, want) << block << " " << n;
+      EXPECT_EQ(whole.blocks.size(), BlockCount(n, block));
+      TensorHasher hasher(n, block);
+      FeedUnevenly(bytes.data(), n, [&](const std::byte* p, size_t k) { hasher.Update(p, k); });
+      const TensorChecksums streamed = hasher.Finish();
+      EXPECT_EQ(streamed.xxh3, whole.xxh3) << block << " " << n;
+      EXPECT_EQ(streamed.blocks, want) << block << " " << n;
+    }
   }
 }
 

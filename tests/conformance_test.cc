@@ -970,6 +970,45 @@ TEST_P(ConformanceTest, OpenVersionListVersionsAndCommittedManifestWhereDeclared
   }
 }
 
+// partial_reads: FetchRanges reads exactly the byte ranges asked for, in several calls on one
+// version (the core reads window by window); without it, Unimplemented.
+TEST_P(ConformanceTest, FetchRangesReadsByteRangesWhereDeclared) {
+  auto pub = testing::OpenTransportPublisher(Uri());
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = testing::OpenTransportSubscriber(Uri());
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  const std::vector<OwnedTensor> v1 = MakeVersion(9, 1, 1 << 15);
+  ASSERT_TRUE(testing::PublishSealed(**pub, ManifestOf(1, v1), v1).ok());
+  auto incoming = (*sub)->WaitForVersion(1, absl::Now() + kTimeout);
+  ASSERT_TRUE(incoming.ok()) << incoming.status();
+  const Manifest& m = (*incoming)->manifest();
+  // Of every tensor of at least 3 bytes: its middle, then (second call) its first byte.
+  std::vector<std::vector<std::byte>> middle(m.tensors.size()), first(m.tensors.size());
+  std::vector<internal::RangeRead> reads, firsts;
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    const uint64_t n = m.tensors[i].nbytes;
+    if (n < 3) continue;
+    middle[i].assign(n - 2, std::byte{0xee});
+    first[i].assign(1, std::byte{0xee});
+    reads.push_back(internal::RangeRead{i, 1, n - 2, middle[i].data()});
+    firsts.push_back(internal::RangeRead{i, 0, 1, first[i].data()});
+  }
+  ASSERT_FALSE(reads.empty());
+  const absl::Status s = (*incoming)->FetchRanges(reads, absl::Now() + kTimeout);
+  if (!caps_.partial_reads) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+    return;
+  }
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE((*incoming)->FetchRanges(firsts, absl::Now() + kTimeout).ok());
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    if (middle[i].empty()) continue;
+    const std::vector<std::byte>& bytes = v1[i].bytes;
+    EXPECT_TRUE(std::equal(middle[i].begin(), middle[i].end(), bytes.begin() + 1)) << v1[i].name;
+    EXPECT_EQ(first[i][0], bytes[0]) << v1[i].name;
+  }
+}
+
 // A PublishJob whose strided tensors come as views (data == nullptr), as the core hands them to
 // a stack that declares reads_strided_views, and which counts the copies made through it.
 class StridedJob final : public internal::PublishJob {

@@ -6,6 +6,7 @@
 // checked bit-exact against slicing the checkpoint here, and the bytes it fetched against the
 // published parts its slices meet, computed here independently of the planner.
 #include <cstring>
+#include <set>
 #include <thread>
 
 #include <gmock/gmock.h>
@@ -102,13 +103,15 @@ std::vector<Box> PublishedParts(const tools::OwnedTensor& t, const PublishCase& 
   return parts;
 }
 
-// Publishes version `version` of the model as `c` says; every rank must succeed.
-void Publish(const std::string& uri, const PublishCase& c, uint64_t version) {
+// Publishes version `version` of `model` (the fixture unless given) as `c` says, with the
+// settings `extra`; every rank must succeed.
+void Publish(const std::string& uri, const PublishCase& c, uint64_t version,
+             const Options& extra = {}, const std::vector<tools::OwnedTensor>& model = Model()) {
   if (c.world == 1) {
-    auto p = Publisher::Open(uri);
+    auto p = Publisher::Open(uri, extra);
     ASSERT_TRUE(p.ok()) << p.status();
     std::vector<TensorView> views;
-    for (const tools::OwnedTensor& t : Model()) views.push_back(t.view());
+    for (const tools::OwnedTensor& t : model) views.push_back(t.view());
     ASSERT_TRUE((*p)->Publish(version, views, {}, kTimeout).ok());
     return;
   }
@@ -116,15 +119,17 @@ void Publish(const std::string& uri, const PublishCase& c, uint64_t version) {
   std::vector<std::thread> threads;
   for (int r = 0; r < c.world; ++r) {
     threads.emplace_back([&, r] {
-      auto p = Publisher::Open(uri, {{"rank", std::to_string(r)},
-                                     {"world_size", std::to_string(c.world)},
-                                     {"poll_interval", "2ms"}});
+      Options options = extra;
+      options["rank"] = std::to_string(r);
+      options["world_size"] = std::to_string(c.world);
+      options["poll_interval"] = "2ms";
+      auto p = Publisher::Open(uri, options);
       if (!p.ok()) {
         status[r] = p.status();
         return;
       }
       std::vector<TensorView> views;
-      for (const tools::OwnedTensor& t : Model()) {
+      for (const tools::OwnedTensor& t : model) {
         TensorView v = t.view();
         std::vector<Box> parts = PublishedParts(t, c);
         if (parts.size() > 1) {
@@ -175,13 +180,19 @@ uint64_t BytesMet(const PublishCase& c, int r, int tp) {
   return n;
 }
 
-std::unique_ptr<Subscriber> OpenTp(const std::string& uri, int r, int tp) {
-  auto sub = Subscriber::Open(uri, {}, SubscribePlacements{LlamaRules(), {tp, r}, {}});
+std::unique_ptr<Subscriber> OpenTp(const std::string& uri, int r, int tp,
+                                   const Options& options = {}) {
+  auto sub = Subscriber::Open(uri, options, SubscribePlacements{LlamaRules(), {tp, r}, {}});
   EXPECT_TRUE(sub.ok()) << sub.status();
   return sub.ok() ? *std::move(sub) : nullptr;
 }
 
 class TpSubscribeTest : public ::testing::TestWithParam<PublishCase> {};
+
+std::string CaseName(const ::testing::TestParamInfo<PublishCase>& info) {
+  return absl::StrFormat("World%d%s", info.param.world,
+                         info.param.world == 1 ? "" : info.param.layout);
+}
 
 TEST_P(TpSubscribeTest, EveryTpRankReceivesExactlyItsSlicesAndReadsOnlyThePartsTheyMeet) {
   const PublishCase& c = GetParam();
@@ -230,10 +241,7 @@ INSTANTIATE_TEST_SUITE_P(Publishers, TpSubscribeTest,
                          ::testing::Values(PublishCase{1, "rows"}, PublishCase{2, "rows"},
                                            PublishCase{2, "cols"}, PublishCase{4, "rows"},
                                            PublishCase{4, "cols"}),
-                         [](const auto& info) {
-                           return absl::StrFormat("World%d%s", info.param.world,
-                                                  info.param.world == 1 ? "" : info.param.layout);
-                         });
+                         CaseName);
 
 // Bound destinations are slice-shaped; a strided one gets the slice scattered into it.
 TEST(TpSubscribeBindTest, BoundDestinationsReceiveTheSlice) {
@@ -358,8 +366,10 @@ TEST(TpSubscribeErrorsTest, ACorruptPartLeavesDestinationsUntouched) {
   ASSERT_TRUE(sub->Bind(o->name, {DType::kF32, {64, 32}, {}, dest.data()}).ok());
   auto u = sub->ReceiveVersion(1, kTimeout);
   EXPECT_EQ(u.status().code(), absl::StatusCode::kDataLoss) << u.status();
-  EXPECT_THAT(std::string(u.status().message()),
-              HasSubstr("\"" + o->name + "\" from file " + file));
+  EXPECT_THAT(std::string(u.status().message()), HasSubstr("tensor \"" + o->name +
+                                                           "\" (the part of source rank 1) fails "
+                                                           "verification in block 0 of 1"));
+  EXPECT_THAT(std::string(u.status().message()), HasSubstr("file " + file));
   for (float x : dest) ASSERT_EQ(x, -1);
   EXPECT_FALSE(sub->current_version().has_value());
 }
@@ -450,6 +460,188 @@ TEST(TpSubscribeFusedTest, GateUpAndQkvAreAssembledFromTheirParts) {
       EXPECT_EQ(got_gu.shape, (std::vector<int64_t>{2 * n, 64}));
       EXPECT_EQ(std::memcmp(got_gu.data, gate_up.data(), gate_up.size()), 0);
     }
+  }
+}
+
+// Partial reads (docs/RESHARDING.md, "What a rank reads"): with block checksums every rank
+// reads the checksum blocks its slices touch and nothing else.
+constexpr uint64_t kBlock = 4096;
+
+// Bytes of the blocks (of kBlock bytes, the last of a part shorter) of the published parts that
+// rank `r` of `tp`'s slices touch, computed here from boxes: for each row of a slice's
+// intersection with a part, the byte run it needs in the part's row-major bytes.
+uint64_t BlockBytesTouched(const PublishCase& c, int r, int tp) {
+  uint64_t n = 0;
+  for (const tools::OwnedTensor& t : Model()) {
+    const Box want = SliceBox(t, r, tp);
+    for (const Box& part : PublishedParts(t, c)) {
+      if (!Meet(part, want)) continue;
+      const uint64_t part_bytes = Elements(part) * 4;
+      std::set<uint64_t> blocks;
+      if (t.shape.size() != 2) {
+        for (uint64_t b = 0; b * kBlock < part_bytes; ++b) blocks.insert(b);
+      } else {
+        const int64_t cols = part.end[1] - part.begin[1];
+        const int64_t c0 = std::max(part.begin[1], want.begin[1]);
+        const int64_t c1 = std::min(part.end[1], want.end[1]);
+        for (int64_t row = std::max(part.begin[0], want.begin[0]);
+             row < std::min(part.end[0], want.end[0]); ++row) {
+          const uint64_t lo = ((row - part.begin[0]) * cols + (c0 - part.begin[1])) * 4;
+          const uint64_t hi = ((row - part.begin[0]) * cols + (c1 - part.begin[1])) * 4;
+          for (uint64_t b = lo / kBlock; b <= (hi - 1) / kBlock; ++b) blocks.insert(b);
+        }
+      }
+      for (uint64_t b : blocks) n += std::min(kBlock, part_bytes - b * kBlock);
+    }
+  }
+  return n;
+}
+
+class TpPartialReadTest : public ::testing::TestWithParam<PublishCase> {};
+
+// The bytes a rank reads (UpdateStats::bytes) are exactly the blocks its slices touch, through a
+// staging window smaller than most tensors' parts, and the slices are bit-exact.
+TEST_P(TpPartialReadTest, EachRankReadsExactlyTheBlocksItsSlicesTouch) {
+  const PublishCase& c = GetParam();
+  ScratchDir dir;
+  const std::string uri = "disk://" + dir.path() + "/channel";
+  ASSERT_NO_FATAL_FAILURE(Publish(uri, c, 1, {{"checksum_block", "4KiB"}}));
+  for (int tp : {1, 2, 4}) {
+    for (int r = 0; r < tp; ++r) {
+      SCOPED_TRACE(
+          absl::StrFormat("publishers %d (%s), TP rank %d of %d", c.world, c.layout, r, tp));
+      std::unique_ptr<Subscriber> sub = OpenTp(uri, r, tp, {{"staging_window", "64KiB"}});
+      ASSERT_NE(sub, nullptr);
+      auto u = sub->ReceiveVersion(1, kTimeout);
+      ASSERT_TRUE(u.ok()) << u.status();
+      for (const tools::OwnedTensor& t : Model()) {
+        const TensorView* v = (*u)->Find(t.name);
+        ASSERT_NE(v, nullptr) << t.name;
+        const std::vector<std::byte> want = SliceBytes(t, SliceBox(t, r, tp));
+        ASSERT_EQ(std::memcmp(v->data, want.data(), want.size()), 0) << t.name;
+      }
+      const uint64_t touched = BlockBytesTouched(c, r, tp);
+      EXPECT_EQ((*u)->stats().bytes, touched);
+      // Never more than the parts met; from a single publisher's whole tensors, less.
+      EXPECT_LE(touched, BytesMet(c, r, tp));
+      if (c.world == 1 && tp > 1) EXPECT_LT(touched, BytesMet(c, r, tp));
+      std::printf(
+          "[ bytes    ] publishers %d %-4s TP %d rank %d: read %llu of %llu model bytes "
+          "(%.0f%%) in blocks of 4 KiB, %llu in the parts met\n",
+          c.world, c.world == 1 ? "" : c.layout.c_str(), tp, r,
+          static_cast<unsigned long long>(touched), static_cast<unsigned long long>(ModelBytes()),
+          100.0 * touched / ModelBytes(), static_cast<unsigned long long>(BytesMet(c, r, tp)));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Publishers, TpPartialReadTest,
+                         ::testing::Values(PublishCase{1, "rows"}, PublishCase{2, "rows"},
+                                           PublishCase{4, "cols"}),
+                         CaseName);
+
+// A manifest without block checksums (checksum_block=0, as every manifest written before them)
+// is read part by part and verified whole, as before.
+TEST(TpPartialReadOldManifestTest, WithoutBlockChecksumsThePartsMetAreReadWhole) {
+  ScratchDir dir;
+  const std::string uri = "disk://" + dir.path() + "/channel";
+  const PublishCase c{2, "rows"};
+  ASSERT_NO_FATAL_FAILURE(Publish(uri, c, 1, {{"checksum_block", "0"}}));
+  const std::string manifest =
+      testing::ReadFileOrDie(testing::DiskVersionDir(dir, 1) + "/weightbus.manifest.json");
+  EXPECT_THAT(manifest, ::testing::Not(HasSubstr("block_bytes")));
+  std::unique_ptr<Subscriber> sub = OpenTp(uri, 1, 2);
+  ASSERT_NE(sub, nullptr);
+  auto u = sub->ReceiveVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ((*u)->stats().bytes, BytesMet(c, 1, 2));
+  for (const tools::OwnedTensor& t : Model()) {
+    const std::vector<std::byte> want = SliceBytes(t, SliceBox(t, 1, 2));
+    ASSERT_EQ(std::memcmp((*u)->Find(t.name)->data, want.data(), want.size()), 0) << t.name;
+  }
+}
+
+// The model with every float doubled: a version whose bytes differ from the fixture's.
+std::vector<tools::OwnedTensor> Doubled() {
+  std::vector<tools::OwnedTensor> out = Model();
+  for (tools::OwnedTensor& t : out) {
+    float* f = reinterpret_cast<float*>(t.bytes.data());
+    for (size_t i = 0; i < t.bytes.size() / 4; ++i) f[i] *= 2;
+  }
+  return out;
+}
+
+// Flips one bit of `file` inside the bytes equal to `needle` (found once in it), `at` bytes in.
+void FlipInFile(const std::string& file, const std::string& needle, size_t at) {
+  std::string bytes = testing::ReadFileOrDie(file);
+  const size_t found = bytes.find(needle);
+  ASSERT_NE(found, std::string::npos) << file;
+  bytes[found + at] ^= 1;
+  testing::WriteFileOrDie(file, bytes);
+}
+
+// A byte flipped at rest in one block of a rank's part is DataLoss naming the tensor, the
+// block and the source rank for the TP rank that reads that block; it keeps its previous
+// version (current version, bound destination and the earlier Update's slices untouched). A
+// TP rank whose slices do not touch the block receives the version: each verifies exactly
+// what it read.
+TEST(TpPartialReadCorruptionTest, ACorruptBlockIsDataLossAndThePreviousVersionIsKept) {
+  ScratchDir dir;
+  const std::string uri = "disk://" + dir.path() + "/channel";
+  const PublishCase c{2, "rows"};
+  const Options block = {{"checksum_block", "4KiB"}};
+  ASSERT_NO_FATAL_FAILURE(Publish(uri, c, 1, block));
+  const std::vector<tools::OwnedTensor> doubled = Doubled();
+  ASSERT_NO_FATAL_FAILURE(Publish(uri, c, 2, block, doubled));
+  // gate_proj of layer 0 is [172, 64] f32; rank 1 of the group owns rows 86..171 (22016 bytes,
+  // blocks 0..5 of 4 KiB). Flip a bit in its block 4 (bytes [16384, 20480): rows 150..165).
+  const std::string gate = "model.layers.0.mlp.gate_proj.weight";
+  const tools::OwnedTensor* g = nullptr;
+  for (const tools::OwnedTensor& t : doubled) {
+    if (t.name == gate) g = &t;
+  }
+  ASSERT_NE(g, nullptr);
+  ASSERT_EQ(g->shape, (std::vector<int64_t>{172, 64}));
+  const std::string rank1_rows(reinterpret_cast<const char*>(g->bytes.data()) + 86 * 64 * 4,
+                               86 * 64 * 4);
+  const std::string file = testing::DiskVersionDir(dir, 2) + "/rank-00001/model.safetensors";
+  ASSERT_NO_FATAL_FAILURE(FlipInFile(file, rank1_rows, 4 * kBlock + 10));
+
+  // At TP 4, gate_proj rows 129..171 are rank 3's and rows 86..128 rank 2's: rank 3 reads
+  // blocks 2..5, rank 2 blocks 0..2 of that part only (its rows 86..128 end at byte 11008).
+  for (int r : {2, 3}) {
+    SCOPED_TRACE(absl::StrFormat("TP rank %d of 4", r));
+    std::unique_ptr<Subscriber> sub = OpenTp(uri, r, 4, {{"staging_window", "64KiB"}});
+    ASSERT_NE(sub, nullptr);
+    std::vector<float> dest(43 * 64, -1);
+    ASSERT_TRUE(sub->Bind(gate, {DType::kF32, {43, 64}, {}, dest.data()}).ok());
+    auto v1 = sub->ReceiveVersion(1, kTimeout);
+    ASSERT_TRUE(v1.ok()) << v1.status();
+    const std::string embed = "model.embed_tokens.weight";
+    const std::vector<std::byte> embed_v1(
+        static_cast<const std::byte*>((*v1)->Find(embed)->data),
+        static_cast<const std::byte*>((*v1)->Find(embed)->data) + 128 * 64 * 4);
+    const std::vector<float> dest_v1 = dest;
+    auto v2 = sub->ReceiveVersion(2, kTimeout);
+    if (r == 2) {
+      ASSERT_TRUE(v2.ok()) << v2.status();
+      EXPECT_EQ(std::memcmp(dest.data(), g->bytes.data() + 86 * 64 * 4, dest.size() * 4), 0);
+      continue;
+    }
+    ASSERT_EQ(v2.status().code(), absl::StatusCode::kDataLoss) << v2.status();
+    const std::string message(v2.status().message());
+    EXPECT_THAT(message, HasSubstr("version 2: tensor \"" + gate +
+                                   "\" (the part of source rank 1) fails verification in block 4 "
+                                   "of 6 (bytes [16384, 20480) of its 22016, blocks of 4096 "
+                                   "bytes; file " +
+                                   file));
+    EXPECT_THAT(message, HasSubstr("version 1 stays current"));
+    EXPECT_EQ(sub->current_version(), 1u);
+    EXPECT_EQ(dest, dest_v1);
+    EXPECT_EQ(std::memcmp((*v1)->Find(embed)->data, embed_v1.data(), embed_v1.size()), 0);
+    // The previous version's slices are version 1's, not half of version 2.
+    const std::vector<std::byte> want = SliceBytes(Model()[0], SliceBox(Model()[0], r, 4));
+    EXPECT_EQ(std::memcmp((*v1)->Find(Model()[0].name)->data, want.data(), want.size()), 0);
   }
 }
 

@@ -191,6 +191,46 @@ TEST(ManifestIntegerFieldsTest, FloatsFractionsOutOfRangeAndStringsAreDataLossNa
 // A manifest is read from disk or received from a peer: the limits of types.hpp and the rules
 // Publish applies hold for it too, each refused with DataLoss naming the field, the value found
 // and the limit or the other side.
+// Block checksums (docs/FORMAT.md): written only when recorded, read back exactly, absent in
+// older manifests (block_bytes 0), and checked against the tensor's size.
+TEST(ManifestBlockChecksumsTest, RoundTripOldManifestsAndMalformedBlocks) {
+  const Manifest old = *Manifest::FromJson(GoodManifest().dump(), "old");
+  EXPECT_EQ(old.tensors[0].block_bytes, 0u);
+  EXPECT_TRUE(old.tensors[0].block_xxh3.empty());
+  EXPECT_FALSE(ordered_json::parse(old.ToJson())["tensors"][0].contains("block_bytes"));
+
+  Manifest m = old;
+  m.tensors[0].block_bytes = 5;  // 12 bytes: blocks [0, 5), [5, 10), [10, 12)
+  m.tensors[0].block_xxh3 = {0x1, 0xfedcba9876543210ULL, 0x0123456789abcdefULL};
+  const ordered_json j = ordered_json::parse(m.ToJson());
+  EXPECT_EQ(j["tensors"][0]["block_bytes"], 5);
+  EXPECT_EQ(j["tensors"][0]["blocks"], "0000000000000001fedcba98765432100123456789abcdef");
+  absl::StatusOr<Manifest> back = Manifest::FromJson(m.ToJson(), "blocks");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, m);
+
+  auto expect = [&](const std::string& key, const ordered_json& value, const std::string& what) {
+    ordered_json bad = j;
+    bad["tensors"][0][key] = value;
+    absl::StatusOr<Manifest> r = Manifest::FromJson(bad.dump(), "b.json");
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+    EXPECT_EQ(std::string(r.status().message()), "manifest b.json: field .tensors[0]." + what);
+  };
+  expect("blocks", "0000000000000001fedcba9876543210",
+         "blocks has 32 characters, but tensor \"w\" of 12 bytes in blocks of 5 bytes needs 3 "
+         "checksums of 16 hex digits");
+  expect("blocks", "0000000000000001FEDCBA98765432100123456789abcdef",
+         "blocks checksum 1 \"FEDCBA9876543210\" is not 16 hex digits");
+  expect("block_bytes", 0, "block_bytes is 0, expected at least 1");
+  expect("block_bytes", 2,
+         "blocks has 48 characters, but tensor \"w\" of 12 bytes in blocks of 2 bytes needs 6 "
+         "checksums of 16 hex digits");
+  ordered_json missing = j;
+  missing["tensors"][0].erase("blocks");
+  EXPECT_EQ(std::string(Manifest::FromJson(missing.dump(), "b.json").status().message()),
+            "manifest b.json: field .tensors[0].blocks is missing");
+}
+
 TEST(ManifestLimitsTest, NamesRanksCountsShardsAndTotalsBeyondTheLimitsAreDataLoss) {
   auto expect = [](const std::string& json, const std::string& message) {
     absl::StatusOr<Manifest> m = Manifest::FromJson(json, "limits.json");

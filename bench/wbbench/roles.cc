@@ -31,6 +31,7 @@
 #include "wbbench/common.h"
 #include "wbbench/store.h"
 #include "wbbench/subcommands.h"
+#include "wbbench/tp_layout.h"
 #include "weightbus/flags.h"
 #include "weightbus/weightbus.hpp"
 
@@ -74,6 +75,7 @@ struct WorkerFlags {
   uint64_t count = 1;                                // subscriber: versions to receive
   uint64_t corrupt_version = 0;
   uint64_t parent_pid = 0;
+  int tp = 0, tp_rank = 0;  // subscriber: rank tp_rank of a TP group of tp (0: a whole replica)
   std::vector<std::string> settings;
 };
 
@@ -84,9 +86,17 @@ int PublisherMain(const WorkerFlags& flags) {
   const uint64_t corrupt = flags.corrupt_version;
   StoreIndex index = OrDie(ReadIndex(store));
   Buffer weights(index.file_bytes);
-  const std::vector<TensorView> views = index.Views(weights.data);
-  absl::StatusOr<std::unique_ptr<Publisher>> pub =
-      Publisher::Open(uri, ParseSettings(flags.settings));
+  const Options settings = ParseSettings(flags.settings);
+  // One rank of a publisher group (--publishers N: settings rank and world_size) publishes its
+  // shards only (tp_layout.h).
+  int rank = 0, world = 1;
+  if (auto it = settings.find("rank"); it != settings.end())
+    (void)absl::SimpleAtoi(it->second, &rank);
+  if (auto it = settings.find("world_size"); it != settings.end()) {
+    (void)absl::SimpleAtoi(it->second, &world);
+  }
+  const std::vector<TensorView> views = RankViews(index, weights.data, rank, world);
+  absl::StatusOr<std::unique_ptr<Publisher>> pub = Publisher::Open(uri, settings);
   if (!pub.ok()) {
     Emit({{"error", std::string(pub.status().message())}});
     return 1;
@@ -138,6 +148,70 @@ int PublisherMain(const WorkerFlags& flags) {
   return 0;
 }
 
+// Reports a receive of version `want` that failed; false when the subscriber is to give up (it
+// timed out: the transport did not deliver), true when the next version may be fine.
+bool EmitFailure(uint64_t want, int64_t call_ns, const absl::Status& status) {
+  Emit({{"version", want},
+        {"call_start_unix_ns", call_ns},
+        {"ok", false},
+        {"timed_out", absl::IsDeadlineExceeded(status)},
+        {"error", std::string(status.message())}});
+  return !absl::IsDeadlineExceeded(status);
+}
+
+// One TP rank of a replica (--tp M): subscribes with placements (tp_layout.h), receives into
+// library memory (its slices only) and checks every slice against the same slice read from the
+// store's file.
+int TpSubscriberMain(const WorkerFlags& flags, const StoreIndex& index) {
+  absl::StatusOr<std::unique_ptr<Subscriber>> sub = Subscriber::Open(
+      flags.uri, ParseSettings(flags.settings),
+      SubscribePlacements{TpRules(index, flags.tp), {flags.tp, flags.tp_rank}, {}});
+  if (!sub.ok()) {
+    Emit({{"error", std::string(sub.status().message())}});
+    return 1;
+  }
+  Emit({{"ready", true}, {"pid", getpid()}});
+  double overhead = 0;
+  for (uint64_t want = 1; want <= flags.count; ++want) {
+    const int64_t call_ns = absl::ToUnixNanos(absl::Now());
+    absl::StatusOr<std::unique_ptr<Update>> u = (*sub)->ReceiveVersion(want, flags.wait_timeout);
+    if (!u.ok()) {
+      if (!EmitFailure(want, call_ns, u.status())) return 1;
+      continue;
+    }
+    const UpdateStats& st = (*u)->stats();
+    nlohmann::ordered_json j = {{"version", (*u)->version()},
+                                {"call_start_unix_ns", call_ns},
+                                {"publish_start_unix_ns", (*u)->manifest().publish_start_unix_ns},
+                                {"ready_unix_ns", st.ready_unix_ns},
+                                {"fetch_s", absl::ToDoubleSeconds(st.fetch)},
+                                {"bytes", st.bytes},
+                                {"slice_bytes", SliceBytes(index, flags.tp)}};
+    const double c0 = SelfCpuSeconds();
+    std::string bad;
+    for (const StoredTensor& t : index.tensors) {
+      const TensorView* v = (*u)->Find(t.name);
+      absl::StatusOr<std::vector<std::byte>> want_bytes =
+          ReadSlice(index.VersionPath(flags.store, want), t, flags.tp_rank, flags.tp);
+      if (!want_bytes.ok()) {
+        bad = std::string(want_bytes.status().message());
+      } else if (v == nullptr) {
+        bad = absl::StrFormat("tensor \"%s\" is missing", t.name);
+      } else if (std::memcmp(v->data, want_bytes->data(), want_bytes->size()) != 0) {
+        bad = absl::StrFormat("TP rank %d's slice of tensor \"%s\" differs from the store's",
+                              flags.tp_rank, t.name);
+      }
+      if (!bad.empty()) break;
+    }
+    overhead += SelfCpuSeconds() - c0;
+    j["ok"] = bad.empty();
+    j["error"] = bad;
+    Emit(j);
+  }
+  Emit({{"done", true}, {"overhead_cpu_s", overhead}, {"peak_rss_bytes", SelfPeakRssBytes()}});
+  return 0;
+}
+
 int SubscriberMain(const WorkerFlags& flags) {
   const std::string& uri = flags.uri;
   const std::string& store = flags.store;
@@ -146,6 +220,7 @@ int SubscriberMain(const WorkerFlags& flags) {
   const absl::Duration timeout = flags.wait_timeout;
   const uint64_t count = flags.count;
   StoreIndex index = OrDie(ReadIndex(store));
+  if (flags.tp > 0) return TpSubscriberMain(flags, index);
   Buffer params(index.file_bytes);
   absl::StatusOr<std::unique_ptr<Subscriber>> sub =
       Subscriber::Open(uri, ParseSettings(flags.settings));
@@ -167,12 +242,7 @@ int SubscriberMain(const WorkerFlags& flags) {
     const int64_t call_ns = absl::ToUnixNanos(absl::Now());
     absl::StatusOr<std::unique_ptr<Update>> u = (*sub)->WaitForVersion(want, timeout);
     if (!u.ok()) {
-      Emit({{"version", want},
-            {"call_start_unix_ns", call_ns},
-            {"ok", false},
-            {"timed_out", absl::IsDeadlineExceeded(u.status())},
-            {"error", std::string(u.status().message())}});
-      if (absl::IsDeadlineExceeded(u.status())) return 1;
+      if (!EmitFailure(want, call_ns, u.status())) return 1;
       continue;  // a bad version: the next one may be fine
     }
     const Update& up = **u;
@@ -240,6 +310,8 @@ Subcommand AddWorkerCommand(tools::Command& command) {
   command.Add("corrupt-version", &flags->corrupt_version,
               "publisher: flip one bit of this version");
   command.Add("parent-pid", &flags->parent_pid, "exit at once unless this is the parent");
+  command.Add("tp", &flags->tp, "subscriber: one rank of a TP group of this size (0: none)");
+  command.Add("tp-rank", &flags->tp_rank, "subscriber: its rank in the TP group");
   command.AddRepeated("set", &flags->settings, "a channel setting (repeatable)");
   return [flags](const std::vector<std::string>&) { return RunWorker(*flags); };
 }

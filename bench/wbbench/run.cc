@@ -31,6 +31,7 @@
 #include "nlohmann/json.hpp"
 #include "wbbench/baselines.h"
 #include "wbbench/common.h"
+#include "wbbench/group_run.h"
 #include "wbbench/report.h"
 #include "wbbench/results.h"
 #include "wbbench/store.h"
@@ -73,6 +74,7 @@ struct RunOptions {
   std::optional<std::string> json, csv, trace, plot;
   bool quick = false;
   std::string order = "auto";  // auto, interleaved, sequential
+  int64_t row_multiple = 1;    // a synthetic model's matrices get a multiple of this many rows
 };
 
 // MemAvailable of /proc/meminfo, bytes (0 if unknown).
@@ -121,6 +123,12 @@ std::vector<tools::OwnedTensor> LoadMaster(const RunOptions& o, std::string* sou
   }
   if (base == 0) Die("--shapes " + o.shapes + " has no elements");
   shapes = tools::ScaleShapes(shapes, static_cast<double>(o.size) / static_cast<double>(base));
+  if (o.row_multiple > 1) {  // --publishers/--tp: rows every group size and TP degree divides
+    for (tools::ShapeSpec& s : shapes) {
+      if (s.shape.size() == 2)
+        s.shape[0] = (s.shape[0] + o.row_multiple - 1) / o.row_multiple * o.row_multiple;
+    }
+  }
   *source = absl::StrFormat("%s scaled to %s (synthetic, N(0, 0.02))",
                             fs::path(o.shapes).filename().string(), HumanBytes(o.size));
   return OrDie(tools::MakeSyntheticModel(shapes, DType::kF32, o.seed));
@@ -461,10 +469,24 @@ struct RunFlags {
   uint64_t min_size = 0, max_size = 0, factor = 2;
   std::string dir, store;
   bool no_baselines = false, no_torch = false, no_perftest = false;
+  std::string publishers, tp;  // group sizes and TP degrees (comma-separated)
   std::optional<tools::Flag> model_flag, shapes_flag, size_flag, min_size_flag, max_size_flag,
       factor_flag, versions_flag, perftest_reps_flag, torch_reps_flag, transports_flag, dir_flag,
-      store_flag;
+      store_flag, publishers_flag, tp_flag;
 };
+
+// "1,2,4" -> {1, 2, 4}: each at least 1. Dies naming the flag otherwise.
+std::vector<int> CountList(const char* flag, const std::string& text) {
+  std::vector<int> out;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    int n = 0;
+    if (!absl::SimpleAtoi(part, &n) || n < 1 || n > 64) {
+      Die(absl::StrFormat("--%s %s: \"%s\" is not a count in [1, 64]", flag, text, part));
+    }
+    out.push_back(n);
+  }
+  return out;
+}
 
 // The sizes of a sweep: --size A,B,C, or --min-size/--max-size/--factor (nccl-tests' -b/-e/-f:
 // min, min x factor, ... up to max). Empty without either; one size for a plain --size.
@@ -618,6 +640,16 @@ style of nccl-tests; ends with "# OK" or "# FAILED: reason". Metrics: docs/PERFO
                    "with the baselines"}}) {
     cmd.Add(name, out, what).TypeName("FILE");
   }
+  f.publishers_flag =
+      cmd.Add("publishers", &f.publishers,
+              "publisher groups of N ranks over disk:// (a list, 1,2,4: each with every --tp), "
+              "each rank publishing its row shards; with --tp, instead of the transports' table")
+          .TypeName("N[,N...]");
+  f.tp_flag = cmd.Add("tp", &f.tp,
+                      "tensor-parallel replicas of M subscriber ranks (a list), each receiving its "
+                      "slices with placements: bytes read per rank, time to the last rank, "
+                      "control files per version")
+                  .TypeName("M[,M...]");
   cmd.AddSwitch("quick", &o.quick,
                 "the stories260K checkpoint, 4 versions, 1 rep of each baseline");
   cmd.Add("order", &o.order,
@@ -723,6 +755,14 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
     o.transports = available;
   }
   if (o.transports.empty()) Die("no transport to measure in this build");
+  if (f.publishers_flag->given() || f.tp_flag->given()) {
+    // Publisher groups: disk only (ucx and the delta layer refuse world_size > 1 so far).
+    if (!have_disk) Die("--publishers/--tp run over disk://, which this build lacks");
+    if (f.transports_flag->given() && o.transports != std::vector<std::string>{"disk"}) {
+      Die("--publishers/--tp run over disk:// only (ucx:// and delta refuse publisher groups)");
+    }
+    o.transports = {"disk"};
+  }
   for (const std::string& s : o.settings) {
     bool used = false;
     for (const std::string& t : o.transports) used = used || Contains(settings_for(t), s);
@@ -764,11 +804,30 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
   const bool progress = isatty(STDOUT_FILENO) && isatty(STDERR_FILENO);
 
   // The model and its versions.
+  if (f.publishers_flag->given() || f.tp_flag->given()) o.row_multiple = 64;  // as vLLM pads vocab
   std::string source;
   std::vector<tools::OwnedTensor> master = LoadMaster(o, &source);
   uint64_t params = 0;
   for (const tools::OwnedTensor& t : master) params += t.bytes.size() / 4;
   const StoreIndex index = GenerateStore(o, std::move(master), o.store, progress);
+  if (f.publishers_flag->given() || f.tp_flag->given()) {
+    GroupRunConfig gc;
+    gc.publishers = CountList("publishers", f.publishers_flag->given() ? f.publishers : "1");
+    gc.tp = CountList("tp", f.tp_flag->given() ? f.tp : "1");
+    gc.versions = o.versions;
+    gc.warmup = o.warmup;
+    gc.dir = o.dir;
+    gc.store = o.store;
+    gc.log_dir = log_dir;
+    gc.timeout = o.timeout;
+    gc.settings = o.settings;
+    gc.json = o.json;
+    absl::PrintF(
+        "# weightbus-bench run (weightbus %s): model %s: %d tensors, BF16, %d bytes (%s)\n",
+        std::string(LibraryVersion()), source, index.tensors.size(), index.tensor_bytes,
+        HumanBytes(index.tensor_bytes));
+    return ExitStatus(RunGroups(gc, index));
+  }
   r.model_bytes = index.tensor_bytes;
   r.tensors = static_cast<int>(index.tensors.size());
   r.subscribers = o.subscribers;

@@ -32,6 +32,14 @@ struct TensorInfo {
   // tensor or a Shard of it, and replicated parts (the same slice from several ranks) carry
   // equal checksums. Format weightbus.manifest/2 (docs/FORMAT.md).
   int owner = 0;
+  // Block checksums, so that a reader of some byte ranges (a TP worker reading its slices)
+  // verifies exactly the bytes it read: XXH3-64 of each run of block_bytes bytes of the
+  // contiguous image, in order, the last one shorter when block_bytes does not divide nbytes
+  // (ceil(nbytes / block_bytes) entries). block_bytes 0 and no entries: none recorded (a
+  // manifest written before block checksums, or by a publisher with checksum_block=0); such a
+  // tensor is read and verified whole. Setting `checksum_block` (docs/FORMAT.md).
+  uint64_t block_bytes = 0;
+  std::vector<uint64_t> block_xxh3 = {};
   friend bool operator==(const TensorInfo&, const TensorInfo&) = default;
 };
 

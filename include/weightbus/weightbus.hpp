@@ -263,7 +263,9 @@ class WB_EXPORT Publisher {
 
 // Timing of one received version.
 struct UpdateStats {
-  uint64_t bytes = 0;          // tensor bytes received
+  uint64_t bytes = 0;          // tensor bytes received; a subscriber with placements on a
+                               // transport with partial reads: the bytes it read, its slices
+                               // rounded out to checksum blocks (docs/RESHARDING.md)
   absl::Duration wait;         // until a new enough version was found
   absl::Duration allocate;     // mapping library buffers (0 when recycled from earlier updates)
   absl::Duration fetch;        // receiving the bytes (checksums overlap with it)

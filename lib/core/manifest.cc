@@ -25,6 +25,14 @@ constexpr std::string_view kGroupFormat = "weightbus.manifest/2";
 
 std::string Hex64(uint64_t v) { return absl::StrFormat("%016x", v); }
 
+// 16 characters of [0-9a-f] at `p` (from_chars also takes a sign and upper case).
+bool IsLowerHex(const char* p) {
+  for (int i = 0; i < 16; ++i) {
+    if (!((p[i] >= '0' && p[i] <= '9') || (p[i] >= 'a' && p[i] <= 'f'))) return false;
+  }
+  return true;
+}
+
 ordered_json ShapeJson(const std::vector<int64_t>& shape) {
   ordered_json a = ordered_json::array();
   for (int64_t d : shape) a.push_back(d);
@@ -155,6 +163,13 @@ std::string Manifest::ToJson() const {
     e["shape"] = ShapeJson(t.shape);
     e["nbytes"] = t.nbytes;
     e["xxh3"] = Hex64(t.xxh3);
+    if (t.block_bytes > 0) {
+      e["block_bytes"] = t.block_bytes;
+      std::string blocks;
+      blocks.reserve(16 * t.block_xxh3.size());
+      for (uint64_t b : t.block_xxh3) blocks += Hex64(b);
+      e["blocks"] = std::move(blocks);
+    }
     if (t.shard) {
       ordered_json s;
       s["global_shape"] = ShapeJson(t.shard->global_shape);
@@ -288,6 +303,33 @@ absl::StatusOr<Manifest> Manifest::FromJson(std::string_view json, std::string_v
       return r.Error(path + ".xxh3", absl::StrFormat("\"%s\" is not 16 hex digits", *xxh));
     }
     t.xxh3 = h;
+    if (e.contains("block_bytes")) {  // absent in manifests written before block checksums
+      auto block_bytes = r.Get<uint64_t>(e, "block_bytes", path);
+      if (!block_bytes.ok()) return block_bytes.status();
+      if (*block_bytes == 0) return r.Error(path + ".block_bytes", "is 0, expected at least 1");
+      auto blocks = r.Get<std::string>(e, "blocks", path);
+      if (!blocks.ok()) return blocks.status();
+      const uint64_t count = t.nbytes / *block_bytes + (t.nbytes % *block_bytes != 0);
+      if (blocks->size() / 16 != count || blocks->size() % 16 != 0) {
+        return r.Error(path + ".blocks",
+                       absl::StrFormat("has %d characters, but tensor \"%s\" of %d bytes in "
+                                       "blocks of %d bytes needs %d checksums of 16 hex digits",
+                                       blocks->size(), t.name, t.nbytes, *block_bytes, count));
+      }
+      t.block_bytes = *block_bytes;
+      t.block_xxh3.reserve(count);
+      for (uint64_t k = 0; k < count; ++k) {
+        const char* first = blocks->data() + 16 * k;
+        uint64_t b = 0;
+        auto [end, err] = std::from_chars(first, first + 16, b, 16);
+        if (err != std::errc() || end != first + 16 || !IsLowerHex(first)) {
+          return r.Error(path + ".blocks",
+                         absl::StrFormat("checksum %d \"%s\" is not 16 hex digits", k,
+                                         std::string_view(first, 16)));
+        }
+        t.block_xxh3.push_back(b);
+      }
+    }
     auto shard_it = e.find("shard");
     if (shard_it != e.end() && !shard_it->is_null()) {
       if (!shard_it->is_object()) return r.Error(path + ".shard", "is not an object");

@@ -96,8 +96,8 @@ class Job final : public internal::PublishJob {
   void CopyWithChecksum(size_t i, absl::Span<const internal::CopyTarget> pieces) override {
     // Whoever claims a tensor first computes its checksum.
     const bool hash = !claimed_[i].exchange(true);
-    std::optional<internal::Xxh3Stream> state;
-    if (hash) state.emplace();
+    std::optional<internal::TensorHasher> state;
+    if (hash) state.emplace(manifest_.tensors[i].nbytes, checksum_block_);
     const std::byte* src = packed_[i].data;
     uint64_t at = 0;  // bytes of the tensor copied so far
     for (const internal::CopyTarget& p : pieces) {
@@ -116,7 +116,7 @@ class Job final : public internal::PublishJob {
 #if defined(__SSE2__)
     _mm_sfence();  // streaming stores visible before the transport publishes the slot
 #endif
-    if (state) manifest_.tensors[i].xxh3 = state->Digest();
+    if (state) SetChecksum(i, state->Finish());
   }
 
   void CopyRange(size_t i, uint64_t offset, uint64_t size, std::byte* dst) const override {
@@ -157,7 +157,13 @@ class Job final : public internal::PublishJob {
   }
 
   bool ClaimChecksum(size_t i) override { return !claimed_[i].exchange(true); }
-  void SetChecksum(size_t i, uint64_t xxh3) override { manifest_.tensors[i].xxh3 = xxh3; }
+  void SetChecksum(size_t i, internal::TensorChecksums checksums) override {
+    TensorInfo& t = manifest_.tensors[i];
+    t.xxh3 = checksums.xxh3;
+    t.block_bytes = checksums.block_bytes;
+    t.block_xxh3 = std::move(checksums.blocks);
+  }
+  uint64_t checksum_block() const override { return checksum_block_; }
 
   // Checksum tasks read the caller's memory: Publish never returns before they end.
   void WaitHashingDone() { hashing_.WaitUntilZero(absl::InfiniteFuture()); }
@@ -175,6 +181,7 @@ class Job final : public internal::PublishJob {
     absl::MutexLock lock(&read_mu_);
     return read_status_;
   }
+  uint64_t checksum_block_ = 0;                // setting checksum_block (0: no block checksums)
 
  private:
   static constexpr uint64_t kBlock = 256 * 1024;  // copied or gathered, then hashed from L2
@@ -193,16 +200,16 @@ class Job final : public internal::PublishJob {
       pool_->Submit([this, i] {
         const uint64_t n = manifest_.tensors[i].nbytes;
         if (packed_[i].data != nullptr || n == 0) {
-          manifest_.tensors[i].xxh3 = internal::Xxh3(packed_[i].data, n);
+          SetChecksum(i, internal::ChecksumTensor(packed_[i].data, n, checksum_block_));
         } else {  // a strided view: gathered block by block into a small scratch buffer
           std::vector<std::byte> scratch(std::min(kBlock, n));
-          internal::Xxh3Stream state;
+          internal::TensorHasher state(n, checksum_block_);
           for (uint64_t at = 0; at < n; at += kBlock) {
             const uint64_t len = std::min(kBlock, n - at);
             CopyRange(i, at, len, scratch.data());
             state.Update(scratch.data(), len);
           }
-          manifest_.tensors[i].xxh3 = state.Digest();
+          SetChecksum(i, state.Finish());
         }
         hashing_.Done();
       });
@@ -304,6 +311,13 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_
   if (rank >= world_size) {  // rank >= 0 and world_size >= 1: CoreSettings
     return absl::InvalidArgumentError(absl::StrFormat("%s: rank %d is not in [0, world_size=%d)",
                                                       uri.Display(), rank, world_size));
+  }
+  if (const uint64_t block = c.Bytes("checksum_block"); block != 0 && block < 4096) {
+    // Not a range: 0 (none) is allowed below the least block size.
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: checksum_block=%d is neither 0 (no block checksums) nor at least 4KiB (each block "
+        "costs 16 bytes of manifest)",
+        uri.Display(), block));
   }
   if (world_size > 1 && !impl->capabilities.publisher_groups) {
     return absl::UnimplementedError(absl::StrFormat(
@@ -422,6 +436,9 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   }
   Job job;
   job.key_ = key ? &*key : nullptr;
+  // Block checksums serve readers of byte ranges; through a layer (delta) subscribers decode
+  // versions whole, and the layer's records carry whole checksums only: none are recorded.
+  job.checksum_block_ = stack.size() == 1 ? config->Bytes("checksum_block") : 0;
   Manifest& m = job.manifest_;
   m = NewManifest(version, metadata, start);
   m.tensors.reserve(tensors.size());

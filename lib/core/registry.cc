@@ -51,6 +51,24 @@ const SettingTable& CoreSettings() {
            .min = "0",
            .max = "256",  // WorkerPool::kMaxThreads
            .unit = "threads"},
+          {.name = "checksum_block",
+           .type = SettingType::kBytes,
+           .default_value = "1MiB",
+           .doc = "publishers: besides each tensor's XXH3-64, record one per block of this many "
+                  "bytes of it in the manifest, so that a subscriber reading only some byte "
+                  "ranges (a TP worker's slices) verifies exactly the blocks it read (0: none; "
+                  "each block costs 16 bytes of manifest; none through a layer such as delta)",
+           .min = "0",
+           .max = "1GiB"},
+          {.name = "staging_window",
+           .type = SettingType::kBytes,
+           .default_value = "64MiB",
+           .doc = "subscribers with placements, on transports with partial_reads: bytes of "
+                  "staging for reading and verifying blocks before they are copied into the "
+                  "slices, in two halves (one read while the other is verified; each at least "
+                  "one checksum block); the extra memory beyond the slices",
+           .min = "64KiB",
+           .max = "64GiB"},
           {.name = "rank",
            .type = SettingType::kInt,
            .default_value = "0",
@@ -190,8 +208,9 @@ TransportCapabilities StackCapabilities(const std::vector<const TransportDescrip
   TransportCapabilities caps;
   for (size_t i = stack.size(); i-- > 0;) {
     // A layer carries a publisher group only if it says so itself (it must split its encoding
-    // by rank): it does not inherit that from the transport beneath.
-    if (i + 1 < stack.size()) caps.publisher_groups = false;
+    // by rank), and reads byte ranges only if it says so (what lies beneath is its encoding,
+    // not the tensors' bytes): it does not inherit either from the transport beneath.
+    if (i + 1 < stack.size()) caps.publisher_groups = caps.partial_reads = false;
     caps = stack[i]->capabilities(config, caps);
   }
   return caps;
@@ -209,6 +228,7 @@ std::string DescribeCapabilities(const TransportCapabilities& c) {
            {c.publisher_groups, "publisher_groups"},
            {c.open_version, "open_version"},
            {c.list_versions, "list_versions"},
+           {c.partial_reads, "partial_reads"},
            {c.cancel, "cancel"},
            {c.cross_process, "cross_process"},
            {c.durable, "durable"},
@@ -264,6 +284,11 @@ void PublishJob::CopyWithChecksum(size_t i, absl::Span<const CopyTarget> pieces)
 
 void PublishJob::CopyRange(size_t i, uint64_t offset, uint64_t size, std::byte* dst) const {
   if (size > 0) std::memcpy(dst, tensors()[i].data + offset, size);
+}
+
+absl::Status IncomingVersion::FetchRanges(absl::Span<const RangeRead> reads, absl::Time) {
+  return absl::UnimplementedError(absl::StrFormat(
+      "this transport cannot read byte ranges of a version (%d ranges asked for)", reads.size()));
 }
 
 absl::StatusOr<std::unique_ptr<IncomingVersion>> TransportSubscriber::OpenVersion(uint64_t version,

@@ -171,6 +171,12 @@ std::string ManifestMac(const ChannelKey& key, const Manifest& m) {
     }
     Int(state, t.nbytes);
     Int(state, t.xxh3);
+    // Partial readers trust the block checksums alone; absent ones leave the MAC as it was.
+    if (t.block_bytes > 0) {
+      Int(state, t.block_bytes);
+      Int(state, t.block_xxh3.size());
+      for (uint64_t b : t.block_xxh3) Int(state, b);
+    }
   }
   uint64_t entries = 0;
   for (const auto& [k, v] : m.metadata) entries += k != kMacMetadataKey;

@@ -4,7 +4,9 @@
 // whole versions only, never a lower one after a higher one. Transport-neutral.
 #include <atomic>
 #include <cstring>
+#include <future>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
@@ -159,6 +161,19 @@ class Update::Impl {
   UpdateStats stats;
 };
 
+// Hands over slice `t` of a TP rank's plan (`tp`): its bound destination when it has one, else
+// `home` (library memory), row-major, with no shard.
+static void AddSliceView(Update::Impl& impl, const internal::TensorPlan& tp, size_t t,
+                         std::byte* home, const Binding* bound) {
+  TensorView v{tp.name, tp.dtype, tp.shape, {}, home, Device{}, std::nullopt};
+  if (bound != nullptr) {
+    v.data = bound->dest.data;
+    v.strides = bound->dest.strides;
+  }
+  impl.index.emplace(tp.name, t);
+  impl.views.push_back(std::move(v));
+}
+
 Update::Update(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Update::~Update() = default;
 uint64_t Update::version() const { return impl_->manifest.version; }
@@ -218,6 +233,15 @@ class Subscriber::Impl : public internal::ChannelSetup {
   absl::StatusOr<std::unique_ptr<Update>> ReceiveResharded(
       std::unique_ptr<internal::IncomingVersion> incoming, std::unique_ptr<Update::Impl> impl,
       const std::vector<internal::AssembledTensor>& wholes, Times times, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // ReceiveResharded on a transport with partial_reads, every part the plan reads having block
+  // checksums: reads only the blocks the plan's ranges touch, window by window (setting
+  // staging_window), verifies each block and copies its ranges into the slices.
+  // `part_index[t][p]` is the manifest index of part p of layout tensor t.
+  absl::StatusOr<std::unique_ptr<Update>> ReceivePartial(
+      std::unique_ptr<internal::IncomingVersion> incoming, std::unique_ptr<Update::Impl> impl,
+      const internal::SourceLayout& layout, const std::vector<std::vector<size_t>>& part_index,
+      const internal::ReshardPlan& plan, Times times, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Fetches the parts with a non-null target (`mapped` bytes of buffers were allocated for
   // them) and verifies those `needed`; accepted, and the transport's pin released, only when
@@ -402,6 +426,12 @@ static absl::Status CheckManifest(const internal::Uri& uri, const Manifest& m) {
       return absl::DataLossError(absl::StrFormat(
           "%s version %d: manifest entry \"%s\" claims %d bytes for %s %s", uri.Display(),
           m.version, t.name, t.nbytes, DTypeName(t.dtype), ShapeString(t.shape)));
+    }
+    if (t.block_xxh3.size() != internal::BlockCount(t.nbytes, t.block_bytes)) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s version %d: manifest entry \"%s\" of %d bytes has %d block checksums for blocks "
+          "of %d bytes",
+          uri.Display(), m.version, t.name, t.nbytes, t.block_xxh3.size(), t.block_bytes));
     }
     if (!m.group && !names.insert(t.name).second) {
       return absl::DataLossError(absl::StrFormat(
@@ -818,6 +848,18 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveResharded(
   }
   WB_RETURN_IF_ERROR(CheckBindings(m.version, slices));
 
+  // Partial reads: only the blocks the plan touches, through a bounded window.
+  bool partial = capabilities.partial_reads;
+  for (const internal::TensorPlan& t : plan.tensors) {
+    for (const internal::ByteRange& r : t.ranges) {
+      partial &= m.tensors[part_index[r.source_tensor][r.source_part]].block_bytes > 0;
+    }
+  }
+  if (partial) {
+    return ReceivePartial(std::move(incoming), std::move(impl), layout, part_index, plan, times,
+                          deadline);
+  }
+
   // Staging holds the parts the plan reads; each slice is assembled from it into its home
   // (library memory, or a bound destination; a strided one through a row-major scratch slice
   // in staging) once every part is verified.
@@ -899,17 +941,262 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveResharded(
       internal::UnpackStrided(home, DTypeSize(tp.dtype), tp.shape, bound[t]->dest.strides,
                               bound[t]->dest.data);
     }
-    TensorView v{tp.name, tp.dtype, tp.shape, {}, home, Device{}, std::nullopt};
-    if (bound[t] != nullptr) {
-      v.data = bound[t]->dest.data;
-      v.strides = bound[t]->dest.strides;
-    }
-    impl->index.emplace(tp.name, t);
-    impl->views.push_back(std::move(v));
+    AddSliceView(*impl, tp, t, home, bound[t]);
   }
   staging.reset();
   times.end = absl::Now();
   return HandOver(std::move(impl), std::move(library), fetched_bytes, times, codec);
+}
+
+absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
+    std::unique_ptr<internal::IncomingVersion> incoming, std::unique_ptr<Update::Impl> impl,
+    const internal::SourceLayout& layout, const std::vector<std::vector<size_t>>& part_index,
+    const internal::ReshardPlan& plan, Times times, absl::Time deadline) {
+  const Manifest& m = impl->manifest;
+  const size_t nt = plan.tensors.size();
+
+  // Each slice's home: library memory (unbound), its bound destination (bind_mode=direct and
+  // contiguous), or a row-major scratch slice copied into the destination once every block is
+  // verified (bind_mode=staged, or a strided destination): a failed update never touches it.
+  std::vector<const Binding*> bound(nt, nullptr);
+  std::vector<bool> scratch(nt, false);
+  std::vector<uint64_t> home_offset(nt, 0);  // in library or scratch
+  uint64_t library_bytes = 0, scratch_bytes = 0;
+  for (size_t t = 0; t < nt; ++t) {
+    const internal::TensorPlan& tp = plan.tensors[t];
+    if (auto it = bindings.find(tp.name); it != bindings.end()) {
+      bound[t] = &it->second;
+      scratch[t] = tp.nbytes > 0 && (staged || !IsContiguous(tp.shape, bound[t]->dest.strides));
+      if (scratch[t]) {
+        home_offset[t] = scratch_bytes;
+        scratch_bytes += AlignUp(tp.nbytes);
+      }
+    } else {
+      home_offset[t] = library_bytes;
+      library_bytes += AlignUp(tp.nbytes);
+    }
+  }
+
+  // Every range the plan copies, as (part, offset in the part, length, destination), in the
+  // order of the part's bytes; and the blocks they touch, merged into runs per part.
+  struct Piece {
+    size_t part;
+    uint64_t offset, length;
+    size_t tensor;
+    uint64_t dest_offset;
+  };
+  std::vector<Piece> pieces;
+  for (size_t t = 0; t < nt; ++t) {
+    for (const internal::ByteRange& r : plan.tensors[t].ranges) {
+      if (r.length == 0) continue;
+      const internal::SourcePart& sp = layout.tensors[r.source_tensor].parts[r.source_part];
+      pieces.push_back(Piece{part_index[r.source_tensor][r.source_part],
+                             r.source_offset - sp.byte_offset, r.length, t, r.dest_offset});
+    }
+  }
+  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
+    return a.part != b.part ? a.part < b.part : a.offset < b.offset;
+  });
+  struct Run {
+    size_t part;
+    uint64_t first, end;  // blocks [first, end)
+  };
+  std::vector<Run> runs;
+  uint64_t largest_block = 0;
+  for (const Piece& p : pieces) {
+    const uint64_t b = m.tensors[p.part].block_bytes;
+    largest_block = std::max(largest_block, b);
+    const uint64_t first = p.offset / b, end = (p.offset + p.length - 1) / b + 1;
+    if (!runs.empty() && runs.back().part == p.part && first <= runs.back().end) {
+      runs.back().end = std::max(runs.back().end, end);
+    } else {
+      runs.push_back(Run{p.part, first, end});
+    }
+  }
+  // A block's bytes: [k * block_bytes, min(nbytes, (k + 1) * block_bytes)).
+  auto block_begin = [&](size_t part, uint64_t k) { return k * m.tensors[part].block_bytes; };
+  auto block_end = [&](size_t part, uint64_t k) {
+    return std::min(m.tensors[part].nbytes, (k + 1) * m.tensors[part].block_bytes);
+  };
+  uint64_t read_bytes = 0;
+  for (const Run& r : runs)
+    read_bytes += block_end(r.part, r.end - 1) - block_begin(r.part, r.first);
+
+  // Windows of whole blocks, two buffers of half of staging_window each (at least one block):
+  // the next window is read into one while the other is verified and copied out.
+  const uint64_t window_limit = std::max(config->Bytes("staging_window") / 2, largest_block);
+  struct Chunk {
+    size_t part;
+    uint64_t first, end;  // blocks
+    uint64_t window_offset;
+  };
+  std::vector<std::vector<Chunk>> windows;
+  uint64_t fill = window_limit, window_bytes = 0;
+  for (const Run& r : runs) {
+    for (uint64_t k = r.first; k < r.end;) {
+      if (fill + (block_end(r.part, k) - block_begin(r.part, k)) > window_limit) {
+        windows.emplace_back();
+        fill = 0;
+      }
+      Chunk c{r.part, k, k, fill};
+      while (k < r.end && fill + (block_end(r.part, k) - block_begin(r.part, k)) <= window_limit) {
+        fill += block_end(r.part, k) - block_begin(r.part, k);
+        c.end = ++k;
+      }
+      windows.back().push_back(c);
+      window_bytes = std::max(window_bytes, fill);
+    }
+  }
+
+  std::shared_ptr<internal::HostBuffer> library, scratch_buffer, window_buffers[2];
+  if (library_bytes > 0) {
+    WB_ASSIGN_OR_RETURN(library, pool->Get(library_bytes));
+  }
+  if (scratch_bytes > 0) {
+    WB_ASSIGN_OR_RETURN(scratch_buffer, pool->Get(scratch_bytes));
+  }
+  for (size_t b = 0; b < std::min<size_t>(windows.size(), 2); ++b) {
+    WB_ASSIGN_OR_RETURN(window_buffers[b], pool->Get(window_bytes));
+  }
+  auto home = [&](size_t t) -> std::byte* {
+    if (scratch[t]) return scratch_buffer->data() + home_offset[t];
+    if (bound[t] != nullptr) return static_cast<std::byte*>(bound[t]->dest.data);
+    return library ? library->data() + home_offset[t] : nullptr;
+  };
+  times.allocated = absl::Now();
+  if (times.allocated > deadline) {
+    return absl::DeadlineExceededError(absl::StrFormat(
+        "%s: version %d found, but mapping %d bytes of receive buffers took until past the "
+        "deadline; version %s stays current",
+        uri.Display(), m.version, library_bytes + scratch_bytes + 2 * window_bytes, CurrentText()));
+  }
+  const bool any_direct = [&] {
+    for (size_t t = 0; t < nt; ++t) {
+      if (bound[t] != nullptr && !scratch[t] && plan.tensors[t].nbytes > 0) return true;
+    }
+    return false;
+  }();
+  const std::string direct_note =
+      any_direct ? " (bind_mode=direct: bound destinations may hold partial data of this version)"
+                 : "";
+  auto failed = [&](const absl::Status& s) {
+    return absl::Status(
+        s.code(),
+        absl::StrFormat("%s: receiving version %d failed: %s%s; version %s stays "
+                        "current",
+                        uri.Display(), m.version, s.message(), direct_note, CurrentText()));
+  };
+
+  absl::Status status = failpoints.Hit("core.before_fetch");
+  if (!status.ok()) return failed(status);
+  // Window w is read into window_buffers[w % 2] by `reading` while window w - 1 is checked.
+  auto read_window = [&](size_t w) {
+    std::vector<internal::RangeRead> reads;
+    reads.reserve(windows[w].size());
+    for (const Chunk& c : windows[w]) {
+      const uint64_t begin = block_begin(c.part, c.first);
+      reads.push_back(internal::RangeRead{c.part, begin, block_end(c.part, c.end - 1) - begin,
+                                          window_buffers[w % 2]->data() + c.window_offset});
+    }
+    return incoming->FetchRanges(reads, deadline);
+  };
+  // A thread when one can be started, else inline at get(); never left running on return (it
+  // writes into the window buffers through `incoming`).
+  std::future<absl::Status> reading;
+  absl::Cleanup wait_reading = [&] {
+    if (reading.valid()) reading.wait();
+  };
+  if (!windows.empty()) {
+    reading = std::async(std::launch::async | std::launch::deferred, read_window, size_t{0});
+  }
+  size_t next_piece = 0;  // pieces before it lie wholly in earlier windows
+  for (size_t w = 0; w < windows.size(); ++w) {
+    const std::vector<Chunk>& chunks = windows[w];
+    const std::shared_ptr<internal::HostBuffer>& window = window_buffers[w % 2];
+    if (absl::Status s = reading.get(); !s.ok()) return failed(s);
+    if (w + 1 < windows.size()) {
+      reading = std::async(std::launch::async | std::launch::deferred, read_window, w + 1);
+    }
+    // Verify every block of the window on the hashing pool, then copy what the plan needs.
+    struct Check {
+      size_t chunk;
+      uint64_t block;
+      uint64_t actual = 0;
+    };
+    std::vector<Check> checks;
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      for (uint64_t k = chunks[c].first; k < chunks[c].end; ++k) checks.push_back({c, k});
+    }
+    internal::TaskCounter pending;
+    pending.Add(static_cast<int>(checks.size()));
+    for (Check& check : checks) {
+      hashers->Submit([&] {
+        const Chunk& c = chunks[check.chunk];
+        const uint64_t at =
+            c.window_offset + block_begin(c.part, check.block) - block_begin(c.part, c.first);
+        check.actual = internal::Xxh3(
+            window->data() + at, block_end(c.part, check.block) - block_begin(c.part, check.block));
+        pending.Done();
+      });
+    }
+    pending.WaitUntilZero(absl::InfiniteFuture());  // the tasks read `window` and `checks`
+    for (const Check& check : checks) {
+      const size_t part = chunks[check.chunk].part;
+      const TensorInfo& t = m.tensors[part];
+      if (check.actual == t.block_xxh3[check.block]) continue;
+      return absl::DataLossError(absl::StrFormat(
+          "%s version %d: tensor \"%s\" (the part of source rank %d) fails verification in block "
+          "%d of %d (bytes [%d, %d) of its %d, blocks of %d bytes; %s): XXH3-64 of the bytes read "
+          "is %016x but the manifest says %016x%s; version %s stays current",
+          uri.Display(), m.version, t.name, m.group ? t.owner : 0, check.block, t.block_xxh3.size(),
+          block_begin(part, check.block), block_end(part, check.block), t.nbytes, t.block_bytes,
+          incoming->DescribeSource(part), check.actual, t.block_xxh3[check.block], direct_note,
+          CurrentText()));
+    }
+    // Copy the parts of the pieces that lie in this window's chunks. Chunks and pieces both
+    // follow (part, offset); a piece may span chunks and windows.
+    for (const Chunk& c : chunks) {
+      const uint64_t lo = block_begin(c.part, c.first), hi = block_end(c.part, c.end - 1);
+      while (next_piece < pieces.size() &&
+             (pieces[next_piece].part < c.part ||
+              (pieces[next_piece].part == c.part &&
+               pieces[next_piece].offset + pieces[next_piece].length <= lo))) {
+        ++next_piece;
+      }
+      for (size_t q = next_piece;
+           q < pieces.size() && pieces[q].part == c.part && pieces[q].offset < hi; ++q) {
+        const Piece& p = pieces[q];
+        const uint64_t from = std::max(p.offset, lo), to = std::min(p.offset + p.length, hi);
+        if (from >= to) continue;
+        std::memcpy(home(p.tensor) + p.dest_offset + (from - p.offset),
+                    window->data() + c.window_offset + (from - lo), to - from);
+      }
+    }
+  }
+  times.fetched = times.verified = absl::Now();
+  std::move(wait_reading).Invoke();
+  incoming->Accepted();
+  std::optional<internal::CodecStats> codec = incoming->FetchCodecStats();
+  incoming.reset();  // releases the transport's pin on the version
+  for (auto& b : window_buffers) b.reset();
+
+  // Every block verified: only now touch staged destinations.
+  impl->views.reserve(nt);
+  for (size_t t = 0; t < nt; ++t) {
+    const internal::TensorPlan& tp = plan.tensors[t];
+    if (scratch[t]) {
+      const Destination& d = bound[t]->dest;
+      if (IsContiguous(tp.shape, d.strides)) {
+        std::memcpy(d.data, home(t), tp.nbytes);
+      } else {
+        internal::UnpackStrided(home(t), DTypeSize(tp.dtype), tp.shape, d.strides, d.data);
+      }
+    }
+    AddSliceView(*impl, tp, t, home(t), bound[t]);
+  }
+  scratch_buffer.reset();
+  times.end = absl::Now();
+  return HandOver(std::move(impl), std::move(library), read_bytes, times, codec);
 }
 
 }  // namespace weightbus

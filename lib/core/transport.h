@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "core/checksum.h"
 #include "weightbus/manifest.hpp"
 
 namespace weightbus::internal {
@@ -73,6 +74,10 @@ struct TransportCapabilities {
   bool open_version = false;
   // TransportSubscriber::ListVersions lists the versions the channel holds.
   bool list_versions = false;
+  // IncomingVersion::FetchRanges reads byte ranges of tensors, nothing beyond them: a
+  // subscriber with placements then reads only its slices, rounded out to checksum blocks,
+  // through a bounded staging window (setting staging_window) instead of whole tensors.
+  bool partial_reads = false;
 
   // -- Both sides --
   // Cancel() makes a call waiting in the transport (a WaitForVersion, a Publish waiting for
@@ -134,12 +139,15 @@ class PublishJob {
   // from several threads. This default copies from tensors()[i].data.
   virtual void CopyRange(size_t i, uint64_t offset, uint64_t size, std::byte* dst) const;
   // For a strided view (data == nullptr) that the transport gathers with CopyRange in order, all
-  // of it: true when the caller is to compute its XXH3-64 from the gathered bytes and report it
-  // with SetChecksum before SealedManifest is called (the strides are then walked once); false
-  // when the checksum is someone else's. A tensor nobody claims is checksummed by
-  // SealedManifest. Defaults: false / no effect (the checksums are known).
+  // of it: true when the caller is to compute its checksums from the gathered bytes (a
+  // TensorHasher(nbytes, checksum_block()), core/checksum.h) and report them with SetChecksum
+  // before SealedManifest is called (the strides are then walked once); false when the checksum
+  // is someone else's. A tensor nobody claims is checksummed by SealedManifest. Defaults: false /
+  // no effect (the checksums are known).
   virtual bool ClaimChecksum(size_t i) { return false; }
-  virtual void SetChecksum(size_t i, uint64_t xxh3) {}
+  virtual void SetChecksum(size_t i, TensorChecksums checksums) {}
+  // The block size of the job's block checksums (setting `checksum_block`; 0: none).
+  virtual uint64_t checksum_block() const { return 0; }
 };
 
 // A PublishJob whose manifest is complete and whose bytes its creator owns: what a layer (such as
@@ -217,6 +225,15 @@ class LandingSink {
   virtual void LandedPrefix(size_t tensor_index, uint64_t bytes) {}
 };
 
+// One byte range of a manifest tensor and the host memory it is read into
+// (IncomingVersion::FetchRanges).
+struct RangeRead {
+  size_t tensor = 0;            // index into manifest().tensors
+  uint64_t offset = 0;          // bytes into the tensor's contiguous row-major image
+  uint64_t length = 0;          // offset + length <= the tensor's nbytes
+  std::byte* target = nullptr;  // `length` bytes, caller owned
+};
+
 // A committed version a subscriber has found and may now receive. Holding it may pin the
 // version against retention (disk); destroying it releases the pin.
 class IncomingVersion {
@@ -229,6 +246,11 @@ class IncomingVersion {
   // group version's part that it reads from another rank): skip it, and do not call Landed.
   virtual absl::Status Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
                              absl::Time deadline) = 0;
+  // Reads exactly the bytes of `reads` (and no others of the version) into their targets, by
+  // `deadline`; may be called several times (the core reads a version window by window). The
+  // core verifies them against block checksums; no LandingSink. Only a transport that declares
+  // partial_reads (default: Unimplemented). Errors name the tensor and source, as Fetch.
+  virtual absl::Status FetchRanges(absl::Span<const RangeRead> reads, absl::Time deadline);
   // Where tensor i's bytes come from, for messages, e.g. "/ch/v1/model.safetensors bytes [8, 24)".
   virtual std::string DescribeSource(size_t tensor_index) const = 0;
   // Called by the core after every tensor passed verification, just before the version is

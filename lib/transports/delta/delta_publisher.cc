@@ -103,7 +103,10 @@ class ForwardingJob final : public PublishJob {
     outer_.CopyRange(i, offset, size, dst);
   }
   bool ClaimChecksum(size_t i) override { return outer_.ClaimChecksum(i); }
-  void SetChecksum(size_t i, uint64_t xxh3) override { outer_.SetChecksum(i, xxh3); }
+  void SetChecksum(size_t i, TensorChecksums checksums) override {
+    outer_.SetChecksum(i, std::move(checksums));
+  }
+  uint64_t checksum_block() const override { return outer_.checksum_block(); }
 
  private:
   PublishJob& outer_;

@@ -342,9 +342,11 @@ absl::Status DiskPublisher::WriteFile(int dir_fd, const std::string& dir, const 
   for (auto& b : bounce) {
     WB_ASSIGN_OR_RETURN(b, HostBuffer::Allocate(bounce_size));
   }
-  std::vector<std::optional<Xxh3Stream>> checksums(plan.tensors.size());
+  std::vector<std::optional<TensorHasher>> checksums(plan.tensors.size());
   for (size_t k : strided) {
-    if (job.ClaimChecksum(plan.tensors[k])) checksums[k].emplace();
+    if (job.ClaimChecksum(plan.tensors[k])) {
+      checksums[k].emplace(tensors[plan.tensors[k]].info->nbytes, job.checksum_block());
+    }
   }
   auto window_size = [&](size_t w) {
     const auto [k, at] = windows[w];
@@ -372,7 +374,7 @@ absl::Status DiskPublisher::WriteFile(int dir_fd, const std::string& dir, const 
         [&](size_t) { return describe_tensor(k); }));
   }
   for (size_t k : strided) {
-    if (checksums[k]) job.SetChecksum(plan.tensors[k], checksums[k]->Digest());
+    if (checksums[k]) job.SetChecksum(plan.tensors[k], checksums[k]->Finish());
   }
   return FinishFile(fd, path, deadline);
 }

@@ -90,7 +90,8 @@ TransportCapabilities DiskCapabilities(const Config&, const TransportCapabilitie
   c.keep_versions_from = true;
   c.open_version = true;
   c.list_versions = true;
-  c.cancel = true;  // a waiting subscriber wakes through its eventfd; publishing never waits
+  c.partial_reads = true;  // any byte range of a tensor's file, with io_uring at depth
+  c.cancel = true;         // a waiting subscriber wakes through its eventfd; publishing never waits
   c.cross_process = true;
   c.durable = true;
   c.late_joiners = true;

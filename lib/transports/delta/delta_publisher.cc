@@ -417,14 +417,12 @@ std::optional<std::string> DeltaPublisher::Resume(uint64_t version,
 // hashing pool may be writing the job's t.xxh3 on another thread: copying the whole entry then
 // is a data race (found by ThreadSanitizer, issue 17); the layer needs only the layout here.
 TensorInfo LayoutOnly(const TensorInfo& t) {
-  TensorInfo out;
-  out.name = t.name;
-  out.dtype = t.dtype;
-  out.shape = t.shape;
-  out.shard = t.shard;
-  out.nbytes = t.nbytes;
-  out.owner = t.owner;
-  return out;
+  return TensorInfo{.name = t.name,
+                    .dtype = t.dtype,
+                    .shape = t.shape,
+                    .shard = t.shard,
+                    .nbytes = t.nbytes,
+                    .owner = t.owner};
 }
 
 absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {

@@ -39,7 +39,8 @@ fixtures=${WEIGHTBUS_FIXTURES_DIR:-$PWD/../shared/fixtures}
 # Not run under ASan: the Python suites (an uninstrumented python3 loading an ASan library needs
 # the runtime preloaded, and torch's own allocations then drown the reports) and the checks that
 # configure, install, package or format rather than run the library's code.
-ASAN_EXCLUDE='^(python_.*|pip_install|install_consumer|build_options|format_check|api_parity|ctypes_layout|api_parity_selftest)$'
+ASAN_EXCLUDE='^(python_.*|pip_install|install_consumer|build_options|format_check'
+ASAN_EXCLUDE+='|api_parity|ctypes_layout|api_parity_selftest)$'
 # Under TSan: the suites with threads of their own or of the library (worker pool, publisher and
 # subscriber threads, the ucx progress and control threads, the delta layer's, fail points and
 # rate-limited logging across threads), by their CTest label (the executable's name).
@@ -55,10 +56,12 @@ sources_as_deb_src() {  # this system's apt sources, each also as deb-src, into 
     sed -n 's/^[[:space:]]*deb[[:space:]]/deb-src /p' /etc/apt/sources.list >>"$out/sources.list"
   fi
   for f in /etc/apt/sources.list.d/*.sources; do
-    [[ -f $f ]] && sed 's/^Types:.*/Types: deb-src/' "$f" >"$out/$(basename "$f")"
+    if [[ -f $f ]]; then sed 's/^Types:.*/Types: deb-src/' "$f" >"$out/$(basename "$f")"; fi
   done
   for f in /etc/apt/sources.list.d/*.list; do
-    [[ -f $f ]] && sed -n 's/^[[:space:]]*deb[[:space:]]/deb-src /p' "$f" >"$out/$(basename "$f")"
+    if [[ -f $f ]]; then
+      sed -n 's/^[[:space:]]*deb[[:space:]]/deb-src /p' "$f" >"$out/$(basename "$f")"
+    fi
   done
 }
 
@@ -71,7 +74,8 @@ abseil_source() {  # unpacks the installed libabsl-dev's source into $1, prints 
     mkdir -p "$apt_dir/lists/partial" "$dir/src"
     sources_as_deb_src "$apt_dir/sources"
     local apt_opts=(-q -o "Dir::Etc::SourceList=$apt_dir/sources/sources.list"
-                    -o "Dir::Etc::SourceParts=$apt_dir/sources" -o "Dir::State::Lists=$apt_dir/lists"
+                    -o "Dir::Etc::SourceParts=$apt_dir/sources"
+                    -o "Dir::State::Lists=$apt_dir/lists"
                     -o "Debug::NoLocking=1")
     apt-get "${apt_opts[@]}" update >"$dir/apt.log" 2>&1 &&
       (cd "$dir/src" && apt-get "${apt_opts[@]}" source "abseil=$version") >>"$dir/apt.log" 2>&1 ||
@@ -117,15 +121,19 @@ fi
 # halt_on_error: the first report ends the process (the test fails). ASan's leak checker runs at
 # exit (detect_leaks=1). TSan: second_deadlock_stack for lock-order reports; the suppressions file
 # names third-party code only (scripts/tsan.supp says what and why).
-export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1}
+asan=detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1
+asan+=:check_initialization_order=1
+export ASAN_OPTIONS=${ASAN_OPTIONS:-$asan}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
-export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/scripts/tsan.supp}
+tsan=halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/scripts/tsan.supp
+export TSAN_OPTIONS=${TSAN_OPTIONS:-$tsan}
 # UCX's memory hooks (libucm patches mmap/munmap/madvise) run inside glibc's thread teardown,
 # where TSan's interceptors crash (SIGSEGV in __tsan::MutexPreReadLock from ucm_madvise), and
 # lock inside libucm what libucs unlocks. Off under TSan: the registration cache then registers
 # per version (lib/transports/ucx/registration_cache.h) and its own test is skipped, naming why.
 if [[ $mode == tsan ]]; then
-  export UCX_MEM_MMAP_HOOK_MODE=${UCX_MEM_MMAP_HOOK_MODE:-none} UCX_MEM_MALLOC_HOOKS=${UCX_MEM_MALLOC_HOOKS:-no}
+  export UCX_MEM_MMAP_HOOK_MODE=${UCX_MEM_MMAP_HOOK_MODE:-none}
+  export UCX_MEM_MALLOC_HOOKS=${UCX_MEM_MALLOC_HOOKS:-no}
 fi
 cd "$build"
 if [[ $mode == asan ]]; then

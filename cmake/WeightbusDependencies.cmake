@@ -2,7 +2,11 @@
 # Every dependency comes from a Debian package; none is vendored.
 find_package(PkgConfig REQUIRED)
 find_package(Threads REQUIRED)
-find_package(absl REQUIRED)
+if(WEIGHTBUS_ABSL_SOURCE_DIR)
+  weightbus_add_absl_from_source()  # WeightbusSanitize.cmake (the ThreadSanitizer build)
+else()
+  find_package(absl REQUIRED)
+endif()
 find_package(dlpack REQUIRED)  # libdlpack-dev: DLTensor in the C API
 find_package(nlohmann_json 3.10 REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)

@@ -496,7 +496,7 @@ TEST_F(UcxAddressTest, UnreachableHostFailsWithinTheConnectTimeoutNamingIt) {
 TEST_F(UcxAddressTest, MalformedUrisAndSettingsAreInvalidArguments) {
   for (const char* uri :
        {"ucx://127.0.0.1/p", "ucx://127.0.0.1:0/p", "ucx://127.0.0.1:7000", "ucx://127.0.0.1:7000/",
-        "ucx://:7000/p", "ucx://127.0.0.1:7000/p?staging_slots=0",
+        "ucx:///p", "ucx://[]:7000/p", "ucx://127.0.0.1:7000/p?staging_slots=0",
         "ucx://127.0.0.1:7000/p?gets_in_flight=0", "ucx://127.0.0.1:7000/p?get_chunk_size=1",
         "ucx://127.0.0.1:7000/p?max_region=4KiB", "ucx://127.0.0.1:7000/p?retention=2"}) {
     auto sub = Subscriber::Open(uri);

@@ -29,7 +29,18 @@ TEST(UriTest, Forms) {
   EXPECT_EQ(v6->host, "fe80::1%25eth0");
   EXPECT_EQ(v6->port, 9000);
 
-  for (const char* bad : {"/no/scheme", "disk:/x", "ucx://h:99999/c", "ucx://::1:9/c",
+  // A port without a host means this machine's loopback (issue 17: listeners bind to loopback
+  // unless the URI names another address), for the publisher and its subscribers alike.
+  auto local = ParseUri("ucx://:13337/policy");
+  ASSERT_TRUE(local.ok()) << local.status();
+  EXPECT_EQ(local->host, "localhost");
+  EXPECT_EQ(local->port, 13337);
+  EXPECT_EQ(local->Display(), "ucx://:13337/policy");
+  auto no_authority = ParseUri("ucx:///policy");
+  ASSERT_TRUE(no_authority.ok()) << no_authority.status();
+  EXPECT_EQ(no_authority->host, "");  // no authority at all: the transport says what it needs
+
+  for (const char* bad : {"/no/scheme", "ucx://:/c", "disk:/x", "ucx://h:99999/c", "ucx://::1:9/c",
                           "ucx://[::1/c", "disk:///x%zz", "disk:///x%2", "disk:///x?a=1&a=2"}) {
     auto u = ParseUri(bad);
     EXPECT_EQ(u.status().code(), absl::StatusCode::kInvalidArgument) << bad;

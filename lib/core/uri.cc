@@ -122,6 +122,8 @@ absl::StatusOr<Uri> ParseUri(std::string_view text) {
       }
       uri.host = std::string(host_port.substr(0, colon));
       if (colon != std::string_view::npos) port_text = host_port.substr(colon + 1);
+      // ":port" names no host: loopback, never every interface (issue 17).
+      if (uri.host.empty()) uri.host = kDefaultHost;
     }
     if (!port_text.empty() || authority.back() == ':') {
       int port = 0;

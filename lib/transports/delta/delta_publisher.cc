@@ -420,6 +420,18 @@ std::optional<std::string> DeltaPublisher::Resume(uint64_t version,
   return std::nullopt;
 }
 
+// `t` without its checksum (xxh3 = 0). Until PublishJob::SealedManifest returns, the core's
+// hashing pool may be writing the job's t.xxh3 on another thread: copying the whole entry then
+// is a data race (found by ThreadSanitizer, issue 17); the layer needs only the layout here.
+TensorInfo LayoutOnly(const TensorInfo& t) {
+  return TensorInfo{.name = t.name,
+                    .dtype = t.dtype,
+                    .shape = t.shape,
+                    .shard = t.shard,
+                    .nbytes = t.nbytes,
+                    .owner = t.owner};
+}
+
 absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   const uint64_t version = job.version();
   absl::Span<const PackedTensor> packed = job.tensors();
@@ -427,7 +439,7 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   std::vector<const std::byte*> target;
   infos.reserve(packed.size());
   for (const PackedTensor& p : packed) {
-    infos.push_back(*p.info);
+    infos.push_back(LayoutOnly(*p.info));  // the checksums come with SealedManifest
     target.push_back(p.data);
   }
   const std::vector<TensorLayout> layout = LayoutOf(infos);

@@ -896,3 +896,28 @@ def test_layerwise_reload_of_a_quantized_model(channel, monkeypatch, path):
         fresh = _quantized_model(SMALL, v2)
         assert not _same_state(model, fresh)
         assert not torch.allclose(model(ids), fresh(ids), rtol=1e-2, atol=1e-2)
+
+
+def test_the_default_timeout_scales_with_the_model_bytes():
+    """Issue 13: a fixed 60 s does not fit a 140 GB model at 2 GB/s. "auto" (the default of
+    both adapters) is 60 s plus the model's bytes at 0.5 GB/s; numbers and None pass through."""
+    assert _default_update_info_timeout() == weightbus.vllm.AUTO_TIMEOUT
+    # A 140 GB bf16 model without memory: parameters on the meta device.
+    big = torch.nn.Linear(1, 1, bias=False, device="meta")
+    big.weight = torch.nn.Parameter(torch.empty(70_000_000_000, dtype=torch.bfloat16,
+                                                device="meta"))
+    big_bytes = 140_000_000_000
+    assert weightbus.vllm.model_bytes(big) == big_bytes
+    assert weightbus.vllm.resolve_timeout("auto", big) == pytest.approx(60.0 + 280.0)
+    assert weightbus.vllm.resolve_timeout("auto", big) > big_bytes / 2e9  # the issue's figure
+    assert weightbus.vllm.resolve_timeout("auto", None) == 60.0
+    assert weightbus.vllm.resolve_timeout(5.0, big) == 5.0
+    assert weightbus.vllm.resolve_timeout(None, big) is None
+    with pytest.raises(ValueError, match="timeout must be seconds"):
+        weightbus.vllm.resolve_timeout("soon", big)
+    with pytest.raises(ValueError, match="must not be negative"):
+        weightbus.vllm.resolve_timeout(-1.0, big)
+
+
+def _default_update_info_timeout():
+    return weightbus.vllm.WeightbusUpdateInfo().timeout

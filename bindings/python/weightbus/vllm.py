@@ -83,6 +83,41 @@ def process_weights_after_loading(model, model_config=None, device=None) -> None
             method.process_weights_after_loading(module)
 
 
+# The default timeout of an update ("auto"): it bounds both the wait for a version and its
+# receive, so a fixed 60 s cannot fit every model (140 GB at 2 GB/s takes 70 s). "auto" is
+# AUTO_TIMEOUT_BASE_S plus the model's parameter and buffer bytes at AUTO_TIMEOUT_MIN_RATE (a
+# slow shared filesystem): 62 s for 1 GB, 340 s for 140 GB. The trade-off: a replica whose
+# channel has no new version waits that long before TimeoutError. Pass seconds to choose, or
+# None to wait without a bound.
+AUTO_TIMEOUT = "auto"
+AUTO_TIMEOUT_BASE_S = 60.0
+AUTO_TIMEOUT_MIN_RATE = 0.5e9  # bytes per second
+
+
+def model_bytes(model) -> int:
+    """Bytes of `model`'s parameters and buffers (0 for None or a model without them)."""
+    total = 0
+    for attr in ("parameters", "buffers"):
+        tensors = getattr(model, attr, None)
+        if tensors is None:
+            continue
+        for t in tensors():
+            total += t.numel() * t.element_size()
+    return total
+
+
+def resolve_timeout(timeout: Union[None, float, str], model) -> Optional[float]:
+    """`timeout` in seconds: AUTO_TIMEOUT ("auto") scaled to `model` as described above, a
+    number as given (ValueError when negative), None (no bound) as None."""
+    if timeout == AUTO_TIMEOUT:
+        return AUTO_TIMEOUT_BASE_S + model_bytes(model) / AUTO_TIMEOUT_MIN_RATE
+    if isinstance(timeout, str):
+        raise ValueError(f"timeout must be seconds, None or {AUTO_TIMEOUT!r}, not {timeout!r}")
+    if timeout is not None and timeout < 0:
+        raise ValueError(f"timeout must not be negative, got {timeout}")
+    return timeout
+
+
 def ties_word_embeddings(model, model_config=None) -> bool:
     """Whether `model` ties lm_head.weight to model.embed_tokens.weight: its config (vLLM's
     models keep the Hugging Face config as `model.config`), else vLLM's ModelConfig
@@ -415,7 +450,7 @@ class WeightbusWorkerExtension:
         return True
 
     def weightbus_update(self, min_version: Optional[int] = None,
-                         timeout: Optional[float] = 60.0,
+                         timeout: Union[None, float, str] = AUTO_TIMEOUT,
                          version: Optional[int] = None) -> Optional[int]:
         """Applies the newest version on the channel if it is newer than the one the model
         holds, and returns the version the model now holds (None before the first).
@@ -426,7 +461,8 @@ class WeightbusWorkerExtension:
         to `timeout` seconds (None: forever) for a version >= min_version, also while no
         publisher is there yet (Subscriber.wait: replicas may start before the trainer), and
         raises weightbus.DeadlineExceededError (or UnavailableError when the publisher was never
-        reachable) once the whole timeout has passed. `timeout` also bounds the receive.
+        reachable) once the whole timeout has passed. `timeout` also bounds the receive;
+        "auto" (the default) scales with the model (AUTO_TIMEOUT, resolve_timeout).
         A model that ties lm_head.weight to model.embed_tokens.weight refuses a version whose
         lm_head.weight differs (check_tied_embeddings: InvalidArgumentError, nothing loaded,
         the applied version stays).
@@ -445,6 +481,7 @@ class WeightbusWorkerExtension:
         if version is not None and min_version is not None:
             raise ValueError("weightbus_update takes min_version or version, not both")
         subscriber = self._weightbus_require()
+        timeout = resolve_timeout(timeout, getattr(self.model_runner, "model", None))
         current = self._weightbus_version
         start = time.perf_counter()
         if version is not None and version == current:
@@ -550,7 +587,7 @@ class WeightbusWorkerExtension:
 
 
 def update_replica(llm, version: Optional[int] = None, min_version: Optional[int] = None,
-                   timeout: Optional[float] = 60.0,
+                   timeout: Union[None, float, str] = AUTO_TIMEOUT,
                    on_applied: Optional[Callable[[int], None]] = None,
                    reset_prefix_cache: bool = True) -> Optional[int]:
     """One weightbus_update on every worker of a vLLM `LLM` whose worker_extension_cls is
@@ -634,11 +671,12 @@ class WeightbusUpdateInfo(_UpdateInfoBase):
     FailedPreconditionError below the version this worker holds. With prefetch, a staged
     version is taken when it is the one these rules pick (WeightbusWeightTransferEngine,
     "Prefetch").
-    timeout: seconds (None: forever) for the wait and for the receive.
+    timeout: seconds (None: forever) for the wait and for the receive; "auto" (the default)
+    scales with the model (AUTO_TIMEOUT: 60 s plus its bytes at 0.5 GB/s).
     is_checkpoint_format: the tensors are in checkpoint (Hugging Face) names and layout and go
     through the model's load_weights; weightbus versions always are."""
     version: Optional[int] = None
-    timeout: Optional[float] = 60.0
+    timeout: Union[None, float, str] = AUTO_TIMEOUT
     is_checkpoint_format: bool = True
 
 
@@ -869,12 +907,13 @@ class WeightbusWeightTransferEngine(_EngineBase):
         draft = session["draft"]
         subscriber = self._draft_subscriber if draft else self._subscriber
         applied = self._draft_version if draft else self._version
+        timeout = resolve_timeout(update_info.timeout, self.model)
         start = time.perf_counter()
         if update_info.version is not None and update_info.version == applied:
-            update, prefetched = subscriber.receive(applied, update_info.timeout), False
+            update, prefetched = subscriber.receive(applied, timeout), False
         else:
             update, prefetched = _fetch(subscriber, None if draft else self._prefetch, applied,
-                                        update_info.version, None, update_info.timeout)
+                                        update_info.version, None, timeout)
         received = time.perf_counter()
         if update is None:
             self._last = AppliedVersion(applied, False, receive_s=received - start)

@@ -921,3 +921,26 @@ def test_the_default_timeout_scales_with_the_model_bytes():
 
 def _default_update_info_timeout():
     return weightbus.vllm.WeightbusUpdateInfo().timeout
+
+
+def test_a_round_failing_on_one_tp_worker_leaves_every_worker_ready_for_the_next(channel):
+    """vLLM runs an RPC on every worker even when one fails (MultiprocExecutor.collective_rpc);
+    a round whose update fails on worker 0 but succeeds on worker 1 must not leave worker 1's
+    session open (every later start_weight_update would be refused): sync_weights finishes the
+    workers that succeeded, and the next round, naming the version, brings both to it."""
+    llm = _engine_llm(SMALL, ranks=2)
+    llm.init_weight_transfer_engine({"init_info": {"uri": channel}})
+    v1 = _version(SMALL, 1)
+    with weightbus.Publisher(channel) as pub:
+        pub.publish(1, v1)
+        # Per-worker update_info: worker 0 asks for a version that never comes.
+        with pytest.raises(weightbus.DeadlineExceededError):
+            weightbus.vllm.sync_weights(llm, [{"version": 9, "timeout": 0.05},
+                                              {"version": 1, "timeout": 30}])
+        assert [w._weight_update_active for w in llm.workers] == [False, False]
+        assert [w.weight_transfer_engine.applied_version for w in llm.workers] == [None, 1]
+        v2 = _version(SMALL, 2)
+        pub.publish(2, v2)
+        assert weightbus.vllm.sync_weights(llm, {"version": 2, "timeout": 30}) == 2
+        assert all(_holds(w.model_runner.model, v2) for w in llm.workers)
+        assert llm.get_weight_version() == "2"

@@ -722,7 +722,9 @@ def sync_weights(llm, update_info: Union[None, Dict[str, Any], List[Dict[str, An
     first).
 
     Raises what the update raised (vLLM's worker has then reset the target and the engine
-    aborted its session: the next round starts clean), or RuntimeError naming each worker's
+    aborted its session; workers whose update succeeded in that round are finished without a
+    label: the next round starts clean on every worker, but until then TP workers may hold
+    different versions, so name the version in the next round), or RuntimeError naming each worker's
     version when TP workers received different versions (the round is finished, unlabelled).
     A draft round never moves the label: vLLM's weight version names the target model.
 
@@ -732,7 +734,18 @@ def sync_weights(llm, update_info: Union[None, Dict[str, Any], List[Dict[str, An
     `reset_prefix_cache` and the engine has it (a draft round too: the draft model's KV
     blocks are cached with the target's), then on_applied(v), once."""
     (llm.start_draft_weight_update if draft else llm.start_weight_update)()
-    llm.update_weights({"update_info": {} if update_info is None else update_info})
+    try:
+        llm.update_weights({"update_info": {} if update_info is None else update_info})
+    except Exception:
+        # vLLM runs the RPC on every worker: a worker whose update failed has reset its target
+        # and ended its session, but others may have loaded their version and still hold an
+        # open session, which would refuse every later start. Finish theirs (unlabelled); the
+        # workers without a session refuse the finish, which is expected here.
+        try:
+            llm.finish_weight_update()
+        except Exception:
+            pass
+        raise
     received = llm.collective_rpc(received_version)
     if len(set(received)) != 1:
         llm.finish_weight_update()

@@ -73,10 +73,29 @@ def make_worker(model: torch.nn.Module, extension_cls: type) -> Any:
 def collective_rpc(workers: Sequence[Any], method: Union[str, Callable],
                    args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> List[Any]:
     """LLM.collective_rpc: `method` (a name, or a callable taking the worker first) on every
-    worker, results in worker order."""
-    if callable(method):
-        return [method(w, *args, **(kwargs or {})) for w in workers]
-    return [getattr(w, method)(*args, **(kwargs or {})) for w in workers]
+    worker, results in worker order.
+
+    As vLLM's executors do (vllm/v1/executor/multiproc_executor.py, MultiprocExecutor.
+    collective_rpc: the call is enqueued to every worker at once, then the responses are read
+    in rank order and the first failed one raises), every worker runs the call, also when an
+    earlier one fails; then the first failure is raised. vLLM raises it as RuntimeError("Worker
+    failed with error '...'"); this stand-in raises the worker's exception itself, so that tests
+    can check its type."""
+    results: List[Any] = []
+    first_error: Optional[BaseException] = None
+    for w in workers:
+        try:
+            if callable(method):
+                results.append(method(w, *args, **(kwargs or {})))
+            else:
+                results.append(getattr(w, method)(*args, **(kwargs or {})))
+        except Exception as e:  # every worker runs the call; the first failure is raised after
+            results.append(None)
+            if first_error is None:
+                first_error = e
+    if first_error is not None:
+        raise first_error
+    return results
 
 
 # ---- vllm/distributed/weight_transfer/base.py ----
@@ -378,8 +397,9 @@ class StandInLLM:
             if len(info) != len(self.workers):
                 raise ValueError(f"update_info has {len(info)} per-worker entries for "
                                  f"{len(self.workers)} workers")
-            for worker, item in zip(self.workers, info):
-                worker.update_weights(item)
+            # Each worker its own entry, every worker running it (as collective_rpc does).
+            items = {id(worker): item for worker, item in zip(self.workers, info)}
+            self.collective_rpc(lambda worker: worker.update_weights(items[id(worker)]))
         else:
             self.collective_rpc("update_weights", kwargs={"update_info": info})
 

@@ -168,6 +168,39 @@ def test_custom_loader_loads_exactly_the_named_version_on_every_rank(channel):
     assert [s.cache_flushes for s in engine.schedulers] == [1, 1]
 
 
+def test_a_group_version_is_refused_from_disk_and_assembled_by_the_custom_loader(channel):
+    """A publisher group's version directory holds one checkpoint of slices per rank, which
+    SGLang's update_weights_from_disk cannot load: a clear FailedPreconditionError before the
+    engine is called (nothing loaded), while the custom weight loader assembles it."""
+    import threading
+    tensors = _version(1)
+    names = sorted(tensors)
+    halves = [names[: len(names) // 2], names[len(names) // 2:]]
+    pubs = [weightbus.Publisher(channel, rank=r, world_size=2) for r in range(2)]
+    errors = []
+
+    def publish(rank):
+        try:
+            pubs[rank].publish(1, {n: tensors[n] for n in halves[rank]}, timeout=30)
+        except Exception as e:  # reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=publish, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for pub in pubs:
+        pub.close()
+    assert errors == []
+    engine = _engine(ranks=2, custom_loader=True)
+    with pytest.raises(weightbus.FailedPreconditionError, match="publisher group"):
+        weightbus.sglang.update_weights_from_disk(engine, channel)
+    _assert_holds(engine, INITIAL)
+    assert weightbus.sglang.update_weights_from_tensor(engine, channel, 1) == (True, "Success")
+    _assert_holds(engine, tensors)
+
+
 def test_custom_loader_errors_leave_the_model_as_it_was(channel):
     """A version the channel no longer holds: NotFoundError out of the loader (SGLang's
     ModelRunner does not catch it), nothing loaded. A request that is not weightbus's:

@@ -207,8 +207,18 @@ def update_weights_from_disk(engine, uri: str, version: Optional[int] = None,
     pin_disk_version), calls engine.update_weights_from_disk(model_path=<its directory>,
     **kwargs) while the pin is held, then releases it. Returns (the version, what the engine
     returned: SGLang's Engine returns (success, message, num_paused_requests) and does not
-    raise when the load fails, so check success). Errors: those of pin_disk_version."""
+    raise when the load fails, so check success). Errors: those of pin_disk_version, and
+    FailedPreconditionError (nothing loaded) for a version a publisher group wrote: its
+    directory holds one checkpoint of slices per rank (rank-R/, docs/FORMAT.md "Publisher
+    groups"), not one SGLang can load; the custom weight loader
+    (update_weights_from_tensor) assembles those."""
     with pin_disk_version(uri, version) as pin:
+        if (pin.path / "rank-00000").is_dir():
+            raise FailedPreconditionError(
+                f"{uri}: version {pin.version} was published by a publisher group: {pin.path} "
+                f"holds one checkpoint of slices per rank (rank-R/), not one checkpoint for "
+                f"update_weights_from_disk; use update_weights_from_tensor (the custom weight "
+                f"loader assembles the ranks' slices)")
         result = engine.update_weights_from_disk(model_path=str(pin.path), **kwargs)
     return pin.version, result
 

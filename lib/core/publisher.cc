@@ -181,7 +181,7 @@ class Job final : public internal::PublishJob {
     absl::MutexLock lock(&read_mu_);
     return read_status_;
   }
-  uint64_t checksum_block_ = 0;                // setting checksum_block (0: no block checksums)
+  uint64_t checksum_block_ = 0;  // setting checksum_block (0: no block checksums)
 
  private:
   static constexpr uint64_t kBlock = 256 * 1024;  // copied or gathered, then hashed from L2

@@ -804,7 +804,8 @@ TEST_P(UcxInternalTest, RegistrationsAndGetsScaleWithBytesNotTensors) {
     separate.assign(sizes.size(), {});
     for (size_t i = 0; i < sizes.size(); ++i) {
       if (layout == Layout::kSeparate) {
-        separate[i].resize(std::max<uint64_t>(sizes[i], 1));
+        // 64 bytes past each target: no allocator can place the next one right after it.
+        separate[i].resize(sizes[i] + 64);
         targets.push_back(separate[i].data());
         continue;
       }

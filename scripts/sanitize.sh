@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# Sanitizer builds and runs (docs/TESTING.md, "Sanitizers"; .ci/run steps 3 and 4):
+# Sanitizer builds and runs (docs/TESTING.md, "Sanitizers"; .ci/run step 3 runs --tsan):
 #
 #   scripts/sanitize.sh --asan [--build DIR] [CTEST_ARGS...]
 #   scripts/sanitize.sh --tsan [--build DIR] [CTEST_ARGS...]

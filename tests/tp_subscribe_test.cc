@@ -91,6 +91,7 @@ Box Block(const std::vector<int64_t>& shape, int dim, int r, int n) {
 struct PublishCase {
   int world = 1;
   std::string layout = "rows";
+  bool streamed = false;  // published tensor by tensor (Publisher::BeginPublish)
 };
 
 // The parts of `t` published, per rank (one box for a whole or replicated tensor, on every
@@ -105,6 +106,18 @@ std::vector<Box> PublishedParts(const tools::OwnedTensor& t, const PublishCase& 
 
 // Publishes version `version` of `model` (the fixture unless given) as `c` says, with the
 // settings `extra`; every rank must succeed.
+// Publishes `views` as `version` with Publish, or tensor by tensor when `c.streamed`.
+absl::Status PublishViews(Publisher& p, const PublishCase& c, uint64_t version,
+                          const std::vector<TensorView>& views) {
+  if (!c.streamed) return p.Publish(version, views, {}, kTimeout);
+  absl::StatusOr<std::unique_ptr<PublishStream>> stream = p.BeginPublish(version);
+  if (!stream.ok()) return stream.status();
+  for (const TensorView& v : views) {
+    if (absl::Status s = (*stream)->Add(v); !s.ok()) return s;
+  }
+  return (*stream)->Commit(kTimeout);
+}
+
 void Publish(const std::string& uri, const PublishCase& c, uint64_t version,
              const Options& extra = {}, const std::vector<tools::OwnedTensor>& model = Model()) {
   if (c.world == 1) {
@@ -112,7 +125,8 @@ void Publish(const std::string& uri, const PublishCase& c, uint64_t version,
     ASSERT_TRUE(p.ok()) << p.status();
     std::vector<TensorView> views;
     for (const tools::OwnedTensor& t : model) views.push_back(t.view());
-    ASSERT_TRUE((*p)->Publish(version, views, {}, kTimeout).ok());
+    const absl::Status published = PublishViews(**p, c, version, views);
+    ASSERT_TRUE(published.ok()) << published;
     return;
   }
   std::vector<absl::Status> status(c.world);
@@ -145,7 +159,7 @@ void Publish(const std::string& uri, const PublishCase& c, uint64_t version,
         }
         views.push_back(std::move(v));
       }
-      status[r] = (*p)->Publish(version, views, {}, kTimeout);
+      status[r] = PublishViews(**p, c, version, views);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -190,8 +204,9 @@ std::unique_ptr<Subscriber> OpenTp(const std::string& uri, int r, int tp,
 class TpSubscribeTest : public ::testing::TestWithParam<PublishCase> {};
 
 std::string CaseName(const ::testing::TestParamInfo<PublishCase>& info) {
-  return absl::StrFormat("World%d%s", info.param.world,
-                         info.param.world == 1 ? "" : info.param.layout);
+  return absl::StrFormat("World%d%s%s", info.param.world,
+                         info.param.world == 1 ? "" : info.param.layout,
+                         info.param.streamed ? "Streamed" : "");
 }
 
 TEST_P(TpSubscribeTest, EveryTpRankReceivesExactlyItsSlicesAndReadsOnlyThePartsTheyMeet) {
@@ -535,9 +550,12 @@ TEST_P(TpPartialReadTest, EachRankReadsExactlyTheBlocksItsSlicesTouch) {
   }
 }
 
+// Streamed versions carry block checksums too (their spool hashes each block as it writes).
 INSTANTIATE_TEST_SUITE_P(Publishers, TpPartialReadTest,
                          ::testing::Values(PublishCase{1, "rows"}, PublishCase{2, "rows"},
-                                           PublishCase{4, "cols"}),
+                                           PublishCase{4, "cols"},
+                                           PublishCase{1, "rows", /*streamed=*/true},
+                                           PublishCase{2, "rows", /*streamed=*/true}),
                          CaseName);
 
 // A manifest without block checksums (checksum_block=0, as every manifest written before them)

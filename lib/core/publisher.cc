@@ -257,6 +257,10 @@ class Publisher::Impl : public internal::ChannelSetup {
   absl::Status CheckVersion(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // InvalidArgument for a reserved metadata key or one that is not valid UTF-8.
   absl::Status CheckMetadata(uint64_t version, const Metadata& metadata) const;
+  // The block size of a new version's block checksums (setting checksum_block; 0: none). Block
+  // checksums serve readers of byte ranges; through a layer (delta) subscribers decode versions
+  // whole, and the layer's records carry whole checksums only: none are recorded there.
+  uint64_t ChecksumBlock() const { return stack.size() == 1 ? config->Bytes("checksum_block") : 0; }
   // The manifest of a new job for `version`, without tensors.
   Manifest NewManifest(uint64_t version, const Metadata& metadata, absl::Time start) const;
   // Hands a built job to the transport (to Republish for the latest version) and records its
@@ -436,9 +440,7 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   }
   Job job;
   job.key_ = key ? &*key : nullptr;
-  // Block checksums serve readers of byte ranges; through a layer (delta) subscribers decode
-  // versions whole, and the layer's records carry whole checksums only: none are recorded.
-  job.checksum_block_ = stack.size() == 1 ? config->Bytes("checksum_block") : 0;
+  job.checksum_block_ = ChecksumBlock();
   Manifest& m = job.manifest_;
   m = NewManifest(version, metadata, start);
   m.tensors.reserve(tensors.size());
@@ -631,8 +633,8 @@ absl::StatusOr<std::unique_ptr<PublishStream>> Publisher::BeginPublish(uint64_t 
     const char* tmp = std::getenv("TMPDIR");  // the system's convention, not a setting
     dir = (tmp != nullptr && *tmp != '\0') ? tmp : "/tmp";
   }
-  absl::StatusOr<std::unique_ptr<internal::TensorSpool>> spool =
-      internal::TensorSpool::Create(dir, p.config->Bytes("stream_bucket"), p.hashers.get());
+  absl::StatusOr<std::unique_ptr<internal::TensorSpool>> spool = internal::TensorSpool::Create(
+      dir, p.config->Bytes("stream_bucket"), p.ChecksumBlock(), p.hashers.get());
   if (!spool.ok()) return internal::Annotate(spool.status(), stream->where);
   stream->spool = *std::move(spool);
   stream->link = std::make_shared<StreamLink>(impl_.get());
@@ -699,7 +701,8 @@ absl::Status PublishStream::Commit(absl::Duration timeout) {
   Manifest& m = job.manifest_;
   m = p.NewManifest(s.version, s.metadata, start);
   m.tensors = std::move(s.tensors);
-  for (size_t i = 0; i < m.tensors.size(); ++i) m.tensors[i].xxh3 = s.spool->checksum(i);
+  job.checksum_block_ = p.ChecksumBlock();  // what the spool's hashers used
+  for (size_t i = 0; i < m.tensors.size(); ++i) job.SetChecksum(i, s.spool->checksums(i));
   // Transports that read views piecewise get them from the spool file through CopyRange (no
   // memory for the model); the others read a read-only mapping of it.
   const std::byte* mapped = nullptr;

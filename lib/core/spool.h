@@ -31,9 +31,12 @@ class TensorSpool {
  public:
   // A spool in `dir` (an unlinked file there: O_TMPFILE, or a named file removed at once) with
   // two host buckets of `bucket_bytes / 2` bytes each, one filled while the other is written by
-  // a task on `pool`. Errors: Internal/ResourceExhausted naming the directory.
+  // a task on `pool`. Each tensor's checksums are computed as it is written: XXH3-64 of its
+  // bytes and, when `block_bytes` > 0, of each `block_bytes` block (TensorChecksums, the
+  // manifest's `blocks`). Errors: Internal/ResourceExhausted naming the directory.
   static absl::StatusOr<std::unique_ptr<TensorSpool>> Create(const std::string& dir,
                                                              uint64_t bucket_bytes,
+                                                             uint64_t block_bytes,
                                                              WorkerPool* pool);
   ~TensorSpool();
   TensorSpool(const TensorSpool&) = delete;
@@ -52,12 +55,12 @@ class TensorSpool {
   absl::Status AddCuda(const void* device_data, uint64_t nbytes, int device, void* cuda_stream);
 
   // Writes what is still in the buckets and waits for it. Then, per tensor in order, its file
-  // offset and XXH3-64 of its bytes are final. Errors: as AddHost.
+  // offset and checksums are final. Errors: as AddHost.
   absl::Status Seal();
 
   size_t tensor_count() const { return offsets_.size(); }
   uint64_t bytes() const { return bytes_; }  // tensor bytes added (padding not counted)
-  uint64_t checksum(size_t i) const { return digests_[i]; }
+  const TensorChecksums& checksums(size_t i) const { return digests_[i]; }
   uint64_t offset(size_t i) const { return offsets_[i]; }
 
   // After Seal: bytes [at, at + size) of tensor i (offset(i) + at in the file) into `dst`.
@@ -70,6 +73,7 @@ class TensorSpool {
  private:
   struct Segment {
     size_t tensor;
+    uint64_t tensor_bytes;  // the whole tensor's, for its hasher
     uint64_t bucket_offset;
     uint64_t size;
     bool first;
@@ -79,17 +83,17 @@ class TensorSpool {
     std::unique_ptr<HostBuffer> buffer;
     uint64_t fill = 0;
     std::vector<Segment> segments;
-    std::vector<std::pair<size_t, uint64_t>> digests;  // the writer's: (tensor, XXH3-64)
+    std::vector<std::pair<size_t, TensorChecksums>> digests;  // the writer's, per tensor
   };
 
-  TensorSpool(int fd, std::string dir, uint64_t half, WorkerPool* pool)
-      : fd_(fd), dir_(std::move(dir)), half_(half), pool_(pool) {}
+  TensorSpool(int fd, std::string dir, uint64_t half, uint64_t block_bytes, WorkerPool* pool)
+      : fd_(fd), dir_(std::move(dir)), half_(half), block_bytes_(block_bytes), pool_(pool) {}
   // Starts a tensor: pads the file position to 64 bytes and records its offset.
   absl::Status BeginTensor();
   // Room for at most `want` bytes of tensor `index` at the current bucket's end (flushing a
   // full bucket first): where to write them and how many fit.
   absl::StatusOr<std::pair<std::byte*, uint64_t>> Reserve(uint64_t want);
-  void Claimed(uint64_t n, bool first, bool last);
+  void Claimed(uint64_t n, uint64_t tensor_bytes, bool first, bool last);
   // Hands the current bucket to the writer (after the previous write finished) and switches.
   absl::Status Flush();
   absl::Status WaitWriter();
@@ -100,15 +104,16 @@ class TensorSpool {
   int fd_;
   std::string dir_;
   uint64_t half_;
+  uint64_t block_bytes_;
   WorkerPool* pool_;
   Bucket buckets_[2];
   int current_ = 0;
   uint64_t file_end_ = 0;  // file offset of the current bucket's first byte
   uint64_t bytes_ = 0;
   std::vector<uint64_t> offsets_;
-  std::vector<uint64_t> digests_;
-  std::unique_ptr<Xxh3Stream> hash_;  // the tensor the writer is hashing (writer only)
-  absl::Status broken_;               // the first error; every later call returns it
+  std::vector<TensorChecksums> digests_;
+  std::unique_ptr<TensorHasher> hash_;  // the tensor the writer is hashing (writer only)
+  absl::Status broken_;                 // the first error; every later call returns it
 
   absl::Mutex mu_;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;

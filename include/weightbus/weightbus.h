@@ -422,8 +422,9 @@ typedef struct wb_stream_add_params {
  * must be NULL: they are per tensor, in wb_stream_add_params_t); NULL for none. Errors:
  * WB_FAILED_PRECONDITION (the channel has a higher version, naming both; or this publisher
  * already has an open stream, naming its version), WB_INVALID_ARGUMENT (reserved or non-UTF-8
- * metadata, dtypes or shards given), WB_INTERNAL / WB_RESOURCE_EXHAUSTED creating the spool file,
- * WB_CANCELLED. *stream is written only on WB_OK. */
+ * metadata, dtypes or shards given), creating the spool file in stream_spill_dir: WB_NOT_FOUND
+ * (no such directory), WB_PERMISSION_DENIED (not writable), WB_RESOURCE_EXHAUSTED (no space or
+ * memory), WB_INTERNAL (other system errors); WB_CANCELLED. *stream is written only on WB_OK. */
 WB_EXPORT wb_status_t wb_publisher_begin_publish(wb_publisher_t* publisher, uint64_t version,
                                                  const wb_publish_params_t* params,
                                                  wb_publish_stream_t** stream);

@@ -230,7 +230,9 @@ class WB_EXPORT Publisher {
   // (or Abort). `metadata` is the version's, as for Publish. Errors: FailedPrecondition when the
   // channel already has a version above `version` (naming both) or this Publisher already has an
   // open stream (naming its version); InvalidArgument for reserved or non-UTF-8 metadata;
-  // Internal/ResourceExhausted creating the spool in `stream_spill_dir`; Cancelled.
+  // creating the spool in `stream_spill_dir`: NotFound (no such directory), PermissionDenied
+  // (not writable), ResourceExhausted (no space or memory), Internal (other system errors);
+  // Cancelled.
   absl::StatusOr<std::unique_ptr<PublishStream>> BeginPublish(uint64_t version,
                                                               const Metadata& metadata = {});
 

@@ -327,7 +327,8 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_
     return absl::UnimplementedError(absl::StrFormat(
         "%s: world_size=%d asks for a publisher group (rank %d), which this transport stack does "
         "not implement (capabilities: %s); publish through a single publisher (world_size=1) or "
-        "use a transport that declares publisher_groups (`weightbus --version` lists them)",
+        "use a transport that declares publisher_groups (docs/TRANSPORTS.md, \"Capabilities\", "
+        "lists each transport's)",
         uri.Display(), world_size, rank, internal::DescribeCapabilities(impl->capabilities)));
   }
   if (world_size > 1 && impl->key) {

@@ -76,6 +76,17 @@ def test_streamed_versions_round_trip_bit_exact(tmp_path, transport):
             _same(update, _tensors(version))
 
 
+def test_a_missing_spill_directory_is_not_found_naming_it_and_the_publisher_stays_usable(tmp_path):
+    missing = tmp_path / "no-such-dir"
+    uri = f"disk://{tmp_path}/channel?fsync=false"
+    with weightbus.Publisher(uri, stream_spill_dir=str(missing)) as pub, \
+            weightbus.Subscriber(uri) as sub:
+        with pytest.raises(weightbus.NotFoundError, match=f"{missing}.*stream_spill_dir"):
+            pub.begin_publish(1)
+        pub.publish(1, _tensors(1), timeout=30)  # a plain publish needs no spool
+        _same(sub.wait(1, timeout=30), _tensors(1))
+
+
 def test_nothing_is_visible_before_commit_and_abort_leaves_no_trace(tmp_path):
     spill = tmp_path / "spill"
     spill.mkdir()

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <thread>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -99,6 +100,45 @@ TEST(CliTest, ConvertPublishSubscribeInspect) {
   EXPECT_EQ(via_uri.exit_code, 0) << via_uri.output;
   EXPECT_NE(via_uri.output.find("version 1 (newest, verified)"), std::string::npos);
   EXPECT_NE(via_uri.output.find("model.layers.4.mlp.down_proj.weight"), std::string::npos);
+}
+
+// A publisher group's version (two `publish` processes, ranks 0 and 1 of 2, each publishing
+// the whole checkpoint: every tensor replicated) is what subscribers assemble: `subscribe --to`
+// writes a manifest of the whole tensors it wrote, so `inspect` of that directory verifies, and
+// `inspect` of the channel lists each tensor once, not once per rank.
+TEST(CliTest, AGroupVersionIsSavedAndInspectedAsTheAssembledTensors) {
+  if (const std::string why = testing::MissingTransports({"disk"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
+  ScratchDir dir;
+  const std::string model = dir / "hf";
+  ASSERT_EQ(Cli({"convert-llama2c", testing::FixturePath("stories260K.bin"), model}).exit_code, 0);
+  const std::string uri = "disk://" + dir.path() + "/channel";
+  auto publish = [&](int rank) {
+    return Cli({"publish", uri, "--from", model, "--version", "1", "--set",
+                "rank=" + std::to_string(rank), "--set", "world_size=2"});
+  };
+  testing::RunResult rank1;
+  std::thread other([&] { rank1 = publish(1); });
+  testing::RunResult rank0 = publish(0);
+  other.join();
+  ASSERT_EQ(rank0.exit_code, 0) << rank0.output;
+  ASSERT_EQ(rank1.exit_code, 0) << rank1.output;
+
+  auto sub = Cli({"subscribe", uri, "--to", dir / "replica", "--timeout", "10"});
+  ASSERT_EQ(sub.exit_code, 0) << sub.output;
+  EXPECT_NE(sub.output.find("version 1: 47 tensors"), std::string::npos) << sub.output;
+  auto saved = Cli({"inspect", dir / "replica", "--json"});
+  ASSERT_EQ(saved.exit_code, 0) << saved.output;
+  auto channel = Cli({"inspect", uri, "--json"});
+  ASSERT_EQ(channel.exit_code, 0) << channel.output;
+  for (const std::string& out : {saved.output, channel.output}) {
+    nlohmann::json j = nlohmann::json::parse(out, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << out;
+    ASSERT_EQ(j.size(), 1u) << out;
+    EXPECT_EQ(j[0]["tensors"].size(), 47u) << out;   // each tensor once
+    EXPECT_EQ(j[0]["total_bytes"], 520064u) << out;  // bf16 stories260K, counted once
+  }
 }
 
 TEST(CliTest, FollowReceivesEachNewVersion) {

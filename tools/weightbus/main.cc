@@ -145,6 +145,24 @@ struct SubscribeFlags {
   std::vector<std::string> set;
 };
 
+// The manifest of what `u` holds: its tensors as received (a group version's parts assembled
+// into whole tensors, each with the XXH3-64 of its assembled bytes, owned by rank 0), with the
+// version's number, publisher, times and metadata. For a single publisher's version, its own
+// manifest (block checksums included).
+absl::StatusOr<Manifest> AssembledManifest(const Update& u) {
+  Manifest m = u.manifest();
+  if (!m.group) return m;
+  m.group = false;
+  m.tensors.clear();
+  for (const TensorView& t : u.tensors()) {
+    absl::StatusOr<uint64_t> nbytes = ByteSize(t.dtype, t.shape);
+    if (!nbytes.ok()) return nbytes.status();
+    m.tensors.push_back(TensorInfo{t.name, t.dtype, t.shape, std::nullopt, *nbytes,
+                                   XXH3_64bits(t.data, *nbytes), /*owner=*/0});
+  }
+  return m;
+}
+
 absl::Status SubscribeCommand(const SubscribeFlags& flags) {
   absl::StatusOr<std::map<std::string, std::string>> options = KeyValues(flags.set, "set");
   if (!options.ok()) return options.status();
@@ -168,7 +186,9 @@ absl::Status SubscribeCommand(const SubscribeFlags& flags) {
       return update.status();
     }
     const Update& u = **update;
-    absl::Status s = SaveCheckpoint(dir, u.tensors(), &u.manifest());
+    absl::StatusOr<Manifest> manifest = AssembledManifest(u);  // what the directory holds
+    if (!manifest.ok()) return manifest.status();
+    absl::Status s = SaveCheckpoint(dir, u.tensors(), &*manifest);
     if (!s.ok()) return s;
     const UpdateStats& st = u.stats();
     const double fetch_s =
@@ -304,8 +324,11 @@ absl::Status InspectCommand(const InspectFlags& flags) {
     if (!sub.ok()) return sub.status();
     absl::StatusOr<std::unique_ptr<Update>> u = (*sub)->WaitForVersion(0, flags.timeout);
     if (!u.ok()) return u.status();
+    // A group version's tensors as subscribers receive them (assembled), not its parts.
+    absl::StatusOr<Manifest> manifest = AssembledManifest(**u);
+    if (!manifest.ok()) return manifest.status();
     std::vector<Row> rows;
-    for (const TensorInfo& t : (*u)->manifest().tensors) {
+    for (const TensorInfo& t : manifest->tensors) {
       rows.push_back(Row{t.name, t.dtype, t.shape, t.nbytes, t.xxh3, ""});
     }
     PrintRows(absl::StrFormat("%s version %d (newest, verified)", target, (*u)->version()), rows,

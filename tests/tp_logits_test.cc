@@ -226,13 +226,14 @@ std::optional<TensorView> GroupPart(const OwnedTensor& t, size_t index, int worl
 // thread per rank.
 class PublisherGroup {
  public:
-  // Opens `world` ranks on `uri`, each group rank with `group_options` too; the status of the
-  // first rank that fails.
-  absl::Status Open(const std::string& uri, int world, const Options& group_options = {}) {
+  // Opens `world` ranks on `uri` with `options`, each rank of a group with `group_options` too;
+  // the status of the first rank that fails.
+  absl::Status Open(const std::string& uri, int world, const Options& options_for_all = {},
+                    const Options& group_options = {}) {
     for (int r = 0; r < world; ++r) {
-      Options options;
+      Options options = options_for_all;
       if (world > 1) {
-        options = group_options;
+        options.insert(group_options.begin(), group_options.end());
         options["rank"] = std::to_string(r);
         options["world_size"] = std::to_string(world);
       }
@@ -278,10 +279,11 @@ struct Replica {
 
   static absl::StatusOr<Replica> Open(const std::string& uri, int tp,
                                       const std::vector<PlacementRule>& rules,
-                                      const std::vector<std::string>& destinations) {
+                                      const std::vector<std::string>& destinations,
+                                      const Options& options = {}) {
     Replica replica;
     for (int r = 0; r < tp; ++r) {
-      auto sub = Subscriber::Open(uri, {}, SubscribePlacements{rules, {tp, r}, destinations});
+      auto sub = Subscriber::Open(uri, options, SubscribePlacements{rules, {tp, r}, destinations});
       if (!sub.ok()) return sub.status();
       replica.ranks.push_back(*std::move(sub));
     }
@@ -311,8 +313,11 @@ struct StackCase {
   std::string name;
   std::string uri;  // {dir}: a fresh directory; {port}: a free loopback port
   testing::Tls env;
-  std::vector<int> worlds;  // the publisher world sizes this stack runs
-  Options group_options;    // what each rank of a group sets besides rank and world_size
+  std::vector<int> worlds;     // the publisher world sizes this stack runs
+  Options publisher_options;   // every publisher rank's settings
+  Options group_options;       // what each rank of a group sets besides rank and world_size
+  Options subscriber_options;  // every TP rank's settings
+  bool partial_reads = false;  // a TP rank of a degree > 1 reads less than the model
 };
 
 // The publisher world sizes per stack. delta+disk and ucx run N = 1 only until publisher groups
@@ -322,7 +327,16 @@ struct StackCase {
 // skips the cell, naming the capability, rather than failing.
 const std::vector<StackCase>& StackCases() {
   static const auto* stacks = new std::vector<StackCase>{
-      {"disk", "disk://{dir}/channel", {}, {1, 2, 4}, {{"poll_interval", "2ms"}}},
+      // Partial reads: 4 KiB checksum blocks (most tensors span several, so each TP rank reads
+      // and verifies only the blocks its slices touch) through a 64 KiB staging window.
+      {"disk",
+       "disk://{dir}/channel",
+       {},
+       {1, 2, 4},
+       {{"checksum_block", "4KiB"}},
+       {{"poll_interval", "2ms"}},
+       {{"staging_window", "64KiB"}},
+       /*partial_reads=*/true},
       {"delta_disk", "delta+disk://{dir}/channel", {}, {1}},          // deltagroup: {1, 2, 4}
       {"ucx", "ucx://127.0.0.1:{port}/channel", testing::kShm, {1}},  // ucxgroup: {1, 2, 4}
   };
@@ -381,7 +395,9 @@ TEST_P(TpLogitsGridTest, TensorParallelLogitsOnTheSlicesMatchTheUnshardedModel) 
       cell.stack.uri, {{"{dir}", dir.path()}, {"{port}", std::to_string(testing::FreePort())}});
 
   PublisherGroup group;
-  if (absl::Status open = group.Open(uri, cell.publishers, cell.stack.group_options); !open.ok()) {
+  if (absl::Status open =
+          group.Open(uri, cell.publishers, cell.stack.publisher_options, cell.stack.group_options);
+      !open.ok()) {
     if (cell.publishers > 1 && open.code() == absl::StatusCode::kUnimplemented) {
       GTEST_SKIP() << cell.stack.name
                    << " does not implement publisher groups yet (world_size=" << cell.publishers
@@ -390,7 +406,7 @@ TEST_P(TpLogitsGridTest, TensorParallelLogitsOnTheSlicesMatchTheUnshardedModel) 
     FAIL() << open;
   }
   auto replica = Replica::Open(uri, cell.tp, testing::TpRules(model.shape, model.split),
-                               testing::TpDestinations(model.shape));
+                               testing::TpDestinations(model.shape), cell.stack.subscriber_options);
   ASSERT_TRUE(replica.ok()) << replica.status();
   // Two versions: the second replays the first's plan (and is a delta on delta+disk).
   for (uint64_t version : {1, 2}) {
@@ -403,9 +419,16 @@ TEST_P(TpLogitsGridTest, TensorParallelLogitsOnTheSlicesMatchTheUnshardedModel) 
     auto logits = testing::TpLogits(model.shape, *slices, kTokens, model.split);
     ASSERT_TRUE(logits.ok()) << logits.status();
     const float err = testing::MaxAbsDiff(*logits, ref.logits);
-    std::printf("[ logits   ] %s N=%d TP=%d %s v%llu: max |dlogit| %.3g = %.2f x noise\n",
-                cell.stack.name.c_str(), cell.publishers, cell.tp, model.name.c_str(),
-                static_cast<unsigned long long>(version), err, err / ref.noise);
+    uint64_t model_bytes = 0, most_read = 0;
+    for (const OwnedTensor& t : Tensors(cell.model, version)) model_bytes += t.bytes.size();
+    for (const auto& u : replica->updates) most_read = std::max(most_read, u->stats().bytes);
+    if (cell.stack.partial_reads && cell.tp > 1) EXPECT_LT(most_read, model_bytes);
+    std::printf(
+        "[ logits   ] %s N=%d TP=%d %s v%llu: max |dlogit| %.3g = %.2f x noise; a rank read at "
+        "most %.0f%% of the model\n",
+        cell.stack.name.c_str(), cell.publishers, cell.tp, model.name.c_str(),
+        static_cast<unsigned long long>(version), err, err / ref.noise,
+        100.0 * most_read / model_bytes);
     EXPECT_LE(err, ref.tolerance) << "noise " << ref.noise;
   }
 }
@@ -493,7 +516,7 @@ TEST_P(TpLogitsWrongLayoutTest, ARoundTripPassesButTheLogitsCatchIt) {
   ScratchDir dir;
   const std::string uri = "disk://" + dir.path() + "/channel";
   PublisherGroup group;
-  ASSERT_TRUE(group.Open(uri, 2, {{"poll_interval", "2ms"}}).ok());
+  ASSERT_TRUE(group.Open(uri, 2, {}, {{"poll_interval", "2ms"}}).ok());
   ASSERT_TRUE(group.Publish(1, tensors).ok());
 
   for (bool inject : {false, true}) {

@@ -197,7 +197,7 @@ void ExpectPlausibleNoise(const Reference& ref) {
 // What rank `rank` of a group of `world` publishes of the tensor at `index`: with one rank, the
 // tensor whole. In a group, a deterministic mix by index covering every kind of part: 1-D
 // tensors replicated on every rank (even index) or split in dimension 0 (odd); others owned
-// whole by one rank (every fifth) or split in dimension index % rank (FSDP2 row shards,
+// whole by one rank (every fifth) or split in dimension index % ndim (FSDP2 row shards,
 // Megatron column slices as strided views, the experts' inner dimensions), rank r holding
 // [r * n / world, (r + 1) * n / world). nullopt: the rank publishes none of it.
 std::optional<TensorView> GroupPart(const OwnedTensor& t, size_t index, int world, int rank) {

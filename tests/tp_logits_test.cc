@@ -16,6 +16,7 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
@@ -423,12 +424,19 @@ TEST_P(TpLogitsGridTest, TensorParallelLogitsOnTheSlicesMatchTheUnshardedModel) 
     for (const OwnedTensor& t : Tensors(cell.model, version)) model_bytes += t.bytes.size();
     for (const auto& u : replica->updates) most_read = std::max(most_read, u->stats().bytes);
     if (cell.stack.partial_reads && cell.tp > 1) EXPECT_LT(most_read, model_bytes);
+    // Over the delta layer, every rank's version 2 is a delta on its copy of version 1.
+    if (version == 2 && absl::StartsWith(cell.stack.uri, "delta+")) {
+      for (const auto& u : replica->updates) {
+        EXPECT_TRUE(absl::StartsWith(u->stats().encoding, "delta 2 ")) << u->stats().encoding;
+      }
+    }
     std::printf(
         "[ logits   ] %s N=%d TP=%d %s v%llu: max |dlogit| %.3g = %.2f x noise; a rank read at "
-        "most %.0f%% of the model\n",
+        "most %.0f%% of the model%s%s\n",
         cell.stack.name.c_str(), cell.publishers, cell.tp, model.name.c_str(),
         static_cast<unsigned long long>(version), err, err / ref.noise,
-        100.0 * most_read / model_bytes);
+        100.0 * most_read / model_bytes, replica->updates[0]->stats().encoding.empty() ? "" : "; ",
+        replica->updates[0]->stats().encoding.c_str());
     EXPECT_LE(err, ref.tolerance) << "noise " << ref.noise;
   }
 }

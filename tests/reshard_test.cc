@@ -23,6 +23,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/checksum.h"
+#include "tp_forward.h"
 
 namespace weightbus::internal {
 namespace {
@@ -1180,29 +1181,11 @@ TEST(ReshardPlanTest, ResolvePlacementsTakesTheFirstMatchingGlob) {
 
 // --- The layout, not just the bytes: a tensor-parallel MLP on the resharded slices. ---
 
-float Silu(float x) { return x / (1.0f + std::exp(-x)); }
-
-// y = down @ (silu(gate @ x) * (up @ x)) for row-major gate, up [I, H] and down [H, I], in
-// float, the reduction over I in the order given.
-std::vector<float> Mlp(const float* gate, const float* up, const float* down, const float* x,
-                       int64_t hidden, int64_t inter, bool reverse = false) {
-  std::vector<float> h(inter), y(hidden, 0.0f);
-  for (int64_t i = 0; i < inter; ++i) {
-    float g = 0, u = 0;
-    for (int64_t j = 0; j < hidden; ++j) {
-      g += gate[i * hidden + j] * x[j];
-      u += up[i * hidden + j] * x[j];
-    }
-    h[i] = Silu(g) * u;
-  }
-  for (int64_t o = 0; o < hidden; ++o) {
-    for (int64_t s = 0; s < inter; ++s) {
-      const int64_t i = reverse ? inter - 1 - s : s;
-      y[o] += down[o * inter + i] * h[i];
-    }
-  }
-  return y;
-}
+// The MLP is vLLM's on one rank's slices (tests/tp_forward.h, whose whole-model TP forward pass
+// tests/tp_logits_test.cc runs on subscribed slices): gate_up_proj split in halves, SiluAndMul,
+// down_proj.
+using ::weightbus::testing::Mlp;
+using ::weightbus::testing::SumOrder;
 
 TEST(ReshardForwardTest, TensorParallelMlpOnTheSlicesMatchesTheUnslicedOne) {
   constexpr int64_t kHidden = 16, kInter = 24;
@@ -1246,7 +1229,7 @@ TEST(ReshardForwardTest, TensorParallelMlpOnTheSlicesMatchesTheUnslicedOne) {
   const std::vector<float> ref =
       Mlp(gate.data(), up.data(), down.data(), x.data(), kHidden, kInter);
   const std::vector<float> rev =
-      Mlp(gate.data(), up.data(), down.data(), x.data(), kHidden, kInter, /*reverse=*/true);
+      Mlp(gate.data(), up.data(), down.data(), x.data(), kHidden, kInter, SumOrder::kReverse);
   float noise = 0, scale = 0;
   for (int64_t o = 0; o < kHidden; ++o) {
     noise = std::max(noise, std::abs(ref[o] - rev[o]));

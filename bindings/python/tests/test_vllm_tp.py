@@ -18,6 +18,7 @@ import torch
 
 import weightbus
 import weightbus.vllm
+from conftest import readme_snippet, run_python
 from weightbus.testing.llama import (HfLlamaForCausalLM, LlamaConfig, VllmStyleLlamaForCausalLM,
                                      load_hf_checkpoint, tensor_parallel_forward)
 from weightbus.testing.worker import (StandInGpuWorker, StandInLLM, WeightTransferConfig,
@@ -260,3 +261,11 @@ def test_wrong_metadata_is_caught(tmp_path):
         assert worker.weightbus_version() is None
         assert all(bool((param == 7.0).all()) for param in model.parameters())
         worker.weightbus_close()
+
+
+def test_readme_tp_snippet_runs():
+    """README.md's tensor-parallel stand-in snippet, in a fresh interpreter."""
+    code = readme_snippet("**Tensor-parallel replicas.**")
+    assert "tensor_parallel_forward" in code and "tp_size=2" in code
+    done = run_python(code + "\nprint('snippet ok')\n")
+    assert done.returncode == 0 and done.stdout.strip() == "snippet ok", done.stderr

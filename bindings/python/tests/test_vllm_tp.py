@@ -11,14 +11,12 @@ parameters equal, bit for bit, what vLLM's weight loaders make of the whole chec
 rank's bytes read (UpdateStats.bytes, through weightbus_last_update) are exactly the checksum
 blocks holding its slices. Wrong metadata is caught: gate and up swapped in
 packed_modules_mapping by the logits, a removed output_dim before any parameter is written."""
-import threading
-
 import pytest
 import torch
 
 import weightbus
 import weightbus.vllm
-from conftest import readme_snippet, run_python
+from conftest import publish_as_group, readme_snippet, run_python
 from weightbus.testing.llama import (HfLlamaForCausalLM, LlamaConfig, VllmStyleLlamaForCausalLM,
                                      load_hf_checkpoint, tensor_parallel_forward)
 from weightbus.testing.worker import (StandInGpuWorker, StandInLLM, WeightTransferConfig,
@@ -48,32 +46,18 @@ def _publish(channel, version, tensors, publishers):
         with weightbus.Publisher(channel, checksum_block=f"{BLOCK}B") as pub:
             pub.publish(version, tensors)
         return
-    pubs = [weightbus.Publisher(channel, rank=r, world_size=publishers,
-                                checksum_block=f"{BLOCK}B") for r in range(publishers)]
-    errors = []
-
-    def publish(rank):
-        mine, shards = {}, {}
+    parts, shards = [], []
+    for rank in range(publishers):
+        parts.append({})
+        shards.append({})
         for name, t in tensors.items():
             chunks = torch.chunk(t, publishers, dim=0)
-            if rank >= len(chunks):
-                continue
-            mine[name] = chunks[rank].contiguous()
-            offset = sum(c.shape[0] for c in chunks[:rank])
-            shards[name] = weightbus.Shard(tuple(t.shape), (offset,) + (0,) * (t.dim() - 1))
-        try:
-            pubs[rank].publish(version, mine, shards=shards, timeout=30)
-        except Exception as e:  # reported by the assertion below
-            errors.append(e)
-
-    threads = [threading.Thread(target=publish, args=(r,)) for r in range(publishers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for pub in pubs:
-        pub.close()
-    assert errors == []
+            if rank < len(chunks):
+                parts[rank][name] = chunks[rank].contiguous()
+                offset = sum(c.shape[0] for c in chunks[:rank])
+                shards[rank][name] = weightbus.Shard(tuple(t.shape),
+                                                     (offset,) + (0,) * (t.dim() - 1))
+    publish_as_group(channel, version, parts, shards, checksum_block=f"{BLOCK}B")
 
 
 def _loaded_by_vllm(config, tensors, tp_rank, tp_size, dtype=torch.float32):

@@ -323,6 +323,17 @@ class LinearBase(nn.Module):
         """This rank's output (row-parallel: its partial sum; the caller all-reduces)."""
         return self.quant_method.apply(self, x)
 
+    def _load_split(self, param, loaded_weight, attribute: str) -> None:
+        """The column- and row-parallel loaders: the checkpoint tensor narrowed on the
+        dimension the parameter's `attribute` (output_dim / input_dim) names to this rank's
+        block (unless the parameter has none, or is_sharded_weight), then copied."""
+        dim = getattr(param, attribute, None)
+        if dim is not None and not getattr(param, "is_sharded_weight", False):
+            size = param.data.shape[dim]
+            loaded_weight = loaded_weight.narrow(dim, self.tp_rank * size, size)
+        _check_shape(type(self).__name__, param.data, loaded_weight)
+        param.data.copy_(loaded_weight)
+
 
 class ColumnParallelLinear(LinearBase):
     """The weight split along the output dimension: rank r holds rows
@@ -338,12 +349,19 @@ class ColumnParallelLinear(LinearBase):
         self._create_weights()
 
     def weight_loader(self, param, loaded_weight):
+        self._load_split(param, loaded_weight, "output_dim")
+
+    def _load_fused(self, param, loaded_weight, shards) -> None:
+        """A checkpoint tensor already fused on disk (Phi-3's qkv_proj / gate_up_proj): split
+        into its logical matrices, (shard_id, offset, size) rows each, loaded one by one; a
+        parameter without output_dim is copied whole."""
         output_dim = getattr(param, "output_dim", None)
-        if output_dim is not None and not getattr(param, "is_sharded_weight", False):
-            size = param.data.shape[output_dim]
-            loaded_weight = loaded_weight.narrow(output_dim, self.tp_rank * size, size)
-        _check_shape(type(self).__name__, param.data, loaded_weight)
-        param.data.copy_(loaded_weight)
+        if output_dim is None:
+            _check_shape(type(self).__name__, param.data, loaded_weight)
+            param.data.copy_(loaded_weight)
+            return
+        for shard_id, offset, size in shards:
+            self.weight_loader(param, loaded_weight.narrow(output_dim, offset, size), shard_id)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -357,16 +375,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param, loaded_weight, loaded_shard_id=None):
         output_dim = getattr(param, "output_dim", None)
-        if loaded_shard_id is None:  # fused on disk (Phi-3's gate_up_proj): split, then load
-            if output_dim is None:
-                _check_shape(type(self).__name__, param.data, loaded_weight)
-                param.data.copy_(loaded_weight)
-                return
-            offset = 0
-            for shard_id, size in enumerate(self.output_sizes):
-                self.weight_loader(param, loaded_weight.narrow(output_dim, offset, size),
-                                   shard_id)
-                offset += size
+        if loaded_shard_id is None:  # fused on disk (Phi-3's gate_up_proj)
+            self._load_fused(param, loaded_weight,
+                             [(i, sum(self.output_sizes[:i]), size)
+                              for i, size in enumerate(self.output_sizes)])
             return
         if not isinstance(loaded_shard_id, int) or not 0 <= loaded_shard_id < len(
                 self.output_sizes):
@@ -405,15 +417,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param, loaded_weight, loaded_shard_id=None):
         output_dim = getattr(param, "output_dim", None)
-        if loaded_shard_id is None:  # fused on disk (Phi-3's qkv_proj): split, then load
-            if output_dim is None:
-                _check_shape(type(self).__name__, param.data, loaded_weight)
-                param.data.copy_(loaded_weight)
-                return
+        if loaded_shard_id is None:  # fused on disk (Phi-3's qkv_proj)
             q, kv = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
-            for shard_id, offset, size in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
-                self.weight_loader(param, loaded_weight.narrow(output_dim, offset, size),
-                                   shard_id)
+            self._load_fused(param, loaded_weight, [("q", 0, q), ("k", q, kv), ("v", q + kv, kv)])
             return
         if loaded_shard_id not in ("q", "k", "v"):
             raise ValueError(f"QKVParallelLinear: shard id {loaded_shard_id!r} is not q, k or v")
@@ -442,12 +448,7 @@ class RowParallelLinear(LinearBase):
         self._create_weights()
 
     def weight_loader(self, param, loaded_weight):
-        input_dim = getattr(param, "input_dim", None)
-        if input_dim is not None and not getattr(param, "is_sharded_weight", False):
-            size = param.data.shape[input_dim]
-            loaded_weight = loaded_weight.narrow(input_dim, self.tp_rank * size, size)
-        _check_shape(type(self).__name__, param.data, loaded_weight)
-        param.data.copy_(loaded_weight)
+        self._load_split(param, loaded_weight, "input_dim")
 
 
 def pad_vocab_size(vocab_size: int, pad_to: int = DEFAULT_VOCAB_PADDING_SIZE) -> int:

@@ -181,7 +181,7 @@ class Shard:
         (tensor.device_mesh.get_coordinate()), one mesh dimension after another, with
         DTensor's own split of a Shard(d) over k ranks: torch.chunk's, blocks of
         ceil(n / k) elements, so the last ranks' shards may be smaller or empty (an empty
-        shard's offset is the end of the dimension). Replicate leaves the offsets as they are
+        shard starts where the blocks before it end). Replicate leaves the offsets as they are
         (every rank of that mesh dimension owns the same slice; the group accepts the
         duplicates when their checksums agree).
 

@@ -352,7 +352,10 @@ def tensor_parallel_layout(model) -> Optional[TensorParallelLayout]:
     nothing."""
     ranks = set()
     for module in model.modules():
-        if _layer_kind(module) is not None and getattr(module, "tp_size", 1) > 1:
+        # vLLM's VocabParallelEmbedding keeps tp_size but not tp_rank: the linear layers
+        # (LinearBase) carry both.
+        if _layer_kind(module) is not None and getattr(module, "tp_size", 1) > 1 and \
+                getattr(module, "tp_rank", None) is not None:
             ranks.add((module.tp_rank, module.tp_size))
     if not ranks:
         return None

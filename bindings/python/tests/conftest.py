@@ -51,6 +51,35 @@ def run_python(code: str, *args: str, timeout: float = 180) -> subprocess.Comple
                           capture_output=True, text=True, timeout=timeout)
 
 
+def publish_as_group(channel: str, version: int, parts, shards=None, timeout: float = 30,
+                     **options) -> None:
+    """Publishes `version` from a publisher group of len(parts) ranks, rank r (a thread of its
+    own, all at once) publishing parts[r] (name -> tensor) with shards[r] (name ->
+    weightbus.Shard) when given; `options` are Publisher settings. Asserts that every rank's
+    publish returned (the version committed)."""
+    import weightbus
+    world = len(parts)
+    pubs = [weightbus.Publisher(channel, rank=r, world_size=world, **options)
+            for r in range(world)]
+    errors = []
+
+    def publish(rank):
+        try:
+            pubs[rank].publish(version, parts[rank], timeout=timeout,
+                               shards=None if shards is None else shards[rank])
+        except Exception as e:  # reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=publish, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for pub in pubs:
+        pub.close()
+    assert errors == []
+
+
 @pytest.fixture
 def channel(tmp_path) -> str:
     return f"disk://{tmp_path}/channel?fsync=false"

@@ -12,7 +12,7 @@ import torch
 
 import weightbus
 import weightbus.sglang
-from conftest import readme_snippet, run_python, ucx_publisher
+from conftest import publish_as_group, readme_snippet, run_python, ucx_publisher
 from weightbus.testing.llama import HfLlamaForCausalLM, LlamaConfig, VllmStyleLlamaForCausalLM
 from weightbus.testing.sglang import Engine, ServerArgs
 
@@ -172,27 +172,10 @@ def test_a_group_version_is_refused_from_disk_and_assembled_by_the_custom_loader
     """A publisher group's version directory holds one checkpoint of slices per rank, which
     SGLang's update_weights_from_disk cannot load: a clear FailedPreconditionError before the
     engine is called (nothing loaded), while the custom weight loader assembles it."""
-    import threading
     tensors = _version(1)
     names = sorted(tensors)
     halves = [names[: len(names) // 2], names[len(names) // 2:]]
-    pubs = [weightbus.Publisher(channel, rank=r, world_size=2) for r in range(2)]
-    errors = []
-
-    def publish(rank):
-        try:
-            pubs[rank].publish(1, {n: tensors[n] for n in halves[rank]}, timeout=30)
-        except Exception as e:  # reported by the assertion below
-            errors.append(e)
-
-    threads = [threading.Thread(target=publish, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for pub in pubs:
-        pub.close()
-    assert errors == []
+    publish_as_group(channel, 1, [{n: tensors[n] for n in half} for half in halves])
     engine = _engine(ranks=2, custom_loader=True)
     with pytest.raises(weightbus.FailedPreconditionError, match="publisher group"):
         weightbus.sglang.update_weights_from_disk(engine, channel)

@@ -172,6 +172,62 @@ class Shard:
     global_shape: Tuple[int, ...]
     offsets: Tuple[int, ...]
 
+    @classmethod
+    def from_dtensor(cls, tensor) -> "Shard":
+        """The Shard of this rank's local tensor of a torch DTensor
+        (torch.distributed.tensor.DTensor, torch >= 2.4; torch.distributed._tensor before):
+        publish `tensor.to_local()` (contiguous) with it. global_shape is the DTensor's shape;
+        offsets follow its placements on this rank's mesh coordinate
+        (tensor.device_mesh.get_coordinate()), one mesh dimension after another, with
+        DTensor's own split of a Shard(d) over k ranks: torch.chunk's, blocks of
+        ceil(n / k) elements, so the last ranks' shards may be smaller or empty (an empty
+        shard starts where the blocks before it end). Replicate leaves the offsets as they are
+        (every rank of that mesh dimension owns the same slice; the group accepts the
+        duplicates when their checksums agree).
+
+            # FSDP2: fully_shard(model) makes every parameter a DTensor with Shard(0) on the
+            # data-parallel mesh; FSDP2 + TP (2-D mesh) gives (Shard(0), Shard(d)).
+            local = {n: p.to_local() for n, p in model.state_dict().items()}
+            shards = {n: weightbus.Shard.from_dtensor(p) for n, p in model.state_dict().items()}
+            pub.publish(step, local, shards=shards)
+
+        Raises TypeError for a tensor that is not a DTensor, ValueError for a rank outside
+        the tensor's mesh, a Partial placement (pending sums: redistribute to Shard or
+        Replicate first), a _StridedShard (FSDP2 + TP's strided layout: the local tensor is not
+        one rectangle of the global tensor), or a local tensor whose shape differs from the one
+        its placements give (each naming the shapes and placements)."""
+        mesh = getattr(tensor, "device_mesh", None)
+        placements = getattr(tensor, "placements", None)
+        if mesh is None or placements is None or not hasattr(tensor, "to_local"):
+            raise TypeError(f"Shard.from_dtensor takes a torch DTensor, not "
+                            f"{type(tensor).__name__}")
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError(f"this rank is not in the DTensor's mesh {mesh}: it holds no shard")
+        global_shape = tuple(int(n) for n in tensor.shape)
+        sizes, offsets = list(global_shape), [0] * len(global_shape)
+        for mesh_dim, placement in enumerate(placements):
+            kind = type(placement).__name__
+            if placement.is_replicate():
+                continue
+            if placement.is_partial() or kind == "_StridedShard" or not placement.is_shard():
+                raise ValueError(
+                    f"DTensor of shape {list(global_shape)} with placements {tuple(placements)}: "
+                    f"{placement} on mesh dimension {mesh_dim} is not a rectangular slice "
+                    f"(Shard(d) and Replicate() are); redistribute it first")
+            dim, ranks = placement.dim % len(global_shape), mesh.size(mesh_dim)
+            chunk = -(-sizes[dim] // ranks)  # ceil: torch.chunk's block
+            start = min(chunk * coordinate[mesh_dim], sizes[dim])
+            offsets[dim] += start
+            sizes[dim] = min(sizes[dim], start + chunk) - start
+        local = tuple(int(n) for n in tensor.to_local().shape)
+        if local != tuple(sizes):
+            raise ValueError(
+                f"DTensor of shape {list(global_shape)} with placements {tuple(placements)} at "
+                f"mesh coordinate {list(coordinate)}: the local tensor is {list(local)}, not "
+                f"the {sizes} its placements give")
+        return cls(global_shape, tuple(offsets))
+
 
 @dataclass(frozen=True)
 class Placement:

@@ -13,14 +13,22 @@ Two adapters, for the two ways vLLM lets weights be updated from outside:
        versions = llm.collective_rpc("weightbus_update")   # one applied version per worker
 
    weightbus_update receives a version (zero-copy CPU tensors), hands it to the model's
-   `load_weights(weights=[(name, tensor), ...])` (which fuses q/k/v and gate/up and shards for
-   tensor parallelism, so every worker subscribes and receives the full tensors) inside
+   `load_weights(weights=[(name, tensor), ...])` (which fuses q/k/v and gate/up) inside
    vLLM's layerwise reload where vLLM has it (else followed by the post-load processing,
    vllm.model_executor.model_loader.utils.process_weights_after_loading), resets the
    worker's LoRA state and returns the version now applied. It relies on the worker
    attributes `model_runner.model`, `model_config` and `device`, as vLLM's own RLHF example
    (examples/offline_inference/rlhf_utils.py) does. weightbus_init(..., prefetch=True)
    receives the next version in the background so that the update only applies it.
+
+   Tensor parallelism (both adapters): a worker whose model is at tp_size > 1 subscribes with
+   placements derived from its parameters' own metadata (tensor_parallel_layout: vLLM's
+   output_dim / input_dim attributes, its layer classes' head counts and output_sizes, the
+   model's packed_modules_mapping; no per-model table), so it receives only its slices (fused
+   qkv_proj and gate_up_proj assembled by the library) and copies them into its parameters
+   (load_resharded). The workers of one replica must apply the same version: pass the version
+   the driver picked to every worker (weightbus_update(version=v), update_weights({"version":
+   v})).
 
 2. WeightbusWeightTransferEngine, vLLM's native weight-transfer engine
    (vllm/distributed/weight_transfer/base.py: WeightTransferEngine, with the constructor
@@ -52,7 +60,7 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple, Union
 
 from . import _api
@@ -193,6 +201,203 @@ def _device_context(device):
     if device is None or not hasattr(type(device), "__enter__"):
         return contextlib.nullcontext()
     return device
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism: each worker's placements from the model's own parameter metadata
+# ---------------------------------------------------------------------------------------------
+#
+# A vLLM worker at tensor-parallel degree n > 1 holds one slice of most parameters; which slice
+# is what the layer's weight loader narrows a checkpoint tensor to
+# (vllm/model_executor/layers/linear.py, vocab_parallel_embedding.py). tensor_parallel_layout
+# reads the same metadata those loaders read and turns each parameter into a
+# weightbus.Placement, so the worker receives only its slices (docs/RESHARDING.md):
+#
+#   layer (class or a subclass)   parameter metadata          placement
+#   QKVParallelLinear             output_dim (0)              qkv(total_num_heads,
+#                                                             total_num_kv_heads, head_size)
+#   MergedColumnParallelLinear    output_dim                  merged(fused, parts), on output_dim
+#   ColumnParallelLinear          output_dim                  shard(output_dim)
+#   RowParallelLinear             input_dim                   shard(input_dim)
+#   VocabParallelEmbedding,       output_dim, unpadded        shard(output_dim)
+#     ParallelLMHead              vocabulary
+#   ReplicatedLinear, a layer with tp_size 1 (disable_tp), a parameter without the attribute
+#   its layer's loader reads (a RowParallelLinear bias has output_dim only; norms have none):
+#                                                             replicate
+#
+# The fused names (qkv_proj <- q_proj, k_proj, v_proj; gate_up_proj <- gate_proj, up_proj) come
+# from the model's packed_modules_mapping (vLLM's models declare it; the loaders' shard order),
+# else from a stacked_params_mapping attribute. The worker's rank and degree are its layers'
+# tp_rank / tp_size (LinearBase, VocabParallelEmbedding), which vLLM sets from the TP group.
+# Refused (UnimplementedError naming the parameter): packed (quantized) fused parameters, a
+# value head larger than the key head, padded vocabularies, FusedMoE experts (their sources
+# are one tensor per expert: Placement::ExpertsFromEach, which the Python API does not carry
+# yet). A parameter with output_dim/input_dim on a layer of another class is
+# InvalidArgumentError: which dimension its loader splits cannot be told from the attribute.
+
+_LAYER_KINDS = ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear",
+                "RowParallelLinear", "VocabParallelEmbedding", "ReplicatedLinear", "FusedMoE")
+
+
+def _layer_kind(module) -> Optional[str]:
+    """The vLLM layer class `module` is (or derives from), by name, so that vLLM's classes and
+    weightbus.testing's stand-ins are recognized alike; None for any other module."""
+    names = {cls.__name__ for cls in type(module).__mro__}
+    return next((kind for kind in _LAYER_KINDS if kind in names), None)
+
+
+@dataclass(frozen=True)
+class TensorParallelLayout:
+    """What one TP worker subscribes with: its rank and degree, a Placement per parameter name
+    and the destinations (every parameter, fused ones included, in the model's order).
+    subscriber_options() gives them as weightbus.Subscriber keyword arguments."""
+    tp_rank: int
+    tp_size: int
+    placements: Dict[str, "_api.Placement"]
+    tensors: Tuple[str, ...]
+
+    def subscriber_options(self) -> Dict[str, Any]:
+        return {"placements": dict(self.placements), "tp_rank": self.tp_rank,
+                "tp_size": self.tp_size, "tensors": list(self.tensors)}
+
+
+def _packed_parts(model, fused: str) -> Optional[List[str]]:
+    mapping = getattr(model, "packed_modules_mapping", None)
+    if mapping and fused in mapping:
+        return list(mapping[fused])
+    for module in model.modules():
+        stacked = getattr(module, "stacked_params_mapping", None)
+        if stacked:
+            parts = [(shard_id, part.strip(".")) for param, part, shard_id in stacked
+                     if param.strip(".") == fused]
+            if parts:
+                order = {"q": 0, "k": 1, "v": 2}
+                return [p for _, p in sorted(parts, key=lambda x: order.get(x[0], x[0]))]
+    return None
+
+
+def _parameter_placement(model, name: str, module, param, kind: Optional[str]):
+    """The Placement of parameter `name` (of `module`, a layer of `kind`): see the table."""
+    from .errors import UnimplementedError
+    output_dim = getattr(param, "output_dim", None)
+    input_dim = getattr(param, "input_dim", None)
+    layer = f'parameter "{name}" ({type(module).__name__})'
+    if kind is None:
+        if output_dim is not None or input_dim is not None:
+            raise InvalidArgumentError(
+                f"{layer} has output_dim={output_dim} input_dim={input_dim} but its layer is "
+                f"none of vLLM's parallel layers ({', '.join(_LAYER_KINDS)}): which dimension "
+                f"its weight loader splits cannot be told")
+        return _api.Placement.replicate()
+    if kind == "ReplicatedLinear" or getattr(module, "tp_size", 1) == 1:
+        return _api.Placement.replicate()
+    if kind == "FusedMoE":
+        raise UnimplementedError(
+            f"{layer}: FusedMoE experts at tensor/expert parallelism are not derived yet (their "
+            f"sources are one checkpoint tensor per expert, Placement::ExpertsFromEach, which "
+            f"the Python API does not carry)")
+    if kind == "RowParallelLinear":
+        return _api.Placement.replicate() if input_dim is None else \
+            _api.Placement.shard(input_dim)
+    if output_dim is None:
+        return _api.Placement.replicate()
+    packed = getattr(param, "packed_dim", None) is not None and \
+        getattr(param, "packed_dim") == output_dim
+    if kind == "ColumnParallelLinear":
+        return _api.Placement.shard(output_dim)
+    if kind == "VocabParallelEmbedding":
+        padded = getattr(module, "num_embeddings_padded", None)
+        vocab = getattr(module, "org_vocab_size", None)
+        if padded != vocab or getattr(module, "num_embeddings", vocab) != vocab:
+            raise UnimplementedError(
+                f"{layer}: the vocabulary of {vocab} is padded to {padded} rows (a multiple of "
+                f"64 x tp_size {module.tp_size}; added LoRA vocabulary included); padded "
+                f"vocabularies are not a placement yet")
+        return _api.Placement.shard(output_dim)
+    fused = name.split(".")[-2] if "." in name else name
+    parts = _packed_parts(model, fused)
+    if parts is None:
+        raise InvalidArgumentError(
+            f"{layer}: the model declares no parts for the fused module {fused!r} "
+            f"(packed_modules_mapping or stacked_params_mapping)")
+    if packed:
+        raise UnimplementedError(f"{layer}: packed parameters (packed_dim == output_dim, "
+                                 f"packed_factor {getattr(param, 'packed_factor', None)}) of a "
+                                 f"fused layer are not derived yet")
+    if kind == "QKVParallelLinear":
+        if output_dim != 0 or len(parts) != 3:
+            raise UnimplementedError(f"{layer}: qkv on output_dim {output_dim} with parts "
+                                     f"{parts} is not a placement (q, k, v on dimension 0)")
+        if getattr(module, "v_head_size", module.head_size) != module.head_size:
+            raise UnimplementedError(f"{layer}: v_head_size {module.v_head_size} != head_size "
+                                     f"{module.head_size} is not carried by the Python API")
+        return _api.Placement.qkv(module.total_num_heads, module.total_num_kv_heads,
+                                  module.head_size, fused=fused, parts=parts)
+    # MergedColumnParallelLinear
+    sizes = list(getattr(module, "output_sizes", []))
+    if len(sizes) != len(parts):
+        raise InvalidArgumentError(f"{layer}: output_sizes {sizes} but the model declares "
+                                   f"{len(parts)} parts {parts} for {fused!r}")
+    return replace(_api.Placement.merged(fused, parts), dim=output_dim)
+
+
+def tensor_parallel_layout(model) -> Optional[TensorParallelLayout]:
+    """The TensorParallelLayout of `model` (vLLM's model, or weightbus.testing.llama's
+    stand-in at tp_size > 1) derived from its parameters' metadata (see the table above), or
+    None when it is not tensor-parallel (no layer with tp_size > 1): every tensor whole.
+
+    Raises InvalidArgumentError when the layers disagree on (tp_rank, tp_size) or a parameter's
+    metadata names a dimension no known loader reads, UnimplementedError for the layouts listed
+    above; each names the parameter and its layer class. Pure: reads the model, changes
+    nothing."""
+    ranks = set()
+    for module in model.modules():
+        # vLLM's VocabParallelEmbedding keeps tp_size but not tp_rank: the linear layers
+        # (LinearBase) carry both.
+        if _layer_kind(module) is not None and getattr(module, "tp_size", 1) > 1 and \
+                getattr(module, "tp_rank", None) is not None:
+            ranks.add((module.tp_rank, module.tp_size))
+    if not ranks:
+        return None
+    if len(ranks) > 1:
+        raise InvalidArgumentError(f"the model's layers are on different (tp_rank, tp_size): "
+                                   f"{sorted(ranks)}")
+    tp_rank, tp_size = ranks.pop()
+    placements: Dict[str, _api.Placement] = {}
+    for module_name, module in model.named_modules():
+        kind = _layer_kind(module)
+        for pname, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{pname}" if module_name else pname
+            placements[name] = _parameter_placement(model, name, module, param, kind)
+    return TensorParallelLayout(tp_rank, tp_size, placements, tuple(placements))
+
+
+def load_resharded(model, update, layout: TensorParallelLayout, uri: str = "") -> None:
+    """Copies the slices of `update` (received with layout.subscriber_options()) into the
+    model's parameters of the same names: each already this rank's slice, so no weight loader
+    runs (vLLM's loaders would narrow again). Every name and shape is checked before any
+    parameter is written: InvalidArgumentError naming the parameter, both shapes and the rank
+    (e.g. metadata that does not match the layer: the model stays as it was)."""
+    params = dict(model.named_parameters())
+    where = f"{uri}: " if uri else ""
+    pairs = []
+    for name in layout.tensors:
+        if name not in update:
+            raise InvalidArgumentError(f"{where}version {update.version} has no slice for "
+                                       f"parameter \"{name}\"")
+        tensor, param = update[name], params[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise InvalidArgumentError(
+                f"{where}version {update.version}: the slice of \"{name}\" for TP rank "
+                f"{layout.tp_rank} of {layout.tp_size} is {list(tensor.shape)} "
+                f"(placement {layout.placements[name]}) but the parameter is "
+                f"{list(param.shape)}: its metadata (output_dim/input_dim, head counts) does "
+                f"not describe how its layer is split")
+        pairs.append((param, tensor))
+    import torch
+    with torch.no_grad():
+        for param, tensor in pairs:
+            param.data.copy_(tensor)
 
 
 def layerwise_reload_functions(override=None) -> Optional[Tuple[Callable, Callable]]:
@@ -407,12 +612,17 @@ class AppliedVersion:
     load_s: float = 0.0       # load_weights + post-load processing (or layerwise reload)
     applied_unix: float = 0.0  # time.time() when the model held the version
     prefetched: bool = False  # the version came from the prefetch (only applied here)
+    bytes: int = 0            # bytes the receive read or moved (UpdateStats.bytes): at TP > 1
+                              # this worker's slices (plus checksum-block rounding on disk)
 
 
 class WeightbusWorkerExtension:
     """Mixin for vLLM workers (worker_extension_cls); see the module docstring. The host class
     provides `model_runner.model` (with load_weights), and optionally `model_config`,
     `device` and `model_runner.reset_lora_state` (vLLM's GPU model runner has all of them).
+
+    At tp_size > 1 (tensor_parallel_layout of the model), the worker subscribes to its slices
+    only and applies them with load_resharded + process_weights_after_loading.
 
     Applying a version: vLLM's layerwise reload where this vLLM has it
     (layerwise_reload_functions: initialize, load_weights, finalize, inside the device
@@ -442,10 +652,15 @@ class WeightbusWorkerExtension:
         `prefetch`, starts receiving the first version in the background (a second
         subscriber on the same channel)."""
         self.weightbus_close()
-        self._weightbus_subscriber = _api.Subscriber(uri, **(options or {}))
+        model = getattr(self.model_runner, "model", None)
+        self._weightbus_tp = None if model is None else tensor_parallel_layout(model)
+        options = dict(options or {})
+        if self._weightbus_tp is not None:
+            options.update(self._weightbus_tp.subscriber_options())
+        self._weightbus_subscriber = _api.Subscriber(uri, **options)
         self._weightbus_version: Optional[int] = None
         self._weightbus_last: Optional[AppliedVersion] = None
-        self._weightbus_prefetch = _Prefetch(uri, options or {}) if prefetch else None
+        self._weightbus_prefetch = _Prefetch(uri, options) if prefetch else None
         self._weightbus_prefetch_next()
         return True
 
@@ -505,7 +720,8 @@ class WeightbusWorkerExtension:
             if reset_lora is not None:
                 reset_lora()
             self._weightbus_last = AppliedVersion(update.version, True, received - start,
-                                                  done - received, time.time(), prefetched)
+                                                  done - received, time.time(), prefetched,
+                                                  update.stats.bytes)
         finally:
             self._weightbus_prefetch_next()
         self.weightbus_on_applied(self._weightbus_last)
@@ -571,6 +787,12 @@ class WeightbusWorkerExtension:
         device = getattr(self, "device", None)
         if ties_word_embeddings(model, model_config):
             check_tied_embeddings(update, self._weightbus_subscriber.uri)
+        tp = getattr(self, "_weightbus_tp", None)
+        if tp is not None:  # this worker's slices, straight into its parameters
+            with _device_context(device):
+                load_resharded(model, update, tp, self._weightbus_subscriber.uri)
+                process_weights_after_loading(model, model_config, device)
+            return
         reload = layerwise_reload_functions(self.weightbus_layerwise)
         if reload is not None and self.weightbus_layerwise is None and model_config is None:
             reload = None  # vLLM's finalize needs the ModelConfig (attention layers)
@@ -831,7 +1053,12 @@ class WeightbusWeightTransferEngine(_EngineBase):
     receives in full; at most one version is staged. Draft rounds never use it.
     last_update tells which way a round went.
 
-    Every TP worker receives the full tensors (load_weights shards them). Not thread-safe: vLLM
+    Tensor parallelism: a target model at tp_size > 1 subscribes with the placements derived
+    from its parameters (tensor_parallel_layout), so each worker receives only its slices,
+    which go straight into its parameters (load_resharded), then the post-load processing at
+    finish_weight_update; layerwise reload is not used for them (the slices are in the
+    parameters' layout already; online-quantized models at TP > 1 are not supported this
+    way). A draft model receives whole tensors through its load_weights. Not thread-safe: vLLM
     calls one worker's engine from one thread (the prefetch's background thread touches only
     its own subscriber)."""
 
@@ -856,19 +1083,24 @@ class WeightbusWeightTransferEngine(_EngineBase):
         self._session: Optional[Dict[str, Any]] = None
         self._prefetch: Optional[_Prefetch] = None
         self._last: Optional[AppliedVersion] = None
+        self._tp: Optional[TensorParallelLayout] = None  # the target's, at tp_size > 1
 
     # -- the interface --
     def init_transfer_engine(self, init_info: WeightbusInitInfo) -> None:
         if isinstance(init_info, dict):
             init_info = self.parse_init_info(init_info)
         self.shutdown()
-        self._subscriber = _api.Subscriber(init_info.uri, **init_info.options)
+        self._tp = None if self.model is None else tensor_parallel_layout(self.model)
+        options = dict(init_info.options)
+        if self._tp is not None:
+            options.update(self._tp.subscriber_options())
+        self._subscriber = _api.Subscriber(init_info.uri, **options)
         if init_info.draft_uri is not None:
             self._draft_subscriber = _api.Subscriber(init_info.draft_uri,
                                                      **init_info.draft_options)
         self.supports_draft_weight_update = self._draft_subscriber is not None
         if init_info.prefetch:
-            self._prefetch = _Prefetch(init_info.uri, init_info.options)
+            self._prefetch = _Prefetch(init_info.uri, options)
             self._prefetch_next()
 
     def start_weight_update(self) -> None:
@@ -937,9 +1169,13 @@ class WeightbusWeightTransferEngine(_EngineBase):
             if self.model is None:
                 raise RuntimeError("no model to load into")
             with _device_context(self.device):
-                self.model.load_weights(weights=list(update))
+                if self._tp is not None and not draft:
+                    load_resharded(self.model, update, self._tp, subscriber.uri)
+                else:
+                    self.model.load_weights(weights=list(update))
             session["version"] = update.version
-        session["figures"] = (received - start, time.perf_counter() - received, prefetched)
+        session["figures"] = (received - start, time.perf_counter() - received, prefetched,
+                              update.stats.bytes)
 
     def finish_weight_update(self) -> None:
         """Finalizes the session: the layerwise reload (or the post-load processing) runs and
@@ -965,10 +1201,10 @@ class WeightbusWeightTransferEngine(_EngineBase):
                     self._version = session["version"]
             self._prefetch_next()
         if session["version"] is not None:
-            receive_s, load_s, prefetched = session["figures"]
+            receive_s, load_s, prefetched, nbytes = session["figures"]
             self._last = AppliedVersion(session["version"], True, receive_s,
                                         load_s + time.perf_counter() - finish, time.time(),
-                                        prefetched)
+                                        prefetched, nbytes)
 
     @property
     def received_version(self) -> Optional[int]:
@@ -1011,6 +1247,8 @@ class WeightbusWeightTransferEngine(_EngineBase):
 
     # -- internals --
     def _layerwise(self) -> Optional[Tuple[Callable, Callable]]:
+        if self._tp is not None and self.model is self._default_model:
+            return None  # slices go straight into the parameters (tensor_parallel_layout)
         if self.layerwise is None and (self.model is None or self.model_config is None):
             return None
         return layerwise_reload_functions(self.layerwise)

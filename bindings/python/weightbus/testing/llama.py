@@ -19,9 +19,10 @@ Both read the config.json that `weightbus convert-llama2c` writes (LlamaConfig f
 import json
 import math
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -227,8 +228,42 @@ class HfLlamaForCausalLM(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# vLLM layout (replica)
+# vLLM layout (replica), at any tensor-parallel degree
 # ---------------------------------------------------------------------------------------------
+#
+# Written from vllm-project/vllm: vllm/model_executor/layers/linear.py (LinearBase,
+# UnquantizedLinearMethod.create_weights, ColumnParallelLinear, MergedColumnParallelLinear,
+# QKVParallelLinear, RowParallelLinear: their per-rank shapes, the `output_dim` / `input_dim`
+# attributes of their parameters and the weight loaders that narrow a checkpoint tensor to this
+# rank's slice); vllm/model_executor/parameter.py (ModelWeightParameter: input_dim=1,
+# output_dim=0; BasevLLMParameter's tp_rank / tp_size); vllm/model_executor/utils.py
+# (set_weight_attrs); vllm/model_executor/layers/vocab_parallel_embedding.py
+# (VocabParallelEmbedding / ParallelLMHead: the vocabulary padded to a multiple of 64, split
+# in equal blocks, org_vocab_size / num_embeddings_padded, the weight loader's row range, the
+# masked lookup then all-reduce); vllm/model_executor/models/llama.py (LlamaAttention,
+# LlamaMLP, packed_modules_mapping, LlamaModel.load_weights' stacked_params_mapping). The
+# stand-in's parameters are plain torch Parameters with the attributes set_weight_attrs gives
+# them (vLLM's own UnquantizedLinearMethod now makes ModelWeightParameters, which expose the
+# same attributes as properties). Quantized/packed parameters are not modelled.
+
+DEFAULT_VOCAB_PADDING_SIZE = 64
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """vllm.distributed.utils.divide: exact division, else ValueError naming both."""
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def set_weight_attrs(weight: torch.Tensor, weight_attrs: Optional[dict]) -> None:
+    """vllm/model_executor/utils.py set_weight_attrs: each attribute set on the tensor; an
+    attribute the tensor has already is an error (vLLM asserts)."""
+    for key, value in (weight_attrs or {}).items():
+        if hasattr(weight, key):
+            raise AttributeError(f"overwriting existing tensor attribute: {key}")
+        setattr(weight, key, value)
+
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     """vLLM's default_weight_loader: same shape, copy (converting dtype and device)."""
@@ -238,10 +273,27 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
+def _check_shape(layer: str, param_data: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param_data.shape != loaded.shape:
+        raise ValueError(f"{layer}: loaded {tuple(loaded.shape)} into a parameter slice of "
+                         f"{tuple(param_data.shape)}")
+
+
 class UnquantizedLinearMethod:
-    """Like vLLM's UnquantizedLinearMethod on its CPU backend: after weights are loaded,
-    process_weights_after_loading prepares the layout the GEMM uses (here a pre-transposed copy
-    of the weight); apply() computes with that prepared copy only."""
+    """Like vLLM's UnquantizedLinearMethod: create_weights makes the [sum(output partition
+    sizes), input_size_per_partition] weight with input_dim=1, output_dim=0 and the layer's
+    weight loader; on its CPU backend, process_weights_after_loading prepares the layout the
+    GEMM uses (here a pre-transposed copy of the weight) and apply() computes with that
+    prepared copy only."""
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: List[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        weight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition,
+                                          dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
+        layer.register_parameter("weight", weight)
+        set_weight_attrs(weight, extra_weight_attrs)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.packed_weight_t = layer.weight.detach().t().contiguous()
@@ -250,96 +302,253 @@ class UnquantizedLinearMethod:
         return x @ layer.packed_weight_t
 
 
-class _LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_size: int):
+class LinearBase(nn.Module):
+    """vLLM's LinearBase: input/output sizes, the layer's tp_rank and tp_size, a quant_method
+    (prepared once at construction so an unloaded layer still computes)."""
+
+    def __init__(self, input_size: int, output_size: int, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.quant_method = UnquantizedLinearMethod()
+
+    def _create_weights(self) -> None:
+        self.quant_method.create_weights(self, self.input_size_per_partition,
+                                         self.output_partition_sizes, self.input_size,
+                                         self.output_size, torch.float32,
+                                         weight_loader=self.weight_loader)
         self.quant_method.process_weights_after_loading(self)
 
-    def weight_loader(self, param, loaded_weight, loaded_shard_id=None):
-        default_weight_loader(param, loaded_weight)
-
     def forward(self, x):
+        """This rank's output (row-parallel: its partial sum; the caller all-reduces)."""
         return self.quant_method.apply(self, x)
 
-
-class RowParallelLinear(_LinearBase):
-    pass
-
-
-class QKVParallelLinear(_LinearBase):
-    """Fused q, k and v projections; rows [q | k | v]."""
-
-    def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int):
-        self.head_size, self.num_heads, self.num_kv_heads = head_size, num_heads, num_kv_heads
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_size)
-
-    def weight_loader(self, param, loaded_weight, loaded_shard_id=None):
-        q, kv = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        offsets = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
-        if loaded_shard_id not in offsets:
-            raise ValueError(f"QKVParallelLinear: shard id {loaded_shard_id!r} is not q, k or v")
-        offset, size = offsets[loaded_shard_id]
-        target = param.data.narrow(0, offset, size)
-        if target.shape != loaded_weight.shape:
-            raise ValueError(f"QKVParallelLinear: shard {loaded_shard_id} is "
-                             f"{tuple(loaded_weight.shape)}, expected {tuple(target.shape)}")
-        target.copy_(loaded_weight)
+    def _load_split(self, param, loaded_weight, attribute: str) -> None:
+        """The column- and row-parallel loaders: the checkpoint tensor narrowed on the
+        dimension the parameter's `attribute` (output_dim / input_dim) names to this rank's
+        block (unless the parameter has none, or is_sharded_weight), then copied."""
+        dim = getattr(param, attribute, None)
+        if dim is not None and not getattr(param, "is_sharded_weight", False):
+            size = param.data.shape[dim]
+            loaded_weight = loaded_weight.narrow(dim, self.tp_rank * size, size)
+        _check_shape(type(self).__name__, param.data, loaded_weight)
+        param.data.copy_(loaded_weight)
 
 
-class MergedColumnParallelLinear(_LinearBase):
-    """Several column projections fused along the output dimension (gate | up)."""
+class ColumnParallelLinear(LinearBase):
+    """The weight split along the output dimension: rank r holds rows
+    [r * out / n, (r + 1) * out / n)."""
 
-    def __init__(self, input_size: int, output_sizes: List[int]):
+    def __init__(self, input_size: int, output_size: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__(input_size, output_size, tp_rank, tp_size)
+        self.input_size_per_partition = input_size
+        self.output_size_per_partition = divide(output_size, tp_size)
+        self.output_partition_sizes = [self.output_size_per_partition]
+        if hasattr(self, "output_sizes"):  # QKV or merged: each logical matrix split
+            self.output_partition_sizes = [divide(s, tp_size) for s in self.output_sizes]
+        self._create_weights()
+
+    def weight_loader(self, param, loaded_weight):
+        self._load_split(param, loaded_weight, "output_dim")
+
+    def _load_fused(self, param, loaded_weight, shards) -> None:
+        """A checkpoint tensor already fused on disk (Phi-3's qkv_proj / gate_up_proj): split
+        into its logical matrices, (shard_id, offset, size) rows each, loaded one by one; a
+        parameter without output_dim is copied whole."""
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is None:
+            _check_shape(type(self).__name__, param.data, loaded_weight)
+            param.data.copy_(loaded_weight)
+            return
+        for shard_id, offset, size in shards:
+            self.weight_loader(param, loaded_weight.narrow(output_dim, offset, size), shard_id)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column projections fused along the output dimension (gate | up): rank r holds
+    [gate_r; up_r], each logical matrix split on its own."""
+
+    def __init__(self, input_size: int, output_sizes: List[int], tp_rank: int = 0,
+                 tp_size: int = 1):
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes))
+        super().__init__(input_size, sum(output_sizes), tp_rank, tp_size)
 
     def weight_loader(self, param, loaded_weight, loaded_shard_id=None):
+        output_dim = getattr(param, "output_dim", None)
+        if loaded_shard_id is None:  # fused on disk (Phi-3's gate_up_proj)
+            self._load_fused(param, loaded_weight,
+                             [(i, sum(self.output_sizes[:i]), size)
+                              for i, size in enumerate(self.output_sizes)])
+            return
         if not isinstance(loaded_shard_id, int) or not 0 <= loaded_shard_id < len(
                 self.output_sizes):
             raise ValueError(f"MergedColumnParallelLinear: bad shard id {loaded_shard_id!r}")
-        offset = sum(self.output_sizes[:loaded_shard_id])
-        target = param.data.narrow(0, offset, self.output_sizes[loaded_shard_id])
-        if target.shape != loaded_weight.shape:
-            raise ValueError(f"MergedColumnParallelLinear: shard {loaded_shard_id} is "
-                             f"{tuple(loaded_weight.shape)}, expected {tuple(target.shape)}")
-        target.copy_(loaded_weight)
+        param_data = param.data
+        if output_dim is not None:
+            offset = sum(self.output_sizes[:loaded_shard_id]) // self.tp_size
+            size = self.output_sizes[loaded_shard_id] // self.tp_size
+            param_data = param_data.narrow(output_dim, offset, size)
+            if not getattr(param, "is_sharded_weight", False):
+                loaded_weight = loaded_weight.narrow(output_dim, self.tp_rank * size, size)
+        _check_shape(type(self).__name__, param_data, loaded_weight)
+        param_data.copy_(loaded_weight)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k and v projections, split by heads: rank r holds [q_r; k_r; v_r] with
+    num_heads = total_num_heads / n query heads and num_kv_heads KV heads (total / n, or one
+    head replicated on num_kv_head_replicas = n / total ranks when n >= total)."""
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: int, tp_rank: int = 0, tp_size: int = 1):
+        self.hidden_size, self.head_size, self.v_head_size = hidden_size, head_size, head_size
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp_size)
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads)
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+            self.num_kv_head_replicas = 1
+        self.output_sizes = [self.num_heads * head_size * tp_size,
+                             self.num_kv_heads * head_size * tp_size,
+                             self.num_kv_heads * self.v_head_size * tp_size]
+        super().__init__(hidden_size, sum(self.output_sizes), tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded_weight, loaded_shard_id=None):
+        output_dim = getattr(param, "output_dim", None)
+        if loaded_shard_id is None:  # fused on disk (Phi-3's qkv_proj)
+            q, kv = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
+            self._load_fused(param, loaded_weight, [("q", 0, q), ("k", q, kv), ("v", q + kv, kv)])
+            return
+        if loaded_shard_id not in ("q", "k", "v"):
+            raise ValueError(f"QKVParallelLinear: shard id {loaded_shard_id!r} is not q, k or v")
+        param_data = param.data
+        if output_dim is not None:
+            q, kv = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+            offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[loaded_shard_id]
+            param_data = param_data.narrow(output_dim, offset, size)
+            shard_rank = (self.tp_rank if loaded_shard_id == "q"
+                          else self.tp_rank // self.num_kv_head_replicas)
+            if not getattr(param, "is_sharded_weight", False):
+                loaded_weight = loaded_weight.narrow(output_dim, shard_rank * size, size)
+        _check_shape(type(self).__name__, param_data, loaded_weight)
+        param_data.copy_(loaded_weight)
+
+
+class RowParallelLinear(LinearBase):
+    """The weight split along the input dimension: rank r holds columns
+    [r * in / n, (r + 1) * in / n) and computes a partial sum (all-reduced by the caller)."""
+
+    def __init__(self, input_size: int, output_size: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__(input_size, output_size, tp_rank, tp_size)
+        self.input_size_per_partition = divide(input_size, tp_size)
+        self.output_size_per_partition = output_size
+        self.output_partition_sizes = [output_size]
+        self._create_weights()
+
+    def weight_loader(self, param, loaded_weight):
+        self._load_split(param, loaded_weight, "input_dim")
+
+
+def pad_vocab_size(vocab_size: int, pad_to: int = DEFAULT_VOCAB_PADDING_SIZE) -> int:
+    return ((vocab_size + pad_to - 1) // pad_to) * pad_to
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The vocabulary padded to a multiple of 64 and split in equal blocks of
+    num_embeddings_per_partition rows; rank r holds rows [org_vocab_start_index,
+    org_vocab_end_index) of the checkpoint, zero rows for the padding. Its weight is created by
+    UnquantizedLinearMethod (output_dim=0, input_dim=1), kept as `linear_method` (vLLM's
+    name), so the post-load walk leaves it alone."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0,
+                 tp_size: int = 1, padding_size: int = DEFAULT_VOCAB_PADDING_SIZE):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.org_vocab_size = num_embeddings
+        self.num_embeddings = num_embeddings
+        # vLLM pads at every degree; the stand-in pads only at tp_size > 1 so that a TP-1
+        # replica's tensors stay the checkpoint's shape (what the whole-tensor tests compare).
+        self.num_embeddings_padded = (num_embeddings if tp_size == 1
+                                      else pad_vocab_size(num_embeddings, padding_size))
+        self.num_embeddings_per_partition = divide(self.num_embeddings_padded, tp_size)
+        start = tp_rank * self.num_embeddings_per_partition
+        self.org_vocab_start_index = min(start, num_embeddings)
+        self.org_vocab_end_index = min(start + self.num_embeddings_per_partition, num_embeddings)
+        self.embedding_dim = embedding_dim
+        self.linear_method = UnquantizedLinearMethod()
+        self.linear_method.create_weights(self, embedding_dim,
+                                          [self.num_embeddings_per_partition], embedding_dim,
+                                          self.num_embeddings_padded, torch.float32,
+                                          weight_loader=self.weight_loader)
+
+    def weight_loader(self, param, loaded_weight):
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is None:
+            _check_shape(type(self).__name__, param.data, loaded_weight)
+            param.data.copy_(loaded_weight)
+            return
+        if loaded_weight.shape[output_dim] != self.org_vocab_size:
+            raise ValueError(f"{type(self).__name__}: loaded {tuple(loaded_weight.shape)}, "
+                             f"expected {self.org_vocab_size} rows on dimension {output_dim}")
+        start, size = self.org_vocab_start_index, \
+            self.org_vocab_end_index - self.org_vocab_start_index
+        loaded_weight = loaded_weight.narrow(output_dim, start, size)
+        param.data[:size].copy_(loaded_weight)
+        param.data[size:].fill_(0)
+
+    def forward(self, ids):
+        """This rank's part of the lookup (rows it does not hold are zero; the caller
+        all-reduces)."""
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.org_vocab_start_index) | (ids >= self.org_vocab_end_index)
+        local = (ids - self.org_vocab_start_index).masked_fill(outside, 0)
+        return F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection: this rank's vocabulary rows; the logits of every rank are
+    gathered and cut to the vocabulary (vLLM's LogitsProcessor)."""
 
 
 class _VllmAttention(nn.Module):
-    def __init__(self, c: LlamaConfig):
+    def __init__(self, c: LlamaConfig, tp_rank: int, tp_size: int):
         super().__init__()
         self.c = c
         self.qkv_proj = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_attention_heads,
-                                          c.num_key_value_heads)
-        self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size)
-        self.q_size = c.num_attention_heads * c.head_dim
-        self.kv_size = c.num_key_value_heads * c.head_dim
+                                          c.num_key_value_heads, tp_rank, tp_size)
+        self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size,
+                                        tp_rank, tp_size)
+        self.num_heads = self.qkv_proj.num_heads        # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * c.head_dim
+        self.kv_size = self.num_kv_heads * c.head_dim
 
     def forward(self, x, cos, sin, cache=None):
         b, t, _ = x.shape
-        c, hd = self.c, self.c.head_dim
+        hd = self.c.head_dim
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(b, t, c.num_attention_heads, hd).transpose(1, 2)
-        k = k.reshape(b, t, c.num_key_value_heads, hd).transpose(1, 2)
-        v = v.reshape(b, t, c.num_key_value_heads, hd).transpose(1, 2)
+        q = q.reshape(b, t, self.num_heads, hd).transpose(1, 2)
+        k = k.reshape(b, t, self.num_kv_heads, hd).transpose(1, 2)
+        v = v.reshape(b, t, self.num_kv_heads, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # this layer's KV cache: {"k": [B, KV, S, D], "v": ...}
             if "k" in cache:
                 k = torch.cat([cache["k"], k], dim=2)
                 v = torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
-        groups = c.num_attention_heads // c.num_key_value_heads
+        groups = self.num_heads // self.num_kv_heads
         return self.o_proj(causal_attention(q, k, v, groups))
 
 
 class _VllmMlp(nn.Module):
-    def __init__(self, c: LlamaConfig):
+    def __init__(self, c: LlamaConfig, tp_rank: int, tp_size: int):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(c.hidden_size, [c.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(c.hidden_size, [c.intermediate_size] * 2,
+                                                       tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, tp_rank, tp_size)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -357,27 +566,16 @@ class _VllmRmsNorm(nn.Module):
 
 
 class _VllmLayer(nn.Module):
-    def __init__(self, c: LlamaConfig):
+    def __init__(self, c: LlamaConfig, tp_rank: int, tp_size: int):
         super().__init__()
-        self.self_attn = _VllmAttention(c)
-        self.mlp = _VllmMlp(c)
+        self.self_attn = _VllmAttention(c, tp_rank, tp_size)
+        self.mlp = _VllmMlp(c, tp_rank, tp_size)
         self.input_layernorm = _VllmRmsNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = _VllmRmsNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class _VllmEmbedding(nn.Module):
-    """VocabParallelEmbedding (one rank)."""
-
-    def __init__(self, vocab: int, hidden: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab, hidden), requires_grad=False)
-
-    def forward(self, ids):
-        return F.embedding(ids, self.weight)
+    def forward(self, x, cos, sin, cache, all_reduce):
+        x = x + all_reduce(self.self_attn(self.input_layernorm(x), cos, sin, cache))
+        return x + all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class _VllmLlamaModel(nn.Module):
@@ -390,10 +588,11 @@ class _VllmLlamaModel(nn.Module):
         (".gate_up_proj", ".up_proj", 1),
     ]
 
-    def __init__(self, c: LlamaConfig):
+    def __init__(self, c: LlamaConfig, tp_rank: int, tp_size: int):
         super().__init__()
-        self.embed_tokens = _VllmEmbedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(_VllmLayer(c) for _ in range(c.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, tp_rank, tp_size)
+        self.layers = nn.ModuleList(_VllmLayer(c, tp_rank, tp_size)
+                                    for _ in range(c.num_hidden_layers))
         self.norm = _VllmRmsNorm(c.hidden_size, c.rms_norm_eps)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
@@ -421,24 +620,43 @@ class _VllmLlamaModel(nn.Module):
 
 
 class VllmStyleLlamaForCausalLM(nn.Module):
-    """An inference replica laid out like vLLM's LlamaForCausalLM (see the module docstring).
-    Parameters are created uninitialized: load_weights, then process_weights_after_loading
-    (weightbus.vllm.process_weights_after_loading), before use."""
+    """An inference replica laid out like vLLM's LlamaForCausalLM (see the module docstring),
+    as rank `tp_rank` of a tensor-parallel group of `tp_size` (each parameter this rank's
+    shape, with vLLM's attributes; see the vLLM layout section). Parameters are created
+    uninitialized: load_weights, then process_weights_after_loading
+    (weightbus.vllm.process_weights_after_loading), before use. At tp_size 1, forward and
+    generate run alone; at tp_size > 1 the ranks of a group compute together through
+    tensor_parallel_forward."""
 
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32):
+    # vLLM's models declare the fused modules and their checkpoint parts (SupportsLoRA /
+    # SupportsQuant; the order is the loaders' shard order): weightbus.vllm derives the fused
+    # placements from it.
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
+                 tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} is outside [0, {tp_size})")
         self.config = config
-        self.model = _VllmLlamaModel(config)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.model = _VllmLlamaModel(config, tp_rank, tp_size)
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens  # vLLM: lm_head.tie_weights(embed_tokens)
         else:
-            self.lm_head = _VllmEmbedding(config.vocab_size, config.hidden_size)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank,
+                                          tp_size)
         self.to(dtype)
         self.dtype = dtype
+        self.tp_group: Optional["ThreadTpGroup"] = None  # set by tensor_parallel_forward
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         """vLLM's LlamaForCausalLM.load_weights (AutoWeightsLoader): `model.*` names go to
-        LlamaModel.load_weights, `lm_head.*` is skipped when tied. Returns the parameter names
+        LlamaModel.load_weights, `lm_head.*` is skipped when tied. Each parameter's weight
+        loader narrows the checkpoint tensor to this rank's slice. Returns the parameter names
         loaded."""
         model_weights, loaded = [], set()
         for name, tensor in weights:
@@ -455,18 +673,31 @@ class VllmStyleLlamaForCausalLM(nn.Module):
         loaded |= {"model." + n for n in self.model.load_weights(model_weights)}
         return loaded
 
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp_size == 1 else self._group().all_reduce(self.tp_rank, x)
+
+    def _group(self) -> "ThreadTpGroup":
+        if self.tp_group is None:
+            raise RuntimeError(f"rank {self.tp_rank} of a TP group of {self.tp_size} computes "
+                               f"with its group: use tensor_parallel_forward")
+        return self.tp_group
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0,
                 kv_cache: Optional[List[dict]] = None) -> torch.Tensor:
         """input_ids [B, T] at positions start_pos..start_pos+T-1 -> logits [B, T, vocab].
         kv_cache (one dict per layer, from a previous call) holds the keys and values of
-        positions 0..start_pos-1 and is extended in place."""
-        x = self.model.embed_tokens(input_ids)
+        positions 0..start_pos-1 (this rank's KV heads) and is extended in place. At
+        tp_size > 1, every rank of the group calls it at once (tensor_parallel_forward)."""
+        x = self._all_reduce(self.model.embed_tokens(input_ids))
         positions = torch.arange(start_pos, start_pos + input_ids.shape[1])
         cos, sin = rope_cos_sin(self.config, positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, None if kv_cache is None else kv_cache[i])
-        return self.model.norm(x) @ self.lm_head.weight.t()
+            x = layer(x, cos, sin, None if kv_cache is None else kv_cache[i], self._all_reduce)
+        logits = self.model.norm(x) @ self.lm_head.weight.t()
+        if self.tp_size > 1:
+            logits = self._group().all_gather(self.tp_rank, logits)
+        return logits[..., :self.config.vocab_size]
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
@@ -494,9 +725,13 @@ class VllmStyleLlamaForCausalLM(nn.Module):
 
     def hf_state_dict(self) -> Dict[str, torch.Tensor]:
         """The parameters back in checkpoint (Hugging Face) names, un-fusing qkv_proj and
-        gate_up_proj: what load_weights was given."""
-        out = {"model.embed_tokens.weight": self.model.embed_tokens.weight.detach()}
+        gate_up_proj: what load_weights was given (tp_size 1 only: ValueError otherwise)."""
+        if self.tp_size != 1:
+            raise ValueError(f"hf_state_dict of rank {self.tp_rank} of {self.tp_size}: the "
+                             f"parameters are this rank's slices, not the checkpoint")
         c = self.config
+        out = {"model.embed_tokens.weight":
+               self.model.embed_tokens.weight.detach()[:c.vocab_size]}
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}."
@@ -514,5 +749,82 @@ class VllmStyleLlamaForCausalLM(nn.Module):
                 layer.post_attention_layernorm.weight.detach()
         out["model.norm.weight"] = self.model.norm.weight.detach()
         if not c.tie_word_embeddings:
-            out["lm_head.weight"] = self.lm_head.weight.detach()
+            out["lm_head.weight"] = self.lm_head.weight.detach()[:c.vocab_size]
         return out
+
+
+# ---------------------------------------------------------------------------------------------
+# A tensor-parallel group of replicas in one process
+# ---------------------------------------------------------------------------------------------
+
+class ThreadTpGroup:
+    """The tensor-parallel communicator of a TP group whose ranks run as threads of one
+    process (what vLLM's GroupCoordinator gives its layers: all_reduce after row-parallel
+    layers and the embedding, all_gather of the logits). The sum is taken in rank order, so
+    every rank gets the same tensor. Every rank must make the same calls in the same order; a
+    rank that fails breaks the barrier, and the others raise threading.BrokenBarrierError."""
+
+    def __init__(self, size: int, timeout: float = 60.0):
+        self.size = size
+        self._slots: List[Optional[torch.Tensor]] = [None] * size
+        self._barrier = threading.Barrier(size, timeout=timeout)
+
+    def _exchange(self, rank: int, tensor: torch.Tensor) -> List[torch.Tensor]:
+        self._slots[rank] = tensor
+        self._barrier.wait()
+        gathered = list(self._slots)
+        self._barrier.wait()  # every rank has read before the next exchange writes
+        return gathered
+
+    def all_reduce(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
+        parts = self._exchange(rank, tensor)
+        out = parts[0].clone()
+        for part in parts[1:]:
+            out += part
+        return out
+
+    def all_gather(self, rank: int, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return torch.cat(self._exchange(rank, tensor), dim=dim)
+
+    def abort(self) -> None:
+        self._barrier.abort()
+
+
+def tensor_parallel_forward(replicas: List["VllmStyleLlamaForCausalLM"],
+                            input_ids: torch.Tensor) -> torch.Tensor:
+    """One forward pass of a TP group: replicas[r] (rank r of len(replicas), each holding only
+    its slices) runs in thread r, the ranks exchanging partial sums and logits through a
+    ThreadTpGroup as vLLM's layers do through NCCL. Returns the logits [B, T, vocab] (rank 0's;
+    every rank's are the same). Raises the first rank's exception."""
+    size = len(replicas)
+    for r, replica in enumerate(replicas):
+        if (replica.tp_rank, replica.tp_size) != (r, size):
+            raise ValueError(f"replicas[{r}] is rank {replica.tp_rank} of {replica.tp_size}, "
+                             f"not rank {r} of {size}")
+    if size == 1:
+        return replicas[0](input_ids)
+    group = ThreadTpGroup(size)
+    results: List[Any] = [None] * size
+    errors: List[Optional[BaseException]] = [None] * size
+
+    def run(r: int) -> None:
+        replicas[r].tp_group = group
+        try:
+            results[r] = replicas[r](input_ids)
+        except BaseException as e:  # re-raised below
+            errors[r] = e
+            group.abort()
+        finally:
+            replicas[r].tp_group = None
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"tp-rank-{r}") for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = next((e for e in errors if e is not None and
+                  not isinstance(e, threading.BrokenBarrierError)), None)
+    first = first or next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return results[0]

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,20 @@ def cli_path() -> Path:
 
 def fixtures_dir() -> Path:
     return Path(os.environ.get("WB_TEST_FIXTURES", REPO_ROOT.parent / "shared" / "fixtures"))
+
+
+def fail_point_reached(pause_dir: Path, name: str, timeout: float = 30.0) -> bool:
+    """Waits until the library's `pause:DIR` fail point `name` is reached, i.e. until it creates
+    DIR/<name>.reached (lib/core/failpoint.h; tests/test_support.cc's WaitUntil does the same in
+    C++): the event is a file, so it is checked every 5 ms, up to `timeout` s. False on timeout.
+    Release the paused thread by creating DIR/<name>.release."""
+    reached = Path(pause_dir) / f"{name}.reached"
+    deadline = time.monotonic() + timeout
+    while not reached.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def child_env(**extra) -> dict:

@@ -7,7 +7,6 @@ random Llamas."""
 import os
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,8 @@ import torch
 import llama2c_reference
 import weightbus
 import weightbus.vllm
-from conftest import SliceWatch, fixtures_dir, late_uri, readme_snippet, run_python
+from conftest import (SliceWatch, fail_point_reached, fixtures_dir, late_uri, readme_snippet,
+                      run_python)
 from weightbus.testing.llama import (HfLlamaForCausalLM, LlamaConfig, VllmStyleLlamaForCausalLM,
                                      load_hf_checkpoint)
 from weightbus.testing.worker import (LayerwiseReload, StandInGpuWorker, StandInLLM,
@@ -668,16 +668,6 @@ def test_sync_weights_on_applied_once_per_new_version(channel, layerwise):
 
 # ---- prefetch then apply (issue 13, item 9) ----
 
-def _wait_until(condition, timeout=30.0):
-    """Polls `condition` every 5 ms up to `timeout` s (tests/test_support.cc's WaitUntil)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 def _remove_version(channel, version):
     """Deletes a committed disk:// version's directory: a full receive of it is then
     impossible, so a round that still applies it took the prefetched copy."""
@@ -708,7 +698,7 @@ def test_engine_prefetch_then_apply(channel, layerwise, tmp_path, monkeypatch):
     with weightbus.Publisher(channel) as pub:
         pub.publish(1, v1)
         try:
-            assert _wait_until((pause / "core.before_fetch.reached").exists)
+            assert fail_point_reached(pause, "core.before_fetch")
             with torch.no_grad():
                 want = _reference(SMALL, v0)(ids)
             for w in llm.workers:
@@ -812,7 +802,7 @@ def test_worker_extension_prefetches_while_the_worker_serves(channel, tmp_path, 
     with weightbus.Publisher(channel) as pub:
         pub.publish(1, versions[1])
         try:
-            assert _wait_until((pause / "core.before_fetch.reached").exists)
+            assert fail_point_reached(pause, "core.before_fetch")
             assert worker.weightbus_prefetched(timeout=0) is None   # held inside the receive
             with torch.no_grad():
                 want = _reference(SMALL, v0)(ids)

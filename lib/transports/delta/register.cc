@@ -118,6 +118,11 @@ TransportCapabilities LayerCapabilities(const Config&, const TransportCapabiliti
   // it the joiner waits for the next keyframe.
   c.late_joiners = beneath.late_joiners && beneath.open_version;
   c.memory_kinds = TransportCapabilities::kHostMemory;  // encoded and decoded on the CPU
+  // Each rank of a group encodes its own parts into its part of the group version beneath
+  // (README.md, "Over a publisher group"); WrapPublisher refuses a group beneath whose committed
+  // manifests cannot be read back. Subscribers decode whole parts: no byte ranges.
+  c.publisher_groups = beneath.publisher_groups;
+  c.partial_reads = false;
   return c;
 }
 

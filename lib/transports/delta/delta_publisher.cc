@@ -751,15 +751,7 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> WrapPublisher(
   const int rank = static_cast<int>(config.Int("rank"));
   const int world_size = static_cast<int>(config.Int("world_size"));
   if (world_size > 1) {
-    // Each rank reads the committed group manifest back after every version (the group's
-    // keyframe floor; what the check at rest compares): a group beneath that cannot is refused.
-    if (!caps.publisher_groups || !caps.committed_manifest) {
-      return absl::UnimplementedError(absl::StrFormat(
-          "%s: world_size=%d asks the delta layer for a publisher group (rank %d), which needs a "
-          "transport beneath that commits group versions and reads their manifests back "
-          "(publisher_groups and committed_manifest: disk://); the transport beneath has %s",
-          uri.Display(), world_size, rank, DescribeCapabilities(caps)));
-    }
+    // (A group beneath without committed manifests is refused by the core: LayerCapabilities.)
     // Each rank always encodes: the plain-or-delta choice is one publisher's, made from its own
     // measurements, and the ranks of a group would choose differently.
     options.choose_plain = false;

@@ -119,9 +119,11 @@ TransportCapabilities LayerCapabilities(const Config&, const TransportCapabiliti
   c.late_joiners = beneath.late_joiners && beneath.open_version;
   c.memory_kinds = TransportCapabilities::kHostMemory;  // encoded and decoded on the CPU
   // Each rank of a group encodes its own parts into its part of the group version beneath
-  // (README.md, "Over a publisher group"); WrapPublisher refuses a group beneath whose committed
-  // manifests cannot be read back. Subscribers decode whole parts: no byte ranges.
-  c.publisher_groups = beneath.publisher_groups;
+  // (README.md, "Over a publisher group") and reads the committed group manifest back after
+  // each version (the group's keyframe floor, what its check at rest compares): a group beneath
+  // without committed_manifest (ucx://) is not carried. Subscribers decode whole parts: no byte
+  // ranges.
+  c.publisher_groups = beneath.publisher_groups && beneath.committed_manifest;
   c.partial_reads = false;
   return c;
 }

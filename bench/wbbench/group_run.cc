@@ -34,6 +34,7 @@ struct PairResult {
   // bytes: under delta, what each rank encoded its parts to), summed over the ranks, and the
   // most one rank published.
   std::vector<double> wire_bytes, wire_max;
+  uint64_t wire_all = 0;  // over every version, the first (a keyframe under delta) included
   int wrong = 0;                 // slices that differed from the store, or versions that failed
   std::string failure;
 };
@@ -156,6 +157,7 @@ class Pair {
         r.wire_bytes.push_back(static_cast<double>(wire));
         r.wire_max.push_back(static_cast<double>(wire_max));
       }
+      r.wire_all += wire;
       control.push_back(ControlFiles(absl::StrFormat("%s/versions/v%020d", channel_, v)));
     }
     r.control_files = Median(control);
@@ -222,7 +224,7 @@ class Pair {
 
 int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
   std::printf(
-      "# publisher groups and TP replicas over disk://: N publisher processes (rank r publishes "
+      "# publisher groups and TP replicas: N publisher processes (rank r publishes "
       "row shards of every matrix whose rows divide by N, other tensors whole, tensor i by rank "
       "i %% N), M subscriber processes (one TP group: o_proj/down_proj on dimension 1, other "
       "matrices on dimension 0, vectors replicated); every TP rank checks its slices against "
@@ -233,12 +235,14 @@ int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
   std::printf(
       "# wire/ver: bytes all ranks published through the stack beneath per version (median; "
       "under delta their encoded parts), wire/rank the most one rank published, ratio model "
-      "bytes / wire/ver\n#\n");
-  std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %12s %12s %7s %6s\n", "N", "M",
+      "bytes / wire/ver, stream: model bytes x versions / wire bytes of every version (the "
+      "first included)\n#\n");
+  std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %12s %12s %7s %7s %6s\n", "N", "M",
               "model", "slices", "read/rank", "read%", "commit", "last-rank", "control",
-              "rss/rank", "wire/ver", "wire/rank", "ratio", "#wrong");
-  std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %12s %12s %7s %6s\n", "", "", "(B)",
-              "(B)", "(B)", "(%)", "(s)", "(s)", "(files)", "(MiB)", "(B)", "(B)", "(x)", "");
+              "rss/rank", "wire/ver", "wire/rank", "ratio", "stream", "#wrong");
+  std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %12s %12s %7s %7s %6s\n", "", "",
+              "(B)", "(B)", "(B)", "(%)", "(s)", "(s)", "(files)", "(MiB)", "(B)", "(B)", "(x)",
+              "(x)", "");
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   int wrong = 0;
   std::string failure;
@@ -255,13 +259,15 @@ int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
       const double wire = Median(r.wire_bytes);
       std::printf(
           "  %3d %3d %12llu %12llu %12llu %7.1f %8.4f %10.4f %8.0f %10.1f %12.0f %12.0f %7.1f "
-          "%6d\n",
+          "%7.1f %6d\n",
           n, m, static_cast<unsigned long long>(index.tensor_bytes),
           static_cast<unsigned long long>(r.slice_bytes),
           static_cast<unsigned long long>(r.read_max),
           100.0 * r.read_max / std::max<uint64_t>(index.tensor_bytes, 1), Median(r.commit_s), last,
           r.control_files, r.subscriber_rss / 1048576.0, wire, Median(r.wire_max),
-          wire > 0 ? static_cast<double>(index.tensor_bytes) / wire : 0.0, r.wrong);
+          wire > 0 ? static_cast<double>(index.tensor_bytes) / wire : 0.0,
+          r.wire_all > 0 ? static_cast<double>(index.tensor_bytes) * c.versions / r.wire_all : 0.0,
+          r.wrong);
       std::fflush(stdout);
       rows.push_back({{"publishers", n},
                       {"tp", m},
@@ -276,6 +282,7 @@ int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
                       {"control_files_per_version", r.control_files},
                       {"wire_bytes_per_version_median", wire},
                       {"wire_bytes_per_rank_max_median", Median(r.wire_max)},
+                      {"wire_bytes_all_versions", r.wire_all},
                       {"subscriber_peak_rss_bytes", r.subscriber_rss},
                       {"wrong", r.wrong},
                       {"failure", r.failure}});

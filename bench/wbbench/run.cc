@@ -642,7 +642,7 @@ style of nccl-tests; ends with "# OK" or "# FAILED: reason". Metrics: docs/PERFO
   }
   f.publishers_flag =
       cmd.Add("publishers", &f.publishers,
-              "publisher groups of N ranks over disk:// (a list, 1,2,4: each with every --tp), "
+              "publisher groups of N ranks over disk:// (or delta+disk:// with --transports delta+disk; a list, 1,2,4: each with every --tp), "
               "each rank publishing its row shards; with --tp, instead of the transports' table")
           .TypeName("N[,N...]");
   f.tp_flag = cmd.Add("tp", &f.tp,

@@ -46,14 +46,10 @@ std::vector<tools::OwnedTensor> Step(uint64_t v) {
 // Peer flags of every rank: training steps, group keyframes every kKeyframeInterval versions,
 // every version kept (the test reads them all back after the ranks are done).
 std::vector<std::string> DeltaFlags() {
-  return {"--steps",
-          "1",
-          "--set",
-          absl::StrFormat("keyframe_interval=%d", kKeyframeInterval),
-          "--set",
-          "retention=100",
-          "--set",
-          "delta_threads=2"};
+  return {"--steps", "1",
+          "--set",   absl::StrFormat("keyframe_interval=%d", kKeyframeInterval),
+          "--set",   "retention=100",
+          "--set",   "delta_threads=2"};
 }
 
 // Starts a group publishing [start, start + versions) and expects every rank to succeed.
@@ -221,12 +217,12 @@ TEST_P(DeltaGroupTest, RanksEncodeTheirPartsAndWholeAndTpSubscribersReceiveEvery
         ++deltas;
         EXPECT_LT(encoded, part / 4) << "rank " << r << " version " << v;
       }
-      std::printf("[ delta    ] world %d %s version %d rank %d: %s of %llu bytes for %llu bytes "
-                  "of parts (%.1fx)\n",
-                  world, layout.c_str(), static_cast<int>(v), r,
-                  rec.value("kind", "").c_str(), static_cast<unsigned long long>(encoded),
-                  static_cast<unsigned long long>(part),
-                  static_cast<double>(part) / static_cast<double>(std::max<uint64_t>(1, encoded)));
+      std::printf(
+          "[ delta    ] world %d %s version %d rank %d: %s of %llu bytes for %llu bytes "
+          "of parts (%.1fx)\n",
+          world, layout.c_str(), static_cast<int>(v), r, rec.value("kind", "").c_str(),
+          static_cast<unsigned long long>(encoded), static_cast<unsigned long long>(part),
+          static_cast<double>(part) / static_cast<double>(std::max<uint64_t>(1, encoded)));
     }
   }
   EXPECT_EQ(deltas, static_cast<uint64_t>(5 * world));

@@ -35,11 +35,25 @@ inline std::vector<Child> StartRanks(const ScratchDir& dir, const std::string& u
     if (auto it = failpoints.find(r); it != failpoints.end()) {
       env["WEIGHTBUS_FAILPOINTS"] = it->second;
     }
-    std::vector<std::string> args = {
-        PeerBinary(), "publish-llama", uri, "--layout", layout, "--start", std::to_string(start),
-        "--versions", std::to_string(versions), "--timeout-s", absl::StrFormat("%g", timeout_s),
-        "--set", absl::StrFormat("rank=%d", r), "--set", absl::StrFormat("world_size=%d", world),
-        "--set", "poll_interval=5ms", "--set", "shard_size=100KiB"};  // several files a rank
+    std::vector<std::string> args = {PeerBinary(),
+                                     "publish-llama",
+                                     uri,
+                                     "--layout",
+                                     layout,
+                                     "--start",
+                                     std::to_string(start),
+                                     "--versions",
+                                     std::to_string(versions),
+                                     "--timeout-s",
+                                     absl::StrFormat("%g", timeout_s),
+                                     "--set",
+                                     absl::StrFormat("rank=%d", r),
+                                     "--set",
+                                     absl::StrFormat("world_size=%d", world),
+                                     "--set",
+                                     "poll_interval=5ms",
+                                     "--set",
+                                     "shard_size=100KiB"};  // several files a rank
     args.insert(args.end(), extra.begin(), extra.end());
     auto c = Child::Start(args, env, dir / absl::StrFormat("%s%d.log", log_tag, r));
     EXPECT_TRUE(c.ok()) << c.status();

@@ -35,7 +35,7 @@ struct PairResult {
   // most one rank published.
   std::vector<double> wire_bytes, wire_max;
   uint64_t wire_all = 0;  // over every version, the first (a keyframe under delta) included
-  int wrong = 0;                 // slices that differed from the store, or versions that failed
+  int wrong = 0;          // slices that differed from the store, or versions that failed
   std::string failure;
 };
 
@@ -238,8 +238,8 @@ int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
       "bytes / wire/ver, stream: model bytes x versions / wire bytes of every version (the "
       "first included)\n#\n");
   std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %12s %12s %7s %7s %6s\n", "N", "M",
-              "model", "slices", "read/rank", "read%", "commit", "last-rank", "control",
-              "rss/rank", "wire/ver", "wire/rank", "ratio", "stream", "#wrong");
+              "model", "slices", "read/rank", "read%", "commit", "last-rank", "control", "rss/rank",
+              "wire/ver", "wire/rank", "ratio", "stream", "#wrong");
   std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %12s %12s %7s %7s %6s\n", "", "",
               "(B)", "(B)", "(B)", "(%)", "(s)", "(s)", "(files)", "(MiB)", "(B)", "(B)", "(x)",
               "(x)", "");

@@ -642,7 +642,8 @@ style of nccl-tests; ends with "# OK" or "# FAILED: reason". Metrics: docs/PERFO
   }
   f.publishers_flag =
       cmd.Add("publishers", &f.publishers,
-              "publisher groups of N ranks over disk:// (or delta+disk:// with --transports delta+disk; a list, 1,2,4: each with every --tp), "
+              "publisher groups of N ranks over disk:// (or delta+disk:// with --transports "
+              "delta+disk; a list, 1,2,4: each with every --tp), "
               "each rank publishing its row shards; with --tp, instead of the transports' table")
           .TypeName("N[,N...]");
   f.tp_flag = cmd.Add("tp", &f.tp,
@@ -759,8 +760,8 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
     // Publisher groups: over disk, or delta+disk with --transports delta+disk (each rank encodes
     // its own parts); ucx refuses world_size > 1 so far.
     if (!have_disk) Die("--publishers/--tp run over disk://, which this build lacks");
-    const bool delta = f.transports_flag->given() &&
-                       o.transports == std::vector<std::string>{"delta+disk"};
+    const bool delta =
+        f.transports_flag->given() && o.transports == std::vector<std::string>{"delta+disk"};
     if (f.transports_flag->given() && !delta && o.transports != std::vector<std::string>{"disk"}) {
       Die("--publishers/--tp run over disk:// or delta+disk:// (one of them; ucx:// refuses "
           "publisher groups)");

@@ -230,9 +230,8 @@ absl::StatusOr<Manifest> RankPart(const Manifest& group, int rank, std::string_v
   }
   auto record = group.metadata.find(RankRecordKey(rank));
   const std::string blob = RankBlobName(rank);
-  auto t = std::find_if(group.tensors.begin(), group.tensors.end(), [&](const TensorInfo& t) {
-    return t.name == blob && t.owner == rank;
-  });
+  auto t = std::find_if(group.tensors.begin(), group.tensors.end(),
+                        [&](const TensorInfo& t) { return t.name == blob && t.owner == rank; });
   if (record == group.metadata.end() || t == group.tensors.end()) {
     return absl::DataLossError(absl::StrFormat(
         "%s: group version %d (world_size %d) lacks the delta %s of rank %d (\"%s\")", source,

@@ -64,20 +64,6 @@ void PublishSteps(const ScratchDir& dir, const std::string& uri, int world,
   }
 }
 
-// Every tensor of `u` equals version `v` of the steps, byte for byte.
-void ExpectWhole(const Update& u, uint64_t v) {
-  const std::vector<tools::OwnedTensor> want = Step(v);
-  ASSERT_EQ(u.version(), v);
-  ASSERT_EQ(u.tensors().size(), want.size());
-  for (const tools::OwnedTensor& t : want) {
-    const TensorView* got = u.Find(t.name);
-    ASSERT_NE(got, nullptr) << t.name;
-    EXPECT_EQ(got->shape, t.shape) << t.name;
-    ASSERT_EQ(std::memcmp(got->data, t.bytes.data(), t.bytes.size()), 0)
-        << t.name << " of version " << v;
-  }
-}
-
 // TP: every projection split on dimension 0 (column-parallel), the rest replicated.
 SubscribePlacements TpPlacements(int tp, int rank) {
   return SubscribePlacements{{{"*_proj.weight", Placement::Shard(0)}}, {tp, rank}, {}};
@@ -105,6 +91,9 @@ void ExpectSlices(const Update& u, uint64_t v, int tp, int rank) {
         << t.name << " of version " << v << ", TP rank " << rank << " of " << tp;
   }
 }
+
+// Every tensor of `u` equals version `v` of the steps, byte for byte (TP 1).
+void ExpectWhole(const Update& u, uint64_t v) { ExpectSlices(u, v, 1, 0); }
 
 // The records of committed version `v`, one per rank, from its group manifest on disk.
 std::vector<nlohmann::json> Records(const ScratchDir& dir, uint64_t v, int world) {

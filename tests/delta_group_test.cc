@@ -7,11 +7,15 @@
 // each rank's chain, restarted ranks continuing their chains with deltas, keyframes the whole
 // group takes on the same versions (keyframe_interval), and a rank SIGKILLed mid-publish (the
 // version never visible; the next version commits with valid deltas against the last committed
-// one). Prints the encoded bytes per rank per version (BENCHMARKS.md, issue 12).
+// one), and, in one process, a rank missing a version while the other's Publisher goes on (its
+// next delta is against the last committed version). Prints the encoded bytes per rank per
+// version (BENCHMARKS.md, issue 12).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
@@ -277,6 +281,132 @@ TEST(DeltaGroupKillTest, ARankKilledMidPublishLeavesNothingAndTheNextVersionIsVa
   auto l = (*late)->ReceiveVersion(3, kTimeout);
   ASSERT_TRUE(l.ok()) << l.status();
   ASSERT_NO_FATAL_FAILURE(ExpectWhole(**l, 3));
+}
+
+// A group in this process, a thread per rank, each rank owning whole tensors (tensor i by rank
+// i % world) of the steps.
+class ThreadGroup {
+ public:
+  ThreadGroup(const std::string& uri, int world) : world_(world) {
+    for (int r = 0; r < world; ++r) {
+      auto p = Publisher::Open(uri, {{"rank", std::to_string(r)},
+                                     {"world_size", std::to_string(world)},
+                                     {"poll_interval", "2ms"},
+                                     {"retention", "100"}});
+      EXPECT_TRUE(p.ok()) << p.status();
+      if (p.ok()) pubs_.push_back(*std::move(p));
+    }
+  }
+  // Rank r's tensors of `model`.
+  std::vector<TensorView> Views(const std::vector<tools::OwnedTensor>& model, int r) const {
+    std::vector<TensorView> views;
+    for (size_t i = 0; i < model.size(); ++i) {
+      if (static_cast<int>(i % world_) == r) views.push_back(model[i].view());
+    }
+    return views;
+  }
+  // Every rank publishes step `v`, concurrently; each must succeed.
+  void PublishAll(uint64_t v) {
+    ASSERT_EQ(pubs_.size(), static_cast<size_t>(world_));
+    const std::vector<tools::OwnedTensor> model = Step(v);
+    std::vector<absl::Status> status(world_);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world_; ++r) {
+      threads.emplace_back(
+          [&, r] { status[r] = pubs_[r]->Publish(v, Views(model, r), {}, kTimeout); });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int r = 0; r < world_; ++r) EXPECT_TRUE(status[r].ok()) << "rank " << r << status[r];
+  }
+  Publisher& rank(int r) { return *pubs_[r]; }
+
+ private:
+  int world_;
+  std::vector<std::unique_ptr<Publisher>> pubs_;
+};
+
+// Rank 1 never publishes version 3, so rank 0's Publish gives up (DeadlineExceeded naming rank
+// 1) and nothing of version 3 is visible; the same Publisher objects then publish version 4,
+// each rank a delta against version 2, the last committed one (rank 0's base did not move to
+// the version that failed).
+TEST(DeltaGroupThreadsTest, ARankMissingAVersionLeavesTheOthersBasesAtTheLastCommittedOne) {
+  if (const std::string why = testing::MissingTransports({"delta", "disk"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
+  constexpr int kWorld = 2;
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  ThreadGroup group(uri, kWorld);
+  ASSERT_NO_FATAL_FAILURE(group.PublishAll(1));
+  ASSERT_NO_FATAL_FAILURE(group.PublishAll(2));
+  {
+    const std::vector<tools::OwnedTensor> model = Step(3);
+    const absl::Status s =
+        group.rank(0).Publish(3, group.Views(model, 0), {}, absl::Milliseconds(300));
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_THAT(std::string(s.message()),
+                HasSubstr("rank 1 of the group of 2 did not publish its part"));
+  }
+  EXPECT_EQ(testing::ReadFileOrDie(dir / "channel/LATEST"), "2\n");
+  ASSERT_NO_FATAL_FAILURE(group.PublishAll(4));
+  const std::vector<nlohmann::json> records = Records(dir, 4, kWorld);
+  ASSERT_EQ(records.size(), static_cast<size_t>(kWorld));
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(records[r].value("kind", ""), "delta") << records[r].dump();
+    EXPECT_EQ(records[r].value("base", uint64_t{0}), 2u) << records[r].dump();
+  }
+  auto sub = Subscriber::Open(uri);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  auto u = (*sub)->ReceiveVersion(4, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ASSERT_NO_FATAL_FAILURE(ExpectWhole(**u, 4));
+  EXPECT_THAT((*u)->stats().encoding, HasSubstr("rank 0: keyframe 1 + 2 deltas up to 4"));
+}
+
+// Rank 1's delta of version 2 damaged at rest (after its publisher checked it as a base): a late
+// joiner cannot replay rank 1's chain to version 3 (DataLoss naming rank 1) and leaves a
+// keyframe request; at version 4 every rank keyframes (the request names a version of every
+// rank's chain), the joiner receives it, and the request is removed once every rank has
+// answered it.
+TEST(DeltaGroupThreadsTest, AKeyframeRequestIsAnsweredByEveryRank) {
+  if (const std::string why = testing::MissingTransports({"delta", "disk"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
+  constexpr int kWorld = 2;
+  ScratchDir dir;
+  const std::string uri = ChannelUri(dir);
+  ThreadGroup group(uri, kWorld);
+  for (uint64_t v = 1; v <= 3; ++v) ASSERT_NO_FATAL_FAILURE(group.PublishAll(v));
+  // The last byte of rank 1's blob of version 2 (its file's data ends the file).
+  std::string blob;
+  for (const auto& e :
+       std::filesystem::directory_iterator(testing::DiskVersionDir(dir, 2) + "/rank-00001")) {
+    if (e.path().extension() == ".safetensors") blob = e.path();
+  }
+  ASSERT_FALSE(blob.empty());
+  {
+    std::string bytes = testing::ReadFileOrDie(blob);
+    bytes.back() ^= 0x5a;
+    testing::WriteFileOrDie(blob, bytes);
+  }
+  auto sub = Subscriber::Open(uri);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  auto broken = (*sub)->ReceiveVersion(3, kTimeout);
+  EXPECT_EQ(broken.status().code(), absl::StatusCode::kDataLoss) << broken.status();
+  EXPECT_THAT(std::string(broken.status().message()), HasSubstr("(rank 1)"));
+  EXPECT_FALSE(std::filesystem::is_empty(dir / "channel/delta-requests"));
+
+  ASSERT_NO_FATAL_FAILURE(group.PublishAll(4));
+  const std::vector<nlohmann::json> records = Records(dir, 4, kWorld);
+  ASSERT_EQ(records.size(), static_cast<size_t>(kWorld));
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(records[r].value("kind", ""), "keyframe") << records[r].dump();
+    EXPECT_THAT(records[r].value("reason", ""), HasSubstr("asked for a keyframe"));
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(dir / "channel/delta-requests"));
+  auto u = (*sub)->ReceiveVersion(4, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ASSERT_NO_FATAL_FAILURE(ExpectWhole(**u, 4));
 }
 
 }  // namespace

@@ -325,18 +325,25 @@ class ThreadGroup {
   std::vector<std::unique_ptr<Publisher>> pubs_;
 };
 
+// Two ranks in this process (ThreadGroup) on a fresh delta+disk channel.
+class DeltaGroupThreadsTest : public ::testing::Test {
+ protected:
+  static constexpr int kWorld = 2;
+  void SetUp() override {
+    if (const std::string why = testing::MissingTransports({"delta", "disk"}); !why.empty()) {
+      GTEST_SKIP() << why;
+    }
+  }
+  ScratchDir dir_;
+  const std::string uri_ = ChannelUri(dir_);
+};
+
 // Rank 1 never publishes version 3, so rank 0's Publish gives up (DeadlineExceeded naming rank
 // 1) and nothing of version 3 is visible; the same Publisher objects then publish version 4,
 // each rank a delta against version 2, the last committed one (rank 0's base did not move to
 // the version that failed).
-TEST(DeltaGroupThreadsTest, ARankMissingAVersionLeavesTheOthersBasesAtTheLastCommittedOne) {
-  if (const std::string why = testing::MissingTransports({"delta", "disk"}); !why.empty()) {
-    GTEST_SKIP() << why;
-  }
-  constexpr int kWorld = 2;
-  ScratchDir dir;
-  const std::string uri = ChannelUri(dir);
-  ThreadGroup group(uri, kWorld);
+TEST_F(DeltaGroupThreadsTest, ARankMissingAVersionLeavesTheOthersBasesAtTheLastCommittedOne) {
+  ThreadGroup group(uri_, kWorld);
   ASSERT_NO_FATAL_FAILURE(group.PublishAll(1));
   ASSERT_NO_FATAL_FAILURE(group.PublishAll(2));
   {
@@ -347,15 +354,15 @@ TEST(DeltaGroupThreadsTest, ARankMissingAVersionLeavesTheOthersBasesAtTheLastCom
     EXPECT_THAT(std::string(s.message()),
                 HasSubstr("rank 1 of the group of 2 did not publish its part"));
   }
-  EXPECT_EQ(testing::ReadFileOrDie(dir / "channel/LATEST"), "2\n");
+  EXPECT_EQ(testing::ReadFileOrDie(dir_ / "channel/LATEST"), "2\n");
   ASSERT_NO_FATAL_FAILURE(group.PublishAll(4));
-  const std::vector<nlohmann::json> records = Records(dir, 4, kWorld);
+  const std::vector<nlohmann::json> records = Records(dir_, 4, kWorld);
   ASSERT_EQ(records.size(), static_cast<size_t>(kWorld));
   for (int r = 0; r < kWorld; ++r) {
     EXPECT_EQ(records[r].value("kind", ""), "delta") << records[r].dump();
     EXPECT_EQ(records[r].value("base", uint64_t{0}), 2u) << records[r].dump();
   }
-  auto sub = Subscriber::Open(uri);
+  auto sub = Subscriber::Open(uri_);
   ASSERT_TRUE(sub.ok()) << sub.status();
   auto u = (*sub)->ReceiveVersion(4, kTimeout);
   ASSERT_TRUE(u.ok()) << u.status();
@@ -368,19 +375,13 @@ TEST(DeltaGroupThreadsTest, ARankMissingAVersionLeavesTheOthersBasesAtTheLastCom
 // keyframe request; at version 4 every rank keyframes (the request names a version of every
 // rank's chain), the joiner receives it, and the request is removed once every rank has
 // answered it.
-TEST(DeltaGroupThreadsTest, AKeyframeRequestIsAnsweredByEveryRank) {
-  if (const std::string why = testing::MissingTransports({"delta", "disk"}); !why.empty()) {
-    GTEST_SKIP() << why;
-  }
-  constexpr int kWorld = 2;
-  ScratchDir dir;
-  const std::string uri = ChannelUri(dir);
-  ThreadGroup group(uri, kWorld);
+TEST_F(DeltaGroupThreadsTest, AKeyframeRequestIsAnsweredByEveryRank) {
+  ThreadGroup group(uri_, kWorld);
   for (uint64_t v = 1; v <= 3; ++v) ASSERT_NO_FATAL_FAILURE(group.PublishAll(v));
   // The last byte of rank 1's blob of version 2 (its file's data ends the file).
   std::string blob;
   for (const auto& e :
-       std::filesystem::directory_iterator(testing::DiskVersionDir(dir, 2) + "/rank-00001")) {
+       std::filesystem::directory_iterator(testing::DiskVersionDir(dir_, 2) + "/rank-00001")) {
     if (e.path().extension() == ".safetensors") blob = e.path();
   }
   ASSERT_FALSE(blob.empty());
@@ -389,21 +390,21 @@ TEST(DeltaGroupThreadsTest, AKeyframeRequestIsAnsweredByEveryRank) {
     bytes.back() ^= 0x5a;
     testing::WriteFileOrDie(blob, bytes);
   }
-  auto sub = Subscriber::Open(uri);
+  auto sub = Subscriber::Open(uri_);
   ASSERT_TRUE(sub.ok()) << sub.status();
   auto broken = (*sub)->ReceiveVersion(3, kTimeout);
   EXPECT_EQ(broken.status().code(), absl::StatusCode::kDataLoss) << broken.status();
   EXPECT_THAT(std::string(broken.status().message()), HasSubstr("(rank 1)"));
-  EXPECT_FALSE(std::filesystem::is_empty(dir / "channel/delta-requests"));
+  EXPECT_FALSE(std::filesystem::is_empty(dir_ / "channel/delta-requests"));
 
   ASSERT_NO_FATAL_FAILURE(group.PublishAll(4));
-  const std::vector<nlohmann::json> records = Records(dir, 4, kWorld);
+  const std::vector<nlohmann::json> records = Records(dir_, 4, kWorld);
   ASSERT_EQ(records.size(), static_cast<size_t>(kWorld));
   for (int r = 0; r < kWorld; ++r) {
     EXPECT_EQ(records[r].value("kind", ""), "keyframe") << records[r].dump();
     EXPECT_THAT(records[r].value("reason", ""), HasSubstr("asked for a keyframe"));
   }
-  EXPECT_TRUE(std::filesystem::is_empty(dir / "channel/delta-requests"));
+  EXPECT_TRUE(std::filesystem::is_empty(dir_ / "channel/delta-requests"));
   auto u = (*sub)->ReceiveVersion(4, kTimeout);
   ASSERT_TRUE(u.ok()) << u.status();
   ASSERT_NO_FATAL_FAILURE(ExpectWhole(**u, 4));

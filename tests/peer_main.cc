@@ -13,12 +13,13 @@
 // exactly each (Subscriber::ReceiveVersion), checks its bytes as subscribe does and answers
 // "received V ok", or "notfound V: MESSAGE" when the channel no longer holds V; ends at EOF.
 //   wb_test_peer publish-llama URI --layout rows|cols [--versions N] [--start S] [--timeout-s T]
-//                [--set rank=R --set world_size=W]...
+//                [--steps 1] [--set rank=R --set world_size=W]...
 // One rank of a publisher group publishing its slices of the stories260K fixture (converted to
 // Hugging Face Llama, F32), `versions` times with the same bytes: `rows` shards every matrix on
 // dimension 0 (FSDP2), `cols` on dimension 1 (Megatron column slices, published as strided
 // views of the whole matrix) with model.embed_tokens.weight owned whole by the last rank; norm
-// vectors are replicated (every rank publishes them whole).
+// vectors are replicated (every rank publishes them whole). With --steps 1 each version is
+// that version's training step of the fixture (model_steps.h) instead of the same bytes.
 //   wb_test_peer serve URI [--seed X] [--bytes B] [--timeout-s T] [--set K=V]...
 // A publisher driven through stdin (the fault-injection suite, tests/fault/): prints "open" once
 // the channel is open ("open hwm_kb=H"), then publishes each version number read from stdin, one
@@ -47,6 +48,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/types/span.h"
+#include "model_steps.h"
 #include "test_model.h"
 #include "test_support.h"
 #include "weightbus/llama2c.h"
@@ -59,6 +61,7 @@ struct Flags {
   std::string layout = "rows";
   uint64_t versions = 1, start = 1, seed = 1, bytes = 1 << 16, until = 1;
   int interval_ms = 0;
+  int steps = 0;  // publish-llama: version v is StepLlama(fixture, v)
   int until_subscribers = 0;
   int first_subscribers = 0;  // after the first version: wait until this many hold it
   int serve_ms = 0;
@@ -83,6 +86,8 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
       ok = absl::SimpleAtoi(v, &f->bytes);
     else if (k == "--until")
       ok = absl::SimpleAtoi(v, &f->until);
+    else if (k == "--steps")
+      ok = absl::SimpleAtoi(v, &f->steps);
     else if (k == "--interval-ms")
       ok = absl::SimpleAtoi(v, &f->interval_ms);
     else if (k == "--until-subscribers")
@@ -217,7 +222,15 @@ int PublishLlama(const Flags& f) {
   }
   auto pub = Open<weightbus::Publisher>(f);
   if (pub == nullptr) return 1;
+  const std::vector<weightbus::tools::OwnedTensor> fixture = *model;
   for (uint64_t v = f.start; v < f.start + f.versions; ++v) {
+    if (f.steps != 0) {
+      // In place: the views point into these bytes.
+      for (size_t t = 0; t < model->size(); ++t) {
+        std::memcpy((*model)[t].bytes.data(), fixture[t].bytes.data(), fixture[t].bytes.size());
+      }
+      weightbus::testing::StepLlama(*model, v);
+    }
     if (!PublishOne(*pub, v, views, {{"step", std::to_string(v)}}, f)) return 1;
   }
   return 0;

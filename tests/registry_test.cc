@@ -50,13 +50,14 @@ TEST(RegistryTest, EveryTransportDeclaresItsCapabilitiesAndLayersDeriveTheirs) {
             "reads_strided_views, committed_manifest, keep_versions_from, publisher_groups, "
             "open_version, list_versions, partial_reads, cancel, cross_process, durable, "
             "late_joiners");
-  // The delta layer keeps what it forwards and drops what it does itself; publisher groups and
-  // partial reads are not inherited (a layer declares them itself).
+  // The delta layer keeps what it forwards and drops what it does itself; it carries disk's
+  // publisher groups (each rank encodes its own parts) but reads no byte ranges (a layer
+  // declares both itself).
   auto delta = testing::StackCapabilitiesOf("delta+disk://" + dir.path() + "/ch");
   ASSERT_TRUE(delta.ok()) << delta.status();
   EXPECT_EQ(DescribeCapabilities(*delta),
-            "keep_versions_from, open_version, list_versions, cancel, cross_process, durable, "
-            "late_joiners");
+            "keep_versions_from, publisher_groups, open_version, list_versions, cancel, "
+            "cross_process, durable, late_joiners");
   if (FindTransport("ucx") != nullptr) {
     auto host = testing::StackCapabilitiesOf("ucx://127.0.0.1:9/ch");
     ASSERT_TRUE(host.ok()) << host.status();

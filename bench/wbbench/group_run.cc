@@ -30,7 +30,12 @@ struct PairResult {
                                  // rank's Publish returning (the group commit)
   double control_files = 0;      // per version (median)
   int64_t subscriber_rss = 0;    // the largest peak RSS of a TP rank
-  int wrong = 0;                 // slices that differed from the store, or versions that failed
+  // Per measured version: the bytes every rank published through the stack beneath (its wire
+  // bytes: under delta, what each rank encoded its parts to), summed over the ranks, and the
+  // most one rank published.
+  std::vector<double> wire_bytes, wire_max;
+  uint64_t wire_all = 0;  // over every version, the first (a keyframe under delta) included
+  int wrong = 0;          // slices that differed from the store, or versions that failed
   std::string failure;
 };
 
@@ -59,7 +64,7 @@ class Pair {
   PairResult r;
 
   void Run() {
-    const std::string uri = "disk://" + channel_;
+    const std::string uri = c_.transport + "://" + channel_;
     std::vector<std::string> common = {"--uri",
                                        uri,
                                        "--store",
@@ -113,6 +118,7 @@ class Pair {
         }
       }
       int64_t start_ns = 0, committed_ns = 0;
+      uint64_t wire = 0, wire_max = 0;
       for (int p = 0; p < r.publishers; ++p) {
         std::optional<nlohmann::json> j = ReadJson(p, deadline);
         if (!j) return;
@@ -124,6 +130,9 @@ class Pair {
         start_ns = start_ns == 0 ? s : std::min(start_ns, s);
         committed_ns =
             std::max(committed_ns, s + static_cast<int64_t>(j->value("stall_s", 0.0) * 1e9));
+        const uint64_t w = j->value("wire_bytes", uint64_t{0});
+        wire += w;
+        wire_max = std::max(wire_max, w);
       }
       int64_t last_ns = 0;
       for (int t = 0; t < r.tp; ++t) {
@@ -145,7 +154,10 @@ class Pair {
       if (v > c_.warmup && last_ns > 0) {
         r.last_s.push_back((last_ns - start_ns) / 1e9);
         r.commit_s.push_back((committed_ns - start_ns) / 1e9);
+        r.wire_bytes.push_back(static_cast<double>(wire));
+        r.wire_max.push_back(static_cast<double>(wire_max));
       }
+      r.wire_all += wire;
       control.push_back(ControlFiles(absl::StrFormat("%s/versions/v%020d", channel_, v)));
     }
     r.control_files = Median(control);
@@ -212,17 +224,25 @@ class Pair {
 
 int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
   std::printf(
-      "# publisher groups and TP replicas over disk://: N publisher processes (rank r publishes "
+      "# publisher groups and TP replicas: N publisher processes (rank r publishes "
       "row shards of every matrix whose rows divide by N, other tensors whole, tensor i by rank "
       "i %% N), M subscriber processes (one TP group: o_proj/down_proj on dimension 1, other "
       "matrices on dimension 0, vectors replicated); every TP rank checks its slices against "
       "the store\n");
-  std::printf("# %d versions, the first %d not measured; settings: %s\n#\n", c.versions, c.warmup,
+  std::printf("# over %s://; %d versions, the first %d not measured; settings: %s\n",
+              c.transport.c_str(), c.versions, c.warmup,
               c.settings.empty() ? "defaults" : absl::StrJoin(c.settings, " ").c_str());
-  std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %6s\n", "N", "M", "model", "slices",
-              "read/rank", "read%", "commit", "last-rank", "control", "rss/rank", "#wrong");
-  std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %6s\n", "", "", "(B)", "(B)", "(B)",
-              "(%)", "(s)", "(s)", "(files)", "(MiB)", "");
+  std::printf(
+      "# wire/ver: bytes all ranks published through the stack beneath per version (median; "
+      "under delta their encoded parts), wire/rank the most one rank published, ratio model "
+      "bytes / wire/ver, stream: model bytes x versions / wire bytes of every version (the "
+      "first included)\n#\n");
+  std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %12s %12s %7s %7s %6s\n", "N", "M",
+              "model", "slices", "read/rank", "read%", "commit", "last-rank", "control", "rss/rank",
+              "wire/ver", "wire/rank", "ratio", "stream", "#wrong");
+  std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %12s %12s %7s %7s %6s\n", "", "",
+              "(B)", "(B)", "(B)", "(%)", "(s)", "(s)", "(files)", "(MiB)", "(B)", "(B)", "(x)",
+              "(x)", "");
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   int wrong = 0;
   std::string failure;
@@ -236,12 +256,18 @@ int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
         failure = absl::StrFormat("N=%d M=%d: %s", n, m, r.failure);
       }
       const double last = Median(r.last_s);
-      std::printf("  %3d %3d %12llu %12llu %12llu %7.1f %8.4f %10.4f %8.0f %10.1f %6d\n", n, m,
-                  static_cast<unsigned long long>(index.tensor_bytes),
-                  static_cast<unsigned long long>(r.slice_bytes),
-                  static_cast<unsigned long long>(r.read_max),
-                  100.0 * r.read_max / std::max<uint64_t>(index.tensor_bytes, 1),
-                  Median(r.commit_s), last, r.control_files, r.subscriber_rss / 1048576.0, r.wrong);
+      const double wire = Median(r.wire_bytes);
+      std::printf(
+          "  %3d %3d %12llu %12llu %12llu %7.1f %8.4f %10.4f %8.0f %10.1f %12.0f %12.0f %7.1f "
+          "%7.1f %6d\n",
+          n, m, static_cast<unsigned long long>(index.tensor_bytes),
+          static_cast<unsigned long long>(r.slice_bytes),
+          static_cast<unsigned long long>(r.read_max),
+          100.0 * r.read_max / std::max<uint64_t>(index.tensor_bytes, 1), Median(r.commit_s), last,
+          r.control_files, r.subscriber_rss / 1048576.0, wire, Median(r.wire_max),
+          wire > 0 ? static_cast<double>(index.tensor_bytes) / wire : 0.0,
+          r.wire_all > 0 ? static_cast<double>(index.tensor_bytes) * c.versions / r.wire_all : 0.0,
+          r.wrong);
       std::fflush(stdout);
       rows.push_back({{"publishers", n},
                       {"tp", m},
@@ -254,6 +280,9 @@ int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
                       {"commit_s_median", Median(r.commit_s)},
                       {"commit_s", r.commit_s},
                       {"control_files_per_version", r.control_files},
+                      {"wire_bytes_per_version_median", wire},
+                      {"wire_bytes_per_rank_max_median", Median(r.wire_max)},
+                      {"wire_bytes_all_versions", r.wire_all},
                       {"subscriber_peak_rss_bytes", r.subscriber_rss},
                       {"wrong", r.wrong},
                       {"failure", r.failure}});

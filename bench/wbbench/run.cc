@@ -642,7 +642,8 @@ style of nccl-tests; ends with "# OK" or "# FAILED: reason". Metrics: docs/PERFO
   }
   f.publishers_flag =
       cmd.Add("publishers", &f.publishers,
-              "publisher groups of N ranks over disk:// (a list, 1,2,4: each with every --tp), "
+              "publisher groups of N ranks over disk:// (or delta+disk:// with --transports "
+              "delta+disk; a list, 1,2,4: each with every --tp), "
               "each rank publishing its row shards; with --tp, instead of the transports' table")
           .TypeName("N[,N...]");
   f.tp_flag = cmd.Add("tp", &f.tp,
@@ -756,12 +757,16 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
   }
   if (o.transports.empty()) Die("no transport to measure in this build");
   if (f.publishers_flag->given() || f.tp_flag->given()) {
-    // Publisher groups: disk only (ucx and the delta layer refuse world_size > 1 so far).
+    // Publisher groups: over disk, or delta+disk with --transports delta+disk (each rank encodes
+    // its own parts); ucx refuses world_size > 1 so far.
     if (!have_disk) Die("--publishers/--tp run over disk://, which this build lacks");
-    if (f.transports_flag->given() && o.transports != std::vector<std::string>{"disk"}) {
-      Die("--publishers/--tp run over disk:// only (ucx:// and delta refuse publisher groups)");
+    const bool delta =
+        f.transports_flag->given() && o.transports == std::vector<std::string>{"delta+disk"};
+    if (f.transports_flag->given() && !delta && o.transports != std::vector<std::string>{"disk"}) {
+      Die("--publishers/--tp run over disk:// or delta+disk:// (one of them; ucx:// refuses "
+          "publisher groups)");
     }
-    o.transports = {"disk"};
+    o.transports = {delta ? "delta+disk" : "disk"};
   }
   for (const std::string& s : o.settings) {
     bool used = false;
@@ -822,6 +827,7 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
     gc.timeout = o.timeout;
     gc.settings = o.settings;
     gc.json = o.json;
+    gc.transport = o.transports.front();
     absl::PrintF(
         "# weightbus-bench run (weightbus %s): model %s: %d tensors, BF16, %d bytes (%s)\n",
         std::string(LibraryVersion()), source, index.tensors.size(), index.tensor_bytes,

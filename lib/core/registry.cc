@@ -207,10 +207,9 @@ TransportCapabilities StackCapabilities(const std::vector<const TransportDescrip
                                         const Config& config) {
   TransportCapabilities caps;
   for (size_t i = stack.size(); i-- > 0;) {
-    // A layer carries a publisher group only if it says so itself (it must split its encoding
-    // by rank), and reads byte ranges only if it says so (what lies beneath is its encoding,
-    // not the tensors' bytes): it does not inherit either from the transport beneath.
-    if (i + 1 < stack.size()) caps.publisher_groups = caps.partial_reads = false;
+    // A layer sees the whole capabilities of the stack beneath and declares its own: it carries
+    // a publisher group only if it splits its encoding by rank (delta does), and reads byte
+    // ranges only if it says so (what lies beneath is its encoding, not the tensors' bytes).
     caps = stack[i]->capabilities(config, caps);
   }
   return caps;

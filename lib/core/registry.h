@@ -38,7 +38,9 @@ struct TransportDescriptor {
       wrap_subscriber;
   // What the publishers and subscribers it opens can do with the channel's settings `config`
   // (transport.h). A transport ignores `beneath`; a layer derives its own from the capabilities
-  // of the stack beneath it. Must agree with what the objects do: the conformance suite checks.
+  // of the stack beneath it, and must decide publisher_groups and partial_reads itself (what
+  // lies beneath is its encoding: neither carries over by itself). Must agree with what the
+  // objects do: the conformance suite checks.
   std::function<TransportCapabilities(const Config& config, const TransportCapabilities& beneath)>
       capabilities;
 

@@ -118,14 +118,16 @@ class DeltaPublisher final : public TransportPublisher {
  public:
   DeltaPublisher(std::string uri, LayerOptions options, std::unique_ptr<TransportPublisher> inner,
                  std::shared_ptr<Parallel> parallel, ReaderFactory open_reader, bool check_at_rest,
-                 std::optional<RequestBox> requests)
+                 std::optional<RequestBox> requests, int rank, int world_size)
       : uri_(std::move(uri)),
         options_(options),
         inner_(std::move(inner)),
         parallel_(std::move(parallel)),
         open_reader_(std::move(open_reader)),
         check_at_rest_(check_at_rest),
-        requests_(std::move(requests)) {}
+        requests_(std::move(requests)),
+        rank_(rank),
+        world_size_(world_size) {}
 
   absl::StatusOr<std::optional<uint64_t>> LatestVersion() override {
     return inner_->LatestVersion();
@@ -153,6 +155,7 @@ class DeltaPublisher final : public TransportPublisher {
  private:
   void ApplyFloor() {
     std::optional<uint64_t> floor = keyframe_;
+    if (grouped() && group_floor_ && (!floor || *group_floor_ < *floor)) floor = group_floor_;
     if (outer_floor_ && (!floor || *outer_floor_ < *floor)) floor = outer_floor_;
     if (floor) inner_->KeepVersionsFrom(*floor);
   }
@@ -188,6 +191,25 @@ class DeltaPublisher final : public TransportPublisher {
   // The subscriber that reads this channel back, opened on first use.
   absl::StatusOr<TransportSubscriber*> Reader();
 
+  // -- A rank of a publisher group (world_size > 1; README.md "Over a publisher group") --
+  bool grouped() const { return world_size_ > 1; }
+  // Why the group keyframes `version`: the periodic rules (keyframe_interval, delta_max_chain)
+  // counted from the oldest keyframe of the group's chains (group_floor_), the same for every
+  // rank, so that the ranks keyframe the same versions. "": none of them.
+  std::string GroupKeyframeReason(uint64_t version) const;
+  // The record and blob of `inner` (this rank's encoded part) under this rank's names.
+  void PlaceForGroup(Manifest& inner) const;
+  // After committed group version `version` (published, or the newest one read back on
+  // resuming): reads the group's manifest back; sets group_floor_ from every rank's record and,
+  // with `base`, the base's inner manifest to this rank's part as subscribers see it (what the
+  // check at rest compares). A failure is logged: the floor stays, and the next version is a
+  // keyframe (the base's part cannot be checked).
+  void ReadGroupState(uint64_t version, Base* base);
+  // Keyframe requests: answered by the keyframes of the whole group (single publisher: this
+  // publisher's keyframe), or still to be answered by this rank.
+  bool RequestAnswered(const KeyframeRequest& r) const;
+  bool RequestOpenHere(const KeyframeRequest& r) const;
+
   std::string uri_;
   LayerOptions options_;
   std::unique_ptr<TransportPublisher> inner_;
@@ -208,7 +230,76 @@ class DeltaPublisher final : public TransportPublisher {
   std::optional<uint64_t> outer_floor_;  // from a layer above, if any
   Rates rates_;
   std::optional<CodecStats> last_stats_;  // of the last successful Publish
+  int rank_ = 0, world_size_ = 1;
+  // A group: the oldest keyframe of its ranks' chains in the newest committed version (the
+  // floor every rank keeps, so that each rank's chain stays whole).
+  std::optional<uint64_t> group_floor_;
 };
+
+std::string DeltaPublisher::GroupKeyframeReason(uint64_t version) const {
+  const uint64_t floor = group_floor_ ? *group_floor_ : *keyframe_;
+  if (options_.keyframe_interval > 0 &&
+      version - floor >= static_cast<uint64_t>(options_.keyframe_interval)) {
+    return absl::StrFormat(
+        "keyframe_interval=%d, for the whole group (its oldest chain starts at version %d)",
+        options_.keyframe_interval, floor);
+  }
+  if (version - floor > static_cast<uint64_t>(options_.max_chain)) {
+    return absl::StrFormat(
+        "delta_max_chain=%d, for the whole group (its oldest chain starts at version %d)",
+        options_.max_chain, floor);
+  }
+  return "";
+}
+
+void DeltaPublisher::PlaceForGroup(Manifest& inner) const {
+  if (!grouped()) return;
+  inner.group = true;
+  auto record = inner.metadata.find(std::string(kRecordKey));
+  inner.metadata[RankRecordKey(rank_)] = std::move(record->second);
+  inner.metadata.erase(record);
+  inner.tensors[0].name = RankBlobName(rank_);
+  inner.tensors[0].owner = rank_;
+}
+
+void DeltaPublisher::ReadGroupState(uint64_t version, Base* base) {
+  absl::Status failed;
+  absl::StatusOr<Manifest> committed = inner_->CommittedManifest(version);
+  if (committed.ok()) {
+    std::optional<uint64_t> floor;
+    for (int r = 0; r < world_size_ && failed.ok(); ++r) {
+      absl::StatusOr<Manifest> part = RankPart(*committed, r, uri_);
+      absl::StatusOr<Record> record =
+          part.ok() ? ParseRecord(*part, uri_) : absl::StatusOr<Record>(part.status());
+      if (!record.ok()) {
+        failed = record.status();
+        break;
+      }
+      floor = std::min(floor.value_or(record->keyframe_version), record->keyframe_version);
+      if (r == rank_ && base != nullptr) base->inner = *std::move(part);
+    }
+    if (failed.ok()) group_floor_ = floor;
+  } else {
+    failed = committed.status();
+  }
+  if (!failed.ok()) {
+    if (base != nullptr) base->inner = Manifest{};  // cannot be checked: the next is a keyframe
+    Log(LogLevel::kWarn, "%s version %d: the group's committed manifest cannot be read back: %s",
+        uri_, version, failed.message());
+  }
+  ApplyFloor();
+}
+
+bool DeltaPublisher::RequestAnswered(const KeyframeRequest& r) const {
+  const std::optional<uint64_t> floor = grouped() ? group_floor_ : keyframe_;
+  return floor && r.version != 0 && r.version < *floor;
+}
+
+bool DeltaPublisher::RequestOpenHere(const KeyframeRequest& r) const {
+  // A rank that keyframed after the version asked about has answered it; the request stays
+  // until every rank has (RequestAnswered).
+  return !grouped() || r.version == 0 || !keyframe_ || r.version >= *keyframe_;
+}
 
 absl::StatusOr<DeltaPublisher::Storage> DeltaPublisher::PrepareBase(
     const std::vector<TensorInfo>& tensors) {
@@ -412,6 +503,7 @@ std::optional<std::string> DeltaPublisher::Resume(uint64_t version,
   keyframe_ = read->keyframe;
   keyframe_bytes_ = read->keyframe_bytes;
   deltas_since_keyframe_ = read->deltas_since_keyframe;
+  if (grouped()) ReadGroupState(from, nullptr);  // the floor of every rank's chain
   ApplyFloor();  // the chain a late joiner replays stays, whatever retention says
   Log(LogLevel::kInfo,
       "%s: continuing the channel's chain: version %d applies to version %d (keyframe %d + %d "
@@ -461,6 +553,8 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   } else if (!SameLayout(base_->manifest.tensors, infos)) {
     reason =
         absl::StrFormat("the tensor layout differs from version %d's", base_->manifest.version);
+  } else if (grouped()) {
+    reason = GroupKeyframeReason(version);
   } else if (options_.keyframe_interval > 0 &&
              deltas_since_keyframe_ + 1 >= static_cast<uint64_t>(options_.keyframe_interval)) {
     reason = absl::StrFormat("keyframe_interval=%d", options_.keyframe_interval);
@@ -492,8 +586,11 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   if (requests_) {
     std::vector<KeyframeRequest> answered;
     for (KeyframeRequest& r : requests_->Pending()) {
-      (keyframe_ && r.version != 0 && r.version < *keyframe_ ? answered : requests)
-          .push_back(std::move(r));
+      if (RequestAnswered(r)) {
+        answered.push_back(std::move(r));
+      } else if (RequestOpenHere(r)) {
+        requests.push_back(std::move(r));
+      }
     }
     requests_->Remove(answered);
     if (!requests.empty() && reason.empty()) {
@@ -551,10 +648,13 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   const absl::Time encoded_at = absl::Now();
 
   WB_ASSIGN_OR_RETURN(const Manifest* target_manifest, job.SealedManifest(deadline));
-  if (target_manifest->metadata.count(std::string(kRecordKey)) > 0) {
+  if (target_manifest->metadata.count(std::string(kRecordKey)) > 0 ||
+      std::any_of(target_manifest->metadata.begin(), target_manifest->metadata.end(),
+                  [](const auto& kv) { return IsRankRecordKey(kv.first); })) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("%s version %d: metadata key \"%s\" is reserved for the delta layer", uri_,
-                        version, kRecordKey));
+        absl::StrFormat("%s version %d: metadata keys \"%s\" and \"%s.rank-<rank>\" are "
+                        "reserved for the delta layer",
+                        uri_, version, kRecordKey, kRecordKey));
   }
   Record record;
   record.keyframe = keyframe;
@@ -584,6 +684,7 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
                                      std::nullopt,
                                      encoded.bytes.size(),
                                      Xxh3(encoded.bytes.data(), encoded.bytes.size())});
+  PlaceForGroup(inner);
   std::optional<Storage> storage;
   if (keyframe) {
     WB_ASSIGN_OR_RETURN(storage, PrepareBase(infos));
@@ -603,9 +704,22 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     keyframe_bytes_ = record.encoded_bytes;
     deltas_since_keyframe_ = 0;
     ApplyFloor();
-    if (requests_) requests_->Remove(requests);
   } else {
     ++deltas_since_keyframe_;
+  }
+  if (grouped()) {
+    ReadGroupState(version, &*base_);
+    // Requests are removed once every rank has keyframed after them (the group's floor), and
+    // unreadable ones by the rank that answered them.
+    if (requests_) {
+      std::vector<KeyframeRequest> done;
+      for (KeyframeRequest& r : requests_->Pending()) {
+        if (RequestAnswered(r) || (keyframe && r.version == 0)) done.push_back(std::move(r));
+      }
+      requests_->Remove(done);
+    }
+  } else if (keyframe && requests_) {
+    requests_->Remove(requests);
   }
   const char* kind = keyframe ? "keyframe" : "delta";
   last_stats_ = CodecStats{encoded_at - start, record.encoded_bytes,
@@ -632,18 +746,32 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> WrapPublisher(
                            [](const TransportDescriptor* d) { return d->scheme == "delta"; });
   std::vector<const TransportDescriptor*> beneath(self == stack.end() ? self : self + 1,
                                                   stack.end());
-  const bool durable = !beneath.empty() && StackCapabilities(beneath, config).durable;
+  const TransportCapabilities caps =
+      beneath.empty() ? TransportCapabilities{} : StackCapabilities(beneath, config);
+  const int rank = static_cast<int>(config.Int("rank"));
+  const int world_size = static_cast<int>(config.Int("world_size"));
+  if (world_size > 1) {
+    // (A group beneath without committed manifests is refused by the core: LayerCapabilities.)
+    // Each rank always encodes: the plain-or-delta choice is one publisher's, made from its own
+    // measurements, and the ranks of a group would choose differently.
+    options.choose_plain = false;
+  }
   ReaderFactory open_reader =
-      [beneath, uri, config, parallel,
+      [beneath, uri, config, parallel, rank, world_size,
        display = uri.Display()]() -> absl::StatusOr<std::unique_ptr<TransportSubscriber>> {
     if (beneath.empty()) return absl::UnimplementedError("no transport beneath the layer");
     WB_ASSIGN_OR_RETURN(std::unique_ptr<TransportSubscriber> inner,
                         OpenSubscriberStack(beneath, uri, config));
+    if (world_size > 1) {
+      // A rank reads back only its own part of the group's versions (its chain).
+      TransportSubscriber* raw = inner.get();
+      inner = NewRankView(raw, rank, std::move(inner));
+    }
     return NewReader(display, std::move(inner), parallel);
   };
-  return std::unique_ptr<TransportPublisher>(
-      new DeltaPublisher(uri.Display(), options, std::move(inner), std::move(parallel),
-                         std::move(open_reader), durable, RequestBox::ForUri(uri)));
+  return std::unique_ptr<TransportPublisher>(new DeltaPublisher(
+      uri.Display(), options, std::move(inner), std::move(parallel), std::move(open_reader),
+      caps.durable, RequestBox::ForUri(uri), rank, world_size));
 }
 
 }  // namespace weightbus::internal::delta

@@ -232,6 +232,7 @@ class DeltaSubscriber final : public TransportSubscriber {
   std::optional<uint64_t> requested_;  // the version last asked about
   std::optional<Base> base_;
   std::shared_ptr<BufferPool> blobs_ = BufferPool::Create(1);
+  std::unique_ptr<GroupReceiver> group_;  // for group versions, made by the first one
 };
 
 absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::WaitForVersion(
@@ -271,6 +272,11 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::OpenVersion(ui
 
 absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::Plan(
     std::unique_ptr<IncomingVersion> incoming, absl::Time deadline) {
+  if (incoming->manifest().group) {
+    // A publisher group's version: each rank's parts from that rank's chain (group.cc).
+    if (!group_) group_ = NewGroupReceiver(uri_, inner_.get(), parallel_, requests_);
+    return group_->Plan(std::move(incoming), deadline);
+  }
   const uint64_t version = incoming->manifest().version;
   WB_ASSIGN_OR_RETURN(Record record, ParseRecord(incoming->manifest(), Source(version)));
 
@@ -564,6 +570,14 @@ std::unique_ptr<TransportSubscriber> NewReader(std::string uri,
   // The publisher's own reader asks for nothing: it sends a keyframe itself when reading fails.
   return std::unique_ptr<TransportSubscriber>(
       new DeltaSubscriber(std::move(uri), std::move(inner), std::move(parallel), std::nullopt));
+}
+
+std::unique_ptr<TransportSubscriber> NewRankSubscriber(std::string uri,
+                                                       std::unique_ptr<TransportSubscriber> inner,
+                                                       std::shared_ptr<Parallel> parallel,
+                                                       std::optional<RequestBox> requests) {
+  return std::unique_ptr<TransportSubscriber>(new DeltaSubscriber(
+      std::move(uri), std::move(inner), std::move(parallel), std::move(requests)));
 }
 
 absl::Status CheckEncodedVersion(TransportSubscriber& reader, const Manifest& published,

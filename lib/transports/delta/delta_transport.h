@@ -178,4 +178,53 @@ class RequestBox {
   std::string root_, dir_, name_;
 };
 
+// Publisher groups (group.cc; README.md "Over a publisher group"). Each rank of a group
+// encodes its own parts against its own previous parts and publishes, as its part of the group
+// version beneath, one U8 blob named RankBlobName(rank) and its record under
+// RankRecordKey(rank). The group version commits all or nothing as the group beneath does; a
+// subscriber rebuilds each rank's parts from that rank's chain and hands the core the group
+// version of the original parts, which it assembles (whole or resharded) as without the layer.
+std::string RankRecordKey(int rank);  // "weightbus.delta.rank-<rank>"
+std::string RankBlobName(int rank);   // "weightbus.delta.rank-<rank>"
+// Whether `key` is a rank's record key (reserved, like kRecordKey).
+bool IsRankRecordKey(std::string_view key);
+
+// Rank `rank`'s part of the encoded group version `group` (a group manifest of the transport
+// beneath) as a one-publisher encoded version: its blob as kBlobName (owner 0), its record
+// under kRecordKey, the group's other metadata without the ranks' records, group = false. What
+// the rank's chain is planned, decoded and checked against. Errors: DataLoss naming the
+// version and rank when the group version holds no blob or no record of that rank.
+absl::StatusOr<Manifest> RankPart(const Manifest& group, int rank, std::string_view source);
+
+// A subscriber of the transport beneath that shows only rank `rank`'s part (RankPart) of the
+// group versions `inner` delivers: what a rank's delta chain is read through, by the subscriber
+// (one per rank) and by the publisher of that rank (reading its own chain back, never another
+// rank's bytes). `inner` must outlive it unless `owned` holds it.
+std::unique_ptr<TransportSubscriber> NewRankView(TransportSubscriber* inner, int rank,
+                                                 std::unique_ptr<TransportSubscriber> owned = {});
+
+// A delta subscriber (as WrapSubscriber makes) over `inner`, asking for keyframes through
+// `requests`: one per rank of a group (over NewRankView).
+std::unique_ptr<TransportSubscriber> NewRankSubscriber(std::string uri,
+                                                       std::unique_ptr<TransportSubscriber> inner,
+                                                       std::shared_ptr<Parallel> parallel,
+                                                       std::optional<RequestBox> requests);
+
+// The subscriber's side of a group: one delta subscriber per rank over a rank view of the
+// subscriber beneath. Thread-compatible (used by one DeltaSubscriber).
+class GroupReceiver {
+ public:
+  virtual ~GroupReceiver() = default;
+  // The version the core receives for encoded group version `incoming` (a group manifest from
+  // beneath): every rank's parts planned from that rank's chain (a delta on what this
+  // subscriber holds of the rank, the chain back to the rank's keyframe, or the rank's parts
+  // again). Errors as a single publisher's plan, prefixed with the rank (NotFound/Unimplemented
+  // when a rank's chain cannot be reached: the caller waits for the next version).
+  virtual absl::StatusOr<std::unique_ptr<IncomingVersion>> Plan(
+      std::unique_ptr<IncomingVersion> incoming, absl::Time deadline) = 0;
+};
+std::unique_ptr<GroupReceiver> NewGroupReceiver(std::string uri, TransportSubscriber* inner,
+                                                std::shared_ptr<Parallel> parallel,
+                                                std::optional<RequestBox> requests);
+
 }  // namespace weightbus::internal::delta

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The delta record: the JSON text under the inner manifest's "weightbus.delta" metadata key that
 // says what an encoded version is (docs/FORMAT.md), and the target manifests it implies.
+#include <algorithm>
 #include <charconv>
 #include <cstring>
 
@@ -197,6 +198,52 @@ absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view sourc
                         kBlobName, r.encoded_bytes));
   }
   return r;
+}
+
+namespace {
+constexpr std::string_view kRankPrefix = "weightbus.delta.rank-";
+}  // namespace
+
+std::string RankRecordKey(int rank) { return std::string(kRankPrefix) + std::to_string(rank); }
+std::string RankBlobName(int rank) { return RankRecordKey(rank); }
+bool IsRankRecordKey(std::string_view key) { return key.starts_with(kRankPrefix); }
+
+absl::StatusOr<Manifest> RankPart(const Manifest& group, int rank, std::string_view source) {
+  bool any_record = false;
+  Manifest m;
+  m.version = group.version;
+  m.publisher = group.publisher;
+  m.publish_start_unix_ns = group.publish_start_unix_ns;
+  m.sealed_unix_ns = group.sealed_unix_ns;
+  for (const auto& [key, value] : group.metadata) {
+    if (IsRankRecordKey(key)) {
+      any_record = true;
+    } else {
+      m.metadata.emplace(key, value);
+    }
+  }
+  if (!any_record) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: version %d was not published through the delta layer (its group manifest has no "
+        "\"%s<rank>\" records); subscribe to it without \"delta+\", or publish with \"delta+\"",
+        source, group.version, kRankPrefix));
+  }
+  auto record = group.metadata.find(RankRecordKey(rank));
+  const std::string blob = RankBlobName(rank);
+  auto t = std::find_if(group.tensors.begin(), group.tensors.end(),
+                        [&](const TensorInfo& t) { return t.name == blob && t.owner == rank; });
+  if (record == group.metadata.end() || t == group.tensors.end()) {
+    return absl::DataLossError(absl::StrFormat(
+        "%s: group version %d (world_size %d) lacks the delta %s of rank %d (\"%s\")", source,
+        group.version, group.publisher.world_size,
+        record == group.metadata.end() ? "record" : "blob", rank, blob));
+  }
+  m.metadata[std::string(kRecordKey)] = record->second;
+  TensorInfo part = *t;
+  part.name = std::string(kBlobName);
+  part.owner = 0;
+  m.tensors.push_back(std::move(part));
+  return m;
 }
 
 absl::StatusOr<Manifest> TargetManifest(const Manifest& inner, const Record& record,

@@ -118,6 +118,13 @@ TransportCapabilities LayerCapabilities(const Config&, const TransportCapabiliti
   // it the joiner waits for the next keyframe.
   c.late_joiners = beneath.late_joiners && beneath.open_version;
   c.memory_kinds = TransportCapabilities::kHostMemory;  // encoded and decoded on the CPU
+  // Each rank of a group encodes its own parts into its part of the group version beneath
+  // (README.md, "Over a publisher group") and reads the committed group manifest back after
+  // each version (the group's keyframe floor, what its check at rest compares): a group beneath
+  // without committed_manifest (ucx://) is not carried. Subscribers decode whole parts: no byte
+  // ranges.
+  c.publisher_groups = beneath.publisher_groups && beneath.committed_manifest;
+  c.partial_reads = false;
   return c;
 }
 

@@ -321,11 +321,9 @@ struct StackCase {
   bool partial_reads = false;  // a TP rank of a degree > 1 reads less than the model
 };
 
-// The publisher world sizes per stack. delta+disk and ucx run N = 1 only until publisher groups
-// land there: flip delta_disk's list to {1, 2, 4} once delta over a group is in
-// (lib/transports/delta, helper `deltagroup`), ucx's once ucx groups are
-// (lib/transports/ucx, helper `ucxgroup`). A stack that still refuses world_size > 1 at open
-// skips the cell, naming the capability, rather than failing.
+// The publisher world sizes per stack. ucx runs N = 1 only until publisher groups land there
+// (flip its list to {1, 2, 4} then). A stack that still refuses world_size > 1 at open skips the
+// cell, naming the capability, rather than failing.
 const std::vector<StackCase>& StackCases() {
   static const auto* stacks = new std::vector<StackCase>{
       // Partial reads: 4 KiB checksum blocks (most tensors span several, so each TP rank reads
@@ -338,7 +336,7 @@ const std::vector<StackCase>& StackCases() {
        {{"poll_interval", "2ms"}},
        {{"staging_window", "64KiB"}},
        /*partial_reads=*/true},
-      {"delta_disk", "delta+disk://{dir}/channel", {}, {1}},          // deltagroup: {1, 2, 4}
+      {"delta_disk", "delta+disk://{dir}/channel", {}, {1, 2, 4}, {}, {{"poll_interval", "2ms"}}},
       {"ucx", "ucx://127.0.0.1:{port}/channel", testing::kShm, {1}},  // ucxgroup: {1, 2, 4}
   };
   return *stacks;
@@ -424,10 +422,17 @@ TEST_P(TpLogitsGridTest, TensorParallelLogitsOnTheSlicesMatchTheUnshardedModel) 
     for (const OwnedTensor& t : Tensors(cell.model, version)) model_bytes += t.bytes.size();
     for (const auto& u : replica->updates) most_read = std::max(most_read, u->stats().bytes);
     if (cell.stack.partial_reads && cell.tp > 1) EXPECT_LT(most_read, model_bytes);
-    // Over the delta layer, every rank's version 2 is a delta on its copy of version 1.
+    // Over the delta layer, every TP rank's version 2 is a delta on its copy of version 1 (from
+    // a group: each publisher rank's part is, "rank R: delta 2 ...; ...").
     if (version == 2 && absl::StartsWith(cell.stack.uri, "delta+")) {
       for (const auto& u : replica->updates) {
-        EXPECT_TRUE(absl::StartsWith(u->stats().encoding, "delta 2 ")) << u->stats().encoding;
+        const std::vector<std::string> parts = absl::StrSplit(u->stats().encoding, "; ");
+        EXPECT_EQ(parts.size(), static_cast<size_t>(cell.publishers)) << u->stats().encoding;
+        for (int r = 0; r < static_cast<int>(parts.size()); ++r) {
+          const std::string want =
+              cell.publishers == 1 ? "delta 2 " : absl::StrFormat("rank %d: delta 2 ", r);
+          EXPECT_TRUE(absl::StartsWith(parts[r], want)) << u->stats().encoding;
+        }
       }
     }
     std::printf(

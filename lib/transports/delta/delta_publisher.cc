@@ -118,7 +118,7 @@ class DeltaPublisher final : public TransportPublisher {
  public:
   DeltaPublisher(std::string uri, LayerOptions options, std::unique_ptr<TransportPublisher> inner,
                  std::shared_ptr<Parallel> parallel, ReaderFactory open_reader, bool check_at_rest,
-                 std::optional<RequestBox> requests)
+                 BackChannel requests)
       : uri_(std::move(uri)),
         options_(options),
         inner_(std::move(inner)),
@@ -196,8 +196,8 @@ class DeltaPublisher final : public TransportPublisher {
   // The transport beneath keeps versions at rest (durable): before a delta against the base,
   // check that the channel still holds the base's encoded version intact.
   bool check_at_rest_ = false;
-  // Where subscribers ask for keyframes (channels on disk).
-  std::optional<RequestBox> requests_;
+  // Where subscribers ask for keyframes (disk's files, or the transport beneath's).
+  BackChannel requests_;
   std::unique_ptr<TransportSubscriber> reader_;
   bool resume_tried_ = false;
   std::string no_base_reason_ = "the first version of this publisher";
@@ -489,16 +489,17 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   // it was checked, a version gone) asked for a keyframe: this version is one. A request about
   // a version before the chain's keyframe was answered by that keyframe already.
   std::vector<KeyframeRequest> requests;
-  if (requests_) {
+  {
     std::vector<KeyframeRequest> answered;
-    for (KeyframeRequest& r : requests_->Pending()) {
+    for (KeyframeRequest& r : requests_.Pending(*inner_)) {
       (keyframe_ && r.version != 0 && r.version < *keyframe_ ? answered : requests)
           .push_back(std::move(r));
     }
-    requests_->Remove(answered);
+    requests_.Answered(answered);
     if (!requests.empty() && reason.empty()) {
       reason = absl::StrFormat("%d subscriber%s asked for a keyframe (%s): %s", requests.size(),
-                               requests.size() == 1 ? "" : "s", requests_->dir(), requests[0].text);
+                               requests.size() == 1 ? "" : "s", requests_.Where(),
+                               requests[0].text);
       Log(LogLevel::kWarn, "%s version %d: publishing a keyframe: %s", uri_, version, reason);
     }
   }
@@ -518,7 +519,7 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   if (plain) {
     reason = keyframe ? absl::StrCat(*plain, "; a keyframe was due: ", reason) : *plain;
     WB_RETURN_IF_ERROR(PublishPlain(job, infos, reason, total_bytes, deadline));
-    if (requests_) requests_->Remove(requests);  // a plain version needs no base either
+    requests_.Answered(requests);  // a plain version needs no base either
     return absl::OkStatus();
   }
   const absl::Time start = absl::Now();
@@ -603,7 +604,7 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     keyframe_bytes_ = record.encoded_bytes;
     deltas_since_keyframe_ = 0;
     ApplyFloor();
-    if (requests_) requests_->Remove(requests);
+    requests_.Answered(requests);
   } else {
     ++deltas_since_keyframe_;
   }
@@ -643,7 +644,7 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> WrapPublisher(
   };
   return std::unique_ptr<TransportPublisher>(
       new DeltaPublisher(uri.Display(), options, std::move(inner), std::move(parallel),
-                         std::move(open_reader), durable, RequestBox::ForUri(uri)));
+                         std::move(open_reader), durable, BackChannel::ForUri(uri)));
 }
 
 }  // namespace weightbus::internal::delta

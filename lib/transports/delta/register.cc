@@ -115,6 +115,8 @@ TransportCapabilities LayerCapabilities(const Config&, const TransportCapabiliti
   c.reads_strided_views = false;
   c.copies_with_checksums = false;
   c.committed_manifest = false;
+  // The back channel carries this layer's own keyframe requests; a layer above has none to send.
+  c.keyframe_requests = false;
   // A late joiner replays the newest keyframe and the deltas after it with OpenVersion; without
   // it the joiner waits for the next keyframe.
   c.late_joiners = beneath.late_joiners && beneath.open_version;

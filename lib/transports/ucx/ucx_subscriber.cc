@@ -203,6 +203,27 @@ class UcxSubscriber final : public TransportSubscriber {
     return Request(version, /*exact=*/true, deadline);
   }
   absl::StatusOr<std::vector<uint64_t>> ListVersions() override;
+  // One KEYFRAME_REQUEST over the current session's control connection (no answer comes: the
+  // publisher's next version is a keyframe). Errors: Unavailable when there is no session (the
+  // request is not kept: a later failure asks again) or sending fails.
+  absl::Status RequestKeyframe(uint64_t version, std::optional<uint64_t> holds,
+                               std::string_view why) override {
+    absl::MutexLock lock(&mu_);
+    if (!session_) {
+      return absl::UnavailableError(absl::StrFormat(
+          "%s: no connection to the publisher to ask for a keyframe (version %d)",
+          endpoint_.display, version));
+    }
+    const absl::Status sent = session_->control.Send(
+        Encode(KeyframeRequestMsg{version, holds.has_value(), holds.value_or(0), std::string(why)}),
+        absl::Now() + absl::Seconds(1));
+    if (!sent.ok()) {
+      return absl::UnavailableError(
+          absl::StrFormat("%s: cannot send a keyframe request (version %d) to %s: %s",
+                          endpoint_.display, version, session_->control.peer(), sent.message()));
+    }
+    return absl::OkStatus();
+  }
   // A wait in flight returns Cancelled within about 50 ms (Await receives in slices and checks
   // the flag); so does every later call. Only sets an atomic flag: safe from any thread.
   void Cancel() override { cancelled_.store(true); }

@@ -194,8 +194,9 @@ class DeltaPublisher final : public TransportPublisher {
   absl::Status PublishPlain(PublishJob& job, const std::vector<TensorInfo>& infos,
                             const std::string& reason, uint64_t bytes, absl::Time deadline);
   // Before encoding a large delta whose rates are not measured yet, or a probe (PlainReason):
-  // encodes every kSampleStride-th chunk on this thread and sets rates_.delta from it. Returns
-  // whether it did (false: too few chunks to sample, or the rates are known).
+  // encodes one chunk in kSampleStride (spread over the version's bytes) on this publisher's
+  // threads, then decodes them, and sets rates_.delta and rates_.decode_bytes_per_s from it.
+  // Returns whether it did (false: nothing to sample, or the rates are known).
   bool SampleDelta(const std::vector<TensorLayout>& layout,
                    const std::vector<const std::byte*>& target, uint64_t bytes);
   // The subscriber that reads this channel back, opened on first use.
@@ -323,13 +324,20 @@ bool DeltaPublisher::SampleDelta(const std::vector<TensorLayout>& layout,
     return false;
   }
   const std::vector<Chunk> chunks = PlanChunks(layout, options_.encode.chunk_size);
-  if (chunks.size() < 2) return false;
-  // Every kSampleStride-th chunk (at least 2 of them), encoded and then decoded on this
+  if (chunks.empty()) return false;
+  // One chunk in kSampleStride (at least one), spread evenly over the version's bytes (so that
+  // the tiny chunks of rare dtypes are not what is measured), encoded and then decoded on this
   // publisher's threads, as the whole delta would be: the rates include what running them in
   // parallel on these cores costs.
   std::vector<size_t> sample;
-  const size_t stride = std::min(kSampleStride, chunks.size() / 2);
-  for (size_t c = stride / 2; c < chunks.size(); c += stride) sample.push_back(c);
+  const size_t want = std::max<size_t>(1, chunks.size() / kSampleStride);
+  uint64_t total = 0;
+  for (const Chunk& chunk : chunks) total += chunk.bytes;
+  for (size_t i = 0, c = 0, end = 0; i < want; ++i) {
+    const uint64_t at = (2 * i + 1) * total / (2 * want);  // the middle of the i-th stretch
+    while (c < chunks.size() && end + chunks[c].bytes <= at) end += chunks[c++].bytes;
+    if (c < chunks.size() && (sample.empty() || sample.back() != c)) sample.push_back(c);
+  }
   std::vector<std::vector<std::byte>> records(sample.size());
   std::vector<uint64_t> encoded(sample.size());
   const auto spans_of = [&](const Chunk& chunk) {
@@ -347,11 +355,10 @@ bool DeltaPublisher::SampleDelta(const std::vector<TensorLayout>& layout,
         EncodeChunk(chunk.dtype, spans_of(chunk), false, options_.encode, &records[k]).encoded_bytes;
   });
   const absl::Time encoded_at = absl::Now();
-  uint64_t raw = 0, encoded_total = 0, largest = 0;
+  uint64_t raw = 0, encoded_total = 0;
   for (size_t k = 0; k < sample.size(); ++k) {
     raw += chunks[sample[k]].bytes;
     encoded_total += encoded[k];
-    largest = std::max(largest, chunks[sample[k]].bytes);
   }
   rates_.delta.Measure(raw, encoded_at - start, encoded_total, /*fresh=*/true);
   // Decoding the sample into scratch memory (one chunk's worth per thread is not enough for a

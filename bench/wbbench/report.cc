@@ -196,8 +196,8 @@ std::string FormatTable(const RunResult& r) {
         all = all && p.ok;
         last = std::max(last, p.ready_s);
       }
-      absl::StrAppendFormat(&out, "# %s version %d%s: last replica %s ms, %s\n", t.name,
-                            v.version, v.measured ? "" : " (warm-up)",
+      absl::StrAppendFormat(&out, "# %s version %d%s: last replica %s ms, %s\n", t.name, v.version,
+                            v.measured ? "" : " (warm-up)",
                             all ? absl::StrFormat("%.1f", last * 1e3) : std::string("-"),
                             v.encoding);
     }

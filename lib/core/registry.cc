@@ -309,10 +309,9 @@ absl::StatusOr<Manifest> TransportPublisher::CommittedManifest(uint64_t version)
 }
 
 absl::Status TransportSubscriber::RequestKeyframe(uint64_t version, std::optional<uint64_t>,
-                                                 std::string_view) {
-  return absl::UnimplementedError(
-      absl::StrFormat("this transport has no back channel for a keyframe request (version %d)",
-                      version));
+                                                  std::string_view) {
+  return absl::UnimplementedError(absl::StrFormat(
+      "this transport has no back channel for a keyframe request (version %d)", version));
 }
 
 absl::StatusOr<std::vector<uint64_t>> TransportSubscriber::ListVersions() {

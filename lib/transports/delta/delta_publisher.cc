@@ -307,12 +307,13 @@ std::optional<std::string> DeltaPublisher::PlainReason(bool keyframe, uint64_t b
     }
     return std::nullopt;
   }
-  return absl::StrFormat("sent plainly: encoding and decoding a %s would cost more than the time "
-                         "its fewer bytes save (%s; the saving must be %.2fx the codec's cost)",
-                         keyframe && !judge_keyframe ? "delta (so a keyframe too)"
-                         : keyframe                  ? "keyframe"
-                                                     : "delta",
-                         rates, Rates::kMargin);
+  return absl::StrFormat(
+      "sent plainly: encoding and decoding a %s would cost more than the time "
+      "its fewer bytes save (%s; the saving must be %.2fx the codec's cost)",
+      keyframe && !judge_keyframe ? "delta (so a keyframe too)"
+      : keyframe                  ? "keyframe"
+                                  : "delta",
+      rates, Rates::kMargin);
 }
 
 bool DeltaPublisher::SampleDelta(const std::vector<TensorLayout>& layout,
@@ -351,8 +352,8 @@ bool DeltaPublisher::SampleDelta(const std::vector<TensorLayout>& layout,
   const absl::Time start = absl::Now();
   parallel_->For(sample.size(), [&](size_t k) {
     const Chunk& chunk = chunks[sample[k]];
-    encoded[k] =
-        EncodeChunk(chunk.dtype, spans_of(chunk), false, options_.encode, &records[k]).encoded_bytes;
+    encoded[k] = EncodeChunk(chunk.dtype, spans_of(chunk), false, options_.encode, &records[k])
+                     .encoded_bytes;
   });
   const absl::Time encoded_at = absl::Now();
   uint64_t raw = 0, encoded_total = 0;
@@ -567,9 +568,9 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     }
     requests_.Answered(answered);
     if (!requests.empty() && reason.empty()) {
-      reason = absl::StrFormat("%d subscriber%s asked for a keyframe (%s): %s", requests.size(),
-                               requests.size() == 1 ? "" : "s", requests_.Where(),
-                               requests[0].text);
+      reason =
+          absl::StrFormat("%d subscriber%s asked for a keyframe (%s): %s", requests.size(),
+                          requests.size() == 1 ? "" : "s", requests_.Where(), requests[0].text);
       Log(LogLevel::kWarn, "%s version %d: publishing a keyframe: %s", uri_, version, reason);
     }
   }

@@ -210,8 +210,8 @@ class DeltaSubscriber final : public TransportSubscriber {
         base_ ? std::optional<uint64_t>(base_->manifest.version) : std::nullopt;
     if (absl::Status s = requests_.Ask(*inner_, version, holds, std::string(failure.message()));
         s.ok()) {
-      Log(LogLevel::kWarn, "%s: asked the publisher for a keyframe %s: %s", uri_,
-          requests_.Where(), failure.message());
+      Log(LogLevel::kWarn, "%s: asked the publisher for a keyframe %s: %s", uri_, requests_.Where(),
+          failure.message());
     } else if (!absl::IsUnimplemented(s)) {
       Log(LogLevel::kWarn, "%s: %s (waiting for the next keyframe instead)", uri_, s.message());
     }
@@ -564,8 +564,8 @@ std::unique_ptr<TransportSubscriber> NewReader(std::string uri,
                                                std::unique_ptr<TransportSubscriber> inner,
                                                std::shared_ptr<Parallel> parallel) {
   // The publisher's own reader asks for nothing: it sends a keyframe itself when reading fails.
-  return std::unique_ptr<TransportSubscriber>(
-      new DeltaSubscriber(std::move(uri), std::move(inner), std::move(parallel), BackChannel::None()));
+  return std::unique_ptr<TransportSubscriber>(new DeltaSubscriber(
+      std::move(uri), std::move(inner), std::move(parallel), BackChannel::None()));
 }
 
 absl::Status CheckEncodedVersion(TransportSubscriber& reader, const Manifest& published,

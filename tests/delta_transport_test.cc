@@ -832,6 +832,17 @@ TEST(DeltaTransportTest, NewPublisherWhoseBaseDiffersFromTheChannelSendsAKeyfram
 namespace weightbus {
 namespace {
 
+// The checkpoint directory `weightbus subscribe --to` wrote holds exactly `expected`, bit-exact.
+void ExpectCheckpointHolds(const std::string& path, const std::vector<OwnedTensor>& expected) {
+  std::map<std::string, std::vector<std::byte>> got;
+  for (OwnedTensor& t : LoadTensors(path)) got[t.name] = std::move(t.bytes);
+  ASSERT_EQ(got.size(), expected.size());
+  for (const OwnedTensor& t : expected) {
+    ASSERT_EQ(got.count(t.name), 1u) << t.name;
+    EXPECT_TRUE(got[t.name] == t.bytes) << t.name;
+  }
+}
+
 // The request files subscribers left in the channel's back channel (delta-requests/).
 std::vector<std::string> Requests(const ScratchDir& dir) {
   std::vector<std::string> out;
@@ -894,15 +905,7 @@ TEST(DeltaTransportTest, LateJoinersStoppedByADamagedOrMissingChainAreCaughtUpOn
   auto caught_up =
       Cli({"subscribe", uri, "--to", dir / "late2", "--min-version", "5", "--timeout", "10s"});
   ASSERT_EQ(caught_up.exit_code, 0) << caught_up.output;
-  {
-    std::map<std::string, std::vector<std::byte>> got;
-    for (OwnedTensor& t : LoadTensors(dir / "late2")) got[t.name] = std::move(t.bytes);
-    ASSERT_EQ(got.size(), versions[5].size());
-    for (const OwnedTensor& t : versions[5]) {
-      ASSERT_EQ(got.count(t.name), 1u) << t.name;
-      EXPECT_TRUE(got[t.name] == t.bytes) << t.name;
-    }
-  }
+  ExpectCheckpointHolds(dir / "late2", versions[5]);
   auto u5 = (*held)->WaitForVersion(5, kTimeout);
   ASSERT_TRUE(u5.ok()) << u5.status();
   ExpectSameTensors(**u5, versions[5]);
@@ -1004,15 +1007,7 @@ TEST_P(DeltaUcxRequestTest, ADamagedDeltaIsRepairedByAKeyframeOnRequest) {
   auto caught_up =
       Cli({"subscribe", uri, "--to", dir / "late2", "--min-version", "4", "--timeout", "10s"});
   ASSERT_EQ(caught_up.exit_code, 0) << caught_up.output;
-  {
-    std::map<std::string, std::vector<std::byte>> got;
-    for (OwnedTensor& t : LoadTensors(dir / "late2")) got[t.name] = std::move(t.bytes);
-    ASSERT_EQ(got.size(), versions[4].size());
-    for (const OwnedTensor& t : versions[4]) {
-      ASSERT_EQ(got.count(t.name), 1u) << t.name;
-      EXPECT_TRUE(got[t.name] == t.bytes) << t.name;
-    }
-  }
+  ExpectCheckpointHolds(dir / "late2", versions[4]);
   publish(5);
   EXPECT_THAT((*pub)->last_stats().encoding, ::testing::StartsWith("delta: "));
   auto u5 = (*held)->WaitForVersion(5, kTimeout);

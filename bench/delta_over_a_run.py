@@ -3,10 +3,12 @@
 """The delta layer over a run (issue 16, BENCHMARKS.md): the late-joiner catch-up time after a
 full chain, the time to repair one corrupted delta, the time a late joiner stopped by a delta
 damaged at rest after the publisher's check (or by a missing version of the chain) takes to be
-caught up through a keyframe request, and one host with 2 replicas of a 256 MiB model of which
+caught up through a keyframe request (over disk, and over ucx for a delta damaged in the
+publisher's staging memory), and one host with 2 replicas of a 256 MiB model of which
 14% of the elements change per version, delta+disk against plain disk.
 
     PYTHONPATH=bindings/python /usr/bin/python3 bench/delta_over_a_run.py [--dir /tmp/wb-run]
+        [--only ucx-repair]
 
 Models are uint16 arrays (bf16 bit patterns) of random values of which a fraction moves by one
 unit per version. Times are wall times of this process (publisher and subscribers in threads,
@@ -131,6 +133,50 @@ def repair_on_request(work, nbytes, damage):
           f"(version {u.version}; {len(left)} request(s) left after)")
 
 
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def repair_over_ucx(nbytes, tls):
+    """delta+ucx: version 3, a delta, damaged in the publisher's staging memory after it was
+    staged and checksummed (fail point ucx.damage_staged); the subscriber holding version 2
+    fails on it, keeps 2 and asks for a keyframe over the control connection; the time from the
+    next publish's start until it holds that version."""
+    os.environ["UCX_TLS"] = "posix,sysv,cma,self" if tls == "shm" else "tcp"
+    if tls == "tcp":
+        os.environ["UCX_NET_DEVICES"] = "lo"
+    uri = f"delta+ucx://127.0.0.1:{free_port()}/policy"
+    versions = stream(nbytes, 0.01, 5)
+    os.environ["WEIGHTBUS_FAILPOINTS"] = "ucx.damage_staged=error@3"
+    try:
+        pub = weightbus.Publisher(uri + "?delta_send_plain=false")
+    finally:
+        del os.environ["WEIGHTBUS_FAILPOINTS"]
+    with pub, weightbus.Subscriber(uri) as held:
+        for v in (1, 2):
+            pub.publish(v, {"w": next(versions)})
+            held.wait(min_version=v, timeout=60)
+        pub.publish(3, {"w": next(versions)})
+        try:
+            held.wait(min_version=3, timeout=60)
+            raise SystemExit("FAILED: the subscriber applied a damaged delta")
+        except weightbus.DataLossError:
+            pass
+        start = time.perf_counter()
+        pub.publish(4, {"w": next(versions)})
+        encoding = pub.last_stats.encoding
+        u = held.wait(min_version=3, timeout=60)
+        took = time.perf_counter() - start
+    os.environ.pop("UCX_TLS")
+    os.environ.pop("UCX_NET_DEVICES", None)
+    print(f"delta+ucx ({tls}), {nbytes / 1e6:.1f} MB model, version 3 damaged in staging memory: "
+          f"the subscriber holding 2 asked; version {u.version} ({encoding[:70]}...) held "
+          f"{took * 1000:.0f} ms after its publish began")
+
+
 def one_host(uri, channel, versions=6):
     subs = [weightbus.Subscriber(uri) for _ in range(2)]
     times = []
@@ -158,8 +204,16 @@ def one_host(uri, channel, versions=6):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", default="/tmp/wb-delta-over-a-run")
-    work = parser.parse_args().dir
+    parser.add_argument("--only", choices=("all", "ucx-repair"), default="all",
+                        help="ucx-repair: only the keyframe-on-request figures over delta+ucx")
+    args = parser.parse_args()
+    work = args.dir
     os.makedirs(work, exist_ok=True)
+    for nbytes in (520064, 64 << 20):
+        for tls in ("shm", "tcp"):
+            repair_over_ucx(nbytes, tls)
+    if args.only == "ucx-repair":
+        return
     late_joiner(work)
     repair(work)
     for nbytes in (520064, 64 << 20):

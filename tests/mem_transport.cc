@@ -93,6 +93,7 @@ struct Switches {
   bool cancel, committed_manifest, reads_strided_views, copies_with_checksums, keep_versions_from,
       wait_for_receivers, open_version, list_versions, durable;
   int64_t retention;
+  uint64_t link_rate;  // bytes per second a Publish moves at most (0: as fast as memcpy)
 
   explicit Switches(const Config& c)
       : cancel(c.Bool("cancel")),
@@ -104,7 +105,8 @@ struct Switches {
         open_version(c.Bool("open_version")),
         list_versions(c.Bool("list_versions")),
         durable(c.Bool("durable")),
-        retention(c.Int("retention")) {}
+        retention(c.Int("retention")),
+        link_rate(c.Bytes("link_rate")) {}
 };
 
 TransportCapabilities MemCapabilities(const Config& config, const TransportCapabilities&) {
@@ -255,6 +257,11 @@ class MemPublisher final : public TransportPublisher {
     }
     WB_ASSIGN_OR_RETURN(const Manifest* sealed, job.SealedManifest(deadline));
     entry->manifest = *sealed;
+    if (switches_.link_rate > 0) {
+      // The time the bytes would take on the link (a model of bandwidth, not a synchronisation).
+      absl::SleepFor(absl::Seconds(static_cast<double>(sealed->total_bytes()) /
+                                   static_cast<double>(switches_.link_rate)));
+    }
     if (absl::Now() > deadline) {
       return absl::DeadlineExceededError(
           absl::StrFormat("mem:///%s: version %d was not committed by the deadline", channel_->name,
@@ -449,6 +456,9 @@ const internal::SettingTable& MemSettings() {
           {"durable", SettingType::kBool, "true",
            "versions outlive their publisher (false: cleared when it closes, as on ucx://)"},
           {"retention", SettingType::kInt, "0", "versions kept (0: all)"},
+          {"link_rate", SettingType::kBytes, "0",
+           "a slow link: Publish takes at least the version's bytes / this many bytes per "
+           "second (0: no limit), for the delta layer's choice on a low-bandwidth path"},
       }};
   return *table;
 }

@@ -185,6 +185,23 @@ std::string FormatTable(const RunResult& r) {
   for (const TransportResult& t : r.transports) {
     if (!t.failure.empty()) absl::StrAppendFormat(&out, "# %s: %s\n", t.name, t.failure);
   }
+  // A layer's choice per version (delta, keyframe or plain, and why: PublishStats::encoding),
+  // with the time to the last replica, so that a reader sees what each version cost.
+  for (const TransportResult& t : r.transports) {
+    for (const VersionRecord& v : t.versions) {
+      if (v.encoding.empty()) continue;
+      double last = 0;
+      bool all = !v.replicas.empty();
+      for (const ReplicaRecord& p : v.replicas) {
+        all = all && p.ok;
+        last = std::max(last, p.ready_s);
+      }
+      absl::StrAppendFormat(&out, "# %s version %d%s: last replica %s ms, %s\n", t.name, v.version,
+                            v.measured ? "" : " (warm-up)",
+                            all ? absl::StrFormat("%.1f", last * 1e3) : std::string("-"),
+                            v.encoding);
+    }
+  }
   out += FinalLine(r) + "\n";
   return out;
 }
@@ -253,6 +270,7 @@ nlohmann::ordered_json ToJson(const RunResult& r) {
                                    {"checksum_wait_s", v.checksum_wait_s},
                                    {"encode_s", v.encode_s},
                                    {"wire_bytes", v.wire_bytes},
+                                   {"encoding", v.encoding},
                                    {"stored_bytes", v.stored_bytes}};
       vj["replicas"] = nlohmann::ordered_json::array();
       for (const ReplicaRecord& p : v.replicas) {

@@ -34,6 +34,7 @@ struct VersionRecord {
   int64_t publish_start_unix_ns = 0;
   double stall_s = 0, pack_s = 0, transport_s = 0, checksum_wait_s = 0, encode_s = 0;
   uint64_t wire_bytes = 0;       // PublishStats::wire_bytes (0: unknown)
+  std::string encoding;          // PublishStats::encoding: a layer's choice and why ("" without)
   uint64_t stored_bytes = 0;     // disk-backed channels: bytes of the version's directory
   size_t expected_replicas = 0;  // the run's subscribers; fewer records: some never reported
   std::vector<ReplicaRecord> replicas;

@@ -141,7 +141,8 @@ int PublisherMain(const WorkerFlags& flags) {
           {"checksum_wait_s", absl::ToDoubleSeconds(st.checksum_wait)},
           {"encode_s", absl::ToDoubleSeconds(st.encode)},
           {"bytes", st.bytes},
-          {"wire_bytes", st.wire_bytes}});
+          {"wire_bytes", st.wire_bytes},
+          {"encoding", st.encoding}});
   }
   pub->reset();
   Emit({{"done", true}, {"overhead_cpu_s", overhead}, {"peak_rss_bytes", SelfPeakRssBytes()}});

@@ -279,6 +279,7 @@ class Session {
     rec.checksum_wait_s = p->value("checksum_wait_s", 0.0);
     rec.encode_s = p->value("encode_s", 0.0);
     rec.wire_bytes = p->value("wire_bytes", uint64_t{0});
+    rec.encoding = p->value("encoding", std::string());
     if (!channel_dir_.empty()) {
       rec.stored_bytes = DirectoryBytes(absl::StrFormat("%s/versions/v%020d", channel_dir_, v));
     }

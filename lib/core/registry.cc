@@ -229,6 +229,7 @@ std::string DescribeCapabilities(const TransportCapabilities& c) {
            {c.list_versions, "list_versions"},
            {c.partial_reads, "partial_reads"},
            {c.cancel, "cancel"},
+           {c.keyframe_requests, "keyframe_requests"},
            {c.cross_process, "cross_process"},
            {c.durable, "durable"},
            {c.late_joiners, "late_joiners"},
@@ -304,6 +305,12 @@ absl::StatusOr<int> TransportPublisher::WaitForReceivers(uint64_t version, int, 
 absl::StatusOr<Manifest> TransportPublisher::CommittedManifest(uint64_t version) {
   return absl::UnimplementedError(
       absl::StrFormat("this transport cannot read back the manifest of version %d", version));
+}
+
+absl::Status TransportSubscriber::RequestKeyframe(uint64_t version, std::optional<uint64_t>,
+                                                  std::string_view) {
+  return absl::UnimplementedError(absl::StrFormat(
+      "this transport has no back channel for a keyframe request (version %d)", version));
 }
 
 absl::StatusOr<std::vector<uint64_t>> TransportSubscriber::ListVersions() {

@@ -13,6 +13,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -84,6 +85,11 @@ struct TransportCapabilities {
   // room, a WaitForReceivers) return Cancelled promptly, and every later call too. Without it a
   // call in flight when its handle is destroyed runs to its own deadline.
   bool cancel = false;
+  // A back channel from subscribers to the publisher for keyframe requests:
+  // TransportSubscriber::RequestKeyframe reaches the publisher's
+  // TransportPublisher::TakeKeyframeRequests (the delta layer asks for a keyframe with it when
+  // it cannot reconstruct a version). disk:// has its own, in the channel's directory.
+  bool keyframe_requests = false;
 
   // -- The channel --
   // Publisher and subscribers may be different processes (false: one process only).
@@ -178,6 +184,16 @@ struct CodecStats {
   std::string encoding;     // what the layer did with the version and why (PublishStats::encoding)
 };
 
+// A subscriber's request for a keyframe, as the publisher receives it
+// (TransportPublisher::TakeKeyframeRequests).
+struct KeyframeRequest {
+  // Who asked, the same for every request of one subscriber object (a newer request of the same
+  // subscriber replaces its older one); disk://'s back channel: the request's file.
+  std::string id;
+  uint64_t version = 0;  // the version the subscriber could not reconstruct (0: not known)
+  std::string text;      // who asked and why, for the keyframe's reason and logs
+};
+
 class TransportPublisher {
  public:
   virtual ~TransportPublisher() = default;
@@ -204,6 +220,10 @@ class TransportPublisher {
   // A layer's figures for its last successful Publish (default: none; the core then reports the
   // tensor bytes as wire bytes for a plain transport and 0, unknown, under a layer).
   virtual std::optional<CodecStats> LastCodecStats() const { return std::nullopt; }
+  // The keyframe requests subscribers sent since the last call (capability keyframe_requests),
+  // at most one per subscriber (its newest); taken, so a second call returns only newer ones.
+  // Thread-safe. Default: none.
+  virtual std::vector<KeyframeRequest> TakeKeyframeRequests() { return {}; }
   // Called from another thread when the Publisher is being destroyed while a call may be in
   // flight: a Publish or WaitForReceivers waiting (for staging slots, receivers, ...) should
   // return Cancelled promptly (within about 100 ms), and so should every later call. Bytes
@@ -279,6 +299,12 @@ class TransportSubscriber {
                                                                        absl::Time deadline);
   // The committed versions the channel holds now, ascending.
   virtual absl::StatusOr<std::vector<uint64_t>> ListVersions();
+  // Asks the publisher for a keyframe (capability keyframe_requests): this subscriber cannot
+  // reconstruct `version` (`why`, cut to a bounded length by the transport) and holds `holds`.
+  // Does not wait for an answer; the publisher's next version answers it. Errors: Unavailable
+  // when the publisher cannot be reached now; Unimplemented by default.
+  virtual absl::Status RequestKeyframe(uint64_t version, std::optional<uint64_t> holds,
+                                       std::string_view why);
   // Called from another thread when the Subscriber is being destroyed while a call may be in
   // flight: a WaitForVersion (or OpenVersion) waiting for a version should return Cancelled
   // promptly (within about 100 ms), and so should every later call. A Fetch under way may run

@@ -148,6 +148,10 @@ void WriteUcxSeeds(const fs::path& dir, const std::vector<std::string>& manifest
       {"renewed", ucx::Encode(ucx::RenewedMsg{11, false})},
       {"read", ucx::Encode(ucx::ReadMsg{100, 11, 65536, 65536})},
       {"data", ucx::Encode(ucx::DataMsg{100, true, std::string_view(rkey)})},
+      {"keyframe-request",
+       ucx::Encode(ucx::KeyframeRequestMsg{9, true, 7,
+                                           "version 9 fails verification: the blob's XXH3-64 is "
+                                           "0123456789abcdef, its record says fedcba9876543210"})},
   };
   for (const auto& [name, frame] : frames) WriteFile(dir / (name + ".bin"), frame);
   // A session as a subscriber sees it: WELCOME, then a GRANT per version, then a RENEWED.

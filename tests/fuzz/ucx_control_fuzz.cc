@@ -103,9 +103,18 @@ void DecodeAs(MsgType type, const std::string& p) {
       return Try(type, p, ucx::DecodeChallenge, true);
     case MsgType::kProof:
       return Try(type, p, ucx::DecodeProof, true);
+    case MsgType::kKeyframeRequest: {
+      Try(type, p, ucx::DecodeKeyframeRequest, true);
+      if (auto k = ucx::DecodeKeyframeRequest(p); k.ok()) {
+        Check(k->reason.size() <= ucx::kMaxKeyframeReason,
+              "a KEYFRAME_REQUEST reason longer than kMaxKeyframeReason was accepted");
+      }
+      return;
+    }
   }
   // An unknown type: no decoder may crash on it either.
   for (uint8_t t = 1; t <= 18; ++t) DecodeAs(static_cast<MsgType>(t), p);
+  DecodeAs(MsgType::kKeyframeRequest, p);
 }
 
 }  // namespace

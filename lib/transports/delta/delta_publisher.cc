@@ -5,6 +5,7 @@
 // metadata carries the delta record. Keeps the chain from the newest keyframe alive with
 // KeepVersionsFrom, so that late joiners can replay it.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
 
@@ -47,14 +48,24 @@ struct Rates {
   struct Codec {
     double bytes_per_s = 0;
     double ratio = 0;
-    void Measure(uint64_t bytes, absl::Duration took, uint64_t encoded) {
+    // `fresh`: the measurement replaces the ones before it (a sample of the version about to
+    // be sent describes its density of changes better than earlier versions do).
+    void Measure(uint64_t bytes, absl::Duration took, uint64_t encoded, bool fresh = false) {
       const double s = std::max(absl::ToDoubleSeconds(took), 1e-9);
-      bytes_per_s = Smooth(bytes_per_s, static_cast<double>(bytes) / s);
-      ratio =
-          Smooth(ratio, bytes == 0 ? 0 : static_cast<double>(encoded) / static_cast<double>(bytes));
+      const double rate = static_cast<double>(bytes) / s;
+      const double r = bytes == 0 ? 0 : static_cast<double>(encoded) / static_cast<double>(bytes);
+      bytes_per_s = fresh ? rate : Smooth(bytes_per_s, rate);
+      ratio = fresh ? r : Smooth(ratio, r);
     }
   };
   Codec delta, keyframe;
+  // Decoding a delta and applying it: model bytes per second with this publisher's threads,
+  // measured by decoding the sample SampleDelta encoded (0: not measured; then decoding is
+  // assumed to cost what encoding did). A subscriber's decoding is estimated by this one's.
+  double decode_bytes_per_s = 0;
+  // The codec's predicted cost must be below the time it saves by this factor: the rates come
+  // from a sample on cores that subscribers on the same host share, so a close call goes plainly.
+  static constexpr double kMargin = 1.25;
   // Bytes per second through the transport beneath (its Publish), from publishes of at least
   // kMinTransfer bytes, where fixed costs do not dominate (0: none yet).
   static constexpr uint64_t kMinTransfer = uint64_t{1} << 20;
@@ -118,7 +129,7 @@ class DeltaPublisher final : public TransportPublisher {
  public:
   DeltaPublisher(std::string uri, LayerOptions options, std::unique_ptr<TransportPublisher> inner,
                  std::shared_ptr<Parallel> parallel, ReaderFactory open_reader, bool check_at_rest,
-                 std::optional<RequestBox> requests, int rank, int world_size)
+                 BackChannel requests, int rank, int world_size)
       : uri_(std::move(uri)),
         options_(options),
         inner_(std::move(inner)),
@@ -179,13 +190,16 @@ class DeltaPublisher final : public TransportPublisher {
   // Why this version (of `bytes` tensor bytes, a keyframe or a delta as `keyframe` says) goes
   // plainly: when the measured rates predict that encoding it here and decoding it at a
   // subscriber take longer than sending the bytes it saves. nullopt: encode it.
-  std::optional<std::string> PlainReason(bool keyframe, uint64_t bytes) const;
+  // `encoded_why` (optional) receives the rates behind a choice to encode.
+  std::optional<std::string> PlainReason(bool keyframe, uint64_t bytes,
+                                         std::string* encoded_why = nullptr) const;
   // Publishes the job plainly (record kind "plain", `reason` why) through the transport beneath.
   absl::Status PublishPlain(PublishJob& job, const std::vector<TensorInfo>& infos,
                             const std::string& reason, uint64_t bytes, absl::Time deadline);
   // Before encoding a large delta whose rates are not measured yet, or a probe (PlainReason):
-  // encodes every kSampleStride-th chunk on this thread and sets rates_.delta from it. Returns
-  // whether it did (false: too few chunks to sample, or the rates are known).
+  // encodes one chunk in kSampleStride (spread over the version's bytes) on this publisher's
+  // threads, then decodes them, and sets rates_.delta and rates_.decode_bytes_per_s from it.
+  // Returns whether it did (false: nothing to sample, or the rates are known).
   bool SampleDelta(const std::vector<TensorLayout>& layout,
                    const std::vector<const std::byte*>& target, uint64_t bytes);
   // The subscriber that reads this channel back, opened on first use.
@@ -218,8 +232,8 @@ class DeltaPublisher final : public TransportPublisher {
   // The transport beneath keeps versions at rest (durable): before a delta against the base,
   // check that the channel still holds the base's encoded version intact.
   bool check_at_rest_ = false;
-  // Where subscribers ask for keyframes (channels on disk).
-  std::optional<RequestBox> requests_;
+  // Where subscribers ask for keyframes (disk's files, or the transport beneath's).
+  BackChannel requests_;
   std::unique_ptr<TransportSubscriber> reader_;
   bool resume_tried_ = false;
   std::string no_base_reason_ = "the first version of this publisher";
@@ -343,7 +357,8 @@ void DeltaPublisher::CommitBase(const Manifest& manifest, absl::Span<const Packe
   base_->fingerprint = Fingerprint(manifest);
 }
 
-std::optional<std::string> DeltaPublisher::PlainReason(bool keyframe, uint64_t bytes) const {
+std::optional<std::string> DeltaPublisher::PlainReason(bool keyframe, uint64_t bytes,
+                                                       std::string* encoded_why) const {
   if (!options_.choose_plain || bytes < Rates::kMinTransfer) return std::nullopt;
   const double transfer = rates_.transfer_bytes_per_s;
   if (transfer <= 0) {
@@ -363,20 +378,33 @@ std::optional<std::string> DeltaPublisher::PlainReason(bool keyframe, uint64_t b
     return std::nullopt;  // measure again
   }
   const double n = static_cast<double>(bytes);
-  // Decoding is assumed to cost what encoding did: the codec decodes 1.7x-2x faster than it
-  // encodes per core (BENCHMARKS.md), and a subscriber may have fewer cores free.
-  const double codec_s = 2 * n / codec.bytes_per_s;
+  // Decoding as measured on a sample of a delta (keyframes, and deltas before a sample: assumed
+  // to cost what encoding did; the codec decodes faster than it encodes per core, BENCHMARKS.md,
+  // but a subscriber may have fewer cores free).
+  const bool decode_measured = !judge_keyframe && rates_.decode_bytes_per_s > 0;
+  const double encode_s = n / codec.bytes_per_s;
+  const double decode_s = decode_measured ? n / rates_.decode_bytes_per_s : encode_s;
+  const double codec_s = encode_s + decode_s;
   const double saved_s = (n - n * codec.ratio) / transfer;
-  if (codec_s <= saved_s) return std::nullopt;
+  const std::string rates = absl::StrFormat(
+      "encoding %.3f s at %.2f GB/s, decoding %.3f s at %.2f GB/s %s, %.1fx fewer bytes saving "
+      "%.3f s at the %.2f GB/s measured through the transport beneath",
+      encode_s, codec.bytes_per_s / 1e9, decode_s, n / std::max(decode_s, 1e-9) / 1e9,
+      decode_measured ? "measured" : "assumed as slow", codec.ratio > 0 ? 1 / codec.ratio : 0.0,
+      saved_s, transfer / 1e9);
+  if (codec_s * Rates::kMargin <= saved_s) {
+    if (encoded_why != nullptr) {
+      *encoded_why = absl::StrFormat("encoded, by the measured rates: %s", rates);
+    }
+    return std::nullopt;
+  }
   return absl::StrFormat(
-      "sent plainly: encoding and decoding a %s (%.3f s at the %.2f GB/s measured, decoding "
-      "assumed as slow) would cost more than the %.3f s its %.1fx fewer bytes save at the "
-      "%.2f GB/s measured through the transport beneath",
+      "sent plainly: encoding and decoding a %s would cost more than the time "
+      "its fewer bytes save (%s; the saving must be %.2fx the codec's cost)",
       keyframe && !judge_keyframe ? "delta (so a keyframe too)"
       : keyframe                  ? "keyframe"
                                   : "delta",
-      codec_s, codec.bytes_per_s / 1e9, saved_s, codec.ratio > 0 ? 1 / codec.ratio : 0.0,
-      transfer / 1e9);
+      rates, Rates::kMargin);
 }
 
 bool DeltaPublisher::SampleDelta(const std::vector<TensorLayout>& layout,
@@ -388,23 +416,66 @@ bool DeltaPublisher::SampleDelta(const std::vector<TensorLayout>& layout,
     return false;
   }
   const std::vector<Chunk> chunks = PlanChunks(layout, options_.encode.chunk_size);
-  if (chunks.size() < 2 * kSampleStride) return false;
-  const absl::Time start = absl::Now();
-  uint64_t raw = 0, encoded = 0;
-  std::vector<std::byte> out;
-  for (size_t c = kSampleStride / 2; c < chunks.size(); c += kSampleStride) {
+  if (chunks.empty()) return false;
+  // One chunk in kSampleStride (at least one), spread evenly over the version's bytes (so that
+  // the tiny chunks of rare dtypes are not what is measured), encoded and then decoded on this
+  // publisher's threads, as the whole delta would be: the rates include what running them in
+  // parallel on these cores costs.
+  std::vector<size_t> sample;
+  const size_t want = std::max<size_t>(1, chunks.size() / kSampleStride);
+  uint64_t total = 0;
+  for (const Chunk& chunk : chunks) total += chunk.bytes;
+  for (size_t i = 0, c = 0, end = 0; i < want; ++i) {
+    const uint64_t at = (2 * i + 1) * total / (2 * want);  // the middle of the i-th stretch
+    while (c < chunks.size() && end + chunks[c].bytes <= at) end += chunks[c++].bytes;
+    if (c < chunks.size() && (sample.empty() || sample.back() != c)) sample.push_back(c);
+  }
+  std::vector<std::vector<std::byte>> records(sample.size());
+  std::vector<uint64_t> encoded(sample.size());
+  const auto spans_of = [&](const Chunk& chunk) {
     std::vector<ChunkInput> spans;
-    for (const Piece& p : chunks[c].pieces) {
+    for (const Piece& p : chunk.pieces) {
       spans.push_back(
           ChunkInput{base_->tensor(p.tensor) + p.offset, target[p.tensor] + p.offset, p.bytes});
     }
-    out.clear();
-    encoded += EncodeChunk(chunks[c].dtype, spans, false, options_.encode, &out).encoded_bytes;
-    raw += chunks[c].bytes;
+    return spans;
+  };
+  const absl::Time start = absl::Now();
+  parallel_->For(sample.size(), [&](size_t k) {
+    const Chunk& chunk = chunks[sample[k]];
+    encoded[k] = EncodeChunk(chunk.dtype, spans_of(chunk), false, options_.encode, &records[k])
+                     .encoded_bytes;
+  });
+  const absl::Time encoded_at = absl::Now();
+  uint64_t raw = 0, encoded_total = 0;
+  for (size_t k = 0; k < sample.size(); ++k) {
+    raw += chunks[sample[k]].bytes;
+    encoded_total += encoded[k];
   }
-  // One thread encoded the sample; the whole version is encoded by all of them.
-  rates_.delta.Measure(raw * static_cast<uint64_t>(parallel_->threads()), absl::Now() - start,
-                       encoded * static_cast<uint64_t>(parallel_->threads()));
+  rates_.delta.Measure(raw, encoded_at - start, encoded_total, /*fresh=*/true);
+  // Decoding the sample into scratch memory (one chunk's worth per thread is not enough for a
+  // parallel loop: one buffer per sampled chunk), from the base as a subscriber would.
+  absl::StatusOr<std::unique_ptr<HostBuffer>> scratch = HostBuffer::Allocate(raw);
+  if (!scratch.ok()) return true;  // decoding stays assumed as slow as encoding
+  std::vector<uint64_t> at(sample.size());
+  for (size_t k = 1; k < sample.size(); ++k) at[k] = at[k - 1] + chunks[sample[k - 1]].bytes;
+  std::atomic<bool> failed{false};
+  const absl::Time decode_start = absl::Now();
+  parallel_->For(sample.size(), [&](size_t k) {
+    const Chunk& chunk = chunks[sample[k]];
+    std::vector<ChunkOutput> outs;
+    uint64_t offset = at[k];
+    for (const Piece& p : chunk.pieces) {
+      outs.push_back(
+          ChunkOutput{base_->tensor(p.tensor) + p.offset, (*scratch)->data() + offset, p.bytes});
+      offset += p.bytes;
+    }
+    if (!DecodeChunk(chunk.dtype, outs, false, records[k]).ok()) failed = true;
+  });
+  const double decode_s = std::max(absl::ToDoubleSeconds(absl::Now() - decode_start), 1e-9);
+  if (!failed) {
+    rates_.decode_bytes_per_s = static_cast<double>(raw) / decode_s;
+  }
   return true;
 }
 
@@ -583,19 +654,20 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   // it was checked, a version gone) asked for a keyframe: this version is one. A request about
   // a version before the chain's keyframe was answered by that keyframe already.
   std::vector<KeyframeRequest> requests;
-  if (requests_) {
+  {
     std::vector<KeyframeRequest> answered;
-    for (KeyframeRequest& r : requests_->Pending()) {
+    for (KeyframeRequest& r : requests_.Pending(*inner_)) {
       if (RequestAnswered(r)) {
         answered.push_back(std::move(r));
       } else if (RequestOpenHere(r)) {
         requests.push_back(std::move(r));
       }
     }
-    requests_->Remove(answered);
+    requests_.Answered(answered);
     if (!requests.empty() && reason.empty()) {
-      reason = absl::StrFormat("%d subscriber%s asked for a keyframe (%s): %s", requests.size(),
-                               requests.size() == 1 ? "" : "s", requests_->dir(), requests[0].text);
+      reason =
+          absl::StrFormat("%d subscriber%s asked for a keyframe (%s): %s", requests.size(),
+                          requests.size() == 1 ? "" : "s", requests_.Where(), requests[0].text);
       Log(LogLevel::kWarn, "%s version %d: publishing a keyframe: %s", uri_, version, reason);
     }
   }
@@ -604,18 +676,23 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   for (const TensorInfo& t : infos) total_bytes += t.nbytes;
   // Sent plainly when encoding and decoding would cost more time than the bytes they save
   // (predicted from this publisher's measured rates); reason says why.
-  std::optional<std::string> plain = PlainReason(keyframe, total_bytes);
+  // Before the first delta (and at each probe) the rates come from a sample of the delta's
+  // chunks, encoded and decoded here (SampleDelta), and the transfer rate from the first
+  // version, sent plainly: the choice is made before any delta is sent whole.
+  std::string encoded_why;
+  std::optional<std::string> plain = PlainReason(keyframe, total_bytes, &encoded_why);
   if (!plain && !keyframe && SampleDelta(layout, target, total_bytes)) {
     // The delta's rates, measured afresh on a sample of its chunks rather than by encoding it
     // all: what a probe costs when the answer is "plainly".
     rates_.plain_run = 0;
-    plain = PlainReason(false, total_bytes);
+    plain = PlainReason(false, total_bytes, &encoded_why);
     if (plain) absl::StrAppend(&*plain, " (sampled)");
+    if (!encoded_why.empty()) absl::StrAppend(&encoded_why, " (sampled)");
   }
   if (plain) {
     reason = keyframe ? absl::StrCat(*plain, "; a keyframe was due: ", reason) : *plain;
     WB_RETURN_IF_ERROR(PublishPlain(job, infos, reason, total_bytes, deadline));
-    if (requests_) requests_->Remove(requests);  // a plain version needs no base either
+    requests_.Answered(requests);  // a plain version needs no base either
     return absl::OkStatus();
   }
   const absl::Time start = absl::Now();
@@ -663,6 +740,7 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   record.encoded_bytes = encoded.bytes.size();
   record.reason =
       keyframe ? reason : absl::StrFormat("delta against version %d", base_->manifest.version);
+  if (!encoded_why.empty()) absl::StrAppend(&record.reason, "; ", encoded_why);
   if (keyframe) {
     record.tensors = target_manifest->tensors;
   } else {
@@ -711,15 +789,13 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     ReadGroupState(version, &*base_);
     // Requests are removed once every rank has keyframed after them (the group's floor), and
     // unreadable ones by the rank that answered them.
-    if (requests_) {
-      std::vector<KeyframeRequest> done;
-      for (KeyframeRequest& r : requests_->Pending()) {
-        if (RequestAnswered(r) || (keyframe && r.version == 0)) done.push_back(std::move(r));
-      }
-      requests_->Remove(done);
+    std::vector<KeyframeRequest> done;
+    for (KeyframeRequest& r : requests_.Pending(*inner_)) {
+      if (RequestAnswered(r) || (keyframe && r.version == 0)) done.push_back(std::move(r));
     }
-  } else if (keyframe && requests_) {
-    requests_->Remove(requests);
+    requests_.Answered(done);
+  } else if (keyframe) {
+    requests_.Answered(requests);
   }
   const char* kind = keyframe ? "keyframe" : "delta";
   last_stats_ = CodecStats{encoded_at - start, record.encoded_bytes,
@@ -771,7 +847,7 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> WrapPublisher(
   };
   return std::unique_ptr<TransportPublisher>(new DeltaPublisher(
       uri.Display(), options, std::move(inner), std::move(parallel), std::move(open_reader),
-      caps.durable, RequestBox::ForUri(uri), rank, world_size));
+      caps.durable, BackChannel::ForUri(uri), rank, world_size));
 }
 
 }  // namespace weightbus::internal::delta

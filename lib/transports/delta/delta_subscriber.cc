@@ -171,7 +171,7 @@ class DeltaIncoming final : public IncomingVersion {
 class DeltaSubscriber final : public TransportSubscriber {
  public:
   DeltaSubscriber(std::string uri, std::unique_ptr<TransportSubscriber> inner,
-                  std::shared_ptr<Parallel> parallel, std::optional<RequestBox> requests)
+                  std::shared_ptr<Parallel> parallel, BackChannel requests)
       : uri_(std::move(uri)),
         inner_(std::move(inner)),
         parallel_(std::move(parallel)),
@@ -197,20 +197,22 @@ class DeltaSubscriber final : public TransportSubscriber {
   std::string Source(uint64_t version) const {
     return absl::StrFormat("%s version %d", uri_, version);
   }
-  // Asks the publisher for a keyframe (channels on disk): `version` cannot be reconstructed
-  // because of `failure` (DataLoss: damaged; NotFound: a version of its chain is gone). Other
-  // failures (a deadline, a cancel) ask for nothing; a version is asked about once (a caller
-  // that waits again meets the same failure until the keyframe comes).
+  // Asks the publisher for a keyframe (BackChannel: disk's files, ucx's control connection):
+  // `version` cannot be reconstructed because of `failure` (DataLoss: damaged; NotFound: a
+  // version of its chain is gone). Other failures (a deadline, a cancel) ask for nothing; a
+  // version is asked about once (a caller that waits again meets the same failure until the
+  // keyframe comes).
   void RequestKeyframe(uint64_t version, const absl::Status& failure) {
-    if (!requests_ || !(absl::IsDataLoss(failure) || absl::IsNotFound(failure))) return;
+    if (!(absl::IsDataLoss(failure) || absl::IsNotFound(failure))) return;
     if (requested_ == version) return;
     requested_ = version;
     const std::optional<uint64_t> holds =
         base_ ? std::optional<uint64_t>(base_->manifest.version) : std::nullopt;
-    if (absl::Status s = requests_->Leave(version, holds, std::string(failure.message())); s.ok()) {
-      Log(LogLevel::kWarn, "%s: asked the publisher for a keyframe in %s: %s", uri_,
-          requests_->dir(), failure.message());
-    } else {
+    if (absl::Status s = requests_.Ask(*inner_, version, holds, std::string(failure.message()));
+        s.ok()) {
+      Log(LogLevel::kWarn, "%s: asked the publisher for a keyframe %s: %s", uri_, requests_.Where(),
+          failure.message());
+    } else if (!absl::IsUnimplemented(s)) {
       Log(LogLevel::kWarn, "%s: %s (waiting for the next keyframe instead)", uri_, s.message());
     }
   }
@@ -228,7 +230,7 @@ class DeltaSubscriber final : public TransportSubscriber {
   std::string uri_;
   std::unique_ptr<TransportSubscriber> inner_;
   std::shared_ptr<Parallel> parallel_;
-  std::optional<RequestBox> requests_;
+  BackChannel requests_;
   std::optional<uint64_t> requested_;  // the version last asked about
   std::optional<Base> base_;
   std::shared_ptr<BufferPool> blobs_ = BufferPool::Create(1);
@@ -561,21 +563,21 @@ absl::StatusOr<std::unique_ptr<TransportSubscriber>> WrapSubscriber(
   WB_ASSIGN_OR_RETURN(LayerOptions options, ReadLayerOptions(uri, config));
   WB_ASSIGN_OR_RETURN(std::unique_ptr<Parallel> parallel, Parallel::Create(options.threads));
   return std::unique_ptr<TransportSubscriber>(new DeltaSubscriber(
-      uri.Display(), std::move(inner), std::move(parallel), RequestBox::ForUri(uri)));
+      uri.Display(), std::move(inner), std::move(parallel), BackChannel::ForUri(uri)));
 }
 
 std::unique_ptr<TransportSubscriber> NewReader(std::string uri,
                                                std::unique_ptr<TransportSubscriber> inner,
                                                std::shared_ptr<Parallel> parallel) {
   // The publisher's own reader asks for nothing: it sends a keyframe itself when reading fails.
-  return std::unique_ptr<TransportSubscriber>(
-      new DeltaSubscriber(std::move(uri), std::move(inner), std::move(parallel), std::nullopt));
+  return std::unique_ptr<TransportSubscriber>(new DeltaSubscriber(
+      std::move(uri), std::move(inner), std::move(parallel), BackChannel::None()));
 }
 
 std::unique_ptr<TransportSubscriber> NewRankSubscriber(std::string uri,
                                                        std::unique_ptr<TransportSubscriber> inner,
                                                        std::shared_ptr<Parallel> parallel,
-                                                       std::optional<RequestBox> requests) {
+                                                       BackChannel requests) {
   return std::unique_ptr<TransportSubscriber>(new DeltaSubscriber(
       std::move(uri), std::move(inner), std::move(parallel), std::move(requests)));
 }

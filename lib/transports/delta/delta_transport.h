@@ -147,12 +147,6 @@ absl::Status CheckEncodedVersion(TransportSubscriber& reader, const Manifest& pu
 // the channel where subscribers leave them.
 inline constexpr std::string_view kRequestDir = "delta-requests";
 
-struct KeyframeRequest {
-  std::string path;      // the request's file
-  uint64_t version = 0;  // the version the subscriber could not reconstruct (0: unreadable)
-  std::string text;      // who asked and why, for the keyframe's reason and logs
-};
-
 // The requests of one channel on disk. A subscriber's object writes one file (replaced by its
 // next request); a publisher reads and removes them. Thread-compatible.
 class RequestBox {
@@ -166,7 +160,8 @@ class RequestBox {
   // permissions. Errors: PermissionDenied/NotFound/Internal naming the path (a subscriber that
   // cannot write the channel then waits for the next keyframe, as without a back channel).
   absl::Status Leave(uint64_t version, std::optional<uint64_t> holds, std::string_view why) const;
-  // Publisher: every request present (unreadable files included, with version 0).
+  // Publisher: every request present (unreadable files included, with version 0); each one's
+  // id is its file.
   std::vector<KeyframeRequest> Pending() const;
   // Publisher: removes answered requests (a failure is logged, not returned).
   void Remove(const std::vector<KeyframeRequest>& served) const;
@@ -176,6 +171,38 @@ class RequestBox {
  private:
   explicit RequestBox(std::string root);
   std::string root_, dir_, name_;
+};
+
+// Where the delta layer's subscribers ask for keyframes and its publisher finds the requests,
+// whatever the transport beneath: the channel's delta-requests/ directory when disk:// is at the
+// bottom of the stack (RequestBox), else the transport beneath's own back channel (capability
+// keyframe_requests: ucx's KEYFRAME_REQUEST message), else none (Ask is Unimplemented; the
+// subscriber waits for the next keyframe). Thread-compatible.
+class BackChannel {
+ public:
+  static BackChannel ForUri(const Uri& uri) { return BackChannel(RequestBox::ForUri(uri), true); }
+  // One that asks for nothing and finds nothing (the publisher's own reader).
+  static BackChannel None() { return BackChannel(std::nullopt, false); }
+
+  // Subscriber: asks for a keyframe (`inner`: the transport beneath the layer). Errors as
+  // RequestBox::Leave or TransportSubscriber::RequestKeyframe.
+  absl::Status Ask(TransportSubscriber& inner, uint64_t version, std::optional<uint64_t> holds,
+                   std::string_view why) const;
+  // Publisher: the requests not answered yet (those taken from `inner` before and not answered
+  // stay until Answered, so a Publish that fails loses none).
+  std::vector<KeyframeRequest> Pending(TransportPublisher& inner);
+  // Publisher: `served` were answered (a keyframe or a plain version was published, or they
+  // were about a chain an earlier keyframe replaced).
+  void Answered(const std::vector<KeyframeRequest>& served);
+  // For messages: "in <channel>/delta-requests" or "over the transport beneath".
+  std::string Where() const;
+
+ private:
+  BackChannel(std::optional<RequestBox> box, bool enabled)
+      : box_(std::move(box)), enabled_(enabled) {}
+  std::optional<RequestBox> box_;
+  bool enabled_ = true;
+  std::vector<KeyframeRequest> held_;  // taken from the transport beneath, not answered yet
 };
 
 // Publisher groups (group.cc; README.md "Over a publisher group"). Each rank of a group
@@ -208,7 +235,7 @@ std::unique_ptr<TransportSubscriber> NewRankView(TransportSubscriber* inner, int
 std::unique_ptr<TransportSubscriber> NewRankSubscriber(std::string uri,
                                                        std::unique_ptr<TransportSubscriber> inner,
                                                        std::shared_ptr<Parallel> parallel,
-                                                       std::optional<RequestBox> requests);
+                                                       BackChannel requests);
 
 // The subscriber's side of a group: one delta subscriber per rank over a rank view of the
 // subscriber beneath. Thread-compatible (used by one DeltaSubscriber).
@@ -225,6 +252,6 @@ class GroupReceiver {
 };
 std::unique_ptr<GroupReceiver> NewGroupReceiver(std::string uri, TransportSubscriber* inner,
                                                 std::shared_ptr<Parallel> parallel,
-                                                std::optional<RequestBox> requests);
+                                                BackChannel requests);
 
 }  // namespace weightbus::internal::delta

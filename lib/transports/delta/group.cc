@@ -208,7 +208,7 @@ class GroupIncoming final : public IncomingVersion {
 class GroupReceiverImpl final : public GroupReceiver {
  public:
   GroupReceiverImpl(std::string uri, TransportSubscriber* inner, std::shared_ptr<Parallel> parallel,
-                    std::optional<RequestBox> requests)
+                    BackChannel requests)
       : uri_(std::move(uri)),
         inner_(inner),
         parallel_(std::move(parallel)),
@@ -250,7 +250,7 @@ class GroupReceiverImpl final : public GroupReceiver {
   std::string uri_;
   TransportSubscriber* inner_;
   std::shared_ptr<Parallel> parallel_;
-  std::optional<RequestBox> requests_;
+  BackChannel requests_;
   std::vector<RankView*> views_;  // owned by ranks_
   std::vector<std::unique_ptr<TransportSubscriber>> ranks_;
 };
@@ -264,7 +264,7 @@ std::unique_ptr<TransportSubscriber> NewRankView(TransportSubscriber* inner, int
 
 std::unique_ptr<GroupReceiver> NewGroupReceiver(std::string uri, TransportSubscriber* inner,
                                                 std::shared_ptr<Parallel> parallel,
-                                                std::optional<RequestBox> requests) {
+                                                BackChannel requests) {
   return std::make_unique<GroupReceiverImpl>(std::move(uri), inner, std::move(parallel),
                                              std::move(requests));
 }

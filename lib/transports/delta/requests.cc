@@ -1,13 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
-// Keyframe requests: the back channel of delta+disk:// (README.md, "A delta that cannot be
+// Keyframe requests: the delta layer's back channel (README.md, "A delta that cannot be
 // applied"). A subscriber that cannot reconstruct a version (a damaged delta of the chain, a
-// base the channel no longer holds) leaves a small JSON file in the channel's delta-requests/
-// directory; the publisher looks there before each version and, finding a request about its
-// current chain, sends that version as a keyframe and removes the requests it answered.
+// base the channel no longer holds) asks for a keyframe; the publisher looks for requests
+// before each version and, finding one about its current chain, sends that version as a
+// keyframe. Over disk:// a request is a small JSON file in the channel's delta-requests/
+// directory (RequestBox), removed once answered; over a transport with a back channel of its
+// own (ucx://: the KEYFRAME_REQUEST control message) it goes through that (BackChannel).
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -17,6 +20,7 @@
 #include <system_error>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "core/logging.h"
@@ -109,7 +113,7 @@ std::vector<KeyframeRequest> RequestBox::Pending() const {
     f.read(text.data(), static_cast<std::streamsize>(text.size()));
     text.resize(static_cast<size_t>(f.gcount()));
     KeyframeRequest r;
-    r.path = e.path().string();
+    r.id = e.path().string();
     const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
     if (j.is_object() && j.value("format", "") == kRequestFormat && j.contains("version") &&
         j["version"].is_number_unsigned()) {
@@ -119,7 +123,7 @@ std::vector<KeyframeRequest> RequestBox::Pending() const {
           j.contains("pid") ? j["pid"].dump() : std::string("?"), r.version, j.value("reason", ""));
     } else {
       // Not a request this library wrote: answered like any (a keyframe is never wrong).
-      r.text = absl::StrFormat("%s (not a request of format %s)", r.path, kRequestFormat);
+      r.text = absl::StrFormat("%s (not a request of format %s)", r.id, kRequestFormat);
     }
     out.push_back(std::move(r));
   }
@@ -128,11 +132,46 @@ std::vector<KeyframeRequest> RequestBox::Pending() const {
 
 void RequestBox::Remove(const std::vector<KeyframeRequest>& served) const {
   for (const KeyframeRequest& r : served) {
-    if (::unlink(r.path.c_str()) != 0 && errno != ENOENT) {
-      Log(LogLevel::kWarn, "cannot remove the answered keyframe request %s: %s", r.path,
+    if (::unlink(r.id.c_str()) != 0 && errno != ENOENT) {
+      Log(LogLevel::kWarn, "cannot remove the answered keyframe request %s: %s", r.id,
           std::strerror(errno));
     }
   }
+}
+
+absl::Status BackChannel::Ask(TransportSubscriber& inner, uint64_t version,
+                              std::optional<uint64_t> holds, std::string_view why) const {
+  if (!enabled_) return absl::UnimplementedError("this reader asks for no keyframe");
+  if (box_) return box_->Leave(version, holds, why);
+  return inner.RequestKeyframe(version, holds, why);
+}
+
+std::vector<KeyframeRequest> BackChannel::Pending(TransportPublisher& inner) {
+  if (!enabled_) return {};
+  if (box_) return box_->Pending();
+  for (KeyframeRequest& r : inner.TakeKeyframeRequests()) {
+    auto same = std::find_if(held_.begin(), held_.end(),
+                             [&](const KeyframeRequest& h) { return h.id == r.id; });
+    if (same != held_.end()) {
+      *same = std::move(r);  // the subscriber's newer request replaces its older one
+    } else {
+      held_.push_back(std::move(r));
+    }
+  }
+  return held_;
+}
+
+void BackChannel::Answered(const std::vector<KeyframeRequest>& served) {
+  if (box_) return box_->Remove(served);
+  std::erase_if(held_, [&](const KeyframeRequest& h) {
+    return std::any_of(served.begin(), served.end(), [&](const KeyframeRequest& s) {
+      return s.id == h.id && s.version == h.version;
+    });
+  });
+}
+
+std::string BackChannel::Where() const {
+  return box_ ? absl::StrCat("in ", box_->dir()) : std::string("over the transport beneath");
 }
 
 }  // namespace weightbus::internal::delta

@@ -141,6 +141,8 @@ std::string_view MsgTypeName(MsgType type) {
       return "READ";
     case MsgType::kData:
       return "DATA";
+    case MsgType::kKeyframeRequest:
+      return "KEYFRAME_REQUEST";
   }
   return "UNKNOWN";
 }
@@ -551,6 +553,15 @@ std::string Encode(const DataMsg& m) {
   return Writer(MsgType::kData).U64(m.request).U8(m.ok).Str(m.bytes).Finish();
 }
 
+std::string Encode(const KeyframeRequestMsg& m) {
+  return Writer(MsgType::kKeyframeRequest)
+      .U64(m.version)
+      .U8(m.has_holds)
+      .U64(m.holds)
+      .Str(std::string_view(m.reason).substr(0, kMaxKeyframeReason))
+      .Finish();
+}
+
 absl::StatusOr<HelloMsg> DecodeHello(std::string_view payload) {
   Fields f(MsgType::kHello, payload);
   HelloMsg m;
@@ -734,6 +745,23 @@ absl::StatusOr<DataMsg> DecodeData(std::string_view payload) {
   m.request = f.U64("the request id");
   m.ok = f.Flag("ok");
   m.bytes = f.View("the bytes");
+  return f.Done(std::move(m));
+}
+
+absl::StatusOr<KeyframeRequestMsg> DecodeKeyframeRequest(std::string_view payload) {
+  Fields f(MsgType::kKeyframeRequest, payload);
+  KeyframeRequestMsg m;
+  m.version = f.U64("the version");
+  m.has_holds = f.Flag("has_holds");
+  m.holds = f.U64("the version held");
+  const std::string_view reason = f.View("the reason");
+  if (f.ok() && reason.size() > kMaxKeyframeReason) {
+    return absl::DataLossError(
+        absl::StrFormat("malformed KEYFRAME_REQUEST message (%d bytes): the reason is %d bytes, "
+                        "at most %d",
+                        payload.size(), reason.size(), kMaxKeyframeReason));
+  }
+  m.reason = std::string(reason);
   return f.Done(std::move(m));
 }
 

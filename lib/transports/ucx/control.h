@@ -57,6 +57,9 @@ enum class MsgType : uint8_t {
   // publisher answers CHALLENGE instead of WELCOME, and WELCOME follows a valid PROOF.
   kChallenge = 17,  // pub -> sub: the publisher's nonce and its proof over both nonces
   kProof = 18,      // sub -> pub: the subscriber's proof over both nonces
+  // The delta layer's back channel (TransportSubscriber::RequestKeyframe). Numbered apart from
+  // the messages above so that other message families can take the numbers after them.
+  kKeyframeRequest = 32,  // sub -> pub: the version it cannot reconstruct, the one it holds, why
 };
 
 std::string_view MsgTypeName(MsgType type);
@@ -241,6 +244,15 @@ struct AcceptedMsg {  // sub -> pub
 struct ListMsg {  // sub -> pub
   uint64_t request = 0;
 };
+// Longest reason a KEYFRAME_REQUEST carries (a longer one is cut by the sender, refused by the
+// receiver).
+inline constexpr uint32_t kMaxKeyframeReason = 2048;
+struct KeyframeRequestMsg {  // sub -> pub; no answer (the next version is a keyframe)
+  uint64_t version = 0;      // the version the subscriber cannot reconstruct
+  bool has_holds = false;    // the subscriber holds a version...
+  uint64_t holds = 0;        // ...this one
+  std::string reason;        // at most kMaxKeyframeReason bytes
+};
 struct VersionsMsg {  // pub -> sub
   uint64_t request = 0;
   std::vector<uint64_t> versions;  // ascending
@@ -281,6 +293,7 @@ std::string Encode(const VersionsMsg& m);
 std::string Encode(const RenewedMsg& m);
 std::string Encode(const ReadMsg& m);
 std::string Encode(const DataMsg& m);
+std::string Encode(const KeyframeRequestMsg& m);
 // A GRANT from its per-grant fields and a body encoded once with EncodeGrantBody.
 std::string EncodeGrantBody(const GrantBody& body);
 std::string EncodeGrant(uint64_t request, uint64_t lease, uint64_t lease_ns,
@@ -304,6 +317,7 @@ absl::StatusOr<VersionsMsg> DecodeVersions(std::string_view payload);
 absl::StatusOr<RenewedMsg> DecodeRenewed(std::string_view payload);
 absl::StatusOr<ReadMsg> DecodeRead(std::string_view payload);
 absl::StatusOr<DataMsg> DecodeData(std::string_view payload);
+absl::StatusOr<KeyframeRequestMsg> DecodeKeyframeRequest(std::string_view payload);
 
 // A status code received in an ERROR or REFUSED message: a known non-OK absl::StatusCode as it
 // is, anything else (0 included: a peer must never make a failure read as success) `fallback`.

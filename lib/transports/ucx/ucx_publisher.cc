@@ -210,6 +210,14 @@ class UcxPublisher final : public TransportPublisher {
     return Receivers(version);
   }
 
+  std::vector<KeyframeRequest> TakeKeyframeRequests() override {
+    absl::MutexLock lock(&mu_);
+    std::vector<KeyframeRequest> out;
+    for (auto& [id, r] : keyframe_requests_) out.push_back(std::move(r));
+    keyframe_requests_.clear();
+    return out;
+  }
+
   // Wakes a Publish waiting for a staging slot and a WaitForReceivers at once; they and every
   // later call return Cancelled. The progress thread serves on until destruction.
   void Cancel() override {
@@ -295,6 +303,9 @@ class UcxPublisher final : public TransportPublisher {
   // subscriber: at most kReadBacklog bytes queued beyond one DATA frame).
   void ServeReads(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Drop(Conn& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // KEYFRAME_REQUEST: kept for TakeKeyframeRequests, the newest per subscriber.
+  void HandleKeyframeRequest(Conn& c, const absl::StatusOr<KeyframeRequestMsg>& m)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends a lease (released, expired, or its connection gone).
   void EndLease(std::map<uint64_t, Lease>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks `c` to be closed now, logging why (rate-limited).
@@ -323,6 +334,8 @@ class UcxPublisher final : public TransportPublisher {
   std::map<uint64_t, Lease> leases_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::unique_ptr<Conn>> conns_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, uint64_t> receivers_ ABSL_GUARDED_BY(mu_);  // subscriber id -> version
+  // Keyframe requests not taken yet, by subscriber id (at most kMaxKeyframeRequests).
+  std::map<uint64_t, KeyframeRequest> keyframe_requests_ ABSL_GUARDED_BY(mu_);
   uint64_t next_lease_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_conn_ ABSL_GUARDED_BY(mu_) = 1;
   int next_slot_ ABSL_GUARDED_BY(mu_) = 0;
@@ -636,6 +649,21 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
   WB_RETURN_IF_ERROR(CopyIntoSlot(slot->regions, job, offsets));
   WB_RETURN_IF_ERROR(failpoints_.Hit("ucx.after_copy"));
   WB_ASSIGN_OR_RETURN(const Manifest* manifest, job.SealedManifest(deadline));
+  // Fault injection (docs/TESTING.md): `error` here damages the staged bytes after they were
+  // copied and checksummed, as memory damaged at rest would be (the first byte of the first
+  // tensor with bytes gets one bit flipped; host staging only). Every read of the version then
+  // fails verification.
+  if (!failpoints_.Hit("ucx.damage_staged").ok()) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].info->nbytes == 0) continue;
+      for (const Region& r : slot->regions) {
+        if (r.cuda_ptr == nullptr && offsets[i] >= r.base && offsets[i] < r.base + r.mem->size()) {
+          r.mem->data()[offsets[i] - r.base] ^= std::byte{1};
+        }
+      }
+      break;
+    }
+  }
   std::string body = BuildGrantBody(*slot, *manifest, offsets);
   std::vector<std::unique_ptr<Slot>> surplus;
   {
@@ -931,6 +959,23 @@ void UcxPublisher::Welcome(Conn& c) {
   conn_log_.Log(LogLevel::kInfo, "%s: %s connected", endpoint_.display, c.peer);
 }
 
+void UcxPublisher::HandleKeyframeRequest(Conn& c, const absl::StatusOr<KeyframeRequestMsg>& m) {
+  // Subscribers that never take a request (a plain ucx:// publisher) cannot grow this without
+  // bound: one entry per subscriber id, and no more than a publisher has connections.
+  constexpr size_t kMaxKeyframeRequests = 4096;
+  if (!m.ok()) return;  // Handle disconnects the sender
+  if (keyframe_requests_.size() >= kMaxKeyframeRequests &&
+      keyframe_requests_.count(c.subscriber_id) == 0) {
+    return;
+  }
+  KeyframeRequest& r = keyframe_requests_[c.subscriber_id];
+  r.id = absl::StrFormat("ucx subscriber %016x", c.subscriber_id);
+  r.version = m->version;
+  r.text = absl::StrFormat("%s cannot reconstruct version %d%s: %s", c.peer, m->version,
+                           m->has_holds ? absl::StrFormat(" (it holds version %d)", m->holds) : "",
+                           m->reason);
+}
+
 void UcxPublisher::Handle(Conn& c, const Frame& f) {
   if (c.closing) return;  // an ERROR is on its way out: what the peer sent after it is moot
   if (!c.greeted) {
@@ -1011,6 +1056,9 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
       ++changes_;
       break;
     }
+    case MsgType::kKeyframeRequest:
+      HandleKeyframeRequest(c, decoded(DecodeKeyframeRequest(f.payload)));
+      break;
     case MsgType::kRead: {
       absl::StatusOr<ReadMsg> m = decoded(DecodeRead(f.payload));
       if (!m.ok()) break;

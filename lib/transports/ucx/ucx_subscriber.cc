@@ -203,6 +203,12 @@ class UcxSubscriber final : public TransportSubscriber {
     return Request(version, /*exact=*/true, deadline);
   }
   absl::StatusOr<std::vector<uint64_t>> ListVersions() override;
+  // One KEYFRAME_REQUEST over the control connection, followed by a LIST whose answer shows
+  // that the publisher has handled it (it handles one connection's frames in order): when this
+  // returns OK, the publisher's next version answers it. Errors: Unavailable when the publisher
+  // cannot be reached (the request is not kept: a later failure asks again); Cancelled.
+  absl::Status RequestKeyframe(uint64_t version, std::optional<uint64_t> holds,
+                               std::string_view why) override;
   // A wait in flight returns Cancelled within about 50 ms (Await receives in slices and checks
   // the flag); so does every later call. Only sets an atomic flag: safe from any thread.
   void Cancel() override { cancelled_.store(true); }
@@ -654,6 +660,25 @@ absl::StatusOr<std::vector<uint64_t>> UcxSubscriber::ListVersions() {
                                                session_->publisher, versions.status().message()));
   }
   return std::move(versions->versions);
+}
+
+absl::Status UcxSubscriber::RequestKeyframe(uint64_t version, std::optional<uint64_t> holds,
+                                            std::string_view why) {
+  absl::MutexLock lock(&mu_);
+  if (cancelled_.load()) return CancelledStatus();
+  const absl::Time deadline = absl::Now() + options_.connect_timeout;
+  WB_RETURN_IF_ERROR(EnsureSession(deadline));
+  const uint64_t request = next_request_++;
+  absl::Status sent = session_->control.Send(
+      Encode(KeyframeRequestMsg{version, holds.has_value(), holds.value_or(0), std::string(why)}) +
+          Encode(ListMsg{request}),
+      deadline);
+  if (!sent.ok()) return SessionLost(sent, "while asking for a keyframe");
+  absl::StatusOr<Frame> f = Await(deadline, [&](const Frame& f) {
+    return f.type == MsgType::kVersions && LeadingId(f.payload) == request;
+  });
+  if (!f.ok()) return SessionLost(f.status(), "while asking for a keyframe");
+  return absl::OkStatus();
 }
 
 absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> targets,

@@ -1,0 +1,303 @@
+// SPDX-License-Identifier: Apache-2.0
+// Publisher groups over ucx:// (lib/transports/ucx/README.md, "Publisher groups"): world_size 2
+// and 4 ranks as separate processes (wb_test_peer publish-llama) publishing FSDP2-style row
+// shards and Megatron-style column slices of the stories260K fixture plus replicated norms,
+// each rank staging and serving its own parts; whole-model subscribers (staged and direct) and
+// the ranks of TP groups of 2 and 4 with Llama's placements, bit-exact against the checkpoint,
+// each TP rank reading only the published parts its slices meet; and a rank SIGKILLed
+// mid-publish (the version never visible, the survivors' DeadlineExceeded naming it, the
+// restarted group publishing the next one). Shared memory and tcp (bytes over the control
+// connection) both.
+#include <signal.h>
+
+#include <filesystem>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
+#include "stories260k.h"
+#include "test_support.h"
+#include "ucx_tls.h"
+#include "weightbus/llama2c.h"
+#include "weightbus/weightbus.hpp"
+
+namespace weightbus {
+namespace {
+
+using ::testing::HasSubstr;
+using ::weightbus::testing::Child;
+using ::weightbus::testing::ExitCode;
+using ::weightbus::testing::FreePort;
+using ::weightbus::testing::ScratchDir;
+using ::weightbus::testing::Tls;
+
+constexpr absl::Duration kTimeout = absl::Seconds(60);
+
+std::string Peer() { return testing::BinaryPath("tests/wb_test_peer"); }
+const std::vector<tools::OwnedTensor>& Model() { return testing::Stories260K(); }
+
+// Why UCX cannot run here with this process's UCX environment ("" when it can).
+std::string UcxUnusable() {
+  auto probe = Subscriber::Open(absl::StrFormat("ucx://127.0.0.1:%d/probe", FreePort()));
+  return probe.ok() ? "" : std::string(probe.status().message());
+}
+
+// Subscribers wait for ranks that may still be starting.
+Options SubscriberOptions() { return {{"connect_timeout", "60s"}}; }
+
+// Starts the ranks of a group publishing the fixture with `layout` (peer_main.cc), versions
+// [start, start + versions), then serving them until killed (ucx:// serves from the ranks'
+// memory).
+std::vector<Child> StartRanks(const ScratchDir& dir, const std::string& uri, const Tls& tls,
+                              int world, const std::string& layout, uint64_t start,
+                              uint64_t versions, const std::string& log_tag,
+                              const std::map<int, std::string>& failpoints = {},
+                              double timeout_s = 60) {
+  std::vector<Child> ranks;
+  for (int r = 0; r < world; ++r) {
+    std::map<std::string, std::string> env = tls.env;
+    if (auto it = failpoints.find(r); it != failpoints.end()) {
+      env["WEIGHTBUS_FAILPOINTS"] = it->second;
+    }
+    auto c = Child::Start(
+        {Peer(), "publish-llama", uri, "--layout", layout, "--start", std::to_string(start),
+         "--versions", std::to_string(versions), "--timeout-s", absl::StrFormat("%g", timeout_s),
+         "--serve-ms", "600000", "--set", absl::StrFormat("rank=%d", r), "--set",
+         absl::StrFormat("world_size=%d", world), "--set", "connect_timeout=60s"},
+        env, dir / absl::StrFormat("%s%d.log", log_tag, r));
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (c.ok()) ranks.push_back(*std::move(c));
+  }
+  return ranks;
+}
+
+// Ends ranks that serve until killed, and checks that each published `version`.
+void StopRanks(const ScratchDir& dir, std::vector<Child>& ranks, const std::string& log_tag,
+               uint64_t version) {
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ranks[r].Kill(SIGKILL);
+    EXPECT_TRUE(ranks[r].Wait(kTimeout).ok());
+    const std::string log = testing::ReadFileOrDie(dir / absl::StrFormat("%s%d.log", log_tag, r));
+    EXPECT_THAT(log, HasSubstr(absl::StrFormat("published %d", version))) << log;
+  }
+}
+
+// Receives exactly `version` and checks every assembled tensor against the fixture, byte for
+// byte (`bind_mode` non-empty: into caller buffers).
+void ExpectWholeModel(const std::string& uri, uint64_t version, int world,
+                      const std::string& bind_mode = "") {
+  Options options = SubscriberOptions();
+  if (!bind_mode.empty()) options["bind_mode"] = bind_mode;
+  auto sub = Subscriber::Open(uri, options);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  std::vector<std::vector<std::byte>> buffers;
+  if (!bind_mode.empty()) {
+    buffers.reserve(Model().size());
+    for (const tools::OwnedTensor& t : Model()) {
+      buffers.emplace_back(t.bytes.size(), std::byte{0xee});
+      ASSERT_TRUE((*sub)->Bind(t.name, {t.dtype, t.shape, {}, buffers.back().data()}).ok());
+    }
+  }
+  auto u = (*sub)->ReceiveVersion(version, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_TRUE((*u)->manifest().group);
+  EXPECT_EQ((*u)->manifest().publisher.world_size, world);
+  std::vector<int> parts_of(world, 0);
+  for (const TensorInfo& t : (*u)->manifest().tensors) ++parts_of.at(t.owner);
+  for (int r = 0; r < world; ++r) EXPECT_GT(parts_of[r], 0) << "rank " << r;
+  ASSERT_EQ((*u)->tensors().size(), Model().size());
+  uint64_t model_bytes = 0;
+  for (size_t i = 0; i < Model().size(); ++i) {
+    const tools::OwnedTensor& t = Model()[i];
+    model_bytes += t.bytes.size();
+    const TensorView* v = (*u)->Find(t.name);
+    ASSERT_NE(v, nullptr) << t.name;
+    EXPECT_EQ(v->shape, t.shape) << t.name;
+    EXPECT_EQ(std::memcmp(v->data, t.bytes.data(), t.bytes.size()), 0) << t.name;
+    if (!bind_mode.empty()) EXPECT_EQ(v->data, buffers[i].data()) << t.name;
+  }
+  // Replicated norms read once: every byte of the model once.
+  EXPECT_EQ((*u)->stats().bytes, model_bytes);
+}
+
+// ---- Tensor-parallel subscribers (as tests/tp_subscribe_test.cc, over ucx) -------------------
+
+std::vector<PlacementRule> LlamaRules() {
+  return {
+      {"*.q_proj.weight", Placement::Shard(0)},    {"*.k_proj.weight", Placement::Shard(0)},
+      {"*.v_proj.weight", Placement::Shard(0)},    {"*.gate_proj.weight", Placement::Shard(0)},
+      {"*.up_proj.weight", Placement::Shard(0)},   {"*.o_proj.weight", Placement::Shard(1)},
+      {"*.down_proj.weight", Placement::Shard(1)}, {"*embed_tokens.weight", Placement::Shard(0)},
+      {"lm_head.weight", Placement::Shard(0)}};
+}
+
+// The dimension LlamaRules splits `name` on, or -1 (replicated), written out again.
+int SplitDim(const std::string& name) {
+  for (const char* col : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens"}) {
+    if (absl::StrContains(name, col)) return 0;
+  }
+  if (name == "lm_head.weight") return 0;
+  for (const char* row : {"o_proj", "down_proj"}) {
+    if (absl::StrContains(name, row)) return 1;
+  }
+  return -1;
+}
+
+struct Box {
+  std::vector<int64_t> begin, end;
+};
+bool Meet(const Box& a, const Box& b) {
+  for (size_t d = 0; d < a.begin.size(); ++d) {
+    if (a.begin[d] >= b.end[d] || b.begin[d] >= a.end[d]) return false;
+  }
+  return true;
+}
+int64_t Elements(const Box& b) {
+  int64_t n = 1;
+  for (size_t d = 0; d < b.begin.size(); ++d) n *= b.end[d] - b.begin[d];
+  return n;
+}
+Box Whole(const std::vector<int64_t>& shape) {
+  return {std::vector<int64_t>(shape.size(), 0), shape};
+}
+Box Block(const std::vector<int64_t>& shape, int dim, int r, int n) {
+  Box b = Whole(shape);
+  b.begin[dim] = shape[dim] / n * r;
+  b.end[dim] = shape[dim] / n * (r + 1);
+  return b;
+}
+// The parts publish-llama publishes of `t` (one box for a whole or replicated tensor).
+std::vector<Box> PublishedParts(const tools::OwnedTensor& t, int world, const std::string& layout) {
+  if (t.shape.size() != 2) return {Whole(t.shape)};
+  if (layout == "cols" && t.name == "model.embed_tokens.weight") return {Whole(t.shape)};
+  std::vector<Box> parts;
+  for (int r = 0; r < world; ++r) parts.push_back(Block(t.shape, layout == "cols", r, world));
+  return parts;
+}
+Box SliceBox(const tools::OwnedTensor& t, int r, int tp) {
+  const int d = SplitDim(t.name);
+  return d < 0 ? Whole(t.shape) : Block(t.shape, d, r, tp);
+}
+std::vector<std::byte> SliceBytes(const tools::OwnedTensor& t, const Box& b) {
+  if (t.shape.size() != 2) return t.bytes;
+  std::vector<std::byte> out;
+  for (int64_t row = b.begin[0]; row < b.end[0]; ++row) {
+    const std::byte* from = t.bytes.data() + (row * t.shape[1] + b.begin[1]) * 4;
+    out.insert(out.end(), from, from + (b.end[1] - b.begin[1]) * 4);
+  }
+  return out;
+}
+// Bytes of the published parts rank `r` of `tp`'s slices meet (a replicated part once): what a
+// subscriber without block checksums reads (it verifies whole parts).
+uint64_t BytesMet(int world, const std::string& layout, int r, int tp) {
+  uint64_t n = 0;
+  for (const tools::OwnedTensor& t : Model()) {
+    const Box want = SliceBox(t, r, tp);
+    for (const Box& part : PublishedParts(t, world, layout)) {
+      if (Meet(part, want)) n += Elements(part) * 4;
+    }
+  }
+  return n;
+}
+
+// Every rank of a TP group of `tp` receives exactly `version`, its slices bit-exact, having read
+// only the parts its slices meet.
+void ExpectTpGroup(const std::string& uri, uint64_t version, int world, const std::string& layout,
+                   int tp) {
+  for (int r = 0; r < tp; ++r) {
+    auto sub = Subscriber::Open(uri, SubscriberOptions(), SubscribePlacements{LlamaRules(), {tp, r}, {}});
+    ASSERT_TRUE(sub.ok()) << sub.status();
+    auto u = (*sub)->ReceiveVersion(version, kTimeout);
+    ASSERT_TRUE(u.ok()) << "TP rank " << r << " of " << tp << ": " << u.status();
+    ASSERT_EQ((*u)->tensors().size(), Model().size());
+    for (const tools::OwnedTensor& t : Model()) {
+      const TensorView* v = (*u)->Find(t.name);
+      ASSERT_NE(v, nullptr) << t.name;
+      const std::vector<std::byte> want = SliceBytes(t, SliceBox(t, r, tp));
+      EXPECT_EQ(std::memcmp(v->data, want.data(), want.size()), 0)
+          << t.name << " of TP rank " << r << " of " << tp;
+    }
+    EXPECT_EQ((*u)->stats().bytes, BytesMet(world, layout, r, tp)) << "TP rank " << r;
+  }
+}
+
+struct GroupCase {
+  Tls tls;
+  int world;
+  std::string layout;
+};
+
+class UcxGroupTest : public ::testing::TestWithParam<GroupCase> {};
+
+TEST_P(UcxGroupTest, RanksServeTheirPartsToWholeAndTensorParallelSubscribers) {
+  const auto& [tls, world, layout] = GetParam();
+  const testing::ScopedEnvs tls_env(tls.env);
+  if (std::string why = UcxUnusable(); !why.empty()) GTEST_SKIP() << "UCX unusable: " << why;
+  ScratchDir dir;
+  const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/group", FreePort());
+  std::vector<Child> ranks = StartRanks(dir, uri, tls, world, layout, 1, 2, "rank");
+  ExpectWholeModel(uri, 2, world);
+  ExpectWholeModel(uri, 2, world, "direct");
+  ExpectWholeModel(uri, 2, world, "staged");
+  for (int tp : {2, 4}) ExpectTpGroup(uri, 2, world, layout, tp);
+  StopRanks(dir, ranks, "rank", 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, UcxGroupTest,
+    ::testing::Values(GroupCase{testing::kShm, 2, "rows"}, GroupCase{testing::kShm, 4, "rows"},
+                      GroupCase{testing::kShm, 2, "cols"}, GroupCase{testing::kShm, 4, "cols"},
+                      GroupCase{testing::kTcp, 2, "cols"}),
+    [](const auto& info) {
+      return absl::StrFormat("%s_%s_world%d", info.param.tls.name, info.param.layout,
+                             info.param.world);
+    });
+
+TEST(UcxGroupKillTest, RankKilledMidPublishLeavesNothingAndTheNextVersionCommits) {
+  constexpr int kWorld = 4, kVictim = 2;
+  const testing::ScopedEnvs tls_env(testing::kShm.env);
+  if (std::string why = UcxUnusable(); !why.empty()) GTEST_SKIP() << "UCX unusable: " << why;
+  ScratchDir dir;
+  const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/group", FreePort());
+  std::vector<Child> ranks;
+  {
+    // The victim stops with its part staged, before it tells rank 0; killed there.
+    testing::PausePoint paused("ucx.after_copy");
+    ranks = StartRanks(dir, uri, testing::kShm, kWorld, "rows", 1, 1, "first",
+                       {{kVictim, paused.Spec()}}, /*timeout_s=*/8);
+    ASSERT_EQ(ranks.size(), static_cast<size_t>(kWorld));
+    ASSERT_TRUE(paused.WaitReached(kTimeout))
+        << testing::ReadFileOrDie(dir / absl::StrFormat("first%d.log", kVictim));
+    EXPECT_EQ(paused.ReachedBy(), ranks[kVictim].pid());
+    ranks[kVictim].Kill(SIGKILL);
+    EXPECT_TRUE(ranks[kVictim].Wait(kTimeout).ok());
+  }
+  // Never visible: rank 0 (alive until its deadline, or not up yet) grants nothing.
+  {
+    auto sub = Subscriber::Open(uri);
+    ASSERT_TRUE(sub.ok()) << sub.status();
+    auto none = (*sub)->Poll(1, kTimeout);
+    ASSERT_TRUE(none.ok()) << none.status();
+    EXPECT_EQ(*none, nullptr);
+  }
+  for (int r = 0; r < kWorld; ++r) {
+    if (r == kVictim) continue;
+    absl::StatusOr<int> s = ranks[r].Wait(kTimeout);
+    ASSERT_TRUE(s.ok()) << s.status();
+    const std::string log = testing::ReadFileOrDie(dir / absl::StrFormat("first%d.log", r));
+    EXPECT_EQ(ExitCode(*s), 1) << log;
+    EXPECT_THAT(log, HasSubstr("DEADLINE_EXCEEDED")) << log;
+    EXPECT_THAT(log, HasSubstr("version 1 was not committed: rank 2 of the group of 4 did not "
+                               "stage its part by the deadline"))
+        << log;
+  }
+  // The restarted rank and the others publish the next version, which subscribers receive.
+  std::vector<Child> again = StartRanks(dir, uri, testing::kShm, kWorld, "rows", 2, 1, "second");
+  ExpectWholeModel(uri, 2, kWorld);
+  StopRanks(dir, again, "second", 2);
+}
+
+}  // namespace
+}  // namespace weightbus

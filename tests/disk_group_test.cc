@@ -604,16 +604,6 @@ TEST(GroupChecksTest, ASinglePublisherAndAGroupRankExcludeEachOther) {
   EXPECT_EQ(rank.status().code(), absl::StatusCode::kFailedPrecondition) << rank.status();
 }
 
-TEST(GroupChecksTest, ATransportWithoutGroupsRefusesWorldSizeAboveOne) {
-  if (const std::string why = testing::MissingTransports({"ucx"}); !why.empty()) {
-    GTEST_SKIP() << why;
-  }
-  auto p = Publisher::Open("ucx://127.0.0.1:1/channel?rank=1&world_size=2");
-  EXPECT_EQ(p.status().code(), absl::StatusCode::kUnimplemented) << p.status();
-  EXPECT_THAT(std::string(p.status().message()),
-              HasSubstr("world_size=2 asks for a publisher group (rank 1)"));
-}
-
 TEST(GroupChecksTest, ALayerRefusesWorldSizeAboveOne) {
   if (const std::string why = testing::MissingTransports({"delta"}); !why.empty()) {
     GTEST_SKIP() << why;

@@ -11,6 +11,7 @@
 #include <signal.h>
 
 #include <filesystem>
+#include <thread>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -297,6 +298,165 @@ TEST(UcxGroupKillTest, RankKilledMidPublishLeavesNothingAndTheNextVersionCommits
   std::vector<Child> again = StartRanks(dir, uri, testing::kShm, kWorld, "rows", 2, 1, "second");
   ExpectWholeModel(uri, 2, kWorld);
   StopRanks(dir, again, "second", 2);
+}
+
+// A group's ranks would serve subscribers and join rank 0 without authenticating: refused at
+// Publisher::Open on a channel with a shared secret (by the core, or by ucx:// itself).
+TEST(UcxGroupChecksTest, AGroupOnAChannelWithASecretIsRefusedAtOpen) {
+  const testing::ScopedEnvs secret(std::map<std::string, std::string>{
+      {"WB_UCX_GROUP_SECRET", "0123456789abcdef0123456789abcdef"}});
+  auto p = Publisher::Open(absl::StrFormat("ucx://127.0.0.1:%d/channel", FreePort()),
+                           {{"rank", "1"}, {"world_size", "2"}, {"secret_env", "WB_UCX_GROUP_SECRET"}});
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kUnimplemented) << p.status();
+  EXPECT_THAT(std::string(p.status().message()), HasSubstr("shared secret"));
+}
+
+// Rank 0 refuses a rank that joins with another world_size, and that rank's Publish says so.
+TEST(UcxGroupChecksTest, RanksDisagreeingOnWorldSizeAreFailedPrecondition) {
+  const testing::ScopedEnvs tls_env(testing::kShm.env);
+  if (std::string why = UcxUnusable(); !why.empty()) GTEST_SKIP() << "UCX unusable: " << why;
+  const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/group", FreePort());
+  auto r0 = Publisher::Open(uri, {{"rank", "0"}, {"world_size", "2"}});
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  auto r1 = Publisher::Open(uri, {{"rank", "1"}, {"world_size", "3"}});
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  std::vector<float> w(16, 1.0f);
+  TensorView v;
+  v.name = "w";
+  v.shape = {4, 4};
+  v.data = w.data();
+  absl::Status s = (*r1)->Publish(1, {v}, {}, kTimeout);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("rank 1 publishes with world_size 3, rank 0"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("with 2: the ranks disagree on world_size"));
+}
+
+// ---- Ranks as threads of this process (the cross-rank checks, leases) ----------------------
+
+// The bytes of an [8, 4] F32 tensor "w" of `version` (element i is i + 100 * version).
+std::vector<float> Weights(uint64_t version) {
+  std::vector<float> w(32);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>(i + 100 * version);
+  return w;
+}
+
+// Rank `r` of 2's views of `w`: rows [4r, 4r + 4) as a shard of [8, 4], in `dtype` (a rank
+// that disagrees publishes another), and a replicated bias.
+std::vector<TensorView> RankViews(const std::vector<float>& w, const std::vector<float>& bias,
+                                  int r, DType dtype = DType::kF32) {
+  TensorView rows;
+  rows.name = "w";
+  rows.dtype = dtype;
+  rows.shape = {4, 4};
+  rows.data = w.data() + 16 * r;
+  rows.shard = Shard{{8, 4}, {4 * r, 0}};
+  TensorView b;
+  b.name = "bias";
+  b.shape = {4};
+  b.data = bias.data();
+  return {rows, b};
+}
+
+// Publishes `version` on both ranks at once (rank 1 in a thread); their statuses.
+std::vector<absl::Status> PublishBoth(std::vector<std::unique_ptr<Publisher>>& ranks,
+                                      uint64_t version, const std::vector<float>& w,
+                                      const std::vector<float>& bias,
+                                      DType rank1_dtype = DType::kF32) {
+  std::vector<absl::Status> status(2);
+  std::thread one([&] {
+    status[1] = ranks[1]->Publish(version, RankViews(w, bias, 1, rank1_dtype), {}, kTimeout);
+  });
+  status[0] = ranks[0]->Publish(version, RankViews(w, bias, 0), {}, kTimeout);
+  one.join();
+  return status;
+}
+
+std::vector<std::unique_ptr<Publisher>> OpenRanks(const std::string& uri, const Options& extra) {
+  std::vector<std::unique_ptr<Publisher>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    Options o = extra;
+    o["rank"] = std::to_string(r);
+    o["world_size"] = "2";
+    auto p = Publisher::Open(uri, o);
+    EXPECT_TRUE(p.ok()) << p.status();
+    if (!p.ok()) return {};
+    ranks.push_back(*std::move(p));
+  }
+  return ranks;
+}
+
+// Ranks that disagree on a tensor's dtype are refused, both of them, naming both sides, and
+// nothing becomes visible; a corrected next version commits.
+TEST(UcxGroupChecksTest, RanksDisagreeingOnADtypeAreRefusedForEveryRankAndACorrectionCommits) {
+  const testing::ScopedEnvs tls_env(testing::kShm.env);
+  if (std::string why = UcxUnusable(); !why.empty()) GTEST_SKIP() << "UCX unusable: " << why;
+  const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/group", FreePort());
+  std::vector<std::unique_ptr<Publisher>> ranks = OpenRanks(uri, {});
+  ASSERT_EQ(ranks.size(), 2u);
+  const std::vector<float> bias = {1, 2, 3, 4};
+  const std::vector<float> w1 = Weights(1);
+  const std::vector<absl::Status> refused = PublishBoth(ranks, 1, w1, bias, DType::kI32);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(refused[r].code(), absl::StatusCode::kInvalidArgument) << refused[r];
+    EXPECT_THAT(std::string(refused[r].message()),
+                HasSubstr("rank 0 publishes F32 of global shape [8, 4], rank 1 I32 of global "
+                          "shape [8, 4]"))
+        << "rank " << r;
+  }
+  auto sub = Subscriber::Open(uri);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  auto none = (*sub)->Poll(1, kTimeout);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(*none, nullptr);
+
+  const std::vector<float> w2 = Weights(2);
+  for (const absl::Status& s : PublishBoth(ranks, 2, w2, bias)) EXPECT_TRUE(s.ok()) << s;
+  auto u = (*sub)->ReceiveVersion(2, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  const TensorView* w = (*u)->Find("w");
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(std::memcmp(w->data, w2.data(), w2.size() * 4), 0);
+}
+
+// A subscriber stalled in the middle of pulling a group version holds rank 0's only staging slot
+// no longer than its lease: the group's next Publish gets the slot once the lease has expired,
+// and the stalled transfer, resumed, fails instead of handing over bytes that may have been
+// overwritten.
+TEST(UcxGroupChecksTest, AStalledSubscriberHoldsTheRanksNoLongerThanItsLease) {
+  const testing::ScopedEnvs tls_env(testing::kShm.env);
+  if (std::string why = UcxUnusable(); !why.empty()) GTEST_SKIP() << "UCX unusable: " << why;
+  const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/group", FreePort());
+  std::vector<std::unique_ptr<Publisher>> ranks =
+      OpenRanks(uri, {{"staging_slots", "1"}, {"lease", "500ms"}});
+  ASSERT_EQ(ranks.size(), 2u);
+  const std::vector<float> bias = {1, 2, 3, 4};
+  const std::vector<float> w1 = Weights(1);
+  for (const absl::Status& s : PublishBoth(ranks, 1, w1, bias)) ASSERT_TRUE(s.ok()) << s;
+
+  testing::PausePoint stalled("ucx.during_get");
+  absl::StatusOr<std::unique_ptr<Subscriber>> sub = [&] {
+    const testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", stalled.Spec());
+    return Subscriber::Open(uri);
+  }();
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  absl::Status stalled_receive;
+  std::thread subscriber([&] { stalled_receive = (*sub)->ReceiveVersion(1, kTimeout).status(); });
+  if (!stalled.WaitReached(kTimeout)) {
+    subscriber.join();
+    FAIL() << "the subscriber never reached ucx.during_get: " << stalled_receive;
+  }
+  // Held mid-transfer, renewing nothing: version 2 still gets every rank's slot.
+  const std::vector<float> w2 = Weights(2);
+  for (const absl::Status& s : PublishBoth(ranks, 2, w2, bias)) EXPECT_TRUE(s.ok()) << s;
+  stalled.Release();
+  subscriber.join();
+  EXPECT_FALSE(stalled_receive.ok());
+  auto fresh = Subscriber::Open(uri);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  auto u = (*fresh)->ReceiveVersion(2, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ(std::memcmp((*u)->Find("w")->data, w2.data(), w2.size() * 4), 0);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_format.h"
+#include "llama_groups.h"
 #include "stories260k.h"
 #include "test_support.h"
 #include "weightbus/llama2c.h"
@@ -36,8 +37,8 @@ bool Exists(const std::string& path) {
   return ::lstat(path.c_str(), &st) == 0;
 }
 
-// The fixture as the peer converts it: what every assembled version must equal.
-const std::vector<tools::OwnedTensor>& Model() { return testing::Stories260K(); }
+using ::weightbus::testing::llama_groups::ExpectWholeModel;
+using ::weightbus::testing::llama_groups::Model;
 
 // Starts the ranks of a group publishing the fixture with `layout` (peer_main.cc); with `only`
 // >= 0, that rank alone.
@@ -90,43 +91,6 @@ std::vector<int> WaitAll(std::vector<Child>& ranks) {
     codes.push_back(s.ok() ? ExitCode(*s) : -1);
   }
   return codes;
-}
-
-// Receives exactly `version` and checks every assembled tensor against the fixture, byte for
-// byte; `bind` receives them into caller buffers instead (bind_mode direct or staged).
-void ExpectWholeModel(const std::string& uri, uint64_t version, int world,
-                      const std::string& bind_mode = "") {
-  Options options;
-  if (!bind_mode.empty()) options["bind_mode"] = bind_mode;
-  auto sub = Subscriber::Open(uri, options);
-  ASSERT_TRUE(sub.ok()) << sub.status();
-  std::vector<std::vector<std::byte>> buffers;
-  if (!bind_mode.empty()) {
-    buffers.reserve(Model().size());
-    for (const tools::OwnedTensor& t : Model()) {
-      buffers.emplace_back(t.bytes.size(), std::byte{0xee});
-      ASSERT_TRUE((*sub)->Bind(t.name, {t.dtype, t.shape, {}, buffers.back().data()}).ok());
-    }
-  }
-  auto u = (*sub)->ReceiveVersion(version, kTimeout);
-  ASSERT_TRUE(u.ok()) << u.status();
-  EXPECT_TRUE((*u)->manifest().group);
-  EXPECT_EQ((*u)->manifest().publisher.world_size, world);
-  ASSERT_EQ((*u)->tensors().size(), Model().size());
-  for (size_t i = 0; i < Model().size(); ++i) {
-    const tools::OwnedTensor& t = Model()[i];
-    const TensorView* found = (*u)->Find(t.name);
-    ASSERT_NE(found, nullptr) << t.name;
-    const TensorView& v = *found;
-    EXPECT_EQ(v.shape, t.shape) << t.name;
-    EXPECT_FALSE(v.shard.has_value()) << t.name;
-    EXPECT_EQ(std::memcmp(v.data, t.bytes.data(), t.bytes.size()), 0) << t.name;
-    if (!bind_mode.empty()) EXPECT_EQ(v.data, buffers[i].data()) << t.name;
-  }
-  // Replicated norms were read once; every byte of the model once.
-  uint64_t model_bytes = 0;
-  for (const tools::OwnedTensor& t : Model()) model_bytes += t.bytes.size();
-  EXPECT_EQ((*u)->stats().bytes, model_bytes);
 }
 
 // Every rank of a group of `world` publishes `version` (exit 0), which subscribers receive whole.

@@ -18,6 +18,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
+#include "llama_groups.h"
 #include "stories260k.h"
 #include "test_support.h"
 #include "ucx_tls.h"
@@ -37,7 +38,7 @@ using ::weightbus::testing::Tls;
 constexpr absl::Duration kTimeout = absl::Seconds(60);
 
 std::string Peer() { return testing::BinaryPath("tests/wb_test_peer"); }
-const std::vector<tools::OwnedTensor>& Model() { return testing::Stories260K(); }
+using namespace ::weightbus::testing::llama_groups;  // NOLINT: the fixture's layouts
 
 // Why UCX cannot run here with this process's UCX environment ("" when it can).
 std::string UcxUnusable() {
@@ -85,122 +86,10 @@ void StopRanks(const ScratchDir& dir, std::vector<Child>& ranks, const std::stri
   }
 }
 
-// Receives exactly `version` and checks every assembled tensor against the fixture, byte for
-// byte (`bind_mode` non-empty: into caller buffers).
-void ExpectWholeModel(const std::string& uri, uint64_t version, int world,
-                      const std::string& bind_mode = "") {
-  Options options = SubscriberOptions();
-  if (!bind_mode.empty()) options["bind_mode"] = bind_mode;
-  auto sub = Subscriber::Open(uri, options);
-  ASSERT_TRUE(sub.ok()) << sub.status();
-  std::vector<std::vector<std::byte>> buffers;
-  if (!bind_mode.empty()) {
-    buffers.reserve(Model().size());
-    for (const tools::OwnedTensor& t : Model()) {
-      buffers.emplace_back(t.bytes.size(), std::byte{0xee});
-      ASSERT_TRUE((*sub)->Bind(t.name, {t.dtype, t.shape, {}, buffers.back().data()}).ok());
-    }
-  }
-  auto u = (*sub)->ReceiveVersion(version, kTimeout);
-  ASSERT_TRUE(u.ok()) << u.status();
-  EXPECT_TRUE((*u)->manifest().group);
-  EXPECT_EQ((*u)->manifest().publisher.world_size, world);
-  std::vector<int> parts_of(world, 0);
-  for (const TensorInfo& t : (*u)->manifest().tensors) ++parts_of.at(t.owner);
-  for (int r = 0; r < world; ++r) EXPECT_GT(parts_of[r], 0) << "rank " << r;
-  ASSERT_EQ((*u)->tensors().size(), Model().size());
-  uint64_t model_bytes = 0;
-  for (size_t i = 0; i < Model().size(); ++i) {
-    const tools::OwnedTensor& t = Model()[i];
-    model_bytes += t.bytes.size();
-    const TensorView* v = (*u)->Find(t.name);
-    ASSERT_NE(v, nullptr) << t.name;
-    EXPECT_EQ(v->shape, t.shape) << t.name;
-    EXPECT_EQ(std::memcmp(v->data, t.bytes.data(), t.bytes.size()), 0) << t.name;
-    if (!bind_mode.empty()) EXPECT_EQ(v->data, buffers[i].data()) << t.name;
-  }
-  // Replicated norms read once: every byte of the model once.
-  EXPECT_EQ((*u)->stats().bytes, model_bytes);
-}
-
-// ---- Tensor-parallel subscribers (as tests/tp_subscribe_test.cc, over ucx) -------------------
-
-std::vector<PlacementRule> LlamaRules() {
-  return {
-      {"*.q_proj.weight", Placement::Shard(0)},    {"*.k_proj.weight", Placement::Shard(0)},
-      {"*.v_proj.weight", Placement::Shard(0)},    {"*.gate_proj.weight", Placement::Shard(0)},
-      {"*.up_proj.weight", Placement::Shard(0)},   {"*.o_proj.weight", Placement::Shard(1)},
-      {"*.down_proj.weight", Placement::Shard(1)}, {"*embed_tokens.weight", Placement::Shard(0)},
-      {"lm_head.weight", Placement::Shard(0)}};
-}
-
-// The dimension LlamaRules splits `name` on, or -1 (replicated), written out again.
-int SplitDim(const std::string& name) {
-  for (const char* col : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens"}) {
-    if (absl::StrContains(name, col)) return 0;
-  }
-  if (name == "lm_head.weight") return 0;
-  for (const char* row : {"o_proj", "down_proj"}) {
-    if (absl::StrContains(name, row)) return 1;
-  }
-  return -1;
-}
-
-struct Box {
-  std::vector<int64_t> begin, end;
-};
-bool Meet(const Box& a, const Box& b) {
-  for (size_t d = 0; d < a.begin.size(); ++d) {
-    if (a.begin[d] >= b.end[d] || b.begin[d] >= a.end[d]) return false;
-  }
-  return true;
-}
-int64_t Elements(const Box& b) {
-  int64_t n = 1;
-  for (size_t d = 0; d < b.begin.size(); ++d) n *= b.end[d] - b.begin[d];
-  return n;
-}
-Box Whole(const std::vector<int64_t>& shape) {
-  return {std::vector<int64_t>(shape.size(), 0), shape};
-}
-Box Block(const std::vector<int64_t>& shape, int dim, int r, int n) {
-  Box b = Whole(shape);
-  b.begin[dim] = shape[dim] / n * r;
-  b.end[dim] = shape[dim] / n * (r + 1);
-  return b;
-}
-// The parts publish-llama publishes of `t` (one box for a whole or replicated tensor).
-std::vector<Box> PublishedParts(const tools::OwnedTensor& t, int world, const std::string& layout) {
-  if (t.shape.size() != 2) return {Whole(t.shape)};
-  if (layout == "cols" && t.name == "model.embed_tokens.weight") return {Whole(t.shape)};
-  std::vector<Box> parts;
-  for (int r = 0; r < world; ++r) parts.push_back(Block(t.shape, layout == "cols", r, world));
-  return parts;
-}
-Box SliceBox(const tools::OwnedTensor& t, int r, int tp) {
-  const int d = SplitDim(t.name);
-  return d < 0 ? Whole(t.shape) : Block(t.shape, d, r, tp);
-}
-std::vector<std::byte> SliceBytes(const tools::OwnedTensor& t, const Box& b) {
-  if (t.shape.size() != 2) return t.bytes;
-  std::vector<std::byte> out;
-  for (int64_t row = b.begin[0]; row < b.end[0]; ++row) {
-    const std::byte* from = t.bytes.data() + (row * t.shape[1] + b.begin[1]) * 4;
-    out.insert(out.end(), from, from + (b.end[1] - b.begin[1]) * 4);
-  }
-  return out;
-}
-// Bytes of the published parts rank `r` of `tp`'s slices meet (a replicated part once): what a
-// subscriber without block checksums reads (it verifies whole parts).
-uint64_t BytesMet(int world, const std::string& layout, int r, int tp) {
-  uint64_t n = 0;
-  for (const tools::OwnedTensor& t : Model()) {
-    const Box want = SliceBox(t, r, tp);
-    for (const Box& part : PublishedParts(t, world, layout)) {
-      if (Meet(part, want)) n += Elements(part) * 4;
-    }
-  }
-  return n;
+// ExpectWholeModel (llama_groups.h) with subscribers that wait for ranks still starting.
+void ExpectWhole(const std::string& uri, uint64_t version, int world,
+                 const std::string& bind_mode = "") {
+  ExpectWholeModel(uri, version, world, bind_mode, SubscriberOptions());
 }
 
 // Every rank of a TP group of `tp` receives exactly `version`, its slices bit-exact, having read
@@ -208,7 +97,8 @@ uint64_t BytesMet(int world, const std::string& layout, int r, int tp) {
 void ExpectTpGroup(const std::string& uri, uint64_t version, int world, const std::string& layout,
                    int tp) {
   for (int r = 0; r < tp; ++r) {
-    auto sub = Subscriber::Open(uri, SubscriberOptions(), SubscribePlacements{LlamaRules(), {tp, r}, {}});
+    auto sub = Subscriber::Open(uri, SubscriberOptions(),
+                                SubscribePlacements{LlamaRules(), {tp, r}, {}});
     ASSERT_TRUE(sub.ok()) << sub.status();
     auto u = (*sub)->ReceiveVersion(version, kTimeout);
     ASSERT_TRUE(u.ok()) << "TP rank " << r << " of " << tp << ": " << u.status();
@@ -220,7 +110,7 @@ void ExpectTpGroup(const std::string& uri, uint64_t version, int world, const st
       EXPECT_EQ(std::memcmp(v->data, want.data(), want.size()), 0)
           << t.name << " of TP rank " << r << " of " << tp;
     }
-    EXPECT_EQ((*u)->stats().bytes, BytesMet(world, layout, r, tp)) << "TP rank " << r;
+    EXPECT_EQ((*u)->stats().bytes, BytesMet({world, layout}, r, tp)) << "TP rank " << r;
   }
 }
 
@@ -239,9 +129,9 @@ TEST_P(UcxGroupTest, RanksServeTheirPartsToWholeAndTensorParallelSubscribers) {
   ScratchDir dir;
   const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/group", FreePort());
   std::vector<Child> ranks = StartRanks(dir, uri, tls, world, layout, 1, 2, "rank");
-  ExpectWholeModel(uri, 2, world);
-  ExpectWholeModel(uri, 2, world, "direct");
-  ExpectWholeModel(uri, 2, world, "staged");
+  ExpectWhole(uri, 2, world);
+  ExpectWhole(uri, 2, world, "direct");
+  ExpectWhole(uri, 2, world, "staged");
   for (int tp : {2, 4}) ExpectTpGroup(uri, 2, world, layout, tp);
   StopRanks(dir, ranks, "rank", 2);
 }
@@ -296,7 +186,7 @@ TEST(UcxGroupKillTest, RankKilledMidPublishLeavesNothingAndTheNextVersionCommits
   }
   // The restarted rank and the others publish the next version, which subscribers receive.
   std::vector<Child> again = StartRanks(dir, uri, testing::kShm, kWorld, "rows", 2, 1, "second");
-  ExpectWholeModel(uri, 2, kWorld);
+  ExpectWhole(uri, 2, kWorld);
   StopRanks(dir, again, "second", 2);
 }
 

@@ -28,7 +28,8 @@ struct PairResult {
   std::vector<double> last_s;    // per measured version: first publisher call to last rank ready
   std::vector<double> commit_s;  // per measured version: first publisher call to the last
                                  // rank's Publish returning (the group commit)
-  double control_files = 0;      // per version (median)
+  double control_files = 0;      // per version (median): disk's metadata files, or ucx's
+                                 // group-commit messages (PART and OUTCOME per rank > 0)
   int64_t subscriber_rss = 0;    // the largest peak RSS of a TP rank
   int wrong = 0;                 // slices that differed from the store, or versions that failed
   std::string failure;
@@ -59,7 +60,10 @@ class Pair {
   PairResult r;
 
   void Run() {
-    const std::string uri = "disk://" + channel_;
+    const bool ucx = c_.transport == "ucx";
+    const std::string uri =
+        ucx ? absl::StrFormat("ucx://127.0.0.1:%d/group-p%d-tp%d", FreePort(), r.publishers, r.tp)
+            : "disk://" + channel_;
     std::vector<std::string> common = {"--uri",
                                        uri,
                                        "--store",
@@ -146,7 +150,8 @@ class Pair {
         r.last_s.push_back((last_ns - start_ns) / 1e9);
         r.commit_s.push_back((committed_ns - start_ns) / 1e9);
       }
-      control.push_back(ControlFiles(absl::StrFormat("%s/versions/v%020d", channel_, v)));
+      control.push_back(ucx ? 2.0 * (r.publishers - 1)
+                            : ControlFiles(absl::StrFormat("%s/versions/v%020d", channel_, v)));
     }
     r.control_files = Median(control);
     for (int p = 0; p < r.publishers; ++p) procs_[p].Send("quit");
@@ -212,17 +217,18 @@ class Pair {
 
 int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
   std::printf(
-      "# publisher groups and TP replicas over disk://: N publisher processes (rank r publishes "
+      "# publisher groups and TP replicas over %s://: N publisher processes (rank r publishes "
       "row shards of every matrix whose rows divide by N, other tensors whole, tensor i by rank "
       "i %% N), M subscriber processes (one TP group: o_proj/down_proj on dimension 1, other "
       "matrices on dimension 0, vectors replicated); every TP rank checks its slices against "
-      "the store\n");
+      "the store\n",
+      c.transport);
   std::printf("# %d versions, the first %d not measured; settings: %s\n#\n", c.versions, c.warmup,
               c.settings.empty() ? "defaults" : absl::StrJoin(c.settings, " ").c_str());
   std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %6s\n", "N", "M", "model", "slices",
               "read/rank", "read%", "commit", "last-rank", "control", "rss/rank", "#wrong");
   std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %6s\n", "", "", "(B)", "(B)", "(B)",
-              "(%)", "(s)", "(s)", "(files)", "(MiB)", "");
+              "(%)", "(s)", "(s)", c.transport == "ucx" ? "(msgs)" : "(files)", "(MiB)", "");
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   int wrong = 0;
   std::string failure;

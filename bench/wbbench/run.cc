@@ -756,12 +756,16 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
   }
   if (o.transports.empty()) Die("no transport to measure in this build");
   if (f.publishers_flag->given() || f.tp_flag->given()) {
-    // Publisher groups: disk only (ucx and the delta layer refuse world_size > 1 so far).
-    if (!have_disk) Die("--publishers/--tp run over disk://, which this build lacks");
-    if (f.transports_flag->given() && o.transports != std::vector<std::string>{"disk"}) {
-      Die("--publishers/--tp run over disk:// only (ucx:// and delta refuse publisher groups)");
+    // Publisher groups: over disk (default) or ucx (--transports ucx), one at a time.
+    if (f.transports_flag->given()) {
+      if (o.transports != std::vector<std::string>{"disk"} &&
+          o.transports != std::vector<std::string>{"ucx"}) {
+        Die("--publishers/--tp run over one of disk:// and ucx:// (--transports disk or ucx)");
+      }
+    } else {
+      if (!have_disk) Die("--publishers/--tp run over disk:// by default, which this build lacks");
+      o.transports = {"disk"};
     }
-    o.transports = {"disk"};
   }
   for (const std::string& s : o.settings) {
     bool used = false;
@@ -821,6 +825,7 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
     gc.log_dir = log_dir;
     gc.timeout = o.timeout;
     gc.settings = o.settings;
+    gc.transport = o.transports.front();
     gc.json = o.json;
     absl::PrintF(
         "# weightbus-bench run (weightbus %s): model %s: %d tensors, BF16, %d bytes (%s)\n",

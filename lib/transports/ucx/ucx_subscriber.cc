@@ -289,8 +289,10 @@ class UcxSubscriber final : public TransportSubscriber {
   absl::Status PullBytes(UcxVersion& v, const Pieces& pieces, LandingSink& sink,
                          absl::Time deadline, uint64_t* inflight_left)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // After a failed PullBytes: releases `v`, closing a broken or abandoned session.
-  void PullFailed(UcxVersion& v, const absl::Status& pulled) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // PullBytes, then the registrations' bookkeeping; a failure releases `v`, closing a broken or
+  // abandoned session.
+  absl::Status PullPieces(UcxVersion& v, const Pieces& pieces, LandingSink& sink,
+                          absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Checks that `v`'s lease is still held, renewing it when it may be near its end.
   absl::Status ConfirmLease(UcxVersion& v, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // PullBytes for a session with bytes_over_control: READs, gets_in_flight outstanding, each
@@ -921,13 +923,7 @@ absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> ta
   for (size_t i = 0; i < n; ++i) {
     if (m.tensors[i].nbytes == 0) sink.Landed(i);
   }
-  uint64_t inflight = 0;
-  absl::Status pulled = PullBytes(v, pieces, sink, deadline, &inflight);
-  registrations_.EndFetch();
-  if (!pulled.ok()) {
-    PullFailed(v, pulled);
-    return pulled;
-  }
+  WB_RETURN_IF_ERROR(PullPieces(v, pieces, sink, deadline));
   // Every byte is here. If the lease certainly held until now (see UcxVersion::lease_base_,
   // with a 5% margin for clock rates), release it without waiting. Otherwise release it and
   // learn from the publisher whether it held throughout: if it expired, the publisher may have
@@ -962,7 +958,12 @@ absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> ta
   return absl::OkStatus();
 }
 
-void UcxSubscriber::PullFailed(UcxVersion& v, const absl::Status& pulled) {
+absl::Status UcxSubscriber::PullPieces(UcxVersion& v, const Pieces& pieces, LandingSink& sink,
+                                       absl::Time deadline) {
+  uint64_t inflight = 0;
+  absl::Status pulled = PullBytes(v, pieces, sink, deadline, &inflight);
+  registrations_.EndFetch();
+  if (pulled.ok()) return pulled;
   v.released_ = true;
   if (!session_ || absl::IsUnavailable(pulled) || absl::IsDeadlineExceeded(pulled)) {
     CloseSession();  // a broken or abandoned connection: the next call reconnects
@@ -970,6 +971,7 @@ void UcxSubscriber::PullFailed(UcxVersion& v, const absl::Status& pulled) {
     (void)session_->control.Send(Encode(ReleaseMsg{v.lease_id_, false}),
                                  absl::Now() + absl::Seconds(1));
   }
+  return pulled;
 }
 
 absl::Status UcxSubscriber::ConfirmLease(UcxVersion& v, absl::Time deadline) {
@@ -1020,13 +1022,7 @@ absl::Status UcxSubscriber::FetchRanges(UcxVersion& v, absl::Span<const RangeRea
   }
   WB_RETURN_IF_ERROR(ConfirmLease(v, deadline));
   NoLanding sink;
-  uint64_t inflight = 0;
-  absl::Status pulled = PullBytes(v, pieces, sink, deadline, &inflight);
-  registrations_.EndFetch();
-  if (!pulled.ok()) {
-    PullFailed(v, pulled);
-    return pulled;
-  }
+  WB_RETURN_IF_ERROR(PullPieces(v, pieces, sink, deadline));
   // The bytes are trusted only if the lease held throughout (as Fetch's release confirms).
   return ConfirmLease(v, deadline);
 }

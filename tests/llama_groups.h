@@ -119,7 +119,7 @@ inline uint64_t BytesMet(const PublishCase& c, int r, int tp) {
 // byte; `bind` receives them into caller buffers instead (bind_mode direct or staged).
 // `options`: the subscriber's settings.
 inline void ExpectWholeModel(const std::string& uri, uint64_t version, int world,
-                      const std::string& bind_mode = "", Options options = {}) {
+                             const std::string& bind_mode = "", Options options = {}) {
   if (!bind_mode.empty()) options["bind_mode"] = bind_mode;
   auto sub = Subscriber::Open(uri, options);
   ASSERT_TRUE(sub.ok()) << sub.status();

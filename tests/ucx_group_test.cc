@@ -97,8 +97,8 @@ void ExpectWhole(const std::string& uri, uint64_t version, int world,
 void ExpectTpGroup(const std::string& uri, uint64_t version, int world, const std::string& layout,
                    int tp) {
   for (int r = 0; r < tp; ++r) {
-    auto sub = Subscriber::Open(uri, SubscriberOptions(),
-                                SubscribePlacements{LlamaRules(), {tp, r}, {}});
+    auto sub =
+        Subscriber::Open(uri, SubscriberOptions(), SubscribePlacements{LlamaRules(), {tp, r}, {}});
     ASSERT_TRUE(sub.ok()) << sub.status();
     auto u = (*sub)->ReceiveVersion(version, kTimeout);
     ASSERT_TRUE(u.ok()) << "TP rank " << r << " of " << tp << ": " << u.status();
@@ -136,15 +136,16 @@ TEST_P(UcxGroupTest, RanksServeTheirPartsToWholeAndTensorParallelSubscribers) {
   StopRanks(dir, ranks, "rank", 2);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Layouts, UcxGroupTest,
-    ::testing::Values(GroupCase{testing::kShm, 2, "rows"}, GroupCase{testing::kShm, 4, "rows"},
-                      GroupCase{testing::kShm, 2, "cols"}, GroupCase{testing::kShm, 4, "cols"},
-                      GroupCase{testing::kTcp, 2, "cols"}),
-    [](const auto& info) {
-      return absl::StrFormat("%s_%s_world%d", info.param.tls.name, info.param.layout,
-                             info.param.world);
-    });
+INSTANTIATE_TEST_SUITE_P(Layouts, UcxGroupTest,
+                         ::testing::Values(GroupCase{testing::kShm, 2, "rows"},
+                                           GroupCase{testing::kShm, 4, "rows"},
+                                           GroupCase{testing::kShm, 2, "cols"},
+                                           GroupCase{testing::kShm, 4, "cols"},
+                                           GroupCase{testing::kTcp, 2, "cols"}),
+                         [](const auto& info) {
+                           return absl::StrFormat("%s_%s_world%d", info.param.tls.name,
+                                                  info.param.layout, info.param.world);
+                         });
 
 TEST(UcxGroupKillTest, RankKilledMidPublishLeavesNothingAndTheNextVersionCommits) {
   constexpr int kWorld = 4, kVictim = 2;
@@ -195,8 +196,9 @@ TEST(UcxGroupKillTest, RankKilledMidPublishLeavesNothingAndTheNextVersionCommits
 TEST(UcxGroupChecksTest, AGroupOnAChannelWithASecretIsRefusedAtOpen) {
   const testing::ScopedEnvs secret(std::map<std::string, std::string>{
       {"WB_UCX_GROUP_SECRET", "0123456789abcdef0123456789abcdef"}});
-  auto p = Publisher::Open(absl::StrFormat("ucx://127.0.0.1:%d/channel", FreePort()),
-                           {{"rank", "1"}, {"world_size", "2"}, {"secret_env", "WB_UCX_GROUP_SECRET"}});
+  auto p =
+      Publisher::Open(absl::StrFormat("ucx://127.0.0.1:%d/channel", FreePort()),
+                      {{"rank", "1"}, {"world_size", "2"}, {"secret_env", "WB_UCX_GROUP_SECRET"}});
   EXPECT_EQ(p.status().code(), absl::StatusCode::kUnimplemented) << p.status();
   EXPECT_THAT(std::string(p.status().message()), HasSubstr("shared secret"));
 }
@@ -217,8 +219,7 @@ TEST(UcxGroupChecksTest, RanksDisagreeingOnWorldSizeAreFailedPrecondition) {
   v.data = w.data();
   absl::Status s = (*r1)->Publish(1, {v}, {}, kTimeout);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
-  EXPECT_THAT(std::string(s.message()),
-              HasSubstr("rank 1 publishes with world_size 3, rank 0"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("rank 1 publishes with world_size 3, rank 0"));
   EXPECT_THAT(std::string(s.message()), HasSubstr("with 2: the ranks disagree on world_size"));
 }
 

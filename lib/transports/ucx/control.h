@@ -280,7 +280,7 @@ struct ReadMsg {  // sub -> pub
   uint64_t offset = 0;  // in the slot
   uint64_t length = 0;
 };
-struct JoinMsg {  // rank -> rank 0
+struct JoinMsg {      // rank -> rank 0
   std::string magic;  // kMagic
   uint32_t protocol = 0;
   std::string channel;

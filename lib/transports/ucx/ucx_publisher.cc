@@ -28,8 +28,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "core/failpoint.h"
-#include "core/parts.h"
 #include "core/logging.h"
+#include "core/parts.h"
 #include "core/status.h"
 #include "core/system.h"
 #include "core/worker_pool.h"
@@ -1180,8 +1180,7 @@ void UcxPublisher::HandleJoin(Conn& c, const Frame& f) {
                                   "ranks disagree on world_size",
                                   join->rank, join->world_size, description_, group_.world_size));
   }
-  if (join->rank == 0 || join->rank >= join->world_size || join->port == 0 ||
-      join->port > 65535) {
+  if (join->rank == 0 || join->rank >= join->world_size || join->port == 0 || join->port > 65535) {
     return refuse(absl::StatusCode::kInvalidArgument,
                   absl::StrFormat("rank %d (port %d) cannot join a group of %d at its rank 0",
                                   join->rank, join->port, group_.world_size));
@@ -1218,13 +1217,12 @@ void UcxPublisher::HandleMember(Conn& c, const Frame& f) {
         bad = absl::FailedPreconditionError(absl::StrFormat(
             "rank %d sent a part of version %d published as rank %d of world_size %d (rank 0 "
             "has world_size %d): the ranks disagree",
-            rank, m->version, part->publisher.rank, part->publisher.world_size,
-            group_.world_size));
+            rank, m->version, part->publisher.rank, part->publisher.world_size, group_.world_size));
       }
       if (bad.ok() && newest_ != nullptr && m->version <= newest_->version) {
-        bad = absl::FailedPreconditionError(absl::StrFormat(
-            "version %d is not above the group's newest committed version %d", m->version,
-            newest_->version));
+        bad = absl::FailedPreconditionError(
+            absl::StrFormat("version %d is not above the group's newest committed version %d",
+                            m->version, newest_->version));
       }
       if (!bad.ok()) {
         c.out += Encode(
@@ -1247,13 +1245,13 @@ void UcxPublisher::HandleMember(Conn& c, const Frame& f) {
       parts_[m->version][rank] = std::nullopt;
       ++changes_;
       const std::string why =
-          missing.empty() ? absl::StrFormat("rank %d withdrew its part", rank)
-                          : RanksText(missing, group_.world_size, "did not stage") +
-                                " by the deadline";
-      c.out += Encode(OutcomeMsg{
-          m->version, static_cast<uint32_t>(absl::StatusCode::kDeadlineExceeded),
-          absl::StrFormat("version %d was not committed: %s; nothing of it is visible", m->version,
-                          why)});
+          missing.empty()
+              ? absl::StrFormat("rank %d withdrew its part", rank)
+              : RanksText(missing, group_.world_size, "did not stage") + " by the deadline";
+      c.out += Encode(
+          OutcomeMsg{m->version, static_cast<uint32_t>(absl::StatusCode::kDeadlineExceeded),
+                     absl::StrFormat("version %d was not committed: %s; nothing of it is visible",
+                                     m->version, why)});
       return;
     }
     default:
@@ -1283,16 +1281,16 @@ void UcxPublisher::SendOutcome(uint64_t version, const absl::Status& outcome) {
     if (conn == member_conns_.end()) continue;
     auto c = conns_.find(conn->second);
     if (c == conns_.end()) continue;
-    c->second->out += Encode(OutcomeMsg{version, static_cast<uint32_t>(outcome.code()),
-                                        std::string(outcome.message())});
+    c->second->out += Encode(
+        OutcomeMsg{version, static_cast<uint32_t>(outcome.code()), std::string(outcome.message())});
   }
   parts_.erase(it);
   // Parts of older versions can never commit now.
   while (!parts_.empty() && parts_.begin()->first < version) {
     const uint64_t old = parts_.begin()->first;
     SendOutcome(old, absl::FailedPreconditionError(absl::StrFormat(
-                         "version %d was not committed: rank 0 committed version %d above it",
-                         old, version)));
+                         "version %d was not committed: rank 0 committed version %d above it", old,
+                         version)));
   }
   Wake();
 }
@@ -1329,8 +1327,8 @@ absl::StatusOr<Manifest> UcxPublisher::GatherGroup(const Manifest& own, absl::Ti
     if (missing.empty()) break;
     if (cancelled_ || stopping_) {
       return fail(absl::CancelledError(absl::StrFormat(
-          "%s: version %d was not committed: rank 0 was closed (Cancel) while %s", endpoint_.display,
-          version, RanksText(missing, group_.world_size, "had not staged"))));
+          "%s: version %d was not committed: rank 0 was closed (Cancel) while %s",
+          endpoint_.display, version, RanksText(missing, group_.world_size, "had not staged"))));
     }
     if (absl::Now() >= deadline) {
       return fail(absl::DeadlineExceededError(
@@ -1372,8 +1370,8 @@ absl::Status UcxPublisher::JoinRankZero(absl::Time deadline) {
       deadline));
   WB_ASSIGN_OR_RETURN(Frame answer, stream.Receive(deadline));
   if (answer.type == MsgType::kError) {
-    return ErrorStatus(answer.payload, absl::StrFormat("%s refused rank %d: ", stream.peer(),
-                                                       group_.rank));
+    return ErrorStatus(answer.payload,
+                       absl::StrFormat("%s refused rank %d: ", stream.peer(), group_.rank));
   }
   if (answer.type != MsgType::kJoined || !DecodeJoined(answer.payload).ok()) {
     return absl::DataLossError(absl::StrFormat("%s answered JOIN with a %s message", stream.peer(),
@@ -1385,20 +1383,20 @@ absl::Status UcxPublisher::JoinRankZero(absl::Time deadline) {
 
 absl::Status UcxPublisher::CommitThroughRankZero(const Manifest& part, absl::Time deadline) {
   const uint64_t version = part.version;
-  const std::string where = absl::StrFormat("rank 0 of the group at %s port %d", endpoint_.host,
-                                            endpoint_.port);
+  const std::string where =
+      absl::StrFormat("rank 0 of the group at %s port %d", endpoint_.host, endpoint_.port);
   auto not_committed = [&](const absl::Status& why) {
-    return absl::Status(why.code(),
-                        absl::StrFormat("%s: version %d was not committed: %s; this rank's (%d) "
-                                        "part was withdrawn and nothing of version %d is visible",
-                                        endpoint_.display, version, why.message(), group_.rank,
-                                        version));
+    return absl::Status(
+        why.code(),
+        absl::StrFormat("%s: version %d was not committed: %s; this rank's (%d) "
+                        "part was withdrawn and nothing of version %d is visible",
+                        endpoint_.display, version, why.message(), group_.rank, version));
   };
   if (absl::Status s = JoinRankZero(deadline); !s.ok()) {
     to_rank_zero_.Close();
     return not_committed(absl::Status(
         absl::IsDeadlineExceeded(s) || absl::IsUnavailable(s) ? absl::StatusCode::kDeadlineExceeded
-                                                             : s.code(),
+                                                              : s.code(),
         absl::StrFormat("rank 0 (%s) could not be joined: %s", where, s.message())));
   }
   auto lost = [&](const absl::Status& s) {
@@ -1421,7 +1419,8 @@ absl::Status UcxPublisher::CommitThroughRankZero(const Manifest& part, absl::Tim
       }
       const absl::Time now = absl::Now();
       if (now >= until) return absl::DeadlineExceededError("no word from rank 0");
-      absl::StatusOr<Frame> f = to_rank_zero_.Receive(std::min(until, now + absl::Milliseconds(50)));
+      absl::StatusOr<Frame> f =
+          to_rank_zero_.Receive(std::min(until, now + absl::Milliseconds(50)));
       if (absl::IsDeadlineExceeded(f.status())) continue;
       if (!f.ok()) return f.status();
       if (f->type == MsgType::kError) return ErrorStatus(f->payload, where + ": ");
@@ -1432,9 +1431,9 @@ absl::Status UcxPublisher::CommitThroughRankZero(const Manifest& part, absl::Tim
     }
   };
   auto status_of = [](const OutcomeMsg& m) {
-    return m.code == 0 ? absl::OkStatus()
-                       : absl::Status(StatusCodeFromWire(m.code, absl::StatusCode::kUnknown),
-                                      m.message);
+    return m.code == 0
+               ? absl::OkStatus()
+               : absl::Status(StatusCodeFromWire(m.code, absl::StatusCode::kUnknown), m.message);
   };
   absl::StatusOr<OutcomeMsg> word = outcome(deadline, /*watch_cancel=*/true);
   if (word.ok()) {
@@ -1464,9 +1463,9 @@ absl::Status UcxPublisher::CommitThroughRankZero(const Manifest& part, absl::Tim
   if (last->code == 0) return absl::OkStatus();  // committed before the withdrawal arrived
   absl::Status s = status_of(*last);
   if (cancelled) {
-    return absl::CancelledError(absl::StrFormat(
-        "%s: the publisher was cancelled while waiting for its group: %s", endpoint_.display,
-        s.message()));
+    return absl::CancelledError(
+        absl::StrFormat("%s: the publisher was cancelled while waiting for its group: %s",
+                        endpoint_.display, s.message()));
   }
   return absl::DeadlineExceededError(absl::StrFormat("%s: %s (rank %d withdrew its part)",
                                                      endpoint_.display, s.message(), group_.rank));
@@ -1664,8 +1663,8 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& 
   }
   // Rank 0 serves the group's rendezvous on the URI's address; every other rank its own parts
   // on an ephemeral port of the same host (it tells rank 0 which when it joins).
-  WB_ASSIGN_OR_RETURN(Fd listener, Listen(endpoint.host, group.rank > 0 ? 0 : endpoint.port,
-                                          endpoint.display));
+  WB_ASSIGN_OR_RETURN(Fd listener,
+                      Listen(endpoint.host, group.rank > 0 ? 0 : endpoint.port, endpoint.display));
   if (group.rank > 0) group.port = static_cast<uint32_t>(LocalPort(listener.get()));
   Fd wake(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!wake) return ErrnoStatus(errno, absl::StrFormat("%s: eventfd", endpoint.display));

@@ -85,11 +85,11 @@ struct GetOp {
 // The gets of one Fetch and their completion bookkeeping (touched only by the fetching thread:
 // UCX calls completions from inside ucp_worker_progress).
 struct Pull {
-  std::vector<GetOp> ops;                          // in slot order within each run of tensors
-  std::vector<uint32_t> remaining;                 // per tensor: gets not yet complete
-  std::vector<size_t> next_in_order;               // per tensor: its first get not yet complete
-  std::vector<size_t> end_op;                      // per tensor: one past its last get
-  std::vector<bool> done;                          // per get
+  std::vector<GetOp> ops;             // in slot order within each run of tensors
+  std::vector<uint32_t> remaining;    // per tensor: gets not yet complete
+  std::vector<size_t> next_in_order;  // per tensor: its first get not yet complete
+  std::vector<size_t> end_op;         // per tensor: one past its last get
+  std::vector<bool> done;             // per get
   const Pieces* pieces = nullptr;
   uint64_t inflight = 0;
   absl::Status error;
@@ -115,11 +115,11 @@ struct Pull {
     const GetOp& op = ops[k];
     if (status != UCS_OK) {
       if (error.ok()) {
-        error = UcsError(status, absl::StrFormat("get of %d bytes of tensor \"%s\" (version %d) "
-                                                 "%s failed",
-                                                 op.length,
-                                                 manifest->tensors[pieces->tensor[op.first]].name,
-                                                 manifest->version, source));
+        error = UcsError(
+            status, absl::StrFormat("get of %d bytes of tensor \"%s\" (version %d) "
+                                    "%s failed",
+                                    op.length, manifest->tensors[pieces->tensor[op.first]].name,
+                                    manifest->version, source));
       }
       return;
     }
@@ -136,8 +136,7 @@ struct Pull {
       if (next != k) continue;
       while (next < end_op[t] && done[next]) ++next;
       const GetOp& last = ops[next - 1];
-      sink->LandedPrefix(t,
-                         std::min(nbytes, last.slot_offset + last.length - pieces->offsets[t]));
+      sink->LandedPrefix(t, std::min(nbytes, last.slot_offset + last.length - pieces->offsets[t]));
     }
   }
 };
@@ -351,9 +350,7 @@ absl::Status UcxVersion::FetchRanges(absl::Span<const RangeRead> reads, absl::Ti
 class GroupVersion final : public IncomingVersion {
  public:
   GroupVersion(UcxSubscriber* owner, std::unique_ptr<UcxVersion> rank0)
-      : owner_(owner),
-        rank0_(std::move(rank0)),
-        parts_(rank0_->manifest().publisher.world_size) {}
+      : owner_(owner), rank0_(std::move(rank0)), parts_(rank0_->manifest().publisher.world_size) {}
 
   const Manifest& manifest() const override { return rank0_->manifest(); }
 
@@ -469,11 +466,11 @@ class GroupVersion final : public IncomingVersion {
     WB_ASSIGN_OR_RETURN(UcxSubscriber * sub, owner_->MemberSubscriber(r, member));
     absl::StatusOr<std::unique_ptr<IncomingVersion>> v = sub->OpenVersion(m.version, deadline);
     if (!v.ok()) {
-      return absl::Status(v.status().code(),
-                          absl::StrFormat("rank %d of the group (at %s port %d), which holds parts "
-                                          "of version %d: %s",
-                                          r, member.host, member.port, m.version,
-                                          v.status().message()));
+      return absl::Status(
+          v.status().code(),
+          absl::StrFormat("rank %d of the group (at %s port %d), which holds parts "
+                          "of version %d: %s",
+                          r, member.host, member.port, m.version, v.status().message()));
     }
     std::vector<size_t> owned;
     for (size_t i = 0; i < m.tensors.size(); ++i) {
@@ -1426,7 +1423,7 @@ void UcxSubscriber::Release(UcxVersion& v) {
 }
 
 absl::StatusOr<UcxSubscriber*> UcxSubscriber::MemberSubscriber(int rank,
-                                                                const GroupMember& member) {
+                                                               const GroupMember& member) {
   absl::MutexLock lock(&members_mu_);
   const std::string key = absl::StrFormat("%s %d", member.host, member.port);
   auto it = member_subs_.find(key);

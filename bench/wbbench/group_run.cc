@@ -222,7 +222,7 @@ int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
       "i %% N), M subscriber processes (one TP group: o_proj/down_proj on dimension 1, other "
       "matrices on dimension 0, vectors replicated); every TP rank checks its slices against "
       "the store\n",
-      c.transport);
+      c.transport.c_str());
   std::printf("# %d versions, the first %d not measured; settings: %s\n#\n", c.versions, c.warmup,
               c.settings.empty() ? "defaults" : absl::StrJoin(c.settings, " ").c_str());
   std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %6s\n", "N", "M", "model", "slices",

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_format.h"
 #include "group_ranks.h"
+#include "llama_groups.h"
 #include "stories260k.h"
 #include "test_support.h"
 #include "weightbus/llama2c.h"
@@ -38,8 +39,8 @@ bool Exists(const std::string& path) {
   return ::lstat(path.c_str(), &st) == 0;
 }
 
-// The fixture as the peer converts it: what every assembled version must equal.
-const std::vector<tools::OwnedTensor>& Model() { return testing::Stories260K(); }
+using ::weightbus::testing::llama_groups::ExpectWholeModel;
+using ::weightbus::testing::llama_groups::Model;
 
 // Starts the ranks publishing version 1 with rank `victim` held at pause point `point`, then
 // SIGKILLs the victim there (its Child is reaped); the others go on.
@@ -56,43 +57,6 @@ std::vector<Child> StartAndKillAt(const ScratchDir& dir, const std::string& uri,
   ranks[victim].Kill(SIGKILL);
   EXPECT_TRUE(ranks[victim].Wait(kTimeout).ok());
   return ranks;
-}
-
-// Receives exactly `version` and checks every assembled tensor against the fixture, byte for
-// byte; `bind` receives them into caller buffers instead (bind_mode direct or staged).
-void ExpectWholeModel(const std::string& uri, uint64_t version, int world,
-                      const std::string& bind_mode = "") {
-  Options options;
-  if (!bind_mode.empty()) options["bind_mode"] = bind_mode;
-  auto sub = Subscriber::Open(uri, options);
-  ASSERT_TRUE(sub.ok()) << sub.status();
-  std::vector<std::vector<std::byte>> buffers;
-  if (!bind_mode.empty()) {
-    buffers.reserve(Model().size());
-    for (const tools::OwnedTensor& t : Model()) {
-      buffers.emplace_back(t.bytes.size(), std::byte{0xee});
-      ASSERT_TRUE((*sub)->Bind(t.name, {t.dtype, t.shape, {}, buffers.back().data()}).ok());
-    }
-  }
-  auto u = (*sub)->ReceiveVersion(version, kTimeout);
-  ASSERT_TRUE(u.ok()) << u.status();
-  EXPECT_TRUE((*u)->manifest().group);
-  EXPECT_EQ((*u)->manifest().publisher.world_size, world);
-  ASSERT_EQ((*u)->tensors().size(), Model().size());
-  for (size_t i = 0; i < Model().size(); ++i) {
-    const tools::OwnedTensor& t = Model()[i];
-    const TensorView* found = (*u)->Find(t.name);
-    ASSERT_NE(found, nullptr) << t.name;
-    const TensorView& v = *found;
-    EXPECT_EQ(v.shape, t.shape) << t.name;
-    EXPECT_FALSE(v.shard.has_value()) << t.name;
-    EXPECT_EQ(std::memcmp(v.data, t.bytes.data(), t.bytes.size()), 0) << t.name;
-    if (!bind_mode.empty()) EXPECT_EQ(v.data, buffers[i].data()) << t.name;
-  }
-  // Replicated norms were read once; every byte of the model once.
-  uint64_t model_bytes = 0;
-  for (const tools::OwnedTensor& t : Model()) model_bytes += t.bytes.size();
-  EXPECT_EQ((*u)->stats().bytes, model_bytes);
 }
 
 // Every rank of a group of `world` publishes `version` (exit 0), which subscribers receive whole.
@@ -568,16 +532,6 @@ TEST(GroupChecksTest, ASinglePublisherAndAGroupRankExcludeEachOther) {
   ASSERT_TRUE(single.ok()) << single.status();
   auto rank = Publisher::Open(uri, {{"rank", "1"}, {"world_size", "2"}});
   EXPECT_EQ(rank.status().code(), absl::StatusCode::kFailedPrecondition) << rank.status();
-}
-
-TEST(GroupChecksTest, ATransportWithoutGroupsRefusesWorldSizeAboveOne) {
-  if (const std::string why = testing::MissingTransports({"ucx"}); !why.empty()) {
-    GTEST_SKIP() << why;
-  }
-  auto p = Publisher::Open("ucx://127.0.0.1:1/channel?rank=1&world_size=2");
-  EXPECT_EQ(p.status().code(), absl::StatusCode::kUnimplemented) << p.status();
-  EXPECT_THAT(std::string(p.status().message()),
-              HasSubstr("world_size=2 asks for a publisher group (rank 1)"));
 }
 
 // The delta layer carries a group over disk:// (delta_group_test); over a transport without

@@ -139,6 +139,26 @@ bool PublishOne(weightbus::Publisher& pub, uint64_t v,
   return true;
 }
 
+// After the last version: with --until-subscribers, waits until that many subscribers verified
+// it (a transport that serves from the publisher's memory, such as ucx, serves until then);
+// with --serve-ms, serves that long. Returns the exit code.
+int ServeUntilDone(weightbus::Publisher& pub, const Flags& f) {
+  if (f.until_subscribers > 0) {
+    const uint64_t last = f.start + f.versions - 1;
+    absl::Status s = pub.WaitForReceivers(last, f.until_subscribers, absl::Seconds(f.timeout_s));
+    if (!s.ok()) {
+      std::fprintf(stderr, "wait for %d subscribers: %s\n", f.until_subscribers,
+                   s.ToString().c_str());
+      return 1;
+    }
+    std::printf("%d subscribers have %llu\n", f.until_subscribers,
+                static_cast<unsigned long long>(last));
+    std::fflush(stdout);
+  }
+  if (f.serve_ms > 0) absl::SleepFor(absl::Milliseconds(f.serve_ms));
+  return 0;
+}
+
 int Publish(const Flags& f) {
   auto pub = Open<weightbus::Publisher>(f);
   if (pub == nullptr) return 1;
@@ -158,20 +178,7 @@ int Publish(const Flags& f) {
     }
     if (f.interval_ms > 0) absl::SleepFor(absl::Milliseconds(f.interval_ms));
   }
-  if (f.until_subscribers > 0) {
-    const uint64_t last = f.start + f.versions - 1;
-    absl::Status s = pub->WaitForReceivers(last, f.until_subscribers, absl::Seconds(f.timeout_s));
-    if (!s.ok()) {
-      std::fprintf(stderr, "wait for %d subscribers: %s\n", f.until_subscribers,
-                   s.ToString().c_str());
-      return 1;
-    }
-    std::printf("%d subscribers have %llu\n", f.until_subscribers,
-                static_cast<unsigned long long>(last));
-    std::fflush(stdout);
-  }
-  if (f.serve_ms > 0) absl::SleepFor(absl::Milliseconds(f.serve_ms));
-  return 0;
+  return ServeUntilDone(*pub, f);
 }
 
 int PublishLlama(const Flags& f) {
@@ -233,7 +240,7 @@ int PublishLlama(const Flags& f) {
     }
     if (!PublishOne(*pub, v, views, {{"step", std::to_string(v)}}, f)) return 1;
   }
-  return 0;
+  return ServeUntilDone(*pub, f);
 }
 
 // "" when `u` holds exactly the tensors of its version (test_model.h), byte for byte; which

@@ -14,6 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
+#include "llama_groups.h"
 #include "stories260k.h"
 #include "test_support.h"
 #include "weightbus/llama2c.h"
@@ -27,81 +28,12 @@ using ::weightbus::testing::ScratchDir;
 
 constexpr absl::Duration kTimeout = absl::Seconds(60);
 
-const std::vector<tools::OwnedTensor>& Model() { return testing::Stories260K(); }
+using namespace ::weightbus::testing::llama_groups;  // NOLINT: the layouts below
 
 uint64_t ModelBytes() {
   uint64_t n = 0;
   for (const tools::OwnedTensor& t : Model()) n += t.bytes.size();
   return n;
-}
-
-// Llama's tensor-parallel layout as vLLM shards it: column-parallel q/k/v/gate/up, row-parallel
-// o/down, the vocabulary split over the embedding and the head; norms replicated.
-std::vector<PlacementRule> LlamaRules() {
-  return {
-      {"*.q_proj.weight", Placement::Shard(0)},    {"*.k_proj.weight", Placement::Shard(0)},
-      {"*.v_proj.weight", Placement::Shard(0)},    {"*.gate_proj.weight", Placement::Shard(0)},
-      {"*.up_proj.weight", Placement::Shard(0)},   {"*.o_proj.weight", Placement::Shard(1)},
-      {"*.down_proj.weight", Placement::Shard(1)}, {"*embed_tokens.weight", Placement::Shard(0)},
-      {"lm_head.weight", Placement::Shard(0)}};
-}
-
-// The dimension LlamaRules splits `name` on, or -1 (replicated); written out again here so
-// that the expectation does not go through the library's pattern matching.
-int SplitDim(const std::string& name) {
-  for (const char* col : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens"}) {
-    if (absl::StrContains(name, col)) return 0;
-  }
-  if (name == "lm_head.weight") return 0;
-  for (const char* row : {"o_proj", "down_proj"}) {
-    if (absl::StrContains(name, row)) return 1;
-  }
-  return -1;
-}
-
-// A rectangle of a 2-D (or 1-D) tensor: [begin, end) per dimension.
-struct Box {
-  std::vector<int64_t> begin, end;
-};
-bool Meet(const Box& a, const Box& b) {
-  for (size_t d = 0; d < a.begin.size(); ++d) {
-    if (a.begin[d] >= b.end[d] || b.begin[d] >= a.end[d]) return false;
-  }
-  return true;
-}
-int64_t Elements(const Box& b) {
-  int64_t n = 1;
-  for (size_t d = 0; d < b.begin.size(); ++d) n *= b.end[d] - b.begin[d];
-  return n;
-}
-Box Whole(const std::vector<int64_t>& shape) {
-  return {std::vector<int64_t>(shape.size(), 0), shape};
-}
-// Block `r` of `n` of dimension `dim`.
-Box Block(const std::vector<int64_t>& shape, int dim, int r, int n) {
-  Box b = Whole(shape);
-  b.begin[dim] = shape[dim] / n * r;
-  b.end[dim] = shape[dim] / n * (r + 1);
-  return b;
-}
-
-// How a publisher splits the model: a single publisher (world 1) or a group of `world` ranks
-// with FSDP2 row shards ("rows") or Megatron column slices ("cols", the embedding owned whole by
-// the last rank), norms replicated on every rank (as wb_test_peer publish-llama).
-struct PublishCase {
-  int world = 1;
-  std::string layout = "rows";
-  bool streamed = false;  // published tensor by tensor (Publisher::BeginPublish)
-};
-
-// The parts of `t` published, per rank (one box for a whole or replicated tensor, on every
-// rank; replicated ones are read once, from one rank).
-std::vector<Box> PublishedParts(const tools::OwnedTensor& t, const PublishCase& c) {
-  if (c.world == 1 || t.shape.size() != 2) return {Whole(t.shape)};
-  if (c.layout == "cols" && t.name == "model.embed_tokens.weight") return {Whole(t.shape)};
-  std::vector<Box> parts;
-  for (int r = 0; r < c.world; ++r) parts.push_back(Block(t.shape, c.layout == "cols", r, c.world));
-  return parts;
 }
 
 // Publishes version `version` of `model` (the fixture unless given) as `c` says, with the
@@ -165,33 +97,6 @@ void Publish(const std::string& uri, const PublishCase& c, uint64_t version,
   for (std::thread& t : threads) t.join();
   for (int r = 0; r < c.world; ++r)
     ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
-}
-
-// Rank `r` of `tp`'s slice of `t`, sliced here from the checkpoint: its box and row-major bytes.
-Box SliceBox(const tools::OwnedTensor& t, int r, int tp) {
-  const int d = SplitDim(t.name);
-  return d < 0 ? Whole(t.shape) : Block(t.shape, d, r, tp);
-}
-std::vector<std::byte> SliceBytes(const tools::OwnedTensor& t, const Box& b) {
-  if (t.shape.size() != 2) return t.bytes;
-  std::vector<std::byte> out;
-  for (int64_t row = b.begin[0]; row < b.end[0]; ++row) {
-    const std::byte* from = t.bytes.data() + (row * t.shape[1] + b.begin[1]) * 4;
-    out.insert(out.end(), from, from + (b.end[1] - b.begin[1]) * 4);
-  }
-  return out;
-}
-
-// Bytes of the published parts that rank `r` of `tp`'s slices meet (a replicated part once).
-uint64_t BytesMet(const PublishCase& c, int r, int tp) {
-  uint64_t n = 0;
-  for (const tools::OwnedTensor& t : Model()) {
-    const Box want = SliceBox(t, r, tp);
-    for (const Box& part : PublishedParts(t, c)) {
-      if (Meet(part, want)) n += Elements(part) * 4;
-    }
-  }
-  return n;
 }
 
 std::unique_ptr<Subscriber> OpenTp(const std::string& uri, int r, int tp,

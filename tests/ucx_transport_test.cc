@@ -1276,6 +1276,7 @@ TEST(UcxGrantTest, RegionSumsThatWrapAround64BitsAreDataLoss) {
         w.U64(length).Str(rkey.ok() ? *rkey : "");
       }
       w.U32(1).U64(0);  // the tensor's offset
+      w.U32(0);         // group members (none: a single publisher)
       w.U32(0);         // live regions
       return std::move(w).Body();
     });

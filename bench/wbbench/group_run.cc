@@ -28,7 +28,8 @@ struct PairResult {
   std::vector<double> last_s;    // per measured version: first publisher call to last rank ready
   std::vector<double> commit_s;  // per measured version: first publisher call to the last
                                  // rank's Publish returning (the group commit)
-  double control_files = 0;      // per version (median)
+  double control_files = 0;      // per version (median): disk's metadata files, or ucx's
+                                 // group-commit messages (PART and OUTCOME per rank > 0)
   int64_t subscriber_rss = 0;    // the largest peak RSS of a TP rank
   // Per measured version: the bytes every rank published through the stack beneath (its wire
   // bytes: under delta, what each rank encoded its parts to), summed over the ranks, and the
@@ -64,7 +65,10 @@ class Pair {
   PairResult r;
 
   void Run() {
-    const std::string uri = c_.transport + "://" + channel_;
+    const bool ucx = c_.transport == "ucx";
+    const std::string uri =
+        ucx ? absl::StrFormat("ucx://127.0.0.1:%d/group-p%d-tp%d", FreePort(), r.publishers, r.tp)
+            : c_.transport + "://" + channel_;
     std::vector<std::string> common = {"--uri",
                                        uri,
                                        "--store",
@@ -158,7 +162,8 @@ class Pair {
         r.wire_max.push_back(static_cast<double>(wire_max));
       }
       r.wire_all += wire;
-      control.push_back(ControlFiles(absl::StrFormat("%s/versions/v%020d", channel_, v)));
+      control.push_back(ucx ? 2.0 * (r.publishers - 1)
+                            : ControlFiles(absl::StrFormat("%s/versions/v%020d", channel_, v)));
     }
     r.control_files = Median(control);
     for (int p = 0; p < r.publishers; ++p) procs_[p].Send("quit");
@@ -224,13 +229,13 @@ class Pair {
 
 int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
   std::printf(
-      "# publisher groups and TP replicas: N publisher processes (rank r publishes "
+      "# publisher groups and TP replicas over %s://: N publisher processes (rank r publishes "
       "row shards of every matrix whose rows divide by N, other tensors whole, tensor i by rank "
       "i %% N), M subscriber processes (one TP group: o_proj/down_proj on dimension 1, other "
       "matrices on dimension 0, vectors replicated); every TP rank checks its slices against "
-      "the store\n");
-  std::printf("# over %s://; %d versions, the first %d not measured; settings: %s\n",
-              c.transport.c_str(), c.versions, c.warmup,
+      "the store\n",
+      c.transport.c_str());
+  std::printf("# %d versions, the first %d not measured; settings: %s\n", c.versions, c.warmup,
               c.settings.empty() ? "defaults" : absl::StrJoin(c.settings, " ").c_str());
   std::printf(
       "# wire/ver: bytes all ranks published through the stack beneath per version (median; "
@@ -241,8 +246,8 @@ int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
               "model", "slices", "read/rank", "read%", "commit", "last-rank", "control", "rss/rank",
               "wire/ver", "wire/rank", "ratio", "stream", "#wrong");
   std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %12s %12s %7s %7s %6s\n", "", "",
-              "(B)", "(B)", "(B)", "(%)", "(s)", "(s)", "(files)", "(MiB)", "(B)", "(B)", "(x)",
-              "(x)", "");
+              "(B)", "(B)", "(B)", "(%)", "(s)", "(s)", c.transport == "ucx" ? "(msgs)" : "(files)",
+              "(MiB)", "(B)", "(B)", "(x)", "(x)", "");
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   int wrong = 0;
   std::string failure;

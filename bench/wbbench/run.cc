@@ -758,16 +758,18 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
   }
   if (o.transports.empty()) Die("no transport to measure in this build");
   if (f.publishers_flag->given() || f.tp_flag->given()) {
-    // Publisher groups: over disk, or delta+disk with --transports delta+disk (each rank encodes
-    // its own parts); ucx refuses world_size > 1 so far.
-    if (!have_disk) Die("--publishers/--tp run over disk://, which this build lacks");
-    const bool delta =
-        f.transports_flag->given() && o.transports == std::vector<std::string>{"delta+disk"};
-    if (f.transports_flag->given() && !delta && o.transports != std::vector<std::string>{"disk"}) {
-      Die("--publishers/--tp run over disk:// or delta+disk:// (one of them; ucx:// refuses "
-          "publisher groups)");
+    // Publisher groups: over disk (default), delta+disk (each rank encodes its own parts) or ucx,
+    // one at a time (--transports).
+    if (f.transports_flag->given()) {
+      const std::vector<std::vector<std::string>> groups = {{"disk"}, {"delta+disk"}, {"ucx"}};
+      if (std::find(groups.begin(), groups.end(), o.transports) == groups.end()) {
+        Die("--publishers/--tp run over one of disk://, delta+disk:// and ucx:// (--transports "
+            "disk, delta+disk or ucx)");
+      }
+    } else {
+      if (!have_disk) Die("--publishers/--tp run over disk:// by default, which this build lacks");
+      o.transports = {"disk"};
     }
-    o.transports = {delta ? "delta+disk" : "disk"};
   }
   for (const std::string& s : o.settings) {
     bool used = false;
@@ -827,6 +829,7 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
     gc.log_dir = log_dir;
     gc.timeout = o.timeout;
     gc.settings = o.settings;
+    gc.transport = o.transports.front();
     gc.json = o.json;
     gc.transport = o.transports.front();
     absl::PrintF(

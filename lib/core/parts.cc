@@ -1,9 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "core/parts.h"
 
+#include <algorithm>
+#include <map>
+
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/status.h"
 
 namespace weightbus::internal {
 namespace {
@@ -150,6 +154,33 @@ absl::StatusOr<std::vector<AssembledTensor>> AssembleParts(const std::vector<Ten
     }
   }
   return out;
+}
+
+absl::StatusOr<Manifest> MergeGroupParts(uint64_t version, const std::vector<Manifest>& parts,
+                                         int committer) {
+  Manifest m;
+  m.version = version;
+  m.group = true;
+  m.publisher = parts[committer].publisher;
+  m.publish_start_unix_ns = parts[0].publish_start_unix_ns;
+  std::map<std::string, int> metadata_from;  // key -> the rank that gave its value first
+  for (const Manifest& part : parts) {
+    m.publish_start_unix_ns = std::min(m.publish_start_unix_ns, part.publish_start_unix_ns);
+    m.sealed_unix_ns = std::max(m.sealed_unix_ns, part.sealed_unix_ns);
+    m.tensors.insert(m.tensors.end(), part.tensors.begin(), part.tensors.end());
+    for (const auto& [key, value] : part.metadata) {
+      auto [it, inserted] = m.metadata.emplace(key, value);
+      if (inserted) {
+        metadata_from[key] = part.publisher.rank;
+      } else if (it->second != value) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("metadata \"%s\" is \"%s\" from rank %d but \"%s\" from rank %d", key,
+                            it->second, metadata_from[key], value, part.publisher.rank));
+      }
+    }
+  }
+  WB_RETURN_IF_ERROR(AssembleParts(m.tensors, static_cast<int>(parts.size())).status());
+  return m;
 }
 
 }  // namespace weightbus::internal

@@ -39,6 +39,15 @@ struct AssembledTensor {
 absl::StatusOr<std::vector<AssembledTensor>> AssembleParts(const std::vector<TensorInfo>& parts,
                                                            int world_size);
 
+// The manifest of group version `version` from its ranks' parts (parts[r]: rank r's part, its
+// tensors owned by r): every rank's tensors in rank order, the metadata of all (a key several
+// ranks give must have one value), the earliest publish start and the latest seal, and
+// `publisher` of rank `committer`; checked with AssembleParts. The one home of how a group
+// version is put together (disk's and ucx's group commits).
+// Errors: InvalidArgument naming a metadata key with both values and ranks, or AssembleParts'.
+absl::StatusOr<Manifest> MergeGroupParts(uint64_t version, const std::vector<Manifest>& parts,
+                                         int committer);
+
 // The shape of the tensor `part` is a slice of, and where the slice starts (zeros without a
 // Shard).
 const std::vector<int64_t>& GlobalShape(const TensorInfo& part);

@@ -746,29 +746,9 @@ absl::Status DiskPublisher::CommitGroup(uint64_t version, int gfd,
                                         const std::vector<Manifest>& parts) {
   const std::string group_path =
       absl::StrFormat("%s/%s", channel_.VersionsDir(), GroupDirName(version));
-  Manifest m;
-  m.version = version;
-  m.group = true;
-  m.publisher = parts[group_.rank].publisher;  // the committing rank
-  m.publish_start_unix_ns = parts[0].publish_start_unix_ns;
-  absl::Status refused;
-  std::map<std::string, int> metadata_from;  // key -> the rank that gave its value first
-  for (const Manifest& part : parts) {
-    m.publish_start_unix_ns = std::min(m.publish_start_unix_ns, part.publish_start_unix_ns);
-    m.sealed_unix_ns = std::max(m.sealed_unix_ns, part.sealed_unix_ns);
-    m.tensors.insert(m.tensors.end(), part.tensors.begin(), part.tensors.end());
-    for (const auto& [key, value] : part.metadata) {
-      auto [it, inserted] = m.metadata.emplace(key, value);
-      if (inserted) {
-        metadata_from[key] = part.publisher.rank;
-      } else if (it->second != value && refused.ok()) {
-        refused = absl::InvalidArgumentError(
-            absl::StrFormat("metadata \"%s\" is \"%s\" from rank %d but \"%s\" from rank %d", key,
-                            it->second, metadata_from[key], value, part.publisher.rank));
-      }
-    }
-  }
-  if (refused.ok()) refused = internal::AssembleParts(m.tensors, group_.world_size).status();
+  // The committing rank's publisher identity; every rank's tensors and metadata.
+  absl::StatusOr<Manifest> merged = internal::MergeGroupParts(version, parts, group_.rank);
+  absl::Status refused = merged.status();
   if (!refused.ok()) {
     // Refused for every rank of the set: each gets this error, and none of these parts counts
     // again (a rank publishes the version anew to replace its part).
@@ -798,7 +778,7 @@ absl::Status DiskPublisher::CommitGroup(uint64_t version, int gfd,
   for (const char* name : {kManifestFile, kReaderLock}) {
     WB_RETURN_IF_ERROR(RemoveTreeAt(gfd, name, group_path + "/" + name));
   }
-  WB_RETURN_IF_ERROR(WriteSmallFileAt(gfd, kManifestFile, m.ToJson(), sync_,
+  WB_RETURN_IF_ERROR(WriteSmallFileAt(gfd, kManifestFile, merged->ToJson(), sync_,
                                       group_path + "/" + kManifestFile, channel_.modes().file));
   WB_RETURN_IF_ERROR(WriteSmallFileAt(gfd, kReaderLock, "", false, group_path + "/" + kReaderLock,
                                       channel_.modes().file));

@@ -143,6 +143,16 @@ std::string_view MsgTypeName(MsgType type) {
       return "DATA";
     case MsgType::kKeyframeRequest:
       return "KEYFRAME_REQUEST";
+    case MsgType::kJoin:
+      return "JOIN";
+    case MsgType::kJoined:
+      return "JOINED";
+    case MsgType::kPart:
+      return "PART";
+    case MsgType::kWithdraw:
+      return "WITHDRAW";
+    case MsgType::kOutcome:
+      return "OUTCOME";
   }
   return "UNKNOWN";
 }
@@ -169,6 +179,25 @@ bool PeerIsLocal(int fd) {
   const auto* a = reinterpret_cast<const sockaddr*>(&self);
   const auto* b = reinterpret_cast<const sockaddr*>(&peer);
   return a->sa_family == b->sa_family && (IsLoopbackAddress(b) || SameAddress(a, b));
+}
+
+std::string SocketHost(int fd, bool local) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  auto* a = reinterpret_cast<sockaddr*>(&addr);
+  if ((local ? ::getsockname(fd, a, &len) : ::getpeername(fd, a, &len)) != 0) return "";
+  char host[NI_MAXHOST] = {};
+  if (getnameinfo(a, len, host, sizeof(host), nullptr, 0, NI_NUMERICHOST) != 0) return "";
+  return host;
+}
+
+int LocalPort(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return 0;
+  if (addr.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  if (addr.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+  return 0;
 }
 
 std::string LoopbackInterface() {
@@ -499,6 +528,8 @@ std::string EncodeGrantBody(const GrantBody& b) {
     w.U64(r.id).U64(r.base).U64(r.address).U64(r.length).Str(r.rkey);
   }
   U64s(w, b.offsets);
+  w.U32(static_cast<uint32_t>(b.members.size()));
+  for (const GroupMember& g : b.members) w.Str(g.host).U32(g.port);
   return w.Body();
 }
 
@@ -560,6 +591,79 @@ std::string Encode(const KeyframeRequestMsg& m) {
       .U64(m.holds)
       .Str(std::string_view(m.reason).substr(0, kMaxKeyframeReason))
       .Finish();
+}
+
+std::string Encode(const JoinMsg& m) {
+  return Writer(MsgType::kJoin)
+      .Str(m.magic)
+      .U32(m.protocol)
+      .Str(m.channel)
+      .U32(m.rank)
+      .U32(m.world_size)
+      .U32(m.port)
+      .Str(m.description)
+      .Finish();
+}
+
+std::string Encode(const JoinedMsg& m) {
+  return Writer(MsgType::kJoined).U32(m.world_size).Str(m.description).Finish();
+}
+
+std::string Encode(const PartMsg& m) {
+  return Writer(MsgType::kPart).U64(m.version).Str(m.manifest_json).Finish();
+}
+
+std::string Encode(const WithdrawMsg& m) {
+  return Writer(MsgType::kWithdraw).U64(m.version).Finish();
+}
+
+std::string Encode(const OutcomeMsg& m) {
+  return Writer(MsgType::kOutcome).U64(m.version).U32(m.code).Str(m.message).Finish();
+}
+
+absl::StatusOr<JoinMsg> DecodeJoin(std::string_view payload) {
+  Fields f(MsgType::kJoin, payload);
+  JoinMsg m;
+  m.magic = f.Str("the magic");
+  m.protocol = f.U32("the protocol");
+  m.channel = f.Str("the channel");
+  m.rank = f.U32("the rank");
+  m.world_size = f.U32("the world size");
+  m.port = f.U32("the port");
+  m.description = f.Str("the description");
+  return f.Done(std::move(m), /*exact=*/false);
+}
+
+absl::StatusOr<JoinedMsg> DecodeJoined(std::string_view payload) {
+  Fields f(MsgType::kJoined, payload);
+  JoinedMsg m;
+  m.world_size = f.U32("the world size");
+  m.description = f.Str("the description");
+  return f.Done(std::move(m), /*exact=*/false);
+}
+
+absl::StatusOr<PartMsg> DecodePart(std::string_view payload) {
+  Fields f(MsgType::kPart, payload);
+  PartMsg m;
+  m.version = f.U64("the version");
+  m.manifest_json = f.Str("the manifest");
+  return f.Done(std::move(m));
+}
+
+absl::StatusOr<WithdrawMsg> DecodeWithdraw(std::string_view payload) {
+  Fields f(MsgType::kWithdraw, payload);
+  WithdrawMsg m;
+  m.version = f.U64("the version");
+  return f.Done(m);
+}
+
+absl::StatusOr<OutcomeMsg> DecodeOutcome(std::string_view payload) {
+  Fields f(MsgType::kOutcome, payload);
+  OutcomeMsg m;
+  m.version = f.U64("the version");
+  m.code = f.U32("the status code");
+  m.message = f.Str("the message");
+  return f.Done(std::move(m));
 }
 
 absl::StatusOr<HelloMsg> DecodeHello(std::string_view payload) {
@@ -656,6 +760,14 @@ absl::StatusOr<GrantMsg> DecodeGrant(std::string_view payload) {
     m.body.regions.push_back(std::move(g));
   }
   m.body.offsets = U64s(f, "tensor offsets");
+  // A member is at least its host's length and its port.
+  const uint32_t nmembers = f.Count("group members", 4 + 4);
+  for (uint32_t k = 0; k < nmembers && f.ok(); ++k) {
+    GroupMember g;
+    g.host = f.Str(absl::StrFormat("member %d host", k));
+    g.port = f.U32(absl::StrFormat("member %d port", k));
+    m.body.members.push_back(std::move(g));
+  }
   m.live = U64s(f, "live region ids");
   return f.Done(std::move(m));
 }

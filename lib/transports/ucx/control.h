@@ -27,13 +27,16 @@
 namespace weightbus::internal::ucx {
 
 inline constexpr char kMagic[] = "weightbus-ucx";
-inline constexpr uint32_t kProtocolVersion = 2;
+inline constexpr uint32_t kProtocolVersion = 3;  // 3: GRANT lists a group's members
 // Largest frame accepted (a manifest of a very large model fits many times over).
 inline constexpr uint32_t kMaxFrame = uint32_t{1} << 30;
 // Largest frame a publisher accepts from a subscriber: every message a subscriber sends is a
 // few integers, or HELLO's channel name (<= 1024 bytes) and description. A frame header that
 // declares more is DataLoss before any of its bytes is buffered.
 inline constexpr uint32_t kMaxRequestFrame = uint32_t{64} << 10;
+// Largest frame rank 0 of a publisher group accepts from a rank that joined it (PART carries the
+// rank's part manifest, which grows with the model's tensor count).
+inline constexpr uint32_t kMaxMemberFrame = uint32_t{64} << 20;
 
 enum class MsgType : uint8_t {
   kHello = 1,      // sub -> pub: magic, protocol, channel, subscriber id, description
@@ -57,9 +60,16 @@ enum class MsgType : uint8_t {
   // publisher answers CHALLENGE instead of WELCOME, and WELCOME follows a valid PROOF.
   kChallenge = 17,  // pub -> sub: the publisher's nonce and its proof over both nonces
   kProof = 18,      // sub -> pub: the subscriber's proof over both nonces
+  // Publisher groups (world_size > 1): rank r > 0 connects to rank 0 at the URI's address and
+  // joins the group; rank 0 commits a version once every rank's PART is in (docs/FORMAT.md).
+  kJoin = 32,      // rank -> rank 0: magic, protocol, channel, rank, world_size, its port, who
+  kJoined = 33,    // rank 0 -> rank: the group's world_size, rank 0's description
+  kPart = 34,      // rank -> rank 0: version, the rank's part manifest (staged, servable)
+  kWithdraw = 35,  // rank -> rank 0: version (the rank gave up waiting; its part no longer counts)
+  kOutcome = 36,   // rank 0 -> rank: version, status code (0: committed), message
   // The delta layer's back channel (TransportSubscriber::RequestKeyframe). Numbered apart from
-  // the messages above so that other message families can take the numbers after them.
-  kKeyframeRequest = 32,  // sub -> pub: the version it cannot reconstruct, the one it holds, why
+  // the message families above.
+  kKeyframeRequest = 40,  // sub -> pub: the version it cannot reconstruct, the one it holds, why
 };
 
 std::string_view MsgTypeName(MsgType type);
@@ -76,6 +86,12 @@ std::string DescribeSockaddr(const sockaddr* addr, socklen_t len);
 // Whether the peer of connected socket `fd` is on this host: its address is a loopback one or
 // the socket's own local address.
 bool PeerIsLocal(int fd);
+
+// The numeric address (no port, IPv6 without brackets) of connected socket `fd`'s peer, or of
+// the socket itself with `local`; empty when the system cannot tell.
+std::string SocketHost(int fd, bool local = false);
+// The port socket `fd` is bound to (0 when the system cannot tell).
+int LocalPort(int fd);
 
 // The name of this host's loopback network interface ("lo" on Linux).
 std::string LoopbackInterface();
@@ -196,6 +212,12 @@ struct WaitMsg {                              // sub -> pub
   uint64_t version = 0;
   uint8_t mode = kWaitNewest;  // 0..2
 };
+// Where a rank of a publisher group serves its parts (GRANT of a group version).
+struct GroupMember {
+  std::string host;  // as rank 0 sees the rank's address; empty for rank 0 itself
+  uint32_t port = 0;
+  friend bool operator==(const GroupMember&, const GroupMember&) = default;
+};
 struct GrantRegion {
   uint64_t id = 0;
   uint64_t base = 0;     // offset in the slot's byte range
@@ -210,7 +232,10 @@ struct GrantBody {
   uint64_t version = 0;
   std::string manifest_json;
   std::vector<GrantRegion> regions;
-  std::vector<uint64_t> offsets;  // per tensor: its offset in the slot
+  std::vector<uint64_t> offsets;  // per tensor: its offset in the slot (rank 0's parts only)
+  // A group version (granted by rank 0): where each rank serves its parts, indexed by rank;
+  // empty for a single publisher's version.
+  std::vector<GroupMember> members;
 };
 struct GrantMsg {  // pub -> sub
   uint64_t request = 0;
@@ -267,6 +292,31 @@ struct ReadMsg {  // sub -> pub
   uint64_t offset = 0;  // in the slot
   uint64_t length = 0;
 };
+struct JoinMsg {      // rank -> rank 0
+  std::string magic;  // kMagic
+  uint32_t protocol = 0;
+  std::string channel;
+  uint32_t rank = 0;
+  uint32_t world_size = 0;
+  uint32_t port = 0;  // where the rank serves its parts (on the interface it reaches rank 0 from)
+  std::string description;
+};
+struct JoinedMsg {  // rank 0 -> rank
+  uint32_t world_size = 0;
+  std::string description;
+};
+struct PartMsg {  // rank -> rank 0
+  uint64_t version = 0;
+  std::string manifest_json;  // the rank's part (Manifest::group, owner = rank)
+};
+struct WithdrawMsg {  // rank -> rank 0
+  uint64_t version = 0;
+};
+struct OutcomeMsg {  // rank 0 -> rank
+  uint64_t version = 0;
+  uint32_t code = 0;  // absl::StatusCode; 0: the version is committed
+  std::string message;
+};
 struct DataMsg {  // pub -> sub
   uint64_t request = 0;
   bool ok = false;
@@ -294,6 +344,11 @@ std::string Encode(const RenewedMsg& m);
 std::string Encode(const ReadMsg& m);
 std::string Encode(const DataMsg& m);
 std::string Encode(const KeyframeRequestMsg& m);
+std::string Encode(const JoinMsg& m);
+std::string Encode(const JoinedMsg& m);
+std::string Encode(const PartMsg& m);
+std::string Encode(const WithdrawMsg& m);
+std::string Encode(const OutcomeMsg& m);
 // A GRANT from its per-grant fields and a body encoded once with EncodeGrantBody.
 std::string EncodeGrantBody(const GrantBody& body);
 std::string EncodeGrant(uint64_t request, uint64_t lease, uint64_t lease_ns,
@@ -318,6 +373,11 @@ absl::StatusOr<RenewedMsg> DecodeRenewed(std::string_view payload);
 absl::StatusOr<ReadMsg> DecodeRead(std::string_view payload);
 absl::StatusOr<DataMsg> DecodeData(std::string_view payload);
 absl::StatusOr<KeyframeRequestMsg> DecodeKeyframeRequest(std::string_view payload);
+absl::StatusOr<JoinMsg> DecodeJoin(std::string_view payload);
+absl::StatusOr<JoinedMsg> DecodeJoined(std::string_view payload);
+absl::StatusOr<PartMsg> DecodePart(std::string_view payload);
+absl::StatusOr<WithdrawMsg> DecodeWithdraw(std::string_view payload);
+absl::StatusOr<OutcomeMsg> DecodeOutcome(std::string_view payload);
 
 // A status code received in an ERROR or REFUSED message: a known non-OK absl::StatusCode as it
 // is, anything else (0 included: a peer must never make a failure read as success) `fallback`.

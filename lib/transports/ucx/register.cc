@@ -186,6 +186,11 @@ TransportCapabilities UcxCapabilities(const Config& config, const TransportCapab
   c.cross_process = true;
   c.durable = false;  // versions live in the publisher's staging memory
   c.late_joiners = true;
+  // Any byte range of a tensor, pulled straight from the staging slot that holds it.
+  c.partial_reads = true;
+  // Each rank stages and serves its own parts; rank 0, at the URI's address, commits a version
+  // once every rank's part is staged (README.md, "Publisher groups").
+  c.publisher_groups = true;
   return c;
 }
 

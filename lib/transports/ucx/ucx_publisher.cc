@@ -18,6 +18,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <set>
 #include <system_error>
 #include <thread>
 
@@ -28,6 +29,7 @@
 #include "absl/time/clock.h"
 #include "core/failpoint.h"
 #include "core/logging.h"
+#include "core/parts.h"
 #include "core/status.h"
 #include "core/system.h"
 #include "core/worker_pool.h"
@@ -139,14 +141,32 @@ struct Conn {
   // Frames may wait in `in`, unhandled because `out` held kMaxOutput: handled once it drains,
   // whether or not more bytes arrive.
   bool held_frames = false;
+  // Rank 0 of a publisher group: the rank that joined over this connection (JOIN), or -1 for a
+  // subscriber.
+  int member_rank = -1;
 };
+
+// This publisher's place in a publisher group (settings `rank`, `world_size`).
+struct GroupRole {
+  int rank = 0;
+  int world_size = 1;
+  uint32_t port = 0;  // rank > 0: where it serves its parts (an ephemeral port)
+  bool grouped() const { return world_size > 1; }
+};
+
+// "rank 2 of the group of 4 did not stage its part", "ranks 1, 3 of the group of 4 ... their".
+std::string RanksText(const std::vector<int>& ranks, int world_size, std::string_view what) {
+  const bool many = ranks.size() > 1;
+  return absl::StrFormat("rank%s %s of the group of %d %s %s part", many ? "s" : "",
+                         absl::StrJoin(ranks, ", "), world_size, what, many ? "their" : "its");
+}
 
 class UcxPublisher final : public TransportPublisher {
  public:
   UcxPublisher(Endpoint endpoint, UcxOptions options, FailPoints failpoints,
                std::shared_ptr<Context> context, std::unique_ptr<Worker> worker, Fd listener,
                Fd wake, int efd, std::string worker_address, std::unique_ptr<WorkerPool> copiers,
-               RmaTransports rma)
+               RmaTransports rma, GroupRole group)
       : endpoint_(std::move(endpoint)),
         options_(options),
         failpoints_(std::move(failpoints)),
@@ -158,7 +178,9 @@ class UcxPublisher final : public TransportPublisher {
         worker_address_(std::move(worker_address)),
         copiers_(std::move(copiers)),
         rma_(rma),
-        description_(ProcessDescription()) {}
+        group_(group),
+        description_(ProcessDescription()),
+        members_(group.world_size) {}
 
   ~UcxPublisher() override {
     {
@@ -311,6 +333,29 @@ class UcxPublisher final : public TransportPublisher {
   // Marks `c` to be closed now, logging why (rate-limited).
   void Disconnect(Conn& c, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // ---- Publisher groups (README.md, "Publisher groups") ----
+  // Rank 0: a rank joins the group (JOIN), then sends its staged parts (PART) and withdrawals.
+  void HandleJoin(Conn& c, const Frame& f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleMember(Conn& c, const Frame& f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Rank 0: the ranks whose part of `version` is not in (rank 0 itself unless its Publish of
+  // `version` has staged it), leaving out `except`.
+  std::vector<int> MissingRanks(uint64_t version, int except = -1) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Rank 0: tells every rank whose part of `version` is in how the version ended, and forgets
+  // those parts.
+  void SendOutcome(uint64_t version, const absl::Status& outcome)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Rank 0, in Publish once its own part is staged: waits for every other rank's part, then
+  // returns the group version's manifest (MergeGroupParts). Errors: DeadlineExceeded naming the
+  // missing ranks, InvalidArgument when the parts do not fit together, Cancelled; each also
+  // sent to the ranks whose parts were in.
+  absl::StatusOr<Manifest> GatherGroup(const Manifest& own, absl::Time deadline);
+  // Rank > 0, in Publish once its part is staged (and servable to subscribers that ask for
+  // exactly this version): joins rank 0 if not joined, sends the part and waits for rank 0's
+  // word. Past the deadline (or cancelled) it withdraws the part, and reports what rank 0 says.
+  absl::Status CommitThroughRankZero(const Manifest& part, absl::Time deadline);
+  absl::Status JoinRankZero(absl::Time deadline);
+
   const Endpoint endpoint_;
   const UcxOptions options_;
   FailPoints failpoints_;
@@ -322,6 +367,7 @@ class UcxPublisher final : public TransportPublisher {
   const std::string worker_address_;
   std::unique_ptr<WorkerPool> copiers_;  // copy_threads - 1 helpers (the caller is one more)
   const RmaTransports rma_;
+  const GroupRole group_;
   const std::string description_;
   const uint64_t session_id_ = RandomId();
   std::thread thread_;
@@ -356,6 +402,19 @@ class UcxPublisher final : public TransportPublisher {
   // UcxPublisherCounters (ucx_transport.h); written by the progress thread only.
   std::atomic<uint64_t> reads_served_{0};
   std::atomic<uint64_t> sleeps_with_reads_ready_{0};
+
+  // Rank 0 of a group: where each rank serves its parts (members_[r], from its JOIN), the
+  // connection it joined over, the parts staged per version and rank, and the version rank 0's
+  // own Publish has staged and waits to commit.
+  std::vector<GroupMember> members_ ABSL_GUARDED_BY(mu_);
+  std::map<int, uint64_t> member_conns_ ABSL_GUARDED_BY(mu_);  // rank -> Conn::id
+  // A part withdrawn (its rank gave up waiting) is nullopt: the version cannot commit.
+  std::map<uint64_t, std::map<int, std::optional<Manifest>>> parts_ ABSL_GUARDED_BY(mu_);
+  std::optional<uint64_t> gathering_ ABSL_GUARDED_BY(mu_);
+  // How the newest 64 versions rank 0 decided on ended (OK: committed), for a late WITHDRAW.
+  std::map<uint64_t, absl::Status> outcomes_ ABSL_GUARDED_BY(mu_);
+  // Rank > 0: the connection to rank 0 (Publish only).
+  ControlStream to_rank_zero_;
 };
 
 void UcxPublisher::ExpireLeases(absl::Time now) {
@@ -574,7 +633,11 @@ absl::Status UcxPublisher::CopyIntoSlot(const std::vector<Region>& regions, Publ
 
 std::string UcxPublisher::BuildGrantBody(const Slot& slot, const Manifest& manifest,
                                          const std::vector<uint64_t>& offsets) const {
-  GrantBody body{manifest.version, manifest.ToJson(), {}, offsets};
+  GrantBody body{manifest.version, manifest.ToJson(), {}, offsets, {}};
+  if (group_.grouped() && group_.rank == 0) {
+    absl::MutexLock lock(&mu_);
+    body.members = members_;
+  }
   for (const Region& r : slot.regions) {
     body.regions.push_back(GrantRegion{r.id, r.base, reinterpret_cast<uintptr_t>(r.mem->data()),
                                        r.mem->size(), r.rkey});
@@ -664,7 +727,15 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
       break;
     }
   }
-  std::string body = BuildGrantBody(*slot, *manifest, offsets);
+  // A group's rank 0 commits the version once every rank's part is in; its GRANT then carries
+  // the group's manifest (every rank's parts, its own first, in the slot at `offsets`) and where
+  // each rank serves its parts.
+  std::optional<Manifest> merged;
+  if (group_.grouped() && group_.rank == 0) {
+    WB_ASSIGN_OR_RETURN(merged, GatherGroup(*manifest, deadline));
+    offsets.resize(merged->tensors.size(), 0);
+  }
+  std::string body = BuildGrantBody(*slot, merged ? *merged : *manifest, offsets);
   std::vector<std::unique_ptr<Slot>> surplus;
   {
     absl::MutexLock lock(&mu_);
@@ -673,11 +744,24 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
     slot->state = Slot::State::kReady;
     newest_ = slot;
     ++changes_;
+    if (merged) SendOutcome(version, absl::OkStatus());
     surplus = TrimSlots();
   }
   surplus.clear();  // unregistered and freed outside the lock
   published = true;
   Wake();
+  if (group_.grouped() && group_.rank > 0) {
+    // Servable (to subscribers asking for exactly this version) from here on; committed only
+    // when rank 0 says so. Not committed: the slot goes back, nothing of it was visible.
+    absl::Status s = CommitThroughRankZero(*manifest, deadline);
+    if (!s.ok()) {
+      absl::MutexLock lock(&mu_);
+      slot->state = Slot::State::kFree;
+      RecomputeNewest();
+      ++changes_;
+      return s;
+    }
+  }
   Log(LogLevel::kDebug, "%s: version %d staged in slot %d (%d bytes)", endpoint_.display, version,
       slot->index, size);
   return absl::OkStatus();
@@ -755,9 +839,13 @@ void UcxPublisher::Loop() {
       Conn& c = *it->second;
       if (fds[k + 3].revents == 0 && !(c.held_frames && c.out.size() < kMaxOutput)) continue;
       absl::StatusOr<bool> open = true;
-      if (c.out.size() < kMaxOutput) open = ReadAvailable(c.fd.get(), c.in, kMaxInput);
+      const bool member = c.member_rank >= 0;
+      if (c.out.size() < kMaxOutput) {
+        open = ReadAvailable(c.fd.get(), c.in, member ? kMaxMemberFrame + size_t{8} : kMaxInput);
+      }
       while (!c.dead && c.out.size() < kMaxOutput) {
-        absl::StatusOr<std::optional<Frame>> f = TakeFrame(c.in, kMaxRequestFrame);
+        absl::StatusOr<std::optional<Frame>> f =
+            TakeFrame(c.in, c.member_rank >= 0 ? kMaxMemberFrame : kMaxRequestFrame);
         if (!f.ok()) {
           Disconnect(c, absl::StrFormat("sent a malformed message (%s)", f.status().message()));
           break;
@@ -978,8 +1066,14 @@ void UcxPublisher::HandleKeyframeRequest(Conn& c, const absl::StatusOr<KeyframeR
 
 void UcxPublisher::Handle(Conn& c, const Frame& f) {
   if (c.closing) return;  // an ERROR is on its way out: what the peer sent after it is moot
+  if (c.member_rank >= 0) {
+    HandleMember(c, f);
+    return;
+  }
   if (!c.greeted) {
-    if (c.challenged && f.type == MsgType::kProof) {
+    if (!c.challenged && f.type == MsgType::kJoin) {
+      HandleJoin(c, f);
+    } else if (c.challenged && f.type == MsgType::kProof) {
       HandleProof(c, f);
     } else if (!c.challenged && f.type == MsgType::kHello) {
       HandleHello(c, f);
@@ -1094,10 +1188,349 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
   }
 }
 
+void UcxPublisher::HandleJoin(Conn& c, const Frame& f) {
+  absl::StatusOr<JoinMsg> join = DecodeJoin(f.payload);
+  if (!join.ok() || join->magic != kMagic) {
+    conn_log_.Log(LogLevel::kInfo, "%s: %s is not a weightbus publisher rank; disconnecting it",
+                  endpoint_.display, c.peer);
+    c.dead = true;
+    return;
+  }
+  const std::string at = c.peer.substr(strlen("subscriber at "));
+  c.peer = absl::StrFormat("rank %d (%s) at %s", join->rank, join->description, at);
+  auto refuse = [&](absl::StatusCode code, const std::string& why) {
+    peer_log_.Log(LogLevel::kWarn, "%s: refusing %s: %s", endpoint_.display, c.peer, why);
+    SendError(c, code, why);
+  };
+  if (join->protocol != kProtocolVersion) {
+    return refuse(absl::StatusCode::kFailedPrecondition,
+                  absl::StrFormat("rank 0 (%s) speaks ucx control protocol %d, rank %d %d",
+                                  description_, kProtocolVersion, join->rank, join->protocol));
+  }
+  if (join->channel != endpoint_.channel) {
+    return refuse(absl::StatusCode::kNotFound,
+                  absl::StrFormat("the publisher at port %d (%s) serves channel \"%s\", not \"%s\"",
+                                  endpoint_.port, description_, endpoint_.channel, join->channel));
+  }
+  if (!group_.grouped() || group_.rank != 0) {
+    return refuse(absl::StatusCode::kFailedPrecondition,
+                  absl::StrFormat("the publisher at port %d (%s) is %s, not rank 0 of a group: "
+                                  "rank %d of a group of %d cannot join it (the ranks disagree "
+                                  "on world_size)",
+                                  endpoint_.port, description_,
+                                  group_.grouped() ? absl::StrFormat("rank %d", group_.rank)
+                                                   : "a single publisher (world_size=1)",
+                                  join->rank, join->world_size));
+  }
+  if (join->world_size != static_cast<uint32_t>(group_.world_size)) {
+    return refuse(absl::StatusCode::kFailedPrecondition,
+                  absl::StrFormat("rank %d publishes with world_size %d, rank 0 (%s) with %d: the "
+                                  "ranks disagree on world_size",
+                                  join->rank, join->world_size, description_, group_.world_size));
+  }
+  if (join->rank == 0 || join->rank >= join->world_size || join->port == 0 || join->port > 65535) {
+    return refuse(absl::StatusCode::kInvalidArgument,
+                  absl::StrFormat("rank %d (port %d) cannot join a group of %d at its rank 0",
+                                  join->rank, join->port, group_.world_size));
+  }
+  const int rank = static_cast<int>(join->rank);
+  if (auto old = member_conns_.find(rank); old != member_conns_.end()) {
+    // A restarted rank whose old connection has not been seen closing yet (or a second process
+    // configured with the same rank): the newest one is the rank.
+    if (auto oc = conns_.find(old->second); oc != conns_.end()) {
+      Disconnect(*oc->second, absl::StrFormat("was replaced by %s", c.peer));
+      Drop(*oc->second);
+    }
+  }
+  c.member_rank = rank;
+  c.greeted = true;
+  member_conns_[rank] = c.id;
+  members_[rank] = GroupMember{SocketHost(c.fd.get()), join->port};
+  c.out += Encode(JoinedMsg{static_cast<uint32_t>(group_.world_size), description_});
+  conn_log_.Log(LogLevel::kInfo, "%s: %s joined the group (serving its parts at port %d)",
+                endpoint_.display, c.peer, join->port);
+}
+
+void UcxPublisher::HandleMember(Conn& c, const Frame& f) {
+  const int rank = c.member_rank;
+  switch (f.type) {
+    case MsgType::kPart: {
+      absl::StatusOr<PartMsg> m = DecodePart(f.payload);
+      if (!m.ok()) return Disconnect(c, absl::StrFormat("sent a %s", m.status().message()));
+      absl::StatusOr<Manifest> part = Manifest::FromJson(
+          m->manifest_json, absl::StrFormat("the part of rank %d of version %d", rank, m->version));
+      absl::Status bad = part.status();
+      if (bad.ok() && (part->version != m->version || part->publisher.rank != rank ||
+                       part->publisher.world_size != group_.world_size)) {
+        bad = absl::FailedPreconditionError(absl::StrFormat(
+            "rank %d sent a part of version %d published as rank %d of world_size %d (rank 0 "
+            "has world_size %d): the ranks disagree",
+            rank, m->version, part->publisher.rank, part->publisher.world_size, group_.world_size));
+      }
+      if (bad.ok() && newest_ != nullptr && m->version <= newest_->version) {
+        bad = absl::FailedPreconditionError(
+            absl::StrFormat("version %d is not above the group's newest committed version %d",
+                            m->version, newest_->version));
+      }
+      if (!bad.ok()) {
+        c.out += Encode(
+            OutcomeMsg{m->version, static_cast<uint32_t>(bad.code()), std::string(bad.message())});
+        return;
+      }
+      parts_[m->version][rank] = *std::move(part);
+      ++changes_;
+      return;
+    }
+    case MsgType::kWithdraw: {
+      absl::StatusOr<WithdrawMsg> m = DecodeWithdraw(f.payload);
+      if (!m.ok()) return Disconnect(c, absl::StrFormat("sent a %s", m.status().message()));
+      if (auto done = outcomes_.find(m->version); done != outcomes_.end()) {
+        c.out += Encode(OutcomeMsg{m->version, static_cast<uint32_t>(done->second.code()),
+                                   std::string(done->second.message())});
+        return;
+      }
+      const std::vector<int> missing = MissingRanks(m->version, rank);
+      parts_[m->version][rank] = std::nullopt;
+      ++changes_;
+      const std::string why =
+          missing.empty()
+              ? absl::StrFormat("rank %d withdrew its part", rank)
+              : RanksText(missing, group_.world_size, "did not stage") + " by the deadline";
+      c.out += Encode(
+          OutcomeMsg{m->version, static_cast<uint32_t>(absl::StatusCode::kDeadlineExceeded),
+                     absl::StrFormat("version %d was not committed: %s; nothing of it is visible",
+                                     m->version, why)});
+      return;
+    }
+    default:
+      return Disconnect(c, absl::StrFormat("sent an unexpected %s message", MsgTypeName(f.type)));
+  }
+}
+
+std::vector<int> UcxPublisher::MissingRanks(uint64_t version, int except) const {
+  std::vector<int> missing;
+  if (gathering_ != version && except != 0) missing.push_back(0);
+  auto it = parts_.find(version);
+  for (int r = 1; r < group_.world_size; ++r) {
+    if (r == except) continue;
+    if (it == parts_.end() || !it->second.contains(r)) missing.push_back(r);
+  }
+  return missing;
+}
+
+void UcxPublisher::SendOutcome(uint64_t version, const absl::Status& outcome) {
+  outcomes_[version] = outcome;
+  if (outcomes_.size() > 64) outcomes_.erase(outcomes_.begin());
+  auto it = parts_.find(version);
+  if (it == parts_.end()) return;
+  for (const auto& [rank, part] : it->second) {
+    if (!part) continue;  // withdrawn: its rank has its answer
+    auto conn = member_conns_.find(rank);
+    if (conn == member_conns_.end()) continue;
+    auto c = conns_.find(conn->second);
+    if (c == conns_.end()) continue;
+    c->second->out += Encode(
+        OutcomeMsg{version, static_cast<uint32_t>(outcome.code()), std::string(outcome.message())});
+  }
+  parts_.erase(it);
+  // Parts of older versions can never commit now.
+  while (!parts_.empty() && parts_.begin()->first < version) {
+    const uint64_t old = parts_.begin()->first;
+    SendOutcome(old, absl::FailedPreconditionError(absl::StrFormat(
+                         "version %d was not committed: rank 0 committed version %d above it", old,
+                         version)));
+  }
+  Wake();
+}
+
+absl::StatusOr<Manifest> UcxPublisher::GatherGroup(const Manifest& own, absl::Time deadline) {
+  const uint64_t version = own.version;
+  absl::MutexLock lock(&mu_);
+  gathering_ = version;
+  absl::Cleanup done = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { gathering_.reset(); };
+  auto fail = [&](absl::Status error) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    SendOutcome(version, error);
+    return error;
+  };
+  // Ranks that gave up waiting: the version cannot commit without them.
+  auto withdrawn = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    std::vector<int> out;
+    for (const auto& [rank, part] : parts_[version]) {
+      if (!part) out.push_back(rank);
+    }
+    return out;
+  };
+  while (true) {
+    const std::vector<int> missing = MissingRanks(version);
+    const std::vector<int> gave_up = withdrawn();
+    if (!gave_up.empty()) {
+      std::string why = RanksText(gave_up, group_.world_size, "gave up waiting and withdrew");
+      if (!missing.empty()) {
+        why = RanksText(missing, group_.world_size, "did not stage") + " by the deadline; " + why;
+      }
+      return fail(absl::DeadlineExceededError(
+          absl::StrFormat("%s: version %d was not committed: %s; nothing of version %d is visible",
+                          endpoint_.display, version, why, version)));
+    }
+    if (missing.empty()) break;
+    if (cancelled_ || stopping_) {
+      return fail(absl::CancelledError(absl::StrFormat(
+          "%s: version %d was not committed: rank 0 was closed (Cancel) while %s",
+          endpoint_.display, version, RanksText(missing, group_.world_size, "had not staged"))));
+    }
+    if (absl::Now() >= deadline) {
+      return fail(absl::DeadlineExceededError(
+          absl::StrFormat("%s: version %d was not committed: %s by the deadline; nothing of "
+                          "version %d is visible",
+                          endpoint_.display, version,
+                          RanksText(missing, group_.world_size, "did not stage"), version)));
+    }
+    AwaitChange(deadline);
+  }
+  std::vector<Manifest> parts{own};
+  for (const auto& [rank, part] : parts_[version]) parts.push_back(*part);
+  absl::StatusOr<Manifest> merged = MergeGroupParts(version, parts, /*committer=*/0);
+  if (!merged.ok()) {
+    return fail(absl::Status(
+        merged.status().code(),
+        absl::StrFormat("%s version %d: the group's parts do not fit together, nothing was "
+                        "committed: %s",
+                        endpoint_.display, version, merged.status().message())));
+  }
+  return merged;
+}
+
+absl::Status UcxPublisher::JoinRankZero(absl::Time deadline) {
+  if (to_rank_zero_.connected()) {
+    // A connection rank 0 closed (it restarted) shows as EOF on a poll: join again.
+    absl::StatusOr<std::optional<Frame>> f = to_rank_zero_.Poll();
+    while (f.ok() && f->has_value()) f = to_rank_zero_.Poll();  // stale OUTCOMEs
+    if (f.ok()) return absl::OkStatus();
+    to_rank_zero_.Close();
+  }
+  WB_ASSIGN_OR_RETURN(Fd fd, Connect(endpoint_.host, endpoint_.port, deadline, endpoint_.display));
+  ControlStream stream(std::move(fd), absl::StrFormat("rank 0 of the group at %s port %d",
+                                                      endpoint_.host, endpoint_.port));
+  WB_RETURN_IF_ERROR(stream.Send(
+      Encode(JoinMsg{kMagic, kProtocolVersion, endpoint_.channel,
+                     static_cast<uint32_t>(group_.rank), static_cast<uint32_t>(group_.world_size),
+                     group_.port, description_}),
+      deadline));
+  WB_ASSIGN_OR_RETURN(Frame answer, stream.Receive(deadline));
+  if (answer.type == MsgType::kError) {
+    return ErrorStatus(answer.payload,
+                       absl::StrFormat("%s refused rank %d: ", stream.peer(), group_.rank));
+  }
+  if (answer.type != MsgType::kJoined || !DecodeJoined(answer.payload).ok()) {
+    return absl::DataLossError(absl::StrFormat("%s answered JOIN with a %s message", stream.peer(),
+                                               MsgTypeName(answer.type)));
+  }
+  to_rank_zero_ = std::move(stream);
+  return absl::OkStatus();
+}
+
+absl::Status UcxPublisher::CommitThroughRankZero(const Manifest& part, absl::Time deadline) {
+  const uint64_t version = part.version;
+  const std::string where =
+      absl::StrFormat("rank 0 of the group at %s port %d", endpoint_.host, endpoint_.port);
+  auto not_committed = [&](const absl::Status& why) {
+    return absl::Status(
+        why.code(),
+        absl::StrFormat("%s: version %d was not committed: %s; this rank's (%d) "
+                        "part was withdrawn and nothing of version %d is visible",
+                        endpoint_.display, version, why.message(), group_.rank, version));
+  };
+  if (absl::Status s = JoinRankZero(deadline); !s.ok()) {
+    to_rank_zero_.Close();
+    return not_committed(absl::Status(
+        absl::IsDeadlineExceeded(s) || absl::IsUnavailable(s) ? absl::StatusCode::kDeadlineExceeded
+                                                              : s.code(),
+        absl::StrFormat("rank 0 (%s) could not be joined: %s", where, s.message())));
+  }
+  auto lost = [&](const absl::Status& s) {
+    to_rank_zero_.Close();
+    return not_committed(absl::UnavailableError(absl::StrFormat(
+        "the connection to %s broke while the version waited for its commit (rank 0 is gone: "
+        "%s)",
+        where, s.message())));
+  };
+  if (absl::Status s = to_rank_zero_.Send(Encode(PartMsg{version, part.ToJson()}), deadline);
+      !s.ok()) {
+    return lost(s);
+  }
+  // Rank 0's word on `version`, waiting until `until` in slices (so that Cancel is seen).
+  auto outcome = [&](absl::Time until, bool watch_cancel) -> absl::StatusOr<OutcomeMsg> {
+    while (true) {
+      if (watch_cancel) {
+        absl::MutexLock lock(&mu_);
+        if (cancelled_ || stopping_) return Cancelled();
+      }
+      const absl::Time now = absl::Now();
+      if (now >= until) return absl::DeadlineExceededError("no word from rank 0");
+      absl::StatusOr<Frame> f =
+          to_rank_zero_.Receive(std::min(until, now + absl::Milliseconds(50)));
+      if (absl::IsDeadlineExceeded(f.status())) continue;
+      if (!f.ok()) return f.status();
+      if (f->type == MsgType::kError) return ErrorStatus(f->payload, where + ": ");
+      if (f->type != MsgType::kOutcome) continue;
+      absl::StatusOr<OutcomeMsg> m = DecodeOutcome(f->payload);
+      if (!m.ok()) return m.status();
+      if (m->version == version) return m;
+    }
+  };
+  auto status_of = [](const OutcomeMsg& m) {
+    return m.code == 0
+               ? absl::OkStatus()
+               : absl::Status(StatusCodeFromWire(m.code, absl::StatusCode::kUnknown), m.message);
+  };
+  absl::StatusOr<OutcomeMsg> word = outcome(deadline, /*watch_cancel=*/true);
+  if (word.ok()) {
+    if (word->code == 0) return absl::OkStatus();
+    return absl::Status(StatusCodeFromWire(word->code, absl::StatusCode::kUnknown),
+                        absl::StrFormat("%s: %s", endpoint_.display, word->message));
+  }
+  if (!absl::IsDeadlineExceeded(word.status()) && !absl::IsCancelled(word.status())) {
+    return lost(word.status());
+  }
+  // Past the deadline (or cancelled): withdraw, so that rank 0 cannot commit the version
+  // without this part later, and learn from rank 0 whether it committed meanwhile and which
+  // ranks it still misses.
+  const bool cancelled = absl::IsCancelled(word.status());
+  constexpr absl::Duration kWithdrawGrace = absl::Seconds(2);
+  const absl::Time grace = absl::Now() + kWithdrawGrace;
+  if (absl::Status s = to_rank_zero_.Send(Encode(WithdrawMsg{version}), grace); !s.ok()) {
+    return lost(s);
+  }
+  absl::StatusOr<OutcomeMsg> last = outcome(grace, /*watch_cancel=*/false);
+  if (!last.ok()) {
+    to_rank_zero_.Close();
+    return not_committed(absl::DeadlineExceededError(absl::StrFormat(
+        "%s did not commit it by the deadline and did not answer its withdrawal (%s)", where,
+        last.status().message())));
+  }
+  if (last->code == 0) return absl::OkStatus();  // committed before the withdrawal arrived
+  absl::Status s = status_of(*last);
+  if (cancelled) {
+    return absl::CancelledError(
+        absl::StrFormat("%s: the publisher was cancelled while waiting for its group: %s",
+                        endpoint_.display, s.message()));
+  }
+  return absl::DeadlineExceededError(absl::StrFormat("%s: %s (rank %d withdrew its part)",
+                                                     endpoint_.display, s.message(), group_.rank));
+}
+
 void UcxPublisher::ServeWaits(Conn& c) {
   for (auto it = c.waits.begin(); it != c.waits.end();) {
     const PendingWait w = *it;
     Slot* slot = nullptr;
+    if (group_.rank > 0 && !w.exact) {
+      Refuse(c, w.request, absl::StatusCode::kFailedPrecondition,
+             absl::StrFormat("this is rank %d of a publisher group of %d, which serves the parts "
+                             "of exact versions only; subscribe at the group's address %s",
+                             group_.rank, group_.world_size, endpoint_.display));
+      it = c.waits.erase(it);
+      continue;
+    }
     if (w.exact) {
       for (const auto& s : slots_) {
         if (s->state == Slot::State::kReady && s->version == w.version) slot = s.get();
@@ -1222,6 +1655,16 @@ void UcxPublisher::ServeReads(Conn& c) {
 }
 
 void UcxPublisher::Drop(Conn& c) {
+  if (c.member_rank >= 0) {
+    // A rank gone (killed, or restarted and joined again): its staged parts went with it.
+    auto m = member_conns_.find(c.member_rank);
+    if (m != member_conns_.end() && m->second == c.id) {
+      member_conns_.erase(m);
+      for (auto& [version, ranks] : parts_) ranks.erase(c.member_rank);
+      ++changes_;
+      conn_log_.Log(LogLevel::kInfo, "%s: %s left the group", endpoint_.display, c.peer);
+    }
+  }
   for (auto it = leases_.begin(); it != leases_.end();) {
     if (it->second.conn == c.id) {
       EndLease(it++);
@@ -1256,7 +1699,21 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& 
   WB_ASSIGN_OR_RETURN(std::string address, worker->Address());
   WB_ASSIGN_OR_RETURN(int efd, worker->EventFd());
   const RmaTransports rma = ContextRmaTransports(*context);
-  WB_ASSIGN_OR_RETURN(Fd listener, Listen(endpoint.host, endpoint.port, endpoint.display));
+  GroupRole group;
+  group.rank = static_cast<int>(config.Int("rank"));  // below world_size: checked by the core
+  group.world_size = static_cast<int>(config.Int("world_size"));
+  if (group.grouped() && options.key) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "%s: a ucx:// publisher group (world_size=%d, rank %d) on a channel with a shared secret "
+        "is not implemented: its ranks would serve subscribers and join rank 0 without "
+        "authenticating; publish through one publisher (world_size=1) or without a secret",
+        endpoint.display, group.world_size, group.rank));
+  }
+  // Rank 0 serves the group's rendezvous on the URI's address; every other rank its own parts
+  // on an ephemeral port of the same host (it tells rank 0 which when it joins).
+  WB_ASSIGN_OR_RETURN(Fd listener,
+                      Listen(endpoint.host, group.rank > 0 ? 0 : endpoint.port, endpoint.display));
+  if (group.rank > 0) group.port = static_cast<uint32_t>(LocalPort(listener.get()));
   Fd wake(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!wake) return ErrnoStatus(errno, absl::StrFormat("%s: eventfd", endpoint.display));
   std::unique_ptr<WorkerPool> copiers;
@@ -1265,7 +1722,8 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& 
   }
   auto publisher = std::make_unique<UcxPublisher>(
       std::move(endpoint), options, std::move(failpoints), std::move(context), std::move(worker),
-      std::move(listener), std::move(wake), efd, std::move(address), std::move(copiers), rma);
+      std::move(listener), std::move(wake), efd, std::move(address), std::move(copiers), rma,
+      group);
   WB_RETURN_IF_ERROR(publisher->Start());
   return std::unique_ptr<TransportPublisher>(std::move(publisher));
 }

@@ -13,8 +13,10 @@
 #include <atomic>
 #include <cstring>
 #include <map>
+#include <thread>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "core/failpoint.h"
@@ -50,6 +52,21 @@ struct Session {
   std::map<uint64_t, std::unique_ptr<RemoteKey>> rkeys;
 };
 
+// What one PullBytes moves: pieces of the slot into targets. For a Fetch each piece is one
+// manifest tensor (size 0 and no target for one the core does not want, or that another rank
+// of a group serves); for a FetchRanges each is one range of a tensor.
+struct Pieces {
+  std::vector<uint64_t> offsets;  // in the slot
+  std::vector<uint64_t> sizes;
+  std::vector<std::byte*> targets;
+  std::vector<size_t> tensor;  // the manifest tensor each piece is of (for messages)
+};
+
+// A LandingSink that is told nothing (FetchRanges: the core verifies ranges by blocks).
+struct NoLanding final : public LandingSink {
+  void Landed(size_t) override {}
+};
+
 // One get of a Fetch: a contiguous run of slot bytes into a contiguous run of target bytes,
 // crossing neither a remote region nor a local registration boundary. Neighbouring tensors that
 // are contiguous on both sides share gets (small tensors cost one get per chunk, not one each):
@@ -68,12 +85,12 @@ struct GetOp {
 // The gets of one Fetch and their completion bookkeeping (touched only by the fetching thread:
 // UCX calls completions from inside ucp_worker_progress).
 struct Pull {
-  std::vector<GetOp> ops;                          // in slot order within each run of tensors
-  std::vector<uint32_t> remaining;                 // per tensor: gets not yet complete
-  std::vector<size_t> next_in_order;               // per tensor: its first get not yet complete
-  std::vector<size_t> end_op;                      // per tensor: one past its last get
-  std::vector<bool> done;                          // per get
-  const std::vector<uint64_t>* offsets = nullptr;  // per tensor, in the slot
+  std::vector<GetOp> ops;             // in slot order within each run of tensors
+  std::vector<uint32_t> remaining;    // per tensor: gets not yet complete
+  std::vector<size_t> next_in_order;  // per tensor: its first get not yet complete
+  std::vector<size_t> end_op;         // per tensor: one past its last get
+  std::vector<bool> done;             // per get
+  const Pieces* pieces = nullptr;
   uint64_t inflight = 0;
   absl::Status error;
   LandingSink* sink = nullptr;
@@ -98,17 +115,18 @@ struct Pull {
     const GetOp& op = ops[k];
     if (status != UCS_OK) {
       if (error.ok()) {
-        error = UcsError(status, absl::StrFormat("get of %d bytes of tensor \"%s\" (version %d) "
-                                                 "%s failed",
-                                                 op.length, manifest->tensors[op.first].name,
-                                                 manifest->version, source));
+        error = UcsError(
+            status, absl::StrFormat("get of %d bytes of tensor \"%s\" (version %d) "
+                                    "%s failed",
+                                    op.length, manifest->tensors[pieces->tensor[op.first]].name,
+                                    manifest->version, source));
       }
       return;
     }
     done[k] = true;
     for (size_t t = op.first; t <= op.last; ++t) {
-      const uint64_t nbytes = manifest->tensors[t].nbytes;
-      if (nbytes == 0) continue;  // landed before the first get
+      const uint64_t nbytes = pieces->sizes[t];
+      if (nbytes == 0) continue;  // landed before the first get, or not wanted
       if (--remaining[t] == 0) {
         sink->Landed(t);
         continue;
@@ -118,7 +136,7 @@ struct Pull {
       if (next != k) continue;
       while (next < end_op[t] && done[next]) ++next;
       const GetOp& last = ops[next - 1];
-      sink->LandedPrefix(t, std::min(nbytes, last.slot_offset + last.length - (*offsets)[t]));
+      sink->LandedPrefix(t, std::min(nbytes, last.slot_offset + last.length - pieces->offsets[t]));
     }
   }
 };
@@ -135,6 +153,11 @@ void OnGetDone(void* request, ucs_status_t status, void* user_data) {
 }
 
 class UcxSubscriber;
+class GroupVersion;
+
+// ProcessBytesByRank's counts.
+constexpr int kCountedRanks = 256;
+std::atomic<uint64_t> process_bytes[kCountedRanks];
 
 class UcxVersion final : public IncomingVersion {
  public:
@@ -154,6 +177,7 @@ class UcxVersion final : public IncomingVersion {
   const Manifest& manifest() const override { return manifest_; }
   absl::Status Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
                      absl::Time deadline) override;
+  absl::Status FetchRanges(absl::Span<const RangeRead> reads, absl::Time deadline) override;
   std::string DescribeSource(size_t i) const override {
     return absl::StrFormat("%s, staging bytes [%d, %d) of version %d", source_, offsets_[i],
                            offsets_[i] + manifest_.tensors[i].nbytes, manifest_.version);
@@ -162,6 +186,7 @@ class UcxVersion final : public IncomingVersion {
 
  private:
   friend class UcxSubscriber;
+  friend class GroupVersion;
   UcxSubscriber* owner_;
   uint64_t generation_;
   uint64_t lease_id_;
@@ -169,6 +194,7 @@ class UcxVersion final : public IncomingVersion {
   std::vector<GrantRegion> regions_;  // ascending base, contiguous from 0
   std::vector<uint64_t> offsets_;     // per tensor, in the slot's byte range
   std::string source_;
+  std::vector<GroupMember> members_;  // of a group version (GrantBody::members)
   // The publisher's lease runs from when it granted the version or from the last renewal it
   // accepted (RENEWED valid); both happened after we sent the request or that renewal, so the
   // lease certainly lasts until lease_base_ + lease, by our own MonotonicNow() clock.
@@ -179,8 +205,9 @@ class UcxVersion final : public IncomingVersion {
 class UcxSubscriber final : public TransportSubscriber {
  public:
   UcxSubscriber(Endpoint endpoint, UcxOptions options, FailPoints failpoints,
-                std::shared_ptr<Context> context, std::unique_ptr<Worker> worker)
-      : endpoint_(std::move(endpoint)),
+                std::shared_ptr<Context> context, std::unique_ptr<Worker> worker, int rank = 0)
+      : rank_(rank),
+        endpoint_(std::move(endpoint)),
         options_(options),
         failpoints_(std::move(failpoints)),
         context_(std::move(context)),
@@ -213,14 +240,33 @@ class UcxSubscriber final : public TransportSubscriber {
   // the flag); so does every later call. Only sets an atomic flag: safe from any thread.
   void Cancel() override { cancelled_.store(true); }
   UcxSubscriberCounters counters() {
-    absl::MutexLock lock(&mu_);
-    return UcxSubscriberCounters{registrations_.registrations(),
-                                 gets_.load(std::memory_order_relaxed)};
+    UcxSubscriberCounters c;
+    {
+      absl::MutexLock lock(&mu_);
+      c = UcxSubscriberCounters{registrations_.registrations(),
+                                gets_.load(std::memory_order_relaxed),
+                                {bytes_.load(std::memory_order_relaxed)}};
+    }
+    absl::MutexLock lock(&members_mu_);
+    for (const auto& [rank, sub] : member_of_rank_) {
+      const UcxSubscriberCounters m = sub->counters();
+      c.registrations += m.registrations;
+      c.gets += m.gets;
+      if (c.bytes_by_rank.size() <= static_cast<size_t>(rank)) c.bytes_by_rank.resize(rank + 1, 0);
+      c.bytes_by_rank[rank] += m.bytes_by_rank[0];
+    }
+    return c;
   }
 
   absl::Status Fetch(UcxVersion& v, absl::Span<std::byte* const> targets, LandingSink& sink,
                      absl::Time deadline);
+  absl::Status FetchRanges(UcxVersion& v, absl::Span<const RangeRead> reads, absl::Time deadline);
   void Release(UcxVersion& v);
+  // A group version's rank `rank` > 0 serves its parts at `member`: the subscriber that reads
+  // them (one per address, kept across versions; a restarted rank has a new port). Errors: those
+  // of opening a UCP worker.
+  absl::StatusOr<UcxSubscriber*> MemberSubscriber(int rank, const GroupMember& member);
+  const Endpoint& endpoint() const { return endpoint_; }
   void Accepted(UcxVersion& v);
 
  private:
@@ -245,9 +291,15 @@ class UcxSubscriber final : public TransportSubscriber {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::unique_ptr<IncomingVersion>> ParseGrant(const Frame& f, absl::Time asked)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status PullBytes(UcxVersion& v, absl::Span<std::byte* const> targets, LandingSink& sink,
+  absl::Status PullBytes(UcxVersion& v, const Pieces& pieces, LandingSink& sink,
                          absl::Time deadline, uint64_t* inflight_left)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // PullBytes, then the registrations' bookkeeping; a failure releases `v`, closing a broken or
+  // abandoned session.
+  absl::Status PullPieces(UcxVersion& v, const Pieces& pieces, LandingSink& sink,
+                          absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Checks that `v`'s lease is still held, renewing it when it may be near its end.
+  absl::Status ConfirmLease(UcxVersion& v, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // PullBytes for a session with bytes_over_control: READs, gets_in_flight outstanding, each
   // answered by a DATA frame copied into its target.
   absl::Status ReadOverControl(UcxVersion& v, Pull& pull, uint64_t total, absl::Time deadline)
@@ -257,6 +309,7 @@ class UcxSubscriber final : public TransportSubscriber {
     static_cast<Session*>(arg)->ep_status = status;
   }
 
+  const int rank_;  // of the publisher group, for a group's rank > 0; else 0
   const Endpoint endpoint_;
   const UcxOptions options_;
   FailPoints failpoints_;
@@ -272,7 +325,12 @@ class UcxSubscriber final : public TransportSubscriber {
   uint64_t next_request_ ABSL_GUARDED_BY(mu_) = 1;
   bool try_peer_errors_ ABSL_GUARDED_BY(mu_) = true;
   std::atomic<bool> cancelled_{false};
-  std::atomic<uint64_t> gets_{0};  // UcxSubscriberCounters::gets
+  std::atomic<uint64_t> gets_{0};   // UcxSubscriberCounters::gets
+  std::atomic<uint64_t> bytes_{0};  // UcxSubscriberCounters::bytes_by_rank (this publisher's)
+  // The subscribers of a group's other ranks, by address ("host port").
+  absl::Mutex members_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  std::map<std::string, std::unique_ptr<UcxSubscriber>> member_subs_ ABSL_GUARDED_BY(members_mu_);
+  std::map<int, UcxSubscriber*> member_of_rank_ ABSL_GUARDED_BY(members_mu_);
   absl::Status CancelledStatus() const {
     return absl::CancelledError(
         absl::StrFormat("%s: the subscriber is being closed (Cancel)", endpoint_.display));
@@ -286,6 +344,169 @@ absl::Status UcxVersion::Fetch(absl::Span<std::byte* const> targets, LandingSink
                                absl::Time deadline) {
   return owner_->Fetch(*this, targets, sink, deadline);
 }
+
+absl::Status UcxVersion::FetchRanges(absl::Span<const RangeRead> reads, absl::Time deadline) {
+  return owner_->FetchRanges(*this, reads, deadline);
+}
+
+// A group version as rank 0 granted it: its manifest lists every rank's parts; rank 0's own
+// are read through `rank0_`, every other rank's straight from that rank (the address in the
+// grant), which grants exactly this version with its own lease. Each rank is read on its own
+// thread (each has its own subscriber, hence its own UCP worker).
+class GroupVersion final : public IncomingVersion {
+ public:
+  GroupVersion(UcxSubscriber* owner, std::unique_ptr<UcxVersion> rank0)
+      : owner_(owner), rank0_(std::move(rank0)), parts_(rank0_->manifest().publisher.world_size) {}
+
+  const Manifest& manifest() const override { return rank0_->manifest(); }
+
+  absl::Status Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
+                     absl::Time deadline) override {
+    const Manifest& m = manifest();
+    std::vector<std::byte*> own(targets.begin(), targets.end());
+    std::vector<bool> wanted(parts_.size(), false);
+    for (size_t i = 0; i < m.tensors.size(); ++i) {
+      const int r = m.tensors[i].owner;
+      if (r == 0) continue;
+      own[i] = nullptr;
+      if (targets[i] != nullptr && m.tensors[i].nbytes > 0) wanted[r] = true;
+    }
+    return ForRanks(wanted, /*rank0=*/true, [&](int r) -> absl::Status {
+      if (r == 0) return rank0_->Fetch(own, sink, deadline);
+      WB_ASSIGN_OR_RETURN(Part * part, OpenPart(r, deadline));
+      std::vector<std::byte*> theirs(part->group_index.size(), nullptr);
+      for (size_t j = 0; j < theirs.size(); ++j) theirs[j] = targets[part->group_index[j]];
+      struct Mapped final : public LandingSink {
+        LandingSink* sink;
+        const Part* part;
+        const Manifest* m;
+        void Landed(size_t j) override {
+          // Tensors without bytes were landed with rank 0's (its Fetch lands all of them).
+          if (m->tensors[part->group_index[j]].nbytes > 0) sink->Landed(part->group_index[j]);
+        }
+        void LandedPrefix(size_t j, uint64_t bytes) override {
+          sink->LandedPrefix(part->group_index[j], bytes);
+        }
+      } mapped;
+      mapped.sink = &sink;
+      mapped.part = part;
+      mapped.m = &m;
+      return part->version->Fetch(theirs, mapped, deadline);
+    });
+  }
+
+  absl::Status FetchRanges(absl::Span<const RangeRead> reads, absl::Time deadline) override {
+    const Manifest& m = manifest();
+    std::vector<std::vector<RangeRead>> by_rank(parts_.size());
+    std::vector<bool> wanted(parts_.size(), false);
+    for (const RangeRead& r : reads) {
+      if (r.tensor >= m.tensors.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("range of tensor %d of %d", r.tensor, m.tensors.size()));
+      }
+      const int owner = m.tensors[r.tensor].owner;
+      by_rank[owner].push_back(r);
+      wanted[owner] = true;
+    }
+    const bool rank0 = wanted[0];
+    wanted[0] = false;
+    return ForRanks(wanted, rank0, [&](int r) -> absl::Status {
+      if (r == 0) return rank0_->FetchRanges(by_rank[0], deadline);
+      WB_ASSIGN_OR_RETURN(Part * part, OpenPart(r, deadline));
+      for (RangeRead& read : by_rank[r]) read.tensor = part->part_index[read.tensor];
+      return part->version->FetchRanges(by_rank[r], deadline);
+    });
+  }
+
+  std::string DescribeSource(size_t i) const override {
+    const int r = manifest().tensors[i].owner;
+    if (r == 0 || parts_[r].version == nullptr) {
+      return r == 0 ? rank0_->DescribeSource(i)
+                    : absl::StrFormat("rank %d of the group at %s port %d", r,
+                                      rank0_->members_[r].host, rank0_->members_[r].port);
+    }
+    return parts_[r].version->DescribeSource(parts_[r].part_index.at(i));
+  }
+
+  void Accepted() override {
+    rank0_->Accepted();
+    for (const Part& p : parts_) {
+      if (p.version != nullptr) p.version->Accepted();
+    }
+  }
+
+ private:
+  struct Part {
+    std::unique_ptr<IncomingVersion> version;  // the rank's own grant of this version
+    std::vector<size_t> group_index;           // per tensor of its manifest: the group's index
+    std::map<size_t, size_t> part_index;       // group index -> index in its manifest
+  };
+
+  // Runs `fetch` for rank 0 (when `rank0`) on this thread and for every rank `wanted` on one
+  // thread each; the first error (by rank) wins.
+  absl::Status ForRanks(const std::vector<bool>& wanted, bool rank0,
+                        const std::function<absl::Status(int)>& fetch) {
+    std::vector<absl::Status> results(parts_.size());
+    std::vector<std::thread> threads;
+    for (size_t r = 1; r < parts_.size(); ++r) {
+      if (!wanted[r]) continue;
+      try {
+        threads.emplace_back([&, r] { results[r] = fetch(static_cast<int>(r)); });
+      } catch (const std::system_error& e) {
+        results[r] = fetch(static_cast<int>(r));  // no thread to be had: on this one
+      }
+    }
+    if (rank0) results[0] = fetch(0);
+    for (std::thread& t : threads) t.join();
+    for (const absl::Status& s : results) WB_RETURN_IF_ERROR(s);
+    return absl::OkStatus();
+  }
+
+  // Rank r's grant of this version (opened once), checked against the group manifest: its
+  // parts must be exactly the ones the manifest says it owns.
+  absl::StatusOr<Part*> OpenPart(int r, absl::Time deadline) {
+    Part& part = parts_[r];
+    if (part.version != nullptr) return &part;
+    const Manifest& m = manifest();
+    const GroupMember& member = rank0_->members_[r];
+    WB_ASSIGN_OR_RETURN(UcxSubscriber * sub, owner_->MemberSubscriber(r, member));
+    absl::StatusOr<std::unique_ptr<IncomingVersion>> v = sub->OpenVersion(m.version, deadline);
+    if (!v.ok()) {
+      return absl::Status(
+          v.status().code(),
+          absl::StrFormat("rank %d of the group (at %s port %d), which holds parts "
+                          "of version %d: %s",
+                          r, member.host, member.port, m.version, v.status().message()));
+    }
+    std::vector<size_t> owned;
+    for (size_t i = 0; i < m.tensors.size(); ++i) {
+      if (m.tensors[i].owner == r) owned.push_back(i);
+    }
+    const Manifest& theirs = (*v)->manifest();
+    auto same = [](const TensorInfo& a, const TensorInfo& b) {
+      return a.name == b.name && a.dtype == b.dtype && a.shape == b.shape && a.shard == b.shard &&
+             a.nbytes == b.nbytes && a.xxh3 == b.xxh3 && a.owner == b.owner;
+    };
+    bool match = theirs.tensors.size() == owned.size();
+    for (size_t j = 0; match && j < owned.size(); ++j) {
+      match = same(theirs.tensors[j], m.tensors[owned[j]]);
+    }
+    if (!match) {
+      return absl::DataLossError(absl::StrFormat(
+          "rank %d of the group (at %s port %d) serves a version %d whose %d parts are not the "
+          "%d the group's manifest lists for it (a rank restarted with other bytes?)",
+          r, member.host, member.port, m.version, theirs.tensors.size(), owned.size()));
+    }
+    part.group_index = owned;
+    for (size_t j = 0; j < owned.size(); ++j) part.part_index[owned[j]] = j;
+    part.version = *std::move(v);
+    return &part;
+  }
+
+  UcxSubscriber* owner_;
+  std::unique_ptr<UcxVersion> rank0_;
+  std::vector<Part> parts_;  // by rank; [0] unused (rank 0's parts are rank0_'s)
+};
 
 void UcxVersion::Accepted() { owner_->Accepted(*this); }
 
@@ -625,8 +846,19 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const
                           g.base, g.address, g.length));
     }
   }
+  // A group version (granted by rank 0) says where each rank serves its parts; rank 0's own
+  // lie in this slot, every other rank's in that rank's.
+  std::vector<GroupMember>& members = grant->body.members;
+  const bool group = !members.empty();
+  if (group && (!manifest->group || manifest->publisher.world_size < 2 ||
+                members.size() != static_cast<size_t>(manifest->publisher.world_size))) {
+    return malformed(absl::StrFormat("%d group members for a manifest of world_size %d%s",
+                                     members.size(), manifest->publisher.world_size,
+                                     manifest->group ? "" : " (not a group version)"));
+  }
   for (size_t i = 0; i < offsets.size(); ++i) {
     const uint64_t n = manifest->tensors[i].nbytes;
+    if (group && manifest->tensors[i].owner != 0) continue;
     if (n > 0 && (offsets[i] > covered || n > covered - offsets[i])) {
       return malformed(
           absl::StrFormat("tensor \"%s\" lies outside the slot", manifest->tensors[i].name));
@@ -637,9 +869,11 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const
   std::erase_if(session_->rkeys, [&](const auto& kv) {
     return std::find(live.begin(), live.end(), kv.first) == live.end();
   });
-  return std::unique_ptr<IncomingVersion>(new UcxVersion(this, session_->generation, lease,
-                                                         *std::move(manifest), std::move(regions),
-                                                         std::move(offsets), source, asked));
+  auto v = std::make_unique<UcxVersion>(this, session_->generation, lease, *std::move(manifest),
+                                        std::move(regions), std::move(offsets), source, asked);
+  if (!group) return std::unique_ptr<IncomingVersion>(std::move(v));
+  v->members_ = std::move(members);
+  return std::unique_ptr<IncomingVersion>(new GroupVersion(this, std::move(v)));
 }
 
 absl::StatusOr<std::vector<uint64_t>> UcxSubscriber::ListVersions() {
@@ -695,19 +929,23 @@ absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> ta
         "with it)",
         v.source_, v.manifest_.version));
   }
-  uint64_t inflight = 0;
-  absl::Status pulled = PullBytes(v, targets, sink, deadline, &inflight);
-  registrations_.EndFetch();
-  if (!pulled.ok()) {
-    v.released_ = true;
-    if (!session_ || absl::IsUnavailable(pulled) || absl::IsDeadlineExceeded(pulled)) {
-      CloseSession();  // a broken or abandoned connection: the next call reconnects
-    } else {
-      (void)session_->control.Send(Encode(ReleaseMsg{v.lease_id_, false}),
-                                   absl::Now() + absl::Seconds(1));
-    }
-    return pulled;
+  const Manifest& m = v.manifest_;
+  const size_t n = m.tensors.size();
+  if (targets.size() != n) {
+    return absl::InternalError(absl::StrFormat("%d targets for %d tensors", targets.size(), n));
   }
+  // One piece per tensor; one without a target is not wanted (a group version's replica read
+  // from another rank, or another rank's part).
+  Pieces pieces{v.offsets_, std::vector<uint64_t>(n, 0), {targets.begin(), targets.end()}, {}};
+  pieces.tensor.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    pieces.tensor[i] = i;
+    if (targets[i] != nullptr) pieces.sizes[i] = m.tensors[i].nbytes;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (m.tensors[i].nbytes == 0) sink.Landed(i);
+  }
+  WB_RETURN_IF_ERROR(PullPieces(v, pieces, sink, deadline));
   // Every byte is here. If the lease certainly held until now (see UcxVersion::lease_base_,
   // with a 5% margin for clock rates), release it without waiting. Otherwise release it and
   // learn from the publisher whether it held throughout: if it expired, the publisher may have
@@ -742,16 +980,82 @@ absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> ta
   return absl::OkStatus();
 }
 
-absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const> targets,
-                                      LandingSink& sink, absl::Time deadline,
-                                      uint64_t* inflight_left) {
+absl::Status UcxSubscriber::PullPieces(UcxVersion& v, const Pieces& pieces, LandingSink& sink,
+                                       absl::Time deadline) {
+  uint64_t inflight = 0;
+  absl::Status pulled = PullBytes(v, pieces, sink, deadline, &inflight);
+  registrations_.EndFetch();
+  if (pulled.ok()) return pulled;
+  v.released_ = true;
+  if (!session_ || absl::IsUnavailable(pulled) || absl::IsDeadlineExceeded(pulled)) {
+    CloseSession();  // a broken or abandoned connection: the next call reconnects
+  } else {
+    (void)session_->control.Send(Encode(ReleaseMsg{v.lease_id_, false}),
+                                 absl::Now() + absl::Seconds(1));
+  }
+  return pulled;
+}
+
+absl::Status UcxSubscriber::ConfirmLease(UcxVersion& v, absl::Time deadline) {
+  if (MonotonicNow() < v.lease_base_ + session_->lease * 0.5) return absl::OkStatus();
+  const absl::Time sent_at = MonotonicNow();
+  absl::Status sent = session_->control.Send(Encode(RenewMsg{v.lease_id_}), deadline);
+  if (!sent.ok()) return SessionLost(sent, "while renewing a lease", true);
+  absl::StatusOr<Frame> f = Await(deadline, [&](const Frame& f) {
+    return f.type == MsgType::kRenewed && LeadingId(f.payload) == v.lease_id_;
+  });
+  if (!f.ok()) return SessionLost(f.status(), "while renewing a lease", true);
+  absl::StatusOr<RenewedMsg> renewed = DecodeRenewed(f->payload);
+  if (!renewed.ok() || !renewed->valid) {
+    return absl::UnavailableError(absl::StrFormat(
+        "the hold on version %d expired between reads (lease %s); %s may have reused its "
+        "memory, so the bytes are not trusted",
+        v.manifest_.version, absl::FormatDuration(session_->lease), v.source_));
+  }
+  v.lease_base_ = sent_at;
+  return absl::OkStatus();
+}
+
+absl::Status UcxSubscriber::FetchRanges(UcxVersion& v, absl::Span<const RangeRead> reads,
+                                        absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  if (v.released_ || !session_ || session_->generation != v.generation_) {
+    v.released_ = true;
+    return absl::UnavailableError(absl::StrFormat(
+        "the hold on version %d from %s ended before these reads (a failed read, or the "
+        "connection ended)",
+        v.manifest_.version, v.source_));
+  }
+  const Manifest& m = v.manifest_;
+  Pieces pieces;
+  for (const RangeRead& r : reads) {
+    uint64_t end = 0;
+    if (r.tensor >= m.tensors.size() || __builtin_add_overflow(r.offset, r.length, &end) ||
+        end > m.tensors[r.tensor].nbytes || (r.length > 0 && r.target == nullptr)) {
+      return absl::InternalError(absl::StrFormat(
+          "a read of bytes [%d, +%d) of tensor %d is not within the version's tensors", r.offset,
+          r.length, r.tensor));
+    }
+    if (r.length == 0) continue;
+    pieces.offsets.push_back(v.offsets_[r.tensor] + r.offset);
+    pieces.sizes.push_back(r.length);
+    pieces.targets.push_back(r.target);
+    pieces.tensor.push_back(r.tensor);
+  }
+  WB_RETURN_IF_ERROR(ConfirmLease(v, deadline));
+  NoLanding sink;
+  WB_RETURN_IF_ERROR(PullPieces(v, pieces, sink, deadline));
+  // The bytes are trusted only if the lease held throughout (as Fetch's release confirms).
+  return ConfirmLease(v, deadline);
+}
+
+absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSink& sink,
+                                      absl::Time deadline, uint64_t* inflight_left) {
   const absl::Time fetch_start = absl::Now();
   Session& s = *session_;
   const Manifest& m = v.manifest_;
-  const size_t n = m.tensors.size();
-  if (targets.size() != n) {
-    return absl::InternalError(absl::StrFormat("%d targets for %d tensors", targets.size(), n));
-  }
+  const size_t n = pc.sizes.size();
+  absl::Span<std::byte* const> targets = pc.targets;
   // Remote keys, unpacked once per region and session.
   std::vector<ucp_rkey_h> rkeys(v.regions_.size());
   for (size_t k = 0; k < v.regions_.size() && !s.bytes_over_control; ++k) {
@@ -773,18 +1077,14 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
   pull.sink = &sink;
   pull.manifest = &m;
   pull.source = absl::StrFormat("from %s", s.publisher);
-  pull.offsets = &v.offsets_;
+  pull.pieces = &pc;
   pull.end_op.assign(n, 0);
   uint64_t total = 0;
   // A DATA frame carries at most 16 MiB (frames are held whole in memory on both sides).
   const uint64_t chunk = s.bytes_over_control
                              ? std::min<uint64_t>(options_.get_chunk_size, 16 << 20)
                              : options_.get_chunk_size;
-  for (size_t i = 0; i < n; ++i) {
-    if (m.tensors[i].nbytes != 0 && targets[i] == nullptr) {
-      return absl::InternalError(absl::StrFormat("no target for tensor \"%s\"", m.tensors[i].name));
-    }
-  }
+
   // Registrations: one per run of targets that ascend with gaps under a page (every byte of such
   // a gap lies on a page the neighbouring targets occupy, so the run is mapped memory: the
   // core's library buffer, a replica's parameters bound in one allocation), cut at max_region.
@@ -795,7 +1095,7 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
   std::vector<std::pair<std::byte*, std::byte*>> reg_runs;  // [begin, end) per run
   std::vector<size_t> reg_run_of(n, 0);
   for (size_t i = 0; i < n && !s.bytes_over_control; ++i) {
-    const uint64_t nbytes = m.tensors[i].nbytes;
+    const uint64_t nbytes = pc.sizes[i];
     if (nbytes == 0) continue;
     std::byte* t = targets[i];
     if (reg_begin != nullptr && t >= reg_end && t - reg_end < static_cast<ptrdiff_t>(kPage)) {
@@ -815,18 +1115,18 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
     return {registrations_.Get(piece, len), piece + len};
   };
   for (size_t i = 0; i < n;) {
-    if (m.tensors[i].nbytes == 0) {
+    if (pc.sizes[i] == 0) {
       ++i;
       continue;
     }
     // The run [i, j): each tensor starts where the previous one ends, in the slot and the
     // targets (zero-byte tensors between them are skipped over).
     size_t j = i + 1, last = i;
-    uint64_t run_len = m.tensors[i].nbytes;
+    uint64_t run_len = pc.sizes[i];
     while (j < n) {
-      const uint64_t nb = m.tensors[j].nbytes;
+      const uint64_t nb = pc.sizes[j];
       if (nb != 0) {
-        if (v.offsets_[j] != v.offsets_[i] + run_len || targets[j] != targets[i] + run_len ||
+        if (pc.offsets[j] != pc.offsets[i] + run_len || targets[j] != targets[i] + run_len ||
             (!s.bytes_over_control && reg_run_of[j] != reg_run_of[i])) {
           break;
         }
@@ -837,7 +1137,7 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
     }
     size_t t = i;  // the first tensor the next get touches
     for (uint64_t done = 0; done < run_len;) {
-      const uint64_t off = v.offsets_[i] + done;
+      const uint64_t off = pc.offsets[i] + done;
       std::byte* local = targets[i] + done;
       auto region = std::upper_bound(v.regions_.begin(), v.regions_.end(), off,
                                      [](uint64_t o, const GrantRegion& g) { return o < g.base; });
@@ -850,13 +1150,13 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
         memh = handle;
         len = std::min<uint64_t>(len, piece_end - local);
       }
-      while (m.tensors[t].nbytes == 0 || v.offsets_[t] + m.tensors[t].nbytes <= off) ++t;
+      while (pc.sizes[t] == 0 || pc.offsets[t] + pc.sizes[t] <= off) ++t;
       size_t u = t;  // the last tensor it touches
-      while (u < last && (m.tensors[u + 1].nbytes == 0 || v.offsets_[u + 1] < off + len)) ++u;
-      while (m.tensors[u].nbytes == 0) --u;
+      while (u < last && (pc.sizes[u + 1] == 0 || pc.offsets[u + 1] < off + len)) ++u;
+      while (pc.sizes[u] == 0) --u;
       const size_t op = pull.ops.size();
       for (size_t w = t; w <= u; ++w) {
-        if (m.tensors[w].nbytes == 0) continue;
+        if (pc.sizes[w] == 0) continue;
         if (pull.remaining[w] == 0) pull.next_in_order[w] = op;
         ++pull.remaining[w];
         pull.end_op[w] = op + 1;
@@ -868,12 +1168,11 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, absl::Span<std::byte* const
     }
     i = j;
   }
-  for (size_t i = 0; i < n; ++i) {
-    if (m.tensors[i].nbytes == 0) sink.Landed(i);
-  }
   std::vector<GetContext> contexts(pull.ops.size());
   pull.done.assign(pull.ops.size(), false);
   gets_.fetch_add(pull.ops.size(), std::memory_order_relaxed);
+  bytes_.fetch_add(total, std::memory_order_relaxed);
+  process_bytes[std::min(rank_, kCountedRanks - 1)].fetch_add(total, std::memory_order_relaxed);
   const absl::Time planned = absl::Now();
   if (s.bytes_over_control) {
     absl::Status status = ReadOverControl(v, pull, total, deadline);
@@ -1148,6 +1447,36 @@ void UcxSubscriber::Release(UcxVersion& v) {
                                absl::Now() + absl::Seconds(1));
 }
 
+absl::StatusOr<UcxSubscriber*> UcxSubscriber::MemberSubscriber(int rank,
+                                                               const GroupMember& member) {
+  absl::MutexLock lock(&members_mu_);
+  const std::string key = absl::StrFormat("%s %d", member.host, member.port);
+  auto it = member_subs_.find(key);
+  if (it == member_subs_.end()) {
+    if (member.host.empty() || member.port == 0 || member.port > 65535) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s: the group's rank 0 gave no usable address for rank %d (\"%s\" port %d)",
+          endpoint_.display, rank, member.host, member.port));
+    }
+    Endpoint e;
+    e.host = member.host;
+    e.port = static_cast<int>(member.port);
+    e.channel = endpoint_.channel;
+    const bool v6 = member.host.find(':') != std::string::npos;
+    e.display = absl::StrFormat("%s (rank %d at %s%s%s port %d)", endpoint_.display, rank,
+                                v6 ? "[" : "", member.host, v6 ? "]" : "", member.port);
+    WB_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(context_, e.display));
+    // A rank's earlier subscriber (it restarted on another port) stays: versions granted
+    // through it may still be alive, and hold it.
+    it = member_subs_
+             .emplace(key, std::make_unique<UcxSubscriber>(std::move(e), options_, FailPoints(),
+                                                           context_, std::move(worker), rank))
+             .first;
+  }
+  member_of_rank_[rank] = it->second.get();
+  return it->second.get();
+}
+
 void UcxSubscriber::Accepted(UcxVersion& v) {
   absl::MutexLock lock(&mu_);
   if (!session_ || session_->generation != v.generation_) return;
@@ -1156,6 +1485,13 @@ void UcxSubscriber::Accepted(UcxVersion& v) {
 }
 
 }  // namespace
+
+std::vector<uint64_t> ProcessBytesByRank() {
+  std::vector<uint64_t> out(kCountedRanks);
+  for (int r = 0; r < kCountedRanks; ++r) out[r] = process_bytes[r].load(std::memory_order_relaxed);
+  while (out.size() > 1 && out.back() == 0) out.pop_back();
+  return out;
+}
 
 std::optional<UcxSubscriberCounters> SubscriberCounters(TransportSubscriber& subscriber) {
   auto* ucx = dynamic_cast<UcxSubscriber*>(&subscriber);

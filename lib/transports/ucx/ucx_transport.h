@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -83,10 +84,19 @@ std::optional<UcxPublisherCounters> PublisherCounters(const TransportPublisher& 
 struct UcxSubscriberCounters {
   uint64_t registrations = 0;  // receive-buffer registrations made (ucp_mem_map)
   uint64_t gets = 0;           // ucp_get_nbx calls, or READs over the control connection
+  // Bytes pulled, by the rank of the publisher group that served them ([0] only for a single
+  // publisher): a subscriber with placements pulls its slices, rounded out to checksum blocks.
+  std::vector<uint64_t> bytes_by_rank;
 };
 
 // The counters of `subscriber` when it is a ucx:// subscriber made by OpenUcxSubscriber (not
 // wrapped by a layer); nullopt otherwise. Waits for a call in flight on it to return.
 std::optional<UcxSubscriberCounters> SubscriberCounters(TransportSubscriber& subscriber);
+
+// The bytes every ucx:// subscriber of this process has pulled so far, by the rank of the
+// publisher group that served them (a single publisher's count as rank 0; ranks >= 255 share
+// the last entry), trailing zeros left out: for tests of subscribers opened through the public
+// API, whose transport they cannot reach. Safe from any thread.
+std::vector<uint64_t> ProcessBytesByRank();
 
 }  // namespace weightbus::internal::ucx

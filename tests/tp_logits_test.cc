@@ -321,9 +321,8 @@ struct StackCase {
   bool partial_reads = false;  // a TP rank of a degree > 1 reads less than the model
 };
 
-// The publisher world sizes per stack. ucx runs N = 1 only until publisher groups land there
-// (flip its list to {1, 2, 4} then). A stack that still refuses world_size > 1 at open skips the
-// cell, naming the capability, rather than failing.
+// The publisher world sizes per stack. A stack that refuses world_size > 1 at open (a build or
+// stack without publisher groups) skips the cell, naming the capability, rather than failing.
 const std::vector<StackCase>& StackCases() {
   static const auto* stacks = new std::vector<StackCase>{
       // Partial reads: 4 KiB checksum blocks (most tensors span several, so each TP rank reads
@@ -337,7 +336,7 @@ const std::vector<StackCase>& StackCases() {
        {{"staging_window", "64KiB"}},
        /*partial_reads=*/true},
       {"delta_disk", "delta+disk://{dir}/channel", {}, {1, 2, 4}, {}, {{"poll_interval", "2ms"}}},
-      {"ucx", "ucx://127.0.0.1:{port}/channel", testing::kShm, {1}},  // ucxgroup: {1, 2, 4}
+      {"ucx", "ucx://127.0.0.1:{port}/channel", testing::kShm, {1, 2, 4}},
   };
   return *stacks;
 }

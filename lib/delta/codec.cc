@@ -24,6 +24,7 @@
 #include "core/checksum.h"
 #include "core/status.h"
 #include "delta/range_coder.h"
+#include "delta/rans_coder.h"
 #include "zstd.h"
 
 namespace weightbus::internal::delta {
@@ -100,6 +101,8 @@ struct Scratch {
   std::vector<std::byte> record;       // candidate records
   std::vector<std::byte> record2;
   std::vector<std::byte> record3;
+  RansEncoder rans;  // modeled-rans records
+  BitWriter bits;
 
   ~Scratch() {
     ZSTD_freeCCtx(cctx);
@@ -1214,8 +1217,27 @@ bool FindClass(absl::Span<const BaseSpan> spans, bool is_float, uint8_t c, uint6
   return false;
 }
 
-// The modeled record of `count` changes at s.positions (element indices in the chunk, ascending)
-// with s.values (zigzag(new - base)).
+// The classes of the changes at s.positions (into s.groups), and how many changes each class
+// has.
+template <typename T>
+void ChangeClasses(absl::Span<const BaseSpan> bases, bool is_float, size_t count, Scratch& s,
+                   uint32_t (&histogram)[256]) {
+  constexpr size_t w = sizeof(T);
+  Grow(s.groups, count);
+  std::fill(std::begin(histogram), std::end(histogram), 0u);
+  uint64_t first = 0;
+  size_t span = 0;
+  for (size_t k = 0; k < count; ++k) {
+    while (s.positions[k] >= first + bases[span].n) first += bases[span++].n;
+    const uint8_t c =
+        is_float ? ClassOf(Load<T>(bases[span].base + (s.positions[k] - first) * w)) : 0;
+    s.groups[k] = c;
+    ++histogram[c];
+  }
+}
+
+// The modeled record (format version 2) of `count` changes at s.positions (element indices in
+// the chunk, ascending) with s.values (zigzag(new - base)).
 template <typename T>
 void EncodeModeledRecord(absl::Span<const ChunkInput> spans, bool is_float, size_t count,
                          Scratch& s, std::vector<std::byte>* out) {
@@ -1223,24 +1245,15 @@ void EncodeModeledRecord(absl::Span<const ChunkInput> spans, bool is_float, size
   using S = std::make_signed_t<T>;
   absl::InlinedVector<BaseSpan, 4> bases;
   for (const ChunkInput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
-  // The classes of the changes, and the narrowest window of them.
-  Grow(s.groups, count);
-  uint8_t lo = 255, hi = 0;
-  {
-    uint64_t first = 0;
-    size_t span = 0;
-    for (size_t k = 0; k < count; ++k) {
-      while (s.positions[k] >= first + bases[span].n) first += bases[span++].n;
-      const uint8_t c =
-          is_float ? ClassOf(Load<T>(bases[span].base + (s.positions[k] - first) * w)) : 0;
-      s.groups[k] = c;
-      lo = std::min(lo, c);
-      hi = std::max(hi, c);
-    }
-  }
+  uint32_t histogram[256];
+  ChangeClasses<T>(bases, is_float, count, s, histogram);
+  int lo = 0, hi = 255;
+  while (histogram[lo] == 0) ++lo;
+  while (histogram[hi] == 0) --hi;
+  // The narrowest window of the classes.
   const int class_bits = hi - lo < (1 << kClassWindowBits) ? kClassWindowBits : 8;
   const uint8_t class_base =
-      class_bits == 8 ? 0 : std::min<uint8_t>(lo, 256 - (1 << kClassWindowBits));
+      class_bits == 8 ? 0 : static_cast<uint8_t>(std::min(lo, 256 - (1 << kClassWindowBits)));
   ModelContexts& ctx = ThreadContexts();
   // Two coders, so that a decoder's two chains of decisions overlap: the classes (coder A, after
   // the header) and the gaps and changes (the rest of the record).
@@ -1288,18 +1301,19 @@ void EncodeModeledRecord(absl::Span<const ChunkInput> spans, bool is_float, size
   out->insert(out->begin(), header.begin(), header.end());
 }
 
-// Applies a modeled record to the spans (whose `out` already holds the base).
-template <typename T>
-absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, bool is_float,
-                           size_t n) {
-  constexpr size_t w = sizeof(T);
+// The fields both modeled records start with: the change count and the class window.
+struct ModeledHeader {
+  uint64_t count;
+  int class_bits;
+  uint8_t class_base;
+};
+
+absl::StatusOr<ModeledHeader> ReadModeledHeader(ByteReader& r, size_t n) {
   WB_ASSIGN_OR_RETURN(uint64_t count, r.Varint("modeled change count"));
   if (count == 0 || count > n) {
     return absl::DataLossError(
         absl::StrFormat("modeled record claims %d changes in %d elements", count, n));
   }
-  absl::InlinedVector<BaseSpan, 4> bases;
-  for (const ChunkOutput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
   WB_ASSIGN_OR_RETURN(uint8_t class_bits, r.U8("modeled class width"));
   WB_ASSIGN_OR_RETURN(uint8_t class_base, r.U8("modeled class base"));
   if ((class_bits != kClassWindowBits && class_bits != 8) || (class_bits == 8 && class_base != 0) ||
@@ -1309,6 +1323,20 @@ absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, b
         "from 0)",
         class_bits, class_base, kClassWindowBits, 256 - (1 << kClassWindowBits)));
   }
+  return ModeledHeader{count, class_bits, class_base};
+}
+
+// Applies a modeled record to the spans (whose `out` already holds the base).
+template <typename T>
+absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, bool is_float,
+                           size_t n) {
+  constexpr size_t w = sizeof(T);
+  WB_ASSIGN_OR_RETURN(ModeledHeader h, ReadModeledHeader(r, n));
+  const uint64_t count = h.count;
+  const int class_bits = h.class_bits;
+  const uint8_t class_base = h.class_base;
+  absl::InlinedVector<BaseSpan, 4> bases;
+  for (const ChunkOutput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
   WB_ASSIGN_OR_RETURN(uint64_t classes_size, r.Varint("modeled class stream size"));
   WB_ASSIGN_OR_RETURN(const std::byte* classes, r.Bytes(classes_size, "modeled class stream"));
   const size_t size = r.remaining();
@@ -1353,6 +1381,223 @@ absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, b
     return absl::DataLossError(
         absl::StrFormat("%d bytes left over after the modeled record's %d changes",
                         d.remaining() + a.remaining(), count));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The modeled-rans method (format version 3): the modeled method's changes as three symbols of
+// adaptive 16-symbol models (rans_coder.h) instead of about 20 binary decisions, each symbol in
+// its own rANS state so that a decoder's three chains overlap (the next change's class does
+// not wait for this change's gap or change):
+//   state 0: the class c of the change's base element: c - class_base when that is below 15,
+//            else 15 (an escape) and c in 8 raw bits; one model for the chunk;
+//   state 1: min(L, 15) with L = floor(log2(g + 1)) and g the elements of class c between the
+//            previous change and this one (as in the modeled method); a model per class;
+//   state 2: sign * 8 + min(M, 7) with M = floor(log2(|d|)) of the change d; a model per class;
+// then, in the raw bit stream: L - 15 in 5 bits when L >= 15, M - 7 in 6 bits when M >= 7, the
+// L bits of g + 1 below its leading one and the M bits of |d| below its. The window of 15
+// classes is the one that holds the most changes. Bits below a leading one are nearly uniform
+// (within a length, gaps and magnitudes vary by less than 2x in probability): coding them raw
+// costs about 1% of the record and leaves each class two models to learn, which the record's
+// few thousand changes do quickly.
+
+constexpr uint32_t kRansClassWindow = 15;
+
+// The models of one magnitude class.
+struct RansClassModels {
+  NibbleModel gap;
+  NibbleModel change;
+};
+
+// Every model of a chunk, each starting uniform; a class's models are reset when the chunk
+// first uses the class.
+class RansContexts {
+ public:
+  void Reset() {
+    classes.Reset();
+    std::fill(std::begin(used_), std::end(used_), false);
+  }
+  __attribute__((always_inline)) RansClassModels& Of(uint8_t c) {
+    RansClassModels& k = of_[c];
+    if (!used_[c]) [[unlikely]] {
+      k.gap.Reset();
+      k.change.Reset();
+      used_[c] = true;
+    }
+    return k;
+  }
+  NibbleModel classes;
+
+ private:
+  RansClassModels of_[256];
+  bool used_[256];
+};
+
+RansContexts& ThreadRansContexts() {
+  thread_local std::unique_ptr<RansContexts> contexts = std::make_unique<RansContexts>();
+  contexts->Reset();
+  return *contexts;
+}
+
+// The modeled-rans record of `count` changes at s.positions with s.values, as
+// EncodeModeledRecord.
+template <typename T>
+void EncodeModeledRansRecord(absl::Span<const ChunkInput> spans, bool is_float, size_t count,
+                             Scratch& s, std::vector<std::byte>* out) {
+  constexpr size_t w = sizeof(T);
+  using S = std::make_signed_t<T>;
+  absl::InlinedVector<BaseSpan, 4> bases;
+  for (const ChunkInput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
+  uint32_t histogram[256];
+  ChangeClasses<T>(bases, is_float, count, s, histogram);
+  uint32_t class_base = 0, best = 0, in_window = 0;
+  for (uint32_t c = 0; c < 256; ++c) {  // in_window: changes of classes c - 14 .. c
+    in_window += histogram[c] - (c >= kRansClassWindow ? histogram[c - kRansClassWindow] : 0);
+    if (in_window > best) {
+      best = in_window;
+      class_base = c >= kRansClassWindow - 1 ? c - (kRansClassWindow - 1) : 0;
+    }
+  }
+  class_base = std::min(class_base, 256 - kRansClassWindow);
+  RansContexts& ctx = ThreadRansContexts();
+  RansEncoder& e = s.rans;
+  BitWriter& bits = s.bits;
+  e.Clear();
+  bits.Clear();
+  const T* values = reinterpret_cast<const T*>(s.values.data());
+  SpanCursor cursor;   // one past the previous change
+  uint64_t first = 0;  // element index of bases[change.span]
+  SpanCursor change;
+  for (size_t k = 0; k < count; ++k) {
+    const uint64_t position = s.positions[k];
+    while (position >= first + bases[change.span].n) first += bases[change.span++].n;
+    change.at = position - first;
+    const uint8_t c = s.groups[k];
+    const uint32_t offset = static_cast<uint32_t>(c) - class_base;  // wraps below the window
+    e.Put(ctx.classes, std::min(offset, kRansClassWindow), 0);
+    if (offset >= kRansClassWindow) bits.Put(c, 8);
+    RansClassModels& m = ctx.Of(c);
+    const uint64_t v = CountClass<T>(bases, is_float, c, cursor, change) + 1;
+    const int l = static_cast<int>(std::bit_width(v)) - 1;
+    const S d = static_cast<S>(UnZigZag(values[k]));
+    const uint32_t negative = d < 0;
+    const uint64_t magnitude = negative ? static_cast<T>(T{0} - static_cast<T>(d))
+                                        : static_cast<uint64_t>(static_cast<T>(d));
+    const int lm = static_cast<int>(std::bit_width(magnitude)) - 1;
+    e.Put(m.gap, static_cast<uint32_t>(std::min(l, 15)), 1);
+    e.Put(m.change, negative * 8 + static_cast<uint32_t>(std::min(lm, 7)), 2);
+    if (l >= 15) bits.Put(static_cast<uint64_t>(l - 15), 5);
+    if (lm >= 7) bits.Put(static_cast<uint64_t>(lm - 7), 6);
+    bits.Put(v, l);  // l <= 32
+    if (lm > 32) {
+      bits.Put(magnitude, 32);
+      bits.Put(magnitude >> 32, lm - 32);
+    } else {
+      bits.Put(magnitude, lm);
+    }
+    cursor = SpanCursor{change.span, change.at + 1};
+  }
+  out->clear();
+  ByteVectorWriter(out)
+      .U8(static_cast<uint8_t>(Method::kModeledRans))
+      .Varint(count)
+      .U8(static_cast<uint8_t>(class_base));
+  std::vector<std::byte>& coded = s.record3;
+  coded.clear();
+  e.Finish(&coded);
+  ByteVectorWriter(out).Varint(coded.size()).Bytes(coded.data(), coded.size());
+  bits.Finish(out);
+}
+
+// Applies a modeled-rans record to the spans (whose `out` already holds the base).
+template <typename T>
+absl::Status DecodeModeledRans(ByteReader& r, absl::Span<const ChunkOutput> spans, bool is_float,
+                               size_t n) {
+  constexpr size_t w = sizeof(T);
+  constexpr int kMaxMagnitudeLength = 8 * static_cast<int>(w) - 1;
+  constexpr uint64_t kHalf = uint64_t{1} << kMaxMagnitudeLength;
+  WB_ASSIGN_OR_RETURN(uint64_t count, r.Varint("modeled-rans change count"));
+  if (count == 0 || count > n) {
+    return absl::DataLossError(
+        absl::StrFormat("modeled-rans record claims %d changes in %d elements", count, n));
+  }
+  WB_ASSIGN_OR_RETURN(uint8_t class_base, r.U8("modeled-rans class base"));
+  if (class_base > 256 - kRansClassWindow) {
+    return absl::DataLossError(absl::StrFormat(
+        "modeled-rans class window starts at %d (at most %d)", class_base, 256 - kRansClassWindow));
+  }
+  absl::InlinedVector<BaseSpan, 4> bases;
+  for (const ChunkOutput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
+  WB_ASSIGN_OR_RETURN(uint64_t coded_size, r.Varint("modeled-rans symbol stream size"));
+  WB_ASSIGN_OR_RETURN(const std::byte* coded, r.Bytes(coded_size, "modeled-rans symbol stream"));
+  const size_t raw_size = r.remaining();
+  WB_ASSIGN_OR_RETURN(const std::byte* raw, r.Bytes(raw_size, "modeled-rans raw bits"));
+  RansDecoder d(coded, coded_size);
+  BitReader bits(raw, raw_size);
+  RansContexts& ctx = ThreadRansContexts();
+  SpanCursor cursor;
+  for (uint64_t k = 0; k < count; ++k) {
+    const uint32_t offset = d.Get<0>(ctx.classes);
+    uint8_t c = static_cast<uint8_t>(class_base + offset);
+    if (offset == kRansClassWindow) [[unlikely]] {
+      c = static_cast<uint8_t>(bits.Get(8));
+    }
+    RansClassModels& m = ctx.Of(c);
+    const uint32_t length_symbol = d.Get<1>(m.gap);
+    const uint32_t change = d.Get<2>(m.change);
+    int l = static_cast<int>(length_symbol), lm = static_cast<int>(change & 7);
+    if (l == 15) [[unlikely]] {
+      l += static_cast<int>(bits.Get(5));
+    }
+    if (lm == 7) [[unlikely]] {
+      lm += static_cast<int>(bits.Get(6));
+    }
+    if (d.overrun() || bits.overrun()) [[unlikely]] {
+      return absl::DataLossError(
+          absl::StrFormat("modeled-rans record ends inside change %d of %d", k, count));
+    }
+    if (l > 32 || lm > kMaxMagnitudeLength) [[unlikely]] {
+      return absl::DataLossError(absl::StrFormat(
+          "modeled-rans change %d has a gap of %d bits or a magnitude of %d bits (at most 33 "
+          "and %d)",
+          k, l + 1, lm + 1, kMaxMagnitudeLength + 1));
+    }
+    const uint64_t gap = ((uint64_t{1} << l) | bits.Get(l)) - 1;
+    uint64_t magnitude = uint64_t{1} << lm;
+    if constexpr (w == 8) {
+      if (lm > 32) {
+        magnitude |= bits.Get(32);
+        magnitude |= bits.Get(lm - 32) << 32;
+      } else {
+        magnitude |= bits.Get(lm);
+      }
+    } else {
+      magnitude |= bits.Get(lm);
+    }
+    const uint32_t negative = change >> 3;
+    if (magnitude > kHalf || (magnitude == kHalf && !negative)) [[unlikely]] {
+      return absl::DataLossError(absl::StrFormat(
+          "modeled-rans change %d has magnitude %d, more than a %d-byte element holds", k,
+          magnitude, w));
+    }
+    if (!FindClass<T>(bases, is_float, c, gap, &cursor)) [[unlikely]] {
+      return absl::DataLossError(absl::StrFormat(
+          "modeled-rans change %d: %d more elements of magnitude class %d are not in the chunk", k,
+          gap + 1, c));
+    }
+    const T delta =
+        negative ? static_cast<T>(T{0} - static_cast<T>(magnitude)) : static_cast<T>(magnitude);
+    const ChunkOutput& span = spans[cursor.span];
+    const T updated = static_cast<T>(Load<T>(span.base + cursor.at * w) + delta);
+    std::memcpy(span.out + cursor.at * w, &updated, w);
+    ++cursor.at;
+  }
+  if (!d.Complete() || !bits.Complete()) {
+    return absl::DataLossError(absl::StrFormat(
+        "modeled-rans record's %d changes do not use its streams exactly (symbol stream of %d "
+        "bytes, %d bytes of raw bits)",
+        count, coded_size, raw_size));
   }
   return absl::OkStatus();
 }
@@ -1445,9 +1690,14 @@ ChunkResult EncodeChunkT(DType dtype, absl::Span<const ChunkInput> spans, bool k
   if (complete) {
     r.changed = count;
     if (options.context_model && count <= n / kModeledMaxDivisor) {
-      EncodeModeledRecord<T>(spans, rotate, count, s, &s.record2);
+      if (options.format_version >= 3) {
+        EncodeModeledRansRecord<T>(spans, rotate, count, s, &s.record2);
+        sparse_method = Method::kModeledRans;
+      } else {
+        EncodeModeledRecord<T>(spans, rotate, count, s, &s.record2);
+        sparse_method = Method::kModeled;
+      }
       r.modeled_bytes = s.record2.size();
-      sparse_method = Method::kModeled;
       if (try_all) {
         EncodeSparseRecord<T>(grouping, count, level, s, &s.record);
         r.sparse_bytes = s.record.size();
@@ -1618,12 +1868,12 @@ absl::Status DecodeChunkT(DType dtype, absl::Span<const ChunkOutput> spans, bool
   const bool rotate = IsFloat(dtype);
   ByteReader r(record.data(), record.size());
   WB_ASSIGN_OR_RETURN(uint8_t method, r.U8("chunk method"));
-  if (method > static_cast<uint8_t>(Method::kModeled)) {
+  if (method > static_cast<uint8_t>(Method::kModeledRans)) {
     return absl::DataLossError(absl::StrFormat("unknown chunk method %d", method));
   }
   const Method m = static_cast<Method>(method);
-  if (keyframe &&
-      (m == Method::kSame || m == Method::kXor || m == Method::kSparse || m == Method::kModeled)) {
+  if (keyframe && (m == Method::kSame || m == Method::kXor || m == Method::kSparse ||
+                   m == Method::kModeled || m == Method::kModeledRans)) {
     return absl::DataLossError(
         absl::StrFormat("chunk method %s needs a base, but this is a keyframe", MethodName(m)));
   }
@@ -1659,6 +1909,10 @@ absl::Status DecodeChunkT(DType dtype, absl::Span<const ChunkOutput> spans, bool
       copy_base();
       WB_RETURN_IF_ERROR(DecodeModeled<T>(r, spans, rotate, n));
       break;
+    case Method::kModeledRans:
+      copy_base();
+      WB_RETURN_IF_ERROR(DecodeModeledRans<T>(r, spans, rotate, n));
+      break;
   }
   if (r.remaining() != 0) {
     return absl::DataLossError(
@@ -1683,6 +1937,8 @@ std::string_view MethodName(Method method) {
       return "sparse";
     case Method::kModeled:
       return "modeled";
+    case Method::kModeledRans:
+      return "modeled-rans";
   }
   return "?";
 }
@@ -1791,6 +2047,11 @@ absl::StatusOr<EncodedVersion> EncodeVersion(const VersionIds& ids,
                                              absl::Span<const std::byte* const> target,
                                              const EncodeOptions& options, Parallel& parallel) {
   WB_RETURN_IF_ERROR(CheckChunkSize(options.chunk_size));
+  if (options.format_version < 2 || options.format_version > kFormatVersion) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("delta encode: format version %d is not one this library writes (2..%d)",
+                        options.format_version, kFormatVersion));
+  }
   if (target.size() != layout.size() || (!ids.keyframe && base.size() != layout.size())) {
     return absl::InvalidArgumentError(
         absl::StrFormat("delta encode: %d tensors in the layout, %d targets, %d bases",
@@ -1812,7 +2073,7 @@ absl::StatusOr<EncodedVersion> EncodeVersion(const VersionIds& ids,
   std::vector<std::byte>& out = v.bytes;
   ByteVectorWriter w(&out);
   w.Bytes(kMagic, 4)
-      .U8(kFormatVersion)
+      .U8(options.format_version)
       .U8(ids.keyframe ? 0 : 1)
       .Varint(ids.target)
       .Varint(ids.base)

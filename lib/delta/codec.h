@@ -46,8 +46,8 @@ namespace weightbus::internal::delta {
 
 // Version of the encoded format (the byte after the magic) that encoders write. Decoders read
 // versions kMinFormatVersion..kFormatVersion and refuse newer ones. Version 2 added the
-// modeled method.
-inline constexpr uint8_t kFormatVersion = 2;
+// modeled method, version 3 the modeled-rans method (which its encoders use instead).
+inline constexpr uint8_t kFormatVersion = 3;
 inline constexpr uint8_t kMinFormatVersion = 1;
 // First four bytes of every encoded version.
 inline constexpr char kMagic[4] = {'W', 'B', 'D', 'L'};
@@ -64,6 +64,7 @@ enum class Method : uint8_t {
   kXor = 3,
   kSparse = 4,
   kModeled = 5,
+  kModeledRans = 6,
 };
 std::string_view MethodName(Method method);
 
@@ -129,6 +130,10 @@ struct EncodeOptions {
   // magnitudes; the smallest) instead of the sparse one (zstd byte planes; the fastest to
   // decode). XOR planes are still tried where many elements changed.
   bool context_model = true;
+  // The format version written (2..kFormatVersion). 3 codes the context model with the
+  // modeled-rans method (adaptive 16-symbol models, rANS: about 3x faster to decode); 2 with the
+  // modeled method (binary range coder) that readers of version 2 decode.
+  uint8_t format_version = kFormatVersion;
 };
 
 // What happened to one chunk, for statistics and for the publisher's bookkeeping.

@@ -630,17 +630,27 @@ struct SelectTable {
 };
 constexpr SelectTable kSelect;
 
-inline __attribute__((always_inline)) uint32_t Select(uint64_t x, uint32_t r) {
-  constexpr uint64_t kOnes = 0x0101010101010101ULL, kHigh = 0x8080808080808080ULL;
+// Byte k: the set bits of x in bytes 0..k (the top byte: all of them).
+inline __attribute__((always_inline)) uint64_t CumulativeByteCounts(uint64_t x) {
   uint64_t c = x - ((x >> 1) & 0x5555555555555555ULL);
   c = (c & 0x3333333333333333ULL) + ((c >> 2) & 0x3333333333333333ULL);
   c = (c + (c >> 4)) & 0x0f0f0f0f0f0f0f0fULL;
-  const uint64_t cumulative = c * kOnes;  // byte k: set bits in bytes 0..k
+  return c * 0x0101010101010101ULL;
+}
+
+// Select with the CumulativeByteCounts of x.
+inline __attribute__((always_inline)) uint32_t SelectWith(uint64_t x, uint64_t cumulative,
+                                                          uint32_t r) {
+  constexpr uint64_t kOnes = 0x0101010101010101ULL, kHigh = 0x8080808080808080ULL;
   // High bit of byte k set when cumulative_k > r (every byte is at most 64).
   const uint64_t above = ((cumulative | kHigh) - kOnes * (r + 1)) & kHigh;
   const uint32_t byte = static_cast<uint32_t>(std::countr_zero(above)) / 8;
   const uint32_t before = static_cast<uint32_t>((cumulative << 8) >> (8 * byte)) & 0xff;
   return 8 * byte + kSelect.bit[(x >> (8 * byte)) & 0xff][r - before];
+}
+
+inline __attribute__((always_inline)) uint32_t Select(uint64_t x, uint32_t r) {
+  return SelectWith(x, CumulativeByteCounts(x), r);
 }
 
 // at_least[j]: elements of the m (<= 64 bytes' worth) at p whose class >= t[j], j < K - 1.
@@ -1205,9 +1215,10 @@ bool FindClass(absl::Span<const BaseSpan> spans, bool is_float, uint8_t c, uint6
     for (uint64_t i = s == at->span ? at->at : 0; i < n;) {
       const size_t m = static_cast<size_t>(std::min<uint64_t>(kBlock, n - i));
       const uint64_t mask = ClassMask<T>(spans[s].base + i * sizeof(T), m, c, is_float);
-      const uint32_t in_block = PopCount(mask);
+      const uint64_t cumulative = CumulativeByteCounts(mask);  // one count for both
+      const uint32_t in_block = static_cast<uint32_t>(cumulative >> 56);
       if (k < in_block) {
-        *at = SpanCursor{s, i + Select(mask, static_cast<uint32_t>(k))};
+        *at = SpanCursor{s, i + SelectWith(mask, cumulative, static_cast<uint32_t>(k))};
         return true;
       }
       k -= in_block;

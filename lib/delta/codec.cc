@@ -1093,8 +1093,10 @@ class ModelContexts {
   bool used_[256];
 };
 
-ModelContexts& ThreadContexts() {
-  thread_local std::unique_ptr<ModelContexts> contexts = std::make_unique<ModelContexts>();
+// This thread's contexts of type C (ModelContexts, RansContexts), reset for a new chunk.
+template <typename C>
+C& ThreadContexts() {
+  thread_local std::unique_ptr<C> contexts = std::make_unique<C>();
   contexts->Reset();
   return *contexts;
 }
@@ -1228,59 +1230,102 @@ bool FindClass(absl::Span<const BaseSpan> spans, bool is_float, uint8_t c, uint6
   return false;
 }
 
-// The classes of the changes at s.positions (into s.groups), and how many changes each class
-// has.
-template <typename T>
-void ChangeClasses(absl::Span<const BaseSpan> bases, bool is_float, size_t count, Scratch& s,
-                   uint32_t (&histogram)[256]) {
-  constexpr size_t w = sizeof(T);
-  Grow(s.groups, count);
-  std::fill(std::begin(histogram), std::end(histogram), 0u);
-  uint64_t first = 0;
-  size_t span = 0;
-  for (size_t k = 0; k < count; ++k) {
-    while (s.positions[k] >= first + bases[span].n) first += bases[span++].n;
-    const uint8_t c =
-        is_float ? ClassOf(Load<T>(bases[span].base + (s.positions[k] - first) * w)) : 0;
-    s.groups[k] = c;
-    ++histogram[c];
-  }
-}
-
-// The modeled record (format version 2) of `count` changes at s.positions (element indices in
-// the chunk, ascending) with s.values (zigzag(new - base)).
-template <typename T>
-void EncodeModeledRecord(absl::Span<const ChunkInput> spans, bool is_float, size_t count,
-                         Scratch& s, std::vector<std::byte>* out) {
+// The `count` changes at s.positions (element indices in the chunk, ascending) with s.values
+// (zigzag(new - base)) as a modeled record codes them: calls classes(histogram) with how many
+// changes each magnitude class has, then fn(c, gap, negative, magnitude) for each change in
+// order, with c its base element's class and gap the elements of class c between the previous
+// change and it.
+template <typename T, typename Classes, typename Fn>
+void ForEachModeledChange(absl::Span<const ChunkInput> spans, bool is_float, size_t count,
+                          Scratch& s, Classes&& classes, Fn&& fn) {
   constexpr size_t w = sizeof(T);
   using S = std::make_signed_t<T>;
   absl::InlinedVector<BaseSpan, 4> bases;
   for (const ChunkInput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
-  uint32_t histogram[256];
-  ChangeClasses<T>(bases, is_float, count, s, histogram);
-  int lo = 0, hi = 255;
-  while (histogram[lo] == 0) ++lo;
-  while (histogram[hi] == 0) --hi;
-  // The narrowest window of the classes.
-  const int class_bits = hi - lo < (1 << kClassWindowBits) ? kClassWindowBits : 8;
-  const uint8_t class_base =
-      class_bits == 8 ? 0 : static_cast<uint8_t>(std::min(lo, 256 - (1 << kClassWindowBits)));
-  ModelContexts& ctx = ThreadContexts();
-  // Two coders, so that a decoder's two chains of decisions overlap: the classes (coder A, after
-  // the header) and the gaps and changes (the rest of the record).
-  std::vector<std::byte>& classes = s.record3;
-  classes.clear();
-  out->clear();
-  RangeEncoder a(&classes), e(out);
+  Grow(s.groups, count);
+  uint32_t histogram[256] = {};
+  {
+    uint64_t first = 0;
+    size_t span = 0;
+    for (size_t k = 0; k < count; ++k) {
+      while (s.positions[k] >= first + bases[span].n) first += bases[span++].n;
+      const uint8_t c =
+          is_float ? ClassOf(Load<T>(bases[span].base + (s.positions[k] - first) * w)) : 0;
+      s.groups[k] = c;
+      ++histogram[c];
+    }
+  }
+  classes(histogram);
   const T* values = reinterpret_cast<const T*>(s.values.data());
   SpanCursor cursor;   // one past the previous change
-  uint64_t first = 0;  // element index of bases[span.span]
+  uint64_t first = 0;  // element index of bases[change.span]
   SpanCursor change;
   for (size_t k = 0; k < count; ++k) {
     const uint64_t position = s.positions[k];
     while (position >= first + bases[change.span].n) first += bases[change.span++].n;
     change.at = position - first;
     const uint8_t c = s.groups[k];
+    const S d = static_cast<S>(UnZigZag(values[k]));
+    const uint32_t negative = d < 0;
+    const uint64_t magnitude = negative ? static_cast<T>(T{0} - static_cast<T>(d))
+                                        : static_cast<uint64_t>(static_cast<T>(d));
+    fn(c, CountClass<T>(bases, is_float, c, cursor, change), negative, magnitude);
+    cursor = SpanCursor{change.span, change.at + 1};
+  }
+}
+
+// Adds change k of a modeled record (of `method`), `magnitude` (negative or not) in class c,
+// `gap` elements of class c after `cursor`, to the spans' out, and moves the cursor past it.
+template <typename T>
+inline __attribute__((always_inline)) absl::Status ApplyModeledChange(
+    const char* method, absl::Span<const BaseSpan> bases, absl::Span<const ChunkOutput> spans,
+    bool is_float, uint64_t k, uint8_t c, uint64_t gap, uint64_t magnitude, uint32_t negative,
+    SpanCursor* cursor) {
+  constexpr size_t w = sizeof(T);
+  constexpr uint64_t kHalf = uint64_t{1} << (8 * w - 1);
+  if (magnitude > kHalf || (magnitude == kHalf && !negative)) [[unlikely]] {
+    return absl::DataLossError(
+        absl::StrFormat("%s change %d has magnitude %d, more than a %d-byte element holds", method,
+                        k, magnitude, w));
+  }
+  if (!FindClass<T>(bases, is_float, c, gap, cursor)) [[unlikely]] {
+    return absl::DataLossError(
+        absl::StrFormat("%s change %d: %d more elements of magnitude class %d are not in the chunk",
+                        method, k, gap + 1, c));
+  }
+  const T delta =
+      negative ? static_cast<T>(T{0} - static_cast<T>(magnitude)) : static_cast<T>(magnitude);
+  const ChunkOutput& span = spans[cursor->span];
+  const T updated = static_cast<T>(Load<T>(span.base + cursor->at * w) + delta);
+  std::memcpy(span.out + cursor->at * w, &updated, w);
+  ++cursor->at;
+  return absl::OkStatus();
+}
+
+// The modeled record (format version 2) of `count` changes at s.positions with s.values.
+template <typename T>
+void EncodeModeledRecord(absl::Span<const ChunkInput> spans, bool is_float, size_t count,
+                         Scratch& s, std::vector<std::byte>* out) {
+  constexpr size_t w = sizeof(T);
+  int class_bits = 8;
+  uint8_t class_base = 0;
+  ModelContexts& ctx = ThreadContexts<ModelContexts>();
+  // Two coders, so that a decoder's two chains of decisions overlap: the classes (coder A, after
+  // the header) and the gaps and changes (the rest of the record).
+  std::vector<std::byte>& classes = s.record3;
+  classes.clear();
+  out->clear();
+  RangeEncoder a(&classes), e(out);
+  auto window = [&](const uint32_t(&histogram)[256]) {
+    int lo = 0, hi = 255;
+    while (histogram[lo] == 0) ++lo;
+    while (histogram[hi] == 0) --hi;
+    // The narrowest window of the classes.
+    class_bits = hi - lo < (1 << kClassWindowBits) ? kClassWindowBits : 8;
+    class_base =
+        class_bits == 8 ? 0 : static_cast<uint8_t>(std::min(lo, 256 - (1 << kClassWindowBits)));
+  };
+  auto code = [&](uint8_t c, uint64_t gap, uint32_t negative, uint64_t magnitude) {
     const uint32_t offset = c - class_base;
     for (uint32_t node = 1, i = class_bits; i-- > 0;) {
       const uint32_t bit = (offset >> i) & 1;
@@ -1288,17 +1333,12 @@ void EncodeModeledRecord(absl::Span<const ChunkInput> spans, bool is_float, size
       node = node * 2 + bit;
     }
     ClassContexts& k_ctx = ctx.Of(c);
-    const uint64_t gap = CountClass<T>(bases, is_float, c, cursor, change);
     PutGamma<kGapAdaptive>(e, gap + 1, kGapLengths - 1, k_ctx.gap_len, k_ctx.gap_mantissa);
-    const S d = static_cast<S>(UnZigZag(values[k]));
-    const uint32_t negative = d < 0;
-    const uint64_t magnitude = negative ? static_cast<T>(T{0} - static_cast<T>(d))
-                                        : static_cast<uint64_t>(static_cast<T>(d));
     e.Bit(k_ctx.sign, negative);
     PutGamma<kMagnitudeAdaptive>(e, magnitude, 8 * static_cast<int>(w) - 1, k_ctx.magnitude_len,
                                  k_ctx.magnitude_mantissa);
-    cursor = SpanCursor{change.span, change.at + 1};
-  }
+  };
+  ForEachModeledChange<T>(spans, is_float, count, s, window, code);
   a.Finish();
   e.Finish();
   std::vector<std::byte> header;
@@ -1337,6 +1377,21 @@ absl::StatusOr<ModeledHeader> ReadModeledHeader(ByteReader& r, size_t n) {
   return ModeledHeader{count, class_bits, class_base};
 }
 
+// The two streams a modeled record ends with: a varint size and that many bytes, then the rest
+// of the record.
+struct TwoStreams {
+  absl::Span<const std::byte> first, rest;
+};
+
+absl::StatusOr<TwoStreams> ReadTwoStreams(ByteReader& r, std::string_view first,
+                                          std::string_view rest) {
+  WB_ASSIGN_OR_RETURN(uint64_t first_size, r.Varint(std::string(first) + " size"));
+  WB_ASSIGN_OR_RETURN(const std::byte* first_at, r.Bytes(first_size, first));
+  const size_t rest_size = r.remaining();
+  WB_ASSIGN_OR_RETURN(const std::byte* rest_at, r.Bytes(rest_size, rest));
+  return TwoStreams{{first_at, first_size}, {rest_at, rest_size}};
+}
+
 // Applies a modeled record to the spans (whose `out` already holds the base).
 template <typename T>
 absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, bool is_float,
@@ -1348,13 +1403,11 @@ absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, b
   const uint8_t class_base = h.class_base;
   absl::InlinedVector<BaseSpan, 4> bases;
   for (const ChunkOutput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
-  WB_ASSIGN_OR_RETURN(uint64_t classes_size, r.Varint("modeled class stream size"));
-  WB_ASSIGN_OR_RETURN(const std::byte* classes, r.Bytes(classes_size, "modeled class stream"));
-  const size_t size = r.remaining();
-  WB_ASSIGN_OR_RETURN(const std::byte* payload, r.Bytes(size, "modeled payload"));
-  RangeDecoder a(classes, classes_size), d(payload, size);
-  ModelContexts& ctx = ThreadContexts();
-  constexpr uint64_t kHalf = uint64_t{1} << (8 * w - 1);
+  WB_ASSIGN_OR_RETURN(TwoStreams streams,
+                      ReadTwoStreams(r, "modeled class stream", "modeled payload"));
+  RangeDecoder a(streams.first.data(), streams.first.size()),
+      d(streams.rest.data(), streams.rest.size());
+  ModelContexts& ctx = ThreadContexts<ModelContexts>();
   const uint32_t class_top = 1u << class_bits;
   SpanCursor cursor;
   for (uint64_t k = 0; k < count; ++k) {
@@ -1371,22 +1424,8 @@ absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, b
       return absl::DataLossError(
           absl::StrFormat("modeled record ends inside change %d of %d", k, count));
     }
-    if (magnitude > kHalf || (magnitude == kHalf && !negative)) {
-      return absl::DataLossError(
-          absl::StrFormat("modeled change %d has magnitude %d, more than a %d-byte element holds",
-                          k, magnitude, w));
-    }
-    if (!FindClass<T>(bases, is_float, c, gap, &cursor)) {
-      return absl::DataLossError(absl::StrFormat(
-          "modeled change %d: %d more elements of magnitude class %d are not in the chunk", k,
-          gap + 1, c));
-    }
-    const T delta =
-        negative ? static_cast<T>(T{0} - static_cast<T>(magnitude)) : static_cast<T>(magnitude);
-    const ChunkOutput& span = spans[cursor.span];
-    const T updated = static_cast<T>(Load<T>(span.base + cursor.at * w) + delta);
-    std::memcpy(span.out + cursor.at * w, &updated, w);
-    ++cursor.at;
+    WB_RETURN_IF_ERROR(ApplyModeledChange<T>("modeled", bases, spans, is_float, k, c, gap,
+                                             magnitude, negative, &cursor));
   }
   if (d.remaining() != 0 || a.remaining() != 0) {
     return absl::DataLossError(
@@ -1408,10 +1447,10 @@ absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, b
 //   state 2: sign * 8 + min(M, 7) with M = floor(log2(|d|)) of the change d; a model per class;
 // then, in the raw bit stream: L - 15 in 5 bits when L >= 15, M - 7 in 6 bits when M >= 7, the
 // L bits of g + 1 below its leading one and the M bits of |d| below its. The window of 15
-// classes is the one that holds the most changes. Bits below a leading one are nearly uniform
-// (within a length, gaps and magnitudes vary by less than 2x in probability): coding them raw
-// costs about 1% of the record and leaves each class two models to learn, which the record's
-// few thousand changes do quickly.
+// classes is the one that holds the most changes. The bits below a leading one are coded raw
+// (the modeled method codes 2 or 3 of them in contexts): each class has two models to learn,
+// which the few thousand changes of a record do quickly; on the real-gradient stream the record
+// is 1-2.5% larger than the modeled one (BENCHMARKS.md, issue 16).
 
 constexpr uint32_t kRansClassWindow = 15;
 
@@ -1445,56 +1484,34 @@ class RansContexts {
   bool used_[256];
 };
 
-RansContexts& ThreadRansContexts() {
-  thread_local std::unique_ptr<RansContexts> contexts = std::make_unique<RansContexts>();
-  contexts->Reset();
-  return *contexts;
-}
-
-// The modeled-rans record of `count` changes at s.positions with s.values, as
-// EncodeModeledRecord.
+// The modeled-rans record of `count` changes at s.positions with s.values.
 template <typename T>
 void EncodeModeledRansRecord(absl::Span<const ChunkInput> spans, bool is_float, size_t count,
                              Scratch& s, std::vector<std::byte>* out) {
-  constexpr size_t w = sizeof(T);
-  using S = std::make_signed_t<T>;
-  absl::InlinedVector<BaseSpan, 4> bases;
-  for (const ChunkInput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
-  uint32_t histogram[256];
-  ChangeClasses<T>(bases, is_float, count, s, histogram);
-  uint32_t class_base = 0, best = 0, in_window = 0;
-  for (uint32_t c = 0; c < 256; ++c) {  // in_window: changes of classes c - 14 .. c
-    in_window += histogram[c] - (c >= kRansClassWindow ? histogram[c - kRansClassWindow] : 0);
-    if (in_window > best) {
-      best = in_window;
-      class_base = c >= kRansClassWindow - 1 ? c - (kRansClassWindow - 1) : 0;
-    }
-  }
-  class_base = std::min(class_base, 256 - kRansClassWindow);
-  RansContexts& ctx = ThreadRansContexts();
+  uint32_t class_base = 0;
+  RansContexts& ctx = ThreadContexts<RansContexts>();
   RansEncoder& e = s.rans;
   BitWriter& bits = s.bits;
   e.Clear();
   bits.Clear();
-  const T* values = reinterpret_cast<const T*>(s.values.data());
-  SpanCursor cursor;   // one past the previous change
-  uint64_t first = 0;  // element index of bases[change.span]
-  SpanCursor change;
-  for (size_t k = 0; k < count; ++k) {
-    const uint64_t position = s.positions[k];
-    while (position >= first + bases[change.span].n) first += bases[change.span++].n;
-    change.at = position - first;
-    const uint8_t c = s.groups[k];
+  auto window = [&](const uint32_t(&histogram)[256]) {
+    uint32_t best = 0, in_window = 0;
+    for (uint32_t c = 0; c < 256; ++c) {  // in_window: changes of classes c - 14 .. c
+      in_window += histogram[c] - (c >= kRansClassWindow ? histogram[c - kRansClassWindow] : 0);
+      if (in_window > best) {
+        best = in_window;
+        class_base = c >= kRansClassWindow - 1 ? c - (kRansClassWindow - 1) : 0;
+      }
+    }
+    class_base = std::min(class_base, 256 - kRansClassWindow);
+  };
+  auto code = [&](uint8_t c, uint64_t gap, uint32_t negative, uint64_t magnitude) {
     const uint32_t offset = static_cast<uint32_t>(c) - class_base;  // wraps below the window
     e.Put(ctx.classes, std::min(offset, kRansClassWindow), 0);
     if (offset >= kRansClassWindow) bits.Put(c, 8);
     RansClassModels& m = ctx.Of(c);
-    const uint64_t v = CountClass<T>(bases, is_float, c, cursor, change) + 1;
+    const uint64_t v = gap + 1;
     const int l = static_cast<int>(std::bit_width(v)) - 1;
-    const S d = static_cast<S>(UnZigZag(values[k]));
-    const uint32_t negative = d < 0;
-    const uint64_t magnitude = negative ? static_cast<T>(T{0} - static_cast<T>(d))
-                                        : static_cast<uint64_t>(static_cast<T>(d));
     const int lm = static_cast<int>(std::bit_width(magnitude)) - 1;
     e.Put(m.gap, static_cast<uint32_t>(std::min(l, 15)), 1);
     e.Put(m.change, negative * 8 + static_cast<uint32_t>(std::min(lm, 7)), 2);
@@ -1507,8 +1524,8 @@ void EncodeModeledRansRecord(absl::Span<const ChunkInput> spans, bool is_float, 
     } else {
       bits.Put(magnitude, lm);
     }
-    cursor = SpanCursor{change.span, change.at + 1};
-  }
+  };
+  ForEachModeledChange<T>(spans, is_float, count, s, window, code);
   out->clear();
   ByteVectorWriter(out)
       .U8(static_cast<uint8_t>(Method::kModeledRans))
@@ -1527,7 +1544,6 @@ absl::Status DecodeModeledRans(ByteReader& r, absl::Span<const ChunkOutput> span
                                size_t n) {
   constexpr size_t w = sizeof(T);
   constexpr int kMaxMagnitudeLength = 8 * static_cast<int>(w) - 1;
-  constexpr uint64_t kHalf = uint64_t{1} << kMaxMagnitudeLength;
   WB_ASSIGN_OR_RETURN(uint64_t count, r.Varint("modeled-rans change count"));
   if (count == 0 || count > n) {
     return absl::DataLossError(
@@ -1540,13 +1556,11 @@ absl::Status DecodeModeledRans(ByteReader& r, absl::Span<const ChunkOutput> span
   }
   absl::InlinedVector<BaseSpan, 4> bases;
   for (const ChunkOutput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
-  WB_ASSIGN_OR_RETURN(uint64_t coded_size, r.Varint("modeled-rans symbol stream size"));
-  WB_ASSIGN_OR_RETURN(const std::byte* coded, r.Bytes(coded_size, "modeled-rans symbol stream"));
-  const size_t raw_size = r.remaining();
-  WB_ASSIGN_OR_RETURN(const std::byte* raw, r.Bytes(raw_size, "modeled-rans raw bits"));
-  RansDecoder d(coded, coded_size);
-  BitReader bits(raw, raw_size);
-  RansContexts& ctx = ThreadRansContexts();
+  WB_ASSIGN_OR_RETURN(TwoStreams streams,
+                      ReadTwoStreams(r, "modeled-rans symbol stream", "modeled-rans raw bits"));
+  RansDecoder d(streams.first.data(), streams.first.size());
+  BitReader bits(streams.rest.data(), streams.rest.size());
+  RansContexts& ctx = ThreadContexts<RansContexts>();
   SpanCursor cursor;
   for (uint64_t k = 0; k < count; ++k) {
     const uint32_t offset = d.Get<0>(ctx.classes);
@@ -1587,28 +1601,17 @@ absl::Status DecodeModeledRans(ByteReader& r, absl::Span<const ChunkOutput> span
       magnitude |= bits.Get(lm);
     }
     const uint32_t negative = change >> 3;
-    if (magnitude > kHalf || (magnitude == kHalf && !negative)) [[unlikely]] {
-      return absl::DataLossError(absl::StrFormat(
-          "modeled-rans change %d has magnitude %d, more than a %d-byte element holds", k,
-          magnitude, w));
+    if (absl::Status s = ApplyModeledChange<T>("modeled-rans", bases, spans, is_float, k, c, gap,
+                                               magnitude, negative, &cursor);
+        !s.ok()) [[unlikely]] {
+      return s;
     }
-    if (!FindClass<T>(bases, is_float, c, gap, &cursor)) [[unlikely]] {
-      return absl::DataLossError(absl::StrFormat(
-          "modeled-rans change %d: %d more elements of magnitude class %d are not in the chunk", k,
-          gap + 1, c));
-    }
-    const T delta =
-        negative ? static_cast<T>(T{0} - static_cast<T>(magnitude)) : static_cast<T>(magnitude);
-    const ChunkOutput& span = spans[cursor.span];
-    const T updated = static_cast<T>(Load<T>(span.base + cursor.at * w) + delta);
-    std::memcpy(span.out + cursor.at * w, &updated, w);
-    ++cursor.at;
   }
   if (!d.Complete() || !bits.Complete()) {
     return absl::DataLossError(absl::StrFormat(
         "modeled-rans record's %d changes do not use its streams exactly (symbol stream of %d "
         "bytes, %d bytes of raw bits)",
-        count, coded_size, raw_size));
+        count, streams.first.size(), streams.rest.size()));
   }
   return absl::OkStatus();
 }

@@ -8,8 +8,8 @@
 // decoder's chains of symbols overlap. The models are LZNA's (Charles Bloom's "adaptive
 // nibble" models): a 15-bit cumulative frequency table of 16 symbols, found by comparing the
 // slot against all 16 bounds at once, and moved towards the coded symbol by a shift, with every
-// symbol keeping a frequency of at least 1. One symbol of a 16-ary model replaces up to four
-// binary decisions of range_coder.h, and the decoder has no branch per symbol.
+// symbol keeping a frequency of at least 1. One symbol of a 16-ary model replaces up to 15
+// binary decisions of range_coder.h (a unary length), and the decoder has no branch per symbol.
 //
 // Not thread-safe; one coder per chunk. The decoder never reads outside its input: reading past
 // the end yields zeros and marks the input overrun, which the caller reports.
@@ -41,20 +41,15 @@ struct alignas(16) NibbleModel {
   uint16_t cdf[17];
   uint16_t count;
 
-  // Starts the model with the first `live` (1..16) symbols equally likely and the others at
-  // the least frequency (symbols a context cannot code cost nothing to learn).
-  void Reset(uint32_t live = 16) {
-    const uint32_t share = (kRansScale - (16 - live)) / live;
-    for (uint32_t i = 0; i <= 16; ++i) {
-      cdf[i] = static_cast<uint16_t>(i <= live ? i * share : live * share + (i - live));
-    }
-    cdf[16] = static_cast<uint16_t>(kRansScale);
+  // Starts the model with every symbol equally likely.
+  void Reset() {
+    for (uint32_t i = 0; i <= 16; ++i) cdf[i] = static_cast<uint16_t>(i * (kRansScale / 16));
     count = 0;
   }
 
   // Moves the model towards `sym`: every bound by 1/2^shift of its distance to the bounds of a
   // model that gives `sym` all slots but one per other symbol. The adaptation is fast at first
-  // (half way after the first symbol) and 1/32 from the 16th on. Bounds stay strictly
+  // (half way after the first symbol, about 1/n after n) and 1/128 from the 63rd on. Bounds stay strictly
   // increasing: c + floor((t - c) / 2^shift) is non-decreasing in c and t, and both the bounds
   // minus their index and the target's are non-decreasing.
   __attribute__((always_inline)) void Update(uint32_t sym) {

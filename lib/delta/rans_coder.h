@@ -49,9 +49,9 @@ struct alignas(16) NibbleModel {
 
   // Moves the model towards `sym`: every bound by 1/2^shift of its distance to the bounds of a
   // model that gives `sym` all slots but one per other symbol. The adaptation is fast at first
-  // (half way after the first symbol, about 1/n after n) and 1/128 from the 63rd on. Bounds stay strictly
-  // increasing: c + floor((t - c) / 2^shift) is non-decreasing in c and t, and both the bounds
-  // minus their index and the target's are non-decreasing.
+  // (half way after the first symbol, about 1/n after n) and 1/128 from the 63rd on. Bounds stay
+  // strictly increasing: c + floor((t - c) / 2^shift) is non-decreasing in c and t, and both the
+  // bounds minus their index and the target's are non-decreasing.
   __attribute__((always_inline)) void Update(uint32_t sym) {
     const int shift = std::bit_width(uint32_t{count} + 1u);  // 1, 2, 2, 3 x 4, ...
     count = static_cast<uint16_t>(count + (count < kRansSlowCount));

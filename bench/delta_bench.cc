@@ -506,6 +506,11 @@ int Main(int argc, char** argv) {
   app.AddSwitch("sparse", &sparse,
                 "code deltas with the sparse method (delta_model=sparse) instead of the context "
                 "model (the default)");
+  int format_version = codec::kFormatVersion;
+  app.Add("format-version", &format_version,
+          "encoded format version to write: 3 codes the context model with rANS (modeled-rans), "
+          "2 with the binary range coder of format version 2 (modeled)")
+      .InRange(2, static_cast<int>(codec::kFormatVersion));
   app.Add("seed", &seed, "the update streams' random seed");
   app.Add("work", &work, "scratch directory").TypeName("DIR");
   app.Add("python", &python, "interpreter with torch for the stories stream").TypeName("PATH");
@@ -514,6 +519,7 @@ int Main(int argc, char** argv) {
   if (std::optional<int> exit_status = app.Parse(argc, argv)) return *exit_status;
   const bool zstd_cli = !no_zstd_cli;
   options.context_model = !sparse;
+  options.format_version = static_cast<uint8_t>(format_version);
   std::filesystem::create_directories(work);
   const std::string shm = std::filesystem::exists("/dev/shm") ? "/dev/shm" : work;
 
@@ -523,10 +529,11 @@ int Main(int argc, char** argv) {
               std::string(LibraryVersion()).c_str(), u.release,
               std::thread::hardware_concurrency());
   std::printf(
-      "# codec: %s, chunk %llu bytes, zstd level %d%s, at most %d magnitude groups; rates "
+      "# codec: %s, format version %d, chunk %llu bytes, zstd level %d%s, at most %d magnitude "
+      "groups; rates "
       "are one core's: model bytes / CPU seconds of the one thread that encodes or "
       "decodes (best of 5 runs for stories, 2 for qwen)\n",
-      options.context_model ? "delta_model=context" : "delta_model=sparse",
+      options.context_model ? "delta_model=context" : "delta_model=sparse", format_version,
       static_cast<unsigned long long>(options.chunk_size), options.zstd_level,
       options.zstd_level == 0 ? " (entropy mode)" : "", options.max_groups);
   std::printf(

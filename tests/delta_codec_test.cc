@@ -133,7 +133,9 @@ TEST(DeltaCodecTest, EveryDtypeRoundTripsAsKeyframeAndDeltaAtEveryDensity) {
   auto parallel = Threads(2);
   for (DType dtype : kAllDTypes) {
     for (double fraction : {0.0, 0.0005, 0.01, 0.2, 0.6, 1.0}) {
-      for (int groups : {0, 1, 4}) {  // 0: the context model; 1, 4: sparse with groups
+      // 0: the context model; -1: the context model in format version 2; 1, 4: sparse with
+      // groups.
+      for (int groups : {-1, 0, 1, 4}) {
         SCOPED_TRACE(
             absl::StrFormat("%s, %g changed, %d groups", DTypeName(dtype), fraction, groups));
         Version a, b;
@@ -143,7 +145,8 @@ TEST(DeltaCodecTest, EveryDtypeRoundTripsAsKeyframeAndDeltaAtEveryDensity) {
         b.tensors = {Mutate(a.tensors[0], dtype, fraction, rng)};
         EncodeOptions options;
         options.chunk_size = 64 << 10;
-        options.context_model = groups == 0;
+        options.context_model = groups <= 0;
+        options.format_version = groups < 0 ? 2 : kFormatVersion;
         options.max_groups = std::max(groups, 1);
         auto kf = Decode(Encode(kKeyframe, a, nullptr, options, *parallel), kKeyframe, a, nullptr,
                          *parallel);
@@ -321,55 +324,86 @@ TEST(DeltaCodecTest, MagnitudeGroupsShrinkRealisticDeltas) {
 }
 
 // The context model (the default) against the sparse form on the same delta: smaller, coded as
-// modeled chunks, bit-exact. (On this random walk, unlike the real-gradient stream of
-// BENCHMARKS.md, sparse with 4 magnitude groups is about 5% smaller still: printed.)
+// modeled-rans chunks (modeled ones in format version 2, within 5% of the same size),
+// bit-exact. (On this random walk, unlike the real-gradient stream of BENCHMARKS.md, sparse with
+// 4 magnitude groups is about 5% smaller still: printed.)
 TEST(DeltaCodecTest, ContextModelIsSmallerThanSparse) {
   Bf16Stream stream(1 << 20, 5);
   auto parallel = Threads(2);
   const Version a = stream.Next(1e-6), b = stream.Next(1e-6);
-  EncodeOptions modeled, plain, grouped;
+  EncodeOptions modeled, plain, grouped, version2;
   plain.context_model = grouped.context_model = false;
   grouped.max_groups = 4;
+  version2.format_version = 2;
   const EncodedVersion m = Encode(kDelta, b, &a, modeled, *parallel);
+  const EncodedVersion m2 = Encode(kDelta, b, &a, version2, *parallel);
   const EncodedVersion p = Encode(kDelta, b, &a, plain, *parallel);
   const EncodedVersion g = Encode(kDelta, b, &a, grouped, *parallel);
-  std::printf("modeled %zu bytes, sparse %zu, sparse with 4 groups %zu\n", m.bytes.size(),
-              p.bytes.size(), g.bytes.size());
+  std::printf(
+      "modeled-rans %zu bytes, modeled (format 2) %zu, sparse %zu, sparse with 4 groups %zu\n",
+      m.bytes.size(), m2.bytes.size(), p.bytes.size(), g.bytes.size());
   EXPECT_LT(m.bytes.size(), p.bytes.size() * 0.9)
       << "modeled " << m.bytes.size() << " vs sparse " << p.bytes.size();
-  for (const ChunkResult& r : m.results) EXPECT_EQ(r.method, Method::kModeled);
-  auto out = Decode(m, kDelta, b, &a, *parallel);
-  ASSERT_TRUE(out.ok()) << out.status();
-  EXPECT_TRUE((*out)[0] == b.tensors[0]);
+  EXPECT_LT(m.bytes.size(), m2.bytes.size() * 1.05)
+      << "modeled-rans " << m.bytes.size() << " vs modeled " << m2.bytes.size();
+  EXPECT_EQ(static_cast<int>(m.bytes[4]), 3);
+  EXPECT_EQ(static_cast<int>(m2.bytes[4]), 2);
+  for (const ChunkResult& r : m.results) EXPECT_EQ(r.method, Method::kModeledRans);
+  for (const ChunkResult& r : m2.results) EXPECT_EQ(r.method, Method::kModeled);
+  for (const EncodedVersion* e : {&m, &m2}) {
+    auto out = Decode(*e, kDelta, b, &a, *parallel);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_TRUE((*out)[0] == b.tensors[0]);
+  }
+}
+
+// Encoders write format versions 2 and 3 only.
+TEST(DeltaCodecTest, OtherFormatVersionsAreNotWritten) {
+  Bf16Stream stream(5000, 12);
+  auto parallel = Threads(1);
+  const Version a = stream.Next(1e-6), b = stream.Next(1e-6);
+  const std::vector<const std::byte*> base = a.Pointers(), target = b.Pointers();
+  for (const uint8_t version : {uint8_t{1}, static_cast<uint8_t>(kFormatVersion + 1)}) {
+    EncodeOptions options;
+    options.format_version = version;
+    auto e = EncodeVersion(kDelta, b.layout, base, target, options, *parallel);
+    EXPECT_TRUE(absl::IsInvalidArgument(e.status())) << e.status();
+  }
 }
 
 // The modeled record codes classes in a 5-bit window from the smallest class of a change, or in
-// 8 bits: changes whose classes fit a window near the top (class 250: huge magnitudes), span
-// just over a window, or span every class all round-trip.
+// 8 bits; the modeled-rans record in a window of 15 classes, the others escaped: changes whose
+// classes fit a window near the top (class 250: huge magnitudes), span just over a window, or
+// span every class all round-trip, in both format versions.
 TEST(DeltaCodecTest, ContextModelClassWindowsAtTheEdges) {
   auto parallel = Threads(1);
-  for (const std::pair<int, int>& classes :
-       std::vector<std::pair<int, int>>{{250, 255}, {224, 255}, {200, 232}, {0, 31}, {0, 255}}) {
-    SCOPED_TRACE(absl::StrFormat("classes %d..%d", classes.first, classes.second));
-    Version a, b;
-    const size_t n = 4096;
-    a.layout = b.layout = {{DType::kBF16, n * 2}};
-    Bytes x(n * 2), y(n * 2);
-    for (size_t i = 0; i < n; ++i) {
-      const int c = classes.first + static_cast<int>(i % (classes.second - classes.first + 1));
-      const uint16_t v = static_cast<uint16_t>((c << 7) | (i % 97));      // ClassOf(v) == c
-      const uint16_t w = i % 10 == 0 ? static_cast<uint16_t>(v ^ 1) : v;  // 10% changed
-      std::memcpy(x.data() + 2 * i, &v, 2);
-      std::memcpy(y.data() + 2 * i, &w, 2);
+  for (const std::pair<int, int>& classes : std::vector<std::pair<int, int>>{
+           {250, 255}, {241, 255}, {224, 255}, {200, 232}, {0, 14}, {0, 31}, {0, 255}}) {
+    for (const uint8_t version : {uint8_t{2}, uint8_t{3}}) {
+      SCOPED_TRACE(absl::StrFormat("classes %d..%d, format version %d", classes.first,
+                                   classes.second, version));
+      Version a, b;
+      const size_t n = 4096;
+      a.layout = b.layout = {{DType::kBF16, n * 2}};
+      Bytes x(n * 2), y(n * 2);
+      for (size_t i = 0; i < n; ++i) {
+        const int c = classes.first + static_cast<int>(i % (classes.second - classes.first + 1));
+        const uint16_t v = static_cast<uint16_t>((c << 7) | (i % 97));      // ClassOf(v) == c
+        const uint16_t w = i % 10 == 0 ? static_cast<uint16_t>(v ^ 1) : v;  // 10% changed
+        std::memcpy(x.data() + 2 * i, &v, 2);
+        std::memcpy(y.data() + 2 * i, &w, 2);
+      }
+      a.tensors = {x};
+      b.tensors = {y};
+      EncodeOptions options;
+      options.format_version = version;
+      const EncodedVersion e = Encode(kDelta, b, &a, options, *parallel);
+      ASSERT_EQ(e.results.size(), 1u);
+      EXPECT_EQ(e.results[0].method, version == 2 ? Method::kModeled : Method::kModeledRans);
+      auto out = Decode(e, kDelta, b, &a, *parallel);
+      ASSERT_TRUE(out.ok()) << out.status();
+      EXPECT_TRUE((*out)[0] == b.tensors[0]);
     }
-    a.tensors = {x};
-    b.tensors = {y};
-    const EncodedVersion e = Encode(kDelta, b, &a, {}, *parallel);
-    ASSERT_EQ(e.results.size(), 1u);
-    EXPECT_EQ(e.results[0].method, Method::kModeled);
-    auto out = Decode(e, kDelta, b, &a, *parallel);
-    ASSERT_TRUE(out.ok()) << out.status();
-    EXPECT_TRUE((*out)[0] == b.tensors[0]);
   }
 }
 
@@ -398,7 +432,8 @@ TEST(DeltaCodecTest, HundredChainedDeltasInPlaceAreBitExact) {
   options.chunk_size = 4096;
   options.max_groups = 4;
   for (uint64_t v = 2; v <= 100; ++v) {
-    options.context_model = v % 2 == 0;  // both methods, in place
+    options.context_model = v % 2 == 0;  // every method, in place
+    options.format_version = v % 4 == 0 ? 2 : kFormatVersion;
     const Version next = stream.Next(3e-6);
     const VersionIds ids{false, v, v - 1, 1};
     const EncodedVersion e = Encode(ids, next, &previous, options, *parallel);
@@ -547,14 +582,15 @@ TEST(DeltaCodecTest, SparseGroupClaimingMoreChangesThanTheRecordIsDataLoss) {
   }
 }
 
-// Every single-bit flip of a small delta (modeled or grouped sparse, xor and stored chunks) is
-// either
-// refused by the decoder or gives different bytes, which the manifest checksum then refuses;
-// none crashes or reads out of bounds. Flips that decode to the right bytes (harmless bits, such
-// as zstd's reserved ones) are counted and must be rare.
-class FlippedBits : public ::testing::TestWithParam<bool> {};
-INSTANTIATE_TEST_SUITE_P(Models, FlippedBits, ::testing::Bool(),
-                         [](const auto& info) { return info.param ? "context" : "sparse"; });
+// Every single-bit flip of a small delta (modeled-rans, modeled or grouped sparse, xor and
+// stored chunks) is either refused by the decoder or gives different bytes, which the manifest
+// checksum then refuses; none crashes or reads out of bounds. Flips that decode to the right bytes
+// (harmless bits, such as zstd's reserved ones) are counted and must be rare. The parameter: 0
+// sparse, 2 the context model in format version 2, 3 in format version 3.
+class FlippedBits : public ::testing::TestWithParam<int> {};
+INSTANTIATE_TEST_SUITE_P(Models, FlippedBits, ::testing::Values(0, 2, 3), [](const auto& info) {
+  return info.param == 0 ? std::string("sparse") : absl::StrFormat("context%d", info.param);
+});
 TEST_P(FlippedBits, AreRefusedOrChangeTheOutput) {
   Bf16Stream stream(6000, 10);
   auto parallel = Threads(1);
@@ -569,11 +605,15 @@ TEST_P(FlippedBits, AreRefusedOrChangeTheOutput) {
   EncodeOptions options;
   options.chunk_size = 4096;
   options.max_groups = 4;
-  options.context_model = GetParam();
+  options.context_model = GetParam() != 0;
+  options.format_version = GetParam() == 2 ? 2 : kFormatVersion;
   const EncodedVersion e = Encode(kDelta, b, &a, options, *parallel);
   std::map<Method, int> methods;
   for (const ChunkResult& r : e.results) ++methods[r.method];
-  EXPECT_GT(methods[GetParam() ? Method::kModeled : Method::kSparse], 0);
+  const Method expected = GetParam() == 0   ? Method::kSparse
+                          : GetParam() == 2 ? Method::kModeled
+                                            : Method::kModeledRans;
+  EXPECT_GT(methods[expected], 0);
   int refused = 0, different = 0, harmless = 0;
   for (size_t bit = 0; bit < e.bytes.size() * 8; ++bit) {
     EncodedVersion bad = e;

@@ -24,6 +24,7 @@
 #include "core/checksum.h"
 #include "core/status.h"
 #include "delta/range_coder.h"
+#include "delta/rans_coder.h"
 #include "zstd.h"
 
 namespace weightbus::internal::delta {
@@ -100,6 +101,8 @@ struct Scratch {
   std::vector<std::byte> record;       // candidate records
   std::vector<std::byte> record2;
   std::vector<std::byte> record3;
+  RansEncoder rans;  // modeled-rans records
+  BitWriter bits;
 
   ~Scratch() {
     ZSTD_freeCCtx(cctx);
@@ -627,17 +630,27 @@ struct SelectTable {
 };
 constexpr SelectTable kSelect;
 
-inline __attribute__((always_inline)) uint32_t Select(uint64_t x, uint32_t r) {
-  constexpr uint64_t kOnes = 0x0101010101010101ULL, kHigh = 0x8080808080808080ULL;
+// Byte k: the set bits of x in bytes 0..k (the top byte: all of them).
+inline __attribute__((always_inline)) uint64_t CumulativeByteCounts(uint64_t x) {
   uint64_t c = x - ((x >> 1) & 0x5555555555555555ULL);
   c = (c & 0x3333333333333333ULL) + ((c >> 2) & 0x3333333333333333ULL);
   c = (c + (c >> 4)) & 0x0f0f0f0f0f0f0f0fULL;
-  const uint64_t cumulative = c * kOnes;  // byte k: set bits in bytes 0..k
+  return c * 0x0101010101010101ULL;
+}
+
+// Select with the CumulativeByteCounts of x.
+inline __attribute__((always_inline)) uint32_t SelectWith(uint64_t x, uint64_t cumulative,
+                                                          uint32_t r) {
+  constexpr uint64_t kOnes = 0x0101010101010101ULL, kHigh = 0x8080808080808080ULL;
   // High bit of byte k set when cumulative_k > r (every byte is at most 64).
   const uint64_t above = ((cumulative | kHigh) - kOnes * (r + 1)) & kHigh;
   const uint32_t byte = static_cast<uint32_t>(std::countr_zero(above)) / 8;
   const uint32_t before = static_cast<uint32_t>((cumulative << 8) >> (8 * byte)) & 0xff;
   return 8 * byte + kSelect.bit[(x >> (8 * byte)) & 0xff][r - before];
+}
+
+inline __attribute__((always_inline)) uint32_t Select(uint64_t x, uint32_t r) {
+  return SelectWith(x, CumulativeByteCounts(x), r);
 }
 
 // at_least[j]: elements of the m (<= 64 bytes' worth) at p whose class >= t[j], j < K - 1.
@@ -1080,8 +1093,10 @@ class ModelContexts {
   bool used_[256];
 };
 
-ModelContexts& ThreadContexts() {
-  thread_local std::unique_ptr<ModelContexts> contexts = std::make_unique<ModelContexts>();
+// This thread's contexts of type C (ModelContexts, RansContexts), reset for a new chunk.
+template <typename C>
+C& ThreadContexts() {
+  thread_local std::unique_ptr<C> contexts = std::make_unique<C>();
   contexts->Reset();
   return *contexts;
 }
@@ -1202,9 +1217,10 @@ bool FindClass(absl::Span<const BaseSpan> spans, bool is_float, uint8_t c, uint6
     for (uint64_t i = s == at->span ? at->at : 0; i < n;) {
       const size_t m = static_cast<size_t>(std::min<uint64_t>(kBlock, n - i));
       const uint64_t mask = ClassMask<T>(spans[s].base + i * sizeof(T), m, c, is_float);
-      const uint32_t in_block = PopCount(mask);
+      const uint64_t cumulative = CumulativeByteCounts(mask);  // one count for both
+      const uint32_t in_block = static_cast<uint32_t>(cumulative >> 56);
       if (k < in_block) {
-        *at = SpanCursor{s, i + Select(mask, static_cast<uint32_t>(k))};
+        *at = SpanCursor{s, i + SelectWith(mask, cumulative, static_cast<uint32_t>(k))};
         return true;
       }
       k -= in_block;
@@ -1214,18 +1230,20 @@ bool FindClass(absl::Span<const BaseSpan> spans, bool is_float, uint8_t c, uint6
   return false;
 }
 
-// The modeled record of `count` changes at s.positions (element indices in the chunk, ascending)
-// with s.values (zigzag(new - base)).
-template <typename T>
-void EncodeModeledRecord(absl::Span<const ChunkInput> spans, bool is_float, size_t count,
-                         Scratch& s, std::vector<std::byte>* out) {
+// The `count` changes at s.positions (element indices in the chunk, ascending) with s.values
+// (zigzag(new - base)) as a modeled record codes them: calls classes(histogram) with how many
+// changes each magnitude class has, then fn(c, gap, negative, magnitude) for each change in
+// order, with c its base element's class and gap the elements of class c between the previous
+// change and it.
+template <typename T, typename Classes, typename Fn>
+void ForEachModeledChange(absl::Span<const ChunkInput> spans, bool is_float, size_t count,
+                          Scratch& s, Classes&& classes, Fn&& fn) {
   constexpr size_t w = sizeof(T);
   using S = std::make_signed_t<T>;
   absl::InlinedVector<BaseSpan, 4> bases;
   for (const ChunkInput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
-  // The classes of the changes, and the narrowest window of them.
   Grow(s.groups, count);
-  uint8_t lo = 255, hi = 0;
+  uint32_t histogram[256] = {};
   {
     uint64_t first = 0;
     size_t span = 0;
@@ -1234,29 +1252,80 @@ void EncodeModeledRecord(absl::Span<const ChunkInput> spans, bool is_float, size
       const uint8_t c =
           is_float ? ClassOf(Load<T>(bases[span].base + (s.positions[k] - first) * w)) : 0;
       s.groups[k] = c;
-      lo = std::min(lo, c);
-      hi = std::max(hi, c);
+      ++histogram[c];
     }
   }
-  const int class_bits = hi - lo < (1 << kClassWindowBits) ? kClassWindowBits : 8;
-  const uint8_t class_base =
-      class_bits == 8 ? 0 : std::min<uint8_t>(lo, 256 - (1 << kClassWindowBits));
-  ModelContexts& ctx = ThreadContexts();
-  // Two coders, so that a decoder's two chains of decisions overlap: the classes (coder A, after
-  // the header) and the gaps and changes (the rest of the record).
-  std::vector<std::byte>& classes = s.record3;
-  classes.clear();
-  out->clear();
-  RangeEncoder a(&classes), e(out);
+  classes(histogram);
   const T* values = reinterpret_cast<const T*>(s.values.data());
   SpanCursor cursor;   // one past the previous change
-  uint64_t first = 0;  // element index of bases[span.span]
+  uint64_t first = 0;  // element index of bases[change.span]
   SpanCursor change;
   for (size_t k = 0; k < count; ++k) {
     const uint64_t position = s.positions[k];
     while (position >= first + bases[change.span].n) first += bases[change.span++].n;
     change.at = position - first;
     const uint8_t c = s.groups[k];
+    const S d = static_cast<S>(UnZigZag(values[k]));
+    const uint32_t negative = d < 0;
+    const uint64_t magnitude = negative ? static_cast<T>(T{0} - static_cast<T>(d))
+                                        : static_cast<uint64_t>(static_cast<T>(d));
+    fn(c, CountClass<T>(bases, is_float, c, cursor, change), negative, magnitude);
+    cursor = SpanCursor{change.span, change.at + 1};
+  }
+}
+
+// Adds change k of a modeled record (of `method`), `magnitude` (negative or not) in class c,
+// `gap` elements of class c after `cursor`, to the spans' out, and moves the cursor past it.
+template <typename T>
+inline __attribute__((always_inline)) absl::Status ApplyModeledChange(
+    const char* method, absl::Span<const BaseSpan> bases, absl::Span<const ChunkOutput> spans,
+    bool is_float, uint64_t k, uint8_t c, uint64_t gap, uint64_t magnitude, uint32_t negative,
+    SpanCursor* cursor) {
+  constexpr size_t w = sizeof(T);
+  constexpr uint64_t kHalf = uint64_t{1} << (8 * w - 1);
+  if (magnitude > kHalf || (magnitude == kHalf && !negative)) [[unlikely]] {
+    return absl::DataLossError(
+        absl::StrFormat("%s change %d has magnitude %d, more than a %d-byte element holds", method,
+                        k, magnitude, w));
+  }
+  if (!FindClass<T>(bases, is_float, c, gap, cursor)) [[unlikely]] {
+    return absl::DataLossError(
+        absl::StrFormat("%s change %d: %d more elements of magnitude class %d are not in the chunk",
+                        method, k, gap + 1, c));
+  }
+  const T delta =
+      negative ? static_cast<T>(T{0} - static_cast<T>(magnitude)) : static_cast<T>(magnitude);
+  const ChunkOutput& span = spans[cursor->span];
+  const T updated = static_cast<T>(Load<T>(span.base + cursor->at * w) + delta);
+  std::memcpy(span.out + cursor->at * w, &updated, w);
+  ++cursor->at;
+  return absl::OkStatus();
+}
+
+// The modeled record (format version 2) of `count` changes at s.positions with s.values.
+template <typename T>
+void EncodeModeledRecord(absl::Span<const ChunkInput> spans, bool is_float, size_t count,
+                         Scratch& s, std::vector<std::byte>* out) {
+  constexpr size_t w = sizeof(T);
+  int class_bits = 8;
+  uint8_t class_base = 0;
+  ModelContexts& ctx = ThreadContexts<ModelContexts>();
+  // Two coders, so that a decoder's two chains of decisions overlap: the classes (coder A, after
+  // the header) and the gaps and changes (the rest of the record).
+  std::vector<std::byte>& classes = s.record3;
+  classes.clear();
+  out->clear();
+  RangeEncoder a(&classes), e(out);
+  auto window = [&](const uint32_t(&histogram)[256]) {
+    int lo = 0, hi = 255;
+    while (histogram[lo] == 0) ++lo;
+    while (histogram[hi] == 0) --hi;
+    // The narrowest window of the classes.
+    class_bits = hi - lo < (1 << kClassWindowBits) ? kClassWindowBits : 8;
+    class_base =
+        class_bits == 8 ? 0 : static_cast<uint8_t>(std::min(lo, 256 - (1 << kClassWindowBits)));
+  };
+  auto code = [&](uint8_t c, uint64_t gap, uint32_t negative, uint64_t magnitude) {
     const uint32_t offset = c - class_base;
     for (uint32_t node = 1, i = class_bits; i-- > 0;) {
       const uint32_t bit = (offset >> i) & 1;
@@ -1264,17 +1333,12 @@ void EncodeModeledRecord(absl::Span<const ChunkInput> spans, bool is_float, size
       node = node * 2 + bit;
     }
     ClassContexts& k_ctx = ctx.Of(c);
-    const uint64_t gap = CountClass<T>(bases, is_float, c, cursor, change);
     PutGamma<kGapAdaptive>(e, gap + 1, kGapLengths - 1, k_ctx.gap_len, k_ctx.gap_mantissa);
-    const S d = static_cast<S>(UnZigZag(values[k]));
-    const uint32_t negative = d < 0;
-    const uint64_t magnitude = negative ? static_cast<T>(T{0} - static_cast<T>(d))
-                                        : static_cast<uint64_t>(static_cast<T>(d));
     e.Bit(k_ctx.sign, negative);
     PutGamma<kMagnitudeAdaptive>(e, magnitude, 8 * static_cast<int>(w) - 1, k_ctx.magnitude_len,
                                  k_ctx.magnitude_mantissa);
-    cursor = SpanCursor{change.span, change.at + 1};
-  }
+  };
+  ForEachModeledChange<T>(spans, is_float, count, s, window, code);
   a.Finish();
   e.Finish();
   std::vector<std::byte> header;
@@ -1288,18 +1352,19 @@ void EncodeModeledRecord(absl::Span<const ChunkInput> spans, bool is_float, size
   out->insert(out->begin(), header.begin(), header.end());
 }
 
-// Applies a modeled record to the spans (whose `out` already holds the base).
-template <typename T>
-absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, bool is_float,
-                           size_t n) {
-  constexpr size_t w = sizeof(T);
+// The fields both modeled records start with: the change count and the class window.
+struct ModeledHeader {
+  uint64_t count;
+  int class_bits;
+  uint8_t class_base;
+};
+
+absl::StatusOr<ModeledHeader> ReadModeledHeader(ByteReader& r, size_t n) {
   WB_ASSIGN_OR_RETURN(uint64_t count, r.Varint("modeled change count"));
   if (count == 0 || count > n) {
     return absl::DataLossError(
         absl::StrFormat("modeled record claims %d changes in %d elements", count, n));
   }
-  absl::InlinedVector<BaseSpan, 4> bases;
-  for (const ChunkOutput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
   WB_ASSIGN_OR_RETURN(uint8_t class_bits, r.U8("modeled class width"));
   WB_ASSIGN_OR_RETURN(uint8_t class_base, r.U8("modeled class base"));
   if ((class_bits != kClassWindowBits && class_bits != 8) || (class_bits == 8 && class_base != 0) ||
@@ -1309,13 +1374,40 @@ absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, b
         "from 0)",
         class_bits, class_base, kClassWindowBits, 256 - (1 << kClassWindowBits)));
   }
-  WB_ASSIGN_OR_RETURN(uint64_t classes_size, r.Varint("modeled class stream size"));
-  WB_ASSIGN_OR_RETURN(const std::byte* classes, r.Bytes(classes_size, "modeled class stream"));
-  const size_t size = r.remaining();
-  WB_ASSIGN_OR_RETURN(const std::byte* payload, r.Bytes(size, "modeled payload"));
-  RangeDecoder a(classes, classes_size), d(payload, size);
-  ModelContexts& ctx = ThreadContexts();
-  constexpr uint64_t kHalf = uint64_t{1} << (8 * w - 1);
+  return ModeledHeader{count, class_bits, class_base};
+}
+
+// The two streams a modeled record ends with: a varint size and that many bytes, then the rest
+// of the record.
+struct TwoStreams {
+  absl::Span<const std::byte> first, rest;
+};
+
+absl::StatusOr<TwoStreams> ReadTwoStreams(ByteReader& r, std::string_view first,
+                                          std::string_view rest) {
+  WB_ASSIGN_OR_RETURN(uint64_t first_size, r.Varint(std::string(first) + " size"));
+  WB_ASSIGN_OR_RETURN(const std::byte* first_at, r.Bytes(first_size, first));
+  const size_t rest_size = r.remaining();
+  WB_ASSIGN_OR_RETURN(const std::byte* rest_at, r.Bytes(rest_size, rest));
+  return TwoStreams{{first_at, first_size}, {rest_at, rest_size}};
+}
+
+// Applies a modeled record to the spans (whose `out` already holds the base).
+template <typename T>
+absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, bool is_float,
+                           size_t n) {
+  constexpr size_t w = sizeof(T);
+  WB_ASSIGN_OR_RETURN(ModeledHeader h, ReadModeledHeader(r, n));
+  const uint64_t count = h.count;
+  const int class_bits = h.class_bits;
+  const uint8_t class_base = h.class_base;
+  absl::InlinedVector<BaseSpan, 4> bases;
+  for (const ChunkOutput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
+  WB_ASSIGN_OR_RETURN(TwoStreams streams,
+                      ReadTwoStreams(r, "modeled class stream", "modeled payload"));
+  RangeDecoder a(streams.first.data(), streams.first.size()),
+      d(streams.rest.data(), streams.rest.size());
+  ModelContexts& ctx = ThreadContexts<ModelContexts>();
   const uint32_t class_top = 1u << class_bits;
   SpanCursor cursor;
   for (uint64_t k = 0; k < count; ++k) {
@@ -1332,27 +1424,194 @@ absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, b
       return absl::DataLossError(
           absl::StrFormat("modeled record ends inside change %d of %d", k, count));
     }
-    if (magnitude > kHalf || (magnitude == kHalf && !negative)) {
-      return absl::DataLossError(
-          absl::StrFormat("modeled change %d has magnitude %d, more than a %d-byte element holds",
-                          k, magnitude, w));
-    }
-    if (!FindClass<T>(bases, is_float, c, gap, &cursor)) {
-      return absl::DataLossError(absl::StrFormat(
-          "modeled change %d: %d more elements of magnitude class %d are not in the chunk", k,
-          gap + 1, c));
-    }
-    const T delta =
-        negative ? static_cast<T>(T{0} - static_cast<T>(magnitude)) : static_cast<T>(magnitude);
-    const ChunkOutput& span = spans[cursor.span];
-    const T updated = static_cast<T>(Load<T>(span.base + cursor.at * w) + delta);
-    std::memcpy(span.out + cursor.at * w, &updated, w);
-    ++cursor.at;
+    WB_RETURN_IF_ERROR(ApplyModeledChange<T>("modeled", bases, spans, is_float, k, c, gap,
+                                             magnitude, negative, &cursor));
   }
   if (d.remaining() != 0 || a.remaining() != 0) {
     return absl::DataLossError(
         absl::StrFormat("%d bytes left over after the modeled record's %d changes",
                         d.remaining() + a.remaining(), count));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The modeled-rans method (format version 3): the modeled method's changes as three symbols of
+// adaptive 16-symbol models (rans_coder.h) instead of about 20 binary decisions, each symbol in
+// its own rANS state so that a decoder's three chains overlap (the next change's class does
+// not wait for this change's gap or change):
+//   state 0: the class c of the change's base element: c - class_base when that is below 15,
+//            else 15 (an escape) and c in 8 raw bits; one model for the chunk;
+//   state 1: min(L, 15) with L = floor(log2(g + 1)) and g the elements of class c between the
+//            previous change and this one (as in the modeled method); a model per class;
+//   state 2: sign * 8 + min(M, 7) with M = floor(log2(|d|)) of the change d; a model per class;
+// then, in the raw bit stream: L - 15 in 5 bits when L >= 15, M - 7 in 6 bits when M >= 7, the
+// L bits of g + 1 below its leading one and the M bits of |d| below its. The window of 15
+// classes is the one that holds the most changes. The bits below a leading one are coded raw
+// (the modeled method codes 2 or 3 of them in contexts): each class has two models to learn,
+// which the few thousand changes of a record do quickly; on the real-gradient stream the record
+// is 1-2.5% larger than the modeled one (BENCHMARKS.md, issue 16).
+
+constexpr uint32_t kRansClassWindow = 15;
+
+// The models of one magnitude class.
+struct RansClassModels {
+  NibbleModel gap;
+  NibbleModel change;
+};
+
+// Every model of a chunk, each starting uniform; a class's models are reset when the chunk
+// first uses the class.
+class RansContexts {
+ public:
+  void Reset() {
+    classes.Reset();
+    std::fill(std::begin(used_), std::end(used_), false);
+  }
+  __attribute__((always_inline)) RansClassModels& Of(uint8_t c) {
+    RansClassModels& k = of_[c];
+    if (!used_[c]) [[unlikely]] {
+      k.gap.Reset();
+      k.change.Reset();
+      used_[c] = true;
+    }
+    return k;
+  }
+  NibbleModel classes;
+
+ private:
+  RansClassModels of_[256];
+  bool used_[256];
+};
+
+// The modeled-rans record of `count` changes at s.positions with s.values.
+template <typename T>
+void EncodeModeledRansRecord(absl::Span<const ChunkInput> spans, bool is_float, size_t count,
+                             Scratch& s, std::vector<std::byte>* out) {
+  uint32_t class_base = 0;
+  RansContexts& ctx = ThreadContexts<RansContexts>();
+  RansEncoder& e = s.rans;
+  BitWriter& bits = s.bits;
+  e.Clear();
+  bits.Clear();
+  auto window = [&](const uint32_t(&histogram)[256]) {
+    uint32_t best = 0, in_window = 0;
+    for (uint32_t c = 0; c < 256; ++c) {  // in_window: changes of classes c - 14 .. c
+      in_window += histogram[c] - (c >= kRansClassWindow ? histogram[c - kRansClassWindow] : 0);
+      if (in_window > best) {
+        best = in_window;
+        class_base = c >= kRansClassWindow - 1 ? c - (kRansClassWindow - 1) : 0;
+      }
+    }
+    class_base = std::min(class_base, 256 - kRansClassWindow);
+  };
+  auto code = [&](uint8_t c, uint64_t gap, uint32_t negative, uint64_t magnitude) {
+    const uint32_t offset = static_cast<uint32_t>(c) - class_base;  // wraps below the window
+    e.Put(ctx.classes, std::min(offset, kRansClassWindow), 0);
+    if (offset >= kRansClassWindow) bits.Put(c, 8);
+    RansClassModels& m = ctx.Of(c);
+    const uint64_t v = gap + 1;
+    const int l = static_cast<int>(std::bit_width(v)) - 1;
+    const int lm = static_cast<int>(std::bit_width(magnitude)) - 1;
+    e.Put(m.gap, static_cast<uint32_t>(std::min(l, 15)), 1);
+    e.Put(m.change, negative * 8 + static_cast<uint32_t>(std::min(lm, 7)), 2);
+    if (l >= 15) bits.Put(static_cast<uint64_t>(l - 15), 5);
+    if (lm >= 7) bits.Put(static_cast<uint64_t>(lm - 7), 6);
+    bits.Put(v, l);  // l <= 32
+    if (lm > 32) {
+      bits.Put(magnitude, 32);
+      bits.Put(magnitude >> 32, lm - 32);
+    } else {
+      bits.Put(magnitude, lm);
+    }
+  };
+  ForEachModeledChange<T>(spans, is_float, count, s, window, code);
+  out->clear();
+  ByteVectorWriter(out)
+      .U8(static_cast<uint8_t>(Method::kModeledRans))
+      .Varint(count)
+      .U8(static_cast<uint8_t>(class_base));
+  std::vector<std::byte>& coded = s.record3;
+  coded.clear();
+  e.Finish(&coded);
+  ByteVectorWriter(out).Varint(coded.size()).Bytes(coded.data(), coded.size());
+  bits.Finish(out);
+}
+
+// Applies a modeled-rans record to the spans (whose `out` already holds the base).
+template <typename T>
+absl::Status DecodeModeledRans(ByteReader& r, absl::Span<const ChunkOutput> spans, bool is_float,
+                               size_t n) {
+  constexpr size_t w = sizeof(T);
+  constexpr int kMaxMagnitudeLength = 8 * static_cast<int>(w) - 1;
+  WB_ASSIGN_OR_RETURN(uint64_t count, r.Varint("modeled-rans change count"));
+  if (count == 0 || count > n) {
+    return absl::DataLossError(
+        absl::StrFormat("modeled-rans record claims %d changes in %d elements", count, n));
+  }
+  WB_ASSIGN_OR_RETURN(uint8_t class_base, r.U8("modeled-rans class base"));
+  if (class_base > 256 - kRansClassWindow) {
+    return absl::DataLossError(absl::StrFormat(
+        "modeled-rans class window starts at %d (at most %d)", class_base, 256 - kRansClassWindow));
+  }
+  absl::InlinedVector<BaseSpan, 4> bases;
+  for (const ChunkOutput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
+  WB_ASSIGN_OR_RETURN(TwoStreams streams,
+                      ReadTwoStreams(r, "modeled-rans symbol stream", "modeled-rans raw bits"));
+  RansDecoder d(streams.first.data(), streams.first.size());
+  BitReader bits(streams.rest.data(), streams.rest.size());
+  RansContexts& ctx = ThreadContexts<RansContexts>();
+  SpanCursor cursor;
+  for (uint64_t k = 0; k < count; ++k) {
+    const uint32_t offset = d.Get<0>(ctx.classes);
+    uint8_t c = static_cast<uint8_t>(class_base + offset);
+    if (offset == kRansClassWindow) [[unlikely]] {
+      c = static_cast<uint8_t>(bits.Get(8));
+    }
+    RansClassModels& m = ctx.Of(c);
+    const uint32_t length_symbol = d.Get<1>(m.gap);
+    const uint32_t change = d.Get<2>(m.change);
+    int l = static_cast<int>(length_symbol), lm = static_cast<int>(change & 7);
+    if (l == 15) [[unlikely]] {
+      l += static_cast<int>(bits.Get(5));
+    }
+    if (lm == 7) [[unlikely]] {
+      lm += static_cast<int>(bits.Get(6));
+    }
+    if (d.overrun() || bits.overrun()) [[unlikely]] {
+      return absl::DataLossError(
+          absl::StrFormat("modeled-rans record ends inside change %d of %d", k, count));
+    }
+    if (l > 32 || lm > kMaxMagnitudeLength) [[unlikely]] {
+      return absl::DataLossError(absl::StrFormat(
+          "modeled-rans change %d has a gap of %d bits or a magnitude of %d bits (at most 33 "
+          "and %d)",
+          k, l + 1, lm + 1, kMaxMagnitudeLength + 1));
+    }
+    const uint64_t gap = ((uint64_t{1} << l) | bits.Get(l)) - 1;
+    uint64_t magnitude = uint64_t{1} << lm;
+    if constexpr (w == 8) {
+      if (lm > 32) {
+        magnitude |= bits.Get(32);
+        magnitude |= bits.Get(lm - 32) << 32;
+      } else {
+        magnitude |= bits.Get(lm);
+      }
+    } else {
+      magnitude |= bits.Get(lm);
+    }
+    const uint32_t negative = change >> 3;
+    if (absl::Status s = ApplyModeledChange<T>("modeled-rans", bases, spans, is_float, k, c, gap,
+                                               magnitude, negative, &cursor);
+        !s.ok()) [[unlikely]] {
+      return s;
+    }
+  }
+  if (!d.Complete() || !bits.Complete()) {
+    return absl::DataLossError(absl::StrFormat(
+        "modeled-rans record's %d changes do not use its streams exactly (symbol stream of %d "
+        "bytes, %d bytes of raw bits)",
+        count, streams.first.size(), streams.rest.size()));
   }
   return absl::OkStatus();
 }
@@ -1445,9 +1704,14 @@ ChunkResult EncodeChunkT(DType dtype, absl::Span<const ChunkInput> spans, bool k
   if (complete) {
     r.changed = count;
     if (options.context_model && count <= n / kModeledMaxDivisor) {
-      EncodeModeledRecord<T>(spans, rotate, count, s, &s.record2);
+      if (options.format_version >= 3) {
+        EncodeModeledRansRecord<T>(spans, rotate, count, s, &s.record2);
+        sparse_method = Method::kModeledRans;
+      } else {
+        EncodeModeledRecord<T>(spans, rotate, count, s, &s.record2);
+        sparse_method = Method::kModeled;
+      }
       r.modeled_bytes = s.record2.size();
-      sparse_method = Method::kModeled;
       if (try_all) {
         EncodeSparseRecord<T>(grouping, count, level, s, &s.record);
         r.sparse_bytes = s.record.size();
@@ -1618,12 +1882,12 @@ absl::Status DecodeChunkT(DType dtype, absl::Span<const ChunkOutput> spans, bool
   const bool rotate = IsFloat(dtype);
   ByteReader r(record.data(), record.size());
   WB_ASSIGN_OR_RETURN(uint8_t method, r.U8("chunk method"));
-  if (method > static_cast<uint8_t>(Method::kModeled)) {
+  if (method > static_cast<uint8_t>(Method::kModeledRans)) {
     return absl::DataLossError(absl::StrFormat("unknown chunk method %d", method));
   }
   const Method m = static_cast<Method>(method);
-  if (keyframe &&
-      (m == Method::kSame || m == Method::kXor || m == Method::kSparse || m == Method::kModeled)) {
+  if (keyframe && (m == Method::kSame || m == Method::kXor || m == Method::kSparse ||
+                   m == Method::kModeled || m == Method::kModeledRans)) {
     return absl::DataLossError(
         absl::StrFormat("chunk method %s needs a base, but this is a keyframe", MethodName(m)));
   }
@@ -1659,6 +1923,10 @@ absl::Status DecodeChunkT(DType dtype, absl::Span<const ChunkOutput> spans, bool
       copy_base();
       WB_RETURN_IF_ERROR(DecodeModeled<T>(r, spans, rotate, n));
       break;
+    case Method::kModeledRans:
+      copy_base();
+      WB_RETURN_IF_ERROR(DecodeModeledRans<T>(r, spans, rotate, n));
+      break;
   }
   if (r.remaining() != 0) {
     return absl::DataLossError(
@@ -1683,6 +1951,8 @@ std::string_view MethodName(Method method) {
       return "sparse";
     case Method::kModeled:
       return "modeled";
+    case Method::kModeledRans:
+      return "modeled-rans";
   }
   return "?";
 }
@@ -1791,6 +2061,11 @@ absl::StatusOr<EncodedVersion> EncodeVersion(const VersionIds& ids,
                                              absl::Span<const std::byte* const> target,
                                              const EncodeOptions& options, Parallel& parallel) {
   WB_RETURN_IF_ERROR(CheckChunkSize(options.chunk_size));
+  if (options.format_version < 2 || options.format_version > kFormatVersion) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("delta encode: format version %d is not one this library writes (2..%d)",
+                        options.format_version, kFormatVersion));
+  }
   if (target.size() != layout.size() || (!ids.keyframe && base.size() != layout.size())) {
     return absl::InvalidArgumentError(
         absl::StrFormat("delta encode: %d tensors in the layout, %d targets, %d bases",
@@ -1812,7 +2087,7 @@ absl::StatusOr<EncodedVersion> EncodeVersion(const VersionIds& ids,
   std::vector<std::byte>& out = v.bytes;
   ByteVectorWriter w(&out);
   w.Bytes(kMagic, 4)
-      .U8(kFormatVersion)
+      .U8(options.format_version)
       .U8(ids.keyframe ? 0 : 1)
       .Varint(ids.target)
       .Varint(ids.base)

@@ -18,8 +18,11 @@
 //           both split into byte planes and zstd-compressed (deltas only)
 //   modeled the same changes as decisions of an adaptive binary range coder in contexts of the
 //           base element's magnitude class: each change's class, how many elements of that
-//           class precede it since the previous change, and new - base (deltas only; the
-//           default: 1.4x smaller than sparse on training deltas, decoding about 2-3x slower)
+//           class precede it since the previous change, and new - base (deltas only; format
+//           version 2: 1.2-1.4x smaller than sparse on training deltas, decoding 8-15x slower)
+//   modeled-rans the same changes as three symbols of adaptive 16-symbol models coded with
+//           interleaved rANS states (deltas only; format version 3, the default: 1-2.5% larger
+//           than modeled, decoding 1.5x faster)
 //
 // Everything is bit-exact for any dtype: differences wrap, XOR is its own inverse, planes only
 // reorder bytes. Elements are DTypeSize bytes wide; sub-byte dtypes (F4, F6_*) are coded as
@@ -46,8 +49,8 @@ namespace weightbus::internal::delta {
 
 // Version of the encoded format (the byte after the magic) that encoders write. Decoders read
 // versions kMinFormatVersion..kFormatVersion and refuse newer ones. Version 2 added the
-// modeled method.
-inline constexpr uint8_t kFormatVersion = 2;
+// modeled method, version 3 the modeled-rans method (which its encoders use instead).
+inline constexpr uint8_t kFormatVersion = 3;
 inline constexpr uint8_t kMinFormatVersion = 1;
 // First four bytes of every encoded version.
 inline constexpr char kMagic[4] = {'W', 'B', 'D', 'L'};
@@ -64,6 +67,7 @@ enum class Method : uint8_t {
   kXor = 3,
   kSparse = 4,
   kModeled = 5,
+  kModeledRans = 6,
 };
 std::string_view MethodName(Method method);
 
@@ -129,6 +133,11 @@ struct EncodeOptions {
   // magnitudes; the smallest) instead of the sparse one (zstd byte planes; the fastest to
   // decode). XOR planes are still tried where many elements changed.
   bool context_model = true;
+  // The format version written (2..kFormatVersion). 3 codes the context model with the
+  // modeled-rans method (adaptive 16-symbol models, rANS: about 1.5x faster to decode and 1.5x
+  // faster to encode, 1-2.5% larger; BENCHMARKS.md, issue 16); 2 with the modeled method (an
+  // adaptive binary range coder) that readers of version 2 decode.
+  uint8_t format_version = kFormatVersion;
 };
 
 // What happened to one chunk, for statistics and for the publisher's bookkeeping.

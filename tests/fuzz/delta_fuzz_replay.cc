@@ -155,7 +155,9 @@ std::vector<std::pair<std::string, std::string>> Seeds() {
       {Pattern::kGraded, false}, {Pattern::kConstant, false}};
   for (DType dtype : kAllDTypes) {
     for (const auto& [pattern, keyframe] : patterns) {
-      for (int max_groups : {0, 1, 2, 3, 4}) {  // 0: the context model (modeled records)
+      // 0: the context model (modeled-rans records); -1: the context model in format version 2
+      // (modeled records).
+      for (int max_groups : {-1, 0, 1, 2, 3, 4}) {
         if (max_groups > 1 &&
             (!IsFloat(dtype) || (pattern != Pattern::kSmall && pattern != Pattern::kGraded))) {
           continue;
@@ -174,7 +176,8 @@ std::vector<std::pair<std::string, std::string>> Seeds() {
             at += piece;
           }
           EncodeOptions options;
-          options.context_model = max_groups == 0;
+          options.context_model = max_groups <= 0;
+          options.format_version = max_groups < 0 ? 2 : kFormatVersion;
           options.max_groups = std::max(max_groups, 1);
           std::vector<std::byte> record;
           const ChunkResult r = EncodeChunk(dtype, inputs, keyframe, options, &record);
@@ -197,7 +200,7 @@ std::vector<std::pair<std::string, std::string>> Seeds() {
     }
   }
   for (Method m : {Method::kSame, Method::kStored, Method::kPlanes, Method::kXor, Method::kSparse,
-                   Method::kModeled}) {
+                   Method::kModeled, Method::kModeledRans}) {
     if (methods[m] == 0) Fail(absl::StrFormat("no seed uses method %s", MethodName(m)));
   }
   for (int g : {1, 2, 3, 4}) {
@@ -218,7 +221,7 @@ std::vector<std::pair<std::string, std::string>> Seeds() {
   for (size_t l = 0; l < layouts.size(); ++l) {
     const std::vector<TensorLayout> layout = weightbus::delta_fuzz::LayoutOf(layouts[l]);
     for (uint64_t chunk : {64, 1024, 65536}) {
-      for (int max_groups : {0, 1, 4}) {  // 0: the context model
+      for (int max_groups : {-1, 0, 1, 4}) {  // 0: the context model; -1: in format version 2
         const uint8_t seed = static_cast<uint8_t>(l * 7 + chunk % 251);
         std::vector<std::vector<std::byte>> base, target;
         std::vector<const std::byte*> bp, tp;
@@ -233,7 +236,8 @@ std::vector<std::pair<std::string, std::string>> Seeds() {
         }
         EncodeOptions options;
         options.chunk_size = chunk;
-        options.context_model = max_groups == 0;
+        options.context_model = max_groups <= 0;
+        options.format_version = max_groups < 0 ? 2 : kFormatVersion;
         options.max_groups = std::max(max_groups, 1);
         for (bool keyframe : {true, false}) {
           const VersionIds ids{keyframe, 7, keyframe ? 0u : 6u, keyframe ? 7u : 3u};

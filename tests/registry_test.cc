@@ -48,10 +48,10 @@ TEST(RegistryTest, EveryTransportDeclaresItsCapabilitiesAndLayersDeriveTheirs) {
   ASSERT_TRUE(disk.ok()) << disk.status();
   EXPECT_EQ(DescribeCapabilities(*disk),
             "reads_strided_views, committed_manifest, keep_versions_from, publisher_groups, "
-            "open_version, list_versions, partial_reads, cancel, cross_process, durable, "
-            "late_joiners");
-  // The delta layer keeps what it forwards and drops what it does itself; publisher groups and
-  // partial reads are not inherited (a layer declares them itself).
+            "authenticated_groups, open_version, list_versions, partial_reads, cancel, "
+            "cross_process, durable, late_joiners");
+  // The delta layer keeps what it forwards and drops what it does itself; publisher groups (and
+  // their authentication) and partial reads are not inherited (a layer declares them itself).
   auto delta = testing::StackCapabilitiesOf("delta+disk://" + dir.path() + "/ch");
   ASSERT_TRUE(delta.ok()) << delta.status();
   EXPECT_EQ(DescribeCapabilities(*delta),

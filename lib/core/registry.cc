@@ -210,7 +210,9 @@ TransportCapabilities StackCapabilities(const std::vector<const TransportDescrip
     // A layer carries a publisher group only if it says so itself (it must split its encoding
     // by rank), and reads byte ranges only if it says so (what lies beneath is its encoding,
     // not the tensors' bytes): it does not inherit either from the transport beneath.
-    if (i + 1 < stack.size()) caps.publisher_groups = caps.partial_reads = false;
+    if (i + 1 < stack.size()) {
+      caps.publisher_groups = caps.authenticated_groups = caps.partial_reads = false;
+    }
     caps = stack[i]->capabilities(config, caps);
   }
   return caps;
@@ -226,6 +228,7 @@ std::string DescribeCapabilities(const TransportCapabilities& c) {
            {c.wait_for_receivers, "wait_for_receivers"},
            {c.all_subscribers_take_part, "all_subscribers_take_part"},
            {c.publisher_groups, "publisher_groups"},
+           {c.authenticated_groups, "authenticated_groups"},
            {c.open_version, "open_version"},
            {c.list_versions, "list_versions"},
            {c.partial_reads, "partial_reads"},

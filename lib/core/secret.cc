@@ -156,11 +156,17 @@ absl::StatusOr<std::optional<ChannelKey>> LoadChannelKey(const Config& config,
 std::string ManifestMac(const ChannelKey& key, const Manifest& m) {
   crypto_auth_hmacsha512256_state state;
   crypto_auth_hmacsha512256_init(&state, key.bytes.data(), key.bytes.size());
-  Field(state, "weightbus.manifest-mac/1");
+  // A group's manifests in a domain of their own (a single publisher's fields are as before).
+  Field(state, m.group ? "weightbus.group-manifest-mac/1" : "weightbus.manifest-mac/1");
   Int(state, m.version);
   Field(state, m.publisher.session);
+  if (m.group) {
+    Int(state, static_cast<uint64_t>(m.publisher.rank));
+    Int(state, static_cast<uint64_t>(m.publisher.world_size));
+  }
   Int(state, m.tensors.size());
   for (const TensorInfo& t : m.tensors) {
+    if (m.group) Int(state, static_cast<uint64_t>(t.owner));
     Field(state, t.name);
     Field(state, DTypeName(t.dtype));
     Ints(state, t.shape);
@@ -218,6 +224,40 @@ absl::Status CheckManifestMac(const ChannelKey* key, const Manifest& m, std::str
         "published with this channel's shared secret, or its manifest was altered; refusing it; "
         "version %s stays current",
         uri, m.version, session, m.publisher.pid, m.publisher.host, current));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPartMac(const ChannelKey* key, const Manifest& part, int committer,
+                          std::string_view where) {
+  const int rank = part.publisher.rank;
+  const std::string who =
+      absl::StrFormat("rank %d's part (publisher session %s, pid %d on %s)", rank,
+                      part.publisher.session.empty() ? "(unnamed)" : part.publisher.session,
+                      part.publisher.pid, part.publisher.host);
+  auto it = part.metadata.find(std::string(kMacMetadataKey));
+  if (key == nullptr) {
+    if (it == part.metadata.end()) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: %s is authenticated with a shared secret, but the committing rank %d has none: "
+        "every rank of a group needs the channel's secret (secret_file or secret_env)",
+        where, who, committer));
+  }
+  if (it == part.metadata.end()) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "%s: %s carries no MAC, but the channel requires its shared secret: rank %d publishes "
+        "without the secret, or its part was forged by someone without the key; the committing "
+        "rank %d refuses it",
+        where, who, rank, committer));
+  }
+  const std::string expected = ManifestMac(*key, part);
+  if (it->second.size() != expected.size() ||
+      sodium_memcmp(it->second.data(), expected.data(), expected.size()) != 0) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "%s: %s has a wrong MAC under the key of the committing rank %d: ranks %d and %d hold "
+        "different secrets (check secret_file or secret_env on both), or the part was forged or "
+        "altered; refusing it",
+        where, who, committer, rank, committer));
   }
   return absl::OkStatus();
 }

@@ -118,6 +118,9 @@ TransportCapabilities LayerCapabilities(const Config&, const TransportCapabiliti
   // it the joiner waits for the next keyframe.
   c.late_joiners = beneath.late_joiners && beneath.open_version;
   c.memory_kinds = TransportCapabilities::kHostMemory;  // encoded and decoded on the CPU
+  // Never inherited: a group beneath authenticates the parts it is handed, which under the
+  // layer are encodings, not the manifests the core MACs (docs/SECURITY.md, "Publisher groups").
+  c.authenticated_groups = false;
   return c;
 }
 

@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# Sanitizer builds and runs (docs/TESTING.md, "Sanitizers"; .ci/run step 3 runs --tsan):
+# Sanitizer builds and runs (docs/TESTING.md, "Sanitizers"; .ci/run step 3 runs --tsan, step 4
+# --asan):
 #
 #   scripts/sanitize.sh --asan [--build DIR] [CTEST_ARGS...]
 #   scripts/sanitize.sh --tsan [--build DIR] [CTEST_ARGS...]
 #
 # --asan: AddressSanitizer + UndefinedBehaviorSanitizer (WEIGHTBUS_SANITIZE=address,undefined) in
-#   build-asan/: builds everything and runs the whole CTest suite except what cannot run under
-#   it (ASAN_EXCLUDE below: the Python suites, which load the library into an uninstrumented
-#   interpreter, and the tests that configure, install or format instead of running our code).
+#   build-asan/: builds the suites ASAN_SUITES names (below: the parsers, the codec, the core,
+#   disk://, ucx:// and the C API) and runs them. --asan-all: builds everything and runs the
+#   whole CTest suite except what cannot run under it (ASAN_EXCLUDE below: the Python suites,
+#   which load the library into an uninstrumented interpreter, and the tests that configure,
+#   install or format instead of running our code); hours on two cores, so not CI's.
 # --tsan: ThreadSanitizer (WEIGHTBUS_SANITIZE=thread) in build-tsan/, against Abseil built from
 #   the source of the installed Debian package with -fsanitize=thread (apt-get source, with this
 #   system's apt sources turned into deb-src ones in a private apt directory: nothing of the
 #   system's apt configuration changes); builds the concurrent suites (TSAN_SUITES) and runs them.
+# The environment variable ASAN_SUITES or TSAN_SUITES (space-separated CTest labels, i.e. test
+# executables) replaces the script's selection, e.g. to iterate on one suite.
 #
 # Any sanitizer report fails its test (UBSan and TSan halt_on_error=1, ASan's default), so the
 # script exits non-zero on a finding; the report is in the test's output (build-*/Testing/
@@ -21,12 +26,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=
+all=
 build=
 while (($#)); do
   case "$1" in
     --asan|--tsan) mode=${1#--}; shift ;;
+    --asan-all) mode=asan; all=1; shift ;;
     --build) build=$2; shift 2 ;;
-    -h|--help) sed -n '3,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '3,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) break ;;
   esac
 done
@@ -41,12 +48,31 @@ fixtures=${WEIGHTBUS_FIXTURES_DIR:-$PWD/../shared/fixtures}
 # configure, install, package or format rather than run the library's code.
 ASAN_EXCLUDE='^(python_.*|pip_install|install_consumer|build_options|format_check'
 ASAN_EXCLUDE+='|api_parity|ctypes_layout|api_parity_selftest)$'
+# Under ASan (CI step 4): the suites of the parsers (safetensors, llama2c, URIs, settings), the
+# delta codec, the core (types, checksums, logging, fail points, buffers, registry, packing,
+# resharding, streamed publishes, strided views, the conformance suite over every transport),
+# disk:// (io_uring, the transport, its processes and groups, shared secrets), ucx:// (the
+# transport, its control plane, its processes) and the C API; by CTest label. Left to
+# --asan-all: the delta layer's and delta-over-transport suites (under TSan in step 3), the
+# tensor-parallel subscribe, process and CLI suites, and the fault-injection harness (its kill
+# rounds are many processes, each an ASan start-up); the parsers also run under ASan in step 2's
+# fuzzers.
+ASAN_SUITES_DEFAULT=(safetensors_test llama2c_test uri_test settings_test delta_codec_test
+                     types_test checksum_test logging_test failpoint_test buffer_pool_test
+                     registry_test tensor_pack_test reshard_test update_stream_test
+                     strided_memory_test conformance_test file_io_test disk_transport_test
+                     disk_internal_test disk_process_test disk_group_test secret_test
+                     ucx_transport_test ucx_control_plane_test ucx_process_test capi_test)
 # Under TSan: the suites with threads of their own or of the library (worker pool, publisher and
 # subscriber threads, the ucx progress and control threads, the delta layer's, fail points and
 # rate-limited logging across threads), by their CTest label (the executable's name).
-TSAN_SUITES=(conformance_test disk_transport_test disk_internal_test ucx_transport_test
-             ucx_control_plane_test delta_codec_test delta_layer_test delta_transport_test
-             buffer_pool_test failpoint_test logging_test)
+TSAN_SUITES_DEFAULT=(conformance_test disk_transport_test disk_internal_test ucx_transport_test
+                     ucx_control_plane_test delta_codec_test delta_layer_test
+                     delta_transport_test buffer_pool_test failpoint_test logging_test)
+if [[ -n ${ASAN_SUITES:-} ]]; then read -r -a ASAN_SUITES <<<"$ASAN_SUITES"
+else ASAN_SUITES=("${ASAN_SUITES_DEFAULT[@]}"); fi
+if [[ -n ${TSAN_SUITES:-} ]]; then read -r -a TSAN_SUITES <<<"$TSAN_SUITES"
+else TSAN_SUITES=("${TSAN_SUITES_DEFAULT[@]}"); fi
 
 sources_as_deb_src() {  # this system's apt sources, each also as deb-src, into directory $1
   local out=$1 f
@@ -110,6 +136,8 @@ echo "sanitize.sh: configuring and building $build (log: $build/build.log)"
 targets=()
 if [[ $mode == tsan ]]; then
   targets=(--target "${TSAN_SUITES[@]}" wb_test_peer weightbus_cli)
+elif [[ -z $all ]]; then
+  targets=(--target "${ASAN_SUITES[@]}" wb_test_peer weightbus_cli)
 fi
 if ! { cmake -S . -B "$build" "${cmake_args[@]}" &&
        cmake --build "$build" "${targets[@]}"; } >"$build/build.log" 2>&1; then
@@ -136,9 +164,9 @@ if [[ $mode == tsan ]]; then
   export UCX_MEM_MALLOC_HOOKS=${UCX_MEM_MALLOC_HOOKS:-no}
 fi
 cd "$build"
-if [[ $mode == asan ]]; then
+if [[ $mode == asan && -n $all ]]; then
   exec ctest --output-on-failure --timeout 900 -j "$(nproc)" -E "$ASAN_EXCLUDE" "$@"
-else
-  labels=$(IFS='|'; echo "${TSAN_SUITES[*]}")
-  exec ctest --output-on-failure --timeout 900 -j "$(nproc)" -L "^($labels)\$" "$@"
 fi
+if [[ $mode == asan ]]; then suites=("${ASAN_SUITES[@]}"); else suites=("${TSAN_SUITES[@]}"); fi
+labels=$(IFS='|'; echo "${suites[*]}")
+exec ctest --output-on-failure --timeout 900 -j "$(nproc)" -L "^($labels)\$" "$@"

@@ -8,6 +8,8 @@
 #include <sys/stat.h>
 
 #include <filesystem>
+#include <functional>
+#include <set>
 #include <thread>
 
 #include <gmock/gmock.h>
@@ -549,6 +551,277 @@ TEST(GroupChecksTest, TheDeltaLayerTakesAGroupOverDiskAndRefusesOneElsewhere) {
   EXPECT_EQ(u.status().code(), absl::StatusCode::kUnimplemented) << u.status();
   EXPECT_THAT(std::string(u.status().message()), HasSubstr("world_size=2 asks"));
   EXPECT_THAT(std::string(u.status().message()), HasSubstr("publisher group (rank 1)"));
+}
+
+// -- A publisher group on a channel with a shared secret (docs/SECURITY.md, "Publisher groups") --
+
+constexpr char kSecret[] = "the group's channel secret, 38 bytes\n";
+
+class GroupSecretTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (const auto& [path, secret] :
+         {std::pair{key_, std::string(kSecret)},
+          std::pair{other_key_, std::string("not the group's secret")}}) {
+      testing::WriteFileOrDie(path, secret);
+      ASSERT_EQ(::chmod(path.c_str(), 0600), 0);
+    }
+  }
+  // Every rank of the group with the channel's secret.
+  std::map<int, std::string> AllWithKey(int world) const {
+    std::map<int, std::string> out;
+    for (int r = 0; r < world; ++r) out[r] = "secret_file=" + key_;
+    return out;
+  }
+  Options WithKey() const { return {{"secret_file", key_}}; }
+  std::string Log(const std::string& name) const { return testing::ReadFileOrDie(dir_ / name); }
+  // Every rank of a group of `world` publishes `version` with `layout` (exit 0).
+  void PublishAll(int world, const std::string& layout, uint64_t version, uint64_t versions = 1) {
+    const std::string tag = absl::StrFormat("v%d-", version);
+    std::vector<Child> ranks = StartRanks(dir_, uri_, world, layout, version, versions, tag, {}, 60,
+                                          -1, {}, AllWithKey(world));
+    const std::vector<int> codes = WaitAll(ranks);
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(codes[r], 0) << Log(absl::StrFormat("%s%d.log", tag, r));
+    }
+  }
+  // A TP worker's view (rank `r` of 2) of `version`: q_proj split by rows, read by byte ranges
+  // (the resharded, partial-read path), everything else whole; bit-exact against the fixture.
+  absl::Status ReceiveResharded(uint64_t version, int r, const Options& options) {
+    auto sub = Subscriber::Open(
+        uri_, options, SubscribePlacements{{{"*.q_proj.weight", Placement::Shard(0)}}, {2, r}, {}});
+    if (!sub.ok()) return sub.status();
+    auto u = (*sub)->ReceiveVersion(version, kTimeout);
+    if (!u.ok()) return u.status();
+    for (const tools::OwnedTensor& t : Model()) {
+      const TensorView* v = (*u)->Find(t.name);
+      EXPECT_NE(v, nullptr) << t.name;
+      if (v == nullptr) continue;
+      const bool split = t.name.ends_with(".q_proj.weight");
+      const size_t n = split ? t.bytes.size() / 2 : t.bytes.size();
+      EXPECT_EQ(std::memcmp(v->data, t.bytes.data() + (split ? n * r : 0), n), 0) << t.name;
+    }
+    return absl::OkStatus();
+  }
+
+  ScratchDir dir_;
+  const std::string uri_ = ChannelUri(dir_);
+  const std::string key_ = dir_ / "key";
+  const std::string other_key_ = dir_ / "other_key";
+};
+
+// Each rank's part carries its own MAC, the committed group manifest the group's; subscribers
+// with the secret receive the whole model and their TP slices bit-exact; one without it is
+// told to configure it.
+TEST_F(GroupSecretTest, AGroupWithASecretPublishesAndSubscribersReceiveBitExact) {
+  for (const auto& [world, layout] : {std::pair{2, "rows"}, std::pair{4, "cols"}}) {
+    SCOPED_TRACE(absl::StrFormat("world_size %d, %s", world, layout));
+    const uint64_t version = world == 2 ? 1 : 2;
+    if (world == 4) {  // a group of another size: its own channel
+      std::filesystem::remove_all(dir_ / "channel");
+    }
+    ASSERT_NO_FATAL_FAILURE(PublishAll(world, layout, version));
+    ExpectWholeModel(uri_, version, world, "", WithKey());
+    ExpectWholeModel(uri_, version, world, "direct", WithKey());
+    for (int r = 0; r < 2; ++r) EXPECT_TRUE(ReceiveResharded(version, r, WithKey()).ok());
+
+    const std::string vdir = testing::DiskVersionDir(dir_, version);
+    auto committed =
+        Manifest::FromJson(testing::ReadFileOrDie(vdir + "/weightbus.manifest.json"), vdir);
+    ASSERT_TRUE(committed.ok()) << committed.status();
+    ASSERT_TRUE(committed->group);
+    ASSERT_EQ(committed->metadata.count("weightbus.mac"), 1u);
+    std::set<std::string> macs = {committed->metadata.at("weightbus.mac")};
+    for (int r = 0; r < world; ++r) {
+      const std::string path = absl::StrFormat("%s/rank-%05d/weightbus.manifest.json", vdir, r);
+      auto part = Manifest::FromJson(testing::ReadFileOrDie(path), path);
+      ASSERT_TRUE(part.ok()) << part.status();
+      ASSERT_EQ(part->metadata.count("weightbus.mac"), 1u) << path;
+      macs.insert(part->metadata.at("weightbus.mac"));
+    }
+    EXPECT_EQ(macs.size(), static_cast<size_t>(world) + 1);  // each its own
+
+    auto stranger = Subscriber::Open(uri_);
+    ASSERT_TRUE(stranger.ok()) << stranger.status();
+    auto refused = (*stranger)->ReceiveVersion(version, kTimeout);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+    EXPECT_THAT(std::string(refused.status().message()),
+                HasSubstr("is authenticated with a shared secret this subscriber does not have"));
+  }
+}
+
+// The committed group manifest edited by someone who can write the directory but lacks the
+// key (another owner for a part, or other metadata) is refused by whole and resharded
+// subscribers with the single publisher's error, and they keep their version; restored, it is
+// accepted.
+TEST_F(GroupSecretTest, ATamperedGroupManifestIsRefusedAndTheSubscriberKeepsItsVersion) {
+  constexpr int kWorld = 2;
+  ASSERT_NO_FATAL_FAILURE(PublishAll(kWorld, "rows", 1, 2));
+  auto sub = Subscriber::Open(uri_, WithKey());
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  auto u1 = (*sub)->ReceiveVersion(1, kTimeout);
+  ASSERT_TRUE(u1.ok()) << u1.status();
+
+  const std::string path = testing::DiskVersionDir(dir_, 2) + "/weightbus.manifest.json";
+  const std::string original = testing::ReadFileOrDie(path);
+  auto m = Manifest::FromJson(original, path);
+  ASSERT_TRUE(m.ok()) << m.status();
+  // Two parts of one tensor (rank 0's rows and rank 1's): swapping their owners or their
+  // offsets keeps the manifest well-formed, so only the MAC can tell.
+  size_t a = m->tensors.size(), b = a;
+  for (size_t i = 0; i < m->tensors.size() && b == m->tensors.size(); ++i) {
+    for (size_t k = i + 1; k < m->tensors.size(); ++k) {
+      if (m->tensors[i].shard && m->tensors[k].name == m->tensors[i].name &&
+          m->tensors[k].owner != m->tensors[i].owner) {
+        a = i, b = k;
+        break;
+      }
+    }
+  }
+  ASSERT_LT(b, m->tensors.size());
+  const std::vector<std::pair<std::string, std::function<void(Manifest&)>>> edits = {
+      {"metadata", [](Manifest& e) { e.metadata["step"] = "999"; }},
+      {"the owners of two parts",
+       [&](Manifest& e) { std::swap(e.tensors[a].owner, e.tensors[b].owner); }},
+      {"the shards of two parts",
+       [&](Manifest& e) { std::swap(e.tensors[a].shard, e.tensors[b].shard); }},
+      {"a block checksum",
+       [&](Manifest& e) {
+         ASSERT_FALSE(e.tensors[a].block_xxh3.empty());
+         e.tensors[a].block_xxh3[0] ^= 1;
+       }},
+  };
+  for (const auto& [what, edit] : edits) {
+    SCOPED_TRACE(what);
+    Manifest tampered = *m;
+    edit(tampered);
+    ASSERT_NE(tampered, *m);
+    testing::WriteFileOrDie(path, tampered.ToJson());
+    auto u2 = (*sub)->ReceiveVersion(2, kTimeout);
+    ASSERT_EQ(u2.status().code(), absl::StatusCode::kPermissionDenied) << u2.status();
+    EXPECT_THAT(std::string(u2.status().message()),
+                HasSubstr(uri_ + ": version 2 (publisher session "));
+    EXPECT_THAT(std::string(u2.status().message()),
+                HasSubstr("has a wrong MAC: it was not published with this channel's shared "
+                          "secret, or its manifest was altered; refusing it; version 1 stays "
+                          "current"));
+    EXPECT_EQ((*sub)->current_version(), 1u);
+    const absl::Status resharded = ReceiveResharded(2, 1, WithKey());
+    EXPECT_EQ(resharded.code(), absl::StatusCode::kPermissionDenied) << resharded;
+    EXPECT_THAT(std::string(resharded.message()), HasSubstr("has a wrong MAC"));
+  }
+  // Without any MAC: unauthenticated.
+  Manifest stripped = *m;
+  stripped.metadata.erase("weightbus.mac");
+  testing::WriteFileOrDie(path, stripped.ToJson());
+  auto unauthenticated = (*sub)->ReceiveVersion(2, kTimeout);
+  ASSERT_EQ(unauthenticated.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(
+      std::string(unauthenticated.status().message()),
+      HasSubstr("carries no MAC, but this subscriber requires the channel's shared secret"));
+  EXPECT_EQ((*sub)->current_version(), 1u);
+
+  testing::WriteFileOrDie(path, original);
+  auto u2 = (*sub)->ReceiveVersion(2, kTimeout);
+  ASSERT_TRUE(u2.ok()) << u2.status();
+  EXPECT_TRUE(ReceiveResharded(2, 1, WithKey()).ok());
+}
+
+// Someone with write access to the channel directory but not the key places rank 1's part of
+// version 2 (a rank-1 process without the secret, or with another, stopped by a fail point
+// right after placing it, the way a forger would leave it). The real rank 0 completes the set,
+// refuses it and commits nothing: every rank of the set gets PermissionDenied naming rank 1,
+// subscribers keep version 1, and the real group's next version commits.
+TEST_F(GroupSecretTest, AForgedRankPartIsNotCommitted) {
+  constexpr int kWorld = 2;
+  ASSERT_NO_FATAL_FAILURE(PublishAll(kWorld, "rows", 1));
+  auto sub = Subscriber::Open(uri_, WithKey());
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  ASSERT_TRUE((*sub)->ReceiveVersion(1, kTimeout).ok());
+
+  uint64_t version = 2;
+  for (const std::string& forger_setting : {std::string(), "secret_file=" + other_key_}) {
+    SCOPED_TRACE(forger_setting.empty() ? "no secret" : "another secret");
+    std::map<int, std::string> forger_settings;
+    if (!forger_setting.empty()) forger_settings[1] = forger_setting;
+    std::vector<Child> forged =
+        StartRanks(dir_, uri_, kWorld, "rows", version, 1, absl::StrFormat("forger%d-", version),
+                   {{1, "disk.after_part=error"}}, 60, /*only=*/1, {}, forger_settings);
+    ASSERT_EQ(WaitAll(forged), std::vector<int>{1});
+    ASSERT_TRUE(Exists(
+        absl::StrFormat("%s/channel/versions/.group-v%020d/rank-00001", dir_.path(), version)));
+    const std::string tag = absl::StrFormat("real%d-", version);
+    std::vector<Child> real = StartRanks(dir_, uri_, kWorld, "rows", version, 1, tag, {}, 60,
+                                         /*only=*/0, {}, AllWithKey(kWorld));
+    ASSERT_EQ(WaitAll(real), std::vector<int>{1});
+    const std::string log = Log(tag + "0.log");
+    EXPECT_THAT(log, HasSubstr(absl::StrFormat("PERMISSION_DENIED: %s: publish of version %d "
+                                               "failed: %s version %d: rank 1's part (publisher "
+                                               "session ",
+                                               uri_, version, uri_, version)));
+    EXPECT_THAT(log, HasSubstr(forger_setting.empty()
+                                   ? "carries no MAC, but the channel requires its shared secret: "
+                                     "rank 1 publishes without the secret, or its part was forged "
+                                     "by someone without the key; the committing rank 0 refuses it"
+                                   : "has a wrong MAC under the key of the committing rank 0: "
+                                     "ranks 1 and 0 hold different secrets (check secret_file or "
+                                     "secret_env on both), or the part was forged or altered"));
+    EXPECT_THAT(log, HasSubstr(absl::StrFormat("nothing of version %d was committed", version)));
+    // Recorded for every rank of the set: the real rank 1, had it been waiting, gets it too.
+    EXPECT_THAT(testing::ReadFileOrDie(absl::StrFormat(
+                    "%s/channel/versions/.group-v%020d/rank-00001.failed", dir_.path(), version)),
+                HasSubstr("nothing of version"));
+    EXPECT_EQ(testing::ReadFileOrDie(dir_ / "channel/LATEST"), "1\n");
+    auto none = (*sub)->Poll(2, absl::ZeroDuration());
+    ASSERT_TRUE(none.ok()) << none.status();
+    EXPECT_EQ(*none, nullptr);
+    EXPECT_EQ((*sub)->current_version(), 1u);
+    ++version;
+  }
+  ASSERT_NO_FATAL_FAILURE(PublishAll(kWorld, "rows", version));
+  ExpectWholeModel(uri_, version, kWorld, "", WithKey());
+}
+
+// One rank configured with another secret (or none): the set is refused with an error naming
+// the odd rank and the committing one, whichever rank commits; nothing becomes visible.
+TEST_F(GroupSecretTest, ARankWithAnotherSecretOrNoneIsAClearErrorNamingTheRank) {
+  constexpr int kWorld = 2;
+  int round = 0;
+  for (const std::string& rank1 : {"secret_file=" + other_key_, std::string()}) {
+    SCOPED_TRACE(rank1.empty() ? "rank 1 without a secret" : "rank 1 with another secret");
+    const std::string tag = absl::StrFormat("mixed%d-", ++round);
+    std::filesystem::remove_all(dir_ / "channel");
+    std::map<int, std::string> settings = {{0, "secret_file=" + key_}};
+    if (!rank1.empty()) settings[1] = rank1;
+    std::vector<Child> ranks =
+        StartRanks(dir_, uri_, kWorld, "rows", 1, 1, tag, {}, 60, -1, {}, settings);
+    EXPECT_EQ(WaitAll(ranks), (std::vector<int>{1, 1}));
+    const std::string log0 = Log(tag + "0.log"), log1 = Log(tag + "1.log");
+    // Both ranks report the committer's refusal, which names rank 1 and the committing rank.
+    ASSERT_NE(log0.find("publish 1:"), std::string::npos) << log0;
+    ASSERT_NE(log1.find("publish 1:"), std::string::npos) << log1;
+    EXPECT_EQ(log0.substr(log0.find("publish 1:")), log1.substr(log1.find("publish 1:")));
+    const std::string prefix =
+        absl::StrFormat("%s: publish of version 1 failed: %s version 1: ", uri_, uri_);
+    if (rank1.empty()) {
+      EXPECT_THAT(
+          log0,
+          ::testing::AnyOf(
+              HasSubstr("PERMISSION_DENIED: " + prefix + "rank 1's part (publisher session"),
+              HasSubstr("FAILED_PRECONDITION: " + prefix + "rank 0's part (publisher session")));
+      EXPECT_THAT(log0, ::testing::AnyOf(
+                            HasSubstr("carries no MAC, but the channel requires its shared "
+                                      "secret: rank 1 publishes without the secret"),
+                            HasSubstr("is authenticated with a shared secret, but the committing "
+                                      "rank 1 has none")));
+    } else {
+      EXPECT_THAT(log0, HasSubstr("PERMISSION_DENIED: " + prefix + "rank "));
+      EXPECT_THAT(log0, ::testing::ContainsRegex(
+                            "ranks [01] and [01] hold different secrets \\(check secret_file or "
+                            "secret_env on both\\)"));
+    }
+    EXPECT_FALSE(Exists(dir_ / "channel/LATEST"));
+  }
 }
 
 }  // namespace

@@ -56,6 +56,8 @@ TEST_P(FileIoTest, WritesAndReadsManyRangesAtDepth) {
                       reads, absl::Now() + absl::Seconds(30), [](size_t) {}, describe)
                   .ok());
   for (size_t i = 0; i < reqs.size(); ++i) {
+    // An empty range's buffer may be null, which memcmp may not be given even for 0 bytes.
+    if (reqs[i].length == 0) continue;
     ASSERT_EQ(std::memcmp(back[i].data(), reqs[i].buffer, reqs[i].length), 0) << i;
   }
   // Reading past the end of the file is DataLoss naming the range.

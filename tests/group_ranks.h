@@ -21,13 +21,15 @@ inline std::string PeerBinary() { return BinaryPath("tests/wb_test_peer"); }
 // Starts the ranks of a group of `world` publishing versions [start, start + versions) of the
 // fixture with `layout` ("rows" or "cols"), each logging to dir/<log_tag><rank>.log; with `only`
 // >= 0, that rank alone. `failpoints` per rank (WEIGHTBUS_FAILPOINTS); `extra`: more peer
-// flags for every rank (e.g. {"--steps", "1", "--set", "keyframe_interval=5"}).
+// flags for every rank (e.g. {"--steps", "1", "--set", "keyframe_interval=5"}); `settings`: one
+// more --set K=V per rank (e.g. its secret_file).
 inline std::vector<Child> StartRanks(const ScratchDir& dir, const std::string& uri, int world,
                                      const std::string& layout, uint64_t start, uint64_t versions,
                                      const std::string& log_tag,
                                      const std::map<int, std::string>& failpoints = {},
                                      double timeout_s = 60, int only = -1,
-                                     const std::vector<std::string>& extra = {}) {
+                                     const std::vector<std::string>& extra = {},
+                                     const std::map<int, std::string>& settings = {}) {
   std::vector<Child> ranks;
   for (int r = 0; r < world; ++r) {
     if (only >= 0 && r != only) continue;
@@ -55,6 +57,8 @@ inline std::vector<Child> StartRanks(const ScratchDir& dir, const std::string& u
                                      "--set",
                                      "shard_size=100KiB"};  // several files a rank
     args.insert(args.end(), extra.begin(), extra.end());
+    if (auto it = settings.find(r); it != settings.end())
+      args.insert(args.end(), {"--set", it->second});
     auto c = Child::Start(args, env, dir / absl::StrFormat("%s%d.log", log_tag, r));
     EXPECT_TRUE(c.ok()) << c.status();
     if (c.ok()) ranks.push_back(*std::move(c));

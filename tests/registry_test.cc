@@ -48,11 +48,11 @@ TEST(RegistryTest, EveryTransportDeclaresItsCapabilitiesAndLayersDeriveTheirs) {
   ASSERT_TRUE(disk.ok()) << disk.status();
   EXPECT_EQ(DescribeCapabilities(*disk),
             "reads_strided_views, committed_manifest, keep_versions_from, publisher_groups, "
-            "open_version, list_versions, partial_reads, cancel, cross_process, durable, "
-            "late_joiners");
+            "authenticated_groups, open_version, list_versions, partial_reads, cancel, "
+            "cross_process, durable, late_joiners");
   // The delta layer keeps what it forwards and drops what it does itself; it carries disk's
-  // publisher groups (each rank encodes its own parts) but reads no byte ranges (a layer
-  // declares both itself).
+  // publisher groups (each rank encodes its own parts) but not their authentication, and reads
+  // no byte ranges (a layer declares these itself).
   auto delta = testing::StackCapabilitiesOf("delta+disk://" + dir.path() + "/ch");
   ASSERT_TRUE(delta.ok()) << delta.status();
   EXPECT_EQ(DescribeCapabilities(*delta),

@@ -19,6 +19,7 @@
 #include "expect_tensors.h"
 #include "test_model.h"
 #include "test_support.h"
+#include "transport_stack.h"
 #include "weightbus/weightbus.hpp"
 
 namespace weightbus {
@@ -219,20 +220,33 @@ TEST_F(SecretTest, AUserMayNotWriteTheMacMetadataKey) {
                         "MAC"));
 }
 
-// A publisher group's manifest would carry no MAC of the whole: a rank of a group on a channel
-// with a secret is refused at open, not published unauthenticated.
-TEST_F(SecretTest, APublisherGroupWithASecretIsRefusedAtOpen) {
+// A publisher group on a channel with a secret needs a stack that authenticates group versions
+// (capability authenticated_groups: disk://, tests/disk_group_test.cc GroupSecretTest); any
+// other stack refuses a rank at open rather than publish a group version without a MAC of the
+// whole: the delta layer and ucx:// (until they implement groups, by the publisher_groups
+// check; once they do, by this one).
+TEST_F(SecretTest, AGroupWithASecretIsRefusedWhereTheStackDoesNotAuthenticateGroups) {
   Options options = With(key_);
   options["rank"] = "1";
   options["world_size"] = "2";
-  auto pub = Publisher::Open(Uri(), options);
-  ASSERT_EQ(pub.status().code(), absl::StatusCode::kUnimplemented) << pub.status();
-  EXPECT_THAT(pub.status().message(),
-              HasSubstr("a publisher group (world_size=2, rank 1) on a channel with a shared "
-                        "secret is not implemented yet"));
-  // Without the secret the same rank opens (the group itself is supported on disk).
-  options.erase("secret_file");
-  EXPECT_TRUE(Publisher::Open(Uri(), options).ok());
+  auto disk = Publisher::Open(Uri(), options);
+  EXPECT_TRUE(disk.ok()) << disk.status();
+  for (const std::string& uri : {"delta+" + Uri(), std::string("ucx://127.0.0.1:1/channel")}) {
+    SCOPED_TRACE(uri);
+    if (testing::MissingTransports({uri.starts_with("ucx") ? "ucx" : "delta"}) != "") continue;
+    auto caps = testing::StackCapabilitiesOf(uri);
+    ASSERT_TRUE(caps.ok()) << caps.status();
+    ASSERT_FALSE(caps->authenticated_groups);
+    auto pub = Publisher::Open(uri, options);
+    ASSERT_EQ(pub.status().code(), absl::StatusCode::kUnimplemented) << pub.status();
+    EXPECT_THAT(pub.status().message(),
+                HasSubstr(caps->publisher_groups
+                              ? "a publisher group (world_size=2, rank 1) on a channel with a "
+                                "shared secret needs a transport stack that authenticates group "
+                                "versions, which this one does not"
+                              : "world_size=2 asks for a publisher group (rank 1), which this "
+                                "transport stack does not implement"));
+  }
 }
 
 // The MAC is the core's: the delta layer carries it through keyframes and deltas unchanged.
@@ -295,6 +309,60 @@ TEST(ManifestMacTest, CoversVersionSessionTensorsAndMetadata) {
   internal::ChannelKey other = key;
   other.bytes[0] ^= 1;
   EXPECT_NE(internal::ManifestMac(other, m), mac);
+
+  // A group's manifest (a rank's part, or the committed version) is MACed in its own domain
+  // and also covers the rank, world_size and each part's owner.
+  EXPECT_TRUE(changed([](Manifest& c) { c.group = true; }));
+  m.group = true;
+  m.publisher.rank = 1;
+  m.publisher.world_size = 2;
+  m.tensors[0].owner = 1;
+  const std::string group_mac = internal::ManifestMac(key, m);
+  auto group_changed = [&](auto edit) {
+    Manifest c = m;
+    edit(c);
+    return internal::ManifestMac(key, c) != group_mac;
+  };
+  EXPECT_TRUE(group_changed([](Manifest& c) { c.publisher.rank = 0; }));
+  EXPECT_TRUE(group_changed([](Manifest& c) { c.publisher.world_size = 4; }));
+  EXPECT_TRUE(group_changed([](Manifest& c) { c.tensors[0].owner = 0; }));
+  EXPECT_TRUE(group_changed([](Manifest& c) { c.tensors[0].block_bytes = 4096; }));
+  EXPECT_FALSE(group_changed([](Manifest& c) { c.publisher.pid = 99; }));
+}
+
+// The committing rank's check of a part (CheckPartMac): each case's code, naming the rank.
+TEST(ManifestMacTest, APartIsCheckedUnderTheCommittersKey) {
+  internal::ChannelKey key;
+  key.bytes.fill(7);
+  Manifest part;
+  part.version = 5;
+  part.group = true;
+  part.publisher.rank = 1;
+  part.publisher.world_size = 2;
+  part.publisher.session = "0123456789abcdef";
+  part.tensors.push_back(TensorInfo{"w", DType::kF32, {2, 2}, std::nullopt, 16, 42, 1});
+  const std::string where = "disk:///c version 5";
+  // An open channel: no MAC, none expected.
+  EXPECT_TRUE(internal::CheckPartMac(nullptr, part, 0, where).ok());
+  const absl::Status none = internal::CheckPartMac(&key, part, 0, where);
+  EXPECT_EQ(none.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(none.message(), HasSubstr("disk:///c version 5: rank 1's part (publisher session "
+                                        "0123456789abcdef, pid 0 on ) carries no MAC"));
+  part.metadata[std::string(internal::kMacMetadataKey)] = internal::ManifestMac(key, part);
+  EXPECT_TRUE(internal::CheckPartMac(&key, part, 0, where).ok());
+  const absl::Status keyless = internal::CheckPartMac(nullptr, part, 0, where);
+  EXPECT_EQ(keyless.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(keyless.message(), HasSubstr("but the committing rank 0 has none"));
+  internal::ChannelKey other = key;
+  other.bytes[0] ^= 1;
+  const absl::Status wrong = internal::CheckPartMac(&other, part, 0, where);
+  EXPECT_EQ(wrong.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(wrong.message(), HasSubstr("has a wrong MAC under the key of the committing rank 0: "
+                                         "ranks 1 and 0 hold different secrets"));
+  // Moved to another rank's place, the part no longer verifies.
+  part.publisher.rank = 0;
+  EXPECT_EQ(internal::CheckPartMac(&key, part, 1, where).code(),
+            absl::StatusCode::kPermissionDenied);
 }
 
 }  // namespace

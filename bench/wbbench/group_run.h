@@ -19,7 +19,8 @@ struct GroupRunConfig {
   std::string dir, store, log_dir;  // the run's directories (channels go in dir)
   absl::Duration timeout = absl::Seconds(120);
   std::vector<std::string> settings;  // --set KEY=VALUE, to every process
-  std::string transport = "disk";     // "disk", "delta+disk" or "ucx" (on 127.0.0.1, a free port per pair)
+  std::string transport =
+      "disk";  // "disk", "delta+disk" or "ucx" (on 127.0.0.1, a free port per pair)
   std::optional<std::string> json;
 };
 

@@ -12,6 +12,7 @@
 #include <new>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_format.h"
@@ -246,8 +247,20 @@ absl::StatusOr<wb::Options> ReadOptions(const char* function, const char* what,
   return out;
 }
 
-// wb_dtype_t <-> weightbus::DType (exhaustive both ways).
-absl::StatusOr<wb::DType> FromCDType(wb_dtype_t dtype) {
+// A wb_dtype_t as the integer it is stored as. C lets a caller's wb_dtype_t hold any value of
+// that integer type, C++ only values in its enumerators' range (0..31), and reading any other
+// as the enum is undefined behaviour (UBSan: "load of value 42, which is not a valid value for
+// type 'wb_dtype'"): so the C API reads callers' dtypes as the integer, and checks it before it
+// becomes a wb::DType.
+using CDType = std::underlying_type_t<wb_dtype_t>;
+CDType RawDType(const wb_dtype_t& dtype) {
+  CDType raw;
+  std::memcpy(&raw, &dtype, sizeof raw);
+  return raw;
+}
+
+// wb_dtype_t (as its integer) <-> weightbus::DType (exhaustive both ways).
+absl::StatusOr<wb::DType> FromCDType(CDType dtype) {
   switch (dtype) {
     case WB_DTYPE_BOOL:
       return wb::DType::kBool;
@@ -297,7 +310,7 @@ absl::StatusOr<wb::DType> FromCDType(wb_dtype_t dtype) {
       break;
   }
   return absl::InvalidArgumentError(
-      absl::StrFormat("%d is not a wb_dtype_t element type", static_cast<int>(dtype)));
+      absl::StrFormat("%d is not a wb_dtype_t element type", static_cast<int64_t>(dtype)));
 }
 
 wb_dtype_t ToCDType(wb::DType dtype) {
@@ -438,7 +451,7 @@ absl::Status SubByteUnimplemented(std::string_view name, wb::DType dtype) {
 }
 
 // The weightbus element type of a DLTensor, applying `override` (FROM_DLPACK: none).
-absl::StatusOr<wb::DType> DTypeOf(std::string_view name, DLDataType t, wb_dtype_t override) {
+absl::StatusOr<wb::DType> DTypeOf(std::string_view name, DLDataType t, CDType override) {
   std::optional<wb::DType> native;
   if (t.lanes == 1) {
     switch (t.code) {
@@ -520,7 +533,7 @@ struct Layout {
   wb::Device device;
 };
 
-absl::StatusOr<Layout> LayoutOf(std::string_view name, const DLTensor& t, wb_dtype_t override) {
+absl::StatusOr<Layout> LayoutOf(std::string_view name, const DLTensor& t, CDType override) {
   if (t.ndim < 0 || (t.ndim > 0 && t.shape == nullptr)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("tensor \"%s\": DLTensor has ndim %d and %s shape", name, t.ndim,
@@ -575,7 +588,7 @@ absl::Status IndexPastEnd(const char* function, const char* what, size_t index, 
 // The published tensor `index` named `name`: its layout with the dtype `override` and its
 // shard. Errors name the tensor, prefixed with `where` ("<uri> version 7").
 absl::StatusOr<wb::TensorView> ViewOf(const char* name, size_t index, const DLTensor& tensor,
-                                      wb_dtype_t override, const wb_shard_t* shard_in,
+                                      CDType override, const wb_shard_t* shard_in,
                                       std::string_view where) {
   absl::StatusOr<Layout> layout = LayoutOf(name, tensor, override);
   absl::StatusOr<std::optional<wb::Shard>> shard =
@@ -612,7 +625,8 @@ absl::Status Publish(wb_publisher_t* publisher, uint64_t version, const char* co
                                                         publisher->impl->uri(), version, i));
     }
     absl::StatusOr<wb::TensorView> view =
-        ViewOf(names[i], i, tensors[i], params.dtypes ? params.dtypes[i] : WB_DTYPE_FROM_DLPACK,
+        ViewOf(names[i], i, tensors[i],
+               params.dtypes ? RawDType(params.dtypes[i]) : CDType{WB_DTYPE_FROM_DLPACK},
                params.shards ? params.shards[i] : nullptr,
                absl::StrFormat("%s version %d", publisher->impl->uri(), version));
     if (!view.ok()) return view.status();
@@ -808,8 +822,9 @@ wb_status_t wb_setting_info(size_t index, wb_setting_info_t* info) {
 }
 
 const char* wb_dtype_name(wb_dtype_t dtype) {
-  if (dtype == WB_DTYPE_FROM_DLPACK) return "FROM_DLPACK";
-  absl::StatusOr<wb::DType> d = FromCDType(dtype);
+  const CDType raw = RawDType(dtype);
+  if (raw == WB_DTYPE_FROM_DLPACK) return "FROM_DLPACK";
+  absl::StatusOr<wb::DType> d = FromCDType(raw);
   return d.ok() ? wb::DTypeName(*d).data() : "?";  // DTypeName views string literals
 }
 
@@ -954,7 +969,7 @@ wb_status_t wb_publish_stream_add(wb_publish_stream_t* stream, const char* name,
       return s;
     }
     absl::StatusOr<wb::TensorView> view =
-        ViewOf(name, stream->impl->tensor_count(), *tensor, params.dtype, params.shard,
+        ViewOf(name, stream->impl->tensor_count(), *tensor, RawDType(params.dtype), params.shard,
                absl::StrFormat("%s: version %d", kFn, stream->impl->version()));
     if (!view.ok()) return view.status();
     return stream->impl->Add(*view, params.cuda_stream);
@@ -1134,7 +1149,7 @@ wb_status_t wb_subscriber_bind(wb_subscriber_t* subscriber, const char* name,
     WB_CHECK_ARG(kFn, destination);
     wb_bind_params_t params;
     if (absl::Status s = ReadParams(kFn, params_in, kBindParamsV1, &params); !s.ok()) return s;
-    absl::StatusOr<Layout> layout = LayoutOf(name, *destination, params.dtype);
+    absl::StatusOr<Layout> layout = LayoutOf(name, *destination, RawDType(params.dtype));
     if (!layout.ok()) {
       return absl::Status(
           layout.status().code(),

@@ -7,6 +7,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/secret.h"
 #include "core/status.h"
 
 namespace weightbus::internal {
@@ -169,6 +170,7 @@ absl::StatusOr<Manifest> MergeGroupParts(uint64_t version, const std::vector<Man
     m.sealed_unix_ns = std::max(m.sealed_unix_ns, part.sealed_unix_ns);
     m.tensors.insert(m.tensors.end(), part.tensors.begin(), part.tensors.end());
     for (const auto& [key, value] : part.metadata) {
+      if (key == kMacMetadataKey) continue;  // each rank's own; a committer MACs the whole
       auto [it, inserted] = m.metadata.emplace(key, value);
       if (inserted) {
         metadata_from[key] = part.publisher.rank;

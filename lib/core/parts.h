@@ -41,7 +41,8 @@ absl::StatusOr<std::vector<AssembledTensor>> AssembleParts(const std::vector<Ten
 
 // The manifest of group version `version` from its ranks' parts (parts[r]: rank r's part, its
 // tensors owned by r): every rank's tensors in rank order, the metadata of all (a key several
-// ranks give must have one value), the earliest publish start and the latest seal, and
+// ranks give must have one value; each part's own MAC, weightbus.mac, is left out), the earliest
+// publish start and the latest seal, and
 // `publisher` of rank `committer`; checked with AssembleParts. The one home of how a group
 // version is put together (disk's and ucx's group commits).
 // Errors: InvalidArgument naming a metadata key with both values and ranks, or AssembleParts'.

@@ -331,14 +331,15 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_
         "lists each transport's)",
         uri.Display(), world_size, rank, internal::DescribeCapabilities(impl->capabilities)));
   }
-  if (world_size > 1 && impl->key) {
-    // Each rank would MAC only its own part, and the group manifest the committing rank writes
-    // carries no MAC of the whole: refused rather than published unauthenticated.
+  if (world_size > 1 && impl->key && !impl->capabilities.authenticated_groups) {
+    // Its group versions would carry no MAC of the whole: refused rather than published
+    // unauthenticated (disk:// authenticates groups; docs/SECURITY.md, "Publisher groups").
     return absl::UnimplementedError(absl::StrFormat(
-        "%s: a publisher group (world_size=%d, rank %d) on a channel with a shared secret is not "
-        "implemented yet (the group manifest would carry no MAC); publish through a single "
-        "publisher or leave secret_file/secret_env unset",
-        uri.Display(), world_size, rank));
+        "%s: a publisher group (world_size=%d, rank %d) on a channel with a shared secret needs "
+        "a transport stack that authenticates group versions, which this one does not "
+        "(capabilities: %s); publish the group over disk://, through a single publisher, or "
+        "leave secret_file/secret_env unset",
+        uri.Display(), world_size, rank, internal::DescribeCapabilities(impl->capabilities)));
   }
   impl->identity =
       PublisherIdentity{internal::HostName(),       getpid(),

@@ -225,6 +225,7 @@ std::string DescribeCapabilities(const TransportCapabilities& c) {
            {c.wait_for_receivers, "wait_for_receivers"},
            {c.all_subscribers_take_part, "all_subscribers_take_part"},
            {c.publisher_groups, "publisher_groups"},
+           {c.authenticated_groups, "authenticated_groups"},
            {c.open_version, "open_version"},
            {c.list_versions, "list_versions"},
            {c.partial_reads, "partial_reads"},

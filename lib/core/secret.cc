@@ -156,11 +156,17 @@ absl::StatusOr<std::optional<ChannelKey>> LoadChannelKey(const Config& config,
 std::string ManifestMac(const ChannelKey& key, const Manifest& m) {
   crypto_auth_hmacsha512256_state state;
   crypto_auth_hmacsha512256_init(&state, key.bytes.data(), key.bytes.size());
-  Field(state, "weightbus.manifest-mac/1");
+  // A group's manifests in a domain of their own (a single publisher's fields are as before).
+  Field(state, m.group ? "weightbus.group-manifest-mac/1" : "weightbus.manifest-mac/1");
   Int(state, m.version);
   Field(state, m.publisher.session);
+  if (m.group) {
+    Int(state, static_cast<uint64_t>(m.publisher.rank));
+    Int(state, static_cast<uint64_t>(m.publisher.world_size));
+  }
   Int(state, m.tensors.size());
   for (const TensorInfo& t : m.tensors) {
+    if (m.group) Int(state, static_cast<uint64_t>(t.owner));
     Field(state, t.name);
     Field(state, DTypeName(t.dtype));
     Ints(state, t.shape);
@@ -191,33 +197,77 @@ std::string ManifestMac(const ChannelKey& key, const Manifest& m) {
   return Hex(mac, sizeof mac);
 }
 
+namespace {
+// What a manifest's MAC entry says under `key`: absent, valid or wrong.
+enum class MacIs { kAbsent, kValid, kWrong };
+MacIs MacOf(const ChannelKey& key, const Manifest& m) {
+  auto it = m.metadata.find(std::string(kMacMetadataKey));
+  if (it == m.metadata.end()) return MacIs::kAbsent;
+  const std::string expected = ManifestMac(key, m);
+  return it->second.size() == expected.size() &&
+                 sodium_memcmp(it->second.data(), expected.data(), expected.size()) == 0
+             ? MacIs::kValid
+             : MacIs::kWrong;
+}
+}  // namespace
+
 absl::Status CheckManifestMac(const ChannelKey* key, const Manifest& m, std::string_view uri,
                               std::string_view current) {
-  auto it = m.metadata.find(std::string(kMacMetadataKey));
   const std::string session = m.publisher.session.empty() ? "(unnamed)" : m.publisher.session;
   if (key == nullptr) {
-    if (it == m.metadata.end()) return absl::OkStatus();
+    if (m.metadata.count(std::string(kMacMetadataKey)) == 0) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrFormat(
         "%s: version %d (publisher session %s) is authenticated with a shared secret this "
         "subscriber does not have: configure the channel's secret with secret_file or secret_env "
         "to receive it; version %s stays current",
         uri, m.version, session, current));
   }
-  if (it == m.metadata.end()) {
+  const MacIs mac = MacOf(*key, m);
+  if (mac == MacIs::kAbsent) {
     return absl::PermissionDeniedError(absl::StrFormat(
         "%s: version %d (publisher session %s, pid %d on %s) carries no MAC, but this subscriber "
         "requires the channel's shared secret: refusing it as unauthenticated (a publisher "
         "without the secret, or a forged version); version %s stays current",
         uri, m.version, session, m.publisher.pid, m.publisher.host, current));
   }
-  const std::string expected = ManifestMac(*key, m);
-  if (it->second.size() != expected.size() ||
-      sodium_memcmp(it->second.data(), expected.data(), expected.size()) != 0) {
+  if (mac == MacIs::kWrong) {
     return absl::PermissionDeniedError(absl::StrFormat(
         "%s: version %d (publisher session %s, pid %d on %s) has a wrong MAC: it was not "
         "published with this channel's shared secret, or its manifest was altered; refusing it; "
         "version %s stays current",
         uri, m.version, session, m.publisher.pid, m.publisher.host, current));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPartMac(const ChannelKey* key, const Manifest& part, int committer,
+                          std::string_view where) {
+  const int rank = part.publisher.rank;
+  const std::string who =
+      absl::StrFormat("rank %d's part (publisher session %s, pid %d on %s)", rank,
+                      part.publisher.session.empty() ? "(unnamed)" : part.publisher.session,
+                      part.publisher.pid, part.publisher.host);
+  if (key == nullptr) {
+    if (part.metadata.count(std::string(kMacMetadataKey)) == 0) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: %s is authenticated with a shared secret, but the committing rank %d has none: "
+        "every rank of a group needs the channel's secret (secret_file or secret_env)",
+        where, who, committer));
+  }
+  const MacIs mac = MacOf(*key, part);
+  if (mac == MacIs::kAbsent) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "%s: %s carries no MAC, but the channel requires its shared secret: rank %d publishes "
+        "without the secret, or its part was forged by someone without the key; the committing "
+        "rank %d refuses it",
+        where, who, rank, committer));
+  }
+  if (mac == MacIs::kWrong) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "%s: %s has a wrong MAC under the key of the committing rank %d: ranks %d and %d hold "
+        "different secrets (check secret_file or secret_env on both), or the part was forged or "
+        "altered; refusing it",
+        where, who, committer, rank, committer));
   }
   return absl::OkStatus();
 }

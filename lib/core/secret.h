@@ -57,8 +57,12 @@ absl::Status RefuseInlineSecret(const std::map<std::string, std::string>& map,
 
 // The MAC of `m` under `key` (64 lowercase hex digits): HMAC-SHA-512-256 over the version, the
 // publisher's session (the channel epoch), every tensor's name, dtype, shape, shard, nbytes and
-// XXH3-64, in order, and the metadata except kMacMetadataKey. Times, host and pid are not
-// covered.
+// XXH3-64 (and block checksums where recorded), in order, and the metadata except
+// kMacMetadataKey. A group manifest (Manifest::group: one rank's part, or the committed version
+// of a publisher group) is MACed in a domain of its own and also covers the publisher's rank
+// (the part's, or the committing rank's), the group's world_size and every tensor's owner rank,
+// so that no part can pass for another rank's and no single publisher's MAC for a group's.
+// Times, host and pid are not covered.
 std::string ManifestMac(const ChannelKey& key, const Manifest& m);
 
 // Checks the MAC of a manifest offered to a subscriber, before any of its bytes is accepted.
@@ -68,6 +72,17 @@ std::string ManifestMac(const ChannelKey& key, const Manifest& m);
 // version the subscriber holds, for the messages ("none" when it holds none).
 absl::Status CheckManifestMac(const ChannelKey* key, const Manifest& m, std::string_view uri,
                               std::string_view current);
+
+// Checks one rank's part of a group version before the committing rank `committer` assembles
+// it (docs/SECURITY.md, "Publisher groups"): the part of rank `part.publisher.rank` must carry
+// a valid MAC under the committer's key `key`, or, on a channel without a secret (`key`
+// nullptr), none. `where` names the channel and version in messages. Errors:
+// PermissionDenied naming the rank when the part carries no MAC or a wrong one (a rank
+// configured without the secret or with another one, or a part forged or altered by someone
+// who can write the channel directory but lacks the key); FailedPrecondition naming the rank
+// when the part carries a MAC but the committer has no secret.
+absl::Status CheckPartMac(const ChannelKey* key, const Manifest& part, int committer,
+                          std::string_view where);
 
 // A handshake proof: HMAC-SHA-512-256 under `key` of `role` ("publisher" or "subscriber"),
 // then `first` and `second`. Each side proves itself over the nonce the other side chose (and

@@ -69,6 +69,13 @@ struct TransportCapabilities {
   // ranks' parts do not fit together, internal::AssembleParts). Without it the core refuses
   // world_size > 1 at Publisher::Open (Unimplemented).
   bool publisher_groups = false;
+  // A publisher group on a channel with a shared secret (docs/SECURITY.md, "Publisher groups"):
+  // the committing rank refuses a part without a valid MAC under its key (PermissionDenied
+  // naming the rank, for every rank of the set), and the committed group version carries a MAC
+  // of the whole (core/secret.h ManifestMac). Without it the core refuses world_size > 1 on a
+  // channel with a secret at Publisher::Open (Unimplemented) rather than publish a group
+  // version no subscriber can authenticate.
+  bool authenticated_groups = false;
 
   // -- Subscriber side --
   // TransportSubscriber::OpenVersion opens an exact version the channel still holds.

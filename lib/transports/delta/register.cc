@@ -129,6 +129,9 @@ TransportCapabilities LayerCapabilities(const Config&, const TransportCapabiliti
   // ranges.
   c.publisher_groups = beneath.publisher_groups && beneath.committed_manifest;
   c.partial_reads = false;
+  // Never inherited: a group beneath authenticates the parts it is handed, which under the
+  // layer are encodings, not the manifests the core MACs (docs/SECURITY.md, "Publisher groups").
+  c.authenticated_groups = false;
   return c;
 }
 

@@ -29,6 +29,7 @@
 #include "core/failpoint.h"
 #include "core/logging.h"
 #include "core/parts.h"
+#include "core/secret.h"
 #include "core/status.h"
 #include "io/file_io.h"
 #include "nlohmann/json.hpp"
@@ -107,6 +108,9 @@ struct GroupRole {
   UniqueFd rank_lock;   // publisher-r<rank>.lock, LOCK_EX
   UniqueFd group_lock;  // group.lock, taken LOCK_EX around each step of the commit
   absl::Duration poll;  // how often a rank waiting for the others looks again
+  // The channel's key when it has a shared secret: the committing rank checks every part's MAC
+  // with it and MACs the group manifest (docs/SECURITY.md, "Publisher groups").
+  std::optional<ChannelKey> key;
   bool grouped() const { return world_size > 1; }
 };
 
@@ -746,16 +750,31 @@ absl::Status DiskPublisher::CommitGroup(uint64_t version, int gfd,
                                         const std::vector<Manifest>& parts) {
   const std::string group_path =
       absl::StrFormat("%s/%s", channel_.VersionsDir(), GroupDirName(version));
+  // On a channel with a secret no part counts unless its rank MACed it with the channel's key
+  // (a forged or altered part, or a rank with another secret or none, refuses the whole set).
+  const ChannelKey* channel_key = group_.key ? &*group_.key : nullptr;
+  absl::Status refused;
+  for (const Manifest& part : parts) {
+    refused = CheckPartMac(channel_key, part, group_.rank,
+                           absl::StrFormat("%s version %d", Display(), version));
+    if (!refused.ok()) break;
+  }
+  const bool unauthenticated = !refused.ok();
   // The committing rank's publisher identity; every rank's tensors and metadata.
-  absl::StatusOr<Manifest> merged = internal::MergeGroupParts(version, parts, group_.rank);
-  absl::Status refused = merged.status();
+  absl::StatusOr<Manifest> merged = unauthenticated
+                                        ? absl::StatusOr<Manifest>(refused)
+                                        : internal::MergeGroupParts(version, parts, group_.rank);
+  refused = merged.status();
   if (!refused.ok()) {
     // Refused for every rank of the set: each gets this error, and none of these parts counts
     // again (a rank publishes the version anew to replace its part).
-    const absl::Status error(refused.code(),
-                             absl::StrFormat("%s version %d: the group's parts do not fit "
-                                             "together, nothing was committed: %s",
-                                             Display(), version, refused.message()));
+    const absl::Status error(
+        refused.code(),
+        unauthenticated
+            ? absl::StrFormat("%s; nothing of version %d was committed", refused.message(), version)
+            : absl::StrFormat("%s version %d: the group's parts do not fit together, nothing was "
+                              "committed: %s",
+                              Display(), version, refused.message()));
     nlohmann::json j;
     j["code"] = static_cast<int>(error.code());
     j["message"] = std::string(error.message());
@@ -767,6 +786,11 @@ absl::Status DiskPublisher::CommitGroup(uint64_t version, int gfd,
     }
     if (sync_) WB_RETURN_IF_ERROR(FsyncFd(gfd, group_path));
     return error;
+  }
+  // The MAC of the whole (every rank's tensors, shards, owners and checksums, under this
+  // committing rank's session), which subscribers check before accepting any byte.
+  if (channel_key != nullptr) {
+    merged->metadata[std::string(kMacMetadataKey)] = ManifestMac(*channel_key, *merged);
   }
   // Leftovers of crashed attempts inside the group directory go before it becomes visible.
   WB_ASSIGN_OR_RETURN(std::vector<std::string> names, ListDirAt(gfd, group_path));
@@ -881,6 +905,15 @@ absl::Status DiskPublisher::CleanLeftovers() {
       absl::StatusOr<Manifest> m =
           text.ok() ? Manifest::FromJson(*text, dir) : absl::StatusOr<Manifest>(text.status());
       if (!m.ok() || !m->group || m->publisher.world_size != group_.world_size) continue;
+      if (group_.key && !CheckManifestMac(&*group_.key, *m, Display(), "").ok()) {
+        // Not what a rank of this group committed (a committer MACs the group manifest under
+        // the channel's key): never made visible by this rank.
+        Log(LogLevel::kWarn,
+            "%s: not completing the commit of version %d: its group manifest carries no valid MAC "
+            "under the channel's key",
+            Display(), v);
+        continue;
+      }
       Log(LogLevel::kInfo, "%s: completing the commit of version %d, left by rank %d", Display(), v,
           m->publisher.rank);
       WB_RETURN_IF_ERROR(CommitLatest(v));
@@ -1008,6 +1041,7 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenDiskPublisher(const Uri&
     WB_ASSIGN_OR_RETURN(group.group_lock, OpenAt(channel.fd(), kGroupLock, O_RDWR | O_CREAT,
                                                  channel.Path(kGroupLock)));
     group.group_lock.CloseInForkedChildren();
+    WB_ASSIGN_OR_RETURN(group.key, LoadChannelKey(config, uri.Display()));
   }
   WB_ASSIGN_OR_RETURN(FailPoints failpoints, FailPoints::Parse(config.String("failpoints")));
   WB_ASSIGN_OR_RETURN(std::unique_ptr<FileIo> io, MakeFileIo(uri, config));

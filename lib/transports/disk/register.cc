@@ -95,7 +95,8 @@ TransportCapabilities DiskCapabilities(const Config&, const TransportCapabilitie
   c.cross_process = true;
   c.durable = true;
   c.late_joiners = true;
-  c.publisher_groups = true;  // versions/.group-vN/rank-R parts, committed by the last rank
+  c.publisher_groups = true;      // versions/.group-vN/rank-R parts, committed by the last rank
+  c.authenticated_groups = true;  // each part's MAC checked at commit; the group's MAC added
   return c;
 }
 

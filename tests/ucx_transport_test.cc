@@ -833,6 +833,7 @@ TEST_P(UcxInternalTest, RegistrationsAndGetsScaleWithBytesNotTensors) {
     EXPECT_EQ(sink.landed, std::vector<int>(sizes.size(), 1));
     EXPECT_TRUE(sink.prefixes_grow);
     for (size_t i = 0; i < sizes.size(); ++i) {
+      if (sizes[i] == 0) continue;  // an empty one's bytes may be null: memcmp may not see them
       ASSERT_EQ(std::memcmp(targets[i], bytes[i].data(), sizes[i]), 0) << "tensor " << i;
     }
     const uint64_t chunks = (total + (1 << 20) - 1) >> 20;

@@ -335,7 +335,14 @@ const std::vector<StackCase>& StackCases() {
        {{"poll_interval", "2ms"}},
        {{"staging_window", "64KiB"}},
        /*partial_reads=*/true},
-      {"delta_disk", "delta+disk://{dir}/channel", {}, {1, 2, 4}, {}, {{"poll_interval", "2ms"}}},
+      // delta_send_plain=false: a single publisher encodes too (its plain-or-delta choice would
+      // send these small versions plainly); the subject here is the layout of decoded deltas.
+      {"delta_disk",
+       "delta+disk://{dir}/channel",
+       {},
+       {1, 2, 4},
+       {{"delta_send_plain", "false"}},
+       {{"poll_interval", "2ms"}}},
       {"ucx", "ucx://127.0.0.1:{port}/channel", testing::kShm, {1, 2, 4}},
   };
   return *stacks;

@@ -8,7 +8,9 @@ Environment (CTest sets these; the defaults suit a source checkout built in ./bu
 Names do not start with WEIGHTBUS_: that prefix is the library's settings (an unknown one is
 logged as a warning naming the closest setting).
 """
+import ctypes
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -32,18 +34,38 @@ def fixtures_dir() -> Path:
     return Path(os.environ.get("WB_TEST_FIXTURES", REPO_ROOT.parent / "shared" / "fixtures"))
 
 
+_IN_CLOSE_WRITE, _IN_MOVED_TO, _IN_CREATE = 0x8, 0x80, 0x100  # <sys/inotify.h>
+_IN_NONBLOCK, _IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
+
+
 def fail_point_reached(pause_dir: Path, name: str, timeout: float = 30.0) -> bool:
     """Waits until the library's `pause:DIR` fail point `name` is reached, i.e. until it creates
-    DIR/<name>.reached (lib/core/failpoint.h; tests/test_support.cc's WaitUntil does the same in
-    C++): the event is a file, so it is checked every 5 ms, up to `timeout` s. False on timeout.
-    Release the paused thread by creating DIR/<name>.release."""
+    DIR/<name>.reached (lib/core/failpoint.h), up to `timeout` s; False on timeout. Woken by
+    inotify on DIR (which must exist), not by polling: the watch is in place before the file is
+    first looked for, so its creation cannot be missed. Release the paused thread by creating
+    DIR/<name>.release."""
     reached = Path(pause_dir) / f"{name}.reached"
-    deadline = time.monotonic() + timeout
-    while not reached.exists():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), "inotify_init1")
+    try:
+        if libc.inotify_add_watch(fd, os.fsencode(str(pause_dir)),
+                                  _IN_CREATE | _IN_MOVED_TO | _IN_CLOSE_WRITE) < 0:
+            raise OSError(ctypes.get_errno(), f"inotify_add_watch {pause_dir}")
+        deadline = time.monotonic() + timeout
+        while not reached.exists():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if select.select([fd], [], [], left)[0]:
+                try:
+                    os.read(fd, 65536)  # the events themselves do not matter: look again
+                except BlockingIOError:
+                    pass
+        return True
+    finally:
+        os.close(fd)
 
 
 def child_env(**extra) -> dict:

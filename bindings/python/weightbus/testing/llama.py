@@ -12,7 +12,11 @@ maps checkpoint names through `stacked_params_mapping` and skips `lm_head.weight
 embeddings are tied, and linear layers with a `quant_method` whose
 `process_weights_after_loading` must run after every load (it pre-packs the weights the forward
 pass uses, as vLLM's CPU backend does), so a replica that skips it computes with stale weights.
-With a forward pass and batched generation (greedy or sampled).
+With a forward pass and batched generation (greedy or sampled). With LlamaConfig.num_experts > 0
+both have Qwen3-MoE's sparse MLP in the layers its config says: Hugging Face's one MLP per expert
+(checkpoint names mlp.experts.{e}.gate_proj/up_proj/down_proj, router mlp.gate) and vLLM's
+FusedMoE (w13_weight, w2_weight, split by expert or inside each expert as vLLM's
+FusedMoEParallelConfig says).
 
 Both read the config.json that `weightbus convert-llama2c` writes (LlamaConfig fields).
 """

@@ -169,6 +169,59 @@ TEST(BenchModelTest, UcxWithGpuDirectLikePerplexitysOneTrillion) {
   EXPECT_NEAR(e.transfer_s, 1.252, 1e-12);
 }
 
+TEST(BenchModelTest, ASingleSourceGathersThenServesEveryInstanceFromOneNode) {
+  // The issue-12 setting: 1T fp8, 256 trainer GPUs (32 nodes), 8 instances of 16 GPUs, IB NDR
+  // (8 x 50 GB/s per node), weightbus's host copies. Sharded publish (every trainer GPU its own
+  // shard, the default) against one source:
+  //   sharded: d2h 1e12/256/50e9 = 0.078, stage 1e12/32/100e9 = 0.3125, latency 0.002,
+  //            pull max(1e12 x 8/16 / 400e9 = 1.25, 8 x 1e12/32/400e9 = 0.625) = 1.25,
+  //            apply 1e12/16/50e9 = 1.25: 2.8926 s, stall 0.3906;
+  //   one source: gather (1e12/1 - 1e12/32)/400e9 = 2.421875, d2h 1e12/50e9 = 20,
+  //            stage 1e12/100e9 = 10, latency, pull 8 x 1e12/400e9 = 20 (the source node's egress
+  //            serves all 8 instances), apply 1.25: 53.67 s, stall 32.42 s.
+  ModelInputs in = SevenB();
+  in.model_bytes = 1e12;
+  in.trainer_gpus = 256;
+  in.replica_gpus = 128;
+  in.gpus_per_replica = 16;
+  const Estimate sharded = MustEstimate(in, "ucx");
+  EXPECT_EQ(sharded.publishers, 256);
+  EXPECT_EQ(TermNames(sharded),
+            (std::vector<std::string>{"d2h", "stage", "latency", "pull", "apply"}));
+  EXPECT_NEAR(sharded.transfer_s, 2.892625, 1e-9);
+  in.publishers = 256;  // the same, said explicitly
+  EXPECT_DOUBLE_EQ(MustEstimate(in, "ucx").transfer_s, sharded.transfer_s);
+  in.publishers = 1;
+  EXPECT_EQ(ShapeOf(in).publisher_nodes, 1);
+  const Estimate one = MustEstimate(in, "ucx");
+  EXPECT_EQ(one.publishers, 1);
+  EXPECT_EQ(TermNames(one),
+            (std::vector<std::string>{"gather", "d2h", "stage", "latency", "pull", "apply"}));
+  EXPECT_DOUBLE_EQ(TermOf(one, "gather"), (1e12 - 1e12 / 32) / 400e9);
+  EXPECT_DOUBLE_EQ(TermOf(one, "d2h"), 20);
+  EXPECT_DOUBLE_EQ(TermOf(one, "stage"), 10);
+  EXPECT_DOUBLE_EQ(TermOf(one, "pull"), 20);
+  EXPECT_NEAR(one.stall_s, 2.421875 + 30, 1e-9);
+  EXPECT_NEAR(one.transfer_s, 2.421875 + 30 + 0.002 + 20 + 1.25, 1e-9);
+  // The whole trainer idles either way: trainer GPU-hours count all 256.
+  EXPECT_NEAR(one.trainer_idle_gpu_h, one.exposed_s * 256 * 1000 / 3600, 1e-6);
+  // One source per node (32): no gather across nodes, the pull's source spread as sharded.
+  in.publishers = 32;
+  EXPECT_EQ(ShapeOf(in).publisher_nodes, 4);  // 32 GPUs on the first 4 nodes of 8
+  const Estimate node_each = MustEstimate(in, "ucx");
+  EXPECT_DOUBLE_EQ(TermOf(node_each, "gather"), (1e12 / 4 - 1e12 / 32) / 400e9);
+  // disk writes from the sources' nodes only; nccl is unchanged (its roots are its sources).
+  in.publishers = 1;
+  EXPECT_DOUBLE_EQ(TermOf(MustEstimate(in, "disk"), "write"), 1e12 / 10e9);
+  in.publishers = 0;
+  EXPECT_DOUBLE_EQ(TermOf(MustEstimate(in, "disk"), "write"), 1e12 / 100e9);
+  ModelInputs nccl1 = in;
+  nccl1.publishers = 1;
+  EXPECT_DOUBLE_EQ(MustEstimate(nccl1, "nccl").transfer_s, MustEstimate(in, "nccl").transfer_s);
+  // delta+ucx encodes on the sources' nodes.
+  EXPECT_DOUBLE_EQ(TermOf(MustEstimate(nccl1, "delta+ucx"), "encode"), 1e12 / 20e9);
+}
+
 TEST(BenchModelTest, NcclBroadcastIsLimitedByItsRootsNics) {
   // One root: one GPU's share of the node's 8 NICs, 400 / 8 = 50 GB/s: 14e9 / 50e9 = 0.28 s plus
   // 2 ms; the trainer takes part throughout, and nothing goes through host memory.
@@ -345,6 +398,7 @@ TEST(BenchModelTest, InvalidInputsAreInvalidArgument) {
            [](ModelInputs& m) { m.trainer_gpus = 0; }, [](ModelInputs& m) { m.gpus_per_node = -1; },
            [](ModelInputs& m) { m.replica_gpus = 12; },    // not a multiple of 8 per replica
            [](ModelInputs& m) { m.broadcast_roots = 9; },  // more than 8 trainer GPUs
+           [](ModelInputs& m) { m.publishers = 9; }, [](ModelInputs& m) { m.publishers = -1; },
            [](ModelInputs& m) { m.nics_per_node = 0; }, [](ModelInputs& m) { m.node_gbs = 0; },
            [](ModelInputs& m) { m.node_gbs = std::nan(""); },
            [](ModelInputs& m) { m.apply_gbs = -5; }, [](ModelInputs& m) { m.step_s = 0; },
@@ -664,6 +718,31 @@ TEST(BenchModelTest, TableHasHeaderUnitsAndOneRowPerTransport) {
   for (const std::string& l : lines) EXPECT_NE(l.back(), ' ') << l;
 }
 
+TEST(BenchModelTest, TermsTableShowsWhereTheTimeGoesSideBySide) {
+  ModelInputs in = SevenB();
+  in.model_bytes = 1e12;
+  in.trainer_gpus = 256;
+  in.replica_gpus = 128;
+  in.gpus_per_replica = 16;
+  std::vector<Estimate> es = {MustEstimate(in, "ucx")};
+  in.publishers = 1;
+  es.push_back(MustEstimate(in, "ucx"));
+  const std::string table = FormatTermsTable(es);
+  std::vector<std::string> lines = absl::StrSplit(table, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 4u);
+  EXPECT_THAT(lines[0], ::testing::ContainsRegex(
+                            "^# transport/src +gather +d2h +stage +latency +pull +apply +stall "
+                            "+last$"));
+  EXPECT_THAT(lines[2],
+              ::testing::ContainsRegex("^  ucx/256 +- +0.078\\* +0.31[23]\\* +0.002 +1.250 "
+                                       "+1.250 +0.391 +2.893$"));
+  EXPECT_THAT(lines[3], ::testing::ContainsRegex("^  ucx/1 +2.422\\* +20.000\\* +10.000\\* "
+                                                 "+0.002 +20.000 +1.250 +32.422 +53.674$"));
+  const std::string labelled = FormatModelTable(es, /*label_publishers=*/true);
+  EXPECT_THAT(labelled, HasSubstr("\n  ucx/256 "));
+  EXPECT_THAT(labelled, HasSubstr("\n  ucx/1 "));
+}
+
 TEST(BenchModelTest, ComparisonShowsTheRelativeError) {
   Estimate ucx;
   ucx.transport = "ucx";
@@ -717,6 +796,37 @@ TEST(BenchModelTest, SubcommandPrintsBannerTableAndOk) {
   in.step_s = 30;
   EXPECT_NEAR(j["transports"][1]["transfer_s"].get<double>(), MustEstimate(in, "ucx").transfer_s,
               1e-9);
+}
+
+TEST(BenchModelTest, SubcommandComparesSourcesSideBySide) {
+  testing::ScratchDir dir;
+  const testing::RunResult r =
+      Model({"--params",           "1T",     "--dtype",        "fp8",
+             "--trainer-gpus",     "256",    "--replica-gpus", "128",
+             "--gpus-per-replica", "16",     "--step-s",       "300",
+             "--fabric",           "ib-ndr", "--transports",   "ucx,disk",
+             "--publishers",       "256,1",  "--json",         dir / "m.json"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("# sources (disk, ucx, delta+): every trainer GPU (256 on 32 "
+                                  "nodes); 1 GPU on 1 node [--publishers]"));
+  for (const char* row : {"\n  ucx/256 ", "\n  disk/256 ", "\n  ucx/1 ", "\n  disk/1 "}) {
+    EXPECT_THAT(r.output, HasSubstr(row));
+  }
+  EXPECT_THAT(r.output, HasSubstr("# where the time goes"));
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("\n  ucx/1 +2.422\\* +20.000\\*"));
+  EXPECT_TRUE(absl::EndsWith(r.output, "# OK\n")) << r.output;
+  nlohmann::json j = nlohmann::json::parse(testing::ReadFileOrDie(dir / "m.json"));
+  ASSERT_EQ(j["transports"].size(), 4u);
+  EXPECT_EQ(j["transports"][0]["publishers"], 256);
+  EXPECT_EQ(j["transports"][2]["publishers"], 1);
+  EXPECT_NEAR(j["transports"][2]["transfer_s"].get<double>(), 53.673875, 1e-6);
+  EXPECT_EQ(j["inputs"]["publishers"]["from"], "--publishers");
+  // Not a count of trainer GPUs: a usage error.
+  for (const char* bad : {"0", "257", "one", "2,,3"}) {
+    const testing::RunResult u = Model({"--trainer-gpus", "256", "--publishers", bad});
+    EXPECT_EQ(u.exit_code, 2) << bad << ": " << u.output;
+    EXPECT_THAT(u.output, HasSubstr("--publishers")) << bad;
+  }
 }
 
 TEST(BenchModelTest, SubcommandCalibratesAndCompares) {

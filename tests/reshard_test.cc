@@ -788,6 +788,217 @@ TEST(ReshardLayoutTest, ExpertsFromOneTensorEachStackLikeStackedExperts) {
        "\"layers.1.mlp.experts.3.up_proj.weight\" is U32 [8, 15]"});
 }
 
+// The checkpoint of TestModel's experts as a Hugging Face checkpoint has them, one tensor per
+// expert: "<prefix><e>.gate_proj.weight" [8, 16], up_proj [8, 16], down_proj [16, 8].
+Model PerExpertModel(const std::string& prefix) {
+  const Model stacked = TestModel();
+  Model each;
+  for (int64_t e = 0; e < 6; ++e) {
+    for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+             {"w1", "gate_proj"}, {"w3", "up_proj"}, {"w2", "down_proj"}}) {
+      const Global& g = stacked.at("layers.1.mlp.experts." + from);
+      Global one;
+      one.shape = Dims(g.shape.begin() + 1, g.shape.end());
+      const int64_t n = Count(one.shape);
+      one.values.assign(g.values.begin() + e * n, g.values.begin() + (e + 1) * n);
+      each[absl::StrCat(prefix, e, ".", to, ".weight")] = std::move(one);
+    }
+  }
+  return each;
+}
+
+TEST(ReshardLayoutTest, FusedMoeGroupsFollowVllmsLoadersExpertByExpert) {
+  // vLLM's FusedMoE from a Hugging Face checkpoint (vllm/model_executor/layers/fused_moe/
+  // layer.py): FusedMoEParallelConfig gives each worker an expert-parallel group (ep_size,
+  // ep_rank; determine_expert_map deals the experts) and a tensor-parallel group inside the
+  // experts (tp_size, tp_rank; intermediate_size_per_partition). weight_loader(param, w,
+  // name, shard_id, expert_id) skips an expert not in expert_map, and at its local index
+  // _load_w13 narrows dimension 0 (SHARD_ID_TO_SHARDED_DIM w1/w3) of the expert's gate_proj and
+  // up_proj to block tp_rank and writes them to the first and second half of w13_weight's rows;
+  // _load_w2 narrows dimension 1 of down_proj. The reference below is those loaders, written
+  // element by element; the placement is ExpertsFromEach(...).InGroups(ep, tp, dim).
+  const std::string prefix = "layers.1.mlp.experts.";
+  const Model each = PerExpertModel(prefix);
+  const int64_t experts = 6, inter = 8, hidden = 16;
+  struct Groups {
+    TensorParallelRank ep, tp;
+  };
+  // vLLM's two modes at 2 and 4 workers (experts whole over EP, or every expert split over
+  // TP), EP with data parallelism (a group wider than the subscriber's), and both at once.
+  std::vector<Groups> cases;
+  for (int n : {1, 2, 4}) {
+    for (int r = 0; r < n; ++r) {
+      cases.push_back({{n, r}, {1, 0}});
+      cases.push_back({{1, 0}, {n, r}});
+    }
+  }
+  for (int r = 0; r < 4; ++r) cases.push_back({{2, r / 2}, {2, r % 2}});
+  cases.push_back({{8, 5}, {1, 0}});  // DP 2 x TP 4 with expert parallelism: EP rank 5 of 8
+  for (int world : {1, 2, 4}) {
+    const Group group = Publish(each, world, FsdpSplits(each));
+    for (ExpertOrder order : {ExpertOrder::kLinear, ExpertOrder::kRoundRobin}) {
+      for (const Groups& g : cases) {
+        const std::vector<int64_t> local = ReferenceExperts(experts, g.ep.size, g.ep.rank, order);
+        const int64_t part = inter / g.tp.size, q = g.tp.rank;
+        const std::vector<TensorRequest> requests = {
+            {prefix + "w13_weight",
+             Placement::ExpertsFromEach(experts, "experts.w13_",
+                                        {"experts.{e}.gate_proj.", "experts.{e}.up_proj."}, order)
+                 .InGroups(g.ep, g.tp, 0)},
+            {prefix + "w2_weight",
+             Placement::ExpertsFromEach(experts, "experts.w2_", {"experts.{e}.down_proj."}, order)
+                 .InGroups(g.ep, g.tp, 1)}};
+        // The subscriber's TP group plays no part once both groups are given.
+        auto plan = ComputePlan(group.layout, requests, {3, 2});
+        ASSERT_TRUE(plan.ok()) << plan.status();
+        const std::string where = absl::StrCat("world ", world, ", EP ", g.ep.rank, "/", g.ep.size,
+                                               ", TP ", q, "/", g.tp.size);
+        auto w13 = Execute(plan->tensors[0], group);
+        ASSERT_TRUE(w13.ok()) << w13.status();
+        const Dims w13_shape{static_cast<int64_t>(local.size()), 2 * part, hidden};
+        ASSERT_EQ(plan->tensors[0].shape, w13_shape) << where;
+        size_t i = 0;
+        ForEachIndex(w13_shape, [&](const Dims& idx) {
+          const bool up = idx[1] >= part;  // _load_w13: w3 into the second half
+          const Global& src = each.at(
+              absl::StrCat(prefix, local[idx[0]], up ? ".up_proj" : ".gate_proj", ".weight"));
+          const uint32_t want = src.At({q * part + idx[1] - (up ? part : 0), idx[2]});
+          EXPECT_EQ((*w13)[i++], want) << where << " w13 " << ShapeString(idx);
+        });
+        auto w2 = Execute(plan->tensors[1], group);
+        ASSERT_TRUE(w2.ok()) << w2.status();
+        const Dims w2_shape{static_cast<int64_t>(local.size()), hidden, part};
+        ASSERT_EQ(plan->tensors[1].shape, w2_shape) << where;
+        i = 0;
+        ForEachIndex(w2_shape, [&](const Dims& idx) {
+          const Global& src = each.at(absl::StrCat(prefix, local[idx[0]], ".down_proj.weight"));
+          EXPECT_EQ((*w2)[i++], src.At({idx[1], q * part + idx[2]}))
+              << where << " w2 " << ShapeString(idx);
+        });
+      }
+    }
+  }
+  // Stacked sources with the same groups give the same bytes (ExpertsMerged, Experts).
+  const Model stacked = TestModel();
+  const Group stacked_group = Publish(stacked, 2, MegatronSplits(stacked));
+  const Group each_group = Publish(each, 1, {});
+  for (const Groups& g : cases) {
+    const auto from_each =
+        ComputePlan(each_group.layout,
+                    {{prefix + "w13_weight",
+                      Placement::ExpertsFromEach(experts, "experts.w13_",
+                                                 {"experts.{e}.gate_proj.", "experts.{e}.up_proj."})
+                          .InGroups(g.ep, g.tp, 0)},
+                     {prefix + "w2_weight",
+                      Placement::ExpertsFromEach(experts, "experts.w2_", {"experts.{e}.down_proj."})
+                          .InGroups(g.ep, g.tp, 1)}},
+                    {1, 0});
+    const auto from_stacked = ComputePlan(
+        stacked_group.layout,
+        {{prefix + "w13", Placement::ExpertsMerged("w13", {"w1", "w3"}).InGroups(g.ep, g.tp, 0)},
+         {prefix + "w2", Placement::Experts().InGroups(g.ep, g.tp, 1)}},
+        {1, 0}, {OverlapPolicy::kReport});
+    ASSERT_TRUE(from_each.ok() && from_stacked.ok()) << from_each.status() << from_stacked.status();
+    for (size_t t = 0; t < 2; ++t) {
+      auto a = Execute(from_each->tensors[t], each_group);
+      auto b = Execute(from_stacked->tensors[t], stacked_group);
+      ASSERT_TRUE(a.ok() && b.ok());
+      EXPECT_EQ(from_each->tensors[t].shape, from_stacked->tensors[t].shape);
+      EXPECT_EQ(*a, *b) << "EP " << g.ep.rank << "/" << g.ep.size << " TP " << g.tp.rank << "/"
+                        << g.tp.size << " tensor " << t;
+    }
+  }
+  // The groups are in the plan's fingerprint (a plan kept for one group is not reused for
+  // another).
+  const TensorRequest a{prefix + "w2_weight", Placement::ExpertsFromEach(experts, "experts.w2_",
+                                                                         {"experts.{e}.down_proj."})
+                                                  .InGroups({2, 0}, {1, 0}, 0)};
+  TensorRequest b = a;
+  b.placement.ep_rank = 1;
+  EXPECT_NE(ComputePlan(each_group.layout, {a}, {1, 0})->fingerprint,
+            ComputePlan(each_group.layout, {b}, {1, 0})->fingerprint);
+  // Errors, before any byte moves.
+  auto plan_w2 = [&](TensorParallelRank ep, TensorParallelRank tp, int dim) {
+    return ComputePlan(
+        each_group.layout,
+        {{prefix + "w2_weight",
+          Placement::ExpertsFromEach(experts, "experts.w2_", {"experts.{e}.down_proj."})
+              .InGroups(ep, tp, dim)}},
+        {1, 0});
+  };
+  ExpectError(plan_w2({1, 0}, {3, 1}, 1), absl::StatusCode::kInvalidArgument,
+              {"the TP degree 3 inside the experts does not divide dimension 1 of an expert of "
+               "\"layers.1.mlp.experts.0.down_proj.weight\" (size 8, global shape [16, 8])"});
+  ExpectError(plan_w2({1, 0}, {2, 1}, 2), absl::StatusCode::kInvalidArgument,
+              {"dimension 2 inside the experts is outside an expert's 2 dimensions"});
+  ExpectError(plan_w2({2, 2}, {1, 0}, 0), absl::StatusCode::kInvalidArgument,
+              {"expert-parallel rank 2 of 2"});
+  ExpectError(plan_w2({1, 0}, {2, -1}, 1), absl::StatusCode::kInvalidArgument,
+              {"tensor-parallel rank -1 of 2 inside the experts"});
+  ExpectError(plan_w2({1, 0}, {2, 1}, -1), absl::StatusCode::kInvalidArgument,
+              {"dimension -1 inside the experts"});
+}
+
+TEST(ReshardPlanTest, DestinationsWithoutAnySourceAreSkippedOnlyWhenAsked) {
+  // vLLM's load_weights loads what the checkpoint names and leaves other parameters as they
+  // are: AbsentPolicy::kSkip leaves a destination none of whose sources the layout has out of
+  // the plan; one with only some of its sources, or a plan with nothing left, is NotFound.
+  Model m;
+  Add(m, "a.q_proj.weight", {4, 2});
+  Add(m, "a.k_proj.weight", {2, 2});
+  Add(m, "a.v_proj.weight", {2, 2});
+  Add(m, "b.q_proj.weight", {4, 2});
+  Add(m, "b.k_proj.weight", {2, 2});
+  Add(m, "norm.weight", {2});
+  Add(m, "e.experts.1.down_proj.weight", {2, 4});
+  const SourceLayout layout = Publish(m, 1, {}).layout;
+  const PlanOptions skip{OverlapPolicy::kReject, AbsentPolicy::kSkip};
+  const TensorRequest qkv_a{"a.qkv_proj.weight", Placement::Qkv(2, 1, 2)};
+  const TensorRequest norm{"norm.weight", Placement::Replicate()};
+  const TensorRequest absent[] = {
+      {"c.qkv_proj.weight", Placement::Qkv(2, 1, 2)},
+      {"lm_head.weight", Placement::Shard(0)},
+      {"rotary.inv_freq", Placement::Replicate()},
+      {"f.experts.w2_weight",
+       Placement::ExpertsFromEach(2, "experts.w2_", {"experts.{e}.down_proj."})},
+      {"f.experts.w2", Placement::Experts()}};
+  std::vector<TensorRequest> requests = {qkv_a};
+  for (const TensorRequest& r : absent) requests.push_back(r);
+  requests.push_back(norm);
+  auto plan = ComputePlan(layout, requests, {2, 1}, skip);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->tensors.size(), 2u);
+  EXPECT_EQ(plan->tensors[0].name, "a.qkv_proj.weight");
+  EXPECT_EQ(plan->tensors[1].name, "norm.weight");
+  EXPECT_EQ(plan->skipped,
+            (std::vector<std::string>{"c.qkv_proj.weight", "lm_head.weight", "rotary.inv_freq",
+                                      "f.experts.w2_weight", "f.experts.w2"}));
+  // The plan of what is kept is the plan without the skipped destinations.
+  auto kept = ComputePlan(layout, {qkv_a, norm}, {2, 1});
+  ASSERT_TRUE(kept.ok());
+  EXPECT_EQ(plan->tensors[0].ranges, kept->tensors[0].ranges);
+  EXPECT_NE(plan->fingerprint, ComputePlan(layout, {qkv_a, norm}, {2, 1}, skip)->fingerprint);
+  // Without kSkip, the first absent destination is NotFound as before.
+  ExpectError(ComputePlan(layout, requests, {2, 1}), absl::StatusCode::kNotFound,
+              {"\"c.v_proj.weight\" are not in the layout"});
+  // Some sources but not all: q and k of b, not v; expert 1 of 2, not expert 0.
+  ExpectError(
+      ComputePlan(layout, {qkv_a, {"b.qkv_proj.weight", Placement::Qkv(2, 1, 2)}}, {2, 1}, skip),
+      absl::StatusCode::kNotFound, {"\"b.v_proj.weight\" is not in the layout"});
+  ExpectError(
+      ComputePlan(layout,
+                  {{"e.experts.w2_weight",
+                    Placement::ExpertsFromEach(2, "experts.w2_", {"experts.{e}.down_proj."})}},
+                  {1, 0}, skip),
+      absl::StatusCode::kNotFound,
+      {"source tensor \"e.experts.0.down_proj.weight\" is not in the layout"});
+  // Nothing left to receive.
+  ExpectError(ComputePlan(layout, {absent[1], absent[2]}, {2, 1}, skip),
+              absl::StatusCode::kNotFound,
+              {"none of the 2 destination tensors has a source in the layout (7 tensors), e.g. "
+               "\"lm_head.weight\""});
+}
+
 // --- Range counts: the fewest contiguous ranges. ---
 
 size_t RangesFor(const Group& group, const TensorRequest& req, TensorParallelRank tp) {

@@ -221,19 +221,28 @@ TEST_F(SecretTest, AUserMayNotWriteTheMacMetadataKey) {
 }
 
 // A publisher group on a channel with a secret needs a stack that authenticates group versions
-// (capability authenticated_groups: disk://, tests/disk_group_test.cc GroupSecretTest); any
-// other stack refuses a rank at open rather than publish a group version without a MAC of the
-// whole: the delta layer and ucx:// (until they implement groups, by the publisher_groups
-// check; once they do, by this one).
+// (capability authenticated_groups: disk://, tests/disk_group_test.cc GroupSecretTest, and
+// ucx://, tests/ucx_group_test.cc UcxGroupSecretTest); any other stack refuses a rank at open
+// rather than publish a group version without a MAC of the whole: the delta layer over disk (by
+// this check) and over ucx (by the publisher_groups check, until it has groups).
 TEST_F(SecretTest, AGroupWithASecretIsRefusedWhereTheStackDoesNotAuthenticateGroups) {
   Options options = With(key_);
   options["rank"] = "1";
   options["world_size"] = "2";
   auto disk = Publisher::Open(Uri(), options);
   EXPECT_TRUE(disk.ok()) << disk.status();
-  for (const std::string& uri : {"delta+" + Uri(), std::string("ucx://127.0.0.1:1/channel")}) {
+  if (testing::MissingTransports({"ucx"}) == "") {
+    auto ucx = testing::StackCapabilitiesOf("ucx://127.0.0.1:1/channel");
+    ASSERT_TRUE(ucx.ok()) << ucx.status();
+    EXPECT_TRUE(ucx->authenticated_groups);
+  }
+  for (const std::string& uri :
+       {"delta+" + Uri(), std::string("delta+ucx://127.0.0.1:1/channel")}) {
     SCOPED_TRACE(uri);
-    if (testing::MissingTransports({uri.starts_with("ucx") ? "ucx" : "delta"}) != "") continue;
+    if (testing::MissingTransports({"delta", uri.starts_with("delta+ucx") ? "ucx" : "disk"}) !=
+        "") {
+      continue;
+    }
     auto caps = testing::StackCapabilitiesOf(uri);
     ASSERT_TRUE(caps.ok()) << caps.status();
     ASSERT_FALSE(caps->authenticated_groups);

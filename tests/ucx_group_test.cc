@@ -7,8 +7,14 @@
 // each TP rank reading only the published parts its slices meet; and a rank SIGKILLed
 // mid-publish (the version never visible, the survivors' DeadlineExceeded naming it, the
 // restarted group publishing the next one). Shared memory and tcp (bytes over the control
-// connection) both.
+// connection) both. On a channel with a shared secret (docs/SECURITY.md, "Publisher groups"):
+// the group publishes and subscribers with the secret receive it whole and as TP slices; a part
+// altered after its rank's MAC (fail point ucx.tamper_part) is refused by rank 0 for every
+// rank, nothing committed; a group manifest altered after rank 0's MAC (ucx.tamper_group_manifest)
+// is refused by subscribers before any byte, which keep their version; a rank with another
+// secret or none cannot join.
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <filesystem>
 #include <thread>
@@ -52,23 +58,45 @@ Options SubscriberOptions() { return {{"connect_timeout", "60s"}}; }
 // Starts the ranks of a group publishing the fixture with `layout` (peer_main.cc), versions
 // [start, start + versions), then serving them until killed (ucx:// serves from the ranks'
 // memory).
+// `settings` adds a "name=value" setting per rank (e.g. secret_file=...).
 std::vector<Child> StartRanks(const ScratchDir& dir, const std::string& uri, const Tls& tls,
                               int world, const std::string& layout, uint64_t start,
                               uint64_t versions, const std::string& log_tag,
                               const std::map<int, std::string>& failpoints = {},
-                              double timeout_s = 60) {
+                              double timeout_s = 60,
+                              const std::map<int, std::string>& settings = {}) {
   std::vector<Child> ranks;
   for (int r = 0; r < world; ++r) {
     std::map<std::string, std::string> env = tls.env;
     if (auto it = failpoints.find(r); it != failpoints.end()) {
       env["WEIGHTBUS_FAILPOINTS"] = it->second;
     }
-    auto c = Child::Start(
-        {Peer(), "publish-llama", uri, "--layout", layout, "--start", std::to_string(start),
-         "--versions", std::to_string(versions), "--timeout-s", absl::StrFormat("%g", timeout_s),
-         "--serve-ms", "600000", "--set", absl::StrFormat("rank=%d", r), "--set",
-         absl::StrFormat("world_size=%d", world), "--set", "connect_timeout=60s"},
-        env, dir / absl::StrFormat("%s%d.log", log_tag, r));
+    std::vector<std::string> args = {Peer(),
+                                     "publish-llama",
+                                     uri,
+                                     "--layout",
+                                     layout,
+                                     "--start",
+                                     std::to_string(start),
+                                     "--versions",
+                                     std::to_string(versions),
+                                     "--timeout-s",
+                                     absl::StrFormat("%g", timeout_s),
+                                     "--serve-ms",
+                                     "600000",
+                                     "--set",
+                                     absl::StrFormat("rank=%d", r),
+                                     "--set",
+                                     absl::StrFormat("world_size=%d", world),
+                                     "--set",
+                                     "connect_timeout=60s",
+                                     "--set",
+                                     "staging_slots=4"};
+    if (auto it = settings.find(r); it != settings.end()) {
+      args.push_back("--set");
+      args.push_back(it->second);
+    }
+    auto c = Child::Start(args, env, dir / absl::StrFormat("%s%d.log", log_tag, r));
     EXPECT_TRUE(c.ok()) << c.status();
     if (c.ok()) ranks.push_back(*std::move(c));
   }
@@ -95,10 +123,9 @@ void ExpectWhole(const std::string& uri, uint64_t version, int world,
 // Every rank of a TP group of `tp` receives exactly `version`, its slices bit-exact, having read
 // only the parts its slices meet.
 void ExpectTpGroup(const std::string& uri, uint64_t version, int world, const std::string& layout,
-                   int tp) {
+                   int tp, Options options = SubscriberOptions()) {
   for (int r = 0; r < tp; ++r) {
-    auto sub =
-        Subscriber::Open(uri, SubscriberOptions(), SubscribePlacements{LlamaRules(), {tp, r}, {}});
+    auto sub = Subscriber::Open(uri, options, SubscribePlacements{LlamaRules(), {tp, r}, {}});
     ASSERT_TRUE(sub.ok()) << sub.status();
     auto u = (*sub)->ReceiveVersion(version, kTimeout);
     ASSERT_TRUE(u.ok()) << "TP rank " << r << " of " << tp << ": " << u.status();
@@ -191,16 +218,167 @@ TEST(UcxGroupKillTest, RankKilledMidPublishLeavesNothingAndTheNextVersionCommits
   StopRanks(dir, again, "second", 2);
 }
 
-// A group's ranks would serve subscribers and join rank 0 without authenticating: refused at
-// Publisher::Open on a channel with a shared secret (by the core, or by ucx:// itself).
-TEST(UcxGroupChecksTest, AGroupOnAChannelWithASecretIsRefusedAtOpen) {
-  const testing::ScopedEnvs secret(std::map<std::string, std::string>{
-      {"WB_UCX_GROUP_SECRET", "0123456789abcdef0123456789abcdef"}});
-  auto p =
-      Publisher::Open(absl::StrFormat("ucx://127.0.0.1:%d/channel", FreePort()),
-                      {{"rank", "1"}, {"world_size", "2"}, {"secret_env", "WB_UCX_GROUP_SECRET"}});
-  EXPECT_EQ(p.status().code(), absl::StatusCode::kUnimplemented) << p.status();
-  EXPECT_THAT(std::string(p.status().message()), HasSubstr("shared secret"));
+// ---- A publisher group on a channel with a shared secret (docs/SECURITY.md) ---------------
+
+constexpr char kSecret[] = "the ucx group's channel secret, 40 bytes\n";
+
+class UcxGroupSecretTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (const auto& [path, secret] :
+         {std::pair{key_, std::string(kSecret)},
+          std::pair{other_key_, std::string("not the ucx group's secret")}}) {
+      testing::WriteFileOrDie(path, secret);
+      ASSERT_EQ(::chmod(path.c_str(), 0600), 0);
+    }
+  }
+  std::map<int, std::string> AllWithKey(int world) const {
+    std::map<int, std::string> out;
+    for (int r = 0; r < world; ++r) out[r] = "secret_file=" + key_;
+    return out;
+  }
+  Options WithKey() const {
+    Options o = SubscriberOptions();
+    o["secret_file"] = key_;
+    return o;
+  }
+  std::string Log(const std::string& name) const { return testing::ReadFileOrDie(dir_ / name); }
+
+  ScratchDir dir_;
+  const std::string key_ = dir_ / "key";
+  const std::string other_key_ = dir_ / "other_key";
+};
+
+// Every rank proves the secret to rank 0, whose committed group manifest carries the MAC of the
+// whole: subscribers with the secret receive the model whole (both bind modes) and as TP
+// slices bit-exact (the core refuses a manifest without a valid MAC, so these receives prove
+// it); a subscriber without the secret is refused. Groups of 2 (rows, shared memory) and 4
+// (column slices, tcp).
+TEST_F(UcxGroupSecretTest, AGroupWithASecretPublishesAndSubscribersReceiveBitExact) {
+  for (const auto& [tls, world, layout] :
+       {std::tuple{testing::kShm, 2, "rows"}, std::tuple{testing::kTcp, 4, "cols"}}) {
+    SCOPED_TRACE(absl::StrFormat("%s, world_size %d, %s", tls.name, world, layout));
+    const testing::ScopedEnvs tls_env(tls.env);
+    if (std::string why = UcxUnusable(); !why.empty()) GTEST_SKIP() << "UCX unusable: " << why;
+    const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/group", FreePort());
+    const std::string tag = absl::StrFormat("secret%d-", world);
+    std::vector<Child> ranks =
+        StartRanks(dir_, uri, tls, world, layout, 1, 1, tag, {}, 60, AllWithKey(world));
+    ExpectWholeModel(uri, 1, world, "", WithKey());
+    ExpectWholeModel(uri, 1, world, "direct", WithKey());
+    ExpectTpGroup(uri, 1, world, layout, 2, WithKey());
+    auto stranger = Subscriber::Open(uri, SubscriberOptions());
+    ASSERT_TRUE(stranger.ok()) << stranger.status();
+    auto refused = (*stranger)->ReceiveVersion(1, kTimeout);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
+    EXPECT_THAT(std::string(refused.status().message()),
+                HasSubstr("requires the channel's shared secret"));
+    StopRanks(dir_, ranks, tag, 1);
+  }
+}
+
+// Rank 1's part of version 1 altered after its MAC on its way to rank 0 (fail point
+// ucx.tamper_part): rank 0 checks every part's MAC before merging, refuses the set and commits
+// nothing; both ranks' Publish return PermissionDenied naming rank 1 and the committing rank 0;
+// no subscriber sees version 1; the group's next version (new processes) commits.
+TEST_F(UcxGroupSecretTest, APartAlteredAfterItsMacIsNotCommitted) {
+  const testing::ScopedEnvs tls_env(testing::kShm.env);
+  if (std::string why = UcxUnusable(); !why.empty()) GTEST_SKIP() << "UCX unusable: " << why;
+  constexpr int kWorld = 2;
+  const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/group", FreePort());
+  std::vector<Child> forged = StartRanks(dir_, uri, testing::kShm, kWorld, "rows", 1, 1, "forged",
+                                         {{1, "ucx.tamper_part=error"}}, 60, AllWithKey(kWorld));
+  std::vector<int> codes;
+  for (Child& c : forged) {
+    absl::StatusOr<int> code = c.Wait(kTimeout);
+    ASSERT_TRUE(code.ok()) << code.status();
+    codes.push_back(ExitCode(*code));
+  }
+  EXPECT_EQ(codes, (std::vector<int>{1, 1}));
+  for (int r = 0; r < kWorld; ++r) {
+    const std::string log = Log(absl::StrFormat("forged%d.log", r));
+    EXPECT_THAT(log, HasSubstr("PERMISSION_DENIED")) << log;
+    EXPECT_THAT(log, HasSubstr("version 1: rank 1's part (publisher session ")) << log;
+    EXPECT_THAT(log, HasSubstr("has a wrong MAC under the key of the committing rank 0")) << log;
+    EXPECT_THAT(log, HasSubstr("nothing of version 1 was committed")) << log;
+  }
+  // Nothing of version 1 is served (rank 0 is gone with it; a new group takes the address).
+  std::vector<Child> real = StartRanks(dir_, uri, testing::kShm, kWorld, "rows", 2, 1, "real", {},
+                                       60, AllWithKey(kWorld));
+  auto sub = Subscriber::Open(uri, WithKey());
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  auto u = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ((*u)->version(), 2u);
+  ExpectWholeModel(uri, 2, kWorld, "", WithKey());
+  StopRanks(dir_, real, "real", 2);
+}
+
+// The group manifest of version 2 altered after rank 0's MAC (the owners of two parts swapped,
+// fail point ucx.tamper_group_manifest@2), as someone between rank 0 and the subscribers
+// would: a whole subscriber and a TP rank are refused with PermissionDenied before any byte
+// moves and keep version 1; version 3 is received.
+TEST_F(UcxGroupSecretTest, AnAlteredGroupManifestIsRefusedAndTheSubscriberKeepsItsVersion) {
+  const testing::ScopedEnvs tls_env(testing::kShm.env);
+  if (std::string why = UcxUnusable(); !why.empty()) GTEST_SKIP() << "UCX unusable: " << why;
+  constexpr int kWorld = 2;
+  const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/group", FreePort());
+  std::vector<Child> ranks =
+      StartRanks(dir_, uri, testing::kShm, kWorld, "rows", 1, 3, "tamper",
+                 {{0, "ucx.tamper_group_manifest=error@2"}}, 60, AllWithKey(kWorld));
+  auto sub = Subscriber::Open(uri, WithKey());
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  auto tp = Subscriber::Open(uri, WithKey(), SubscribePlacements{LlamaRules(), {2, 1}, {}});
+  ASSERT_TRUE(tp.ok()) << tp.status();
+  for (Subscriber* s : {sub->get(), tp->get()}) {
+    auto u1 = s->ReceiveVersion(1, kTimeout);
+    ASSERT_TRUE(u1.ok()) << u1.status();
+    auto u2 = s->ReceiveVersion(2, kTimeout);
+    ASSERT_EQ(u2.status().code(), absl::StatusCode::kPermissionDenied) << u2.status();
+    EXPECT_THAT(std::string(u2.status().message()),
+                HasSubstr("has a wrong MAC: it was not published with this channel's shared "
+                          "secret, or its manifest was altered; refusing it; version 1 stays "
+                          "current"));
+    EXPECT_EQ(s->current_version(), 1u);
+    auto u3 = s->ReceiveVersion(3, kTimeout);
+    ASSERT_TRUE(u3.ok()) << u3.status();
+  }
+  ExpectWholeModel(uri, 3, kWorld, "", WithKey());
+  StopRanks(dir_, ranks, "tamper", 3);
+}
+
+// A rank configured with another secret cannot prove it to rank 0 (nor rank 0 to it), and one
+// without a secret is refused by rank 0: the rank's Publish says which, rank 0's names the rank
+// that did not stage its part; nothing becomes visible.
+TEST_F(UcxGroupSecretTest, ARankWithAnotherSecretOrNoneCannotJoin) {
+  const testing::ScopedEnvs tls_env(testing::kShm.env);
+  if (std::string why = UcxUnusable(); !why.empty()) GTEST_SKIP() << "UCX unusable: " << why;
+  constexpr int kWorld = 2;
+  int round = 0;
+  for (const std::string& rank1 : {"secret_file=" + other_key_, std::string("lease=1s")}) {
+    SCOPED_TRACE(rank1);
+    const std::string uri = absl::StrFormat("ucx://127.0.0.1:%d/group", FreePort());
+    const std::string tag = absl::StrFormat("mixed%d-", ++round);
+    std::vector<Child> ranks = StartRanks(dir_, uri, testing::kShm, kWorld, "rows", 1, 1, tag, {},
+                                          5, {{0, "secret_file=" + key_}, {1, rank1}});
+    std::vector<int> codes;
+    for (Child& c : ranks) {
+      absl::StatusOr<int> code = c.Wait(kTimeout);
+      ASSERT_TRUE(code.ok()) << code.status();
+      codes.push_back(ExitCode(*code));
+    }
+    EXPECT_EQ(codes, (std::vector<int>{1, 1}));
+    const std::string log0 = Log(tag + "0.log"), log1 = Log(tag + "1.log");
+    EXPECT_THAT(log0, HasSubstr("rank 1 of the group of 2 did not stage its part by the "
+                                "deadline"))
+        << log0;
+    EXPECT_THAT(log1, HasSubstr("PERMISSION_DENIED")) << log1;
+    EXPECT_THAT(log1,
+                HasSubstr(round == 1 ? "could not prove it holds the channel's shared secret"
+                                     : "requires the channel's shared secret of every rank: rank "
+                                       "1 joins without it"))
+        << log1;
+  }
 }
 
 // Rank 0 refuses a rank that joins with another world_size, and that rank's Publish says so.

@@ -228,6 +228,8 @@ Shape ShapeOf(const ModelInputs& in) {
   s.instances = ceil_div(in.replica_gpus, in.gpus_per_replica);
   s.nodes_per_instance = ceil_div(in.gpus_per_replica, in.gpus_per_node);
   s.gpus_per_replica_node = std::min(in.gpus_per_node, in.replica_gpus);
+  s.publishers = in.publishers > 0 ? in.publishers : in.trainer_gpus;
+  s.publisher_nodes = ceil_div(s.publishers, in.gpus_per_node);
   return s;
 }
 
@@ -296,6 +298,11 @@ absl::Status ValidateInputs(const ModelInputs& in) {
         absl::StrFormat("replica GPUs (%d) must be a multiple of GPUs per replica (%d)",
                         in.replica_gpus, in.gpus_per_replica));
   }
+  if (in.publishers < 0 || in.publishers > in.trainer_gpus) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("publishers (%d) must be in [1, trainer GPUs = %d] (0: every trainer GPU)",
+                        in.publishers, in.trainer_gpus));
+  }
   if (in.broadcast_roots > in.trainer_gpus) {
     return absl::InvalidArgumentError(
         absl::StrFormat("broadcast roots (%d) cannot exceed trainer GPUs (%d)", in.broadcast_roots,
@@ -332,21 +339,29 @@ std::vector<Term> Terms(const ModelInputs& in, bool delta, const std::string& ba
   auto add = [&t](const char* name, double seconds, bool stalls) {
     t.push_back({name, seconds, stalls});
   };
-  if (through_host) add("d2h", full / in.trainer_gpus / (in.d2h_gbs * 1e9), true);
-  if (delta) add("encode", full / s.trainer_nodes / (in.encode_gbs * 1e9), true);
+  // The sources: P publishing GPUs on Np nodes, each its 1/P of the version (P = T: every
+  // trainer GPU publishes its own shard). Fewer sources than trainer nodes first gather the
+  // trainer's shards: each source node receives its 1/Np of the version, less the 1/Nt its own
+  // GPUs hold, through its ingress (the trainer waits; nccl's roots are broadcast_roots).
+  const double sources = s.publishers, source_nodes = s.publisher_nodes;
+  if (through_host && s.publisher_nodes < s.trainer_nodes) {
+    add("gather", (full / source_nodes - full / s.trainer_nodes) / node, true);
+  }
+  if (through_host) add("d2h", full / sources / (in.d2h_gbs * 1e9), true);
+  if (delta) add("encode", full / source_nodes / (in.encode_gbs * 1e9), true);
   if (base == "ucx") {
-    // Each trainer node copies its shards into registered memory; then every replica node pulls
-    // its GPUs' shares with one-sided reads, limited by its ingress and by the trainer nodes'
+    // Each source node copies its shards into registered memory; then every replica node pulls
+    // its GPUs' shares with one-sided reads, limited by its ingress and by the source nodes'
     // egress, which serves every instance.
-    add("stage", wire / s.trainer_nodes / (in.stage_gbs * 1e9), true);
+    add("stage", wire / source_nodes / (in.stage_gbs * 1e9), true);
     add("latency", in.net_latency_s, false);
-    add("pull", std::max(wire * node_share / node, s.instances * wire / s.trainer_nodes / node),
+    add("pull", std::max(wire * node_share / node, s.instances * wire / source_nodes / node),
         false);
   } else if (base == "disk") {
-    // The trainer nodes write their shards in parallel (per client and in total), commit; every
+    // The source nodes write their shards in parallel (per client and in total), commit; every
     // replica node reads its GPUs' shares (all instances together limited by the total).
     const double write_gbs =
-        std::min(s.trainer_nodes * in.storage_write_gbs, in.storage_aggregate_gbs);
+        std::min(source_nodes * in.storage_write_gbs, in.storage_aggregate_gbs);
     add("write", wire / (write_gbs * 1e9), true);
     add("latency", in.storage_latency_s, false);
     add("read",
@@ -398,6 +413,7 @@ absl::StatusOr<Estimate> EstimateTransport(const ModelInputs& in, const std::str
   }
   Estimate e;
   e.transport = transport;
+  e.publishers = ShapeOf(in).publishers;
   e.terms = Terms(in, delta, base, &e.wire_bytes);
   const Times x = Sum(e.terms);
   e.stall_s = x.stall;
@@ -790,6 +806,7 @@ bool SetInput(ModelInputs& in, const std::string& key, double value) {
       {"gpus-per-node", &ModelInputs::gpus_per_node},
       {"gpus-per-replica", &ModelInputs::gpus_per_replica},
       {"broadcast-roots", &ModelInputs::broadcast_roots},
+      {"publishers", &ModelInputs::publishers},
       {"nics-per-node", &ModelInputs::nics_per_node},
       {"keyframe-interval", &ModelInputs::keyframe_interval},
   };
@@ -811,6 +828,7 @@ ModelInputs ThisMachine(ModelInputs in, const Calibration& c) {
   in.gpus_per_node = c.subscribers;
   in.gpus_per_replica = 1;
   in.broadcast_roots = 1;
+  in.publishers = 0;
   in.nics_per_node = 1;  // loopback: one path
   in.d2h_gbs = kInf;
   in.overlap = 0;
@@ -840,21 +858,60 @@ std::string Gbs(double v, int width) {
 
 }  // namespace
 
-std::string FormatModelTable(const std::vector<Estimate>& estimates) {
+std::string FormatModelTable(const std::vector<Estimate>& estimates, bool label_publishers) {
   std::string out;
-  constexpr char kHead[] = "# %-11s %10s %9s %9s %9s %7s %9s %9s %10s %9s %9s  %s\n";
-  absl::StrAppendFormat(&out, kHead, "transport", "wire", "stall", "transfer", "exposed", "util",
-                        "trainer", "fleet", "fleet", "need for", "need for", "bandwidth");
-  absl::StrAppendFormat(&out, kHead, "", "per ver", "", "", "per step", "", "idle/1k", "idle/1k",
+  // "delta+disk/256" needs 15 characters; the plain names 11.
+  const int w = label_publishers ? 15 : 11;
+  constexpr char kHead[] = "# %-*s %10s %9s %9s %9s %7s %9s %9s %10s %9s %9s  %s\n";
+  absl::StrAppendFormat(&out, kHead, w, label_publishers ? "transport/src" : "transport", "wire",
+                        "stall", "transfer", "exposed", "util", "trainer", "fleet", "fleet",
+                        "need for", "need for", "bandwidth");
+  absl::StrAppendFormat(&out, kHead, w, "", "per ver", "", "", "per step", "", "idle/1k", "idle/1k",
                         "cost/1k", "90%", "99%", "of");
-  absl::StrAppendFormat(&out, kHead, "", "(MB)", "(s)", "(s)", "(s)", "(%)", "(GPU-h)", "(GPU-h)",
-                        "($)", "(GB/s)", "(GB/s)", "");
+  absl::StrAppendFormat(&out, kHead, w, "", "(MB)", "(s)", "(s)", "(s)", "(%)", "(GPU-h)",
+                        "(GPU-h)", "($)", "(GB/s)", "(GB/s)", "");
   for (const Estimate& e : estimates) {
+    const std::string name =
+        label_publishers ? absl::StrFormat("%s/%d", e.transport, e.publishers) : e.transport;
     absl::StrAppendFormat(
-        &out, "  %-11s %10.1f %9.3f %9.3f %9.3f %7.2f %9.2f %9.2f %10.2f %s %s  %s\n", e.transport,
+        &out, "  %-*s %10.1f %9.3f %9.3f %9.3f %7.2f %9.2f %9.2f %10.2f %s %s  %s\n", w, name,
         e.wire_bytes / 1e6, e.stall_s, e.transfer_s, e.exposed_s, 100 * e.utilisation,
         e.trainer_idle_gpu_h, e.fleet_idle_gpu_h, e.fleet_idle_dollars, Gbs(e.gbs_for_90, 9),
         Gbs(e.gbs_for_99, 9), e.bandwidth_of == "storage" ? "storage" : "net");
+  }
+  return StripLineEnds(out);
+}
+
+std::string FormatTermsTable(const std::vector<Estimate>& estimates) {
+  // Columns: every term some estimate has, in the order terms happen.
+  static const char* const kOrder[] = {"gather",    "d2h",  "encode", "stage",  "write", "latency",
+                                       "broadcast", "pull", "read",   "decode", "apply"};
+  std::vector<std::string> columns;
+  for (const char* name : kOrder) {
+    for (const Estimate& e : estimates) {
+      if (std::any_of(e.terms.begin(), e.terms.end(),
+                      [&](const Term& t) { return t.name == name; })) {
+        columns.push_back(name);
+        break;
+      }
+    }
+  }
+  std::string out = absl::StrFormat("# %-15s", "transport/src");
+  for (const std::string& c : columns) absl::StrAppendFormat(&out, " %9s", c);
+  absl::StrAppendFormat(&out, " %9s %9s\n", "stall", "last");
+  out += absl::StrFormat("# %-15s", "");
+  for (size_t i = 0; i < columns.size() + 2; ++i) absl::StrAppendFormat(&out, " %9s", "(s)");
+  out += "\n";
+  for (const Estimate& e : estimates) {
+    absl::StrAppendFormat(&out, "  %-15s", absl::StrFormat("%s/%d", e.transport, e.publishers));
+    for (const std::string& c : columns) {
+      std::string cell = "-";
+      for (const Term& t : e.terms) {
+        if (t.name == c) cell = absl::StrFormat("%.3f%s", t.seconds, t.stalls_trainer ? "*" : "");
+      }
+      absl::StrAppendFormat(&out, " %9s", cell);
+    }
+    absl::StrAppendFormat(&out, " %9.3f %9.3f\n", e.stall_s, e.transfer_s);
   }
   return StripLineEnds(out);
 }

@@ -68,8 +68,12 @@ struct ModelInputs {
   int gpus_per_node = 8;     // g
   int gpus_per_replica = 8;  // p: GPUs of one inference instance (TP x PP x EP)
   int broadcast_roots = 1;   // nccl: trainer GPUs that broadcast (each its 1/roots share)
-  double node_gbs = 400;     // B: network bandwidth of one node, one direction
-  int nics_per_node = 8;     // NICs B is spread over; a broadcast root has B / min(nics, g)
+  // disk, ucx and delta+: trainer GPUs that publish, each its 1/publishers of the version (a
+  // publisher group); 0 means every trainer GPU (sharded publish), 1 a single source, which
+  // first gathers the trainer's shards (docs/COST_MODEL.md, "Sources").
+  int publishers = 0;
+  double node_gbs = 400;  // B: network bandwidth of one node, one direction
+  int nics_per_node = 8;  // NICs B is spread over; a broadcast root has B / min(nics, g)
   double storage_write_gbs = 10;
   double storage_read_gbs = 10;
   double storage_aggregate_gbs = 100;
@@ -92,6 +96,8 @@ struct ModelInputs {
 // Derived counts (ceil divisions).
 struct Shape {
   int trainer_nodes = 1;          // Nt = ceil(T / g)
+  int publishers = 1;             // P = publishers, or T when 0
+  int publisher_nodes = 1;        // Np = ceil(P / g): the nodes the sources are on
   int replica_nodes = 1;          // Nr = ceil(R / g)
   int instances = 1;              // n = R / p
   int nodes_per_instance = 1;     // m = ceil(p / g)
@@ -108,14 +114,15 @@ const std::vector<std::string>& ModelTransports();  // disk, ucx, nccl, delta+di
 
 // One term of a transport's time, in seconds, in the order it happens.
 struct Term {
-  std::string name;  // "d2h", "stage", "encode", "write", "broadcast", "latency", "pull",
-                     // "read", "decode", "apply"
+  std::string name;  // "gather", "d2h", "stage", "encode", "write", "broadcast", "latency",
+                     // "pull", "read", "decode", "apply"
   double seconds = 0;
   bool stalls_trainer = false;  // part of the trainer's stall
 };
 
 struct Estimate {
   std::string transport;
+  int publishers = 0;     // the sources it was computed for (ShapeOf(in).publishers)
   double wire_bytes = 0;  // bytes per version each instance receives (delta: averaged)
   std::vector<Term> terms;
   double stall_s = 0;             // trainer blocked: the sum of the terms that stall it
@@ -188,7 +195,13 @@ bool SetInput(ModelInputs& in, const std::string& key, double value);
 ModelInputs ThisMachine(ModelInputs in, const Calibration& c);
 
 // The nccl-tests style table (header, units, one row per estimate; no banner, no final line).
-std::string FormatModelTable(const std::vector<Estimate>& estimates);
+// With `label_publishers`, each row's transport is followed by its sources ("ucx/256").
+std::string FormatModelTable(const std::vector<Estimate>& estimates, bool label_publishers = false);
+
+// Where the time goes: one row per estimate (transport and sources), one column per term any
+// of them has, in the order they happen, then the stall and the time to the last replica;
+// seconds per version. No banner, no final line.
+std::string FormatTermsTable(const std::vector<Estimate>& estimates);
 
 // Prediction next to measurement for each transport the run measured: `predicted` with the
 // calibrated inputs, `bound` with the baselines' (either may lack a transport).

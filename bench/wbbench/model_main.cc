@@ -65,6 +65,10 @@ constexpr FlagDef kFlags[] = {
      "GPUs of one inference instance, TP x PP x EP (8)"},
     {"broadcast-roots", FlagKind::kCount, "N", kCluster,
      "nccl: trainer GPUs that broadcast, each its share (1)"},
+    {"publishers", FlagKind::kText, "LIST", kCluster,
+     "disk, ucx, delta+: trainer GPUs that publish, each its share (every trainer GPU; 1: one "
+     "source, which first gathers the shards); several, comma-separated, side by side with where "
+     "the time goes"},
     {"fabric", FlagKind::kText, "NAME", kNet,
      "network preset (ib-ndr); --nics-per-node, --nic-gbs override parts"},
     {"nics-per-node", FlagKind::kCount, "N", kNet, "NICs per node (1 to 1024; the preset's)"},
@@ -222,6 +226,7 @@ nlohmann::ordered_json EstimateJson(const Estimate& e) {
     return nullptr;  // no bandwidth is enough
   };
   return {{"transport", e.transport},
+          {"publishers", e.publishers},
           {"wire_bytes_per_version", e.wire_bytes},
           {"terms_s", terms},
           {"stall_s", e.stall_s},
@@ -398,11 +403,33 @@ int Model(const ModelFlags& args) {
     // EstimateTransport refuses unknown names.
     transports = std::vector<std::string>(absl::StrSplit(*list, ','));
   }
-  std::vector<Estimate> estimates, bound;
-  for (const std::string& t : transports) {
-    estimates.push_back(OrDie(EstimateTransport(x.in, t)));
-    if (compare) bound.push_back(OrDie(EstimateTransport(bound_inputs, t)));
+  // Sources: one model per --publishers value (0: every trainer GPU).
+  std::vector<int> publishers = {x.in.publishers};
+  if (auto list = args.Get("publishers")) {
+    if (compare)
+      Usage("--compare models this machine as the run measured it; it takes no --publishers");
+    publishers.clear();
+    for (absl::string_view item : absl::StrSplit(*list, ',')) {
+      int v = 0;
+      if (!absl::SimpleAtoi(item, &v) || v < 1 || v > x.in.trainer_gpus) {
+        Usage(absl::StrFormat("--publishers: \"%s\" is not a count in [1, %d] (the trainer GPUs)",
+                              std::string(item), x.in.trainer_gpus));
+      }
+      publishers.push_back(v);
+    }
+    x.origin["publishers"] = "--publishers";
   }
+  std::vector<Estimate> estimates, bound;
+  for (size_t i = 0; i < publishers.size(); ++i) {
+    ModelInputs with = x.in;
+    with.publishers = publishers[i];
+    for (const std::string& t : transports) {
+      if (i > 0 && t == "nccl") continue;  // its sources are its broadcast roots: one row
+      estimates.push_back(OrDie(EstimateTransport(with, t)));
+      if (compare) bound.push_back(OrDie(EstimateTransport(bound_inputs, t)));
+    }
+  }
+  const bool side_by_side = args.Has("publishers");
 
   // Banner: every input with where it came from.
   const ModelInputs& in = x.in;
@@ -439,6 +466,21 @@ int Model(const ModelFlags& args) {
   absl::StrAppendFormat(&out, "#   -> %s, %s, %s of %s\n", plural(s.trainer_nodes, "trainer node"),
                         plural(s.replica_nodes, "replica node"), plural(s.instances, "instance"),
                         plural(s.nodes_per_instance, "node"));
+  {
+    std::vector<std::string> sources;
+    for (int p : publishers) {
+      ModelInputs with = in;
+      with.publishers = p;
+      const Shape ps = ShapeOf(with);
+      sources.push_back(ps.publishers == in.trainer_gpus
+                            ? absl::StrFormat("every trainer GPU (%d on %s)", ps.publishers,
+                                              plural(ps.publisher_nodes, "node"))
+                            : absl::StrFormat("%s on %s", plural(ps.publishers, "GPU"),
+                                              plural(ps.publisher_nodes, "node")));
+    }
+    absl::StrAppendFormat(&out, "# sources (disk, ucx, delta+): %s\n",
+                          kv("publishers", absl::StrJoin(sources, "; ")));
+  }
   absl::StrAppendFormat(&out, "# network: %s, %s, %s\n",
                         kv("network-gbs", Num(in.node_gbs) + " GB/s per node"),
                         kv("nics-per-node", plural(in.nics_per_node, "NIC") + " per node"),
@@ -480,7 +522,13 @@ int Model(const ModelFlags& args) {
     }
   }
   out += "#\n";
-  out += FormatModelTable(estimates);
+  out += FormatModelTable(estimates, side_by_side);
+  if (side_by_side) {
+    out +=
+        "#\n# where the time goes (seconds per version; * the trainer waits; last: until the last "
+        "replica holds it)\n";
+    out += FormatTermsTable(estimates);
+  }
   if (compare) {
     out +=
         "#\n# prediction vs measurement (medians over the run's measured versions; error = "
@@ -526,6 +574,7 @@ int Model(const ModelFlags& args) {
     input("keyframe-ratio", in.keyframe_ratio);
     input("encode-gbs", in.encode_gbs);
     input("decode-gbs", in.decode_gbs);
+    input("publishers", in.publishers);
     j["shape"] = {{"trainer_nodes", s.trainer_nodes},
                   {"replica_nodes", s.replica_nodes},
                   {"instances", s.instances},

@@ -41,7 +41,8 @@ enum class ExpertOrder : uint8_t { kLinear, kRoundRobin };
 // kMerged      vLLM's MergedColumnParallelLinear (gate_up_proj), from `parts.size()` sources.
 // kExperts     stacked experts [E, ...] split on dimension 0 (expert parallel); with `parts`,
 //              each local expert's parts are also fused along dimension 1 (vLLM's w13); with
-//              `num_experts`, from one source tensor per expert and part (ExpertsFromEach).
+//              `num_experts`, from one source tensor per expert and part (ExpertsFromEach);
+//              with expert_tp_size > 1, each expert also split inside (tensor parallel MoE).
 //
 // Fused placements (kQkv, kMerged, kExperts with parts) name their sources by substitution in
 // the destination's name: the last occurrence of `fused` is replaced by each entry of `parts`
@@ -73,6 +74,23 @@ struct Placement {
   // kExperts from one tensor per expert (ExpertsFromEach): how many experts; 0 for stacked
   // sources.
   int64_t num_experts = 0;
+  // kExperts: the expert-parallel group that deals the experts (ep_size ranks, this one
+  // ep_rank). ep_size 0: the subscriber's TP group (vLLM with enable_expert_parallel and data
+  // parallel size 1); 1: every expert on every rank (vLLM's FusedMoE without expert
+  // parallelism). vLLM's layer says which: FusedMoE.ep_size / ep_rank (FusedMoEParallelConfig:
+  // with data parallelism the group spans dp_size * tp_size ranks).
+  int ep_size = 0;
+  int ep_rank = 0;
+  // kExperts: tensor parallelism inside each expert, as vLLM's FusedMoE without expert
+  // parallelism (FusedMoE.tp_size / tp_rank, intermediate_size_per_partition): dimension
+  // `expert_tp_dim` of each part of one expert (the expert's own tensor, without the expert
+  // dimension: vLLM's SHARD_ID_TO_SHARDED_DIM, 0 for w1/w3 gate and up, 1 for w2 down) is split
+  // in expert_tp_size equal blocks and block expert_tp_rank is taken; the parts are then
+  // fused as before (w13: the expert's gate block, then its up block, as FusedMoE._load_w13).
+  // expert_tp_size 0 or 1: experts whole.
+  int expert_tp_size = 0;
+  int expert_tp_rank = 0;
+  int expert_tp_dim = 0;
 
   friend bool operator==(const Placement&, const Placement&) = default;
 
@@ -160,6 +178,24 @@ struct Placement {
                                    ExpertOrder order = ExpertOrder::kLinear) {
     Placement p = ExpertsMerged(std::move(fused), std::move(parts), order);
     p.num_experts = num_experts;
+    return p;
+  }
+
+  // This experts placement with its groups given (see ep_size, expert_tp_size above) rather
+  // than the subscriber's TP group: experts dealt over `ep` (size 0: the TP group) and each
+  // expert's parts split on `expert_tp_dim` over `expert_tp` (size 0 or 1: whole). vLLM's
+  // FusedMoE w13_weight at TP 4 without expert parallelism, rank r:
+  //   ExpertsFromEach(E, "experts.w13_", {"experts.{e}.gate_proj.", "experts.{e}.up_proj."})
+  //       .InGroups({.size = 1, .rank = 0}, {.size = 4, .rank = r}, 0)
+  // and w2_weight the same with {"experts.{e}.down_proj."} and dimension 1; with expert
+  // parallelism over the TP group, InGroups({4, r}, {1, 0}, 0) (or no InGroups at all).
+  Placement InGroups(TensorParallelRank ep, TensorParallelRank expert_tp, int dim) const {
+    Placement p = *this;
+    p.ep_size = ep.size;
+    p.ep_rank = ep.rank;
+    p.expert_tp_size = expert_tp.size;
+    p.expert_tp_rank = expert_tp.rank;
+    p.expert_tp_dim = dim;
     return p;
   }
 };

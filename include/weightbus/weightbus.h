@@ -498,9 +498,31 @@ typedef struct wb_placement_rule {
   int expert_order;
 } wb_placement_rule_t;
 
+/* The expert fields of a WB_PLACEMENT_EXPERTS rule (weightbus/placement.hpp: Placement's
+ * num_experts, ep_size, ep_rank, expert_tp_size, expert_tp_rank, expert_tp_dim):
+ * num_experts > 0: one source tensor per expert and part, "{e}" in each part standing for the
+ * expert number (vLLM's FusedMoE w13_weight from "experts.{e}.gate_proj." and
+ * "experts.{e}.up_proj." replacing "experts.w13_"); 0: stacked [E, ...] sources.
+ * ep_size/ep_rank: the expert-parallel group that deals the experts (ep_size 0: the TP group).
+ * expert_tp_size/expert_tp_rank/expert_tp_dim: tensor parallelism inside each expert, that
+ * dimension of each expert's part split (0 or 1: experts whole). All zero: as the rule alone. */
+typedef struct wb_placement_experts {
+  int64_t num_experts;
+  int ep_size;
+  int ep_rank;
+  int expert_tp_size;
+  int expert_tp_rank;
+  int expert_tp_dim;
+} wb_placement_experts_t;
+
 /* Parameters of wb_subscriber_create_tp: this worker's rank among tp_size, its rules, and
  * optionally the destination tensors to receive (NULL: every tensor of the version; needed
- * for fused destinations such as qkv_proj, which the version does not have). */
+ * for fused destinations such as qkv_proj, which the version does not have).
+ * `experts` (NULL: none) has num_rules entries, entry i read for rules[i] when it is
+ * WB_PLACEMENT_EXPERTS. `skip_absent` nonzero: a destination none of whose sources a version
+ * has is left out of that update instead of failing it with WB_NOT_FOUND (vLLM's load_weights
+ * leaves a parameter the checkpoint does not name as it is); a destination with only some of
+ * its sources, or a version with a source for none of them, is still WB_NOT_FOUND. */
 typedef struct wb_placements {
   size_t struct_size; /* sizeof(wb_placements_t) */
   const wb_placement_rule_t* rules;
@@ -509,9 +531,11 @@ typedef struct wb_placements {
   int tp_rank;
   const char* const* tensors;
   size_t num_tensors;
+  const wb_placement_experts_t* experts;
+  int skip_absent;
 } wb_placements_t;
 #define WB_PLACEMENTS_INIT \
-  { sizeof(wb_placements_t), NULL, 0, 1, 0, NULL, 0 }
+  { sizeof(wb_placements_t), NULL, 0, 1, 0, NULL, 0, NULL, 0 }
 
 /* As wb_subscriber_create, for one worker of a TP group: every update holds only this worker's
  * slices (slice-shaped, row-major; bound destinations must be slice-shaped), and only the

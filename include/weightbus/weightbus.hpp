@@ -321,6 +321,13 @@ struct SubscribePlacements {
   // the version (e.g. "model.layers.0.self_attn.qkv_proj.weight" from q_proj, k_proj, v_proj),
   // so they are listed here.
   std::vector<std::string> tensors;
+  // A destination none of whose sources a version has (its own name, its fused parts, its
+  // experts' parts) is left out of that version's Update instead of failing the receive with
+  // NotFound, as vLLM's load_weights leaves a parameter the checkpoint does not name as it is
+  // (a trainer that publishes only the tensors it trains; a parameter of the engine's model
+  // with no checkpoint tensor). Still NotFound: a destination with some of its sources but not
+  // all, and a version that has a source for none of the destinations.
+  bool skip_absent = false;
 };
 
 // Receives versions from one channel.

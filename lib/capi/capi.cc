@@ -220,7 +220,7 @@ constexpr size_t kStreamAddParamsV1 = sizeof(wb_stream_add_params_t);
 constexpr size_t kPublishStatsV1 = offsetof(wb_publish_stats_t, flags);    // before `flags`
 constexpr size_t kUpdateStatsV1 = offsetof(wb_update_stats_t, decode_ns);  // before `decode_ns`
 constexpr size_t kSettingInfoV1 = sizeof(wb_setting_info_t);
-constexpr size_t kPlacementsV1 = sizeof(wb_placements_t);
+constexpr size_t kPlacementsV1 = offsetof(wb_placements_t, experts);  // before `experts`
 constexpr size_t kTensorInfoV1 = sizeof(wb_tensor_info_t);
 
 absl::Duration Timeout(int64_t timeout_ms) {
@@ -1061,6 +1061,15 @@ static absl::StatusOr<wb::SubscribePlacements> ReadPlacements(const char* functi
         p = wb::Placement::ExpertsMerged(
             fused, *parts,
             r.expert_order == 1 ? wb::ExpertOrder::kRoundRobin : wb::ExpertOrder::kLinear);
+        if (in.experts != nullptr) {
+          const wb_placement_experts_t& e = in.experts[i];
+          p.num_experts = e.num_experts;
+          p.ep_size = e.ep_size;
+          p.ep_rank = e.ep_rank;
+          p.expert_tp_size = e.expert_tp_size;
+          p.expert_tp_rank = e.expert_tp_rank;
+          p.expert_tp_dim = e.expert_tp_dim;
+        }
         break;
       default:
         return absl::InvalidArgumentError(absl::StrFormat(
@@ -1073,6 +1082,7 @@ static absl::StatusOr<wb::SubscribePlacements> ReadPlacements(const char* functi
       strings(in.tensors, in.num_tensors, "placements.tensors");
   if (!tensors.ok()) return tensors.status();
   out.tensors = *std::move(tensors);
+  out.skip_absent = in.skip_absent != 0;
   return out;
 }
 

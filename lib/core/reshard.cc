@@ -103,14 +103,22 @@ std::string PlacementString(const Placement& p) {
           absl::StrJoin(p.parts, " + "), p.fused);
     case Placement::Kind::kMerged:
       return absl::StrFormat("Merged(%s -> %s)", absl::StrJoin(p.parts, " + "), p.fused);
-    case Placement::Kind::kExperts:
-      if (p.num_experts > 0) {
-        return absl::StrFormat("ExpertsFromEach(%d experts, %s -> %s, %s)", p.num_experts,
-                               absl::StrJoin(p.parts, " + "), p.fused, order);
+    case Placement::Kind::kExperts: {
+      std::string groups;
+      if (p.ep_size != 0)
+        absl::StrAppendFormat(&groups, ", EP rank %d of %d", p.ep_rank, p.ep_size);
+      if (p.expert_tp_size > 1) {
+        absl::StrAppendFormat(&groups, ", expert TP rank %d of %d on dimension %d",
+                              p.expert_tp_rank, p.expert_tp_size, p.expert_tp_dim);
       }
-      if (p.parts.empty()) return absl::StrFormat("Experts(%s)", order);
-      return absl::StrFormat("ExpertsMerged(%s -> %s, %s)", absl::StrJoin(p.parts, " + "), p.fused,
-                             order);
+      if (p.num_experts > 0) {
+        return absl::StrFormat("ExpertsFromEach(%d experts, %s -> %s, %s%s)", p.num_experts,
+                               absl::StrJoin(p.parts, " + "), p.fused, order, groups);
+      }
+      if (p.parts.empty()) return absl::StrFormat("Experts(%s%s)", order, groups);
+      return absl::StrFormat("ExpertsMerged(%s -> %s, %s%s)", absl::StrJoin(p.parts, " + "),
+                             p.fused, order, groups);
+    }
   }
   return "?";
 }
@@ -140,13 +148,16 @@ uint64_t PlanFingerprint(uint64_t layout_fingerprint, absl::Span<const TensorReq
   h.Int(rank.size);
   h.Int(rank.rank);
   h.Int(static_cast<int64_t>(options.overlaps));
+  h.Int(static_cast<int64_t>(options.absent));
   h.Int(static_cast<int64_t>(requests.size()));
   for (const TensorRequest& r : requests) {
     const Placement& p = r.placement;
     h.Str(r.name);
-    for (int64_t v : {int64_t{static_cast<uint8_t>(p.kind)}, int64_t{p.dim}, p.num_heads,
-                      p.num_kv_heads, p.head_size, p.v_head_size, p.num_experts,
-                      int64_t{static_cast<uint8_t>(p.expert_order)}}) {
+    for (int64_t v :
+         {int64_t{static_cast<uint8_t>(p.kind)}, int64_t{p.dim}, p.num_heads, p.num_kv_heads,
+          p.head_size, p.v_head_size, p.num_experts, int64_t{static_cast<uint8_t>(p.expert_order)},
+          int64_t{p.ep_size}, int64_t{p.ep_rank}, int64_t{p.expert_tp_size},
+          int64_t{p.expert_tp_rank}, int64_t{p.expert_tp_dim}}) {
       h.Int(v);
     }
     h.Str(p.fused);
@@ -272,6 +283,30 @@ class Planner {
   }
 
   const SourcePart& First(int source) const { return layout_.tensors[source].parts[0]; }
+
+  // Whether the layout has any source tensor `request` reads (its own name; a fused part; an
+  // expert's part). A placement whose sources cannot even be named (a fused placement without
+  // its token) counts as present, so that planning it reports why.
+  bool AnySource(const TensorRequest& request) const {
+    const Placement& p = request.placement;
+    if (Has(request.name)) return true;
+    if (p.kind == Placement::Kind::kReplicate || p.kind == Placement::Kind::kShard ||
+        (p.kind == Placement::Kind::kExperts && p.parts.empty())) {
+      return false;
+    }
+    const size_t at = p.fused.empty() ? std::string::npos : request.name.rfind(p.fused);
+    if (p.parts.empty() || at == std::string::npos) return true;
+    const int64_t experts = p.kind == Placement::Kind::kExperts ? p.num_experts : 0;
+    for (int64_t e = 0; e < std::max<int64_t>(experts, 1); ++e) {
+      for (const std::string& part : p.parts) {
+        std::string name = request.name;
+        name.replace(at, p.fused.size(),
+                     experts > 0 ? absl::StrReplaceAll(part, {{"{e}", absl::StrCat(e)}}) : part);
+        if (Has(name)) return true;
+      }
+    }
+    return false;
+  }
 
   absl::StatusOr<TensorPlan> Plan(const TensorRequest& request) {
     const std::string who =
@@ -464,26 +499,31 @@ class Planner {
       return Source(name, who);
     };
     // Expert 0's parts give the shape: [rows_i, rest...], rest and dtype the same for all.
+    WB_ASSIGN_OR_RETURN(const TensorParallelRank ep, ExpertGroup(p, who));
     std::vector<int> first;
     int64_t rows = 0;
+    InnerSplit in;
     for (size_t i = 0; i < p.parts.size(); ++i) {
       WB_ASSIGN_OR_RETURN(const int s, source(0, i));
-      if (First(s).global_shape.empty()) {
+      const Dims& g = First(s).global_shape;
+      if (g.empty()) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "%s: source \"%s\" is 0-d; per-expert parts need a dimension 0 to stack along "
             "dimension 1",
             who, layout_.tensors[s].name));
       }
       if (i > 0) WB_RETURN_IF_ERROR(Agree(who, 0, first[0], s));
-      rows += First(s).global_shape[0];
+      WB_ASSIGN_OR_RETURN(in, ExpertInnerSplit(p, who, s, 0));
+      rows += in.dim == 0 ? g[0] / in.size : g[0];
       first.push_back(s);
     }
     DestTensor dest;
     dest.dtype = First(first[0]).dtype;
     dest.shape = First(first[0]).global_shape;
     dest.shape[0] = rows;
+    if (in.dim > 0) dest.shape[in.dim] /= in.size;
     dest.shape.insert(dest.shape.begin(), 0);
-    for (const auto& [start, count] : LocalExperts(p.num_experts, p.expert_order)) {
+    for (const auto& [start, count] : LocalExperts(p.num_experts, p.expert_order, ep)) {
       for (int64_t e = start; e < start + count; ++e) {
         int64_t row = 0;
         for (size_t i = 0; i < p.parts.size(); ++i) {
@@ -491,15 +531,73 @@ class Planner {
           WB_RETURN_IF_ERROR(Agree(who, -1, first[i], s));
           const Dims& g = First(s).global_shape;
           Piece piece{s, Box{Dims(g.size(), 0), g}, Dims(dest.shape.size(), 0)};
+          const int64_t n = g[in.dim] / in.size;
+          piece.box.lo[in.dim] = in.rank * n;
+          piece.box.ext[in.dim] = n;
           piece.dest_at[0] = dest.shape[0];
           piece.dest_at[1] = row;
-          row += g[0];
+          row += piece.box.ext[0];
           dest.pieces.push_back(std::move(piece));
         }
         ++dest.shape[0];
       }
     }
     return dest;
+  }
+
+  // The expert-parallel group of an experts placement: its own (ep_size > 0), else the
+  // subscriber's TP group.
+  absl::StatusOr<TensorParallelRank> ExpertGroup(const Placement& p, const std::string& who) const {
+    if (p.ep_size == 0) return rank_;
+    if (p.ep_size < 0 || p.ep_rank < 0 || p.ep_rank >= p.ep_size) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: expert-parallel rank %d of %d: the size must be >= 1 (0: the TP group) and the "
+          "rank in [0, size)",
+          who, p.ep_rank, p.ep_size));
+    }
+    return TensorParallelRank{p.ep_size, p.ep_rank};
+  }
+
+  // Tensor parallelism inside each expert: block `rank` of `size` of dimension `dim` of one
+  // expert's part (size 1: whole).
+  struct InnerSplit {
+    int64_t size = 1, rank = 0;
+    int dim = 0;
+  };
+  // The inner split of `p` for source `source`, whose dimension `lead` is the first of one
+  // expert's part (0 for a per-expert source, 1 for a stacked [E, ...] one), checking that it
+  // divides that part's dimension.
+  absl::StatusOr<InnerSplit> ExpertInnerSplit(const Placement& p, const std::string& who,
+                                              int source, size_t lead) const {
+    InnerSplit in;
+    if (p.expert_tp_size == 0 || (p.expert_tp_size == 1 && p.expert_tp_rank == 0)) return in;
+    const Dims& g = First(source).global_shape;
+    const size_t dims = g.size() - std::min(lead, g.size());
+    if (p.expert_tp_size < 0 || p.expert_tp_rank < 0 || p.expert_tp_rank >= p.expert_tp_size) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: tensor-parallel rank %d of %d inside the experts: the size must be >= 1 and the "
+          "rank in [0, size)",
+          who, p.expert_tp_rank, p.expert_tp_size));
+    }
+    if (p.expert_tp_dim < 0 || static_cast<size_t>(p.expert_tp_dim) >= dims) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: dimension %d inside the experts is outside an expert's %d dimensions (source "
+          "\"%s\", global shape %s)",
+          who, p.expert_tp_dim, dims, layout_.tensors[source].name, ShapeString(g)));
+    }
+    const int64_t extent = g[lead + p.expert_tp_dim];
+    if (extent % p.expert_tp_size != 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: the TP degree %d inside the experts does not divide dimension %d of an expert of "
+          "\"%s\" (size %d, global shape %s), as vLLM's FusedMoE requires of the intermediate "
+          "size",
+          who, p.expert_tp_size, p.expert_tp_dim, layout_.tensors[source].name, extent,
+          ShapeString(g)));
+    }
+    in.size = p.expert_tp_size;
+    in.rank = p.expert_tp_rank;
+    in.dim = p.expert_tp_dim;
+    return in;
   }
 
   static int CatDim(const Placement& p) { return p.kind == Placement::Kind::kExperts ? 1 : p.dim; }
@@ -632,10 +730,11 @@ class Planner {
     return segs;
   }
 
-  // vLLM determine_expert_map: this rank's experts as runs (first global expert, count), in
-  // local order.
-  std::vector<std::pair<int64_t, int64_t>> LocalExperts(int64_t experts, ExpertOrder order) const {
-    const int64_t ep = rank_.size, r = rank_.rank;
+  // vLLM determine_expert_map: the experts of rank `group.rank` of `group.size` as runs (first
+  // global expert, count), in local order.
+  static std::vector<std::pair<int64_t, int64_t>> LocalExperts(int64_t experts, ExpertOrder order,
+                                                               TensorParallelRank group) {
+    const int64_t ep = group.size, r = group.rank;
     const int64_t base = experts / ep, rem = experts % ep;
     const int64_t local = base + (r < rem ? 1 : 0);
     std::vector<std::pair<int64_t, int64_t>> runs;
@@ -700,6 +799,10 @@ class Planner {
         return dest;
       }
       case Placement::Kind::kExperts: {
+        if (p.num_experts < 0) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "%s: %d experts; the count must be >= 0 (0: stacked sources)", who, p.num_experts));
+        }
         if (p.num_experts > 0) return BuildPerExpert(req, who);
         std::vector<Segment> segs;
         if (p.parts.empty()) {
@@ -715,7 +818,26 @@ class Planner {
         const SourcePart& part = First(segs[0].source);
         dest.dtype = part.dtype;
         dest.shape = part.global_shape;
-        const auto runs = LocalExperts(part.global_shape[0], p.expert_order);
+        WB_ASSIGN_OR_RETURN(const TensorParallelRank ep, ExpertGroup(p, who));
+        // Tensor parallelism inside the experts: on the fused dimension (1), each part's block;
+        // on another, the same block of every part.
+        InnerSplit in;
+        for (Segment& seg : segs) {
+          WB_ASSIGN_OR_RETURN(in, ExpertInnerSplit(p, who, seg.source, 1));
+          if (in.dim == 0 && !p.parts.empty()) {
+            if (seg.size % in.size != 0) {
+              return absl::InvalidArgumentError(absl::StrFormat(
+                  "%s: the TP degree %d inside the experts does not divide the %d rows of each "
+                  "expert's part of \"%s\"",
+                  who, in.size, seg.size, layout_.tensors[seg.source].name));
+            }
+            seg.len = seg.size / in.size;
+            seg.start = in.rank * seg.len;
+          }
+        }
+        const bool split_rest = in.size > 1 && (in.dim > 0 || p.parts.empty());
+        const size_t sd = static_cast<size_t>(in.dim) + 1;
+        const auto runs = LocalExperts(part.global_shape[0], p.expert_order, ep);
         int64_t local = 0;
         for (const auto& [first, count] : runs) {
           int64_t at = 0;
@@ -726,15 +848,21 @@ class Planner {
             piece.box.ext[0] = count;
             piece.dest_at[0] = local;
             if (!p.parts.empty()) {
-              piece.box.lo[1] = seg.base;
+              piece.box.lo[1] = seg.base + seg.start;
               piece.box.ext[1] = seg.len;
               piece.dest_at[1] = at;
               at += seg.len;
+            }
+            if (split_rest) {
+              const int64_t n = piece.box.ext[sd] / in.size;
+              piece.box.lo[sd] = in.rank * n;
+              piece.box.ext[sd] = n;
             }
             dest.pieces.push_back(std::move(piece));
           }
           local += count;
         }
+        if (split_rest) dest.shape[sd] /= in.size;
         dest.shape[0] = local;
         if (!p.parts.empty()) {
           int64_t rows = 0;
@@ -921,8 +1049,18 @@ absl::StatusOr<ReshardPlan> ComputePlan(const SourceLayout& layout,
       return absl::InvalidArgumentError(
           absl::StrFormat("destination tensor \"%s\" is requested twice", req.name));
     }
+    if (options.absent == AbsentPolicy::kSkip && !planner.AnySource(req)) {
+      plan.skipped.push_back(req.name);
+      continue;
+    }
     WB_ASSIGN_OR_RETURN(TensorPlan t, planner.Plan(req));
     plan.tensors.push_back(std::move(t));
+  }
+  if (!requests.empty() && plan.tensors.empty()) {
+    return absl::NotFoundError(absl::StrFormat(
+        "none of the %d destination tensors has a source in the layout (%d tensors), e.g. "
+        "\"%s\"; a plan that receives nothing is refused",
+        requests.size(), layout.tensors.size(), requests.front().name));
   }
   plan.overlaps = planner.TakeOverlaps();
   plan.layout_fingerprint = LayoutFingerprint(layout);

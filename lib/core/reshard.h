@@ -123,6 +123,9 @@ struct TensorPlan {
 struct ReshardPlan {
   std::vector<TensorPlan> tensors;  // in request order
   std::vector<Overlap> overlaps;    // empty under OverlapPolicy::kReject
+  // Under AbsentPolicy::kSkip: the destinations none of whose sources the layout has, in
+  // request order; they have no TensorPlan.
+  std::vector<std::string> skipped;
   uint64_t layout_fingerprint = 0;
   uint64_t fingerprint = 0;
 
@@ -139,8 +142,18 @@ enum class OverlapPolicy : uint8_t {
             // ReshardPlan::overlaps for the caller to verify before trusting the bytes
 };
 
+// What to do with a destination none of whose source tensors the layout has.
+enum class AbsentPolicy : uint8_t {
+  kError,  // NotFound naming the destination and the missing source
+  kSkip,   // leave it out of the plan (ReshardPlan::skipped), as vLLM's load_weights leaves a
+           // parameter the checkpoint does not name; a destination with some of its sources but
+           // not all (q and k of a qkv_proj, not v) is still NotFound, and so is a plan that
+           // would skip every requested destination
+};
+
 struct PlanOptions {
   OverlapPolicy overlaps = OverlapPolicy::kReject;
+  AbsentPolicy absent = AbsentPolicy::kError;
 };
 
 // A cheap fingerprint (XXH3-64) of everything in `layout` that a plan depends on: names,

@@ -837,7 +837,10 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveResharded(
   absl::StatusOr<std::vector<internal::TensorRequest>> requests =
       internal::ResolvePlacements(placements->rules, names);
   if (!requests.ok()) return refuse(requests.status());
-  absl::StatusOr<const internal::ReshardPlan*> planned = plans.Get(layout, *requests, rank);
+  internal::PlanOptions plan_options;
+  if (placements->skip_absent) plan_options.absent = internal::AbsentPolicy::kSkip;
+  absl::StatusOr<const internal::ReshardPlan*> planned =
+      plans.Get(layout, *requests, rank, plan_options);
   if (!planned.ok()) return refuse(planned.status());
   const internal::ReshardPlan& plan = **planned;
 

@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from . import _lib, _tensors
@@ -235,7 +235,8 @@ class Placement:
     (wb_placement_rule_t; docs/RESHARDING.md, "Subscribing with placements"). Build one with
     the constructors: Placement.shard(0) column-parallel (vLLM output_dim=0), shard(1)
     row-parallel (input_dim=1), replicate(), qkv(num_heads, num_kv_heads, head_size),
-    gate_up(), merged(fused, parts), experts(order)."""
+    gate_up(), merged(fused, parts), experts(order), experts_from_each(num_experts, fused,
+    parts), and in_groups(...) on an experts placement (vLLM's FusedMoE groups)."""
     kind: int = 0                     # wb_placement_kind_t (_lib.PLACEMENT_KINDS)
     dim: int = 0
     num_heads: int = 0
@@ -244,6 +245,15 @@ class Placement:
     fused: str = ""
     parts: Tuple[str, ...] = ()
     expert_order: int = 0             # 0 linear, 1 round robin
+    # Experts (wb_placement_experts_t): one source per expert and part when num_experts > 0;
+    # the expert-parallel group (ep_size 0: the TP group) and tensor parallelism inside each
+    # expert (expert_tp_size 0 or 1: whole) on dimension expert_tp_dim of an expert's part.
+    num_experts: int = 0
+    ep_size: int = 0
+    ep_rank: int = 0
+    expert_tp_size: int = 0
+    expert_tp_rank: int = 0
+    expert_tp_dim: int = 0
 
     @staticmethod
     def replicate() -> "Placement":
@@ -275,13 +285,41 @@ class Placement:
         return Placement(kind=_lib.PLACEMENT_KINDS["EXPERTS"], fused=fused, parts=tuple(parts),
                          expert_order=int(order == "round_robin"))
 
+    @staticmethod
+    def experts_from_each(num_experts: int, fused: str, parts: Sequence[str],
+                          order: str = "linear") -> "Placement":
+        """Experts stored one tensor per expert (Hugging Face checkpoints): each part names its
+        source by replacing the last `fused` in the destination's name, "{e}" standing for the
+        expert number, as vLLM's FusedMoE.make_expert_params_mapping maps
+        "experts.{e}.gate_proj." to "experts.w13_": rank r receives [E_r, rows, ...], each local
+        expert's parts one after another (w13_weight: gate rows, then up rows)."""
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        if not parts or any("{e}" not in part for part in parts):
+            raise ValueError(f"every part needs '{{e}}' for the expert number: {list(parts)}")
+        return replace(Placement.experts(order, fused, parts), num_experts=num_experts)
 
-def _placements_struct(placements, tp_rank: int, tp_size: int, tensors):
+    def in_groups(self, ep: Tuple[int, int], expert_tp: Tuple[int, int],
+                  dim: int) -> "Placement":
+        """This experts placement with its groups given as (size, rank) pairs, as vLLM's
+        FusedMoE has them (ep_size/ep_rank, tp_size/tp_rank of its FusedMoEParallelConfig):
+        experts dealt over `ep` (size 0: the subscriber's TP group), and dimension `dim` of each
+        expert's part (vLLM's SHARD_ID_TO_SHARDED_DIM: 0 for gate and up, 1 for down) split over
+        `expert_tp` (size 0 or 1: experts whole)."""
+        if self.kind != _lib.PLACEMENT_KINDS["EXPERTS"]:
+            raise ValueError("in_groups applies to an experts placement")
+        return replace(self, ep_size=ep[0], ep_rank=ep[1], expert_tp_size=expert_tp[0],
+                       expert_tp_rank=expert_tp[1], expert_tp_dim=dim)
+
+
+def _placements_struct(placements, tp_rank: int, tp_size: int, tensors,
+                       skip_absent: bool = False):
     """wb_placements_t for (pattern, Placement) pairs or a {pattern: Placement} dict, and what
     must stay alive while it is used."""
     items = list(placements.items()) if isinstance(placements, Mapping) else list(placements)
     keep = []
     rules = (_lib.wb_placement_rule_t * max(len(items), 1))()
+    experts = (_lib.wb_placement_experts_t * max(len(items), 1))()
     for i, (pattern, p) in enumerate(items):
         if not isinstance(p, Placement):
             raise TypeError(f"placement for {pattern!r} is {type(p).__name__}, not a "
@@ -292,9 +330,12 @@ def _placements_struct(placements, tp_rank: int, tp_size: int, tensors):
                                             p.num_kv_heads, p.head_size, p.fused.encode(),
                                             ctypes.cast(parts, ctypes.POINTER(ctypes.c_char_p)),
                                             len(p.parts), p.expert_order)
+        experts[i] = _lib.wb_placement_experts_t(p.num_experts, p.ep_size, p.ep_rank,
+                                                 p.expert_tp_size, p.expert_tp_rank,
+                                                 p.expert_tp_dim)
     names = list(tensors or [])
     names_array = (ctypes.c_char_p * max(len(names), 1))(*[n.encode() for n in names])
-    keep += [rules, names_array]
+    keep += [rules, experts, names_array]
     value = new_params(_lib.wb_placements_t)
     value.rules = ctypes.cast(rules, ctypes.POINTER(_lib.wb_placement_rule_t))
     value.num_rules = len(items)
@@ -302,6 +343,8 @@ def _placements_struct(placements, tp_rank: int, tp_size: int, tensors):
     value.tp_rank = tp_rank
     value.tensors = ctypes.cast(names_array, ctypes.POINTER(ctypes.c_char_p))
     value.num_tensors = len(names)
+    value.experts = ctypes.cast(experts, ctypes.POINTER(_lib.wb_placement_experts_t))
+    value.skip_absent = int(bool(skip_absent))
     return value, keep
 
 
@@ -894,6 +937,11 @@ class Subscriber(_Handle):
             "*.q_proj.weight": weightbus.Placement.shard(0),
             "*.o_proj.weight": weightbus.Placement.shard(1)})
 
+    `skip_absent=True` leaves a destination none of whose sources a version has out of that
+    update (vLLM's load_weights leaves a parameter the checkpoint does not name as it is)
+    instead of failing it with NotFoundError; one with only some of its sources, or a version
+    with a source for none of the destinations, is still NotFoundError.
+
     Errors: InvalidArgumentError for a rank outside [0, tp_size); on receive, before any byte
     is fetched, InvalidArgumentError naming the tensor and degree when tp_size does not divide
     a dimension or head count.
@@ -903,15 +951,17 @@ class Subscriber(_Handle):
     _cancel = staticmethod(lambda h: lib.wb_subscriber_cancel(h))
 
     def __init__(self, uri: str, *, placements=None, tp_rank: int = 0, tp_size: int = 1,
-                 tensors: Optional[Sequence[str]] = None, **options):
+                 tensors: Optional[Sequence[str]] = None, skip_absent: bool = False,
+                 **options):
         super().__init__()
         params, keep = _open_params(options)
         handle = ctypes.c_void_p()
-        if placements is None and tp_size == 1 and tensors is None:
+        if placements is None and tp_size == 1 and tensors is None and not skip_absent:
             check(lib.wb_subscriber_create(uri.encode(), ctypes.byref(params),
                                            ctypes.byref(handle)))
         else:
-            tp, tp_keep = _placements_struct(placements or {}, tp_rank, tp_size, tensors)
+            tp, tp_keep = _placements_struct(placements or {}, tp_rank, tp_size, tensors,
+                                             skip_absent)
             check(lib.wb_subscriber_create_tp(uri.encode(), ctypes.byref(params),
                                               ctypes.byref(tp), ctypes.byref(handle)))
             del tp_keep

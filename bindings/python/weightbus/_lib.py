@@ -71,10 +71,16 @@ class wb_placement_rule_t(Structure):
                 ("expert_order", c_int)]
 
 
+class wb_placement_experts_t(Structure):
+    _fields_ = [("num_experts", c_int64), ("ep_size", c_int), ("ep_rank", c_int),
+                ("expert_tp_size", c_int), ("expert_tp_rank", c_int), ("expert_tp_dim", c_int)]
+
+
 class wb_placements_t(Structure):
     _fields_ = [("struct_size", c_size_t), ("rules", POINTER(wb_placement_rule_t)),
                 ("num_rules", c_size_t), ("tp_size", c_int), ("tp_rank", c_int),
-                ("tensors", POINTER(c_char_p)), ("num_tensors", c_size_t)]
+                ("tensors", POINTER(c_char_p)), ("num_tensors", c_size_t),
+                ("experts", POINTER(wb_placement_experts_t)), ("skip_absent", c_int)]
 
 
 class wb_publish_params_t(Structure):

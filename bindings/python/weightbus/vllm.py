@@ -222,17 +222,30 @@ def _device_context(device):
 #   VocabParallelEmbedding,       output_dim, unpadded        shard(output_dim)
 #     ParallelLMHead              vocabulary
 #   ReplicatedLinear, a layer with tp_size 1 (disable_tp), a parameter without the attribute
-#   its layer's loader reads (a RowParallelLinear bias has output_dim only; norms have none):
+#   its layer's loader reads (a RowParallelLinear bias has output_dim only; norms have none;
+#   but a QKV or merged layer's parameter without output_dim is InvalidArgumentError):
 #                                                             replicate
 #
 # The fused names (qkv_proj <- q_proj, k_proj, v_proj; gate_up_proj <- gate_proj, up_proj) come
 # from the model's packed_modules_mapping (vLLM's models declare it; the loaders' shard order),
 # else from a stacked_params_mapping attribute. The worker's rank and degree are its layers'
 # tp_rank / tp_size (LinearBase, VocabParallelEmbedding), which vLLM sets from the TP group.
+#   FusedMoE w13_weight, w2_weight  the model's expert       experts_from_each(E, "experts.w13_",
+#                                  mapping; the layer's     ["experts.{e}.gate_proj.",
+#                                  ep_size/ep_rank,         "experts.{e}.up_proj."], strategy)
+#                                  tp_size/tp_rank,         .in_groups((ep_size, ep_rank),
+#                                  expert placement         (tp_size, tp_rank), 0); w2 the same
+#                                  strategy                 with down_proj on dimension 1
+#
+# The FusedMoE sources come from the model's expert mapping (get_expert_mapping(), vLLM's
+# MixtureOfExperts models, else the layer's expert_mapping): (param_name, weight_name,
+# expert_id, shard_id) entries, read backwards (the checkpoint name is the parameter's with
+# param_name replaced by weight_name), w1 and w3 fused in that order (FusedMoE._load_w13), each
+# split on SHARD_ID_TO_SHARDED_DIM (w1/w3: 0, w2: 1) inside the experts.
 # Refused (UnimplementedError naming the parameter): packed (quantized) fused parameters, a
-# value head larger than the key head, padded vocabularies, FusedMoE experts (their sources
-# are one tensor per expert: Placement::ExpertsFromEach, which the Python API does not carry
-# yet). A parameter with output_dim/input_dim on a layer of another class is
+# value head larger than the key head, padded vocabularies, quantized or transposed experts
+# and their scales, EPLB's redundant experts, an expert mapping whose names do not follow the
+# expert number. A parameter with output_dim/input_dim on a layer of another class is
 # InvalidArgumentError: which dimension its loader splits cannot be told from the attribute.
 
 _LAYER_KINDS = ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear",
@@ -250,7 +263,10 @@ def _layer_kind(module) -> Optional[str]:
 class TensorParallelLayout:
     """What one TP worker subscribes with: its rank and degree, a Placement per parameter name
     and the destinations (every parameter, fused ones included, in the model's order).
-    subscriber_options() gives them as weightbus.Subscriber keyword arguments."""
+    subscriber_options() gives them as weightbus.Subscriber keyword arguments, with
+    skip_absent: a parameter none of whose checkpoint tensors a version has is left as it is, as
+    vLLM's load_weights leaves a parameter the weights it is given do not name (a trainer that
+    publishes only what it trains; load_resharded says which were left)."""
     tp_rank: int
     tp_size: int
     placements: Dict[str, "_api.Placement"]
@@ -258,7 +274,7 @@ class TensorParallelLayout:
 
     def subscriber_options(self) -> Dict[str, Any]:
         return {"placements": dict(self.placements), "tp_rank": self.tp_rank,
-                "tp_size": self.tp_size, "tensors": list(self.tensors)}
+                "tp_size": self.tp_size, "tensors": list(self.tensors), "skip_absent": True}
 
 
 def _packed_parts(model, fused: str) -> Optional[List[str]]:
@@ -276,6 +292,86 @@ def _packed_parts(model, fused: str) -> Optional[List[str]]:
     return None
 
 
+def _expert_mapping(model, module) -> Optional[List[Tuple[str, str, int, str]]]:
+    """The (param_name, weight_name, expert_id, shard_id) entries vLLM's load_weights maps
+    checkpoint experts with: the layer's own expert_mapping (FusedMoE(expert_mapping=...)),
+    else the model's get_expert_mapping() (vLLM's MixtureOfExperts models), else that of a
+    submodule that has one (the inner model)."""
+    mapping = getattr(module, "expert_mapping", None)
+    if mapping:
+        return list(mapping)
+    for candidate in [model] + [m for _, m in model.named_modules()]:
+        get = getattr(candidate, "get_expert_mapping", None)
+        if callable(get):
+            mapping = get()
+            if mapping:
+                return list(mapping)
+    return None
+
+
+def _fused_moe_placement(model, name: str, module, param, layer: str):
+    """The Placement of a FusedMoE parameter (w13_weight or w2_weight) of parameter `name`."""
+    from .errors import UnimplementedError
+    pname = name.rsplit(".", 1)[-1]
+    method = type(getattr(module, "quant_method", None)).__name__
+    if pname not in ("w13_weight", "w2_weight") or method != "UnquantizedFusedMoEMethod":
+        raise UnimplementedError(
+            f"{layer}: only the unquantized experts' w13_weight and w2_weight are derived "
+            f"(quant method {method}); quantized experts and their scales are not placements yet")
+    if getattr(param, "is_transposed", False):
+        raise UnimplementedError(f"{layer}: transposed experts (is_transposed) are not derived")
+    experts = int(getattr(module, "global_num_experts"))
+    logical = int(getattr(module, "logical_num_experts", experts))
+    if experts != logical:
+        raise UnimplementedError(
+            f"{layer}: {experts - logical} redundant experts (EPLB: {experts} physical for "
+            f"{logical} logical) are not derived")
+    mapping = _expert_mapping(model, module)
+    if mapping is None:
+        raise InvalidArgumentError(
+            f"{layer}: the model declares no expert mapping (get_expert_mapping(), or the "
+            f"layer's expert_mapping), so the checkpoint tensors of its experts are unknown")
+    # The entries whose param_name ends this parameter's name: name.replace(weight_name,
+    # param_name) in vLLM's load_weights gives `name`.
+    by_shard: Dict[str, Dict[int, str]] = {}
+    param_names = set()
+    for param_name, weight_name, expert_id, shard_id in mapping:
+        at = name.rfind(param_name)
+        if at < 0 or "." in name[at + len(param_name):]:
+            continue
+        param_names.add(param_name)
+        by_shard.setdefault(shard_id, {})[int(expert_id)] = weight_name
+    wanted = ["w1", "w3"] if pname == "w13_weight" else ["w2"]
+    if len(param_names) != 1 or sorted(by_shard) != sorted(wanted):
+        raise InvalidArgumentError(
+            f"{layer}: the model's expert mapping gives it shards {sorted(by_shard)} under "
+            f"{sorted(param_names)}; FusedMoE's {pname} takes {wanted} under one name")
+    parts = []
+    for shard_id in wanted:
+        names = by_shard[shard_id]
+        if sorted(names) != list(range(experts)):
+            raise InvalidArgumentError(
+                f"{layer}: the expert mapping's {shard_id} covers experts {sorted(names)[:8]}..."
+                f" ({len(names)}), not 0..{experts - 1}")
+        template = names[0].replace(".0.", ".{e}.", 1)
+        wrong = [e for e, n in names.items() if template.replace("{e}", str(e)) != n]
+        if "{e}" not in template or wrong:
+            raise UnimplementedError(
+                f"{layer}: the checkpoint names of its experts ({names[0]!r}, ...) do not follow "
+                f"the expert number as \"{{e}}\" in one place")
+        parts.append(template)
+    order = getattr(module, "expert_placement_strategy", "linear") or "linear"
+    ep = (module.ep_size, module.ep_rank) if getattr(module, "use_ep", False) else (1, 0)
+    dim = FUSED_MOE_SHARDED_DIM[wanted[0]]
+    return _api.Placement.experts_from_each(experts, param_names.pop(), parts, order).in_groups(
+        ep, (module.tp_size, module.tp_rank), dim)
+
+
+# vLLM's FusedMoE.weight_loader SHARD_ID_TO_SHARDED_DIM: the dimension of one expert's
+# checkpoint tensor that tensor parallelism inside the experts splits.
+FUSED_MOE_SHARDED_DIM = {"w1": 0, "w2": 1, "w3": 0}
+
+
 def _parameter_placement(model, name: str, module, param, kind: Optional[str]):
     """The Placement of parameter `name` (of `module`, a layer of `kind`): see the table."""
     from .errors import UnimplementedError
@@ -289,17 +385,21 @@ def _parameter_placement(model, name: str, module, param, kind: Optional[str]):
                 f"none of vLLM's parallel layers ({', '.join(_LAYER_KINDS)}): which dimension "
                 f"its weight loader splits cannot be told")
         return _api.Placement.replicate()
+    if kind == "FusedMoE":  # its own groups (FusedMoEParallelConfig), not the TP group's
+        return _fused_moe_placement(model, name, module, param, layer)
     if kind == "ReplicatedLinear" or getattr(module, "tp_size", 1) == 1:
         return _api.Placement.replicate()
-    if kind == "FusedMoE":
-        raise UnimplementedError(
-            f"{layer}: FusedMoE experts at tensor/expert parallelism are not derived yet (their "
-            f"sources are one checkpoint tensor per expert, Placement::ExpertsFromEach, which "
-            f"the Python API does not carry)")
     if kind == "RowParallelLinear":
         return _api.Placement.replicate() if input_dim is None else \
             _api.Placement.shard(input_dim)
     if output_dim is None:
+        if kind in ("QKVParallelLinear", "MergedColumnParallelLinear"):
+            # Its loader copies each checkpoint part whole into the whole parameter (vLLM warns
+            # "assume the weight is the same for all partitions"): no layout of a weight, and a
+            # fused name no checkpoint has, which skip_absent would leave stale.
+            raise InvalidArgumentError(
+                f"{layer} has no output_dim, which its layer's weight loader needs to split and "
+                f"fuse its parts; its placement cannot be derived")
         return _api.Placement.replicate()
     packed = getattr(param, "packed_dim", None) is not None and \
         getattr(param, "packed_dim") == output_dim
@@ -344,25 +444,32 @@ def _parameter_placement(model, name: str, module, param, kind: Optional[str]):
 def tensor_parallel_layout(model) -> Optional[TensorParallelLayout]:
     """The TensorParallelLayout of `model` (vLLM's model, or weightbus.testing.llama's
     stand-in at tp_size > 1) derived from its parameters' metadata (see the table above), or
-    None when it is not tensor-parallel (no layer with tp_size > 1): every tensor whole.
+    None when nothing is split (no layer with tp_size > 1, no FusedMoE whose experts are split
+    over data-parallel ranks): every tensor whole.
 
     Raises InvalidArgumentError when the layers disagree on (tp_rank, tp_size) or a parameter's
     metadata names a dimension no known loader reads, UnimplementedError for the layouts listed
     above; each names the parameter and its layer class. Pure: reads the model, changes
     nothing."""
     ranks = set()
+    split_experts = False
     for module in model.modules():
+        kind = _layer_kind(module)
+        if kind == "FusedMoE":  # its groups are its own (data parallel ranks too)
+            split_experts |= getattr(module, "tp_size", 1) > 1 or getattr(module, "ep_size", 1) > 1
+            continue
         # vLLM's VocabParallelEmbedding keeps tp_size but not tp_rank: the linear layers
         # (LinearBase) carry both.
-        if _layer_kind(module) is not None and getattr(module, "tp_size", 1) > 1 and \
+        if kind is not None and getattr(module, "tp_size", 1) > 1 and \
                 getattr(module, "tp_rank", None) is not None:
             ranks.add((module.tp_rank, module.tp_size))
-    if not ranks:
+    if not ranks and not split_experts:
         return None
     if len(ranks) > 1:
         raise InvalidArgumentError(f"the model's layers are on different (tp_rank, tp_size): "
                                    f"{sorted(ranks)}")
-    tp_rank, tp_size = ranks.pop()
+    # TP 1 with experts split over data parallel ranks: a layout of one rank.
+    tp_rank, tp_size = ranks.pop() if ranks else (0, 1)
     placements: Dict[str, _api.Placement] = {}
     for module_name, module in model.named_modules():
         kind = _layer_kind(module)
@@ -372,19 +479,26 @@ def tensor_parallel_layout(model) -> Optional[TensorParallelLayout]:
     return TensorParallelLayout(tp_rank, tp_size, placements, tuple(placements))
 
 
-def load_resharded(model, update, layout: TensorParallelLayout, uri: str = "") -> None:
+def load_resharded(model, update, layout: TensorParallelLayout, uri: str = "") -> List[str]:
     """Copies the slices of `update` (received with layout.subscriber_options()) into the
     model's parameters of the same names: each already this rank's slice, so no weight loader
-    runs (vLLM's loaders would narrow again). Every name and shape is checked before any
-    parameter is written: InvalidArgumentError naming the parameter, both shapes and the rank
-    (e.g. metadata that does not match the layer: the model stays as it was)."""
+    runs (vLLM's loaders would narrow again). A parameter the update has no slice for (none of
+    its checkpoint tensors was published: skip_absent) is left as it is, as vLLM's load_weights
+    leaves a parameter the weights do not name; their names are returned (and logged). Every
+    name and shape is checked before any parameter is written: InvalidArgumentError naming the
+    parameter, both shapes and the rank (e.g. metadata that does not match the layer: the
+    model stays as it was)."""
     params = dict(model.named_parameters())
     where = f"{uri}: " if uri else ""
-    pairs = []
+    pairs, left = [], []
+    unknown = [name for name in update.keys() if name not in params]
+    if unknown:
+        raise InvalidArgumentError(f"{where}version {update.version} has slices for "
+                                   f"{unknown[:4]}, which are not parameters of the model")
     for name in layout.tensors:
         if name not in update:
-            raise InvalidArgumentError(f"{where}version {update.version} has no slice for "
-                                       f"parameter \"{name}\"")
+            left.append(name)
+            continue
         tensor, param = update[name], params[name]
         if tuple(tensor.shape) != tuple(param.shape):
             raise InvalidArgumentError(
@@ -398,6 +512,11 @@ def load_resharded(model, update, layout: TensorParallelLayout, uri: str = "") -
     with torch.no_grad():
         for param, tensor in pairs:
             param.data.copy_(tensor)
+    if left:
+        _log.info("%sversion %d has no checkpoint tensor for %d of %d parameters of TP rank %d "
+                  "of %d, left as they were: %s", where, update.version, len(left),
+                  len(layout.tensors), layout.tp_rank, layout.tp_size, ", ".join(left[:8]))
+    return left
 
 
 def layerwise_reload_functions(override=None) -> Optional[Tuple[Callable, Callable]]:
@@ -614,6 +733,8 @@ class AppliedVersion:
     prefetched: bool = False  # the version came from the prefetch (only applied here)
     bytes: int = 0            # bytes the receive read or moved (UpdateStats.bytes): at TP > 1
                               # this worker's slices (plus checksum-block rounding on disk)
+    left: Tuple[str, ...] = ()  # at TP > 1, parameters the version had no checkpoint tensor
+                                # for, left as they were (load_resharded)
 
 
 class WeightbusWorkerExtension:
@@ -711,6 +832,7 @@ class WeightbusWorkerExtension:
                                                       receive_s=time.perf_counter() - start)
                 return current
             received = time.perf_counter()
+            self._weightbus_left = ()
             with update:
                 self._weightbus_load(update)
             _synchronize(getattr(self, "device", None))
@@ -721,7 +843,7 @@ class WeightbusWorkerExtension:
                 reset_lora()
             self._weightbus_last = AppliedVersion(update.version, True, received - start,
                                                   done - received, time.time(), prefetched,
-                                                  update.stats.bytes)
+                                                  update.stats.bytes, self._weightbus_left)
         finally:
             self._weightbus_prefetch_next()
         self.weightbus_on_applied(self._weightbus_last)
@@ -790,7 +912,8 @@ class WeightbusWorkerExtension:
         tp = getattr(self, "_weightbus_tp", None)
         if tp is not None:  # this worker's slices, straight into its parameters
             with _device_context(device):
-                load_resharded(model, update, tp, self._weightbus_subscriber.uri)
+                self._weightbus_left = tuple(
+                    load_resharded(model, update, tp, self._weightbus_subscriber.uri))
                 process_weights_after_loading(model, model_config, device)
             return
         reload = layerwise_reload_functions(self.weightbus_layerwise)
@@ -1168,14 +1291,15 @@ class WeightbusWeightTransferEngine(_EngineBase):
                 check_tied_embeddings(update, subscriber.uri)
             if self.model is None:
                 raise RuntimeError("no model to load into")
+            left: Tuple[str, ...] = ()
             with _device_context(self.device):
                 if self._tp is not None and not draft:
-                    load_resharded(self.model, update, self._tp, subscriber.uri)
+                    left = tuple(load_resharded(self.model, update, self._tp, subscriber.uri))
                 else:
                     self.model.load_weights(weights=list(update))
             session["version"] = update.version
         session["figures"] = (received - start, time.perf_counter() - received, prefetched,
-                              update.stats.bytes)
+                              update.stats.bytes, left)
 
     def finish_weight_update(self) -> None:
         """Finalizes the session: the layerwise reload (or the post-load processing) runs and
@@ -1201,10 +1325,10 @@ class WeightbusWeightTransferEngine(_EngineBase):
                     self._version = session["version"]
             self._prefetch_next()
         if session["version"] is not None:
-            receive_s, load_s, prefetched, nbytes = session["figures"]
+            receive_s, load_s, prefetched, nbytes, left = session["figures"]
             self._last = AppliedVersion(session["version"], True, receive_s,
                                         load_s + time.perf_counter() - finish, time.time(),
-                                        prefetched, nbytes)
+                                        prefetched, nbytes, left)
 
     @property
     def received_version(self) -> Optional[int]:

@@ -594,15 +594,16 @@ std::string Encode(const KeyframeRequestMsg& m) {
 }
 
 std::string Encode(const JoinMsg& m) {
-  return Writer(MsgType::kJoin)
-      .Str(m.magic)
+  Writer w(MsgType::kJoin);
+  w.Str(m.magic)
       .U32(m.protocol)
       .Str(m.channel)
       .U32(m.rank)
       .U32(m.world_size)
       .U32(m.port)
-      .Str(m.description)
-      .Finish();
+      .Str(m.description);
+  if (!m.nonce.empty()) w.Str(m.nonce);
+  return w.Finish();
 }
 
 std::string Encode(const JoinedMsg& m) {
@@ -631,6 +632,13 @@ absl::StatusOr<JoinMsg> DecodeJoin(std::string_view payload) {
   m.world_size = f.U32("the world size");
   m.port = f.U32("the port");
   m.description = f.Str("the description");
+  // The nonce of a shared-secret channel, as HELLO's: a string that ends the message exactly.
+  const size_t fields = payload.size() - f.remaining();
+  if (f.ok() && f.remaining() >= 4) {
+    ByteReader rest(payload.substr(fields));
+    const absl::StatusOr<uint32_t> n = rest.U32("the nonce's length");
+    if (n.ok() && *n == rest.remaining()) m.nonce = std::string(payload.substr(fields + 4));
+  }
   return f.Done(std::move(m), /*exact=*/false);
 }
 

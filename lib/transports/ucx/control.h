@@ -300,6 +300,10 @@ struct JoinMsg {      // rank -> rank 0
   uint32_t world_size = 0;
   uint32_t port = 0;  // where the rank serves its parts (on the interface it reaches rank 0 from)
   std::string description;
+  // On a shared-secret channel (docs/SECURITY.md, "Publisher groups"): the joining rank's nonce,
+  // after the fields above (absent otherwise). Rank 0 answers with CHALLENGE (its nonce and
+  // proof, role "group rank 0"), the rank with PROOF (role "group rank"), and only then JOINED.
+  std::string nonce;
 };
 struct JoinedMsg {  // rank 0 -> rank
   uint32_t world_size = 0;

@@ -191,6 +191,10 @@ TransportCapabilities UcxCapabilities(const Config& config, const TransportCapab
   // Each rank stages and serves its own parts; rank 0, at the URI's address, commits a version
   // once every rank's part is staged (README.md, "Publisher groups").
   c.publisher_groups = true;
+  // On a shared-secret channel every rank proves the secret when it joins rank 0, rank 0 checks
+  // each part's MAC before it commits, and the group's manifest carries the MAC of the whole
+  // (docs/SECURITY.md, "Publisher groups").
+  c.authenticated_groups = true;
   return c;
 }
 

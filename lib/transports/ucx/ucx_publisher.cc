@@ -144,7 +144,16 @@ struct Conn {
   // Rank 0 of a publisher group: the rank that joined over this connection (JOIN), or -1 for a
   // subscriber.
   int member_rank = -1;
+  // Rank 0 on a shared-secret channel: a JOIN whose rank was sent CHALLENGE, completed once its
+  // PROOF checks out (its nonce is `subscriber_nonce`).
+  std::optional<JoinMsg> pending_join;
 };
+
+// The roles of the proofs a joining rank and rank 0 exchange on a shared-secret channel
+// (HandshakeProof), distinct from a subscriber's and a publisher's so that no proof made for a
+// subscriber connection passes in a join, or the other way round.
+constexpr std::string_view kRankZeroRole = "group rank 0";
+constexpr std::string_view kJoinerRole = "group rank";
 
 // This publisher's place in a publisher group (settings `rank`, `world_size`).
 struct GroupRole {
@@ -189,9 +198,36 @@ class UcxPublisher final : public TransportPublisher {
     }
     Wake();
     if (thread_.joinable()) thread_.join();
+    // Control messages still queued go out before the sockets close, for a short while: a
+    // group's rank 0 whose Publish just failed (and whose process exits) must leave the other
+    // ranks its OUTCOME, not a broken connection.
+    FlushQueued(absl::Now() + absl::Seconds(1));
     // Sockets close with conns_; regions unmap before the worker and context go.
     conns_.clear();
     slots_.clear();
+  }
+
+  // Writes what connections still have queued until `deadline` or until nothing is left (a
+  // connection that breaks is given up). The progress thread must have stopped.
+  void FlushQueued(absl::Time deadline) {
+    absl::MutexLock lock(&mu_);
+    while (absl::Now() < deadline) {
+      std::vector<pollfd> fds;
+      std::vector<Conn*> pending;
+      for (auto& [id, c] : conns_) {
+        if (c->out.empty() || c->dead) continue;
+        fds.push_back({c->fd.get(), POLLOUT, 0});
+        pending.push_back(c.get());
+      }
+      if (pending.empty()) return;
+      const int ms = static_cast<int>(
+          std::clamp<int64_t>(absl::ToInt64Milliseconds(deadline - absl::Now()) + 1, 0, 1000));
+      if (::poll(fds.data(), fds.size(), ms) <= 0 && errno != EINTR) return;
+      for (size_t i = 0; i < pending.size(); ++i) {
+        if (fds[i].revents == 0) continue;
+        if (!WriteAvailable(pending[i]->fd.get(), pending[i]->out).ok()) pending[i]->dead = true;
+      }
+    }
   }
 
   // Starts the progress thread. Errors: ResourceExhausted when no thread can be made.
@@ -336,6 +372,8 @@ class UcxPublisher final : public TransportPublisher {
   // ---- Publisher groups (README.md, "Publisher groups") ----
   // Rank 0: a rank joins the group (JOIN), then sends its staged parts (PART) and withdrawals.
   void HandleJoin(Conn& c, const Frame& f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes the rank of `join` a member (after its proof, on a shared-secret channel).
+  void AdmitRank(Conn& c, const JoinMsg& join) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleMember(Conn& c, const Frame& f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Rank 0: the ranks whose part of `version` is not in (rank 0 itself unless its Publish of
   // `version` has staged it), leaving out `except`.
@@ -734,6 +772,22 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
   if (group_.grouped() && group_.rank == 0) {
     WB_ASSIGN_OR_RETURN(merged, GatherGroup(*manifest, deadline));
     offsets.resize(merged->tensors.size(), 0);
+    // Fault injection (docs/TESTING.md): `error` here alters the group's manifest after its MAC,
+    // as someone between rank 0 and a subscriber would: the owners of two parts of one tensor
+    // swapped (else the metadata changed). Subscribers must refuse the version before any byte.
+    if (!failpoints_.Hit("ucx.tamper_group_manifest").ok()) {
+      std::vector<TensorInfo>& t = merged->tensors;
+      bool swapped = false;
+      for (size_t i = 0; i < t.size() && !swapped; ++i) {
+        for (size_t k = i + 1; k < t.size() && !swapped; ++k) {
+          if (t[i].name == t[k].name && t[i].owner != t[k].owner) {
+            std::swap(t[i].owner, t[k].owner);
+            swapped = true;
+          }
+        }
+      }
+      if (!swapped) merged->metadata["tampered"] = "by ucx.tamper_group_manifest";
+    }
   }
   std::string body = BuildGrantBody(*slot, merged ? *merged : *manifest, offsets);
   std::vector<std::unique_ptr<Slot>> surplus;
@@ -1014,6 +1068,25 @@ void UcxPublisher::HandleHello(Conn& c, const Frame& f) {
 
 void UcxPublisher::HandleProof(Conn& c, const Frame& f) {
   absl::StatusOr<ProofMsg> proof = DecodeProof(f.payload);
+  if (c.pending_join) {  // a rank joining the group (kJoinerRole: not a subscriber's proof)
+    const auto expected =
+        HandshakeProof(*options_.key, kJoinerRole, c.publisher_nonce, c.subscriber_nonce);
+    if (!proof.ok() || !ProofMatches(expected, proof->proof)) {
+      auth_log_.Log(LogLevel::kWarn,
+                    "%s: refusing %s: its proof of the channel's shared secret is wrong",
+                    endpoint_.display, c.peer);
+      SendError(c, absl::StatusCode::kPermissionDenied,
+                absl::StrFormat("rank 0 (%s) of channel \"%s\" refused rank %d: its proof of the "
+                                "channel's shared secret is wrong (the ranks hold different "
+                                "secrets: check secret_file or secret_env on both)",
+                                description_, endpoint_.channel, c.pending_join->rank));
+      return;
+    }
+    const JoinMsg join = *std::move(c.pending_join);
+    c.pending_join.reset();
+    AdmitRank(c, join);
+    return;
+  }
   const auto expected =
       HandshakeProof(*options_.key, "subscriber", c.publisher_nonce, c.subscriber_nonce);
   if (!proof.ok() || !ProofMatches(expected, proof->proof)) {
@@ -1233,7 +1306,32 @@ void UcxPublisher::HandleJoin(Conn& c, const Frame& f) {
                   absl::StrFormat("rank %d (port %d) cannot join a group of %d at its rank 0",
                                   join->rank, join->port, group_.world_size));
   }
-  const int rank = static_cast<int>(join->rank);
+  if (options_.key) {
+    // A shared-secret channel: the rank proves it holds the secret (and rank 0 that it does)
+    // before it becomes a member: no part of a rank that did not is ever taken, and no address
+    // of one goes to subscribers.
+    if (join->nonce.size() != c.subscriber_nonce.size()) {
+      return refuse(absl::StatusCode::kPermissionDenied,
+                    absl::StrFormat("rank 0 (%s) of channel \"%s\" requires the channel's shared "
+                                    "secret of every rank: rank %d joins without it (configure "
+                                    "secret_file or secret_env on every rank)",
+                                    description_, endpoint_.channel, join->rank));
+    }
+    std::memcpy(c.subscriber_nonce.data(), join->nonce.data(), join->nonce.size());
+    c.publisher_nonce = RandomNonce();
+    const auto proof =
+        HandshakeProof(*options_.key, kRankZeroRole, c.subscriber_nonce, c.publisher_nonce);
+    c.out +=
+        Encode(ChallengeMsg{std::string(AsText(c.publisher_nonce)), std::string(AsText(proof))});
+    c.challenged = true;
+    c.pending_join = *std::move(join);
+    return;
+  }
+  AdmitRank(c, *join);
+}
+
+void UcxPublisher::AdmitRank(Conn& c, const JoinMsg& join) {
+  const int rank = static_cast<int>(join.rank);
   if (auto old = member_conns_.find(rank); old != member_conns_.end()) {
     // A restarted rank whose old connection has not been seen closing yet (or a second process
     // configured with the same rank): the newest one is the rank.
@@ -1245,10 +1343,10 @@ void UcxPublisher::HandleJoin(Conn& c, const Frame& f) {
   c.member_rank = rank;
   c.greeted = true;
   member_conns_[rank] = c.id;
-  members_[rank] = GroupMember{SocketHost(c.fd.get()), join->port};
+  members_[rank] = GroupMember{SocketHost(c.fd.get()), join.port};
   c.out += Encode(JoinedMsg{static_cast<uint32_t>(group_.world_size), description_});
   conn_log_.Log(LogLevel::kInfo, "%s: %s joined the group (serving its parts at port %d)",
-                endpoint_.display, c.peer, join->port);
+                endpoint_.display, c.peer, join.port);
 }
 
 void UcxPublisher::HandleMember(Conn& c, const Frame& f) {
@@ -1389,6 +1487,19 @@ absl::StatusOr<Manifest> UcxPublisher::GatherGroup(const Manifest& own, absl::Ti
   }
   std::vector<Manifest> parts{own};
   for (const auto& [rank, part] : parts_[version]) parts.push_back(*part);
+  // On a channel with a secret no part counts unless its rank MACed it with the channel's key
+  // (a forged or altered part, or a rank with another secret or none, refuses the whole set;
+  // docs/SECURITY.md, "Publisher groups"), as disk's committing rank does.
+  const ChannelKey* key = options_.key ? &*options_.key : nullptr;
+  for (const Manifest& part : parts) {
+    absl::Status refused = CheckPartMac(
+        key, part, /*committer=*/0, absl::StrFormat("%s version %d", endpoint_.display, version));
+    if (!refused.ok()) {
+      return fail(absl::Status(
+          refused.code(),
+          absl::StrFormat("%s; nothing of version %d was committed", refused.message(), version)));
+    }
+  }
   absl::StatusOr<Manifest> merged = MergeGroupParts(version, parts, /*committer=*/0);
   if (!merged.ok()) {
     return fail(absl::Status(
@@ -1397,6 +1508,9 @@ absl::StatusOr<Manifest> UcxPublisher::GatherGroup(const Manifest& own, absl::Ti
                         "committed: %s",
                         endpoint_.display, version, merged.status().message())));
   }
+  // The MAC of the whole (every rank's tensors, shards, owners and checksums, under rank 0's
+  // session), which subscribers check before accepting any byte.
+  if (key != nullptr) merged->metadata[std::string(kMacMetadataKey)] = ManifestMac(*key, *merged);
   return merged;
 }
 
@@ -1411,12 +1525,49 @@ absl::Status UcxPublisher::JoinRankZero(absl::Time deadline) {
   WB_ASSIGN_OR_RETURN(Fd fd, Connect(endpoint_.host, endpoint_.port, deadline, endpoint_.display));
   ControlStream stream(std::move(fd), absl::StrFormat("rank 0 of the group at %s port %d",
                                                       endpoint_.host, endpoint_.port));
-  WB_RETURN_IF_ERROR(stream.Send(
-      Encode(JoinMsg{kMagic, kProtocolVersion, endpoint_.channel,
-                     static_cast<uint32_t>(group_.rank), static_cast<uint32_t>(group_.world_size),
-                     group_.port, description_}),
-      deadline));
+  JoinMsg join{kMagic,
+               kProtocolVersion,
+               endpoint_.channel,
+               static_cast<uint32_t>(group_.rank),
+               static_cast<uint32_t>(group_.world_size),
+               group_.port,
+               description_,
+               {}};
+  const Nonce nonce = RandomNonce();
+  if (options_.key) join.nonce = std::string(AsText(nonce));
+  WB_RETURN_IF_ERROR(stream.Send(Encode(join), deadline));
   WB_ASSIGN_OR_RETURN(Frame answer, stream.Receive(deadline));
+  if (answer.type == MsgType::kChallenge) {
+    // A shared-secret channel: rank 0 proves it holds the secret first, then this rank.
+    if (!options_.key) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s requires the channel's shared secret, which this rank (%d) lacks: configure "
+          "secret_file or secret_env on every rank",
+          stream.peer(), group_.rank));
+    }
+    absl::StatusOr<ChallengeMsg> challenge = DecodeChallenge(answer.payload);
+    Nonce rank_zero_nonce{};
+    const bool sized =
+        challenge.ok() && challenge->publisher_nonce.size() == rank_zero_nonce.size();
+    if (sized) std::memcpy(rank_zero_nonce.data(), challenge->publisher_nonce.data(), 32);
+    if (!sized ||
+        !ProofMatches(HandshakeProof(*options_.key, kRankZeroRole, nonce, rank_zero_nonce),
+                      challenge->proof)) {
+      return absl::PermissionDeniedError(absl::StrFormat(
+          "%s could not prove it holds the channel's shared secret: rank 0 and this rank (%d) "
+          "hold different secrets (check secret_file or secret_env on both), or it is not rank "
+          "0 of this group",
+          stream.peer(), group_.rank));
+    }
+    const auto proof = HandshakeProof(*options_.key, kJoinerRole, rank_zero_nonce, nonce);
+    WB_RETURN_IF_ERROR(stream.Send(Encode(ProofMsg{std::string(AsText(proof))}), deadline));
+    WB_ASSIGN_OR_RETURN(answer, stream.Receive(deadline));
+  } else if (answer.type == MsgType::kJoined && options_.key) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "%s let this rank (%d) join without authenticating: rank 0 has no shared secret, but "
+        "this rank's channel requires one (configure the same secret on every rank)",
+        stream.peer(), group_.rank));
+  }
   if (answer.type == MsgType::kError) {
     return ErrorStatus(answer.payload,
                        absl::StrFormat("%s refused rank %d: ", stream.peer(), group_.rank));
@@ -1454,8 +1605,17 @@ absl::Status UcxPublisher::CommitThroughRankZero(const Manifest& part, absl::Tim
         "%s)",
         where, s.message())));
   };
-  if (absl::Status s = to_rank_zero_.Send(Encode(PartMsg{version, part.ToJson()}), deadline);
-      !s.ok()) {
+  // Fault injection (docs/TESTING.md): `error` here sends rank 0 this rank's part with one
+  // tensor's checksum changed after the part was MACed, as a part altered on its way (or forged
+  // by someone without the key) would arrive; rank 0 must refuse the whole set.
+  std::string part_json = part.ToJson();
+  if (!failpoints_.Hit("ucx.tamper_part").ok()) {
+    Manifest altered = part;
+    if (!altered.tensors.empty()) altered.tensors[0].xxh3 ^= 1;
+    altered.metadata["tampered"] = "by ucx.tamper_part";
+    part_json = altered.ToJson();
+  }
+  if (absl::Status s = to_rank_zero_.Send(Encode(PartMsg{version, part_json}), deadline); !s.ok()) {
     return lost(s);
   }
   // Rank 0's word on `version`, waiting until `until` in slices (so that Cancel is seen).
@@ -1702,13 +1862,6 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& 
   GroupRole group;
   group.rank = static_cast<int>(config.Int("rank"));  // below world_size: checked by the core
   group.world_size = static_cast<int>(config.Int("world_size"));
-  if (group.grouped() && options.key) {
-    return absl::UnimplementedError(absl::StrFormat(
-        "%s: a ucx:// publisher group (world_size=%d, rank %d) on a channel with a shared secret "
-        "is not implemented: its ranks would serve subscribers and join rank 0 without "
-        "authenticating; publish through one publisher (world_size=1) or without a secret",
-        endpoint.display, group.world_size, group.rank));
-  }
   // Rank 0 serves the group's rendezvous on the URI's address; every other rank its own parts
   // on an ephemeral port of the same host (it tells rank 0 which when it joins).
   WB_ASSIGN_OR_RETURN(Fd listener,

@@ -12,7 +12,11 @@ maps checkpoint names through `stacked_params_mapping` and skips `lm_head.weight
 embeddings are tied, and linear layers with a `quant_method` whose
 `process_weights_after_loading` must run after every load (it pre-packs the weights the forward
 pass uses, as vLLM's CPU backend does), so a replica that skips it computes with stale weights.
-With a forward pass and batched generation (greedy or sampled).
+With a forward pass and batched generation (greedy or sampled). With LlamaConfig.num_experts > 0
+both have Qwen3-MoE's sparse MLP in the layers its config says: Hugging Face's one MLP per expert
+(checkpoint names mlp.experts.{e}.gate_proj/up_proj/down_proj, router mlp.gate) and vLLM's
+FusedMoE (w13_weight, w2_weight, split by expert or inside each expert as vLLM's
+FusedMoEParallelConfig says).
 
 Both read the config.json that `weightbus convert-llama2c` writes (LlamaConfig fields).
 """
@@ -20,7 +24,7 @@ import json
 import math
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -43,10 +47,26 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int = 1
     eos_token_id: int = 2
+    # Sparse MoE MLPs, as Qwen3-MoE's config has them (transformers Qwen3MoeConfig; vLLM
+    # vllm/model_executor/models/qwen3_moe.py): layer i is sparse when num_experts > 0, i is
+    # not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; each token goes to its
+    # num_experts_per_tok experts (softmax over all experts, top k, renormalized when
+    # norm_topk_prob), each a gated MLP of moe_intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: List[int] = field(default_factory=list)
+    norm_topk_prob: bool = True
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` has the sparse MoE MLP (Qwen3MoeDecoderLayer's rule)."""
+        return (layer_idx not in self.mlp_only_layers and self.num_experts > 0 and
+                (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_json(cls, path_or_dict) -> "LlamaConfig":
@@ -154,14 +174,52 @@ class _HfAttention(nn.Module):
 
 
 class _HfMlp(nn.Module):
-    def __init__(self, c: LlamaConfig):
+    def __init__(self, c: LlamaConfig, intermediate_size: Optional[int] = None):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        intermediate_size = intermediate_size or c.intermediate_size
+        self.gate_proj = nn.Linear(c.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """The router of Qwen3-MoE / Mixtral (transformers' Qwen3MoeSparseMoeBlock, vLLM's
+    fused_topk): softmax over every expert in float32, the top_k experts of each token, their
+    weights renormalized to sum to 1 when `renormalize`. router_logits [T, E] -> (weights
+    [T, k] float32, expert ids [T, k])."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class _HfSparseMoeBlock(nn.Module):
+    """transformers' Qwen3MoeSparseMoeBlock: a router `gate` [E, hidden] and one gated MLP per
+    expert (checkpoint names mlp.gate.weight, mlp.experts.{e}.gate_proj/up_proj/down_proj)."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.c = c
+        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
+        self.experts = nn.ModuleList(_HfMlp(c, c.moe_intermediate_size)
+                                     for _ in range(c.num_experts))
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = route_tokens(self.gate(x), self.c.num_experts_per_tok,
+                                    self.c.norm_topk_prob)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            if token.numel():
+                out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out.reshape(shape)
 
 
 class _RmsNorm(nn.Module):
@@ -175,10 +233,10 @@ class _RmsNorm(nn.Module):
 
 
 class _HfLayer(nn.Module):
-    def __init__(self, c: LlamaConfig):
+    def __init__(self, c: LlamaConfig, layer_idx: int = 0):
         super().__init__()
         self.self_attn = _HfAttention(c)
-        self.mlp = _HfMlp(c)
+        self.mlp = _HfSparseMoeBlock(c) if c.is_sparse_layer(layer_idx) else _HfMlp(c)
         self.input_layernorm = _RmsNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = _RmsNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -191,7 +249,7 @@ class _HfModel(nn.Module):
     def __init__(self, c: LlamaConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(_HfLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(_HfLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = _RmsNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -451,6 +509,232 @@ class RowParallelLinear(LinearBase):
         self._load_split(param, loaded_weight, "input_dim")
 
 
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank (vLLM's ReplicatedLinear: a MoE router's `gate`); its
+    loader copies the checkpoint tensor as it is."""
+
+    def __init__(self, input_size: int, output_size: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__(input_size, output_size, tp_rank, tp_size)
+        self.input_size_per_partition = input_size
+        self.output_size_per_partition = output_size
+        self.output_partition_sizes = [output_size]
+        self._create_weights()
+
+    def weight_loader(self, param, loaded_weight):
+        _check_shape(type(self).__name__, param.data, loaded_weight)
+        param.data.copy_(loaded_weight)
+
+
+# ---- FusedMoE ---------------------------------------------------------------------------------
+#
+# Written from vllm-project/vllm: vllm/model_executor/layers/fused_moe/config.py
+# (FusedMoEParallelConfig.make: the TP group flattened across data parallel ranks; with
+# enable_expert_parallel every device an expert-parallel rank and no tensor parallelism inside
+# the experts), fused_moe/layer.py (determine_expert_map, linear or round robin;
+# FusedMoE.__init__: local_num_experts, intermediate_size_per_partition, the `_expert_map`
+# buffer; weight_loader(param, loaded_weight, weight_name, shard_id, expert_id): the global
+# expert id mapped to the local one (-1: not this rank's, skipped), SHARD_ID_TO_SHARDED_DIM,
+# _load_w13 (gate into the first half of the expert's rows, up into the second, each narrowed
+# to tp_rank's block) and _load_w2 (down narrowed on its input dimension);
+# make_expert_params_mapping), fused_moe/unquantized_fused_moe_method.py (create_weights:
+# w13_weight [local experts, 2 * intermediate per partition, hidden], w2_weight [local
+# experts, hidden, intermediate per partition], each with the extra weight attributes: the
+# layer's weight_loader) and vllm/model_executor/models/qwen3_moe.py (Qwen3MoeSparseMoeBlock:
+# the router a ReplicatedLinear `gate`, FusedMoE `experts`, the all-reduce of the partial sums;
+# Qwen3MoeModel.get_expert_mapping and load_weights: checkpoint experts.{e}.* through the
+# expert mapping, skipped by the stacked (qkv / gate_up) mapping). Quantized experts, EPLB's
+# redundant experts and the all-to-all kernels are not modelled; the forward pass is the
+# unquantized method's arithmetic in plain torch.
+
+
+@dataclass(frozen=True)
+class FusedMoEParallelConfig:
+    """vLLM's FusedMoEParallelConfig: the groups a FusedMoE layer splits its experts over."""
+    tp_size: int
+    tp_rank: int
+    dp_size: int
+    dp_rank: int
+    ep_size: int
+    ep_rank: int
+    use_ep: bool
+
+    @staticmethod
+    def make(tp_size_: int, tp_rank_: int, dp_size_: int = 1, dp_rank_: int = 0,
+             enable_expert_parallel: bool = False) -> "FusedMoEParallelConfig":
+        """FusedMoEParallelConfig.make: the TP group flattened across DP (tp_size = dp * tp,
+        tp_rank = dp_rank * tp + tp_rank); with expert parallelism those are the EP group and
+        the experts are whole (tp_size 1)."""
+        tp_size = dp_size_ * tp_size_
+        tp_rank = dp_rank_ * tp_size_ + (0 if tp_size_ == 1 else tp_rank_)
+        use_ep = dp_size_ * tp_size_ > 1 and enable_expert_parallel
+        if not use_ep:
+            return FusedMoEParallelConfig(tp_size, tp_rank, dp_size_, dp_rank_, 1, 0, False)
+        return FusedMoEParallelConfig(1, 0, dp_size_, dp_rank_, tp_size, tp_rank, True)
+
+
+def determine_expert_map(ep_size: int, ep_rank: int, global_num_experts: int,
+                         expert_placement_strategy: str = "linear"):
+    """vLLM's determine_expert_map: (local_num_experts, expert_map), the map [E] int32 of each
+    global expert's local index on this rank, -1 elsewhere (None when ep_size is 1)."""
+    if ep_size == 1:
+        return global_num_experts, None
+    base, remainder = divmod(global_num_experts, ep_size)
+    local = base + 1 if ep_rank < remainder else base
+    expert_map = torch.full((global_num_experts,), -1, dtype=torch.int32)
+    if expert_placement_strategy == "linear":
+        start = ep_rank * base + min(ep_rank, remainder)
+        expert_map[start:start + local] = torch.arange(0, local, dtype=torch.int32)
+    elif expert_placement_strategy == "round_robin":
+        expert_map[torch.arange(ep_rank, global_num_experts, ep_size)] = \
+            torch.arange(0, local, dtype=torch.int32)
+    else:
+        raise ValueError(f"Unsupported expert placement strategy {expert_placement_strategy!r}")
+    return local, expert_map
+
+
+class UnquantizedFusedMoEMethod:
+    """vLLM's UnquantizedFusedMoEMethod: the expert weights and the fused-experts computation
+    (here the same arithmetic in torch: each token's top-k experts, SiluAndMul on w13's halves,
+    w2, weighted by the router)."""
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs) -> None:
+        w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size_per_partition,
+                                              hidden_size, dtype=params_dtype),
+                                  requires_grad=False)
+        layer.register_parameter("w13_weight", w13_weight)
+        set_weight_attrs(w13_weight, extra_weight_attrs)
+        w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size,
+                                             intermediate_size_per_partition,
+                                             dtype=params_dtype), requires_grad=False)
+        layer.register_parameter("w2_weight", w2_weight)
+        set_weight_attrs(w2_weight, extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: "FusedMoE", x: torch.Tensor, router_logits: torch.Tensor):
+        """This rank's part of the experts' output [T, hidden]: its local experts (expert_map),
+        its block of each expert's intermediate dimension; the caller all-reduces."""
+        weights, ids = route_tokens(router_logits, layer.top_k, layer.renormalize)
+        weights = weights.to(x.dtype)
+        local = ids if layer._expert_map is None else layer._expert_map[ids].long()
+        out = torch.zeros_like(x)
+        half = layer.w13_weight.shape[1] // 2
+        for e in range(layer.local_num_experts):
+            token, slot = (local == e).nonzero(as_tuple=True)
+            if not token.numel():
+                continue
+            gate_up = x[token] @ layer.w13_weight[e].t()
+            act = F.silu(gate_up[:, :half]) * gate_up[:, half:]  # SiluAndMul
+            out.index_add_(0, token, (act @ layer.w2_weight[e].t()) * weights[token, slot, None])
+        return out
+
+
+class FusedMoE(nn.Module):
+    """vLLM's FusedMoE for one worker: its local experts' w13_weight (gate and up fused) and
+    w2_weight (down), split by its FusedMoEParallelConfig (expert parallel: whole experts of
+    this EP rank; otherwise every expert, each split on its intermediate dimension)."""
+
+    SHARD_ID_TO_SHARDED_DIM = {"w1": 0, "w2": 1, "w3": 0}
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool = True, tp_rank: int = 0, tp_size: int = 1,
+                 dp_rank: int = 0, dp_size: int = 1, enable_expert_parallel: bool = False,
+                 expert_placement_strategy: str = "linear", prefix: str = ""):
+        super().__init__()
+        self.moe_parallel_config = FusedMoEParallelConfig.make(
+            tp_size, tp_rank, dp_size, dp_rank, enable_expert_parallel)
+        self.global_num_experts = num_experts
+        self.logical_num_experts = num_experts
+        self.expert_mapping = None
+        self.layer_name = prefix
+        self.expert_placement_strategy = expert_placement_strategy
+        if self.use_ep:
+            self.local_num_experts, expert_map = determine_expert_map(
+                self.ep_size, self.ep_rank, self.global_num_experts, expert_placement_strategy)
+        else:
+            self.local_num_experts, expert_map = self.global_num_experts, None
+        self.register_buffer("_expert_map", expert_map)
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size)
+        self.renormalize = renormalize
+        self.quant_method = UnquantizedFusedMoEMethod()
+        self.quant_method.create_weights(
+            self, num_experts=self.local_num_experts, hidden_size=hidden_size,
+            intermediate_size_per_partition=self.intermediate_size_per_partition,
+            params_dtype=torch.float32, weight_loader=self.weight_loader)
+
+    tp_size = property(lambda self: self.moe_parallel_config.tp_size)
+    tp_rank = property(lambda self: self.moe_parallel_config.tp_rank)
+    dp_size = property(lambda self: self.moe_parallel_config.dp_size)
+    dp_rank = property(lambda self: self.moe_parallel_config.dp_rank)
+    ep_size = property(lambda self: self.moe_parallel_config.ep_size)
+    ep_rank = property(lambda self: self.moe_parallel_config.ep_rank)
+    use_ep = property(lambda self: self.moe_parallel_config.use_ep)
+
+    def _map_global_expert_id_to_local_expert_id(self, expert_id: int) -> int:
+        if self._expert_map is None:
+            return expert_id
+        return int(self._expert_map[expert_id].item())
+
+    def _load_w13(self, expert_data, shard_dim: int, shard_id: str, loaded_weight,
+                  tp_rank: int) -> None:
+        shard_size = expert_data.shape[shard_dim] // 2
+        loaded_weight = loaded_weight.narrow(shard_dim, shard_size * tp_rank, shard_size)
+        if shard_id == "w1":  # gate_proj: the first logical weight of w13
+            expert_data = expert_data.narrow(shard_dim, 0, shard_size)
+        else:  # w3, up_proj: the second
+            expert_data = expert_data.narrow(shard_dim, shard_size, shard_size)
+        _check_shape(type(self).__name__, expert_data, loaded_weight)
+        expert_data.copy_(loaded_weight)
+
+    def _load_w2(self, expert_data, shard_dim: int, loaded_weight, tp_rank: int) -> None:
+        shard_size = expert_data.shape[shard_dim]
+        loaded_weight = loaded_weight.narrow(shard_dim, shard_size * tp_rank, shard_size)
+        _check_shape(type(self).__name__, expert_data, loaded_weight)
+        expert_data.copy_(loaded_weight)
+
+    def weight_loader(self, param, loaded_weight, weight_name: str, shard_id: str,
+                      expert_id: int, return_success: bool = False):
+        expert_id = self._map_global_expert_id_to_local_expert_id(expert_id)
+        if expert_id == -1:  # not local to this rank
+            return False if return_success else None
+        if shard_id not in ("w1", "w2", "w3"):
+            raise ValueError(f"shard_id must be ['w1','w2','w3'] but got {shard_id}.")
+        shard_dim = self.SHARD_ID_TO_SHARDED_DIM[shard_id]
+        if getattr(param, "is_transposed", False):
+            shard_dim = int(not shard_dim)
+        full_load = len(loaded_weight.shape) == 3
+        if full_load:
+            shard_dim += 1
+        expert_data = param.data if full_load else param.data[expert_id]
+        if "weight" in weight_name:
+            if shard_id == "w2":
+                self._load_w2(expert_data, shard_dim, loaded_weight, self.tp_rank)
+            else:
+                self._load_w13(expert_data, shard_dim, shard_id, loaded_weight, self.tp_rank)
+            return True if return_success else None
+        return False if return_success else None
+
+    @classmethod
+    def make_expert_params_mapping(cls, ckpt_gate_proj_name: str, ckpt_down_proj_name: str,
+                                   ckpt_up_proj_name: str, num_experts: int):
+        """(param_name, weight_name, expert_id, shard_id) for every expert and projection
+        (without redundant experts, physical ids are the logical ones)."""
+        return [("experts.w13_" if weight_name in (ckpt_gate_proj_name, ckpt_up_proj_name)
+                 else "experts.w2_", f"experts.{expert_id}.{weight_name}.", expert_id, shard_id)
+                for expert_id in range(num_experts)
+                for shard_id, weight_name in [("w1", ckpt_gate_proj_name),
+                                              ("w2", ckpt_down_proj_name),
+                                              ("w3", ckpt_up_proj_name)]]
+
+    def forward(self, hidden_states, router_logits):
+        return self.quant_method.apply(self, hidden_states, router_logits)
+
+
 def pad_vocab_size(vocab_size: int, pad_to: int = DEFAULT_VOCAB_PADDING_SIZE) -> int:
     return ((vocab_size + pad_to - 1) // pad_to) * pad_to
 
@@ -468,10 +752,9 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.org_vocab_size = num_embeddings
         self.num_embeddings = num_embeddings
-        # vLLM pads at every degree; the stand-in pads only at tp_size > 1 so that a TP-1
-        # replica's tensors stay the checkpoint's shape (what the whole-tensor tests compare).
-        self.num_embeddings_padded = (num_embeddings if tp_size == 1
-                                      else pad_vocab_size(num_embeddings, padding_size))
+        # As vLLM, at every degree (TP 1 included): a vocabulary that is not a multiple of 64
+        # has zero rows after it, which the logits cut off (vLLM's LogitsProcessor).
+        self.num_embeddings_padded = pad_vocab_size(num_embeddings, padding_size)
         self.num_embeddings_per_partition = divide(self.num_embeddings_padded, tp_size)
         start = tp_rank * self.num_embeddings_per_partition
         self.org_vocab_start_index = min(start, num_embeddings)
@@ -555,6 +838,29 @@ class _VllmMlp(nn.Module):
         return self.down_proj(F.silu(gate) * up)  # SiluAndMul
 
 
+class _VllmSparseMoeBlock(nn.Module):
+    """vLLM's Qwen3MoeSparseMoeBlock: a replicated router `gate` and FusedMoE `experts`; this
+    rank's partial sum (the layer all-reduces it, as the block does through
+    maybe_all_reduce_tensor_model_parallel)."""
+
+    def __init__(self, c: LlamaConfig, tp_rank: int, tp_size: int, moe: Dict[str, Any],
+                 prefix: str):
+        super().__init__()
+        if tp_size > c.num_experts:
+            raise ValueError(f"Tensor parallel size {tp_size} is greater than the number of "
+                             f"experts {c.num_experts}.")
+        self.experts = FusedMoE(c.num_experts, c.num_experts_per_tok, c.hidden_size,
+                                c.moe_intermediate_size, renormalize=c.norm_topk_prob,
+                                tp_rank=tp_rank, tp_size=tp_size, prefix=f"{prefix}.experts",
+                                **moe)
+        self.gate = ReplicatedLinear(c.hidden_size, c.num_experts, tp_rank, tp_size)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        return self.experts(x, self.gate(x)).reshape(shape)
+
+
 class _VllmRmsNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -566,10 +872,15 @@ class _VllmRmsNorm(nn.Module):
 
 
 class _VllmLayer(nn.Module):
-    def __init__(self, c: LlamaConfig, tp_rank: int, tp_size: int):
+    def __init__(self, c: LlamaConfig, tp_rank: int, tp_size: int, layer_idx: int = 0,
+                 moe: Optional[Dict[str, Any]] = None):
         super().__init__()
         self.self_attn = _VllmAttention(c, tp_rank, tp_size)
-        self.mlp = _VllmMlp(c, tp_rank, tp_size)
+        if c.is_sparse_layer(layer_idx):
+            self.mlp = _VllmSparseMoeBlock(c, tp_rank, tp_size, moe or {},
+                                           f"model.layers.{layer_idx}.mlp")
+        else:
+            self.mlp = _VllmMlp(c, tp_rank, tp_size)
         self.input_layernorm = _VllmRmsNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = _VllmRmsNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -588,16 +899,28 @@ class _VllmLlamaModel(nn.Module):
         (".gate_up_proj", ".up_proj", 1),
     ]
 
-    def __init__(self, c: LlamaConfig, tp_rank: int, tp_size: int):
+    def __init__(self, c: LlamaConfig, tp_rank: int, tp_size: int,
+                 moe: Optional[Dict[str, Any]] = None):
         super().__init__()
+        self.config = c
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, tp_rank, tp_size)
-        self.layers = nn.ModuleList(_VllmLayer(c, tp_rank, tp_size)
-                                    for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(_VllmLayer(c, tp_rank, tp_size, i, moe)
+                                    for i in range(c.num_hidden_layers))
         self.norm = _VllmRmsNorm(c.hidden_size, c.rms_norm_eps)
+
+    def get_expert_mapping(self) -> List[Tuple[str, str, int, str]]:
+        """Qwen3MoeModel.get_expert_mapping: the checkpoint's experts.{e}.gate_proj / down_proj /
+        up_proj to FusedMoE's w13_ / w2_ (empty without experts)."""
+        if self.config.num_experts == 0:
+            return []
+        return FusedMoE.make_expert_params_mapping(
+            ckpt_gate_proj_name="gate_proj", ckpt_down_proj_name="down_proj",
+            ckpt_up_proj_name="up_proj", num_experts=self.config.num_experts)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         params_dict = dict(self.named_parameters())
         loaded: Set[str] = set()
+        expert_params_mapping = self.get_expert_mapping()
         for name, loaded_weight in weights:
             if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or \
                     "rotary_emb.sin_cached" in name:
@@ -605,18 +928,33 @@ class _VllmLlamaModel(nn.Module):
             for param_name, weight_name, shard_id in self.stacked_params_mapping:
                 if weight_name not in name:
                     continue
+                # Qwen3MoeModel: experts.{e}.gate_proj is the expert mapping's, not gate_up's.
+                if "mlp.experts" in name:
+                    continue
                 name = name.replace(weight_name, param_name)
                 param = params_dict[name]
                 param.weight_loader(param, loaded_weight, shard_id)
                 break
             else:
-                if name not in params_dict:
-                    raise KeyError(f"checkpoint tensor {name!r} matches no parameter of the "
-                                   f"model")
-                param = params_dict[name]
-                getattr(param, "weight_loader", default_weight_loader)(param, loaded_weight)
+                for param_name, weight_name, expert_id, shard_id in expert_params_mapping:
+                    if weight_name not in name:
+                        continue
+                    name = name.replace(weight_name, param_name)
+                    param = params_dict[name]
+                    param.weight_loader(param, loaded_weight, name, shard_id=shard_id,
+                                        expert_id=expert_id)
+                    break
+                else:
+                    self._load_plain(params_dict, name, loaded_weight)
             loaded.add(name)
         return loaded
+
+    @staticmethod
+    def _load_plain(params_dict, name: str, loaded_weight) -> None:
+        if name not in params_dict:
+            raise KeyError(f"checkpoint tensor {name!r} matches no parameter of the model")
+        param = params_dict[name]
+        getattr(param, "weight_loader", default_weight_loader)(param, loaded_weight)
 
 
 class VllmStyleLlamaForCausalLM(nn.Module):
@@ -637,13 +975,24 @@ class VllmStyleLlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, enable_expert_parallel: bool = False,
+                 dp_rank: int = 0, dp_size: int = 1, expert_placement_strategy: str = "linear"):
+        """MoE layers (config.num_experts > 0) split their experts as vLLM's ParallelConfig
+        says: enable_expert_parallel (whole experts dealt over the dp_size * tp_size devices by
+        expert_placement_strategy, "linear" or "round_robin"), else every expert split on its
+        intermediate dimension over them. dp_rank / dp_size are this replica's data-parallel
+        coordinates (they matter only to the experts)."""
         super().__init__()
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} is outside [0, {tp_size})")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.model = _VllmLlamaModel(config, tp_rank, tp_size)
+        moe = {"dp_rank": dp_rank, "dp_size": dp_size,
+               "enable_expert_parallel": enable_expert_parallel,
+               "expert_placement_strategy": expert_placement_strategy}
+        self.model = _VllmLlamaModel(config, tp_rank, tp_size, moe)
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens  # vLLM: lm_head.tie_weights(embed_tokens)
         else:
@@ -672,6 +1021,10 @@ class VllmStyleLlamaForCausalLM(nn.Module):
                 raise KeyError(f"checkpoint tensor {name!r} is neither model.* nor lm_head.*")
         loaded |= {"model." + n for n in self.model.load_weights(model_weights)}
         return loaded
+
+    def get_expert_mapping(self) -> List[Tuple[str, str, int, str]]:
+        """Qwen3MoeForCausalLM.get_expert_mapping (vLLM's MixtureOfExperts models)."""
+        return self.model.get_expert_mapping()
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.tp_size == 1 else self._group().all_reduce(self.tp_rank, x)
@@ -740,10 +1093,23 @@ class VllmStyleLlamaForCausalLM(nn.Module):
             out[p + "self_attn.k_proj.weight"] = qkv[q:q + kv]
             out[p + "self_attn.v_proj.weight"] = qkv[q + kv:]
             out[p + "self_attn.o_proj.weight"] = layer.self_attn.o_proj.weight.detach()
-            gate_up = layer.mlp.gate_up_proj.weight.detach()
-            out[p + "mlp.gate_proj.weight"] = gate_up[:c.intermediate_size]
-            out[p + "mlp.up_proj.weight"] = gate_up[c.intermediate_size:]
-            out[p + "mlp.down_proj.weight"] = layer.mlp.down_proj.weight.detach()
+            if isinstance(layer.mlp, _VllmSparseMoeBlock):
+                experts = layer.mlp.experts
+                if experts.use_ep:
+                    raise ValueError("hf_state_dict of an expert-parallel replica: its experts "
+                                     "are this rank's, not the checkpoint's")
+                out[p + "mlp.gate.weight"] = layer.mlp.gate.weight.detach()
+                inter = c.moe_intermediate_size
+                for e in range(c.num_experts):
+                    w13, w2 = experts.w13_weight.detach()[e], experts.w2_weight.detach()[e]
+                    out[p + f"mlp.experts.{e}.gate_proj.weight"] = w13[:inter]
+                    out[p + f"mlp.experts.{e}.up_proj.weight"] = w13[inter:]
+                    out[p + f"mlp.experts.{e}.down_proj.weight"] = w2
+            else:
+                gate_up = layer.mlp.gate_up_proj.weight.detach()
+                out[p + "mlp.gate_proj.weight"] = gate_up[:c.intermediate_size]
+                out[p + "mlp.up_proj.weight"] = gate_up[c.intermediate_size:]
+                out[p + "mlp.down_proj.weight"] = layer.mlp.down_proj.weight.detach()
             out[p + "input_layernorm.weight"] = layer.input_layernorm.weight.detach()
             out[p + "post_attention_layernorm.weight"] = \
                 layer.post_attention_layernorm.weight.detach()

@@ -4,7 +4,7 @@
 # each, nothing compiled): WEIGHTBUS_WITH_DELTA=OFF leaves lib/delta, the delta layer and zstd out
 # of every target and the installed package files; WEIGHTBUS_WITH_DISK=OFF leaves lib/io, the
 # disk transport and liburing out; WEIGHTBUS_WITH_NCCL=ON is a configure error while no nccl
-# transport exists.
+# transport exists; WEIGHTBUS_WITH_CUDA=OFF leaves the CUDA kernels and runtime out.
 # Usage: build_options_test.sh SOURCE_DIR
 set -euo pipefail
 src=$1
@@ -17,7 +17,11 @@ fail() { echo "build_options_test: FAILED: $*" >&2; exit 1; }
 configure() {
   local name=$1
   shift
-  cmake -S "$src" -B "$work/$name" -G Ninja -DWEIGHTBUS_PYTHON=/usr/bin/true "$@" \
+  # CUDA is detected (nvcc probed, tens of seconds) only where the check is about it: the
+  # default configure and nocuda; elsewhere it is off.
+  local cuda=(-DWEIGHTBUS_WITH_CUDA=OFF)
+  [[ $name == default ]] && cuda=()
+  cmake -S "$src" -B "$work/$name" -G Ninja -DWEIGHTBUS_PYTHON=/usr/bin/true "${cuda[@]}" "$@" \
     > "$work/$name.log" 2>&1 || { cat "$work/$name.log"; fail "configure $name ($*)"; }
 }
 # absent NAME PATTERN WHAT: no rule of the build and no line of the pkg-config file (what the
@@ -59,8 +63,19 @@ present default 'lib/io/file_io\.cc' "lib/io"
 grep -q -- '-lzstd' "$work/default/weightbus.pc" || fail "default: weightbus.pc lacks -lzstd"
 grep -q -- '-luring' "$work/default/weightbus.pc" || fail "default: weightbus.pc lacks -luring"
 
+# WEIGHTBUS_WITH_CUDA=OFF: no kernels, no nvcc, no CUDA runtime; core/cuda/device.cc is still
+# built (its calls answer Unimplemented naming the capability). AUTO builds them where nvcc is.
+configure nocuda -DWEIGHTBUS_WITH_CUDA=OFF
+absent nocuda 'core/cuda/kernels\.cu|nvcc' "the CUDA kernels"
+absent nocuda 'libcudart' "the CUDA runtime"
+present nocuda 'core/cuda/device\.cc' "core/cuda/device.cc"
+present nocuda 'device_gating_test' "device_gating_test"
+if grep -q 'weightbus: CUDA .*, kernels for' "$work/default.log"; then  # AUTO found CUDA
+  present default 'core/cuda/kernels\.cu' "the CUDA kernels"
+fi
+
 if cmake -S "$src" -B "$work/nccl" -G Ninja -DWEIGHTBUS_PYTHON=/usr/bin/true \
-     -DWEIGHTBUS_WITH_NCCL=ON > "$work/nccl.log" 2>&1; then
+     -DWEIGHTBUS_WITH_CUDA=OFF -DWEIGHTBUS_WITH_NCCL=ON > "$work/nccl.log" 2>&1; then
   fail "WEIGHTBUS_WITH_NCCL=ON configured, but no nccl transport exists"
 fi
 grep -q 'the nccl transport does not exist yet' "$work/nccl.log" ||

@@ -4,6 +4,7 @@
 #include "absl/strings/str_format.h"
 #include "core/registry.h"
 #include "core/status.h"
+#include "transports/ucx/ucp_util.h"
 #include "transports/ucx/ucx_transport.h"
 
 namespace weightbus::internal::ucx {
@@ -195,6 +196,12 @@ TransportCapabilities UcxCapabilities(const Config& config, const TransportCapab
   // each part's MAC before it commits, and the group's manifest carries the MAC of the whole
   // (docs/SECURITY.md, "Publisher groups").
   c.authenticated_groups = true;
+  // Device memory (README.md, "CUDA memory"): subscribers get straight into CUDA targets where
+  // UCX moves CUDA memory (its gets and READ copies handle device memory); GPU staging slots
+  // are filled from CUDA tensors device to device (host staging copies on the CPU: the core
+  // stages CUDA tensors through pinned memory for it).
+  if (UcxMovesCudaMemory()) c.fetch_memory |= TransportCapabilities::kCudaMemory;
+  if (!host_staging && CudaSupported()) c.publish_memory |= TransportCapabilities::kCudaMemory;
   return c;
 }
 

@@ -578,6 +578,7 @@ absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> tar
 
 absl::Status DeltaIncoming::FromKeyframe(absl::Time deadline) {
   const uint64_t version = manifest().version;
+  const std::vector<TensorInfo> planned = manifest().tensors;  // before steps_ is moved from
   std::vector<Step> steps;
   if (duplicate_) {
     WB_ASSIGN_OR_RETURN(std::unique_ptr<IncomingVersion> incoming,
@@ -590,11 +591,15 @@ absl::Status DeltaIncoming::FromKeyframe(absl::Time deadline) {
   }
   bool from_base = false;
   WB_RETURN_IF_ERROR(owner_->CompleteChain(steps, /*use_base=*/false, &from_base, deadline));
-  if (steps.back().manifest.tensors != manifest().tensors) {
+  const std::vector<TensorInfo>& replayed = steps.back().manifest.tensors;
+  for (size_t i = 0; i < std::max(replayed.size(), planned.size()); ++i) {
+    if (i < replayed.size() && i < planned.size() && replayed[i] == planned[i]) continue;
     return absl::DataLossError(absl::StrFormat(
         "%s: version %d replayed from keyframe %d has other tensors than the version this "
-        "subscriber's copy gave",
-        owner_->uri_, version, steps.front().version));
+        "subscriber's copy gave (tensor %d: \"%s\" XXH3-64 %016x there, \"%s\" %016x here)",
+        owner_->uri_, version, steps.front().version, i,
+        i < replayed.size() ? replayed[i].name : "", i < replayed.size() ? replayed[i].xxh3 : 0,
+        i < planned.size() ? planned[i].name : "", i < planned.size() ? planned[i].xxh3 : 0));
   }
   Log(LogLevel::kInfo,
       "%s: version %d: this subscriber holds only the chunks its slices met of version %d; "

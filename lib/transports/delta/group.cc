@@ -178,9 +178,11 @@ class GroupIncoming final : public IncomingVersion {
     for (size_t r = 0; r < ranks_.size(); ++r) ranks_[r]->PlanRanges(by_rank[r]);
   }
   absl::Status FetchRanges(absl::Span<const RangeRead> reads, absl::Time deadline) override {
+    // Every rank, even with nothing to read here: its first call decodes (or, needing nothing,
+    // skips) its version, which it then adopts when the version is accepted.
     const std::vector<std::vector<RangeRead>> by_rank = ByRank(reads);
     for (size_t r = 0; r < ranks_.size(); ++r) {
-      if (!by_rank[r].empty()) WB_RETURN_IF_ERROR(ranks_[r]->FetchRanges(by_rank[r], deadline));
+      WB_RETURN_IF_ERROR(ranks_[r]->FetchRanges(by_rank[r], deadline));
     }
     return absl::OkStatus();
   }

@@ -7,14 +7,15 @@
 //   - hashing: CPU time per byte of the publisher's checksums (the whole XXH3-64 plus tiles)
 //     over one transformer layer of each model's shapes (random bytes), as a ratio to the whole
 //     XXH3-64 alone (the baseline, measured interleaved in the same run) and to 1-D blocks.
-// Usage: weightbus-tiles-bench [--repeat N]. Times are thread CPU seconds (the machine may be
-// shared); the load average is printed.
+// Usage: weightbus-tiles-bench [--repeat N] (tools/weightbus/flags.h). Times are thread CPU seconds
+// (the machine may be shared); the load average is printed.
 #include <time.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,7 @@
 #include "core/checksum.h"
 #include "core/tiles.h"
 #include "nlohmann/json.hpp"
+#include "weightbus/flags.h"
 #include "weightbus/manifest.hpp"
 
 namespace {
@@ -104,9 +106,13 @@ Model Qwen05(const char* path) {
 
 int main(int argc, char** argv) {
   int repeat = 5;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--repeat") == 0 && i + 1 < argc) repeat = std::atoi(argv[++i]);
-  }
+  weightbus::tools::Command app(
+      "weightbus-tiles-bench",
+      "weightbus-tiles-bench: manifest size and hashing cost of checksum tiles at several "
+      "checksum_block settings, against 1-D blocks and the whole XXH3-64 alone (BENCHMARKS.md, "
+      "\"Tiles\").");
+  app.Add("repeat", &repeat, "repetitions of each measurement (the best is kept)").InRange(1, 1000);
+  if (std::optional<int> exit_status = app.Parse(argc, argv)) return *exit_status;
   double load[3] = {0, 0, 0};
   (void)getloadavg(load, 3);
   std::printf("# weightbus-tiles-bench: XXH3 %s, load average %.2f %.2f %.2f\n",

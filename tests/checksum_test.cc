@@ -37,8 +37,9 @@ TEST(ChecksumTest, VectorizedXxh3MatchesLibxxhashInOneGoAndInPieces) {
   }
 }
 
-// Block checksums are libxxhash's XXH3-64 of each block (the last one shorter), however the
-// bytes are fed, and the whole checksum is unchanged by computing them.
+// 1-D block checksums (format 1, LinearBlocks) are libxxhash's XXH3-64 of each block (the last
+// one shorter), however the bytes are fed, and the whole checksum is unchanged by computing them.
+// Tiles are tiles_test.cc's.
 TEST(ChecksumTest, TensorHasherBlocksAreXxh3OfEachBlock) {
   const std::vector<std::byte> bytes = testing::RandomBytes((1 << 20) + 4097, 7);
   for (uint64_t block :
@@ -49,12 +50,12 @@ TEST(ChecksumTest, TensorHasherBlocksAreXxh3OfEachBlock) {
       for (uint64_t at = 0; block > 0 && at < n; at += block) {
         want.push_back(testing::Xxh3(bytes.data() + at, std::min<uint64_t>(block, n - at)));
       }
-      const TensorChecksums whole = ChecksumTensor(bytes.data(), n, block);
+      const TensorChecksums whole = ChecksumTensor(bytes.data(), n, LinearBlocks(n, block));
       EXPECT_EQ(whole.xxh3, testing::Xxh3(bytes.data(), n)) << block << " " << n;
-      EXPECT_EQ(whole.block_bytes, block);
+      EXPECT_EQ(whole.grid.tile_bytes, block);
       EXPECT_EQ(whole.blocks, want) << block << " " << n;
       EXPECT_EQ(whole.blocks.size(), BlockCount(n, block));
-      TensorHasher hasher(n, block);
+      TensorHasher hasher(n, LinearBlocks(n, block));
       FeedUnevenly(bytes.data(), n, [&](const std::byte* p, size_t k) { hasher.Update(p, k); });
       const TensorChecksums streamed = hasher.Finish();
       EXPECT_EQ(streamed.xxh3, whole.xxh3) << block << " " << n;

@@ -33,7 +33,7 @@ TEST(DeviceGatingTest, WithoutCudaEveryDeviceCallIsUnimplementedNamingTheCapabil
   ExpectNotBuilt(DeviceBuffer::Allocate(64, 2).status(), "CUDA device 2");
   ExpectNotBuilt(RegisterHost(&x, sizeof(x)), "pinning host memory");
   const DeviceBytes bytes{reinterpret_cast<const std::byte*>(&x), sizeof(x)};
-  ExpectNotBuilt(Checksum({&bytes, 1}, 0, 3).status(), "CUDA device 3");
+  ExpectNotBuilt(Checksum({&bytes, 1}, {TileGrid{}}, 3).status(), "CUDA device 3");
   ExpectNotBuilt(SynchronizeCallerStream(nullptr, 0, "waiting"), "waiting");
 }
 

@@ -14,8 +14,10 @@
 #include "core/checksum.h"
 #include "core/cuda/hash_plan.h"
 #include "core/cuda/strided_core.h"
+#include "core/cuda/tile_gather.h"
 #include "core/cuda/xxh3_core.h"
 #include "core/tensor_pack.h"
+#include "core/tiles.h"
 #include "gtest/gtest.h"
 
 namespace weightbus::internal {
@@ -100,7 +102,7 @@ std::vector<TensorChecksums> RunPlanOnHost(const std::vector<const uint8_t*>& da
   std::vector<TensorChecksums> result(data.size());
   for (size_t i = 0; i < data.size(); ++i) {
     result[i].xxh3 = out[plan.whole[i]];
-    result[i].block_bytes = block_bytes;
+    result[i].grid = LinearBlocks(len[i], block_bytes);
     result[i].blocks.assign(out.begin() + plan.first_block[i],
                             out.begin() + plan.first_block[i] + plan.blocks[i]);
   }
@@ -125,10 +127,11 @@ TEST(DeviceChecksumPlanTest, WindowsAndSharedBlockSumsEqualChecksumTensor) {
     for (uint64_t window : {uint64_t{1}, uint64_t{7}, uint64_t{1000}, uint64_t{1} << 18}) {
       const std::vector<TensorChecksums> got = RunPlanOnHost(data, sizes, block, window);
       for (size_t i = 0; i < sizes.size(); ++i) {
-        const TensorChecksums want = ChecksumTensor(data[i], sizes[i], block);
+        const TensorChecksums want =
+            ChecksumTensor(data[i], sizes[i], LinearBlocks(sizes[i], block));
         EXPECT_EQ(got[i].xxh3, want.xxh3)
             << "tensor " << i << " block " << block << " window " << window;
-        EXPECT_EQ(got[i].block_bytes, want.block_bytes);
+        EXPECT_EQ(got[i].grid, want.grid);
         EXPECT_EQ(got[i].blocks, want.blocks) << "tensor " << i << " block " << block;
       }
     }
@@ -235,6 +238,59 @@ TEST(DeviceStridedTest, LayoutsDropUnitDimensionsAndMergeRuns) {
   EXPECT_EQ(scalar.count, 1u);
   EXPECT_EQ(strided::ElementOffset(scalar, 0), 0);
   EXPECT_EQ(strided::MakeLayout({3, 0}, {}).count, 0u);
+}
+
+// What cuda::Checksum does with a tile grid, on the host: contiguous tiles (1-D blocks, whole
+// rows) through the plan in place, tiles of several columns gathered band by band in tile order
+// (tile_gather.h, the gathers run through ElementOffset as the pack kernels run them) and each
+// hashed whole; against ChecksumTensor with the same grid.
+TEST(DeviceTileChecksumTest, GatheredAndContiguousTilesEqualChecksumTensor) {
+  struct Case {
+    const char* what;
+    TileGrid grid;
+  };
+  const std::vector<Case> cases = {
+      {"o_proj-like 8 x 8 tiles (ChooseTiles)",
+       ChooseTiles(DType::kBF16, {896, 896}, 896 * 896 * 2, 64 << 10)},
+      {"odd: last band and last column shorter, 2-byte elements", {37, 302, 8, 64}},
+      {"odd widths: 1-byte elements", {13, 301, 4, 75}},
+      {"8-byte elements, one band", {5, 512, 8, 128}},
+      {"whole rows (one column)", {100, 256, 7, 4096}},
+      {"a single row (1-D blocks)", LinearBlocks(10000, 4096)},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const uint64_t n = c.grid.rows * c.grid.row_bytes;
+    const std::vector<uint8_t> bytes = RandomBytes(n + 3, 11);
+    const uint8_t* data = bytes.data() + 3;  // unaligned: the byte kernel's case
+    const TensorChecksums want = ChecksumTensor(data, n, c.grid);
+    ASSERT_EQ(want.blocks.size(), c.grid.count());
+    std::vector<uint64_t> got;
+    const uint64_t contiguous = tile_gather::ContiguousTileBytes(c.grid);
+    if (contiguous > 0) {
+      got = RunPlanOnHost({data}, {n}, contiguous, 1 << 18)[0].blocks;
+    } else {
+      for (uint64_t band = 0; band < c.grid.bands(); ++band) {
+        std::vector<std::byte> gathered(tile_gather::BandBytes(c.grid, band));
+        uint64_t at = 0;
+        for (const tile_gather::Gather& g : tile_gather::BandGathers(c.grid, band)) {
+          ASSERT_EQ(g.bytes % g.elem, 0u);
+          GatherOnHost(reinterpret_cast<const std::byte*>(data) + g.src_offset, g.elem,
+                       strided::MakeLayout(g.shape, g.strides), 0, g.bytes / g.elem,
+                       gathered.data() + at);
+          at += g.bytes;
+        }
+        ASSERT_EQ(at, gathered.size());
+        at = 0;
+        for (uint64_t size : tile_gather::GatheredTileBytes(c.grid, band)) {
+          got.push_back(DeviceCoreHash(reinterpret_cast<const uint8_t*>(gathered.data()) + at,
+                                       size));
+          at += size;
+        }
+      }
+    }
+    EXPECT_EQ(got, want.blocks);
+  }
 }
 
 }  // namespace

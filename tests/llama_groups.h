@@ -5,8 +5,11 @@
 // ucx_group_test, tp_subscribe_test), written out here independently of the library's planner.
 #pragma once
 
+#include <algorithm>
 #include <cstring>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -111,6 +114,61 @@ inline uint64_t BytesMet(const PublishCase& c, int r, int tp) {
     const Box want = SliceBox(t, r, tp);
     for (const Box& part : PublishedParts(t, c)) {
       if (Meet(part, want)) n += Elements(part) * 4;
+    }
+  }
+  return n;
+}
+
+// The manifest entry of the part of `t` at `part` (its shard starts there; a whole part has no
+// shard, or a shard of the whole).
+inline const TensorInfo* PartEntry(const Manifest& m, const tools::OwnedTensor& t,
+                                   const Box& part) {
+  for (const TensorInfo& e : m.tensors) {
+    if (e.name != t.name) continue;
+    const std::vector<int64_t> at =
+        e.shard ? e.shard->offsets : std::vector<int64_t>(t.shape.size(), 0);
+    if (at == part.begin && e.shape.size() == part.end.size()) return &e;
+  }
+  return nullptr;
+}
+
+// Bytes of the checksum tiles of the published parts that rank `r` of `tp`'s slices touch,
+// computed here from boxes and the tile shape the manifest `m` records for each part: a part
+// [rows, cols] of F32 is rows of cols * 4 bytes cut into tiles of block_rows rows by
+// block_bytes bytes (a 1-D part: one row); for each row of the slice's intersection with the
+// part, the tiles its byte run lies in.
+inline uint64_t TileBytesTouched(const Manifest& m, const PublishCase& c, int r, int tp) {
+  uint64_t n = 0;
+  for (const tools::OwnedTensor& t : Model()) {
+    const Box want = SliceBox(t, r, tp);
+    for (const Box& part : PublishedParts(t, c)) {
+      if (!Meet(part, want)) continue;
+      const TensorInfo* e = PartEntry(m, t, part);
+      EXPECT_NE(e, nullptr) << t.name;
+      if (e == nullptr) continue;
+      EXPECT_GT(e->block_rows, 0u) << t.name << ": no tiles";
+      const uint64_t tr = e->block_rows, tb = e->block_bytes;
+      const bool matrix = t.shape.size() == 2;
+      const uint64_t rows = matrix ? part.end[0] - part.begin[0] : 1;
+      const uint64_t row_bytes = Elements(part) * 4 / rows;
+      std::set<std::pair<uint64_t, uint64_t>> tiles;  // (band, column)
+      if (!matrix) {
+        for (uint64_t col = 0; col * tb < row_bytes; ++col) tiles.insert({0, col});
+      } else {
+        const int64_t c0 = std::max(part.begin[1], want.begin[1]) - part.begin[1];
+        const int64_t c1 = std::min(part.end[1], want.end[1]) - part.begin[1];
+        for (int64_t row = std::max(part.begin[0], want.begin[0]);
+             row < std::min(part.end[0], want.end[0]); ++row) {
+          const uint64_t local = row - part.begin[0];
+          for (uint64_t col = c0 * 4 / tb; col <= (c1 * 4 - 1) / tb; ++col) {
+            tiles.insert({local / tr, col});
+          }
+        }
+      }
+      for (const auto& [band, col] : tiles) {
+        n += (std::min(rows, (band + 1) * tr) - band * tr) *
+             (std::min(row_bytes, (col + 1) * tb) - col * tb);
+      }
     }
   }
   return n;

@@ -52,12 +52,12 @@ TEST(RegistryTest, EveryTransportDeclaresItsCapabilitiesAndLayersDeriveTheirs) {
             "cross_process, durable, late_joiners");
   // The delta layer keeps what it forwards and drops what it does itself; it carries disk's
   // publisher groups (each rank encodes its own parts) but not their authentication, and reads
-  // no byte ranges (a layer declares these itself).
+  // byte ranges from what it decodes (a layer declares these itself).
   auto delta = testing::StackCapabilitiesOf("delta+disk://" + dir.path() + "/ch");
   ASSERT_TRUE(delta.ok()) << delta.status();
   EXPECT_EQ(DescribeCapabilities(*delta),
-            "keep_versions_from, publisher_groups, open_version, list_versions, cancel, "
-            "cross_process, durable, late_joiners");
+            "keep_versions_from, publisher_groups, open_version, list_versions, partial_reads, "
+            "cancel, cross_process, durable, late_joiners");
   if (FindTransport("ucx") != nullptr) {
     auto host = testing::StackCapabilitiesOf("ucx://127.0.0.1:9/ch");
     ASSERT_TRUE(host.ok()) << host.status();

@@ -325,8 +325,9 @@ struct StackCase {
 // stack without publisher groups) skips the cell, naming the capability, rather than failing.
 const std::vector<StackCase>& StackCases() {
   static const auto* stacks = new std::vector<StackCase>{
-      // Partial reads: 4 KiB checksum blocks (most tensors span several, so each TP rank reads
-      // and verifies only the blocks its slices touch) through a 64 KiB staging window.
+      // Partial reads: checksum tiles of at most 4 KiB (every matrix cut into up to 8 x 8, so
+      // each TP rank reads and verifies only the tiles its slices touch, row-parallel o_proj and
+      // down_proj included) through a 64 KiB staging window.
       {"disk",
        "disk://{dir}/channel",
        {},
@@ -337,13 +338,24 @@ const std::vector<StackCase>& StackCases() {
        /*partial_reads=*/true},
       // delta_send_plain=false: a single publisher encodes too (its plain-or-delta choice would
       // send these small versions plainly); the subject here is the layout of decoded deltas.
+      // The records carry 4 KiB tiles: each TP rank decodes only the chunks its slices meet
+      // (4 KiB chunks: most tensors span several) and reads its tiles.
       {"delta_disk",
        "delta+disk://{dir}/channel",
        {},
        {1, 2, 4},
-       {{"delta_send_plain", "false"}},
-       {{"poll_interval", "2ms"}}},
-      {"ucx", "ucx://127.0.0.1:{port}/channel", testing::kShm, {1, 2, 4}},
+       {{"delta_send_plain", "false"}, {"checksum_block", "4KiB"}, {"delta_chunk_size", "4KiB"}},
+       {{"poll_interval", "2ms"}},
+       {{"staging_window", "64KiB"}},
+       /*partial_reads=*/true},
+      {"ucx",
+       "ucx://127.0.0.1:{port}/channel",
+       testing::kShm,
+       {1, 2, 4},
+       {{"checksum_block", "4KiB"}},
+       {},
+       {{"staging_window", "64KiB"}},
+       /*partial_reads=*/true},
   };
   return *stacks;
 }
@@ -428,6 +440,21 @@ TEST_P(TpLogitsGridTest, TensorParallelLogitsOnTheSlicesMatchTheUnshardedModel) 
     for (const OwnedTensor& t : Tensors(cell.model, version)) model_bytes += t.bytes.size();
     for (const auto& u : replica->updates) most_read = std::max(most_read, u->stats().bytes);
     if (cell.stack.partial_reads && cell.tp > 1) EXPECT_LT(most_read, model_bytes);
+    // With partial reads a rank reads its slices, rounded out to tiles: exactly its slices for
+    // the dense models, whose split dimensions all divide into the tiles' fractions (the
+    // row-parallel o_proj and down_proj not read whole); MoE experts dealt 2, 2, 1, 1 over 4
+    // ranks start inside tiles.
+    for (size_t r = 0; cell.stack.partial_reads && r < replica->updates.size(); ++r) {
+      uint64_t slices = 0;
+      for (const TensorView& v : replica->updates[r]->tensors()) {
+        slices += ByteSize(v.dtype, v.shape).value();
+      }
+      const uint64_t read = replica->updates[r]->stats().bytes;
+      EXPECT_GE(read, slices) << "TP rank " << r;
+      if (cell.model == ModelKind::kStories260K || cell.model == ModelKind::kWideGqa) {
+        EXPECT_EQ(read, slices) << "TP rank " << r;
+      }
+    }
     // Over the delta layer, every TP rank's version 2 is a delta on its copy of version 1 (from
     // a group: each publisher rank's part is, "rank R: delta 2 ...; ...").
     if (version == 2 && absl::StartsWith(cell.stack.uri, "delta+")) {

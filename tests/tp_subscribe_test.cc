@@ -142,7 +142,11 @@ TEST_P(TpSubscribeTest, EveryTpRankReceivesExactlyItsSlicesAndReadsOnlyThePartsT
           const std::vector<std::byte> want = SliceBytes(t, b);
           ASSERT_EQ(std::memcmp(v->data, want.data(), want.size()), 0) << t.name;
         }
-        EXPECT_EQ((*u)->stats().bytes, BytesMet(c, r, tp));
+        // With the default tiles (at most 1 MiB, at least 16 KiB) this model's tensors of up to
+        // 32 KiB are one tile each, the larger ones 2 to 8: a rank reads the tiles its slices
+        // meet, never more than the parts they meet.
+        EXPECT_EQ((*u)->stats().bytes, TileBytesTouched((*u)->manifest(), c, r, tp));
+        EXPECT_LE((*u)->stats().bytes, BytesMet(c, r, tp));
         if (version == 1) {
           std::printf(
               "[ bytes    ] publishers %d %-4s TP %d rank %d: fetched %llu of %llu model "
@@ -288,7 +292,7 @@ TEST(TpSubscribeErrorsTest, ACorruptPartLeavesDestinationsUntouched) {
   EXPECT_EQ(u.status().code(), absl::StatusCode::kDataLoss) << u.status();
   EXPECT_THAT(std::string(u.status().message()), HasSubstr("tensor \"" + o->name +
                                                            "\" (the part of source rank 1) fails "
-                                                           "verification in block 0 of 1"));
+                                                           "verification in tile 0 of 1"));
   EXPECT_THAT(std::string(u.status().message()), HasSubstr("file " + file));
   for (float x : dest) ASSERT_EQ(x, -1);
   EXPECT_FALSE(sub->current_version().has_value());
@@ -384,12 +388,12 @@ TEST(TpSubscribeFusedTest, GateUpAndQkvAreAssembledFromTheirParts) {
 }
 
 // Partial reads (docs/RESHARDING.md, "What a rank reads"): with block checksums every rank
-// reads the checksum blocks its slices touch and nothing else.
+// reads the checksum tiles its slices touch and nothing else.
 constexpr uint64_t kBlock = 4096;
 
-// Bytes of the blocks (of kBlock bytes, the last of a part shorter) of the published parts that
-// rank `r` of `tp`'s slices touch, computed here from boxes: for each row of a slice's
-// intersection with a part, the byte run it needs in the part's row-major bytes.
+// The same for a manifest with the 1-D blocks of format 1 (kBlock bytes, the last of a part
+// shorter): for each row of a slice's intersection with a part, the blocks of its byte run in
+// the part's row-major bytes.
 uint64_t BlockBytesTouched(const PublishCase& c, int r, int tp) {
   uint64_t n = 0;
   for (const tools::OwnedTensor& t : Model()) {
@@ -417,11 +421,22 @@ uint64_t BlockBytesTouched(const PublishCase& c, int r, int tp) {
   return n;
 }
 
+// The bytes of rank `r` of `tp`'s slices: what it reads when its slices fall on tile
+// boundaries.
+uint64_t SliceBytesOf(int r, int tp) {
+  uint64_t n = 0;
+  for (const tools::OwnedTensor& t : Model()) n += Elements(SliceBox(t, r, tp)) * 4;
+  return n;
+}
+
 class TpPartialReadTest : public ::testing::TestWithParam<PublishCase> {};
 
-// The bytes a rank reads (UpdateStats::bytes) are exactly the blocks its slices touch, through a
-// staging window smaller than most tensors' parts, and the slices are bit-exact.
-TEST_P(TpPartialReadTest, EachRankReadsExactlyTheBlocksItsSlicesTouch) {
+// The bytes a rank reads (UpdateStats::bytes) are exactly the tiles its slices touch, through a
+// staging window smaller than most tensors' parts, and the slices are bit-exact. With 4 KiB
+// tiles every matrix part of this model is cut into up to 8 x 8 tiles, so that row-parallel
+// o_proj/down_proj slices (the same columns of every row) are read as their own tiles, not
+// whole.
+TEST_P(TpPartialReadTest, EachRankReadsExactlyTheTilesItsSlicesTouch) {
   const PublishCase& c = GetParam();
   ScratchDir dir;
   const std::string uri = "disk://" + dir.path() + "/channel";
@@ -440,17 +455,21 @@ TEST_P(TpPartialReadTest, EachRankReadsExactlyTheBlocksItsSlicesTouch) {
         const std::vector<std::byte> want = SliceBytes(t, SliceBox(t, r, tp));
         ASSERT_EQ(std::memcmp(v->data, want.data(), want.size()), 0) << t.name;
       }
-      const uint64_t touched = BlockBytesTouched(c, r, tp);
+      const uint64_t touched = TileBytesTouched((*u)->manifest(), c, r, tp);
       EXPECT_EQ((*u)->stats().bytes, touched);
-      // Never more than the parts met; from a single publisher's whole tensors, less.
+      // Every dimension of this model that TP 2 and 4 split divides into the tiles' equal
+      // fractions, in every publisher layout here: each rank reads exactly its slices, row-
+      // parallel ones included, and never more than the parts met.
+      EXPECT_EQ(touched, SliceBytesOf(r, tp));
       EXPECT_LE(touched, BytesMet(c, r, tp));
       if (c.world == 1 && tp > 1) EXPECT_LT(touched, BytesMet(c, r, tp));
       std::printf(
           "[ bytes    ] publishers %d %-4s TP %d rank %d: read %llu of %llu model bytes "
-          "(%.0f%%) in blocks of 4 KiB, %llu in the parts met\n",
+          "(%.1f%%) in tiles of at most 4 KiB; slices %llu, parts met %llu\n",
           c.world, c.world == 1 ? "" : c.layout.c_str(), tp, r,
           static_cast<unsigned long long>(touched), static_cast<unsigned long long>(ModelBytes()),
-          100.0 * touched / ModelBytes(), static_cast<unsigned long long>(BytesMet(c, r, tp)));
+          100.0 * touched / ModelBytes(), static_cast<unsigned long long>(SliceBytesOf(r, tp)),
+          static_cast<unsigned long long>(BytesMet(c, r, tp)));
     }
   }
 }
@@ -503,12 +522,79 @@ void FlipInFile(const std::string& file, const std::string& needle, size_t at) {
   testing::WriteFileOrDie(file, bytes);
 }
 
-// A byte flipped at rest in one block of a rank's part is DataLoss naming the tensor, the
-// block and the source rank for the TP rank that reads that block; it keeps its previous
-// version (current version, bound destination and the earlier Update's slices untouched). A
-// TP rank whose slices do not touch the block receives the version: each verifies exactly
-// what it read.
-TEST(TpPartialReadCorruptionTest, ACorruptBlockIsDataLossAndThePreviousVersionIsKept) {
+// A manifest with the 1-D blocks of format 1 (written before tiles) is still read block by block:
+// each rank reads exactly the blocks its slices touch (row-parallel ones: every block of the
+// part, as before tiles), bit-exact, and a corrupt block is DataLoss in the words of format 1.
+TEST(TpPartialReadOldManifestTest, FormatOneBlocksAreStillReadBlockByBlock) {
+  ScratchDir dir;
+  const std::string uri = "disk://" + dir.path() + "/channel";
+  const PublishCase c{1};
+  ASSERT_NO_FATAL_FAILURE(Publish(uri, c, 1, {{"checksum_block", "4KiB"}}));
+  // Rewrite the manifest as a publisher of format 1 wrote it: kBlock-byte 1-D blocks.
+  const std::string path = testing::DiskVersionDir(dir, 1) + "/weightbus.manifest.json";
+  absl::StatusOr<Manifest> m = Manifest::FromJson(testing::ReadFileOrDie(path), path);
+  ASSERT_TRUE(m.ok()) << m.status();
+  for (TensorInfo& e : m->tensors) {
+    const tools::OwnedTensor* t = nullptr;
+    for (const tools::OwnedTensor& o : Model()) {
+      if (o.name == e.name) t = &o;
+    }
+    ASSERT_NE(t, nullptr);
+    e.block_rows = 0;
+    e.block_bytes = kBlock;
+    e.block_xxh3.clear();
+    for (uint64_t at = 0; at < t->bytes.size(); at += kBlock) {
+      e.block_xxh3.push_back(
+          testing::Xxh3(t->bytes.data() + at, std::min<uint64_t>(kBlock, t->bytes.size() - at)));
+    }
+  }
+  const std::string json = m->ToJson();
+  EXPECT_THAT(json, HasSubstr("\"block_bytes\": 4096"));
+  EXPECT_THAT(json, ::testing::Not(HasSubstr("\"tiles\"")));
+  testing::WriteFileOrDie(path, json);
+  for (int tp : {2, 4}) {
+    for (int r = 0; r < tp; ++r) {
+      SCOPED_TRACE(absl::StrFormat("TP rank %d of %d", r, tp));
+      std::unique_ptr<Subscriber> sub = OpenTp(uri, r, tp, {{"staging_window", "64KiB"}});
+      ASSERT_NE(sub, nullptr);
+      auto u = sub->ReceiveVersion(1, kTimeout);
+      ASSERT_TRUE(u.ok()) << u.status();
+      EXPECT_EQ((*u)->stats().bytes, BlockBytesTouched(c, r, tp));
+      EXPECT_GT((*u)->stats().bytes, SliceBytesOf(r, tp));  // row-parallel ones read whole
+      for (const tools::OwnedTensor& t : Model()) {
+        const std::vector<std::byte> want = SliceBytes(t, SliceBox(t, r, tp));
+        ASSERT_EQ(std::memcmp((*u)->Find(t.name)->data, want.data(), want.size()), 0) << t.name;
+      }
+    }
+  }
+  // gate_proj of layer 0 ([172, 64] f32, 44032 bytes, blocks 0..10): a bit flipped in block 4.
+  const std::string gate = "model.layers.0.mlp.gate_proj.weight";
+  const tools::OwnedTensor* g = nullptr;
+  for (const tools::OwnedTensor& t : Model()) {
+    if (t.name == gate) g = &t;
+  }
+  ASSERT_NE(g, nullptr);
+  const std::string file = testing::DiskVersionDir(dir, 1) + "/model.safetensors";
+  ASSERT_NO_FATAL_FAILURE(
+      FlipInFile(file, std::string(reinterpret_cast<const char*>(g->bytes.data()), g->bytes.size()),
+                 4 * kBlock + 10));
+  std::unique_ptr<Subscriber> sub = OpenTp(uri, 0, 2, {{"staging_window", "64KiB"}});
+  ASSERT_NE(sub, nullptr);
+  auto u = sub->ReceiveVersion(1, kTimeout);
+  ASSERT_EQ(u.status().code(), absl::StatusCode::kDataLoss) << u.status();
+  EXPECT_THAT(std::string(u.status().message()),
+              HasSubstr("tensor \"" + gate +
+                        "\" (the part of source rank 0) fails verification in block 4 of 11 "
+                        "(bytes [16384, 20480) of its 44032, blocks of 4096 bytes; file " +
+                        file));
+}
+
+// A byte flipped at rest in one tile of a rank's part is DataLoss naming the tensor, the
+// tile (its rows and bytes) and the source rank for the TP rank that reads that tile; it keeps its
+// previous version (current version, bound destination and the earlier Update's slices untouched).
+// A TP rank whose slices do not touch the block receives the version: each verifies exactly what it
+// read.
+TEST(TpPartialReadCorruptionTest, ACorruptTileIsDataLossAndThePreviousVersionIsKept) {
   ScratchDir dir;
   const std::string uri = "disk://" + dir.path() + "/channel";
   const PublishCase c{2, "rows"};
@@ -516,8 +602,9 @@ TEST(TpPartialReadCorruptionTest, ACorruptBlockIsDataLossAndThePreviousVersionIs
   ASSERT_NO_FATAL_FAILURE(Publish(uri, c, 1, block));
   const std::vector<tools::OwnedTensor> doubled = Doubled();
   ASSERT_NO_FATAL_FAILURE(Publish(uri, c, 2, block, doubled));
-  // gate_proj of layer 0 is [172, 64] f32; rank 1 of the group owns rows 86..171 (22016 bytes,
-  // blocks 0..5 of 4 KiB). Flip a bit in its block 4 (bytes [16384, 20480): rows 150..165).
+  // gate_proj of layer 0 is [172, 64] f32; rank 1 of the group owns rows 86..171 (22016 bytes:
+  // 86 rows of 256 bytes in 2 x 8 tiles of 43 rows x 32 bytes). Flip a bit at byte 16394 of its
+  // part: row 64 (global row 150), byte 10, in tile 8 (rows [43, 86), bytes [0, 32)).
   const std::string gate = "model.layers.0.mlp.gate_proj.weight";
   const tools::OwnedTensor* g = nullptr;
   for (const tools::OwnedTensor& t : doubled) {
@@ -530,8 +617,8 @@ TEST(TpPartialReadCorruptionTest, ACorruptBlockIsDataLossAndThePreviousVersionIs
   const std::string file = testing::DiskVersionDir(dir, 2) + "/rank-00001/model.safetensors";
   ASSERT_NO_FATAL_FAILURE(FlipInFile(file, rank1_rows, 4 * kBlock + 10));
 
-  // At TP 4, gate_proj rows 129..171 are rank 3's and rows 86..128 rank 2's: rank 3 reads
-  // blocks 2..5, rank 2 blocks 0..2 of that part only (its rows 86..128 end at byte 11008).
+  // At TP 4, gate_proj rows 129..171 are rank 3's and rows 86..128 rank 2's: rank 3 reads the
+  // tiles of the part's rows 43..85 (band 1), rank 2 those of its rows 0..42 (band 0) only.
   for (int r : {2, 3}) {
     SCOPED_TRACE(absl::StrFormat("TP rank %d of 4", r));
     std::unique_ptr<Subscriber> sub = OpenTp(uri, r, 4, {{"staging_window", "64KiB"}});
@@ -554,9 +641,9 @@ TEST(TpPartialReadCorruptionTest, ACorruptBlockIsDataLossAndThePreviousVersionIs
     ASSERT_EQ(v2.status().code(), absl::StatusCode::kDataLoss) << v2.status();
     const std::string message(v2.status().message());
     EXPECT_THAT(message, HasSubstr("version 2: tensor \"" + gate +
-                                   "\" (the part of source rank 1) fails verification in block 4 "
-                                   "of 6 (bytes [16384, 20480) of its 22016, blocks of 4096 "
-                                   "bytes; file " +
+                                   "\" (the part of source rank 1) fails verification in tile 8 "
+                                   "of 16 (rows [43, 86) x bytes [0, 32) of its 86 rows of 256 "
+                                   "bytes, tiles of 43 rows x 32 bytes; file " +
                                    file));
     EXPECT_THAT(message, HasSubstr("version 1 stays current"));
     EXPECT_EQ(sub->current_version(), 1u);

@@ -231,6 +231,43 @@ TEST(ManifestBlockChecksumsTest, RoundTripOldManifestsAndMalformedBlocks) {
             "manifest b.json: field .tensors[0].blocks is missing");
 }
 
+// Tiles (checksum format 2): "tile": [rows, bytes] and "tiles", keys older readers ignore (they
+// read such a tensor whole); read back exactly, and checked against the tensor's row view.
+TEST(ManifestBlockChecksumsTest, TilesRoundTripAndMalformedTilesAreDataLoss) {
+  Manifest m = *Manifest::FromJson(GoodManifest().dump(), "old");
+  // "w" is BF16 [2, 3]: 2 rows of 6 bytes, in tiles of 1 row x 4 bytes: 2 bands x 2 columns.
+  m.tensors[0].block_rows = 1;
+  m.tensors[0].block_bytes = 4;
+  m.tensors[0].block_xxh3 = {1, 2, 3, 0xfedcba9876543210ULL};
+  const ordered_json j = ordered_json::parse(m.ToJson());
+  EXPECT_EQ(j["tensors"][0]["tile"], ordered_json::array({1, 4}));
+  EXPECT_EQ(j["tensors"][0]["tiles"],
+            "000000000000000100000000000000020000000000000003fedcba9876543210");
+  EXPECT_FALSE(j["tensors"][0].contains("block_bytes"));
+  EXPECT_FALSE(j["tensors"][0].contains("blocks"));
+  absl::StatusOr<Manifest> back = Manifest::FromJson(m.ToJson(), "tiles");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, m);
+
+  auto expect = [&](const std::string& key, const ordered_json& value, const std::string& what) {
+    ordered_json bad = j;
+    bad["tensors"][0][key] = value;
+    absl::StatusOr<Manifest> r = Manifest::FromJson(bad.dump(), "t.json");
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+    EXPECT_EQ(std::string(r.status().message()), "manifest t.json: field .tensors[0]" + what);
+  };
+  expect("tiles", "0000000000000001",
+         ".tiles has 16 characters, but tensor \"w\" of 2 rows of 6 bytes in tiles of 1 rows x 4 "
+         "bytes needs 4 checksums of 16 hex digits");
+  expect("tile", ordered_json::array({2, 6}),
+         ".tiles has 64 characters, but tensor \"w\" of 2 rows of 6 bytes in tiles of 2 rows x 6 "
+         "bytes needs 1 checksums of 16 hex digits");
+  expect("tile", ordered_json::array({0, 4}), ".tile[0] is 0, expected at least 1");
+  expect("tile", ordered_json::array({1}), ".tile is not [rows, bytes]");
+  expect("tile", ordered_json::array({1, -4}), ".tile[1] is -4, outside [0, 18446744073709551615]");
+  expect("block_bytes", 4, " has both \"tile\" and \"block_bytes\" (one kind of block checksums)");
+}
+
 TEST(ManifestLimitsTest, NamesRanksCountsShardsAndTotalsBeyondTheLimitsAreDataLoss) {
   auto expect = [](const std::string& json, const std::string& message) {
     absl::StatusOr<Manifest> m = Manifest::FromJson(json, "limits.json");

@@ -233,7 +233,9 @@ int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
       "row shards of every matrix whose rows divide by N, other tensors whole, tensor i by rank "
       "i %% N), M subscriber processes (one TP group: o_proj/down_proj on dimension 1, other "
       "matrices on dimension 0, vectors replicated); every TP rank checks its slices against "
-      "the store\n",
+      "the store and the bytes it read against the checksum tiles its slices meet (computed "
+      "from the version's manifest and the slices' boxes); round%%: read/rank over slices, "
+      "minus 100\n",
       c.transport.c_str());
   std::printf("# %d versions, the first %d not measured; settings: %s\n", c.versions, c.warmup,
               c.settings.empty() ? "defaults" : absl::StrJoin(c.settings, " ").c_str());
@@ -242,12 +244,12 @@ int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
       "under delta their encoded parts), wire/rank the most one rank published, ratio model "
       "bytes / wire/ver, stream: model bytes x versions / wire bytes of every version (the "
       "first included)\n#\n");
-  std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %12s %12s %7s %7s %6s\n", "N", "M",
-              "model", "slices", "read/rank", "read%", "commit", "last-rank", "control", "rss/rank",
-              "wire/ver", "wire/rank", "ratio", "stream", "#wrong");
-  std::printf("# %3s %3s %12s %12s %12s %7s %8s %10s %8s %10s %12s %12s %7s %7s %6s\n", "", "",
-              "(B)", "(B)", "(B)", "(%)", "(s)", "(s)", c.transport == "ucx" ? "(msgs)" : "(files)",
-              "(MiB)", "(B)", "(B)", "(x)", "(x)", "");
+  std::printf("# %3s %3s %12s %12s %12s %7s %7s %8s %10s %8s %10s %12s %12s %7s %7s %6s\n", "N",
+              "M", "model", "slices", "read/rank", "read%", "round%", "commit", "last-rank",
+              "control", "rss/rank", "wire/ver", "wire/rank", "ratio", "stream", "#wrong");
+  std::printf("# %3s %3s %12s %12s %12s %7s %7s %8s %10s %8s %10s %12s %12s %7s %7s %6s\n", "", "",
+              "(B)", "(B)", "(B)", "(%)", "(%)", "(s)", "(s)",
+              c.transport == "ucx" ? "(msgs)" : "(files)", "(MiB)", "(B)", "(B)", "(x)", "(x)", "");
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   int wrong = 0;
   std::string failure;
@@ -263,13 +265,14 @@ int RunGroups(const GroupRunConfig& c, const StoreIndex& index) {
       const double last = Median(r.last_s);
       const double wire = Median(r.wire_bytes);
       std::printf(
-          "  %3d %3d %12llu %12llu %12llu %7.1f %8.4f %10.4f %8.0f %10.1f %12.0f %12.0f %7.1f "
-          "%7.1f %6d\n",
+          "  %3d %3d %12llu %12llu %12llu %7.1f %7.2f %8.4f %10.4f %8.0f %10.1f %12.0f %12.0f "
+          "%7.1f %7.1f %6d\n",
           n, m, static_cast<unsigned long long>(index.tensor_bytes),
           static_cast<unsigned long long>(r.slice_bytes),
           static_cast<unsigned long long>(r.read_max),
-          100.0 * r.read_max / std::max<uint64_t>(index.tensor_bytes, 1), Median(r.commit_s), last,
-          r.control_files, r.subscriber_rss / 1048576.0, wire, Median(r.wire_max),
+          100.0 * r.read_max / std::max<uint64_t>(index.tensor_bytes, 1),
+          100.0 * r.read_max / std::max<uint64_t>(r.slice_bytes, 1) - 100.0, Median(r.commit_s),
+          last, r.control_files, r.subscriber_rss / 1048576.0, wire, Median(r.wire_max),
           wire > 0 ? static_cast<double>(index.tensor_bytes) / wire : 0.0,
           r.wire_all > 0 ? static_cast<double>(index.tensor_bytes) * c.versions / r.wire_all : 0.0,
           r.wrong);

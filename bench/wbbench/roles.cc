@@ -190,7 +190,17 @@ int TpSubscriberMain(const WorkerFlags& flags, const StoreIndex& index) {
                                 {"slice_bytes", SliceBytes(index, flags.tp)}};
     const double c0 = SelfCpuSeconds();
     std::string bad;
+    // What it must read: its slices rounded out to the tiles of the parts they meet.
+    const uint64_t expect = ExpectedReadBytes((*u)->manifest(), index, flags.tp_rank, flags.tp);
+    j["expect_bytes"] = expect;
+    if (st.bytes != expect) {
+      bad = absl::StrFormat(
+          "TP rank %d read %d bytes, but its slices meet %d bytes of checksum "
+          "tiles",
+          flags.tp_rank, st.bytes, expect);
+    }
     for (const StoredTensor& t : index.tensors) {
+      if (!bad.empty()) break;
       const TensorView* v = (*u)->Find(t.name);
       absl::StatusOr<std::vector<std::byte>> want_bytes =
           ReadSlice(index.VersionPath(flags.store, want), t, flags.tp_rank, flags.tp);

@@ -4,8 +4,10 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <set>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
@@ -82,6 +84,75 @@ absl::StatusOr<std::vector<std::byte>> ReadSlice(const std::string& version_path
   }
   ::close(fd);
   return out;
+}
+
+namespace {
+
+// The slice of `t` TP rank `rank` of `tp` takes, as [rows, cols) of its [rows, cols] view (a
+// vector: one row).
+struct Rect {
+  int64_t r0, r1, c0, c1;
+};
+Rect SliceRect(const StoredTensor& t, int rank, int tp) {
+  const Placement p = TpPlacement(t, tp);
+  const int64_t rows = t.shape.size() == 2 ? t.shape[0] : 1;
+  const int64_t cols =
+      t.shape.size() == 2 ? t.shape[1] : static_cast<int64_t>(t.nbytes / DTypeSize(t.dtype));
+  Rect s{0, rows, 0, cols};
+  if (p.kind == Placement::Kind::kShard && p.dim == 0) {
+    s.r0 = rows / tp * rank;
+    s.r1 = s.r0 + rows / tp;
+  } else if (p.kind == Placement::Kind::kShard) {
+    s.c0 = cols / tp * rank;
+    s.c1 = s.c0 + cols / tp;
+  }
+  return s;
+}
+
+}  // namespace
+
+uint64_t ExpectedReadBytes(const Manifest& m, const StoreIndex& index, int rank, int tp) {
+  uint64_t n = 0;
+  for (const StoredTensor& t : index.tensors) {
+    const Rect want = SliceRect(t, rank, tp);
+    const int64_t es = static_cast<int64_t>(DTypeSize(t.dtype));
+    for (const TensorInfo& e : m.tensors) {
+      if (e.name != t.name) continue;
+      // The part as [rows, cols) of the tensor's view.
+      const bool matrix = e.shape.size() == 2;
+      const int64_t pr0 = matrix && e.shard ? e.shard->offsets[0] : 0;
+      const int64_t pc0 = e.shard ? e.shard->offsets.back() : 0;
+      const int64_t prows = matrix ? e.shape[0] : 1;
+      const int64_t pcols = static_cast<int64_t>(e.nbytes) / es / prows;
+      const int64_t r0 = std::max(want.r0, pr0), r1 = std::min(want.r1, pr0 + prows);
+      const int64_t c0 = std::max(want.c0, pc0), c1 = std::min(want.c1, pc0 + pcols);
+      if (r0 >= r1 || c0 >= c1) continue;
+      const uint64_t row_bytes = static_cast<uint64_t>(pcols * es);
+      if (e.block_bytes == 0) {
+        n += e.nbytes;
+      } else if (e.block_rows == 0) {  // 1-D blocks over the part's bytes
+        std::set<uint64_t> blocks;
+        for (int64_t r = r0; r < r1; ++r) {
+          const uint64_t lo = (r - pr0) * row_bytes + (c0 - pc0) * es;
+          const uint64_t hi = (r - pr0) * row_bytes + (c1 - pc0) * es;
+          for (uint64_t b = lo / e.block_bytes; b <= (hi - 1) / e.block_bytes; ++b)
+            blocks.insert(b);
+        }
+        for (uint64_t b : blocks) n += std::min(e.block_bytes, e.nbytes - b * e.block_bytes);
+      } else {  // tiles: the rectangle meets a rectangle of them
+        const uint64_t tr = e.block_rows, tb = e.block_bytes;
+        for (uint64_t band = (r0 - pr0) / tr; band <= static_cast<uint64_t>(r1 - 1 - pr0) / tr;
+             ++band) {
+          for (uint64_t col = (c0 - pc0) * es / tb;
+               col <= static_cast<uint64_t>((c1 - pc0) * es - 1) / tb; ++col) {
+            n += (std::min<uint64_t>(prows, (band + 1) * tr) - band * tr) *
+                 (std::min<uint64_t>(row_bytes, (col + 1) * tb) - col * tb);
+          }
+        }
+      }
+    }
+  }
+  return n;
 }
 
 uint64_t SliceBytes(const StoreIndex& index, int tp) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "wbbench/store.h"
+#include "weightbus/manifest.hpp"
 #include "weightbus/placement.hpp"
 #include "weightbus/types.hpp"
 
@@ -35,5 +36,12 @@ absl::StatusOr<std::vector<std::byte>> ReadSlice(const std::string& version_path
 
 // Bytes of one TP rank's slices (the same for every rank of the group), all tensors.
 uint64_t SliceBytes(const StoreIndex& index, int tp);
+
+// The bytes rank `rank` of `tp` must read of version `m` (its manifest, as received): for each
+// published part its slices meet, the checksum tiles of the part that the slice's rectangle
+// meets (docs/FORMAT.md, "Block checksums": the part's rows of its last dimension, cut into
+// tiles of block_rows x block_bytes), the 1-D blocks its byte runs meet (format 1), or the whole
+// part (no block checksums): computed here from boxes, independently of the library's planner.
+uint64_t ExpectedReadBytes(const Manifest& m, const StoreIndex& index, int rank, int tp);
 
 }  // namespace weightbus::bench

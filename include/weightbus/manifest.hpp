@@ -33,12 +33,21 @@ struct TensorInfo {
   // equal checksums. Format weightbus.manifest/2 (docs/FORMAT.md).
   int owner = 0;
   // Block checksums, so that a reader of some byte ranges (a TP worker reading its slices)
-  // verifies exactly the bytes it read: XXH3-64 of each run of block_bytes bytes of the
-  // contiguous image, in order, the last one shorter when block_bytes does not divide nbytes
-  // (ceil(nbytes / block_bytes) entries). block_bytes 0 and no entries: none recorded (a
-  // manifest written before block checksums, or by a publisher with checksum_block=0); such a
-  // tensor is read and verified whole. Setting `checksum_block` (docs/FORMAT.md).
+  // verifies exactly the bytes it read (docs/FORMAT.md, "Block checksums"):
+  //  - tiles (block_rows > 0, checksum format 2, what publishers write): the tensor seen as the
+  //    rows of its last dimension (one row of all its bytes for 0-d, 1-D and sub-byte-row
+  //    tensors) is cut into tiles of block_rows rows by block_bytes bytes of each row, the last
+  //    band and column shorter; block_xxh3 is the XXH3-64 of each tile's bytes in row-major
+  //    order, band by band, column by column within a band. A row-parallel slice (the same
+  //    columns of every row) then reads only its tiles;
+  //  - 1-D blocks (block_rows 0, block_bytes > 0, format 1, manifests written before tiles):
+  //    XXH3-64 of each run of block_bytes bytes of the contiguous image, in order, the last one
+  //    shorter (ceil(nbytes / block_bytes) entries);
+  //  - none (block_bytes 0 and no entries: a manifest written before block checksums, or by a
+  //    publisher with checksum_block=0): the tensor is read and verified whole.
+  // Setting `checksum_block` (the largest tile, in bytes).
   uint64_t block_bytes = 0;
+  uint64_t block_rows = 0;
   std::vector<uint64_t> block_xxh3 = {};
   friend bool operator==(const TensorInfo&, const TensorInfo&) = default;
 };

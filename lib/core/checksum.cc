@@ -2,6 +2,7 @@
 #include "core/checksum.h"
 
 #include <algorithm>
+#include <cstring>
 #include <new>
 
 // Headers xxhash.h includes, included here first so that none lands inside the namespace.
@@ -87,47 +88,135 @@ uint64_t Xxh3Stream::Digest() const { return Chosen().digest(state_); }
 
 const char* Xxh3Implementation() { return Chosen().name; }
 
-TensorHasher::TensorHasher(uint64_t nbytes, uint64_t block_bytes)
-    : block_bytes_(block_bytes), whole_(std::make_unique<Xxh3Stream>()) {
-  out_.block_bytes = block_bytes;
-  out_.blocks.reserve(BlockCount(nbytes, block_bytes));
-  if (block_bytes_ > 0) block_ = std::make_unique<Xxh3Stream>();
+namespace {
+
+// Segments narrower than this are gathered before they are hashed: XXH3's streaming update
+// costs about as much per call as hashing 256 bytes, so a tile of 224-byte rows hashed segment
+// by segment runs at about half the speed of one gathered (docs/FORMAT.md, "Block checksums").
+constexpr size_t kNarrow = 4096;
+constexpr size_t kGather = 16384;
+
+}  // namespace
+
+uint64_t Xxh3Strided(const void* first, uint64_t rows, uint64_t width, uint64_t stride) {
+  const auto* p = static_cast<const std::byte*>(first);
+  if (rows <= 1 || width == stride) return Xxh3(p, rows * width);
+  Xxh3Stream stream;
+  if (width >= kNarrow) {
+    for (uint64_t r = 0; r < rows; ++r) stream.Update(p + r * stride, width);
+    return stream.Digest();
+  }
+  std::byte buffer[kGather];
+  size_t fill = 0;
+  for (uint64_t r = 0; r < rows; ++r) {
+    if (fill + width > kGather) {
+      stream.Update(buffer, fill);
+      fill = 0;
+    }
+    std::memcpy(buffer + fill, p + r * stride, width);
+    fill += width;
+  }
+  stream.Update(buffer, fill);
+  return stream.Digest();
+}
+
+TileGrid LinearBlocks(uint64_t nbytes, uint64_t block_bytes) {
+  TileGrid g;
+  g.rows = nbytes > 0 ? 1 : 0;
+  g.row_bytes = nbytes;
+  if (block_bytes > 0) {
+    g.tile_rows = 1;
+    g.tile_bytes = block_bytes;
+  }
+  return g;
+}
+
+TensorHasher::TensorHasher(uint64_t nbytes, const TileGrid& grid)
+    : grid_(grid), whole_(std::make_unique<Xxh3Stream>()) {
+  out_.grid = grid;
+  if (!grid_.has_tiles() || nbytes == 0) return;
+  out_.blocks.reserve(grid_.count());
+  // One column at a time is open when tiles are one row high; else every column of a band.
+  const uint64_t slots = grid_.tile_rows == 1 ? 1 : grid_.columns();
+  for (uint64_t c = 0; c < slots; ++c) streams_.push_back(std::make_unique<Xxh3Stream>());
+  if (grid_.tile_bytes < kNarrow) {
+    gather_.resize(slots);
+    for (std::vector<std::byte>& g : gather_) g.reserve(kGather);
+  }
+}
+
+void TensorHasher::Feed(uint64_t column, const std::byte* p, size_t n) {
+  const uint64_t slot = grid_.tile_rows == 1 ? 0 : column;
+  if (gather_.empty()) {
+    streams_[slot]->Update(p, n);
+    return;
+  }
+  std::vector<std::byte>& g = gather_[slot];
+  if (g.size() + n > kGather) Flush(column);
+  if (n >= kGather) {
+    streams_[slot]->Update(p, n);
+  } else {
+    g.insert(g.end(), p, p + n);
+  }
+}
+
+void TensorHasher::Flush(uint64_t column) {
+  const uint64_t slot = grid_.tile_rows == 1 ? 0 : column;
+  if (gather_.empty() || gather_[slot].empty()) return;
+  streams_[slot]->Update(gather_[slot].data(), gather_[slot].size());
+  gather_[slot].clear();
 }
 
 void TensorHasher::Update(const void* data, size_t n) {
   const auto* p = static_cast<const std::byte*>(data);
-  if (block_bytes_ == 0) {
+  if (streams_.empty()) {
     whole_->Update(p, n);
     return;
   }
-  // Pieces of at most 64 KiB, so the block hash reads from L2 what the whole hash just read.
+  // Pieces of at most 64 KiB, so the tiles' hashes read from L2 what the whole hash just read.
   constexpr size_t kPiece = 64 * 1024;
   while (n > 0) {
-    const size_t len = std::min({n, kPiece, static_cast<size_t>(block_bytes_ - in_block_)});
-    whole_->Update(p, len);
-    block_->Update(p, len);
-    in_block_ += len;
-    p += len;
-    n -= len;
-    if (in_block_ == block_bytes_) {
-      out_.blocks.push_back(block_->Digest());
-      block_->Reset();
-      in_block_ = 0;
+    const size_t piece = std::min(n, kPiece);
+    whole_->Update(p, piece);
+    Walk(p, piece);
+    p += piece;
+    n -= piece;
+  }
+}
+
+void TensorHasher::Walk(const std::byte* p, size_t n) {
+  while (n > 0) {
+    const uint64_t column = at_ / grid_.tile_bytes;
+    const uint64_t column_end = std::min(grid_.row_bytes, (column + 1) * grid_.tile_bytes);
+    const size_t take = static_cast<size_t>(std::min<uint64_t>(n, column_end - at_));
+    Feed(column, p, take);
+    p += take;
+    n -= take;
+    at_ += take;
+    if (at_ < column_end) continue;
+    // The column's segment of this row is complete; on the band's last row, so is its tile.
+    const bool last_row = (row_ + 1) % grid_.tile_rows == 0 || row_ + 1 == grid_.rows;
+    if (last_row) {
+      Flush(column);
+      const uint64_t slot = grid_.tile_rows == 1 ? 0 : column;
+      out_.blocks.push_back(streams_[slot]->Digest());
+      streams_[slot]->Reset();
+    }
+    if (at_ == grid_.row_bytes) {
+      at_ = 0;
+      ++row_;
     }
   }
 }
 
 TensorChecksums TensorHasher::Finish() {
-  if (block_bytes_ > 0 && in_block_ > 0) out_.blocks.push_back(block_->Digest());
   out_.xxh3 = whole_->Digest();
   return std::move(out_);
 }
 
-TensorChecksums ChecksumTensor(const void* data, uint64_t n, uint64_t block_bytes) {
-  if (block_bytes == 0 || n == 0) {
-    return TensorChecksums{Xxh3(data, n), block_bytes, {}};
-  }
-  TensorHasher h(n, block_bytes);
+TensorChecksums ChecksumTensor(const void* data, uint64_t n, const TileGrid& grid) {
+  if (!grid.has_tiles() || n == 0) return TensorChecksums{Xxh3(data, n), grid, {}};
+  TensorHasher h(n, grid);
   h.Update(data, n);
   return h.Finish();
 }

@@ -10,6 +10,8 @@
 #include <memory>
 #include <vector>
 
+#include "core/tiles.h"
+
 namespace weightbus::internal {
 
 // XXH3-64 of `n` bytes at `data`.
@@ -31,41 +33,58 @@ class Xxh3Stream {
   void* state_;  // XXH3_state_t of the implementation chosen at startup
 };
 
-// A tensor's checksums (docs/FORMAT.md): XXH3-64 of all its bytes, and, when block_bytes > 0,
-// of each block of block_bytes consecutive bytes of its contiguous row-major image (the last
-// block may be shorter), so that a reader of some byte ranges verifies exactly the blocks it
-// read.
+// XXH3-64 of `rows` runs of `width` bytes, `stride` bytes apart from `first` (a tile of a
+// row-major tensor: its row segments concatenated, as if they were contiguous). Contiguous runs
+// are hashed in one go; others are gathered through a small buffer and streamed.
+uint64_t Xxh3Strided(const void* first, uint64_t rows, uint64_t width, uint64_t stride);
+
+// A tensor's checksums (docs/FORMAT.md): XXH3-64 of all its bytes, and, when grid.has_tiles(),
+// of each tile of `grid` (core/tiles.h; the 1-D blocks of format 1 are a grid of one row), so
+// that a reader of some byte ranges verifies exactly the tiles it read.
 struct TensorChecksums {
   uint64_t xxh3 = 0;
-  uint64_t block_bytes = 0;      // 0: no block checksums
-  std::vector<uint64_t> blocks;  // BlockCount(nbytes, block_bytes) entries
+  TileGrid grid;                 // no tiles: no block checksums
+  std::vector<uint64_t> blocks;  // grid.count() entries, band-major
 };
 
-// Blocks of `nbytes` bytes cut into blocks of `block_bytes` (0 when either is 0).
+// Blocks of `nbytes` bytes cut into 1-D blocks of `block_bytes` (0 when either is 0).
 inline uint64_t BlockCount(uint64_t nbytes, uint64_t block_bytes) {
   return block_bytes == 0 ? 0 : (nbytes + block_bytes - 1) / block_bytes;
 }
 
-// Computes TensorChecksums from a tensor's bytes fed in order, in pieces of any size: each
-// byte is read once from memory (the block hash and the whole hash both consume it while it is
-// in cache). Not thread-safe; movable.
+// The 1-D blocks of format 1 over `nbytes` contiguous bytes (no tiles when block_bytes is 0).
+TileGrid LinearBlocks(uint64_t nbytes, uint64_t block_bytes);
+
+// Computes TensorChecksums from a tensor's bytes fed in row-major order, in pieces of any size:
+// each byte is read once from memory (the tile hash and the whole hash both consume it while it
+// is in cache; the segments of a tile's rows are gathered through a small buffer per column so
+// that narrow tiles hash at nearly the speed of wide ones). Not thread-safe; movable.
 class TensorHasher {
  public:
-  TensorHasher(uint64_t nbytes, uint64_t block_bytes);
+  // `grid` describes `nbytes` bytes (grid.rows * grid.row_bytes), or has no tiles.
+  TensorHasher(uint64_t nbytes, const TileGrid& grid);
   void Update(const void* data, size_t n);
   // After all nbytes bytes were fed.
   TensorChecksums Finish();
 
  private:
-  uint64_t block_bytes_;
-  uint64_t in_block_ = 0;  // bytes of the current block fed so far
+  // Feeds `n` bytes, in order, to the tiles they belong to.
+  void Walk(const std::byte* p, size_t n);
+  void Feed(uint64_t column, const std::byte* p, size_t n);
+  void Flush(uint64_t column);
+
+  TileGrid grid_;
+  uint64_t row_ = 0, at_ = 0;  // position: row, and byte within it
   std::unique_ptr<Xxh3Stream> whole_;
-  std::unique_ptr<Xxh3Stream> block_;
+  // Per column of the current band: its stream and a gather buffer of its segments.
+  std::vector<std::unique_ptr<Xxh3Stream>> streams_;
+  std::vector<std::vector<std::byte>> gather_;
   TensorChecksums out_;
 };
 
-// TensorChecksums of `n` contiguous bytes at `data`.
-TensorChecksums ChecksumTensor(const void* data, uint64_t n, uint64_t block_bytes);
+// TensorChecksums of `n` contiguous bytes at `data` cut as `grid` says (no tiles: the whole
+// checksum only).
+TensorChecksums ChecksumTensor(const void* data, uint64_t n, const TileGrid& grid);
 
 // "avx2" or "sse2": the implementation in use, for benchmark banners.
 const char* Xxh3Implementation();

@@ -10,6 +10,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/tiles.h"
 #include "nlohmann/json.hpp"
 
 namespace weightbus {
@@ -164,11 +165,16 @@ std::string Manifest::ToJson() const {
     e["nbytes"] = t.nbytes;
     e["xxh3"] = Hex64(t.xxh3);
     if (t.block_bytes > 0) {
-      e["block_bytes"] = t.block_bytes;
       std::string blocks;
       blocks.reserve(16 * t.block_xxh3.size());
       for (uint64_t b : t.block_xxh3) blocks += Hex64(b);
-      e["blocks"] = std::move(blocks);
+      if (t.block_rows > 0) {  // tiles (checksum format 2): keys older readers ignore
+        e["tile"] = ordered_json::array({t.block_rows, t.block_bytes});
+        e["tiles"] = std::move(blocks);
+      } else {  // 1-D blocks (format 1)
+        e["block_bytes"] = t.block_bytes;
+        e["blocks"] = std::move(blocks);
+      }
     }
     if (t.shard) {
       ordered_json s;
@@ -303,27 +309,55 @@ absl::StatusOr<Manifest> Manifest::FromJson(std::string_view json, std::string_v
       return r.Error(path + ".xxh3", absl::StrFormat("\"%s\" is not 16 hex digits", *xxh));
     }
     t.xxh3 = h;
-    if (e.contains("block_bytes")) {  // absent in manifests written before block checksums
-      auto block_bytes = r.Get<uint64_t>(e, "block_bytes", path);
-      if (!block_bytes.ok()) return block_bytes.status();
-      if (*block_bytes == 0) return r.Error(path + ".block_bytes", "is 0, expected at least 1");
-      auto blocks = r.Get<std::string>(e, "blocks", path);
-      if (!blocks.ok()) return blocks.status();
-      const uint64_t count = t.nbytes / *block_bytes + (t.nbytes % *block_bytes != 0);
-      if (blocks->size() / 16 != count || blocks->size() % 16 != 0) {
-        return r.Error(path + ".blocks",
-                       absl::StrFormat("has %d characters, but tensor \"%s\" of %d bytes in "
-                                       "blocks of %d bytes needs %d checksums of 16 hex digits",
-                                       blocks->size(), t.name, t.nbytes, *block_bytes, count));
+    // Block checksums (docs/FORMAT.md, "Block checksums"): tiles (format 2), 1-D blocks (format
+    // 1), or none (manifests written before either).
+    const bool has_tiles = e.contains("tile"), has_blocks = e.contains("block_bytes");
+    if (has_tiles && has_blocks) {
+      return r.Error(path, "has both \"tile\" and \"block_bytes\" (one kind of block checksums)");
+    }
+    if (has_tiles || has_blocks) {
+      const char* list = has_tiles ? "tiles" : "blocks";
+      if (has_tiles) {
+        const ordered_json& tile = e["tile"];
+        if (!tile.is_array() || tile.size() != 2) {
+          return r.Error(path + ".tile", "is not [rows, bytes]");
+        }
+        for (int k = 0; k < 2; ++k) {
+          auto v = r.Integer<uint64_t>(tile[k], absl::StrFormat("%s.tile[%d]", path, k), 0);
+          if (!v.ok()) return v.status();
+          if (*v == 0)
+            return r.Error(absl::StrFormat("%s.tile[%d]", path, k), "is 0, expected at least 1");
+          (k == 0 ? t.block_rows : t.block_bytes) = *v;
+        }
+      } else {
+        auto block_bytes = r.Get<uint64_t>(e, "block_bytes", path);
+        if (!block_bytes.ok()) return block_bytes.status();
+        if (*block_bytes == 0) return r.Error(path + ".block_bytes", "is 0, expected at least 1");
+        t.block_bytes = *block_bytes;
       }
-      t.block_bytes = *block_bytes;
+      auto blocks = r.Get<std::string>(e, list, path);
+      if (!blocks.ok()) return blocks.status();
+      const internal::TileGrid grid = internal::GridOf(t);
+      const uint64_t count = grid.count();
+      if (blocks->size() / 16 != count || blocks->size() % 16 != 0) {
+        return r.Error(
+            absl::StrCat(path, ".", list),
+            has_tiles
+                ? absl::StrFormat("has %d characters, but tensor \"%s\" of %d rows of %d bytes in "
+                                  "tiles of %d rows x %d bytes needs %d checksums of 16 hex digits",
+                                  blocks->size(), t.name, grid.rows, grid.row_bytes, t.block_rows,
+                                  t.block_bytes, count)
+                : absl::StrFormat("has %d characters, but tensor \"%s\" of %d bytes in "
+                                  "blocks of %d bytes needs %d checksums of 16 hex digits",
+                                  blocks->size(), t.name, t.nbytes, t.block_bytes, count));
+      }
       t.block_xxh3.reserve(count);
       for (uint64_t k = 0; k < count; ++k) {
         const char* first = blocks->data() + 16 * k;
         uint64_t b = 0;
         auto [end, err] = std::from_chars(first, first + 16, b, 16);
         if (err != std::errc() || end != first + 16 || !IsLowerHex(first)) {
-          return r.Error(path + ".blocks",
+          return r.Error(absl::StrCat(path, ".", list),
                          absl::StrFormat("checksum %d \"%s\" is not 16 hex digits", k,
                                          std::string_view(first, 16)));
         }

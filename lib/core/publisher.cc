@@ -103,7 +103,7 @@ class Job final : public internal::PublishJob {
     // Whoever claims a tensor first computes its checksum.
     const bool hash = !claimed_[i].exchange(true);
     std::optional<internal::TensorHasher> state;
-    if (hash) state.emplace(manifest_.tensors[i].nbytes, checksum_block_);
+    if (hash) state.emplace(manifest_.tensors[i].nbytes, ChecksumGrid(i));
     const std::byte* src = packed_[i].data;
     uint64_t at = 0;  // bytes of the tensor copied so far
     for (const internal::CopyTarget& p : pieces) {
@@ -167,10 +167,15 @@ class Job final : public internal::PublishJob {
   void SetChecksum(size_t i, internal::TensorChecksums checksums) override {
     TensorInfo& t = manifest_.tensors[i];
     t.xxh3 = checksums.xxh3;
-    t.block_bytes = checksums.block_bytes;
+    // Format 1's 1-D blocks are never written: a grid with tiles is recorded as tiles.
+    t.block_bytes = checksums.grid.has_tiles() ? checksums.grid.tile_bytes : 0;
+    t.block_rows = checksums.grid.has_tiles() ? checksums.grid.tile_rows : 0;
     t.block_xxh3 = std::move(checksums.blocks);
   }
-  uint64_t checksum_block() const override { return checksum_block_; }
+  internal::TileGrid ChecksumGrid(size_t i) const override {
+    const TensorInfo& t = manifest_.tensors[i];
+    return internal::ChooseTiles(t.dtype, t.shape, t.nbytes, checksum_block_);
+  }
 
   // Checksum tasks read the caller's memory: Publish never returns before they end.
   void WaitHashingDone() { hashing_.WaitUntilZero(absl::InfiniteFuture()); }
@@ -198,7 +203,7 @@ class Job final : public internal::PublishJob {
     absl::MutexLock lock(&read_mu_);
     return read_status_;
   }
-  uint64_t checksum_block_ = 0;  // setting checksum_block (0: no block checksums)
+  uint64_t checksum_block_ = 0;  // setting checksum_block: the largest tile (0: no tiles)
 
  private:
   static constexpr uint64_t kBlock = 256 * 1024;  // copied or gathered, then hashed from L2
@@ -216,10 +221,14 @@ class Job final : public internal::PublishJob {
     for (auto& [device, list] : by_device) {
       pool_->Submit([this, device = device, list = std::move(list)] {
         std::vector<internal::cuda::DeviceBytes> bytes;
+        std::vector<internal::TileGrid> grids;
         bytes.reserve(list.size());
-        for (size_t i : list) bytes.push_back({packed_[i].data, manifest_.tensors[i].nbytes});
+        for (size_t i : list) {
+          bytes.push_back({packed_[i].data, manifest_.tensors[i].nbytes});
+          grids.push_back(ChecksumGrid(i));
+        }
         absl::StatusOr<std::vector<internal::TensorChecksums>> sums =
-            internal::cuda::Checksum(bytes, checksum_block_, device);
+            internal::cuda::Checksum(bytes, grids, device);
         if (sums.ok()) {
           for (size_t k = 0; k < list.size(); ++k) SetChecksum(list[k], std::move((*sums)[k]));
         } else {
@@ -251,10 +260,10 @@ class Job final : public internal::PublishJob {
       pool_->Submit([this, i] {
         const uint64_t n = manifest_.tensors[i].nbytes;
         if (packed_[i].data != nullptr || n == 0) {
-          SetChecksum(i, internal::ChecksumTensor(packed_[i].data, n, checksum_block_));
+          SetChecksum(i, internal::ChecksumTensor(packed_[i].data, n, ChecksumGrid(i)));
         } else {  // a strided view: gathered block by block into a small scratch buffer
           std::vector<std::byte> scratch(std::min(kBlock, n));
-          internal::TensorHasher state(n, checksum_block_);
+          internal::TensorHasher state(n, ChecksumGrid(i));
           for (uint64_t at = 0; at < n; at += kBlock) {
             const uint64_t len = std::min(kBlock, n - at);
             CopyRange(i, at, len, scratch.data());
@@ -320,10 +329,11 @@ class Publisher::Impl : public internal::ChannelSetup {
   absl::Status CheckVersion(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // InvalidArgument for a reserved metadata key or one that is not valid UTF-8.
   absl::Status CheckMetadata(uint64_t version, const Metadata& metadata) const;
-  // The block size of a new version's block checksums (setting checksum_block; 0: none). Block
-  // checksums serve readers of byte ranges; through a layer (delta) subscribers decode versions
-  // whole, and the layer's records carry whole checksums only: none are recorded there.
-  uint64_t ChecksumBlock() const { return stack.size() == 1 ? config->Bytes("checksum_block") : 0; }
+  // The largest tile of a new version's block checksums (setting checksum_block; 0: none;
+  // core/tiles.h ChooseTiles cuts each tensor). Block checksums serve readers of byte ranges;
+  // through a layer (delta) they go into its records, so that a subscriber decoding only the
+  // chunks its slices meet verifies the tiles it reads.
+  uint64_t ChecksumBlock() const { return config->Bytes("checksum_block"); }
   // The manifest of a new job for `version`, without tensors.
   Manifest NewManifest(uint64_t version, const Metadata& metadata, absl::Time start) const;
   // Hands a built job to the transport (to Republish for the latest version) and records its
@@ -841,8 +851,8 @@ absl::StatusOr<std::unique_ptr<PublishStream>> Publisher::BeginPublish(uint64_t 
     const char* tmp = std::getenv("TMPDIR");  // the system's convention, not a setting
     dir = (tmp != nullptr && *tmp != '\0') ? tmp : "/tmp";
   }
-  absl::StatusOr<std::unique_ptr<internal::TensorSpool>> spool = internal::TensorSpool::Create(
-      dir, p.config->Bytes("stream_bucket"), p.ChecksumBlock(), p.hashers.get());
+  absl::StatusOr<std::unique_ptr<internal::TensorSpool>> spool =
+      internal::TensorSpool::Create(dir, p.config->Bytes("stream_bucket"), p.hashers.get());
   if (!spool.ok()) return internal::Annotate(spool.status(), stream->where);
   stream->spool = *std::move(spool);
   stream->link = std::make_shared<StreamLink>(impl_.get());
@@ -879,10 +889,13 @@ absl::Status PublishStream::Add(const TensorView& tensor, void* cuda_stream) {
       return usable;
     }
   }
+  // Hashed by the spool's writer as it writes, tile by tile (the grid Commit's job records).
+  const internal::TileGrid grid =
+      internal::ChooseTiles(info.dtype, info.shape, info.nbytes, owner->ChecksumBlock());
   absl::Status status =
       tensor.device.type == DeviceType::kCuda
-          ? s.spool->AddCuda(tensor.data, info.nbytes, tensor.device.index, cuda_stream)
-          : s.spool->AddHost(tensor, info.nbytes);
+          ? s.spool->AddCuda(tensor.data, info.nbytes, tensor.device.index, cuda_stream, grid)
+          : s.spool->AddHost(tensor, info.nbytes, grid);
   if (!status.ok()) {
     s.names.erase(tensor.name);
     if (status.code() == absl::StatusCode::kUnimplemented) {  // nothing added; stays open

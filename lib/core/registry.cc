@@ -54,19 +54,21 @@ const SettingTable& CoreSettings() {
           {.name = "checksum_block",
            .type = SettingType::kBytes,
            .default_value = "1MiB",
-           .doc = "publishers: besides each tensor's XXH3-64, record one per block of this many "
-                  "bytes of it in the manifest, so that a subscriber reading only some byte "
-                  "ranges (a TP worker's slices) verifies exactly the blocks it read (0: none; "
-                  "each block costs 16 bytes of manifest; none through a layer such as delta)",
+           .doc = "publishers: besides each tensor's XXH3-64, record one per tile of it of at "
+                  "most this many bytes in the manifest (each matrix cut into up to 8 x 8 equal "
+                  "fractions of its rows and row bytes, further while a tile is larger), so that "
+                  "a subscriber reading only some byte ranges (a TP worker's slices, row-"
+                  "parallel ones included) verifies exactly the tiles it read (0: none; each "
+                  "tile costs 16 bytes of manifest)",
            .min = "0",
            .max = "1GiB"},
           {.name = "staging_window",
            .type = SettingType::kBytes,
            .default_value = "64MiB",
            .doc = "subscribers with placements, on transports with partial_reads: bytes of "
-                  "staging for reading and verifying blocks before they are copied into the "
-                  "slices, in two halves (one read while the other is verified; each at least "
-                  "one checksum block); the extra memory beyond the slices",
+                  "staging for reading and verifying checksum tiles before they are copied "
+                  "into the slices, in two halves (one read while the other is verified; each "
+                  "at least one tile); the extra memory beyond the slices",
            .min = "64KiB",
            .max = "64GiB"},
           {.name = "rank",

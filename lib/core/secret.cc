@@ -178,7 +178,12 @@ std::string ManifestMac(const ChannelKey& key, const Manifest& m) {
     Int(state, t.nbytes);
     Int(state, t.xxh3);
     // Partial readers trust the block checksums alone; absent ones leave the MAC as it was.
+    // Tiles (format 2) start with a 0, which no block size of format 1 is.
     if (t.block_bytes > 0) {
+      if (t.block_rows > 0) {
+        Int(state, 0);
+        Int(state, t.block_rows);
+      }
       Int(state, t.block_bytes);
       Int(state, t.block_xxh3.size());
       for (uint64_t b : t.block_xxh3) Int(state, b);

@@ -43,7 +43,6 @@ bool SpoolSupportsCuda() {
 
 absl::StatusOr<std::unique_ptr<TensorSpool>> TensorSpool::Create(const std::string& dir,
                                                                  uint64_t bucket_bytes,
-                                                                 uint64_t block_bytes,
                                                                  WorkerPool* pool) {
   int fd = open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
   if (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL)) {
@@ -58,7 +57,7 @@ absl::StatusOr<std::unique_ptr<TensorSpool>> TensorSpool::Create(const std::stri
                                               dir));
   }
   const uint64_t half = std::max<uint64_t>(bucket_bytes / 2, 4096) & ~uint64_t{4095};
-  std::unique_ptr<TensorSpool> spool(new TensorSpool(fd, dir, half, block_bytes, pool));
+  std::unique_ptr<TensorSpool> spool(new TensorSpool(fd, dir, half, pool));
   for (Bucket& b : spool->buckets_) {
     WB_ASSIGN_OR_RETURN(b.buffer, HostBuffer::Allocate(half));
   }
@@ -101,16 +100,17 @@ absl::StatusOr<std::pair<std::byte*, uint64_t>> TensorSpool::Reserve(uint64_t wa
   return std::make_pair(b.buffer->data() + b.fill, std::min(want, half_ - b.fill));
 }
 
-void TensorSpool::Claimed(uint64_t n, uint64_t tensor_bytes, bool first, bool last) {
+void TensorSpool::Claimed(uint64_t n, uint64_t tensor_bytes, const TileGrid& grid, bool first,
+                          bool last) {
   Bucket& b = buckets_[current_];
-  b.segments.push_back(Segment{offsets_.size() - 1, tensor_bytes, b.fill, n, first, last});
+  b.segments.push_back(Segment{offsets_.size() - 1, tensor_bytes, grid, b.fill, n, first, last});
   b.fill += n;
 }
 
-absl::Status TensorSpool::AddHost(const TensorView& view, uint64_t nbytes) {
+absl::Status TensorSpool::AddHost(const TensorView& view, uint64_t nbytes, const TileGrid& grid) {
   WB_RETURN_IF_ERROR(BeginTensor());
   if (nbytes == 0) {
-    digests_.back() = ChecksumTensor(nullptr, 0, block_bytes_);
+    digests_.back() = ChecksumTensor(nullptr, 0, grid);
     return absl::OkStatus();
   }
   const bool contiguous = IsContiguous(view.shape, view.strides);
@@ -124,7 +124,7 @@ absl::Status TensorSpool::AddHost(const TensorView& view, uint64_t nbytes) {
     } else {
       PackStridedRange(view.data, elem, view.shape, view.strides, at, n, dst);
     }
-    Claimed(n, nbytes, at == 0, at + n == nbytes);
+    Claimed(n, nbytes, grid, at == 0, at + n == nbytes);
     at += n;
   }
   bytes_ += nbytes;
@@ -132,11 +132,11 @@ absl::Status TensorSpool::AddHost(const TensorView& view, uint64_t nbytes) {
 }
 
 absl::Status TensorSpool::AddCuda(const void* device_data, uint64_t nbytes, int device,
-                                  void* cuda_stream) {
+                                  void* cuda_stream, const TileGrid& grid) {
 #if defined(WEIGHTBUS_CORE_CUDA)
   WB_RETURN_IF_ERROR(BeginTensor());
   if (nbytes == 0) {
-    digests_.back() = ChecksumTensor(nullptr, 0, block_bytes_);
+    digests_.back() = ChecksumTensor(nullptr, 0, grid);
     return absl::OkStatus();
   }
   // The caller's current device is restored on return (the copy runs on `device`).
@@ -165,7 +165,7 @@ absl::Status TensorSpool::AddCuda(const void* device_data, uint64_t nbytes, int 
     }
     if (!status.ok()) return broken_ = status;
     copy_pending_ = true;
-    Claimed(n, nbytes, at == 0, at + n == nbytes);
+    Claimed(n, nbytes, grid, at == 0, at + n == nbytes);
     at += n;
   }
   bytes_ += nbytes;
@@ -175,6 +175,7 @@ absl::Status TensorSpool::AddCuda(const void* device_data, uint64_t nbytes, int 
   (void)nbytes;
   (void)device;
   (void)cuda_stream;
+  (void)grid;
   return absl::UnimplementedError(
       "CUDA tensors: this build of weightbus has no CUDA support (configure with "
       "-DWEIGHTBUS_WITH_CUDA=ON), so copy them to host memory first");
@@ -249,7 +250,7 @@ absl::Status TensorSpool::Flush() {
   // One write in flight at a time, in file order: the tensor hash runs across buckets in order.
   pool_->Submit([this, &b, file_offset] {
     for (const Segment& s : b.segments) {
-      if (s.first) hash_ = std::make_unique<TensorHasher>(s.tensor_bytes, block_bytes_);
+      if (s.first) hash_ = std::make_unique<TensorHasher>(s.tensor_bytes, s.grid);
       hash_->Update(b.buffer->data() + s.bucket_offset, s.size);
       if (s.last) b.digests.emplace_back(s.tensor, hash_->Finish());
     }

@@ -32,27 +32,28 @@ class TensorSpool {
   // A spool in `dir` (an unlinked file there: O_TMPFILE, or a named file removed at once) with
   // two host buckets of `bucket_bytes / 2` bytes each, one filled while the other is written by
   // a task on `pool`. Each tensor's checksums are computed as it is written: XXH3-64 of its
-  // bytes and, when `block_bytes` > 0, of each `block_bytes` block (TensorChecksums, the
-  // manifest's `blocks`). Errors: Internal/ResourceExhausted naming the directory.
+  // bytes and of each tile of the grid it was added with (TensorChecksums, the manifest's
+  // `tiles`). Errors: Internal/ResourceExhausted naming the directory.
   static absl::StatusOr<std::unique_ptr<TensorSpool>> Create(const std::string& dir,
                                                              uint64_t bucket_bytes,
-                                                             uint64_t block_bytes,
                                                              WorkerPool* pool);
   ~TensorSpool();
   TensorSpool(const TensorSpool&) = delete;
   TensorSpool& operator=(const TensorSpool&) = delete;
 
   // Appends the `nbytes` packed row-major bytes of host tensor `view` (strided views gathered)
-  // as tensor number tensor_count(). The bytes are copied before this returns. Errors: the
-  // background write's (Internal, ResourceExhausted for a full disk), after which the spool is
-  // unusable.
-  absl::Status AddHost(const TensorView& view, uint64_t nbytes);
+  // as tensor number tensor_count(), its checksums cut as `grid` says (core/tiles.h). The bytes
+  // are copied before this returns. Errors: the background write's (Internal, ResourceExhausted
+  // for a full disk), after which the spool is unusable.
+  absl::Status AddHost(const TensorView& view, uint64_t nbytes, const TileGrid& grid);
   // Appends `nbytes` contiguous bytes of CUDA memory at `device_data` (device `device`), copied
   // asynchronously on `cuda_stream` (a cudaStream_t; nullptr: the legacy default stream) into
   // the pinned bucket. Returns once the copy is queued; the memory must stay valid until the
   // next call on this spool returns (each call first waits for the previous copy).
   // Errors: Unimplemented without CUDA support; Internal with the CUDA error text.
-  absl::Status AddCuda(const void* device_data, uint64_t nbytes, int device, void* cuda_stream);
+  // `grid` as for AddHost.
+  absl::Status AddCuda(const void* device_data, uint64_t nbytes, int device, void* cuda_stream,
+                       const TileGrid& grid);
 
   // Writes what is still in the buckets and waits for it. Then, per tensor in order, its file
   // offset and checksums are final. Errors: as AddHost.
@@ -74,6 +75,7 @@ class TensorSpool {
   struct Segment {
     size_t tensor;
     uint64_t tensor_bytes;  // the whole tensor's, for its hasher
+    TileGrid grid;          // its checksum tiles
     uint64_t bucket_offset;
     uint64_t size;
     bool first;
@@ -86,14 +88,14 @@ class TensorSpool {
     std::vector<std::pair<size_t, TensorChecksums>> digests;  // the writer's, per tensor
   };
 
-  TensorSpool(int fd, std::string dir, uint64_t half, uint64_t block_bytes, WorkerPool* pool)
-      : fd_(fd), dir_(std::move(dir)), half_(half), block_bytes_(block_bytes), pool_(pool) {}
+  TensorSpool(int fd, std::string dir, uint64_t half, WorkerPool* pool)
+      : fd_(fd), dir_(std::move(dir)), half_(half), pool_(pool) {}
   // Starts a tensor: pads the file position to 64 bytes and records its offset.
   absl::Status BeginTensor();
   // Room for at most `want` bytes of tensor `index` at the current bucket's end (flushing a
   // full bucket first): where to write them and how many fit.
   absl::StatusOr<std::pair<std::byte*, uint64_t>> Reserve(uint64_t want);
-  void Claimed(uint64_t n, uint64_t tensor_bytes, bool first, bool last);
+  void Claimed(uint64_t n, uint64_t tensor_bytes, const TileGrid& grid, bool first, bool last);
   // Hands the current bucket to the writer (after the previous write finished) and switches.
   absl::Status Flush();
   absl::Status WaitWriter();
@@ -104,7 +106,6 @@ class TensorSpool {
   int fd_;
   std::string dir_;
   uint64_t half_;
-  uint64_t block_bytes_;
   WorkerPool* pool_;
   Bucket buckets_[2];
   int current_ = 0;

@@ -27,6 +27,7 @@
 #include "core/reshard.h"
 #include "core/status.h"
 #include "core/tensor_pack.h"
+#include "core/tile_reads.h"
 #include "core/worker_pool.h"
 #include "weightbus/weightbus.hpp"
 
@@ -72,7 +73,7 @@ class Verifier final : public internal::LandingSink {
       pool_.Submit([this, i, d] {
         const internal::cuda::DeviceBytes bytes{targets_[i], manifest_.tensors[i].nbytes};
         absl::StatusOr<std::vector<internal::TensorChecksums>> sums =
-            internal::cuda::Checksum({&bytes, 1}, 0, d.index);
+            internal::cuda::Checksum({&bytes, 1}, {internal::TileGrid{}}, d.index);
         if (sums.ok()) {
           actual_[i] = (*sums)[0].xxh3;
         } else {
@@ -558,11 +559,12 @@ static absl::Status CheckManifest(const internal::Uri& uri, const Manifest& m) {
           "%s version %d: manifest entry \"%s\" claims %d bytes for %s %s", uri.Display(),
           m.version, t.name, t.nbytes, DTypeName(t.dtype), ShapeString(t.shape)));
     }
-    if (t.block_xxh3.size() != internal::BlockCount(t.nbytes, t.block_bytes)) {
+    if (t.block_xxh3.size() != internal::GridOf(t).count()) {
       return absl::DataLossError(absl::StrFormat(
           "%s version %d: manifest entry \"%s\" of %d bytes has %d block checksums for blocks "
-          "of %d bytes",
-          uri.Display(), m.version, t.name, t.nbytes, t.block_xxh3.size(), t.block_bytes));
+          "of %d bytes (%d rows each)",
+          uri.Display(), m.version, t.name, t.nbytes, t.block_xxh3.size(), t.block_bytes,
+          t.block_rows));
     }
     if (!m.group && !names.insert(t.name).second) {
       return absl::DataLossError(absl::StrFormat(
@@ -1229,76 +1231,32 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
     }
   }
 
-  // Every range the plan copies, as (part, offset in the part, length, destination), in the
-  // order of the part's bytes; and the blocks they touch, merged into runs per part.
-  struct Piece {
-    size_t part;
-    uint64_t offset, length;
-    size_t tensor;
-    uint64_t dest_offset;
-  };
-  std::vector<Piece> pieces;
+  // Every range the plan copies, as (part, offset in the part, length, destination), and the
+  // checksum tiles they touch (core/tile_reads.h), packed into windows of two buffers of half of
+  // staging_window each (at least the largest tile): the next window is read into one while the
+  // other is verified and copied out.
+  std::vector<internal::WantedRange> pieces;
   for (size_t t = 0; t < nt; ++t) {
     for (const internal::ByteRange& r : plan.tensors[t].ranges) {
       if (r.length == 0) continue;
       const internal::SourcePart& sp = layout.tensors[r.source_tensor].parts[r.source_part];
-      pieces.push_back(Piece{part_index[r.source_tensor][r.source_part],
-                             r.source_offset - sp.byte_offset, r.length, t, r.dest_offset});
+      pieces.push_back(internal::WantedRange{part_index[r.source_tensor][r.source_part],
+                                             r.source_offset - sp.byte_offset, r.length, t,
+                                             r.dest_offset});
     }
   }
-  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
-    return a.part != b.part ? a.part < b.part : a.offset < b.offset;
-  });
-  struct Run {
-    size_t part;
-    uint64_t first, end;  // blocks [first, end)
-  };
-  std::vector<Run> runs;
-  uint64_t largest_block = 0;
-  for (const Piece& p : pieces) {
-    const uint64_t b = m.tensors[p.part].block_bytes;
-    largest_block = std::max(largest_block, b);
-    const uint64_t first = p.offset / b, end = (p.offset + p.length - 1) / b + 1;
-    if (!runs.empty() && runs.back().part == p.part && first <= runs.back().end) {
-      runs.back().end = std::max(runs.back().end, end);
-    } else {
-      runs.push_back(Run{p.part, first, end});
-    }
+  std::vector<internal::TileGrid> grids(m.tensors.size());
+  uint64_t largest_tile = 0;
+  for (const internal::WantedRange& p : pieces) {
+    internal::TileGrid& g = grids[p.part];
+    if (g.has_tiles()) continue;
+    g = internal::GridOf(m.tensors[p.part]);
+    if (g.count() > 0) largest_tile = std::max(largest_tile, g.tile(0).size());  // the largest
   }
-  // A block's bytes: [k * block_bytes, min(nbytes, (k + 1) * block_bytes)).
-  auto block_begin = [&](size_t part, uint64_t k) { return k * m.tensors[part].block_bytes; };
-  auto block_end = [&](size_t part, uint64_t k) {
-    return std::min(m.tensors[part].nbytes, (k + 1) * m.tensors[part].block_bytes);
-  };
-  uint64_t read_bytes = 0;
-  for (const Run& r : runs)
-    read_bytes += block_end(r.part, r.end - 1) - block_begin(r.part, r.first);
-
-  // Windows of whole blocks, two buffers of half of staging_window each (at least one block):
-  // the next window is read into one while the other is verified and copied out.
-  const uint64_t window_limit = std::max(config->Bytes("staging_window") / 2, largest_block);
-  struct Chunk {
-    size_t part;
-    uint64_t first, end;  // blocks
-    uint64_t window_offset;
-  };
-  std::vector<std::vector<Chunk>> windows;
-  uint64_t fill = window_limit, window_bytes = 0;
-  for (const Run& r : runs) {
-    for (uint64_t k = r.first; k < r.end;) {
-      if (fill + (block_end(r.part, k) - block_begin(r.part, k)) > window_limit) {
-        windows.emplace_back();
-        fill = 0;
-      }
-      Chunk c{r.part, k, k, fill};
-      while (k < r.end && fill + (block_end(r.part, k) - block_begin(r.part, k)) <= window_limit) {
-        fill += block_end(r.part, k) - block_begin(r.part, k);
-        c.end = ++k;
-      }
-      windows.back().push_back(c);
-      window_bytes = std::max(window_bytes, fill);
-    }
-  }
+  const uint64_t window_limit = std::max(config->Bytes("staging_window") / 2, largest_tile);
+  const internal::TileReadPlan reads = internal::PlanTileReads(grids, pieces, window_limit);
+  const std::vector<std::vector<internal::TileChunk>>& windows = reads.windows;
+  const uint64_t window_bytes = reads.window_bytes, read_bytes = reads.read_bytes;
 
   std::shared_ptr<internal::HostBuffer> library, scratch_buffer, window_buffers[2];
   if (library_bytes > 0) {
@@ -1342,14 +1300,24 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
 
   absl::Status status = failpoints.Hit("core.before_fetch");
   if (!status.ok()) return failed(status);
+  {  // Every range about to be read, for a transport that reconstructs what it serves (delta).
+    std::vector<internal::RangeRead> all;
+    for (const std::vector<internal::TileChunk>& chunks : windows) {
+      for (const internal::TileChunk& c : chunks) {
+        internal::ForEachChunkRead(c, grids[c.part], [&](uint64_t at, uint64_t n, uint64_t) {
+          all.push_back(internal::RangeRead{c.part, at, n, nullptr});
+        });
+      }
+    }
+    incoming->PlanRanges(all);
+  }
   // Window w is read into window_buffers[w % 2] by `reading` while window w - 1 is checked.
   auto read_window = [&](size_t w) {
     std::vector<internal::RangeRead> reads;
-    reads.reserve(windows[w].size());
-    for (const Chunk& c : windows[w]) {
-      const uint64_t begin = block_begin(c.part, c.first);
-      reads.push_back(internal::RangeRead{c.part, begin, block_end(c.part, c.end - 1) - begin,
-                                          window_buffers[w % 2]->data() + c.window_offset});
+    for (const internal::TileChunk& c : windows[w]) {
+      internal::ForEachChunkRead(c, grids[c.part], [&](uint64_t at, uint64_t n, uint64_t to) {
+        reads.push_back(internal::RangeRead{c.part, at, n, window_buffers[w % 2]->data() + to});
+      });
     }
     return incoming->FetchRanges(reads, deadline);
   };
@@ -1362,68 +1330,56 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
   if (!windows.empty()) {
     reading = std::async(std::launch::async | std::launch::deferred, read_window, size_t{0});
   }
-  size_t next_piece = 0;  // pieces before it lie wholly in earlier windows
+  const internal::RangeCopier copier(grids, pieces);
   for (size_t w = 0; w < windows.size(); ++w) {
-    const std::vector<Chunk>& chunks = windows[w];
+    const std::vector<internal::TileChunk>& chunks = windows[w];
     const std::shared_ptr<internal::HostBuffer>& window = window_buffers[w % 2];
     if (absl::Status s = reading.get(); !s.ok()) return failed(s);
     if (w + 1 < windows.size()) {
       reading = std::async(std::launch::async | std::launch::deferred, read_window, w + 1);
     }
-    // Verify every block of the window on the hashing pool, then copy what the plan needs.
+    // Verify every tile of the window on the hashing pool, then copy what the plan needs.
     struct Check {
-      size_t chunk;
-      uint64_t block;
+      size_t part;
+      uint64_t tile, at, rows, width, stride;
       uint64_t actual = 0;
     };
     std::vector<Check> checks;
-    for (size_t c = 0; c < chunks.size(); ++c) {
-      for (uint64_t k = chunks[c].first; k < chunks[c].end; ++k) checks.push_back({c, k});
+    for (const internal::TileChunk& c : chunks) {
+      internal::ForEachChunkTile(
+          c, grids[c.part],
+          [&](uint64_t k, uint64_t at, uint64_t rows, uint64_t width, uint64_t stride) {
+            checks.push_back(Check{c.part, k, at, rows, width, stride});
+          });
     }
     internal::TaskCounter pending;
     pending.Add(static_cast<int>(checks.size()));
     for (Check& check : checks) {
       hashers->Submit([&] {
-        const Chunk& c = chunks[check.chunk];
-        const uint64_t at =
-            c.window_offset + block_begin(c.part, check.block) - block_begin(c.part, c.first);
-        check.actual = internal::Xxh3(
-            window->data() + at, block_end(c.part, check.block) - block_begin(c.part, check.block));
+        check.actual =
+            internal::Xxh3Strided(window->data() + check.at, check.rows, check.width, check.stride);
         pending.Done();
       });
     }
     pending.WaitUntilZero(absl::InfiniteFuture());  // the tasks read `window` and `checks`
     for (const Check& check : checks) {
-      const size_t part = chunks[check.chunk].part;
-      const TensorInfo& t = m.tensors[part];
-      if (check.actual == t.block_xxh3[check.block]) continue;
+      const TensorInfo& t = m.tensors[check.part];
+      if (check.actual == t.block_xxh3[check.tile]) continue;
       return absl::DataLossError(absl::StrFormat(
-          "%s version %d: tensor \"%s\" (the part of source rank %d) fails verification in block "
-          "%d of %d (bytes [%d, %d) of its %d, blocks of %d bytes; %s): XXH3-64 of the bytes read "
-          "is %016x but the manifest says %016x%s; version %s stays current",
-          uri.Display(), m.version, t.name, m.group ? t.owner : 0, check.block, t.block_xxh3.size(),
-          block_begin(part, check.block), block_end(part, check.block), t.nbytes, t.block_bytes,
-          incoming->DescribeSource(part), check.actual, t.block_xxh3[check.block], direct_note,
-          CurrentText()));
+          "%s version %d: tensor \"%s\" (the part of source rank %d) fails verification in %s: "
+          "XXH3-64 of the bytes read is %016x but the manifest says %016x%s; version %s stays "
+          "current",
+          uri.Display(), m.version, t.name, m.group ? t.owner : 0,
+          grids[check.part].Describe(check.tile, t.block_rows == 0,
+                                     incoming->DescribeSource(check.part)),
+          check.actual, t.block_xxh3[check.tile], direct_note, CurrentText()));
     }
-    // Copy the parts of the pieces that lie in this window's chunks. Chunks and pieces both
-    // follow (part, offset); a piece may span chunks and windows.
-    for (const Chunk& c : chunks) {
-      const uint64_t lo = block_begin(c.part, c.first), hi = block_end(c.part, c.end - 1);
-      while (next_piece < pieces.size() &&
-             (pieces[next_piece].part < c.part ||
-              (pieces[next_piece].part == c.part &&
-               pieces[next_piece].offset + pieces[next_piece].length <= lo))) {
-        ++next_piece;
-      }
-      for (size_t q = next_piece;
-           q < pieces.size() && pieces[q].part == c.part && pieces[q].offset < hi; ++q) {
-        const Piece& p = pieces[q];
-        const uint64_t from = std::max(p.offset, lo), to = std::min(p.offset + p.length, hi);
-        if (from >= to) continue;
-        std::memcpy(home(p.tensor) + p.dest_offset + (from - p.offset),
-                    window->data() + c.window_offset + (from - lo), to - from);
-      }
+    // Copy the pieces of the ranges that lie in this window's chunks.
+    for (const internal::TileChunk& c : chunks) {
+      copier.ForEach(c, [&](size_t q, uint64_t into, uint64_t at, uint64_t n) {
+        const internal::WantedRange& p = pieces[q];
+        std::memcpy(home(p.dest) + p.dest_offset + into, window->data() + at, n);
+      });
     }
   }
   times.fetched = times.verified = absl::Now();

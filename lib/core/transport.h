@@ -183,14 +183,15 @@ class PublishJob {
   virtual void CopyRange(size_t i, uint64_t offset, uint64_t size, std::byte* dst) const;
   // For a strided view (data == nullptr) that the transport gathers with CopyRange in order, all
   // of it: true when the caller is to compute its checksums from the gathered bytes (a
-  // TensorHasher(nbytes, checksum_block()), core/checksum.h) and report them with SetChecksum
+  // TensorHasher(nbytes, ChecksumGrid(i)), core/checksum.h) and report them with SetChecksum
   // before SealedManifest is called (the strides are then walked once); false when the checksum
   // is someone else's. A tensor nobody claims is checksummed by SealedManifest. Defaults: false /
   // no effect (the checksums are known).
   virtual bool ClaimChecksum(size_t i) { return false; }
   virtual void SetChecksum(size_t i, TensorChecksums checksums) {}
-  // The block size of the job's block checksums (setting `checksum_block`; 0: none).
-  virtual uint64_t checksum_block() const { return 0; }
+  // How tensor i's block checksums are cut (core/tiles.h ChooseTiles under the setting
+  // `checksum_block`; no tiles: none).
+  virtual TileGrid ChecksumGrid(size_t i) const { return {}; }
 };
 
 // A PublishJob whose manifest is complete and whose bytes its creator owns: what a layer (such as
@@ -319,6 +320,11 @@ class IncomingVersion {
   // core verifies them against block checksums; no LandingSink. Only a transport that declares
   // partial_reads (default: Unimplemented). Errors name the tensor and source, as Fetch.
   virtual absl::Status FetchRanges(absl::Span<const RangeRead> reads, absl::Time deadline);
+  // Announces, before the first FetchRanges, every range the core will read of this version
+  // (`target`s null): a layer that must reconstruct the bytes it serves (delta) then decodes
+  // only what they need. Called at most once; the FetchRanges calls that follow read only
+  // within these ranges. Optional: the default ignores it.
+  virtual void PlanRanges(absl::Span<const RangeRead> reads) {}
   // Where tensor i's bytes come from, for messages, e.g. "/ch/v1/model.safetensors bytes [8, 24)".
   virtual std::string DescribeSource(size_t tensor_index) const = 0;
   // Called by the core after every tensor passed verification, just before the version is

@@ -7,6 +7,7 @@
 // rules (a keyframe names itself; a delta's base and keyframe lie below it; the blob's size is
 // the record's), that RecordToJson writes back to an equal record, and whose target manifest is
 // built from it (or refused with DataLoss for a base of another tensor count).
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -32,7 +33,7 @@ bool SameRecord(const Record& a, const Record& b) {
   return a.keyframe == b.keyframe && a.version == b.version &&
          (a.keyframe || (a.base == b.base && a.base_fingerprint == b.base_fingerprint)) &&
          a.keyframe_version == b.keyframe_version && a.encoded_bytes == b.encoded_bytes &&
-         a.tensors == b.tensors && a.xxh3 == b.xxh3;
+         a.tensors == b.tensors && a.xxh3 == b.xxh3 && a.tiles == b.tiles;
 }
 
 }  // namespace
@@ -73,15 +74,39 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Check(SameRecord(*again, r), "the record changed in a RecordToJson/ParseRecord round trip",
         rewritten.metadata[std::string(kRecordKey)]);
 
-  // The target manifest: a keyframe's own tensors; a delta's base with its checksums.
+  // The target manifest: a keyframe's own tensors; a delta's base with its checksums. The base's
+  // tensors are U8 vectors of one byte, or, where the record gives tiles of B bytes, of as many
+  // bytes as make its count of tiles ((count - 1) * B + 1): a delta whose tiles no tensor of at
+  // most 2^63 bytes has must be refused.
   weightbus::Manifest base;
   base.version = r.base;
+  bool buildable = true;
   for (size_t i = 0; i < r.xxh3.size(); ++i) {
-    base.tensors.push_back(weightbus::TensorInfo{
-        "t" + std::to_string(i), weightbus::DType::kU8, {1}, std::nullopt, 1, 0});
+    uint64_t n = 1;
+    if (!r.tiles.empty() && r.tiles[i].block_rows > 0) {
+      const uint64_t count = r.tiles[i].block_xxh3.size();
+      n = 0;
+      if (count > 0 && (__builtin_mul_overflow(count - 1, r.tiles[i].block_bytes, &n) ||
+                        __builtin_add_overflow(n, 1, &n) || n > static_cast<uint64_t>(INT64_MAX))) {
+        buildable = false;
+        n = 1;
+      } else if (count == 0) {
+        n = 0;
+      }
+    }
+    base.tensors.push_back(weightbus::TensorInfo{"t" + std::to_string(i),
+                                                 weightbus::DType::kU8,
+                                                 {static_cast<int64_t>(n)},
+                                                 std::nullopt,
+                                                 n,
+                                                 0});
   }
   absl::StatusOr<weightbus::Manifest> target =
       TargetManifest(*inner, r, r.keyframe ? nullptr : &base);
+  if (!buildable) {
+    Check(absl::IsDataLoss(target.status()), "tiles no tensor can have were accepted");
+    return 0;
+  }
   Check(target.ok(), "no target manifest for a valid record",
         target.ok() ? std::string() : target.status().ToString());
   Check(target->metadata.count(std::string(kRecordKey)) == 0, "the record leaked into the target");

@@ -20,6 +20,7 @@
 #include "core/checksum.h"
 #include "core/cuda/device.h"
 #include "core/tensor_pack.h"
+#include "core/tiles.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "mem_transport.h"
@@ -104,12 +105,16 @@ TEST(DeviceChecksumGpuTest, KernelsEqualTheHostForManySizesAlignmentsAndBlocks) 
       }
     }
     ASSERT_LE(at, total);
+    std::vector<internal::TileGrid> grids;
+    for (const internal::cuda::DeviceBytes& b : batch) {
+      grids.push_back(internal::LinearBlocks(b.size, block));
+    }
     absl::StatusOr<std::vector<internal::TensorChecksums>> got =
-        internal::cuda::Checksum(batch, block, 0);
+        internal::cuda::Checksum(batch, grids, 0);
     ASSERT_TRUE(got.ok()) << got.status();
     for (size_t i = 0; i < batch.size(); ++i) {
       const internal::TensorChecksums want =
-          internal::ChecksumTensor(host.data() + offsets[i], batch[i].size, block);
+          internal::ChecksumTensor(host.data() + offsets[i], batch[i].size, grids[i]);
       ASSERT_EQ((*got)[i].xxh3, want.xxh3)
           << "size " << batch[i].size << " at " << offsets[i] << " block " << block;
       ASSERT_EQ((*got)[i].blocks, want.blocks) << "size " << batch[i].size << " block " << block;
@@ -117,13 +122,40 @@ TEST(DeviceChecksumGpuTest, KernelsEqualTheHostForManySizesAlignmentsAndBlocks) 
   }
   // One tensor of 300 MiB alone (its chain crosses two windows).
   const internal::cuda::DeviceBytes whole{dev.data() + 64, 300u << 20};
+  const internal::TileGrid linear = internal::LinearBlocks(300u << 20, 1 << 20);
   absl::StatusOr<std::vector<internal::TensorChecksums>> big =
-      internal::cuda::Checksum({&whole, 1}, 1 << 20, 0);
+      internal::cuda::Checksum({&whole, 1}, {&linear, 1}, 0);
   ASSERT_TRUE(big.ok()) << big.status();
   const internal::TensorChecksums want =
-      internal::ChecksumTensor(host.data() + 64, 300u << 20, 1 << 20);
+      internal::ChecksumTensor(host.data() + 64, 300u << 20, linear);
   EXPECT_EQ((*big)[0].xxh3, want.xxh3);
   EXPECT_EQ((*big)[0].blocks, want.blocks);
+  // Tiles as publishers cut them (format 2): gathered ones (several columns, odd widths) and
+  // contiguous ones (whole rows), the last band and column shorter.
+  const std::vector<internal::TileGrid> tiled = {
+      internal::ChooseTiles(DType::kBF16, {4864, 896}, 4864 * 896 * 2, 1 << 20),
+      internal::ChooseTiles(DType::kBF16, {151936, 896}, 151936 * 896 * 2, 1 << 20),
+      {37, 302, 8, 64},
+      {13, 301, 4, 75},
+      {1000, 256, 7, 4096}};
+  std::vector<internal::cuda::DeviceBytes> tensors;
+  std::vector<size_t> starts;
+  size_t at = 3;
+  for (const internal::TileGrid& g : tiled) {
+    tensors.push_back({dev.data() + at, g.rows * g.row_bytes});
+    starts.push_back(at);
+    at += g.rows * g.row_bytes + 5;
+  }
+  ASSERT_LE(at, total);
+  absl::StatusOr<std::vector<internal::TensorChecksums>> tiles =
+      internal::cuda::Checksum(tensors, tiled, 0);
+  ASSERT_TRUE(tiles.ok()) << tiles.status();
+  for (size_t i = 0; i < tiled.size(); ++i) {
+    const internal::TensorChecksums w =
+        internal::ChecksumTensor(host.data() + starts[i], tensors[i].size, tiled[i]);
+    EXPECT_EQ((*tiles)[i].xxh3, w.xxh3) << "grid " << i;
+    EXPECT_EQ((*tiles)[i].blocks, w.blocks) << "grid " << i;
+  }
 }
 
 struct ViewCase {
@@ -242,7 +274,7 @@ TEST(DeviceMemoryGpuTest, ATransportThatMovesDeviceMemoryGetsTheDevicePointersTh
   // The device's checksums are the host's for the same bytes, blocks included.
   const Manifest m = channel.ManifestOf(1);
   const internal::TensorChecksums a =
-      internal::ChecksumTensor(v.a_host.data(), v.a_host.size(), m.tensors[0].block_bytes);
+      internal::ChecksumTensor(v.a_host.data(), v.a_host.size(), internal::GridOf(m.tensors[0]));
   EXPECT_EQ(m.tensors[0].xxh3, a.xxh3);
   EXPECT_EQ(m.tensors[0].block_xxh3, a.blocks);
   EXPECT_EQ(m.tensors[1].xxh3, internal::Xxh3(v.t_packed.data(), v.t_packed.size()));

@@ -9,7 +9,7 @@ parameters (tensor_parallel_forward: all-reduce and all-gather across the ranks)
 reference logits within a tolerance measured from float32 reduction-order noise; each rank's
 parameters equal, bit for bit, what vLLM's weight loaders make of the whole checkpoint; and each
 rank's bytes read (UpdateStats.bytes, through weightbus_last_update) are exactly the checksum
-blocks holding its slices. Wrong metadata is caught: gate and up swapped in
+tiles holding its slices. Wrong metadata is caught: gate and up swapped in
 packed_modules_mapping by the logits, a removed output_dim or input_dim before any parameter is
 written.
 MoE: vLLM's FusedMoE (Qwen3-MoE's sparse block) at TP 2 and 4, its experts split inside (tensor
@@ -18,6 +18,8 @@ ranks), each placement derived from the layer's groups and the model's expert ma
 up swapped in the mapping, or a placement strategy the layer does not follow, caught by the
 logits. A version without some of the model's checkpoint tensors leaves those parameters as
 they were, as vLLM's load_weights does."""
+import json
+
 import pytest
 import torch
 
@@ -32,7 +34,7 @@ from weightbus.testing.worker import (StandInGpuWorker, StandInLLM, WeightTransf
 from weightbus.vllm import WeightbusWorkerExtension, tensor_parallel_layout
 
 TOKENS = torch.tensor([[1, 403, 407, 261, 378, 290, 500, 13, 100, 50, 499, 2]])
-BLOCK = 4096  # the publishers' checksum_block: slices are read block by block (RESHARDING.md)
+BLOCK = 4096  # the publishers' checksum_block: slices are read tile by tile (RESHARDING.md)
 
 # Grouped-query attention with fewer KV heads than TP ranks at TP 4 (each KV head replicated on
 # two ranks), an untied, sharded lm_head (ParallelLMHead).
@@ -76,11 +78,24 @@ def _loaded_by_vllm(config, tensors, tp_rank, tp_size, dtype=torch.float32, **mo
     return model
 
 
-def _expected_bytes_read(config, tensors, tp_rank, tp_size, publishers, **moe):
-    """The bytes TP rank `tp_rank` must read: every BLOCK-byte checksum block of a published
-    part (a whole tensor, or a rank's torch.chunk row block) that holds an element the rank's
-    parameters take. Which elements those are is found without weightbus: a checkpoint whose
-    elements are their own indices (float64, exact) loaded through vLLM's weight loaders."""
+def _published_tiles(channel, version):
+    """The checksum tiles the publishers recorded for each published part of `version`:
+    {(name, its first row): (rows, bytes)} from the version's manifest (docs/FORMAT.md,
+    "Block checksums": "tile": [rows, bytes] of the part's row view)."""
+    root = channel[len("disk://"):].split("?")[0]
+    with open(f"{root}/versions/v{version:020d}/weightbus.manifest.json") as f:
+        manifest = json.load(f)
+    return {(t["name"], (t.get("shard") or {"offsets": [0]})["offsets"][0]): tuple(t["tile"])
+            for t in manifest["tensors"]}
+
+
+def _expected_bytes_read(config, tensors, tp_rank, tp_size, publishers, tiles, **moe):
+    """The bytes TP rank `tp_rank` must read: every checksum tile (`tiles`, as the manifest
+    records them) of a published part (a whole tensor, or a rank's torch.chunk row block) that
+    holds an element the rank's parameters take. Which elements those are is found without
+    weightbus: a checkpoint whose elements are their own indices (float64, exact) loaded through
+    vLLM's weight loaders. A part is seen as the rows of its last dimension (one row for a
+    vector), cut into tiles of `rows` rows x `bytes` bytes."""
     base = {name: float((i + 1) * 2 ** 32) for i, name in enumerate(tensors)}
     index = {name: (torch.arange(t.numel(), dtype=torch.float64) + base[name]).reshape(t.shape)
              for name, t in tensors.items()}
@@ -92,14 +107,20 @@ def _expected_bytes_read(config, tensors, tp_rank, tp_size, publishers, **moe):
         mine = taken[(taken >= base[name]) & (taken < base[name] + t.numel())]
         elements = torch.unique((mine - base[name]).long())
         row = t.numel() // t.shape[0]
-        start = 0
+        start, first_row = 0, 0
         for chunk in torch.chunk(t, publishers, dim=0):
             end = start + chunk.shape[0] * row  # the part's elements [start, end)
             local = elements[(elements >= start) & (elements < end)] - start
-            part_bytes = (end - start) * t.element_size()
-            for block in torch.unique(local * t.element_size() // BLOCK).tolist():
-                total += min(BLOCK, part_bytes - block * BLOCK)
-            start = end
+            rows, row_bytes = ((chunk.shape[0], t.shape[-1] * t.element_size()) if t.dim() >= 2
+                               else (1, chunk.numel() * t.element_size()))
+            tile_rows, tile_bytes = tiles[(name, first_row)]
+            per_row = row_bytes // t.element_size()
+            bands = local // per_row // tile_rows
+            columns = local % per_row * t.element_size() // tile_bytes
+            for band, column in set(zip(bands.tolist(), columns.tolist())):
+                total += ((min(rows, (band + 1) * tile_rows) - band * tile_rows) *
+                          (min(row_bytes, (column + 1) * tile_bytes) - column * tile_bytes))
+            start, first_row = end, first_row + chunk.shape[0]
     return total
 
 
@@ -162,10 +183,12 @@ def test_tp_workers_receive_their_slices_and_compute_the_reference_logits(storie
     models = [w.model_runner.model for w in workers]
     assert collective_rpc(workers, "weightbus_init", (channel,)) == [True] * tp
     whole = sum(t.numel() * t.element_size() for t in tensors.values())
-    expected_bytes = [_expected_bytes_read(config, tensors, r, tp, publishers) for r in range(tp)]
     for version, factor in ((1, 1.0), (2, 0.5)):
         published = {k: v * factor for k, v in tensors.items()}
         _publish(channel, version, published, publishers)
+        tiles = _published_tiles(channel, version)
+        expected_bytes = [_expected_bytes_read(config, tensors, r, tp, publishers, tiles)
+                          for r in range(tp)]
         assert collective_rpc(workers, "weightbus_update",
                               kwargs={"version": version, "timeout": 30}) == [version] * tp
         for r, model in enumerate(models):
@@ -205,7 +228,8 @@ def test_engine_at_tp4_with_kv_heads_replicated(tmp_path):
         for name, param in model.named_parameters():
             assert torch.equal(param, want[name]), (r, name)
     read = [w.weight_transfer_engine.last_update["bytes"] for w in llm.workers]
-    assert read == [_expected_bytes_read(GQA, tensors, r, 4, 2) for r in range(4)]
+    tiles = _published_tiles(channel, 1)
+    assert read == [_expected_bytes_read(GQA, tensors, r, 4, 2, tiles) for r in range(4)]
     _assert_logits(models, tensors, GQA)
     llm.collective_rpc("shutdown")
 
@@ -337,12 +361,13 @@ def test_moe_workers_receive_their_experts_and_compute_the_reference_logits(tmp_
     models = [w.model_runner.model for w in workers]
     collective_rpc(workers, "weightbus_init", (channel,))
     tensors = _random_version(MOE, 11)
-    expected_bytes = [_expected_bytes_read(MOE, tensors, r, tp, publishers, **moe)
-                      for r in range(tp)]
     whole = sum(t.numel() * t.element_size() for t in tensors.values())
     for version, factor in ((1, 1.0), (2, -0.75)):
         published = {k: v * factor for k, v in tensors.items()}
         _publish(channel, version, published, publishers)
+        tiles = _published_tiles(channel, version)
+        expected_bytes = [_expected_bytes_read(MOE, tensors, r, tp, publishers, tiles, **moe)
+                          for r in range(tp)]
         assert collective_rpc(workers, "weightbus_update",
                               kwargs={"version": version, "timeout": 30}) == [version] * tp
         for r, model in enumerate(models):
@@ -374,7 +399,7 @@ def test_moe_worker_of_a_data_parallel_replica_receives_its_experts(tmp_path):
         for name, param in model.named_parameters():
             assert torch.equal(param, want[name]), (r, name)
         assert worker.weightbus_last_update()["bytes"] == \
-            _expected_bytes_read(MOE, tensors, r, 2, 1, **moe)
+            _expected_bytes_read(MOE, tensors, r, 2, 1, _published_tiles(channel, 1), **moe)
     collective_rpc(workers, "weightbus_close")
 
 

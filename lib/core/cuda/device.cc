@@ -5,6 +5,7 @@
 #include "absl/strings/str_format.h"
 #include "core/cuda/hash_plan.h"
 #include "core/cuda/strided_core.h"
+#include "core/cuda/tile_gather.h"
 #include "core/status.h"
 
 #if defined(WEIGHTBUS_CORE_CUDA)
@@ -179,17 +180,11 @@ void UnregisterHost(void* data) {
   if (cudaHostUnregister(data) != cudaSuccess) (void)cudaGetLastError();
 }
 
-absl::StatusOr<std::vector<TensorChecksums>> Checksum(absl::Span<const DeviceBytes> tensors,
-                                                      uint64_t block_bytes, int device) {
-  std::vector<const uint8_t*> data;
-  std::vector<uint64_t> len;
-  for (const DeviceBytes& t : tensors) {
-    data.push_back(reinterpret_cast<const uint8_t*>(t.data));
-    len.push_back(t.size);
-  }
-  const device_hash::Plan plan = device_hash::MakePlan(data, len, block_bytes);
-  const std::string where =
-      absl::StrFormat("checksums of %d tensors on CUDA device %d", tensors.size(), device);
+namespace {
+
+// Every segment's checksum of `plan` (memory of `device`), in plan.segments' order.
+absl::StatusOr<std::vector<uint64_t>> RunPlan(const device_hash::Plan& plan, int device,
+                                              const std::string& where) {
   std::vector<uint64_t> out(plan.segments.size(), 0);
   if (!plan.segments.empty()) {
     constexpr uint64_t kWindow = uint64_t{1} << 18;  // sums per window: 16 MiB of scratch
@@ -265,13 +260,85 @@ absl::StatusOr<std::vector<TensorChecksums>> Checksum(absl::Span<const DeviceByt
     if (!status.ok()) return status;
     if (!synced.ok()) return synced;
   }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<TensorChecksums>> Checksum(absl::Span<const DeviceBytes> tensors,
+                                                      absl::Span<const TileGrid> grids,
+                                                      int device) {
+  if (grids.size() != tensors.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "checksums on CUDA device %d: %d tile grids for %d tensors", device, grids.size(),
+        tensors.size()));
+  }
+  const std::string where =
+      absl::StrFormat("checksums of %d tensors on CUDA device %d", tensors.size(), device);
+  // Whole checksums, and the tiles that are contiguous, in place.
+  std::vector<const uint8_t*> data;
+  std::vector<uint64_t> len, block;
+  uint64_t gathered = 0;  // the largest band of tiles to gather
+  uint64_t to_gather = 0;  // the bytes of every tensor whose tiles are gathered
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    data.push_back(reinterpret_cast<const uint8_t*>(tensors[i].data));
+    len.push_back(tensors[i].size);
+    block.push_back(tile_gather::ContiguousTileBytes(grids[i]));
+    if (block.back() == 0 && grids[i].count() > 0) {
+      to_gather += tensors[i].size;
+      for (uint64_t band = 0; band < grids[i].bands(); ++band) {
+        gathered = std::max(gathered, tile_gather::BandBytes(grids[i], band));
+      }
+    }
+  }
+  const device_hash::Plan plan = device_hash::MakePlan(data, len, block);
+  WB_ASSIGN_OR_RETURN(std::vector<uint64_t> out, RunPlan(plan, device, where));
   std::vector<TensorChecksums> result(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     TensorChecksums& c = result[i];
     c.xxh3 = out[plan.whole[i]];
-    c.block_bytes = block_bytes;
+    c.grid = grids[i];
     c.blocks.assign(out.begin() + plan.first_block[i],
                     out.begin() + plan.first_block[i] + plan.blocks[i]);
+  }
+  if (gathered == 0) return result;
+  // Tiles of several columns: bands gathered in tile order into scratch, as many as fit, then
+  // each tile hashed whole there.
+  constexpr uint64_t kScratch = uint64_t{64} << 20;
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<DeviceBuffer> scratch,
+                      DeviceBuffer::Allocate(std::max(gathered, std::min(to_gather, kScratch)), device));
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, Stream::Create(device));
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TileGrid& g = grids[i];
+    if (block[i] != 0 || g.count() == 0) continue;
+    const std::string tiles_where = absl::StrFormat(
+        "%s: gathering the %d tiles of tensor %d (%d rows of %d bytes, tiles of %d rows x %d "
+        "bytes)", where, g.count(), i, g.rows, g.row_bytes, g.tile_rows, g.tile_bytes);
+    for (uint64_t band = 0; band < g.bands();) {
+      std::vector<const uint8_t*> tile_data;
+      std::vector<uint64_t> tile_len;
+      uint64_t fill = 0;
+      while (band < g.bands() && fill + tile_gather::BandBytes(g, band) <= scratch->size()) {
+        uint64_t at = fill;
+        for (const tile_gather::Gather& x : tile_gather::BandGathers(g, band)) {
+          const uint64_t count = x.bytes / x.elem;
+          WB_RETURN_IF_ERROR(Gather(tensors[i].data + x.src_offset, x.elem, x.shape, x.strides, 0,
+                                    count, scratch->data() + at, *stream));
+          at += x.bytes;
+        }
+        for (uint64_t size : tile_gather::GatheredTileBytes(g, band)) {
+          tile_data.push_back(reinterpret_cast<const uint8_t*>(scratch->data() + fill));
+          tile_len.push_back(size);
+          fill += size;
+        }
+        ++band;
+      }
+      WB_RETURN_IF_ERROR(stream->Synchronize(tiles_where));
+      const device_hash::Plan tiles =
+          device_hash::MakePlan(tile_data, tile_len, std::vector<uint64_t>(tile_data.size(), 0));
+      WB_ASSIGN_OR_RETURN(std::vector<uint64_t> sums, RunPlan(tiles, device, tiles_where));
+      for (size_t k = 0; k < tile_data.size(); ++k) result[i].blocks.push_back(sums[tiles.whole[k]]);
+    }
   }
   return result;
 }
@@ -325,7 +392,7 @@ absl::Status RegisterHost(void*, size_t) { return NotBuilt("pinning host memory"
 void UnregisterHost(void*) {}
 
 absl::StatusOr<std::vector<TensorChecksums>> Checksum(absl::Span<const DeviceBytes> tensors,
-                                                      uint64_t, int device) {
+                                                      absl::Span<const TileGrid>, int device) {
   return NotBuilt(
       absl::StrFormat("checksums of %d tensors on CUDA device %d", tensors.size(), device));
 }

@@ -109,14 +109,18 @@ struct DeviceBytes {
 };
 
 // The checksums of each of `tensors` (memory of `device`), as ChecksumTensor (core/checksum.h)
-// computes them on the host from the same bytes: XXH3-64 of the whole and, with block_bytes > 0,
-// of each block (docs/FORMAT.md, "Checksums of device memory"). Synchronous; runs on a stream of
-// its own after every write the device had completed when it was called. Device scratch
-// (stream-ordered, cudaMallocAsync where the device supports memory pools): at most 16 MiB plus
-// 120 bytes per checksum. Errors: NotBuilt; ResourceExhausted; Internal with CUDA's
-// error text.
+// computes them on the host from the same bytes: XXH3-64 of the whole and of each tile of
+// `grids[i]` (one grid per tensor; an empty grid: the whole checksum only; docs/FORMAT.md,
+// "Checksums of device memory"). Tiles that are contiguous (1-D blocks, whole rows) are hashed in
+// place; tiles of several columns are gathered, bands at a time, into device scratch of at most
+// 64 MiB (or one band, if larger) first. Synchronous; runs on a stream of its own after every
+// write the device had completed when it was called. Device scratch (stream-ordered,
+// cudaMallocAsync where the device supports memory pools): at most 16 MiB plus 120 bytes per
+// checksum, plus the gather scratch. Errors: NotBuilt; InvalidArgument for a grid count other
+// than the tensors'; ResourceExhausted; Internal with CUDA's error text.
 absl::StatusOr<std::vector<TensorChecksums>> Checksum(absl::Span<const DeviceBytes> tensors,
-                                                      uint64_t block_bytes, int device);
+                                                      absl::Span<const TileGrid> grids,
+                                                      int device);
 
 // Queues the gather of elements [first, first + count) of the row-major walk of the strided
 // view at `src` (element [0, ..., 0]; `shape`, `strides` in elements, empty strides row-major;

@@ -49,11 +49,11 @@ struct Plan {
   std::vector<uint64_t> blocks;
 };
 
-// The plan for tensors (data[i], len[i]) with blocks of `block_bytes` (0: whole checksums only).
+// The plan for tensors (data[i], len[i]) with blocks of `block_bytes[i]` bytes (0: the whole
+// checksum only).
 inline Plan MakePlan(const std::vector<const uint8_t*>& data, const std::vector<uint64_t>& len,
-                     uint64_t block_bytes) {
+                     const std::vector<uint64_t>& block_bytes) {
   Plan p;
-  const bool shared = block_bytes > 0 && block_bytes % xxh3::kBlockLen == 0;
   auto add_range = [&p](const uint8_t* d, uint64_t blocks) {
     const uint64_t first = p.sums;
     if (blocks > 0) p.ranges.push_back(SumRange{d, blocks, first});
@@ -61,22 +61,29 @@ inline Plan MakePlan(const std::vector<const uint8_t*>& data, const std::vector<
     return first;
   };
   for (size_t i = 0; i < data.size(); ++i) {
-    const uint64_t n = len[i];
+    const uint64_t n = len[i], block = block_bytes[i];
+    const bool shared = block > 0 && block % xxh3::kBlockLen == 0;
     const uint64_t base = add_range(data[i], xxh3::ChainBlocks(n));
     p.whole.push_back(p.segments.size());
     p.segments.push_back(Segment{data[i], n, base});
-    const uint64_t count = block_bytes == 0 ? 0 : (n + block_bytes - 1) / block_bytes;
+    const uint64_t count = block == 0 ? 0 : (n + block - 1) / block;
     p.first_block.push_back(p.segments.size());
     p.blocks.push_back(count);
     for (uint64_t b = 0; b < count; ++b) {
-      const uint64_t at = b * block_bytes;
-      const uint64_t size = n - at < block_bytes ? n - at : block_bytes;
+      const uint64_t at = b * block;
+      const uint64_t size = n - at < block ? n - at : block;
       const uint64_t first =
           shared ? base + at / xxh3::kBlockLen : add_range(data[i] + at, xxh3::ChainBlocks(size));
       p.segments.push_back(Segment{data[i] + at, size, first});
     }
   }
   return p;
+}
+
+// The same block size for every tensor.
+inline Plan MakePlan(const std::vector<const uint8_t*>& data, const std::vector<uint64_t>& len,
+                     uint64_t block_bytes) {
+  return MakePlan(data, len, std::vector<uint64_t>(data.size(), block_bytes));
 }
 
 // The range holding sum `g` (ranges sorted by `first`, g inside one of them).

@@ -117,7 +117,7 @@ class ForwardingJob final : public PublishJob {
   void SetChecksum(size_t i, TensorChecksums checksums) override {
     outer_.SetChecksum(i, std::move(checksums));
   }
-  uint64_t checksum_block() const override { return outer_.checksum_block(); }
+  TileGrid ChecksumGrid(size_t i) const override { return outer_.ChecksumGrid(i); }
 
  private:
   PublishJob& outer_;
@@ -746,7 +746,18 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
   } else {
     record.base = base_->manifest.version;
     record.base_fingerprint = base_->fingerprint;
-    for (const TensorInfo& t : target_manifest->tensors) record.xxh3.push_back(t.xxh3);
+    bool tiles = false;
+    for (const TensorInfo& t : target_manifest->tensors) {
+      record.xxh3.push_back(t.xxh3);
+      tiles |= t.block_rows > 0;
+      TensorInfo& sums = record.tiles.emplace_back();
+      if (t.block_rows > 0) {
+        sums.block_rows = t.block_rows;
+        sums.block_bytes = t.block_bytes;
+        sums.block_xxh3 = t.block_xxh3;
+      }
+    }
+    if (!tiles) record.tiles.clear();
   }
   Manifest inner;
   inner.version = version;

@@ -19,6 +19,7 @@
 #include "core/checksum.h"
 #include "core/logging.h"
 #include "core/status.h"
+#include "transports/delta/chunk_store.h"
 #include "transports/delta/delta_transport.h"
 
 namespace weightbus::internal::delta {
@@ -44,8 +45,13 @@ struct Base {
   // will follow it directly (its bytes are then not copied; a delta against it is replayed
   // from the channel).
   bool has_bytes = true;
+  // A subscriber that read only some byte ranges (FetchRanges) holds only the chunks they meet
+  // (`buffer` is then null): a delta whose ranges need other chunks, or a whole receive, is
+  // replayed from its keyframe instead.
+  std::optional<ChunkStore> partial;
 
   std::byte* tensor(size_t i) const { return buffer ? buffer->data() + offsets[i] : nullptr; }
+  bool whole() const { return has_bytes && !partial; }
 };
 
 // Storage for a new base, prepared before decoding so that accepting cannot fail.
@@ -131,6 +137,12 @@ class DeltaIncoming final : public IncomingVersion {
   }
   absl::Status Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
                      absl::Time deadline) override;
+  // Partial reads (README.md, "Partial reads"): the first FetchRanges decodes the chunks that
+  // the ranges PlanRanges announced meet (every chunk when none were announced) into a
+  // ChunkStore, from the subscriber's base when it holds them, else from the keyframe; every
+  // call copies its ranges out of the store.
+  void PlanRanges(absl::Span<const RangeRead> reads) override;
+  absl::Status FetchRanges(absl::Span<const RangeRead> reads, absl::Time deadline) override;
   std::string DescribeSource(size_t tensor_index) const override;
   void Accepted() override;
   // Decoding time and the encoded bytes fetched, over every step of the chain (a duplicate of
@@ -148,6 +160,16 @@ class DeltaIncoming final : public IncomingVersion {
  private:
   absl::Status FetchStep(size_t k, absl::Span<std::byte* const> targets, LandingSink& sink,
                          absl::Time deadline);
+  // Step k's encoded blob, checked against its inner manifest's checksum (read again once when
+  // it fails, as bytes damaged on their way come right when read again).
+  absl::StatusOr<std::shared_ptr<HostBuffer>> StepBlob(size_t k, absl::Time deadline);
+  // Replaces a chain that starts on the subscriber's base (or a delivery of the base's own
+  // version) by the chain from the version's keyframe: what a base that lacks bytes needs.
+  absl::Status FromKeyframe(absl::Time deadline);
+  // Decodes the chunks the announced ranges meet into store_ (FetchRanges' first call).
+  absl::Status DecodePartial(absl::Time deadline);
+  // A plain version's chunks `store` holds, read from the version beneath.
+  absl::Status ReadPlainChunks(Step& step, ChunkStore& store, absl::Time deadline);
   std::string Chain() const;
   // A single plain version whose record says no delta follows it directly: its bytes are not
   // copied into the base.
@@ -166,6 +188,12 @@ class DeltaIncoming final : public IncomingVersion {
   std::vector<Method> methods_;  // its chunks' methods
   bool fetched_ = false;
   CodecStats codec_;
+  // Partial reads: the announced ranges (none: every byte), and what the first FetchRanges
+  // decoded (the version's chunks those ranges meet), or that it serves the base's own store.
+  std::optional<std::vector<TensorRange>> planned_;
+  std::optional<ChunkStore> store_;
+  bool from_base_store_ = false;
+  std::unique_ptr<HostBuffer> whole_;  // the version decoded whole instead (targets_ point in)
 };
 
 class DeltaSubscriber final : public TransportSubscriber {
@@ -194,6 +222,11 @@ class DeltaSubscriber final : public TransportSubscriber {
   // Unimplemented mean the chain cannot be reached through this transport.
   absl::StatusOr<std::unique_ptr<IncomingVersion>> Plan(std::unique_ptr<IncomingVersion> incoming,
                                                         absl::Time deadline);
+  // Extends `steps` (newest first, one at least) back to a keyframe, or to a delta on this
+  // subscriber's base when `use_base` (then *from_base says whether it got there), then puts
+  // them oldest first and fills in the manifest each reconstructs.
+  absl::Status CompleteChain(std::vector<Step>& steps, bool use_base, bool* from_base,
+                             absl::Time deadline);
   std::string Source(uint64_t version) const {
     return absl::StrFormat("%s version %d", uri_, version);
   }
@@ -226,6 +259,14 @@ class DeltaSubscriber final : public TransportSubscriber {
   }
   void AdoptBase(const Manifest& manifest, absl::Span<std::byte* const> targets, Storage* storage,
                  const std::vector<Chunk>& chunks, const std::vector<Method>& methods);
+  // The base becomes `manifest`'s version, of which it holds the chunks of `store`.
+  void AdoptStore(const Manifest& manifest, ChunkStore store) {
+    base_.emplace();
+    base_->manifest = manifest;
+    base_->fingerprint = Fingerprint(manifest);
+    base_->has_bytes = true;
+    base_->partial = std::move(store);
+  }
 
   std::string uri_;
   std::unique_ptr<TransportSubscriber> inner_;
@@ -312,16 +353,24 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::Plan(
     }
   }
 
-  // Follow the chain back to a keyframe, or to a delta on this subscriber's base.
   std::vector<Step> steps;
   steps.push_back(Step{version, std::move(record), incoming->manifest(), {}, std::move(incoming)});
   bool from_base = false;
+  WB_RETURN_IF_ERROR(CompleteChain(steps, /*use_base=*/true, &from_base, deadline));
+  return std::unique_ptr<IncomingVersion>(new DeltaIncoming(this, std::move(steps), from_base));
+}
+
+absl::Status DeltaSubscriber::CompleteChain(std::vector<Step>& steps, bool use_base,
+                                            bool* from_base, absl::Time deadline) {
+  // Follow the chain back to a keyframe, or to a delta on this subscriber's base.
+  const uint64_t version = steps.front().version;
+  *from_base = false;
   while (true) {
     const Record& r = steps.back().record;
     if (r.keyframe) break;
-    if (base_ && base_->has_bytes && r.base == base_->manifest.version &&
+    if (use_base && base_ && base_->has_bytes && r.base == base_->manifest.version &&
         r.base_fingerprint == base_->fingerprint) {
-      from_base = true;
+      *from_base = true;
       break;
     }
     if (steps.size() >= kMaxChain) {
@@ -352,7 +401,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::Plan(
 
   // The manifest each step reconstructs; every delta must have been made against the bytes its
   // predecessor reconstructs.
-  const Manifest* previous = from_base ? &base_->manifest : nullptr;
+  const Manifest* previous = *from_base ? &base_->manifest : nullptr;
   for (Step& step : steps) {
     if (!step.record.keyframe && Fingerprint(*previous) != step.record.base_fingerprint) {
       return absl::DataLossError(absl::StrFormat(
@@ -363,7 +412,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::Plan(
     WB_ASSIGN_OR_RETURN(step.manifest, TargetManifest(step.inner, step.record, previous));
     previous = &step.manifest;
   }
-  return std::unique_ptr<IncomingVersion>(new DeltaIncoming(this, std::move(steps), from_base));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Storage> DeltaSubscriber::PrepareStorage(const Manifest& manifest) const {
@@ -410,6 +459,10 @@ void DeltaSubscriber::AdoptBase(const Manifest& manifest, absl::Span<std::byte* 
 absl::Status DeltaIncoming::Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
                                   absl::Time deadline) {
   targets_.assign(targets.begin(), targets.end());
+  // A base that holds only some chunks (after partial reads) cannot serve a whole version.
+  if ((duplicate_ || from_base_) && !owner_->base_->whole()) {
+    WB_RETURN_IF_ERROR(FromKeyframe(deadline));
+  }
   const Manifest& m = manifest();
   if (duplicate_) {
     const Base& base = *owner_->base_;
@@ -440,10 +493,8 @@ absl::Status DeltaIncoming::Fetch(absl::Span<std::byte* const> targets, LandingS
   return absl::OkStatus();
 }
 
-absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> targets,
-                                      LandingSink& sink, absl::Time deadline) {
+absl::StatusOr<std::shared_ptr<HostBuffer>> DeltaIncoming::StepBlob(size_t k, absl::Time deadline) {
   Step& step = steps_[k];
-  const bool last = k + 1 == steps_.size();
   if (!step.incoming) {
     absl::StatusOr<std::unique_ptr<IncomingVersion>> again =
         owner_->inner_->OpenVersion(step.version, deadline);
@@ -458,15 +509,7 @@ absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> tar
     }
     step.incoming = *std::move(again);
   }
-  if (step.record.plain) {
-    // The version's own tensors: straight into the targets (verified by the core, for the last
-    // step as they land).
-    IgnoreLanding ignore;
-    WB_RETURN_IF_ERROR(step.incoming->Fetch(targets, last ? sink : ignore, deadline));
-    codec_.wire_bytes += step.inner.total_bytes();
-    if (!last) step.incoming.reset();
-    return absl::OkStatus();
-  }
+  if (step.record.plain) return std::shared_ptr<HostBuffer>();  // no blob: its own tensors
   // The encoded blob, checked against the checksum its inner manifest carries.
   absl::StatusOr<std::shared_ptr<HostBuffer>> fetched =
       FetchBlob(owner_->uri_, *step.incoming, *owner_->blobs_, deadline);
@@ -485,9 +528,26 @@ absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> tar
       }
     }
   }
+  if (fetched.ok()) codec_.wire_bytes += step.inner.tensors[0].nbytes;
+  return fetched;
+}
+
+absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> targets,
+                                      LandingSink& sink, absl::Time deadline) {
+  Step& step = steps_[k];
+  const bool last = k + 1 == steps_.size();
+  absl::StatusOr<std::shared_ptr<HostBuffer>> fetched = StepBlob(k, deadline);
+  if (fetched.ok() && step.record.plain) {
+    // The version's own tensors: straight into the targets (verified by the core, for the last
+    // step as they land).
+    IgnoreLanding ignore;
+    WB_RETURN_IF_ERROR(step.incoming->Fetch(targets, last ? sink : ignore, deadline));
+    codec_.wire_bytes += step.inner.total_bytes();
+    if (!last) step.incoming.reset();
+    return absl::OkStatus();
+  }
   WB_ASSIGN_OR_RETURN(std::shared_ptr<HostBuffer> blob, std::move(fetched));
   const absl::Span<const std::byte> bytes(blob->data(), step.inner.tensors[0].nbytes);
-  codec_.wire_bytes += bytes.size();
   const absl::Time decode_start = absl::Now();
   const std::vector<TensorLayout> layout = LayoutOf(step.manifest.tensors);
   std::vector<const std::byte*> base;
@@ -516,8 +576,255 @@ absl::Status DeltaIncoming::FetchStep(size_t k, absl::Span<std::byte* const> tar
   return absl::OkStatus();
 }
 
+absl::Status DeltaIncoming::FromKeyframe(absl::Time deadline) {
+  const uint64_t version = manifest().version;
+  const std::vector<TensorInfo> planned = manifest().tensors;  // before steps_ is moved from
+  std::vector<Step> steps;
+  if (duplicate_) {
+    WB_ASSIGN_OR_RETURN(std::unique_ptr<IncomingVersion> incoming,
+                        owner_->inner_->OpenVersion(version, deadline));
+    WB_ASSIGN_OR_RETURN(Record record, ParseRecord(incoming->manifest(), owner_->Source(version)));
+    Manifest inner = incoming->manifest();
+    steps.push_back(Step{version, std::move(record), std::move(inner), {}, std::move(incoming)});
+  } else {
+    steps.push_back(std::move(steps_.back()));
+  }
+  bool from_base = false;
+  WB_RETURN_IF_ERROR(owner_->CompleteChain(steps, /*use_base=*/false, &from_base, deadline));
+  const std::vector<TensorInfo>& replayed = steps.back().manifest.tensors;
+  for (size_t i = 0; i < std::max(replayed.size(), planned.size()); ++i) {
+    if (i < replayed.size() && i < planned.size() && replayed[i] == planned[i]) continue;
+    return absl::DataLossError(absl::StrFormat(
+        "%s: version %d replayed from keyframe %d has other tensors than the version this "
+        "subscriber's copy gave (tensor %d: \"%s\" XXH3-64 %016x there, \"%s\" %016x here)",
+        owner_->uri_, version, steps.front().version, i,
+        i < replayed.size() ? replayed[i].name : "", i < replayed.size() ? replayed[i].xxh3 : 0,
+        i < planned.size() ? planned[i].name : "", i < planned.size() ? planned[i].xxh3 : 0));
+  }
+  Log(LogLevel::kInfo,
+      "%s: version %d: this subscriber holds only the chunks its slices met of version %d; "
+      "replaying from keyframe %d",
+      owner_->uri_, version, owner_->base_->manifest.version, steps.front().version);
+  steps_ = std::move(steps);
+  from_base_ = false;
+  duplicate_.reset();
+  return absl::OkStatus();
+}
+
+void DeltaIncoming::PlanRanges(absl::Span<const RangeRead> reads) {
+  std::vector<TensorRange> ranges;
+  ranges.reserve(reads.size());
+  for (const RangeRead& r : reads) ranges.push_back(TensorRange{r.tensor, r.offset, r.length});
+  planned_ = std::move(ranges);
+}
+
+absl::Status DeltaIncoming::ReadPlainChunks(Step& step, ChunkStore& store, absl::Time deadline) {
+  std::vector<RangeRead> reads;
+  for (size_t c = 0; c < store.chunks().size(); ++c) {
+    if (!store.Has(c)) continue;
+    uint64_t in_chunk = 0;
+    for (const Piece& p : store.chunks()[c].pieces) {
+      reads.push_back(RangeRead{p.tensor, p.offset, p.bytes, store.chunk(c) + in_chunk});
+      in_chunk += p.bytes;
+      codec_.wire_bytes += p.bytes;
+    }
+  }
+  absl::Status read = step.incoming->FetchRanges(reads, deadline);
+  if (!absl::IsUnimplemented(read)) return read;
+  // A transport beneath without partial reads: the tensors the chunks meet, whole.
+  std::vector<std::unique_ptr<HostBuffer>> whole(step.manifest.tensors.size());
+  std::vector<std::byte*> targets(whole.size(), nullptr);
+  for (const RangeRead& r : reads) {
+    if (whole[r.tensor]) continue;
+    WB_ASSIGN_OR_RETURN(whole[r.tensor],
+                        HostBuffer::Allocate(step.manifest.tensors[r.tensor].nbytes));
+    targets[r.tensor] = whole[r.tensor]->data();
+  }
+  IgnoreLanding ignore;
+  WB_RETURN_IF_ERROR(step.incoming->Fetch(targets, ignore, deadline));
+  for (const RangeRead& r : reads) std::memcpy(r.target, targets[r.tensor] + r.offset, r.length);
+  return absl::OkStatus();
+}
+
+absl::Status DeltaIncoming::DecodePartial(absl::Time deadline) {
+  const Manifest& m = manifest();
+  const std::vector<TensorLayout> layout = LayoutOf(m.tensors);
+  std::vector<TensorRange> ranges;
+  if (planned_) {
+    ranges = *planned_;
+  } else {
+    for (size_t i = 0; i < layout.size(); ++i)
+      ranges.push_back(TensorRange{i, 0, layout[i].nbytes});
+  }
+  const absl::Time start = absl::Now();
+  fetched_ = true;
+  if (std::none_of(ranges.begin(), ranges.end(),
+                   [](const TensorRange& r) { return r.length > 0; })) {
+    // Nothing of this version is read (a group rank none of whose parts the slices meet): no
+    // blob is fetched, and the base keeps no bytes.
+    WB_ASSIGN_OR_RETURN(store_, ChunkStore::Create(layout, EncodeOptions{}.chunk_size, {}));
+    return absl::OkStatus();
+  }
+  Base* base = owner_->base_ ? &*owner_->base_ : nullptr;
+  // The chunk plan of this version's encoding (an encoded version's header gives its size; a
+  // plain version has none, and its store is cut as the layer's default cuts).
+  uint64_t chunk_size = EncodeOptions{}.chunk_size;
+  if (duplicate_) {
+    if (base->whole()) {
+      from_base_store_ = true;  // served from the base's whole copy
+      return absl::OkStatus();
+    }
+    const ChunkStore& held = *base->partial;
+    if (held.layout() == layout && held.HasAll(ChunksMeeting(layout, held.chunk_size(), ranges))) {
+      from_base_store_ = true;
+      return absl::OkStatus();
+    }
+    WB_RETURN_IF_ERROR(FromKeyframe(deadline));
+  }
+  // Blobs are fetched step by step; the first's header gives the chunk size.
+  std::vector<std::shared_ptr<HostBuffer>> blobs(steps_.size());
+  auto header = [&](size_t k) -> absl::StatusOr<VersionHeader> {
+    return ParseHeader(
+        absl::Span<const std::byte>(blobs[k]->data(), steps_[k].inner.tensors[0].nbytes));
+  };
+  size_t first_encoded = steps_[0].record.plain ? 1 : 0;
+  if (first_encoded < steps_.size()) {
+    WB_ASSIGN_OR_RETURN(blobs[first_encoded], StepBlob(first_encoded, deadline));
+    WB_ASSIGN_OR_RETURN(VersionHeader h, header(first_encoded));
+    chunk_size = h.chunk_size;
+  }
+  std::vector<bool> wanted = ChunksMeeting(layout, chunk_size, ranges);
+  // A delta on the base: the base's store must hold every chunk this one needs, cut alike.
+  std::optional<ChunkStore> previous;
+  if (from_base_) {
+    if (base->whole()) {
+      WB_ASSIGN_OR_RETURN(previous, ChunkStore::Create(layout, chunk_size, wanted));
+      for (size_t c = 0; c < previous->chunks().size(); ++c) {
+        if (!previous->Has(c)) continue;
+        uint64_t in_chunk = 0;
+        for (const Piece& p : previous->chunks()[c].pieces) {
+          std::memcpy(previous->chunk(c) + in_chunk, base->tensor(p.tensor) + p.offset, p.bytes);
+          in_chunk += p.bytes;
+        }
+      }
+    } else if (!(base->partial->chunk_size() == chunk_size && base->partial->layout() == layout &&
+                 base->partial->HasAll(wanted))) {
+      WB_RETURN_IF_ERROR(FromKeyframe(deadline));
+      return DecodePartial(deadline);  // now from the keyframe
+    }
+  }
+  const ChunkStore* prev = previous ? &*previous : from_base_ ? &*base->partial : nullptr;
+  for (size_t k = 0; k < steps_.size(); ++k) {
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrFormat("%s: the deadline passed after %d of the %d encoded versions of %s",
+                          owner_->uri_, k, steps_.size(), Chain()));
+    }
+    Step& step = steps_[k];
+    WB_ASSIGN_OR_RETURN(ChunkStore next, ChunkStore::Create(layout, chunk_size, wanted));
+    if (step.record.plain) {
+      if (!step.incoming) WB_RETURN_IF_ERROR(StepBlob(k, deadline).status());  // reopens
+      WB_RETURN_IF_ERROR(ReadPlainChunks(step, next, deadline));
+    } else {
+      if (!blobs[k]) {
+        WB_ASSIGN_OR_RETURN(blobs[k], StepBlob(k, deadline));
+      }
+      WB_ASSIGN_OR_RETURN(VersionHeader h, header(k));
+      if (h.chunk_size != chunk_size) {
+        // A chain whose versions were cut differently (the publisher's delta_chunk_size changed
+        // within it): their chunks do not line up; the caller decodes it whole.
+        return absl::UnimplementedError(absl::StrFormat(
+            "%s: the chain of %s mixes chunk sizes (%d and %d bytes); partial decoding needs one",
+            owner_->uri_, Chain(), chunk_size, h.chunk_size));
+      }
+      const absl::Span<const std::byte> bytes(blobs[k]->data(), step.inner.tensors[0].nbytes);
+      absl::Status decoded =
+          DecodeChunks(bytes, step.record.ids(), step.record.keyframe ? nullptr : prev, next,
+                       *owner_->parallel_);
+      if (!decoded.ok()) {
+        return absl::Status(decoded.code(), absl::StrFormat("%s: encoded version %d (%s, part of "
+                                                            "%s): %s",
+                                                            owner_->uri_, step.version,
+                                                            step.incoming->DescribeSource(0),
+                                                            Chain(), decoded.message()));
+      }
+      blobs[k].reset();
+    }
+    if (k + 1 < steps_.size()) step.incoming.reset();  // releases the inner version's pin
+    previous = std::move(next);
+    prev = &*previous;
+  }
+  store_ = std::move(previous);
+  codec_.time += absl::Now() - start;
+  return absl::OkStatus();
+}
+
+absl::Status DeltaIncoming::FetchRanges(absl::Span<const RangeRead> reads, absl::Time deadline) {
+  if (!store_ && !from_base_store_ && !whole_) {
+    absl::Status s = DecodePartial(deadline);
+    if (absl::IsUnimplemented(s)) {
+      // Decoded whole instead, as Fetch decodes (and Accepted then adopts) a version.
+      Log(LogLevel::kInfo, "%s; decoding the whole version instead", s.message());
+      codec_ = CodecStats{};
+      uint64_t total = 0;
+      std::vector<uint64_t> offsets;
+      for (const TensorInfo& t : manifest().tensors) {
+        offsets.push_back(total);
+        total += AlignUp(t.nbytes);
+      }
+      absl::StatusOr<std::unique_ptr<HostBuffer>> whole = HostBuffer::Allocate(total);
+      s = whole.status();
+      if (s.ok()) {
+        whole_ = *std::move(whole);
+        std::vector<std::byte*> targets;
+        for (uint64_t o : offsets) targets.push_back(whole_->data() + o);
+        IgnoreLanding ignore;
+        s = Fetch(targets, ignore, deadline);  // asks for a keyframe itself when it fails
+        if (!s.ok()) return s;
+      }
+    }
+    if (!s.ok()) {
+      store_.reset();
+      owner_->RequestKeyframe(manifest().version, s);
+      return s;
+    }
+  }
+  const Manifest& m = manifest();
+  for (const RangeRead& r : reads) {
+    if (r.tensor >= m.tensors.size() || r.offset > m.tensors[r.tensor].nbytes ||
+        r.length > m.tensors[r.tensor].nbytes - r.offset) {
+      return absl::InternalError(absl::StrFormat("%s: range [%d, %d) asked of tensor %d of %s",
+                                                 owner_->uri_, r.offset, r.offset + r.length,
+                                                 r.tensor, Chain()));
+    }
+    if (r.length == 0) continue;
+    if (whole_) {
+      std::memcpy(r.target, targets_[r.tensor] + r.offset, r.length);
+      continue;
+    }
+    const Base& base = *owner_->base_;
+    if (from_base_store_ && base.whole()) {
+      std::memcpy(r.target, base.tensor(r.tensor) + r.offset, r.length);
+      continue;
+    }
+    const ChunkStore& store = from_base_store_ ? *base.partial : *store_;
+    WB_RETURN_IF_ERROR(store.CopyOut(TensorRange{r.tensor, r.offset, r.length}, r.target));
+  }
+  return absl::OkStatus();
+}
+
 void DeltaIncoming::Accepted() {
-  if (duplicate_ || !fetched_) return;
+  if (duplicate_ || !fetched_ || from_base_store_) return;
+  if (store_) {  // partial reads: the chunks decoded become the base
+    if (PlainNotKept()) {
+      owner_->AdoptManifest(manifest());
+    } else {
+      owner_->AdoptStore(manifest(), std::move(*store_));
+    }
+    store_.reset();
+    if (steps_.back().incoming) steps_.back().incoming->Accepted();
+    return;
+  }
   if (PlainNotKept()) {
     owner_->AdoptManifest(manifest());
   } else {

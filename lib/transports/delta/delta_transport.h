@@ -70,6 +70,12 @@ struct Record {
   uint64_t encoded_bytes = 0;       // size of the blob
   std::vector<TensorInfo> tensors;  // keyframes: the target's tensors
   std::vector<uint64_t> xxh3;       // deltas: the target's checksums, in the base's tensor order
+  // Deltas: the target's block checksums (only block_rows, block_bytes and block_xxh3 are used),
+  // in the base's tensor order; empty when the record carries none (records written before
+  // them: the target's tensors then have no block checksums). Keyframes carry theirs in
+  // `tensors`. They let a subscriber that decodes only the chunks its slices meet verify the
+  // tiles it reads (README.md, "Partial reads").
+  std::vector<TensorInfo> tiles;
   // Why the publisher chose this encoding (for people and logs: "keyframe_interval=50", "the
   // channel holds no version yet", "delta against version 7"); optional, never interpreted.
   std::string reason;

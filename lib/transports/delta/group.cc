@@ -171,6 +171,22 @@ class GroupIncoming final : public IncomingVersion {
     return absl::OkStatus();
   }
 
+  // Partial reads: each rank's delta subscriber decodes only the chunks of its parts that the
+  // ranges meet (none, and reads no blob, when they meet none of its parts).
+  void PlanRanges(absl::Span<const RangeRead> reads) override {
+    const std::vector<std::vector<RangeRead>> by_rank = ByRank(reads);
+    for (size_t r = 0; r < ranks_.size(); ++r) ranks_[r]->PlanRanges(by_rank[r]);
+  }
+  absl::Status FetchRanges(absl::Span<const RangeRead> reads, absl::Time deadline) override {
+    // Every rank, even with nothing to read here: its first call decodes (or, needing nothing,
+    // skips) its version, which it then adopts when the version is accepted.
+    const std::vector<std::vector<RangeRead>> by_rank = ByRank(reads);
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      WB_RETURN_IF_ERROR(ranks_[r]->FetchRanges(by_rank[r], deadline));
+    }
+    return absl::OkStatus();
+  }
+
   std::string DescribeSource(size_t i) const override {
     const size_t r = std::upper_bound(first_.begin(), first_.end(), i) - first_.begin() - 1;
     return absl::StrFormat("rank %d's part: %s", r, ranks_[r]->DescribeSource(i - first_[r]));
@@ -197,6 +213,18 @@ class GroupIncoming final : public IncomingVersion {
 
  private:
   static uint64_t AlignUp(uint64_t n) { return (n + 63) & ~uint64_t{63}; }
+
+  // `reads` of the group's tensors split by the rank that owns them, as indices of its parts.
+  std::vector<std::vector<RangeRead>> ByRank(absl::Span<const RangeRead> reads) const {
+    std::vector<std::vector<RangeRead>> out(ranks_.size());
+    for (RangeRead read : reads) {
+      const size_t r =
+          std::upper_bound(first_.begin(), first_.end(), read.tensor) - first_.begin() - 1;
+      read.tensor -= first_[r];
+      out[r].push_back(read);
+    }
+    return out;
+  }
 
   std::shared_ptr<IncomingVersion> group_;
   std::vector<std::unique_ptr<IncomingVersion>> ranks_;

@@ -9,6 +9,7 @@
 #include "core/bytes.h"
 #include "core/checksum.h"
 #include "core/status.h"
+#include "core/tiles.h"
 #include "nlohmann/json.hpp"
 #include "transports/delta/delta_transport.h"
 
@@ -80,6 +81,23 @@ std::string RecordToJson(const Record& r) {
     ordered_json sums = ordered_json::array();
     for (uint64_t x : r.xxh3) sums.push_back(Hex64(x));
     j["xxh3"] = std::move(sums);
+    if (!r.tiles.empty()) {
+      // Each tensor's tiles as a manifest entry writes them ({"tile": [rows, bytes], "tiles":
+      // "..."}; {} for none): optional, older readers ignore the field and verify whole tensors.
+      ordered_json tiles = ordered_json::array();
+      for (const TensorInfo& t : r.tiles) {
+        ordered_json e = ordered_json::object();
+        if (t.block_bytes > 0 && t.block_rows > 0) {
+          std::string hex;
+          hex.reserve(16 * t.block_xxh3.size());
+          for (uint64_t b : t.block_xxh3) hex += Hex64(b);
+          e["tile"] = ordered_json::array({t.block_rows, t.block_bytes});
+          e["tiles"] = std::move(hex);
+        }
+        tiles.push_back(std::move(e));
+      }
+      j["tiles"] = std::move(tiles);
+    }
   }
   return j.dump();
 }
@@ -179,6 +197,34 @@ absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view sourc
         }
         r.xxh3.push_back(v);
       }
+      if (auto f = j.find("tiles"); f != j.end()) {
+        if (!f->is_array() || f->size() != sums.size()) {
+          return bad(absl::StrFormat("has field \"tiles\" that is not an array of %d entries",
+                                     sums.size()));
+        }
+        for (const auto& e : *f) {
+          if (!e.is_object()) return bad("has an entry of \"tiles\" that is not an object");
+          TensorInfo t;
+          if (e.contains("tile")) {
+            const ordered_json& tile = e.at("tile");
+            if (!tile.is_array() || tile.size() != 2 || !tile[0].is_number_unsigned() ||
+                !tile[1].is_number_unsigned() || tile[0].get<uint64_t>() == 0 ||
+                tile[1].get<uint64_t>() == 0) {
+              return bad("has an entry of \"tiles\" whose \"tile\" is not [rows, bytes]");
+            }
+            t.block_rows = tile[0].get<uint64_t>();
+            t.block_bytes = tile[1].get<uint64_t>();
+            const std::string hex = e.at("tiles").get<std::string>();
+            if (hex.size() % 16 != 0) return bad("has a malformed tile checksum");
+            for (size_t k = 0; k < hex.size(); k += 16) {
+              uint64_t v = 0;
+              if (!ParseHex64(hex.substr(k, 16), &v)) return bad("has a malformed tile checksum");
+              t.block_xxh3.push_back(v);
+            }
+          }
+          r.tiles.push_back(std::move(t));
+        }
+      }
     }
   } catch (const std::exception& e) {
     return bad(absl::StrFormat("is malformed (%s)", e.what()));
@@ -268,7 +314,21 @@ absl::StatusOr<Manifest> TargetManifest(const Manifest& inner, const Record& rec
         base == nullptr ? 0 : base->tensors.size()));
   }
   m.tensors = base->tensors;
-  for (size_t i = 0; i < m.tensors.size(); ++i) m.tensors[i].xxh3 = record.xxh3[i];
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    TensorInfo& t = m.tensors[i];
+    t.xxh3 = record.xxh3[i];
+    // The base's block checksums are not the target's: the record's, or none.
+    t.block_rows = record.tiles.empty() ? 0 : record.tiles[i].block_rows;
+    t.block_bytes = record.tiles.empty() ? 0 : record.tiles[i].block_bytes;
+    t.block_xxh3 = record.tiles.empty() ? std::vector<uint64_t>{} : record.tiles[i].block_xxh3;
+    if (t.block_xxh3.size() != GridOf(t).count()) {
+      return absl::DataLossError(absl::StrFormat(
+          "the delta record of version %d gives tensor \"%s\" (%s) %d tile checksums for tiles "
+          "of %d rows x %d bytes, which make %d",
+          record.version, t.name, ShapeString(t.shape), t.block_xxh3.size(), t.block_rows,
+          t.block_bytes, GridOf(t).count()));
+    }
+  }
   return m;
 }
 

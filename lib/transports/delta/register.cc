@@ -126,10 +126,12 @@ TransportCapabilities LayerCapabilities(const Config&, const TransportCapabiliti
   // Each rank of a group encodes its own parts into its part of the group version beneath
   // (README.md, "Over a publisher group") and reads the committed group manifest back after
   // each version (the group's keyframe floor, what its check at rest compares): a group beneath
-  // without committed_manifest (ucx://) is not carried. Subscribers decode whole parts: no byte
-  // ranges.
+  // without committed_manifest (ucx://) is not carried.
   c.publisher_groups = beneath.publisher_groups && beneath.committed_manifest;
-  c.partial_reads = false;
+  // Byte ranges are served from what the layer decodes, whatever the transport beneath: a
+  // subscriber that announces its ranges decodes and keeps only the chunks they meet, and the
+  // core verifies them with the tile checksums the records carry (README.md, "Partial reads").
+  c.partial_reads = true;
   // Never inherited: a group beneath authenticates the parts it is handed, which under the
   // layer are encodings, not the manifests the core MACs (docs/SECURITY.md, "Publisher groups").
   c.authenticated_groups = false;

@@ -349,7 +349,8 @@ absl::Status DiskPublisher::WriteFile(int dir_fd, const std::string& dir, const 
   std::vector<std::optional<TensorHasher>> checksums(plan.tensors.size());
   for (size_t k : strided) {
     if (job.ClaimChecksum(plan.tensors[k])) {
-      checksums[k].emplace(tensors[plan.tensors[k]].info->nbytes, job.checksum_block());
+      checksums[k].emplace(tensors[plan.tensors[k]].info->nbytes,
+                           job.ChecksumGrid(plan.tensors[k]));
     }
   }
   auto window_size = [&](size_t w) {

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -66,6 +67,46 @@ struct Rates {
   // The codec's predicted cost must be below the time it saves by this factor: the rates come
   // from a sample on cores that subscribers on the same host share, so a close call goes plainly.
   static constexpr double kMargin = 1.25;
+  // Decoding as subscribers report it (DecodingReport, through the back channel): the newest
+  // report of each subscriber, by its id. Reports about versions older than kFreshReports
+  // versions are not used (the subscriber may be gone, or deltas have not been sent since);
+  // then this publisher's own sample stands in.
+  struct Reported {
+    uint64_t version = 0;
+    double bytes_per_s = 0;
+    std::string who;
+  };
+  static constexpr uint64_t kFreshReports = 32;
+  std::map<std::string, Reported> reported;
+  // Of the fresh reports when this version's choice was made: the slowest subscriber's
+  // decoding rate (0: no fresh report) and what to say about it.
+  double reported_decode_bytes_per_s = 0;
+  std::string reported_by;
+  void Report(const std::vector<SubscriberReport>& reports, uint64_t version) {
+    for (const SubscriberReport& r : reports) {
+      absl::StatusOr<DecodingReport> d = DecodingReport::FromText(r.text);
+      if (!d.ok() || d->bytes == 0) continue;
+      reported[r.id] = Reported{d->version, d->bytes_per_s(), d->who};
+    }
+    std::erase_if(reported, [&](const auto& kv) {
+      return kv.second.version + 2 * kFreshReports < version;  // gone for long: forgotten
+    });
+    reported_decode_bytes_per_s = 0;
+    reported_by.clear();
+    int fresh = 0;
+    const Reported* slowest = nullptr;
+    for (const auto& [id, r] : reported) {
+      if (r.version + kFreshReports < version) continue;
+      ++fresh;
+      if (slowest == nullptr || r.bytes_per_s < slowest->bytes_per_s) slowest = &r;
+    }
+    if (slowest != nullptr) {
+      reported_decode_bytes_per_s = slowest->bytes_per_s;
+      reported_by = absl::StrFormat(
+          "reported by %d subscriber%s (the slowest: %s, decoding version %d)", fresh,
+          fresh == 1 ? "" : "s", slowest->who.empty() ? "?" : slowest->who, slowest->version);
+    }
+  }
   // Bytes per second through the transport beneath (its Publish), from publishes of at least
   // kMinTransfer bytes, where fixed costs do not dominate (0: none yet).
   static constexpr uint64_t kMinTransfer = uint64_t{1} << 20;
@@ -378,20 +419,26 @@ std::optional<std::string> DeltaPublisher::PlainReason(bool keyframe, uint64_t b
     return std::nullopt;  // measure again
   }
   const double n = static_cast<double>(bytes);
-  // Decoding as measured on a sample of a delta (keyframes, and deltas before a sample: assumed
-  // to cost what encoding did; the codec decodes faster than it encodes per core, BENCHMARKS.md,
-  // but a subscriber may have fewer cores free).
+  // Decoding as the subscribers report it (the slowest of them), else as measured on a sample
+  // of a delta here (keyframes, and deltas before either: assumed to cost what encoding did; the
+  // codec decodes faster than it encodes per core, BENCHMARKS.md, but a subscriber may have
+  // fewer cores free).
+  const bool decode_reported = !judge_keyframe && rates_.reported_decode_bytes_per_s > 0;
   const bool decode_measured = !judge_keyframe && rates_.decode_bytes_per_s > 0;
   const double encode_s = n / codec.bytes_per_s;
-  const double decode_s = decode_measured ? n / rates_.decode_bytes_per_s : encode_s;
+  const double decode_s = decode_reported   ? n / rates_.reported_decode_bytes_per_s
+                          : decode_measured ? n / rates_.decode_bytes_per_s
+                                            : encode_s;
   const double codec_s = encode_s + decode_s;
   const double saved_s = (n - n * codec.ratio) / transfer;
   const std::string rates = absl::StrFormat(
       "encoding %.3f s at %.2f GB/s, decoding %.3f s at %.2f GB/s %s, %.1fx fewer bytes saving "
       "%.3f s at the %.2f GB/s measured through the transport beneath",
       encode_s, codec.bytes_per_s / 1e9, decode_s, n / std::max(decode_s, 1e-9) / 1e9,
-      decode_measured ? "measured" : "assumed as slow", codec.ratio > 0 ? 1 / codec.ratio : 0.0,
-      saved_s, transfer / 1e9);
+      decode_reported   ? rates_.reported_by
+      : decode_measured ? "measured here"
+                        : "assumed as slow",
+      codec.ratio > 0 ? 1 / codec.ratio : 0.0, saved_s, transfer / 1e9);
   if (codec_s * Rates::kMargin <= saved_s) {
     if (encoded_why != nullptr) {
       *encoded_why = absl::StrFormat("encoded, by the measured rates: %s", rates);
@@ -672,6 +719,13 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     }
   }
   bool keyframe = !reason.empty();
+  // What decoding cost the subscribers (their reports since the last version).
+  if (options_.choose_plain) {
+    rates_.Report(
+        requests_.Reports(
+            *inner_, version > 4 * Rates::kFreshReports ? version - 4 * Rates::kFreshReports : 0),
+        version);
+  }
   uint64_t total_bytes = 0;
   for (const TensorInfo& t : infos) total_bytes += t.nbytes;
   // Sent plainly when encoding and decoding would cost more time than the bytes they save

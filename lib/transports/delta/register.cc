@@ -118,6 +118,7 @@ TransportCapabilities LayerCapabilities(const Config&, const TransportCapabiliti
   c.committed_manifest = false;
   // The back channel carries this layer's own keyframe requests; a layer above has none to send.
   c.keyframe_requests = false;
+  c.subscriber_reports = false;
   // A late joiner replays the newest keyframe and the deltas after it with OpenVersion; without
   // it the joiner waits for the next keyframe.
   c.late_joiners = beneath.late_joiners && beneath.open_version;

@@ -239,6 +239,16 @@ void FlipBit(const std::string& path, uint64_t from_end) {
   ::close(fd);
 }
 
+// The request files subscribers left in the channel's back channel (delta-requests/).
+std::vector<std::string> Requests(const ScratchDir& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir / "channel/delta-requests", ec)) {
+    if (e.path().extension() == ".json") out.push_back(e.path().string());
+  }
+  return out;
+}
+
 // Issue 16: a delta corrupted at rest (one flipped bit in version 3 on disk) is refused by a
 // subscriber that needs it, which keeps version 2; the publisher, checking its base before the
 // next delta, sends version 4 as a keyframe (the record says why), so that subscriber is caught
@@ -270,6 +280,11 @@ TEST(DeltaTransportTest, CorruptDeltaAtRestIsRepairedByTheNextVersionWithoutPeri
       << update.status();
   EXPECT_NE(update.status().message().find(file), std::string::npos) << update.status();
   EXPECT_EQ((*held)->current_version(), std::optional<uint64_t>(2));
+  // The subscriber asked for a keyframe (delta-requests/); here the publisher's own check of its
+  // base must find the damage, as for a subscriber that cannot write the channel: the request
+  // is withdrawn.
+  ASSERT_EQ(Requests(dir).size(), 1u);
+  std::filesystem::remove_all(dir / "channel/delta-requests");
 
   versions.push_back(stream.Next());
   ASSERT_TRUE((*pub)->Publish(4, Views(versions[4]), {}, kTimeout).ok());
@@ -843,16 +858,6 @@ void ExpectCheckpointHolds(const std::string& path, const std::vector<OwnedTenso
     ASSERT_EQ(got.count(t.name), 1u) << t.name;
     EXPECT_TRUE(got[t.name] == t.bytes) << t.name;
   }
-}
-
-// The request files subscribers left in the channel's back channel (delta-requests/).
-std::vector<std::string> Requests(const ScratchDir& dir) {
-  std::vector<std::string> out;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir / "channel/delta-requests", ec)) {
-    if (e.path().extension() == ".json") out.push_back(e.path().string());
-  }
-  return out;
 }
 
 // Issue 16, the back channel: a delta damaged at rest *after* the publisher checked it (version

@@ -680,23 +680,6 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     reason = absl::StrFormat("delta_max_chain=%d deltas after keyframe %d", options_.max_chain,
                              *keyframe_);
   }
-  if (reason.empty() && check_at_rest_) {
-    // Subscribers that do not hold the base need the channel's copy of it to apply a delta
-    // against it: a corrupt one (a flipped bit at rest, an edited manifest) would stop them
-    // until the next keyframe, so the keyframe comes now. Each version is checked once, when it
-    // is the base (a delta: a few KB to MB; a keyframe or a plain version once per chain, and
-    // only when a delta follows it).
-    absl::StatusOr<TransportSubscriber*> reader = Reader();
-    absl::Status intact =
-        reader.ok() ? CheckEncodedVersion(**reader, base_->inner, deadline) : reader.status();
-    if (!intact.ok()) {
-      reason = absl::StrFormat(
-          "the channel's copy of version %d, the base of a delta, cannot be read back intact "
-          "(subscribers that do not hold it could not apply the delta): %s",
-          base_->manifest.version, intact.message());
-      Log(LogLevel::kWarn, "%s version %d: publishing a keyframe: %s", uri_, version, reason);
-    }
-  }
   // Subscribers that cannot reconstruct a version of this chain (a delta damaged at rest after
   // it was checked, a version gone) asked for a keyframe: this version is one. A request about
   // a version before the chain's keyframe was answered by that keyframe already.
@@ -742,6 +725,27 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     plain = PlainReason(false, total_bytes, &encoded_why);
     if (plain) absl::StrAppend(&*plain, " (sampled)");
     if (!encoded_why.empty()) absl::StrAppend(&encoded_why, " (sampled)");
+  }
+  if (!plain && !keyframe && check_at_rest_) {
+    // Subscribers that do not hold the base need the channel's copy of it to apply a delta
+    // against it: a corrupt one (a flipped bit at rest, an edited manifest) would stop them
+    // until the next keyframe, so the keyframe comes now. Each version is checked once, when it
+    // is the base of a delta about to be sent (a delta: a few KB to MB; a keyframe or a plain
+    // version once per chain, and only when a delta follows it; never for a version that goes
+    // plainly, which needs no base: reading a whole version back then would only slow it).
+    absl::StatusOr<TransportSubscriber*> reader = Reader();
+    absl::Status intact =
+        reader.ok() ? CheckEncodedVersion(**reader, base_->inner, deadline) : reader.status();
+    if (!intact.ok()) {
+      reason = absl::StrFormat(
+          "the channel's copy of version %d, the base of a delta, cannot be read back intact "
+          "(subscribers that do not hold it could not apply the delta): %s",
+          base_->manifest.version, intact.message());
+      Log(LogLevel::kWarn, "%s version %d: publishing a keyframe: %s", uri_, version, reason);
+      keyframe = true;
+      encoded_why.clear();
+      plain = PlainReason(true, total_bytes, &encoded_why);
+    }
   }
   if (plain) {
     reason = keyframe ? absl::StrCat(*plain, "; a keyframe was due: ", reason) : *plain;

@@ -56,8 +56,8 @@ const SettingTable& DeltaSettings() {
                "how a delta codes its changes. context: an adaptive range coder in contexts "
                "of each weight's magnitude (the smallest deltas: measured 1.23-1.36x smaller "
                "than sparse on the real-gradient stream, BENCHMARKS.md issue 16); sparse: "
-               "positions and changes as zstd-coded byte planes (the fastest: measured 10-15x "
-               "faster to decode on that stream: 22-24 against 2.1-2.4 GB/s per core at lr 1e-6)",
+               "positions and changes as zstd-coded byte planes (the fastest: measured 4-9x "
+               "faster to decode on that stream: 22-24 against 5.8-6.3 GB/s per core at lr 1e-6)",
            .choices = {"context", "sparse"}},
           {.name = "delta_groups",
            .type = SettingType::kInt,

@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """The delta layer over a run (issue 16, BENCHMARKS.md): the late-joiner catch-up time after a
-full chain, the time to repair one corrupted delta, the time a late joiner stopped by a delta
+full chain (a 0.5 MB model) and after a keyframe and 99 deltas (a 64 MiB bf16 model), the first
+version of a restarted publisher, the time to repair one corrupted delta, the time a late joiner stopped by a delta
 damaged at rest after the publisher's check (or by a missing version of the chain) takes to be
 caught up through a keyframe request (over disk, and over ucx for a delta damaged in the
 publisher's staging memory), and one host with 2 replicas of a 256 MiB model of which
 14% of the elements change per version, delta+disk against plain disk.
 
     PYTHONPATH=bindings/python /usr/bin/python3 bench/delta_over_a_run.py [--dir /tmp/wb-run]
-        [--only ucx-repair]
+        [--only ucx-repair|late-joiner|restart]
 
 Models are uint16 arrays (bf16 bit patterns) of random values of which a fraction moves by one
 unit per version. Times are wall times of this process (publisher and subscribers in threads,
@@ -63,6 +64,72 @@ def late_joiner(work):
             took = time.perf_counter() - start
     print(f"late joiner after a keyframe and 999 deltas of a 0.5 MB model (1% changed per "
           f"version): {took * 1000:.0f} ms to version {u.version}")
+
+
+def bf16_stream(nbytes, fraction, versions):
+    """As stream(), but the weights are bf16 values of N(0, 0.02) (what a model holds), published
+    as torch bf16 tensors, each changed element moving by one unit in the last place."""
+    import torch
+    w = torch.from_numpy(rng.standard_normal(nbytes // 2).astype(np.float32) * 0.02)
+    bits = w.to(torch.bfloat16).view(torch.int16).numpy().copy()
+    for _ in range(versions):
+        yield torch.from_numpy(bits.copy()).view(torch.bfloat16)
+        bits[rng.integers(0, bits.size, int(bits.size * fraction))] += 1
+
+
+def late_joiner_large(work, nbytes=64 << 20, deltas=99):
+    """A late joiner of a large bf16 model: the time a new subscriber takes to hold a keyframe
+    alone (the channel's first version: one keyframe transfer, read and decoded), and to hold the
+    newest version after a keyframe and `deltas` deltas (1% of the elements changed per
+    version), which it replays; the replay is bounded by delta_max_chain (1000 by default)."""
+    channel = fresh(f"{work}/late-large")
+    uri = f"delta+disk://{channel}?fsync=false&delta_send_plain=false"
+    versions = bf16_stream(nbytes, 0.01, deltas + 1)
+    with weightbus.Publisher(uri) as pub:
+        pub.publish(1, {"w": next(versions)})
+        start = time.perf_counter()
+        with weightbus.Subscriber(uri) as sub:
+            sub.wait(min_version=1, timeout=600)
+            keyframe = time.perf_counter() - start
+        for v, w in enumerate(versions, 2):
+            pub.publish(v, {"w": w})
+        start = time.perf_counter()
+        with weightbus.Subscriber(uri) as sub:
+            u = sub.wait(min_version=deltas + 1, timeout=600)
+            took = time.perf_counter() - start
+            how = u.stats.encoding
+    per_delta = (took - keyframe) / deltas
+    print(f"late joiner, {nbytes / 1e6:.1f} MB bf16 model (1% changed per version): a keyframe alone "
+          f"{keyframe * 1000:.0f} ms; keyframe + {deltas} deltas to version {u.version} "
+          f"{took * 1000:.0f} ms ({per_delta * 1000:.1f} ms per delta replayed{'; ' + how if how else ''}); "
+          f"bound with delta_max_chain=1000: {(keyframe + 1000 * per_delta):.1f} s")
+
+
+def restart(work, nbytes=64 << 20):
+    """A restarted publisher (a trainer resumed from its checkpoint) continues the channel's
+    chain: its first version is a delta against the channel's newest version, which it reads back
+    and checks against the channel's checksums first. The time of that first publish against a
+    publish of the running publisher, and what a subscriber that held the newest version does."""
+    channel = fresh(f"{work}/restart")
+    uri = f"delta+disk://{channel}?fsync=false&delta_send_plain=false"
+    versions = stream(nbytes, 0.01, 5)
+    with weightbus.Subscriber(uri) as sub:
+        with weightbus.Publisher(uri) as pub:
+            for v in (1, 2, 3):
+                start = time.perf_counter()
+                pub.publish(v, {"w": next(versions)})
+                running = time.perf_counter() - start
+                sub.wait(min_version=v, timeout=120)
+        with weightbus.Publisher(uri) as pub:  # the restarted trainer
+            start = time.perf_counter()
+            pub.publish(4, {"w": next(versions)})
+            resumed = time.perf_counter() - start
+            u = sub.wait(min_version=4, timeout=120)
+            held = u.stats.encoding
+    print(f"restarted publisher, {nbytes / 1e6:.1f} MB model: version 4 ({kind(channel, 4)[:90]}) "
+          f"published in {resumed * 1000:.0f} ms (reading back and checking version 3 included) "
+          f"against {running * 1000:.0f} ms for version 3 by the running publisher; the subscriber "
+          f"holding 3 received {u.version}{' as ' + held if held else ''}")
 
 
 def repair(work):
@@ -204,17 +271,24 @@ def one_host(uri, channel, versions=6):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", default="/tmp/wb-delta-over-a-run")
-    parser.add_argument("--only", choices=("all", "ucx-repair"), default="all",
-                        help="ucx-repair: only the keyframe-on-request figures over delta+ucx")
+    parser.add_argument("--only", choices=("all", "ucx-repair", "late-joiner", "restart"),
+                        default="all",
+                        help="ucx-repair: only the keyframe-on-request figures over delta+ucx; "
+                        "late-joiner: only the late joiners; restart: only the restarted publisher")
     args = parser.parse_args()
     work = args.dir
     os.makedirs(work, exist_ok=True)
-    for nbytes in (520064, 64 << 20):
-        for tls in ("shm", "tcp"):
-            repair_over_ucx(nbytes, tls)
-    if args.only == "ucx-repair":
+    if args.only in ("all", "ucx-repair"):
+        for nbytes in (520064, 64 << 20):
+            for tls in ("shm", "tcp"):
+                repair_over_ucx(nbytes, tls)
+    if args.only in ("all", "late-joiner"):
+        late_joiner(work)
+        late_joiner_large(work)
+    if args.only in ("all", "restart"):
+        restart(work)
+    if args.only != "all":
         return
-    late_joiner(work)
     repair(work)
     for nbytes in (520064, 64 << 20):
         for damage in ("bit", "missing"):

@@ -239,6 +239,16 @@ void FlipBit(const std::string& path, uint64_t from_end) {
   ::close(fd);
 }
 
+// The request files subscribers left in the channel's back channel (delta-requests/).
+std::vector<std::string> Requests(const ScratchDir& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir / "channel/delta-requests", ec)) {
+    if (e.path().extension() == ".json") out.push_back(e.path().string());
+  }
+  return out;
+}
+
 // Issue 16: a delta corrupted at rest (one flipped bit in version 3 on disk) is refused by a
 // subscriber that needs it, which keeps version 2; the publisher, checking its base before the
 // next delta, sends version 4 as a keyframe (the record says why), so that subscriber is caught
@@ -270,6 +280,11 @@ TEST(DeltaTransportTest, CorruptDeltaAtRestIsRepairedByTheNextVersionWithoutPeri
       << update.status();
   EXPECT_NE(update.status().message().find(file), std::string::npos) << update.status();
   EXPECT_EQ((*held)->current_version(), std::optional<uint64_t>(2));
+  // The subscriber asked for a keyframe (delta-requests/); here the publisher's own check of its
+  // base must find the damage, as for a subscriber that cannot write the channel: the request
+  // is withdrawn.
+  ASSERT_EQ(Requests(dir).size(), 1u);
+  std::filesystem::remove_all(dir / "channel/delta-requests");
 
   versions.push_back(stream.Next());
   ASSERT_TRUE((*pub)->Publish(4, Views(versions[4]), {}, kTimeout).ok());
@@ -845,16 +860,6 @@ void ExpectCheckpointHolds(const std::string& path, const std::vector<OwnedTenso
   }
 }
 
-// The request files subscribers left in the channel's back channel (delta-requests/).
-std::vector<std::string> Requests(const ScratchDir& dir) {
-  std::vector<std::string> out;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir / "channel/delta-requests", ec)) {
-    if (e.path().extension() == ".json") out.push_back(e.path().string());
-  }
-  return out;
-}
-
 // Issue 16, the back channel: a delta damaged at rest *after* the publisher checked it (version
 // 3, flipped once version 4 was published on it) stops a late joiner, a separate process
 // (`weightbus subscribe`), which replays keyframe 1 and deltas 2, 3, 4. It leaves a keyframe
@@ -940,6 +945,86 @@ TEST(DeltaTransportTest, LateJoinersStoppedByADamagedOrMissingChainAreCaughtUpOn
   ExpectSameTensors(**held8, versions[8]);
 }
 
+// The report files subscribers left in the channel's delta-reports/.
+std::vector<std::string> Reports(const ScratchDir& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir / "channel/delta-reports", ec)) {
+    if (e.path().extension() == ".json") out.push_back(e.path().string());
+  }
+  return out;
+}
+
+// Issue 16, subscribers' own decoding rates: a subscriber that applied a delta of at least 1 MiB
+// to its copy of the version before reports, before its next wait, what decoding it cost
+// (delta-reports/ in the channel, one file per subscriber replaced by its next report; over
+// ucx:// a REPORT message). The publisher's plain-or-delta choice goes by the slowest fresh
+// report: a report of a subscriber that needs 1000 s to decode (a replica on a starved host)
+// makes the next version go plainly, and the reason names that subscriber and its rate.
+TEST(DeltaTransportTest, SubscribersReportTheirDecodingAndTheChoiceWeighsTheSlowest) {
+  {
+    // Always encoded: versions 2 and 3 are deltas, each reported by the subscriber.
+    ScratchDir dir;
+    auto pub = Publisher::Open(Uri(dir, "delta_send_plain=false"));
+    auto sub = Subscriber::Open(Uri(dir));
+    ASSERT_TRUE(pub.ok() && sub.ok());
+    std::vector<std::vector<OwnedTensor>> versions(1);
+    for (uint64_t v = 1; v <= 3; ++v) {
+      versions.push_back(testing::MakeDriftVersion(16, v, 2 << 20));
+      ASSERT_TRUE((*pub)->Publish(v, Views(versions[v]), {}, kTimeout).ok()) << v;
+      auto u = (*sub)->WaitForVersion(v, kTimeout);
+      ASSERT_TRUE(u.ok()) << u.status();
+      ExpectSameTensors(**u, versions[v]);
+      // The report of version v - 1's delta was left when this wait began.
+      const std::vector<std::string> reports = Reports(dir);
+      if (v < 3) {
+        EXPECT_TRUE(reports.empty()) << v;
+        continue;
+      }
+      ASSERT_EQ(reports.size(), 1u);
+      nlohmann::json r = nlohmann::json::parse(testing::ReadFileOrDie(reports[0]));
+      EXPECT_EQ(r["format"], "weightbus.delta-report/1");
+      EXPECT_EQ(r["version"], 2);
+      uint64_t bytes = 0;
+      for (const OwnedTensor& t : versions[2]) bytes += t.bytes.size();
+      EXPECT_EQ(r["bytes"], bytes);
+      EXPECT_GT(r["decode_s"].get<double>(), 0);
+      EXPECT_GE(r["apply_s"].get<double>(), 0);
+      EXPECT_THAT(r["who"].get<std::string>(), ::testing::HasSubstr(std::to_string(::getpid())));
+    }
+    // The next wait reports version 3 in the same file.
+    EXPECT_FALSE((*sub)->WaitForVersion(4, absl::Milliseconds(1)).ok());
+    ASSERT_EQ(Reports(dir).size(), 1u);
+    EXPECT_EQ(nlohmann::json::parse(testing::ReadFileOrDie(Reports(dir)[0]))["version"], 3);
+  }
+  // The choice: version 1 goes plainly (it measures the transport beneath); a subscriber then
+  // reports decoding at 1 MB per 1000 s, and version 2, a delta of a few changes otherwise,
+  // goes plainly, saying whose rate decided it.
+  ScratchDir dir;
+  auto pub = Publisher::Open(Uri(dir));
+  ASSERT_TRUE(pub.ok());
+  const auto v1 = testing::MakeDriftVersion(16, 1, 2 << 20);
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  EXPECT_THAT((*pub)->last_stats().encoding, ::testing::StartsWith("plain: "));
+  std::filesystem::create_directories(dir / "channel/delta-reports");
+  testing::WriteFileOrDie(dir / "channel/delta-reports/slow-host-1-0.json",
+                          R"json({"format": "weightbus.delta-report/1", "version": 1, )json"
+                          R"json("bytes": 1000000, "decode_s": 999.0, "apply_s": 1.0, )json"
+                          R"json("threads": 1, "who": "slow-host (pid 1)"})json");
+  const auto v2 = testing::MakeDriftVersion(16, 2, 2 << 20);
+  ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, kTimeout).ok());
+  const std::string encoding = (*pub)->last_stats().encoding;
+  EXPECT_THAT(encoding,
+              ::testing::StartsWith("plain: sent plainly: encoding and decoding a delta"));
+  EXPECT_THAT(encoding, ::testing::HasSubstr("at 0.00 GB/s reported by 1 subscriber (the slowest: "
+                                             "slow-host (pid 1), decoding version 1)"));
+  auto sub = Subscriber::Open(Uri(dir));
+  ASSERT_TRUE(sub.ok());
+  auto u = (*sub)->WaitForVersion(2, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ExpectSameTensors(**u, v2);
+}
+
 }  // namespace
 }  // namespace weightbus
 
@@ -1015,6 +1100,101 @@ TEST_P(DeltaUcxRequestTest, ADamagedDeltaIsRepairedByAKeyframeOnRequest) {
   auto u5 = (*held)->WaitForVersion(5, kTimeout);
   ASSERT_TRUE(u5.ok()) << u5.status();
   ExpectSameTensors(**u5, versions[5]);
+}
+
+// Issue 16, a missing base over ucx:// (the publisher keeps its chain in staging memory), every
+// party a separate process: a publisher (`wb_test_peer serve`, driven line by line), a subscriber
+// that follows every version, and a late joiner. Versions change a few bytes each
+// (MakeDriftVersion), so 2..4 are deltas. The late joiner needs version 3 to reach version 4
+// (keyframe 1, deltas 2, 3, 4), and the publisher answers its request for exactly version 3 as
+// if that version had left its memory (fail point ucx.lose_version): the joiner holds nothing it
+// can apply, asks for a keyframe over the control connection (fail point
+// delta.keyframe_requested announces that the request was taken) and keeps waiting. The next
+// version is a keyframe that names the request, and both subscribers hold it bit-exactly (each
+// checks the bytes against its own copy of the version): the joiner is caught up within one
+// version, and the follower, which held every version, only received a keyframe instead of a
+// delta once. The version after is a delta again.
+TEST_P(DeltaUcxRequestTest, AMissingBaseIsRepairedByAKeyframeOnRequestAcrossProcesses) {
+  if (const std::string why = testing::MissingTransports({"ucx"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
+  ScratchDir dir;
+  const int port = testing::FreePort();
+  ASSERT_GT(port, 0);
+  const std::string uri = absl::StrFormat("delta+ucx://127.0.0.1:%d/policy", port);
+  const std::string peer = testing::BinaryPath("tests/wb_test_peer");
+  const std::vector<std::string> model = {"--seed",  "16", "--bytes",     "262144",
+                                          "--drift", "1",  "--timeout-s", "30"};
+  auto spawn = [&](std::vector<std::string> argv, std::map<std::string, std::string> env,
+                   const std::string& log, bool pipe_stdin) {
+    argv.insert(argv.end(), model.begin(), model.end());
+    for (const auto& [k, v] : GetParam().env) env[k] = v;
+    process::Child::Options options{.env = std::move(env),
+                                    .log_path = dir / log,
+                                    .pipe_stdin = pipe_stdin,
+                                    .pipe_stdout = true};
+    return process::Child::Spawn(argv, options);
+  };
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  auto pub = spawn({peer, "serve", uri}, {{"WEIGHTBUS_FAILPOINTS", "ucx.lose_version=error@1"}},
+                   "pub.log", true);
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  ASSERT_THAT(pub->ReadLine(deadline).value_or("(none)"), ::testing::StartsWith("open"));
+  auto follower = spawn({peer, "follow", uri, "--until", "6"}, {}, "follower.log", false);
+  ASSERT_TRUE(follower.ok()) << follower.status();
+  auto publish = [&](uint64_t v) {
+    EXPECT_TRUE(pub->Send(std::to_string(v)));
+    const std::string line = pub->ReadLine(deadline).value_or("(none)");
+    EXPECT_THAT(line, ::testing::StartsWith(absl::StrFormat("published %d ", v)));
+    return line;
+  };
+  // Each version reaches the follower before the next is published: it never misses one.
+  auto followed = [&](uint64_t v) {
+    const std::string line = follower->ReadLine(deadline).value_or("(none)");
+    EXPECT_THAT(line, ::testing::StartsWith(absl::StrFormat("received %d ok", v)));
+    return line;
+  };
+  publish(1);
+  EXPECT_THAT(followed(1), ::testing::HasSubstr("encoding=keyframe 1"));
+  for (uint64_t v = 2; v <= 4; ++v) {
+    EXPECT_THAT(publish(v), ::testing::HasSubstr("encoding=delta: delta against version"));
+    EXPECT_THAT(followed(v),
+                ::testing::HasSubstr(absl::StrFormat(
+                    "encoding=delta %d on this subscriber's copy of version %d", v, v - 1)));
+  }
+  if (::testing::Test::HasFailure()) return;
+
+  // The late joiner: its request for exactly version 3 is answered NotFound; it asks for a
+  // keyframe (the point announces once the publisher took the request) and waits on.
+  testing::PausePoint asked("delta.keyframe_requested");
+  asked.Release();  // announce without stopping
+  auto joiner = spawn({peer, "follow", uri, "--until", "5"},
+                      {{"WEIGHTBUS_FAILPOINTS", asked.Spec()}}, "joiner.log", false);
+  ASSERT_TRUE(joiner.ok()) << joiner.status();
+  ASSERT_TRUE(asked.WaitReached(absl::Seconds(30)))
+      << testing::ReadFileOrDie(dir / "joiner.log") << testing::ReadFileOrDie(dir / "pub.log");
+  EXPECT_EQ(asked.ReachedBy(), joiner->pid());
+
+  const std::string p5 = publish(5);
+  EXPECT_THAT(p5, ::testing::HasSubstr("encoding=keyframe: 1 subscriber asked for a keyframe"));
+  EXPECT_THAT(p5, ::testing::HasSubstr("cannot reconstruct version 4"));
+  EXPECT_THAT(p5, ::testing::HasSubstr("no longer holds version 3"));
+  const std::string j5 = joiner->ReadLine(deadline).value_or("(none)");
+  EXPECT_THAT(j5, ::testing::StartsWith("received 5 ok"));
+  EXPECT_THAT(j5, ::testing::HasSubstr("encoding=keyframe 5"));
+  EXPECT_THAT(followed(5), ::testing::HasSubstr("encoding=keyframe 5"));
+  EXPECT_THAT(publish(6), ::testing::HasSubstr("encoding=delta: delta against version 5"));
+  EXPECT_THAT(followed(6), ::testing::HasSubstr("encoding=delta 6 on this subscriber's copy"));
+
+  for (process::Child* c : {&*joiner, &*follower}) {
+    auto status = c->Wait(absl::Seconds(30));
+    ASSERT_TRUE(status.ok()) << status.status();
+    EXPECT_EQ(testing::ExitCode(*status), 0);
+  }
+  pub->CloseStdin();
+  auto status = pub->Wait(absl::Seconds(30));
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(testing::ExitCode(*status), 0) << testing::ReadFileOrDie(dir / "pub.log");
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, DeltaUcxRequestTest, ::testing::Values(testing::kShm, testing::kTcp),

@@ -24,14 +24,16 @@
 // A publisher driven through stdin (the fault-injection suite, tests/fault/): prints "open" once
 // the channel is open ("open hwm_kb=H"), then publishes each version number read from stdin, one
 // per line, and answers "published V ms=M hwm_kb=H" or "failed V ms=M CODE: MESSAGE" (M: the wall
-// time of the Publish call, in milliseconds; a failure does not end it); ends at EOF.
+// time of the Publish call, in milliseconds; a failure does not end it); ends at EOF. Under a
+// layer the published line ends with " encoding=" and the layer's choice (PublishStats::encoding).
 //   wb_test_peer follow URI --until N [--seed X] [--bytes B] [--timeout-s T] [--set K=V]...
 // A subscriber that outlives faults: as subscribe, but a wait that fails prints
 // "error ms=M CODE: MESSAGE" and it waits again; each version prints
 // "received V ok ms=M hwm_kb=H" (M: the wall time of the wait that returned it, H: this process's
-// peak resident set, VmHWM); a version whose bytes differ prints "mismatch V: WHY", one going
-// backwards "backwards V after W", and it ends with 3. Ends with 0 once it holds N or above.
-// Exit codes: 0 all good, 1 error, 3 content mismatch or a version going backwards.
+// peak resident set, VmHWM; under a layer followed by " encoding=" and UpdateStats::encoding); a
+// version whose bytes differ prints "mismatch V: WHY", one going backwards "backwards V after W",
+// and it ends with 3. Ends with 0 once it holds N or above. Exit codes: 0 all good, 1 error, 3
+// content mismatch or a version going backwards.
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -62,6 +64,7 @@ struct Flags {
   uint64_t versions = 1, start = 1, seed = 1, bytes = 1 << 16, until = 1;
   int interval_ms = 0;
   int steps = 0;  // publish-llama: version v is StepLlama(fixture, v)
+  int drift = 0;  // publish, serve, subscribe, follow: versions of MakeDriftVersion
   int until_subscribers = 0;
   int first_subscribers = 0;  // after the first version: wait until this many hold it
   int serve_ms = 0;
@@ -88,6 +91,8 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
       ok = absl::SimpleAtoi(v, &f->until);
     else if (k == "--steps")
       ok = absl::SimpleAtoi(v, &f->steps);
+    else if (k == "--drift")
+      ok = absl::SimpleAtoi(v, &f->drift);
     else if (k == "--interval-ms")
       ok = absl::SimpleAtoi(v, &f->interval_ms);
     else if (k == "--until-subscribers")
@@ -122,6 +127,14 @@ std::unique_ptr<Handle> Open(const Flags& f) {
     return nullptr;
   }
   return *std::move(h);
+}
+
+// Version `v`'s tensors: MakeVersion, or with --drift 1 MakeDriftVersion (each version a few
+// changed bytes away from the one before, as training steps are: what the delta layer sends as
+// deltas).
+std::vector<weightbus::testing::OwnedTensor> Content(const Flags& f, uint64_t v) {
+  return f.drift ? weightbus::testing::MakeDriftVersion(f.seed, v, f.bytes)
+                 : weightbus::testing::MakeVersion(f.seed, v, f.bytes);
 }
 
 // Publishes version `v` and prints "published V", or prints why not and returns false.
@@ -163,7 +176,7 @@ int Publish(const Flags& f) {
   auto pub = Open<weightbus::Publisher>(f);
   if (pub == nullptr) return 1;
   for (uint64_t v = f.start; v < f.start + f.versions; ++v) {
-    auto tensors = weightbus::testing::MakeVersion(f.seed, v, f.bytes);
+    auto tensors = Content(f, v);
     if (!PublishOne(*pub, v, weightbus::testing::Views(tensors), {{"peer", "test"}}, f)) {
       return 1;
     }
@@ -247,7 +260,7 @@ int PublishLlama(const Flags& f) {
 // tensor differs otherwise.
 std::string DiffersFromExpected(const Flags& f, const weightbus::Update& u) {
   const uint64_t v = u.version();
-  auto expected = weightbus::testing::MakeVersion(f.seed, v, f.bytes);
+  auto expected = Content(f, v);
   if (u.tensors().size() != expected.size()) {
     return absl::StrFormat("version %d has %d tensors, expected %d", v, u.tensors().size(),
                            expected.size());
@@ -363,12 +376,15 @@ int Serve(const Flags& f) {
   bool malformed = false;
   while (std::optional<uint64_t> next = NextVersionLine(&malformed)) {
     const uint64_t v = *next;
-    auto tensors = weightbus::testing::MakeVersion(f.seed, v, f.bytes);
+    auto tensors = Content(f, v);
     const absl::Time start = absl::Now();
     const absl::Status s = pub->Publish(v, weightbus::testing::Views(tensors), {{"peer", "serve"}},
                                         absl::Seconds(f.timeout_s));
     const int64_t ms = MillisSince(start);
-    PrintLine(s.ok() ? absl::StrFormat("published %d ms=%d hwm_kb=%d", v, ms, PeakRssKib())
+    // A layer's choice comes last, after every numbered field ("encoding=keyframe: ...").
+    const std::string encoding = s.ok() ? pub->last_stats().encoding : "";
+    PrintLine(s.ok() ? absl::StrFormat("published %d ms=%d hwm_kb=%d%s", v, ms, PeakRssKib(),
+                                       encoding.empty() ? "" : " encoding=" + encoding)
                      : absl::StrFormat("failed %d ms=%d %s", v, ms, s.ToString()));
   }
   return malformed ? 1 : 0;
@@ -395,7 +411,9 @@ int Follow(const Flags& f) {
       PrintLine(absl::StrFormat("mismatch %d: %s", v, why));
       return 3;
     }
-    PrintLine(absl::StrFormat("received %d ok ms=%d hwm_kb=%d", v, ms, PeakRssKib()));
+    const std::string& encoding = (*u)->stats().encoding;
+    PrintLine(absl::StrFormat("received %d ok ms=%d hwm_kb=%d%s", v, ms, PeakRssKib(),
+                              encoding.empty() ? "" : " encoding=" + encoding));
     last = v;
   }
   return 0;

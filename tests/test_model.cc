@@ -2,6 +2,7 @@
 #include "test_model.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "test_support.h"
 
@@ -62,6 +63,24 @@ std::vector<OwnedTensor> MakeVersion(uint64_t seed, uint64_t version, uint64_t a
       for (std::byte& b : t.bytes) b = static_cast<std::byte>(static_cast<uint8_t>(b) & 1);
     }
     out.push_back(std::move(t));
+  }
+  return out;
+}
+
+std::vector<OwnedTensor> MakeDriftVersion(uint64_t seed, uint64_t version, uint64_t approx_bytes) {
+  std::vector<OwnedTensor> out = MakeVersion(seed, 1, approx_bytes);
+  if (version <= 1) return out;
+  for (size_t i = 0; i < out.size(); ++i) {
+    std::vector<std::byte>& bytes = out[i].bytes;
+    if (bytes.empty()) continue;
+    const size_t flips = std::max<size_t>(1, bytes.size() / 256);
+    const std::vector<std::byte> at =
+        RandomBytes(8 * flips, (seed * 1000003 + version * 1009 + i) ^ 0x5eed);
+    for (size_t k = 0; k < flips; ++k) {
+      uint64_t r = 0;
+      std::memcpy(&r, at.data() + 8 * k, 8);
+      bytes[r % bytes.size()] ^= std::byte{1};  // a bool stays 0 or 1
+    }
   }
   return out;
 }

@@ -23,6 +23,13 @@ struct OwnedTensor {
 // scaled so the whole version has roughly `approx_bytes` bytes (at least a few KiB).
 std::vector<OwnedTensor> MakeVersion(uint64_t seed, uint64_t version, uint64_t approx_bytes);
 
+// The same tensors changing as a training run's do: version 1 is MakeVersion(seed, 1, ...), and
+// every later version is version 1 with the lowest bit flipped in about 1/256 of each tensor's
+// bytes (at least one byte of every tensor with bytes), at positions drawn from (seed, version).
+// Versions v - 1 and v therefore differ in about 1/128 of their bytes: a delta between them is
+// a small fraction of a version, and any version can be made without the ones before it.
+std::vector<OwnedTensor> MakeDriftVersion(uint64_t seed, uint64_t version, uint64_t approx_bytes);
+
 std::vector<TensorView> Views(const std::vector<OwnedTensor>& tensors);
 
 }  // namespace weightbus::testing

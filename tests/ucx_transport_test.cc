@@ -550,6 +550,44 @@ class UcxInternalTest : public ::testing::TestWithParam<weightbus::testing::Tls>
   std::optional<weightbus::testing::ScopedEnvs> env_;
 };
 
+// The back channel a delta layer's subscribers report their decoding through (issue 16): REPORT
+// messages reach TakeReports, the newest per subscriber, once each; too long a report is
+// refused before it is sent, and a subscriber without a session reports nothing (no connection
+// is made for a report).
+TEST_P(UcxInternalTest, ReportsReachThePublisherNewestPerSubscriber) {
+  const std::string uri_text = absl::StrFormat("ucx://127.0.0.1:%d/reports", weightbus::FreePort());
+  auto pub = OpenTransportPublisher(uri_text);
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  std::vector<std::unique_ptr<TransportSubscriber>> subs;
+  for (int i = 0; i < 2; ++i) {
+    auto sub = OpenTransportSubscriber(uri_text);
+    ASSERT_TRUE(sub.ok()) << sub.status();
+    EXPECT_TRUE(absl::IsUnavailable((*sub)->Report(1, "before any session"))) << i;
+    subs.push_back(*std::move(sub));
+  }
+  PublishRandomTensors(**pub, 1, {4096}, 1);
+  for (auto& sub : subs) {
+    ASSERT_TRUE(sub->WaitForVersion(1, absl::Now() + absl::Seconds(10)).ok());
+  }
+  ASSERT_TRUE(subs[0]->Report(1, "first").ok());
+  ASSERT_TRUE(subs[0]->Report(2, "second, replaces the first").ok());
+  ASSERT_TRUE(subs[1]->Report(1, std::string(kMaxReportText, 'x')).ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(subs[1]->Report(1, std::string(kMaxReportText + 1, 'x'))));
+  // The publisher handles one connection's frames in order: once LIST is answered, the reports
+  // sent before it have been taken in.
+  for (auto& sub : subs) ASSERT_TRUE(sub->ListVersions().ok());
+  std::vector<SubscriberReport> reports = (*pub)->TakeReports();
+  ASSERT_EQ(reports.size(), 2u);
+  std::sort(reports.begin(), reports.end(),
+            [](const auto& a, const auto& b) { return a.text.size() < b.text.size(); });
+  EXPECT_EQ(reports[0].version, 2u);
+  EXPECT_EQ(reports[0].text, "second, replaces the first");
+  EXPECT_EQ(reports[1].version, 1u);
+  EXPECT_EQ(reports[1].text.size(), kMaxReportText);
+  EXPECT_NE(reports[0].id, reports[1].id);
+  EXPECT_TRUE((*pub)->TakeReports().empty());  // taken
+}
+
 // The capabilities a delta layer stacks on: a version floor kept beyond staging_slots, exact
 // versions, and the list of versions held.
 TEST_P(UcxInternalTest, KeepVersionsFromOpenVersionAndListVersions) {

@@ -233,6 +233,7 @@ std::string DescribeCapabilities(const TransportCapabilities& c) {
            {c.partial_reads, "partial_reads"},
            {c.cancel, "cancel"},
            {c.keyframe_requests, "keyframe_requests"},
+           {c.subscriber_reports, "subscriber_reports"},
            {c.cross_process, "cross_process"},
            {c.durable, "durable"},
            {c.late_joiners, "late_joiners"},
@@ -316,6 +317,11 @@ absl::Status TransportSubscriber::RequestKeyframe(uint64_t version, std::optiona
                                                   std::string_view) {
   return absl::UnimplementedError(absl::StrFormat(
       "this transport has no back channel for a keyframe request (version %d)", version));
+}
+
+absl::Status TransportSubscriber::Report(uint64_t version, std::string_view) {
+  return absl::UnimplementedError(absl::StrFormat(
+      "this transport has no back channel for a subscriber's report (version %d)", version));
 }
 
 absl::StatusOr<std::vector<uint64_t>> TransportSubscriber::ListVersions() {

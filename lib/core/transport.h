@@ -107,6 +107,10 @@ struct TransportCapabilities {
   // TransportPublisher::TakeKeyframeRequests (the delta layer asks for a keyframe with it when
   // it cannot reconstruct a version). disk:// has its own, in the channel's directory.
   bool keyframe_requests = false;
+  // The same back channel for reports: TransportSubscriber::Report reaches the publisher's
+  // TransportPublisher::TakeReports (the delta layer's subscribers report how long they took to
+  // decode a delta, which the publisher's plain-or-delta choice weighs). disk:// has its own.
+  bool subscriber_reports = false;
 
   // -- The channel --
   // Publisher and subscribers may be different processes (false: one process only).
@@ -232,6 +236,18 @@ struct KeyframeRequest {
   std::string text;      // who asked and why, for the keyframe's reason and logs
 };
 
+// What a layer at a subscriber tells the layer at its publisher about a version it received
+// (TransportSubscriber::Report, TransportPublisher::TakeReports): the delta layer's decoding
+// time. Transports carry `text` without reading it.
+struct SubscriberReport {
+  // Who reported, the same for every report of one subscriber object (a newer report of the
+  // same subscriber replaces its older one).
+  std::string id;
+  uint64_t version = 0;  // the version the report is about
+  std::string text;      // the layer's report (its own format), at most kMaxReportText bytes
+};
+inline constexpr size_t kMaxReportText = 1024;
+
 class TransportPublisher {
  public:
   virtual ~TransportPublisher() = default;
@@ -262,6 +278,9 @@ class TransportPublisher {
   // at most one per subscriber (its newest); taken, so a second call returns only newer ones.
   // Thread-safe. Default: none.
   virtual std::vector<KeyframeRequest> TakeKeyframeRequests() { return {}; }
+  // The reports subscribers sent since the last call (capability subscriber_reports), at most
+  // one per subscriber (its newest); taken, as TakeKeyframeRequests. Thread-safe. Default: none.
+  virtual std::vector<SubscriberReport> TakeReports() { return {}; }
   // Called from another thread when the Publisher is being destroyed while a call may be in
   // flight: a Publish or WaitForReceivers waiting (for staging slots, receivers, ...) should
   // return Cancelled promptly (within about 100 ms), and so should every later call. Bytes
@@ -359,6 +378,11 @@ class TransportSubscriber {
   // when the publisher cannot be reached now; Unimplemented by default.
   virtual absl::Status RequestKeyframe(uint64_t version, std::optional<uint64_t> holds,
                                        std::string_view why);
+  // Sends a layer's report about `version` to the publisher (capability subscriber_reports):
+  // `text` (at most kMaxReportText bytes; longer is InvalidArgument) reaches its TakeReports.
+  // Does not wait for an answer and never connects for it. Errors: Unavailable when the
+  // publisher cannot be reached now; Unimplemented by default.
+  virtual absl::Status Report(uint64_t version, std::string_view text);
   // Called from another thread when the Subscriber is being destroyed while a call may be in
   // flight: a WaitForVersion (or OpenVersion) waiting for a version should return Cancelled
   // promptly (within about 100 ms), and so should every later call. A Fetch under way may run

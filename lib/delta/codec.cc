@@ -16,6 +16,9 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_format.h"
@@ -1206,28 +1209,147 @@ uint64_t CountClass(absl::Span<const BaseSpan> spans, bool is_float, uint8_t c, 
   return count;
 }
 
+// Finding a change's element is a scan of the base from the previous change on, 32 to 64
+// bytes at a time, counting the elements of the change's class: about a third of the decoding
+// time of a modeled record (BENCHMARKS.md, issue 16). Decoding out of place (a span's `out` is
+// not its `base`), the scan also copies every block it reads into `out`, so the base is read
+// once instead of copied whole first and scanned again; CopyRest copies what lies past the
+// last change. `copied` marks how far the copies reach (blocks past a change's element may be
+// copied twice, before the change is written: both copies are the base's bytes).
+//
 // Moves `at` to the element of class c that has k elements of class c between `at` and it;
-// false when the chunk ends first.
+// false when the chunk ends first. Baseline x86-64 (SSE2, no POPCNT instruction) and other
+// targets.
 template <typename T>
-bool FindClass(absl::Span<const BaseSpan> spans, bool is_float, uint8_t c, uint64_t k,
-               SpanCursor* at) {
-  constexpr size_t kBlock = 64 / sizeof(T);
+bool FindClass(absl::Span<const ChunkOutput> spans, bool is_float, uint8_t c, uint64_t k,
+               SpanCursor* at, SpanCursor* copied) {
+  constexpr size_t w = sizeof(T);
+  constexpr size_t kBlock = 64 / w;
   for (size_t s = at->span; s < spans.size(); ++s) {
-    const uint64_t n = spans[s].n;
+    const std::byte* base = spans[s].base;
+    std::byte* out = spans[s].out;
+    const bool copy = base != out;
+    const uint64_t n = spans[s].bytes / w;
     for (uint64_t i = s == at->span ? at->at : 0; i < n;) {
       const size_t m = static_cast<size_t>(std::min<uint64_t>(kBlock, n - i));
-      const uint64_t mask = ClassMask<T>(spans[s].base + i * sizeof(T), m, c, is_float);
+      const uint64_t mask = ClassMask<T>(base + i * w, m, c, is_float);
+      if (copy) std::memcpy(out + i * w, base + i * w, m * w);
       const uint64_t cumulative = CumulativeByteCounts(mask);  // one count for both
       const uint32_t in_block = static_cast<uint32_t>(cumulative >> 56);
       if (k < in_block) {
         *at = SpanCursor{s, i + SelectWith(mask, cumulative, static_cast<uint32_t>(k))};
+        *copied = SpanCursor{s, i + m};
         return true;
       }
       k -= in_block;
       i += m;
     }
+    *copied = SpanCursor{s + 1, 0};
   }
   return false;
+}
+
+// Copies the base into `out` from `copied` on (out of place only): what FindClass did not read.
+void CopyRest(absl::Span<const ChunkOutput> spans, SpanCursor copied, size_t w) {
+  for (size_t s = copied.span; s < spans.size(); ++s) {
+    const uint64_t from = s == copied.span ? copied.at * w : 0;
+    if (spans[s].base != spans[s].out && spans[s].bytes > from) {
+      std::memcpy(spans[s].out + from, spans[s].base + from, spans[s].bytes - from);
+    }
+  }
+}
+
+using FindClassFn = bool (*)(absl::Span<const ChunkOutput>, bool, uint8_t, uint64_t, SpanCursor*,
+                             SpanCursor*);
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define WB_DELTA_AVX2_SCAN 1
+// FindClass for 2-byte elements on CPUs with AVX2 and POPCNT (chosen at run time, ScanChoice):
+// 32 elements per block with two 32-byte compares, counted with one POPCNT. The block's mask has
+// two bits per element (a byte mask of 16-bit compares), so the k-th element is the 2k-th set bit.
+__attribute__((target("avx2,popcnt"))) bool FindClass16Avx2(absl::Span<const ChunkOutput> spans,
+                                                            bool is_float, uint8_t c, uint64_t k,
+                                                            SpanCursor* at, SpanCursor* copied) {
+  constexpr uint64_t kBlock = 32;
+  const __m256i bits = _mm256_set1_epi16(static_cast<int16_t>(0x7f80));
+  const __m256i want = _mm256_set1_epi16(static_cast<int16_t>(c << 7));
+  for (size_t s = at->span; s < spans.size(); ++s) {
+    const std::byte* base = spans[s].base;
+    std::byte* out = spans[s].out;
+    const bool copy = base != out;
+    const uint64_t n = spans[s].bytes / 2;
+    uint64_t i = s == at->span ? at->at : 0;
+    if (!is_float) {
+      // Every element has class 0.
+      if (c == 0 && k < n - std::min(i, n)) {
+        if (copy) std::memcpy(out + 2 * i, base + 2 * i, 2 * (k + 1));
+        *at = SpanCursor{s, i + k};
+        *copied = SpanCursor{s, i + k + 1};
+        return true;
+      }
+      if (c == 0) k -= n - std::min(i, n);
+      if (copy && n > i) std::memcpy(out + 2 * i, base + 2 * i, 2 * (n - i));
+      *copied = SpanCursor{s + 1, 0};
+      continue;
+    }
+    for (; i + kBlock <= n; i += kBlock) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 2 * i));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 2 * i + 32));
+      if (copy) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * i), a);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * i + 32), b);
+      }
+      const uint64_t mask =
+          static_cast<uint32_t>(
+              _mm256_movemask_epi8(_mm256_cmpeq_epi16(_mm256_and_si256(a, bits), want))) |
+          static_cast<uint64_t>(static_cast<uint32_t>(
+              _mm256_movemask_epi8(_mm256_cmpeq_epi16(_mm256_and_si256(b, bits), want))))
+              << 32;
+      const uint64_t in_block = static_cast<uint64_t>(__builtin_popcountll(mask)) / 2;
+      if (k < in_block) {
+        *at = SpanCursor{s, i + Select(mask, static_cast<uint32_t>(2 * k)) / 2};
+        *copied = SpanCursor{s, i + kBlock};
+        return true;
+      }
+      k -= in_block;
+    }
+    if (i < n) {  // the span's last, shorter block
+      const size_t m = static_cast<size_t>(n - i);
+      const uint64_t mask = ClassMask<uint16_t>(base + 2 * i, m, c, true);
+      if (copy) std::memcpy(out + 2 * i, base + 2 * i, 2 * m);
+      const uint64_t in_block = static_cast<uint64_t>(__builtin_popcountll(mask));
+      if (k < in_block) {
+        *at = SpanCursor{s, i + Select(mask, static_cast<uint32_t>(k))};
+        *copied = SpanCursor{s, n};
+        return true;
+      }
+      k -= in_block;
+    }
+    *copied = SpanCursor{s + 1, 0};
+  }
+  return false;
+}
+#endif
+
+// Forces the baseline scan (DecodeWithBaselineScanForTesting).
+std::atomic<bool> baseline_scan_for_testing{false};
+
+// The scan DecodeModeled and DecodeModeledRans use for elements of type T: AVX2 and POPCNT for
+// 2-byte elements where the CPU has both, else the baseline.
+template <typename T>
+FindClassFn ChooseFindClass() {
+#ifdef WB_DELTA_AVX2_SCAN
+  if constexpr (sizeof(T) == 2) {
+    static const bool avx2 = [] {
+      __builtin_cpu_init();
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
+    }();
+    if (avx2 && !baseline_scan_for_testing.load(std::memory_order_relaxed)) {
+      return &FindClass16Avx2;
+    }
+  }
+#endif
+  return &FindClass<T>;
 }
 
 // The `count` changes at s.positions (element indices in the chunk, ascending) with s.values
@@ -1275,12 +1397,13 @@ void ForEachModeledChange(absl::Span<const ChunkInput> spans, bool is_float, siz
 }
 
 // Adds change k of a modeled record (of `method`), `magnitude` (negative or not) in class c,
-// `gap` elements of class c after `cursor`, to the spans' out, and moves the cursor past it.
+// `gap` elements of class c after `cursor`, to the spans' out, found with `find` (which copies
+// the base on its way: FindClass), and moves the cursor past it.
 template <typename T>
 inline __attribute__((always_inline)) absl::Status ApplyModeledChange(
-    const char* method, absl::Span<const BaseSpan> bases, absl::Span<const ChunkOutput> spans,
-    bool is_float, uint64_t k, uint8_t c, uint64_t gap, uint64_t magnitude, uint32_t negative,
-    SpanCursor* cursor) {
+    const char* method, FindClassFn find, absl::Span<const ChunkOutput> spans, bool is_float,
+    uint64_t k, uint8_t c, uint64_t gap, uint64_t magnitude, uint32_t negative, SpanCursor* cursor,
+    SpanCursor* copied) {
   constexpr size_t w = sizeof(T);
   constexpr uint64_t kHalf = uint64_t{1} << (8 * w - 1);
   if (magnitude > kHalf || (magnitude == kHalf && !negative)) [[unlikely]] {
@@ -1288,7 +1411,7 @@ inline __attribute__((always_inline)) absl::Status ApplyModeledChange(
         absl::StrFormat("%s change %d has magnitude %d, more than a %d-byte element holds", method,
                         k, magnitude, w));
   }
-  if (!FindClass<T>(bases, is_float, c, gap, cursor)) [[unlikely]] {
+  if (!find(spans, is_float, c, gap, cursor, copied)) [[unlikely]] {
     return absl::DataLossError(
         absl::StrFormat("%s change %d: %d more elements of magnitude class %d are not in the chunk",
                         method, k, gap + 1, c));
@@ -1392,7 +1515,8 @@ absl::StatusOr<TwoStreams> ReadTwoStreams(ByteReader& r, std::string_view first,
   return TwoStreams{{first_at, first_size}, {rest_at, rest_size}};
 }
 
-// Applies a modeled record to the spans (whose `out` already holds the base).
+// Applies a modeled record to the spans: out = base with the record's changes (in place when
+// out is base).
 template <typename T>
 absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, bool is_float,
                            size_t n) {
@@ -1401,15 +1525,14 @@ absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, b
   const uint64_t count = h.count;
   const int class_bits = h.class_bits;
   const uint8_t class_base = h.class_base;
-  absl::InlinedVector<BaseSpan, 4> bases;
-  for (const ChunkOutput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
+  const FindClassFn find = ChooseFindClass<T>();
   WB_ASSIGN_OR_RETURN(TwoStreams streams,
                       ReadTwoStreams(r, "modeled class stream", "modeled payload"));
   RangeDecoder a(streams.first.data(), streams.first.size()),
       d(streams.rest.data(), streams.rest.size());
   ModelContexts& ctx = ThreadContexts<ModelContexts>();
   const uint32_t class_top = 1u << class_bits;
-  SpanCursor cursor;
+  SpanCursor cursor, copied;
   for (uint64_t k = 0; k < count; ++k) {
     uint32_t node = 1;
     for (int i = 0; i < class_bits; ++i) node = node * 2 + a.Bit(ctx.cls[node]);
@@ -1424,14 +1547,15 @@ absl::Status DecodeModeled(ByteReader& r, absl::Span<const ChunkOutput> spans, b
       return absl::DataLossError(
           absl::StrFormat("modeled record ends inside change %d of %d", k, count));
     }
-    WB_RETURN_IF_ERROR(ApplyModeledChange<T>("modeled", bases, spans, is_float, k, c, gap,
-                                             magnitude, negative, &cursor));
+    WB_RETURN_IF_ERROR(ApplyModeledChange<T>("modeled", find, spans, is_float, k, c, gap, magnitude,
+                                             negative, &cursor, &copied));
   }
   if (d.remaining() != 0 || a.remaining() != 0) {
     return absl::DataLossError(
         absl::StrFormat("%d bytes left over after the modeled record's %d changes",
                         d.remaining() + a.remaining(), count));
   }
+  CopyRest(spans, copied, w);
   return absl::OkStatus();
 }
 
@@ -1538,7 +1662,8 @@ void EncodeModeledRansRecord(absl::Span<const ChunkInput> spans, bool is_float, 
   bits.Finish(out);
 }
 
-// Applies a modeled-rans record to the spans (whose `out` already holds the base).
+// Applies a modeled-rans record to the spans: out = base with the record's changes (in place
+// when out is base).
 template <typename T>
 absl::Status DecodeModeledRans(ByteReader& r, absl::Span<const ChunkOutput> spans, bool is_float,
                                size_t n) {
@@ -1554,14 +1679,13 @@ absl::Status DecodeModeledRans(ByteReader& r, absl::Span<const ChunkOutput> span
     return absl::DataLossError(absl::StrFormat(
         "modeled-rans class window starts at %d (at most %d)", class_base, 256 - kRansClassWindow));
   }
-  absl::InlinedVector<BaseSpan, 4> bases;
-  for (const ChunkOutput& span : spans) bases.push_back(BaseSpan{span.base, span.bytes / w});
+  const FindClassFn find = ChooseFindClass<T>();
   WB_ASSIGN_OR_RETURN(TwoStreams streams,
                       ReadTwoStreams(r, "modeled-rans symbol stream", "modeled-rans raw bits"));
   RansDecoder d(streams.first.data(), streams.first.size());
   BitReader bits(streams.rest.data(), streams.rest.size());
   RansContexts& ctx = ThreadContexts<RansContexts>();
-  SpanCursor cursor;
+  SpanCursor cursor, copied;
   for (uint64_t k = 0; k < count; ++k) {
     const uint32_t offset = d.Get<0>(ctx.classes);
     uint8_t c = static_cast<uint8_t>(class_base + offset);
@@ -1601,8 +1725,8 @@ absl::Status DecodeModeledRans(ByteReader& r, absl::Span<const ChunkOutput> span
       magnitude |= bits.Get(lm);
     }
     const uint32_t negative = change >> 3;
-    if (absl::Status s = ApplyModeledChange<T>("modeled-rans", bases, spans, is_float, k, c, gap,
-                                               magnitude, negative, &cursor);
+    if (absl::Status s = ApplyModeledChange<T>("modeled-rans", find, spans, is_float, k, c, gap,
+                                               magnitude, negative, &cursor, &copied);
         !s.ok()) [[unlikely]] {
       return s;
     }
@@ -1613,6 +1737,7 @@ absl::Status DecodeModeledRans(ByteReader& r, absl::Span<const ChunkOutput> span
         "bytes, %d bytes of raw bits)",
         count, streams.first.size(), streams.rest.size()));
   }
+  CopyRest(spans, copied, w);
   return absl::OkStatus();
 }
 
@@ -1919,12 +2044,10 @@ absl::Status DecodeChunkT(DType dtype, absl::Span<const ChunkOutput> spans, bool
     case Method::kSparse:  // copies the base itself, window by window
       WB_RETURN_IF_ERROR(DecodeSparse<T>(r, spans, dtype, n, s));
       break;
-    case Method::kModeled:
-      copy_base();
+    case Method::kModeled:  // these copy the base as they scan it (FindClass)
       WB_RETURN_IF_ERROR(DecodeModeled<T>(r, spans, rotate, n));
       break;
     case Method::kModeledRans:
-      copy_base();
       WB_RETURN_IF_ERROR(DecodeModeledRans<T>(r, spans, rotate, n));
       break;
   }
@@ -1936,6 +2059,10 @@ absl::Status DecodeChunkT(DType dtype, absl::Span<const ChunkOutput> spans, bool
 }
 
 }  // namespace
+
+void DecodeWithBaselineScanForTesting(bool baseline) {
+  baseline_scan_for_testing.store(baseline, std::memory_order_relaxed);
+}
 
 std::string_view MethodName(Method method) {
   switch (method) {

@@ -230,4 +230,9 @@ struct ChunkOutput {
 absl::Status DecodeChunk(DType dtype, absl::Span<const ChunkOutput> spans, bool keyframe,
                          absl::Span<const std::byte> record);
 
+// For tests: modeled records of 2-byte elements are decoded with the baseline x86-64 scan of the
+// base (SSE2, no POPCNT) even where the CPU has AVX2 and POPCNT, whose scan is chosen at run
+// time otherwise. Process-wide; thread-safe.
+void DecodeWithBaselineScanForTesting(bool baseline);
+
 }  // namespace weightbus::internal::delta

@@ -152,6 +152,9 @@ void WriteUcxSeeds(const fs::path& dir, const std::vector<std::string>& manifest
        ucx::Encode(ucx::KeyframeRequestMsg{9, true, 7,
                                            "version 9 fails verification: the blob's XXH3-64 is "
                                            "0123456789abcdef, its record says fedcba9876543210"})},
+      {"report",
+       ucx::Encode(ucx::ReportMsg{9, R"({"format":"weightbus.delta-report/1","version":9,)"
+                                     R"("bytes":268435456,"decode_s":0.12,"apply_s":0.02})"})},
   };
   for (const auto& [name, frame] : frames) WriteFile(dir / (name + ".bin"), frame);
   // A session as a subscriber sees it: WELCOME, then a GRANT per version, then a RENEWED.

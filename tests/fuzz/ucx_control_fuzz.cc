@@ -111,10 +111,18 @@ void DecodeAs(MsgType type, const std::string& p) {
       }
       return;
     }
+    case MsgType::kReport: {
+      Try(type, p, ucx::DecodeReport, true);
+      if (auto r = ucx::DecodeReport(p); r.ok()) {
+        Check(r->text.size() <= ucx::kMaxReport, "a REPORT longer than kMaxReport was accepted");
+      }
+      return;
+    }
   }
   // An unknown type: no decoder may crash on it either.
   for (uint8_t t = 1; t <= 18; ++t) DecodeAs(static_cast<MsgType>(t), p);
   DecodeAs(MsgType::kKeyframeRequest, p);
+  DecodeAs(MsgType::kReport, p);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -66,6 +67,46 @@ struct Rates {
   // The codec's predicted cost must be below the time it saves by this factor: the rates come
   // from a sample on cores that subscribers on the same host share, so a close call goes plainly.
   static constexpr double kMargin = 1.25;
+  // Decoding as subscribers report it (DecodingReport, through the back channel): the newest
+  // report of each subscriber, by its id. Reports about versions older than kFreshReports
+  // versions are not used (the subscriber may be gone, or deltas have not been sent since);
+  // then this publisher's own sample stands in.
+  struct Reported {
+    uint64_t version = 0;
+    double bytes_per_s = 0;
+    std::string who;
+  };
+  static constexpr uint64_t kFreshReports = 32;
+  std::map<std::string, Reported> reported;
+  // Of the fresh reports when this version's choice was made: the slowest subscriber's
+  // decoding rate (0: no fresh report) and what to say about it.
+  double reported_decode_bytes_per_s = 0;
+  std::string reported_by;
+  void Report(const std::vector<SubscriberReport>& reports, uint64_t version) {
+    for (const SubscriberReport& r : reports) {
+      absl::StatusOr<DecodingReport> d = DecodingReport::FromText(r.text);
+      if (!d.ok() || d->bytes == 0) continue;
+      reported[r.id] = Reported{d->version, d->bytes_per_s(), d->who};
+    }
+    std::erase_if(reported, [&](const auto& kv) {
+      return kv.second.version + 2 * kFreshReports < version;  // gone for long: forgotten
+    });
+    reported_decode_bytes_per_s = 0;
+    reported_by.clear();
+    int fresh = 0;
+    const Reported* slowest = nullptr;
+    for (const auto& [id, r] : reported) {
+      if (r.version + kFreshReports < version) continue;
+      ++fresh;
+      if (slowest == nullptr || r.bytes_per_s < slowest->bytes_per_s) slowest = &r;
+    }
+    if (slowest != nullptr) {
+      reported_decode_bytes_per_s = slowest->bytes_per_s;
+      reported_by = absl::StrFormat(
+          "reported by %d subscriber%s (the slowest: %s, decoding version %d)", fresh,
+          fresh == 1 ? "" : "s", slowest->who.empty() ? "?" : slowest->who, slowest->version);
+    }
+  }
   // Bytes per second through the transport beneath (its Publish), from publishes of at least
   // kMinTransfer bytes, where fixed costs do not dominate (0: none yet).
   static constexpr uint64_t kMinTransfer = uint64_t{1} << 20;
@@ -84,6 +125,32 @@ struct Rates {
   // shared machine does not flip the choice by itself.
   static double Smooth(double old, double now) { return old <= 0 ? now : (old + now) / 2; }
 };
+
+// The rate (bytes per second) of a parallel loop over sampled chunks, `bytes[k]` of them taking
+// `seconds[k]` each, the whole loop `wall` on `threads` threads: the median rate of the chunks
+// that were not the first their thread coded (`first[k]`: a thread's first chunk pays one-time
+// costs, its scratch buffers growing and first touched, 350 ms against 25-45 ms for the next 4
+// MiB chunk on this project's 2-core machine, which a sample of 1/16 of a version would charge
+// 16 times over: the sampled encoding came out 5-15x slower than whole encodes of the same
+// version), times the parallelism the loop achieved on these cores (the chunks' summed time over
+// the loop's wall time, 1..threads), which keeps what other work on the cores costs.
+double SampledRate(const std::vector<uint64_t>& bytes, const std::vector<double>& seconds,
+                   const std::vector<char>& first, absl::Duration wall, int threads) {
+  std::vector<double> per_byte, first_per_byte;
+  double busy = 0;
+  for (size_t k = 0; k < bytes.size(); ++k) {
+    busy += seconds[k];
+    if (bytes[k] == 0) continue;
+    (first[k] ? first_per_byte : per_byte)
+        .push_back(std::max(seconds[k], 1e-9) / static_cast<double>(bytes[k]));
+  }
+  if (per_byte.empty()) per_byte = std::move(first_per_byte);  // only first chunks: take them
+  if (per_byte.empty()) return 1;
+  std::nth_element(per_byte.begin(), per_byte.begin() + per_byte.size() / 2, per_byte.end());
+  const double parallelism = std::clamp(busy / std::max(absl::ToDoubleSeconds(wall), 1e-9), 1.0,
+                                        static_cast<double>(std::max(threads, 1)));
+  return parallelism / per_byte[per_byte.size() / 2];
+}
 
 // Opens a subscriber of this layer over the transport beneath (NewReader), for reading the
 // channel back.
@@ -378,20 +445,26 @@ std::optional<std::string> DeltaPublisher::PlainReason(bool keyframe, uint64_t b
     return std::nullopt;  // measure again
   }
   const double n = static_cast<double>(bytes);
-  // Decoding as measured on a sample of a delta (keyframes, and deltas before a sample: assumed
-  // to cost what encoding did; the codec decodes faster than it encodes per core, BENCHMARKS.md,
-  // but a subscriber may have fewer cores free).
+  // Decoding as the subscribers report it (the slowest of them), else as measured on a sample
+  // of a delta here (keyframes, and deltas before either: assumed to cost what encoding did; the
+  // codec decodes faster than it encodes per core, BENCHMARKS.md, but a subscriber may have
+  // fewer cores free).
+  const bool decode_reported = !judge_keyframe && rates_.reported_decode_bytes_per_s > 0;
   const bool decode_measured = !judge_keyframe && rates_.decode_bytes_per_s > 0;
   const double encode_s = n / codec.bytes_per_s;
-  const double decode_s = decode_measured ? n / rates_.decode_bytes_per_s : encode_s;
+  const double decode_s = decode_reported   ? n / rates_.reported_decode_bytes_per_s
+                          : decode_measured ? n / rates_.decode_bytes_per_s
+                                            : encode_s;
   const double codec_s = encode_s + decode_s;
   const double saved_s = (n - n * codec.ratio) / transfer;
   const std::string rates = absl::StrFormat(
       "encoding %.3f s at %.2f GB/s, decoding %.3f s at %.2f GB/s %s, %.1fx fewer bytes saving "
       "%.3f s at the %.2f GB/s measured through the transport beneath",
       encode_s, codec.bytes_per_s / 1e9, decode_s, n / std::max(decode_s, 1e-9) / 1e9,
-      decode_measured ? "measured" : "assumed as slow", codec.ratio > 0 ? 1 / codec.ratio : 0.0,
-      saved_s, transfer / 1e9);
+      decode_reported   ? rates_.reported_by
+      : decode_measured ? "measured here"
+                        : "assumed as slow",
+      codec.ratio > 0 ? 1 / codec.ratio : 0.0, saved_s, transfer / 1e9);
   if (codec_s * Rates::kMargin <= saved_s) {
     if (encoded_why != nullptr) {
       *encoded_why = absl::StrFormat("encoded, by the measured rates: %s", rates);
@@ -440,23 +513,38 @@ bool DeltaPublisher::SampleDelta(const std::vector<TensorLayout>& layout,
     }
     return spans;
   };
+  std::vector<uint64_t> chunk_bytes(sample.size());
+  std::vector<double> took(sample.size());
+  // Whether a thread of this process has encoded (decoded) a sampled chunk before.
+  static thread_local bool encoded_before = false, decoded_before = false;
+  std::vector<char> first(sample.size());
   const absl::Time start = absl::Now();
   parallel_->For(sample.size(), [&](size_t k) {
     const Chunk& chunk = chunks[sample[k]];
+    const absl::Time chunk_start = absl::Now();
     encoded[k] = EncodeChunk(chunk.dtype, spans_of(chunk), false, options_.encode, &records[k])
                      .encoded_bytes;
+    took[k] = absl::ToDoubleSeconds(absl::Now() - chunk_start);
+    first[k] = !encoded_before;
+    encoded_before = true;
   });
   const absl::Time encoded_at = absl::Now();
   uint64_t raw = 0, encoded_total = 0;
   for (size_t k = 0; k < sample.size(); ++k) {
-    raw += chunks[sample[k]].bytes;
+    chunk_bytes[k] = chunks[sample[k]].bytes;
+    raw += chunk_bytes[k];
     encoded_total += encoded[k];
   }
-  rates_.delta.Measure(raw, encoded_at - start, encoded_total, /*fresh=*/true);
+  const double encode_rate =
+      SampledRate(chunk_bytes, took, first, encoded_at - start, parallel_->threads());
+  rates_.delta.Measure(raw, absl::Seconds(static_cast<double>(raw) / encode_rate), encoded_total,
+                       /*fresh=*/true);
   // Decoding the sample into scratch memory (one chunk's worth per thread is not enough for a
-  // parallel loop: one buffer per sampled chunk), from the base as a subscriber would.
+  // parallel loop: one buffer per sampled chunk), from the base as a subscriber would. The
+  // scratch is touched first (a subscriber decodes into buffers it has used before).
   absl::StatusOr<std::unique_ptr<HostBuffer>> scratch = HostBuffer::Allocate(raw);
   if (!scratch.ok()) return true;  // decoding stays assumed as slow as encoding
+  std::memset((*scratch)->data(), 0, raw);
   std::vector<uint64_t> at(sample.size());
   for (size_t k = 1; k < sample.size(); ++k) at[k] = at[k - 1] + chunks[sample[k - 1]].bytes;
   std::atomic<bool> failed{false};
@@ -470,11 +558,15 @@ bool DeltaPublisher::SampleDelta(const std::vector<TensorLayout>& layout,
           ChunkOutput{base_->tensor(p.tensor) + p.offset, (*scratch)->data() + offset, p.bytes});
       offset += p.bytes;
     }
+    const absl::Time chunk_start = absl::Now();
     if (!DecodeChunk(chunk.dtype, outs, false, records[k]).ok()) failed = true;
+    took[k] = absl::ToDoubleSeconds(absl::Now() - chunk_start);
+    first[k] = !decoded_before;
+    decoded_before = true;
   });
-  const double decode_s = std::max(absl::ToDoubleSeconds(absl::Now() - decode_start), 1e-9);
   if (!failed) {
-    rates_.decode_bytes_per_s = static_cast<double>(raw) / decode_s;
+    rates_.decode_bytes_per_s =
+        SampledRate(chunk_bytes, took, first, absl::Now() - decode_start, parallel_->threads());
   }
   return true;
 }
@@ -633,23 +725,6 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     reason = absl::StrFormat("delta_max_chain=%d deltas after keyframe %d", options_.max_chain,
                              *keyframe_);
   }
-  if (reason.empty() && check_at_rest_) {
-    // Subscribers that do not hold the base need the channel's copy of it to apply a delta
-    // against it: a corrupt one (a flipped bit at rest, an edited manifest) would stop them
-    // until the next keyframe, so the keyframe comes now. Each version is checked once, when it
-    // is the base (a delta: a few KB to MB; a keyframe or a plain version once per chain, and
-    // only when a delta follows it).
-    absl::StatusOr<TransportSubscriber*> reader = Reader();
-    absl::Status intact =
-        reader.ok() ? CheckEncodedVersion(**reader, base_->inner, deadline) : reader.status();
-    if (!intact.ok()) {
-      reason = absl::StrFormat(
-          "the channel's copy of version %d, the base of a delta, cannot be read back intact "
-          "(subscribers that do not hold it could not apply the delta): %s",
-          base_->manifest.version, intact.message());
-      Log(LogLevel::kWarn, "%s version %d: publishing a keyframe: %s", uri_, version, reason);
-    }
-  }
   // Subscribers that cannot reconstruct a version of this chain (a delta damaged at rest after
   // it was checked, a version gone) asked for a keyframe: this version is one. A request about
   // a version before the chain's keyframe was answered by that keyframe already.
@@ -672,6 +747,13 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     }
   }
   bool keyframe = !reason.empty();
+  // What decoding cost the subscribers (their reports since the last version).
+  if (options_.choose_plain) {
+    rates_.Report(
+        requests_.Reports(
+            *inner_, version > 4 * Rates::kFreshReports ? version - 4 * Rates::kFreshReports : 0),
+        version);
+  }
   uint64_t total_bytes = 0;
   for (const TensorInfo& t : infos) total_bytes += t.nbytes;
   // Sent plainly when encoding and decoding would cost more time than the bytes they save
@@ -688,6 +770,27 @@ absl::Status DeltaPublisher::Publish(PublishJob& job, absl::Time deadline) {
     plain = PlainReason(false, total_bytes, &encoded_why);
     if (plain) absl::StrAppend(&*plain, " (sampled)");
     if (!encoded_why.empty()) absl::StrAppend(&encoded_why, " (sampled)");
+  }
+  if (!plain && !keyframe && check_at_rest_) {
+    // Subscribers that do not hold the base need the channel's copy of it to apply a delta
+    // against it: a corrupt one (a flipped bit at rest, an edited manifest) would stop them
+    // until the next keyframe, so the keyframe comes now. Each version is checked once, when it
+    // is the base of a delta about to be sent (a delta: a few KB to MB; a keyframe or a plain
+    // version once per chain, and only when a delta follows it; never for a version that goes
+    // plainly, which needs no base: reading a whole version back then would only slow it).
+    absl::StatusOr<TransportSubscriber*> reader = Reader();
+    absl::Status intact =
+        reader.ok() ? CheckEncodedVersion(**reader, base_->inner, deadline) : reader.status();
+    if (!intact.ok()) {
+      reason = absl::StrFormat(
+          "the channel's copy of version %d, the base of a delta, cannot be read back intact "
+          "(subscribers that do not hold it could not apply the delta): %s",
+          base_->manifest.version, intact.message());
+      Log(LogLevel::kWarn, "%s version %d: publishing a keyframe: %s", uri_, version, reason);
+      keyframe = true;
+      encoded_why.clear();
+      plain = PlainReason(true, total_bytes, &encoded_why);
+    }
   }
   if (plain) {
     reason = keyframe ? absl::StrCat(*plain, "; a keyframe was due: ", reason) : *plain;

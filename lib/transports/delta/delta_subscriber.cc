@@ -17,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "core/buffer.h"
 #include "core/checksum.h"
+#include "core/failpoint.h"
 #include "core/logging.h"
 #include "core/status.h"
 #include "transports/delta/chunk_store.h"
@@ -28,6 +29,9 @@ namespace {
 constexpr uint64_t kAlign = 64;
 uint64_t AlignUp(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
 
+// Deltas of versions with fewer tensor bytes are not reported: the publisher sends such versions
+// encoded whatever the rates (delta_publisher.cc, Rates::kMinTransfer).
+constexpr uint64_t kReportMinBytes = uint64_t{1} << 20;
 // Longest chain followed back from a version (a guard against a corrupt channel: every step goes
 // to a strictly lower version anyway).
 constexpr size_t kMaxChain = 100000;
@@ -199,11 +203,14 @@ class DeltaIncoming final : public IncomingVersion {
 class DeltaSubscriber final : public TransportSubscriber {
  public:
   DeltaSubscriber(std::string uri, std::unique_ptr<TransportSubscriber> inner,
-                  std::shared_ptr<Parallel> parallel, BackChannel requests)
+                  std::shared_ptr<Parallel> parallel, BackChannel requests,
+                  FailPoints failpoints = {}, bool report_decoding = false)
       : uri_(std::move(uri)),
         inner_(std::move(inner)),
         parallel_(std::move(parallel)),
-        requests_(std::move(requests)) {}
+        requests_(std::move(requests)),
+        failpoints_(std::move(failpoints)),
+        report_decoding_(report_decoding) {}
 
   absl::StatusOr<std::unique_ptr<IncomingVersion>> WaitForVersion(uint64_t min_version,
                                                                   absl::Time deadline) override;
@@ -245,8 +252,23 @@ class DeltaSubscriber final : public TransportSubscriber {
         s.ok()) {
       Log(LogLevel::kWarn, "%s: asked the publisher for a keyframe %s: %s", uri_, requests_.Where(),
           failure.message());
+      // Fault injection (docs/TESTING.md): a test waits here for the request to have been taken.
+      (void)failpoints_.Hit("delta.keyframe_requested");
     } else if (!absl::IsUnimplemented(s)) {
       Log(LogLevel::kWarn, "%s: %s (waiting for the next keyframe instead)", uri_, s.message());
+    }
+  }
+  // Sends the report of the last delta applied (pending_report_), if any, through the back
+  // channel; a failure is logged once (the publisher then goes by its own estimate).
+  void SendReport() {
+    if (!pending_report_) return;
+    const DecodingReport report = *std::move(pending_report_);
+    pending_report_.reset();
+    absl::Status s = requests_.Report(*inner_, report.version, report.ToText());
+    if (!s.ok() && !absl::IsUnimplemented(s) && !report_failed_) {
+      report_failed_ = true;
+      Log(LogLevel::kInfo, "%s: cannot report decoding rates to the publisher: %s", uri_,
+          s.message());
     }
   }
   absl::StatusOr<Storage> PrepareStorage(const Manifest& manifest) const;
@@ -272,7 +294,13 @@ class DeltaSubscriber final : public TransportSubscriber {
   std::unique_ptr<TransportSubscriber> inner_;
   std::shared_ptr<Parallel> parallel_;
   BackChannel requests_;
+  FailPoints failpoints_;
   std::optional<uint64_t> requested_;  // the version last asked about
+  // Reports what decoding deltas costs (a single publisher's subscriber: the publisher weighs
+  // it in its plain-or-delta choice; a group's ranks always encode).
+  bool report_decoding_ = false;
+  std::optional<DecodingReport> pending_report_;  // of the last delta applied, not sent yet
+  bool report_failed_ = false;
   std::optional<Base> base_;
   std::shared_ptr<BufferPool> blobs_ = BufferPool::Create(1);
   std::unique_ptr<GroupReceiver> group_;  // for group versions, made by the first one
@@ -280,6 +308,7 @@ class DeltaSubscriber final : public TransportSubscriber {
 
 absl::StatusOr<std::unique_ptr<IncomingVersion>> DeltaSubscriber::WaitForVersion(
     uint64_t min_version, absl::Time deadline) {
+  SendReport();
   uint64_t want = min_version;
   std::string skipped;
   while (true) {
@@ -825,10 +854,24 @@ void DeltaIncoming::Accepted() {
     if (steps_.back().incoming) steps_.back().incoming->Accepted();
     return;
   }
+  const absl::Time apply_start = absl::Now();
   if (PlainNotKept()) {
     owner_->AdoptManifest(manifest());
   } else {
     owner_->AdoptBase(manifest(), targets_, storage_ ? &*storage_ : nullptr, chunks_, methods_);
+  }
+  // A delta on this subscriber's copy of the version before, large enough for the publisher's
+  // plain-or-delta choice to weigh: what decoding it cost here goes back to the publisher (sent
+  // before the next wait, off the path of this version).
+  if (owner_->report_decoding_ && from_base_ && steps_.size() == 1 && !steps_[0].record.keyframe &&
+      !steps_[0].record.plain && manifest().total_bytes() >= kReportMinBytes) {
+    DecodingReport report;
+    report.version = manifest().version;
+    report.bytes = manifest().total_bytes();
+    report.decode_s = absl::ToDoubleSeconds(codec_.time);
+    report.apply_s = absl::ToDoubleSeconds(absl::Now() - apply_start);
+    report.threads = owner_->parallel_->threads();
+    owner_->pending_report_ = std::move(report);
   }
   // The encoded version of the one delivered (not the chain's earlier ones) is accepted beneath
   // too: a transport that reports receipts to its publisher (ucx) counts this subscriber.
@@ -869,8 +912,11 @@ absl::StatusOr<std::unique_ptr<TransportSubscriber>> WrapSubscriber(
     const Uri& uri, const Config& config, std::unique_ptr<TransportSubscriber> inner) {
   WB_ASSIGN_OR_RETURN(LayerOptions options, ReadLayerOptions(uri, config));
   WB_ASSIGN_OR_RETURN(std::unique_ptr<Parallel> parallel, Parallel::Create(options.threads));
-  return std::unique_ptr<TransportSubscriber>(new DeltaSubscriber(
-      uri.Display(), std::move(inner), std::move(parallel), BackChannel::ForUri(uri)));
+  WB_ASSIGN_OR_RETURN(FailPoints failpoints, FailPoints::Parse(config.String("failpoints")));
+  return std::unique_ptr<TransportSubscriber>(
+      new DeltaSubscriber(uri.Display(), std::move(inner), std::move(parallel),
+                          BackChannel::ForUri(uri), std::move(failpoints),
+                          /*report_decoding=*/true));
 }
 
 std::unique_ptr<TransportSubscriber> NewReader(std::string uri,

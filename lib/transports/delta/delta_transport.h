@@ -6,6 +6,7 @@
 // keeping chains alive uses KeepVersionsFrom (transport.h). Format: docs/FORMAT.md.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -150,8 +151,9 @@ absl::Status CheckEncodedVersion(TransportSubscriber& reader, const Manifest& pu
                                  absl::Time deadline);
 
 // Keyframe requests, the back channel of a channel on disk (requests.cc): the directory inside
-// the channel where subscribers leave them.
+// the channel where subscribers leave them, and the one where they leave their reports.
 inline constexpr std::string_view kRequestDir = "delta-requests";
+inline constexpr std::string_view kReportDir = "delta-reports";
 
 // The requests of one channel on disk. A subscriber's object writes one file (replaced by its
 // next request); a publisher reads and removes them. Thread-compatible.
@@ -172,11 +174,22 @@ class RequestBox {
   // Publisher: removes answered requests (a failure is logged, not returned).
   void Remove(const std::vector<KeyframeRequest>& served) const;
 
+  // Subscriber: its report about `version` (SubscriberReport::text), replacing its previous
+  // one: delta-reports/<host>-<pid>-<id>.json, written as a request is. Errors as Leave.
+  absl::Status Report(uint64_t version, std::string_view text) const;
+  // Publisher: every report present (at most kMaxReportText bytes of each are read; unreadable
+  // ones are skipped); each one's id is its file. Reports about versions before `stale_before`
+  // are removed (their subscribers are gone or have not reported for that long).
+  std::vector<SubscriberReport> Reports(uint64_t stale_before) const;
+
   const std::string& dir() const { return dir_; }
 
  private:
   explicit RequestBox(std::string root);
-  std::string root_, dir_, name_;
+  // Writes `text` to <dir>/<name_> through a temporary file (creating <dir> with the channel's
+  // permissions).
+  absl::Status Write(const std::string& dir, const std::string& text, const char* what) const;
+  std::string root_, dir_, report_dir_, name_;
 };
 
 // Where the delta layer's subscribers ask for keyframes and its publisher finds the requests,
@@ -203,12 +216,40 @@ class BackChannel {
   // For messages: "in <channel>/delta-requests" or "over the transport beneath".
   std::string Where() const;
 
+  // Subscriber: reports on `version` (`text`, the layer's report: DecodingReport) through the
+  // same back channel (disk's files, or the transport beneath's: capability subscriber_reports).
+  // Errors as RequestBox::Report or TransportSubscriber::Report (Unimplemented: none).
+  absl::Status Report(TransportSubscriber& inner, uint64_t version, std::string_view text) const;
+  // Publisher: the reports that arrived since the last call (disk: every report file about a
+  // version >= `stale_before`, the older ones removed).
+  std::vector<SubscriberReport> Reports(TransportPublisher& inner, uint64_t stale_before) const;
+
  private:
   BackChannel(std::optional<RequestBox> box, bool enabled)
       : box_(std::move(box)), enabled_(enabled) {}
   std::optional<RequestBox> box_;
   bool enabled_ = true;
   std::vector<KeyframeRequest> held_;  // taken from the transport beneath, not answered yet
+};
+
+// A subscriber's report of what decoding one delta cost it (SubscriberReport::text, format
+// "weightbus.delta-report/1", docs/FORMAT.md): sent for each delta it applied to its copy of
+// the version before, of at least 1 MiB of tensors, so that the publisher's plain-or-delta
+// choice weighs the decoding rates its subscribers see rather than its own estimate.
+struct DecodingReport {
+  uint64_t version = 0;
+  uint64_t bytes = 0;   // tensor bytes of the version
+  double decode_s = 0;  // wall seconds decoding the delta into the core's buffers
+  double apply_s = 0;   // wall seconds updating the subscriber's own copy (its next base)
+  int threads = 0;      // the subscriber's decoding threads
+  std::string who;      // "host (pid P)", for messages (ToText: this process when empty)
+
+  double bytes_per_s() const {
+    return static_cast<double>(bytes) / std::max(decode_s + apply_s, 1e-9);
+  }
+  std::string ToText() const;
+  // Errors: InvalidArgument when `text` is not a report of this format.
+  static absl::StatusOr<DecodingReport> FromText(std::string_view text);
 };
 
 // Publisher groups (group.cc; README.md "Over a publisher group"). Each rank of a group

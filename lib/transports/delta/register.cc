@@ -56,8 +56,8 @@ const SettingTable& DeltaSettings() {
                "how a delta codes its changes. context: an adaptive range coder in contexts "
                "of each weight's magnitude (the smallest deltas: measured 1.23-1.36x smaller "
                "than sparse on the real-gradient stream, BENCHMARKS.md issue 16); sparse: "
-               "positions and changes as zstd-coded byte planes (the fastest: measured 10-15x "
-               "faster to decode on that stream: 22-24 against 2.1-2.4 GB/s per core at lr 1e-6)",
+               "positions and changes as zstd-coded byte planes (the fastest: measured 4-9x "
+               "faster to decode on that stream: 22-24 against 5.8-6.3 GB/s per core at lr 1e-6)",
            .choices = {"context", "sparse"}},
           {.name = "delta_groups",
            .type = SettingType::kInt,
@@ -118,6 +118,7 @@ TransportCapabilities LayerCapabilities(const Config&, const TransportCapabiliti
   c.committed_manifest = false;
   // The back channel carries this layer's own keyframe requests; a layer above has none to send.
   c.keyframe_requests = false;
+  c.subscriber_reports = false;
   // A late joiner replays the newest keyframe and the deltas after it with OpenVersion; without
   // it the joiner waits for the next keyframe.
   c.late_joiners = beneath.late_joiners && beneath.open_version;

@@ -31,6 +31,7 @@ namespace weightbus::internal::delta {
 namespace {
 
 constexpr char kRequestFormat[] = "weightbus.delta-request/1";
+constexpr char kReportFormat[] = "weightbus.delta-report/1";
 constexpr char kTmpPrefix[] = ".tmp-";
 // Largest request file read (a request is a few hundred bytes; the reason is cut to fit).
 constexpr size_t kMaxRequestFile = 16 << 10;
@@ -55,25 +56,46 @@ std::optional<RequestBox> RequestBox::ForUri(const Uri& uri) {
 }
 
 RequestBox::RequestBox(std::string root)
-    : root_(std::move(root)), dir_(root_ + "/" + std::string(kRequestDir)) {
+    : root_(std::move(root)),
+      dir_(root_ + "/" + std::string(kRequestDir)),
+      report_dir_(root_ + "/" + std::string(kReportDir)) {
   std::random_device random;
   name_ = absl::StrFormat("%s-%d-%016x.json", HostName(), ::getpid(),
                           (uint64_t{random()} << 32) | random());
 }
 
-absl::Status RequestBox::Leave(uint64_t version, std::optional<uint64_t> holds,
-                               std::string_view why) const {
-  std::error_code ec;
+absl::Status RequestBox::Write(const std::string& dir, const std::string& text,
+                               const char* what) const {
   struct stat root_stat;
   if (::stat(root_.c_str(), &root_stat) != 0) {
-    return absl::NotFoundError(absl::StrFormat("keyframe request: cannot stat the channel %s: %s",
-                                               root_, std::strerror(errno)));
+    return absl::NotFoundError(
+        absl::StrFormat("%s: cannot stat the channel %s: %s", what, root_, std::strerror(errno)));
   }
   // The directory gets the channel's own permissions (owner-only, or group_access).
-  if (::mkdir(dir_.c_str(), root_stat.st_mode & 07777) != 0 && errno != EEXIST) {
+  if (::mkdir(dir.c_str(), root_stat.st_mode & 07777) != 0 && errno != EEXIST) {
     return absl::PermissionDeniedError(
-        absl::StrFormat("keyframe request: cannot create %s: %s", dir_, std::strerror(errno)));
+        absl::StrFormat("%s: cannot create %s: %s", what, dir, std::strerror(errno)));
   }
+  const std::string tmp = absl::StrFormat("%s/%s%s", dir, kTmpPrefix, name_);
+  const std::string path = absl::StrFormat("%s/%s", dir, name_);
+  const int fd =
+      ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, root_stat.st_mode & 0666);
+  if (fd < 0) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("%s: cannot write %s: %s", what, tmp, std::strerror(errno)));
+  }
+  const ssize_t wrote = ::write(fd, text.data(), text.size());
+  ::close(fd);
+  if (wrote != static_cast<ssize_t>(text.size()) || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    ::unlink(tmp.c_str());
+    return absl::InternalError(
+        absl::StrFormat("%s: cannot write %s: %s", what, path, std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RequestBox::Leave(uint64_t version, std::optional<uint64_t> holds,
+                               std::string_view why) const {
   nlohmann::ordered_json j;
   j["format"] = kRequestFormat;
   j["version"] = version;
@@ -81,23 +103,38 @@ absl::Status RequestBox::Leave(uint64_t version, std::optional<uint64_t> holds,
   j["host"] = HostName();
   j["pid"] = ::getpid();
   j["reason"] = std::string(why.substr(0, kMaxReason));
-  const std::string text = j.dump();
-  const std::string tmp = absl::StrFormat("%s/%s%s", dir_, kTmpPrefix, name_);
-  const std::string path = absl::StrFormat("%s/%s", dir_, name_);
-  const int fd =
-      ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, root_stat.st_mode & 0666);
-  if (fd < 0) {
-    return absl::PermissionDeniedError(
-        absl::StrFormat("keyframe request: cannot write %s: %s", tmp, std::strerror(errno)));
+  return Write(dir_, j.dump(), "keyframe request");
+}
+
+absl::Status RequestBox::Report(uint64_t version, std::string_view text) const {
+  if (text.size() > kMaxReportText) {
+    return absl::InvalidArgumentError(absl::StrFormat("report on version %d: %d bytes (at most %d)",
+                                                      version, text.size(), kMaxReportText));
   }
-  const ssize_t wrote = ::write(fd, text.data(), text.size());
-  ::close(fd);
-  if (wrote != static_cast<ssize_t>(text.size()) || ::rename(tmp.c_str(), path.c_str()) != 0) {
-    ::unlink(tmp.c_str());
-    return absl::InternalError(
-        absl::StrFormat("keyframe request: cannot write %s: %s", path, std::strerror(errno)));
+  return Write(report_dir_, std::string(text), "report");
+}
+
+std::vector<SubscriberReport> RequestBox::Reports(uint64_t stale_before) const {
+  std::vector<SubscriberReport> out;
+  std::error_code ec;
+  std::filesystem::directory_iterator it(report_dir_, ec);
+  if (ec) return out;  // no directory: no report yet
+  for (const std::filesystem::directory_entry& e : it) {
+    const std::string name = e.path().filename().string();
+    if (absl::StartsWith(name, kTmpPrefix) || !absl::EndsWith(name, ".json")) continue;
+    std::ifstream f(e.path(), std::ios::binary);
+    std::string text(kMaxReportText, '\0');
+    f.read(text.data(), static_cast<std::streamsize>(text.size()));
+    text.resize(static_cast<size_t>(f.gcount()));
+    absl::StatusOr<DecodingReport> report = DecodingReport::FromText(text);
+    if (!report.ok()) continue;
+    if (report->version < stale_before) {
+      ::unlink(e.path().c_str());  // a subscriber gone (or silent) for that long
+      continue;
+    }
+    out.push_back(SubscriberReport{e.path().string(), report->version, std::move(text)});
   }
-  return absl::OkStatus();
+  return out;
 }
 
 std::vector<KeyframeRequest> RequestBox::Pending() const {
@@ -168,6 +205,56 @@ void BackChannel::Answered(const std::vector<KeyframeRequest>& served) {
       return s.id == h.id && s.version == h.version;
     });
   });
+}
+
+absl::Status BackChannel::Report(TransportSubscriber& inner, uint64_t version,
+                                 std::string_view text) const {
+  if (!enabled_) return absl::UnimplementedError("this reader reports nothing");
+  if (box_) return box_->Report(version, text);
+  return inner.Report(version, text);
+}
+
+std::vector<SubscriberReport> BackChannel::Reports(TransportPublisher& inner,
+                                                   uint64_t stale_before) const {
+  if (!enabled_) return {};
+  if (box_) return box_->Reports(stale_before);
+  return inner.TakeReports();
+}
+
+std::string DecodingReport::ToText() const {
+  nlohmann::ordered_json j;
+  j["format"] = kReportFormat;
+  j["version"] = version;
+  j["bytes"] = bytes;
+  j["decode_s"] = decode_s;
+  j["apply_s"] = apply_s;
+  j["threads"] = threads;
+  j["who"] = who.empty() ? absl::StrFormat("%s (pid %d)", HostName(), ::getpid()).substr(0, 200)
+                         : who.substr(0, 200);
+  return j.dump();
+}
+
+absl::StatusOr<DecodingReport> DecodingReport::FromText(std::string_view text) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  const auto number = [&](const char* key) {
+    return j.contains(key) && j[key].is_number() && j[key].get<double>() >= 0;
+  };
+  if (!j.is_object() || j.value("format", "") != kReportFormat || !j.contains("version") ||
+      !j["version"].is_number_unsigned() || !j.contains("bytes") ||
+      !j["bytes"].is_number_unsigned() || !number("decode_s") || !number("apply_s")) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("not a report of format %s: %s", kReportFormat, text.substr(0, 200)));
+  }
+  DecodingReport r;
+  r.version = j["version"].get<uint64_t>();
+  r.bytes = j["bytes"].get<uint64_t>();
+  r.decode_s = j["decode_s"].get<double>();
+  r.apply_s = j["apply_s"].get<double>();
+  if (j.contains("threads") && j["threads"].is_number_integer()) {
+    r.threads = j["threads"].get<int>();
+  }
+  if (j.contains("who") && j["who"].is_string()) r.who = j["who"].get<std::string>();
+  return r;
 }
 
 std::string BackChannel::Where() const {

@@ -143,6 +143,8 @@ std::string_view MsgTypeName(MsgType type) {
       return "DATA";
     case MsgType::kKeyframeRequest:
       return "KEYFRAME_REQUEST";
+    case MsgType::kReport:
+      return "REPORT";
     case MsgType::kJoin:
       return "JOIN";
     case MsgType::kJoined:
@@ -593,6 +595,13 @@ std::string Encode(const KeyframeRequestMsg& m) {
       .Finish();
 }
 
+std::string Encode(const ReportMsg& m) {
+  return Writer(MsgType::kReport)
+      .U64(m.version)
+      .Str(std::string_view(m.text).substr(0, kMaxReport))
+      .Finish();
+}
+
 std::string Encode(const JoinMsg& m) {
   Writer w(MsgType::kJoin);
   w.Str(m.magic)
@@ -882,6 +891,20 @@ absl::StatusOr<KeyframeRequestMsg> DecodeKeyframeRequest(std::string_view payloa
                         payload.size(), reason.size(), kMaxKeyframeReason));
   }
   m.reason = std::string(reason);
+  return f.Done(std::move(m));
+}
+
+absl::StatusOr<ReportMsg> DecodeReport(std::string_view payload) {
+  Fields f(MsgType::kReport, payload);
+  ReportMsg m;
+  m.version = f.U64("the version");
+  const std::string_view text = f.View("the report");
+  if (f.ok() && text.size() > kMaxReport) {
+    return absl::DataLossError(
+        absl::StrFormat("malformed REPORT message (%d bytes): the report is %d bytes, at most %d",
+                        payload.size(), text.size(), kMaxReport));
+  }
+  m.text = std::string(text);
   return f.Done(std::move(m));
 }
 

@@ -70,6 +70,7 @@ enum class MsgType : uint8_t {
   // The delta layer's back channel (TransportSubscriber::RequestKeyframe). Numbered apart from
   // the message families above.
   kKeyframeRequest = 40,  // sub -> pub: the version it cannot reconstruct, the one it holds, why
+  kReport = 41,  // sub -> pub: a layer's report about a version (TransportSubscriber::Report)
 };
 
 std::string_view MsgTypeName(MsgType type);
@@ -272,11 +273,17 @@ struct ListMsg {  // sub -> pub
 // Longest reason a KEYFRAME_REQUEST carries (a longer one is cut by the sender, refused by the
 // receiver).
 inline constexpr uint32_t kMaxKeyframeReason = 2048;
+// Longest REPORT text (core/transport.h kMaxReportText).
+inline constexpr uint32_t kMaxReport = 1024;
 struct KeyframeRequestMsg {  // sub -> pub; no answer (the next version is a keyframe)
   uint64_t version = 0;      // the version the subscriber cannot reconstruct
   bool has_holds = false;    // the subscriber holds a version...
   uint64_t holds = 0;        // ...this one
   std::string reason;        // at most kMaxKeyframeReason bytes
+};
+struct ReportMsg {       // sub -> pub; no answer
+  uint64_t version = 0;  // the version the report is about
+  std::string text;      // at most kMaxReport bytes
 };
 struct VersionsMsg {  // pub -> sub
   uint64_t request = 0;
@@ -348,6 +355,7 @@ std::string Encode(const RenewedMsg& m);
 std::string Encode(const ReadMsg& m);
 std::string Encode(const DataMsg& m);
 std::string Encode(const KeyframeRequestMsg& m);
+std::string Encode(const ReportMsg& m);
 std::string Encode(const JoinMsg& m);
 std::string Encode(const JoinedMsg& m);
 std::string Encode(const PartMsg& m);
@@ -377,6 +385,7 @@ absl::StatusOr<RenewedMsg> DecodeRenewed(std::string_view payload);
 absl::StatusOr<ReadMsg> DecodeRead(std::string_view payload);
 absl::StatusOr<DataMsg> DecodeData(std::string_view payload);
 absl::StatusOr<KeyframeRequestMsg> DecodeKeyframeRequest(std::string_view payload);
+absl::StatusOr<ReportMsg> DecodeReport(std::string_view payload);
 absl::StatusOr<JoinMsg> DecodeJoin(std::string_view payload);
 absl::StatusOr<JoinedMsg> DecodeJoined(std::string_view payload);
 absl::StatusOr<PartMsg> DecodePart(std::string_view payload);

@@ -183,7 +183,8 @@ TransportCapabilities UcxCapabilities(const Config& config, const TransportCapab
   c.open_version = true;
   c.list_versions = true;
   c.cancel = true;
-  c.keyframe_requests = true;  // KEYFRAME_REQUEST over the control connection
+  c.keyframe_requests = true;   // KEYFRAME_REQUEST over the control connection
+  c.subscriber_reports = true;  // REPORT over the control connection
   c.cross_process = true;
   c.durable = false;  // versions live in the publisher's staging memory
   c.late_joiners = true;

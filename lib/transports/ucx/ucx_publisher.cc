@@ -276,6 +276,14 @@ class UcxPublisher final : public TransportPublisher {
     return out;
   }
 
+  std::vector<SubscriberReport> TakeReports() override {
+    absl::MutexLock lock(&mu_);
+    std::vector<SubscriberReport> out;
+    for (auto& [id, r] : reports_) out.push_back(std::move(r));
+    reports_.clear();
+    return out;
+  }
+
   // Wakes a Publish waiting for a staging slot and a WaitForReceivers at once; they and every
   // later call return Cancelled. The progress thread serves on until destruction.
   void Cancel() override {
@@ -420,6 +428,8 @@ class UcxPublisher final : public TransportPublisher {
   std::map<uint64_t, uint64_t> receivers_ ABSL_GUARDED_BY(mu_);  // subscriber id -> version
   // Keyframe requests not taken yet, by subscriber id (at most kMaxKeyframeRequests).
   std::map<uint64_t, KeyframeRequest> keyframe_requests_ ABSL_GUARDED_BY(mu_);
+  // Reports not taken yet, the newest per subscriber id (at most kMaxKeyframeRequests).
+  std::map<uint64_t, SubscriberReport> reports_ ABSL_GUARDED_BY(mu_);
   uint64_t next_lease_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_conn_ ABSL_GUARDED_BY(mu_) = 1;
   int next_slot_ ABSL_GUARDED_BY(mu_) = 0;
@@ -1226,6 +1236,14 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
     case MsgType::kKeyframeRequest:
       HandleKeyframeRequest(c, decoded(DecodeKeyframeRequest(f.payload)));
       break;
+    case MsgType::kReport: {
+      // Bounded as keyframe requests are: one per subscriber id, at most 4096 subscribers.
+      absl::StatusOr<ReportMsg> m = decoded(DecodeReport(f.payload));
+      if (!m.ok() || (reports_.size() >= 4096 && reports_.count(c.subscriber_id) == 0)) break;
+      reports_[c.subscriber_id] = SubscriberReport{
+          absl::StrFormat("ucx subscriber %016x", c.subscriber_id), m->version, m->text};
+      break;
+    }
     case MsgType::kRead: {
       absl::StatusOr<ReadMsg> m = decoded(DecodeRead(f.payload));
       if (!m.ok()) break;
@@ -1695,6 +1713,10 @@ void UcxPublisher::ServeWaits(Conn& c) {
       for (const auto& s : slots_) {
         if (s->state == Slot::State::kReady && s->version == w.version) slot = s.get();
       }
+      // Fault injection (docs/TESTING.md): `error` here answers this request for an exact
+      // version as if the version had left staging memory (NotFound), as a version of a delta
+      // chain that is gone.
+      if (slot != nullptr && !failpoints_.Hit("ucx.lose_version").ok()) slot = nullptr;
       if (slot == nullptr) {
         std::vector<uint64_t> held;
         for (const auto& s : slots_) {

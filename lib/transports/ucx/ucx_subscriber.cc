@@ -236,6 +236,9 @@ class UcxSubscriber final : public TransportSubscriber {
   // cannot be reached (the request is not kept: a later failure asks again); Cancelled.
   absl::Status RequestKeyframe(uint64_t version, std::optional<uint64_t> holds,
                                std::string_view why) override;
+  // One REPORT over the control connection of the current session (none: Unavailable, no
+  // connection is made for it); not acknowledged.
+  absl::Status Report(uint64_t version, std::string_view text) override;
   // A wait in flight returns Cancelled within about 50 ms (Await receives in slices and checks
   // the flag); so does every later call. Only sets an atomic flag: safe from any thread.
   void Cancel() override { cancelled_.store(true); }
@@ -912,6 +915,23 @@ absl::Status UcxSubscriber::RequestKeyframe(uint64_t version, std::optional<uint
     return f.type == MsgType::kVersions && LeadingId(f.payload) == request;
   });
   if (!f.ok()) return SessionLost(f.status(), "while asking for a keyframe");
+  return absl::OkStatus();
+}
+
+absl::Status UcxSubscriber::Report(uint64_t version, std::string_view text) {
+  if (text.size() > kMaxReport) {
+    return absl::InvalidArgumentError(absl::StrFormat("%s: a report of %d bytes (at most %d)",
+                                                      endpoint_.display, text.size(), kMaxReport));
+  }
+  absl::MutexLock lock(&mu_);
+  if (cancelled_.load()) return CancelledStatus();
+  if (!session_) {
+    return absl::UnavailableError(
+        absl::StrFormat("%s: no connection to the publisher to report on", endpoint_.display));
+  }
+  absl::Status sent = session_->control.Send(Encode(ReportMsg{version, std::string(text)}),
+                                             absl::Now() + absl::Seconds(1));
+  if (!sent.ok()) return SessionLost(sent, "while reporting");
   return absl::OkStatus();
 }
 

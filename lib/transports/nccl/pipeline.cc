@@ -62,24 +62,34 @@ absl::Status BroadcastBuckets(Device& device, Communicator& comm, Clock& clock,
   *stats = BroadcastStats{};
   stats->wire_bytes = plan.WireBytes();
   if (nbuckets == 0) return absl::OkStatus();
+  size_t posted = 0;  // buckets enqueued
+  // The bucket a failure is about: the first one posted that some replica has not received
+  // (`bucket` itself when every replica has every bucket up to it).
+  auto first_missing = [&](size_t bucket) {
+    for (size_t j = 0; j < std::min(posted, bucket + 1); ++j) {
+      if (!replicas.AllReceived(j + 1)) return j;
+    }
+    return bucket;
+  };
   auto fail = [&](const absl::Status& s, size_t bucket) {
+    const size_t at = first_missing(bucket);
     comm.Abort();
     device.Synchronize();
     return WithContext(
         s, absl::StrFormat("%s: broadcasting bucket %d of %d (%s) failed; the communicator was "
                            "aborted and the next publish rebuilds it from the replicas still "
                            "connected",
-                           what, bucket + 1, nbuckets, DescribePlan(plan)));
-  };
-  auto behind = [&](size_t buckets) {
-    const std::vector<std::string> late = replicas.Behind(buckets);
-    return late.empty() ? std::string("every replica reports it received")
-                        : absl::StrJoin(late, "; ");
+                           what, at + 1, nbuckets, DescribePlan(plan)));
   };
   auto not_received = [&](size_t bucket) {
     return [&, bucket] {
-      return absl::StrFormat("bucket %d was not received by the deadline: %s", bucket + 1,
-                             behind(bucket + 1));
+      const size_t at = first_missing(bucket);
+      const std::vector<std::string> late = replicas.Behind(at + 1);
+      return absl::StrFormat("bucket %d was not received by the deadline: %s", at + 1,
+                             late.empty()
+                                 ? std::string("every replica reports it received, this rank's "
+                                               "broadcast did not complete")
+                                 : absl::StrJoin(late, "; "));
     };
   };
   // Buckets enqueued whose stream is not yet known to be done, oldest first.
@@ -109,6 +119,7 @@ absl::Status BroadcastBuckets(Device& device, Communicator& comm, Clock& clock,
     if (absl::Status b = comm.Broadcast(slots[s].get(), bucket.bytes, /*root=*/0, s); !b.ok()) {
       return fail(b, k);
     }
+    posted = k + 1;
     absl::Status enqueued = WaitReady(clock, deadline, comm, &replicas, [&] {
       return absl::StrFormat("NCCL did not enqueue the broadcast of bucket %d by the deadline",
                              k + 1);

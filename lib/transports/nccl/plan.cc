@@ -68,7 +68,7 @@ absl::StatusOr<BucketPlan> PlanBuckets(const std::vector<uint64_t>& nbytes, uint
   return plan;
 }
 
-absl::StatusOr<BucketPlan> PlanBuckets(const Manifest& manifest, uint64_t bucket_size) {
+absl::StatusOr<BucketPlan> PlanBucketsFor(const Manifest& manifest, uint64_t bucket_size) {
   std::vector<uint64_t> nbytes;
   nbytes.reserve(manifest.tensors.size());
   for (const TensorInfo& t : manifest.tensors) nbytes.push_back(t.nbytes);

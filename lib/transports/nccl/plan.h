@@ -60,7 +60,7 @@ absl::StatusOr<BucketPlan> PlanBuckets(const std::vector<uint64_t>& nbytes, uint
                                        uint64_t alignment = kPieceAlignment);
 
 // The plan for `manifest`'s tensors.
-absl::StatusOr<BucketPlan> PlanBuckets(const Manifest& manifest, uint64_t bucket_size);
+absl::StatusOr<BucketPlan> PlanBucketsFor(const Manifest& manifest, uint64_t bucket_size);
 
 // Checks a received plan against the manifest it came with: bucket_size and alignment sane,
 // at most kMaxBuckets buckets, every piece inside its bucket and its tensor, pieces of a bucket

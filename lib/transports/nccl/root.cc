@@ -228,7 +228,7 @@ absl::Status Root::Publish(const Manifest& manifest, absl::Span<const std::byte*
           RebuildReason(epoch_, comm_ != nullptr, ranks_, members, links_)) {
     WB_RETURN_IF_ERROR(Rebuild(members, deadline, *why));
   }
-  WB_ASSIGN_OR_RETURN(BucketPlan plan, PlanBuckets(manifest, options_.bucket_size));
+  WB_ASSIGN_OR_RETURN(BucketPlan plan, PlanBucketsFor(manifest, options_.bucket_size));
   if (absl::Status s = EnsureSlots(); !s.ok()) {
     GiveUp(members, manifest.version, s);
     return s;

@@ -234,7 +234,8 @@ std::string DescribeCapabilities(const TransportCapabilities& c) {
            {c.cross_process, "cross_process"},
            {c.durable, "durable"},
            {c.late_joiners, "late_joiners"},
-           {(c.memory_kinds & TransportCapabilities::kCudaMemory) != 0, "cuda_memory"},
+           {(c.publish_memory & TransportCapabilities::kCudaMemory) != 0, "cuda_publish"},
+           {(c.fetch_memory & TransportCapabilities::kCudaMemory) != 0, "cuda_fetch"},
            {c.delivery == TransportCapabilities::Delivery::kPush, "push"},
        }) {
     if (flag) out.push_back(name);

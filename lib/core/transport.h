@@ -6,6 +6,14 @@
 // and never handing over a lower version after a higher one. A transport moves manifests and
 // bytes and says when a version is committed. Each transport lives in lib/transports/<scheme>/
 // and registers itself (registry.h); the core never names one.
+//
+// Device memory: a transport that moves CUDA memory itself declares it (publish_memory,
+// fetch_memory: kCudaMemory). The core then hands it CUDA tensors as device pointers
+// (PackedTensor::device) and bound CUDA destinations as device targets
+// (LandingSink::TargetDevice), and checksums them on the device (core/cuda/, docs/FORMAT.md
+// "Checksums of device memory"); for every other transport it stages CUDA memory through pinned
+// host memory itself. Which of the core's host steps run (packing strided views, checksums,
+// staging) follows from these declarations, never from the transport's name.
 #pragma once
 
 #include <cstddef>
@@ -33,8 +41,10 @@ namespace weightbus::internal {
 // Fields say "false" for what a transport must not be assumed to do; new fields get the value
 // that is true of every existing transport, so that adding one changes no transport.
 struct TransportCapabilities {
-  // Kinds of memory, as a bit set, that Publish may read tensors from and Fetch may write them
-  // into. Host memory only today (the core refuses other devices before the transport sees them).
+  // Kinds of memory, as bits of a set (publish_memory, fetch_memory). Every transport moves host
+  // memory; kCudaMemory adds CUDA device memory, which the transport then reads or writes itself
+  // (CUDA copies, kernels, NCCL, UCX with CUDA support) without the core copying it through the
+  // host (docs/TRANSPORTS.md, "Device memory").
   enum MemoryKind : uint32_t { kHostMemory = 1u << 0, kCudaMemory = 1u << 1 };
   // How bytes reach subscribers: kPull when each subscriber fetches a version when it asks for
   // one (disk, ucx: versions nobody asks for cost subscribers nothing); kPush when the publisher
@@ -108,7 +118,19 @@ struct TransportCapabilities {
   // A subscriber opened after versions were published receives the newest one (false: it may
   // have to wait for a version published after it joined, e.g. a layer's next keyframe).
   bool late_joiners = true;
-  uint32_t memory_kinds = kHostMemory;
+
+  // -- Memory --
+  // Where Publish may read tensors from (PackedTensor::device). With kCudaMemory the core hands
+  // a CUDA tensor over as its device pointer (a strided CUDA view packed on its device first);
+  // without it the core copies CUDA tensors into pinned host memory first (builds with CUDA; a
+  // build without refuses them with Unimplemented). Must include kHostMemory.
+  uint32_t publish_memory = kHostMemory;
+  // Where IncomingVersion::Fetch may write tensors (LandingSink::TargetDevice). With kCudaMemory
+  // a bound CUDA destination is a Fetch target itself (bind_mode=direct, contiguous) or a device
+  // staging buffer on its device (bind_mode=staged); without it the core receives into host
+  // memory and copies to the device after verification. Library-owned tensors and host
+  // destinations stay host targets either way. Must include kHostMemory.
+  uint32_t fetch_memory = kHostMemory;
   Delivery delivery = Delivery::kPull;
 };
 
@@ -123,6 +145,14 @@ struct PackedTensor {
   // view handed to a transport that declares reads_strided_views: read its bytes with
   // PublishJob::CopyRange or CopyWithChecksum, which gather them from the caller's strides.
   const std::byte* data = nullptr;
+  // Where `data` lives: host memory (kCpu), or the memory of CUDA device `device.index` (kCuda),
+  // which only a transport whose publish_memory has kCudaMemory is handed. Device bytes are
+  // contiguous and complete when Publish is called (the core waited for the caller's CUDA
+  // stream), belong to the caller, and are read with CUDA (cudaMemcpyAsync, kernels, NCCL), never
+  // dereferenced on the host nor passed to CopyRange / CopyWithChecksum (host memory only); every
+  // read of them must have finished when Publish returns. Their checksums are the core's,
+  // computed on the device (SealedManifest waits for them as for host ones).
+  Device device;
 };
 
 // A piece of host memory a tensor's bytes are copied into (see PublishJob::CopyWithChecksum).
@@ -250,6 +280,15 @@ class LandingSink {
   // checksums the tensor piece by piece right behind the transfer, while the bytes are still in
   // cache. A transport that never calls it gets whole tensors checksummed after Landed.
   virtual void LandedPrefix(size_t tensor_index, uint64_t bytes) {}
+  // Where target `tensor_index` of the Fetch this sink was passed to lives: host memory (kCpu,
+  // always for a transport whose fetch_memory lacks kCudaMemory), or the memory of CUDA device
+  // `index` (kCuda). A transport writes a device target with CUDA (cudaMemcpyAsync, kernels, NCCL
+  // into it or its own buffer) and calls Landed(i) only once those writes are complete (their
+  // stream or event synchronized): the core then checksums the target on the device, on a
+  // stream of its own. LandedPrefix is not used for device targets (whole tensors are
+  // checksummed after Landed), and Fetch must not return while a write into any target is in
+  // flight. Thread-safe, constant during the Fetch.
+  virtual Device TargetDevice(size_t tensor_index) const { return Device{}; }
 };
 
 // One byte range of a manifest tensor and the host memory it is read into
@@ -258,7 +297,7 @@ struct RangeRead {
   size_t tensor = 0;            // index into manifest().tensors
   uint64_t offset = 0;          // bytes into the tensor's contiguous row-major image
   uint64_t length = 0;          // offset + length <= the tensor's nbytes
-  std::byte* target = nullptr;  // `length` bytes, caller owned
+  std::byte* target = nullptr;  // `length` bytes of host memory, caller owned
 };
 
 // A committed version a subscriber has found and may now receive. Holding it may pin the
@@ -268,7 +307,9 @@ class IncomingVersion {
   virtual ~IncomingVersion() = default;
   virtual const Manifest& manifest() const = 0;
   // Writes tensor i's manifest().tensors[i].nbytes bytes to targets[i] (contiguous, caller
-  // owned), calling sink.Landed(i) when each is complete. Errors name the tensor and source.
+  // owned; host memory, or device memory where sink.TargetDevice(i) says so, for a transport
+  // whose fetch_memory has kCudaMemory), calling sink.Landed(i) when each is complete. Errors
+  // name the tensor and source.
   // A null targets[i] for a tensor with bytes means the core does not need it (a replica of a
   // group version's part that it reads from another rank): skip it, and do not call Landed.
   virtual absl::Status Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,

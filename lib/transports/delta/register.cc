@@ -121,7 +121,8 @@ TransportCapabilities LayerCapabilities(const Config&, const TransportCapabiliti
   // A late joiner replays the newest keyframe and the deltas after it with OpenVersion; without
   // it the joiner waits for the next keyframe.
   c.late_joiners = beneath.late_joiners && beneath.open_version;
-  c.memory_kinds = TransportCapabilities::kHostMemory;  // encoded and decoded on the CPU
+  // Encoded and decoded on the CPU.
+  c.publish_memory = c.fetch_memory = TransportCapabilities::kHostMemory;
   // Each rank of a group encodes its own parts into its part of the group version beneath
   // (README.md, "Over a publisher group") and reads the committed group manifest back after
   // each version (the group's keyframe floor, what its check at rest compares): a group beneath

@@ -280,6 +280,7 @@ TEST(NcclProtocolTest, EveryMessageRoundTripsAndEveryTruncationIsRefused) {
   EXPECT_EQ(RoundTrip(FailedMsg{3, 8, 4, "late"}, MsgType::kFailed, DecodeFailed).code, 4u);
   EXPECT_EQ(RoundTrip(AcceptedMsg{8}, MsgType::kAccepted, DecodeAccepted).version, 8u);
   EXPECT_EQ(RoundTrip(StartMsg{3, 8}, MsgType::kStart, DecodeStart).version, 8u);
+  EXPECT_EQ(RoundTrip(CommitMsg{3, 8}, MsgType::kCommit, DecodeCommit).epoch, 3u);
 }
 
 TEST(NcclProtocolTest, DecodersRefuseWhatNoPeerMaySend) {
@@ -897,7 +898,8 @@ TEST_F(NcclRootTest, FirstPublishBuildsTheGroupThenEveryVersionReusesIt) {
   ASSERT_EQ(links_.offers.size(), 2u);
   EXPECT_EQ(*DecodePlan(links_.offers[0].second.plan), plan_);
   EXPECT_EQ(Manifest::FromJson(links_.offers[0].second.manifest_json, "offer")->version, 1u);
-  EXPECT_THAT(links_[a].received, ElementsAre(MsgType::kGroup, MsgType::kOffer, MsgType::kStart));
+  EXPECT_THAT(links_[a].received,
+              ElementsAre(MsgType::kGroup, MsgType::kOffer, MsgType::kStart, MsgType::kCommit));
   EXPECT_TRUE(root_.last_stats().rebuilt);
   EXPECT_EQ(root_.last_stats().broadcast.wire_bytes, plan_.WireBytes());
 
@@ -971,7 +973,8 @@ TEST_P(NcclRootDeathTest, APeerDyingAtEachStageFailsThePublishNamingItAndTheNext
   EXPECT_FALSE(root_.usable());
   EXPECT_GE(world_.aborts, 1);
   EXPECT_THAT(AbortedTo(), ElementsAre(a));  // the survivor is told; the dead get nothing
-  EXPECT_LT(clock_.now, deadline_);          // at once, not at the deadline
+  EXPECT_THAT(links_[a].received, Not(::testing::Contains(MsgType::kCommit)));
+  EXPECT_LT(clock_.now, deadline_);  // at once, not at the deadline
   // The next publish rebuilds from the one still there.
   ASSERT_TRUE(Publish(2).ok());
   ExpectDelivered();

@@ -43,6 +43,18 @@ constexpr size_t kMaxGone = 4096;
 constexpr absl::Duration kAcceptBackoffMin = absl::Milliseconds(10);
 constexpr absl::Duration kAcceptBackoffMax = absl::Seconds(1);
 
+class NcclPublisher;
+
+// This process's open publishers, by channel (ChannelCounters).
+absl::Mutex& LiveMu() {
+  static auto* mu = new absl::Mutex;
+  return *mu;
+}
+std::map<std::string, NcclPublisher*, std::less<>>& Live() {
+  static auto* live = new std::map<std::string, NcclPublisher*, std::less<>>;
+  return *live;
+}
+
 struct Conn {
   uint64_t id = 0;
   Fd fd;
@@ -77,9 +89,17 @@ class NcclPublisher final : public TransportPublisher, public ReplicaLinks {
         std::make_unique<Root>(*backend_, *device_, RealClock(), *this,
                                RootOptions{options_.bucket_size, endpoint_.display, description_});
     thread_ = std::thread([this] { Loop(); });
+    absl::MutexLock lock(&LiveMu());
+    Live()[endpoint_.display] = this;
   }
 
   ~NcclPublisher() override {
+    {
+      absl::MutexLock lock(&LiveMu());
+      if (auto it = Live().find(endpoint_.display); it != Live().end() && it->second == this) {
+        Live().erase(it);
+      }
+    }
     Cancel();
     {
       absl::MutexLock lock(&mu_);
@@ -272,6 +292,7 @@ class NcclPublisher final : public TransportPublisher, public ReplicaLinks {
   std::thread thread_;
 
   friend std::optional<NcclPublisherCounters> PublisherCounters(const TransportPublisher&);
+  friend std::optional<NcclPublisherCounters> ChannelCounters(std::string_view);
 };
 
 void NcclPublisher::Loop() {
@@ -426,8 +447,9 @@ void NcclPublisher::HandleHello(Conn& c, const Frame& f) {
     return;
   }
   const std::string publisher_name = absl::StrFormat("%s, %s", description_, device_->Describe());
-  absl::Status agreed = CompareAgreement(agreement_, publisher_name,
-                                         Agreement{hello->nccl_version, hello->settings}, c.peer);
+  absl::Status agreed =
+      CompareAgreement(agreement_, publisher_name, Agreement{hello->nccl_version, hello->settings},
+                       absl::StrFormat("%s (%s)", hello->description, hello->device));
   if (!agreed.ok()) {
     refuse_log_.Log(LogLevel::kWarn, "%s: refusing %s: %s", endpoint_.display, c.peer,
                     agreed.message());
@@ -526,12 +548,20 @@ void NcclPublisher::Handle(Conn& c, const Frame& f) {
     case MsgType::kOffer:
     case MsgType::kAbort:
     case MsgType::kStart:
+    case MsgType::kCommit:
       break;
   }
   malformed(absl::DataLossError(absl::StrFormat("an unexpected %s message", MsgTypeName(f.type))));
 }
 
 }  // namespace
+
+std::optional<NcclPublisherCounters> ChannelCounters(std::string_view display) {
+  absl::MutexLock lock(&LiveMu());
+  auto it = Live().find(display);
+  if (it == Live().end()) return std::nullopt;
+  return it->second->Counters();
+}
 
 std::optional<NcclPublisherCounters> PublisherCounters(const TransportPublisher& publisher) {
   const auto* p = dynamic_cast<const NcclPublisher*>(&publisher);

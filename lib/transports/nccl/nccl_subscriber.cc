@@ -125,7 +125,8 @@ class NcclSubscriber final : public TransportSubscriber {
   std::deque<Offer> offers_ ABSL_GUARDED_BY(mu_);
   // ABORTs received: (epoch, version) -> why (version 0: the communicator of that epoch).
   std::map<std::pair<uint64_t, uint64_t>, absl::Status> aborts_ ABSL_GUARDED_BY(mu_);
-  std::optional<std::pair<uint64_t, uint64_t>> started_ ABSL_GUARDED_BY(mu_);  // START
+  std::optional<std::pair<uint64_t, uint64_t>> started_ ABSL_GUARDED_BY(mu_);    // START
+  std::optional<std::pair<uint64_t, uint64_t>> committed_ ABSL_GUARDED_BY(mu_);  // COMMIT
   std::vector<std::shared_ptr<void>> slots_ ABSL_GUARDED_BY(mu_);
   uint64_t slot_size_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t newest_seen_ ABSL_GUARDED_BY(mu_) = 0;
@@ -347,6 +348,12 @@ absl::Status NcclSubscriber::Handle(const Frame& f) {
       started_ = std::make_pair(m->epoch, m->version);
       return absl::OkStatus();
     }
+    case MsgType::kCommit: {
+      absl::StatusOr<CommitMsg> m = DecodeCommit(f.payload);
+      if (!m.ok()) return malformed(m.status());
+      committed_ = std::make_pair(m->epoch, m->version);
+      return absl::OkStatus();
+    }
     case MsgType::kAbort: {
       absl::StatusOr<AbortMsg> m = DecodeAbort(f.payload);
       if (!m.ok()) return malformed(m.status());
@@ -527,7 +534,17 @@ absl::Status NcclSubscriber::Receive(const Offer& offer, absl::Span<std::byte* c
     return report(received);
   }
   if (offer.plan.buckets.empty()) WB_RETURN_IF_ERROR(SendNow(Encode(ReceivedMsg{version, 0})));
-  return absl::OkStatus();
+  // Kept only once every member has every bucket (COMMIT); an ABORT instead means the publish
+  // failed elsewhere, and this replica keeps the version it had.
+  return PollUntil(
+      RealClock(), deadline, nullptr, &watch,
+      [&]() -> absl::StatusOr<bool> { return committed_ == std::make_pair(offer.epoch, version); },
+      [&] {
+        return absl::StrFormat(
+            "%s: every bucket arrived, but %s did not confirm by the deadline "
+            "that every replica has them",
+            what, publisher_);
+      });
 }
 
 absl::StatusOr<std::unique_ptr<IncomingVersion>> NcclSubscriber::WaitForVersion(

@@ -66,7 +66,12 @@ struct NcclPublisherCounters {
   size_t last_buckets = 0;
 };
 // The counters of `publisher` when it is an nccl:// publisher made by OpenNcclPublisher (not
-// wrapped by a layer); nullopt otherwise. Safe while no Publish is in flight on it.
+// wrapped by a layer); nullopt otherwise. Thread-safe.
 std::optional<NcclPublisherCounters> PublisherCounters(const TransportPublisher& publisher);
+// The counters of this process's open nccl:// publisher of the channel `display` (the URI
+// without its query, e.g. "nccl://127.0.0.1:29600/policy"), if there is one: for tests and
+// benchmarks of publishers opened through the public API, whose transport they cannot reach.
+// Thread-safe.
+std::optional<NcclPublisherCounters> ChannelCounters(std::string_view display);
 
 }  // namespace weightbus::internal::nccl

@@ -59,6 +59,8 @@ std::string_view MsgTypeName(MsgType type) {
       return "ACCEPTED";
     case MsgType::kStart:
       return "START";
+    case MsgType::kCommit:
+      return "COMMIT";
   }
   return "UNKNOWN";
 }
@@ -145,6 +147,10 @@ std::string Encode(const AcceptedMsg& m) {
 
 std::string Encode(const StartMsg& m) {
   return Writer(MsgType::kStart).U64(m.epoch).U64(m.version).Finish();
+}
+
+std::string Encode(const CommitMsg& m) {
+  return Writer(MsgType::kCommit).U64(m.epoch).U64(m.version).Finish();
 }
 
 absl::StatusOr<HelloMsg> DecodeHello(std::string_view payload) {
@@ -270,6 +276,14 @@ absl::StatusOr<AcceptedMsg> DecodeAccepted(std::string_view payload) {
 absl::StatusOr<StartMsg> DecodeStart(std::string_view payload) {
   Fields f(MsgType::kStart, payload);
   StartMsg m;
+  m.epoch = f.U64("the epoch");
+  m.version = f.U64("the version");
+  return f.Done(m);
+}
+
+absl::StatusOr<CommitMsg> DecodeCommit(std::string_view payload) {
+  Fields f(MsgType::kCommit, payload);
+  CommitMsg m;
   m.epoch = f.U64("the epoch");
   m.version = f.U64("the version");
   return f.Done(m);

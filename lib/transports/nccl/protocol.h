@@ -16,6 +16,8 @@
 //                                     <-  START (every member is ready)
 //                  [ncclBroadcast of each bucket, root 0]
 //   RECEIVED (version, buckets done)  ->  after each bucket
+//                                     <-  COMMIT (every member has every bucket): only now
+//                                         does a replica hand the version to its core
 //   ACCEPTED (version)                ->  verified and handed over by the replica's core
 //                                     <-  ABORT (epoch, version, why): the version, or the
 //                                         communicator, is given up
@@ -55,6 +57,7 @@ enum class MsgType : uint8_t {
   kFailed = 10,     // rep -> pub: epoch, version, status code, message
   kAccepted = 11,   // rep -> pub: version (verified and handed over)
   kStart = 12,      // pub -> rep: epoch, version (every member is READY: post the broadcasts)
+  kCommit = 13,     // pub -> rep: epoch, version (every member received every bucket: keep it)
 };
 
 std::string_view MsgTypeName(MsgType type);
@@ -143,6 +146,10 @@ struct StartMsg {  // pub -> rep
   uint64_t epoch = 0;
   uint64_t version = 0;
 };
+struct CommitMsg {  // pub -> rep
+  uint64_t epoch = 0;
+  uint64_t version = 0;
+};
 
 std::string Encode(const HelloMsg& m);
 std::string Encode(const WelcomeMsg& m);
@@ -156,6 +163,7 @@ std::string Encode(const AbortMsg& m);
 std::string Encode(const FailedMsg& m);
 std::string Encode(const AcceptedMsg& m);
 std::string Encode(const StartMsg& m);
+std::string Encode(const CommitMsg& m);
 
 absl::StatusOr<HelloMsg> DecodeHello(std::string_view payload);
 absl::StatusOr<WelcomeMsg> DecodeWelcome(std::string_view payload);
@@ -169,6 +177,7 @@ absl::StatusOr<AbortMsg> DecodeAbort(std::string_view payload);
 absl::StatusOr<FailedMsg> DecodeFailed(std::string_view payload);
 absl::StatusOr<AcceptedMsg> DecodeAccepted(std::string_view payload);
 absl::StatusOr<StartMsg> DecodeStart(std::string_view payload);
+absl::StatusOr<CommitMsg> DecodeCommit(std::string_view payload);
 
 // The status a peer's ERROR, ABORT or FAILED carries (a known non-OK code as it is, anything
 // else `fallback`), its message prefixed with `prefix`.

@@ -132,7 +132,10 @@ TransportCapabilities NcclCapabilities(const Config&, const TransportCapabilitie
   c.cross_process = true;
   c.cancel = true;
   c.wait_for_receivers = true;  // ACCEPTED over the control connection
-  c.memory_kinds = TransportCapabilities::kHostMemory;
+  // Buckets are device memory: CUDA tensors are packed from, and CUDA destinations unpacked into,
+  // with device-to-device copies (cudaMemcpyAsync, cudaMemcpyDefault), host ones across PCIe.
+  c.publish_memory = TransportCapabilities::kHostMemory | TransportCapabilities::kCudaMemory;
+  c.fetch_memory = TransportCapabilities::kHostMemory | TransportCapabilities::kCudaMemory;
   return c;
 }
 

@@ -278,6 +278,10 @@ absl::Status Root::Publish(const Manifest& manifest, absl::Span<const std::byte*
     GiveUp(members, manifest.version, sent);
     return sent;
   }
+  // Every member has every bucket: they may keep the version now (and not before, so that a
+  // failed publish leaves every replica with the version it had).
+  const std::string commit = Encode(CommitMsg{epoch_, manifest.version});
+  for (uint64_t id : members) links_.Send(id, commit);
   return absl::OkStatus();
 }
 

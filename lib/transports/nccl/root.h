@@ -19,6 +19,9 @@
 //   3. Broadcast (pipeline.h). Any failure, timeout or peer death aborts the communicator
 //      (ncclCommAbort) and sends ABORT to the members still connected: their receive fails and
 //      they keep the version they had. The error names the bucket and the replicas behind.
+//   4. Commit. Once every member has received every bucket, COMMIT tells them to keep the
+//      version (a replica's Fetch returns only then), so a failed Publish leaves every replica
+//      with the version it had, even one that had all of the new version's bytes.
 // A member whose connection closes at any step fails that step at once (Unavailable naming it)
 // instead of at the deadline.
 #pragma once

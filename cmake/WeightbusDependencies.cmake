@@ -54,17 +54,44 @@ if(WEIGHTBUS_WITH_UCX)
   list(APPEND WEIGHTBUS_PKG_MODULES UCX)
 endif()
 
+# CUDA: the runtime (CUDA::cudart) and nvcc for the core's kernels (lib/core/cuda/kernels.cu:
+# device checksums, packing strided views). AUTO builds with CUDA when both are there.
 find_package(CUDAToolkit QUIET)
 set(_cuda_found ${CUDAToolkit_FOUND})
+if(_cuda_found AND NOT "${WEIGHTBUS_WITH_CUDA}" STREQUAL "OFF")
+  if(NOT CMAKE_CUDA_COMPILER AND CUDAToolkit_NVCC_EXECUTABLE)
+    set(CMAKE_CUDA_COMPILER ${CUDAToolkit_NVCC_EXECUTABLE})
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(NOT CMAKE_CUDA_COMPILER)
+    message(STATUS "weightbus: the CUDA runtime is there but no usable CUDA compiler (nvcc)")
+    set(_cuda_found OFF)
+  endif()
+endif()
 if(NOT _cuda_found)
   set(_cuda_found OFF)
 endif()
-weightbus_resolve_option(WEIGHTBUS_WITH_CUDA _cuda_found "the CUDA toolkit")
+weightbus_resolve_option(WEIGHTBUS_WITH_CUDA _cuda_found "the CUDA toolkit with nvcc")
+if(WEIGHTBUS_WITH_CUDA)
+  # Hopper (sm_90) and Ampere (sm_80) code, and PTX of sm_90 that the driver compiles for newer
+  # GPUs (Blackwell); a cache entry, so a build for other GPUs sets its own.
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES "80-real;90-real;90-virtual" CACHE STRING
+        "CUDA architectures of the core's kernels")
+  endif()
+  set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)  # the one CUDA::cudart the library links
+  set(CMAKE_CUDA_STANDARD 17)
+  set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+  enable_language(CUDA)
+  message(STATUS "weightbus: CUDA ${CUDAToolkit_VERSION}, kernels for ${CMAKE_CUDA_ARCHITECTURES}")
+endif()
 
-# nccl:// needs the CUDA runtime and NCCL (nccl.h and libnccl, looked for next to the CUDA
-# toolkit, under NCCL_ROOT, and in the system's paths).
+# nccl:// needs a build with CUDA (WEIGHTBUS_WITH_CUDA: CUDA=OFF means no CUDA at all) and NCCL
+# (nccl.h and libnccl, looked for next to the CUDA toolkit, under NCCL_ROOT, and in the system's
+# paths).
 set(_nccl_found OFF)
-if(_cuda_found)
+if(WEIGHTBUS_WITH_CUDA)
   find_path(WEIGHTBUS_NCCL_INCLUDE_DIR nccl.h
             HINTS ${NCCL_ROOT} ENV NCCL_ROOT ${CUDAToolkit_INCLUDE_DIRS}
             PATH_SUFFIXES include)
@@ -81,7 +108,8 @@ if(_cuda_found)
     endif()
   endif()
 endif()
-weightbus_resolve_option(WEIGHTBUS_WITH_NCCL _nccl_found "NCCL with the CUDA toolkit (nccl.h, libnccl)")
+weightbus_resolve_option(WEIGHTBUS_WITH_NCCL _nccl_found
+                         "NCCL with a CUDA build (WEIGHTBUS_WITH_CUDA; nccl.h, libnccl)")
 if(WEIGHTBUS_WITH_NCCL)
   list(APPEND WEIGHTBUS_TRANSPORTS nccl)
 endif()

@@ -33,8 +33,9 @@ if(WEIGHTBUS_SANITIZE)
     # Every UB report is an error (a test fails), not a line in a log.
     list(APPEND _wb_sanitize_flags -fno-sanitize-recover=undefined)
   endif()
-  # Directory-wide: every target defined after this (ours, and Abseil's when built in-tree).
-  add_compile_options(${_wb_sanitize_flags})
+  # Directory-wide: every target defined after this (ours, and Abseil's when built in-tree); C
+  # and C++ only (nvcc takes none of these; the device kernels are not instrumented).
+  add_compile_options("$<$<COMPILE_LANGUAGE:C,CXX>:${_wb_sanitize_flags}>")
   add_link_options(${_wb_sanitize_flags})
   message(STATUS "weightbus: sanitizers ${WEIGHTBUS_SANITIZE}")
 endif()

@@ -4,7 +4,8 @@
 # each, nothing compiled): WEIGHTBUS_WITH_DELTA=OFF leaves lib/delta, the delta layer and zstd out
 # of every target and the installed package files; WEIGHTBUS_WITH_DISK=OFF leaves lib/io, the
 # disk transport and liburing out; WEIGHTBUS_WITH_NCCL=OFF leaves the nccl transport, its tests
-# and libnccl out, and =ON fails the configure step where the CUDA toolkit or NCCL is missing.
+# and libnccl out, and =ON fails the configure step where the CUDA toolkit or NCCL is missing;
+# WEIGHTBUS_WITH_CUDA=OFF leaves the CUDA kernels and runtime out.
 # Usage: build_options_test.sh SOURCE_DIR
 set -euo pipefail
 src=$1
@@ -59,6 +60,18 @@ present default 'lib/io/file_io\.cc' "lib/io"
 grep -q -- '-lzstd' "$work/default/weightbus.pc" || fail "default: weightbus.pc lacks -lzstd"
 grep -q -- '-luring' "$work/default/weightbus.pc" || fail "default: weightbus.pc lacks -luring"
 
+# WEIGHTBUS_WITH_CUDA=OFF: no kernels, no nvcc, no CUDA runtime; core/cuda/device.cc is still
+# built (its calls answer Unimplemented naming the capability). AUTO builds them where nvcc is.
+configure nocuda -DWEIGHTBUS_WITH_CUDA=OFF
+absent nocuda 'core/cuda/kernels\.cu|nvcc' "the CUDA kernels"
+absent nocuda 'libcudart' "the CUDA runtime"
+absent nocuda 'transports/nccl/|libnccl' "nccl:// (it needs CUDA)"
+present nocuda 'core/cuda/device\.cc' "core/cuda/device.cc"
+present nocuda 'device_gating_test' "device_gating_test"
+if grep -q 'weightbus: CUDA .*, kernels for' "$work/default.log"; then  # AUTO found CUDA
+  present default 'core/cuda/kernels\.cu' "the CUDA kernels"
+fi
+
 # nccl:// is built where the CUDA toolkit and NCCL are found (AUTO).
 if grep -qE '^transports=.*\bnccl\b' "$work/default/weightbus.pc"; then
   present default 'transports/nccl/root\.cc' "the nccl transport"
@@ -71,6 +84,6 @@ if cmake -S "$src" -B "$work/nccl" -G Ninja -DWEIGHTBUS_PYTHON=/usr/bin/true \
      -DWEIGHTBUS_WITH_NCCL=ON -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON > "$work/nccl.log" 2>&1; then
   fail "WEIGHTBUS_WITH_NCCL=ON configured without the CUDA toolkit"
 fi
-grep -q 'WEIGHTBUS_WITH_NCCL=ON but NCCL with the CUDA toolkit' "$work/nccl.log" ||
+grep -q 'WEIGHTBUS_WITH_NCCL=ON but NCCL with a CUDA build' "$work/nccl.log" ||
   { cat "$work/nccl.log"; fail "WEIGHTBUS_WITH_NCCL=ON failed for another reason"; }
 echo "build_options_test: OK"

@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "core/cuda/device.h"
 #include "core/registry.h"
 #include "core/status.h"
 
@@ -44,6 +45,7 @@ struct ChannelState {
   std::deque<uint64_t> deliveries;
   std::optional<CodecStats> publish_codec, fetch_codec;
   std::string read_from;
+  std::vector<Seen> published_from, fetched_into;
 };
 
 namespace {
@@ -71,6 +73,15 @@ std::shared_ptr<ChannelState> Find(const std::string& name) ABSL_EXCLUSIVE_LOCKS
   return s;
 }
 
+// Copies `n` bytes between host and device memory (either side) with a stream of `device`'s, and
+// waits: what a transport that moves device memory does with the pointers it is handed.
+absl::Status CudaCopy(void* dst, const void* src, uint64_t n, int device, std::string_view what) {
+  WB_ASSIGN_OR_RETURN(std::unique_ptr<internal::cuda::Stream> stream,
+                      internal::cuda::Stream::Create(device));
+  WB_RETURN_IF_ERROR(internal::cuda::CopyAsync(dst, src, n, *stream, what));
+  return stream->Synchronize(what);
+}
+
 // Waits until `changes` moves past `seen` or `deadline` passes (false).
 bool AwaitChange(uint64_t seen, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(Mu()) {
   struct Arg {
@@ -91,7 +102,7 @@ std::string VersionList(const ChannelState& s) {
 // The switches of one channel's settings.
 struct Switches {
   bool cancel, committed_manifest, reads_strided_views, copies_with_checksums, keep_versions_from,
-      wait_for_receivers, open_version, list_versions, durable;
+      wait_for_receivers, open_version, list_versions, durable, cuda_memory;
   int64_t retention;
   uint64_t link_rate;  // bytes per second a Publish moves at most (0: as fast as memcpy)
 
@@ -105,6 +116,7 @@ struct Switches {
         open_version(c.Bool("open_version")),
         list_versions(c.Bool("list_versions")),
         durable(c.Bool("durable")),
+        cuda_memory(c.Bool("cuda_memory")),
         retention(c.Int("retention")),
         link_rate(c.Bytes("link_rate")) {}
 };
@@ -123,6 +135,10 @@ TransportCapabilities MemCapabilities(const Config& config, const TransportCapab
   c.cross_process = false;  // the channels are this process's memory
   c.durable = s.durable;
   c.late_joiners = true;
+  if (s.cuda_memory) {
+    c.publish_memory = c.fetch_memory =
+        TransportCapabilities::kHostMemory | TransportCapabilities::kCudaMemory;
+  }
   return c;
 }
 
@@ -175,6 +191,7 @@ class MemIncoming final : public IncomingVersion {
           absl::StrFormat("mem:///%s version %d: %d tensors stored, %d named", channel_->name,
                           manifest_.version, entry_->bytes.size(), manifest_.tensors.size()));
     }
+    channel_->fetched_into.clear();
     for (size_t i = 0; i < targets.size(); ++i) {
       const std::vector<std::byte>& b = entry_->bytes[i];
       if (b.size() != manifest_.tensors[i].nbytes) {
@@ -182,7 +199,17 @@ class MemIncoming final : public IncomingVersion {
                                                    DescribeSource(i), b.size(),
                                                    manifest_.tensors[i].nbytes));
       }
-      if (!b.empty()) std::memcpy(targets[i], b.data(), b.size());
+      const Device device = sink.TargetDevice(i);
+      if (targets[i] != nullptr || b.empty()) {
+        channel_->fetched_into.push_back(Seen{manifest_.tensors[i].name, targets[i], device});
+      }
+      if (device.type == DeviceType::kCuda) {
+        WB_RETURN_IF_ERROR(
+            CudaCopy(targets[i], b.data(), b.size(), device.index,
+                     absl::StrFormat("%s into CUDA device %d", DescribeSource(i), device.index)));
+      } else if (!b.empty()) {
+        std::memcpy(targets[i], b.data(), b.size());
+      }
       sink.Landed(i);
     }
     fetch_codec_ = channel_->fetch_codec;
@@ -244,11 +271,18 @@ class MemPublisher final : public TransportPublisher {
     auto entry = std::make_shared<Entry>();
     const absl::Span<const internal::PackedTensor> tensors = job.tensors();
     entry->bytes.resize(tensors.size());
+    std::vector<Seen> seen;
     for (size_t i = 0; i < tensors.size(); ++i) {
       const uint64_t n = tensors[i].info->nbytes;
       std::vector<std::byte>& dst = entry->bytes[i];
       dst.resize(n);
-      if (switches_.copies_with_checksums) {
+      seen.push_back(Seen{tensors[i].info->name, tensors[i].data, tensors[i].device});
+      if (tensors[i].device.type == DeviceType::kCuda) {  // declared with cuda_memory only
+        WB_RETURN_IF_ERROR(
+            CudaCopy(dst.data(), tensors[i].data, n, tensors[i].device.index,
+                     absl::StrFormat("mem:///%s: tensor \"%s\" from CUDA device %d", channel_->name,
+                                     tensors[i].info->name, tensors[i].device.index)));
+      } else if (switches_.copies_with_checksums) {
         const internal::CopyTarget piece{dst.data(), n};
         job.CopyWithChecksum(i, {&piece, 1});
       } else if (n > 0) {
@@ -269,6 +303,7 @@ class MemPublisher final : public TransportPublisher {
     }
     absl::MutexLock lock(&Mu());
     WB_RETURN_IF_ERROR(CheckCancelled());
+    channel_->published_from = std::move(seen);
     channel_->versions[job.version()] = std::move(entry);
     if (switches_.retention > 0) {
       while (static_cast<int64_t>(channel_->versions.size()) > switches_.retention) {
@@ -456,6 +491,9 @@ const internal::SettingTable& MemSettings() {
           {"durable", SettingType::kBool, "true",
            "versions outlive their publisher (false: cleared when it closes, as on ucx://)"},
           {"retention", SettingType::kInt, "0", "versions kept (0: all)"},
+          {"cuda_memory", SettingType::kBool, "false",
+           "declare kCudaMemory (publish_memory, fetch_memory): CUDA tensors reach Publish and "
+           "Fetch as device pointers, copied with CUDA (needs a GPU)"},
           {"link_rate", SettingType::kBytes, "0",
            "a slow link: Publish takes at least the version's bytes / this many bytes per "
            "second (0: no limit), for the delta layer's choice on a low-bandwidth path"},
@@ -507,6 +545,16 @@ void MemChannel::ReportCodecStats(internal::CodecStats publish, internal::CodecS
   absl::MutexLock lock(&Mu());
   state_->publish_codec = publish;
   state_->fetch_codec = fetch;
+}
+
+std::vector<Seen> MemChannel::PublishedFrom() const {
+  absl::MutexLock lock(&Mu());
+  return state_->published_from;
+}
+
+std::vector<Seen> MemChannel::FetchedInto() const {
+  absl::MutexLock lock(&Mu());
+  return state_->fetched_into;
 }
 
 void MemChannel::ReadFrom(const std::string& target) {

@@ -11,7 +11,10 @@
 // WEIGHTBUS_MEM_*), so tests exercise the core's and the layers' paths for transports without it:
 //   mem:///policy?cancel=false&open_version=false
 // The declared TransportCapabilities follow the settings. MemChannel below injects faults and
-// scripts deliveries from the test's side.
+// scripts deliveries from the test's side. With cuda_memory=true (off by default) it declares
+// kCudaMemory on both sides: Publish copies device tensors out of device memory and Fetch writes
+// device targets with CUDA copies, and the channel records what pointers it was handed
+// (MemChannel::PublishedFrom, FetchedInto) for the core's routing tests.
 #pragma once
 
 #include <cstddef>
@@ -32,6 +35,13 @@ namespace weightbus::testing::mem {
 const internal::SettingTable& MemSettings();
 
 struct ChannelState;
+
+// A tensor as the transport was handed it: where its bytes were (Publish) or went (Fetch).
+struct Seen {
+  std::string tensor;
+  const void* data = nullptr;
+  Device device;
+};
 
 // The test's handle on channel NAME (created if no publisher or subscriber opened it yet).
 // Thread-safe; every method takes effect for calls that start after it returns.
@@ -60,6 +70,10 @@ class MemChannel {
   // Subscribers of this channel receive channel `target`'s versions from now on (an empty
   // `target`: their own again); its publishers still publish here.
   void ReadFrom(const std::string& target);
+  // What the channel's last Publish read each tensor from, and its last Fetch wrote each into
+  // (in manifest order; a skipped target is not listed).
+  std::vector<Seen> PublishedFrom() const;
+  std::vector<Seen> FetchedInto() const;
 
  private:
   std::shared_ptr<ChannelState> state_;

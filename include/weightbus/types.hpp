@@ -82,8 +82,9 @@ enum class DeviceType : uint8_t {
   kCuda,
 };
 
-// Where a tensor's bytes live. Only kCpu is accepted by this build's transports; kCuda is
-// reserved for GPU transports and fails with Unimplemented elsewhere.
+// Where a tensor's bytes live: host memory (kCpu), or the memory of a CUDA device (kCuda), which
+// builds with CUDA accept on every transport (SupportsCudaTensors(); docs/TRANSPORTS.md,
+// "Device memory") and builds without refuse with Unimplemented.
 struct Device {
   DeviceType type = DeviceType::kCpu;
   int index = 0;  // CUDA device ordinal; 0 for CPU.

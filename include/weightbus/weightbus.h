@@ -249,9 +249,13 @@ typedef struct wb_publish_params {
   /* NULL, or one pointer per tensor: shards[i] describes tensors[i] as a shard, NULL there
    * publishes it whole. Appended in 0.1 (a caller's older, shorter struct means no shards). */
   const wb_shard_t* const* shards;
+  /* A cudaStream_t whose queued work produces the kDLCUDA tensors: the publish waits for it
+   * before reading them (NULL: each device's legacy default stream); ignored for host tensors
+   * and by wb_publisher_begin_publish. Appended later in 0.1. */
+  void* cuda_stream;
 } wb_publish_params_t;
 #define WB_PUBLISH_PARAMS_INIT \
-  { sizeof(wb_publish_params_t), NULL, 0, NULL, NULL }
+  { sizeof(wb_publish_params_t), NULL, 0, NULL, NULL, NULL }
 
 /* Parameters of wb_subscriber_bind. */
 typedef struct wb_bind_params {
@@ -359,11 +363,15 @@ WB_EXPORT wb_status_t wb_publisher_cancel(wb_publisher_t* publisher);
  * (unique, non-empty UTF-8). The bytes are read during the call only (non-contiguous tensors,
  * i.e. with strides, are gathered as they are sent, with at most a bounded window of extra
  * memory; byte_offset is honoured). `version` must be above every version on the channel, or
- * equal to the latest with the same bytes (a retry: WB_OK, nothing written). Errors:
- * WB_FAILED_PRECONDITION (version not above the latest), WB_INVALID_ARGUMENT (a bad name, dtype,
- * shape, strides or override, naming the tensor), WB_UNIMPLEMENTED (a device this build's
- * transports do not accept, e.g. kDLCUDA without a GPU transport), WB_DEADLINE_EXCEEDED,
- * WB_RESOURCE_EXHAUSTED (disk full), WB_INTERNAL. */
+ * equal to the latest with the same bytes (a retry: WB_OK, nothing written). kDLCUDA tensors
+ * (builds with CUDA, wb_supports_cuda_tensors; any strides) are read after the work queued on
+ * params->cuda_stream, in place by a transport that moves device memory and through pinned host
+ * memory by any other (Publisher::Publish in weightbus.hpp). Errors: WB_FAILED_PRECONDITION
+ * (version not above the latest; a CUDA device this process cannot use), WB_INVALID_ARGUMENT (a
+ * bad name, dtype, shape, strides or override, naming the tensor; kDLCUDA data that is not that
+ * device's memory), WB_UNIMPLEMENTED (a device this build does not accept: kDLCUDA without CUDA
+ * support, kDLOpenCL, ...), WB_DEADLINE_EXCEEDED, WB_RESOURCE_EXHAUSTED (disk, device or pinned
+ * memory full), WB_INTERNAL. */
 WB_EXPORT wb_status_t wb_publisher_publish(wb_publisher_t* publisher, uint64_t version,
                                            const char* const* names, const DLTensor* tensors,
                                            size_t num_tensors, const wb_publish_params_t* params,
@@ -540,8 +548,14 @@ WB_EXPORT wb_status_t wb_subscriber_cancel(wb_subscriber_t* subscriber);
  * instead of library memory, replacing an earlier binding. The memory must stay valid while
  * bound. Before any byte is written, each bound destination is checked against the manifest
  * (dtype, shape): a mismatch fails the wait with WB_INVALID_ARGUMENT naming both sides, and
- * nothing is written. Errors here: WB_INVALID_ARGUMENT (NULL data with a non-zero size, bad
- * shape, strides or override), WB_UNIMPLEMENTED (a device this build does not accept). */
+ * nothing is written. A kDLCUDA destination (builds with CUDA; any strides) is written on the
+ * library's own CUDA streams, which it waits for before a receive returns: in place or through
+ * device staging by a transport that moves device memory, else copied from verified host memory
+ * (Subscriber::Bind in weightbus.hpp); work the caller queued on it must be complete before the
+ * receive begins. Received tensors of such a binding are exposed as kDLCUDA. Errors here:
+ * WB_INVALID_ARGUMENT (NULL data with a non-zero size, bad shape, strides or override; kDLCUDA
+ * data that is not that device's memory), WB_UNIMPLEMENTED (a device this build does not
+ * accept), WB_FAILED_PRECONDITION (a CUDA device this process cannot use). */
 WB_EXPORT wb_status_t wb_subscriber_bind(wb_subscriber_t* subscriber, const char* name,
                                          const DLTensor* destination,
                                          const wb_bind_params_t* params);

@@ -151,7 +151,9 @@ class WB_EXPORT PublishStream {
   std::unique_ptr<Impl> impl_;
 };
 
-// Whether this build accepts CUDA tensors in PublishStream::Add (built with CUDA support).
+// Whether this build accepts CUDA tensors (TensorView::device / Destination::device kCuda) in
+// Publish, PublishStream::Add and Subscriber::Bind (built with CUDA support). Without it they
+// are Unimplemented.
 WB_EXPORT bool SupportsCudaTensors();
 
 // Publishes versions of a set of named tensors to one channel.
@@ -214,7 +216,7 @@ class WB_EXPORT Publisher {
   //
   // Errors: FailedPrecondition (version not above the latest, naming both); InvalidArgument for
   // an empty/duplicate/non-UTF-8 name, a bad shape, strides, shard or null data (naming the
-  // tensor); Unimplemented for a non-CPU tensor; DeadlineExceeded after `timeout` (for ucx:
+  // tensor); (CUDA tensors: below); DeadlineExceeded after `timeout` (for ucx:
   // also when every staging slot is still read by subscribers, naming them; for a group rank:
   // when other ranks' parts are not there by then, naming the version and the missing ranks;
   // this rank's part is withdrawn, so the version never becomes visible); for a group rank
@@ -223,8 +225,26 @@ class WB_EXPORT Publisher {
   // gap), naming the tensor, the ranks and their shapes, returned to every rank of the set, and
   // FailedPrecondition when ranks disagree on world_size; ResourceExhausted when the disk or
   // memory is full; Internal for other system errors.
+  //
+  // CUDA tensors (TensorView::device kCuda; builds with CUDA, SupportsCudaTensors()): any
+  // strides. Publish first waits for the work queued on the legacy default stream of each of
+  // their devices (the overload below takes the caller's stream instead), then moves them as the
+  // transport can: a transport that moves device memory (nccl) gets them in place, checksummed
+  // on the device (a strided view packed there first, into device memory freed before Publish
+  // returns); any other copies them into pinned host memory (kept for the next publish, so a
+  // trainer pins once) and proceeds as with host tensors (docs/TRANSPORTS.md, "Device memory").
+  // Their memory is read during the call only. Errors, naming the tensor: Unimplemented in a
+  // build without CUDA; FailedPrecondition for a device this process cannot use (no driver or
+  // GPU, CUDA_VISIBLE_DEVICES); InvalidArgument for data that is not that device's memory;
+  // ResourceExhausted when device or pinned memory runs out; Internal with CUDA's error.
   absl::Status Publish(uint64_t version, absl::Span<const TensorView> tensors,
                        const Metadata& metadata, absl::Duration timeout);
+  // As above, reading CUDA tensors after the work queued on `cuda_stream` (a cudaStream_t,
+  // e.g. torch.cuda.current_stream().cuda_stream; nullptr: each device's legacy default stream)
+  // when the call began: Publish synchronizes that stream, once. Tensors on other devices than
+  // the stream's must be complete when Publish is called.
+  absl::Status Publish(uint64_t version, absl::Span<const TensorView> tensors,
+                       const Metadata& metadata, absl::Duration timeout, void* cuda_stream);
 
   // Begins publishing `version` tensor by tensor (PublishStream): Add each tensor, then Commit
   // (or Abort). `metadata` is the version's, as for Publish. Errors: FailedPrecondition when the
@@ -371,8 +391,18 @@ class WB_EXPORT Subscriber {
   Subscriber& operator=(const Subscriber&) = delete;
 
   // Binds tensor `name` of future versions to `dest`, replacing an earlier binding.
-  // Errors: InvalidArgument for a null pointer with a non-zero size, a bad shape or strides;
-  // Unimplemented for a non-CPU destination.
+  //
+  // A CUDA destination (Destination::device kCuda; builds with CUDA), any strides, e.g. a model
+  // parameter (also one that requires grad: the library writes its memory, autograd is not
+  // involved): a transport that moves device memory writes it in place (bind_mode=direct) or
+  // into device staging on its device, verified on the device and then copied
+  // (bind_mode=staged); any other receives it into host memory, verifies it there and copies
+  // it to the device (docs/TRANSPORTS.md, "Device memory"). The library writes it on streams of
+  // its own and waits for them before a receive returns; work the caller queued that reads or
+  // writes it must be complete before the receive begins (e.g. between inference steps).
+  // Errors: InvalidArgument for a null pointer with a non-zero size, a bad shape or strides, a
+  // CUDA destination whose memory is not that device's; Unimplemented for a CUDA destination in
+  // a build without CUDA; FailedPrecondition for a CUDA device this process cannot use.
   absl::Status Bind(std::string name, Destination dest);
   void Unbind(std::string_view name);
   void UnbindAll();

@@ -632,7 +632,8 @@ absl::Status Publish(wb_publisher_t* publisher, uint64_t version, const char* co
     if (!view.ok()) return view.status();
     views.push_back(*std::move(view));
   }
-  return publisher->impl->Publish(version, views, *metadata, Timeout(timeout_ms));
+  return publisher->impl->Publish(version, views, *metadata, Timeout(timeout_ms),
+                                  params.cuda_stream);
 }
 
 // Hands a received version (or, polling, none) to the caller as *update.
@@ -671,7 +672,8 @@ absl::Status HandOver(absl::StatusOr<std::unique_ptr<wb::Update>> received, wb_u
     c.shape = v.shape;
     c.strides = v.strides;
     c.dl.data = const_cast<void*>(v.data);
-    c.dl.device = DLDevice{kDLCPU, 0};
+    c.dl.device = v.device.type == wb::DeviceType::kCuda ? DLDevice{kDLCUDA, v.device.index}
+                                                         : DLDevice{kDLCPU, 0};
     c.dl.ndim = static_cast<int>(c.shape.size());
     c.dl.dtype = ToDLDataType(v.dtype);
     c.dl.shape = c.shape.empty() ? nullptr : c.shape.data();

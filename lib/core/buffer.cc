@@ -7,6 +7,7 @@
 #include <cerrno>
 
 #include "absl/strings/str_format.h"
+#include "core/cuda/device.h"
 #include "core/status.h"
 
 namespace weightbus::internal {
@@ -26,7 +27,15 @@ absl::StatusOr<std::unique_ptr<HostBuffer>> HostBuffer::Allocate(size_t size) {
 }
 
 HostBuffer::~HostBuffer() {
+  if (pinned_) cuda::UnregisterHost(data_);
   if (data_ != nullptr) munmap(data_, size_);
+}
+
+absl::Status HostBuffer::Pin() {
+  if (pinned_ || data_ == nullptr) return absl::OkStatus();
+  if (absl::Status s = cuda::RegisterHost(data_, size_); !s.ok()) return s;
+  pinned_ = true;
+  return absl::OkStatus();
 }
 
 std::shared_ptr<BufferPool> BufferPool::Create(size_t max_idle) {

@@ -23,10 +23,17 @@ class HostBuffer {
   std::byte* data() const { return data_; }
   size_t size() const { return size_; }
 
+  // Page-locks the buffer for copies to and from CUDA devices (core/cuda/device.h RegisterHost),
+  // once: a recycled buffer stays pinned until it is freed. Errors: those of RegisterHost
+  // (Unimplemented without CUDA support). Not thread-safe with itself.
+  absl::Status Pin();
+  bool pinned() const { return pinned_; }
+
  private:
   HostBuffer(std::byte* data, size_t size) : data_(data), size_(size) {}
   std::byte* data_;
   size_t size_;
+  bool pinned_ = false;
 };
 
 // Hands out buffers of at least a requested size; a buffer returns to the pool when the last

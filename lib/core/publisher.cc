@@ -6,6 +6,8 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <set>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -20,6 +22,8 @@
 #include "core/channel_setup.h"
 #include "core/checksum.h"
 #include "core/content.h"
+#include "core/cuda/device.h"
+#include "core/device_routing.h"
 #include "core/failpoint.h"
 #include "core/registry.h"
 #include "core/spool.h"
@@ -83,6 +87,8 @@ class Job final : public internal::PublishJob {
           absl::StrFormat("version %d: checksums of %d tensors not finished by the deadline",
                           manifest_.version, manifest_.tensors.size()));
     }
+    // A checksum that could not be computed (on a CUDA device) leaves the manifest unsealed.
+    WB_RETURN_IF_ERROR(HashStatus());
     if (manifest_.sealed_unix_ns == 0) manifest_.sealed_unix_ns = absl::ToUnixNanos(absl::Now());
     // A shared-secret channel: the MAC over the sealed manifest, which subscribers check before
     // accepting any byte of the version, whatever the transport beneath (core/secret.h).
@@ -144,6 +150,7 @@ class Job final : public internal::PublishJob {
     pool_ = &pool;
     copy_mode_ = copy_mode;
     claimed_ = std::vector<std::atomic<bool>>(packed_.size());
+    HashDeviceTensors();
     if (spool_ != nullptr) {  // checksummed as they were added: nothing left to hash
       for (std::atomic<bool>& c : claimed_) c = true;
       copy_mode_ = false;
@@ -168,10 +175,20 @@ class Job final : public internal::PublishJob {
   // Checksum tasks read the caller's memory: Publish never returns before they end.
   void WaitHashingDone() { hashing_.WaitUntilZero(absl::InfiniteFuture()); }
 
+  // The first error computing a checksum on a CUDA device.
+  absl::Status HashStatus() const {
+    absl::MutexLock lock(&read_mu_);
+    return hash_status_;
+  }
+
   Manifest manifest_;
   std::vector<PackedTensor> packed_;
   std::vector<const TensorView*> views_;  // the caller's views, for gathering strided ones
   std::unique_ptr<internal::HostBuffer> pack_buffer_;
+  // Held until Publish returns: strided CUDA views packed on their devices (for a transport that
+  // reads device memory), and the pinned host copy of CUDA tensors (for one that does not).
+  std::vector<std::unique_ptr<internal::cuda::DeviceBuffer>> device_packs_;
+  std::shared_ptr<internal::HostBuffer> cuda_staging_;
   const internal::ChannelKey* key_ = nullptr;  // the channel's, when it has a shared secret
   // A streamed version's bytes (PublishStream), read back with CopyRange where data is nullptr.
   internal::TensorSpool* spool_ = nullptr;
@@ -185,6 +202,40 @@ class Job final : public internal::PublishJob {
 
  private:
   static constexpr uint64_t kBlock = 256 * 1024;  // copied or gathered, then hashed from L2
+
+  // Tensors in device memory (handed to a transport that reads it) are checksummed there, one
+  // task per device, as the transport works (docs/FORMAT.md, "Checksums of device memory").
+  void HashDeviceTensors() {
+    std::map<int, std::vector<size_t>> by_device;
+    for (size_t i = 0; i < packed_.size(); ++i) {
+      if (packed_[i].device.type != DeviceType::kCuda) continue;
+      claimed_[i] = true;
+      by_device[packed_[i].device.index].push_back(i);
+    }
+    hashing_.Add(static_cast<int>(by_device.size()));
+    for (auto& [device, list] : by_device) {
+      pool_->Submit([this, device = device, list = std::move(list)] {
+        std::vector<internal::cuda::DeviceBytes> bytes;
+        bytes.reserve(list.size());
+        for (size_t i : list) bytes.push_back({packed_[i].data, manifest_.tensors[i].nbytes});
+        absl::StatusOr<std::vector<internal::TensorChecksums>> sums =
+            internal::cuda::Checksum(bytes, checksum_block_, device);
+        if (sums.ok()) {
+          for (size_t k = 0; k < list.size(); ++k) SetChecksum(list[k], std::move((*sums)[k]));
+        } else {
+          absl::MutexLock lock(&read_mu_);
+          if (hash_status_.ok()) {
+            hash_status_ = internal::Annotate(
+                sums.status(), absl::StrFormat("version %d: checksums of %d tensors on CUDA "
+                                               "device %d (first: \"%s\")",
+                                               manifest_.version, list.size(), device,
+                                               manifest_.tensors[list.front()].name));
+          }
+        }
+        hashing_.Done();
+      });
+    }
+  }
 
   void HashUnclaimed(bool skip_strided = false) {
     std::vector<size_t> order;
@@ -218,6 +269,7 @@ class Job final : public internal::PublishJob {
 
   mutable absl::Mutex read_mu_;
   mutable absl::Status read_status_ ABSL_GUARDED_BY(read_mu_);
+  absl::Status hash_status_ ABSL_GUARDED_BY(read_mu_);
   internal::WorkerPool* pool_ = nullptr;
   bool copy_mode_ = false;
   bool deferred_ = false;  // strided views left for the transport to checksum
@@ -251,8 +303,19 @@ class Publisher::Impl : public internal::ChannelSetup {
   std::shared_ptr<StreamLink> stream ABSL_GUARDED_BY(mu);
   std::optional<uint64_t> stream_version ABSL_GUARDED_BY(mu);
 
+  // Host copies of CUDA tensors for a transport that reads host memory only: pinned once, reused
+  // by the next publishes (a trainer publishes the same sizes every step).
+  std::shared_ptr<internal::BufferPool> cuda_staging_pool = internal::BufferPool::Create(1);
+
   absl::Status Publish(uint64_t version, absl::Span<const TensorView> tensors,
-                       const Metadata& metadata, absl::Duration timeout);
+                       const Metadata& metadata, absl::Duration timeout, void* cuda_stream);
+  // Hands the job's CUDA tensors (tensors[i] with a kCuda device) over by what the stack reads
+  // (publish_memory): their device pointers (strided views packed on their device first), or
+  // copies in pinned host memory. Waits for the caller's `cuda_stream` first, and for every
+  // copy and kernel it queued before it returns. Errors name the tensor: NotBuilt, those of
+  // cuda::CheckDevicePointer, ResourceExhausted, Internal with CUDA's error.
+  absl::Status PrepareCudaTensors(Job& job, absl::Span<const TensorView> tensors, void* cuda_stream,
+                                  const std::string& where);
   // FailedPrecondition when `version` is below the channel's latest, naming both.
   absl::Status CheckVersion(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // InvalidArgument for a reserved metadata key or one that is not valid UTF-8.
@@ -275,24 +338,19 @@ class Publisher::Impl : public internal::ChannelSetup {
 
 namespace {
 
-// The manifest entry of `view`, validated as Publish validates each tensor (`cuda_ok`: a CUDA
-// view is accepted, PublishStream copying it), its name added to `names` (InvalidArgument when
-// already there). `where` prefixes errors ("<uri> version 7").
-absl::StatusOr<TensorInfo> CheckTensor(const TensorView& view, bool cuda_ok, int owner,
+// The manifest entry of `view`, validated as Publish validates each tensor (`stream`: for a
+// PublishStream, whose CUDA tensors must be contiguous), its name added to `names`
+// (InvalidArgument when already there). `where` prefixes errors ("<uri> version 7").
+absl::StatusOr<TensorInfo> CheckTensor(const TensorView& view, bool stream, int owner,
                                        absl::flat_hash_set<std::string>& names,
                                        std::string_view where) {
-  absl::StatusOr<uint64_t> nbytes;
-  if (cuda_ok && view.device.type == DeviceType::kCuda) {
-    TensorView host = view;
-    host.device = Device{};
-    nbytes = internal::ValidateView(host);
-    if (nbytes.ok() && !IsContiguous(view.shape, view.strides)) {
-      nbytes = absl::InvalidArgumentError(absl::StrFormat(
-          "tensor \"%s\": a CUDA tensor must be contiguous (make it so on the device first)",
-          view.name));
-    }
-  } else {
-    nbytes = internal::ValidateView(view);
+  absl::StatusOr<uint64_t> nbytes = internal::ValidateView(view);
+  if (nbytes.ok() && stream && view.device.type == DeviceType::kCuda &&
+      !IsContiguous(view.shape, view.strides)) {
+    nbytes = absl::InvalidArgumentError(absl::StrFormat(
+        "tensor \"%s\": a CUDA tensor added to a stream must be contiguous (make it so on the "
+        "device first, or publish it with Publish, which packs strided CUDA views)",
+        view.name));
   }
   if (!nbytes.ok()) return internal::Annotate(nbytes.status(), where);
   if (!names.insert(view.name).second) {
@@ -386,9 +444,15 @@ void Publisher::Cancel() {
 
 absl::Status Publisher::Publish(uint64_t version, absl::Span<const TensorView> tensors,
                                 const Metadata& metadata, absl::Duration timeout) {
+  return Publish(version, tensors, metadata, timeout, /*cuda_stream=*/nullptr);
+}
+
+absl::Status Publisher::Publish(uint64_t version, absl::Span<const TensorView> tensors,
+                                const Metadata& metadata, absl::Duration timeout,
+                                void* cuda_stream) {
   internal::CallScope scope(*impl_->gate, "Publish");
   if (!scope.status().ok()) return scope.status();
-  return impl_->Publish(version, tensors, metadata, timeout);
+  return impl_->Publish(version, tensors, metadata, timeout, cuda_stream);
 }
 
 absl::Status Publisher::Impl::CheckVersion(uint64_t version) const {
@@ -429,7 +493,8 @@ Manifest Publisher::Impl::NewManifest(uint64_t version, const Metadata& metadata
 }
 
 absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorView> tensors,
-                                      const Metadata& metadata, absl::Duration timeout) {
+                                      const Metadata& metadata, absl::Duration timeout,
+                                      void* cuda_stream) {
   const absl::Time start = absl::Now();
   const absl::Time deadline = start + timeout;
   absl::MutexLock lock(&mu);
@@ -451,8 +516,10 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   uint64_t pack_bytes = 0;
   for (const TensorView& view : tensors) {
     WB_ASSIGN_OR_RETURN(TensorInfo info,
-                        CheckTensor(view, /*cuda_ok=*/false, identity.rank, names, where));
-    if (!IsContiguous(view.shape, view.strides)) pack_bytes += (info.nbytes + 63) & ~uint64_t{63};
+                        CheckTensor(view, /*stream=*/false, identity.rank, names, where));
+    if (view.device.type == DeviceType::kCpu && !IsContiguous(view.shape, view.strides)) {
+      pack_bytes += (info.nbytes + 63) & ~uint64_t{63};
+    }
     m.tensors.push_back(std::move(info));
   }
   WB_RETURN_IF_ERROR(CheckMetadata(version, metadata));
@@ -472,6 +539,7 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
     const TensorView& v = tensors[i];
     job.packed_[i].info = &m.tensors[i];
     job.views_[i] = &v;
+    if (v.device.type == DeviceType::kCuda) continue;  // PrepareCudaTensors
     if (IsContiguous(v.shape, v.strides)) {
       job.packed_[i].data = static_cast<const std::byte*>(v.data);
       continue;
@@ -482,7 +550,145 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
     job.packed_[i].data = dst;
     pack_offset += (m.tensors[i].nbytes + 63) & ~uint64_t{63};
   }
+  WB_RETURN_IF_ERROR(PrepareCudaTensors(job, tensors, cuda_stream, where));
   return PublishBuiltJob(job, start, absl::Now() - pack_start, deadline);
+}
+
+absl::Status Publisher::Impl::PrepareCudaTensors(Job& job, absl::Span<const TensorView> tensors,
+                                                 void* cuda_stream, const std::string& where) {
+  namespace cuda = internal::cuda;
+  std::vector<size_t> on_cuda;
+  std::set<int> devices;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorView& v = tensors[i];
+    if (v.device.type != DeviceType::kCuda) continue;
+    const std::string what = absl::StrFormat("%s: tensor \"%s\"", where, v.name);
+    WB_RETURN_IF_ERROR(job.manifest_.tensors[i].nbytes > 0
+                           ? cuda::CheckDevicePointer(v.data, v.device.index, what)
+                           : cuda::CheckDevice(v.device.index, what));
+    on_cuda.push_back(i);
+    devices.insert(v.device.index);
+  }
+  if (on_cuda.empty()) return absl::OkStatus();
+  // The caller's work that produces the tensors: its stream, or each device's legacy default
+  // stream. Everything below then runs on the core's own streams.
+  if (cuda_stream != nullptr) {
+    WB_RETURN_IF_ERROR(cuda::SynchronizeCallerStream(
+        cuda_stream, *devices.begin(),
+        absl::StrFormat("%s: waiting for the caller's CUDA stream", where)));
+  } else {
+    for (int d : devices) {
+      WB_RETURN_IF_ERROR(cuda::SynchronizeCallerStream(
+          nullptr, d,
+          absl::StrFormat("%s: waiting for the legacy default stream of CUDA device %d", where,
+                          d)));
+    }
+  }
+  auto elements = [&](size_t i) {
+    return tensors[i].shape.empty() ? uint64_t{1}
+                                    : job.manifest_.tensors[i].nbytes / DTypeSize(tensors[i].dtype);
+  };
+  auto aligned = [](uint64_t n) { return (n + 255) & ~uint64_t{255}; };
+  // Declared before the streams, so that the streams (whose destructors wait for their work)
+  // go first on every return: nothing queued outlives the scratch it writes.
+  std::map<int, std::unique_ptr<cuda::DeviceBuffer>> scratch;
+  std::map<int, std::unique_ptr<cuda::Stream>> streams;
+  for (int d : devices) {
+    WB_ASSIGN_OR_RETURN(streams[d], cuda::Stream::Create(d));
+  }
+  // Sizes first: device buffers for strided views packed on their device, pinned host memory
+  // for every copy to the host, and a device scratch chunk for views gathered into it.
+  constexpr uint64_t kChunk = uint64_t{64} << 20;
+  std::vector<internal::CudaTensorRoute> route(tensors.size());
+  std::map<int, uint64_t> pack_bytes, chunk_bytes;
+  uint64_t staging_bytes = 0;
+  for (size_t i : on_cuda) {
+    const TensorView& v = tensors[i];
+    const uint64_t n = job.manifest_.tensors[i].nbytes;
+    route[i] = internal::RouteCudaTensor(capabilities, v);
+    switch (route[i]) {
+      case internal::CudaTensorRoute::kInPlace:
+        break;
+      case internal::CudaTensorRoute::kPackOnDevice:
+        pack_bytes[v.device.index] += aligned(n);
+        break;
+      case internal::CudaTensorRoute::kGatherToPinned:
+        chunk_bytes[v.device.index] = std::max(chunk_bytes[v.device.index], std::min(kChunk, n));
+        [[fallthrough]];
+      case internal::CudaTensorRoute::kCopyToPinned:
+        staging_bytes += aligned(n);
+        break;
+    }
+  }
+  std::map<int, std::byte*> pack_at;
+  for (const auto& [d, bytes] : pack_bytes) {
+    WB_ASSIGN_OR_RETURN(std::unique_ptr<cuda::DeviceBuffer> buffer,
+                        cuda::DeviceBuffer::Allocate(bytes, d));
+    pack_at[d] = buffer->data();
+    job.device_packs_.push_back(std::move(buffer));
+  }
+  for (const auto& [d, bytes] : chunk_bytes) {
+    WB_ASSIGN_OR_RETURN(scratch[d], cuda::DeviceBuffer::Allocate(bytes, d));
+  }
+  std::byte* staged_at = nullptr;
+  if (staging_bytes > 0) {
+    WB_ASSIGN_OR_RETURN(job.cuda_staging_, cuda_staging_pool->Get(staging_bytes));
+    // Unpinned memory still works (the driver stages it), only slower and synchronously.
+    (void)job.cuda_staging_->Pin();
+    staged_at = job.cuda_staging_->data();
+  }
+  for (size_t i : on_cuda) {
+    const TensorView& v = tensors[i];
+    const uint64_t n = job.manifest_.tensors[i].nbytes;
+    const size_t elem = DTypeSize(v.dtype);
+    const cuda::Stream& stream = *streams[v.device.index];
+    PackedTensor& p = job.packed_[i];
+    const std::string what =
+        absl::StrFormat("%s: tensor \"%s\" (%d bytes on CUDA device %d, %s)", where, v.name, n,
+                        v.device.index, internal::RouteName(route[i]));
+    switch (route[i]) {
+      case internal::CudaTensorRoute::kInPlace:
+        p.data = static_cast<const std::byte*>(v.data);
+        p.device = v.device;
+        break;
+      case internal::CudaTensorRoute::kPackOnDevice: {
+        std::byte* dst = pack_at[v.device.index];
+        pack_at[v.device.index] += aligned(n);
+        WB_RETURN_IF_ERROR(internal::Annotate(
+            cuda::Gather(v.data, elem, v.shape, v.strides, 0, elements(i), dst, stream), what));
+        p.data = dst;
+        p.device = v.device;
+        break;
+      }
+      case internal::CudaTensorRoute::kCopyToPinned:
+        WB_RETURN_IF_ERROR(cuda::CopyAsync(staged_at, v.data, n, stream, what));
+        p.data = staged_at;
+        p.device = Device{};
+        staged_at += aligned(n);
+        break;
+      case internal::CudaTensorRoute::kGatherToPinned: {
+        const cuda::DeviceBuffer& chunk = *scratch[v.device.index];
+        const uint64_t per_chunk = std::max<uint64_t>(1, chunk.size() / elem);
+        for (uint64_t first = 0; first < elements(i); first += per_chunk) {
+          const uint64_t count = std::min(per_chunk, elements(i) - first);
+          WB_RETURN_IF_ERROR(internal::Annotate(
+              cuda::Gather(v.data, elem, v.shape, v.strides, first, count, chunk.data(), stream),
+              what));
+          WB_RETURN_IF_ERROR(
+              cuda::CopyAsync(staged_at + first * elem, chunk.data(), count * elem, stream, what));
+        }
+        p.data = staged_at;
+        p.device = Device{};
+        staged_at += aligned(n);
+        break;
+      }
+    }
+  }
+  for (auto& [d, stream] : streams) {
+    WB_RETURN_IF_ERROR(stream->Synchronize(
+        absl::StrFormat("%s: waiting for the copies of CUDA tensors on device %d", where, d)));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Publisher::Impl::PublishBuiltJob(Job& job, absl::Time start, absl::Duration pack_time,
@@ -660,8 +866,19 @@ absl::Status PublishStream::Add(const TensorView& tensor, void* cuda_stream) {
         absl::StrFormat("%s: tensor \"%s\" would be tensor %d, above the limit of %d", s.where,
                         tensor.name, s.tensors.size() + 1, kMaxTensors));
   }
-  WB_ASSIGN_OR_RETURN(TensorInfo info, CheckTensor(tensor, /*cuda_ok=*/true, owner->identity.rank,
-                                                   s.names, s.where));
+  WB_ASSIGN_OR_RETURN(TensorInfo info,
+                      CheckTensor(tensor, /*stream=*/true, owner->identity.rank, s.names, s.where));
+  if (tensor.device.type == DeviceType::kCuda && info.nbytes > 0) {
+    // A device this process cannot use, or memory that is not the device's: nothing was added
+    // and the stream stays open.
+    if (absl::Status usable = internal::cuda::CheckDevicePointer(
+            tensor.data, tensor.device.index,
+            absl::StrFormat("%s: tensor \"%s\"", s.where, tensor.name));
+        !usable.ok()) {
+      s.names.erase(tensor.name);
+      return usable;
+    }
+  }
   absl::Status status =
       tensor.device.type == DeviceType::kCuda
           ? s.spool->AddCuda(tensor.data, info.nbytes, tensor.device.index, cuda_stream)
@@ -750,7 +967,7 @@ uint64_t PublishStream::bytes() const {
   return impl_->spool ? impl_->spool->bytes() : 0;
 }
 
-bool SupportsCudaTensors() { return internal::SpoolSupportsCuda(); }
+bool SupportsCudaTensors() { return internal::cuda::Built(); }
 
 absl::Status Publisher::WaitForReceivers(uint64_t version, int count, absl::Duration timeout) {
   internal::CallScope scope(*impl_->gate, "WaitForReceivers");

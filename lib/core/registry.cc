@@ -271,7 +271,8 @@ SealedPublishJob::SealedPublishJob(Manifest manifest, std::vector<const std::byt
     : manifest_(std::move(manifest)) {
   packed_.reserve(manifest_.tensors.size());
   for (size_t i = 0; i < manifest_.tensors.size(); ++i) {
-    packed_.push_back(PackedTensor{&manifest_.tensors[i], i < data.size() ? data[i] : nullptr});
+    packed_.push_back(
+        PackedTensor{&manifest_.tensors[i], i < data.size() ? data[i] : nullptr, Device{}});
   }
 }
 

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstring>
 #include <future>
+#include <map>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
@@ -18,6 +19,8 @@
 #include "core/channel_setup.h"
 #include "core/checksum.h"
 #include "core/content.h"
+#include "core/cuda/device.h"
+#include "core/device_routing.h"
 #include "core/failpoint.h"
 #include "core/parts.h"
 #include "core/registry.h"
@@ -39,15 +42,23 @@ uint64_t AlignUp(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
 class Verifier final : public internal::LandingSink {
  public:
   // `needed[i]` false: tensor i is not fetched (a replica read from another rank) and not checked.
+  // `devices[i]`: where targets[i] lives (empty: every target is host memory); device targets
+  // are checksummed on their device.
   Verifier(const Manifest& manifest, const std::vector<std::byte*>& targets,
-           const std::vector<bool>& needed, internal::WorkerPool& pool)
+           const std::vector<bool>& needed, const std::vector<Device>& devices,
+           internal::WorkerPool& pool)
       : manifest_(manifest),
         targets_(targets),
         needed_(needed),
+        devices_(devices),
         pool_(pool),
         actual_(manifest.tensors.size(), 0),
         landed_(manifest.tensors.size()),
         progress_(manifest.tensors.size()) {}
+
+  Device TargetDevice(size_t i) const override {
+    return i < devices_.size() ? devices_[i] : Device{};
+  }
 
   void Landed(size_t i) override {
     if (!needed_[i] || landed_[i].exchange(true))
@@ -57,6 +68,25 @@ class Verifier final : public internal::LandingSink {
       return;
     }
     pending_.Add();
+    if (const Device d = TargetDevice(i); d.type == DeviceType::kCuda) {
+      pool_.Submit([this, i, d] {
+        const internal::cuda::DeviceBytes bytes{targets_[i], manifest_.tensors[i].nbytes};
+        absl::StatusOr<std::vector<internal::TensorChecksums>> sums =
+            internal::cuda::Checksum({&bytes, 1}, 0, d.index);
+        if (sums.ok()) {
+          actual_[i] = (*sums)[0].xxh3;
+        } else {
+          absl::MutexLock lock(&error_mu_);
+          if (error_.ok()) {
+            error_ = internal::Annotate(sums.status(),
+                                        absl::StrFormat("verifying tensor \"%s\" on CUDA device %d",
+                                                        manifest_.tensors[i].name, d.index));
+          }
+        }
+        pending_.Done();
+      });
+      return;
+    }
     pool_.Submit([this, i] {
       actual_[i] = internal::Xxh3(targets_[i], manifest_.tensors[i].nbytes);
       pending_.Done();
@@ -64,7 +94,8 @@ class Verifier final : public internal::LandingSink {
   }
 
   void LandedPrefix(size_t i, uint64_t bytes) override {
-    if (!needed_[i] || landed_[i].load() || bytes == 0 || bytes >= manifest_.tensors[i].nbytes)
+    if (!needed_[i] || landed_[i].load() || bytes == 0 || bytes >= manifest_.tensors[i].nbytes ||
+        TargetDevice(i).type == DeviceType::kCuda)
       return;
     if (progress_[i] == nullptr) progress_[i] = std::make_unique<Progress>();
     Advance(i, bytes, /*complete=*/false);
@@ -72,6 +103,12 @@ class Verifier final : public internal::LandingSink {
 
   // Waits for every queued checksum (they read buffers the caller may free afterwards).
   void Drain() { pending_.WaitUntilZero(absl::InfiniteFuture()); }
+
+  // After Drain: a checksum that could not be computed (on a CUDA device).
+  absl::Status error() const {
+    absl::MutexLock lock(&error_mu_);
+    return error_;
+  }
 
   // After Drain: the first tensor never reported or whose checksum differs, or -1.
   std::optional<size_t> FirstFailure(bool* never_landed) const {
@@ -137,7 +174,10 @@ class Verifier final : public internal::LandingSink {
   const Manifest& manifest_;
   const std::vector<std::byte*>& targets_;
   const std::vector<bool>& needed_;
+  const std::vector<Device>& devices_;
   internal::WorkerPool& pool_;
+  mutable absl::Mutex error_mu_;
+  absl::Status error_ ABSL_GUARDED_BY(error_mu_);
   std::vector<uint64_t> actual_;
   std::vector<std::atomic<bool>> landed_;
   // Set by the transport's thread before the tensor's first prefix task; read by tasks after.
@@ -148,6 +188,70 @@ class Verifier final : public internal::LandingSink {
 struct Binding {
   Destination dest;
   uint64_t nbytes = 0;
+  bool cuda() const { return dest.device.type == DeviceType::kCuda; }
+};
+
+// Copies verified bytes into CUDA destinations (docs/TRANSPORTS.md, "Device memory"), on one
+// stream of the core's per device, and waits for them in Finish (or on destruction). Not
+// thread-safe.
+class CudaCopyOut {
+ public:
+  // Copies the `nbytes` packed row-major bytes of a tensor (or a part of one) of `shape` at
+  // `src` (host memory, or device memory when `src_on_device`) into the destination whose
+  // element for the first of them is at `dst` with element `strides` (empty: row-major), on
+  // CUDA device `device`: one copy when the destination is contiguous, else the scatter kernel
+  // (from host memory through a device scratch buffer of at most 64 MiB, a chunk at a time).
+  absl::Status Copy(const std::byte* src, bool src_on_device, DType dtype,
+                    const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+                    uint64_t nbytes, void* dst, int device) {
+    if (nbytes == 0) return absl::OkStatus();
+    std::unique_ptr<internal::cuda::Stream>& stream = streams_[device];
+    if (stream == nullptr) {
+      WB_ASSIGN_OR_RETURN(stream, internal::cuda::Stream::Create(device));
+    }
+    const std::string what = absl::StrFormat(
+        "copying %d verified bytes into a destination on CUDA device %d", nbytes, device);
+    if (IsContiguous(shape, strides)) {
+      return internal::cuda::CopyAsync(dst, src, nbytes, *stream, what);
+    }
+    const size_t elem = DTypeSize(dtype);
+    uint64_t count = 1;
+    for (int64_t d : shape) count *= static_cast<uint64_t>(d);
+    if (src_on_device) {
+      return internal::cuda::Scatter(src, elem, shape, strides, 0, count, dst, *stream);
+    }
+    constexpr uint64_t kChunk = uint64_t{64} << 20;
+    std::unique_ptr<internal::cuda::DeviceBuffer>& scratch = scratch_[device];
+    const uint64_t want = std::min(kChunk, nbytes);
+    if (scratch == nullptr || scratch->size() < want) {
+      WB_RETURN_IF_ERROR(stream->Synchronize(what));  // the old scratch may still be read
+      scratch.reset();
+      WB_ASSIGN_OR_RETURN(scratch, internal::cuda::DeviceBuffer::Allocate(want, device));
+    }
+    const uint64_t per_chunk = std::max<uint64_t>(1, scratch->size() / elem);
+    for (uint64_t first = 0; first < count; first += per_chunk) {
+      const uint64_t n = std::min(per_chunk, count - first);
+      WB_RETURN_IF_ERROR(
+          internal::cuda::CopyAsync(scratch->data(), src + first * elem, n * elem, *stream, what));
+      WB_RETURN_IF_ERROR(
+          internal::cuda::Scatter(scratch->data(), elem, shape, strides, first, n, dst, *stream));
+    }
+    return absl::OkStatus();
+  }
+
+  // Waits for every copy queued.
+  absl::Status Finish() {
+    for (auto& [device, stream] : streams_) {
+      WB_RETURN_IF_ERROR(stream->Synchronize(
+          absl::StrFormat("waiting for the copies into destinations on CUDA device %d", device)));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  // Declared first: the streams (whose destructors wait for their work) go before the scratch.
+  std::map<int, std::unique_ptr<internal::cuda::DeviceBuffer>> scratch_;
+  std::map<int, std::unique_ptr<internal::cuda::Stream>> streams_;
 };
 
 }  // namespace
@@ -169,6 +273,7 @@ static void AddSliceView(Update::Impl& impl, const internal::TensorPlan& tp, siz
   if (bound != nullptr) {
     v.data = bound->dest.data;
     v.strides = bound->dest.strides;
+    v.device = bound->dest.device;
   }
   impl.index.emplace(tp.name, t);
   impl.views.push_back(std::move(v));
@@ -247,11 +352,12 @@ class Subscriber::Impl : public internal::ChannelSetup {
   // them) and verifies those `needed`; accepted, and the transport's pin released, only when
   // all are. `direct_note` explains the state of bound destinations on failure. Fills
   // times->fetched and times->verified, and *codec.
+  // `devices[i]` says where targets[i] lives (empty: all host memory).
   absl::Status FetchVerified(std::unique_ptr<internal::IncomingVersion> incoming, const Manifest& m,
                              const std::vector<std::byte*>& targets,
-                             const std::vector<bool>& needed, uint64_t mapped,
-                             const std::string& direct_note, absl::Time deadline, Times* times,
-                             std::optional<internal::CodecStats>* codec)
+                             const std::vector<bool>& needed, const std::vector<Device>& devices,
+                             uint64_t mapped, const std::string& direct_note, absl::Time deadline,
+                             Times* times, std::optional<internal::CodecStats>* codec)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Makes impl's version current and hands it over (its views set; `library` the buffer they
   // point into, `fetched_bytes` received).
@@ -259,6 +365,24 @@ class Subscriber::Impl : public internal::ChannelSetup {
                                    std::shared_ptr<internal::HostBuffer> library,
                                    uint64_t fetched_bytes, const Times& times,
                                    const std::optional<internal::CodecStats>& codec)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Whether slice `tp` bound to `b` is assembled in host scratch and copied into `b` afterwards
+  // (CopySlice): a strided destination, or one on a CUDA device (the placement paths read host
+  // memory only).
+  bool ScratchSlice(const internal::TensorPlan& tp, const Binding& b) const {
+    if (b.cuda()) {  // kHostStaging: placements read host memory
+      return tp.nbytes > 0 && internal::RouteCudaDestination(capabilities, staged, tp.shape, b.dest,
+                                                             /*placements=*/true) ==
+                                  internal::CudaDestinationRoute::kHostStaging;
+    }
+    return tp.nbytes > 0 && !IsContiguous(tp.shape, b.dest.strides);
+  }
+  // Copies the verified row-major slice at `scratch` into its destination `b` (a host one at
+  // once; a CUDA one queued on `cuda_out`, waited for by FinishCopies).
+  absl::Status CopySlice(CudaCopyOut& cuda_out, uint64_t version, const internal::TensorPlan& tp,
+                         const std::byte* scratch, const Binding& b) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  absl::Status FinishCopies(CudaCopyOut& cuda_out, uint64_t version) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   std::string CurrentText() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     return current ? std::to_string(*current) : "none";
@@ -320,6 +444,13 @@ absl::Status Subscriber::Bind(std::string name, Destination dest) {
   if (!scope.status().ok()) return scope.status();
   absl::StatusOr<uint64_t> nbytes = internal::ValidateDestination(name, dest);
   if (!nbytes.ok()) return nbytes.status();
+  if (dest.device.type == DeviceType::kCuda) {
+    const std::string what =
+        absl::StrFormat("%s: destination for tensor \"%s\"", impl_->uri.Display(), name);
+    WB_RETURN_IF_ERROR(*nbytes > 0
+                           ? internal::cuda::CheckDevicePointer(dest.data, dest.device.index, what)
+                           : internal::cuda::CheckDevice(dest.device.index, what));
+  }
   absl::MutexLock lock(&impl_->mu);
   impl_->bindings[std::move(name)] = Binding{std::move(dest), *nbytes};
   return absl::OkStatus();
@@ -628,21 +759,40 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
       library_bytes += AlignUp(wholes[w].nbytes);
     }
   }
-  enum class Place { kSkip, kDirect, kStaging };
+  // A CUDA destination on a stack that writes device memory (fetch_memory) is a target in place
+  // (direct, contiguous) or gets device staging on its device; on any other stack it is staged
+  // in host memory and copied to the device after verification (docs/TRANSPORTS.md, "Device
+  // memory").
+  enum class Place { kSkip, kDirect, kStaging, kDeviceStaging };
   std::vector<Place> place(n, Place::kSkip);
   std::vector<size_t> whole_of(n, 0);
   std::vector<std::optional<uint64_t>> part_offset(n);  // in its tensor, when contiguous there
-  std::vector<uint64_t> staging_offset(n, 0);
+  std::vector<uint64_t> staging_offset(n, 0);           // in staging or its device's staging
+  std::map<int, uint64_t> device_staging_bytes;
+  bool host_staged_cuda = false;  // host staging copied to a device afterwards
   for (size_t w = 0; w < nw; ++w) {
+    const Binding* b = bound[w];
+    const bool cuda_dest = b != nullptr && b->cuda();
+    const internal::CudaDestinationRoute route =
+        cuda_dest ? internal::RouteCudaDestination(capabilities, staged, wholes[w].shape, b->dest,
+                                                   /*placements=*/false)
+                  : internal::CudaDestinationRoute::kHostStaging;
     const bool direct_home =
-        bound[w] == nullptr || (!staged && IsContiguous(wholes[w].shape, bound[w]->dest.strides));
+        b == nullptr || (cuda_dest ? route == internal::CudaDestinationRoute::kInPlace
+                                   : !staged && IsContiguous(wholes[w].shape, b->dest.strides));
     for (size_t i : wholes[w].parts) {
       whole_of[i] = w;
       part_offset[i] = m.group ? internal::ContiguousOffset(m.tensors[i]) : uint64_t{0};
       if (direct_home && part_offset[i]) {
         place[i] = Place::kDirect;
+      } else if (cuda_dest && route != internal::CudaDestinationRoute::kHostStaging) {
+        place[i] = Place::kDeviceStaging;
+        uint64_t& bytes = device_staging_bytes[b->dest.device.index];
+        staging_offset[i] = bytes;
+        bytes += AlignUp(m.tensors[i].nbytes);
       } else {
         place[i] = Place::kStaging;
+        host_staged_cuda |= cuda_dest && m.tensors[i].nbytes > 0;
         staging_offset[i] = staging_bytes;
         staging_bytes += AlignUp(m.tensors[i].nbytes);
       }
@@ -654,6 +804,22 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
   }
   if (staging_bytes > 0) {
     WB_ASSIGN_OR_RETURN(staging, pool->Get(staging_bytes));
+    // Pinned (once per pooled buffer) for the copies to devices; unpinned still works, slower.
+    if (host_staged_cuda) (void)staging->Pin();
+  }
+  std::map<int, std::unique_ptr<internal::cuda::DeviceBuffer>> device_staging;
+  for (const auto& [device, bytes] : device_staging_bytes) {
+    absl::StatusOr<std::unique_ptr<internal::cuda::DeviceBuffer>> buffer =
+        internal::cuda::DeviceBuffer::Allocate(bytes, device);
+    if (!buffer.ok()) {
+      return internal::Annotate(
+          buffer.status(),
+          absl::StrFormat("%s version %d: staging bound CUDA destinations (bind_mode=staged; "
+                          "bind_mode=direct receives contiguous ones in place); version %s "
+                          "stays current",
+                          uri.Display(), m.version, CurrentText()));
+    }
+    device_staging[device] = *std::move(buffer);
   }
   // Where tensor w's element [0, ..., 0] is (nullptr for an empty library tensor).
   auto home = [&](size_t w) -> std::byte* {
@@ -661,6 +827,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
     return library ? library->data() + home_offset[w] : nullptr;
   };
   std::vector<std::byte*> targets(n, nullptr);
+  std::vector<Device> devices(n);
   std::vector<bool> needed(n, false);
   uint64_t fetched_bytes = 0;
   bool any_direct = false;  // into a bound destination
@@ -669,10 +836,23 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
     needed[i] = place[i] != Place::kSkip || m.tensors[i].nbytes == 0;
     if (place[i] == Place::kSkip) continue;
     fetched_bytes += m.tensors[i].nbytes;
-    any_direct |= place[i] == Place::kDirect && bound[whole_of[i]] != nullptr;
-    std::byte* base = place[i] == Place::kDirect ? home(whole_of[i])
-                      : staging                  ? staging->data()
-                                                 : nullptr;
+    const Binding* b = bound[whole_of[i]];
+    any_direct |= place[i] == Place::kDirect && b != nullptr;
+    if (b != nullptr && b->cuda() && place[i] != Place::kStaging) devices[i] = b->dest.device;
+    std::byte* base = nullptr;
+    switch (place[i]) {
+      case Place::kDirect:
+        base = home(whole_of[i]);
+        break;
+      case Place::kStaging:
+        base = staging ? staging->data() : nullptr;
+        break;
+      case Place::kDeviceStaging:
+        base = device_staging[b->dest.device.index]->data();
+        break;
+      case Place::kSkip:
+        break;
+    }
     const uint64_t off = place[i] == Place::kDirect ? *part_offset[i] : staging_offset[i];
     targets[i] = base == nullptr ? nullptr : base + off;
   }
@@ -680,20 +860,31 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
       any_direct ? " (bind_mode=direct: bound destinations may hold partial data of this version)"
                  : "";
   std::optional<internal::CodecStats> codec;
-  WB_RETURN_IF_ERROR(FetchVerified(std::move(incoming), m, targets, needed,
+  WB_RETURN_IF_ERROR(FetchVerified(std::move(incoming), m, targets, needed, devices,
                                    library_bytes + staging_bytes, direct_note, deadline, &times,
                                    &codec));
 
   // Everything verified: only now touch staged destinations, and place staged parts.
-  for (size_t i = 0; i < n; ++i) {
-    if (place[i] != Place::kStaging || m.tensors[i].nbytes == 0) continue;
+  CudaCopyOut cuda_out;
+  absl::Status copied;
+  for (size_t i = 0; i < n && copied.ok(); ++i) {
+    if (place[i] == Place::kSkip || place[i] == Place::kDirect || m.tensors[i].nbytes == 0) {
+      continue;
+    }
     const size_t w = whole_of[i];
     const TensorInfo& part = m.tensors[i];
     const std::vector<int64_t>& strides = bound[w] != nullptr && !bound[w]->dest.strides.empty()
                                               ? bound[w]->dest.strides
                                               : internal::RowMajorStrides(wholes[w].shape);
+    const bool cuda_dest = bound[w] != nullptr && bound[w]->cuda();
     if (part_offset[i] && IsContiguous(wholes[w].shape, strides)) {
-      std::memcpy(home(w) + *part_offset[i], targets[i], part.nbytes);
+      if (cuda_dest) {
+        copied =
+            cuda_out.Copy(targets[i], place[i] == Place::kDeviceStaging, part.dtype, part.shape, {},
+                          part.nbytes, home(w) + *part_offset[i], bound[w]->dest.device.index);
+      } else {
+        std::memcpy(home(w) + *part_offset[i], targets[i], part.nbytes);
+      }
       continue;
     }
     // A slice scattered into its tensor (element strides of the home), from its first element.
@@ -702,10 +893,26 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
     int64_t first = 0;
     for (size_t d = 0; d < offsets.size(); ++d) first += offsets[d] * strides[d];
     const size_t elem = DTypeSize(part.dtype);
-    internal::UnpackStrided(targets[i], elem, part.shape, strides,
-                            home(w) + first * static_cast<int64_t>(elem));
+    std::byte* at = home(w) + first * static_cast<int64_t>(elem);
+    if (cuda_dest) {
+      copied = cuda_out.Copy(targets[i], place[i] == Place::kDeviceStaging, part.dtype, part.shape,
+                             strides, part.nbytes, at, bound[w]->dest.device.index);
+    } else {
+      internal::UnpackStrided(targets[i], elem, part.shape, strides, at);
+    }
+  }
+  if (copied.ok()) copied = cuda_out.Finish();
+  if (!copied.ok()) {
+    return absl::Status(
+        copied.code(),
+        absl::StrFormat("%s: version %d was received and verified, but copying it into its bound "
+                        "CUDA destinations failed: %s; bound destinations may hold a mix of "
+                        "versions, version %s stays current (the next receive writes every byte "
+                        "of every bound tensor)",
+                        uri.Display(), m.version, copied.message(), CurrentText()));
   }
   staging.reset();
+  device_staging.clear();
   times.end = absl::Now();
 
   impl->views.reserve(nw);
@@ -714,20 +921,21 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
     // A group version's tensors are handed over whole; a single publisher's keep their shard.
     std::optional<Shard> shard = m.group ? std::nullopt : m.tensors[t.parts.front()].shard;
     TensorView v{t.name, t.dtype, t.shape, {}, home(w), Device{}, std::move(shard)};
-    if (bound[w] != nullptr) v.strides = bound[w]->dest.strides;
+    if (bound[w] != nullptr) {
+      v.strides = bound[w]->dest.strides;
+      v.device = bound[w]->dest.device;
+    }
     impl->index.emplace(t.name, w);
     impl->views.push_back(std::move(v));
   }
   return HandOver(std::move(impl), std::move(library), fetched_bytes, times, codec);
 }
 
-absl::Status Subscriber::Impl::FetchVerified(std::unique_ptr<internal::IncomingVersion> incoming,
-                                             const Manifest& m,
-                                             const std::vector<std::byte*>& targets,
-                                             const std::vector<bool>& needed, uint64_t mapped,
-                                             const std::string& direct_note, absl::Time deadline,
-                                             Times* times,
-                                             std::optional<internal::CodecStats>* codec) {
+absl::Status Subscriber::Impl::FetchVerified(
+    std::unique_ptr<internal::IncomingVersion> incoming, const Manifest& m,
+    const std::vector<std::byte*>& targets, const std::vector<bool>& needed,
+    const std::vector<Device>& devices, uint64_t mapped, const std::string& direct_note,
+    absl::Time deadline, Times* times, std::optional<internal::CodecStats>* codec) {
   times->allocated = absl::Now();
   if (times->allocated > deadline) {
     return absl::DeadlineExceededError(absl::StrFormat(
@@ -735,7 +943,7 @@ absl::Status Subscriber::Impl::FetchVerified(std::unique_ptr<internal::IncomingV
         "deadline; version %s stays current",
         uri.Display(), m.version, mapped, CurrentText()));
   }
-  Verifier verifier(m, targets, needed, *hashers);
+  Verifier verifier(m, targets, needed, devices, *hashers);
   absl::Status fetch = failpoints.Hit("core.before_fetch");
   if (fetch.ok()) fetch = incoming->Fetch(targets, verifier, deadline);
   times->fetched = absl::Now();
@@ -746,6 +954,11 @@ absl::Status Subscriber::Impl::FetchVerified(std::unique_ptr<internal::IncomingV
                                                       "version %s stays current",
                                                       uri.Display(), m.version, fetch.message(),
                                                       direct_note, CurrentText()));
+  }
+  if (absl::Status e = verifier.error(); !e.ok()) {
+    return absl::Status(
+        e.code(), absl::StrFormat("%s: version %d: %s; version %s stays current", uri.Display(),
+                                  m.version, e.message(), CurrentText()));
   }
   bool never_landed = false;
   if (std::optional<size_t> bad = verifier.FirstFailure(&never_landed)) {
@@ -882,13 +1095,15 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveResharded(
   std::vector<const Binding*> bound(nt, nullptr);
   std::vector<uint64_t> home_offset(nt, 0);  // in library, or staging for a scratch slice
   uint64_t library_bytes = 0;
+  bool any_cuda = false;  // a scratch slice copied to a device
   for (size_t t = 0; t < nt; ++t) {
     const internal::TensorPlan& tp = plan.tensors[t];
     if (auto it = bindings.find(tp.name); it != bindings.end()) {
       bound[t] = &it->second;
-      if (tp.nbytes > 0 && !IsContiguous(tp.shape, bound[t]->dest.strides)) {
+      if (ScratchSlice(tp, *bound[t])) {
         home_offset[t] = staging_bytes;
         staging_bytes += AlignUp(tp.nbytes);
+        any_cuda |= bound[t]->cuda();
       }
     } else {
       home_offset[t] = library_bytes;
@@ -901,6 +1116,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveResharded(
   }
   if (staging_bytes > 0) {
     WB_ASSIGN_OR_RETURN(staging, pool->Get(staging_bytes));
+    if (any_cuda) (void)staging->Pin();  // for the copies to devices; unpinned works, slower
   }
   std::vector<std::byte*> targets(n, nullptr);
   std::vector<bool> needed(n, false);
@@ -909,7 +1125,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveResharded(
     if (read[i]) targets[i] = staging->data() + staging_offset[i];
   }
   std::optional<internal::CodecStats> codec;
-  WB_RETURN_IF_ERROR(FetchVerified(std::move(incoming), m, targets, needed,
+  WB_RETURN_IF_ERROR(FetchVerified(std::move(incoming), m, targets, needed, {},
                                    library_bytes + staging_bytes, "", deadline, &times, &codec));
 
   // Every part read is verified: assemble the slices. The plan's source offsets are in the
@@ -919,6 +1135,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveResharded(
               : absl::Span<const std::byte>();
   const std::vector<absl::Span<const std::byte>> rank_data(layout.world_size, staged);
   impl->views.reserve(nt);
+  CudaCopyOut cuda_out;
   for (size_t t = 0; t < nt; ++t) {
     internal::TensorPlan tp = plan.tensors[t];
     for (internal::ByteRange& r : tp.ranges) {
@@ -927,8 +1144,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveResharded(
                         layout.tensors[r.source_tensor].parts[r.source_part].byte_offset +
                         staging_offset[i];
     }
-    const bool scratch =
-        bound[t] != nullptr && tp.nbytes > 0 && !IsContiguous(tp.shape, bound[t]->dest.strides);
+    const bool scratch = bound[t] != nullptr && ScratchSlice(tp, *bound[t]);
     std::byte* home = bound[t] != nullptr && !scratch ? static_cast<std::byte*>(bound[t]->dest.data)
                       : scratch                       ? staging->data() + home_offset[t]
                       : library                       ? library->data() + home_offset[t]
@@ -937,15 +1153,46 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveResharded(
       return absl::InternalError(
           absl::StrFormat("%s version %d: %s", uri.Display(), m.version, s.message()));
     }
-    if (scratch) {
-      internal::UnpackStrided(home, DTypeSize(tp.dtype), tp.shape, bound[t]->dest.strides,
-                              bound[t]->dest.data);
-    }
+    if (scratch) WB_RETURN_IF_ERROR(CopySlice(cuda_out, m.version, tp, home, *bound[t]));
     AddSliceView(*impl, tp, t, home, bound[t]);
   }
+  WB_RETURN_IF_ERROR(FinishCopies(cuda_out, m.version));
   staging.reset();
   times.end = absl::Now();
   return HandOver(std::move(impl), std::move(library), fetched_bytes, times, codec);
+}
+
+absl::Status Subscriber::Impl::CopySlice(CudaCopyOut& cuda_out, uint64_t version,
+                                         const internal::TensorPlan& tp, const std::byte* scratch,
+                                         const Binding& b) const {
+  const Destination& d = b.dest;
+  if (!b.cuda()) {
+    if (IsContiguous(tp.shape, d.strides)) {
+      std::memcpy(d.data, scratch, tp.nbytes);
+    } else {
+      internal::UnpackStrided(scratch, DTypeSize(tp.dtype), tp.shape, d.strides, d.data);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status s = cuda_out.Copy(scratch, /*src_on_device=*/false, tp.dtype, tp.shape, d.strides,
+                                 tp.nbytes, d.data, d.device.index);
+  if (s.ok()) return s;
+  return absl::Status(
+      s.code(), absl::StrFormat("%s: version %d was received and verified, but copying tensor "
+                                "\"%s\" into its bound CUDA destination failed: %s; bound "
+                                "destinations may hold a mix of versions, version %s stays "
+                                "current",
+                                uri.Display(), version, tp.name, s.message(), CurrentText()));
+}
+
+absl::Status Subscriber::Impl::FinishCopies(CudaCopyOut& cuda_out, uint64_t version) const {
+  absl::Status s = cuda_out.Finish();
+  if (s.ok()) return s;
+  return absl::Status(
+      s.code(), absl::StrFormat("%s: version %d was received and verified, but copying it into "
+                                "its bound CUDA destinations failed: %s; bound destinations may "
+                                "hold a mix of versions, version %s stays current",
+                                uri.Display(), version, s.message(), CurrentText()));
 }
 
 absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
@@ -962,11 +1209,13 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
   std::vector<bool> scratch(nt, false);
   std::vector<uint64_t> home_offset(nt, 0);  // in library or scratch
   uint64_t library_bytes = 0, scratch_bytes = 0;
+  bool any_cuda = false;  // a scratch slice copied to a device
   for (size_t t = 0; t < nt; ++t) {
     const internal::TensorPlan& tp = plan.tensors[t];
     if (auto it = bindings.find(tp.name); it != bindings.end()) {
       bound[t] = &it->second;
-      scratch[t] = tp.nbytes > 0 && (staged || !IsContiguous(tp.shape, bound[t]->dest.strides));
+      scratch[t] = tp.nbytes > 0 && (staged || ScratchSlice(tp, *bound[t]));
+      any_cuda |= scratch[t] && bound[t]->cuda();
       if (scratch[t]) {
         home_offset[t] = scratch_bytes;
         scratch_bytes += AlignUp(tp.nbytes);
@@ -1054,6 +1303,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
   }
   if (scratch_bytes > 0) {
     WB_ASSIGN_OR_RETURN(scratch_buffer, pool->Get(scratch_bytes));
+    if (any_cuda) (void)scratch_buffer->Pin();  // for the copies to devices
   }
   for (size_t b = 0; b < std::min<size_t>(windows.size(), 2); ++b) {
     WB_ASSIGN_OR_RETURN(window_buffers[b], pool->Get(window_bytes));
@@ -1182,18 +1432,13 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceivePartial(
 
   // Every block verified: only now touch staged destinations.
   impl->views.reserve(nt);
+  CudaCopyOut cuda_out;
   for (size_t t = 0; t < nt; ++t) {
     const internal::TensorPlan& tp = plan.tensors[t];
-    if (scratch[t]) {
-      const Destination& d = bound[t]->dest;
-      if (IsContiguous(tp.shape, d.strides)) {
-        std::memcpy(d.data, home(t), tp.nbytes);
-      } else {
-        internal::UnpackStrided(home(t), DTypeSize(tp.dtype), tp.shape, d.strides, d.data);
-      }
-    }
+    if (scratch[t]) WB_RETURN_IF_ERROR(CopySlice(cuda_out, m.version, tp, home(t), *bound[t]));
     AddSliceView(*impl, tp, t, home(t), bound[t]);
   }
+  WB_RETURN_IF_ERROR(FinishCopies(cuda_out, m.version));
   scratch_buffer.reset();
   times.end = absl::Now();
   return HandOver(std::move(impl), std::move(library), read_bytes, times, codec);

@@ -6,6 +6,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_format.h"
+#include "core/cuda/device.h"
 #include "core/utf8.h"
 
 namespace weightbus::internal {
@@ -79,10 +80,14 @@ static absl::Status CheckLayout(std::string_view name, const std::vector<int64_t
         absl::StrFormat("tensor \"%s\": data is null but shape %s holds %d bytes", name,
                         ShapeString(shape), nbytes));
   }
-  if (device.type != DeviceType::kCpu) {
-    return absl::UnimplementedError(
-        absl::StrFormat("tensor \"%s\" is on CUDA device %d; this build accepts CPU tensors only",
-                        name, device.index));
+  if (device.type == DeviceType::kCuda) {
+    if (!cuda::Built()) {
+      return cuda::NotBuilt(absl::StrFormat("tensor \"%s\" on CUDA device %d", name, device.index));
+    }
+    if (device.index < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("tensor \"%s\": CUDA device index %d is negative", name, device.index));
+    }
   }
   return absl::OkStatus();
 }

@@ -16,9 +16,11 @@
 namespace weightbus::internal {
 
 // Checks a view to be published: non-empty valid UTF-8 name of at most kMaxTensorNameBytes,
-// valid shape of rank at most kMaxRank, strides of matching rank, data non-null unless empty, CPU
-// device, shard consistent with the shape. Returns the packed byte size. Errors: InvalidArgument
-// naming the tensor; Unimplemented for a non-CPU device.
+// valid shape of rank at most kMaxRank, strides of matching rank, data non-null unless empty,
+// shard consistent with the shape. A CUDA device is accepted in builds with CUDA (whether the
+// device exists is checked where its memory is used, core/cuda/device.h). Returns the packed byte
+// size. Errors: InvalidArgument naming the tensor; Unimplemented for a CUDA tensor in a build
+// without CUDA (cuda::NotBuilt).
 absl::StatusOr<uint64_t> ValidateView(const TensorView& view);
 
 // Checks a destination for tensor `name`, as ValidateView. Returns its packed byte size.

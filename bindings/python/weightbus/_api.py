@@ -108,9 +108,38 @@ def _open_params(options: Mapping):
 
 
 def _needs_host_staging(tensor) -> bool:
-    """True for tensors this build's transports cannot read or write in place (CUDA memory:
-    every transport in this release moves host memory)."""
-    return _tensors.is_torch_tensor(tensor) and tensor.device.type != "cpu"
+    """True for tensors the library cannot take as they are: torch tensors on a device other
+    than the CPU, except CUDA tensors where the library has CUDA support
+    (supports_cuda_tensors(): it reads and writes them itself, docs/TRANSPORTS.md "Device
+    memory"). These go through host memory in this module instead."""
+    if not _tensors.is_torch_tensor(tensor) or tensor.device.type == "cpu":
+        return False
+    return not (tensor.device.type == "cuda" and supports_cuda_tensors())
+
+
+def _cuda_devices(tensors) -> list:
+    """The CUDA devices of the torch tensors among `tensors` that the library takes as they
+    are, in order of first appearance."""
+    devices = []
+    for t in tensors:
+        if (_tensors.is_torch_tensor(t) and t.device.type == "cuda" and
+                not _needs_host_staging(t) and t.device not in devices):
+            devices.append(t.device)
+    return devices
+
+
+def _caller_stream(tensors):
+    """For a publish of `tensors`: the cudaStream_t the library waits for before reading their
+    CUDA memory (the current torch stream of the first CUDA tensor's device), after this
+    synchronizes the current streams of any other devices (the C call takes one stream); None
+    without CUDA tensors."""
+    devices = _cuda_devices(tensors)
+    if not devices:
+        return None
+    import torch
+    for device in devices[1:]:
+        torch.cuda.current_stream(device).synchronize()
+    return torch.cuda.current_stream(devices[0]).cuda_stream
 
 
 @dataclass(frozen=True)
@@ -526,8 +555,12 @@ class Publisher(_Handle):
         """Publishes `tensors` ({name: tensor} or (name, tensor) pairs: torch tensors, numpy
         arrays or DLPack objects, any strides) as `version`, all or nothing. `version` must be
         above every version on the channel. The bytes are read during the call only (zero-copy:
-        contiguous tensors are read in place, strided ones packed by the library); CUDA tensors
-        are copied to host memory first. `metadata` is a mapping of str to str stored in the
+        contiguous tensors are read in place, strided ones packed by the library). CUDA tensors
+        (any strides, also parameters that require grad) are read by the library after the work
+        queued on the current torch stream of their device (supports_cuda_tensors(); a build
+        without CUDA support gets them copied to host memory here first): in place by a
+        transport that moves GPU memory, through pinned host memory by the others. `metadata` is
+        a mapping of str to str stored in the
         manifest as given (Update.metadata returns it); a key or value that is not a str raises
         TypeError naming the key, before anything is published (no str() conversion: encode
         numbers or structures yourself, e.g. str(step) or json.dumps). `dtypes` overrides
@@ -551,6 +584,7 @@ class Publisher(_Handle):
             names[i] = name.encode()
             outgoing.set(i, name, obj, dtypes.get(name))
         params = new_params(_lib.wb_publish_params_t)
+        params.cuda_stream = _caller_stream([obj for _, obj in items])
         params.metadata = ctypes.cast(meta_array, ctypes.POINTER(_lib.wb_option_t))
         params.num_metadata = meta_count
         params.dtypes = ctypes.cast(outgoing.overrides, ctypes.POINTER(ctypes.c_int))
@@ -630,8 +664,10 @@ class Publisher(_Handle):
 
 
 def supports_cuda_tensors() -> bool:
-    """Whether this build of libweightbus copies CUDA tensors itself (PublishStream.add queues
-    an asynchronous copy to pinned host memory); without it add() copies them to host first."""
+    """Whether this build of libweightbus takes CUDA tensors itself (built with CUDA): publish()
+    and PublishStream.add read them, bind() makes them destinations the library writes
+    (docs/TRANSPORTS.md, "Device memory"); without it this module copies them through host
+    memory."""
     return bool(lib.wb_supports_cuda_tensors())
 
 
@@ -688,15 +724,14 @@ class PublishStream(_Handle):
         if not isinstance(name, str):
             raise TypeError(f"tensor names must be str, got {type(name).__name__}")
         obj, cuda_stream = tensor, None
-        if _needs_host_staging(obj):
-            if supports_cuda_tensors() and obj.device.type == "cuda":
-                import torch
-                obj = obj.detach()
-                if not obj.is_contiguous():
-                    obj = obj.contiguous()
-                cuda_stream = torch.cuda.current_stream(obj.device).cuda_stream
-            else:
-                obj = obj.detach().to("cpu")
+        if _cuda_devices([obj]):  # the library copies it to pinned memory itself
+            import torch
+            obj = obj.detach()
+            if not obj.is_contiguous():
+                obj = obj.contiguous()
+            cuda_stream = torch.cuda.current_stream(obj.device).cuda_stream
+        elif _needs_host_staging(obj):
+            obj = obj.detach().to("cpu")
         outgoing = _tensors.Outgoing(1)
         outgoing.set(0, name, obj, dtype)
         params = new_params(_lib.wb_stream_add_params_t)
@@ -930,13 +965,18 @@ class Subscriber(_Handle):
         """Makes later updates write each named tensor straight into the given tensor (torch
         CPU tensors, e.g. parameters, and writable numpy arrays, any strides) instead of library
         memory. With the default bind_mode=staged, bytes are verified before a destination is
-        touched. A CUDA tensor is bound through a host buffer (pinned when CUDA is available)
-        that each wait/poll copies into it after verification, under torch.no_grad() (so
-        parameters that require grad can be bound) or torch.inference_mode() for inference
-        tensors, then synchronizes; current_version advances only once every such copy is
-        done (see current_version for a copy that fails). The tensors must keep their dtype,
-        shape and memory while bound. A destination that no longer matches the published
-        tensor fails the wait (InvalidArgumentError, nothing written)."""
+        touched. A CUDA tensor (any strides; also a parameter that requires grad or an
+        inference tensor: the library writes its memory, autograd is not involved) is written
+        by the library itself where it has CUDA support (supports_cuda_tensors()): in place or
+        through device staging by a transport that moves GPU memory, else copied from verified
+        host memory; each wait/poll first synchronizes the current torch streams of the bound
+        tensors' devices (work reading them must be done) and returns once every copy is
+        complete. Without CUDA support a CUDA tensor is bound through a host buffer that each
+        wait/poll copies into it after verification, under torch.no_grad() or
+        torch.inference_mode(); current_version advances only once every such copy is done
+        (see current_version for a copy that fails). The tensors must keep their dtype, shape
+        and memory while bound. A destination that no longer matches the published tensor
+        fails the wait (InvalidArgumentError, nothing written)."""
         dtypes = dict(dtypes or {})
         for name, obj in _items(tensors):
             if _tensors.is_numpy_array(obj) and not obj.flags.writeable:
@@ -1014,6 +1054,7 @@ class Subscriber(_Handle):
         _timeout_ms(timeout)  # validates
         deadline = None if timeout is None else time.monotonic() + timeout
         handle = ctypes.c_void_p()
+        self._sync_bound_devices()
         first_slice = True
         while True:
             if self._closing and not first_slice:  # closed by another thread between slices
@@ -1039,9 +1080,20 @@ class Subscriber(_Handle):
         ask for a newer one, as a replica does between rollouts."""
         _version(min_version, "min_version")
         handle = ctypes.c_void_p()
+        self._sync_bound_devices()
         check(self._call(lib.wb_subscriber_poll, min_version, _timeout_ms(receive_timeout),
                                      ctypes.byref(handle)))
         return self._received(handle) if handle.value else None
+
+    def _sync_bound_devices(self) -> None:
+        """Before a receive: waits for the work queued on the current torch streams of the
+        devices of bound CUDA tensors that the library writes itself (the library writes them
+        on its own streams, so work still reading the previous weights must be done)."""
+        devices = _cuda_devices(self._bound.values())
+        if devices:
+            import torch
+            for device in devices:
+                torch.cuda.current_stream(device).synchronize()
 
     def _received(self, handle) -> Update:
         """Wraps a received handle in an Update, copies host staging buffers into their

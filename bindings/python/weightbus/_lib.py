@@ -80,7 +80,7 @@ class wb_placements_t(Structure):
 class wb_publish_params_t(Structure):
     _fields_ = [("struct_size", c_size_t), ("metadata", POINTER(wb_option_t)),
                 ("num_metadata", c_size_t), ("dtypes", POINTER(c_int)),
-                ("shards", POINTER(POINTER(wb_shard_t)))]
+                ("shards", POINTER(POINTER(wb_shard_t))), ("cuda_stream", c_void_p)]
 
 
 class wb_stream_add_params_t(Structure):

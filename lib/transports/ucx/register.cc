@@ -3,6 +3,7 @@
 #include "core/control_plane.h"
 #include "core/registry.h"
 #include "core/status.h"
+#include "transports/ucx/ucp_util.h"
 #include "transports/ucx/ucx_transport.h"
 
 namespace weightbus::internal::ucx {
@@ -176,6 +177,12 @@ TransportCapabilities UcxCapabilities(const Config& config, const TransportCapab
   // Each rank stages and serves its own parts; rank 0, at the URI's address, commits a version
   // once every rank's part is staged (README.md, "Publisher groups").
   c.publisher_groups = true;
+  // Device memory (README.md, "CUDA memory"): subscribers get straight into CUDA targets where
+  // UCX moves CUDA memory (its gets and READ copies handle device memory); GPU staging slots
+  // are filled from CUDA tensors device to device (host staging copies on the CPU: the core
+  // stages CUDA tensors through pinned memory for it).
+  if (UcxMovesCudaMemory()) c.fetch_memory |= TransportCapabilities::kCudaMemory;
+  if (!host_staging && CudaSupported()) c.publish_memory |= TransportCapabilities::kCudaMemory;
   return c;
 }
 

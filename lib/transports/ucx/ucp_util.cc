@@ -329,6 +329,30 @@ bool CudaSupported() {
   return supported;
 }
 
+bool UcxMovesCudaMemory() {
+  static const bool moves = [] {
+    if (!CudaSupported()) return false;
+    RouteUcxLogs();
+    ucp_config_t* config = nullptr;
+    if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) return false;
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_RMA;
+    ucp_context_h context = nullptr;
+    const ucs_status_t s = ucp_init(&params, config, &context);
+    ucp_config_release(config);
+    if (s != UCS_OK) return false;
+    ucp_context_attr_t attr{};
+    attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+    const bool cuda = ucp_context_query(context, &attr) == UCS_OK &&
+                      (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+    ucp_cleanup(context);
+    Log(LogLevel::kDebug, "ucx: UCX %s CUDA memory", cuda ? "moves" : "does not move");
+    return cuda;
+  }();
+  return moves;
+}
+
 ucs_memory_type_t DetectMemoryType(const void* p) {
   if (p == nullptr || !CudaSupported()) return UCS_MEMORY_TYPE_HOST;
   cudaPointerAttributes attr{};
@@ -364,6 +388,7 @@ absl::Status CopyBytes(void* dst, const void* src, size_t n) {
 #else
 
 bool CudaSupported() { return false; }
+bool UcxMovesCudaMemory() { return false; }
 ucs_memory_type_t DetectMemoryType(const void*) { return UCS_MEMORY_TYPE_HOST; }
 absl::Status CopyBytes(void* dst, const void* src, size_t n) {
   if (n > 0) std::memcpy(dst, src, n);

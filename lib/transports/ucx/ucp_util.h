@@ -134,6 +134,11 @@ RmaTransports ContextRmaTransports(const Context& context);
 
 // Whether this build can stage in and receive into CUDA memory.
 bool CudaSupported();
+// Whether UCX here moves CUDA memory (its context's memory types include CUDA: UCX built with
+// cuda_copy / cuda_ipc, GPUDirect RDMA where present) and this build and process can use a CUDA
+// device. Probed once per process with a UCP context of its own (configured from UCX_*), only
+// where CudaSupported(); false otherwise (Debian's UCX has no CUDA support).
+bool UcxMovesCudaMemory();
 // UCS_MEMORY_TYPE_CUDA for CUDA device memory (when built with CUDA and a device exists),
 // UCS_MEMORY_TYPE_HOST otherwise.
 ucs_memory_type_t DetectMemoryType(const void* p);

@@ -10,6 +10,7 @@
 
 #include <cerrno>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -130,6 +131,25 @@ class LoopbackDevice final : public Device {
     if (it == ranges_.begin()) return false;
     --it;
     return a < it->first + it->second;
+  }
+
+  // Within one process only: the handle is the pid and the pointer (host memory is not
+  // shareable between processes the way cudaIpcGetMemHandle shares device memory).
+  absl::StatusOr<std::string> ExportBuffer(const std::shared_ptr<void>& buffer) override {
+    return absl::StrFormat("%d:%d", getpid(), reinterpret_cast<uintptr_t>(buffer.get()));
+  }
+  absl::StatusOr<std::shared_ptr<void>> ImportBuffer(const std::string& handle) override {
+    int pid = 0;
+    unsigned long long ptr = 0;
+    if (std::sscanf(handle.c_str(), "%d:%llu", &pid, &ptr) != 2) {
+      return absl::InvalidArgumentError("not a loopback buffer handle");
+    }
+    if (pid != getpid()) {
+      return absl::UnimplementedError(
+          "the loopback stand-in shares bucket buffers only within one process");
+    }
+    return std::shared_ptr<void>(reinterpret_cast<void*>(static_cast<uintptr_t>(ptr)),
+                                 [](void*) {});
   }
 
   Queue& queue() { return queue_; }
@@ -384,9 +404,10 @@ internal::nccl::BackendInfo LoopbackBackend::Info() {
 
 absl::StatusOr<std::unique_ptr<Device>> LoopbackBackend::OpenDevice(int ordinal, int streams) {
   const int n = devices_.fetch_add(1);
-  std::string uuid = options_.uuid.empty() ? absl::StrFormat("LOOPBACK-%d-%d-%016x", getpid(), n,
-                                                             internal::RandomId())
-                                           : options_.uuid;
+  std::string uuid = n < static_cast<int>(options_.uuids.size())
+                         ? options_.uuids[n]
+                         : absl::StrFormat("LOOPBACK-%d-%d-%016x", getpid(), n,
+                                           internal::RandomId());
   return std::unique_ptr<Device>(
       std::make_unique<LoopbackDevice>(ordinal < 0 ? n : ordinal, streams, std::move(uuid)));
 }

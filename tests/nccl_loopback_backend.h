@@ -17,6 +17,7 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "transports/nccl/device.h"
 
@@ -26,9 +27,9 @@ class LoopbackBackend final : public internal::nccl::Backend {
  public:
   struct Options {
     uint32_t nccl_version = 22809;
-    // Every device this backend opens reports this UUID (two ranks on "one GPU"); empty: each
-    // device its own.
-    std::string uuid;
+    // The UUIDs of the devices this backend opens, in the order it opens them (two on "one
+    // GPU": the same UUID twice); past the list, each device its own.
+    std::vector<std::string> uuids;
   };
   LoopbackBackend() : LoopbackBackend(Options{}) {}
   explicit LoopbackBackend(Options options) : options_(std::move(options)) {}

@@ -218,16 +218,35 @@ TEST_F(NcclEndToEndTest, AReplicaRefusingAVersionStillLetsTheOthersReceiveIt) {
   EXPECT_EQ(Counters(port_).epochs, 1u);  // the refusal cost no rebuild
 }
 
-TEST_F(NcclEndToEndTest, AReplicaOnThePublishersGpuIsRefusedNamingIt) {
-  UseLoopback({.uuid = "GPU-same"});
-  auto pub = Publisher::Open(ChannelUri(port_));
-  ASSERT_TRUE(pub.ok());
-  auto sub = Subscriber::Open(ChannelUri(port_));
-  ASSERT_TRUE(sub.ok());
-  const absl::Status s = (*sub)->WaitForVersion(1, absl::Seconds(5)).status();
-  ASSERT_TRUE(absl::IsFailedPrecondition(s)) << s;
-  EXPECT_THAT(std::string(s.message()),
-              AllOf(HasSubstr("on the publisher's own GPU"), HasSubstr("GPU-same")));
+TEST_F(NcclEndToEndTest, ReplicasOnThePublishersGpuReadItsBucketsAndOneOnAnothersIsRefused) {
+  // Devices in the order opened: the publisher's, two replicas on its GPU, one on GPU-b, and one
+  // more on GPU-b.
+  UseLoopback({.uuids = {"GPU-a", "GPU-a", "GPU-a", "GPU-b", "GPU-b"}});
+  auto pub = Publisher::Open(ChannelUri(port_, "min_replicas=3"));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  std::vector<std::unique_ptr<Subscriber>> subs;
+  for (int i = 0; i < 4; ++i) {
+    auto s = Subscriber::Open(ChannelUri(port_));
+    ASSERT_TRUE(s.ok()) << s.status();
+    subs.push_back(*std::move(s));
+  }
+  std::atomic<int> ok{0};
+  std::vector<std::thread> replicas;
+  for (int i = 0; i < 3; ++i) replicas.emplace_back(Follow, "", 1, 2, &ok, subs[i].get());
+  ASSERT_TRUE(testing::WaitUntil([&] { return Counters(port_).replicas == 3; }));
+  // The fourth is on the third's GPU: refused, naming it.
+  const absl::Status refused = subs[3]->WaitForVersion(1, absl::Seconds(5)).status();
+  EXPECT_TRUE(absl::IsFailedPrecondition(refused)) << refused;
+  EXPECT_THAT(std::string(refused.message()),
+              AllOf(HasSubstr("is on the GPU of replica"), HasSubstr("GPU-b")));
+  for (uint64_t v = 1; v <= 2; ++v) {
+    absl::Status s = PublishVersion(**pub, v);
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  for (auto& t : replicas) t.join();
+  EXPECT_EQ(ok.load(), 6);
+  EXPECT_EQ(Counters(port_).epochs, 1u);
+  EXPECT_EQ(Counters(port_).last_replicas, 3u);
 }
 
 TEST_F(NcclEndToEndTest, CancelEndsAReplicasWaitPromptly) {

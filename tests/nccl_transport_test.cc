@@ -281,15 +281,22 @@ TEST(NcclProtocolTest, EveryMessageRoundTripsAndEveryTruncationIsRefused) {
   EXPECT_EQ(RoundTrip(AcceptedMsg{8}, MsgType::kAccepted, DecodeAccepted).version, 8u);
   EXPECT_EQ(RoundTrip(StartMsg{3, 8}, MsgType::kStart, DecodeStart).version, 8u);
   EXPECT_EQ(RoundTrip(CommitMsg{3, 8}, MsgType::kCommit, DecodeCommit).epoch, 3u);
+  SlotsMsg slots = RoundTrip(SlotsMsg{3, 4096, {"h1", "h2"}}, MsgType::kSlots, DecodeSlots);
+  EXPECT_EQ(slots.handles, (std::vector<std::string>{"h1", "h2"}));
+  BucketMsg b = RoundTrip(BucketMsg{8, 5, 1}, MsgType::kBucket, DecodeBucket);
+  EXPECT_EQ(b.bucket, 5u);
+  EXPECT_EQ(b.slot, 1u);
 }
 
 TEST(NcclProtocolTest, DecodersRefuseWhatNoPeerMaySend) {
   auto payload = [](const std::string& frame) { return frame.substr(5); };
-  // A unique id of the wrong size; a replica rank of 0 or past nranks.
+  // A unique id of the wrong size; a replica rank past nranks (0 is a replica on rank 0's GPU).
   EXPECT_THAT(
       std::string(DecodeGroup(payload(Encode(GroupMsg{1, 1, 2, "short", ""}))).status().message()),
       HasSubstr("the unique id is 5 bytes, not 128"));
-  for (uint32_t rank : {0u, 2u}) {
+  EXPECT_TRUE(
+      DecodeGroup(payload(Encode(GroupMsg{1, 0, 1, std::string(kUniqueIdBytes, 'x'), ""}))).ok());
+  for (uint32_t rank : {2u, 3u}) {
     absl::Status s =
         DecodeGroup(payload(Encode(GroupMsg{1, rank, 2, std::string(kUniqueIdBytes, 'x'), ""})))
             .status();
@@ -478,6 +485,12 @@ class FakeDevice final : public Device {
   }
   void Synchronize() override { ++synchronized; }
   bool IsDeviceMemory(const void*) const override { return false; }
+  absl::StatusOr<std::string> ExportBuffer(const std::shared_ptr<void>& buffer) override {
+    return absl::StrFormat("%d", reinterpret_cast<uintptr_t>(buffer.get()));
+  }
+  absl::StatusOr<std::shared_ptr<void>> ImportBuffer(const std::string& handle) override {
+    return std::shared_ptr<void>(reinterpret_cast<void*>(std::stoull(handle)), [](void*) {});
+  }
 
   int done_after = 2;
   std::optional<uint64_t> stall_from;  // events of buckets >= this (1-based record count) never
@@ -720,19 +733,24 @@ struct FakeReplica {
   std::optional<size_t> dies_at_offer;  // dies when OFFER arrives
   std::optional<size_t> dies_after;     // dies once the root posted this many buckets
   std::optional<size_t> stalls_after;   // receives no more than this many buckets
+  bool colocated = false;  // on the root's GPU: reads buckets from its buffers (BUCKET)
   // State.
   ReplicaState state;
   uint64_t started = 0;  // version START was received for
   std::vector<MsgType> received;
+  size_t handles = 0;              // buffers SLOTS gave it
+  std::vector<BucketMsg> buckets;  // BUCKETs of the started version, in order
 };
 
 class FakeLinks final : public ReplicaLinks {
  public:
   explicit FakeLinks(FakeWorld& world) : world_(world) {}
 
-  uint64_t Add(std::string name) {
+  uint64_t Add(std::string name, bool colocated = false) {
     const uint64_t id = next_++;
     replicas_[id].name = std::move(name);
+    replicas_[id].colocated = colocated;
+    replicas_[id].state.colocated = colocated;
     order_.push_back(id);
     return id;
   }
@@ -762,13 +780,27 @@ class FakeLinks final : public ReplicaLinks {
         GroupMsg g = *DecodeGroup(m.payload);
         groups.push_back({id, g});
         if (r.dies_at_group) return Kill(r);
+        EXPECT_EQ(g.rank == 0, r.colocated) << r.name;
         if (r.init_error) {
           r.state.failed = *r.init_error;
           r.state.failed_epoch = g.epoch;
           r.state.failed_version = 0;
-        } else if (r.answers_group) {
+        } else if (r.answers_group && !r.colocated) {
           r.state.group_ready = g.epoch;
         }
+        return;
+      }
+      case MsgType::kSlots: {
+        const SlotsMsg slots = *DecodeSlots(m.payload);
+        r.handles = slots.handles.size();
+        if (r.answers_group) r.state.group_ready = slots.epoch;
+        return;
+      }
+      case MsgType::kBucket: {
+        const BucketMsg b = *DecodeBucket(m.payload);
+        EXPECT_EQ(b.version, r.started) << r.name;
+        EXPECT_EQ(b.bucket, r.buckets.size()) << r.name << ": BUCKETs in order, once each";
+        r.buckets.push_back(b);
         return;
       }
       case MsgType::kOffer: {
@@ -782,6 +814,7 @@ class FakeLinks final : public ReplicaLinks {
         StartMsg s = *DecodeStart(m.payload);
         world_.broadcasts.clear();  // a new version's broadcasts
         r.started = s.version;
+        r.buckets.clear();
         r.state.received_version = s.version;
         if (r.fails_at_start) {
           r.state.failed = *r.fails_at_start;
@@ -820,7 +853,9 @@ class FakeLinks final : public ReplicaLinks {
         Kill(r);
         return r;
       }
-      r.state.received_buckets = std::min(posted, r.stalls_after.value_or(posted));
+      // A replica on the root's GPU has a bucket once told it is in a buffer (and copied it out).
+      const size_t got = r.colocated ? r.buckets.size() : posted;
+      r.state.received_buckets = std::min(got, r.stalls_after.value_or(got));
     }
     return r;
   }
@@ -1084,6 +1119,53 @@ TEST_F(NcclRootTest, ClosingThePublisherEndsAWaitWithCancelled) {
   const absl::Status s = Publish(2, absl::Hours(1));
   EXPECT_TRUE(absl::IsCancelled(s)) << s;
   EXPECT_LT(clock_.slept, absl::Seconds(1));
+}
+
+TEST_F(NcclRootTest, AReplicaOnTheRootsGpuReadsEachBucketFromTheRootsBuffers) {
+  // Only a replica on the root's GPU: the communicator is the root's one rank.
+  const uint64_t a = links_.Add("replica A", /*colocated=*/true);
+  absl::Status s = Publish(1);
+  ASSERT_TRUE(s.ok()) << s;
+  ExpectDelivered();
+  EXPECT_EQ(backend_.last_nranks, 1);
+  ASSERT_EQ(links_.groups.size(), 1u);
+  EXPECT_EQ(links_.groups[0].second.rank, 0u);
+  EXPECT_EQ(links_.groups[0].second.nranks, 1u);
+  EXPECT_THAT(links_.groups[0].second.members, HasSubstr("on rank 0's GPU: replica A"));
+  EXPECT_EQ(links_[a].handles, 2u);  // both bucket buffers
+  ASSERT_EQ(links_[a].buckets.size(), plan_.buckets.size());
+  for (size_t k = 0; k < plan_.buckets.size(); ++k) {
+    EXPECT_EQ(links_[a].buckets[k].slot, k % 2) << "bucket " << k;
+  }
+  EXPECT_THAT(links_[a].received,
+              ElementsAre(MsgType::kGroup, MsgType::kSlots, MsgType::kOffer, MsgType::kStart,
+                          MsgType::kBucket, MsgType::kBucket, MsgType::kBucket, MsgType::kBucket,
+                          MsgType::kBucket, MsgType::kCommit));
+  // With a replica on another GPU too: that one is rank 1 of 2.
+  const uint64_t b = links_.Add("replica B");
+  ASSERT_TRUE(Publish(2).ok());
+  ExpectDelivered();
+  EXPECT_EQ(backend_.last_nranks, 2);
+  EXPECT_EQ(links_.groups.back().first, b);
+  EXPECT_EQ(links_.groups.back().second.rank, 1u);
+  EXPECT_EQ(links_[a].buckets.size(), plan_.buckets.size());
+}
+
+TEST_F(NcclRootTest, ABufferIsReusedOnlyOnceTheReplicasOnTheRootsGpuTookItsBucket) {
+  const uint64_t a = links_.Add("replica A", /*colocated=*/true);
+  links_.Add("replica B");
+  links_[a].stalls_after = 1;  // takes bucket 1 out of its buffer, then stalls
+  device_.done_after = 0;
+  const absl::Status s = Publish(1, absl::Seconds(2));
+  ASSERT_TRUE(absl::IsDeadlineExceeded(s)) << s;
+  EXPECT_THAT(std::string(s.message()),
+              AllOf(HasSubstr("bucket 2 was not received by the deadline"),
+                    HasSubstr("replica A (on rank 0's GPU) has received 1 of them"),
+                    Not(HasSubstr("replica B (rank 1)"))));
+  // Buckets 1 and 2 went out in the two buffers; bucket 3 would reuse bucket 1's buffer, which
+  // A had taken, so it did; bucket 4 would reuse bucket 2's, which A never took.
+  EXPECT_EQ(world_.broadcasts.size(), 3u);
+  EXPECT_FALSE(root_.usable());
 }
 
 }  // namespace

@@ -221,6 +221,9 @@ void WriteNcclSeeds(const fs::path& dir, const std::vector<std::string>& manifes
       {"abort", nccl::Encode(nccl::AbortMsg{3, 8, 14, "replica pid 4242 (rank 2) is gone"})},
       {"failed", nccl::Encode(nccl::FailedMsg{3, 8, 4, "bucket 3 did not arrive"})},
       {"accepted", nccl::Encode(nccl::AcceptedMsg{8})},
+      {"slots", nccl::Encode(nccl::SlotsMsg{
+                    3, 256 << 20, {std::string(76, '\x42'), std::string(76, '\x43')}})},
+      {"bucket", nccl::Encode(nccl::BucketMsg{8, 4, 0})},
   };
   for (const auto& [name, frame] : frames) WriteFile(dir / (name + ".bin"), frame);
   std::string session = frames[1].second + frames[3].second;

@@ -132,9 +132,13 @@ void DecodeAs(MsgType type, const std::string& p) {
       return Try(type, p, nccl::DecodeStart, true);
     case MsgType::kCommit:
       return Try(type, p, nccl::DecodeCommit, true);
+    case MsgType::kSlots:
+      return Try(type, p, nccl::DecodeSlots, true);
+    case MsgType::kBucket:
+      return Try(type, p, nccl::DecodeBucket, true);
   }
   // An unknown type: no decoder may crash on it either; nor the plan decoder.
-  for (uint8_t t = 1; t <= 13; ++t) DecodeAs(static_cast<MsgType>(t), p);
+  for (uint8_t t = 1; t <= 15; ++t) DecodeAs(static_cast<MsgType>(t), p);
   TryPlan(p);
 }
 

@@ -5,6 +5,9 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <unistd.h>
+
+#include <cstring>
 #include <mutex>
 
 #include "absl/strings/str_format.h"
@@ -142,6 +145,54 @@ class CudaDevice final : public Device {
   void Synchronize() override {
     (void)cudaSetDevice(ordinal_);
     for (cudaStream_t s : streams_) (void)cudaStreamSynchronize(s);
+  }
+
+  absl::StatusOr<std::string> ExportBuffer(const std::shared_ptr<void>& buffer) override {
+    (void)cudaSetDevice(ordinal_);
+    cudaIpcMemHandle_t h;
+    if (cudaError_t err = cudaIpcGetMemHandle(&h, buffer.get()); err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return CudaError(err, "cudaIpcGetMemHandle");
+    }
+    std::string out(4 + 8 + sizeof(h), '\0');
+    const uint32_t pid = static_cast<uint32_t>(getpid());
+    const uint64_t ptr = reinterpret_cast<uintptr_t>(buffer.get());
+    std::memcpy(out.data(), &pid, 4);
+    std::memcpy(out.data() + 4, &ptr, 8);
+    std::memcpy(out.data() + 12, &h, sizeof(h));
+    return out;
+  }
+
+  absl::StatusOr<std::shared_ptr<void>> ImportBuffer(const std::string& handle) override {
+    cudaIpcMemHandle_t h;
+    if (handle.size() != 4 + 8 + sizeof(h)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "a CUDA IPC handle of %d bytes, expected %d", handle.size(), 4 + 8 + sizeof(h)));
+    }
+    uint32_t pid;
+    uint64_t ptr;
+    std::memcpy(&pid, handle.data(), 4);
+    std::memcpy(&ptr, handle.data() + 4, 8);
+    std::memcpy(&h, handle.data() + 12, sizeof(h));
+    if (pid == static_cast<uint32_t>(getpid())) {
+      // This process's own buffer (CUDA refuses to open its own handles).
+      return std::shared_ptr<void>(reinterpret_cast<void*>(static_cast<uintptr_t>(ptr)),
+                                   [](void*) {});
+    }
+    (void)cudaSetDevice(ordinal_);
+    void* p = nullptr;
+    if (cudaError_t err = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+        err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return absl::UnavailableError(
+          absl::StrFormat("cudaIpcOpenMemHandle of the publisher's bucket (process %d): %s", pid,
+                          cudaGetErrorString(err)));
+    }
+    const int ordinal = ordinal_;
+    return std::shared_ptr<void>(p, [ordinal](void* q) {
+      (void)cudaSetDevice(ordinal);
+      (void)cudaIpcCloseMemHandle(q);
+    });
   }
 
   bool IsDeviceMemory(const void* p) const override {

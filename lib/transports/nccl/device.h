@@ -79,6 +79,15 @@ class Device {
   virtual void Synchronize() = 0;
   // Whether `p` points into device memory (a CUDA tensor) rather than host memory.
   virtual bool IsDeviceMemory(const void* p) const = 0;
+  // A handle to `buffer` (from Allocate) that another process on the same GPU opens with
+  // ImportBuffer (cudaIpcGetMemHandle, with this process's id and the pointer, so that this
+  // process opens its own handles as the pointer itself).
+  virtual absl::StatusOr<std::string> ExportBuffer(const std::shared_ptr<void>& buffer) = 0;
+  // The buffer a handle from ExportBuffer names, mapped into this process until the returned
+  // pointer is released (cudaIpcOpenMemHandle / cudaIpcCloseMemHandle). Errors: InvalidArgument
+  // for a malformed handle, Unavailable when it cannot be opened (another GPU, the exporting
+  // process gone).
+  virtual absl::StatusOr<std::shared_ptr<void>> ImportBuffer(const std::string& handle) = 0;
 };
 
 // What the two sides compare before building a communicator (protocol.h HELLO).

@@ -150,6 +150,7 @@ class NcclPublisher final : public TransportPublisher, public ReplicaLinks {
     counters_.last_pack = stats.broadcast.pack;
     counters_.last_broadcast = stats.broadcast.broadcast;
     counters_.last_wire_bytes = stats.broadcast.wire_bytes;
+    counters_.last_buckets = stats.broadcast.buckets;
     return absl::OkStatus();
   }
 
@@ -456,24 +457,22 @@ void NcclPublisher::HandleHello(Conn& c, const Frame& f) {
     SendError(c, agreed.code(), std::string(agreed.message()));
     return;
   }
-  // NCCL refuses two ranks of one communicator on one GPU (at init, with every rank waiting).
-  if (hello->device_uuid == device_->Uuid()) {
-    SendError(c, absl::StatusCode::kFailedPrecondition,
-              absl::StrFormat("%s is on the publisher's own GPU (%s, %s): NCCL does not put two "
-                              "ranks of a communicator on one GPU; give the replica another GPU "
-                              "(setting cuda_device, or CUDA_VISIBLE_DEVICES)",
-                              c.peer, publisher_name, hello->device_uuid));
-    return;
-  }
+  // NCCL puts one rank per GPU (two on one GPU fail its init, with every rank waiting). A replica
+  // on the publisher's own GPU is no rank: it reads the root's buckets (co-located); one on
+  // another replica's GPU is refused.
+  const bool colocated = hello->device_uuid == device_->Uuid();
   for (const auto& [id, other] : conns_) {
-    if (other.get() != &c && other->greeted && !other->dead && other->uuid == hello->device_uuid) {
+    if (!colocated && other.get() != &c && other->greeted && !other->dead &&
+        other->uuid == hello->device_uuid) {
       SendError(c, absl::StatusCode::kFailedPrecondition,
                 absl::StrFormat("%s is on the GPU of %s (%s): NCCL does not put two ranks of a "
-                                "communicator on one GPU; give the replica another GPU",
+                                "communicator on one GPU; give the replica another GPU (setting "
+                                "cuda_device, or CUDA_VISIBLE_DEVICES)",
                                 c.peer, other->peer, hello->device_uuid));
       return;
     }
   }
+  c.state.colocated = colocated;
   c.uuid = hello->device_uuid;
   c.replica_id = hello->replica_id;
   c.greeted = true;
@@ -481,8 +480,9 @@ void NcclPublisher::HandleHello(Conn& c, const Frame& f) {
   changed_ = true;
   c.out += Encode(WelcomeMsg{kProtocolVersion, session_id_, publisher_name, newest_.has_value(),
                              newest_.value_or(0)});
-  conn_log_.Log(LogLevel::kInfo, "%s: %s joined (it takes part from the next version)",
-                endpoint_.display, c.peer);
+  conn_log_.Log(LogLevel::kInfo, "%s: %s joined%s (it takes part from the next version)",
+                endpoint_.display, c.peer,
+                colocated ? " on the publisher's own GPU (it reads the publisher's buckets)" : "");
 }
 
 void NcclPublisher::Handle(Conn& c, const Frame& f) {
@@ -549,6 +549,8 @@ void NcclPublisher::Handle(Conn& c, const Frame& f) {
     case MsgType::kAbort:
     case MsgType::kStart:
     case MsgType::kCommit:
+    case MsgType::kSlots:
+    case MsgType::kBucket:
       break;
   }
   malformed(absl::DataLossError(absl::StrFormat("an unexpected %s message", MsgTypeName(f.type))));

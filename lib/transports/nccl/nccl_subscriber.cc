@@ -101,6 +101,12 @@ class NcclSubscriber final : public TransportSubscriber {
                        const std::function<void(size_t)>& landed, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status EnsureSlots(uint64_t bucket_size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A co-located replica's receive: each bucket copied out of the root's buffer once BUCKET
+  // says it is there (targets all null: nothing copied).
+  absl::Status ReceiveColocated(const Offer& offer, absl::Span<std::byte* const> targets,
+                                Watch& watch, const std::function<absl::Status(size_t)>& on_bucket,
+                                absl::Time deadline, const std::string& what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Aborts the communicator. While a receive drives it (`receiving_`) the object stays, aborted,
   // until the receive returns; otherwise it is freed.
   void DropCommunicator() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -131,6 +137,11 @@ class NcclSubscriber final : public TransportSubscriber {
   uint64_t slot_size_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t newest_seen_ ABSL_GUARDED_BY(mu_) = 0;
   bool receiving_ ABSL_GUARDED_BY(mu_) = false;  // ReceiveBuckets holds *comm_
+  // On the publisher's own GPU (GROUP rank 0): no rank; the root's bucket buffers (SLOTS), and
+  // which bucket is in which (BUCKET: (version, bucket) -> buffer).
+  bool colocated_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::shared_ptr<void>> shared_slots_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<uint64_t, uint64_t>, uint32_t> ready_buckets_ ABSL_GUARDED_BY(mu_);
 };
 
 class NcclIncoming final : public IncomingVersion {
@@ -298,11 +309,22 @@ absl::Status NcclSubscriber::Handle(const Frame& f) {
       epoch_ = m->epoch;
       comm_ready_ = false;
       members_ = m->members;
+      shared_slots_.clear();
+      ready_buckets_.clear();
       // Offers of older epochs can no longer be received.
       offers_.erase(std::remove_if(offers_.begin(), offers_.end(),
                                    [&](const Offer& o) { return o.epoch < epoch_; }),
                     offers_.end());
       absl::Status failed = failpoints_.Hit("nccl.replica_group");
+      colocated_ = m->rank == 0;
+      if (colocated_) {
+        // No rank: ready once SLOTS' buffers are open.
+        if (!failed.ok()) {
+          return SendNow(Encode(GroupReadyMsg{epoch_, static_cast<uint32_t>(failed.code()),
+                                              std::string(failed.message())}));
+        }
+        return absl::OkStatus();
+      }
       UniqueId id;
       std::copy(m->unique_id.begin(), m->unique_id.end(), reinterpret_cast<char*>(id.data()));
       absl::StatusOr<std::unique_ptr<Communicator>> comm =
@@ -315,6 +337,43 @@ absl::Status NcclSubscriber::Handle(const Frame& f) {
       }
       comm_ = *std::move(comm);
       initializing_ = true;
+      return absl::OkStatus();
+    }
+    case MsgType::kSlots: {
+      absl::StatusOr<SlotsMsg> m = DecodeSlots(f.payload);
+      if (!m.ok()) return malformed(m.status());
+      if (!colocated_ || m->epoch != epoch_) return absl::OkStatus();  // a stale one
+      shared_slots_.clear();
+      absl::Status opened;
+      for (const std::string& h : m->handles) {
+        absl::StatusOr<std::shared_ptr<void>> slot = device_->ImportBuffer(h);
+        if (!slot.ok()) {
+          opened = absl::Status(slot.status().code(),
+                                absl::StrFormat("opening the publisher's bucket buffer %d of %d "
+                                                "on this GPU: %s",
+                                                shared_slots_.size() + 1, m->handles.size(),
+                                                slot.status().message()));
+          shared_slots_.clear();
+          break;
+        }
+        shared_slots_.push_back(*std::move(slot));
+      }
+      if (opened.ok() && shared_slots_.empty()) {
+        opened = absl::DataLossError("SLOTS without a buffer");
+      }
+      comm_ready_ = opened.ok();
+      return SendNow(Encode(GroupReadyMsg{epoch_, static_cast<uint32_t>(opened.code()),
+                                          std::string(opened.message())}));
+    }
+    case MsgType::kBucket: {
+      absl::StatusOr<BucketMsg> m = DecodeBucket(f.payload);
+      if (!m.ok()) return malformed(m.status());
+      if (m->slot >= shared_slots_.size()) {
+        return malformed(absl::DataLossError(
+            absl::StrFormat("BUCKET names buffer %d of %d", m->slot, shared_slots_.size())));
+      }
+      if (ready_buckets_.size() >= 65536) ready_buckets_.erase(ready_buckets_.begin());
+      ready_buckets_[{m->version, m->bucket}] = m->slot;
       return absl::OkStatus();
     }
     case MsgType::kOffer: {
@@ -463,7 +522,7 @@ absl::Status NcclSubscriber::Receive(const Offer& offer, absl::Span<std::byte* c
   const std::string what = absl::StrFormat("%s version %d", endpoint_.display, version);
   WB_RETURN_IF_ERROR(Pump());
   if (std::optional<absl::Status> aborted = AbortOf(offer.epoch, version)) return *aborted;
-  if (offer.epoch != epoch_ || comm_ == nullptr || !comm_ready_) {
+  if (offer.epoch != epoch_ || !comm_ready_ || (!colocated_ && comm_ == nullptr)) {
     return absl::UnavailableError(absl::StrFormat(
         "%s: the communicator of epoch %d it was offered in is gone", what, offer.epoch));
   }
@@ -475,8 +534,10 @@ absl::Status NcclSubscriber::Receive(const Offer& offer, absl::Span<std::byte* c
     }
     return s;
   };
-  if (absl::Status s = EnsureSlots(offer.plan.bucket_size); !s.ok()) {
-    return report(absl::Status(s.code(), absl::StrFormat("%s: %s", what, s.message())));
+  if (!colocated_) {
+    if (absl::Status s = EnsureSlots(offer.plan.bucket_size); !s.ok()) {
+      return report(absl::Status(s.code(), absl::StrFormat("%s: %s", what, s.message())));
+    }
   }
   WB_RETURN_IF_ERROR(failpoints_.Hit("nccl.replica_ready"));
   WB_RETURN_IF_ERROR(SendNow(Encode(ReadyMsg{version})));
@@ -517,18 +578,19 @@ absl::Status NcclSubscriber::Receive(const Offer& offer, absl::Span<std::byte* c
     // Nothing was posted yet: the communicator stays usable unless the publisher is gone.
     return report(started);
   }
-  if (comm_ == nullptr || !comm_ready_) {
+  if (!comm_ready_ || (!colocated_ && comm_ == nullptr)) {
     return report(absl::UnavailableError(
         absl::StrFormat("%s: the communicator was given up before the broadcast", what)));
   }
-  absl::Status received = ReceiveBuckets(
-      *device_, *comm_, RealClock(), watch, offer.plan, targets, slots_,
-      [&](size_t bucket) -> absl::Status {
-        landed(bucket);
-        WB_RETURN_IF_ERROR(failpoints_.Hit("nccl.replica_bucket"));
-        return SendNow(Encode(ReceivedMsg{version, bucket + 1}));
-      },
-      deadline, what);
+  const auto on_bucket = [&](size_t bucket) -> absl::Status {
+    landed(bucket);
+    WB_RETURN_IF_ERROR(failpoints_.Hit("nccl.replica_bucket"));
+    return SendNow(Encode(ReceivedMsg{version, bucket + 1}));
+  };
+  absl::Status received = colocated_
+                              ? ReceiveColocated(offer, targets, watch, on_bucket, deadline, what)
+                              : ReceiveBuckets(*device_, *comm_, RealClock(), watch, offer.plan,
+                                               targets, slots_, on_bucket, deadline, what);
   if (!received.ok()) {
     comm_ready_ = false;  // ReceiveBuckets aborted it (freed on return); the publisher rebuilds
     return report(received);
@@ -545,6 +607,68 @@ absl::Status NcclSubscriber::Receive(const Offer& offer, absl::Span<std::byte* c
             "that every replica has them",
             what, publisher_);
       });
+}
+
+absl::Status NcclSubscriber::ReceiveColocated(const Offer& offer,
+                                              absl::Span<std::byte* const> targets, Watch& watch,
+                                              const std::function<absl::Status(size_t)>& on_bucket,
+                                              absl::Time deadline, const std::string& what) {
+  const uint64_t version = offer.manifest.version;
+  const size_t nbuckets = offer.plan.buckets.size();
+  for (size_t k = 0; k < nbuckets; ++k) {
+    const Bucket& bucket = offer.plan.buckets[k];
+    uint32_t slot = 0;
+    absl::Status s = PollUntil(
+        RealClock(), deadline, nullptr, &watch,
+        [&]() -> absl::StatusOr<bool> {
+          auto it = ready_buckets_.find({version, k});
+          if (it == ready_buckets_.end()) return false;
+          slot = it->second;
+          return true;
+        },
+        [&] {
+          return absl::StrFormat(
+              "bucket %d of %d was not in the publisher's buffer by the "
+              "deadline (the publisher or a replica of the communicator is "
+              "stalled)",
+              k + 1, nbuckets);
+        });
+    const int stream = static_cast<int>(k % device_->streams());
+    bool copied = false;
+    for (const Piece& piece : bucket.pieces) {
+      if (!s.ok()) break;
+      std::byte* target = targets[piece.tensor];
+      if (target == nullptr) continue;
+      s = device_->Copy(
+          target + piece.tensor_offset,
+          static_cast<const std::byte*>(shared_slots_[slot].get()) + piece.bucket_offset,
+          piece.length, stream);
+      copied = true;
+    }
+    if (s.ok() && copied) {
+      s = device_->Record(stream);
+      if (s.ok()) {
+        s = PollUntil(
+            RealClock(), deadline, nullptr, &watch, [&] { return device_->Done(stream); },
+            [&] {
+              return absl::StrFormat(
+                  "copying bucket %d of %d out of the publisher's buffer did "
+                  "not finish by the deadline",
+                  k + 1, nbuckets);
+            });
+      }
+    }
+    ready_buckets_.erase({version, k});
+    if (s.ok()) s = on_bucket(k);
+    if (!s.ok()) {
+      device_->Synchronize();  // no copy into a target after the receive returns
+      return absl::Status(
+          s.code(), absl::StrFormat("%s: receiving bucket %d of %d (%s) from the "
+                                    "publisher's buffer on this GPU failed: %s",
+                                    what, k + 1, nbuckets, DescribePlan(offer.plan), s.message()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<IncomingVersion>> NcclSubscriber::WaitForVersion(

@@ -4,8 +4,10 @@
 #include <algorithm>
 #include <deque>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/status.h"
 
 namespace weightbus::internal::nccl {
 namespace {
@@ -61,6 +63,7 @@ absl::Status BroadcastBuckets(Device& device, Communicator& comm, Clock& clock,
   const absl::Time start = clock.Now();
   *stats = BroadcastStats{};
   stats->wire_bytes = plan.WireBytes();
+  stats->buckets = nbuckets;
   if (nbuckets == 0) return absl::OkStatus();
   size_t posted = 0;  // buckets enqueued
   // The bucket a failure is about: the first one posted that some replica has not received
@@ -72,14 +75,27 @@ absl::Status BroadcastBuckets(Device& device, Communicator& comm, Clock& clock,
     return bucket;
   };
   auto fail = [&](const absl::Status& s, size_t bucket) {
+    // A peer's death may reach NCCL (a failed send) before its control connection's end reaches
+    // the publisher: give the latter a moment (never past the deadline) so that the error names
+    // the replica, not only NCCL's rank.
+    absl::Status peer = replicas.Check();
+    const absl::Time until = std::min(deadline, clock.Now() + kPeerGrace);
+    while (peer.ok() && !absl::IsDeadlineExceeded(s) && clock.Now() < until) {
+      clock.SleepFor(kMaxPollSleep);
+      peer = replicas.Check();
+    }
     const size_t at = first_missing(bucket);
     comm.Abort();
     device.Synchronize();
+    absl::Status out = s;
+    if (!peer.ok() && !absl::StrContains(s.message(), peer.message())) {
+      out = absl::Status(peer.code(), absl::StrFormat("%s (%s)", peer.message(), s.message()));
+    }
     return WithContext(
-        s, absl::StrFormat("%s: broadcasting bucket %d of %d (%s) failed; the communicator was "
-                           "aborted and the next publish rebuilds it from the replicas still "
-                           "connected",
-                           what, at + 1, nbuckets, DescribePlan(plan)));
+        out, absl::StrFormat("%s: broadcasting bucket %d of %d (%s) failed; the communicator was "
+                             "aborted and the next publish rebuilds it from the replicas still "
+                             "connected",
+                             what, at + 1, nbuckets, DescribePlan(plan)));
   };
   auto not_received = [&](size_t bucket) {
     return [&, bucket] {
@@ -92,12 +108,31 @@ absl::Status BroadcastBuckets(Device& device, Communicator& comm, Clock& clock,
                                  : absl::StrJoin(late, "; "));
     };
   };
-  // Buckets enqueued whose stream is not yet known to be done, oldest first.
+  // Buckets enqueued whose buffer is not yet known to be free again, oldest first; the first
+  // `ready` of all buckets were reported complete (BucketReady).
   std::deque<size_t> outstanding;
+  size_t ready = 0;
+  // Reports, in order, the buckets whose broadcast has completed on this rank, without waiting.
+  auto report_ready = [&]() -> absl::Status {
+    while (ready < posted) {
+      absl::StatusOr<bool> done = device.Done(ready % nslots);
+      if (!done.ok()) return done.status();
+      // An event tells about the newest work on its stream only: a bucket whose buffer was
+      // reposted (ready + nslots posted) was reported before it was.
+      if (!*done) break;
+      replicas.BucketReady(ready, ready % nslots);
+      ++ready;
+    }
+    return absl::OkStatus();
+  };
   auto retire_oldest = [&]() -> absl::Status {
     const size_t b = outstanding.front();
     absl::Status s = PollUntil(
-        clock, deadline, &comm, &replicas, [&] { return device.Done(b % nslots); },
+        clock, deadline, &comm, &replicas,
+        [&]() -> absl::StatusOr<bool> {
+          WB_RETURN_IF_ERROR(report_ready());
+          return ready > b && replicas.SlotFree(b);
+        },
         not_received(b));
     if (!s.ok()) return fail(s, b);
     outstanding.pop_front();
@@ -127,6 +162,7 @@ absl::Status BroadcastBuckets(Device& device, Communicator& comm, Clock& clock,
     if (!enqueued.ok()) return fail(enqueued, k);
     if (absl::Status r = device.Record(s); !r.ok()) return fail(r, k);
     outstanding.push_back(k);
+    if (absl::Status r = report_ready(); !r.ok()) return fail(r, k);
   }
   while (!outstanding.empty()) {
     if (absl::Status r = retire_oldest(); !r.ok()) return r;

@@ -51,6 +51,9 @@ class Watch {
 // DeadlineExceeded with `timeout_message()` once `clock` reaches `deadline` (`done` is polled
 // once more first: a wait whose work finished in time succeeds).
 inline constexpr absl::Duration kMaxPollSleep = absl::Microseconds(200);
+// How long a failed broadcast waits (never past its deadline) for the control connections to
+// say which replica is gone, to name it.
+inline constexpr absl::Duration kPeerGrace = absl::Milliseconds(250);
 absl::Status PollUntil(Clock& clock, absl::Time deadline, Communicator* comm, Watch* watch,
                        absl::FunctionRef<absl::StatusOr<bool>()> done,
                        absl::FunctionRef<std::string()> timeout_message);
@@ -69,17 +72,26 @@ class ReplicaProgress : public Watch {
   // The replicas that have received fewer than `buckets` buckets, described for messages
   // ("replica pid 40 on infer-3, rank 2, GPU 1 (...), which has received 2 of 12 buckets").
   virtual std::vector<std::string> Behind(size_t buckets) = 0;
+  // Replicas on the root's own GPU (no rank: they copy each bucket out of the root's buffer):
+  // bucket `bucket` is complete in buffer `slot` (called once per bucket, in order), and whether
+  // every such replica has taken bucket `bucket` out of its buffer, which may then be reused.
+  // Defaults: none.
+  virtual void BucketReady(size_t bucket, size_t slot) {}
+  virtual bool SlotFree(size_t bucket) { return true; }
 };
 
 struct BroadcastStats {
   absl::Duration pack;       // time spent enqueuing the copies into buckets (host side)
   absl::Duration broadcast;  // from the first pack to every replica having every bucket
   uint64_t wire_bytes = 0;   // bytes broadcast (buckets, padding included)
+  size_t buckets = 0;
 };
 
 // The root's side of one version: packs each bucket from `sources` (tensor i's bytes, host or
 // device memory, manifest order; nullptr only for a tensor without bytes) into its slot and
-// broadcasts it, then waits until every replica has received every bucket. `slots` holds the
+// broadcasts it, then waits until every replica has received every bucket (a buffer is reused
+// only once the replicas on the root's GPU took the bucket it held: BucketReady, SlotFree).
+// `slots` holds the
 // device's streams() bucket buffers of plan.bucket_size bytes each. `what` names the version
 // for messages ("nccl://trainer:29600/policy version 7"). On failure the communicator is aborted
 // and the error names the bucket and the replicas behind: DeadlineExceeded ("... bucket 3 of 12

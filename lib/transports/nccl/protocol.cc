@@ -61,6 +61,10 @@ std::string_view MsgTypeName(MsgType type) {
       return "START";
     case MsgType::kCommit:
       return "COMMIT";
+    case MsgType::kSlots:
+      return "SLOTS";
+    case MsgType::kBucket:
+      return "BUCKET";
   }
   return "UNKNOWN";
 }
@@ -153,6 +157,17 @@ std::string Encode(const CommitMsg& m) {
   return Writer(MsgType::kCommit).U64(m.epoch).U64(m.version).Finish();
 }
 
+std::string Encode(const SlotsMsg& m) {
+  Writer w(MsgType::kSlots);
+  w.U64(m.epoch).U64(m.bucket_size).U32(static_cast<uint32_t>(m.handles.size()));
+  for (const std::string& h : m.handles) w.Str(h);
+  return w.Finish();
+}
+
+std::string Encode(const BucketMsg& m) {
+  return Writer(MsgType::kBucket).U64(m.version).U64(m.bucket).U32(m.slot).Finish();
+}
+
 absl::StatusOr<HelloMsg> DecodeHello(std::string_view payload) {
   Fields f(MsgType::kHello, payload);
   HelloMsg m;
@@ -206,8 +221,11 @@ absl::StatusOr<GroupMsg> DecodeGroup(std::string_view payload) {
     f.Fail(
         absl::StrFormat("the unique id is %d bytes, not %d", m.unique_id.size(), kUniqueIdBytes));
   }
-  if (f.ok() && (m.rank == 0 || m.rank >= m.nranks)) {
-    f.Fail(absl::StrFormat("rank %d of %d (a replica's rank is 1..nranks-1)", m.rank, m.nranks));
+  if (f.ok() && m.rank >= m.nranks) {
+    f.Fail(
+        absl::StrFormat("rank %d of %d (a replica's rank is 1..nranks-1, or 0 on the "
+                        "publisher's GPU)",
+                        m.rank, m.nranks));
   }
   return f.Done(std::move(m));
 }
@@ -286,6 +304,28 @@ absl::StatusOr<CommitMsg> DecodeCommit(std::string_view payload) {
   CommitMsg m;
   m.epoch = f.U64("the epoch");
   m.version = f.U64("the version");
+  return f.Done(m);
+}
+
+absl::StatusOr<SlotsMsg> DecodeSlots(std::string_view payload) {
+  Fields f(MsgType::kSlots, payload);
+  SlotsMsg m;
+  m.epoch = f.U64("the epoch");
+  m.bucket_size = f.U64("the bucket size");
+  const uint32_t n = f.Count("buffer handles", 4);
+  if (f.ok() && n > 64) f.Fail(absl::StrFormat("%d buffer handles, at most 64", n));
+  for (uint32_t k = 0; k < n && f.ok(); ++k) {
+    m.handles.push_back(f.Text(absl::StrFormat("buffer handle %d", k)));
+  }
+  return f.Done(std::move(m));
+}
+
+absl::StatusOr<BucketMsg> DecodeBucket(std::string_view payload) {
+  Fields f(MsgType::kBucket, payload);
+  BucketMsg m;
+  m.version = f.U64("the version");
+  m.bucket = f.U64("the bucket");
+  m.slot = f.U32("the buffer");
   return f.Done(m);
 }
 

@@ -9,12 +9,14 @@
 //   HELLO (settings that must agree)  ->
 //                                     <-  WELCOME, or ERROR naming a mismatched setting
 //                                     <-  GROUP (epoch, unique id, rank, nranks) at a publish
-//   [ncclCommInitRankConfig, non-blocking]
+//   [ncclCommInitRankConfig, non-blocking; a replica on the publisher's GPU, GROUP rank 0, is no
+//    rank: SLOTS follows, the root's bucket buffers it then reads through CUDA IPC]
 //   GROUP_READY (epoch, status)       ->
 //                                     <-  OFFER (version, manifest, bucket plan)
 //   READY (version: receiving now)    ->
 //                                     <-  START (every member is ready)
 //                  [ncclBroadcast of each bucket, root 0]
+//                                     <-  BUCKET (co-located replicas: bucket k is in buffer s)
 //   RECEIVED (version, buckets done)  ->  after each bucket
 //                                     <-  COMMIT (every member has every bucket): only now
 //                                         does a replica hand the version to its core
@@ -58,6 +60,10 @@ enum class MsgType : uint8_t {
   kAccepted = 11,   // rep -> pub: version (verified and handed over)
   kStart = 12,      // pub -> rep: epoch, version (every member is READY: post the broadcasts)
   kCommit = 13,     // pub -> rep: epoch, version (every member received every bucket: keep it)
+  // A replica on the publisher's own GPU (co-located) is no rank of the communicator: it reads
+  // each bucket from the root's bucket buffer (CUDA IPC) once told it is there.
+  kSlots = 14,   // pub -> co-located rep: epoch, bucket size, a handle per bucket buffer
+  kBucket = 15,  // pub -> co-located rep: version, bucket index, the buffer holding it
 };
 
 std::string_view MsgTypeName(MsgType type);
@@ -150,6 +156,16 @@ struct CommitMsg {  // pub -> rep
   uint64_t epoch = 0;
   uint64_t version = 0;
 };
+struct SlotsMsg {  // pub -> co-located rep
+  uint64_t epoch = 0;
+  uint64_t bucket_size = 0;
+  std::vector<std::string> handles;  // Device::ExportBuffer of each bucket buffer
+};
+struct BucketMsg {  // pub -> co-located rep
+  uint64_t version = 0;
+  uint64_t bucket = 0;  // 0-based
+  uint32_t slot = 0;    // index into SLOTS' handles
+};
 
 std::string Encode(const HelloMsg& m);
 std::string Encode(const WelcomeMsg& m);
@@ -164,6 +180,8 @@ std::string Encode(const FailedMsg& m);
 std::string Encode(const AcceptedMsg& m);
 std::string Encode(const StartMsg& m);
 std::string Encode(const CommitMsg& m);
+std::string Encode(const SlotsMsg& m);
+std::string Encode(const BucketMsg& m);
 
 absl::StatusOr<HelloMsg> DecodeHello(std::string_view payload);
 absl::StatusOr<WelcomeMsg> DecodeWelcome(std::string_view payload);
@@ -178,6 +196,8 @@ absl::StatusOr<FailedMsg> DecodeFailed(std::string_view payload);
 absl::StatusOr<AcceptedMsg> DecodeAccepted(std::string_view payload);
 absl::StatusOr<StartMsg> DecodeStart(std::string_view payload);
 absl::StatusOr<CommitMsg> DecodeCommit(std::string_view payload);
+absl::StatusOr<SlotsMsg> DecodeSlots(std::string_view payload);
+absl::StatusOr<BucketMsg> DecodeBucket(std::string_view payload);
 
 // The status a peer's ERROR, ABORT or FAILED carries (a known non-OK code as it is, anything
 // else `fallback`), its message prefixed with `prefix`.

@@ -22,20 +22,29 @@ class MembersWatch : public ReplicaProgress {
  public:
   MembersWatch(ReplicaLinks& links, const std::vector<uint64_t>& members, uint64_t epoch,
                uint64_t version)
-      : links_(links), members_(members), epoch_(epoch), version_(version) {}
+      : links_(links), members_(members), epoch_(epoch), version_(version) {
+    // Ranks 1.. in member order, skipping the members on rank 0's GPU.
+    int rank = 0;
+    for (uint64_t id : members_) {
+      const bool colocated = links_.State(id).colocated;
+      colocated_.push_back(colocated);
+      labels_.push_back(colocated ? std::string("on rank 0's GPU")
+                                  : absl::StrFormat("rank %d", ++rank));
+    }
+  }
 
   absl::Status Check() override {
     if (absl::Status c = links_.Cancelled(); !c.ok()) return c;
     for (size_t r = 0; r < members_.size(); ++r) {
       const ReplicaState s = links_.State(members_[r]);
       if (!s.alive) {
-        return absl::UnavailableError(absl::StrFormat("%s (rank %d) is gone%s", Name(s, r), r + 1,
-                                                      s.gone.empty() ? "" : ": " + s.gone));
+        return absl::UnavailableError(
+            absl::StrFormat("%s is gone%s", Who(s, r), s.gone.empty() ? "" : ": " + s.gone));
       }
       if (s.failed && s.failed_epoch == epoch_ &&
           (s.failed_version == version_ || s.failed_version == 0)) {
-        return absl::Status(s.failed->code(), absl::StrFormat("%s (rank %d) failed: %s", Name(s, r),
-                                                              r + 1, s.failed->message()));
+        return absl::Status(s.failed->code(),
+                            absl::StrFormat("%s failed: %s", Who(s, r), s.failed->message()));
       }
     }
     return absl::OkStatus();
@@ -43,14 +52,32 @@ class MembersWatch : public ReplicaProgress {
 
   bool AllReceived(size_t buckets) override { return Behind(buckets).empty(); }
 
+  void BucketReady(size_t bucket, size_t slot) override {
+    std::string frame;
+    for (size_t r = 0; r < members_.size(); ++r) {
+      if (!colocated_[r]) continue;
+      if (frame.empty()) frame = Encode(BucketMsg{version_, bucket, static_cast<uint32_t>(slot)});
+      links_.Send(members_[r], frame);
+    }
+  }
+
+  bool SlotFree(size_t bucket) override {
+    for (size_t r = 0; r < members_.size(); ++r) {
+      if (!colocated_[r]) continue;
+      const ReplicaState s = links_.State(members_[r]);
+      const uint64_t got = s.received_version == version_ ? s.received_buckets : 0;
+      if (got <= bucket) return false;
+    }
+    return true;
+  }
+
   std::vector<std::string> Behind(size_t buckets) override {
     std::vector<std::string> out;
     for (size_t r = 0; r < members_.size(); ++r) {
       const ReplicaState s = links_.State(members_[r]);
       const uint64_t got = s.received_version == version_ ? s.received_buckets : 0;
       if (got >= buckets) continue;
-      out.push_back(
-          absl::StrFormat("%s (rank %d) has received %d of them", Name(s, r), r + 1, got));
+      out.push_back(absl::StrFormat("%s has received %d of them", Who(s, r), got));
     }
     return out;
   }
@@ -60,7 +87,7 @@ class MembersWatch : public ReplicaProgress {
     std::vector<std::string> out;
     for (size_t r = 0; r < members_.size(); ++r) {
       const ReplicaState s = links_.State(members_[r]);
-      if (s.ready < version_) out.push_back(absl::StrFormat("%s (rank %d)", Name(s, r), r + 1));
+      if (s.ready < version_) out.push_back(Who(s, r));
     }
     return out;
   }
@@ -70,19 +97,22 @@ class MembersWatch : public ReplicaProgress {
     std::vector<std::string> out;
     for (size_t r = 0; r < members_.size(); ++r) {
       const ReplicaState s = links_.State(members_[r]);
-      if (s.group_ready < epoch_) {
-        out.push_back(absl::StrFormat("%s (rank %d)", Name(s, r), r + 1));
-      }
+      if (s.group_ready < epoch_) out.push_back(Who(s, r));
     }
     return out;
   }
 
  private:
-  std::string Name(const ReplicaState& s, size_t r) const {
-    return s.name.empty() ? absl::StrFormat("replica %d", members_[r]) : s.name;
+  // "replica pid 40 on infer-3 (GPU 1 ...) (rank 2)".
+  std::string Who(const ReplicaState& s, size_t r) const {
+    return absl::StrFormat("%s (%s)",
+                           s.name.empty() ? absl::StrFormat("replica %d", members_[r]) : s.name,
+                           labels_[r]);
   }
 
   ReplicaLinks& links_;
+  std::vector<bool> colocated_;
+  std::vector<std::string> labels_;
   const std::vector<uint64_t>& members_;
   uint64_t epoch_;
   uint64_t version_;
@@ -164,7 +194,12 @@ absl::Status Root::Rebuild(const std::vector<uint64_t>& members, absl::Time dead
   }
   ranks_.clear();
   ++epoch_;
-  const int nranks = static_cast<int>(members.size()) + 1;
+  // Members on the root's GPU are no rank; the others are ranks 1.. in join order.
+  std::vector<uint64_t> ranked;
+  for (uint64_t id : members) {
+    if (!links_.State(id).colocated) ranked.push_back(id);
+  }
+  const int nranks = static_cast<int>(ranked.size()) + 1;
   auto fail = [&](const absl::Status& s) {
     GiveUp(members, 0, s);
     return absl::Status(
@@ -176,15 +211,33 @@ absl::Status Root::Rebuild(const std::vector<uint64_t>& members, absl::Time dead
   if (!id.ok()) return fail(id.status());
   std::vector<std::string> who = {
       absl::StrFormat("rank 0: the publisher (%s, %s)", options_.description, device_.Describe())};
-  for (size_t r = 0; r < members.size(); ++r) {
-    who.push_back(absl::StrFormat("rank %d: %s", r + 1, links_.State(members[r]).name));
+  for (size_t r = 0; r < ranked.size(); ++r) {
+    who.push_back(absl::StrFormat("rank %d: %s", r + 1, links_.State(ranked[r]).name));
+  }
+  for (uint64_t m : members) {
+    if (links_.State(m).colocated) {
+      who.push_back(absl::StrFormat("on rank 0's GPU: %s", links_.State(m).name));
+    }
   }
   const std::string members_text = absl::StrJoin(who, "; ");
-  for (size_t r = 0; r < members.size(); ++r) {
-    links_.Send(members[r],
-                Encode(GroupMsg{epoch_, static_cast<uint32_t>(r + 1), static_cast<uint32_t>(nranks),
-                                std::string(reinterpret_cast<const char*>(id->data()), id->size()),
-                                members_text}));
+  const std::string unique_id(reinterpret_cast<const char*>(id->data()), id->size());
+  std::optional<std::string> slots_frame;
+  for (uint64_t m : members) {
+    const auto rank = std::find(ranked.begin(), ranked.end(), m);
+    const uint32_t r = rank == ranked.end() ? 0 : static_cast<uint32_t>(rank - ranked.begin() + 1);
+    links_.Send(
+        m, Encode(GroupMsg{epoch_, r, static_cast<uint32_t>(nranks), unique_id, members_text}));
+    if (r != 0) continue;
+    if (!slots_frame) {
+      SlotsMsg slots{epoch_, options_.bucket_size, {}};
+      for (const std::shared_ptr<void>& slot : slots_) {
+        absl::StatusOr<std::string> h = device_.ExportBuffer(slot);
+        if (!h.ok()) return fail(h.status());
+        slots.handles.push_back(*std::move(h));
+      }
+      slots_frame = Encode(slots);
+    }
+    links_.Send(m, *slots_frame);
   }
   absl::StatusOr<std::unique_ptr<Communicator>> comm =
       backend_.StartCommunicator(device_, *id, nranks, 0);
@@ -224,15 +277,16 @@ absl::Status Root::Publish(const Manifest& manifest, absl::Span<const std::byte*
   stats_.replicas = members.size();
   if (members.empty()) return absl::OkStatus();
   const std::string what = absl::StrFormat("%s version %d", options_.display, manifest.version);
+  // The bucket buffers first: a rebuild hands them to the replicas on this GPU.
+  if (absl::Status s = EnsureSlots(); !s.ok()) {
+    GiveUp(members, manifest.version, s);
+    return s;
+  }
   if (std::optional<std::string> why =
           RebuildReason(epoch_, comm_ != nullptr, ranks_, members, links_)) {
     WB_RETURN_IF_ERROR(Rebuild(members, deadline, *why));
   }
   WB_ASSIGN_OR_RETURN(BucketPlan plan, PlanBucketsFor(manifest, options_.bucket_size));
-  if (absl::Status s = EnsureSlots(); !s.ok()) {
-    GiveUp(members, manifest.version, s);
-    return s;
-  }
 
   // Offer, and wait until every member is receiving.
   const absl::Time offered = clock_.Now();

@@ -6,12 +6,15 @@
 //
 // One Publish:
 //   1. Membership. The replicas connected now (and greeted: their handshake agreed) are the
-//      version's members. If the communicator does not exist, was aborted, or its ranks are not
-//      exactly these replicas (one left, one joined), it is rebuilt: a new epoch, a new
+//      version's members. If the communicator does not exist, was aborted, or its members are
+//      not exactly these replicas (one left, one joined), it is rebuilt: a new epoch, a new
 //      ncclUniqueId, GROUP to each member with its rank (by join order, after the publisher's
-//      0), every rank initializing non-blocking, until every GROUP_READY is in. A replica that
-//      joins while a version is on its way waits for the next Publish: it costs the others
-//      nothing now and one rebuild then.
+//      0), every rank initializing non-blocking, until every GROUP_READY is in. Members on the
+//      publisher's own GPU are no rank (NCCL puts one rank per GPU): GROUP gives them rank 0
+//      and SLOTS the root's bucket buffers, which they read through CUDA IPC as each bucket is
+//      complete (BUCKET); with only such members the communicator has the root's one rank. A
+//      replica that joins while a version is on its way waits for the next Publish: it costs the
+//      others nothing now and one rebuild then.
 //   2. Offer. The sealed manifest and the bucket plan go to every member (OFFER); each answers
 //      READY once its application is receiving (Subscriber::Receive and friends). A member
 //      that is not receiving by the deadline fails the Publish (DeadlineExceeded naming it;
@@ -44,7 +47,10 @@ namespace weightbus::internal::nccl {
 
 // What the root knows of one replica at a moment.
 struct ReplicaState {
-  bool alive = false;        // connected and greeted
+  bool alive = false;  // connected and greeted
+  // On the publisher's own GPU: no rank of the communicator; it copies each bucket out of the
+  // root's bucket buffers (CUDA IPC), told by BUCKET messages.
+  bool colocated = false;
   std::string name;          // "replica pid 40 on infer-3 (GPU 1, NVIDIA H200, ...)"
   std::string gone;          // why it is not alive (its connection closed, ...), when known
   uint64_t group_ready = 0;  // the newest epoch it reported initialized (GROUP_READY ok)

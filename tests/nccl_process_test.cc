@@ -159,6 +159,30 @@ TEST_F(NcclEndToEndTest, ALateJoinerGetsTheNextVersionThroughARebuiltCommunicato
   EXPECT_EQ((*late)->current_version(), 2u);
 }
 
+TEST_F(NcclEndToEndTest, VersionsWithoutBytesTravelWithoutBucketsAndAreCommittedToo) {
+  UseLoopback();
+  auto pub = Publisher::Open(ChannelUri(port_, "min_replicas=1"));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = Subscriber::Open(ChannelUri(port_));
+  ASSERT_TRUE(sub.ok());
+  std::thread replica([&] {
+    auto empty = (*sub)->WaitForVersion(1, kTimeout);
+    ASSERT_TRUE(empty.ok()) << empty.status();
+    EXPECT_TRUE((*empty)->tensors().empty());
+    auto zero = (*sub)->WaitForVersion(2, kTimeout);
+    ASSERT_TRUE(zero.ok()) << zero.status();
+    ASSERT_EQ((*zero)->tensors().size(), 2u);
+    EXPECT_EQ((*zero)->tensors()[0].shape, (std::vector<int64_t>{0, 7}));
+    EXPECT_EQ((*zero)->tensors()[1].shape, (std::vector<int64_t>{3, 0}));
+  });
+  ASSERT_TRUE((*pub)->Publish(1, {}, {}, kTimeout).ok());
+  EXPECT_EQ(Counters(port_).last_buckets, 0u);
+  const std::vector<TensorView> zero = {{"a", DType::kF32, {0, 7}}, {"b", DType::kBF16, {3, 0}}};
+  ASSERT_TRUE((*pub)->Publish(2, zero, {}, kTimeout).ok());
+  replica.join();
+  EXPECT_EQ(Counters(port_).last_replicas, 1u);
+}
+
 TEST_F(NcclEndToEndTest, AReplicaNotReceivingFailsThePublishNamingItAndThenCatchesUp) {
   UseLoopback();
   auto pub = Publisher::Open(ChannelUri(port_));

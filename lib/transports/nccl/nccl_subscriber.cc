@@ -172,9 +172,10 @@ class NcclIncoming final : public IncomingVersion {
     fetched_ = true;
     absl::MutexLock lock(&sub_->mu_);
     const std::vector<std::vector<uint32_t>> completes = TensorsCompletedBy(offer_.plan);
-    // Tensors without bytes are complete before any bucket.
+    // Tensors without bytes are complete before any bucket (their target may be null: a null
+    // target means "not needed" only for a tensor with bytes).
     for (size_t i = 0; i < offer_.manifest.tensors.size(); ++i) {
-      if (offer_.manifest.tensors[i].nbytes == 0 && targets[i] != nullptr) sink.Landed(i);
+      if (offer_.manifest.tensors[i].nbytes == 0) sink.Landed(i);
     }
     return sub_->Receive(
         offer_, targets,

@@ -87,13 +87,29 @@ if(WEIGHTBUS_WITH_CUDA)
   message(STATUS "weightbus: CUDA ${CUDAToolkit_VERSION}, kernels for ${CMAKE_CUDA_ARCHITECTURES}")
 endif()
 
-# No nccl:// transport exists yet (issue 11): nothing to build, so ON is refused rather than
-# accepted and ignored. An old build directory's cached AUTO (the former default) means OFF.
-if(WEIGHTBUS_WITH_NCCL STREQUAL "AUTO")
-  set(WEIGHTBUS_WITH_NCCL OFF CACHE BOOL "Build the nccl:// transport (not written yet: ON fails)"
-      FORCE)
+# nccl:// needs a build with CUDA (WEIGHTBUS_WITH_CUDA: CUDA=OFF means no CUDA at all) and NCCL
+# (nccl.h and libnccl, looked for next to the CUDA toolkit, under NCCL_ROOT, and in the system's
+# paths).
+set(_nccl_found OFF)
+if(WEIGHTBUS_WITH_CUDA)
+  find_path(WEIGHTBUS_NCCL_INCLUDE_DIR nccl.h
+            HINTS ${NCCL_ROOT} ENV NCCL_ROOT ${CUDAToolkit_INCLUDE_DIRS}
+            PATH_SUFFIXES include)
+  find_library(WEIGHTBUS_NCCL_LIBRARY nccl
+               HINTS ${NCCL_ROOT} ENV NCCL_ROOT ${CUDAToolkit_LIBRARY_DIR}
+               PATH_SUFFIXES lib lib64)
+  if(WEIGHTBUS_NCCL_INCLUDE_DIR AND WEIGHTBUS_NCCL_LIBRARY)
+    set(_nccl_found ON)
+    if(NOT TARGET Weightbus::nccl)
+      add_library(Weightbus::nccl UNKNOWN IMPORTED)
+      set_target_properties(Weightbus::nccl PROPERTIES
+        IMPORTED_LOCATION "${WEIGHTBUS_NCCL_LIBRARY}"
+        INTERFACE_INCLUDE_DIRECTORIES "${WEIGHTBUS_NCCL_INCLUDE_DIR}")
+    endif()
+  endif()
 endif()
+weightbus_resolve_option(WEIGHTBUS_WITH_NCCL _nccl_found
+                         "NCCL with a CUDA build (WEIGHTBUS_WITH_CUDA; nccl.h, libnccl)")
 if(WEIGHTBUS_WITH_NCCL)
-  message(FATAL_ERROR "WEIGHTBUS_WITH_NCCL=ON: the nccl transport does not exist yet (issue 11: "
-                      "a configure error until it does); configure with -DWEIGHTBUS_WITH_NCCL=OFF")
+  list(APPEND WEIGHTBUS_TRANSPORTS nccl)
 endif()

@@ -3,8 +3,9 @@
 # The build options mean what they say (issue 11), checked by configuring only (about a second
 # each, nothing compiled): WEIGHTBUS_WITH_DELTA=OFF leaves lib/delta, the delta layer and zstd out
 # of every target and the installed package files; WEIGHTBUS_WITH_DISK=OFF leaves lib/io, the
-# disk transport and liburing out; WEIGHTBUS_WITH_NCCL=ON is a configure error while no nccl
-# transport exists; WEIGHTBUS_WITH_CUDA=OFF leaves the CUDA kernels and runtime out.
+# disk transport and liburing out; WEIGHTBUS_WITH_NCCL=OFF leaves the nccl transport, its tests
+# and libnccl out, and =ON fails the configure step where the CUDA toolkit or NCCL is missing;
+# WEIGHTBUS_WITH_CUDA=OFF leaves the CUDA kernels and runtime out.
 # Usage: build_options_test.sh SOURCE_DIR
 set -euo pipefail
 src=$1
@@ -68,16 +69,25 @@ grep -q -- '-luring' "$work/default/weightbus.pc" || fail "default: weightbus.pc
 configure nocuda -DWEIGHTBUS_WITH_CUDA=OFF
 absent nocuda 'core/cuda/kernels\.cu|nvcc' "the CUDA kernels"
 absent nocuda 'libcudart' "the CUDA runtime"
+absent nocuda 'transports/nccl/|libnccl' "nccl:// (it needs CUDA)"
 present nocuda 'core/cuda/device\.cc' "core/cuda/device.cc"
 present nocuda 'device_gating_test' "device_gating_test"
 if grep -q 'weightbus: CUDA .*, kernels for' "$work/default.log"; then  # AUTO found CUDA
   present default 'core/cuda/kernels\.cu' "the CUDA kernels"
 fi
 
-if cmake -S "$src" -B "$work/nccl" -G Ninja -DWEIGHTBUS_PYTHON=/usr/bin/true \
-     -DWEIGHTBUS_WITH_CUDA=OFF -DWEIGHTBUS_WITH_NCCL=ON > "$work/nccl.log" 2>&1; then
-  fail "WEIGHTBUS_WITH_NCCL=ON configured, but no nccl transport exists"
+# nccl:// is built where the CUDA toolkit and NCCL are found (AUTO).
+if grep -qE '^transports=.*\bnccl\b' "$work/default/weightbus.pc"; then
+  present default 'transports/nccl/root\.cc' "the nccl transport"
+  grep -q -- '-lnccl' "$work/default/weightbus.pc" || fail "default: weightbus.pc lacks -lnccl"
+  off nccl WEIGHTBUS_WITH_NCCL 'transports/nccl/|nccl_[a-z_]*test|nccl_control_fuzz|nccl[-_]bench' \
+    'libnccl|-lnccl' 'lib/delta/codec\.cc'
 fi
-grep -q 'the nccl transport does not exist yet' "$work/nccl.log" ||
+# ON without them (the CUDA toolkit hidden from find_package) is a configure error naming them.
+if cmake -S "$src" -B "$work/nccl" -G Ninja -DWEIGHTBUS_PYTHON=/usr/bin/true \
+     -DWEIGHTBUS_WITH_NCCL=ON -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON > "$work/nccl.log" 2>&1; then
+  fail "WEIGHTBUS_WITH_NCCL=ON configured without the CUDA toolkit"
+fi
+grep -q 'WEIGHTBUS_WITH_NCCL=ON but NCCL with a CUDA build' "$work/nccl.log" ||
   { cat "$work/nccl.log"; fail "WEIGHTBUS_WITH_NCCL=ON failed for another reason"; }
 echo "build_options_test: OK"

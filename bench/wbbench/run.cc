@@ -734,13 +734,21 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
   if (have_ucx) available.push_back("ucx");
   if (have_delta && have_disk) available.push_back("delta+disk");
   if (have_delta && have_ucx) available.push_back("delta+ucx");
-  const bool gpu = access("/dev/nvidia0", F_OK) == 0;
-  r.skipped.push_back(
-      {"nccl", Contains(built, "nccl")
-                   ? "weightbus-bench does not drive nccl:// yet"
-                   : absl::StrFormat("no nccl transport in this build (not built in this tree "
-                                     "yet)%s",
-                                     gpu ? "" : "; no GPU on this machine")});
+  // nccl:// needs GPUs, one per rank: weightbus-nccl-bench (next to this program) measures it
+  // against a plain ncclBroadcast loop of the same bytes on them, after the transports below.
+  int gpus = 0;
+  while (access(absl::StrFormat("/dev/nvidia%d", gpus).c_str(), F_OK) == 0) ++gpus;
+  const std::string nccl_bench =
+      std::filesystem::path(SelfPath()).parent_path() / "weightbus-nccl-bench";
+  const bool run_nccl =
+      Contains(built, "nccl") && gpus > 0 && access(nccl_bench.c_str(), X_OK) == 0;
+  if (!Contains(built, "nccl")) {
+    r.skipped.push_back({"nccl", "not built (WEIGHTBUS_WITH_NCCL: a build with CUDA and NCCL)"});
+  } else if (gpus == 0) {
+    r.skipped.push_back({"nccl", "no GPU on this machine (/dev/nvidia0)"});
+  } else if (!run_nccl) {
+    r.skipped.push_back({"nccl", nccl_bench + " not built (WEIGHTBUS_BUILD_BENCH)"});
+  }
   if (!have_delta) {
     r.skipped.push_back({"delta+disk, delta+ucx", "no delta layer in this build"});
   }
@@ -1128,6 +1136,44 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
       r.baselines.push_back(b_save);
       r.baselines.push_back(b_bcast);
     }
+  }
+  if (run_nccl) {
+    // nccl:// and its own baseline (ncclBroadcast of the same bytes), GPU to GPU, at the
+    // default bucket size: reported as one row, with both figures in its raw JSON.
+    BaselineResult n{"nccl:// vs ncclBroadcast",
+                     "weightbus-nccl-bench: the model's bytes from GPU 0 to every other GPU"};
+    const std::string json = absl::StrFormat("%s/nccl-bench.json", o.dir);
+    absl::StatusOr<process::RunResult> ran = process::RunCommand(
+        {nccl_bench, "--size", std::to_string(std::max<uint64_t>(r.model_bytes, 1 << 20)),
+         "--buckets", "256MiB", "--reps", std::to_string(o.quick ? 2 : 5), "--warmup", "1",
+         "--json", json},
+        absl::Minutes(10));
+    nlohmann::ordered_json j;
+    if (ran.ok() && ran->exit_code == 0) {
+      std::ifstream in(json);
+      j = nlohmann::ordered_json::parse(in, nullptr, false);
+    }
+    if (!j.is_discarded() && j.contains("rows") && !j["rows"].empty()) {
+      const auto& row = j["rows"][0];
+      n.ran = true;
+      n.readers = j.value("replicas", 0);
+      n.raw = j;
+      const double t = row.value("nccl_uri_s", 0.0), base = row.value("ncclbroadcast_s", 0.0);
+      n.wrong = row.value("wrong", 0);
+      if (t > 0) {
+        n.last = SummaryOf({t});
+        n.rate_gbs = j.value("bytes", uint64_t{0}) / 1e9 / t;
+        n.note = absl::StrFormat("%.3fx the ncclBroadcast loop (%.2f GB/s)", base / t,
+                                 j.value("bytes", uint64_t{0}) / 1e9 / base);
+      } else {
+        n.note = "one GPU: NCCL refuses two ranks on one GPU, no broadcast measured";
+      }
+    } else {
+      n.note = ran.ok() ? absl::StrFormat("weightbus-nccl-bench exited %d: %s", ran->exit_code,
+                                          ran->output.substr(0, 400))
+                        : std::string(ran.status().message());
+    }
+    r.baselines.push_back(std::move(n));
   }
 
   // Verdict.

@@ -13,7 +13,9 @@
 //   OUTDIR/safetensors_fuzz/ the versions' model.safetensors files
 //   OUTDIR/ucx_control_fuzz/ one frame of every control message, encoded by control.h with
 //                         realistic contents (GRANTs carry the real manifests)
-// Each directory is written only when this build has what produces it (disk, delta, ucx).
+//   OUTDIR/nccl_control_fuzz/ the same for nccl:// (OFFERs carry the real manifests and the
+//                         bucket plans a publisher makes for them)
+// Each directory is written only when this build has what produces it (disk, delta, ucx, nccl).
 // Exit status 0 on success; 1 with a message naming the step otherwise.
 #include <cstdio>
 #include <cstring>
@@ -27,6 +29,11 @@
 #include "weightbus/llama2c.h"
 #include "weightbus/manifest.hpp"
 #include "weightbus/weightbus.hpp"
+#ifdef WB_FUZZ_SEEDS_NCCL
+#include "transports/nccl/device.h"
+#include "transports/nccl/plan.h"
+#include "transports/nccl/protocol.h"
+#endif
 #ifdef WB_FUZZ_SEEDS_UCX
 #include "transports/ucx/control.h"
 #endif
@@ -183,6 +190,62 @@ void WriteUcxSeeds(const fs::path& dir, const std::vector<std::string>& manifest
 }
 #endif
 
+#ifdef WB_FUZZ_SEEDS_NCCL
+// One frame of every nccl:// control message, and a replica's session: WELCOME, GROUP, then an
+// OFFER per version (its manifest from `manifests`, its plan made as the publisher makes it,
+// with buckets small enough to split tensors), START, ABORT.
+void WriteNcclSeeds(const fs::path& dir, const std::vector<std::string>& manifests) {
+  namespace nccl = weightbus::internal::nccl;
+  fs::create_directories(dir);
+  std::string id(nccl::kUniqueIdBytes, '\0');
+  for (size_t i = 0; i < id.size(); ++i) id[i] = static_cast<char>(i * 37 + 11);
+  const std::vector<std::pair<std::string, std::string>> frames = {
+      {"hello", nccl::Encode(nccl::HelloMsg{nccl::kMagic,
+                                            nccl::kProtocolVersion,
+                                            "policy",
+                                            0x1234abcd5678ef00,
+                                            "pid 4242 on infer-3",
+                                            "GPU 1 (NVIDIA H200, PCI 0000:1b:00.0)",
+                                            "GPU-5f3c2a10-88e1-4b1e-9d0c-1a2b3c4d5e6f",
+                                            22809,
+                                            {{"NCCL_CUMEM_ENABLE", "0"}, {"NCCL_PROTO", ""}}})},
+      {"welcome",
+       nccl::Encode(nccl::WelcomeMsg{nccl::kProtocolVersion, 0x0f1e2d3c4b5a6978,
+                                     "pid 12 on trainer-0, GPU 0 (NVIDIA H200)", true, 7})},
+      {"error", nccl::Encode(nccl::ErrorMsg{9,
+                                            "NCCL_CUMEM_ENABLE is \"1\" on the publisher but "
+                                            "\"0\" on replica pid 4242 on infer-3"})},
+      {"group", nccl::Encode(nccl::GroupMsg{3, 2, 4, id, "rank 0: the publisher; rank 1: ..."})},
+      {"group-ready", nccl::Encode(nccl::GroupReadyMsg{3, 0, ""})},
+      {"ready", nccl::Encode(nccl::ReadyMsg{8})},
+      {"start", nccl::Encode(nccl::StartMsg{3, 8})},
+      {"received", nccl::Encode(nccl::ReceivedMsg{8, 5})},
+      {"commit", nccl::Encode(nccl::CommitMsg{3, 8})},
+      {"abort", nccl::Encode(nccl::AbortMsg{3, 8, 14, "replica pid 4242 (rank 2) is gone"})},
+      {"failed", nccl::Encode(nccl::FailedMsg{3, 8, 4, "bucket 3 did not arrive"})},
+      {"accepted", nccl::Encode(nccl::AcceptedMsg{8})},
+      {"slots", nccl::Encode(nccl::SlotsMsg{
+                    3, 256 << 20, {std::string(76, '\x42'), std::string(76, '\x43')}})},
+      {"bucket", nccl::Encode(nccl::BucketMsg{8, 4, 0})},
+  };
+  for (const auto& [name, frame] : frames) WriteFile(dir / (name + ".bin"), frame);
+  std::string session = frames[1].second + frames[3].second;
+  for (size_t v = 0; v < manifests.size(); ++v) {
+    auto m = weightbus::Manifest::FromJson(manifests[v], "seed manifest");
+    Ok(m.status(), "parse a seed manifest");
+    auto plan = nccl::PlanBucketsFor(*m, 64 << 10);
+    Ok(plan.status(), "plan a seed version's buckets");
+    const std::string offer =
+        nccl::Encode(nccl::OfferMsg{3, m->version, manifests[v], nccl::EncodePlan(*plan)});
+    WriteFile(dir / absl::StrFormat("offer-%d.bin", v + 1), offer);
+    session += offer + nccl::Encode(nccl::StartMsg{3, m->version}) +
+               nccl::Encode(nccl::CommitMsg{3, m->version});
+  }
+  session += frames[9].second;
+  WriteFile(dir / "session.bin", session);
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -242,6 +305,9 @@ int main(int argc, char** argv) {
 #endif
 #ifdef WB_FUZZ_SEEDS_UCX
   WriteUcxSeeds(out / "ucx_control_fuzz", manifests);
+#endif
+#ifdef WB_FUZZ_SEEDS_NCCL
+  WriteNcclSeeds(out / "nccl_control_fuzz", manifests);
 #endif
   fs::remove_all(work, ec);
   std::printf("fuzz_seeds: wrote the seed corpora to %s\n", out.c_str());

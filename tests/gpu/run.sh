@@ -9,8 +9,12 @@
 # DeviceChecksumGpuTest), the packing kernels (DevicePackingGpuTest), CUDA tensors through the
 # core over mem:// with and without device memory, disk:// and ucx:// into CUDA destinations
 # (DeviceMemoryGpuTest), and Python CUDA tensors published from and bound to CUDA parameters,
-# including ones that require grad (python_cuda). NCCL refuses two ranks on one GPU: multi-rank
-# broadcasts are verified only where two or more GPUs exist.
+# including ones that require grad (python_cuda); for nccl:// (nccl_gpu_test) a one-rank NCCL
+# communicator through the bucket pipeline with host and device tensors, and a replica on the
+# publisher's GPU refused, then weightbus-nccl-bench (packing and a one-rank loop). NCCL refuses
+# two ranks on one GPU: multi-rank broadcasts (versions through nccl:// to replicas on other GPUs,
+# a late joiner, a replica killed mid-broadcast, the bench's comparison with ncclBroadcast) are
+# verified only where two or more GPUs exist, and skip saying so otherwise.
 #
 # Usage: tests/gpu/run.sh   (environment: GPU_BUILD_DIR (build-gpu), CUDA_ARCHS (native),
 #                            GPU_CMAKE_ARGS, GPU_JOBS (nproc), GPU_BUDGET_S (480))
@@ -80,8 +84,10 @@ step configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
   "${launcher[@]}" ${GPU_CMAKE_ARGS:-}
 # What the gpu-labelled tests need: their executables, the library and CLI for Python.
 targets=(weightbus weightbus_cli device_gpu_test)
-# nccl:// (issue 15): its GPU test executables and the benchmark join here, e.g.
-#   targets+=(nccl_gpu_test weightbus-bench)
+# nccl:// (issue 15): its GPU tests and its benchmark, where the build has the transport.
+nccl=0
+grep -q 'transports = .*nccl' "$log" && nccl=1
+((nccl)) && targets+=(nccl_gpu_test weightbus_nccl_bench)
 targets+=(${GPU_TARGETS:-})
 [[ -f $build/build.ninja ]] && step build cmake --build "$build" -j "$jobs" --target "${targets[@]}"
 
@@ -108,15 +114,28 @@ if [[ -f $build/CTestTestfile.cmake ]] && (($(left) > 5)); then
 fi
 
 # -- Benchmarks on the GPU --
-# nccl:// (issue 15) adds its benchmark here: weightbus-bench's NCCL mode (bucket size sweep
-# against a plain ncclBroadcast loop of the same bytes), e.g.
-#   step "bench nccl" "$build/bench/weightbus-bench" nccl --json "$build/bench-nccl.json"
-if ! grep -q 'transports = .*nccl' "$log" 2>/dev/null && [[ ! -x $build/bench/weightbus-nccl-bench ]]; then
-  row "bench nccl" "skipped" 0 "no nccl:// transport in this build yet"
+# nccl:// against a plain ncclBroadcast loop of the same bytes on the same GPUs (bucket size
+# sweep, packing overhead): weightbus-nccl-bench, its table printed before the summary.
+bench_table=()
+if ((nccl)) && [[ -x $build/bench/weightbus-nccl-bench ]]; then
+  if ((gpus > 0)); then
+    step "bench nccl (weightbus-nccl-bench)" "$build/bench/weightbus-nccl-bench" \
+      --json "$build/bench-nccl.json"
+    mapfile -t bench_table < <(sed -n '/=== bench nccl/,$p' "$log" | grep -E '^(#|  )' |
+                               grep -vE '^#   bucket .* done$')
+  else
+    row "bench nccl (weightbus-nccl-bench)" "skipped (no GPU)" 0 ""
+  fi
+else
+  row "bench nccl" "skipped" 0 "no nccl:// transport in this build (WEIGHTBUS_WITH_NCCL)"
 fi
 
 # -- Summary (last) --
 total=$(($(date +%s) - start))
+if ((${#bench_table[@]})); then
+  echo
+  printf '%s\n' "${bench_table[@]}"
+fi
 echo
 echo "# weightbus GPU run: $(date -u +%Y-%m-%dT%H:%M:%SZ), ${gpu:-no GPU}, ${total} s of ${budget} s"
 echo "# log: $log"

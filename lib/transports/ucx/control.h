@@ -21,8 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "core/bytes.h"
-#include "core/system.h"
+#include "core/control_plane.h"
 
 namespace weightbus::internal::ucx {
 
@@ -75,92 +74,45 @@ enum class MsgType : uint8_t {
 
 std::string_view MsgTypeName(MsgType type);
 
-// A monotonic clock as absl::Time (CLOCK_MONOTONIC since boot), for leases: wall-clock steps
-// must neither expire a lease early nor extend it.
-absl::Time MonotonicNow();
+// The transport-neutral pieces (sockets, framing, bounded reads, the framed stream) live in
+// core/control_plane.h, shared with nccl://.
+using control::Connect;
+using control::DescribeSockaddr;
+using control::Fd;
+using control::LeadingId;
+using control::Listen;
+using control::LocalPort;
+using control::LoopbackInterface;
+using control::MonotonicNow;
+using control::PeerIsLocal;
+using control::ReadAvailable;
+using control::Reader;
+using control::SocketHost;
+using control::StatusCodeFromWire;
+using control::TcpInterfacesFor;
+using control::WriteAvailable;
 
-using Fd = ::weightbus::internal::UniqueFd;
-
-// "127.0.0.1 port 5555 (IPv4)" or "::1 port 5555 (IPv6)".
-std::string DescribeSockaddr(const sockaddr* addr, socklen_t len);
-
-// Whether the peer of connected socket `fd` is on this host: its address is a loopback one or
-// the socket's own local address.
-bool PeerIsLocal(int fd);
-
-// The numeric address (no port, IPv6 without brackets) of connected socket `fd`'s peer, or of
-// the socket itself with `local`; empty when the system cannot tell.
-std::string SocketHost(int fd, bool local = false);
-// The port socket `fd` is bound to (0 when the system cannot tell).
-int LocalPort(int fd);
-
-// The name of this host's loopback network interface ("lo" on Linux).
-std::string LoopbackInterface();
-
-// The network interfaces ("eth0", "lo") that carry a channel's traffic on this host, to which
-// Context::Create confines the TCP listeners UCX's own tcp transport opens: for a publisher
-// (`listening`) the interfaces that own `host`'s addresses, and the loopback interface for a
-// loopback or wildcard host (weightbus moves no byte over UCX's tcp: where only tcp links two
-// processes, the bytes go over the control connection); for a subscriber the interfaces the
-// kernel routes to `host`'s addresses through. Never empty: the loopback interface when nothing
-// matches (a host that does not resolve fails in Listen or Connect, naming it).
-std::vector<std::string> TcpInterfacesFor(const std::string& host, int port, bool listening);
-
-// Listens on host:port (a name, an address or a wildcard). Errors name the address, family and
-// port: FailedPrecondition when the port is in use, InvalidArgument when the host does not
-// resolve, Internal otherwise.
-absl::StatusOr<Fd> Listen(const std::string& host, int port, std::string_view uri);
-
-// Connects to host:port, trying every address the name resolves to, retrying refused and
-// unreachable attempts until `deadline` (a publisher may be starting). Refuses wildcard
-// addresses. Errors: Unavailable naming each address, family and port with the last error;
-// InvalidArgument for a wildcard or a name that does not resolve.
-// With `once`, a single round of attempts is made (a refused one fails at once; one in progress
-// may take until `deadline`). When `*cancelled` becomes true, retrying stops within about 50 ms
-// (Cancelled).
-absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadline,
-                           std::string_view uri, bool once = false,
-                           const std::atomic<bool>* cancelled = nullptr);
-
-// Builds one frame.
-class Writer {
+// Builds one frame of a ucx message.
+class Writer : public control::FrameWriter {
  public:
-  explicit Writer(MsgType type);
-  Writer& U8(uint8_t v);
-  Writer& U32(uint32_t v);
-  Writer& U64(uint64_t v);
-  Writer& Str(std::string_view s);
-  // Appends bytes as they are (a part of a message built earlier by another Writer's Body()).
-  Writer& Raw(std::string_view bytes);
-  // What was written after the type byte (no length prefix), for Raw.
-  std::string Body();
-  // The complete frame (length prefix included).
-  std::string Finish();
-
- private:
-  std::string buf_;
+  explicit Writer(MsgType type) : FrameWriter(static_cast<uint8_t>(type)) {}
 };
 
-// Parses one frame's payload (after the type byte), over the core's ByteReader. Reads past the
-// end or oversized lengths make ok() false (and read as 0 or empty); callers check once at the
-// end.
-class Reader {
+using Frame = control::TypedFrame<MsgType>;
+
+// Removes one complete frame from the front of `buffer`, if there is one (TakeRawFrame).
+inline absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer,
+                                                      uint32_t max_frame = kMaxFrame) {
+  return control::TakeFrame<MsgType>(buffer, max_frame);
+}
+
+// A blocking, deadline-bounded conversation with the publisher (the subscriber's side), frames
+// up to kMaxFrame.
+class ControlStream : public control::TypedFrameStream<MsgType> {
  public:
-  explicit Reader(std::string_view payload) : r_(payload) {}
-  uint8_t U8() { return r_.U8("a u8").value_or(0); }
-  uint32_t U32() { return r_.U32("a u32").value_or(0); }
-  uint64_t U64() { return r_.U64("a u64").value_or(0); }
-  std::string Str();
-  bool ok() const { return r_.status().ok(); }
-  bool at_end() const { return r_.at_end(); }
-
- private:
-  ByteReader r_;
-};
-
-struct Frame {
-  MsgType type;
-  std::string payload;  // without the type byte
+  ControlStream() = default;
+  ControlStream(Fd fd, std::string peer)
+      : TypedFrameStream(std::move(fd), std::move(peer), kMaxFrame) {}
 };
 
 // ---- The messages: one struct each, fields in wire order ------------------------------------
@@ -392,56 +344,8 @@ absl::StatusOr<PartMsg> DecodePart(std::string_view payload);
 absl::StatusOr<WithdrawMsg> DecodeWithdraw(std::string_view payload);
 absl::StatusOr<OutcomeMsg> DecodeOutcome(std::string_view payload);
 
-// A status code received in an ERROR or REFUSED message: a known non-OK absl::StatusCode as it
-// is, anything else (0 included: a peer must never make a failure read as success) `fallback`.
-absl::StatusCode StatusCodeFromWire(uint32_t code, absl::StatusCode fallback);
 // The status an ERROR payload carries, its message prefixed with `prefix`; a malformed one is
 // Unavailable saying so.
 absl::Status ErrorStatus(std::string_view payload, std::string_view prefix);
-
-// The first field of a payload (the request or lease id every answer starts with), to match an
-// answer to its request before decoding it; nullopt when the payload is shorter than 8 bytes.
-std::optional<uint64_t> LeadingId(std::string_view payload);
-
-// Removes one complete frame from the front of `buffer`, if there is one.
-// Errors: DataLoss for a frame whose header declares more than `max_frame` payload bytes (known
-// from its first 4 bytes) or no type byte.
-absl::StatusOr<std::optional<Frame>> TakeFrame(std::string& buffer, uint32_t max_frame = kMaxFrame);
-
-// Reads what is available on non-blocking `fd` into `buffer`, until the socket has no more or
-// `buffer` holds at least `max_buffer` bytes (the rest stays in the socket: the peer is slowed
-// down, not buffered without bound). Returns false on EOF.
-// Errors: Unavailable with the errno text (connection reset).
-absl::StatusOr<bool> ReadAvailable(int fd, std::string& buffer,
-                                   size_t max_buffer = std::numeric_limits<size_t>::max());
-
-// Writes as much of `buffer` as the socket takes now and erases it from the front.
-// Errors: Unavailable with the errno text.
-absl::Status WriteAvailable(int fd, std::string& buffer);
-
-// A blocking, deadline-bounded conversation over a connected socket (the subscriber's side).
-class ControlStream {
- public:
-  ControlStream() = default;
-  ControlStream(Fd fd, std::string peer) : fd_(std::move(fd)), peer_(std::move(peer)) {}
-  bool connected() const { return static_cast<bool>(fd_); }
-  const std::string& peer() const { return peer_; }
-  void set_peer(std::string peer) { peer_ = std::move(peer); }
-  int fd() const { return fd_.get(); }
-
-  // Sends a frame completely. Errors: DeadlineExceeded, Unavailable (peer gone).
-  absl::Status Send(std::string frame, absl::Time deadline);
-  // The next frame. Errors: DeadlineExceeded when none arrived by `deadline`; Unavailable when
-  // the peer closed the connection or it broke; DataLoss for a malformed frame.
-  absl::StatusOr<Frame> Receive(absl::Time deadline);
-  // A frame if one is complete now (never blocks). Errors as Receive.
-  absl::StatusOr<std::optional<Frame>> Poll();
-  void Close() { fd_ = Fd(); }
-
- private:
-  Fd fd_;
-  std::string peer_;
-  std::string in_;
-};
 
 }  // namespace weightbus::internal::ucx

@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-#include <arpa/inet.h>
-
 #include "absl/strings/str_format.h"
+#include "core/control_plane.h"
 #include "core/registry.h"
 #include "core/status.h"
 #include "transports/ucx/ucp_util.h"
@@ -89,25 +88,11 @@ const SettingTable& UcxSettings() {
 
 namespace {
 
-bool IsWildcard(const std::string& host) {
-  in_addr v4;
-  in6_addr v6;
-  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return v4.s_addr == htonl(INADDR_ANY);
-  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) {
-    return IN6_IS_ADDR_UNSPECIFIED(&v6);
-  }
-  return host == "*";
-}
+bool IsWildcard(const std::string& host) { return control::IsWildcardHost(host); }
 
 }  // namespace
 
-bool IsLoopback(const std::string& host) {
-  in_addr v4;
-  in6_addr v6;
-  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
-  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) return IN6_IS_ADDR_LOOPBACK(&v6);
-  return host == "localhost";
-}
+bool IsLoopback(const std::string& host) { return control::IsLoopbackHost(host); }
 
 absl::StatusOr<Endpoint> ParseEndpoint(const Uri& uri, bool for_subscriber) {
   Endpoint e;

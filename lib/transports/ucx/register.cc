@@ -76,6 +76,19 @@ const SettingTable& UcxSettings() {
            .min = "1",
            .max = "16",
            .unit = "threads"},
+          {.name = "pipeline",
+           .type = SettingType::kBool,
+           .default_value = "true",
+           .doc = "publisher: announce each version before staging it, so that subscribers "
+                  "pull each chunk of ready_chunk bytes as soon as it is staged (verified against "
+                  "the sealed manifest afterwards; a failed Publish fails their transfer with "
+                  "Aborted); false: announce a version once it is staged and sealed"},
+          {.name = "ready_chunk",
+           .type = SettingType::kBytes,
+           .default_value = "4MiB",
+           .doc = "publisher: the granularity at which staged bytes are announced ready "
+                  "(pipeline=true): a subscriber trails the staging copy by about this much",
+           .min = "64KiB"},
           {.name = "staging_memory",
            .type = SettingType::kEnum,
            .default_value = "host",
@@ -166,6 +179,8 @@ absl::StatusOr<UcxOptions> ReadOptions(const Endpoint& endpoint, const Config& c
                                                                 // page-aligned
   o.copy_threads = config.Int("copy_threads");
   o.cuda_staging = config.String("staging_memory") == "cuda";
+  o.pipeline = config.Bool("pipeline");
+  o.ready_chunk = config.Bytes("ready_chunk") & ~uint64_t{4095};
   WB_ASSIGN_OR_RETURN(o.key, LoadChannelKey(config, endpoint.display));
   return o;
 }

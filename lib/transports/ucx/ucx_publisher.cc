@@ -34,6 +34,7 @@
 #include "core/system.h"
 #include "core/worker_pool.h"
 #include "transports/ucx/control.h"
+#include "transports/ucx/descriptor.h"
 #include "transports/ucx/ucp_util.h"
 #include "transports/ucx/ucx_transport.h"
 
@@ -81,16 +82,39 @@ struct Region {
   }
 };
 
-// A version's place in registered memory.
+// A version's place in registered memory: its bytes (`regions`, tiling slot bytes [0,
+// capacity)) and its version descriptor (descriptor.h) right after them.
 struct Slot {
-  enum class State { kFree, kWriting, kReady };
+  // kWriting: picked by a Publish, not visible. kStaging: announced before its bytes are staged
+  // (pipelining): granted to waiting subscribers, which pull chunks as they become ready.
+  // kReady: sealed, the newest or an older version still held.
+  enum class State { kFree, kWriting, kStaging, kReady };
   int index = 0;
   uint64_t capacity = 0;
   std::vector<Region> regions;
+  std::optional<Region> descriptor;  // host memory, registered; base = capacity
   State state = State::kFree;
-  uint64_t version = 0;    // when kReady
-  std::string grant_body;  // the version-specific part of every GRANT (kReady)
-  int leases = 0;          // outstanding leases on this slot's version
+  uint64_t version = 0;      // when kStaging or kReady
+  GrantRegion grant_region;  // the descriptor as every GRANT of the version names it
+  uint64_t prefix = 0;       // descriptor bytes a subscriber reads first
+  uint64_t chunk_bytes = 0;  // readiness granularity of the version
+  uint64_t nchunks = 0;
+  int leases = 0;  // outstanding leases on this slot's version
+
+  // The descriptor's readiness word of chunk k (host memory, written with release stores).
+  uint64_t* ready_word(uint64_t k) const {
+    return reinterpret_cast<uint64_t*>(descriptor->mem->data() + ReadyOffset(k));
+  }
+  // Whether every chunk that slot bytes [offset, offset + length) touch holds `version`.
+  bool Ready(uint64_t offset, uint64_t length) const {
+    if (state == State::kReady || length == 0) return state != State::kFree;
+    for (uint64_t k = offset / chunk_bytes; k <= (offset + length - 1) / chunk_bytes; ++k) {
+      if (k >= nchunks || __atomic_load_n(ready_word(k), __ATOMIC_ACQUIRE) != version) {
+        return false;
+      }
+    }
+    return true;
+  }
 };
 
 struct Lease {
@@ -136,7 +160,9 @@ struct Conn {
   // UCP transport with one-sided hardware support reaches it (see UcxPublisher::HandleHello).
   bool bytes_over_control = false;
   std::deque<PendingRead> reads;
-  int leases = 0;           // leases_ entries of this connection
+  bool reads_held = false;               // the next READ waits for its chunk to be staged
+  uint64_t held_request = ~uint64_t{0};  // the last READ that did (counted once)
+  int leases = 0;                        // leases_ entries of this connection
   bool over_limit = false;  // accepted beyond max_connections: HELLO gets ResourceExhausted
   // Frames may wait in `in`, unhandled because `out` held kMaxOutput: handled once it drains,
   // whether or not more bytes arrive.
@@ -214,7 +240,10 @@ class UcxPublisher final : public TransportPublisher {
 
   UcxPublisherCounters counters() const {
     return UcxPublisherCounters{reads_served_.load(std::memory_order_relaxed),
-                                sleeps_with_reads_ready_.load(std::memory_order_relaxed)};
+                                sleeps_with_reads_ready_.load(std::memory_order_relaxed),
+                                grants_.load(std::memory_order_relaxed),
+                                reads_held_total_.load(std::memory_order_relaxed),
+                                control_bytes_sent_.load(std::memory_order_relaxed)};
   }
 
   void KeepVersionsFrom(uint64_t version) override {
@@ -299,11 +328,23 @@ class UcxPublisher final : public TransportPublisher {
   // Replaces `slot`'s memory by regions covering `size` bytes.
   absl::StatusOr<std::vector<Region>> AllocateRegions(uint64_t size);
   // Copies every tensor into the slot's regions on copy_threads threads, computing checksums on
-  // the way (PublishJob::CopyWithChecksum) for host staging.
-  absl::Status CopyIntoSlot(const std::vector<Region>& regions, PublishJob& job,
-                            const std::vector<uint64_t>& offsets);
-  std::string BuildGrantBody(const Slot& slot, const Manifest& manifest,
-                             const std::vector<uint64_t>& offsets) const;
+  // the way (PublishJob::StageWithChecksum) for host staging; with `report`, marks each chunk
+  // ready in the descriptor as soon as its bytes are in place (pipelining).
+  absl::Status CopyIntoSlot(const Slot& slot, PublishJob& job, const std::vector<uint64_t>& offsets,
+                            bool report);
+  // Writes `slot`'s version descriptor (descriptor.h) for the version of `unsealed` (its manifest
+  // without checksums), whose `size` bytes lie in the slot at `offsets`: staging, nothing ready
+  // (but chunks without a tensor byte), room for a seal of blocks of `block_bytes`; or, given
+  // `seal`, sealed with every chunk ready. Allocates a larger descriptor when needed. Sets the
+  // slot's version, grant_region, prefix and chunks. The slot is not visible (kWriting).
+  absl::Status WriteDescriptor(Slot& slot, const Manifest& unsealed,
+                               const std::vector<uint64_t>& offsets, uint64_t size,
+                               uint64_t block_bytes, const VersionSeal* seal);
+  // Seals a version announced staging: the seal, then the state.
+  absl::Status WriteSeal(Slot& slot, const VersionSeal& seal);
+  // A version announced before it was sealed whose Publish failed: the descriptor says so, every
+  // lease on it ends with ABORTED (`why`), and the slot is free again.
+  void Abort(Slot& slot, const absl::Status& why);
 
   // The progress thread.
   void Loop();
@@ -376,6 +417,11 @@ class UcxPublisher final : public TransportPublisher {
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
   Slot* newest_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // The version being staged after it was announced (kStaging), granted to waiting subscribers.
+  Slot* staging_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // Connections whose next READ waits for its chunk to be staged: copies wake the progress
+  // thread as chunks become ready.
+  std::atomic<int> reads_held_{0};
   std::optional<uint64_t> keep_from_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, Lease> leases_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::unique_ptr<Conn>> conns_ ABSL_GUARDED_BY(mu_);
@@ -402,6 +448,9 @@ class UcxPublisher final : public TransportPublisher {
   // UcxPublisherCounters (ucx_transport.h); written by the progress thread only.
   std::atomic<uint64_t> reads_served_{0};
   std::atomic<uint64_t> sleeps_with_reads_ready_{0};
+  std::atomic<uint64_t> grants_{0};
+  std::atomic<uint64_t> reads_held_total_{0};
+  std::atomic<uint64_t> control_bytes_sent_{0};
 
   // Rank 0 of a group: where each rank serves its parts (members_[r], from its JOIN), the
   // connection it joined over, the parts staged per version and rank, and the version rank 0's
@@ -455,7 +504,9 @@ Slot* UcxPublisher::PickSlot() {
   for (const auto& s : slots_) {
     if (Kept(*s)) continue;
     ++unkept;
-    if (s->state == Slot::State::kWriting || s->leases > 0) continue;
+    if (s->state == Slot::State::kWriting || s->state == Slot::State::kStaging || s->leases > 0) {
+      continue;
+    }
     // Free slots first, then the oldest version (the newest is overwritten only when it is the
     // one slot nobody reads).
     if (best == nullptr || (best->state == Slot::State::kReady &&
@@ -476,7 +527,7 @@ Slot* UcxPublisher::PickSlot() {
 std::string UcxPublisher::DescribeSlots() const {
   std::vector<std::string> parts;
   for (const auto& s : slots_) {
-    if (s->state == Slot::State::kWriting) {
+    if (s->state == Slot::State::kWriting || s->state == Slot::State::kStaging) {
       parts.push_back(absl::StrFormat("slot %d is being written", s->index));
     } else if (s->state == Slot::State::kReady) {
       std::vector<std::string> holders;
@@ -513,7 +564,10 @@ std::vector<std::unique_ptr<Slot>> UcxPublisher::TrimSlots() {
     for (const auto& s : slots_) {
       if (Kept(*s)) continue;
       ++unkept;
-      if (s.get() == newest_ || s->state == Slot::State::kWriting || s->leases > 0) continue;
+      if (s.get() == newest_ || s->state == Slot::State::kWriting ||
+          s->state == Slot::State::kStaging || s->leases > 0) {
+        continue;
+      }
       if (oldest == nullptr || s->state == Slot::State::kFree ||
           (oldest->state == Slot::State::kReady && s->version < oldest->version)) {
         oldest = s.get();
@@ -560,28 +614,63 @@ absl::StatusOr<std::vector<Region>> UcxPublisher::AllocateRegions(uint64_t size)
   return regions;
 }
 
-absl::Status UcxPublisher::CopyIntoSlot(const std::vector<Region>& regions, PublishJob& job,
-                                        const std::vector<uint64_t>& offsets) {
+absl::Status UcxPublisher::CopyIntoSlot(const Slot& slot, PublishJob& job,
+                                        const std::vector<uint64_t>& offsets, bool report) {
   absl::Span<const PackedTensor> tensors = job.tensors();
-  // Each tensor's destination as pieces that never cross a region boundary.
+  const std::vector<Region>& regions = slot.regions;
+  const uint64_t chunk = slot.chunk_bytes;
+  // Each tensor's destination as pieces that cross neither a region nor a readiness chunk
+  // boundary, and the tensor bytes each chunk waits for.
   std::vector<std::vector<CopyTarget>> targets(tensors.size());
+  std::vector<std::vector<uint64_t>> chunk_of(tensors.size());
+  std::vector<std::atomic<uint64_t>> remaining(report ? slot.nchunks : 0);
   for (size_t i = 0; i < tensors.size(); ++i) {
     uint64_t off = offsets[i], done = 0;
     const uint64_t n = tensors[i].info->nbytes;
     while (done < n) {
       const Region& r = regions[static_cast<size_t>(off / options_.max_region)];
       const uint64_t in_region = off - r.base;
-      const uint64_t len = std::min(n - done, r.mem->size() - in_region);
+      uint64_t len = std::min(n - done, r.mem->size() - in_region);
+      if (report) {
+        len = std::min(len, (off / chunk + 1) * chunk - off);
+        remaining[off / chunk].fetch_add(len, std::memory_order_relaxed);
+        chunk_of[i].push_back(off / chunk);
+      }
       targets[i].push_back(CopyTarget{r.mem->data() + in_region, len});
       off += len;
       done += len;
     }
   }
+  // Piece k of tensor i is in place (its stores fenced): its chunk is ready once every tensor
+  // byte of it is.
+  const uint64_t version = slot.version;
+  auto copied = [&](size_t i, size_t k) {
+    if (!report) return;
+    const uint64_t c = chunk_of[i][k];
+    if (remaining[c].fetch_sub(targets[i][k].size, std::memory_order_acq_rel) ==
+        targets[i][k].size) {
+      __atomic_store_n(slot.ready_word(c), version, __ATOMIC_RELEASE);
+      if (reads_held_.load(std::memory_order_relaxed)) Wake();  // READs wait for it
+      // Fault injection: a pause here holds the staging of the rest (announced, chunk ready).
+      (void)failpoints_.Hit("ucx.after_chunk");
+    }
+  };
   const int threads = copiers_ ? copiers_->size() + 1 : 1;
   std::vector<std::vector<size_t>> work(threads);
   if (options_.cuda_staging) {
     // Device memory: cudaMemcpy per piece; the core checksums the source separately.
     for (size_t i = 0; i < tensors.size(); ++i) work[i % threads].push_back(i);
+  } else if (report) {
+    // Subscribers pull chunks as they become ready, in slot order: whole tensors (a checksum is
+    // one sequential pass) taken in slot order by whichever thread is free next, so that the
+    // ready chunks advance from the start of the slot.
+    std::vector<uint64_t> load(threads, 0);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const size_t t =
+          static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      work[t].push_back(i);
+      load[t] += tensors[i].info->nbytes + 4096;
+    }
   } else {
     // Whole tensors per thread (a checksum is one sequential pass), largest first, each to the
     // least loaded thread.
@@ -602,16 +691,18 @@ absl::Status UcxPublisher::CopyIntoSlot(const std::vector<Region>& regions, Publ
   auto run = [&](int t) {
     for (size_t i : work[t]) {
       if (!options_.cuda_staging) {
-        job.CopyWithChecksum(i, targets[i]);
+        job.StageWithChecksum(i, targets[i], [&, i](size_t k) { copied(i, k); });
         continue;
       }
       const std::byte* src = tensors[i].data;
-      for (const CopyTarget& p : targets[i]) {
+      for (size_t k = 0; k < targets[i].size(); ++k) {
+        const CopyTarget& p = targets[i][k];
         if (absl::Status s = CopyBytes(p.data, src, p.size); !s.ok()) {
           results[t] = s;
           return;
         }
         src += p.size;
+        copied(i, k);
       }
     }
   };
@@ -631,18 +722,138 @@ absl::Status UcxPublisher::CopyIntoSlot(const std::vector<Region>& regions, Publ
   return absl::OkStatus();
 }
 
-std::string UcxPublisher::BuildGrantBody(const Slot& slot, const Manifest& manifest,
-                                         const std::vector<uint64_t>& offsets) const {
-  GrantBody body{manifest.version, manifest.ToJson(), {}, offsets, {}};
-  if (group_.grouped() && group_.rank == 0) {
-    absl::MutexLock lock(&mu_);
-    body.members = members_;
-  }
+absl::Status UcxPublisher::WriteDescriptor(Slot& slot, const Manifest& unsealed,
+                                           const std::vector<uint64_t>& offsets, uint64_t size,
+                                           uint64_t block_bytes, const VersionSeal* seal) {
+  const uint64_t chunk = options_.ready_chunk;
+  const uint64_t nchunks = (size + chunk - 1) / chunk;
+  VersionLayout layout;
+  layout.version = unsealed.version;
+  layout.chunk_bytes = chunk;
+  layout.data_bytes = slot.capacity;
   for (const Region& r : slot.regions) {
-    body.regions.push_back(GrantRegion{r.id, r.base, reinterpret_cast<uintptr_t>(r.mem->data()),
-                                       r.mem->size(), r.rkey});
+    layout.regions.push_back(LayoutRegion{r.id, r.base, reinterpret_cast<uintptr_t>(r.mem->data()),
+                                          r.mem->size(), r.rkey});
   }
-  return EncodeGrantBody(body);
+  layout.offsets = offsets;
+  layout.manifest_json = unsealed.ToJson();
+  {
+    absl::MutexLock lock(&mu_);
+    if (group_.grouped() && group_.rank == 0) layout.members = members_;
+    for (const auto& s : slots_) {
+      for (const Region& r : s->regions) layout.live.push_back(r.id);
+      if (s->descriptor && s.get() != &slot) layout.live.push_back(s->descriptor->id);
+    }
+  }
+  // The descriptor region is this slot's, possibly new: it is live too.
+  const std::string encoded_layout_probe = EncodeLayout(layout);
+  const uint64_t layout_offset = ReadyOffset(nchunks);
+  // Room for the layout with one more live id (the descriptor's own), then the seal.
+  const uint64_t layout_bytes_max = encoded_layout_probe.size() + 8;
+  const uint64_t seal_offset = (layout_offset + layout_bytes_max + 63) / 64 * 64;
+  const uint64_t seal_capacity =
+      seal != nullptr ? EncodeSeal(*seal).size() : SealCapacity(unsealed, block_bytes);
+  const uint64_t needed = seal_offset + seal_capacity;
+  if (!slot.descriptor || slot.descriptor->mem->size() < needed) {
+    Region d;
+    d.id = next_region_++;
+    const uint64_t bytes = std::max<uint64_t>((needed + 4095) / 4096 * 4096, 4096);
+    WB_ASSIGN_OR_RETURN(d.mem, MemRegion::Allocate(context_, bytes, UCS_MEMORY_TYPE_HOST));
+    WB_ASSIGN_OR_RETURN(d.rkey, d.mem->PackRkey());
+    std::optional<Region> old;
+    {
+      absl::MutexLock lock(&mu_);
+      old = std::move(slot.descriptor);
+      slot.descriptor = std::move(d);
+    }
+    old.reset();  // unregistered outside the lock
+  }
+  layout.live.push_back(slot.descriptor->id);
+  const std::string encoded_layout = EncodeLayout(layout);
+  std::byte* base = slot.descriptor->mem->data();
+  slot.version = unsealed.version;
+  slot.chunk_bytes = chunk;
+  slot.nchunks = nchunks;
+  DescriptorHeader h;
+  h.version = unsealed.version;
+  h.state = static_cast<uint64_t>(VersionState::kStaging);
+  h.nchunks = nchunks;
+  h.layout_offset = layout_offset;
+  h.layout_bytes = encoded_layout.size();
+  h.seal_offset = seal_offset;
+  std::memcpy(base + layout_offset, encoded_layout.data(), encoded_layout.size());
+  // Readiness: none yet (pipelining), except chunks no tensor byte lies in; all when the bytes
+  // are staged already.
+  std::vector<bool> has_bytes(nchunks, false);
+  for (size_t i = 0; i < offsets.size() && seal == nullptr; ++i) {
+    const uint64_t n = unsealed.tensors[i].nbytes;
+    if (n == 0) continue;
+    for (uint64_t k = offsets[i] / chunk; k <= (offsets[i] + n - 1) / chunk; ++k) {
+      has_bytes[k] = true;
+    }
+  }
+  for (uint64_t k = 0; k < nchunks; ++k) {
+    const uint64_t word = seal != nullptr || !has_bytes[k] ? unsealed.version : 0;
+    __atomic_store_n(slot.ready_word(k), word, __ATOMIC_RELAXED);
+  }
+  if (seal != nullptr) {
+    const std::string encoded_seal = EncodeSeal(*seal);
+    std::memcpy(base + seal_offset, encoded_seal.data(), encoded_seal.size());
+    h.seal_bytes = encoded_seal.size();
+    h.state = static_cast<uint64_t>(VersionState::kSealed);
+  }
+  const std::string header = EncodeHeader(h);
+  std::memcpy(base, header.data(), header.size());
+  std::atomic_thread_fence(std::memory_order_release);
+  slot.grant_region =
+      GrantRegion{slot.descriptor->id, slot.capacity, reinterpret_cast<uintptr_t>(base),
+                  slot.descriptor->mem->size(), slot.descriptor->rkey};
+  slot.prefix = layout_offset + encoded_layout.size();
+  return absl::OkStatus();
+}
+
+absl::Status UcxPublisher::WriteSeal(Slot& slot, const VersionSeal& seal) {
+  std::byte* base = slot.descriptor->mem->data();
+  absl::StatusOr<DescriptorHeader> h =
+      DecodeHeader(std::string_view(reinterpret_cast<const char*>(base), kDescriptorHeaderBytes));
+  if (!h.ok()) return absl::InternalError(h.status().message());
+  const std::string encoded = EncodeSeal(seal);
+  if (h->seal_offset + encoded.size() > slot.descriptor->mem->size()) {
+    return absl::InternalError(absl::StrFormat(
+        "%s: the seal of version %d (%d bytes) does not fit the room its descriptor reserved",
+        endpoint_.display, seal.version, encoded.size()));
+  }
+  std::memcpy(base + h->seal_offset, encoded.data(), encoded.size());
+  StoreLe<uint64_t>(encoded.size(), base + 56);  // seal_bytes
+  std::atomic_thread_fence(std::memory_order_release);
+  __atomic_store_n(reinterpret_cast<uint64_t*>(base + 16),
+                   static_cast<uint64_t>(VersionState::kSealed), __ATOMIC_RELEASE);
+  return absl::OkStatus();
+}
+
+void UcxPublisher::Abort(Slot& slot, const absl::Status& why) {
+  if (slot.descriptor) {
+    __atomic_store_n(reinterpret_cast<uint64_t*>(slot.descriptor->mem->data() + 16),
+                     static_cast<uint64_t>(VersionState::kAborted), __ATOMIC_RELEASE);
+  }
+  absl::MutexLock lock(&mu_);
+  const std::string message = absl::StrFormat(
+      "the publish of version %d failed before it was sealed (%s); nothing of it may be used",
+      slot.version, why.message());
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    if (it->second.slot != &slot) {
+      ++it;
+      continue;
+    }
+    if (auto c = conns_.find(it->second.conn); c != conns_.end()) {
+      c->second->out += Encode(AbortedMsg{it->first, static_cast<uint32_t>(why.code()), message});
+    }
+    EndLease(it++);
+  }
+  slot.state = Slot::State::kFree;
+  if (staging_ == &slot) staging_ = nullptr;
+  ++changes_;
+  Wake();
 }
 
 absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
@@ -686,12 +897,21 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
     slot->state = Slot::State::kWriting;
     if (newest_ == slot) RecomputeNewest();
   }
-  bool published = false;
+  bool published = false, announced = false;
+  absl::Status failure;  // why the publish failed, once announced (subscribers are told)
   absl::Cleanup give_back = [&] {
     if (published) return;
+    if (announced) {
+      Abort(*slot, failure.ok() ? absl::InternalError("unknown failure") : failure);
+      return;
+    }
     absl::MutexLock lock(&mu_);
     slot->state = Slot::State::kFree;
     ++changes_;
+  };
+  auto fail = [&](absl::Status s) {
+    failure = s;
+    return s;
   };
 
   // Staging memory is registered once and reused; it grows only for a larger version.
@@ -709,9 +929,32 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
   if (absl::Now() > deadline) {
     return absl::DeadlineExceededError("deadline passed before copying into the staging slot");
   }
-  WB_RETURN_IF_ERROR(CopyIntoSlot(slot->regions, job, offsets));
-  WB_RETURN_IF_ERROR(failpoints_.Hit("ucx.after_copy"));
-  WB_ASSIGN_OR_RETURN(const Manifest* manifest, job.SealedManifest(deadline));
+  // Pipelining: announce the version before staging it, its manifest without checksums, so that
+  // subscribers pull each chunk as soon as it is staged; the seal follows the last chunk. A
+  // group's versions are announced by rank 0 once every rank's part is in, sealed.
+  std::optional<Manifest> early;
+  if (options_.pipeline && !group_.grouped()) early = job.UnsealedManifest();
+  if (early) {
+    WB_RETURN_IF_ERROR(WriteDescriptor(*slot, *early, offsets, size, job.checksum_block(),
+                                       /*seal=*/nullptr));
+    absl::MutexLock lock(&mu_);
+    slot->state = Slot::State::kStaging;
+    staging_ = slot;
+    announced = true;
+    ++changes_;
+    Wake();
+  } else {
+    slot->version = version;
+    slot->chunk_bytes = options_.ready_chunk;
+    slot->nchunks = 0;
+  }
+  if (absl::Status s = CopyIntoSlot(*slot, job, offsets, /*report=*/early.has_value()); !s.ok()) {
+    return fail(s);
+  }
+  if (absl::Status s = failpoints_.Hit("ucx.after_copy"); !s.ok()) return fail(s);
+  absl::StatusOr<const Manifest*> sealed = job.SealedManifest(deadline);
+  if (!sealed.ok()) return fail(sealed.status());
+  const Manifest* manifest = *sealed;
   // Fault injection (docs/TESTING.md): `error` here damages the staged bytes after they were
   // copied and checksummed, as memory damaged at rest would be (the first byte of the first
   // tensor with bytes gets one bit flipped; host staging only). Every read of the version then
@@ -727,7 +970,7 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
       break;
     }
   }
-  // A group's rank 0 commits the version once every rank's part is in; its GRANT then carries
+  // A group's rank 0 commits the version once every rank's part is in; its layout then carries
   // the group's manifest (every rank's parts, its own first, in the slot at `offsets`) and where
   // each rank serves its parts.
   std::optional<Manifest> merged;
@@ -735,13 +978,28 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
     WB_ASSIGN_OR_RETURN(merged, GatherGroup(*manifest, deadline));
     offsets.resize(merged->tensors.size(), 0);
   }
-  std::string body = BuildGrantBody(*slot, merged ? *merged : *manifest, offsets);
+  const Manifest& final_manifest = merged ? *merged : *manifest;
+  const VersionSeal seal = SealOf(final_manifest);
+  if (early) {
+    // Fault injection: announced, every byte staged and checksummed, not sealed.
+    if (absl::Status s = failpoints_.Hit("ucx.before_seal"); !s.ok()) return fail(s);
+    if (absl::Status s = WriteSeal(*slot, seal); !s.ok()) return fail(s);
+  } else {
+    absl::Status s = WriteDescriptor(*slot, Unsealed(final_manifest), offsets, size,
+                                     job.checksum_block(), &seal);
+    if (!s.ok()) {
+      if (merged) {
+        absl::MutexLock lock(&mu_);
+        SendOutcome(version, s);
+      }
+      return s;
+    }
+  }
   std::vector<std::unique_ptr<Slot>> surplus;
   {
     absl::MutexLock lock(&mu_);
-    slot->version = version;
-    slot->grant_body = std::move(body);
     slot->state = Slot::State::kReady;
+    if (staging_ == slot) staging_ = nullptr;
     newest_ = slot;
     ++changes_;
     if (merged) SendOutcome(version, absl::OkStatus());
@@ -797,17 +1055,25 @@ void UcxPublisher::Loop() {
       if (!accepting) next = std::min(next, accept_resume_);
       fds.push_back({accepting ? listener_.get() : -1, POLLIN, 0});
       fds.push_back({efd_, POLLIN, 0});
+      int held = 0;
       for (const auto& [id, c] : conns_) {
         // A connection with kMaxOutput queued is read no further until its peer reads.
         short events = c->out.size() < kMaxOutput ? POLLIN : 0;
-        // Queued READs are served as the socket drains (none is left behind with `out` empty).
-        if (!c->out.empty() || !c->reads.empty()) events |= POLLOUT;
-        if (!c->reads.empty() && c->out.empty()) reads_ready = true;
+        // Queued READs are served as the socket drains (none is left behind with `out` empty);
+        // one waiting for its chunk to be staged is served when a copy wakes this thread.
+        const bool reads = !c->reads.empty() && !c->reads_held;
+        if (!c->out.empty() || reads) events |= POLLOUT;
+        if (reads && c->out.empty()) reads_ready = true;
+        if (c->reads_held) {
+          ++held;
+          next = std::min(next, mono + absl::Milliseconds(1));  // a wake-up may cross the store
+        }
         fds.push_back({c->fd.get(), events, 0});
         ids.push_back(id);
         if (!c->greeted) next = std::min(next, c->hello_deadline);
         if (c->held_frames && c->out.size() < kMaxOutput) next = mono;
       }
+      reads_held_.store(held, std::memory_order_seq_cst);
       for (const auto& [id, l] : leases_) next = std::min(next, l.expiry);
       timeout_ms = static_cast<int>(
           std::clamp<int64_t>(absl::ToInt64Milliseconds(next - mono) + 1, 0, 1000));
@@ -877,7 +1143,10 @@ void UcxPublisher::Loop() {
         const bool serving = c.greeted && !c.closing;
         if (serving) ServeReads(c);
         if (c.out.empty()) break;
-        if (absl::Status s = WriteAvailable(c.fd.get(), c.out); !s.ok()) {
+        const size_t queued = c.out.size();
+        absl::Status s = WriteAvailable(c.fd.get(), c.out);
+        control_bytes_sent_.fetch_add(queued - c.out.size(), std::memory_order_relaxed);
+        if (!s.ok()) {
           c.dead = true;
           break;
         }
@@ -1547,6 +1816,9 @@ void UcxPublisher::ServeWaits(Conn& c) {
         it = c.waits.erase(it);
         continue;
       }
+    } else if (!w.now && staging_ != nullptr && staging_->version >= w.version &&
+               (newest_ == nullptr || staging_->version > newest_->version)) {
+      slot = staging_;  // announced, still being staged: pulled chunk by chunk as it lands
     } else if (newest_ != nullptr && newest_->version >= w.version) {
       slot = newest_;
     } else if (w.now) {
@@ -1601,17 +1873,15 @@ void UcxPublisher::Grant(Conn& c, const PendingWait& w, Slot& slot) {
   leases_[id] = Lease{&slot, c.id, slot.version, now + options_.lease, now};
   ++slot.leases;
   ++c.leases;
-  std::vector<uint64_t> live;
-  for (const auto& s : slots_) {
-    for (const Region& r : s->regions) live.push_back(r.id);
-  }
-  c.out +=
-      EncodeGrant(w.request, id, static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)),
-                  slot.grant_body, live);
+  c.out += Encode(GrantMsg{w.request, id,
+                           static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)),
+                           slot.version, slot.grant_region, slot.prefix});
+  grants_.fetch_add(1, std::memory_order_relaxed);
 }
 
 void UcxPublisher::ServeReads(Conn& c) {
   constexpr size_t kReadBacklog = size_t{4} << 20;
+  c.reads_held = false;
   while (!c.reads.empty() && c.out.size() < kReadBacklog) {
     const PendingRead read = c.reads.front();
     c.reads.pop_front();
@@ -1625,21 +1895,35 @@ void UcxPublisher::ServeReads(Conn& c) {
     }
     const Slot& slot = *it->second.slot;
     // One region holds the whole read (subscribers split reads at region boundaries); every
-    // sum is checked against wrapping.
+    // sum is checked against wrapping. The version descriptor follows the bytes.
     const Region* region = nullptr;
     for (const Region& g : slot.regions) {
       if (read.offset >= g.base && read.offset - g.base < g.mem->size()) region = &g;
     }
+    const bool descriptor = region == nullptr && slot.descriptor && read.offset >= slot.capacity &&
+                            read.offset - slot.capacity < slot.descriptor->mem->size();
+    const uint64_t region_base = descriptor ? slot.capacity : region ? region->base : 0;
+    if (descriptor) region = &*slot.descriptor;
     uint64_t end = 0;
     if (region == nullptr || read.length == 0 || read.length > kMaxFrame / 2 ||
-        __builtin_add_overflow(read.offset - region->base, read.length, &end) ||
+        __builtin_add_overflow(read.offset - region_base, read.length, &end) ||
         end > region->mem->size()) {
       refuse(absl::StrFormat("bytes [%d, +%d) are not within one region of the slot of version %d",
                              read.offset, read.length, slot.version));
       continue;
     }
+    if (!descriptor && !slot.Ready(read.offset, read.length)) {
+      // Announced, not staged yet: answered once its chunks are (the copies wake this thread).
+      c.reads.push_front(read);
+      if (c.held_request != read.request) {
+        c.held_request = read.request;
+        reads_held_total_.fetch_add(1, std::memory_order_relaxed);
+      }
+      c.reads_held = true;
+      break;
+    }
     const char* bytes =
-        reinterpret_cast<const char*>(region->mem->data()) + (read.offset - region->base);
+        reinterpret_cast<const char*>(region->mem->data()) + (read.offset - region_base);
     std::string host;  // GPU staging memory is copied to the host first
     if (options_.cuda_staging) {
       host.resize(read.length);

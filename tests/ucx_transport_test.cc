@@ -464,6 +464,118 @@ TEST_P(UcxTransportTest, AnnouncedVersionWhosePublishFailsIsAbortedNeverHandedOv
   EXPECT_TRUE(holds(v3));
 }
 
+// Issue 14, zero-copy publish (publish_mode=zero_copy): the publisher serves the caller's tensors
+// where they are. Two connected subscribers wait for version 1; Publish returns once both have
+// pulled it, and each holds it bit-exact. The bytes come from the caller's memory while Publish
+// runs: a third subscriber held halfway through its transfer (ucx.during_get) sees a byte the
+// test changed in the caller's memory meanwhile, and refuses the version (DataLoss). Once Publish
+// returned the version is not served any more: a new subscriber finds nothing.
+TEST_P(UcxTransportTest, ZeroCopyPublishServesTheCallersTensorsWhileItRuns) {
+  const std::string q = "publish_mode=zero_copy&lease=60s&get_chunk_size=64KiB";
+  std::vector<OwnedTensor> v1 = MakeVersion(23, 1, 2 << 20);
+  auto pub = Publisher::Open(Uri(q));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto a = Subscriber::Open(Uri(q));
+  auto b = Subscriber::Open(Uri(q));
+  ASSERT_TRUE(a.ok() && b.ok());
+  // Connected before the version is announced: Publish waits for them.
+  for (auto* s : {&*a, &*b}) {
+    auto none = (*s)->Poll(1, kTimeout);
+    ASSERT_TRUE(none.ok()) << none.status();
+    EXPECT_EQ(*none, nullptr);
+  }
+  std::vector<std::unique_ptr<Update>> got(2);
+  testing::InFlight wa([&] {
+    auto u = (*a)->WaitForVersion(1, kTimeout);
+    if (u.ok()) got[0] = *std::move(u);
+    return u.status();
+  });
+  testing::InFlight wb([&] {
+    auto u = (*b)->WaitForVersion(1, kTimeout);
+    if (u.ok()) got[1] = *std::move(u);
+    return u.status();
+  });
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  ASSERT_TRUE(wa.Result(kTimeout).ok());
+  ASSERT_TRUE(wb.Result(kTimeout).ok());
+  for (const auto& u : got) ExpectSameTensors(*u, v1);
+
+  // Version 2: a subscriber held halfway through, while the test changes the caller's last byte.
+  std::vector<OwnedTensor> v2 = MakeVersion(23, 2, 2 << 20);
+  testing::PausePoint halfway("ucx.during_get");
+  auto c = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", halfway.Spec());
+    return Subscriber::Open(Uri(q));
+  }();
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto none = (*c)->Poll(2, kTimeout);
+  ASSERT_TRUE(none.ok()) << none.status();
+  testing::InFlight wc([&] { return (*c)->WaitForVersion(2, kTimeout).status(); });
+  testing::InFlight wa2([&] { return (*a)->WaitForVersion(2, kTimeout).status(); });
+  testing::InFlight wb2([&] { return (*b)->WaitForVersion(2, kTimeout).status(); });
+  testing::InFlight publish([&] { return (*pub)->Publish(2, Views(v2), {}, kTimeout); });
+  ASSERT_TRUE(halfway.WaitReached(kTimeout));
+  const absl::Status ra = wa2.Result(kTimeout), rb = wb2.Result(kTimeout);
+  EXPECT_TRUE(ra.ok()) << ra;
+  EXPECT_TRUE(rb.ok()) << rb;
+  EXPECT_FALSE(publish.Returned()) << "Publish returned while a subscriber was pulling";
+  // The large tensor's last byte: its own mapping, above the small ones on the heap, so in the
+  // second half of the transfer (the slot's bytes are the caller's memory in address order).
+  v2.front().bytes.back() ^= std::byte{0x5a};
+  halfway.Release();
+  const absl::Status changed = wc.Result(kTimeout);
+  EXPECT_EQ(changed.code(), absl::StatusCode::kDataLoss) << changed;
+  EXPECT_THAT(std::string(changed.message()), HasSubstr(v2.front().name));
+  ASSERT_TRUE(publish.Result(kTimeout).ok());
+  EXPECT_EQ((*c)->current_version(), std::nullopt);
+
+  auto late = Subscriber::Open(Uri(q));
+  ASSERT_TRUE(late.ok()) << late.status();
+  auto nothing = (*late)->Poll(1, kTimeout);
+  ASSERT_TRUE(nothing.ok()) << nothing.status();
+  EXPECT_EQ(*nothing, nullptr) << "a zero-copy version was served after its Publish returned";
+}
+
+// Zero-copy publish waits for a connected subscriber that does not ask for the version at most
+// one lease, and for one that stops pulling at most until its lease ends, which then fails its
+// transfer (ABORTED, Aborted). The other subscriber is not held back.
+TEST_P(UcxTransportTest, ZeroCopyPublishHoldsTheCallerAtMostALeasePerSubscriber) {
+  const std::string q = "publish_mode=zero_copy&lease=300ms&get_chunk_size=64KiB";
+  const std::vector<OwnedTensor> v1 = MakeVersion(29, 1, 1 << 20);
+  auto pub = Publisher::Open(Uri(q));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto idle = Subscriber::Open(Uri(q));
+  auto active = Subscriber::Open(Uri(q));
+  ASSERT_TRUE(idle.ok() && active.ok());
+  for (auto* s : {&*idle, &*active}) ASSERT_TRUE((*s)->Poll(1, kTimeout).ok());
+  testing::InFlight receive([&] { return (*active)->WaitForVersion(1, kTimeout).status(); });
+  // `idle` never asks: Publish returns once `active` has the version and a lease has passed.
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  ASSERT_TRUE(receive.Result(kTimeout).ok());
+  EXPECT_EQ((*active)->current_version(), 1u);
+
+  testing::PausePoint stalled("ucx.during_get");
+  auto slow = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", stalled.Spec());
+    return Subscriber::Open(Uri(q));
+  }();
+  ASSERT_TRUE(slow.ok()) << slow.status();
+  ASSERT_TRUE((*slow)->Poll(2, kTimeout).ok());
+  const std::vector<OwnedTensor> v2 = MakeVersion(29, 2, 1 << 20);
+  testing::InFlight held([&] { return (*slow)->WaitForVersion(2, kTimeout).status(); });
+  testing::InFlight other([&] { return (*active)->WaitForVersion(2, kTimeout).status(); });
+  testing::InFlight publish([&] { return (*pub)->Publish(2, Views(v2), {}, kTimeout); });
+  ASSERT_TRUE(stalled.WaitReached(kTimeout));
+  // The stalled subscriber renews nothing while held: its lease ends and Publish returns.
+  ASSERT_TRUE(publish.Result(kTimeout).ok());
+  ASSERT_TRUE(other.Result(kTimeout).ok());
+  stalled.Release();
+  const absl::Status failed = held.Result(kTimeout);
+  EXPECT_TRUE(absl::IsAborted(failed) || absl::IsUnavailable(failed)) << failed;
+  EXPECT_EQ((*slow)->current_version(), std::nullopt);
+  EXPECT_EQ((*active)->current_version(), 2u);
+}
+
 // Item 4 of issue 10: a wait whose deadline comes before connect_timeout ends while no
 // publisher is reachable yet is DeadlineExceeded (naming channel, version and connect error),
 // so that callers waiting in slices keep waiting; a publisher that comes up is then found.
@@ -832,6 +944,76 @@ TEST_P(UcxInternalTest, ProgressThreadNeverSleepsWithReadsReady) {
     EXPECT_EQ(counters->reads_served, 0u) << "shared memory moves the bytes with UCP gets";
   }
   EXPECT_EQ(counters->sleeps_with_reads_ready, 0u);
+}
+
+// Issue 14, control bytes: a GRANT points at the version descriptor in the publisher's registered
+// memory, which each subscriber reads with a get, so the control connection carries the same few
+// frames per version and subscriber whatever the tensor count (8 tensors or 4,000: the same
+// bytes), and the publisher's control bytes grow with subscribers only by that much each.
+// Before (protocol 3) every GRANT carried the whole manifest and every tensor's offset (3.05 MB
+// per version for 20,020 tensors, BENCHMARKS.md). Shared memory only: over tcp the bytes
+// themselves travel on the control connection.
+TEST_P(UcxInternalTest, ControlBytesPerVersionDoNotGrowWithTensorsOrSubscribers) {
+  if (GetParam().name == weightbus::testing::kTcp.name) {
+    GTEST_SKIP() << "bytes over the control connection";
+  }
+  const int port = weightbus::FreePort();
+  const std::string uri_text = absl::StrFormat("ucx://127.0.0.1:%d/ctl?lease=60s", port);
+  auto pub = OpenTransportPublisher(uri_text);
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  std::vector<std::unique_ptr<TransportSubscriber>> subs;
+  for (int i = 0; i < 3; ++i) {
+    auto sub = OpenTransportSubscriber(uri_text);
+    ASSERT_TRUE(sub.ok()) << sub.status();
+    subs.push_back(*std::move(sub));
+  }
+  struct Sink : LandingSink {
+    void Landed(size_t) override {}
+  } sink;
+  uint64_t version = 0;
+  // Publisher control bytes for one version received by the first `n` subscribers; the
+  // subscribers' own control bytes for it, and descriptor bytes, summed.
+  auto one_version = [&](size_t tensors, size_t n, uint64_t* sub_control, uint64_t* descriptor) {
+    ++version;
+    const std::vector<std::vector<std::byte>> bytes =
+        PublishRandomTensors(**pub, version, std::vector<uint64_t>(tensors, 256), version << 20);
+    const uint64_t before = ucx::PublisherCounters(**pub)->control_bytes_sent;
+    *sub_control = *descriptor = 0;
+    for (size_t k = 0; k < n; ++k) {
+      const ucx::UcxSubscriberCounters c0 = *ucx::SubscriberCounters(*subs[k]);
+      auto incoming = subs[k]->WaitForVersion(version, absl::Now() + kTimeout);
+      EXPECT_TRUE(incoming.ok()) << incoming.status();
+      if (!incoming.ok()) return uint64_t{0};
+      std::vector<std::vector<std::byte>> out(tensors, std::vector<std::byte>(256));
+      std::vector<std::byte*> targets;
+      for (auto& o : out) targets.push_back(o.data());
+      EXPECT_TRUE((*incoming)->Fetch(targets, sink, absl::Now() + kTimeout).ok());
+      EXPECT_EQ(out, bytes);
+      incoming->reset();
+      const ucx::UcxSubscriberCounters c1 = *ucx::SubscriberCounters(*subs[k]);
+      *sub_control += (c1.control_bytes_sent + c1.control_bytes_received) -
+                      (c0.control_bytes_sent + c0.control_bytes_received);
+      *descriptor += c1.descriptor_bytes - c0.descriptor_bytes;
+    }
+    // The last RELEASE is on its way: wait for the publisher to have answered nothing more.
+    return ucx::PublisherCounters(**pub)->control_bytes_sent - before;
+  };
+  // Every subscriber connects and greets first.
+  uint64_t sub_control = 0, descriptor = 0;
+  one_version(1, 3, &sub_control, &descriptor);
+  uint64_t small_sub = 0, big_sub = 0, small_desc = 0, big_desc = 0, three_sub = 0;
+  const uint64_t small = one_version(8, 1, &small_sub, &small_desc);
+  const uint64_t big = one_version(4000, 1, &big_sub, &big_desc);
+  const uint64_t three = one_version(4000, 3, &three_sub, &descriptor);
+  EXPECT_EQ(small, big) << "publisher control bytes per version grew with the tensor count";
+  EXPECT_EQ(small_sub, big_sub) << "subscriber control bytes grew with the tensor count";
+  EXPECT_EQ(three, 3 * big) << "each subscriber costs the publisher the same control bytes";
+  EXPECT_LT(big, 1024u) << "a GRANT is a few dozen bytes";
+  EXPECT_GT(big_desc, 4000u * 20) << "the manifest is read from the descriptor instead";
+  absl::PrintF(
+      "[ figures ] control bytes per version per subscriber: publisher %d, subscriber %d "
+      "(8 and 4000 tensors alike); descriptor bytes read: %d (8 tensors), %d (4000)\n",
+      big, big_sub, small_desc, big_desc);
 }
 
 // A PublishJob whose manifest is known before its bytes are staged, as the core's is

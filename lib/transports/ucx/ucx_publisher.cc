@@ -35,6 +35,7 @@
 #include "core/worker_pool.h"
 #include "transports/ucx/control.h"
 #include "transports/ucx/descriptor.h"
+#include "transports/ucx/registration_cache.h"
 #include "transports/ucx/ucp_util.h"
 #include "transports/ucx/ucx_transport.h"
 
@@ -92,6 +93,18 @@ struct Slot {
   int index = 0;
   uint64_t capacity = 0;
   std::vector<Region> regions;
+  // A zero-copy version (publish_mode=zero_copy): the caller's memory, registered in place
+  // (registrations owned by UcxPublisher::lent_cache_), tiling [0, capacity) instead of
+  // `regions`; valid while its Publish runs.
+  struct Lent {
+    uint64_t id = 0;
+    uint64_t base = 0;
+    // The caller's bytes (the registration may report a page-aligned start instead).
+    const std::byte* data = nullptr;
+    uint64_t length = 0;
+    std::string rkey;
+  };
+  std::vector<Lent> lent;
   std::optional<Region> descriptor;  // host memory, registered; base = capacity
   State state = State::kFree;
   uint64_t version = 0;      // when kStaging or kReady
@@ -206,7 +219,12 @@ class UcxPublisher final : public TransportPublisher {
         rma_(rma),
         group_(group),
         description_(ProcessDescription()),
-        members_(group.world_size) {}
+        members_(group.world_size) {
+    if (options_.zero_copy) {
+      // Ids above the staging regions' (which count from 1), unique in this process.
+      lent_cache_ = std::make_unique<RegistrationCache>(context_, uint64_t{1} << 48);
+    }
+  }
 
   ~UcxPublisher() override {
     {
@@ -339,7 +357,17 @@ class UcxPublisher final : public TransportPublisher {
   // slot's version, grant_region, prefix and chunks. The slot is not visible (kWriting).
   absl::Status WriteDescriptor(Slot& slot, const Manifest& unsealed,
                                const std::vector<uint64_t>& offsets, uint64_t size,
-                               uint64_t block_bytes, const VersionSeal* seal);
+                               uint64_t block_bytes, bool in_place, const VersionSeal* seal);
+  // A slot nobody reads (kWriting now), waiting for releases or lease expiries up to the
+  // deadline. Errors: DeadlineExceeded describing the slots, Cancelled.
+  absl::StatusOr<Slot*> TakeSlot(absl::Time deadline);
+  // publish_mode=zero_copy: serves the caller's tensors in place (README.md, "Zero-copy
+  // publish") and returns when the subscribers connected at the announcement have pulled the
+  // version (or left, or did not ask within a lease), or at the deadline or Cancel, when the
+  // remaining leases end with ABORTED. OK once the version is sealed.
+  absl::Status PublishZeroCopy(PublishJob& job, absl::Time deadline);
+  // Whether every subscriber a zero-copy Publish waits for is done with it.
+  bool ZeroCopyDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Seals a version announced staging: the seal, then the state.
   absl::Status WriteSeal(Slot& slot, const VersionSeal& seal);
   // A version announced before it was sealed whose Publish failed: the descriptor says so, every
@@ -419,6 +447,17 @@ class UcxPublisher final : public TransportPublisher {
   Slot* newest_ ABSL_GUARDED_BY(mu_) = nullptr;
   // The version being staged after it was announced (kStaging), granted to waiting subscribers.
   Slot* staging_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // A zero-copy Publish in flight: its slot, when it was announced, the subscribers connected
+  // then (waited for) and those granted the version.
+  struct ZeroCopy {
+    Slot* slot = nullptr;
+    absl::Time announced;  // MonotonicNow()
+    std::vector<uint64_t> expected;
+    std::set<uint64_t> granted;
+  };
+  ZeroCopy zero_copy_ ABSL_GUARDED_BY(mu_);
+  // Registrations of callers' tensors served in place (publish_mode=zero_copy; Publish only).
+  std::unique_ptr<RegistrationCache> lent_cache_;
   // Connections whose next READ waits for its chunk to be staged: copies wake the progress
   // thread as chunks become ready.
   std::atomic<int> reads_held_{0};
@@ -724,16 +763,24 @@ absl::Status UcxPublisher::CopyIntoSlot(const Slot& slot, PublishJob& job,
 
 absl::Status UcxPublisher::WriteDescriptor(Slot& slot, const Manifest& unsealed,
                                            const std::vector<uint64_t>& offsets, uint64_t size,
-                                           uint64_t block_bytes, const VersionSeal* seal) {
+                                           uint64_t block_bytes, bool in_place,
+                                           const VersionSeal* seal) {
   const uint64_t chunk = options_.ready_chunk;
   const uint64_t nchunks = (size + chunk - 1) / chunk;
   VersionLayout layout;
   layout.version = unsealed.version;
   layout.chunk_bytes = chunk;
   layout.data_bytes = slot.capacity;
-  for (const Region& r : slot.regions) {
-    layout.regions.push_back(LayoutRegion{r.id, r.base, reinterpret_cast<uintptr_t>(r.mem->data()),
-                                          r.mem->size(), r.rkey});
+  if (!slot.lent.empty()) {
+    for (const Slot::Lent& r : slot.lent) {
+      layout.regions.push_back(
+          LayoutRegion{r.id, r.base, reinterpret_cast<uintptr_t>(r.data), r.length, r.rkey});
+    }
+  } else {
+    for (const Region& r : slot.regions) {
+      layout.regions.push_back(LayoutRegion{
+          r.id, r.base, reinterpret_cast<uintptr_t>(r.mem->data()), r.mem->size(), r.rkey});
+    }
   }
   layout.offsets = offsets;
   layout.manifest_json = unsealed.ToJson();
@@ -742,6 +789,7 @@ absl::Status UcxPublisher::WriteDescriptor(Slot& slot, const Manifest& unsealed,
     if (group_.grouped() && group_.rank == 0) layout.members = members_;
     for (const auto& s : slots_) {
       for (const Region& r : s->regions) layout.live.push_back(r.id);
+      for (const Slot::Lent& r : s->lent) layout.live.push_back(r.id);
       if (s->descriptor && s.get() != &slot) layout.live.push_back(s->descriptor->id);
     }
   }
@@ -793,7 +841,7 @@ absl::Status UcxPublisher::WriteDescriptor(Slot& slot, const Manifest& unsealed,
     }
   }
   for (uint64_t k = 0; k < nchunks; ++k) {
-    const uint64_t word = seal != nullptr || !has_bytes[k] ? unsealed.version : 0;
+    const uint64_t word = seal != nullptr || in_place || !has_bytes[k] ? unsealed.version : 0;
     __atomic_store_n(slot.ready_word(k), word, __ATOMIC_RELAXED);
   }
   if (seal != nullptr) {
@@ -856,6 +904,202 @@ void UcxPublisher::Abort(Slot& slot, const absl::Status& why) {
   Wake();
 }
 
+absl::StatusOr<Slot*> UcxPublisher::TakeSlot(absl::Time deadline) {
+  Slot* slot = nullptr;
+  absl::MutexLock lock(&mu_);
+  if (cancelled_) return Cancelled();
+  // While this Publish waits, no new lease goes to a slot it could take (ServeWaits): they
+  // drain within lease_max_hold + lease, however many connections take turns.
+  ++publishes_waiting_;
+  absl::Cleanup done_waiting = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    --publishes_waiting_;
+    Wake();  // deferred WAITs are served again
+  };
+  while ((slot = PickSlot()) == nullptr) {
+    absl::Time wake = deadline;
+    const absl::Time mono = MonotonicNow(), now = absl::Now();
+    for (const auto& [id, l] : leases_) wake = std::min(wake, now + (l.expiry - mono));
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrFormat("all %d staging slots are in use until past the deadline (%s); raise "
+                          "staging_slots or the timeout, or lower lease",
+                          options_.staging_slots, DescribeSlots()));
+    }
+    if (stopping_) return absl::CancelledError("the publisher is shutting down");
+    if (cancelled_) return Cancelled();
+    AwaitChange(wake);
+    if (cancelled_) return Cancelled();
+  }
+  slot->state = Slot::State::kWriting;
+  if (newest_ == slot) RecomputeNewest();
+  return slot;
+}
+
+bool UcxPublisher::ZeroCopyDone() const {
+  if (zero_copy_.slot == nullptr) return true;
+  if (zero_copy_.slot->leases > 0) return false;
+  const absl::Time now = MonotonicNow();
+  for (uint64_t id : zero_copy_.expected) {
+    if (!conns_.contains(id) || zero_copy_.granted.contains(id)) continue;  // gone, or served
+    if (now < zero_copy_.announced + options_.lease) return false;          // may still ask
+  }
+  return true;
+}
+
+absl::Status UcxPublisher::PublishZeroCopy(PublishJob& job, absl::Time deadline) {
+  const uint64_t version = job.version();
+  absl::Span<const PackedTensor> tensors = job.tensors();
+  std::optional<Manifest> early = job.UnsealedManifest();
+  if (!early) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: publish_mode=zero_copy serves the tensors of a Publish in place, but version %d "
+        "came through a layer whose manifest is known only once its bytes are (publish through "
+        "ucx:// directly, or with publish_mode=staged)",
+        endpoint_.display, version));
+  }
+  // The caller's memory in runs: tensors by address, neighbours less than a page apart share a
+  // registration (as a subscriber registers its targets). Registrations are cached across
+  // versions (a trainer's parameters stay put) and dropped when their memory is unmapped.
+  constexpr uint64_t kPage = 4096;
+  std::vector<size_t> order;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].info->nbytes == 0) continue;
+    if (tensors[i].data == nullptr) {
+      return absl::InternalError(absl::StrFormat(
+          "%s: tensor \"%s\" of version %d has no contiguous bytes to serve in place",
+          endpoint_.display, tensors[i].info->name, version));
+    }
+    order.push_back(i);
+  }
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return tensors[a].data < tensors[b].data; });
+  struct Run {
+    const std::byte* begin;
+    const std::byte* end;
+  };
+  std::vector<Run> runs;
+  std::vector<size_t> run_of(tensors.size(), 0);
+  for (size_t i : order) {
+    const std::byte* b = tensors[i].data;
+    const std::byte* e = b + tensors[i].info->nbytes;
+    if (!runs.empty() && b < runs.back().end + kPage) {
+      runs.back().end = std::max(runs.back().end, e);
+    } else {
+      runs.push_back(Run{b, e});
+    }
+    run_of[i] = runs.size() - 1;
+  }
+  std::vector<Slot::Lent> lent;
+  uint64_t total = 0;
+  for (const Run& r : runs) {
+    absl::StatusOr<RegistrationCache::Served> served =
+        lent_cache_->Serve(const_cast<std::byte*>(r.begin), r.end - r.begin);
+    if (!served.ok()) {
+      return absl::Status(served.status().code(),
+                          absl::StrFormat("%s: cannot register the caller's tensors of version %d "
+                                          "to serve them in place (publish_mode=zero_copy): %s",
+                                          endpoint_.display, version, served.status().message()));
+    }
+    lent.push_back(Slot::Lent{served->id, total, r.begin, static_cast<uint64_t>(r.end - r.begin),
+                              *served->rkey});
+    total += r.end - r.begin;
+  }
+  std::vector<uint64_t> offsets(tensors.size(), 0);
+  for (size_t i : order) {
+    offsets[i] = lent[run_of[i]].base + (tensors[i].data - runs[run_of[i]].begin);
+  }
+  WB_ASSIGN_OR_RETURN(Slot * slot, TakeSlot(deadline));
+  {
+    absl::MutexLock lock(&mu_);
+    slot->lent = std::move(lent);
+    slot->capacity = total;
+  }
+  absl::Status status = WriteDescriptor(*slot, *early, offsets, total, job.checksum_block(),
+                                        /*in_place=*/true, /*seal=*/nullptr);
+  if (!status.ok()) {
+    absl::MutexLock lock(&mu_);
+    slot->lent.clear();
+    slot->state = Slot::State::kFree;
+    ++changes_;
+    return status;
+  }
+  // Announced with every chunk in place: subscribers pull while the core checksums the same
+  // memory. Those connected now are waited for, each at most one lease to ask.
+  {
+    absl::MutexLock lock(&mu_);
+    slot->state = Slot::State::kStaging;
+    staging_ = slot;
+    zero_copy_ = ZeroCopy{};
+    zero_copy_.slot = slot;
+    zero_copy_.announced = MonotonicNow();
+    for (const auto& [id, c] : conns_) {
+      if (c->greeted && c->member_rank < 0 && !c->closing && !c->dead) {
+        zero_copy_.expected.push_back(id);
+      }
+    }
+    ++changes_;
+    Wake();
+  }
+  absl::StatusOr<const Manifest*> sealed = job.SealedManifest(deadline);
+  if (sealed.ok()) status = failpoints_.Hit("ucx.before_seal");
+  if (sealed.ok() && status.ok()) status = WriteSeal(*slot, SealOf(**sealed));
+  if (!sealed.ok() || !status.ok()) {
+    const absl::Status failure = sealed.ok() ? status : sealed.status();
+    Abort(*slot, failure);
+    absl::MutexLock lock(&mu_);
+    slot->lent.clear();
+    zero_copy_ = ZeroCopy{};
+    return failure;
+  }
+  absl::MutexLock lock(&mu_);
+  slot->state = Slot::State::kReady;
+  staging_ = nullptr;
+  newest_ = slot;
+  ++changes_;
+  Wake();
+  while (!ZeroCopyDone() && !stopping_ && !cancelled_ && absl::Now() < deadline) {
+    const absl::Duration left_to_ask = zero_copy_.announced + options_.lease - MonotonicNow();
+    AwaitChange(std::min(deadline, absl::Now() + std::max(left_to_ask, absl::ZeroDuration()) +
+                                       absl::Milliseconds(1)));
+  }
+  // The caller's memory is the caller's again: leases still held end (ABORTED), and the version
+  // is no longer served.
+  std::vector<std::string> revoked;
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    if (it->second.slot != slot) {
+      ++it;
+      continue;
+    }
+    if (auto c = conns_.find(it->second.conn); c != conns_.end()) {
+      revoked.push_back(c->second->peer);
+      c->second->out += Encode(AbortedMsg{
+          it->first, static_cast<uint32_t>(absl::StatusCode::kAborted),
+          absl::StrFormat(
+              "the zero-copy publish of version %d returned (%s) before this "
+              "subscriber finished: the bytes it served are the trainer's again",
+              version,
+              cancelled_ || stopping_ ? "the publisher is closing" : "its deadline passed")});
+    }
+    EndLease(it++);
+  }
+  if (!revoked.empty()) {
+    lease_log_.Log(LogLevel::kWarn,
+                   "%s: version %d (zero-copy) was still being read by %s when its Publish "
+                   "returned; their transfers fail",
+                   endpoint_.display, version, absl::StrJoin(revoked, ", "));
+  }
+  slot->state = Slot::State::kFree;
+  slot->lent.clear();
+  RecomputeNewest();
+  zero_copy_ = ZeroCopy{};
+  ++changes_;
+  Wake();
+  lent_cache_->EndFetch();
+  Log(LogLevel::kDebug, "%s: version %d served in place (%d bytes in %d registrations)",
+      endpoint_.display, version, total, runs.size());
+  return absl::OkStatus();
+}
+
 absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
   absl::MutexLock publish_lock(&publish_mu_);
   const uint64_t version = job.version();
@@ -867,36 +1111,8 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
     size += (tensors[i].info->nbytes + kTensorAlign - 1) / kTensorAlign * kTensorAlign;
   }
 
-  // A slot nobody reads, waiting for releases or lease expiries up to the deadline.
-  Slot* slot = nullptr;
-  {
-    absl::MutexLock lock(&mu_);
-    if (cancelled_) return Cancelled();
-    // While this Publish waits, no new lease goes to a slot it could take (ServeWaits): they
-    // drain within lease_max_hold + lease, however many connections take turns.
-    ++publishes_waiting_;
-    absl::Cleanup done_waiting = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      --publishes_waiting_;
-      Wake();  // deferred WAITs are served again
-    };
-    while ((slot = PickSlot()) == nullptr) {
-      absl::Time wake = deadline;
-      const absl::Time mono = MonotonicNow(), now = absl::Now();
-      for (const auto& [id, l] : leases_) wake = std::min(wake, now + (l.expiry - mono));
-      if (absl::Now() >= deadline) {
-        return absl::DeadlineExceededError(
-            absl::StrFormat("all %d staging slots are in use until past the deadline (%s); raise "
-                            "staging_slots or the timeout, or lower lease",
-                            options_.staging_slots, DescribeSlots()));
-      }
-      if (stopping_) return absl::CancelledError("the publisher is shutting down");
-      if (cancelled_) return Cancelled();
-      AwaitChange(wake);
-      if (cancelled_) return Cancelled();
-    }
-    slot->state = Slot::State::kWriting;
-    if (newest_ == slot) RecomputeNewest();
-  }
+  if (options_.zero_copy) return PublishZeroCopy(job, deadline);
+  WB_ASSIGN_OR_RETURN(Slot * slot, TakeSlot(deadline));
   bool published = false, announced = false;
   absl::Status failure;  // why the publish failed, once announced (subscribers are told)
   absl::Cleanup give_back = [&] {
@@ -936,7 +1152,7 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
   if (options_.pipeline && !group_.grouped()) early = job.UnsealedManifest();
   if (early) {
     WB_RETURN_IF_ERROR(WriteDescriptor(*slot, *early, offsets, size, job.checksum_block(),
-                                       /*seal=*/nullptr));
+                                       /*in_place=*/false, /*seal=*/nullptr));
     absl::MutexLock lock(&mu_);
     slot->state = Slot::State::kStaging;
     staging_ = slot;
@@ -986,7 +1202,7 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
     if (absl::Status s = WriteSeal(*slot, seal); !s.ok()) return fail(s);
   } else {
     absl::Status s = WriteDescriptor(*slot, Unsealed(final_manifest), offsets, size,
-                                     job.checksum_block(), &seal);
+                                     job.checksum_block(), /*in_place=*/true, &seal);
     if (!s.ok()) {
       if (merged) {
         absl::MutexLock lock(&mu_);
@@ -1873,6 +2089,7 @@ void UcxPublisher::Grant(Conn& c, const PendingWait& w, Slot& slot) {
   leases_[id] = Lease{&slot, c.id, slot.version, now + options_.lease, now};
   ++slot.leases;
   ++c.leases;
+  if (&slot == zero_copy_.slot) zero_copy_.granted.insert(c.id);
   c.out += Encode(GrantMsg{w.request, id,
                            static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)),
                            slot.version, slot.grant_region, slot.prefix});
@@ -1896,18 +2113,32 @@ void UcxPublisher::ServeReads(Conn& c) {
     const Slot& slot = *it->second.slot;
     // One region holds the whole read (subscribers split reads at region boundaries); every
     // sum is checked against wrapping. The version descriptor follows the bytes.
-    const Region* region = nullptr;
+    const std::byte* region = nullptr;  // the region's bytes, and where they lie in the slot
+    uint64_t region_base = 0, region_size = 0;
     for (const Region& g : slot.regions) {
-      if (read.offset >= g.base && read.offset - g.base < g.mem->size()) region = &g;
+      if (read.offset >= g.base && read.offset - g.base < g.mem->size()) {
+        region = g.mem->data();
+        region_base = g.base;
+        region_size = g.mem->size();
+      }
+    }
+    for (const Slot::Lent& g : slot.lent) {
+      if (read.offset >= g.base && read.offset - g.base < g.length) {
+        region = g.data;
+        region_base = g.base;
+        region_size = g.length;
+      }
     }
     const bool descriptor = region == nullptr && slot.descriptor && read.offset >= slot.capacity &&
                             read.offset - slot.capacity < slot.descriptor->mem->size();
-    const uint64_t region_base = descriptor ? slot.capacity : region ? region->base : 0;
-    if (descriptor) region = &*slot.descriptor;
+    if (descriptor) {
+      region = slot.descriptor->mem->data();
+      region_base = slot.capacity;
+      region_size = slot.descriptor->mem->size();
+    }
     uint64_t end = 0;
     if (region == nullptr || read.length == 0 || read.length > kMaxFrame / 2 ||
-        __builtin_add_overflow(read.offset - region_base, read.length, &end) ||
-        end > region->mem->size()) {
+        __builtin_add_overflow(read.offset - region_base, read.length, &end) || end > region_size) {
       refuse(absl::StrFormat("bytes [%d, +%d) are not within one region of the slot of version %d",
                              read.offset, read.length, slot.version));
       continue;
@@ -1922,8 +2153,7 @@ void UcxPublisher::ServeReads(Conn& c) {
       c.reads_held = true;
       break;
     }
-    const char* bytes =
-        reinterpret_cast<const char*>(region->mem->data()) + (read.offset - region_base);
+    const char* bytes = reinterpret_cast<const char*>(region) + (read.offset - region_base);
     std::string host;  // GPU staging memory is copied to the host first
     if (options_.cuda_staging) {
       host.resize(read.length);
@@ -1939,6 +2169,7 @@ void UcxPublisher::ServeReads(Conn& c) {
 }
 
 void UcxPublisher::Drop(Conn& c) {
+  ++changes_;  // a zero-copy Publish may be waiting for it
   if (c.member_rank >= 0) {
     // A rank gone (killed, or restarted and joined again): its staged parts went with it.
     auto m = member_conns_.find(c.member_rank);
@@ -1986,6 +2217,12 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& 
   GroupRole group;
   group.rank = static_cast<int>(config.Int("rank"));  // below world_size: checked by the core
   group.world_size = static_cast<int>(config.Int("world_size"));
+  if (group.grouped() && options.zero_copy) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "%s: a ucx:// publisher group (world_size=%d, rank %d) with publish_mode=zero_copy is not "
+        "implemented: its ranks stage their parts (publish_mode=staged)",
+        endpoint.display, group.world_size, group.rank));
+  }
   if (group.grouped() && options.key) {
     return absl::UnimplementedError(absl::StrFormat(
         "%s: a ucx:// publisher group (world_size=%d, rank %d) on a channel with a shared secret "

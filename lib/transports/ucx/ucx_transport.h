@@ -55,6 +55,9 @@ struct UcxOptions {
   // `ready_chunk` bytes as soon as it is staged (README.md, "Pipelining").
   bool pipeline = true;
   uint64_t ready_chunk = 0;
+  // publish_mode=zero_copy: serve the caller's tensors in place, Publish returning once the
+  // subscribers pulled them (README.md, "Zero-copy publish").
+  bool zero_copy = false;
   // The channel's key (core settings secret_file / secret_env): peers prove it to each other
   // before the publisher sends any manifest or memory key (docs/SECURITY.md).
   std::optional<ChannelKey> key;

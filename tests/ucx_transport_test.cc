@@ -1480,7 +1480,7 @@ TEST(UcxControlTest, MessagesClaimingMoreThanTheyCarryAreDataLossNamingBothSides
   std::string layout;
   internal::BasicByteWriter<std::string>(&layout).U64(1).U64(4096).U64(0).U32(1000000).U64(0);
   expect(DecodeLayout(layout).status(),
-         "malformed version layout (36 bytes): claims 1000000 regions of at least 36 bytes each "
+         "malformed version layout (36 bytes): claims 1000000 regions of at least 44 bytes each "
          "but only 8 bytes remain");
   expect(
       DecodeVersions(Writer(MsgType::kVersions).U64(5).U32(4000000).U64(6).U64(7).Body()).status(),

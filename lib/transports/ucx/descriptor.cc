@@ -126,6 +126,7 @@ std::string EncodeLayout(const VersionLayout& l) {
   for (const LayoutRegion& r : l.regions) {
     w.U64(r.id).U64(r.base).U64(r.address).U64(r.length);
     Str(w, r.rkey);
+    w.U64(r.flags);
   }
   U64s(w, l.offsets);
   w.U32(static_cast<uint32_t>(l.members.size()));
@@ -135,6 +136,7 @@ std::string EncodeLayout(const VersionLayout& l) {
   }
   U64s(w, l.live);
   Str(w, l.manifest_json);
+  w.U64(l.pid);
   return out;
 }
 
@@ -144,8 +146,8 @@ absl::StatusOr<VersionLayout> DecodeLayout(std::string_view bytes) {
   l.version = f.U64("the version");
   l.chunk_bytes = f.U64("the chunk size");
   l.data_bytes = f.U64("the data size");
-  // A region is at least its four u64 and the rkey's length.
-  const uint32_t nregions = f.Count("regions", 4 * 8 + 4);
+  // A region is at least its five u64 and the rkey's length.
+  const uint32_t nregions = f.Count("regions", 5 * 8 + 4);
   l.regions.reserve(nregions);
   for (uint32_t k = 0; k < nregions && f.ok(); ++k) {
     LayoutRegion r;
@@ -155,6 +157,7 @@ absl::StatusOr<VersionLayout> DecodeLayout(std::string_view bytes) {
     r.address = f.U64(at + " address");
     r.length = f.U64(at + " length");
     r.rkey = f.Str(at + " rkey");
+    r.flags = f.U64(at + " flags");
     l.regions.push_back(std::move(r));
   }
   l.offsets = f.U64s("tensor offsets");
@@ -167,6 +170,7 @@ absl::StatusOr<VersionLayout> DecodeLayout(std::string_view bytes) {
   }
   l.live = f.U64s("live region ids");
   l.manifest_json = f.Str("the manifest");
+  l.pid = f.U64("the pid");
   if (f.ok() && l.chunk_bytes < 4096) {
     f.Fail(absl::StrFormat("chunk size %d is below 4096", l.chunk_bytes));
   }

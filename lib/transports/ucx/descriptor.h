@@ -68,8 +68,14 @@ struct LayoutRegion {
   uint64_t address = 0;
   uint64_t length = 0;
   std::string rkey;  // packed
+  // kCrossMemoryAttach: memory UCX did not allocate (a zero-copy publisher's tensors, a relay's
+  // receive buffers). UCX 1.13 reaches such memory on one host only with software-emulated gets
+  // (its cma transport serves rendezvous, not RMA): a subscriber on the owner's host reads it
+  // with process_vm_readv from VersionLayout::pid instead, when it can.
+  uint64_t flags = 0;
   friend bool operator==(const LayoutRegion&, const LayoutRegion&) = default;
 };
+inline constexpr uint64_t kCrossMemoryAttach = 1;
 
 struct VersionLayout {
   uint64_t version = 0;
@@ -83,6 +89,7 @@ struct VersionLayout {
   std::vector<GroupMember> members;
   std::vector<uint64_t> live;  // ids of every region the publisher still holds
   std::string manifest_json;   // the manifest without checksums, sealed time and MAC
+  uint64_t pid = 0;            // the process that owns the regions, in its host's pid namespace
   friend bool operator==(const VersionLayout&, const VersionLayout&) = default;
 };
 std::string EncodeLayout(const VersionLayout& l);

@@ -773,8 +773,8 @@ absl::Status UcxPublisher::WriteDescriptor(Slot& slot, const Manifest& unsealed,
   layout.data_bytes = slot.capacity;
   if (!slot.lent.empty()) {
     for (const Slot::Lent& r : slot.lent) {
-      layout.regions.push_back(
-          LayoutRegion{r.id, r.base, reinterpret_cast<uintptr_t>(r.data), r.length, r.rkey});
+      layout.regions.push_back(LayoutRegion{r.id, r.base, reinterpret_cast<uintptr_t>(r.data),
+                                            r.length, r.rkey, kCrossMemoryAttach});
     }
   } else {
     for (const Region& r : slot.regions) {
@@ -784,6 +784,7 @@ absl::Status UcxPublisher::WriteDescriptor(Slot& slot, const Manifest& unsealed,
   }
   layout.offsets = offsets;
   layout.manifest_json = unsealed.ToJson();
+  layout.pid = static_cast<uint64_t>(getpid());
   {
     absl::MutexLock lock(&mu_);
     if (group_.grouped() && group_.rank == 0) layout.members = members_;

@@ -7,6 +7,7 @@
 // Thread safety: every call is serialized by mu_; the UCP worker is progressed only by the
 // calling thread (no background thread). UcxVersion objects must not outlive their subscriber.
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -51,6 +52,11 @@ struct Session {
   // (WELCOME says so where only software-emulated RMA would reach it); no UCP endpoint then.
   bool bytes_over_control = false;
   std::map<uint64_t, std::unique_ptr<RemoteKey>> rkeys;
+  bool local = false;  // the publisher is on this host
+  // Whether regions flagged kCrossMemoryAttach of process `attach_pid` can be read with
+  // process_vm_readv (probed once per process: nullopt until then).
+  uint64_t attach_pid = 0;
+  std::optional<bool> attach;
 };
 
 // What one PullBytes moves: pieces of the slot into targets. For a Fetch each piece is one
@@ -81,6 +87,7 @@ struct GetOp {
   uint64_t length;
   uint64_t slot_offset;  // where the bytes start in the slot (READ over the control connection)
   ucp_mem_h memh;
+  bool attach = false;  // read with process_vm_readv (a kCrossMemoryAttach region on this host)
 };
 
 // The gets of one Fetch and their completion bookkeeping (touched only by the fetching thread:
@@ -147,6 +154,25 @@ struct GetContext {
   size_t op;
 };
 
+// Reads `length` bytes at `remote` in process `pid` into `local` (process_vm_readv, which may
+// copy less than asked: it is called again for the rest). The owner gone is UCS_ERR_UNREACHABLE
+// (Unavailable), other failures UCS_ERR_IO_ERROR.
+ucs_status_t AttachRead(uint64_t pid, std::byte* local, uint64_t remote, uint64_t length) {
+  while (length > 0) {
+    iovec l{local, length};
+    iovec r{reinterpret_cast<void*>(remote), length};
+    const ssize_t n = ::process_vm_readv(static_cast<pid_t>(pid), &l, 1, &r, 1, 0);
+    if (n <= 0) {
+      if (n < 0 && errno == EINTR) continue;
+      return n < 0 && errno == ESRCH ? UCS_ERR_UNREACHABLE : UCS_ERR_IO_ERROR;
+    }
+    local += n;
+    remote += static_cast<uint64_t>(n);
+    length -= static_cast<uint64_t>(n);
+  }
+  return UCS_OK;
+}
+
 void OnGetDone(void* request, ucs_status_t status, void* user_data) {
   auto* c = static_cast<GetContext*>(user_data);
   c->pull->Complete(c->op, status);
@@ -205,7 +231,8 @@ class UcxVersion final : public IncomingVersion {
   bool sealed_ = false;
   bool all_ready() const { return ready_count_ == nchunks_; }
   std::string source_;
-  std::vector<GroupMember> members_;  // of a group version (GrantBody::members)
+  std::vector<GroupMember> members_;  // of a group version (VersionLayout::members)
+  uint64_t pid_ = 0;                  // VersionLayout::pid
   // The publisher's lease runs from when it granted the version or from the last renewal it
   // accepted (RENEWED valid); both happened after we sent the request or that renewal, so the
   // lease certainly lasts until lease_base_ + lease, by our own MonotonicNow() clock.
@@ -336,6 +363,9 @@ class UcxSubscriber final : public TransportSubscriber {
   // The unpacked remote key of region `id` on the session's endpoint (unpacked once).
   absl::StatusOr<ucp_rkey_h> RkeyOf(uint64_t id, const std::string& packed, std::string_view what)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether v's kCrossMemoryAttach regions can be read with process_vm_readv from here: the
+  // publisher is on this host and a probe read of v's descriptor header that way matches it.
+  bool CanAttach(const UcxVersion& v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Force-closes the session's endpoint and waits until `*inflight` gets are complete (they
   // write into the caller's memory), then closes the session.
   void AbandonGets(const uint64_t* inflight) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -714,6 +744,7 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline, std::string_view 
     s->bytes_over_control = local ? !(rma_.one_host || rma_.network) : !rma_.network;
   }
   if (welcome->has_newest) s->newest = welcome->newest;
+  s->local = PeerIsLocal(s->control.fd());
   s->publisher = absl::StrFormat("publisher %s at %s", welcome->description, where);
   s->control.set_peer(s->publisher);
   if (s->bytes_over_control) {
@@ -928,6 +959,35 @@ void OnPendingGetDone(void* request, ucs_status_t status, void* user_data) {
 }
 
 }  // namespace
+
+bool UcxSubscriber::CanAttach(const UcxVersion& v) {
+  Session& s = *session_;
+  if (s.attach && s.attach_pid == v.pid_) return *s.attach;
+  s.attach_pid = v.pid_;
+  s.attach = false;
+  if (!s.local || v.pid_ == 0 || v.pid_ > static_cast<uint64_t>(INT32_MAX)) return false;
+  // The publisher's pid as it sees it names the same process here only in the same pid
+  // namespace: a probe read of the version's descriptor header must give what UCX gave.
+  char probe[kDescriptorHeaderBytes];
+  iovec local{probe, sizeof(probe)};
+  iovec remote{reinterpret_cast<void*>(v.descriptor_.address), sizeof(probe)};
+  const ssize_t n = ::process_vm_readv(static_cast<pid_t>(v.pid_), &local, 1, &remote, 1, 0);
+  const int err = errno;
+  absl::StatusOr<DescriptorHeader> h =
+      n == static_cast<ssize_t>(sizeof(probe))
+          ? DecodeHeader(std::string_view(probe, sizeof(probe)))
+          : absl::StatusOr<DescriptorHeader>(absl::UnavailableError(strerror(err)));
+  s.attach = h.ok() && h->version == v.manifest_.version;
+  if (!*s.attach) {
+    Log(LogLevel::kWarn,
+        "%s: cannot read the memory of %s (pid %d) with process_vm_readv (%s): its zero-copy "
+        "regions are read with UCX's software-emulated gets, through its progress thread "
+        "(slow; allow ptrace between the processes, e.g. the same user and no Yama restriction)",
+        endpoint_.display, s.publisher, v.pid_,
+        h.ok() ? "another process with that pid" : std::string(h.status().message()));
+  }
+  return *s.attach;
+}
 
 absl::StatusOr<std::string> UcxSubscriber::ReadDescriptor(uint64_t lease,
                                                           const GrantRegion& descriptor,
@@ -1248,6 +1308,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::OpenGrant(const 
       std::make_unique<UcxVersion>(this, session_->generation, lease, *std::move(manifest),
                                    std::move(layout->regions), std::move(offsets), source, asked);
   v->descriptor_ = d;
+  v->pid_ = layout->pid;
   v->chunk_bytes_ = chunk;
   v->nchunks_ = h.nchunks;
   v->ready_.assign(h.nchunks, false);
@@ -1488,8 +1549,13 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
   absl::Span<std::byte* const> targets = pc.targets;
   // Remote keys, unpacked once per region and session.
   std::vector<ucp_rkey_h> rkeys(v.regions_.size());
+  std::vector<bool> attach(v.regions_.size(), false);
   for (size_t k = 0; k < v.regions_.size() && !s.bytes_over_control; ++k) {
     const LayoutRegion& g = v.regions_[k];
+    if ((g.flags & kCrossMemoryAttach) != 0 && CanAttach(v)) {
+      attach[k] = true;  // process_vm_readv: no remote key needed
+      continue;
+    }
     WB_ASSIGN_OR_RETURN(
         rkeys[k],
         RkeyOf(g.id, g.rkey, absl::StrFormat("staging region %d of %s", g.id, s.publisher)));
@@ -1593,7 +1659,8 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
         pull.end_op[w] = op + 1;
       }
       pull.ops.push_back(GetOp{t, u, s.bytes_over_control ? nullptr : rkeys[k],
-                               g.address + (off - g.base), local, len, off, memh});
+                               g.address + (off - g.base), local, len, off, memh,
+                               !s.bytes_over_control && attach[k]});
       if (gated) op_chunk.push_back(off / ready_chunk);
       done += len;
       total += len;
@@ -1668,11 +1735,15 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
       issued[k] = true;
       ++issued_count;
       ++burst;
-      ucs_status_ptr_t req = ucp_get_nbx(s.ep, op.local, op.length, op.remote, op.rkey, &param);
-      if (req == nullptr) {
-        pull.Complete(k, UCS_OK);
-      } else if (UCS_PTR_IS_ERR(req)) {
-        pull.Complete(k, UCS_PTR_STATUS(req));
+      if (op.attach) {
+        pull.Complete(k, AttachRead(v.pid_, op.local, op.remote, op.length));
+      } else {
+        ucs_status_ptr_t req = ucp_get_nbx(s.ep, op.local, op.length, op.remote, op.rkey, &param);
+        if (req == nullptr) {
+          pull.Complete(k, UCS_OK);
+        } else if (UCS_PTR_IS_ERR(req)) {
+          pull.Complete(k, UCS_PTR_STATUS(req));
+        }
       }
       issued_bytes += op.length;
       status = pull.Midpoint(failpoints_, issued_bytes, total, issued_count);

@@ -34,14 +34,17 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "core/registry.h"
+#include "core/secret.h"
 #include "expect_tensors.h"
 #include "in_flight.h"
 #include "test_model.h"
 #include "test_support.h"
 #include "transport_stack.h"
 #include "transports/ucx/control.h"
+#include "transports/ucx/descriptor.h"
 #include "transports/ucx/registration_cache.h"
 #include "transports/ucx/ucp_util.h"
 #include "transports/ucx/ucx_transport.h"
@@ -394,6 +397,183 @@ TEST_P(UcxTransportTest, MidTransferFailureKeepsThePreviousVersionInEitherBindMo
     EXPECT_TRUE(holds(v2));
     EXPECT_EQ((*sub)->current_version(), 2u);
   }
+}
+
+// Issue 14, pipelining: a Publish that fails after its version was announced (the fail point
+// ucx.before_seal on version 2: every byte staged and checksummed, not sealed) fails the
+// transfer of a subscriber that was granted it with Aborted: nothing of it is handed over,
+// version 1 stays current and its bound destinations (bind_mode=staged) keep it bit-exact; the
+// next version is received bit-exact. The subscriber is granted version 2 while its staging is
+// held after the second chunk (ucx.after_chunk; ucx.before_grant says when the grant is on its
+// way); it fails whether the abort reaches it while it pulls, waits for the seal, or reads the
+// version's descriptor.
+TEST_P(UcxTransportTest, AnnouncedVersionWhosePublishFailsIsAbortedNeverHandedOver) {
+  const std::string q = "ready_chunk=64KiB&copy_threads=1&get_chunk_size=64KiB&lease=60s";
+  const std::vector<OwnedTensor> v1 = MakeVersion(17, 1, 1 << 20);
+  const std::vector<OwnedTensor> v2 = MakeVersion(17, 2, 1 << 20);
+  const std::vector<OwnedTensor> v3 = MakeVersion(17, 3, 1 << 20);
+  uint64_t chunks = 0;  // of one version: every tensor starts on a 64-byte boundary
+  {
+    uint64_t at = 0;
+    for (const OwnedTensor& t : v1) at += (t.bytes.size() + 63) / 64 * 64;
+    chunks = (at + (64 << 10) - 1) / (64 << 10);
+  }
+  testing::PausePoint staging("ucx.after_chunk", static_cast<int>(chunks) + 2);
+  testing::PausePoint granting("ucx.before_grant", 2);
+  auto pub = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", absl::StrCat(staging.Spec(), ",", granting.Spec(),
+                                                               ",ucx.before_seal=error@2"));
+    return Publisher::Open(Uri(q));
+  }();
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = Subscriber::Open(Uri(q));
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  std::vector<std::vector<std::byte>> dest(v1.size());
+  for (size_t i = 0; i < v1.size(); ++i) {
+    dest[i].resize(v1[i].bytes.size());
+    ASSERT_TRUE((*sub)->Bind(v1[i].name, {v1[i].dtype, v1[i].shape, {}, dest[i].data()}).ok());
+  }
+  auto holds = [&](const std::vector<OwnedTensor>& v) {
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (dest[i] != v[i].bytes) return false;
+    }
+    return true;
+  };
+  // Version 1: the fail points' first passes, which do nothing.
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  auto u1 = (*sub)->WaitForVersion(1, kTimeout);
+  ASSERT_TRUE(u1.ok()) << u1.status();
+  EXPECT_TRUE(holds(v1));
+  testing::InFlight publish([&] { return (*pub)->Publish(2, Views(v2), {}, kTimeout); });
+  ASSERT_TRUE(staging.WaitReached(kTimeout)) << "version 2 was not announced and staged in part";
+  testing::InFlight receive([&] { return (*sub)->WaitForVersion(2, kTimeout).status(); });
+  ASSERT_TRUE(granting.WaitReached(kTimeout)) << "the subscriber was not granted version 2";
+  granting.Release();
+  staging.Release();
+  const absl::Status published = publish.Result(kTimeout);
+  EXPECT_THAT(std::string(published.message()),
+              HasSubstr("failpoint ucx.before_seal fired (error)"));
+  const absl::Status received = receive.Result(kTimeout);
+  EXPECT_EQ(received.code(), absl::StatusCode::kAborted) << received;
+  EXPECT_THAT(std::string(received.message()), HasSubstr("nothing of it may be used"));
+  EXPECT_EQ((*sub)->current_version(), 1u);
+  EXPECT_TRUE(holds(v1)) << "an aborted staged receive touched a bound destination";
+  ASSERT_TRUE((*pub)->Publish(3, Views(v3), {}, kTimeout).ok());
+  auto u3 = (*sub)->WaitForVersion(3, kTimeout);
+  ASSERT_TRUE(u3.ok()) << u3.status();
+  EXPECT_TRUE(holds(v3));
+}
+
+// Issue 14, zero-copy publish (publish_mode=zero_copy): the publisher serves the caller's tensors
+// where they are. Two connected subscribers wait for version 1; Publish returns once both have
+// pulled it, and each holds it bit-exact. The bytes come from the caller's memory while Publish
+// runs: a third subscriber held halfway through its transfer (ucx.during_get) sees a byte the
+// test changed in the caller's memory meanwhile, and refuses the version (DataLoss). Once Publish
+// returned the version is not served any more: a new subscriber finds nothing.
+TEST_P(UcxTransportTest, ZeroCopyPublishServesTheCallersTensorsWhileItRuns) {
+  const std::string q = "publish_mode=zero_copy&lease=60s&get_chunk_size=64KiB";
+  std::vector<OwnedTensor> v1 = MakeVersion(23, 1, 2 << 20);
+  auto pub = Publisher::Open(Uri(q));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto a = Subscriber::Open(Uri(q));
+  auto b = Subscriber::Open(Uri(q));
+  ASSERT_TRUE(a.ok() && b.ok());
+  // Connected before the version is announced: Publish waits for them.
+  for (auto* s : {&*a, &*b}) {
+    auto none = (*s)->Poll(1, kTimeout);
+    ASSERT_TRUE(none.ok()) << none.status();
+    EXPECT_EQ(*none, nullptr);
+  }
+  std::vector<std::unique_ptr<Update>> got(2);
+  testing::InFlight wa([&] {
+    auto u = (*a)->WaitForVersion(1, kTimeout);
+    if (u.ok()) got[0] = *std::move(u);
+    return u.status();
+  });
+  testing::InFlight wb([&] {
+    auto u = (*b)->WaitForVersion(1, kTimeout);
+    if (u.ok()) got[1] = *std::move(u);
+    return u.status();
+  });
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  ASSERT_TRUE(wa.Result(kTimeout).ok());
+  ASSERT_TRUE(wb.Result(kTimeout).ok());
+  for (const auto& u : got) ExpectSameTensors(*u, v1);
+
+  // Version 2: a subscriber held halfway through, while the test changes the caller's last byte.
+  std::vector<OwnedTensor> v2 = MakeVersion(23, 2, 2 << 20);
+  testing::PausePoint halfway("ucx.during_get");
+  auto c = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", halfway.Spec());
+    return Subscriber::Open(Uri(q));
+  }();
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto none = (*c)->Poll(2, kTimeout);
+  ASSERT_TRUE(none.ok()) << none.status();
+  testing::InFlight wc([&] { return (*c)->WaitForVersion(2, kTimeout).status(); });
+  testing::InFlight wa2([&] { return (*a)->WaitForVersion(2, kTimeout).status(); });
+  testing::InFlight wb2([&] { return (*b)->WaitForVersion(2, kTimeout).status(); });
+  testing::InFlight publish([&] { return (*pub)->Publish(2, Views(v2), {}, kTimeout); });
+  ASSERT_TRUE(halfway.WaitReached(kTimeout));
+  const absl::Status ra = wa2.Result(kTimeout), rb = wb2.Result(kTimeout);
+  EXPECT_TRUE(ra.ok()) << ra;
+  EXPECT_TRUE(rb.ok()) << rb;
+  EXPECT_FALSE(publish.Returned()) << "Publish returned while a subscriber was pulling";
+  // The large tensor's last byte: its own mapping, above the small ones on the heap, so in the
+  // second half of the transfer (the slot's bytes are the caller's memory in address order).
+  v2.front().bytes.back() ^= std::byte{0x5a};
+  halfway.Release();
+  const absl::Status changed = wc.Result(kTimeout);
+  EXPECT_EQ(changed.code(), absl::StatusCode::kDataLoss) << changed;
+  EXPECT_THAT(std::string(changed.message()), HasSubstr(v2.front().name));
+  ASSERT_TRUE(publish.Result(kTimeout).ok());
+  EXPECT_EQ((*c)->current_version(), std::nullopt);
+
+  auto late = Subscriber::Open(Uri(q));
+  ASSERT_TRUE(late.ok()) << late.status();
+  auto nothing = (*late)->Poll(1, kTimeout);
+  ASSERT_TRUE(nothing.ok()) << nothing.status();
+  EXPECT_EQ(*nothing, nullptr) << "a zero-copy version was served after its Publish returned";
+}
+
+// Zero-copy publish waits for a connected subscriber that does not ask for the version at most
+// one lease, and for one that stops pulling at most until its lease ends, which then fails its
+// transfer (ABORTED, Aborted). The other subscriber is not held back.
+TEST_P(UcxTransportTest, ZeroCopyPublishHoldsTheCallerAtMostALeasePerSubscriber) {
+  const std::string q = "publish_mode=zero_copy&lease=300ms&get_chunk_size=64KiB";
+  const std::vector<OwnedTensor> v1 = MakeVersion(29, 1, 1 << 20);
+  auto pub = Publisher::Open(Uri(q));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto idle = Subscriber::Open(Uri(q));
+  auto active = Subscriber::Open(Uri(q));
+  ASSERT_TRUE(idle.ok() && active.ok());
+  for (auto* s : {&*idle, &*active}) ASSERT_TRUE((*s)->Poll(1, kTimeout).ok());
+  testing::InFlight receive([&] { return (*active)->WaitForVersion(1, kTimeout).status(); });
+  // `idle` never asks: Publish returns once `active` has the version and a lease has passed.
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  ASSERT_TRUE(receive.Result(kTimeout).ok());
+  EXPECT_EQ((*active)->current_version(), 1u);
+
+  testing::PausePoint stalled("ucx.during_get");
+  auto slow = [&] {
+    testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", stalled.Spec());
+    return Subscriber::Open(Uri(q));
+  }();
+  ASSERT_TRUE(slow.ok()) << slow.status();
+  ASSERT_TRUE((*slow)->Poll(2, kTimeout).ok());
+  const std::vector<OwnedTensor> v2 = MakeVersion(29, 2, 1 << 20);
+  testing::InFlight held([&] { return (*slow)->WaitForVersion(2, kTimeout).status(); });
+  testing::InFlight other([&] { return (*active)->WaitForVersion(2, kTimeout).status(); });
+  testing::InFlight publish([&] { return (*pub)->Publish(2, Views(v2), {}, kTimeout); });
+  ASSERT_TRUE(stalled.WaitReached(kTimeout));
+  // The stalled subscriber renews nothing while held: its lease ends and Publish returns.
+  ASSERT_TRUE(publish.Result(kTimeout).ok());
+  ASSERT_TRUE(other.Result(kTimeout).ok());
+  stalled.Release();
+  const absl::Status failed = held.Result(kTimeout);
+  EXPECT_TRUE(absl::IsAborted(failed) || absl::IsUnavailable(failed)) << failed;
+  EXPECT_EQ((*slow)->current_version(), std::nullopt);
+  EXPECT_EQ((*active)->current_version(), 2u);
 }
 
 // Item 4 of issue 10: a wait whose deadline comes before connect_timeout ends while no
@@ -804,6 +984,176 @@ TEST_P(UcxInternalTest, ProgressThreadNeverSleepsWithReadsReady) {
   EXPECT_EQ(counters->sleeps_with_reads_ready, 0u);
 }
 
+// Issue 14, control bytes: a GRANT points at the version descriptor in the publisher's registered
+// memory, which each subscriber reads with a get, so the control connection carries the same few
+// frames per version and subscriber whatever the tensor count (8 tensors or 4,000: the same
+// bytes), and the publisher's control bytes grow with subscribers only by that much each.
+// Before (protocol 3) every GRANT carried the whole manifest and every tensor's offset (3.05 MB
+// per version for 20,020 tensors, BENCHMARKS.md). Shared memory only: over tcp the bytes
+// themselves travel on the control connection.
+TEST_P(UcxInternalTest, ControlBytesPerVersionDoNotGrowWithTensorsOrSubscribers) {
+  if (GetParam().name == weightbus::testing::kTcp.name) {
+    GTEST_SKIP() << "bytes over the control connection";
+  }
+  const int port = weightbus::FreePort();
+  const std::string uri_text = absl::StrFormat("ucx://127.0.0.1:%d/ctl?lease=60s", port);
+  auto pub = OpenTransportPublisher(uri_text);
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  std::vector<std::unique_ptr<TransportSubscriber>> subs;
+  for (int i = 0; i < 3; ++i) {
+    auto sub = OpenTransportSubscriber(uri_text);
+    ASSERT_TRUE(sub.ok()) << sub.status();
+    subs.push_back(*std::move(sub));
+  }
+  struct Sink : LandingSink {
+    void Landed(size_t) override {}
+  } sink;
+  uint64_t version = 0;
+  // Publisher control bytes for one version received by the first `n` subscribers; the
+  // subscribers' own control bytes for it, and descriptor bytes, summed.
+  auto one_version = [&](size_t tensors, size_t n, uint64_t* sub_control, uint64_t* descriptor) {
+    ++version;
+    const std::vector<std::vector<std::byte>> bytes =
+        PublishRandomTensors(**pub, version, std::vector<uint64_t>(tensors, 256), version << 20);
+    const uint64_t before = ucx::PublisherCounters(**pub)->control_bytes_sent;
+    *sub_control = *descriptor = 0;
+    for (size_t k = 0; k < n; ++k) {
+      const ucx::UcxSubscriberCounters c0 = *ucx::SubscriberCounters(*subs[k]);
+      auto incoming = subs[k]->WaitForVersion(version, absl::Now() + kTimeout);
+      EXPECT_TRUE(incoming.ok()) << incoming.status();
+      if (!incoming.ok()) return uint64_t{0};
+      std::vector<std::vector<std::byte>> out(tensors, std::vector<std::byte>(256));
+      std::vector<std::byte*> targets;
+      for (auto& o : out) targets.push_back(o.data());
+      EXPECT_TRUE((*incoming)->Fetch(targets, sink, absl::Now() + kTimeout).ok());
+      EXPECT_EQ(out, bytes);
+      incoming->reset();
+      const ucx::UcxSubscriberCounters c1 = *ucx::SubscriberCounters(*subs[k]);
+      *sub_control += (c1.control_bytes_sent + c1.control_bytes_received) -
+                      (c0.control_bytes_sent + c0.control_bytes_received);
+      *descriptor += c1.descriptor_bytes - c0.descriptor_bytes;
+    }
+    // The last RELEASE is on its way: wait for the publisher to have answered nothing more.
+    return ucx::PublisherCounters(**pub)->control_bytes_sent - before;
+  };
+  // Every subscriber connects and greets first.
+  uint64_t sub_control = 0, descriptor = 0;
+  one_version(1, 3, &sub_control, &descriptor);
+  uint64_t small_sub = 0, big_sub = 0, small_desc = 0, big_desc = 0, three_sub = 0;
+  const uint64_t small = one_version(8, 1, &small_sub, &small_desc);
+  const uint64_t big = one_version(4000, 1, &big_sub, &big_desc);
+  const uint64_t three = one_version(4000, 3, &three_sub, &descriptor);
+  EXPECT_EQ(small, big) << "publisher control bytes per version grew with the tensor count";
+  EXPECT_EQ(small_sub, big_sub) << "subscriber control bytes grew with the tensor count";
+  EXPECT_EQ(three, 3 * big) << "each subscriber costs the publisher the same control bytes";
+  EXPECT_LT(big, 1024u) << "a GRANT is a few dozen bytes";
+  EXPECT_GT(big_desc, 4000u * 20) << "the manifest is read from the descriptor instead";
+  absl::PrintF(
+      "[ figures ] control bytes per version per subscriber: publisher %d, subscriber %d "
+      "(8 and 4000 tensors alike); descriptor bytes read: %d (8 tensors), %d (4000)\n",
+      big, big_sub, small_desc, big_desc);
+}
+
+// A PublishJob whose manifest is known before its bytes are staged, as the core's is
+// (PublishJob::UnsealedManifest): the transport may announce its version unsealed.
+class AnnouncingJob final : public PublishJob {
+ public:
+  AnnouncingJob(Manifest manifest, std::vector<const std::byte*> data)
+      : manifest_(std::move(manifest)), inner_(manifest_, std::move(data)) {}
+  uint64_t version() const override { return inner_.version(); }
+  absl::Span<const PackedTensor> tensors() const override { return inner_.tensors(); }
+  absl::StatusOr<const Manifest*> SealedManifest(absl::Time deadline) override {
+    return inner_.SealedManifest(deadline);
+  }
+  std::optional<Manifest> UnsealedManifest() const override { return ucx::Unsealed(manifest_); }
+
+ private:
+  Manifest manifest_;
+  SealedPublishJob inner_;
+};
+
+// Issue 14, pipelining: a version is announced before it is staged and a subscriber pulls each
+// chunk as soon as it is staged. The publisher holds its staging after the third of 8 chunks
+// (ucx.after_chunk); the subscriber, granted the version meanwhile, finds it unsealed (no
+// checksums yet), lands exactly the 3 staged tensors (one per chunk) and no other while the
+// publisher is held; once it goes on, Fetch returns with the version sealed: the manifest the
+// publisher sealed, every tensor landed once, the bytes exact. Over tcp the publisher holds the
+// READs of chunks not staged yet (UcxPublisherCounters::reads_held).
+TEST_P(UcxInternalTest, AnnouncedVersionIsPulledChunkByChunkAsItIsStagedThenSealed) {
+  const int port = weightbus::FreePort();
+  const std::string uri_text = absl::StrFormat(
+      "ucx://127.0.0.1:%d/pipe?ready_chunk=64KiB&copy_threads=1&get_chunk_size=64KiB&lease=60s",
+      port);
+  weightbus::testing::PausePoint held("ucx.after_chunk", 3);
+  auto pub = [&] {
+    weightbus::testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", held.Spec());
+    return OpenTransportPublisher(uri_text);
+  }();
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = OpenTransportSubscriber(uri_text);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  (*sub)->AcceptUnsealedVersions();
+  constexpr size_t kTensors = 8;
+  constexpr uint64_t kBytes = 64 << 10;  // one chunk each
+  Manifest m;
+  m.version = 1;
+  std::vector<std::vector<std::byte>> bytes;
+  for (size_t i = 0; i < kTensors; ++i) {
+    bytes.push_back(weightbus::testing::RandomBytes(kBytes, 40 + i));
+    m.tensors.push_back(TensorInfo{absl::StrFormat("t%d", i),
+                                   DType::kU8,
+                                   {static_cast<int64_t>(kBytes)},
+                                   std::nullopt,
+                                   kBytes,
+                                   weightbus::testing::Xxh3(bytes.back().data(), kBytes)});
+  }
+  std::vector<const std::byte*> sources;
+  for (const auto& b : bytes) sources.push_back(b.data());
+  AnnouncingJob job(m, sources);
+  weightbus::testing::InFlight publish(
+      [&] { return (*pub)->Publish(job, absl::Now() + kTimeout); });
+  ASSERT_TRUE(held.WaitReached(kTimeout)) << "the publisher did not stage 3 chunks";
+  auto incoming = (*sub)->WaitForVersion(1, absl::Now() + kTimeout);
+  ASSERT_TRUE(incoming.ok()) << incoming.status();
+  EXPECT_FALSE((*incoming)->sealed());
+  EXPECT_EQ((*incoming)->manifest(), ucx::Unsealed(m));
+  struct Sink : LandingSink {
+    std::array<std::atomic<int>, kTensors> landed{};
+    std::atomic<int> count{0};
+    absl::Notification three;
+    void Landed(size_t i) override {
+      ++landed[i];
+      if (++count == 3) three.Notify();
+    }
+  } sink;
+  std::vector<std::vector<std::byte>> out(kTensors, std::vector<std::byte>(kBytes));
+  std::vector<std::byte*> targets;
+  for (auto& o : out) targets.push_back(o.data());
+  weightbus::testing::InFlight fetch(
+      [&] { return (*incoming)->Fetch(targets, sink, absl::Now() + kTimeout); });
+  ASSERT_TRUE(sink.three.WaitForNotificationWithTimeout(kTimeout))
+      << "the staged chunks were not pulled while the publisher staged the rest";
+  for (size_t i = 0; i < kTensors; ++i) {
+    EXPECT_EQ(sink.landed[i].load(), i < 3 ? 1 : 0) << "tensor " << i;
+  }
+  EXPECT_FALSE(fetch.Returned());
+  held.Release();
+  ASSERT_TRUE(publish.Result(kTimeout).ok());
+  const absl::Status fetched = fetch.Result(kTimeout);
+  ASSERT_TRUE(fetched.ok()) << fetched;
+  EXPECT_TRUE((*incoming)->sealed());
+  EXPECT_EQ((*incoming)->manifest(), m);
+  for (size_t i = 0; i < kTensors; ++i) {
+    EXPECT_EQ(sink.landed[i].load(), 1) << "tensor " << i;
+    EXPECT_EQ(out[i], bytes[i]) << "tensor " << i;
+  }
+  if (GetParam().name == weightbus::testing::kTcp.name) {
+    auto counters = ucx::PublisherCounters(**pub);
+    ASSERT_TRUE(counters.has_value());
+    EXPECT_GT(counters->reads_held, 0u) << "no READ waited for its chunk to be staged";
+  }
+}
+
 // Issue 14: registrations and gets grow with a version's bytes, not its tensor count. 3000
 // tensors of 4 KiB plus two of 3 MiB, received into one buffer where they lie back to back (as
 // a replica's parameters do): one registration over shared memory (none over the control
@@ -1146,12 +1496,30 @@ TEST(UcxControlTest, MessagesClaimingMoreThanTheyCarryAreDataLossNamingBothSides
     EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
     EXPECT_EQ(std::string(s.message()), message);
   };
-  // GRANT: request, lease, lease_ns, version, manifest, then a region count far beyond the rest.
-  std::string grant =
-      Writer(MsgType::kGrant).U64(1).U64(2).U64(3).U64(4).Str("{}").U32(1000000).U64(0).Body();
+  // GRANT: request, lease, lease_ns, version, the descriptor's id, base, address, length, then
+  // an rkey far longer than the rest.
+  std::string grant = Writer(MsgType::kGrant)
+                          .U64(1)
+                          .U64(2)
+                          .U64(3)
+                          .U64(4)
+                          .U64(5)
+                          .U64(6)
+                          .U64(7)
+                          .U64(8)
+                          .U32(1000000)
+                          .Raw("short")
+                          .Body();
   expect(DecodeGrant(grant).status(),
-         "malformed GRANT message (50 bytes): claims 1000000 regions of at least 36 bytes each but "
-         "only 8 bytes remain");
+         "malformed GRANT message (73 bytes): the descriptor rkey needs 1000000 bytes but only 5 "
+         "remain");
+  // The version descriptor's layout (descriptor.h), read from registered memory, is held to the
+  // same rules.
+  std::string layout;
+  internal::BasicByteWriter<std::string>(&layout).U64(1).U64(4096).U64(0).U32(1000000).U64(0);
+  expect(DecodeLayout(layout).status(),
+         "malformed version layout (36 bytes): claims 1000000 regions of at least 44 bytes each "
+         "but only 8 bytes remain");
   expect(
       DecodeVersions(Writer(MsgType::kVersions).U64(5).U32(4000000).U64(6).U64(7).Body()).status(),
       "malformed VERSIONS message (28 bytes): claims 4000000 versions of at least 8 bytes each "
@@ -1175,16 +1543,30 @@ TEST(UcxControlTest, MessagesClaimingMoreThanTheyCarryAreDataLossNamingBothSides
   EXPECT_EQ(decoded->protocol, kProtocolVersion + 1);
   EXPECT_EQ(decoded->description, "sub");
 
-  // A GRANT round-trips, and the publisher's split encoding is the same bytes.
-  GrantMsg g{7, 8, 9, {10, "{\"m\":1}", {{1, 0, 0x1000, 64, "rkey"}}, {0, 32}}, {1, 2}};
-  const std::string frame = Encode(g);
-  EXPECT_EQ(EncodeGrant(7, 8, 9, EncodeGrantBody(g.body), g.live), frame);
-  auto back = DecodeGrant(frame.substr(5));
+  // A GRANT, a layout and a seal round-trip; a seal applied to the unsealed manifest gives the
+  // sealed one back.
+  GrantMsg g{7, 8, 9, 10, {1, 4096, 0x1000, 8192, "rkey"}, 640};
+  auto back = DecodeGrant(Encode(g).substr(5));
   ASSERT_TRUE(back.ok()) << back.status();
-  EXPECT_EQ(back->body.regions, g.body.regions);
-  EXPECT_EQ(back->body.offsets, g.body.offsets);
-  EXPECT_EQ(back->live, g.live);
-  EXPECT_EQ(back->body.manifest_json, g.body.manifest_json);
+  EXPECT_EQ(back->descriptor, g.descriptor);
+  EXPECT_EQ(back->prefix, 640u);
+  Manifest m;
+  m.version = 10;
+  m.tensors = {TensorInfo{"a", DType::kF32, {4}, std::nullopt, 16, 0x1234, 0, 8, {5, 6}}};
+  m.sealed_unix_ns = 99;
+  m.metadata[std::string(internal::kMacMetadataKey)] = std::string(64, 'f');
+  VersionLayout l{10,  4096, 8192,   {{1, 0, 0x2000, 8192, "rkey"}},
+                  {0}, {},   {1, 2}, Unsealed(m).ToJson()};
+  auto l2 = DecodeLayout(EncodeLayout(l));
+  ASSERT_TRUE(l2.ok()) << l2.status();
+  EXPECT_EQ(*l2, l);
+  auto seal = DecodeSeal(EncodeSeal(SealOf(m)));
+  ASSERT_TRUE(seal.ok()) << seal.status();
+  auto sealed = ApplySeal(Unsealed(m), *seal);
+  ASSERT_TRUE(sealed.ok()) << sealed.status();
+  EXPECT_EQ(*sealed, m);
+  seal->tensors[0].blocks.pop_back();  // 16 bytes in blocks of 8 need 2 block checksums
+  EXPECT_EQ(ApplySeal(Unsealed(m), *seal).status().code(), absl::StatusCode::kDataLoss);
 
   // Code 0 (OK) or an unknown code from a peer is the fallback, never success.
   EXPECT_EQ(StatusCodeFromWire(0, absl::StatusCode::kUnavailable), absl::StatusCode::kUnavailable);
@@ -1205,7 +1587,8 @@ TEST(UcxControlTest, MessagesClaimingMoreThanTheyCarryAreDataLossNamingBothSides
 // would: one crafted GRANT per WAIT, then it keeps the connection open until told to stop.
 class HandwrittenPublisher {
  public:
-  // `grant_body` follows the lease fields of a GRANT (see UcxPublisher::Grant).
+  // `grant_body` follows the lease fields of a GRANT (see UcxPublisher::Grant): the version, the
+  // descriptor region and the prefix; it may write a descriptor into the registered region.
   using GrantBody = std::function<std::string(const ucx::MemRegion& region)>;
 
   static std::unique_ptr<HandwrittenPublisher> Start(int port, GrantBody body) {
@@ -1304,19 +1687,42 @@ TEST(UcxGrantTest, RegionSumsThatWrapAround64BitsAreDataLoss) {
     SCOPED_TRACE(c.name);
     const int port = weightbus::FreePort();
     auto pub = HandwrittenPublisher::Start(port, [&](const ucx::MemRegion& region) {
-      std::memcpy(region.data(), bytes.data(), bytes.size());
+      // The registered 4 KiB: the version descriptor in its first 3 KiB, the bytes after it.
+      constexpr uint64_t kData = 3072;
+      std::memcpy(region.data() + kData, bytes.data(), bytes.size());
       auto rkey = region.PackRkey();
-      ucx::Writer w(ucx::MsgType::kGrant);
-      w.U64(1).Str(m.ToJson()).U32(static_cast<uint32_t>(c.regions.size()));
-      uint64_t id = 1;
-      for (const auto& [base, address, length] : c.regions) {
-        w.U64(id++).U64(base);
-        w.U64(address != 0 ? address : reinterpret_cast<uintptr_t>(region.data()));
-        w.U64(length).Str(rkey.ok() ? *rkey : "");
+      const uintptr_t base = reinterpret_cast<uintptr_t>(region.data());
+      ucx::VersionLayout layout;
+      layout.version = 1;
+      layout.chunk_bytes = 4096;
+      uint64_t id = 1, covered = 0;
+      for (const auto& [offset, address, length] : c.regions) {
+        layout.regions.push_back(
+            {id++, offset, address != 0 ? address : base + kData, length, rkey.ok() ? *rkey : ""});
+        covered += length;
       }
-      w.U32(1).U64(0);  // the tensor's offset
-      w.U32(0);         // group members (none: a single publisher)
-      w.U32(0);         // live regions
+      layout.data_bytes = covered;
+      layout.offsets = {0};
+      layout.live = {1, 2, 3, 100};
+      layout.manifest_json = ucx::Unsealed(m).ToJson();
+      const std::string encoded = ucx::EncodeLayout(layout);
+      const std::string seal = ucx::EncodeSeal(ucx::SealOf(m));
+      ucx::DescriptorHeader h;
+      h.version = 1;
+      h.state = static_cast<uint64_t>(ucx::VersionState::kSealed);
+      h.nchunks = 1;
+      h.layout_offset = ucx::ReadyOffset(1);
+      h.layout_bytes = encoded.size();
+      h.seal_offset = 2048;
+      h.seal_bytes = seal.size();
+      const std::string header = ucx::EncodeHeader(h);
+      std::memcpy(region.data(), header.data(), header.size());
+      internal::StoreLe<uint64_t>(1, region.data() + ucx::ReadyOffset(0));
+      std::memcpy(region.data() + h.layout_offset, encoded.data(), encoded.size());
+      std::memcpy(region.data() + h.seal_offset, seal.data(), seal.size());
+      ucx::Writer w(ucx::MsgType::kGrant);
+      w.U64(1).U64(100).U64(/*base=*/1 << 20).U64(base).U64(kData).Str(rkey.ok() ? *rkey : "");
+      w.U64(h.layout_offset + encoded.size());
       return std::move(w).Body();
     });
     ASSERT_NE(pub, nullptr);

@@ -489,6 +489,7 @@ absl::Status WriteAvailable(int fd, std::string& buffer) {
 
 absl::Status FrameStream::Send(std::string frame, absl::Time deadline) {
   if (!fd_) return absl::UnavailableError(absl::StrFormat("%s: not connected", peer_));
+  bytes_sent_ += frame.size();
   while (true) {
     absl::Status s = WriteAvailable(fd_.get(), frame);
     if (!s.ok()) {
@@ -508,7 +509,9 @@ absl::StatusOr<std::optional<RawFrame>> FrameStream::Poll() {
   if (!fd_) return absl::UnavailableError(absl::StrFormat("%s: not connected", peer_));
   absl::StatusOr<std::optional<RawFrame>> f = TakeRawFrame(in_, max_frame_);
   if (!f.ok() || f->has_value()) return f;
+  const size_t before = in_.size();
   absl::StatusOr<bool> open = ReadAvailable(fd_.get(), in_);
+  bytes_received_ += in_.size() - before;
   if (!open.ok()) {
     return absl::UnavailableError(absl::StrFormat("%s: %s", peer_, open.status().message()));
   }

@@ -242,12 +242,17 @@ class FrameStream {
   // A frame if one is complete now (never blocks). Errors as Receive.
   absl::StatusOr<std::optional<RawFrame>> Poll();
   void Close() { fd_ = Fd(); }
+  // Bytes sent and received on this stream so far (frames whole), for counters.
+  uint64_t bytes_sent() const { return bytes_sent_; }
+  uint64_t bytes_received() const { return bytes_received_; }
 
  private:
   Fd fd_;
   std::string peer_;
   uint32_t max_frame_ = 0;
   std::string in_;
+  uint64_t bytes_sent_ = 0;
+  uint64_t bytes_received_ = 0;
 };
 
 // A frame typed with a transport's own message enum (`Type` is an enum class over uint8_t).
@@ -284,6 +289,8 @@ class TypedFrameStream {
     return TypedFrame<Type>::From(**std::move(f));
   }
   void Close() { s_.Close(); }
+  uint64_t bytes_sent() const { return s_.bytes_sent(); }
+  uint64_t bytes_received() const { return s_.bytes_received(); }
 
  private:
   FrameStream s_;

@@ -89,6 +89,7 @@ class Job final : public internal::PublishJob {
     }
     // A checksum that could not be computed (on a CUDA device) leaves the manifest unsealed.
     WB_RETURN_IF_ERROR(HashStatus());
+    ApplyChecksums();
     if (manifest_.sealed_unix_ns == 0) manifest_.sealed_unix_ns = absl::ToUnixNanos(absl::Now());
     // A shared-secret channel: the MAC over the sealed manifest, which subscribers check before
     // accepting any byte of the version, whatever the transport beneath (core/secret.h).
@@ -100,13 +101,19 @@ class Job final : public internal::PublishJob {
   }
 
   void CopyWithChecksum(size_t i, absl::Span<const internal::CopyTarget> pieces) override {
+    StageWithChecksum(i, pieces, [](size_t) {});
+  }
+
+  void StageWithChecksum(size_t i, absl::Span<const internal::CopyTarget> pieces,
+                         absl::FunctionRef<void(size_t)> copied) override {
     // Whoever claims a tensor first computes its checksum.
     const bool hash = !claimed_[i].exchange(true);
     std::optional<internal::TensorHasher> state;
     if (hash) state.emplace(manifest_.tensors[i].nbytes, ChecksumGrid(i));
     const std::byte* src = packed_[i].data;
     uint64_t at = 0;  // bytes of the tensor copied so far
-    for (const internal::CopyTarget& p : pieces) {
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      const internal::CopyTarget& p = pieces[k];
       for (uint64_t off = 0; off < p.size; off += kBlock) {
         const uint64_t n = std::min(kBlock, p.size - off);
         if (src != nullptr) {
@@ -118,11 +125,26 @@ class Job final : public internal::PublishJob {
         }
         at += n;
       }
-    }
 #if defined(__SSE2__)
-    _mm_sfence();  // streaming stores visible before the transport publishes the slot
+      _mm_sfence();  // streaming stores visible before the transport says the piece is there
 #endif
+      copied(k);
+    }
     if (state) SetChecksum(i, state->Finish());
+  }
+
+  std::optional<Manifest> UnsealedManifest() const override {
+    // Checksums are kept aside (sums_) until SealedManifest, so manifest_ does not change while
+    // copies or the hashing pool compute them: a copy of it is the manifest without them.
+    Manifest m = manifest_;
+    for (TensorInfo& t : m.tensors) {
+      t.xxh3 = 0;
+      t.block_bytes = 0;
+      t.block_xxh3.clear();
+    }
+    m.sealed_unix_ns = 0;
+    m.metadata.erase(std::string(internal::kMacMetadataKey));
+    return m;
   }
 
   void CopyRange(size_t i, uint64_t offset, uint64_t size, std::byte* dst) const override {
@@ -165,12 +187,23 @@ class Job final : public internal::PublishJob {
 
   bool ClaimChecksum(size_t i) override { return !claimed_[i].exchange(true); }
   void SetChecksum(size_t i, internal::TensorChecksums checksums) override {
-    TensorInfo& t = manifest_.tensors[i];
-    t.xxh3 = checksums.xxh3;
-    // Format 1's 1-D blocks are never written: a grid with tiles is recorded as tiles.
-    t.block_bytes = checksums.grid.has_tiles() ? checksums.grid.tile_bytes : 0;
-    t.block_rows = checksums.grid.has_tiles() ? checksums.grid.tile_rows : 0;
-    t.block_xxh3 = std::move(checksums.blocks);
+    sums_[i] = std::move(checksums);
+  }
+  // Sizes the checksums kept aside until SealedManifest (one per tensor of manifest_).
+  void PrepareChecksums() { sums_.resize(manifest_.tensors.size()); }
+  // Moves the checksums into the manifest (once; every checksum is known).
+  void ApplyChecksums() {
+    if (applied_) return;
+    applied_ = true;
+    for (size_t i = 0; i < sums_.size() && i < manifest_.tensors.size(); ++i) {
+      TensorInfo& t = manifest_.tensors[i];
+      internal::TensorChecksums& c = sums_[i];
+      t.xxh3 = c.xxh3;
+      // Format 1's 1-D blocks are never written: a grid with tiles is recorded as tiles.
+      t.block_bytes = c.grid.has_tiles() ? c.grid.tile_bytes : 0;
+      t.block_rows = c.grid.has_tiles() ? c.grid.tile_rows : 0;
+      t.block_xxh3 = std::move(c.blocks);
+    }
   }
   internal::TileGrid ChecksumGrid(size_t i) const override {
     const TensorInfo& t = manifest_.tensors[i];
@@ -284,6 +317,10 @@ class Job final : public internal::PublishJob {
   bool deferred_ = false;  // strided views left for the transport to checksum
   std::vector<std::atomic<bool>> claimed_;
   internal::TaskCounter hashing_;
+  // Each tensor's checksums as they are computed (SetChecksum), moved into manifest_ when it is
+  // sealed: until then manifest_ is read concurrently (UnsealedManifest) and never written.
+  std::vector<internal::TensorChecksums> sums_;
+  bool applied_ = false;
 };
 
 }  // namespace
@@ -544,6 +581,7 @@ absl::Status Publisher::Impl::Publish(uint64_t version, absl::Span<const TensorV
   }
   job.packed_.resize(tensors.size());
   job.views_.resize(tensors.size());
+  job.PrepareChecksums();
   uint64_t pack_offset = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorView& v = tensors[i];
@@ -712,6 +750,7 @@ absl::Status Publisher::Impl::PublishBuiltJob(Job& job, absl::Time start, absl::
   if (status.ok()) status = backend->Publish(job, deadline);
   const absl::Time transport_end = absl::Now();
   job.WaitHashingDone();
+  job.ApplyChecksums();  // for last_manifest, whether or not the transport sealed it
   if (status.ok()) status = job.ReadStatus();
   if (!status.ok()) {
     return internal::Annotate(
@@ -934,6 +973,7 @@ absl::Status PublishStream::Commit(absl::Duration timeout) {
   m = p.NewManifest(s.version, s.metadata, start);
   m.tensors = std::move(s.tensors);
   job.checksum_block_ = p.ChecksumBlock();  // what the spool's hashers used
+  job.PrepareChecksums();
   for (size_t i = 0; i < m.tensors.size(); ++i) job.SetChecksum(i, s.spool->checksums(i));
   // Transports that read views piecewise get them from the spool file through CopyRange (no
   // memory for the model); the others read a read-only mapping of it.

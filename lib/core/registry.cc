@@ -288,6 +288,12 @@ void PublishJob::CopyWithChecksum(size_t i, absl::Span<const CopyTarget> pieces)
   }
 }
 
+void PublishJob::StageWithChecksum(size_t i, absl::Span<const CopyTarget> pieces,
+                                   absl::FunctionRef<void(size_t)> copied) {
+  CopyWithChecksum(i, pieces);
+  for (size_t k = 0; k < pieces.size(); ++k) copied(k);
+}
+
 void PublishJob::CopyRange(size_t i, uint64_t offset, uint64_t size, std::byte* dst) const {
   if (size > 0) std::memcpy(dst, tensors()[i].data + offset, size);
 }

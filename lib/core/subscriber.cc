@@ -354,7 +354,11 @@ class Subscriber::Impl : public internal::ChannelSetup {
   // all are. `direct_note` explains the state of bound destinations on failure. Fills
   // times->fetched and times->verified, and *codec.
   // `devices[i]` says where targets[i] lives (empty: all host memory).
-  absl::Status FetchVerified(std::unique_ptr<internal::IncomingVersion> incoming, const Manifest& m,
+  // A version found unsealed (IncomingVersion::sealed) is checked here once Fetch returned:
+  // its sealed manifest must have the layout `m` announced, a valid MAC on a shared-secret
+  // channel and, under a version number held, the held content; `m` then becomes it (its MAC
+  // entry removed) and the checksums are compared against it.
+  absl::Status FetchVerified(std::unique_ptr<internal::IncomingVersion> incoming, Manifest& m,
                              const std::vector<std::byte*>& targets,
                              const std::vector<bool>& needed, const std::vector<Device>& devices,
                              uint64_t mapped, const std::string& direct_note, absl::Time deadline,
@@ -388,6 +392,17 @@ class Subscriber::Impl : public internal::ChannelSetup {
   std::string CurrentText() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     return current ? std::to_string(*current) : "none";
   }
+  // The checks of a manifest's MAC and content that need its checksums: made when a version is
+  // found sealed, or after its transfer (FetchVerified) when it was found unsealed.
+  absl::Status CheckSealed(const Manifest& m) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Lets the transport hand over unsealed versions (once, before the first wait) unless this
+  // subscriber has placements (it plans partial reads with block checksums before any byte).
+  void PrepareBackend() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (prepared || placements) return;
+    prepared = true;
+    backend->AcceptUnsealedVersions();
+  }
+  bool prepared ABSL_GUARDED_BY(mu) = false;
   // `tensors`: what version `version` hands over (the manifest's tensors, or a group version's
   // assembled ones).
   absl::Status CheckBindings(uint64_t version,
@@ -601,6 +616,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
                                                                absl::Time receive_deadline,
                                                                bool poll) {
   WB_RETURN_IF_ERROR(gate->CheckNotClosing(poll ? "Poll" : "WaitForVersion"));
+  PrepareBackend();
   const absl::Time start = absl::Now();
   const uint64_t floor = std::max(min_version, current.value_or(0));
 
@@ -616,6 +632,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Wait(uint64_t min_vers
 absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveExact(
     uint64_t version, absl::Time find_deadline, absl::Time receive_deadline) {
   WB_RETURN_IF_ERROR(gate->CheckNotClosing("ReceiveVersion"));
+  PrepareBackend();
   const absl::Time start = absl::Now();
   if (current && version < *current) {
     return absl::FailedPreconditionError(absl::StrFormat(
@@ -702,7 +719,7 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
   const absl::Time found = absl::Now();
   auto impl = std::make_unique<Update::Impl>();
   impl->manifest = incoming->manifest();
-  const Manifest& m = impl->manifest;
+  Manifest& m = impl->manifest;
   const auto [floor, exact] = wanted;
   if (exact ? m.version != floor : m.version < floor) {
     return absl::InternalError(
@@ -717,22 +734,12 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
         "have (its tensors are the layer's encoding, not the model); subscribe to %s+%s",
         uri.Display(), m.version, layer->second, layer->second, uri.Display()));
   }
-  // A shared-secret channel: nothing of a version without a valid MAC is accepted.
-  WB_RETURN_IF_ERROR(
-      internal::CheckManifestMac(key ? &*key : nullptr, m, uri.Display(), CurrentText()));
-  impl->manifest.metadata.erase(std::string(internal::kMacMetadataKey));
-  if (current && m.version == *current) {
-    if (std::optional<std::string> diff =
-            internal::ContentDifference(m.tensors, "offered", held_tensors, "held")) {
-      auto session = [](const std::string& id) { return id.empty() ? "(unnamed)" : id.c_str(); };
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "%s: version %d offered by publisher session %s (pid %d on %s) is not the version %d "
-          "this subscriber holds, from session %s: %s. A publisher reused a version number (a "
-          "restarted ucx:// publisher keeps no history); it must publish above version %d, or "
-          "open a new Subscriber to follow a new history; version %d stays current",
-          uri.Display(), m.version, session(m.publisher.session), m.publisher.pid, m.publisher.host,
-          *current, session(held_session), *diff, *current, *current));
-    }
+  // A sealed version is checked now: nothing of a version without a valid MAC is accepted on a
+  // shared-secret channel. An unsealed one (pipelined) is checked the same way once its bytes
+  // are in and its publisher sealed it (FetchVerified), before anything is handed over.
+  if (incoming->sealed()) {
+    WB_RETURN_IF_ERROR(CheckSealed(m));
+    impl->manifest.metadata.erase(std::string(internal::kMacMetadataKey));
   }
   WB_ASSIGN_OR_RETURN(const std::vector<internal::AssembledTensor> wholes, HandedOver(uri, m));
   Times times;
@@ -933,8 +940,58 @@ absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::Receive(
   return HandOver(std::move(impl), std::move(library), fetched_bytes, times, codec);
 }
 
+absl::Status Subscriber::Impl::CheckSealed(const Manifest& m) const {
+  WB_RETURN_IF_ERROR(
+      internal::CheckManifestMac(key ? &*key : nullptr, m, uri.Display(), CurrentText()));
+  if (current && m.version == *current) {
+    if (std::optional<std::string> diff =
+            internal::ContentDifference(m.tensors, "offered", held_tensors, "held")) {
+      auto session = [](const std::string& id) { return id.empty() ? "(unnamed)" : id.c_str(); };
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s: version %d offered by publisher session %s (pid %d on %s) is not the version %d "
+          "this subscriber holds, from session %s: %s. A publisher reused a version number (a "
+          "restarted ucx:// publisher keeps no history); it must publish above version %d, or "
+          "open a new Subscriber to follow a new history; version %d stays current",
+          uri.Display(), m.version, session(m.publisher.session), m.publisher.pid, m.publisher.host,
+          *current, session(held_session), *diff, *current, *current));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The first difference between what a version announced before it was sealed and its sealed
+// manifest, other than what sealing adds (checksums, sealed_unix_ns, the MAC), or nullopt.
+static std::optional<std::string> LayoutDifference(const Manifest& announced,
+                                                   const Manifest& sealed) {
+  if (announced.version != sealed.version || announced.group != sealed.group ||
+      !(announced.publisher == sealed.publisher) ||
+      announced.publish_start_unix_ns != sealed.publish_start_unix_ns) {
+    return absl::StrFormat(
+        "version %d (publisher session %s) was sealed as version %d (session %s)",
+        announced.version, announced.publisher.session, sealed.version, sealed.publisher.session);
+  }
+  Metadata metadata = sealed.metadata;
+  metadata.erase(std::string(internal::kMacMetadataKey));
+  if (metadata != announced.metadata) return std::string("its metadata changed");
+  if (announced.tensors.size() != sealed.tensors.size()) {
+    return absl::StrFormat("%d tensors were announced, %d sealed", announced.tensors.size(),
+                           sealed.tensors.size());
+  }
+  for (size_t i = 0; i < sealed.tensors.size(); ++i) {
+    const TensorInfo& a = announced.tensors[i];
+    const TensorInfo& b = sealed.tensors[i];
+    if (a.name != b.name || a.dtype != b.dtype || a.shape != b.shape || a.shard != b.shard ||
+        a.nbytes != b.nbytes || a.owner != b.owner) {
+      return absl::StrFormat("tensor %d was announced as \"%s\" %s %s and sealed as \"%s\" %s %s",
+                             i, a.name, DTypeName(a.dtype), ShapeString(a.shape), b.name,
+                             DTypeName(b.dtype), ShapeString(b.shape));
+    }
+  }
+  return std::nullopt;
+}
+
 absl::Status Subscriber::Impl::FetchVerified(
-    std::unique_ptr<internal::IncomingVersion> incoming, const Manifest& m,
+    std::unique_ptr<internal::IncomingVersion> incoming, Manifest& m,
     const std::vector<std::byte*>& targets, const std::vector<bool>& needed,
     const std::vector<Device>& devices, uint64_t mapped, const std::string& direct_note,
     absl::Time deadline, Times* times, std::optional<internal::CodecStats>* codec) {
@@ -945,6 +1002,7 @@ absl::Status Subscriber::Impl::FetchVerified(
         "deadline; version %s stays current",
         uri.Display(), m.version, mapped, CurrentText()));
   }
+  const bool sealed_first = incoming->sealed();
   Verifier verifier(m, targets, needed, devices, *hashers);
   absl::Status fetch = failpoints.Hit("core.before_fetch");
   if (fetch.ok()) fetch = incoming->Fetch(targets, verifier, deadline);
@@ -961,6 +1019,28 @@ absl::Status Subscriber::Impl::FetchVerified(
     return absl::Status(
         e.code(), absl::StrFormat("%s: version %d: %s; version %s stays current", uri.Display(),
                                   m.version, e.message(), CurrentText()));
+  }
+  if (!sealed_first) {
+    // Found before it was sealed: the sealed manifest (the transport's now) must describe what
+    // was announced, and pass the checks a sealed version passes when found; the checksums
+    // below are then its.
+    if (!incoming->sealed()) {
+      return absl::InternalError(absl::StrFormat(
+          "%s version %d: the transport finished the transfer without the sealed manifest; "
+          "version %s stays current",
+          uri.Display(), m.version, CurrentText()));
+    }
+    const Manifest& sealed = incoming->manifest();
+    if (std::optional<std::string> diff = LayoutDifference(m, sealed)) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s version %d: the sealed manifest differs from the one announced before the "
+          "transfer: %s%s; version %s stays current",
+          uri.Display(), m.version, *diff, direct_note, CurrentText()));
+    }
+    WB_RETURN_IF_ERROR(CheckManifest(uri, sealed));
+    WB_RETURN_IF_ERROR(CheckSealed(sealed));
+    m = sealed;  // same layout: the targets and the verifier's sizes stay valid
+    m.metadata.erase(std::string(internal::kMacMetadataKey));
   }
   bool never_landed = false;
   if (std::optional<size_t> bad = verifier.FirstFailure(&never_landed)) {
@@ -1012,7 +1092,7 @@ std::unique_ptr<Update> Subscriber::Impl::HandOver(
 absl::StatusOr<std::unique_ptr<Update>> Subscriber::Impl::ReceiveResharded(
     std::unique_ptr<internal::IncomingVersion> incoming, std::unique_ptr<Update::Impl> impl,
     const std::vector<internal::AssembledTensor>& wholes, Times times, absl::Time deadline) {
-  const Manifest& m = impl->manifest;
+  Manifest& m = impl->manifest;
   const TensorParallelRank rank = placements->rank;
   // The layout the planner reads: each tensor's parts as AssembleParts chose them (the one
   // home of the manifest's consistency rules: owners, dtypes, global shapes, fit, gaps, and

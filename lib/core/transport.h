@@ -24,6 +24,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -181,6 +182,18 @@ class PublishJob {
   // call from several threads for different tensors. Used by transports that declare
   // copies_with_checksums; this default only copies.
   virtual void CopyWithChecksum(size_t i, absl::Span<const CopyTarget> pieces);
+  // CopyWithChecksum, calling `copied(k)` as soon as piece k is in place (its stores fenced),
+  // pieces in order, on the calling thread: a transport that announced the version before
+  // staging it (UnsealedManifest) marks the pieces ready for subscribers as they land. Default:
+  // CopyWithChecksum(i, pieces), then copied(k) for every piece.
+  virtual void StageWithChecksum(size_t i, absl::Span<const CopyTarget> pieces,
+                                 absl::FunctionRef<void(size_t)> copied);
+  // The manifest as it is known before the bytes are staged, for a transport that announces a
+  // version before it is sealed (pipelining): every field but the checksums (0, no block
+  // checksums), sealed_unix_ns (0) and the MAC, which SealedManifest adds. Subscribers may plan
+  // their transfer with it but accept nothing before the sealed manifest is checked
+  // (IncomingVersion::sealed). nullopt when the job cannot tell (default; a layer's job).
+  virtual std::optional<Manifest> UnsealedManifest() const { return std::nullopt; }
   // Copies bytes [offset, offset + size) of tensor i's contiguous row-major image into `dst`
   // (host memory): a memcpy for contiguous tensors, a gather for strided views. Safe to call
   // from several threads. This default copies from tensors()[i].data.
@@ -326,6 +339,15 @@ class IncomingVersion {
  public:
   virtual ~IncomingVersion() = default;
   virtual const Manifest& manifest() const = 0;
+  // False for a version found before its publisher sealed it (pipelining; only after
+  // TransportSubscriber::AcceptUnsealedVersions): manifest() then has every field but the
+  // checksums (0, no block checksums), sealed_unix_ns and the MAC, enough to check bindings and
+  // plan the transfer. Fetch lands the bytes as the publisher stages them and returns OK only
+  // once every byte is in place and the version is sealed; sealed() is then true and manifest()
+  // the sealed manifest, which the core checks (the same layout as announced, its MAC on a
+  // shared-secret channel, every checksum) before it hands anything over. A version whose
+  // Publish failed makes Fetch fail with Aborted. FetchRanges needs a sealed version.
+  virtual bool sealed() const { return true; }
   // Writes tensor i's manifest().tensors[i].nbytes bytes to targets[i] (contiguous, caller
   // owned; host memory, or device memory where sink.TargetDevice(i) says so, for a transport
   // whose fetch_memory has kCudaMemory), calling sink.Landed(i) when each is complete. Errors
@@ -383,6 +405,13 @@ class TransportSubscriber {
   // Does not wait for an answer and never connects for it. Errors: Unavailable when the
   // publisher cannot be reached now; Unimplemented by default.
   virtual absl::Status Report(uint64_t version, std::string_view text);
+  // Lets WaitForVersion hand over versions that are not sealed yet (IncomingVersion::sealed),
+  // so that their bytes move while the publisher still stages and checksums them. Called once,
+  // before the first WaitForVersion, by the core on the top of its stack when it can verify
+  // after the transfer (a subscriber without placements); a layer does not forward it, so a
+  // transport beneath a layer hands over sealed versions only. Default: no effect (every version
+  // handed over is sealed).
+  virtual void AcceptUnsealedVersions() {}
   // Called from another thread when the Subscriber is being destroyed while a call may be in
   // flight: a WaitForVersion (or OpenVersion) waiting for a version should return Cancelled
   // promptly (within about 100 ms), and so should every later call. A Fetch under way may run

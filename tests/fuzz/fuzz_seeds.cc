@@ -36,6 +36,7 @@
 #endif
 #ifdef WB_FUZZ_SEEDS_UCX
 #include "transports/ucx/control.h"
+#include "transports/ucx/descriptor.h"
 #endif
 
 namespace {
@@ -164,28 +165,60 @@ void WriteUcxSeeds(const fs::path& dir, const std::vector<std::string>& manifest
                                      R"("bytes":268435456,"decode_s":0.12,"apply_s":0.02})"})},
   };
   for (const auto& [name, frame] : frames) WriteFile(dir / (name + ".bin"), frame);
-  // A session as a subscriber sees it: WELCOME, then a GRANT per version, then a RENEWED.
-  std::string session = frames[1].second;
+  // A session as a subscriber sees it: WELCOME, then a GRANT per version, then a RENEWED. Each
+  // version's descriptor records (layout, seal, header) go in frames of the fuzz target's own
+  // types (kLayoutFrame, kSealFrame, kHeaderFrame in ucx_control_fuzz.cc).
+  std::string session = frames[4].second;
   for (size_t v = 0; v < manifests.size(); ++v) {
     auto m = weightbus::Manifest::FromJson(manifests[v], "seed manifest");
     Ok(m.status(), "parse a seed manifest");
-    ucx::GrantBody body{m->version, manifests[v], {}, {}};
+    ucx::VersionLayout layout;
+    layout.version = m->version;
+    layout.chunk_bytes = 4 << 20;
+    layout.manifest_json = ucx::Unsealed(*m).ToJson();
     uint64_t offset = 0;
     for (const weightbus::TensorInfo& t : m->tensors) {
-      body.offsets.push_back(offset);
+      layout.offsets.push_back(offset);
       offset += (t.nbytes + 63) / 64 * 64;
     }
-    // The slot in two regions, as a publisher with a staging chunk below the slot size has.
+    // The slot in two regions, as a publisher with max_region below the slot size has.
     const uint64_t half = (offset / 2 + 4095) / 4096 * 4096;
-    body.regions.push_back({2 * v + 1, 0, 0x7f0000000000 + v * 0x10000000, half, rkey});
-    body.regions.push_back(
+    layout.regions.push_back({2 * v + 1, 0, 0x7f0000000000 + v * 0x10000000, half, rkey});
+    layout.regions.push_back(
         {2 * v + 2, half, 0x7f0000800000 + v * 0x10000000, offset - half + 4096, rkey});
-    const std::string grant =
-        ucx::EncodeGrant(v + 1, 10 + v, 30'000'000'000, ucx::EncodeGrantBody(body), {1, 2, 3, 4});
+    layout.data_bytes = offset + 4096;
+    layout.live = {1, 2, 3, 4, 100 + v};
+    const std::string encoded_layout = ucx::EncodeLayout(layout);
+    const uint64_t nchunks = (offset + layout.chunk_bytes - 1) / layout.chunk_bytes;
+    const uint64_t layout_offset = ucx::ReadyOffset(nchunks);
+    const std::string encoded_seal = ucx::EncodeSeal(ucx::SealOf(*m));
+    ucx::DescriptorHeader h;
+    h.version = m->version;
+    h.state = static_cast<uint64_t>(ucx::VersionState::kSealed);
+    h.nchunks = nchunks;
+    h.layout_offset = layout_offset;
+    h.layout_bytes = encoded_layout.size();
+    h.seal_offset = (layout_offset + encoded_layout.size() + 63) / 64 * 64;
+    h.seal_bytes = encoded_seal.size();
+    auto record = [](uint8_t type, const std::string& bytes) {
+      return ucx::Writer(static_cast<ucx::MsgType>(type)).Raw(bytes).Finish();
+    };
+    WriteFile(dir / absl::StrFormat("layout-%d.bin", v + 1), record(0xf0, encoded_layout));
+    WriteFile(dir / absl::StrFormat("seal-%d.bin", v + 1), record(0xf1, encoded_seal));
+    WriteFile(dir / absl::StrFormat("header-%d.bin", v + 1), record(0xf2, ucx::EncodeHeader(h)));
+    const std::string grant = ucx::Encode(
+        ucx::GrantMsg{v + 1, 10 + v, 30'000'000'000, m->version,
+                      ucx::GrantRegion{100 + v, offset + 4096, 0x7f00f0000000 + v * 0x100000,
+                                       h.seal_offset + 4096, rkey},
+                      layout_offset + encoded_layout.size()});
     WriteFile(dir / absl::StrFormat("grant-%d.bin", v + 1), grant);
     session += grant;
   }
-  session += frames[13].second;
+  WriteFile(dir / "aborted.bin",
+            ucx::Encode(ucx::AbortedMsg{11, 4,
+                                        "the publish of version 9 failed before it was sealed "
+                                        "(deadline exceeded); nothing of it may be used"}));
+  session += frames[16].second;  // RENEWED
   WriteFile(dir / "session.bin", session);
 }
 #endif

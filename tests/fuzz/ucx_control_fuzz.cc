@@ -5,7 +5,9 @@
 // with every decoder). Every frame must be taken whole or refused with DataLoss; every decoder
 // must refuse with DataLoss naming the message ("malformed GRANT message ...") or return a
 // message that Encode writes back byte for byte (HELLO, WELCOME and ERROR: as a prefix, since they
-// may carry fields of a later protocol). A status code from the wire never reads as OK.
+// may carry fields of a later protocol). A status code from the wire never reads as OK. The
+// version descriptor's records (layout, seal, header), which subscribers read from registered
+// memory, come as frames of types 0xf0-0xf2 and are held to the same rules.
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -16,6 +18,7 @@
 #include "core/bytes.h"
 #include "fuzz_check.h"
 #include "transports/ucx/control.h"
+#include "transports/ucx/descriptor.h"
 
 namespace {
 
@@ -54,6 +57,24 @@ void Try(MsgType type, const std::string& payload, Decode decode, bool exact) {
   }
 }
 
+// Frame types of this target's input that carry a version descriptor record, not a message.
+constexpr uint8_t kLayoutFrame = 0xf0;
+constexpr uint8_t kSealFrame = 0xf1;
+constexpr uint8_t kHeaderFrame = 0xf2;
+
+// Decodes `bytes` as a descriptor record: refused with DataLoss naming it, or encoded back byte
+// for byte.
+template <typename Decode, typename EncodeFn>
+void TryRecord(const char* name, const std::string& bytes, Decode decode, EncodeFn encode) {
+  auto r = decode(bytes);
+  if (!r.ok()) {
+    weightbus::fuzz::CheckRefusal(r.status(), absl::StatusCode::kDataLoss,
+                                  absl::StrFormat("malformed %s", name), kTarget);
+    return;
+  }
+  Check(encode(*r) == bytes, "decode/encode round trip changed the record", name);
+}
+
 void DecodeAs(MsgType type, const std::string& p) {
   switch (type) {
     case MsgType::kHello:
@@ -67,16 +88,10 @@ void DecodeAs(MsgType type, const std::string& p) {
     }
     case MsgType::kWait:
       return Try(type, p, ucx::DecodeWait, true);
-    case MsgType::kGrant: {
-      Try(type, p, ucx::DecodeGrant, true);
-      if (auto g = ucx::DecodeGrant(p); g.ok()) {
-        // The publisher's split encoding (a body encoded once per slot) is the same bytes.
-        Check(ucx::EncodeGrant(g->request, g->lease, g->lease_ns, ucx::EncodeGrantBody(g->body),
-                               g->live) == ucx::Encode(*g),
-              "EncodeGrant differs from Encode(GrantMsg)");
-      }
-      return;
-    }
+    case MsgType::kGrant:
+      return Try(type, p, ucx::DecodeGrant, true);
+    case MsgType::kAborted:
+      return Try(type, p, ucx::DecodeAborted, true);
     case MsgType::kRefused:
       return Try(type, p, ucx::DecodeRefused, true);
     case MsgType::kCancel:
@@ -119,10 +134,43 @@ void DecodeAs(MsgType type, const std::string& p) {
       return;
     }
   }
+  // The version descriptor's records (descriptor.h), which subscribers read from a publisher's
+  // registered memory: in this target's input, frames of types the protocol does not use.
+  switch (static_cast<uint8_t>(type)) {
+    case kLayoutFrame:
+      return TryRecord("version layout", p, ucx::DecodeLayout, ucx::EncodeLayout);
+    case kSealFrame: {
+      TryRecord("version seal", p, ucx::DecodeSeal, ucx::EncodeSeal);
+      if (auto s = ucx::DecodeSeal(p); s.ok()) {
+        // Applying a seal to a manifest it does not fit is refused, never trusted.
+        weightbus::Manifest m;
+        m.version = s->version;
+        m.tensors.resize(s->tensors.size());
+        for (size_t i = 0; i < m.tensors.size(); ++i) m.tensors[i].nbytes = i * 4096 + 1;
+        auto sealed = ucx::ApplySeal(m, *s);
+        if (!sealed.ok()) {
+          weightbus::fuzz::CheckRefusal(sealed.status(), absl::StatusCode::kDataLoss,
+                                        "the seal of version", kTarget);
+        }
+      }
+      return;
+    }
+    case kHeaderFrame: {
+      auto h = ucx::DecodeHeader(p);
+      if (!h.ok()) {
+        weightbus::fuzz::CheckRefusal(h.status(), absl::StatusCode::kDataLoss,
+                                      "malformed version descriptor header", kTarget);
+        return;
+      }
+      Check(ucx::EncodeHeader(*h) == p, "descriptor header round trip changed it");
+      return;
+    }
+  }
   // An unknown type: no decoder may crash on it either.
-  for (uint8_t t = 1; t <= 18; ++t) DecodeAs(static_cast<MsgType>(t), p);
+  for (uint8_t t = 1; t <= 19; ++t) DecodeAs(static_cast<MsgType>(t), p);
   DecodeAs(MsgType::kKeyframeRequest, p);
   DecodeAs(MsgType::kReport, p);
+  for (uint8_t t : {kLayoutFrame, kSealFrame, kHeaderFrame}) DecodeAs(static_cast<MsgType>(t), p);
 }
 
 }  // namespace

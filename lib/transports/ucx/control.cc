@@ -17,6 +17,8 @@ std::string_view MsgTypeName(MsgType type) {
       return "CHALLENGE";
     case MsgType::kProof:
       return "PROOF";
+    case MsgType::kAborted:
+      return "ABORTED";
     case MsgType::kError:
       return "ERROR";
     case MsgType::kWait:
@@ -113,27 +115,24 @@ std::string Encode(const WaitMsg& m) {
   return Writer(MsgType::kWait).U64(m.request).U64(m.version).U8(m.mode).Finish();
 }
 
-std::string EncodeGrantBody(const GrantBody& b) {
-  Writer w(MsgType::kGrant);
-  w.U64(b.version).Str(b.manifest_json).U32(static_cast<uint32_t>(b.regions.size()));
-  for (const GrantRegion& r : b.regions) {
-    w.U64(r.id).U64(r.base).U64(r.address).U64(r.length).Str(r.rkey);
-  }
-  U64s(w, b.offsets);
-  w.U32(static_cast<uint32_t>(b.members.size()));
-  for (const GroupMember& g : b.members) w.Str(g.host).U32(g.port);
-  return w.Body();
-}
-
-std::string EncodeGrant(uint64_t request, uint64_t lease, uint64_t lease_ns,
-                        std::string_view encoded_body, const std::vector<uint64_t>& live) {
-  Writer w(MsgType::kGrant);
-  w.U64(request).U64(lease).U64(lease_ns).Raw(encoded_body);
-  return U64s(w, live).Finish();
-}
-
 std::string Encode(const GrantMsg& m) {
-  return EncodeGrant(m.request, m.lease, m.lease_ns, EncodeGrantBody(m.body), m.live);
+  const GrantRegion& d = m.descriptor;
+  return Writer(MsgType::kGrant)
+      .U64(m.request)
+      .U64(m.lease)
+      .U64(m.lease_ns)
+      .U64(m.version)
+      .U64(d.id)
+      .U64(d.base)
+      .U64(d.address)
+      .U64(d.length)
+      .Str(d.rkey)
+      .U64(m.prefix)
+      .Finish();
+}
+
+std::string Encode(const AbortedMsg& m) {
+  return Writer(MsgType::kAborted).U64(m.lease).U32(m.code).Str(m.message).Finish();
 }
 
 std::string Encode(const RefusedMsg& m) {
@@ -351,31 +350,22 @@ absl::StatusOr<GrantMsg> DecodeGrant(std::string_view payload) {
   m.request = f.U64("the request id");
   m.lease = f.U64("the lease id");
   m.lease_ns = f.U64("the lease");
-  m.body.version = f.U64("the version");
-  m.body.manifest_json = f.Str("the manifest");
-  // A region is at least its four u64 and the rkey's length.
-  const uint32_t nregions = f.Count("regions", 4 * 8 + 4);
-  m.body.regions.reserve(nregions);
-  for (uint32_t k = 0; k < nregions && f.ok(); ++k) {
-    GrantRegion g;
-    const std::string at = absl::StrFormat("region %d", k);
-    g.id = f.U64(at + " id");
-    g.base = f.U64(at + " base");
-    g.address = f.U64(at + " address");
-    g.length = f.U64(at + " length");
-    g.rkey = f.Str(at + " rkey");
-    m.body.regions.push_back(std::move(g));
-  }
-  m.body.offsets = U64s(f, "tensor offsets");
-  // A member is at least its host's length and its port.
-  const uint32_t nmembers = f.Count("group members", 4 + 4);
-  for (uint32_t k = 0; k < nmembers && f.ok(); ++k) {
-    GroupMember g;
-    g.host = f.Str(absl::StrFormat("member %d host", k));
-    g.port = f.U32(absl::StrFormat("member %d port", k));
-    m.body.members.push_back(std::move(g));
-  }
-  m.live = U64s(f, "live region ids");
+  m.version = f.U64("the version");
+  m.descriptor.id = f.U64("the descriptor region id");
+  m.descriptor.base = f.U64("the descriptor base");
+  m.descriptor.address = f.U64("the descriptor address");
+  m.descriptor.length = f.U64("the descriptor length");
+  m.descriptor.rkey = f.Str("the descriptor rkey");
+  m.prefix = f.U64("the descriptor prefix");
+  return f.Done(std::move(m));
+}
+
+absl::StatusOr<AbortedMsg> DecodeAborted(std::string_view payload) {
+  Fields f(MsgType::kAborted, payload);
+  AbortedMsg m;
+  m.lease = f.U64("the lease id");
+  m.code = f.U32("the status code");
+  m.message = f.Str("the message");
   return f.Done(std::move(m));
 }
 

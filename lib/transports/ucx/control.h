@@ -26,7 +26,7 @@
 namespace weightbus::internal::ucx {
 
 inline constexpr char kMagic[] = "weightbus-ucx";
-inline constexpr uint32_t kProtocolVersion = 3;  // 3: GRANT lists a group's members
+inline constexpr uint32_t kProtocolVersion = 4;  // 4: GRANT points at the version descriptor
 // Largest frame accepted (a manifest of a very large model fits many times over).
 inline constexpr uint32_t kMaxFrame = uint32_t{1} << 30;
 // Largest frame a publisher accepts from a subscriber: every message a subscriber sends is a
@@ -42,7 +42,7 @@ enum class MsgType : uint8_t {
   kWelcome = 2,    // pub -> sub: protocol, session id, worker address, lease, newest, description
   kError = 3,      // pub -> sub: status code and message; the publisher then closes
   kWait = 4,       // sub -> pub: request id, version, mode (0 newest >=, 1 exact, 2 newest >= now)
-  kGrant = 5,      // pub -> sub: the version, its manifest and where its bytes are
+  kGrant = 5,      // pub -> sub: the version, its lease and where its descriptor is
   kRefused = 6,    // pub -> sub: request id, status code, message (e.g. exact version not held)
   kCancel = 7,     // sub -> pub: request id (a WAIT whose caller gave up)
   kRenew = 8,      // sub -> pub: lease id
@@ -59,6 +59,9 @@ enum class MsgType : uint8_t {
   // publisher answers CHALLENGE instead of WELCOME, and WELCOME follows a valid PROOF.
   kChallenge = 17,  // pub -> sub: the publisher's nonce and its proof over both nonces
   kProof = 18,      // sub -> pub: the subscriber's proof over both nonces
+  // A lease on a version that will never be complete (its Publish failed, or a zero-copy
+  // Publish returned before the holder finished): nothing of it may be used.
+  kAborted = 19,  // pub -> sub: lease id, status code, message
   // Publisher groups (world_size > 1): rank r > 0 connects to rank 0 at the URI's address and
   // joins the group; rank 0 commits a version once every rank's PART is in (docs/FORMAT.md).
   kJoin = 32,      // rank -> rank 0: magic, protocol, channel, rank, world_size, its port, who
@@ -171,35 +174,36 @@ struct GroupMember {
   uint32_t port = 0;
   friend bool operator==(const GroupMember&, const GroupMember&) = default;
 };
+// The version descriptor's registered memory (descriptor.h), as a GRANT points at it.
 struct GrantRegion {
   uint64_t id = 0;
-  uint64_t base = 0;     // offset in the slot's byte range
+  uint64_t base = 0;     // offset in the slot's byte range (for READs over the control connection)
   uint64_t address = 0;  // in the publisher's address space
   uint64_t length = 0;
   std::string rkey;  // packed
   friend bool operator==(const GrantRegion&, const GrantRegion&) = default;
 };
-// The part of a GRANT that is the same for every grant of one staged version (the publisher
-// encodes it once per slot).
-struct GrantBody {
-  uint64_t version = 0;
-  std::string manifest_json;
-  std::vector<GrantRegion> regions;
-  std::vector<uint64_t> offsets;  // per tensor: its offset in the slot (rank 0's parts only)
-  // A group version (granted by rank 0): where each rank serves its parts, indexed by rank;
-  // empty for a single publisher's version.
-  std::vector<GroupMember> members;
-};
+// A lease on a version and where its version descriptor is: the descriptor has everything
+// else (the manifest, the regions of its bytes, readiness, the seal), so a GRANT is the same
+// few dozen bytes whatever the version's size, tensor count or number of subscribers.
 struct GrantMsg {  // pub -> sub
   uint64_t request = 0;
   uint64_t lease = 0;
   uint64_t lease_ns = 0;
-  GrantBody body;
-  std::vector<uint64_t> live;  // ids of every region the publisher still holds
+  uint64_t version = 0;
+  GrantRegion descriptor;
+  // Descriptor bytes [0, prefix) hold the header, readiness words and layout: what a subscriber
+  // reads first, in one get.
+  uint64_t prefix = 0;
 };
 struct RefusedMsg {  // pub -> sub
   uint64_t request = 0;
   uint32_t code = 0;  // absl::StatusCode
+  std::string message;
+};
+struct AbortedMsg {  // pub -> sub
+  uint64_t lease = 0;
+  uint32_t code = 0;  // absl::StatusCode of the publish's failure
   std::string message;
 };
 struct CancelMsg {  // sub -> pub
@@ -296,6 +300,7 @@ std::string Encode(const ErrorMsg& m);
 std::string Encode(const WaitMsg& m);
 std::string Encode(const GrantMsg& m);
 std::string Encode(const RefusedMsg& m);
+std::string Encode(const AbortedMsg& m);
 std::string Encode(const CancelMsg& m);
 std::string Encode(const RenewMsg& m);
 std::string Encode(const ReleaseMsg& m);
@@ -313,10 +318,6 @@ std::string Encode(const JoinedMsg& m);
 std::string Encode(const PartMsg& m);
 std::string Encode(const WithdrawMsg& m);
 std::string Encode(const OutcomeMsg& m);
-// A GRANT from its per-grant fields and a body encoded once with EncodeGrantBody.
-std::string EncodeGrantBody(const GrantBody& body);
-std::string EncodeGrant(uint64_t request, uint64_t lease, uint64_t lease_ns,
-                        std::string_view encoded_body, const std::vector<uint64_t>& live);
 
 absl::StatusOr<HelloMsg> DecodeHello(std::string_view payload);
 absl::StatusOr<ChallengeMsg> DecodeChallenge(std::string_view payload);
@@ -326,6 +327,7 @@ absl::StatusOr<ErrorMsg> DecodeError(std::string_view payload);
 absl::StatusOr<WaitMsg> DecodeWait(std::string_view payload);
 absl::StatusOr<GrantMsg> DecodeGrant(std::string_view payload);
 absl::StatusOr<RefusedMsg> DecodeRefused(std::string_view payload);
+absl::StatusOr<AbortedMsg> DecodeAborted(std::string_view payload);
 absl::StatusOr<CancelMsg> DecodeCancel(std::string_view payload);
 absl::StatusOr<RenewMsg> DecodeRenew(std::string_view payload);
 absl::StatusOr<ReleaseMsg> DecodeRelease(std::string_view payload);

@@ -76,6 +76,29 @@ const SettingTable& UcxSettings() {
            .min = "1",
            .max = "16",
            .unit = "threads"},
+          {.name = "pipeline",
+           .type = SettingType::kBool,
+           .default_value = "true",
+           .doc = "publisher: announce each version before staging it, so that subscribers "
+                  "pull each chunk of ready_chunk bytes as soon as it is staged (verified against "
+                  "the sealed manifest afterwards; a failed Publish fails their transfer with "
+                  "Aborted); false: announce a version once it is staged and sealed"},
+          {.name = "ready_chunk",
+           .type = SettingType::kBytes,
+           .default_value = "4MiB",
+           .doc = "publisher: the granularity at which staged bytes are announced ready "
+                  "(pipeline=true): a subscriber trails the staging copy by about this much",
+           .min = "64KiB"},
+          {.name = "publish_mode",
+           .type = SettingType::kEnum,
+           .default_value = "staged",
+           .doc = "publisher: staged copies each version into registered staging memory and "
+                  "returns (the trainer's stall: one copy); zero_copy registers the caller's "
+                  "tensors (cached across versions) and serves them in place: Publish returns "
+                  "once the subscribers connected when it began have pulled the version (each "
+                  "given at most one lease to ask; the stall is the transfer), after which the "
+                  "version is no longer served (no late joiners)",
+           .choices = {"staged", "zero_copy"}},
           {.name = "staging_memory",
            .type = SettingType::kEnum,
            .default_value = "host",
@@ -152,6 +175,15 @@ absl::StatusOr<UcxOptions> ReadOptions(const Endpoint& endpoint, const Config& c
                                                                 // page-aligned
   o.copy_threads = config.Int("copy_threads");
   o.cuda_staging = config.String("staging_memory") == "cuda";
+  o.pipeline = config.Bool("pipeline");
+  o.zero_copy = config.String("publish_mode") == "zero_copy";
+  if (o.zero_copy && o.cuda_staging) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: publish_mode=zero_copy serves the caller's tensors in place: it has no staging "
+        "memory, so staging_memory=cuda does not apply (leave it host)",
+        endpoint.display));
+  }
+  o.ready_chunk = config.Bytes("ready_chunk") & ~uint64_t{4095};
   WB_ASSIGN_OR_RETURN(o.key, LoadChannelKey(config, endpoint.display));
   return o;
 }
@@ -161,8 +193,12 @@ TransportCapabilities UcxCapabilities(const Config& config, const TransportCapab
   // Host staging copies every tensor into its slot with PublishJob::CopyWithChecksum (strided
   // views gathered straight into place, checksummed as they pass); CUDA staging does neither.
   const bool host_staging = config.String("staging_memory") != "cuda";
-  c.reads_strided_views = host_staging;
-  c.copies_with_checksums = host_staging;
+  // Zero-copy publish serves the caller's memory as it is: the core packs strided views (into a
+  // buffer that lives as long as Publish) and checksums the tensors while subscribers pull them;
+  // a version is served only while its Publish runs.
+  const bool zero_copy = config.String("publish_mode") == "zero_copy";
+  c.reads_strided_views = host_staging && !zero_copy;
+  c.copies_with_checksums = host_staging && !zero_copy;
   c.keep_versions_from = true;  // staging slots beyond staging_slots
   c.wait_for_receivers = true;
   c.open_version = true;
@@ -172,7 +208,11 @@ TransportCapabilities UcxCapabilities(const Config& config, const TransportCapab
   c.subscriber_reports = true;  // REPORT over the control connection
   c.cross_process = true;
   c.durable = false;  // versions live in the publisher's staging memory
-  c.late_joiners = true;
+  c.late_joiners = !zero_copy;
+  if (zero_copy) {
+    c.keep_versions_from = false;
+    c.open_version = false;
+  }
   // Any byte range of a tensor, pulled straight from the staging slot that holds it.
   c.partial_reads = true;
   // Each rank stages and serves its own parts; rank 0, at the URI's address, commits a version

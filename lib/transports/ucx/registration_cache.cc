@@ -2,11 +2,12 @@
 #include "transports/ucx/registration_cache.h"
 
 #include "core/logging.h"
+#include "core/status.h"
 
 namespace weightbus::internal::ucx {
 
-RegistrationCache::RegistrationCache(std::shared_ptr<Context> context)
-    : context_(std::move(context)) {
+RegistrationCache::RegistrationCache(std::shared_ptr<Context> context, uint64_t first_id)
+    : context_(std::move(context)), next_id_(first_id) {
   const ucs_status_t s = ucm_set_event_handler(UCM_EVENT_VM_UNMAPPED, 0, &OnUnmap, this);
   events_ = s == UCS_OK;
   if (!events_) {
@@ -43,13 +44,33 @@ void RegistrationCache::Evict(std::map<uintptr_t, Entry>::iterator it) {
 }
 
 ucp_mem_h RegistrationCache::Get(std::byte* p, uint64_t n) {
+  absl::Status error;
+  Entry* e = Find(p, n, &error);
+  if (e == nullptr) {
+    Log(LogLevel::kDebug, "not registering a receive buffer: %s", std::string(error.message()));
+    return nullptr;
+  }
+  return e->region->memh();
+}
+
+absl::StatusOr<RegistrationCache::Served> RegistrationCache::Serve(std::byte* p, uint64_t n) {
+  absl::Status error;
+  Entry* e = Find(p, n, &error);
+  if (e == nullptr) return error;
+  if (e->rkey.empty()) {
+    WB_ASSIGN_OR_RETURN(e->rkey, e->region->PackRkey());
+  }
+  return Served{e->region.get(), e->id, &e->rkey};
+}
+
+RegistrationCache::Entry* RegistrationCache::Find(std::byte* p, uint64_t n, absl::Status* error) {
   const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
   ++clock_;
   if (auto it = entries_.find(begin); it != entries_.end()) {
     Entry& e = it->second;
     if (e.end == begin + n && !watches_[e.watch].stale.load(std::memory_order_acquire)) {
       e.last_use = clock_;
-      return e.region->memh();
+      return &e;
     }
     Evict(it);  // unmapped since, or a different buffer at the same address
   }
@@ -76,8 +97,7 @@ ucp_mem_h RegistrationCache::Get(std::byte* p, uint64_t n) {
       MemRegion::Register(context_, p, n, DetectMemoryType(p));
   if (!region.ok()) {
     w.begin.store(0, std::memory_order_release);
-    Log(LogLevel::kDebug, "not registering a receive buffer: %s",
-        std::string(region.status().message()));
+    *error = region.status();
     return nullptr;
   }
   ++registrations_;
@@ -85,8 +105,9 @@ ucp_mem_h RegistrationCache::Get(std::byte* p, uint64_t n) {
   e.end = begin + n;
   e.watch = watch;
   e.last_use = clock_;
+  e.id = next_id_++;
   e.region = *std::move(region);
-  return e.region->memh();
+  return &e;
 }
 
 void RegistrationCache::EndFetch() {

@@ -16,6 +16,9 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
 
 #include "transports/ucx/ucp_util.h"
 
@@ -27,7 +30,7 @@ class RegistrationCache {
  public:
   static constexpr size_t kMaxEntries = 1024;
 
-  explicit RegistrationCache(std::shared_ptr<Context> context);
+  explicit RegistrationCache(std::shared_ptr<Context> context, uint64_t first_id = 1);
   ~RegistrationCache();
   RegistrationCache(const RegistrationCache&) = delete;
   RegistrationCache& operator=(const RegistrationCache&) = delete;
@@ -36,6 +39,16 @@ class RegistrationCache {
   // since; nullptr when UCX refuses to register it (the get then goes without a memory handle
   // and UCX registers internally as it needs).
   ucp_mem_h Get(std::byte* p, uint64_t n);
+  // Get, for memory served to peers (a zero-copy publish): the registration, an id that names
+  // it as long as it lives (a new registration of the same range gets a new id, from
+  // `first_id` up), and its packed rkey. nullopt with the reason when UCX refuses to register
+  // it. The region lives until evicted by a later call or the cache's destruction.
+  struct Served {
+    const MemRegion* region = nullptr;
+    uint64_t id = 0;
+    const std::string* rkey = nullptr;
+  };
+  absl::StatusOr<Served> Serve(std::byte* p, uint64_t n);
   // Called after each Fetch: without memory events, forgets everything.
   void EndFetch();
 
@@ -55,8 +68,13 @@ class RegistrationCache {
     uintptr_t end = 0;
     size_t watch = 0;
     uint64_t last_use = 0;
+    uint64_t id = 0;
+    std::string rkey;  // packed on the first Serve
     std::unique_ptr<MemRegion> region;
   };
+  // The entry of exactly [p, p + n), registered now on a miss; nullptr with `*error` set when UCX
+  // refuses.
+  Entry* Find(std::byte* p, uint64_t n, absl::Status* error);
 
   static void OnUnmap(ucm_event_type_t type, ucm_event_t* event, void* arg);
   void Evict(std::map<uintptr_t, Entry>::iterator it);
@@ -68,6 +86,7 @@ class RegistrationCache {
   std::map<uintptr_t, Entry> entries_;  // by begin address; owner thread only
   uint64_t clock_ = 0;
   uint64_t registrations_ = 0;
+  uint64_t next_id_;
 };
 
 }  // namespace weightbus::internal::ucx

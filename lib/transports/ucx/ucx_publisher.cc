@@ -34,6 +34,8 @@
 #include "core/system.h"
 #include "core/worker_pool.h"
 #include "transports/ucx/control.h"
+#include "transports/ucx/descriptor.h"
+#include "transports/ucx/registration_cache.h"
 #include "transports/ucx/ucp_util.h"
 #include "transports/ucx/ucx_transport.h"
 
@@ -81,16 +83,51 @@ struct Region {
   }
 };
 
-// A version's place in registered memory.
+// A version's place in registered memory: its bytes (`regions`, tiling slot bytes [0,
+// capacity)) and its version descriptor (descriptor.h) right after them.
 struct Slot {
-  enum class State { kFree, kWriting, kReady };
+  // kWriting: picked by a Publish, not visible. kStaging: announced before its bytes are staged
+  // (pipelining): granted to waiting subscribers, which pull chunks as they become ready.
+  // kReady: sealed, the newest or an older version still held.
+  enum class State { kFree, kWriting, kStaging, kReady };
   int index = 0;
   uint64_t capacity = 0;
   std::vector<Region> regions;
+  // A zero-copy version (publish_mode=zero_copy): the caller's memory, registered in place
+  // (registrations owned by UcxPublisher::lent_cache_), tiling [0, capacity) instead of
+  // `regions`; valid while its Publish runs.
+  struct Lent {
+    uint64_t id = 0;
+    uint64_t base = 0;
+    // The caller's bytes (the registration may report a page-aligned start instead).
+    const std::byte* data = nullptr;
+    uint64_t length = 0;
+    std::string rkey;
+  };
+  std::vector<Lent> lent;
+  std::optional<Region> descriptor;  // host memory, registered; base = capacity
   State state = State::kFree;
-  uint64_t version = 0;    // when kReady
-  std::string grant_body;  // the version-specific part of every GRANT (kReady)
-  int leases = 0;          // outstanding leases on this slot's version
+  uint64_t version = 0;      // when kStaging or kReady
+  GrantRegion grant_region;  // the descriptor as every GRANT of the version names it
+  uint64_t prefix = 0;       // descriptor bytes a subscriber reads first
+  uint64_t chunk_bytes = 0;  // readiness granularity of the version
+  uint64_t nchunks = 0;
+  int leases = 0;  // outstanding leases on this slot's version
+
+  // The descriptor's readiness word of chunk k (host memory, written with release stores).
+  uint64_t* ready_word(uint64_t k) const {
+    return reinterpret_cast<uint64_t*>(descriptor->mem->data() + ReadyOffset(k));
+  }
+  // Whether every chunk that slot bytes [offset, offset + length) touch holds `version`.
+  bool Ready(uint64_t offset, uint64_t length) const {
+    if (state == State::kReady || length == 0) return state != State::kFree;
+    for (uint64_t k = offset / chunk_bytes; k <= (offset + length - 1) / chunk_bytes; ++k) {
+      if (k >= nchunks || __atomic_load_n(ready_word(k), __ATOMIC_ACQUIRE) != version) {
+        return false;
+      }
+    }
+    return true;
+  }
 };
 
 struct Lease {
@@ -136,7 +173,9 @@ struct Conn {
   // UCP transport with one-sided hardware support reaches it (see UcxPublisher::HandleHello).
   bool bytes_over_control = false;
   std::deque<PendingRead> reads;
-  int leases = 0;           // leases_ entries of this connection
+  bool reads_held = false;               // the next READ waits for its chunk to be staged
+  uint64_t held_request = ~uint64_t{0};  // the last READ that did (counted once)
+  int leases = 0;                        // leases_ entries of this connection
   bool over_limit = false;  // accepted beyond max_connections: HELLO gets ResourceExhausted
   // Frames may wait in `in`, unhandled because `out` held kMaxOutput: handled once it drains,
   // whether or not more bytes arrive.
@@ -189,7 +228,12 @@ class UcxPublisher final : public TransportPublisher {
         rma_(rma),
         group_(group),
         description_(ProcessDescription()),
-        members_(group.world_size) {}
+        members_(group.world_size) {
+    if (options_.zero_copy) {
+      // Ids above the staging regions' (which count from 1), unique in this process.
+      lent_cache_ = std::make_unique<RegistrationCache>(context_, uint64_t{1} << 48);
+    }
+  }
 
   ~UcxPublisher() override {
     {
@@ -250,7 +294,10 @@ class UcxPublisher final : public TransportPublisher {
 
   UcxPublisherCounters counters() const {
     return UcxPublisherCounters{reads_served_.load(std::memory_order_relaxed),
-                                sleeps_with_reads_ready_.load(std::memory_order_relaxed)};
+                                sleeps_with_reads_ready_.load(std::memory_order_relaxed),
+                                grants_.load(std::memory_order_relaxed),
+                                reads_held_total_.load(std::memory_order_relaxed),
+                                control_bytes_sent_.load(std::memory_order_relaxed)};
   }
 
   void KeepVersionsFrom(uint64_t version) override {
@@ -343,11 +390,33 @@ class UcxPublisher final : public TransportPublisher {
   // Replaces `slot`'s memory by regions covering `size` bytes.
   absl::StatusOr<std::vector<Region>> AllocateRegions(uint64_t size);
   // Copies every tensor into the slot's regions on copy_threads threads, computing checksums on
-  // the way (PublishJob::CopyWithChecksum) for host staging.
-  absl::Status CopyIntoSlot(const std::vector<Region>& regions, PublishJob& job,
-                            const std::vector<uint64_t>& offsets);
-  std::string BuildGrantBody(const Slot& slot, const Manifest& manifest,
-                             const std::vector<uint64_t>& offsets) const;
+  // the way (PublishJob::StageWithChecksum) for host staging; with `report`, marks each chunk
+  // ready in the descriptor as soon as its bytes are in place (pipelining).
+  absl::Status CopyIntoSlot(const Slot& slot, PublishJob& job, const std::vector<uint64_t>& offsets,
+                            bool report);
+  // Writes `slot`'s version descriptor (descriptor.h) for the version of `unsealed` (its manifest
+  // without checksums), whose `size` bytes lie in the slot at `offsets`: staging, nothing ready
+  // (but chunks without a tensor byte), room for a seal of blocks of `block_bytes`; or, given
+  // `seal`, sealed with every chunk ready. Allocates a larger descriptor when needed. Sets the
+  // slot's version, grant_region, prefix and chunks. The slot is not visible (kWriting).
+  absl::Status WriteDescriptor(Slot& slot, const Manifest& unsealed,
+                               const std::vector<uint64_t>& offsets, uint64_t size,
+                               uint64_t block_bytes, bool in_place, const VersionSeal* seal);
+  // A slot nobody reads (kWriting now), waiting for releases or lease expiries up to the
+  // deadline. Errors: DeadlineExceeded describing the slots, Cancelled.
+  absl::StatusOr<Slot*> TakeSlot(absl::Time deadline);
+  // publish_mode=zero_copy: serves the caller's tensors in place (README.md, "Zero-copy
+  // publish") and returns when the subscribers connected at the announcement have pulled the
+  // version (or left, or did not ask within a lease), or at the deadline or Cancel, when the
+  // remaining leases end with ABORTED. OK once the version is sealed.
+  absl::Status PublishZeroCopy(PublishJob& job, absl::Time deadline);
+  // Whether every subscriber a zero-copy Publish waits for is done with it.
+  bool ZeroCopyDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Seals a version announced staging: the seal, then the state.
+  absl::Status WriteSeal(Slot& slot, const VersionSeal& seal);
+  // A version announced before it was sealed whose Publish failed: the descriptor says so, every
+  // lease on it ends with ABORTED (`why`), and the slot is free again.
+  void Abort(Slot& slot, const absl::Status& why);
 
   // The progress thread.
   void Loop();
@@ -422,6 +491,22 @@ class UcxPublisher final : public TransportPublisher {
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
   Slot* newest_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // The version being staged after it was announced (kStaging), granted to waiting subscribers.
+  Slot* staging_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // A zero-copy Publish in flight: its slot, when it was announced, the subscribers connected
+  // then (waited for) and those granted the version.
+  struct ZeroCopy {
+    Slot* slot = nullptr;
+    absl::Time announced;  // MonotonicNow()
+    std::vector<uint64_t> expected;
+    std::set<uint64_t> granted;
+  };
+  ZeroCopy zero_copy_ ABSL_GUARDED_BY(mu_);
+  // Registrations of callers' tensors served in place (publish_mode=zero_copy; Publish only).
+  std::unique_ptr<RegistrationCache> lent_cache_;
+  // Connections whose next READ waits for its chunk to be staged: copies wake the progress
+  // thread as chunks become ready.
+  std::atomic<int> reads_held_{0};
   std::optional<uint64_t> keep_from_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, Lease> leases_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::unique_ptr<Conn>> conns_ ABSL_GUARDED_BY(mu_);
@@ -450,6 +535,9 @@ class UcxPublisher final : public TransportPublisher {
   // UcxPublisherCounters (ucx_transport.h); written by the progress thread only.
   std::atomic<uint64_t> reads_served_{0};
   std::atomic<uint64_t> sleeps_with_reads_ready_{0};
+  std::atomic<uint64_t> grants_{0};
+  std::atomic<uint64_t> reads_held_total_{0};
+  std::atomic<uint64_t> control_bytes_sent_{0};
 
   // Rank 0 of a group: where each rank serves its parts (members_[r], from its JOIN), the
   // connection it joined over, the parts staged per version and rank, and the version rank 0's
@@ -503,7 +591,9 @@ Slot* UcxPublisher::PickSlot() {
   for (const auto& s : slots_) {
     if (Kept(*s)) continue;
     ++unkept;
-    if (s->state == Slot::State::kWriting || s->leases > 0) continue;
+    if (s->state == Slot::State::kWriting || s->state == Slot::State::kStaging || s->leases > 0) {
+      continue;
+    }
     // Free slots first, then the oldest version (the newest is overwritten only when it is the
     // one slot nobody reads).
     if (best == nullptr || (best->state == Slot::State::kReady &&
@@ -524,7 +614,7 @@ Slot* UcxPublisher::PickSlot() {
 std::string UcxPublisher::DescribeSlots() const {
   std::vector<std::string> parts;
   for (const auto& s : slots_) {
-    if (s->state == Slot::State::kWriting) {
+    if (s->state == Slot::State::kWriting || s->state == Slot::State::kStaging) {
       parts.push_back(absl::StrFormat("slot %d is being written", s->index));
     } else if (s->state == Slot::State::kReady) {
       std::vector<std::string> holders;
@@ -561,7 +651,10 @@ std::vector<std::unique_ptr<Slot>> UcxPublisher::TrimSlots() {
     for (const auto& s : slots_) {
       if (Kept(*s)) continue;
       ++unkept;
-      if (s.get() == newest_ || s->state == Slot::State::kWriting || s->leases > 0) continue;
+      if (s.get() == newest_ || s->state == Slot::State::kWriting ||
+          s->state == Slot::State::kStaging || s->leases > 0) {
+        continue;
+      }
       if (oldest == nullptr || s->state == Slot::State::kFree ||
           (oldest->state == Slot::State::kReady && s->version < oldest->version)) {
         oldest = s.get();
@@ -608,28 +701,63 @@ absl::StatusOr<std::vector<Region>> UcxPublisher::AllocateRegions(uint64_t size)
   return regions;
 }
 
-absl::Status UcxPublisher::CopyIntoSlot(const std::vector<Region>& regions, PublishJob& job,
-                                        const std::vector<uint64_t>& offsets) {
+absl::Status UcxPublisher::CopyIntoSlot(const Slot& slot, PublishJob& job,
+                                        const std::vector<uint64_t>& offsets, bool report) {
   absl::Span<const PackedTensor> tensors = job.tensors();
-  // Each tensor's destination as pieces that never cross a region boundary.
+  const std::vector<Region>& regions = slot.regions;
+  const uint64_t chunk = slot.chunk_bytes;
+  // Each tensor's destination as pieces that cross neither a region nor a readiness chunk
+  // boundary, and the tensor bytes each chunk waits for.
   std::vector<std::vector<CopyTarget>> targets(tensors.size());
+  std::vector<std::vector<uint64_t>> chunk_of(tensors.size());
+  std::vector<std::atomic<uint64_t>> remaining(report ? slot.nchunks : 0);
   for (size_t i = 0; i < tensors.size(); ++i) {
     uint64_t off = offsets[i], done = 0;
     const uint64_t n = tensors[i].info->nbytes;
     while (done < n) {
       const Region& r = regions[static_cast<size_t>(off / options_.max_region)];
       const uint64_t in_region = off - r.base;
-      const uint64_t len = std::min(n - done, r.mem->size() - in_region);
+      uint64_t len = std::min(n - done, r.mem->size() - in_region);
+      if (report) {
+        len = std::min(len, (off / chunk + 1) * chunk - off);
+        remaining[off / chunk].fetch_add(len, std::memory_order_relaxed);
+        chunk_of[i].push_back(off / chunk);
+      }
       targets[i].push_back(CopyTarget{r.mem->data() + in_region, len});
       off += len;
       done += len;
     }
   }
+  // Piece k of tensor i is in place (its stores fenced): its chunk is ready once every tensor
+  // byte of it is.
+  const uint64_t version = slot.version;
+  auto copied = [&](size_t i, size_t k) {
+    if (!report) return;
+    const uint64_t c = chunk_of[i][k];
+    if (remaining[c].fetch_sub(targets[i][k].size, std::memory_order_acq_rel) ==
+        targets[i][k].size) {
+      __atomic_store_n(slot.ready_word(c), version, __ATOMIC_RELEASE);
+      if (reads_held_.load(std::memory_order_relaxed)) Wake();  // READs wait for it
+      // Fault injection: a pause here holds the staging of the rest (announced, chunk ready).
+      (void)failpoints_.Hit("ucx.after_chunk");
+    }
+  };
   const int threads = copiers_ ? copiers_->size() + 1 : 1;
   std::vector<std::vector<size_t>> work(threads);
   if (options_.cuda_staging) {
     // Device memory: cudaMemcpy per piece; the core checksums the source separately.
     for (size_t i = 0; i < tensors.size(); ++i) work[i % threads].push_back(i);
+  } else if (report) {
+    // Subscribers pull chunks as they become ready, in slot order: whole tensors (a checksum is
+    // one sequential pass) taken in slot order by whichever thread is free next, so that the
+    // ready chunks advance from the start of the slot.
+    std::vector<uint64_t> load(threads, 0);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const size_t t =
+          static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      work[t].push_back(i);
+      load[t] += tensors[i].info->nbytes + 4096;
+    }
   } else {
     // Whole tensors per thread (a checksum is one sequential pass), largest first, each to the
     // least loaded thread.
@@ -650,16 +778,18 @@ absl::Status UcxPublisher::CopyIntoSlot(const std::vector<Region>& regions, Publ
   auto run = [&](int t) {
     for (size_t i : work[t]) {
       if (!options_.cuda_staging) {
-        job.CopyWithChecksum(i, targets[i]);
+        job.StageWithChecksum(i, targets[i], [&, i](size_t k) { copied(i, k); });
         continue;
       }
       const std::byte* src = tensors[i].data;
-      for (const CopyTarget& p : targets[i]) {
+      for (size_t k = 0; k < targets[i].size(); ++k) {
+        const CopyTarget& p = targets[i][k];
         if (absl::Status s = CopyBytes(p.data, src, p.size); !s.ok()) {
           results[t] = s;
           return;
         }
         src += p.size;
+        copied(i, k);
       }
     }
   };
@@ -679,18 +809,344 @@ absl::Status UcxPublisher::CopyIntoSlot(const std::vector<Region>& regions, Publ
   return absl::OkStatus();
 }
 
-std::string UcxPublisher::BuildGrantBody(const Slot& slot, const Manifest& manifest,
-                                         const std::vector<uint64_t>& offsets) const {
-  GrantBody body{manifest.version, manifest.ToJson(), {}, offsets, {}};
-  if (group_.grouped() && group_.rank == 0) {
+absl::Status UcxPublisher::WriteDescriptor(Slot& slot, const Manifest& unsealed,
+                                           const std::vector<uint64_t>& offsets, uint64_t size,
+                                           uint64_t block_bytes, bool in_place,
+                                           const VersionSeal* seal) {
+  const uint64_t chunk = options_.ready_chunk;
+  const uint64_t nchunks = (size + chunk - 1) / chunk;
+  VersionLayout layout;
+  layout.version = unsealed.version;
+  layout.chunk_bytes = chunk;
+  layout.data_bytes = slot.capacity;
+  if (!slot.lent.empty()) {
+    for (const Slot::Lent& r : slot.lent) {
+      layout.regions.push_back(LayoutRegion{r.id, r.base, reinterpret_cast<uintptr_t>(r.data),
+                                            r.length, r.rkey, kCrossMemoryAttach});
+    }
+  } else {
+    for (const Region& r : slot.regions) {
+      layout.regions.push_back(LayoutRegion{
+          r.id, r.base, reinterpret_cast<uintptr_t>(r.mem->data()), r.mem->size(), r.rkey});
+    }
+  }
+  layout.offsets = offsets;
+  layout.manifest_json = unsealed.ToJson();
+  layout.pid = static_cast<uint64_t>(getpid());
+  {
     absl::MutexLock lock(&mu_);
-    body.members = members_;
+    if (group_.grouped() && group_.rank == 0) layout.members = members_;
+    for (const auto& s : slots_) {
+      for (const Region& r : s->regions) layout.live.push_back(r.id);
+      for (const Slot::Lent& r : s->lent) layout.live.push_back(r.id);
+      if (s->descriptor && s.get() != &slot) layout.live.push_back(s->descriptor->id);
+    }
   }
-  for (const Region& r : slot.regions) {
-    body.regions.push_back(GrantRegion{r.id, r.base, reinterpret_cast<uintptr_t>(r.mem->data()),
-                                       r.mem->size(), r.rkey});
+  // The descriptor region is this slot's, possibly new: it is live too.
+  const std::string encoded_layout_probe = EncodeLayout(layout);
+  const uint64_t layout_offset = ReadyOffset(nchunks);
+  // Room for the layout with one more live id (the descriptor's own), then the seal.
+  const uint64_t layout_bytes_max = encoded_layout_probe.size() + 8;
+  const uint64_t seal_offset = (layout_offset + layout_bytes_max + 63) / 64 * 64;
+  const uint64_t seal_capacity =
+      seal != nullptr ? EncodeSeal(*seal).size() : SealCapacity(unsealed, block_bytes);
+  const uint64_t needed = seal_offset + seal_capacity;
+  if (!slot.descriptor || slot.descriptor->mem->size() < needed) {
+    Region d;
+    d.id = next_region_++;
+    const uint64_t bytes = std::max<uint64_t>((needed + 4095) / 4096 * 4096, 4096);
+    WB_ASSIGN_OR_RETURN(d.mem, MemRegion::Allocate(context_, bytes, UCS_MEMORY_TYPE_HOST));
+    WB_ASSIGN_OR_RETURN(d.rkey, d.mem->PackRkey());
+    std::optional<Region> old;
+    {
+      absl::MutexLock lock(&mu_);
+      old = std::move(slot.descriptor);
+      slot.descriptor = std::move(d);
+    }
+    old.reset();  // unregistered outside the lock
   }
-  return EncodeGrantBody(body);
+  layout.live.push_back(slot.descriptor->id);
+  const std::string encoded_layout = EncodeLayout(layout);
+  std::byte* base = slot.descriptor->mem->data();
+  slot.version = unsealed.version;
+  slot.chunk_bytes = chunk;
+  slot.nchunks = nchunks;
+  DescriptorHeader h;
+  h.version = unsealed.version;
+  h.state = static_cast<uint64_t>(VersionState::kStaging);
+  h.nchunks = nchunks;
+  h.layout_offset = layout_offset;
+  h.layout_bytes = encoded_layout.size();
+  h.seal_offset = seal_offset;
+  std::memcpy(base + layout_offset, encoded_layout.data(), encoded_layout.size());
+  // Readiness: none yet (pipelining), except chunks no tensor byte lies in; all when the bytes
+  // are staged already.
+  std::vector<bool> has_bytes(nchunks, false);
+  for (size_t i = 0; i < offsets.size() && seal == nullptr; ++i) {
+    const uint64_t n = unsealed.tensors[i].nbytes;
+    if (n == 0) continue;
+    for (uint64_t k = offsets[i] / chunk; k <= (offsets[i] + n - 1) / chunk; ++k) {
+      has_bytes[k] = true;
+    }
+  }
+  for (uint64_t k = 0; k < nchunks; ++k) {
+    const uint64_t word = seal != nullptr || in_place || !has_bytes[k] ? unsealed.version : 0;
+    __atomic_store_n(slot.ready_word(k), word, __ATOMIC_RELAXED);
+  }
+  if (seal != nullptr) {
+    const std::string encoded_seal = EncodeSeal(*seal);
+    std::memcpy(base + seal_offset, encoded_seal.data(), encoded_seal.size());
+    h.seal_bytes = encoded_seal.size();
+    h.state = static_cast<uint64_t>(VersionState::kSealed);
+  }
+  const std::string header = EncodeHeader(h);
+  std::memcpy(base, header.data(), header.size());
+  std::atomic_thread_fence(std::memory_order_release);
+  slot.grant_region =
+      GrantRegion{slot.descriptor->id, slot.capacity, reinterpret_cast<uintptr_t>(base),
+                  slot.descriptor->mem->size(), slot.descriptor->rkey};
+  slot.prefix = layout_offset + encoded_layout.size();
+  return absl::OkStatus();
+}
+
+absl::Status UcxPublisher::WriteSeal(Slot& slot, const VersionSeal& seal) {
+  std::byte* base = slot.descriptor->mem->data();
+  absl::StatusOr<DescriptorHeader> h =
+      DecodeHeader(std::string_view(reinterpret_cast<const char*>(base), kDescriptorHeaderBytes));
+  if (!h.ok()) return absl::InternalError(h.status().message());
+  const std::string encoded = EncodeSeal(seal);
+  if (h->seal_offset + encoded.size() > slot.descriptor->mem->size()) {
+    return absl::InternalError(absl::StrFormat(
+        "%s: the seal of version %d (%d bytes) does not fit the room its descriptor reserved",
+        endpoint_.display, seal.version, encoded.size()));
+  }
+  std::memcpy(base + h->seal_offset, encoded.data(), encoded.size());
+  StoreLe<uint64_t>(encoded.size(), base + 56);  // seal_bytes
+  std::atomic_thread_fence(std::memory_order_release);
+  __atomic_store_n(reinterpret_cast<uint64_t*>(base + 16),
+                   static_cast<uint64_t>(VersionState::kSealed), __ATOMIC_RELEASE);
+  return absl::OkStatus();
+}
+
+void UcxPublisher::Abort(Slot& slot, const absl::Status& why) {
+  if (slot.descriptor) {
+    __atomic_store_n(reinterpret_cast<uint64_t*>(slot.descriptor->mem->data() + 16),
+                     static_cast<uint64_t>(VersionState::kAborted), __ATOMIC_RELEASE);
+  }
+  absl::MutexLock lock(&mu_);
+  const std::string message = absl::StrFormat(
+      "the publish of version %d failed before it was sealed (%s); nothing of it may be used",
+      slot.version, why.message());
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    if (it->second.slot != &slot) {
+      ++it;
+      continue;
+    }
+    if (auto c = conns_.find(it->second.conn); c != conns_.end()) {
+      c->second->out += Encode(AbortedMsg{it->first, static_cast<uint32_t>(why.code()), message});
+    }
+    EndLease(it++);
+  }
+  slot.state = Slot::State::kFree;
+  if (staging_ == &slot) staging_ = nullptr;
+  ++changes_;
+  Wake();
+}
+
+absl::StatusOr<Slot*> UcxPublisher::TakeSlot(absl::Time deadline) {
+  Slot* slot = nullptr;
+  absl::MutexLock lock(&mu_);
+  if (cancelled_) return Cancelled();
+  // While this Publish waits, no new lease goes to a slot it could take (ServeWaits): they
+  // drain within lease_max_hold + lease, however many connections take turns.
+  ++publishes_waiting_;
+  absl::Cleanup done_waiting = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    --publishes_waiting_;
+    Wake();  // deferred WAITs are served again
+  };
+  while ((slot = PickSlot()) == nullptr) {
+    absl::Time wake = deadline;
+    const absl::Time mono = MonotonicNow(), now = absl::Now();
+    for (const auto& [id, l] : leases_) wake = std::min(wake, now + (l.expiry - mono));
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrFormat("all %d staging slots are in use until past the deadline (%s); raise "
+                          "staging_slots or the timeout, or lower lease",
+                          options_.staging_slots, DescribeSlots()));
+    }
+    if (stopping_) return absl::CancelledError("the publisher is shutting down");
+    if (cancelled_) return Cancelled();
+    AwaitChange(wake);
+    if (cancelled_) return Cancelled();
+  }
+  slot->state = Slot::State::kWriting;
+  if (newest_ == slot) RecomputeNewest();
+  return slot;
+}
+
+bool UcxPublisher::ZeroCopyDone() const {
+  if (zero_copy_.slot == nullptr) return true;
+  if (zero_copy_.slot->leases > 0) return false;
+  const absl::Time now = MonotonicNow();
+  for (uint64_t id : zero_copy_.expected) {
+    if (!conns_.contains(id) || zero_copy_.granted.contains(id)) continue;  // gone, or served
+    if (now < zero_copy_.announced + options_.lease) return false;          // may still ask
+  }
+  return true;
+}
+
+absl::Status UcxPublisher::PublishZeroCopy(PublishJob& job, absl::Time deadline) {
+  const uint64_t version = job.version();
+  absl::Span<const PackedTensor> tensors = job.tensors();
+  std::optional<Manifest> early = job.UnsealedManifest();
+  if (!early) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: publish_mode=zero_copy serves the tensors of a Publish in place, but version %d "
+        "came through a layer whose manifest is known only once its bytes are (publish through "
+        "ucx:// directly, or with publish_mode=staged)",
+        endpoint_.display, version));
+  }
+  // The caller's memory in runs: tensors by address, neighbours less than a page apart share a
+  // registration (as a subscriber registers its targets). Registrations are cached across
+  // versions (a trainer's parameters stay put) and dropped when their memory is unmapped.
+  constexpr uint64_t kPage = 4096;
+  std::vector<size_t> order;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].info->nbytes == 0) continue;
+    if (tensors[i].data == nullptr) {
+      return absl::InternalError(absl::StrFormat(
+          "%s: tensor \"%s\" of version %d has no contiguous bytes to serve in place",
+          endpoint_.display, tensors[i].info->name, version));
+    }
+    order.push_back(i);
+  }
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return tensors[a].data < tensors[b].data; });
+  struct Run {
+    const std::byte* begin;
+    const std::byte* end;
+  };
+  std::vector<Run> runs;
+  std::vector<size_t> run_of(tensors.size(), 0);
+  for (size_t i : order) {
+    const std::byte* b = tensors[i].data;
+    const std::byte* e = b + tensors[i].info->nbytes;
+    if (!runs.empty() && b < runs.back().end + kPage) {
+      runs.back().end = std::max(runs.back().end, e);
+    } else {
+      runs.push_back(Run{b, e});
+    }
+    run_of[i] = runs.size() - 1;
+  }
+  std::vector<Slot::Lent> lent;
+  uint64_t total = 0;
+  for (const Run& r : runs) {
+    absl::StatusOr<RegistrationCache::Served> served =
+        lent_cache_->Serve(const_cast<std::byte*>(r.begin), r.end - r.begin);
+    if (!served.ok()) {
+      return absl::Status(served.status().code(),
+                          absl::StrFormat("%s: cannot register the caller's tensors of version %d "
+                                          "to serve them in place (publish_mode=zero_copy): %s",
+                                          endpoint_.display, version, served.status().message()));
+    }
+    lent.push_back(Slot::Lent{served->id, total, r.begin, static_cast<uint64_t>(r.end - r.begin),
+                              *served->rkey});
+    total += r.end - r.begin;
+  }
+  std::vector<uint64_t> offsets(tensors.size(), 0);
+  for (size_t i : order) {
+    offsets[i] = lent[run_of[i]].base + (tensors[i].data - runs[run_of[i]].begin);
+  }
+  WB_ASSIGN_OR_RETURN(Slot * slot, TakeSlot(deadline));
+  {
+    absl::MutexLock lock(&mu_);
+    slot->lent = std::move(lent);
+    slot->capacity = total;
+  }
+  absl::Status status = WriteDescriptor(*slot, *early, offsets, total, job.checksum_block(),
+                                        /*in_place=*/true, /*seal=*/nullptr);
+  if (!status.ok()) {
+    absl::MutexLock lock(&mu_);
+    slot->lent.clear();
+    slot->state = Slot::State::kFree;
+    ++changes_;
+    return status;
+  }
+  // Announced with every chunk in place: subscribers pull while the core checksums the same
+  // memory. Those connected now are waited for, each at most one lease to ask.
+  {
+    absl::MutexLock lock(&mu_);
+    slot->state = Slot::State::kStaging;
+    staging_ = slot;
+    zero_copy_ = ZeroCopy{};
+    zero_copy_.slot = slot;
+    zero_copy_.announced = MonotonicNow();
+    for (const auto& [id, c] : conns_) {
+      if (c->greeted && c->member_rank < 0 && !c->closing && !c->dead) {
+        zero_copy_.expected.push_back(id);
+      }
+    }
+    ++changes_;
+    Wake();
+  }
+  absl::StatusOr<const Manifest*> sealed = job.SealedManifest(deadline);
+  if (sealed.ok()) status = failpoints_.Hit("ucx.before_seal");
+  if (sealed.ok() && status.ok()) status = WriteSeal(*slot, SealOf(**sealed));
+  if (!sealed.ok() || !status.ok()) {
+    const absl::Status failure = sealed.ok() ? status : sealed.status();
+    Abort(*slot, failure);
+    absl::MutexLock lock(&mu_);
+    slot->lent.clear();
+    zero_copy_ = ZeroCopy{};
+    return failure;
+  }
+  absl::MutexLock lock(&mu_);
+  slot->state = Slot::State::kReady;
+  staging_ = nullptr;
+  newest_ = slot;
+  ++changes_;
+  Wake();
+  while (!ZeroCopyDone() && !stopping_ && !cancelled_ && absl::Now() < deadline) {
+    const absl::Duration left_to_ask = zero_copy_.announced + options_.lease - MonotonicNow();
+    AwaitChange(std::min(deadline, absl::Now() + std::max(left_to_ask, absl::ZeroDuration()) +
+                                       absl::Milliseconds(1)));
+  }
+  // The caller's memory is the caller's again: leases still held end (ABORTED), and the version
+  // is no longer served.
+  std::vector<std::string> revoked;
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    if (it->second.slot != slot) {
+      ++it;
+      continue;
+    }
+    if (auto c = conns_.find(it->second.conn); c != conns_.end()) {
+      revoked.push_back(c->second->peer);
+      c->second->out += Encode(AbortedMsg{
+          it->first, static_cast<uint32_t>(absl::StatusCode::kAborted),
+          absl::StrFormat(
+              "the zero-copy publish of version %d returned (%s) before this "
+              "subscriber finished: the bytes it served are the trainer's again",
+              version,
+              cancelled_ || stopping_ ? "the publisher is closing" : "its deadline passed")});
+    }
+    EndLease(it++);
+  }
+  if (!revoked.empty()) {
+    lease_log_.Log(LogLevel::kWarn,
+                   "%s: version %d (zero-copy) was still being read by %s when its Publish "
+                   "returned; their transfers fail",
+                   endpoint_.display, version, absl::StrJoin(revoked, ", "));
+  }
+  slot->state = Slot::State::kFree;
+  slot->lent.clear();
+  RecomputeNewest();
+  zero_copy_ = ZeroCopy{};
+  ++changes_;
+  Wake();
+  lent_cache_->EndFetch();
+  Log(LogLevel::kDebug, "%s: version %d served in place (%d bytes in %d registrations)",
+      endpoint_.display, version, total, runs.size());
+  return absl::OkStatus();
 }
 
 absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
@@ -704,42 +1160,23 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
     size += (tensors[i].info->nbytes + kTensorAlign - 1) / kTensorAlign * kTensorAlign;
   }
 
-  // A slot nobody reads, waiting for releases or lease expiries up to the deadline.
-  Slot* slot = nullptr;
-  {
-    absl::MutexLock lock(&mu_);
-    if (cancelled_) return Cancelled();
-    // While this Publish waits, no new lease goes to a slot it could take (ServeWaits): they
-    // drain within lease_max_hold + lease, however many connections take turns.
-    ++publishes_waiting_;
-    absl::Cleanup done_waiting = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      --publishes_waiting_;
-      Wake();  // deferred WAITs are served again
-    };
-    while ((slot = PickSlot()) == nullptr) {
-      absl::Time wake = deadline;
-      const absl::Time mono = MonotonicNow(), now = absl::Now();
-      for (const auto& [id, l] : leases_) wake = std::min(wake, now + (l.expiry - mono));
-      if (absl::Now() >= deadline) {
-        return absl::DeadlineExceededError(
-            absl::StrFormat("all %d staging slots are in use until past the deadline (%s); raise "
-                            "staging_slots or the timeout, or lower lease",
-                            options_.staging_slots, DescribeSlots()));
-      }
-      if (stopping_) return absl::CancelledError("the publisher is shutting down");
-      if (cancelled_) return Cancelled();
-      AwaitChange(wake);
-      if (cancelled_) return Cancelled();
-    }
-    slot->state = Slot::State::kWriting;
-    if (newest_ == slot) RecomputeNewest();
-  }
-  bool published = false;
+  if (options_.zero_copy) return PublishZeroCopy(job, deadline);
+  WB_ASSIGN_OR_RETURN(Slot * slot, TakeSlot(deadline));
+  bool published = false, announced = false;
+  absl::Status failure;  // why the publish failed, once announced (subscribers are told)
   absl::Cleanup give_back = [&] {
     if (published) return;
+    if (announced) {
+      Abort(*slot, failure.ok() ? absl::InternalError("unknown failure") : failure);
+      return;
+    }
     absl::MutexLock lock(&mu_);
     slot->state = Slot::State::kFree;
     ++changes_;
+  };
+  auto fail = [&](absl::Status s) {
+    failure = s;
+    return s;
   };
 
   // Staging memory is registered once and reused; it grows only for a larger version.
@@ -757,9 +1194,32 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
   if (absl::Now() > deadline) {
     return absl::DeadlineExceededError("deadline passed before copying into the staging slot");
   }
-  WB_RETURN_IF_ERROR(CopyIntoSlot(slot->regions, job, offsets));
-  WB_RETURN_IF_ERROR(failpoints_.Hit("ucx.after_copy"));
-  WB_ASSIGN_OR_RETURN(const Manifest* manifest, job.SealedManifest(deadline));
+  // Pipelining: announce the version before staging it, its manifest without checksums, so that
+  // subscribers pull each chunk as soon as it is staged; the seal follows the last chunk. A
+  // group's versions are announced by rank 0 once every rank's part is in, sealed.
+  std::optional<Manifest> early;
+  if (options_.pipeline && !group_.grouped()) early = job.UnsealedManifest();
+  if (early) {
+    WB_RETURN_IF_ERROR(WriteDescriptor(*slot, *early, offsets, size, job.checksum_block(),
+                                       /*in_place=*/false, /*seal=*/nullptr));
+    absl::MutexLock lock(&mu_);
+    slot->state = Slot::State::kStaging;
+    staging_ = slot;
+    announced = true;
+    ++changes_;
+    Wake();
+  } else {
+    slot->version = version;
+    slot->chunk_bytes = options_.ready_chunk;
+    slot->nchunks = 0;
+  }
+  if (absl::Status s = CopyIntoSlot(*slot, job, offsets, /*report=*/early.has_value()); !s.ok()) {
+    return fail(s);
+  }
+  if (absl::Status s = failpoints_.Hit("ucx.after_copy"); !s.ok()) return fail(s);
+  absl::StatusOr<const Manifest*> sealed = job.SealedManifest(deadline);
+  if (!sealed.ok()) return fail(sealed.status());
+  const Manifest* manifest = *sealed;
   // Fault injection (docs/TESTING.md): `error` here damages the staged bytes after they were
   // copied and checksummed, as memory damaged at rest would be (the first byte of the first
   // tensor with bytes gets one bit flipped; host staging only). Every read of the version then
@@ -775,7 +1235,7 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
       break;
     }
   }
-  // A group's rank 0 commits the version once every rank's part is in; its GRANT then carries
+  // A group's rank 0 commits the version once every rank's part is in; its layout then carries
   // the group's manifest (every rank's parts, its own first, in the slot at `offsets`) and where
   // each rank serves its parts.
   std::optional<Manifest> merged;
@@ -799,13 +1259,28 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
       if (!swapped) merged->metadata["tampered"] = "by ucx.tamper_group_manifest";
     }
   }
-  std::string body = BuildGrantBody(*slot, merged ? *merged : *manifest, offsets);
+  const Manifest& final_manifest = merged ? *merged : *manifest;
+  const VersionSeal seal = SealOf(final_manifest);
+  if (early) {
+    // Fault injection: announced, every byte staged and checksummed, not sealed.
+    if (absl::Status s = failpoints_.Hit("ucx.before_seal"); !s.ok()) return fail(s);
+    if (absl::Status s = WriteSeal(*slot, seal); !s.ok()) return fail(s);
+  } else {
+    absl::Status s = WriteDescriptor(*slot, Unsealed(final_manifest), offsets, size,
+                                     job.checksum_block(), /*in_place=*/true, &seal);
+    if (!s.ok()) {
+      if (merged) {
+        absl::MutexLock lock(&mu_);
+        SendOutcome(version, s);
+      }
+      return s;
+    }
+  }
   std::vector<std::unique_ptr<Slot>> surplus;
   {
     absl::MutexLock lock(&mu_);
-    slot->version = version;
-    slot->grant_body = std::move(body);
     slot->state = Slot::State::kReady;
+    if (staging_ == slot) staging_ = nullptr;
     newest_ = slot;
     ++changes_;
     if (merged) SendOutcome(version, absl::OkStatus());
@@ -861,17 +1336,25 @@ void UcxPublisher::Loop() {
       if (!accepting) next = std::min(next, accept_resume_);
       fds.push_back({accepting ? listener_.get() : -1, POLLIN, 0});
       fds.push_back({efd_, POLLIN, 0});
+      int held = 0;
       for (const auto& [id, c] : conns_) {
         // A connection with kMaxOutput queued is read no further until its peer reads.
         short events = c->out.size() < kMaxOutput ? POLLIN : 0;
-        // Queued READs are served as the socket drains (none is left behind with `out` empty).
-        if (!c->out.empty() || !c->reads.empty()) events |= POLLOUT;
-        if (!c->reads.empty() && c->out.empty()) reads_ready = true;
+        // Queued READs are served as the socket drains (none is left behind with `out` empty);
+        // one waiting for its chunk to be staged is served when a copy wakes this thread.
+        const bool reads = !c->reads.empty() && !c->reads_held;
+        if (!c->out.empty() || reads) events |= POLLOUT;
+        if (reads && c->out.empty()) reads_ready = true;
+        if (c->reads_held) {
+          ++held;
+          next = std::min(next, mono + absl::Milliseconds(1));  // a wake-up may cross the store
+        }
         fds.push_back({c->fd.get(), events, 0});
         ids.push_back(id);
         if (!c->greeted) next = std::min(next, c->hello_deadline);
         if (c->held_frames && c->out.size() < kMaxOutput) next = mono;
       }
+      reads_held_.store(held, std::memory_order_seq_cst);
       for (const auto& [id, l] : leases_) next = std::min(next, l.expiry);
       timeout_ms = static_cast<int>(
           std::clamp<int64_t>(absl::ToInt64Milliseconds(next - mono) + 1, 0, 1000));
@@ -941,7 +1424,10 @@ void UcxPublisher::Loop() {
         const bool serving = c.greeted && !c.closing;
         if (serving) ServeReads(c);
         if (c.out.empty()) break;
-        if (absl::Status s = WriteAvailable(c.fd.get(), c.out); !s.ok()) {
+        const size_t queued = c.out.size();
+        absl::Status s = WriteAvailable(c.fd.get(), c.out);
+        control_bytes_sent_.fetch_add(queued - c.out.size(), std::memory_order_relaxed);
+        if (!s.ok()) {
           c.dead = true;
           break;
         }
@@ -1729,6 +2215,9 @@ void UcxPublisher::ServeWaits(Conn& c) {
         it = c.waits.erase(it);
         continue;
       }
+    } else if (!w.now && staging_ != nullptr && staging_->version >= w.version &&
+               (newest_ == nullptr || staging_->version > newest_->version)) {
+      slot = staging_;  // announced, still being staged: pulled chunk by chunk as it lands
     } else if (newest_ != nullptr && newest_->version >= w.version) {
       slot = newest_;
     } else if (w.now) {
@@ -1783,17 +2272,16 @@ void UcxPublisher::Grant(Conn& c, const PendingWait& w, Slot& slot) {
   leases_[id] = Lease{&slot, c.id, slot.version, now + options_.lease, now};
   ++slot.leases;
   ++c.leases;
-  std::vector<uint64_t> live;
-  for (const auto& s : slots_) {
-    for (const Region& r : s->regions) live.push_back(r.id);
-  }
-  c.out +=
-      EncodeGrant(w.request, id, static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)),
-                  slot.grant_body, live);
+  if (&slot == zero_copy_.slot) zero_copy_.granted.insert(c.id);
+  c.out += Encode(GrantMsg{w.request, id,
+                           static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)),
+                           slot.version, slot.grant_region, slot.prefix});
+  grants_.fetch_add(1, std::memory_order_relaxed);
 }
 
 void UcxPublisher::ServeReads(Conn& c) {
   constexpr size_t kReadBacklog = size_t{4} << 20;
+  c.reads_held = false;
   while (!c.reads.empty() && c.out.size() < kReadBacklog) {
     const PendingRead read = c.reads.front();
     c.reads.pop_front();
@@ -1807,21 +2295,48 @@ void UcxPublisher::ServeReads(Conn& c) {
     }
     const Slot& slot = *it->second.slot;
     // One region holds the whole read (subscribers split reads at region boundaries); every
-    // sum is checked against wrapping.
-    const Region* region = nullptr;
+    // sum is checked against wrapping. The version descriptor follows the bytes.
+    const std::byte* region = nullptr;  // the region's bytes, and where they lie in the slot
+    uint64_t region_base = 0, region_size = 0;
     for (const Region& g : slot.regions) {
-      if (read.offset >= g.base && read.offset - g.base < g.mem->size()) region = &g;
+      if (read.offset >= g.base && read.offset - g.base < g.mem->size()) {
+        region = g.mem->data();
+        region_base = g.base;
+        region_size = g.mem->size();
+      }
+    }
+    for (const Slot::Lent& g : slot.lent) {
+      if (read.offset >= g.base && read.offset - g.base < g.length) {
+        region = g.data;
+        region_base = g.base;
+        region_size = g.length;
+      }
+    }
+    const bool descriptor = region == nullptr && slot.descriptor && read.offset >= slot.capacity &&
+                            read.offset - slot.capacity < slot.descriptor->mem->size();
+    if (descriptor) {
+      region = slot.descriptor->mem->data();
+      region_base = slot.capacity;
+      region_size = slot.descriptor->mem->size();
     }
     uint64_t end = 0;
     if (region == nullptr || read.length == 0 || read.length > kMaxFrame / 2 ||
-        __builtin_add_overflow(read.offset - region->base, read.length, &end) ||
-        end > region->mem->size()) {
+        __builtin_add_overflow(read.offset - region_base, read.length, &end) || end > region_size) {
       refuse(absl::StrFormat("bytes [%d, +%d) are not within one region of the slot of version %d",
                              read.offset, read.length, slot.version));
       continue;
     }
-    const char* bytes =
-        reinterpret_cast<const char*>(region->mem->data()) + (read.offset - region->base);
+    if (!descriptor && !slot.Ready(read.offset, read.length)) {
+      // Announced, not staged yet: answered once its chunks are (the copies wake this thread).
+      c.reads.push_front(read);
+      if (c.held_request != read.request) {
+        c.held_request = read.request;
+        reads_held_total_.fetch_add(1, std::memory_order_relaxed);
+      }
+      c.reads_held = true;
+      break;
+    }
+    const char* bytes = reinterpret_cast<const char*>(region) + (read.offset - region_base);
     std::string host;  // GPU staging memory is copied to the host first
     if (options_.cuda_staging) {
       host.resize(read.length);
@@ -1837,6 +2352,7 @@ void UcxPublisher::ServeReads(Conn& c) {
 }
 
 void UcxPublisher::Drop(Conn& c) {
+  ++changes_;  // a zero-copy Publish may be waiting for it
   if (c.member_rank >= 0) {
     // A rank gone (killed, or restarted and joined again): its staged parts went with it.
     auto m = member_conns_.find(c.member_rank);
@@ -1884,6 +2400,12 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenUcxPublisher(const Uri& 
   GroupRole group;
   group.rank = static_cast<int>(config.Int("rank"));  // below world_size: checked by the core
   group.world_size = static_cast<int>(config.Int("world_size"));
+  if (group.grouped() && options.zero_copy) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "%s: a ucx:// publisher group (world_size=%d, rank %d) with publish_mode=zero_copy is not "
+        "implemented: its ranks stage their parts (publish_mode=staged)",
+        endpoint.display, group.world_size, group.rank));
+  }
   // Rank 0 serves the group's rendezvous on the URI's address; every other rank its own parts
   // on an ephemeral port of the same host (it tells rank 0 which when it joins).
   WB_ASSIGN_OR_RETURN(Fd listener,

@@ -7,6 +7,7 @@
 // Thread safety: every call is serialized by mu_; the UCP worker is progressed only by the
 // calling thread (no background thread). UcxVersion objects must not outlive their subscriber.
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,6 +25,7 @@
 #include "core/status.h"
 #include "core/system.h"
 #include "transports/ucx/control.h"
+#include "transports/ucx/descriptor.h"
 #include "transports/ucx/registration_cache.h"
 #include "transports/ucx/ucp_util.h"
 #include "transports/ucx/ucx_transport.h"
@@ -50,6 +52,11 @@ struct Session {
   // (WELCOME says so where only software-emulated RMA would reach it); no UCP endpoint then.
   bool bytes_over_control = false;
   std::map<uint64_t, std::unique_ptr<RemoteKey>> rkeys;
+  bool local = false;  // the publisher is on this host
+  // Whether regions flagged kCrossMemoryAttach of process `attach_pid` can be read with
+  // process_vm_readv (probed once per process: nullopt until then).
+  uint64_t attach_pid = 0;
+  std::optional<bool> attach;
 };
 
 // What one PullBytes moves: pieces of the slot into targets. For a Fetch each piece is one
@@ -80,6 +87,7 @@ struct GetOp {
   uint64_t length;
   uint64_t slot_offset;  // where the bytes start in the slot (READ over the control connection)
   ucp_mem_h memh;
+  bool attach = false;  // read with process_vm_readv (a kCrossMemoryAttach region on this host)
 };
 
 // The gets of one Fetch and their completion bookkeeping (touched only by the fetching thread:
@@ -146,6 +154,25 @@ struct GetContext {
   size_t op;
 };
 
+// Reads `length` bytes at `remote` in process `pid` into `local` (process_vm_readv, which may
+// copy less than asked: it is called again for the rest). The owner gone is UCS_ERR_UNREACHABLE
+// (Unavailable), other failures UCS_ERR_IO_ERROR.
+ucs_status_t AttachRead(uint64_t pid, std::byte* local, uint64_t remote, uint64_t length) {
+  while (length > 0) {
+    iovec l{local, length};
+    iovec r{reinterpret_cast<void*>(remote), length};
+    const ssize_t n = ::process_vm_readv(static_cast<pid_t>(pid), &l, 1, &r, 1, 0);
+    if (n <= 0) {
+      if (n < 0 && errno == EINTR) continue;
+      return n < 0 && errno == ESRCH ? UCS_ERR_UNREACHABLE : UCS_ERR_IO_ERROR;
+    }
+    local += n;
+    remote += static_cast<uint64_t>(n);
+    length -= static_cast<uint64_t>(n);
+  }
+  return UCS_OK;
+}
+
 void OnGetDone(void* request, ucs_status_t status, void* user_data) {
   auto* c = static_cast<GetContext*>(user_data);
   c->pull->Complete(c->op, status);
@@ -162,7 +189,7 @@ std::atomic<uint64_t> process_bytes[kCountedRanks];
 class UcxVersion final : public IncomingVersion {
  public:
   UcxVersion(UcxSubscriber* owner, uint64_t generation, uint64_t lease_id, Manifest manifest,
-             std::vector<GrantRegion> regions, std::vector<uint64_t> offsets, std::string source,
+             std::vector<LayoutRegion> regions, std::vector<uint64_t> offsets, std::string source,
              absl::Time asked)
       : owner_(owner),
         generation_(generation),
@@ -175,6 +202,7 @@ class UcxVersion final : public IncomingVersion {
   ~UcxVersion() override;
 
   const Manifest& manifest() const override { return manifest_; }
+  bool sealed() const override { return sealed_; }
   absl::Status Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
                      absl::Time deadline) override;
   absl::Status FetchRanges(absl::Span<const RangeRead> reads, absl::Time deadline) override;
@@ -190,11 +218,21 @@ class UcxVersion final : public IncomingVersion {
   UcxSubscriber* owner_;
   uint64_t generation_;
   uint64_t lease_id_;
-  Manifest manifest_;
-  std::vector<GrantRegion> regions_;  // ascending base, contiguous from 0
-  std::vector<uint64_t> offsets_;     // per tensor, in the slot's byte range
+  Manifest manifest_;                  // as announced; the sealed manifest once sealed_
+  std::vector<LayoutRegion> regions_;  // ascending base, contiguous from 0
+  std::vector<uint64_t> offsets_;      // per tensor, in the slot's byte range
+  // The version descriptor (descriptor.h): where it is, its readiness granularity, which chunks
+  // are known to be staged (all of them once sealed_), and whether the seal is in.
+  GrantRegion descriptor_;
+  uint64_t chunk_bytes_ = 0;
+  uint64_t nchunks_ = 0;
+  std::vector<bool> ready_;
+  uint64_t ready_count_ = 0;
+  bool sealed_ = false;
+  bool all_ready() const { return ready_count_ == nchunks_; }
   std::string source_;
-  std::vector<GroupMember> members_;  // of a group version (GrantBody::members)
+  std::vector<GroupMember> members_;  // of a group version (VersionLayout::members)
+  uint64_t pid_ = 0;                  // VersionLayout::pid
   // The publisher's lease runs from when it granted the version or from the last renewal it
   // accepted (RENEWED valid); both happened after we sent the request or that renewal, so the
   // lease certainly lasts until lease_base_ + lease, by our own MonotonicNow() clock.
@@ -242,19 +280,27 @@ class UcxSubscriber final : public TransportSubscriber {
   // A wait in flight returns Cancelled within about 50 ms (Await receives in slices and checks
   // the flag); so does every later call. Only sets an atomic flag: safe from any thread.
   void Cancel() override { cancelled_.store(true); }
+  void AcceptUnsealedVersions() override { accept_unsealed_.store(true); }
   UcxSubscriberCounters counters() {
     UcxSubscriberCounters c;
     {
       absl::MutexLock lock(&mu_);
-      c = UcxSubscriberCounters{registrations_.registrations(),
-                                gets_.load(std::memory_order_relaxed),
-                                {bytes_.load(std::memory_order_relaxed)}};
+      c.registrations = registrations_.registrations();
+      c.gets = gets_.load(std::memory_order_relaxed);
+      c.bytes_by_rank = {bytes_.load(std::memory_order_relaxed)};
+      c.control_bytes_sent = control_sent_ + (session_ ? session_->control.bytes_sent() : 0);
+      c.control_bytes_received =
+          control_received_ + (session_ ? session_->control.bytes_received() : 0);
+      c.descriptor_bytes = descriptor_bytes_;
     }
     absl::MutexLock lock(&members_mu_);
     for (const auto& [rank, sub] : member_of_rank_) {
       const UcxSubscriberCounters m = sub->counters();
       c.registrations += m.registrations;
       c.gets += m.gets;
+      c.control_bytes_sent += m.control_bytes_sent;
+      c.control_bytes_received += m.control_bytes_received;
+      c.descriptor_bytes += m.descriptor_bytes;
       if (c.bytes_by_rank.size() <= static_cast<size_t>(rank)) c.bytes_by_rank.resize(rank + 1, 0);
       c.bytes_by_rank[rank] += m.bytes_by_rank[0];
     }
@@ -292,8 +338,40 @@ class UcxSubscriber final : public TransportSubscriber {
   // `in_fetch` (the core prefixes Fetch errors itself).
   absl::Status SessionLost(const absl::Status& why, std::string_view during, bool in_fetch = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<std::unique_ptr<IncomingVersion>> ParseGrant(const Frame& f, absl::Time asked)
+  // The version a GRANT leases: reads its descriptor's header, readiness words and layout (and
+  // its seal once sealed), checks them, and, unless unsealed versions are accepted, waits for
+  // the seal. A failure releases the lease.
+  absl::StatusOr<std::unique_ptr<IncomingVersion>> OpenGrant(const Frame& f, absl::Time asked,
+                                                             absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Descriptor bytes [offset, offset + length) of the version leased as `lease` (one get, or
+  // READs over the control connection), by `deadline`. Errors as a transfer's.
+  absl::StatusOr<std::string> ReadDescriptor(uint64_t lease, const GrantRegion& descriptor,
+                                             uint64_t offset, uint64_t length, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reads the seal of `v`, sealed as `header` says, and applies it to v's manifest.
+  absl::Status ReadSeal(UcxVersion& v, const DescriptorHeader& header, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Polls v's descriptor header until the version is sealed (then reads the seal), keeping the
+  // lease and watching the control connection. Errors: Aborted (its Publish failed),
+  // DeadlineExceeded, Unavailable.
+  absl::Status AwaitSeal(UcxVersion& v, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a transfer of `v` does between gets: handles the control frames that arrived (RENEWED,
+  // ABORTED, ERROR, strays) and renews the lease every quarter of it (`renew_sent`: a RENEW
+  // awaiting its RENEWED).
+  absl::Status ServiceControl(UcxVersion& v, std::optional<absl::Time>& renew_sent,
+                              absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The status of a lease ended by ABORTED (`message`), or OK.
+  absl::Status AbortedStatus(const UcxVersion& v) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The unpacked remote key of region `id` on the session's endpoint (unpacked once).
+  absl::StatusOr<ucp_rkey_h> RkeyOf(uint64_t id, const std::string& packed, std::string_view what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether v's kCrossMemoryAttach regions can be read with process_vm_readv from here: the
+  // publisher is on this host and a probe read of v's descriptor header that way matches it.
+  bool CanAttach(const UcxVersion& v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Force-closes the session's endpoint and waits until `*inflight` gets are complete (they
+  // write into the caller's memory), then closes the session.
+  void AbandonGets(const uint64_t* inflight) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PullBytes(UcxVersion& v, const Pieces& pieces, LandingSink& sink,
                          absl::Time deadline, uint64_t* inflight_left)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -328,6 +406,14 @@ class UcxSubscriber final : public TransportSubscriber {
   uint64_t next_request_ ABSL_GUARDED_BY(mu_) = 1;
   bool try_peer_errors_ ABSL_GUARDED_BY(mu_) = true;
   std::atomic<bool> cancelled_{false};
+  std::atomic<bool> accept_unsealed_{false};
+  // Leases the publisher ended with ABORTED while nobody was transferring them: lease id ->
+  // the status (Aborted, its message), until the version is released.
+  std::map<uint64_t, absl::Status> aborted_ ABSL_GUARDED_BY(mu_);
+  // Counters of sessions already closed, and of descriptor reads.
+  uint64_t control_sent_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t control_received_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t descriptor_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<uint64_t> gets_{0};   // UcxSubscriberCounters::gets
   std::atomic<uint64_t> bytes_{0};  // UcxSubscriberCounters::bytes_by_rank (this publisher's)
   // The subscribers of a group's other ranks, by address ("host port").
@@ -341,7 +427,9 @@ class UcxSubscriber final : public TransportSubscriber {
   const std::string description_;
 };
 
-UcxVersion::~UcxVersion() { owner_->Release(*this); }
+UcxVersion::~UcxVersion() {
+  if (!released_) owner_->Release(*this);
+}
 
 absl::Status UcxVersion::Fetch(absl::Span<std::byte* const> targets, LandingSink& sink,
                                absl::Time deadline) {
@@ -516,6 +604,8 @@ void UcxVersion::Accepted() { owner_->Accepted(*this); }
 void UcxSubscriber::CloseSession() {
   if (!session_) return;
   Session& s = *session_;
+  control_sent_ += s.control.bytes_sent();
+  control_received_ += s.control.bytes_received();
   s.rkeys.clear();  // before the endpoint, as UCX requires
   if (s.ep != nullptr) {
     ucp_request_param_t param{};
@@ -657,6 +747,7 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline, std::string_view 
     s->bytes_over_control = local ? !(rma_.one_host || rma_.network) : !rma_.network;
   }
   if (welcome->has_newest) s->newest = welcome->newest;
+  s->local = PeerIsLocal(s->control.fd());
   s->publisher = absl::StrFormat("publisher %s at %s", welcome->description, where);
   s->control.set_peer(s->publisher);
   if (s->bytes_over_control) {
@@ -718,6 +809,16 @@ void UcxSubscriber::HandleStray(const Frame& f) {
       if (absl::StatusOr<GrantMsg> g = DecodeGrant(f.payload); g.ok()) {
         (void)session_->control.Send(Encode(ReleaseMsg{g->lease, false}),
                                      absl::Now() + absl::Seconds(1));
+      }
+      break;
+    }
+    case MsgType::kAborted: {
+      // A version whose Publish failed (or a zero-copy Publish that returned): its transfer
+      // fails when it looks (AbortedStatus).
+      if (absl::StatusOr<AbortedMsg> a = DecodeAborted(f.payload); a.ok()) {
+        aborted_[a->lease] =
+            absl::AbortedError(absl::StrFormat("%s: %s", session_->publisher, a->message));
+        if (aborted_.size() > 4096) aborted_.erase(aborted_.begin());
       }
       break;
     }
@@ -799,11 +900,297 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::Request(uint64_t
         StatusCodeFromWire(refused->code, absl::StatusCode::kInternal),
         absl::StrFormat("%s: %s: %s", endpoint_.display, session_->publisher, refused->message));
   }
-  return ParseGrant(*f, asked);
+  return OpenGrant(*f, asked, deadline);
 }
 
-absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const Frame& f,
-                                                                           absl::Time asked) {
+absl::StatusOr<ucp_rkey_h> UcxSubscriber::RkeyOf(uint64_t id, const std::string& packed,
+                                                 std::string_view what) {
+  Session& s = *session_;
+  auto it = s.rkeys.find(id);
+  if (it == s.rkeys.end()) {
+    WB_ASSIGN_OR_RETURN(std::unique_ptr<RemoteKey> key, RemoteKey::Unpack(s.ep, packed, what));
+    it = s.rkeys.emplace(id, std::move(key)).first;
+  }
+  return it->second->get();
+}
+
+void UcxSubscriber::AbandonGets(const uint64_t* inflight) {
+  ucp_worker_h worker = worker_->get();
+  Session* gone = session_.get();
+  const std::string publisher = gone->publisher;
+  gone->rkeys.clear();
+  if (gone->ep != nullptr) {
+    // Force-close the endpoint now, while the targets are alive: every outstanding get
+    // completes (canceled) inside this.
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = gone->peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    (void)WaitRequest(worker, ucp_ep_close_nbx(gone->ep, &param), absl::Now() + absl::Seconds(5));
+    gone->ep = nullptr;
+  }
+  // Without FORCE the close flushes: the gets complete or fail. Bounded CPU wait after that.
+  const absl::Time limit = absl::Now() + absl::Seconds(5);
+  while (*inflight > 0 && absl::Now() < limit) {
+    if (ucp_worker_progress(worker) == 0) absl::SleepFor(absl::Microseconds(50));
+  }
+  if (*inflight > 0) {
+    // Cannot happen with UCX's documented close semantics; never return while gets may
+    // still write into the caller's buffers.
+    Log(LogLevel::kError,
+        "%s: %d gets still outstanding 5 s after closing the endpoint to %s; waiting for them",
+        endpoint_.display, *inflight, publisher);
+    while (*inflight > 0) {
+      if (ucp_worker_progress(worker) == 0) absl::SleepFor(absl::Milliseconds(1));
+    }
+  }
+  CloseSession();
+}
+
+namespace {
+
+// One get whose completion a blocking caller waits for.
+struct PendingGet {
+  uint64_t inflight = 0;
+  ucs_status_t status = UCS_OK;
+};
+
+void OnPendingGetDone(void* request, ucs_status_t status, void* user_data) {
+  auto* g = static_cast<PendingGet*>(user_data);
+  if (status != UCS_OK) g->status = status;
+  --g->inflight;
+  ucp_request_free(request);
+}
+
+}  // namespace
+
+bool UcxSubscriber::CanAttach(const UcxVersion& v) {
+  Session& s = *session_;
+  if (s.attach && s.attach_pid == v.pid_) return *s.attach;
+  s.attach_pid = v.pid_;
+  s.attach = false;
+  if (!s.local || v.pid_ == 0 || v.pid_ > static_cast<uint64_t>(INT32_MAX)) return false;
+  // The publisher's pid as it sees it names the same process here only in the same pid
+  // namespace: a probe read of the version's descriptor header must give what UCX gave.
+  char probe[kDescriptorHeaderBytes];
+  iovec local{probe, sizeof(probe)};
+  iovec remote{reinterpret_cast<void*>(v.descriptor_.address), sizeof(probe)};
+  const ssize_t n = ::process_vm_readv(static_cast<pid_t>(v.pid_), &local, 1, &remote, 1, 0);
+  const int err = errno;
+  absl::StatusOr<DescriptorHeader> h =
+      n == static_cast<ssize_t>(sizeof(probe))
+          ? DecodeHeader(std::string_view(probe, sizeof(probe)))
+          : absl::StatusOr<DescriptorHeader>(absl::UnavailableError(strerror(err)));
+  s.attach = h.ok() && h->version == v.manifest_.version;
+  if (!*s.attach) {
+    Log(LogLevel::kWarn,
+        "%s: cannot read the memory of %s (pid %d) with process_vm_readv (%s): its zero-copy "
+        "regions are read with UCX's software-emulated gets, through its progress thread "
+        "(slow; allow ptrace between the processes, e.g. the same user and no Yama restriction)",
+        endpoint_.display, s.publisher, v.pid_,
+        h.ok() ? "another process with that pid" : std::string(h.status().message()));
+  }
+  return *s.attach;
+}
+
+absl::StatusOr<std::string> UcxSubscriber::ReadDescriptor(uint64_t lease,
+                                                          const GrantRegion& descriptor,
+                                                          uint64_t offset, uint64_t length,
+                                                          absl::Time deadline) {
+  uint64_t end = 0;
+  if (__builtin_add_overflow(offset, length, &end) || end > descriptor.length) {
+    return absl::DataLossError(
+        absl::StrFormat("version descriptor bytes [%d, +%d) lie outside its region of %d bytes",
+                        offset, length, descriptor.length));
+  }
+  std::string out(length, '\0');
+  descriptor_bytes_ += length;
+  if (length == 0) return out;
+  Session& s = *session_;
+  if (s.bytes_over_control) {
+    // READs of at most 16 MiB (a DATA frame is held whole on both sides).
+    constexpr uint64_t kPiece = uint64_t{16} << 20;
+    for (uint64_t at = 0; at < length; at += kPiece) {
+      const uint64_t n = std::min(kPiece, length - at);
+      const uint64_t request = next_request_++;
+      absl::Status sent = s.control.Send(
+          Encode(ReadMsg{request, lease, descriptor.base + offset + at, n}), deadline);
+      if (!sent.ok()) return sent;
+      WB_ASSIGN_OR_RETURN(Frame f, Await(deadline, [&](const Frame& f) {
+                            return f.type == MsgType::kData && LeadingId(f.payload) == request;
+                          }));
+      WB_ASSIGN_OR_RETURN(DataMsg data, DecodeData(f.payload));
+      if (auto aborted = aborted_.find(lease); !data.ok && aborted != aborted_.end()) {
+        return aborted->second;  // the lease ended with ABORTED before this READ was answered
+      }
+      if (!data.ok || data.bytes.size() != n) {
+        return absl::UnavailableError(
+            absl::StrFormat("%s could not serve the version descriptor: %s", s.publisher,
+                            data.ok ? absl::StrFormat("%d bytes for %d", data.bytes.size(), n)
+                                    : std::string(data.bytes)));
+      }
+      std::memcpy(out.data() + at, data.bytes.data(), n);
+    }
+    return out;
+  }
+  WB_ASSIGN_OR_RETURN(ucp_rkey_h rkey,
+                      RkeyOf(descriptor.id, descriptor.rkey,
+                             absl::StrFormat("the version descriptor (region %d) of %s",
+                                             descriptor.id, s.publisher)));
+  PendingGet get;
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = &OnPendingGetDone;
+  param.user_data = &get;
+  ++get.inflight;
+  ucs_status_ptr_t req =
+      ucp_get_nbx(s.ep, out.data(), length, descriptor.address + offset, rkey, &param);
+  if (req == nullptr) {
+    --get.inflight;
+  } else if (UCS_PTR_IS_ERR(req)) {
+    --get.inflight;
+    get.status = UCS_PTR_STATUS(req);
+  }
+  while (get.inflight > 0) {
+    if (ucp_worker_progress(worker_->get()) != 0) continue;
+    if (s.ep_status != UCS_OK || absl::Now() > deadline) {
+      const bool late = s.ep_status == UCS_OK;
+      AbandonGets(&get.inflight);
+      if (late) {
+        return absl::DeadlineExceededError(absl::StrFormat(
+            "reading the version descriptor from %s did not finish by the deadline", s.publisher));
+      }
+      return absl::UnavailableError("the UCX endpoint to the publisher failed");
+    }
+  }
+  if (get.status != UCS_OK) {
+    return UcsError(get.status,
+                    absl::StrFormat("reading the version descriptor from %s", s.publisher));
+  }
+  return out;
+}
+
+absl::Status UcxSubscriber::AbortedStatus(const UcxVersion& v) const {
+  auto it = aborted_.find(v.lease_id_);
+  return it == aborted_.end() ? absl::OkStatus() : it->second;
+}
+
+absl::Status UcxSubscriber::ReadSeal(UcxVersion& v, const DescriptorHeader& header,
+                                     absl::Time deadline) {
+  WB_ASSIGN_OR_RETURN(
+      std::string bytes,
+      ReadDescriptor(v.lease_id_, v.descriptor_, header.seal_offset, header.seal_bytes, deadline));
+  absl::StatusOr<VersionSeal> seal = DecodeSeal(bytes);
+  absl::StatusOr<Manifest> sealed =
+      seal.ok() ? ApplySeal(v.manifest_, *seal) : absl::StatusOr<Manifest>(seal.status());
+  if (!sealed.ok()) {
+    return absl::DataLossError(absl::StrFormat("%s sealed version %d with a %s", v.source_,
+                                               v.manifest_.version, sealed.status().message()));
+  }
+  v.manifest_ = *std::move(sealed);
+  v.sealed_ = true;
+  v.ready_.assign(v.nchunks_, true);
+  v.ready_count_ = v.nchunks_;
+  return absl::OkStatus();
+}
+
+absl::Status UcxSubscriber::ServiceControl(UcxVersion& v, std::optional<absl::Time>& renew_sent,
+                                           absl::Time deadline) {
+  Session& s = *session_;
+  const uint64_t version = v.manifest_.version;
+  while (true) {
+    absl::StatusOr<std::optional<Frame>> f = s.control.Poll();
+    if (!f.ok()) {
+      return absl::UnavailableError(
+          absl::StrFormat("%s while version %d was being received", f.status().message(), version));
+    }
+    if (!f->has_value()) break;
+    const Frame& frame = **f;
+    if (frame.type == MsgType::kRenewed) {
+      absl::StatusOr<RenewedMsg> renewed = DecodeRenewed(frame.payload);
+      if (!renewed.ok()) {
+        return absl::DataLossError(
+            absl::StrFormat("%s sent a %s while version %d was being received", s.publisher,
+                            renewed.status().message(), version));
+      }
+      if (renewed->lease == v.lease_id_ && renew_sent) {
+        if (!renewed->valid) {
+          WB_RETURN_IF_ERROR(AbortedStatus(v));
+          return absl::UnavailableError(absl::StrFormat(
+              "the hold on version %d expired before the transfer finished (lease %s); %s may "
+              "have reused its memory, so the bytes are not trusted",
+              version, absl::FormatDuration(s.lease), s.publisher));
+        }
+        v.lease_base_ = *renew_sent;
+        renew_sent.reset();
+      }
+      continue;
+    }
+    if (frame.type == MsgType::kError) {
+      return absl::UnavailableError(
+          absl::StrFormat("%s ended the session while version %d was being received: %s",
+                          s.publisher, version, ErrorStatus(frame.payload, "").message()));
+    }
+    const std::string publisher_name = s.publisher;
+    HandleStray(frame);  // ABORTED is recorded there
+    if (!session_) {
+      return absl::UnavailableError(
+          absl::StrFormat("the session with %s ended while version %d was being received",
+                          publisher_name, version));
+    }
+    WB_RETURN_IF_ERROR(AbortedStatus(v));
+  }
+  const absl::Time mono = MonotonicNow();
+  if (!renew_sent && mono - v.lease_base_ > s.lease / 4) {
+    WB_RETURN_IF_ERROR(
+        s.control.Send(Encode(RenewMsg{v.lease_id_}), std::min(deadline, absl::Now() + s.lease)));
+    renew_sent = mono;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status UcxSubscriber::AwaitSeal(UcxVersion& v, absl::Time deadline) {
+  const uint64_t version = v.manifest_.version;
+  absl::Duration backoff = absl::Microseconds(20);
+  std::optional<absl::Time> renew_sent;
+  while (true) {
+    WB_RETURN_IF_ERROR(AbortedStatus(v));
+    WB_ASSIGN_OR_RETURN(std::string bytes, ReadDescriptor(v.lease_id_, v.descriptor_, 0,
+                                                          kDescriptorHeaderBytes, deadline));
+    absl::StatusOr<DescriptorHeader> h = DecodeHeader(bytes);
+    if (!h.ok()) {
+      return absl::DataLossError(absl::StrFormat("%s: the descriptor of version %d: %s", v.source_,
+                                                 version, h.status().message()));
+    }
+    if (h->version != version || h->state == static_cast<uint64_t>(VersionState::kAborted)) {
+      WB_RETURN_IF_ERROR(ServiceControl(v, renew_sent, deadline));  // its ABORTED, if in
+      return absl::AbortedError(absl::StrFormat(
+          "%s gave up publishing version %d before sealing it (its Publish failed); nothing of "
+          "it may be used",
+          v.source_, version));
+    }
+    if (h->state == static_cast<uint64_t>(VersionState::kSealed)) {
+      return ReadSeal(v, *h, deadline);
+    }
+    if (backoff == absl::Microseconds(20)) {
+      // Fault injection: every byte asked for is in (or not needed), the seal is not.
+      WB_RETURN_IF_ERROR(failpoints_.Hit("ucx.seal_wait"));
+    }
+    WB_RETURN_IF_ERROR(ServiceControl(v, renew_sent, deadline));
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrFormat(
+          "version %d was announced by %s but not sealed by the deadline (its publisher is still "
+          "staging or checksumming it)",
+          version, v.source_));
+    }
+    if (cancelled_.load()) return CancelledStatus();
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Milliseconds(1));
+  }
+}
+
+absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::OpenGrant(const Frame& f,
+                                                                          absl::Time asked,
+                                                                          absl::Time deadline) {
   const std::string source = session_->publisher;
   absl::StatusOr<GrantMsg> grant = DecodeGrant(f.payload);
   if (!grant.ok()) {
@@ -817,33 +1204,78 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const
         absl::StrFormat("%s: %s sent a %s", endpoint_.display, source, grant.status().message()));
   }
   const uint64_t lease = grant->lease;
-  const uint64_t lease_ns = grant->lease_ns;
-  const uint64_t version = grant->body.version;
-  const std::string& manifest_json = grant->body.manifest_json;
-  std::vector<GrantRegion>& regions = grant->body.regions;
-  std::vector<uint64_t>& offsets = grant->body.offsets;
-  const std::vector<uint64_t>& live = grant->live;
+  const uint64_t version = grant->version;
+  const GrantRegion& d = grant->descriptor;
+  session_->lease = absl::Nanoseconds(static_cast<int64_t>(grant->lease_ns));
+  auto release = [&] {
+    if (session_) {
+      (void)session_->control.Send(Encode(ReleaseMsg{lease, false}),
+                                   absl::Now() + absl::Seconds(1));
+    }
+    aborted_.erase(lease);
+  };
   auto malformed = [&](const std::string& why) {
-    (void)session_->control.Send(Encode(ReleaseMsg{lease, false}), absl::Now() + absl::Seconds(1));
+    release();
     return absl::DataLossError(absl::StrFormat("%s: %s sent a malformed grant of version %d: %s",
                                                endpoint_.display, source, version, why));
   };
-  session_->lease = absl::Nanoseconds(static_cast<int64_t>(lease_ns));
-  absl::StatusOr<Manifest> manifest =
-      Manifest::FromJson(manifest_json, absl::StrFormat("the manifest granted by %s", source));
+  // Failures of reading what the grant points at: the lease goes back (a broken or abandoned
+  // connection is closed, the next call reconnects).
+  auto failed = [&](const absl::Status& why) {
+    if (!session_ || absl::IsUnavailable(why) || absl::IsDeadlineExceeded(why)) {
+      const absl::Status s = SessionLost(why, absl::StrFormat("while opening version %d", version));
+      aborted_.erase(lease);
+      return s;
+    }
+    release();
+    return absl::Status(why.code(), absl::StrFormat("%s: %s", endpoint_.display, why.message()));
+  };
+  uint64_t end = 0;
+  constexpr uint64_t kMaxPrefix = uint64_t{1} << 30;
+  if (d.length < kDescriptorHeaderBytes || grant->prefix < kDescriptorHeaderBytes ||
+      grant->prefix > d.length || grant->prefix > kMaxPrefix ||
+      __builtin_add_overflow(d.address, d.length, &end)) {
+    return malformed(absl::StrFormat("a version descriptor of %d bytes at 0x%x with a prefix of %d",
+                                     d.length, d.address, grant->prefix));
+  }
+  absl::StatusOr<std::string> prefix = ReadDescriptor(lease, d, 0, grant->prefix, deadline);
+  if (!prefix.ok()) return failed(prefix.status());
+  absl::StatusOr<DescriptorHeader> header =
+      DecodeHeader(std::string_view(*prefix).substr(0, kDescriptorHeaderBytes));
+  if (!header.ok()) return malformed(std::string(header.status().message()));
+  const DescriptorHeader& h = *header;
+  uint64_t layout_end = 0;
+  if (h.version != version || h.nchunks > (h.layout_offset - kDescriptorHeaderBytes) / 8 ||
+      h.layout_offset < kDescriptorHeaderBytes ||
+      __builtin_add_overflow(h.layout_offset, h.layout_bytes, &layout_end) ||
+      layout_end > prefix->size()) {
+    return malformed(absl::StrFormat(
+        "its descriptor describes version %d with %d chunks and a layout at [%d, +%d) of a "
+        "%d-byte prefix",
+        h.version, h.nchunks, h.layout_offset, h.layout_bytes, prefix->size()));
+  }
+  absl::StatusOr<VersionLayout> layout =
+      DecodeLayout(std::string_view(*prefix).substr(h.layout_offset, h.layout_bytes));
+  if (!layout.ok()) return malformed(std::string(layout.status().message()));
+  absl::StatusOr<Manifest> manifest = Manifest::FromJson(
+      layout->manifest_json, absl::StrFormat("the manifest granted by %s", source));
   if (!manifest.ok()) return malformed(std::string(manifest.status().message()));
-  if (manifest->version != version || manifest->tensors.size() != offsets.size()) {
-    return malformed(absl::StrFormat("manifest of version %d with %d tensors for %d offsets",
-                                     manifest->version, manifest->tensors.size(), offsets.size()));
+  std::vector<uint64_t>& offsets = layout->offsets;
+  if (layout->version != version || manifest->version != version ||
+      manifest->tensors.size() != offsets.size()) {
+    return malformed(absl::StrFormat(
+        "layout of version %d, manifest of version %d with %d "
+        "tensors for %d offsets",
+        layout->version, manifest->version, manifest->tensors.size(), offsets.size()));
   }
   // Every sum below is checked for wrapping around 64 bits: a region or tensor whose end
   // overflows would pass a plain comparison.
   uint64_t covered = 0;
-  for (const GrantRegion& g : regions) {
+  for (const LayoutRegion& g : layout->regions) {
     if (g.base != covered || g.length == 0) return malformed("regions do not tile the slot");
-    uint64_t end = 0;
+    uint64_t region_end = 0;
     if (__builtin_add_overflow(covered, g.length, &covered) ||
-        __builtin_add_overflow(g.address, g.length, &end)) {
+        __builtin_add_overflow(g.address, g.length, &region_end)) {
       return malformed(
           absl::StrFormat("region %d (base %d, address 0x%x, %d bytes) ends beyond 2^64", g.id,
                           g.base, g.address, g.length));
@@ -851,7 +1283,7 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const
   }
   // A group version (granted by rank 0) says where each rank serves its parts; rank 0's own
   // lie in this slot, every other rank's in that rank's.
-  std::vector<GroupMember>& members = grant->body.members;
+  std::vector<GroupMember>& members = layout->members;
   const bool group = !members.empty();
   if (group && (!manifest->group || manifest->publisher.world_size < 2 ||
                 members.size() != static_cast<size_t>(manifest->publisher.world_size))) {
@@ -859,21 +1291,54 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::ParseGrant(const
                                      members.size(), manifest->publisher.world_size,
                                      manifest->group ? "" : " (not a group version)"));
   }
+  const uint64_t chunk = layout->chunk_bytes;
   for (size_t i = 0; i < offsets.size(); ++i) {
     const uint64_t n = manifest->tensors[i].nbytes;
     if (group && manifest->tensors[i].owner != 0) continue;
-    if (n > 0 && (offsets[i] > covered || n > covered - offsets[i])) {
-      return malformed(
-          absl::StrFormat("tensor \"%s\" lies outside the slot", manifest->tensors[i].name));
+    if (n > 0 && (offsets[i] > covered || n > covered - offsets[i] ||
+                  (offsets[i] + n - 1) / chunk >= h.nchunks)) {
+      return malformed(absl::StrFormat("tensor \"%s\" lies outside the slot or its chunks",
+                                       manifest->tensors[i].name));
     }
   }
   // Forget remote keys of regions the publisher has freed (a mapped segment stays mapped until
   // its key is destroyed).
+  const std::vector<uint64_t>& live = layout->live;
   std::erase_if(session_->rkeys, [&](const auto& kv) {
     return std::find(live.begin(), live.end(), kv.first) == live.end();
   });
-  auto v = std::make_unique<UcxVersion>(this, session_->generation, lease, *std::move(manifest),
-                                        std::move(regions), std::move(offsets), source, asked);
+  auto v =
+      std::make_unique<UcxVersion>(this, session_->generation, lease, *std::move(manifest),
+                                   std::move(layout->regions), std::move(offsets), source, asked);
+  v->descriptor_ = d;
+  v->pid_ = layout->pid;
+  v->chunk_bytes_ = chunk;
+  v->nchunks_ = h.nchunks;
+  v->ready_.assign(h.nchunks, false);
+  for (uint64_t k = 0; k < h.nchunks; ++k) {
+    if (LoadLe<uint64_t>(prefix->data() + ReadyOffset(k)) == version) {
+      v->ready_[k] = true;
+      ++v->ready_count_;
+    }
+  }
+  absl::Status opened;
+  if (h.state == static_cast<uint64_t>(VersionState::kSealed)) {
+    opened = ReadSeal(*v, h, deadline);
+  } else if (h.state == static_cast<uint64_t>(VersionState::kAborted)) {
+    opened = absl::AbortedError(absl::StrFormat(
+        "%s gave up publishing version %d before sealing it; nothing of it may be used", source,
+        version));
+  } else if (h.state != static_cast<uint64_t>(VersionState::kStaging)) {
+    return malformed(absl::StrFormat("its descriptor is in state %d", h.state));
+  } else if (group || !accept_unsealed_.load()) {
+    // The caller checks manifests before any byte moves (a layer, placements): the version is
+    // handed over once sealed.
+    opened = AwaitSeal(*v, deadline);
+  }
+  if (!opened.ok()) {
+    v->released_ = true;  // released below, or its session is gone
+    return failed(opened);
+  }
   if (!group) return std::unique_ptr<IncomingVersion>(std::move(v));
   v->members_ = std::move(members);
   return std::unique_ptr<IncomingVersion>(new GroupVersion(this, std::move(v)));
@@ -949,6 +1414,11 @@ absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> ta
         "with it)",
         v.source_, v.manifest_.version));
   }
+  if (absl::Status aborted = AbortedStatus(v); !aborted.ok()) {
+    v.released_ = true;
+    aborted_.erase(v.lease_id_);
+    return aborted;
+  }
   const Manifest& m = v.manifest_;
   const size_t n = m.tensors.size();
   if (targets.size() != n) {
@@ -966,6 +1436,21 @@ absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> ta
     if (m.tensors[i].nbytes == 0) sink.Landed(i);
   }
   WB_RETURN_IF_ERROR(PullPieces(v, pieces, sink, deadline));
+  if (!v.sealed_) {
+    // Pipelined: every byte is here; the version counts once its publisher sealed it.
+    absl::Status sealed = AwaitSeal(v, deadline);
+    if (!sealed.ok()) {
+      v.released_ = true;
+      aborted_.erase(v.lease_id_);
+      if (!session_ || absl::IsUnavailable(sealed) || absl::IsDeadlineExceeded(sealed)) {
+        CloseSession();
+      } else {
+        (void)session_->control.Send(Encode(ReleaseMsg{v.lease_id_, false}),
+                                     absl::Now() + absl::Seconds(1));
+      }
+      return sealed;
+    }
+  }
   // Every byte is here. If the lease certainly held until now (see UcxVersion::lease_base_,
   // with a 5% margin for clock rates), release it without waiting. Otherwise release it and
   // learn from the publisher whether it held throughout: if it expired, the publisher may have
@@ -992,6 +1477,7 @@ absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> ta
                         v.source_, released.status().message(), v.manifest_.version));
   }
   if (!released->valid) {
+    WB_RETURN_IF_ERROR(AbortedStatus(v));
     return absl::UnavailableError(absl::StrFormat(
         "the hold on version %d expired before the transfer finished (lease %s); %s may have "
         "reused its memory, so the bytes are not trusted",
@@ -1046,6 +1532,11 @@ absl::Status UcxSubscriber::FetchRanges(UcxVersion& v, absl::Span<const RangeRea
         "connection ended)",
         v.manifest_.version, v.source_));
   }
+  if (!v.sealed_) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("%s: byte ranges of version %d read before it was sealed",
+                        endpoint_.display, v.manifest_.version));
+  }
   const Manifest& m = v.manifest_;
   Pieces pieces;
   for (const RangeRead& r : reads) {
@@ -1078,17 +1569,16 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
   absl::Span<std::byte* const> targets = pc.targets;
   // Remote keys, unpacked once per region and session.
   std::vector<ucp_rkey_h> rkeys(v.regions_.size());
+  std::vector<bool> attach(v.regions_.size(), false);
   for (size_t k = 0; k < v.regions_.size() && !s.bytes_over_control; ++k) {
-    const GrantRegion& g = v.regions_[k];
-    auto it = s.rkeys.find(g.id);
-    if (it == s.rkeys.end()) {
-      WB_ASSIGN_OR_RETURN(
-          std::unique_ptr<RemoteKey> key,
-          RemoteKey::Unpack(s.ep, g.rkey,
-                            absl::StrFormat("staging region %d of %s", g.id, s.publisher)));
-      it = s.rkeys.emplace(g.id, std::move(key)).first;
+    const LayoutRegion& g = v.regions_[k];
+    if ((g.flags & kCrossMemoryAttach) != 0 && CanAttach(v)) {
+      attach[k] = true;  // process_vm_readv: no remote key needed
+      continue;
     }
-    rkeys[k] = it->second->get();
+    WB_ASSIGN_OR_RETURN(
+        rkeys[k],
+        RkeyOf(g.id, g.rkey, absl::StrFormat("staging region %d of %s", g.id, s.publisher)));
   }
 
   Pull pull;
@@ -1104,6 +1594,11 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
   const uint64_t chunk = s.bytes_over_control
                              ? std::min<uint64_t>(options_.get_chunk_size, 16 << 20)
                              : options_.get_chunk_size;
+  // Pipelining: while chunks are still being staged, gets wait for their chunk's readiness word
+  // and never cross a chunk boundary. Over the control connection the publisher holds each READ
+  // until its bytes are staged.
+  const bool gated = !v.all_ready() && !s.bytes_over_control;
+  const uint64_t ready_chunk = v.chunk_bytes_;
 
   // Registrations: one per run of targets that ascend with gaps under a page (every byte of such
   // a gap lies on a page the neighbouring targets occupy, so the run is mapped memory: the
@@ -1134,6 +1629,7 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
     const uint64_t len = std::min<uint64_t>(options_.max_region, end - piece);
     return {registrations_.Get(piece, len), piece + len};
   };
+  std::vector<uint64_t> op_chunk;  // per get, its readiness chunk (gated)
   for (size_t i = 0; i < n;) {
     if (pc.sizes[i] == 0) {
       ++i;
@@ -1160,10 +1656,11 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
       const uint64_t off = pc.offsets[i] + done;
       std::byte* local = targets[i] + done;
       auto region = std::upper_bound(v.regions_.begin(), v.regions_.end(), off,
-                                     [](uint64_t o, const GrantRegion& g) { return o < g.base; });
+                                     [](uint64_t o, const LayoutRegion& g) { return o < g.base; });
       const size_t k = static_cast<size_t>(region - v.regions_.begin()) - 1;
-      const GrantRegion& g = v.regions_[k];
+      const LayoutRegion& g = v.regions_[k];
       uint64_t len = std::min({chunk, run_len - done, g.base + g.length - off});
+      if (gated) len = std::min(len, (off / ready_chunk + 1) * ready_chunk - off);
       ucp_mem_h memh = nullptr;
       if (!s.bytes_over_control) {
         const auto [handle, piece_end] = registration(reg_run_of[i], local);
@@ -1182,7 +1679,9 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
         pull.end_op[w] = op + 1;
       }
       pull.ops.push_back(GetOp{t, u, s.bytes_over_control ? nullptr : rkeys[k],
-                               g.address + (off - g.base), local, len, off, memh});
+                               g.address + (off - g.base), local, len, off, memh,
+                               !s.bytes_over_control && attach[k]});
+      if (gated) op_chunk.push_back(off / ready_chunk);
       done += len;
       total += len;
     }
@@ -1205,44 +1704,150 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
 
   ucp_worker_h worker = worker_->get();
   const uint64_t window = static_cast<uint64_t>(options_.gets_in_flight);
-  size_t next = 0;
+  std::vector<bool> issued(pull.ops.size(), false);
+  size_t first_unissued = 0;  // every get before it is issued
+  size_t issued_count = 0;
   uint64_t issued_bytes = 0;
   std::optional<absl::Time> renew_sent;  // a RENEW awaiting its RENEWED
   absl::Time last_check = absl::InfinitePast();
+  // Readiness polls (gated): the header and a window of readiness words, read asynchronously.
+  constexpr uint64_t kPollWords = 1024;
+  std::string poll_header(kDescriptorHeaderBytes, '\0'), poll_words(8 * kPollWords, '\0');
+  PendingGet poll;
+  uint64_t poll_lo = 0, poll_hi = 0;
+  absl::Duration backoff = absl::Microseconds(20);
+  absl::Time next_poll = absl::InfinitePast();
+  uint64_t polls = 0, waits = 0;
+  ucp_rkey_h descriptor_rkey = nullptr;
+  if (gated) {
+    WB_ASSIGN_OR_RETURN(descriptor_rkey,
+                        RkeyOf(v.descriptor_.id, v.descriptor_.rkey,
+                               absl::StrFormat("the version descriptor of %s", s.publisher)));
+  }
   absl::Status status;
   while (true) {
     // Issue a bounded burst: shared-memory gets complete inside ucp_get_nbx, and the checks
-    // below must still run while a large version streams in.
-    for (int burst = 0;
-         burst < 16 && pull.error.ok() && pull.inflight < window && next < pull.ops.size();
-         ++burst) {
-      const GetOp& op = pull.ops[next];
-      contexts[next] = GetContext{&pull, next};
+    // below must still run while a large version streams in. Gets go in slot order, each once
+    // its chunk is staged (a look-ahead of a few hundred past a chunk not staged yet).
+    bool blocked = false;  // a get waits for its chunk
+    uint64_t wanted_chunk = 0;
+    int burst = 0;
+    for (size_t k = first_unissued; k < pull.ops.size() && k < first_unissued + 256 && burst < 16 &&
+                                    pull.error.ok() && pull.inflight < window;
+         ++k) {
+      if (issued[k]) continue;
+      if (gated && !v.ready_[op_chunk[k]]) {
+        if (!blocked) wanted_chunk = op_chunk[k];
+        blocked = true;
+        continue;
+      }
+      const GetOp& op = pull.ops[k];
+      contexts[k] = GetContext{&pull, k};
       ucp_request_param_t param{};
       param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       param.cb.send = &OnGetDone;
-      param.user_data = &contexts[next];
+      param.user_data = &contexts[k];
       if (op.memh != nullptr) {
         param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
         param.memh = op.memh;
       }
       ++pull.inflight;
-      ucs_status_ptr_t req = ucp_get_nbx(s.ep, op.local, op.length, op.remote, op.rkey, &param);
-      if (req == nullptr) {
-        pull.Complete(next, UCS_OK);
-      } else if (UCS_PTR_IS_ERR(req)) {
-        pull.Complete(next, UCS_PTR_STATUS(req));
+      issued[k] = true;
+      ++issued_count;
+      ++burst;
+      if (op.attach) {
+        pull.Complete(k, AttachRead(v.pid_, op.local, op.remote, op.length));
+      } else {
+        ucs_status_ptr_t req = ucp_get_nbx(s.ep, op.local, op.length, op.remote, op.rkey, &param);
+        if (req == nullptr) {
+          pull.Complete(k, UCS_OK);
+        } else if (UCS_PTR_IS_ERR(req)) {
+          pull.Complete(k, UCS_PTR_STATUS(req));
+        }
       }
       issued_bytes += op.length;
-      ++next;
-      status = pull.Midpoint(failpoints_, issued_bytes, total, next);
+      status = pull.Midpoint(failpoints_, issued_bytes, total, issued_count);
       if (!status.ok()) break;
     }
+    while (first_unissued < pull.ops.size() && issued[first_unissued]) ++first_unissued;
     if (!status.ok() || !pull.error.ok()) break;
-    if (next == pull.ops.size() && pull.inflight == 0) break;
+    if (issued_count == pull.ops.size() && pull.inflight == 0) break;
+    if (first_unissued < pull.ops.size() && !blocked && burst == 0 && pull.inflight < window) {
+      // Every get in the look-ahead is issued but later ones wait: the first unissued one.
+      blocked = gated && !v.ready_[op_chunk[first_unissued]];
+      wanted_chunk = gated ? op_chunk[first_unissued] : 0;
+    }
+    // Readiness: poll the descriptor for chunks staged since (with a backoff while nothing new
+    // comes), and take in the answer of the poll in flight.
+    if (gated && poll.inflight == 0 && poll_hi > poll_lo) {
+      if (poll.status != UCS_OK) {
+        status = UcsError(poll.status, absl::StrFormat("reading readiness of version %d from %s",
+                                                       m.version, s.publisher));
+        break;
+      }
+      absl::StatusOr<DescriptorHeader> h = DecodeHeader(poll_header);
+      if (!h.ok() || h->version != m.version ||
+          h->state == static_cast<uint64_t>(VersionState::kAborted)) {
+        status = AbortedStatus(v);
+        if (status.ok()) {
+          status = absl::AbortedError(absl::StrFormat(
+              "%s gave up publishing version %d before sealing it (its Publish failed); nothing "
+              "of it may be used",
+              v.source_, m.version));
+        }
+        break;
+      }
+      bool fresh = false;
+      for (uint64_t c = poll_lo; c < poll_hi; ++c) {
+        if (!v.ready_[c] && LoadLe<uint64_t>(poll_words.data() + 8 * (c - poll_lo)) == m.version) {
+          v.ready_[c] = true;
+          ++v.ready_count_;
+          fresh = true;
+        }
+      }
+      backoff = fresh ? absl::Microseconds(20) : std::min(backoff * 2, absl::Microseconds(500));
+      next_poll = absl::Now() + (fresh ? absl::ZeroDuration() : backoff);
+      poll_lo = poll_hi = 0;
+      continue;
+    }
+    const absl::Time before_progress = absl::Now();
+    if (blocked && poll.inflight == 0 && before_progress >= next_poll) {
+      poll_lo = wanted_chunk;
+      poll_hi = std::min(v.nchunks_, poll_lo + kPollWords);
+      ++polls;
+      for (auto [offset, length, into] :
+           {std::tuple{uint64_t{0}, kDescriptorHeaderBytes, poll_header.data()},
+            std::tuple{ReadyOffset(poll_lo), 8 * (poll_hi - poll_lo), poll_words.data()}}) {
+        ucp_request_param_t param{};
+        param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+        param.cb.send = &OnPendingGetDone;
+        param.user_data = &poll;
+        ++poll.inflight;
+        ucs_status_ptr_t req = ucp_get_nbx(s.ep, into, length, v.descriptor_.address + offset,
+                                           descriptor_rkey, &param);
+        if (req == nullptr) {
+          --poll.inflight;
+        } else if (UCS_PTR_IS_ERR(req)) {
+          --poll.inflight;
+          poll.status = UCS_PTR_STATUS(req);
+        }
+      }
+      descriptor_bytes_ += kDescriptorHeaderBytes + 8 * (poll_hi - poll_lo);
+      continue;
+    }
     const unsigned progressed = ucp_worker_progress(worker);
-    status = pull.Midpoint(failpoints_, issued_bytes, total, next);
+    status = pull.Midpoint(failpoints_, issued_bytes, total, issued_count);
     if (!status.ok()) break;
+    if (progressed == 0 && blocked && pull.inflight == 0 && poll.inflight == 0) {
+      // Nothing to do until the publisher stages more: sleep until the next poll instead of
+      // spinning (the publisher's copy threads may need this core).
+      if (waits++ == 0) {
+        // Fault injection: every staged byte asked for, the rest not staged yet.
+        status = failpoints_.Hit("ucx.chunk_wait");
+        if (!status.ok()) break;
+      }
+      absl::SleepFor(std::max(absl::Microseconds(10), next_poll - absl::Now()));
+    }
     // Every millisecond (or when idle): the deadline, the publisher's liveness, the lease.
     const absl::Time now = absl::Now();
     if (progressed != 0 && now - last_check < absl::Milliseconds(1)) continue;
@@ -1257,95 +1862,46 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
     if (now > deadline) {
       status = absl::DeadlineExceededError(absl::StrFormat(
           "receiving version %d from %s did not finish by the deadline (%d of %d bytes "
-          "requested)",
-          m.version, s.publisher, issued_bytes, total));
+          "requested%s)",
+          m.version, s.publisher, issued_bytes, total,
+          gated ? absl::StrFormat(", %d of %d chunks staged", v.ready_count_, v.nchunks_) : ""));
       break;
     }
-    absl::StatusOr<std::optional<Frame>> f = s.control.Poll();
-    if (!f.ok()) {
-      status = absl::UnavailableError(absl::StrFormat("%s while version %d was being received",
-                                                      f.status().message(), m.version));
-      break;
-    }
-    if (f->has_value() && (*f)->type == MsgType::kRenewed) {
-      absl::StatusOr<RenewedMsg> renewed = DecodeRenewed((*f)->payload);
-      if (!renewed.ok()) {
-        status = absl::DataLossError(
-            absl::StrFormat("%s sent a %s while version %d was being "
-                            "received",
-                            s.publisher, renewed.status().message(), m.version));
-        break;
-      }
-      if (renewed->lease == v.lease_id_ && renew_sent) {
-        if (!renewed->valid) {
-          status = absl::UnavailableError(absl::StrFormat(
-              "the hold on version %d expired before the transfer finished (lease %s); %s may "
-              "have reused its memory, so the bytes are not trusted",
-              m.version, absl::FormatDuration(s.lease), s.publisher));
-          break;
-        }
-        v.lease_base_ = *renew_sent;
-        renew_sent.reset();
-      }
-    } else if (f->has_value()) {
-      if ((*f)->type == MsgType::kError) {
-        status = absl::UnavailableError(
-            absl::StrFormat("%s ended the session while version %d was being received: %s",
-                            s.publisher, m.version, ErrorStatus((*f)->payload, "").message()));
-        break;
-      }
-      const std::string publisher_name = s.publisher;
-      HandleStray(**f);
-      if (!session_) {
-        status = absl::UnavailableError(
-            absl::StrFormat("the session with %s ended while version %d was being received",
-                            publisher_name, m.version));
-        break;
-      }
-    }
-    const absl::Time mono = MonotonicNow();
-    if (!renew_sent && mono - v.lease_base_ > s.lease / 4) {
-      absl::Status renewed =
-          s.control.Send(Encode(RenewMsg{v.lease_id_}), std::min(deadline, now + s.lease));
-      if (!renewed.ok()) {
-        status = renewed;
-        break;
-      }
-      renew_sent = mono;
-    }
+    status = ServiceControl(v, renew_sent, deadline);
+    if (!status.ok()) break;
   }
   if (status.ok()) status = pull.error;
-  *inflight_left = pull.inflight;
-  Log(LogLevel::kDebug, "%s: version %d: %d gets of %d bytes in %s (%.2f GB/s), planned in %s",
+  *inflight_left = pull.inflight + poll.inflight;
+  Log(LogLevel::kDebug, "%s: version %d: %d gets of %d bytes in %s (%.2f GB/s), planned in %s%s",
       endpoint_.display, m.version, pull.ops.size(), total,
       absl::FormatDuration(absl::Now() - planned),
       total / 1e9 / std::max(1e-9, absl::ToDoubleSeconds(absl::Now() - planned)),
-      absl::FormatDuration(planned - fetch_start));
-  if (!status.ok() && pull.inflight > 0) {
-    // Force-close the endpoint now, while `state` and the targets are alive: every outstanding
-    // get completes (canceled) inside this.
-    const std::string publisher = s.publisher;
+      absl::FormatDuration(planned - fetch_start),
+      gated ? absl::StrFormat("; pipelined: %d readiness polls, %d waits", polls, waits) : "");
+  if (!status.ok() && *inflight_left > 0) {
+    // Outstanding gets (and a poll) write into memory that must stay alive: abandon them first.
+    ucp_worker_h w = worker_->get();
     Session* gone = session_.get();
     gone->rkeys.clear();
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = gone->peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    (void)WaitRequest(worker, ucp_ep_close_nbx(gone->ep, &param), absl::Now() + absl::Seconds(5));
-    gone->ep = nullptr;
-    // Without FORCE the close flushes: the gets complete or fail. Bounded CPU wait after that.
-    const absl::Time limit = absl::Now() + absl::Seconds(5);
-    while (pull.inflight > 0 && absl::Now() < limit) {
-      if (ucp_worker_progress(worker) == 0) absl::SleepFor(absl::Microseconds(50));
+    if (gone->ep != nullptr) {
+      ucp_request_param_t param{};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      param.flags = gone->peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+      (void)WaitRequest(w, ucp_ep_close_nbx(gone->ep, &param), absl::Now() + absl::Seconds(5));
+      gone->ep = nullptr;
     }
-    if (pull.inflight > 0) {
+    const absl::Time limit = absl::Now() + absl::Seconds(5);
+    while (pull.inflight + poll.inflight > 0 && absl::Now() < limit) {
+      if (ucp_worker_progress(w) == 0) absl::SleepFor(absl::Microseconds(50));
+    }
+    if (pull.inflight + poll.inflight > 0) {
       // Cannot happen with UCX's documented close semantics; never return while gets may
       // still write into the caller's buffers.
       Log(LogLevel::kError,
-          "%s: %d gets still outstanding 5 s after closing the endpoint to "
-          "%s; waiting for them",
-          endpoint_.display, pull.inflight, publisher);
-      while (pull.inflight > 0) {
-        if (ucp_worker_progress(worker) == 0) absl::SleepFor(absl::Milliseconds(1));
+          "%s: %d gets still outstanding 5 s after closing the endpoint to %s; waiting for them",
+          endpoint_.display, pull.inflight + poll.inflight, s.publisher);
+      while (pull.inflight + poll.inflight > 0) {
+        if (ucp_worker_progress(w) == 0) absl::SleepFor(absl::Milliseconds(1));
       }
     }
     *inflight_left = 0;
@@ -1416,6 +1972,7 @@ absl::Status UcxSubscriber::ReadOverControl(UcxVersion& v, Pull& pull, uint64_t 
             s.publisher, k, bytes.size(), m.version));
       }
       if (!ok) {
+        WB_RETURN_IF_ERROR(AbortedStatus(v));
         return absl::UnavailableError(
             absl::StrFormat("%s could not serve bytes of version %d: %s; the bytes are not trusted",
                             s.publisher, m.version, bytes));
@@ -1453,6 +2010,7 @@ absl::Status UcxSubscriber::ReadOverControl(UcxVersion& v, Pull& pull, uint64_t 
             absl::StrFormat("the session with %s ended while version %d was being received",
                             publisher_name, m.version));
       }
+      WB_RETURN_IF_ERROR(AbortedStatus(v));
     }
   }
   return pull.error;
@@ -1460,6 +2018,7 @@ absl::Status UcxSubscriber::ReadOverControl(UcxVersion& v, Pull& pull, uint64_t 
 
 void UcxSubscriber::Release(UcxVersion& v) {
   absl::MutexLock lock(&mu_);
+  aborted_.erase(v.lease_id_);
   if (v.released_) return;
   v.released_ = true;
   if (!session_ || session_->generation != v.generation_) return;

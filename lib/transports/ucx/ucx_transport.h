@@ -51,6 +51,13 @@ struct UcxOptions {
   uint64_t max_region = 0;
   int64_t copy_threads = 0;
   bool cuda_staging = false;
+  // Announce each version before staging it and let subscribers pull each chunk of
+  // `ready_chunk` bytes as soon as it is staged (README.md, "Pipelining").
+  bool pipeline = true;
+  uint64_t ready_chunk = 0;
+  // publish_mode=zero_copy: serve the caller's tensors in place, Publish returning once the
+  // subscribers pulled them (README.md, "Zero-copy publish").
+  bool zero_copy = false;
   // The channel's key (core settings secret_file / secret_env): peers prove it to each other
   // before the publisher sends any manifest or memory key (docs/SECURITY.md).
   std::optional<ChannelKey> key;
@@ -72,6 +79,10 @@ struct UcxPublisherCounters {
   // had READs queued that it could have answered (nothing left to send on that connection): a
   // lost wake-up, each costing up to the 1 s poll timeout. Always 0.
   uint64_t sleeps_with_reads_ready = 0;
+  uint64_t grants = 0;  // GRANT messages sent
+  // READs that waited for their chunk to be staged (a version announced before it was staged).
+  uint64_t reads_held = 0;
+  uint64_t control_bytes_sent = 0;  // bytes written to control connections (frames, DATA too)
 };
 
 // The counters of `publisher` when it is a ucx:// publisher made by OpenUcxPublisher (not
@@ -84,6 +95,11 @@ std::optional<UcxPublisherCounters> PublisherCounters(const TransportPublisher& 
 struct UcxSubscriberCounters {
   uint64_t registrations = 0;  // receive-buffer registrations made (ucp_mem_map)
   uint64_t gets = 0;           // ucp_get_nbx calls, or READs over the control connection
+  // Control-connection bytes this subscriber sent and received (frames; DATA included).
+  uint64_t control_bytes_sent = 0;
+  uint64_t control_bytes_received = 0;
+  // Version-descriptor bytes read (layouts, readiness words, seals), by gets or READs.
+  uint64_t descriptor_bytes = 0;
   // Bytes pulled, by the rank of the publisher group that served them ([0] only for a single
   // publisher): a subscriber with placements pulls its slices, rounded out to checksum blocks.
   std::vector<uint64_t> bytes_by_rank;

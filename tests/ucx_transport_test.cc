@@ -1552,7 +1552,10 @@ TEST(UcxControlTest, MessagesClaimingMoreThanTheyCarryAreDataLossNamingBothSides
   EXPECT_EQ(back->prefix, 640u);
   Manifest m;
   m.version = 10;
-  m.tensors = {TensorInfo{"a", DType::kF32, {4}, std::nullopt, 16, 0x1234, 0, 8, {5, 6}}};
+  // "a": format 1's 1-D blocks; "b": tiles of 2 rows x 8 bytes of its 4 rows of 16 bytes.
+  m.tensors = {TensorInfo{"a", DType::kF32, {4}, std::nullopt, 16, 0x1234, 0, 8, 0, {5, 6}},
+               TensorInfo{"b", DType::kF32, {4, 4}, std::nullopt, 64, 0x5678, 0, 8, 2,
+                          {7, 8, 9, 10}}};
   m.sealed_unix_ns = 99;
   m.metadata[std::string(internal::kMacMetadataKey)] = std::string(64, 'f');
   VersionLayout l{10,  4096, 8192,   {{1, 0, 0x2000, 8192, "rkey"}},
@@ -1566,6 +1569,13 @@ TEST(UcxControlTest, MessagesClaimingMoreThanTheyCarryAreDataLossNamingBothSides
   ASSERT_TRUE(sealed.ok()) << sealed.status();
   EXPECT_EQ(*sealed, m);
   seal->tensors[0].blocks.pop_back();  // 16 bytes in blocks of 8 need 2 block checksums
+  EXPECT_EQ(ApplySeal(Unsealed(m), *seal).status().code(), absl::StatusCode::kDataLoss);
+  seal->tensors[0].blocks.push_back(6);
+  ASSERT_TRUE(ApplySeal(Unsealed(m), *seal).ok());
+  seal->tensors[1].block_rows = 4;  // one band of 2 columns: 2 tiles, not the 4 it carries
+  EXPECT_EQ(ApplySeal(Unsealed(m), *seal).status().code(), absl::StatusCode::kDataLoss);
+  seal->tensors[1].block_rows = 2;
+  seal->tensors[1].block_bytes = 0;  // tile rows without tile bytes
   EXPECT_EQ(ApplySeal(Unsealed(m), *seal).status().code(), absl::StatusCode::kDataLoss);
 
   // Code 0 (OK) or an unknown code from a peer is the fallback, never success.

@@ -184,7 +184,7 @@ std::string EncodeSeal(const VersionSeal& s) {
   Str(w, s.mac);
   w.U32(static_cast<uint32_t>(s.tensors.size()));
   for (const TensorSeal& t : s.tensors) {
-    w.U64(t.xxh3).U64(t.block_bytes);
+    w.U64(t.xxh3).U64(t.block_bytes).U64(t.block_rows);
     U64s(w, t.blocks);
   }
   return out;
@@ -196,12 +196,13 @@ absl::StatusOr<VersionSeal> DecodeSeal(std::string_view bytes) {
   s.version = f.U64("the version");
   s.sealed_unix_ns = static_cast<int64_t>(f.U64("the sealed time"));
   s.mac = f.Str("the MAC");
-  const uint32_t n = f.Count("tensors", 8 + 8 + 4);
+  const uint32_t n = f.Count("tensors", 8 + 8 + 8 + 4);
   s.tensors.reserve(n);
   for (uint32_t k = 0; k < n && f.ok(); ++k) {
     TensorSeal t;
     t.xxh3 = f.U64(absl::StrFormat("tensor %d checksum", k));
     t.block_bytes = f.U64(absl::StrFormat("tensor %d block size", k));
+    t.block_rows = f.U64(absl::StrFormat("tensor %d tile rows", k));
     t.blocks = f.U64s(absl::StrFormat("tensor %d block checksums", k));
     s.tensors.push_back(std::move(t));
   }
@@ -212,6 +213,7 @@ Manifest Unsealed(Manifest m) {
   for (TensorInfo& t : m.tensors) {
     t.xxh3 = 0;
     t.block_bytes = 0;
+    t.block_rows = 0;
     t.block_xxh3.clear();
   }
   m.sealed_unix_ns = 0;
@@ -227,7 +229,7 @@ VersionSeal SealOf(const Manifest& m) {
     s.mac = mac->second;
   }
   s.tensors.reserve(m.tensors.size());
-  for (const TensorInfo& t : m.tensors) s.tensors.push_back({t.xxh3, t.block_bytes, t.block_xxh3});
+  for (const TensorInfo& t : m.tensors) s.tensors.push_back({t.xxh3, t.block_bytes, t.block_rows, t.block_xxh3});
   return s;
 }
 
@@ -241,14 +243,19 @@ absl::StatusOr<Manifest> ApplySeal(Manifest m, const VersionSeal& seal) {
   for (size_t i = 0; i < m.tensors.size(); ++i) {
     TensorInfo& t = m.tensors[i];
     const TensorSeal& s = seal.tensors[i];
-    if (s.blocks.size() != BlockCount(t.nbytes, s.block_bytes)) {
+    TensorInfo cut = t;
+    cut.block_bytes = s.block_bytes;
+    cut.block_rows = s.block_rows;
+    if ((s.block_rows > 0 && s.block_bytes == 0) ||
+        s.blocks.size() != (s.block_bytes == 0 ? 0 : GridOf(cut).count())) {
       return absl::DataLossError(absl::StrFormat(
-          "the seal of version %d gives tensor \"%s\" of %d bytes %d block checksums for blocks "
-          "of %d bytes",
-          m.version, t.name, t.nbytes, s.blocks.size(), s.block_bytes));
+          "the seal of version %d gives tensor \"%s\" of %d bytes %d block checksums for tiles "
+          "of %d rows x %d bytes (0 rows: 1-D blocks)",
+          m.version, t.name, t.nbytes, s.blocks.size(), s.block_rows, s.block_bytes));
     }
     t.xxh3 = s.xxh3;
     t.block_bytes = s.block_bytes;
+    t.block_rows = s.block_rows;
     t.block_xxh3 = s.blocks;
   }
   m.sealed_unix_ns = seal.sealed_unix_ns;
@@ -256,9 +263,11 @@ absl::StatusOr<Manifest> ApplySeal(Manifest m, const VersionSeal& seal) {
   return m;
 }
 
-uint64_t SealCapacity(const Manifest& m, uint64_t block_bytes) {
+uint64_t SealCapacity(const Manifest& m, absl::Span<const TileGrid> grids) {
   uint64_t n = 8 + 8 + 4 + 128 + 4;
-  for (const TensorInfo& t : m.tensors) n += 8 + 8 + 4 + 8 * BlockCount(t.nbytes, block_bytes);
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    n += 8 + 8 + 8 + 4 + 8 * (i < grids.size() ? grids[i].count() : 0);
+  }
   return n;
 }
 

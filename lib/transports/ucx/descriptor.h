@@ -28,6 +28,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/tiles.h"
 #include "transports/ucx/control.h"
 #include "weightbus/manifest.hpp"
 
@@ -98,7 +100,10 @@ absl::StatusOr<VersionLayout> DecodeLayout(std::string_view bytes);
 
 struct TensorSeal {
   uint64_t xxh3 = 0;
+  // The manifest's block_bytes, block_rows and block_xxh3 (docs/FORMAT.md, "Block checksums":
+  // tiles, block_rows > 0, or format 1's 1-D blocks).
   uint64_t block_bytes = 0;
+  uint64_t block_rows = 0;
   std::vector<uint64_t> blocks;
   friend bool operator==(const TensorSeal&, const TensorSeal&) = default;
 };
@@ -117,10 +122,12 @@ Manifest Unsealed(Manifest sealed);
 // What sealing added to `sealed`.
 VersionSeal SealOf(const Manifest& sealed);
 // The sealed manifest: `unsealed` with `seal` applied. DataLoss when they do not fit (another
-// version, another tensor count, a block count that does not match a tensor's size).
+// version, another tensor count, a block count that does not match the tensor's grid, tile rows
+// without tile bytes).
 absl::StatusOr<Manifest> ApplySeal(Manifest unsealed, const VersionSeal& seal);
-// The most bytes the seal of a version of `manifest`'s tensors can take, with block checksums of
-// `block_bytes` (0: none) and a MAC entry of at most 128 bytes.
-uint64_t SealCapacity(const Manifest& manifest, uint64_t block_bytes);
+// The most bytes the seal of a version of `manifest`'s tensors can take, with the block checksums
+// of `grids` (one per tensor, as the publisher cuts them: PublishJob::ChecksumGrid; missing
+// ones: none) and a MAC entry of at most 128 bytes.
+uint64_t SealCapacity(const Manifest& manifest, absl::Span<const TileGrid> grids);
 
 }  // namespace weightbus::internal::ucx

@@ -48,6 +48,15 @@ namespace {
 
 constexpr uint64_t kTensorAlign = 64;
 
+// How the publisher cuts each tensor of `m` (the job's manifest) into checksum tiles: what an
+// unsealed descriptor leaves room for.
+std::vector<TileGrid> ChecksumGrids(const PublishJob& job, const Manifest& m) {
+  std::vector<TileGrid> grids;
+  grids.reserve(m.tensors.size());
+  for (size_t i = 0; i < m.tensors.size(); ++i) grids.push_back(job.ChecksumGrid(i));
+  return grids;
+}
+
 // What one subscriber connection may make the publisher hold (issue 17: one peer must not
 // exhaust the control plane). Honest subscribers stay far below each bound: they keep one WAIT
 // and a few leases out, and at most gets_in_flight (<= 1024) READs.
@@ -396,12 +405,14 @@ class UcxPublisher final : public TransportPublisher {
                             bool report);
   // Writes `slot`'s version descriptor (descriptor.h) for the version of `unsealed` (its manifest
   // without checksums), whose `size` bytes lie in the slot at `offsets`: staging, nothing ready
-  // (but chunks without a tensor byte), room for a seal of blocks of `block_bytes`; or, given
+  // (but chunks without a tensor byte), room for a seal with the block checksums of `grids`
+  // (PublishJob::ChecksumGrid of each tensor); or, given
   // `seal`, sealed with every chunk ready. Allocates a larger descriptor when needed. Sets the
   // slot's version, grant_region, prefix and chunks. The slot is not visible (kWriting).
   absl::Status WriteDescriptor(Slot& slot, const Manifest& unsealed,
                                const std::vector<uint64_t>& offsets, uint64_t size,
-                               uint64_t block_bytes, bool in_place, const VersionSeal* seal);
+                               const std::vector<TileGrid>& grids, bool in_place,
+                               const VersionSeal* seal);
   // A slot nobody reads (kWriting now), waiting for releases or lease expiries up to the
   // deadline. Errors: DeadlineExceeded describing the slots, Cancelled.
   absl::StatusOr<Slot*> TakeSlot(absl::Time deadline);
@@ -811,7 +822,7 @@ absl::Status UcxPublisher::CopyIntoSlot(const Slot& slot, PublishJob& job,
 
 absl::Status UcxPublisher::WriteDescriptor(Slot& slot, const Manifest& unsealed,
                                            const std::vector<uint64_t>& offsets, uint64_t size,
-                                           uint64_t block_bytes, bool in_place,
+                                           const std::vector<TileGrid>& grids, bool in_place,
                                            const VersionSeal* seal) {
   const uint64_t chunk = options_.ready_chunk;
   const uint64_t nchunks = (size + chunk - 1) / chunk;
@@ -849,7 +860,7 @@ absl::Status UcxPublisher::WriteDescriptor(Slot& slot, const Manifest& unsealed,
   const uint64_t layout_bytes_max = encoded_layout_probe.size() + 8;
   const uint64_t seal_offset = (layout_offset + layout_bytes_max + 63) / 64 * 64;
   const uint64_t seal_capacity =
-      seal != nullptr ? EncodeSeal(*seal).size() : SealCapacity(unsealed, block_bytes);
+      seal != nullptr ? EncodeSeal(*seal).size() : SealCapacity(unsealed, grids);
   const uint64_t needed = seal_offset + seal_capacity;
   if (!slot.descriptor || slot.descriptor->mem->size() < needed) {
     Region d;
@@ -1063,7 +1074,7 @@ absl::Status UcxPublisher::PublishZeroCopy(PublishJob& job, absl::Time deadline)
     slot->lent = std::move(lent);
     slot->capacity = total;
   }
-  absl::Status status = WriteDescriptor(*slot, *early, offsets, total, job.checksum_block(),
+  absl::Status status = WriteDescriptor(*slot, *early, offsets, total, ChecksumGrids(job, *early),
                                         /*in_place=*/true, /*seal=*/nullptr);
   if (!status.ok()) {
     absl::MutexLock lock(&mu_);
@@ -1200,7 +1211,7 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
   std::optional<Manifest> early;
   if (options_.pipeline && !group_.grouped()) early = job.UnsealedManifest();
   if (early) {
-    WB_RETURN_IF_ERROR(WriteDescriptor(*slot, *early, offsets, size, job.checksum_block(),
+    WB_RETURN_IF_ERROR(WriteDescriptor(*slot, *early, offsets, size, ChecksumGrids(job, *early),
                                        /*in_place=*/false, /*seal=*/nullptr));
     absl::MutexLock lock(&mu_);
     slot->state = Slot::State::kStaging;
@@ -1267,7 +1278,7 @@ absl::Status UcxPublisher::Publish(PublishJob& job, absl::Time deadline) {
     if (absl::Status s = WriteSeal(*slot, seal); !s.ok()) return fail(s);
   } else {
     absl::Status s = WriteDescriptor(*slot, Unsealed(final_manifest), offsets, size,
-                                     job.checksum_block(), /*in_place=*/true, &seal);
+                                     /*grids=*/{}, /*in_place=*/true, &seal);
     if (!s.ok()) {
       if (merged) {
         absl::MutexLock lock(&mu_);

@@ -30,7 +30,7 @@ set(WEIGHTBUS_TRANSPORTS "")
 # Resolves an AUTO/ON/OFF option against whether the dependency was found.
 function(weightbus_resolve_option option found what)
   if("${${option}}" STREQUAL "AUTO")
-    set(${option} ${found} PARENT_SCOPE)
+    set(${option} ${${found}} PARENT_SCOPE)
   elseif(${option} AND NOT ${found})
     message(FATAL_ERROR "${option}=ON but ${what} was not found")
   endif()

@@ -283,8 +283,8 @@ TEST(DeviceTileChecksumTest, GatheredAndContiguousTilesEqualChecksumTensor) {
         ASSERT_EQ(at, gathered.size());
         at = 0;
         for (uint64_t size : tile_gather::GatheredTileBytes(c.grid, band)) {
-          got.push_back(DeviceCoreHash(reinterpret_cast<const uint8_t*>(gathered.data()) + at,
-                                       size));
+          got.push_back(
+              DeviceCoreHash(reinterpret_cast<const uint8_t*>(gathered.data()) + at, size));
           at += size;
         }
       }

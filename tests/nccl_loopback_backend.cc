@@ -404,10 +404,10 @@ internal::nccl::BackendInfo LoopbackBackend::Info() {
 
 absl::StatusOr<std::unique_ptr<Device>> LoopbackBackend::OpenDevice(int ordinal, int streams) {
   const int n = devices_.fetch_add(1);
-  std::string uuid = n < static_cast<int>(options_.uuids.size())
-                         ? options_.uuids[n]
-                         : absl::StrFormat("LOOPBACK-%d-%d-%016x", getpid(), n,
-                                           internal::RandomId());
+  std::string uuid =
+      n < static_cast<int>(options_.uuids.size())
+          ? options_.uuids[n]
+          : absl::StrFormat("LOOPBACK-%d-%d-%016x", getpid(), n, internal::RandomId());
   return std::unique_ptr<Device>(
       std::make_unique<LoopbackDevice>(ordinal < 0 ? n : ordinal, streams, std::move(uuid)));
 }

@@ -1553,9 +1553,9 @@ TEST(UcxControlTest, MessagesClaimingMoreThanTheyCarryAreDataLossNamingBothSides
   Manifest m;
   m.version = 10;
   // "a": format 1's 1-D blocks; "b": tiles of 2 rows x 8 bytes of its 4 rows of 16 bytes.
-  m.tensors = {TensorInfo{"a", DType::kF32, {4}, std::nullopt, 16, 0x1234, 0, 8, 0, {5, 6}},
-               TensorInfo{"b", DType::kF32, {4, 4}, std::nullopt, 64, 0x5678, 0, 8, 2,
-                          {7, 8, 9, 10}}};
+  m.tensors = {
+      TensorInfo{"a", DType::kF32, {4}, std::nullopt, 16, 0x1234, 0, 8, 0, {5, 6}},
+      TensorInfo{"b", DType::kF32, {4, 4}, std::nullopt, 64, 0x5678, 0, 8, 2, {7, 8, 9, 10}}};
   m.sealed_unix_ns = 99;
   m.metadata[std::string(internal::kMacMetadataKey)] = std::string(64, 'f');
   VersionLayout l{10,  4096, 8192,   {{1, 0, 0x2000, 8192, "rkey"}},

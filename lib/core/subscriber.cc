@@ -990,11 +990,13 @@ static std::optional<std::string> LayoutDifference(const Manifest& announced,
   return std::nullopt;
 }
 
-absl::Status Subscriber::Impl::FetchVerified(
-    std::unique_ptr<internal::IncomingVersion> incoming, Manifest& m,
-    const std::vector<std::byte*>& targets, const std::vector<bool>& needed,
-    const std::vector<Device>& devices, uint64_t mapped, const std::string& direct_note,
-    absl::Time deadline, Times* times, std::optional<internal::CodecStats>* codec) {
+absl::Status Subscriber::Impl::FetchVerified(std::unique_ptr<internal::IncomingVersion> incoming,
+                                             Manifest& m, const std::vector<std::byte*>& targets,
+                                             const std::vector<bool>& needed,
+                                             const std::vector<Device>& devices, uint64_t mapped,
+                                             const std::string& direct_note, absl::Time deadline,
+                                             Times* times,
+                                             std::optional<internal::CodecStats>* codec) {
   times->allocated = absl::Now();
   if (times->allocated > deadline) {
     return absl::DeadlineExceededError(absl::StrFormat(

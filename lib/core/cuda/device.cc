@@ -269,16 +269,16 @@ absl::StatusOr<std::vector<TensorChecksums>> Checksum(absl::Span<const DeviceByt
                                                       absl::Span<const TileGrid> grids,
                                                       int device) {
   if (grids.size() != tensors.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "checksums on CUDA device %d: %d tile grids for %d tensors", device, grids.size(),
-        tensors.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("checksums on CUDA device %d: %d tile grids for %d tensors", device,
+                        grids.size(), tensors.size()));
   }
   const std::string where =
       absl::StrFormat("checksums of %d tensors on CUDA device %d", tensors.size(), device);
   // Whole checksums, and the tiles that are contiguous, in place.
   std::vector<const uint8_t*> data;
   std::vector<uint64_t> len, block;
-  uint64_t gathered = 0;  // the largest band of tiles to gather
+  uint64_t gathered = 0;   // the largest band of tiles to gather
   uint64_t to_gather = 0;  // the bytes of every tensor whose tiles are gathered
   for (size_t i = 0; i < tensors.size(); ++i) {
     data.push_back(reinterpret_cast<const uint8_t*>(tensors[i].data));
@@ -305,15 +305,17 @@ absl::StatusOr<std::vector<TensorChecksums>> Checksum(absl::Span<const DeviceByt
   // Tiles of several columns: bands gathered in tile order into scratch, as many as fit, then
   // each tile hashed whole there.
   constexpr uint64_t kScratch = uint64_t{64} << 20;
-  WB_ASSIGN_OR_RETURN(std::unique_ptr<DeviceBuffer> scratch,
-                      DeviceBuffer::Allocate(std::max(gathered, std::min(to_gather, kScratch)), device));
+  WB_ASSIGN_OR_RETURN(
+      std::unique_ptr<DeviceBuffer> scratch,
+      DeviceBuffer::Allocate(std::max(gathered, std::min(to_gather, kScratch)), device));
   WB_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, Stream::Create(device));
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TileGrid& g = grids[i];
     if (block[i] != 0 || g.count() == 0) continue;
     const std::string tiles_where = absl::StrFormat(
         "%s: gathering the %d tiles of tensor %d (%d rows of %d bytes, tiles of %d rows x %d "
-        "bytes)", where, g.count(), i, g.rows, g.row_bytes, g.tile_rows, g.tile_bytes);
+        "bytes)",
+        where, g.count(), i, g.rows, g.row_bytes, g.tile_rows, g.tile_bytes);
     for (uint64_t band = 0; band < g.bands();) {
       std::vector<const uint8_t*> tile_data;
       std::vector<uint64_t> tile_len;
@@ -337,7 +339,8 @@ absl::StatusOr<std::vector<TensorChecksums>> Checksum(absl::Span<const DeviceByt
       const device_hash::Plan tiles =
           device_hash::MakePlan(tile_data, tile_len, std::vector<uint64_t>(tile_data.size(), 0));
       WB_ASSIGN_OR_RETURN(std::vector<uint64_t> sums, RunPlan(tiles, device, tiles_where));
-      for (size_t k = 0; k < tile_data.size(); ++k) result[i].blocks.push_back(sums[tiles.whole[k]]);
+      for (size_t k = 0; k < tile_data.size(); ++k)
+        result[i].blocks.push_back(sums[tiles.whole[k]]);
     }
   }
   return result;

@@ -119,8 +119,7 @@ struct DeviceBytes {
 // checksum, plus the gather scratch. Errors: NotBuilt; InvalidArgument for a grid count other
 // than the tensors'; ResourceExhausted; Internal with CUDA's error text.
 absl::StatusOr<std::vector<TensorChecksums>> Checksum(absl::Span<const DeviceBytes> tensors,
-                                                      absl::Span<const TileGrid> grids,
-                                                      int device);
+                                                      absl::Span<const TileGrid> grids, int device);
 
 // Queues the gather of elements [first, first + count) of the row-major walk of the strided
 // view at `src` (element [0, ..., 0]; `shape`, `strides` in elements, empty strides row-major;

@@ -55,12 +55,17 @@ inline std::vector<Gather> BandGathers(const TileGrid& g, uint64_t band) {
   const uint64_t at = e.row_begin * g.row_bytes;
   std::vector<Gather> out;
   if (full > 0) {
-    out.push_back(Gather{at, elem, {static_cast<int64_t>(full), rows, tb}, {tb, rb, 1},
+    out.push_back(Gather{at,
+                         elem,
+                         {static_cast<int64_t>(full), rows, tb},
+                         {tb, rb, 1},
                          full * static_cast<uint64_t>(rows) * g.tile_bytes});
   }
   if (last > 0) {
-    out.push_back(Gather{at + full * g.tile_bytes, elem,
-                         {rows, static_cast<int64_t>(last / elem)}, {rb, 1},
+    out.push_back(Gather{at + full * g.tile_bytes,
+                         elem,
+                         {rows, static_cast<int64_t>(last / elem)},
+                         {rb, 1},
                          static_cast<uint64_t>(rows) * last});
   }
   return out;

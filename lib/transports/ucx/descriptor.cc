@@ -229,7 +229,8 @@ VersionSeal SealOf(const Manifest& m) {
     s.mac = mac->second;
   }
   s.tensors.reserve(m.tensors.size());
-  for (const TensorInfo& t : m.tensors) s.tensors.push_back({t.xxh3, t.block_bytes, t.block_rows, t.block_xxh3});
+  for (const TensorInfo& t : m.tensors)
+    s.tensors.push_back({t.xxh3, t.block_bytes, t.block_rows, t.block_xxh3});
   return s;
 }
 

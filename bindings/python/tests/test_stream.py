@@ -214,13 +214,16 @@ print(status("VmHWM") - base)
 def test_streaming_memory_is_bounded_by_the_bucket_not_the_model(tmp_path):
     # 256 MiB streamed through an 8 MiB bucket: the peak above the start is the bucket, one
     # tensor being produced and the disk transport's window, far below the model (publish() of
-    # the gathered list holds all 256 MiB; BENCHMARKS.md, "Streaming publish").
+    # the gathered list holds all 256 MiB; BENCHMARKS.md, "Streaming publish"). Measured 40-64
+    # MiB on a quiet machine and up to 104 MiB with both cores busy (how many freed tensors
+    # glibc still holds and how many pages of the spool's mapping are resident depend on the
+    # timing): the bound is half the model, which holding the model could not meet.
     uri = f"disk://{tmp_path}/channel?fsync=false"
     child = subprocess.run([sys.executable, "-c", _PEAK, uri], env=child_env(),
                            capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr
     peak = int(child.stdout.strip())
-    assert peak < 96 * 2**20, f"peak {peak / 2**20:.1f} MiB above the start for a 256 MiB model"
+    assert peak < 128 * 2**20, f"peak {peak / 2**20:.1f} MiB above the start for a 256 MiB model"
     with weightbus.Subscriber(uri) as sub:
         update = sub.receive(1, timeout=60)
         assert torch.equal(update["layers.31"][:4], torch.full((4,), 31.0))

@@ -57,9 +57,10 @@ std::pair<uint64_t, uint64_t> RowView(DType dtype, const std::vector<int64_t>& s
 TileGrid ChooseTiles(DType dtype, const std::vector<int64_t>& shape, uint64_t nbytes,
                      uint64_t target) {
   TileGrid g;
-  const auto [rows, row_bytes] = RowView(dtype, shape, nbytes);
-  g.rows = rows;
-  g.row_bytes = row_bytes;
+  std::tie(g.rows, g.row_bytes) = RowView(dtype, shape, nbytes);
+  // Plain variables, not structured bindings: the lambdas below capture them (Clang 14 cannot
+  // capture a structured binding).
+  const uint64_t rows = g.rows, row_bytes = g.row_bytes;
   if (target == 0 || nbytes == 0) return g;
   // Columns are cut on whole elements (whole bytes for sub-byte dtypes).
   const uint64_t unit = IsSubByte(dtype) ? 1 : DTypeSize(dtype);

@@ -48,6 +48,22 @@ namespace {
 
 constexpr uint64_t kTensorAlign = 64;
 
+// Copies `n` bytes from `src` (in 8-byte-aligned memory whose words other threads store
+// atomically, such as a version descriptor's readiness words) through atomic loads of the
+// aligned words that hold them: a snapshot of each word, never a torn one.
+void CopyWordsAtomically(char* dst, const char* src, size_t n) {
+  const auto start = reinterpret_cast<uintptr_t>(src);
+  for (uintptr_t at = start; at < start + n;) {
+    const uintptr_t word = at & ~uintptr_t{7};
+    const uint64_t value =
+        __atomic_load_n(reinterpret_cast<const uint64_t*>(word), __ATOMIC_ACQUIRE);
+    const size_t from = at - word;
+    const size_t take = std::min<size_t>(8 - from, start + n - at);
+    std::memcpy(dst + (at - start), reinterpret_cast<const char*>(&value) + from, take);
+    at += take;
+  }
+}
+
 // How the publisher cuts each tensor of `m` (the job's manifest) into checksum tiles: what an
 // unsealed descriptor leaves room for.
 std::vector<TileGrid> ChecksumGrids(const PublishJob& job, const Manifest& m) {
@@ -2349,7 +2365,13 @@ void UcxPublisher::ServeReads(Conn& c) {
     }
     const char* bytes = reinterpret_cast<const char*>(region) + (read.offset - region_base);
     std::string host;  // GPU staging memory is copied to the host first
-    if (options_.cuda_staging) {
+    if (descriptor) {
+      // The descriptor's readiness words and state change under atomic stores while it is read
+      // (as a one-sided get reads it): copied word by word with atomic loads.
+      host.resize(read.length);
+      CopyWordsAtomically(host.data(), bytes, read.length);
+      bytes = host.data();
+    } else if (options_.cuda_staging) {
       host.resize(read.length);
       if (absl::Status s = CopyBytes(host.data(), bytes, read.length); !s.ok()) {
         refuse(std::string(s.message()));

@@ -519,6 +519,15 @@ TEST_P(UcxTransportTest, ZeroCopyPublishServesTheCallersTensorsWhileItRuns) {
   EXPECT_TRUE(ra.ok()) << ra;
   EXPECT_TRUE(rb.ok()) << rb;
   EXPECT_FALSE(publish.Returned()) << "Publish returned while a subscriber was pulling";
+#if defined(__SANITIZE_THREAD__)
+  // The core's checksums of version 2 ended before `a` and `b` verified it, but what orders the
+  // two is UCX's shared memory, which ThreadSanitizer does not see: it would report the change
+  // below (a deliberate breach of the zero-copy contract) as a race. It stops here.
+  halfway.Release();
+  EXPECT_TRUE(wc.Result(kTimeout).ok());
+  ASSERT_TRUE(publish.Result(kTimeout).ok());
+  GTEST_SKIP() << "the caller's change during a zero-copy Publish is not checked under TSan";
+#endif
   // The large tensor's last byte: its own mapping, above the small ones on the heap, so in the
   // second half of the transfer (the slot's bytes are the caller's memory in address order).
   v2.front().bytes.back() ^= std::byte{0x5a};

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -948,7 +949,10 @@ absl::Status UcxPublisher::WriteSeal(Slot& slot, const VersionSeal& seal) {
         endpoint_.display, seal.version, encoded.size()));
   }
   std::memcpy(base + h->seal_offset, encoded.data(), encoded.size());
-  StoreLe<uint64_t>(encoded.size(), base + 56);  // seal_bytes
+  // seal_bytes: a header word that subscribers may be reading now (atomically, like the state).
+  static_assert(std::endian::native == std::endian::little, "header words are little-endian");
+  __atomic_store_n(reinterpret_cast<uint64_t*>(base + 56), uint64_t{encoded.size()},
+                   __ATOMIC_RELAXED);
   std::atomic_thread_fence(std::memory_order_release);
   __atomic_store_n(reinterpret_cast<uint64_t*>(base + 16),
                    static_cast<uint64_t>(VersionState::kSealed), __ATOMIC_RELEASE);

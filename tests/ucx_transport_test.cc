@@ -1163,6 +1163,143 @@ TEST_P(UcxInternalTest, AnnouncedVersionIsPulledChunkByChunkAsItIsStagedThenSeal
   }
 }
 
+// Issue 14, fan-out (relay_fanout=1: a chain). Three subscribers are granted each version in
+// turn: the publisher serves the first, which relays what it receives to the second, which
+// relays it to the third. The fetches start from the end of the chain, each once its
+// subscriber said to its relay that it reads from it (the fail point ucx.relay_attached), so
+// that no relay finishes before its child began: then every byte the second and third hold
+// came from their relays, the publisher sent each byte once, and all three hold the version
+// bit-exact. The first subscriber stays for three versions (its relay descriptor, child slots
+// and readiness words still name older versions when the next one begins); the others are new
+// each time.
+TEST_P(UcxInternalTest, RelaysPassEachChunkOnAndThePublisherSendsEachByteOnce) {
+  if (GetParam().name == weightbus::testing::kTcp.name) {
+    GTEST_SKIP() << "bytes over the control connection: no relays";
+  }
+  const int port = weightbus::FreePort();
+  const std::string uri_text = absl::StrFormat(
+      "ucx://127.0.0.1:%d/relay?relay_fanout=1&relay_stall=20s&lease=60s&ready_chunk=64KiB&"
+      "get_chunk_size=64KiB",
+      port);
+  auto pub = OpenTransportPublisher(uri_text);
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto head = OpenTransportSubscriber(uri_text);
+  ASSERT_TRUE(head.ok()) << head.status();
+  const std::vector<uint64_t> sizes = {3 << 20, 4096, 17, 1 << 20, 0, 65536};
+  uint64_t total = 0;
+  for (uint64_t n : sizes) total += n;
+  struct Sink : LandingSink {
+    void Landed(size_t) override {}
+  };
+  for (uint64_t version = 1; version <= 3; ++version) {
+    SCOPED_TRACE(version);
+    const std::vector<std::vector<std::byte>> bytes =
+        PublishRandomTensors(**pub, version, sizes, version * 100);
+    // subs[0] is the head of the chain; subs[1] and subs[2] pause once attached to their relay.
+    std::vector<TransportSubscriber*> subs = {head->get()};
+    std::vector<std::unique_ptr<TransportSubscriber>> opened;
+    std::vector<std::unique_ptr<weightbus::testing::PausePoint>> attached;
+    std::vector<std::unique_ptr<IncomingVersion>> incoming;
+    for (int i = 0; i < 3; ++i) {
+      if (i > 0) {
+        attached.push_back(std::make_unique<weightbus::testing::PausePoint>("ucx.relay_attached"));
+        weightbus::testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", attached.back()->Spec());
+        auto sub = OpenTransportSubscriber(uri_text);
+        ASSERT_TRUE(sub.ok()) << sub.status();
+        opened.push_back(*std::move(sub));
+        subs.push_back(opened.back().get());
+      }
+      // Granted in this order: the publisher places each in the chain as it grants it.
+      auto got = subs[i]->WaitForVersion(version, absl::Now() + kTimeout);
+      ASSERT_TRUE(got.ok()) << got.status();
+      incoming.push_back(*std::move(got));
+    }
+    std::vector<std::vector<std::vector<std::byte>>> out(3);
+    std::vector<uint64_t> before(3);
+    std::vector<std::unique_ptr<weightbus::testing::InFlight>> fetches(3);
+    for (int i = 2; i >= 0; --i) {
+      before[i] = ucx::SubscriberCounters(*subs[i])->bytes_from_relays;
+      for (uint64_t n : sizes) out[i].emplace_back(n);
+      fetches[i] = std::make_unique<weightbus::testing::InFlight>([&, i] {
+        Sink sink;
+        std::vector<std::byte*> targets;
+        for (auto& o : out[i]) {
+          targets.push_back(o.empty() ? reinterpret_cast<std::byte*>(&sink) : o.data());
+        }
+        return incoming[i]->Fetch(targets, sink, absl::Now() + kTimeout);
+      });
+      if (i > 0) {
+        ASSERT_TRUE(attached[i - 1]->WaitReached(kTimeout)) << "subscriber " << i;
+        attached[i - 1]->Release();
+      }
+    }
+    for (int i = 0; i < 3; ++i) {
+      const absl::Status fetched = fetches[i]->Result(kTimeout);
+      ASSERT_TRUE(fetched.ok()) << "subscriber " << i << ": " << fetched;
+      EXPECT_EQ(out[i], bytes) << "subscriber " << i;
+      incoming[i].reset();
+    }
+    EXPECT_EQ(ucx::SubscriberCounters(*subs[0])->bytes_from_relays - before[0], 0u);
+    EXPECT_EQ(ucx::SubscriberCounters(*subs[1])->bytes_from_relays - before[1], total);
+    EXPECT_EQ(ucx::SubscriberCounters(*subs[2])->bytes_from_relays - before[2], total);
+  }
+}
+
+// A relay that stops serving midway (held by the fail point ucx.during_get once half of its
+// gets are issued, as a stopped process would be) holds its child no longer than relay_stall:
+// the child reads what the relay holds, pulls the rest from the publisher and holds the version
+// bit-exact; so does the relay once it goes on.
+TEST_P(UcxInternalTest, AStalledRelayHoldsItsChildNoLongerThanRelayStall) {
+  if (GetParam().name == weightbus::testing::kTcp.name) {
+    GTEST_SKIP() << "bytes over the control connection: no relays";
+  }
+  const int port = weightbus::FreePort();
+  const std::string uri_text = absl::StrFormat(
+      "ucx://127.0.0.1:%d/stall?relay_fanout=1&relay_stall=200ms&lease=60s&ready_chunk=64KiB&"
+      "get_chunk_size=64KiB",
+      port);
+  auto pub = OpenTransportPublisher(uri_text);
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  weightbus::testing::PausePoint stalled("ucx.during_get");
+  auto relay = [&] {
+    weightbus::testing::ScopedEnv fp("WEIGHTBUS_FAILPOINTS", stalled.Spec());
+    return OpenTransportSubscriber(uri_text);
+  }();
+  ASSERT_TRUE(relay.ok()) << relay.status();
+  auto child = OpenTransportSubscriber(uri_text);
+  ASSERT_TRUE(child.ok()) << child.status();
+  constexpr uint64_t kBytes = 8 << 20;
+  const std::vector<std::vector<std::byte>> bytes =
+      PublishRandomTensors(**pub, 1, {kBytes / 2, kBytes / 2}, 77);
+  struct Sink : LandingSink {
+    void Landed(size_t) override {}
+  } sink;
+  // The relay is granted first, so the child is placed under it.
+  auto relay_version = (*relay)->WaitForVersion(1, absl::Now() + kTimeout);
+  ASSERT_TRUE(relay_version.ok()) << relay_version.status();
+  auto child_version = (*child)->WaitForVersion(1, absl::Now() + kTimeout);
+  ASSERT_TRUE(child_version.ok()) << child_version.status();
+  std::vector<std::vector<std::byte>> relay_out(2, std::vector<std::byte>(kBytes / 2));
+  weightbus::testing::InFlight relay_fetch([&] {
+    std::vector<std::byte*> targets = {relay_out[0].data(), relay_out[1].data()};
+    return (*relay_version)->Fetch(targets, sink, absl::Now() + kTimeout);
+  });
+  ASSERT_TRUE(stalled.WaitReached(kTimeout));
+  std::vector<std::vector<std::byte>> child_out(2, std::vector<std::byte>(kBytes / 2));
+  std::vector<std::byte*> targets = {child_out[0].data(), child_out[1].data()};
+  const absl::Status fetched = (*child_version)->Fetch(targets, sink, absl::Now() + kTimeout);
+  ASSERT_TRUE(fetched.ok()) << fetched;
+  EXPECT_EQ(child_out, bytes);
+  const uint64_t from_relay = ucx::SubscriberCounters(**child)->bytes_from_relays;
+  EXPECT_GT(from_relay, 0u) << "the child never read from its relay";
+  EXPECT_LT(from_relay, kBytes) << "the child should have pulled the rest from the publisher";
+  child_version->reset();
+  stalled.Release();
+  const absl::Status relayed = relay_fetch.Result(kTimeout);
+  EXPECT_TRUE(relayed.ok()) << relayed;
+  EXPECT_EQ(relay_out, bytes);
+}
+
 // Issue 14: registrations and gets grow with a version's bytes, not its tensor count. 3000
 // tensors of 4 KiB plus two of 3 MiB, received into one buffer where they lie back to back (as
 // a replica's parameters do): one registration over shared memory (none over the control

@@ -214,6 +214,18 @@ void WriteUcxSeeds(const fs::path& dir, const std::vector<std::string>& manifest
     WriteFile(dir / absl::StrFormat("grant-%d.bin", v + 1), grant);
     session += grant;
   }
+  WriteFile(dir / "relay-offer.bin",
+            ucx::Encode(ucx::RelayOfferMsg{address, 0x7f00e0000000, 1 << 20, rkey, 4243}));
+  ucx::GrantMsg relayed{
+      9,
+      19,
+      30'000'000'000,
+      3,
+      {7, 1 << 20, 0x7f00f0000000, 8192, rkey},
+      4096,
+      true,
+      ucx::RelaySource{0x1234abcd5678ef00, address, 0x7f00e0000000, 1 << 20, rkey, 4243, 1}};
+  WriteFile(dir / "grant-relayed.bin", ucx::Encode(relayed));
   WriteFile(dir / "aborted.bin",
             ucx::Encode(ucx::AbortedMsg{11, 4,
                                         "the publish of version 9 failed before it was sealed "

@@ -92,6 +92,8 @@ void DecodeAs(MsgType type, const std::string& p) {
       return Try(type, p, ucx::DecodeGrant, true);
     case MsgType::kAborted:
       return Try(type, p, ucx::DecodeAborted, true);
+    case MsgType::kRelayOffer:
+      return Try(type, p, ucx::DecodeRelayOffer, true);
     case MsgType::kRefused:
       return Try(type, p, ucx::DecodeRefused, true);
     case MsgType::kCancel:
@@ -167,7 +169,7 @@ void DecodeAs(MsgType type, const std::string& p) {
     }
   }
   // An unknown type: no decoder may crash on it either.
-  for (uint8_t t = 1; t <= 19; ++t) DecodeAs(static_cast<MsgType>(t), p);
+  for (uint8_t t = 1; t <= 20; ++t) DecodeAs(static_cast<MsgType>(t), p);
   DecodeAs(MsgType::kKeyframeRequest, p);
   DecodeAs(MsgType::kReport, p);
   for (uint8_t t : {kLayoutFrame, kSealFrame, kHeaderFrame}) DecodeAs(static_cast<MsgType>(t), p);

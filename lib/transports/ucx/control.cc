@@ -19,6 +19,8 @@ std::string_view MsgTypeName(MsgType type) {
       return "PROOF";
     case MsgType::kAborted:
       return "ABORTED";
+    case MsgType::kRelayOffer:
+      return "RELAY_OFFER";
     case MsgType::kError:
       return "ERROR";
     case MsgType::kWait:
@@ -117,8 +119,8 @@ std::string Encode(const WaitMsg& m) {
 
 std::string Encode(const GrantMsg& m) {
   const GrantRegion& d = m.descriptor;
-  return Writer(MsgType::kGrant)
-      .U64(m.request)
+  Writer w(MsgType::kGrant);
+  w.U64(m.request)
       .U64(m.lease)
       .U64(m.lease_ns)
       .U64(m.version)
@@ -128,6 +130,23 @@ std::string Encode(const GrantMsg& m) {
       .U64(d.length)
       .Str(d.rkey)
       .U64(m.prefix)
+      .U8(m.relay)
+      .U8(m.source.has_value());
+  if (m.source) {
+    const RelaySource& r = *m.source;
+    w.U64(r.relay).Str(r.worker_address).U64(r.address).U64(r.length).Str(r.rkey).U64(r.pid);
+    w.U32(r.child);
+  }
+  return w.Finish();
+}
+
+std::string Encode(const RelayOfferMsg& m) {
+  return Writer(MsgType::kRelayOffer)
+      .Str(m.worker_address)
+      .U64(m.address)
+      .U64(m.length)
+      .Str(m.rkey)
+      .U64(m.pid)
       .Finish();
 }
 
@@ -357,6 +376,29 @@ absl::StatusOr<GrantMsg> DecodeGrant(std::string_view payload) {
   m.descriptor.length = f.U64("the descriptor length");
   m.descriptor.rkey = f.Str("the descriptor rkey");
   m.prefix = f.U64("the descriptor prefix");
+  m.relay = f.Flag("relay");
+  if (f.Flag("has a relay source")) {
+    RelaySource r;
+    r.relay = f.U64("the relay's id");
+    r.worker_address = f.Str("the relay's worker address");
+    r.address = f.U64("the relay descriptor's address");
+    r.length = f.U64("the relay descriptor's length");
+    r.rkey = f.Str("the relay descriptor's rkey");
+    r.pid = f.U64("the relay's pid");
+    r.child = f.U32("the child slot");
+    m.source = std::move(r);
+  }
+  return f.Done(std::move(m));
+}
+
+absl::StatusOr<RelayOfferMsg> DecodeRelayOffer(std::string_view payload) {
+  Fields f(MsgType::kRelayOffer, payload);
+  RelayOfferMsg m;
+  m.worker_address = f.Str("the worker address");
+  m.address = f.U64("the relay descriptor's address");
+  m.length = f.U64("the relay descriptor's length");
+  m.rkey = f.Str("the relay descriptor's rkey");
+  m.pid = f.U64("the pid");
   return f.Done(std::move(m));
 }
 

@@ -26,7 +26,8 @@
 namespace weightbus::internal::ucx {
 
 inline constexpr char kMagic[] = "weightbus-ucx";
-inline constexpr uint32_t kProtocolVersion = 4;  // 4: GRANT points at the version descriptor
+// 4: GRANT points at the version descriptor; 5: relays (RELAY_OFFER, GRANT's relay fields)
+inline constexpr uint32_t kProtocolVersion = 5;
 // Largest frame accepted (a manifest of a very large model fits many times over).
 inline constexpr uint32_t kMaxFrame = uint32_t{1} << 30;
 // Largest frame a publisher accepts from a subscriber: every message a subscriber sends is a
@@ -62,6 +63,9 @@ enum class MsgType : uint8_t {
   // A lease on a version that will never be complete (its Publish failed, or a zero-copy
   // Publish returned before the holder finished): nothing of it may be used.
   kAborted = 19,  // pub -> sub: lease id, status code, message
+  // Relays (fan-out): a subscriber that can serve what it receives to other subscribers says
+  // where; a GRANT may then name a relay to pull from and say whether the grantee may be one.
+  kRelayOffer = 20,  // sub -> pub: worker address, relay descriptor (address, length, rkey), pid
   // Publisher groups (world_size > 1): rank r > 0 connects to rank 0 at the URI's address and
   // joins the group; rank 0 commits a version once every rank's PART is in (docs/FORMAT.md).
   kJoin = 32,      // rank -> rank 0: magic, protocol, channel, rank, world_size, its port, who
@@ -183,6 +187,18 @@ struct GrantRegion {
   std::string rkey;  // packed
   friend bool operator==(const GrantRegion&, const GrantRegion&) = default;
 };
+// A subscriber that pulls a version from another subscriber (a relay) first: where the relay's
+// relay descriptor is (descriptor.h, "Relays") and which child slot in it is the grantee's.
+struct RelaySource {
+  uint64_t relay = 0;          // the relay's subscriber id
+  std::string worker_address;  // its UCP worker
+  uint64_t address = 0;        // its relay descriptor (registered, UCX-allocated)
+  uint64_t length = 0;
+  std::string rkey;
+  uint64_t pid = 0;    // the relay process (cross-memory attach on its host)
+  uint32_t child = 0;  // the grantee's child slot
+  friend bool operator==(const RelaySource&, const RelaySource&) = default;
+};
 // A lease on a version and where its version descriptor is: the descriptor has everything
 // else (the manifest, the regions of its bytes, readiness, the seal), so a GRANT is the same
 // few dozen bytes whatever the version's size, tensor count or number of subscribers.
@@ -195,6 +211,18 @@ struct GrantMsg {  // pub -> sub
   // Descriptor bytes [0, prefix) hold the header, readiness words and layout: what a subscriber
   // reads first, in one get.
   uint64_t prefix = 0;
+  // The grantee may be asked to relay this version to others (it offered to): it keeps its
+  // relay descriptor for the version and serves its chunks as they land.
+  bool relay = false;
+  // Pull from this relay first (falling back to the publisher when it stalls or goes away).
+  std::optional<RelaySource> source;
+};
+struct RelayOfferMsg {  // sub -> pub
+  std::string worker_address;
+  uint64_t address = 0;  // the relay descriptor
+  uint64_t length = 0;
+  std::string rkey;
+  uint64_t pid = 0;
 };
 struct RefusedMsg {  // pub -> sub
   uint64_t request = 0;
@@ -301,6 +329,7 @@ std::string Encode(const WaitMsg& m);
 std::string Encode(const GrantMsg& m);
 std::string Encode(const RefusedMsg& m);
 std::string Encode(const AbortedMsg& m);
+std::string Encode(const RelayOfferMsg& m);
 std::string Encode(const CancelMsg& m);
 std::string Encode(const RenewMsg& m);
 std::string Encode(const ReleaseMsg& m);
@@ -328,6 +357,7 @@ absl::StatusOr<WaitMsg> DecodeWait(std::string_view payload);
 absl::StatusOr<GrantMsg> DecodeGrant(std::string_view payload);
 absl::StatusOr<RefusedMsg> DecodeRefused(std::string_view payload);
 absl::StatusOr<AbortedMsg> DecodeAborted(std::string_view payload);
+absl::StatusOr<RelayOfferMsg> DecodeRelayOffer(std::string_view payload);
 absl::StatusOr<CancelMsg> DecodeCancel(std::string_view payload);
 absl::StatusOr<RenewMsg> DecodeRenew(std::string_view payload);
 absl::StatusOr<ReleaseMsg> DecodeRelease(std::string_view payload);

@@ -94,7 +94,7 @@ std::string EncodeHeader(const DescriptorHeader& h) {
   return out;
 }
 
-absl::StatusOr<DescriptorHeader> DecodeHeader(std::string_view bytes) {
+absl::StatusOr<DescriptorHeader> DecodeHeader(std::string_view bytes, uint64_t magic) {
   if (bytes.size() != kDescriptorHeaderBytes) {
     return absl::DataLossError(
         absl::StrFormat("malformed version descriptor header: %d bytes, expected %d", bytes.size(),
@@ -110,10 +110,9 @@ absl::StatusOr<DescriptorHeader> DecodeHeader(std::string_view bytes) {
   h.layout_bytes = LoadLe<uint64_t>(p + 40);
   h.seal_offset = LoadLe<uint64_t>(p + 48);
   h.seal_bytes = LoadLe<uint64_t>(p + 56);
-  if (h.magic != kDescriptorMagic) {
-    return absl::DataLossError(
-        absl::StrFormat("malformed version descriptor header: magic %016x, expected %016x", h.magic,
-                        kDescriptorMagic));
+  if (h.magic != magic) {
+    return absl::DataLossError(absl::StrFormat(
+        "malformed version descriptor header: magic %016x, expected %016x", h.magic, magic));
   }
   return h;
 }

@@ -55,9 +55,40 @@ struct DescriptorHeader {
   uint64_t seal_offset = 0;
   uint64_t seal_bytes = 0;  // 0 until sealed
 };
-// The header as its 64 bytes, and back. DecodeHeader: DataLoss for a wrong size or magic.
+// The header as its 64 bytes, and back. DecodeHeader: DataLoss for a wrong size or magic
+// (`magic`: kDescriptorMagic, or kRelayMagic for a relay descriptor).
 std::string EncodeHeader(const DescriptorHeader& h);
-absl::StatusOr<DescriptorHeader> DecodeHeader(std::string_view bytes);
+absl::StatusOr<DescriptorHeader> DecodeHeader(std::string_view bytes,
+                                              uint64_t magic = kDescriptorMagic);
+
+// ---- Relays (README.md, "Fan-out") ----
+// A subscriber that may relay a version keeps a relay descriptor in registered memory UCX
+// allocated (so that its children can write into it on any transport):
+//
+//   [0, 64)        header (DescriptorHeader with magic kRelayMagic): version, state
+//                  (RelayState), nchunks, layout_offset, layout_bytes
+//   [64, 64 + 24 kMaxRelayChildren)  per child slot: attach (the version the child reads from
+//                  this relay), done (the version it no longer reads), heartbeat (grows while
+//                  it reads); written by the child
+//   [kRelayReadyOffset, + 8 nchunks)  ready[k]: the version whose chunk k (of the publisher's
+//                  chunk grid) this relay holds
+//   [layout_offset, + layout_bytes)   a VersionLayout of the relay's own memory: regions mapping
+//                  slot offsets to the relay's receive buffers (no manifest, no offsets)
+//
+// Closing (a relay's Fetch returning) is a handshake: the relay stores kClosing, fences, then
+// waits for every child whose attach is the version and whose done is not (or whose heartbeat
+// stopped for relay_stall), and stores kClosed; a child stores attach, then reads the header,
+// and reads nothing from a relay it saw closing; bytes it read count only once a later read of
+// the header still shows the relay open (else they are read again from the publisher).
+inline constexpr uint64_t kRelayMagic = 0x31796c6572627777ull;  // "wwbrely1"
+inline constexpr uint64_t kMaxRelayChildren = 64;
+inline constexpr uint64_t kRelayChildBytes = 24;
+inline constexpr uint64_t kRelayReadyOffset =
+    kDescriptorHeaderBytes + kMaxRelayChildren * kRelayChildBytes;
+enum class RelayState : uint64_t { kReceiving = 1, kComplete = 2, kClosing = 3, kClosed = 4 };
+inline uint64_t RelayChildOffset(uint64_t child) {
+  return kDescriptorHeaderBytes + child * kRelayChildBytes;
+}
 
 // Offset of readiness word `k` in the descriptor.
 inline uint64_t ReadyOffset(uint64_t k) { return kDescriptorHeaderBytes + 8 * k; }

@@ -99,6 +99,30 @@ const SettingTable& UcxSettings() {
                   "given at most one lease to ask; the stall is the transfer), after which the "
                   "version is no longer served (no late joiners)",
            .choices = {"staged", "zero_copy"}},
+          {.name = "relay_fanout",
+           .type = SettingType::kInt,
+           .default_value = "0",
+           .doc = "publisher: fan-out through subscribers (README.md, \"Fan-out\"): the "
+                  "publisher serves at most this many subscribers of a version directly and each "
+                  "subscriber that offers to relay serves at most this many others the chunks it "
+                  "received (1: a chain, 2: a binary tree), so that the publisher sends each byte "
+                  "about once; 0: every subscriber pulls from the publisher",
+           .min = "0",
+           .max = "64",
+           .unit = "subscribers"},
+          {.name = "relay",
+           .type = SettingType::kBool,
+           .default_value = "true",
+           .doc = "subscriber: offer to relay the versions this subscriber receives to others "
+                  "(used when the publisher sets relay_fanout); its receive buffers are then "
+                  "readable by the channel's other subscribers while it receives"},
+          {.name = "relay_stall",
+           .type = SettingType::kDuration,
+           .default_value = "500ms",
+           .doc = "how long a subscriber waits for its relay to make progress before it pulls the "
+                  "rest from the publisher, and how long a relay waits for a child that stopped "
+                  "reading before it hands its own version over",
+           .min = "1ms"},
           {.name = "staging_memory",
            .type = SettingType::kEnum,
            .default_value = "host",
@@ -177,6 +201,9 @@ absl::StatusOr<UcxOptions> ReadOptions(const Endpoint& endpoint, const Config& c
   o.cuda_staging = config.String("staging_memory") == "cuda";
   o.pipeline = config.Bool("pipeline");
   o.zero_copy = config.String("publish_mode") == "zero_copy";
+  o.relay_fanout = config.Int("relay_fanout");
+  o.relay = config.Bool("relay");
+  o.relay_stall = config.Duration("relay_stall");
   if (o.zero_copy && o.cuda_staging) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: publish_mode=zero_copy serves the caller's tensors in place: it has no staging "

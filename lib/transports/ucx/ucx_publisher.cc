@@ -212,6 +212,8 @@ struct Conn {
   // Rank 0 on a shared-secret channel: a JOIN whose rank was sent CHALLENGE, completed once its
   // PROOF checks out (its nonce is `subscriber_nonce`).
   std::optional<JoinMsg> pending_join;
+  // The subscriber can relay what it receives (RELAY_OFFER).
+  std::optional<RelayOfferMsg> relay_offer;
 };
 
 // The roles of the proofs a joining rank and rank 0 exchange on a shared-secret channel
@@ -469,6 +471,11 @@ class UcxPublisher final : public TransportPublisher {
   // KEYFRAME_REQUEST: kept for TakeKeyframeRequests, the newest per subscriber.
   void HandleKeyframeRequest(Conn& c, const absl::StatusOr<KeyframeRequestMsg>& m)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fan-out (relay_fanout > 0): places `c`, just granted `slot`'s version, in the version's tree
+  // of relays: the publisher serves the first relay_fanout subscribers itself, every later one
+  // pulls from the first subscriber (in grant order) still holding the version that offered to
+  // relay and serves fewer than relay_fanout; `c` may relay in turn when it offered to.
+  void AssignRelay(Conn& c, const Slot& slot, GrantMsg& grant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends a lease (released, expired, or its connection gone).
   void EndLease(std::map<uint64_t, Lease>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks `c` to be closed now, logging why (rate-limited).
@@ -532,6 +539,13 @@ class UcxPublisher final : public TransportPublisher {
   ZeroCopy zero_copy_ ABSL_GUARDED_BY(mu_);
   // Registrations of callers' tensors served in place (publish_mode=zero_copy; Publish only).
   std::unique_ptr<RegistrationCache> lent_cache_;
+  // Fan-out: per version, how many subscribers the publisher serves directly and the relays in
+  // grant order with their children (the newest 8 versions).
+  struct RelayTree {
+    int direct = 0;
+    std::vector<std::pair<uint64_t, int>> relays;  // connection id, children
+  };
+  std::map<uint64_t, RelayTree> relay_trees_ ABSL_GUARDED_BY(mu_);
   // Connections whose next READ waits for its chunk to be staged: copies wake the progress
   // thread as chunks become ready.
   std::atomic<int> reads_held_{0};
@@ -1761,6 +1775,14 @@ void UcxPublisher::Handle(Conn& c, const Frame& f) {
           absl::StrFormat("ucx subscriber %016x", c.subscriber_id), m->version, m->text};
       break;
     }
+    case MsgType::kRelayOffer: {
+      absl::StatusOr<RelayOfferMsg> m = decoded(DecodeRelayOffer(f.payload));
+      if (!m.ok()) break;
+      // Kept only where relays can be used: a subscriber reading over this connection cannot
+      // serve others with one-sided reads.
+      if (!c.bytes_over_control && m->length >= kRelayReadyOffset) c.relay_offer = *std::move(m);
+      break;
+    }
     case MsgType::kRead: {
       absl::StatusOr<ReadMsg> m = decoded(DecodeRead(f.payload));
       if (!m.ok()) break;
@@ -2304,10 +2326,45 @@ void UcxPublisher::Grant(Conn& c, const PendingWait& w, Slot& slot) {
   ++slot.leases;
   ++c.leases;
   if (&slot == zero_copy_.slot) zero_copy_.granted.insert(c.id);
-  c.out += Encode(GrantMsg{w.request, id,
-                           static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)),
-                           slot.version, slot.grant_region, slot.prefix});
+  GrantMsg grant{w.request,
+                 id,
+                 static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)),
+                 slot.version,
+                 slot.grant_region,
+                 slot.prefix};
+  AssignRelay(c, slot, grant);
+  c.out += Encode(grant);
   grants_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void UcxPublisher::AssignRelay(Conn& c, const Slot& slot, GrantMsg& grant) {
+  if (options_.relay_fanout <= 0 || c.bytes_over_control || group_.grouped()) return;
+  const int fanout = static_cast<int>(options_.relay_fanout);
+  RelayTree& tree = relay_trees_[slot.version];
+  while (relay_trees_.size() > 8) relay_trees_.erase(relay_trees_.begin());
+  if (tree.direct >= fanout) {
+    for (auto& [id, children] : tree.relays) {
+      if (children >= fanout || id == c.id) continue;
+      auto parent = conns_.find(id);
+      if (parent == conns_.end() || parent->second->dead || !parent->second->relay_offer) continue;
+      // It must still hold the version (its lease, so its bytes are this version's).
+      const bool holds = std::any_of(leases_.begin(), leases_.end(), [&](const auto& l) {
+        return l.second.conn == id && l.second.slot == &slot;
+      });
+      if (!holds) continue;
+      const RelayOfferMsg& o = *parent->second->relay_offer;
+      grant.source = RelaySource{
+          parent->second->subscriber_id,  o.worker_address, o.address, o.length, o.rkey, o.pid,
+          static_cast<uint32_t>(children)};
+      ++children;
+      break;
+    }
+  }
+  if (!grant.source) ++tree.direct;
+  if (c.relay_offer) {
+    grant.relay = true;
+    tree.relays.emplace_back(c.id, 0);
+  }
 }
 
 void UcxPublisher::ServeReads(Conn& c) {

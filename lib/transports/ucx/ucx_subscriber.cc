@@ -88,6 +88,72 @@ struct GetOp {
   uint64_t slot_offset;  // where the bytes start in the slot (READ over the control connection)
   ucp_mem_h memh;
   bool attach = false;  // read with process_vm_readv (a kCrossMemoryAttach region on this host)
+  // From the relay (RelayLink) instead of the publisher: where the bytes are in its memory.
+  bool relay = false;
+  uint64_t relay_remote = 0;
+  size_t relay_region = 0;
+};
+
+// A relay's side of a version it may serve to other subscribers (GrantMsg::relay): its relay
+// descriptor (this process's UCX-allocated memory, descriptor.h) and the chunks it holds.
+// Touched by the fetching thread only.
+struct RelayServe {
+  std::byte* desc = nullptr;
+  uint64_t version = 0;
+  uint64_t chunk_bytes = 0;
+  std::vector<uint64_t> left;  // per chunk: bytes of gets not complete yet
+
+  uint64_t* word(uint64_t offset) const { return reinterpret_cast<uint64_t*>(desc + offset); }
+  uint64_t Load(uint64_t offset) const { return __atomic_load_n(word(offset), __ATOMIC_SEQ_CST); }
+  void SetState(RelayState s) const {
+    __atomic_store_n(word(16), static_cast<uint64_t>(s), __ATOMIC_SEQ_CST);
+  }
+  // A get of [slot_offset, +length) (within one chunk) is in place.
+  void Landed(uint64_t slot_offset, uint64_t length) {
+    const uint64_t c = slot_offset / chunk_bytes;
+    if (c >= left.size() || left[c] == 0) return;
+    left[c] -= std::min(left[c], length);
+    if (left[c] == 0) __atomic_store_n(word(kRelayReadyOffset + 8 * c), version, __ATOMIC_RELEASE);
+  }
+  // Children that said they read this version from here and have not said they are done:
+  // (slot, heartbeat) each.
+  std::vector<std::pair<uint64_t, uint64_t>> Readers() const {
+    std::vector<std::pair<uint64_t, uint64_t>> out;
+    for (uint64_t k = 0; k < kMaxRelayChildren; ++k) {
+      if (Load(RelayChildOffset(k)) == version && Load(RelayChildOffset(k) + 8) != version) {
+        out.emplace_back(k, Load(RelayChildOffset(k) + 16));
+      }
+    }
+    return out;
+  }
+};
+
+// A relay a subscriber pulls from: an endpoint to its worker and the keys unpacked on it.
+struct RelayPeer {
+  ucp_ep_h ep = nullptr;
+  bool peer_errors = false;
+  ucs_status_t ep_status = UCS_OK;  // set by the endpoint's error handler
+  uint64_t desc_address = 0;        // the relay descriptor `desc_rkey` is for
+  std::unique_ptr<RemoteKey> desc_rkey;
+  std::map<uint64_t, std::unique_ptr<RemoteKey>> rkeys;  // its regions, by id
+  std::optional<bool> attach;  // its regions can be read with process_vm_readv from here
+};
+
+// One Fetch's use of a relay (GrantMsg::source).
+struct RelayLink {
+  RelayPeer* peer = nullptr;
+  RelaySource source;
+  uint64_t version = 0;
+  std::vector<LayoutRegion> regions;  // the relay's memory, by slot offset
+  std::vector<ucp_rkey_h> rkeys;      // per region, when not read by cross-memory attach
+  bool attach = false;
+  std::vector<bool> ready;   // chunks the relay holds, as last read
+  bool dead = false;         // fell back to the publisher
+  bool unreachable = false;  // dead because the relay could not be read or written
+  std::string why;           // why it fell back
+  uint64_t bytes = 0;        // read from the relay and confirmed
+  uint64_t heartbeat = 0;
+  absl::Time progress;  // the relay's last progress: a chunk it newly held, a read confirmed
 };
 
 // The gets of one Fetch and their completion bookkeeping (touched only by the fetching thread:
@@ -103,8 +169,9 @@ struct Pull {
   absl::Status error;
   LandingSink* sink = nullptr;
   const Manifest* manifest = nullptr;
-  std::string source;     // for messages: "ucx://h:p/c: ... from publisher ..."
-  bool midpoint = false;  // the fail point ucx.during_get was passed
+  std::string source;           // for messages: "ucx://h:p/c: ... from publisher ..."
+  bool midpoint = false;        // the fail point ucx.during_get was passed
+  RelayServe* serve = nullptr;  // this subscriber relays the version: chunks it holds
 
   // The fail point ucx.during_get, once per version: when half of the `total` bytes are
   // requested (`issued_bytes` by the first `issued` gets) and at least one get has finished.
@@ -132,6 +199,7 @@ struct Pull {
       return;
     }
     done[k] = true;
+    if (serve != nullptr) serve->Landed(op.slot_offset, op.length);
     for (size_t t = op.first; t <= op.last; ++t) {
       const uint64_t nbytes = pieces->sizes[t];
       if (nbytes == 0) continue;  // landed before the first get, or not wanted
@@ -233,6 +301,12 @@ class UcxVersion final : public IncomingVersion {
   std::string source_;
   std::vector<GroupMember> members_;  // of a group version (VersionLayout::members)
   uint64_t pid_ = 0;                  // VersionLayout::pid
+  // Fan-out (GrantMsg): the grantee may relay the version; pull from this relay first. During
+  // a Fetch, what it serves and the relay it reads.
+  bool relay_ = false;
+  std::optional<RelaySource> relay_source_;
+  RelayServe* serve_ = nullptr;
+  RelayLink* link_ = nullptr;
   // The publisher's lease runs from when it granted the version or from the last renewal it
   // accepted (RENEWED valid); both happened after we sent the request or that renewal, so the
   // lease certainly lasts until lease_base_ + lease, by our own MonotonicNow() clock.
@@ -257,6 +331,19 @@ class UcxSubscriber final : public TransportSubscriber {
   ~UcxSubscriber() override {
     absl::MutexLock lock(&mu_);
     CloseSession();
+    for (auto& [address, peer] : relay_peers_) {
+      peer->desc_rkey.reset();
+      peer->rkeys.clear();
+      if (peer->ep == nullptr) continue;
+      ucp_request_param_t param{};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      param.flags = peer->peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+      (void)WaitRequest(worker_->get(), ucp_ep_close_nbx(peer->ep, &param),
+                        absl::Now() + absl::Seconds(1));
+    }
+    relay_peers_.clear();
+    relay_regs_.reset();
+    relay_desc_.reset();
   }
 
   absl::StatusOr<std::unique_ptr<IncomingVersion>> WaitForVersion(uint64_t min_version,
@@ -292,6 +379,7 @@ class UcxSubscriber final : public TransportSubscriber {
       c.control_bytes_received =
           control_received_ + (session_ ? session_->control.bytes_received() : 0);
       c.descriptor_bytes = descriptor_bytes_;
+      c.bytes_from_relays = relay_bytes_.load(std::memory_order_relaxed);
     }
     absl::MutexLock lock(&members_mu_);
     for (const auto& [rank, sub] : member_of_rank_) {
@@ -301,6 +389,7 @@ class UcxSubscriber final : public TransportSubscriber {
       c.control_bytes_sent += m.control_bytes_sent;
       c.control_bytes_received += m.control_bytes_received;
       c.descriptor_bytes += m.descriptor_bytes;
+      c.bytes_from_relays += m.bytes_from_relays;
       if (c.bytes_by_rank.size() <= static_cast<size_t>(rank)) c.bytes_by_rank.resize(rank + 1, 0);
       c.bytes_by_rank[rank] += m.bytes_by_rank[0];
     }
@@ -309,6 +398,9 @@ class UcxSubscriber final : public TransportSubscriber {
 
   absl::Status Fetch(UcxVersion& v, absl::Span<std::byte* const> targets, LandingSink& sink,
                      absl::Time deadline);
+  // Fetch's transfer, seal and release, into `pieces`' targets.
+  absl::Status FetchPieces(UcxVersion& v, const Pieces& pieces, LandingSink& sink,
+                           absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status FetchRanges(UcxVersion& v, absl::Span<const RangeRead> reads, absl::Time deadline);
   void Release(UcxVersion& v);
   // A group version's rank `rank` > 0 serves its parts at `member`: the subscriber that reads
@@ -366,6 +458,41 @@ class UcxSubscriber final : public TransportSubscriber {
   // The unpacked remote key of region `id` on the session's endpoint (unpacked once).
   absl::StatusOr<ucp_rkey_h> RkeyOf(uint64_t id, const std::string& packed, std::string_view what)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ---- Fan-out (README.md, "Fan-out") ----
+  // Offers the publisher this subscriber's relay descriptor (allocated on first use, or larger
+  // when `need` bytes do not fit). Errors: those of registering memory or sending.
+  absl::Status OfferRelay(absl::Time deadline, uint64_t need = 0)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prepares serving v (a grant with GrantMsg::relay) while it is received into `pc`'s targets:
+  // the relay descriptor's layout maps the slot to them, then its header names the version.
+  // False when this Fetch cannot be served (not every tensor wanted, no descriptor).
+  bool BeginServing(UcxVersion& v, const Pieces& pc, RelayServe& serve)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After the Fetch: (when `ok`) waits for the children still reading (each until it is done or
+  // its heartbeat stopped for relay_stall), then closes (descriptor.h's handshake).
+  void FinishServing(RelayServe& serve, bool ok, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Says in the relay descriptor that `version` is not (or no longer) served from here, so that
+  // children placed under this subscriber fall back to the publisher at once instead of waiting
+  // relay_stall for it to begin (a version released unfetched, read in ranges, or not servable).
+  void CloseRelay(uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The relay `src` names: an endpoint to its worker (created once), or nullptr.
+  RelayPeer* PeerFor(const RelaySource& src) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One blocking get (or put, `put`) of `len` bytes at `remote` of relay `p` by `deadline`;
+  // a relay that does not answer is forgotten (its endpoint force-closed).
+  absl::Status PeerIo(const RelaySource& src, bool put, uint64_t remote, void* buf, size_t len,
+                      absl::Time deadline, ucp_rkey_h rkey = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts pulling v from its relay: says so in its child slot, waits (at most relay_stall) for
+  // the relay to name the version, reads its layout. nullopt: pull from the publisher.
+  std::optional<RelayLink> OpenRelay(UcxVersion& v, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The relay's header and a window of its readiness words from chunk `from`: false (and the
+  // link dead, saying why) when it no longer serves the version.
+  bool PollRelay(UcxVersion& v, RelayLink& link, uint64_t from, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the relay this subscriber reads no more of the version from it.
+  void LeaveRelay(RelayLink& link, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether v's kCrossMemoryAttach regions can be read with process_vm_readv from here: the
   // publisher is on this host and a probe read of v's descriptor header that way matches it.
   bool CanAttach(const UcxVersion& v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -414,8 +541,16 @@ class UcxSubscriber final : public TransportSubscriber {
   uint64_t control_sent_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t control_received_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t descriptor_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  std::atomic<uint64_t> gets_{0};   // UcxSubscriberCounters::gets
-  std::atomic<uint64_t> bytes_{0};  // UcxSubscriberCounters::bytes_by_rank (this publisher's)
+  // Fan-out: this subscriber's relay descriptor (UCX-allocated; offered once per session), the
+  // registrations of the receive buffers it serves (kept apart from the receive cache so that
+  // neither evicts the other's ranges), and the relays it pulls from, by worker address.
+  std::unique_ptr<MemRegion> relay_desc_ ABSL_GUARDED_BY(mu_);
+  std::string relay_rkey_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<RegistrationCache> relay_regs_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::unique_ptr<RelayPeer>> relay_peers_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> relay_bytes_{0};  // UcxSubscriberCounters::bytes_from_relays
+  std::atomic<uint64_t> gets_{0};         // UcxSubscriberCounters::gets
+  std::atomic<uint64_t> bytes_{0};        // UcxSubscriberCounters::bytes_by_rank (this publisher's)
   // The subscribers of a group's other ranks, by address ("host port").
   absl::Mutex members_mu_ ABSL_ACQUIRED_AFTER(mu_);
   std::map<std::string, std::unique_ptr<UcxSubscriber>> member_subs_ ABSL_GUARDED_BY(members_mu_);
@@ -799,6 +934,10 @@ absl::Status UcxSubscriber::EnsureSession(absl::Time deadline, std::string_view 
   }
   session_ = std::move(s);
   Log(LogLevel::kInfo, "%s: connected to %s", endpoint_.display, session_->publisher);
+  if (absl::Status offered = OfferRelay(connect_deadline); !offered.ok()) {
+    Log(LogLevel::kInfo, "%s: not offering to relay versions to other subscribers: %s",
+        endpoint_.display, std::string(offered.message()));
+  }
   return absl::OkStatus();
 }
 
@@ -962,6 +1101,381 @@ void OnPendingGetDone(void* request, ucs_status_t status, void* user_data) {
 }
 
 }  // namespace
+
+namespace {
+
+void OnRelayEndpointError(void* arg, ucp_ep_h, ucs_status_t status) {
+  static_cast<RelayPeer*>(arg)->ep_status = status;
+}
+
+// Bytes of a relay descriptor: header, child slots, readiness words of up to 64 Ki chunks (256
+// GiB in 4 MiB chunks) and a layout of about 4,000 regions; grown when a version needs more.
+constexpr uint64_t kRelayDescriptorBytes = uint64_t{1} << 20;
+
+}  // namespace
+
+absl::Status UcxSubscriber::OfferRelay(absl::Time deadline, uint64_t need) {
+  if (!options_.relay || !session_ || session_->bytes_over_control || rank_ != 0) {
+    return absl::OkStatus();
+  }
+  if (!relay_desc_ || relay_desc_->size() < need) {
+    const uint64_t bytes = std::max(kRelayDescriptorBytes, (need + 4095) / 4096 * 4096);
+    WB_ASSIGN_OR_RETURN(std::unique_ptr<MemRegion> desc,
+                        MemRegion::Allocate(context_, bytes, UCS_MEMORY_TYPE_HOST));
+    WB_ASSIGN_OR_RETURN(relay_rkey_, desc->PackRkey());
+    std::memset(desc->data(), 0, desc->size());
+    // Serving nothing yet: a child placed here before the first version begins waits for it.
+    DescriptorHeader h;
+    h.magic = kRelayMagic;
+    h.state = static_cast<uint64_t>(RelayState::kClosed);
+    const std::string header = EncodeHeader(h);
+    std::memcpy(desc->data(), header.data(), header.size());
+    relay_desc_ = std::move(desc);
+    if (!relay_regs_) relay_regs_ = std::make_unique<RegistrationCache>(context_, 1);
+  }
+  WB_ASSIGN_OR_RETURN(std::string address, worker_->Address());
+  return session_->control.Send(
+      Encode(RelayOfferMsg{address, reinterpret_cast<uintptr_t>(relay_desc_->data()),
+                           relay_desc_->size(), relay_rkey_, static_cast<uint64_t>(getpid())}),
+      deadline);
+}
+
+void UcxSubscriber::CloseRelay(uint64_t version) {
+  if (!relay_desc_) return;
+  auto* words = reinterpret_cast<uint64_t*>(relay_desc_->data());
+  if (__atomic_load_n(&words[1], __ATOMIC_SEQ_CST) == version &&
+      __atomic_load_n(&words[2], __ATOMIC_SEQ_CST) >= static_cast<uint64_t>(RelayState::kClosing)) {
+    return;  // closed already (FinishServing)
+  }
+  // State first: a child that sees the version sees it closed.
+  __atomic_store_n(&words[2], static_cast<uint64_t>(RelayState::kClosed), __ATOMIC_SEQ_CST);
+  __atomic_store_n(&words[1], version, __ATOMIC_SEQ_CST);
+}
+
+bool UcxSubscriber::BeginServing(UcxVersion& v, const Pieces& pc, RelayServe& serve) {
+  if (!v.relay_ || !relay_desc_) return false;
+  if (session_->bytes_over_control || v.chunk_bytes_ == 0) {
+    CloseRelay(v.manifest_.version);
+    return false;
+  }
+  for (size_t i = 0; i < pc.sizes.size(); ++i) {
+    if (v.manifest_.tensors[i].nbytes > 0 && pc.sizes[i] == 0) {  // not all here
+      CloseRelay(v.manifest_.version);
+      return false;
+    }
+  }
+  // The relay's memory by slot offset: runs contiguous in the slot and in the targets.
+  VersionLayout layout;
+  layout.version = v.manifest_.version;
+  layout.chunk_bytes = v.chunk_bytes_;
+  layout.pid = static_cast<uint64_t>(getpid());
+  std::vector<size_t> order;
+  for (size_t i = 0; i < pc.sizes.size(); ++i) {
+    if (pc.sizes[i] > 0) order.push_back(i);
+  }
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return pc.offsets[a] < pc.offsets[b]; });
+  for (size_t i : order) {
+    if (!layout.regions.empty()) {
+      LayoutRegion& last = layout.regions.back();
+      if (last.base + last.length == pc.offsets[i] &&
+          last.address + last.length == reinterpret_cast<uintptr_t>(pc.targets[i])) {
+        last.length += pc.sizes[i];
+        continue;
+      }
+    }
+    layout.regions.push_back(LayoutRegion{0, pc.offsets[i],
+                                          reinterpret_cast<uintptr_t>(pc.targets[i]), pc.sizes[i],
+                                          "", kCrossMemoryAttach});
+  }
+  // Remote keys for children on other hosts (one-sided reads of registered memory).
+  for (LayoutRegion& r : layout.regions) {
+    absl::StatusOr<RegistrationCache::Served> served =
+        relay_regs_->Serve(reinterpret_cast<std::byte*>(r.address), r.length);
+    if (!served.ok()) {
+      CloseRelay(v.manifest_.version);
+      return false;
+    }
+    r.id = served->id;
+    r.rkey = *served->rkey;
+  }
+  const std::string encoded = EncodeLayout(layout);
+  const uint64_t layout_offset = kRelayReadyOffset + 8 * v.nchunks_;
+  if (layout_offset + encoded.size() > relay_desc_->size()) {
+    // Larger next time (a new descriptor, offered again); this version goes unserved.
+    CloseRelay(v.manifest_.version);
+    (void)OfferRelay(absl::Now() + absl::Seconds(1), layout_offset + encoded.size());
+    return false;
+  }
+  serve.desc = relay_desc_->data();
+  serve.version = v.manifest_.version;
+  serve.chunk_bytes = v.chunk_bytes_;
+  serve.left.assign(v.nchunks_, 0);
+  std::memcpy(serve.desc + layout_offset, encoded.data(), encoded.size());
+  // Stale readiness words and child slots hold older versions: nothing to clear.
+  DescriptorHeader h;
+  h.magic = kRelayMagic;
+  h.version = 0;  // written last
+  h.state = static_cast<uint64_t>(RelayState::kReceiving);
+  h.nchunks = v.nchunks_;
+  h.layout_offset = layout_offset;
+  h.layout_bytes = encoded.size();
+  const std::string header = EncodeHeader(h);
+  std::memcpy(serve.desc, header.data(), header.size());
+  __atomic_store_n(serve.word(8), serve.version, __ATOMIC_SEQ_CST);
+  return true;
+}
+
+void UcxSubscriber::FinishServing(RelayServe& serve, bool ok, absl::Time deadline) {
+  // Children still reading this version: each until it is done, or its heartbeat stopped for
+  // relay_stall (a child stopped or gone: it reads the rest from the publisher), or the
+  // deadline.
+  auto wait_for_readers = [&] {
+    std::map<uint64_t, std::pair<uint64_t, absl::Time>> seen;  // slot -> heartbeat, since
+    while (absl::Now() < deadline) {
+      const std::vector<std::pair<uint64_t, uint64_t>> readers = serve.Readers();
+      const absl::Time now = absl::Now();
+      bool waiting = false;
+      for (const auto& [slot, beat] : readers) {
+        auto [it, fresh] = seen.try_emplace(slot, beat, now);
+        if (fresh || it->second.first != beat) {
+          it->second = {beat, now};
+        } else if (now - it->second.second > options_.relay_stall) {
+          continue;  // stopped reading: not waited for
+        }
+        waiting = true;
+      }
+      if (!waiting) return;
+      absl::SleepFor(absl::Microseconds(100));
+    }
+  };
+  if (ok) {
+    serve.SetState(RelayState::kComplete);
+    wait_for_readers();
+  }
+  serve.SetState(RelayState::kClosing);  // seq_cst: ordered before reading the child slots
+  if (ok) wait_for_readers();
+  serve.SetState(RelayState::kClosed);
+}
+
+RelayPeer* UcxSubscriber::PeerFor(const RelaySource& src) {
+  auto it = relay_peers_.find(src.worker_address);
+  if (it != relay_peers_.end() && it->second->ep_status == UCS_OK) return it->second.get();
+  if (it != relay_peers_.end()) relay_peers_.erase(it);  // its endpoint failed: a new one
+  while (relay_peers_.size() >= 8) relay_peers_.erase(relay_peers_.begin());
+  auto peer = std::make_unique<RelayPeer>();
+  for (const bool peer_mode : {true, false}) {
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    params.address = reinterpret_cast<const ucp_address_t*>(src.worker_address.data());
+    params.err_mode = peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+    if (peer_mode) {
+      params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      params.err_handler.cb = &OnRelayEndpointError;
+      params.err_handler.arg = peer.get();
+    }
+    std::optional<QuietUcxErrors> quiet;
+    if (peer_mode) quiet.emplace();
+    if (ucp_ep_create(worker_->get(), &params, &peer->ep) == UCS_OK) {
+      peer->peer_errors = peer_mode;
+      RelayPeer* raw = peer.get();
+      relay_peers_[src.worker_address] = std::move(peer);
+      return raw;
+    }
+    peer->ep = nullptr;
+  }
+  return nullptr;
+}
+
+absl::Status UcxSubscriber::PeerIo(const RelaySource& src, bool put, uint64_t remote, void* buf,
+                                   size_t len, absl::Time deadline, ucp_rkey_h rkey) {
+  RelayPeer* p = PeerFor(src);
+  if (p == nullptr) return absl::UnavailableError("no UCX endpoint reaches the relay");
+  if (!p->desc_rkey || p->desc_address != src.address) {
+    absl::StatusOr<std::unique_ptr<RemoteKey>> key =
+        RemoteKey::Unpack(p->ep, src.rkey, "a relay's descriptor");
+    if (!key.ok()) return key.status();
+    p->desc_rkey = *std::move(key);
+    p->desc_address = src.address;
+  }
+  PendingGet op;
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = &OnPendingGetDone;
+  param.user_data = &op;
+  ++op.inflight;
+  if (rkey == nullptr) rkey = p->desc_rkey->get();
+  ucs_status_ptr_t req = put ? ucp_put_nbx(p->ep, buf, len, remote, rkey, &param)
+                             : ucp_get_nbx(p->ep, buf, len, remote, rkey, &param);
+  if (req == nullptr) {
+    --op.inflight;
+  } else if (UCS_PTR_IS_ERR(req)) {
+    --op.inflight;
+    op.status = UCS_PTR_STATUS(req);
+  }
+  if (put && op.inflight == 0 && op.status == UCS_OK) {
+    // Completed locally; flushed so that it is visible before this subscriber's next read.
+    ucp_request_param_t flush{};
+    op.status = WaitRequest(worker_->get(), ucp_ep_flush_nbx(p->ep, &flush), deadline);
+  }
+  while (op.inflight > 0) {
+    if (ucp_worker_progress(worker_->get()) != 0) continue;
+    if (p->ep_status != UCS_OK || absl::Now() > deadline) {
+      // Gone or stopped: forget it, after its outstanding operation is done (force-closed).
+      ucp_request_param_t close{};
+      close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      close.flags = p->peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+      p->desc_rkey.reset();
+      p->rkeys.clear();
+      (void)WaitRequest(worker_->get(), ucp_ep_close_nbx(p->ep, &close),
+                        absl::Now() + absl::Seconds(5));
+      p->ep = nullptr;
+      while (op.inflight > 0) {
+        if (ucp_worker_progress(worker_->get()) == 0) absl::SleepFor(absl::Microseconds(50));
+      }
+      relay_peers_.erase(src.worker_address);
+      return absl::UnavailableError("the relay did not answer");
+    }
+  }
+  if (op.status != UCS_OK) return UcsError(op.status, "reading a relay's descriptor");
+  return absl::OkStatus();
+}
+
+bool UcxSubscriber::PollRelay(UcxVersion& v, RelayLink& link, uint64_t from, absl::Time deadline) {
+  const RelaySource& src = link.source;
+  char header[kDescriptorHeaderBytes];
+  const absl::Time until = std::min(deadline, absl::Now() + options_.relay_stall);
+  absl::Status s = PeerIo(src, false, src.address, header, sizeof(header), until);
+  absl::StatusOr<DescriptorHeader> h =
+      s.ok() ? DecodeHeader(std::string_view(header, sizeof(header)), kRelayMagic)
+             : absl::StatusOr<DescriptorHeader>(s);
+  if (!h.ok() || h->version != link.version ||
+      h->state >= static_cast<uint64_t>(RelayState::kClosing) || h->nchunks != link.ready.size()) {
+    link.dead = true;
+    link.unreachable = !s.ok();
+    link.why = !h.ok()                      ? std::string(h.status().message())
+               : h->version != link.version ? "it moved on to another version"
+                                            : "it closed";
+    return false;
+  }
+  const uint64_t to = std::min<uint64_t>(link.ready.size(), from + 512);
+  if (to > from) {
+    std::vector<uint64_t> words(to - from);
+    s = PeerIo(src, false, src.address + kRelayReadyOffset + 8 * from, words.data(),
+               8 * words.size(), until);
+    if (!s.ok()) {
+      link.dead = true;
+      link.unreachable = true;
+      link.why = std::string(s.message());
+      return false;
+    }
+    for (uint64_t c = from; c < to; ++c) {
+      if (!link.ready[c] && words[c - from] == link.version) {
+        link.ready[c] = true;
+        link.progress = absl::Now();
+      }
+    }
+  }
+  return true;
+}
+
+std::optional<RelayLink> UcxSubscriber::OpenRelay(UcxVersion& v, absl::Time deadline) {
+  if (!v.relay_source_ || session_->bytes_over_control || v.nchunks_ == 0) return std::nullopt;
+  RelayLink link;
+  link.source = *v.relay_source_;
+  link.version = v.manifest_.version;
+  if (link.source.child >= kMaxRelayChildren) return std::nullopt;
+  const uint64_t slot = link.source.address + RelayChildOffset(link.source.child);
+  // Attach first, then look: a relay that was not closing when we looked waits for us.
+  uint64_t attach = link.version;
+  const absl::Time until = std::min(deadline, absl::Now() + options_.relay_stall);
+  if (!PeerIo(link.source, true, slot, &attach, 8, until).ok()) return std::nullopt;
+  if (!failpoints_.Hit("ucx.relay_attached").ok()) {
+    LeaveRelay(link, until);
+    return std::nullopt;
+  }
+  link.ready.assign(v.nchunks_, false);
+  link.progress = absl::Now();
+  absl::Duration backoff = absl::Microseconds(50);
+  DescriptorHeader h;
+  while (true) {
+    char header[kDescriptorHeaderBytes];
+    if (!PeerIo(link.source, false, link.source.address, header, sizeof(header), until).ok()) {
+      return std::nullopt;
+    }
+    absl::StatusOr<DescriptorHeader> got =
+        DecodeHeader(std::string_view(header, sizeof(header)), kRelayMagic);
+    if (!got.ok()) {
+      LeaveRelay(link, until);
+      return std::nullopt;
+    }
+    h = *got;
+    if (h.version == link.version) break;
+    if (absl::Now() + backoff > until) {
+      LeaveRelay(link, until);
+      return std::nullopt;  // it has not begun receiving the version: the publisher serves it
+    }
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Milliseconds(5));
+  }
+  std::string encoded(h.layout_bytes, '\0');
+  absl::StatusOr<VersionLayout> layout = absl::DataLossError("no layout");
+  if (h.state < static_cast<uint64_t>(RelayState::kClosing) && h.nchunks == v.nchunks_ &&
+      h.layout_bytes <= (uint64_t{64} << 20) &&
+      PeerIo(link.source, false, link.source.address + h.layout_offset, encoded.data(),
+             encoded.size(), until)
+          .ok()) {
+    layout = DecodeLayout(encoded);
+  }
+  if (!layout.ok() || layout->version != link.version) {
+    LeaveRelay(link, until);
+    return std::nullopt;
+  }
+  link.regions = std::move(layout->regions);
+  for (size_t k = 1; k < link.regions.size(); ++k) {
+    if (link.regions[k].base < link.regions[k - 1].base + link.regions[k - 1].length) {
+      LeaveRelay(link, until);
+      return std::nullopt;  // overlapping: not a layout a relay writes
+    }
+  }
+  link.peer = PeerFor(link.source);
+  if (link.peer == nullptr) return std::nullopt;
+  // Its memory: with process_vm_readv on this host when that works (a probe of its descriptor
+  // header), else one-sided gets with its keys.
+  if (!link.peer->attach) {
+    char probe[kDescriptorHeaderBytes];
+    iovec local{probe, sizeof(probe)};
+    iovec remote{reinterpret_cast<void*>(link.source.address), sizeof(probe)};
+    link.peer->attach = session_->local && link.source.pid > 0 &&
+                        link.source.pid <= static_cast<uint64_t>(INT32_MAX) &&
+                        ::process_vm_readv(static_cast<pid_t>(link.source.pid), &local, 1, &remote,
+                                           1, 0) == static_cast<ssize_t>(sizeof(probe)) &&
+                        DecodeHeader(std::string_view(probe, sizeof(probe)), kRelayMagic).ok();
+  }
+  link.attach = *link.peer->attach;
+  if (!link.attach) {
+    for (const LayoutRegion& r : link.regions) {
+      auto it = link.peer->rkeys.find(r.id);
+      if (it == link.peer->rkeys.end()) {
+        absl::StatusOr<std::unique_ptr<RemoteKey>> key =
+            RemoteKey::Unpack(link.peer->ep, r.rkey, "a relay's receive buffer");
+        if (!key.ok()) {
+          LeaveRelay(link, until);
+          return std::nullopt;
+        }
+        it = link.peer->rkeys.emplace(r.id, *std::move(key)).first;
+      }
+      link.rkeys.push_back(it->second->get());
+    }
+  }
+  return link;
+}
+
+void UcxSubscriber::LeaveRelay(RelayLink& link, absl::Time deadline) {
+  uint64_t done = link.version;
+  (void)PeerIo(link.source, true, link.source.address + RelayChildOffset(link.source.child) + 8,
+               &done, 8, std::min(deadline, absl::Now() + options_.relay_stall));
+}
 
 bool UcxSubscriber::CanAttach(const UcxVersion& v) {
   Session& s = *session_;
@@ -1312,6 +1826,8 @@ absl::StatusOr<std::unique_ptr<IncomingVersion>> UcxSubscriber::OpenGrant(const 
                                    std::move(layout->regions), std::move(offsets), source, asked);
   v->descriptor_ = d;
   v->pid_ = layout->pid;
+  v->relay_ = grant->relay;
+  v->relay_source_ = grant->source;
   v->chunk_bytes_ = chunk;
   v->nchunks_ = h.nchunks;
   v->ready_.assign(h.nchunks, false);
@@ -1435,6 +1951,24 @@ absl::Status UcxSubscriber::Fetch(UcxVersion& v, absl::Span<std::byte* const> ta
   for (size_t i = 0; i < n; ++i) {
     if (m.tensors[i].nbytes == 0) sink.Landed(i);
   }
+  // Fan-out: serve the version to other subscribers while receiving it (when granted so), and
+  // read it from a relay first (when granted one). A relay hands its own version over once its
+  // children have read it (or stopped).
+  RelayServe serve;
+  const bool serving = BeginServing(v, pieces, serve);
+  std::optional<RelayLink> link = OpenRelay(v, deadline);
+  v.serve_ = serving ? &serve : nullptr;
+  v.link_ = link ? &*link : nullptr;
+  absl::Status fetched = FetchPieces(v, pieces, sink, deadline);
+  v.serve_ = nullptr;
+  v.link_ = nullptr;
+  if (link && !link->unreachable) LeaveRelay(*link, deadline);
+  if (serving) FinishServing(serve, fetched.ok(), deadline);
+  return fetched;
+}
+
+absl::Status UcxSubscriber::FetchPieces(UcxVersion& v, const Pieces& pieces, LandingSink& sink,
+                                        absl::Time deadline) {
   WB_RETURN_IF_ERROR(PullPieces(v, pieces, sink, deadline));
   if (!v.sealed_) {
     // Pipelined: every byte is here; the version counts once its publisher sealed it.
@@ -1599,6 +2133,12 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
   // until its bytes are staged.
   const bool gated = !v.all_ready() && !s.bytes_over_control;
   const uint64_t ready_chunk = v.chunk_bytes_;
+  // Fan-out: this subscriber relays the version (its readiness words count whole chunks), or
+  // reads it from a relay (whose readiness it follows). Either way gets stay within one chunk.
+  RelayLink* link = v.link_;
+  RelayServe* serve = v.serve_;
+  pull.serve = serve;
+  const bool by_chunk = gated || serve != nullptr || link != nullptr;
 
   // Registrations: one per run of targets that ascend with gaps under a page (every byte of such
   // a gap lies on a page the neighbouring targets occupy, so the run is mapped memory: the
@@ -1660,7 +2200,22 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
       const size_t k = static_cast<size_t>(region - v.regions_.begin()) - 1;
       const LayoutRegion& g = v.regions_[k];
       uint64_t len = std::min({chunk, run_len - done, g.base + g.length - off});
-      if (gated) len = std::min(len, (off / ready_chunk + 1) * ready_chunk - off);
+      if (by_chunk) len = std::min(len, (off / ready_chunk + 1) * ready_chunk - off);
+      // From the relay where it holds these slot bytes (within one of its regions).
+      bool from_relay = false;
+      uint64_t relay_remote = 0;
+      size_t relay_region = 0;
+      if (link != nullptr) {
+        auto r = std::upper_bound(link->regions.begin(), link->regions.end(), off,
+                                  [](uint64_t o, const LayoutRegion& x) { return o < x.base; });
+        if (r != link->regions.begin() && off < (r - 1)->base + (r - 1)->length) {
+          const LayoutRegion& x = *(r - 1);
+          len = std::min(len, x.base + x.length - off);
+          from_relay = true;
+          relay_remote = x.address + (off - x.base);
+          relay_region = static_cast<size_t>(r - 1 - link->regions.begin());
+        }
+      }
       ucp_mem_h memh = nullptr;
       if (!s.bytes_over_control) {
         const auto [handle, piece_end] = registration(reg_run_of[i], local);
@@ -1678,10 +2233,10 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
         ++pull.remaining[w];
         pull.end_op[w] = op + 1;
       }
-      pull.ops.push_back(GetOp{t, u, s.bytes_over_control ? nullptr : rkeys[k],
-                               g.address + (off - g.base), local, len, off, memh,
-                               !s.bytes_over_control && attach[k]});
-      if (gated) op_chunk.push_back(off / ready_chunk);
+      pull.ops.push_back(GetOp{
+          t, u, s.bytes_over_control ? nullptr : rkeys[k], g.address + (off - g.base), local, len,
+          off, memh, !s.bytes_over_control && attach[k], from_relay, relay_remote, relay_region});
+      if (by_chunk) op_chunk.push_back(off / ready_chunk);
       done += len;
       total += len;
     }
@@ -1689,6 +2244,15 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
   }
   std::vector<GetContext> contexts(pull.ops.size());
   pull.done.assign(pull.ops.size(), false);
+  if (serve != nullptr) {
+    // The bytes each chunk waits for; a chunk without any is held at once.
+    for (size_t k = 0; k < pull.ops.size(); ++k) serve->left[op_chunk[k]] += pull.ops[k].length;
+    for (uint64_t c = 0; c < serve->left.size(); ++c) {
+      if (serve->left[c] == 0) {
+        __atomic_store_n(serve->word(kRelayReadyOffset + 8 * c), serve->version, __ATOMIC_RELEASE);
+      }
+    }
+  }
   gets_.fetch_add(pull.ops.size(), std::memory_order_relaxed);
   bytes_.fetch_add(total, std::memory_order_relaxed);
   process_bytes[std::min(rank_, kCountedRanks - 1)].fetch_add(total, std::memory_order_relaxed);
@@ -1718,6 +2282,10 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
   absl::Duration backoff = absl::Microseconds(20);
   absl::Time next_poll = absl::InfinitePast();
   uint64_t polls = 0, waits = 0;
+  // Reads from the relay not yet counted, and when the relay was last looked at.
+  std::vector<size_t> unconfirmed;
+  absl::Time last_confirm = absl::InfinitePast(), next_relay_poll = absl::InfinitePast();
+  absl::Duration relay_backoff = absl::Microseconds(20);
   ucp_rkey_h descriptor_rkey = nullptr;
   if (gated) {
     WB_ASSIGN_OR_RETURN(descriptor_rkey,
@@ -1731,17 +2299,55 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
     // its chunk is staged (a look-ahead of a few hundred past a chunk not staged yet).
     bool blocked = false;  // a get waits for its chunk
     uint64_t wanted_chunk = 0;
+    bool relay_blocked = false;  // a get waits for the relay to hold its chunk
+    uint64_t relay_wanted = 0;
     int burst = 0;
     for (size_t k = first_unissued; k < pull.ops.size() && k < first_unissued + 256 && burst < 16 &&
                                     pull.error.ok() && pull.inflight < window;
          ++k) {
       if (issued[k]) continue;
+      GetOp& op = pull.ops[k];
+      if (op.relay && link->dead) op.relay = false;  // fell back: the publisher serves the rest
+      if (op.relay) {
+        if (!link->ready[op_chunk[k]]) {
+          if (!relay_blocked) relay_wanted = op_chunk[k];
+          relay_blocked = true;
+          continue;
+        }
+        // Read now (into the target), counted once a later look at the relay finds it open.
+        ++pull.inflight;
+        issued[k] = true;
+        ++issued_count;
+        ++burst;
+        absl::Status read = absl::OkStatus();
+        if (link->attach) {
+          if (AttachRead(link->source.pid, op.local, op.relay_remote, op.length) != UCS_OK) {
+            read = absl::UnavailableError("the relay's memory cannot be read (it exited?)");
+          }
+        } else {
+          read = PeerIo(link->source, false, op.relay_remote, op.local, op.length,
+                        std::min(deadline, absl::Now() + options_.relay_stall),
+                        link->rkeys[op.relay_region]);
+        }
+        if (read.ok()) {
+          unconfirmed.push_back(k);
+          issued_bytes += op.length;
+          continue;
+        }
+        link->dead = true;
+        link->unreachable = true;
+        link->why = std::string(read.message());
+        --pull.inflight;
+        issued[k] = false;
+        --issued_count;
+        op.relay = false;
+        continue;
+      }
       if (gated && !v.ready_[op_chunk[k]]) {
         if (!blocked) wanted_chunk = op_chunk[k];
         blocked = true;
         continue;
       }
-      const GetOp& op = pull.ops[k];
       contexts[k] = GetContext{&pull, k};
       ucp_request_param_t param{};
       param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -1772,6 +2378,54 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
     while (first_unissued < pull.ops.size() && issued[first_unissued]) ++first_unissued;
     if (!status.ok() || !pull.error.ok()) break;
     if (issued_count == pull.ops.size() && pull.inflight == 0) break;
+    if (link != nullptr) {
+      // Reads from the relay count once a look at it, after them, finds it still serving the
+      // version (a relay closes only once its children are done or stopped); it stalls when it
+      // holds no new chunk for relay_stall while this subscriber waits: the publisher serves
+      // the rest. The relay is told of progress (heartbeat) and, at the end, that we are done.
+      const absl::Time now = absl::Now();
+      const bool settle =
+          !unconfirmed.empty() && (now - last_confirm >= absl::Milliseconds(1) ||
+                                   (burst == 0 && pull.inflight == unconfirmed.size()));
+      if (settle || (relay_blocked && !link->dead && now >= next_relay_poll)) {
+        const bool open =
+            !link->dead && PollRelay(v, *link, relay_blocked ? relay_wanted : 0, deadline);
+        if (settle) {
+          last_confirm = now;
+          for (size_t k : unconfirmed) {
+            if (open) {
+              pull.Complete(k, UCS_OK);
+              link->bytes += pull.ops[k].length;
+            } else {  // read again from the publisher
+              --pull.inflight;
+              issued[k] = false;
+              --issued_count;
+              issued_bytes -= pull.ops[k].length;
+              pull.ops[k].relay = false;
+              first_unissued = std::min(first_unissued, k);
+            }
+          }
+          if (open) {
+            link->progress = now;
+            uint64_t beat = ++link->heartbeat;
+            (void)PeerIo(link->source, true,
+                         link->source.address + RelayChildOffset(link->source.child) + 16, &beat, 8,
+                         std::min(deadline, now + options_.relay_stall));
+          }
+          unconfirmed.clear();
+        }
+        if (!link->dead && relay_blocked && now - link->progress > options_.relay_stall) {
+          link->dead = true;
+          link->why = absl::StrFormat("it held no new chunk for %s",
+                                      absl::FormatDuration(options_.relay_stall));
+        }
+        relay_backoff = link->progress == now
+                            ? absl::Microseconds(20)
+                            : std::min(relay_backoff * 2, absl::Microseconds(500));
+        next_relay_poll = now + relay_backoff;
+        continue;
+      }
+    }
     if (first_unissued < pull.ops.size() && !blocked && burst == 0 && pull.inflight < window) {
       // Every get in the look-ahead is issued but later ones wait: the first unissued one.
       blocked = gated && !v.ready_[op_chunk[first_unissued]];
@@ -1838,7 +2492,8 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
     const unsigned progressed = ucp_worker_progress(worker);
     status = pull.Midpoint(failpoints_, issued_bytes, total, issued_count);
     if (!status.ok()) break;
-    if (progressed == 0 && blocked && pull.inflight == 0 && poll.inflight == 0) {
+    if (progressed == 0 && (blocked || relay_blocked) && pull.inflight == unconfirmed.size() &&
+        poll.inflight == 0) {
       // Nothing to do until the publisher stages more: sleep until the next poll instead of
       // spinning (the publisher's copy threads may need this core).
       if (waits++ == 0) {
@@ -1846,7 +2501,10 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
         status = failpoints_.Hit("ucx.chunk_wait");
         if (!status.ok()) break;
       }
-      absl::SleepFor(std::max(absl::Microseconds(10), next_poll - absl::Now()));
+      const absl::Time wake = blocked && relay_blocked ? std::min(next_poll, next_relay_poll)
+                              : relay_blocked          ? next_relay_poll
+                                                       : next_poll;
+      absl::SleepFor(std::max(absl::Microseconds(10), wake - absl::Now()));
     }
     // Every millisecond (or when idle): the deadline, the publisher's liveness, the lease.
     const absl::Time now = absl::Now();
@@ -1871,6 +2529,14 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
     if (!status.ok()) break;
   }
   if (status.ok()) status = pull.error;
+  pull.inflight -= unconfirmed.size();  // read already (synchronously): nothing outstanding
+  unconfirmed.clear();
+  if (link != nullptr) {
+    relay_bytes_.fetch_add(link->bytes, std::memory_order_relaxed);
+    Log(LogLevel::kDebug, "%s: version %d: %d bytes from relay %016x%s, %d from %s",
+        endpoint_.display, m.version, link->bytes, link->source.relay,
+        link->dead ? " (then fell back: " + link->why + ")" : "", total - link->bytes, s.publisher);
+  }
   *inflight_left = pull.inflight + poll.inflight;
   Log(LogLevel::kDebug, "%s: version %d: %d gets of %d bytes in %s (%.2f GB/s), planned in %s%s",
       endpoint_.display, m.version, pull.ops.size(), total,
@@ -2021,6 +2687,7 @@ void UcxSubscriber::Release(UcxVersion& v) {
   aborted_.erase(v.lease_id_);
   if (v.released_) return;
   v.released_ = true;
+  if (v.relay_) CloseRelay(v.manifest_.version);
   if (!session_ || session_->generation != v.generation_) return;
   (void)session_->control.Send(Encode(ReleaseMsg{v.lease_id_, false}),
                                absl::Now() + absl::Seconds(1));

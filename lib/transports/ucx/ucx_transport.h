@@ -58,6 +58,10 @@ struct UcxOptions {
   // publish_mode=zero_copy: serve the caller's tensors in place, Publish returning once the
   // subscribers pulled them (README.md, "Zero-copy publish").
   bool zero_copy = false;
+  // Fan-out through relays (README.md, "Fan-out").
+  int64_t relay_fanout = 0;  // publisher
+  bool relay = true;         // subscriber: offer to relay
+  absl::Duration relay_stall;
   // The channel's key (core settings secret_file / secret_env): peers prove it to each other
   // before the publisher sends any manifest or memory key (docs/SECURITY.md).
   std::optional<ChannelKey> key;
@@ -100,6 +104,8 @@ struct UcxSubscriberCounters {
   uint64_t control_bytes_received = 0;
   // Version-descriptor bytes read (layouts, readiness words, seals), by gets or READs.
   uint64_t descriptor_bytes = 0;
+  // Bytes read from relays (other subscribers) instead of the publisher (relay_fanout).
+  uint64_t bytes_from_relays = 0;
   // Bytes pulled, by the rank of the publisher group that served them ([0] only for a single
   // publisher): a subscriber with placements pulls its slices, rounded out to checksum blocks.
   std::vector<uint64_t> bytes_by_rank;

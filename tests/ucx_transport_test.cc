@@ -1879,6 +1879,7 @@ TEST(UcxGrantTest, RegionSumsThatWrapAround64BitsAreDataLoss) {
       ucx::Writer w(ucx::MsgType::kGrant);
       w.U64(1).U64(100).U64(/*base=*/1 << 20).U64(base).U64(kData).Str(rkey.ok() ? *rkey : "");
       w.U64(h.layout_offset + encoded.size());
+      w.U8(/*relay=*/0).U8(/*has a relay source=*/0);
       return std::move(w).Body();
     });
     ASSERT_NE(pub, nullptr);

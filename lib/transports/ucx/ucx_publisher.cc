@@ -2331,7 +2331,9 @@ void UcxPublisher::Grant(Conn& c, const PendingWait& w, Slot& slot) {
                  static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.lease)),
                  slot.version,
                  slot.grant_region,
-                 slot.prefix};
+                 slot.prefix,
+                 /*relay=*/false,
+                 /*source=*/std::nullopt};
   AssignRelay(c, slot, grant);
   c.out += Encode(grant);
   grants_.fetch_add(1, std::memory_order_relaxed);

@@ -36,25 +36,9 @@ void Check(bool ok, const char* what, const Detail&... detail) {
 // where its fields do.
 template <typename Decode>
 void Try(MsgType type, const std::string& payload, Decode decode, bool exact) {
-  auto m = decode(payload);
-  const std::string name(ucx::MsgTypeName(type));
-  if (!m.ok()) {
-    weightbus::fuzz::CheckRefusal(m.status(), absl::StatusCode::kDataLoss,
-                                  absl::StrFormat("malformed %s message", name), kTarget);
-    return;
-  }
-  const std::string frame = ucx::Encode(*m);
-  Check(frame.size() >= 5 && static_cast<uint8_t>(frame[4]) == static_cast<uint8_t>(type),
-        "Encode wrote another type", name);
-  Check(weightbus::internal::LoadLe<uint32_t>(frame.data()) == frame.size() - 4,
-        "Encode wrote a wrong length prefix", name);
-  const std::string_view body = std::string_view(frame).substr(5);
-  if (exact) {
-    Check(body == payload, "decode/encode round trip changed the message", name);
-  } else {
-    Check(std::string_view(payload).substr(0, body.size()) == body,
-          "decode/encode round trip changed the message's fields", name);
-  }
+  weightbus::fuzz::CheckMessageRoundTrip(
+      kTarget, type, payload, decode, exact, [](MsgType t) { return ucx::MsgTypeName(t); },
+      [](const auto& m) { return ucx::Encode(m); });
 }
 
 // Frame types of this target's input that carry a version descriptor record, not a message.

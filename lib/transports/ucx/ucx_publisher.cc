@@ -2343,7 +2343,10 @@ void UcxPublisher::AssignRelay(Conn& c, const Slot& slot, GrantMsg& grant) {
   if (options_.relay_fanout <= 0 || c.bytes_over_control || group_.grouped()) return;
   const int fanout = static_cast<int>(options_.relay_fanout);
   RelayTree& tree = relay_trees_[slot.version];
-  while (relay_trees_.size() > 8) relay_trees_.erase(relay_trees_.begin());
+  // The newest 8 versions' trees (never the one in use: an older version granted late stays).
+  for (auto it = relay_trees_.begin(); relay_trees_.size() > 8 && it->first != slot.version;) {
+    it = relay_trees_.erase(it);
+  }
   if (tree.direct >= fanout) {
     for (auto& [id, children] : tree.relays) {
       if (children >= fanout || id == c.id) continue;

@@ -130,6 +130,7 @@ struct RelayServe {
 
 // A relay a subscriber pulls from: an endpoint to its worker and the keys unpacked on it.
 struct RelayPeer {
+  uint64_t serial = 0;  // which endpoint this is: a link's keys belong to one
   ucp_ep_h ep = nullptr;
   bool peer_errors = false;
   ucs_status_t ep_status = UCS_OK;  // set by the endpoint's error handler
@@ -146,6 +147,7 @@ struct RelayLink {
   uint64_t version = 0;
   std::vector<LayoutRegion> regions;  // the relay's memory, by slot offset
   std::vector<ucp_rkey_h> rkeys;      // per region, when not read by cross-memory attach
+  uint64_t peer_serial = 0;           // the endpoint `rkeys` were unpacked on (RelayPeer::serial)
   bool attach = false;
   std::vector<bool> ready;   // chunks the relay holds, as last read
   bool dead = false;         // fell back to the publisher
@@ -331,16 +333,7 @@ class UcxSubscriber final : public TransportSubscriber {
   ~UcxSubscriber() override {
     absl::MutexLock lock(&mu_);
     CloseSession();
-    for (auto& [address, peer] : relay_peers_) {
-      peer->desc_rkey.reset();
-      peer->rkeys.clear();
-      if (peer->ep == nullptr) continue;
-      ucp_request_param_t param{};
-      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      param.flags = peer->peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-      (void)WaitRequest(worker_->get(), ucp_ep_close_nbx(peer->ep, &param),
-                        absl::Now() + absl::Seconds(1));
-    }
+    for (auto& [address, peer] : relay_peers_) ClosePeer(*peer);
     relay_peers_.clear();
     relay_regs_.reset();
     relay_desc_.reset();
@@ -476,12 +469,17 @@ class UcxSubscriber final : public TransportSubscriber {
   // children placed under this subscriber fall back to the publisher at once instead of waiting
   // relay_stall for it to begin (a version released unfetched, read in ranges, or not servable).
   void CloseRelay(uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The relay `src` names: an endpoint to its worker (created once), or nullptr.
+  // The relay `src` names: an endpoint to its worker (created once, replaced when it failed;
+  // at most 8 kept), or nullptr.
   RelayPeer* PeerFor(const RelaySource& src) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // One blocking get (or put, `put`) of `len` bytes at `remote` of relay `p` by `deadline`;
-  // a relay that does not answer is forgotten (its endpoint force-closed).
+  // Drops `p`'s remote keys and closes its endpoint (forced where peer failures are reported).
+  void ClosePeer(RelayPeer& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One blocking get (or put, `put`) of `len` bytes at `remote` of relay `src` by `deadline`,
+  // with `rkey` (default: the relay descriptor's key); a relay that does not answer is forgotten
+  // (its endpoint closed). `serial` nonzero: only on that endpoint (RelayPeer::serial, the one
+  // `rkey` was unpacked on), Unavailable once it is gone instead of opening another.
   absl::Status PeerIo(const RelaySource& src, bool put, uint64_t remote, void* buf, size_t len,
-                      absl::Time deadline, ucp_rkey_h rkey = nullptr)
+                      absl::Time deadline, ucp_rkey_h rkey = nullptr, uint64_t serial = 0)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Starts pulling v from its relay: says so in its child slot, waits (at most relay_stall) for
   // the relay to name the version, reads its layout. nullopt: pull from the publisher.
@@ -548,6 +546,7 @@ class UcxSubscriber final : public TransportSubscriber {
   std::string relay_rkey_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<RegistrationCache> relay_regs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::unique_ptr<RelayPeer>> relay_peers_ ABSL_GUARDED_BY(mu_);
+  uint64_t relay_peer_serial_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<uint64_t> relay_bytes_{0};  // UcxSubscriberCounters::bytes_from_relays
   std::atomic<uint64_t> gets_{0};         // UcxSubscriberCounters::gets
   std::atomic<uint64_t> bytes_{0};        // UcxSubscriberCounters::bytes_by_rank (this publisher's)
@@ -1261,9 +1260,16 @@ void UcxSubscriber::FinishServing(RelayServe& serve, bool ok, absl::Time deadlin
 RelayPeer* UcxSubscriber::PeerFor(const RelaySource& src) {
   auto it = relay_peers_.find(src.worker_address);
   if (it != relay_peers_.end() && it->second->ep_status == UCS_OK) return it->second.get();
-  if (it != relay_peers_.end()) relay_peers_.erase(it);  // its endpoint failed: a new one
-  while (relay_peers_.size() >= 8) relay_peers_.erase(relay_peers_.begin());
+  if (it != relay_peers_.end()) {  // its endpoint failed: a new one
+    ClosePeer(*it->second);
+    relay_peers_.erase(it);
+  }
+  while (relay_peers_.size() >= 8) {
+    ClosePeer(*relay_peers_.begin()->second);
+    relay_peers_.erase(relay_peers_.begin());
+  }
   auto peer = std::make_unique<RelayPeer>();
+  peer->serial = ++relay_peer_serial_;
   for (const bool peer_mode : {true, false}) {
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
@@ -1287,9 +1293,28 @@ RelayPeer* UcxSubscriber::PeerFor(const RelaySource& src) {
   return nullptr;
 }
 
+void UcxSubscriber::ClosePeer(RelayPeer& p) {
+  p.desc_rkey.reset();
+  p.rkeys.clear();
+  if (p.ep == nullptr) return;
+  ucp_request_param_t close{};
+  close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  close.flags = p.peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  (void)WaitRequest(worker_->get(), ucp_ep_close_nbx(p.ep, &close), absl::Now() + absl::Seconds(1));
+  p.ep = nullptr;
+}
+
 absl::Status UcxSubscriber::PeerIo(const RelaySource& src, bool put, uint64_t remote, void* buf,
-                                   size_t len, absl::Time deadline, ucp_rkey_h rkey) {
-  RelayPeer* p = PeerFor(src);
+                                   size_t len, absl::Time deadline, ucp_rkey_h rkey,
+                                   uint64_t serial) {
+  RelayPeer* p = nullptr;
+  if (serial == 0) {
+    p = PeerFor(src);
+  } else if (auto it = relay_peers_.find(src.worker_address); it != relay_peers_.end() &&
+                                                              it->second->serial == serial &&
+                                                              it->second->ep_status == UCS_OK) {
+    p = it->second.get();
+  }
   if (p == nullptr) return absl::UnavailableError("no UCX endpoint reaches the relay");
   if (!p->desc_rkey || p->desc_address != src.address) {
     absl::StatusOr<std::unique_ptr<RemoteKey>> key =
@@ -1322,14 +1347,7 @@ absl::Status UcxSubscriber::PeerIo(const RelaySource& src, bool put, uint64_t re
     if (ucp_worker_progress(worker_->get()) != 0) continue;
     if (p->ep_status != UCS_OK || absl::Now() > deadline) {
       // Gone or stopped: forget it, after its outstanding operation is done (force-closed).
-      ucp_request_param_t close{};
-      close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      close.flags = p->peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-      p->desc_rkey.reset();
-      p->rkeys.clear();
-      (void)WaitRequest(worker_->get(), ucp_ep_close_nbx(p->ep, &close),
-                        absl::Now() + absl::Seconds(5));
-      p->ep = nullptr;
+      ClosePeer(*p);
       while (op.inflight > 0) {
         if (ucp_worker_progress(worker_->get()) == 0) absl::SleepFor(absl::Microseconds(50));
       }
@@ -1345,7 +1363,8 @@ bool UcxSubscriber::PollRelay(UcxVersion& v, RelayLink& link, uint64_t from, abs
   const RelaySource& src = link.source;
   char header[kDescriptorHeaderBytes];
   const absl::Time until = std::min(deadline, absl::Now() + options_.relay_stall);
-  absl::Status s = PeerIo(src, false, src.address, header, sizeof(header), until);
+  absl::Status s =
+      PeerIo(src, false, src.address, header, sizeof(header), until, nullptr, link.peer_serial);
   absl::StatusOr<DescriptorHeader> h =
       s.ok() ? DecodeHeader(std::string_view(header, sizeof(header)), kRelayMagic)
              : absl::StatusOr<DescriptorHeader>(s);
@@ -1362,7 +1381,7 @@ bool UcxSubscriber::PollRelay(UcxVersion& v, RelayLink& link, uint64_t from, abs
   if (to > from) {
     std::vector<uint64_t> words(to - from);
     s = PeerIo(src, false, src.address + kRelayReadyOffset + 8 * from, words.data(),
-               8 * words.size(), until);
+               8 * words.size(), until, nullptr, link.peer_serial);
     if (!s.ok()) {
       link.dead = true;
       link.unreachable = true;
@@ -1440,6 +1459,7 @@ std::optional<RelayLink> UcxSubscriber::OpenRelay(UcxVersion& v, absl::Time dead
   }
   link.peer = PeerFor(link.source);
   if (link.peer == nullptr) return std::nullopt;
+  link.peer_serial = link.peer->serial;
   // Its memory: with process_vm_readv on this host when that works (a probe of its descriptor
   // header), else one-sided gets with its keys.
   if (!link.peer->attach) {
@@ -2327,7 +2347,7 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
         } else {
           read = PeerIo(link->source, false, op.relay_remote, op.local, op.length,
                         std::min(deadline, absl::Now() + options_.relay_stall),
-                        link->rkeys[op.relay_region]);
+                        link->rkeys[op.relay_region], link->peer_serial);
         }
         if (read.ok()) {
           unconfirmed.push_back(k);
@@ -2410,7 +2430,8 @@ absl::Status UcxSubscriber::PullBytes(UcxVersion& v, const Pieces& pc, LandingSi
             uint64_t beat = ++link->heartbeat;
             (void)PeerIo(link->source, true,
                          link->source.address + RelayChildOffset(link->source.child) + 16, &beat, 8,
-                         std::min(deadline, now + options_.relay_stall));
+                         std::min(deadline, now + options_.relay_stall), nullptr,
+                         link->peer_serial);
           }
           unconfirmed.clear();
         }

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "test_support.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -141,8 +142,16 @@ std::vector<std::byte> RandomBytes(size_t n, uint64_t seed) {
 uint64_t Xxh3(const void* data, size_t n) { return XXH3_64bits(data, n); }
 
 char ProcessState(pid_t pid) {
-  std::ifstream in(absl::StrFormat("/proc/%d/stat", pid));
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // read(2), not an ifstream: the thread may exit between open and read (ESRCH), and
+  // libstdc++'s filebuf throws std::ios_base::failure on a read error through
+  // istreambuf_iterator (it once ended InFlight's constructor in std::terminate).
+  const int fd = ::open(absl::StrFormat("/proc/%d/stat", pid).c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return '?';
+  char buf[1024];
+  const ssize_t n = ::read(fd, buf, sizeof(buf));
+  ::close(fd);
+  if (n <= 0) return '?';
+  const std::string text(buf, static_cast<size_t>(n));
   const size_t paren = text.rfind(')');  // the command name may contain spaces and parentheses
   return paren != std::string::npos && paren + 2 < text.size() ? text[paren + 2] : '?';
 }

@@ -276,6 +276,25 @@ TEST(CliTest, InspectOfAChannelFailsWhenACommittedVersionIsIncomplete) {
   EXPECT_EQ(missing.exit_code, 1) << missing.output;
   EXPECT_NE(missing.output.find("LATEST names version 2"), std::string::npos) << missing.output;
   EXPECT_NE(missing.output.find("DATA_LOSS"), std::string::npos) << missing.output;
+  // Hostile paths are errors, not crashes: LATEST a directory (it opens, and reading it fails
+  // with EISDIR, which libstdc++'s filebuf throws through istreambuf_iterator), and a path
+  // component longer than NAME_MAX (std::filesystem's throwing overloads).
+  const std::string latest = dir.path() + "/channel/LATEST";
+  ASSERT_EQ(::unlink(latest.c_str()), 0);
+  ASSERT_TRUE(std::filesystem::create_directory(latest));
+  auto latest_dir = Cli({"inspect", dir / "channel"});
+  EXPECT_EQ(latest_dir.exit_code, 1) << latest_dir.output;
+  EXPECT_EQ(Lines(latest_dir.output), 1) << latest_dir.output;
+  EXPECT_NE(latest_dir.output.find(latest + " is not a regular file"), std::string::npos)
+      << latest_dir.output;
+  EXPECT_NE(latest_dir.output.find("DATA_LOSS"), std::string::npos) << latest_dir.output;
+  const std::string long_name = dir.path() + "/" + std::string(300, 'a');
+  for (const std::string& target : {long_name, long_name + "/model.safetensors"}) {
+    auto r = Cli({"inspect", target});
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_EQ(Lines(r.output), 1) << r.output;
+    EXPECT_NE(r.output.find("NOT_FOUND"), std::string::npos) << r.output;
+  }
 }
 
 // Issue 10, item 21: a checkpoint index whose weight_map names a file outside the checkpoint

@@ -1025,6 +1025,45 @@ TEST(DeltaTransportTest, SubscribersReportTheirDecodingAndTheChoiceWeighsTheSlow
   ExpectSameTensors(**u, v2);
 }
 
+// The back channel's files are written by other processes, so their fields may hold any JSON
+// type: a request or report whose "format", "host" or "reason" is not a string (JSON that
+// json::value(key, default) would throw type_error.302 on, ending the trainer's process) is
+// read as a request of unknown origin (answered with a keyframe) or ignored as a report; the
+// publisher goes on and its subscribers receive the version.
+TEST(DeltaTransportTest, BackChannelFilesOfAnyJsonShapeNeverEndThePublisher) {
+  ScratchDir dir;
+  auto pub = Publisher::Open(Uri(dir));
+  ASSERT_TRUE(pub.ok());
+  const auto v1 = testing::MakeDriftVersion(16, 1, 2 << 20);
+  ASSERT_TRUE((*pub)->Publish(1, Views(v1), {}, kTimeout).ok());
+  std::filesystem::create_directories(dir / "channel/delta-reports");
+  std::filesystem::create_directories(dir / "channel/delta-requests");
+  const std::vector<std::string> shapes = {
+      R"({"format": 1})",
+      R"({"format": null, "version": 1})",
+      R"(["weightbus.delta-report/1"])",
+      R"("weightbus.delta-request/1")",
+      R"({"format": "weightbus.delta-report/1", "version": 1, "bytes": 1000000,
+          "decode_s": "fast", "apply_s": 1})",
+      R"({"format": "weightbus.delta-request/1", "version": 1, "host": 5, "pid": [1],
+          "reason": {"x": 1}})",
+  };
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    for (const char* box : {"delta-reports", "delta-requests"}) {
+      testing::WriteFileOrDie(dir / absl::StrFormat("channel/%s/odd-%d.json", box, i), shapes[i]);
+    }
+  }
+  const auto v2 = testing::MakeDriftVersion(16, 2, 2 << 20);
+  ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, kTimeout).ok());
+  EXPECT_THAT((*pub)->last_stats().encoding,
+              ::testing::StartsWith("keyframe: 6 subscribers asked for a keyframe"));
+  auto sub = Subscriber::Open(Uri(dir));
+  ASSERT_TRUE(sub.ok());
+  auto u = (*sub)->WaitForVersion(2, kTimeout);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ExpectSameTensors(**u, v2);
+}
+
 }  // namespace
 }  // namespace weightbus
 

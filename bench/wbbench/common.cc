@@ -153,7 +153,9 @@ absl::StatusOr<Child> StartPiped(const std::vector<std::string>& argv,
 std::string FileTail(const std::string& path, size_t max_bytes) {
   std::ifstream f(path, std::ios::binary);
   if (!f) return "";
-  std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::ostringstream read;  // not istreambuf_iterator, which lets a read error throw
+  read << f.rdbuf();
+  std::string s = read.str();
   if (s.size() > max_bytes) s = "..." + s.substr(s.size() - max_bytes);
   while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
   return s;

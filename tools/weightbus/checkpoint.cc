@@ -37,7 +37,7 @@ absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& path) {
   if (std::filesystem::is_directory(status)) {
     const std::string index = path + "/model.safetensors.index.json";
     const std::string single = path + "/model.safetensors";
-    if (std::filesystem::exists(index)) {
+    if (std::filesystem::exists(index, ec)) {
       absl::StatusOr<std::string> text = ReadText(index);
       if (!text.ok()) return text.status();
       nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
@@ -61,7 +61,7 @@ absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& path) {
         names.insert(f);
       }
       for (const std::string& n : names) ckpt.file_paths.push_back(path + "/" + n);
-    } else if (std::filesystem::exists(single)) {
+    } else if (std::filesystem::exists(single, ec)) {
       ckpt.file_paths.push_back(single);
     } else {
       return absl::InvalidArgumentError(absl::StrFormat(

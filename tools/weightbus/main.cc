@@ -265,7 +265,8 @@ absl::Status InspectCheckpoint(const std::string& path, const std::string& title
   std::optional<Manifest> manifest;
   absl::Status pairing;
   const std::string manifest_path = path + "/weightbus.manifest.json";
-  if (std::filesystem::is_directory(path) && std::filesystem::exists(manifest_path)) {
+  std::error_code ec;  // the error_code overloads: a path the OS refuses is "not there", no throw
+  if (std::filesystem::is_directory(path, ec) && std::filesystem::exists(manifest_path, ec)) {
     std::ifstream in(manifest_path, std::ios::binary);
     std::stringstream text;
     text << in.rdbuf();
@@ -333,23 +334,39 @@ absl::Status InspectCommand(const InspectFlags& flags) {
     }
     PrintRows(absl::StrFormat("%s version %d (newest, verified)", target, (*u)->version()), rows,
               (*u)->manifest().metadata, out);
-  } else if (std::filesystem::exists(target + "/LATEST") &&
-             std::filesystem::is_directory(target + "/versions")) {
+  } else if (std::error_code ec; std::filesystem::exists(target + "/LATEST", ec) &&
+                                 std::filesystem::is_directory(target + "/versions", ec)) {
     // A disk channel directory (docs/FORMAT.md): its committed versions, newest last.
+    // LATEST must be a regular file (a directory opens, but reading it fails). Read through the
+    // stream, which turns a read error into its state (istreambuf_iterator would let
+    // std::ios_base::failure escape); an empty or unreadable LATEST then fails the number check.
+    if (!std::filesystem::is_regular_file(target + "/LATEST", ec)) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s/LATEST is not a regular file (a disk channel's LATEST holds its newest version "
+          "number)",
+          target));
+    }
     std::ifstream in(target + "/LATEST");
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::ostringstream read;
+    read << in.rdbuf();
+    const std::string text = read.str();
     uint64_t latest = 0;
     if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &latest)) {
       return absl::DataLossError(absl::StrFormat(
           "%s/LATEST holds \"%s\", which is not a version number", target, absl::CHexEscape(text)));
     }
     std::vector<std::pair<uint64_t, std::string>> versions;
-    for (const auto& e : std::filesystem::directory_iterator(target + "/versions")) {
-      const std::string name = e.path().filename().string();
+    std::filesystem::directory_iterator it(target + "/versions", ec);
+    for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+      const std::string name = it->path().filename().string();
       uint64_t v = 0;
       if (name.size() == 21 && name[0] == 'v' && absl::SimpleAtoi(name.substr(1), &v)) {
         versions.emplace_back(v, name);
       }
+    }
+    if (ec) {
+      return absl::UnavailableError(
+          absl::StrFormat("%s/versions cannot be listed: %s", target, ec.message()));
     }
     std::sort(versions.begin(), versions.end());
     if (out == nullptr) {
@@ -378,7 +395,8 @@ absl::Status InspectCommand(const InspectFlags& flags) {
       absl::Status s;
       for (const char* required : {"weightbus.manifest.json", ".readers.lock"}) {
         const std::string file = dir + "/" + required;
-        if (s.ok() && !std::filesystem::exists(std::filesystem::symlink_status(file))) {
+        std::error_code missing;
+        if (s.ok() && !std::filesystem::exists(std::filesystem::symlink_status(file, missing))) {
           s = absl::DataLossError(absl::StrFormat(
               "committed version %d is incomplete: %s is missing (subscribers refuse it)", v,
               file));

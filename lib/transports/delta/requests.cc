@@ -37,6 +37,15 @@ constexpr char kTmpPrefix[] = ".tmp-";
 constexpr size_t kMaxRequestFile = 16 << 10;
 constexpr size_t kMaxReason = 2000;
 
+// j[key] when it is a string, else `otherwise`. Not json::value(key, default), which throws
+// type_error.302 when the key holds another type: these files and messages come from other
+// processes, and a number where a string belongs must not end the publisher's process.
+std::string StringField(const nlohmann::json& j, const char* key, const std::string& otherwise) {
+  if (!j.is_object()) return otherwise;
+  const auto it = j.find(key);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : otherwise;
+}
+
 std::string HostName() {
   char host[256] = {};
   if (::gethostname(host, sizeof(host) - 1) != 0) return "unknown-host";
@@ -119,7 +128,9 @@ std::vector<SubscriberReport> RequestBox::Reports(uint64_t stale_before) const {
   std::error_code ec;
   std::filesystem::directory_iterator it(report_dir_, ec);
   if (ec) return out;  // no directory: no report yet
-  for (const std::filesystem::directory_entry& e : it) {
+  // increment(ec), not a range-for: its operator++ throws on a read error, in the host process.
+  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    const std::filesystem::directory_entry& e = *it;
     const std::string name = e.path().filename().string();
     if (absl::StartsWith(name, kTmpPrefix) || !absl::EndsWith(name, ".json")) continue;
     std::ifstream f(e.path(), std::ios::binary);
@@ -142,7 +153,9 @@ std::vector<KeyframeRequest> RequestBox::Pending() const {
   std::error_code ec;
   std::filesystem::directory_iterator it(dir_, ec);
   if (ec) return out;  // no directory: no request yet
-  for (const std::filesystem::directory_entry& e : it) {
+  // increment(ec), not a range-for: its operator++ throws on a read error, in the host process.
+  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    const std::filesystem::directory_entry& e = *it;
     const std::string name = e.path().filename().string();
     if (absl::StartsWith(name, kTmpPrefix) || !absl::EndsWith(name, ".json")) continue;
     std::ifstream f(e.path(), std::ios::binary);
@@ -152,12 +165,13 @@ std::vector<KeyframeRequest> RequestBox::Pending() const {
     KeyframeRequest r;
     r.id = e.path().string();
     const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
-    if (j.is_object() && j.value("format", "") == kRequestFormat && j.contains("version") &&
+    if (StringField(j, "format", "") == kRequestFormat && j.contains("version") &&
         j["version"].is_number_unsigned()) {
       r.version = j["version"].get<uint64_t>();
-      r.text = absl::StrFormat(
-          "%s (pid %s) cannot reconstruct version %d: %s", j.value("host", "?"),
-          j.contains("pid") ? j["pid"].dump() : std::string("?"), r.version, j.value("reason", ""));
+      r.text = absl::StrFormat("%s (pid %s) cannot reconstruct version %d: %s",
+                               StringField(j, "host", "?"),
+                               j.contains("pid") ? j["pid"].dump() : std::string("?"), r.version,
+                               StringField(j, "reason", ""));
     } else {
       // Not a request this library wrote: answered like any (a keyframe is never wrong).
       r.text = absl::StrFormat("%s (not a request of format %s)", r.id, kRequestFormat);
@@ -239,7 +253,7 @@ absl::StatusOr<DecodingReport> DecodingReport::FromText(std::string_view text) {
   const auto number = [&](const char* key) {
     return j.contains(key) && j[key].is_number() && j[key].get<double>() >= 0;
   };
-  if (!j.is_object() || j.value("format", "") != kReportFormat || !j.contains("version") ||
+  if (StringField(j, "format", "") != kReportFormat || !j.contains("version") ||
       !j["version"].is_number_unsigned() || !j.contains("bytes") ||
       !j["bytes"].is_number_unsigned() || !number("decode_s") || !number("apply_s")) {
     return absl::InvalidArgumentError(

@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -1025,11 +1026,12 @@ TEST(DeltaTransportTest, SubscribersReportTheirDecodingAndTheChoiceWeighsTheSlow
   ExpectSameTensors(**u, v2);
 }
 
-// The back channel's files are written by other processes, so their fields may hold any JSON
-// type: a request or report whose "format", "host" or "reason" is not a string (JSON that
-// json::value(key, default) would throw type_error.302 on, ending the trainer's process) is
-// read as a request of unknown origin (answered with a keyframe) or ignored as a report; the
-// publisher goes on and its subscribers receive the version.
+// The back channel's files are written by other processes, so they may be anything: a FIFO is
+// passed over (opening it would block), and their fields may hold any JSON type: a request or
+// report whose "format", "host" or "reason" is not a string (JSON that json::value(key, default)
+// would throw type_error.302 on, ending the trainer's process) is read as a request of unknown
+// origin (answered with a keyframe) or ignored as a report; the publisher goes on and its
+// subscribers receive the version.
 TEST(DeltaTransportTest, BackChannelFilesOfAnyJsonShapeNeverEndThePublisher) {
   ScratchDir dir;
   auto pub = Publisher::Open(Uri(dir));
@@ -1053,15 +1055,31 @@ TEST(DeltaTransportTest, BackChannelFilesOfAnyJsonShapeNeverEndThePublisher) {
       testing::WriteFileOrDie(dir / absl::StrFormat("channel/%s/odd-%d.json", box, i), shapes[i]);
     }
   }
+  // A FIFO under a request's name (opening it for reading would wait for a writer for ever).
+  ASSERT_EQ(::mkfifo((dir / "channel/delta-requests/fifo.json").c_str(), 0600), 0);
+  ASSERT_EQ(::mkfifo((dir / "channel/delta-reports/fifo.json").c_str(), 0600), 0);
   const auto v2 = testing::MakeDriftVersion(16, 2, 2 << 20);
   ASSERT_TRUE((*pub)->Publish(2, Views(v2), {}, kTimeout).ok());
   EXPECT_THAT((*pub)->last_stats().encoding,
-              ::testing::StartsWith("keyframe: 6 subscribers asked for a keyframe"));
+              ::testing::HasSubstr("6 subscribers asked for a keyframe"));
   auto sub = Subscriber::Open(Uri(dir));
   ASSERT_TRUE(sub.ok());
   auto u = (*sub)->WaitForVersion(2, kTimeout);
   ASSERT_TRUE(u.ok()) << u.status();
   ExpectSameTensors(**u, v2);
+  // A request file whose name is not UTF-8: the version's record quotes it (the reason; a
+  // keyframe, or a plain version where the codec would not pay), and JSON text cannot hold those
+  // bytes (json::dump threw type_error.316): they are replaced.
+  testing::WriteFileOrDie(dir / "channel/delta-requests/\xff.json", "{}");
+  const auto v3 = testing::MakeDriftVersion(16, 3, 2 << 20);
+  ASSERT_TRUE((*pub)->Publish(3, Views(v3), {}, kTimeout).ok());
+  EXPECT_THAT((*pub)->last_stats().encoding,
+              ::testing::HasSubstr("1 subscriber asked for a keyframe"));
+  EXPECT_THAT(RecordOnDisk(dir, 3)["reason"].get<std::string>(),
+              ::testing::HasSubstr("delta-requests/\xef\xbf\xbd.json"));
+  auto u3 = (*sub)->WaitForVersion(3, kTimeout);
+  ASSERT_TRUE(u3.ok()) << u3.status();
+  ExpectSameTensors(**u3, v3);
 }
 
 }  // namespace

@@ -99,7 +99,7 @@ std::string RecordToJson(const Record& r) {
       j["tiles"] = std::move(tiles);
     }
   }
-  return j.dump();
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 absl::StatusOr<Record> ParseRecord(const Manifest& inner, std::string_view source) {

@@ -112,7 +112,8 @@ absl::Status RequestBox::Leave(uint64_t version, std::optional<uint64_t> holds,
   j["host"] = HostName();
   j["pid"] = ::getpid();
   j["reason"] = std::string(why.substr(0, kMaxReason));
-  return Write(dir_, j.dump(), "keyframe request");
+  return Write(dir_, j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+               "keyframe request");
 }
 
 absl::Status RequestBox::Report(uint64_t version, std::string_view text) const {
@@ -133,6 +134,9 @@ std::vector<SubscriberReport> RequestBox::Reports(uint64_t stale_before) const {
     const std::filesystem::directory_entry& e = *it;
     const std::string name = e.path().filename().string();
     if (absl::StartsWith(name, kTmpPrefix) || !absl::EndsWith(name, ".json")) continue;
+    // Regular files only (symlink_status: not followed): opening a FIFO would block for ever.
+    std::error_code type_ec;
+    if (!std::filesystem::is_regular_file(e.symlink_status(type_ec))) continue;
     std::ifstream f(e.path(), std::ios::binary);
     std::string text(kMaxReportText, '\0');
     f.read(text.data(), static_cast<std::streamsize>(text.size()));
@@ -158,6 +162,9 @@ std::vector<KeyframeRequest> RequestBox::Pending() const {
     const std::filesystem::directory_entry& e = *it;
     const std::string name = e.path().filename().string();
     if (absl::StartsWith(name, kTmpPrefix) || !absl::EndsWith(name, ".json")) continue;
+    // Regular files only (symlink_status: not followed): opening a FIFO would block for ever.
+    std::error_code type_ec;
+    if (!std::filesystem::is_regular_file(e.symlink_status(type_ec))) continue;
     std::ifstream f(e.path(), std::ios::binary);
     std::string text(kMaxRequestFile, '\0');
     f.read(text.data(), static_cast<std::streamsize>(text.size()));
@@ -245,7 +252,7 @@ std::string DecodingReport::ToText() const {
   j["threads"] = threads;
   j["who"] = who.empty() ? absl::StrFormat("%s (pid %d)", HostName(), ::getpid()).substr(0, 200)
                          : who.substr(0, 200);
-  return j.dump();
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 absl::StatusOr<DecodingReport> DecodingReport::FromText(std::string_view text) {

@@ -595,9 +595,15 @@ absl::StatusOr<std::unique_ptr<TransportPublisher>> OpenNcclPublisher(const Uri&
   WB_ASSIGN_OR_RETURN(Fd listener, control::Listen(endpoint.host, endpoint.port, endpoint.display));
   Fd wake(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!wake) return ErrnoStatus(errno, absl::StrFormat("%s: eventfd", endpoint.display));
-  return std::unique_ptr<TransportPublisher>(std::make_unique<NcclPublisher>(
-      std::move(endpoint), options, std::move(failpoints), std::move(backend), *std::move(device),
-      std::move(listener), std::move(wake)));
+  const std::string display = endpoint.display;
+  try {  // the constructor starts the progress thread
+    return std::unique_ptr<TransportPublisher>(std::make_unique<NcclPublisher>(
+        std::move(endpoint), options, std::move(failpoints), std::move(backend), *std::move(device),
+        std::move(listener), std::move(wake)));
+  } catch (const std::system_error& e) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("%s: cannot start the progress thread: %s", display, e.what()));
+  }
 }
 
 }  // namespace weightbus::internal::nccl

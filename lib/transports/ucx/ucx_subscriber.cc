@@ -667,6 +667,16 @@ class GroupVersion final : public IncomingVersion {
     std::map<size_t, size_t> part_index;       // group index -> index in its manifest
   };
 
+  // fetch(r), with an exception (an allocation failing) as an Internal error: on a thread of
+  // its own it would end the process, and on this one leave the others' threads unjoined.
+  static absl::Status Guarded(const std::function<absl::Status(int)>& fetch, int r) {
+    try {
+      return fetch(r);
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrFormat("rank %d's part: %s", r, e.what()));
+    }
+  }
+
   // Runs `fetch` for rank 0 (when `rank0`) on this thread and for every rank `wanted` on one
   // thread each; the first error (by rank) wins.
   absl::Status ForRanks(const std::vector<bool>& wanted, bool rank0,
@@ -676,12 +686,12 @@ class GroupVersion final : public IncomingVersion {
     for (size_t r = 1; r < parts_.size(); ++r) {
       if (!wanted[r]) continue;
       try {
-        threads.emplace_back([&, r] { results[r] = fetch(static_cast<int>(r)); });
+        threads.emplace_back([&, r] { results[r] = Guarded(fetch, static_cast<int>(r)); });
       } catch (const std::system_error& e) {
-        results[r] = fetch(static_cast<int>(r));  // no thread to be had: on this one
+        results[r] = Guarded(fetch, static_cast<int>(r));  // no thread to be had: on this one
       }
     }
-    if (rank0) results[0] = fetch(0);
+    if (rank0) results[0] = Guarded(fetch, 0);
     for (std::thread& t : threads) t.join();
     for (const absl::Status& s : results) WB_RETURN_IF_ERROR(s);
     return absl::OkStatus();
@@ -1437,13 +1447,14 @@ std::optional<RelayLink> UcxSubscriber::OpenRelay(UcxVersion& v, absl::Time dead
     absl::SleepFor(backoff);
     backoff = std::min(backoff * 2, absl::Milliseconds(5));
   }
-  std::string encoded(h.layout_bytes, '\0');
+  // The header is another process's memory: its size is checked before anything is allocated.
+  const bool sane = h.state < static_cast<uint64_t>(RelayState::kClosing) &&
+                    h.nchunks == v.nchunks_ && h.layout_bytes <= (uint64_t{64} << 20);
+  std::string encoded(sane ? h.layout_bytes : 0, '\0');
   absl::StatusOr<VersionLayout> layout = absl::DataLossError("no layout");
-  if (h.state < static_cast<uint64_t>(RelayState::kClosing) && h.nchunks == v.nchunks_ &&
-      h.layout_bytes <= (uint64_t{64} << 20) &&
-      PeerIo(link.source, false, link.source.address + h.layout_offset, encoded.data(),
-             encoded.size(), until)
-          .ok()) {
+  if (sane && PeerIo(link.source, false, link.source.address + h.layout_offset, encoded.data(),
+                     encoded.size(), until)
+                  .ok()) {
     layout = DecodeLayout(encoded);
   }
   if (!layout.ok() || layout->version != link.version) {
@@ -1535,6 +1546,13 @@ absl::StatusOr<std::string> UcxSubscriber::ReadDescriptor(uint64_t lease,
     return absl::DataLossError(
         absl::StrFormat("version descriptor bytes [%d, +%d) lie outside its region of %d bytes",
                         offset, length, descriptor.length));
+  }
+  // The publisher's header sizes what is read: bounded before it is allocated (as the prefix).
+  constexpr uint64_t kMaxRead = uint64_t{1} << 30;
+  if (length > kMaxRead) {
+    return absl::DataLossError(
+        absl::StrFormat("a version descriptor read of %d bytes at offset %d (at most %d)", length,
+                        offset, kMaxRead));
   }
   std::string out(length, '\0');
   descriptor_bytes_ += length;

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <new>
 #include <optional>
 #include <set>
 
@@ -42,6 +43,7 @@ struct ChannelState {
   std::map<uint64_t, std::set<uint64_t>> receivers;  // version -> subscriber ids that accepted it
   // Test-side controls (MemChannel).
   std::optional<absl::Status> fail_next_publish;
+  bool throw_next_publish = false;
   std::deque<uint64_t> deliveries;
   std::optional<CodecStats> publish_codec, fetch_codec;
   std::string read_from;
@@ -266,6 +268,10 @@ class MemPublisher final : public TransportPublisher {
         absl::Status s = *std::move(channel_->fail_next_publish);
         channel_->fail_next_publish.reset();
         return s;
+      }
+      if (channel_->throw_next_publish) {
+        channel_->throw_next_publish = false;
+        throw std::bad_alloc();
       }
     }
     auto entry = std::make_shared<Entry>();
@@ -533,6 +539,11 @@ void MemChannel::EditManifest(uint64_t version, const std::function<void(Manifes
 void MemChannel::FailNextPublish(absl::Status status) {
   absl::MutexLock lock(&Mu());
   state_->fail_next_publish = std::move(status);
+}
+
+void MemChannel::ThrowNextPublish() {
+  absl::MutexLock lock(&Mu());
+  state_->throw_next_publish = true;
 }
 
 void MemChannel::DeliverNext(std::vector<uint64_t> versions) {

@@ -61,6 +61,9 @@ class MemChannel {
   void EditManifest(uint64_t version, const std::function<void(Manifest&)>& edit);
   // The next Publish on the channel fails with `status` and leaves nothing visible.
   void FailNextPublish(absl::Status status);
+  // The next Publish on the channel throws std::bad_alloc (as an allocation failing in a
+  // transport would) and leaves nothing visible.
+  void ThrowNextPublish();
   // The next WaitForVersion calls hand over these committed versions first, one per call and in
   // this order, whatever they ask for: a transport that delivers out of order or again.
   void DeliverNext(std::vector<uint64_t> versions);

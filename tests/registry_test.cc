@@ -2,6 +2,7 @@
 // The transport registry (core/registry.h): schemes and stacks, the capabilities a stack
 // declares (a layer's derived from the transport beneath it), and the codec figures a transport
 // or layer reports surfacing in PublishStats/UpdateStats.
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -96,6 +97,40 @@ TEST(CodecStatsTest, ReportedFiguresSurfaceAndPlainTransportsReportTheirBytes) {
     EXPECT_EQ(p.encode, reporting ? absl::Milliseconds(7) : absl::ZeroDuration());
     EXPECT_EQ(s.wire_bytes, reporting ? 43u : 256u);
     EXPECT_EQ(s.decode, reporting ? absl::Milliseconds(3) : absl::ZeroDuration());
+  }
+}
+
+// An exception out of a transport's Publish (an allocation failing) is an Internal error of
+// that version, not the end of the trainer's process; the publisher waits for its hashing tasks
+// first (they write into the version's job, which a skipped wait freed under them), and the
+// next Publish goes on.
+TEST(TransportExceptionTest, AThrowingTransportIsAnInternalErrorAndThePublisherGoesOn) {
+  std::vector<std::vector<std::byte>> bytes;
+  std::vector<TensorView> views;
+  for (int i = 0; i < 32; ++i) bytes.push_back(testing::RandomBytes(size_t{1} << 20, 10 + i));
+  for (int i = 0; i < 32; ++i) {
+    views.push_back(
+        TensorView{"w" + std::to_string(i), DType::kU8, {1 << 20}, {}, bytes[i].data()});
+  }
+  testing::mem::MemChannel channel("throwing");
+  channel.ThrowNextPublish();
+  // Checksums on the pool (not in the copy): tasks in flight when the transport throws.
+  auto pub = Publisher::Open("mem:///throwing?copies_with_checksums=false");
+  auto sub = Subscriber::Open("mem:///throwing");
+  ASSERT_TRUE(pub.ok() && sub.ok());
+  const absl::Status thrown = (*pub)->Publish(1, views, {}, absl::Seconds(30));
+  EXPECT_EQ(thrown.code(), absl::StatusCode::kInternal) << thrown;
+  EXPECT_EQ(std::string(thrown.message()),
+            "mem:///throwing: publish of version 1 failed: the transport threw: std::bad_alloc");
+  EXPECT_TRUE(channel.Versions().empty());
+  ASSERT_TRUE((*pub)->Publish(1, views, {}, absl::Seconds(30)).ok());
+  auto u = (*sub)->WaitForVersion(1, absl::Seconds(30));
+  ASSERT_TRUE(u.ok()) << u.status();
+  ASSERT_EQ((*u)->tensors().size(), views.size());
+  for (size_t i = 0; i < views.size(); ++i) {
+    const TensorView& got = (*u)->tensors()[i];
+    EXPECT_EQ(got.name, views[i].name);
+    EXPECT_EQ(std::memcmp(got.data, bytes[i].data(), bytes[i].size()), 0) << got.name;
   }
 }
 

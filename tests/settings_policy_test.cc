@@ -165,7 +165,8 @@ TEST(SettingRangesTest, OpenRefusesOutOfRangeSettingsOfEveryScope) {
   };
   std::vector<Case> cases = {
       {"hash_threads=257", "setting hash_threads=\"257\" is out of range: expected 0..256 threads"},
-      {"world_size=0", "setting world_size=\"0\" is out of range: expected >= 1 ranks"},
+      {"world_size=0", "setting world_size=\"0\" is out of range: expected 1..65536 ranks"},
+      {"world_size=65537", "setting world_size=\"65537\" is out of range: expected 1..65536 ranks"},
       {"rank=-1", "setting rank=\"-1\" is out of range: expected >= 0"},
       {"queue_depth=0", "setting queue_depth=\"0\" is out of range: expected 1..4096 operations"},
       {"chunk_size=1KiB", "setting chunk_size=\"1KiB\" is out of range: expected >= 4KiB"},
@@ -191,6 +192,12 @@ TEST(SettingRangesTest, OpenRefusesOutOfRangeSettingsOfEveryScope) {
   // rank below world_size is a rule between two settings, checked by the publisher.
   const absl::Status pair = Publisher::Open(base + "?rank=2&world_size=2").status();
   EXPECT_THAT(std::string(pair.message()), HasSubstr("rank 2 is not in [0, world_size=2)"));
+  // publisher_name goes into every manifest's JSON text, which cannot hold bytes that are not
+  // UTF-8 (serialising them threw on each Publish): refused at Open.
+  const absl::Status name = Publisher::Open(base, {{"publisher_name", "trainer\xff"}}).status();
+  EXPECT_EQ(name.code(), absl::StatusCode::kInvalidArgument) << name;
+  EXPECT_EQ(std::string(name.message()),
+            base + ": publisher_name \"trainer\\xff\" is not valid UTF-8 (bad byte at offset 7)");
 }
 
 TEST(ClosestNameTest, EditDistanceAndClosest) {

@@ -286,6 +286,18 @@ TEST(ManifestLimitsTest, NamesRanksCountsShardsAndTotalsBeyondTheLimitsAreDataLo
   expect(WithField({"tensors", size_t{0}, "name"}, "\"\""),
          "manifest limits.json: field .tensors[0].name is empty");
 
+  // world_size sizes a reader's per-rank state (a vector of parts): bounded, and rank below it.
+  expect(WithField({"publisher", "world_size"}, "65537"),
+         "manifest limits.json: field .publisher.world_size is 65537, outside [1, 65536]");
+  expect(WithField({"publisher", "world_size"}, "2147483647"),
+         "manifest limits.json: field .publisher.world_size is 2147483647, outside [1, 65536]");
+  expect(WithField({"publisher", "world_size"}, "0"),
+         "manifest limits.json: field .publisher.world_size is 0, outside [1, 65536]");
+  expect(WithField({"publisher", "rank"}, "2"),
+         "manifest limits.json: field .publisher.rank is 2, not a rank below world_size 2");
+  EXPECT_TRUE(
+      Manifest::FromJson(WithField({"publisher", "world_size"}, "65536"), "at the limit").ok());
+
   ordered_json two = GoodManifest();
   two["tensors"].push_back(two["tensors"][0]);
   expect(two.dump(),

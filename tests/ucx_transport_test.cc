@@ -549,7 +549,9 @@ TEST_P(UcxTransportTest, ZeroCopyPublishServesTheCallersTensorsWhileItRuns) {
 // one lease, and for one that stops pulling at most until its lease ends, which then fails its
 // transfer (ABORTED, Aborted). The other subscriber is not held back.
 TEST_P(UcxTransportTest, ZeroCopyPublishHoldsTheCallerAtMostALeasePerSubscriber) {
-  const std::string q = "publish_mode=zero_copy&lease=300ms&get_chunk_size=64KiB";
+  // A lease long enough for `active` to renew through a loaded machine under ThreadSanitizer
+  // (300 ms expired there mid-pull, failing its transfer), short enough to wait out twice.
+  const std::string q = "publish_mode=zero_copy&lease=2s&get_chunk_size=64KiB";
   const std::vector<OwnedTensor> v1 = MakeVersion(29, 1, 1 << 20);
   auto pub = Publisher::Open(Uri(q));
   ASSERT_TRUE(pub.ok()) << pub.status();

@@ -139,6 +139,7 @@ struct Destination {
 inline constexpr size_t kMaxTensorNameBytes = 4096;     // bytes of one tensor name (UTF-8)
 inline constexpr size_t kMaxRank = 64;                  // dimensions of one shape
 inline constexpr size_t kMaxTensors = size_t{1} << 20;  // tensors in one version or one file
+inline constexpr int kMaxWorldSize = 1 << 16;           // ranks of one publisher group
 
 // Number of elements of `shape` (1 for a 0-d scalar), or InvalidArgument for a negative
 // dimension or a product that overflows int64.

@@ -226,6 +226,15 @@ absl::StatusOr<Manifest> Manifest::FromJson(std::string_view json, std::string_v
        {host.status(), pid.status(), rank.status(), world.status(), name.status()}) {
     if (!s.ok()) return s;
   }
+  // A reader sizes per-rank state by world_size: bounded like every other count here.
+  if (*world < 1 || *world > kMaxWorldSize) {
+    return r.Error(".publisher.world_size",
+                   absl::StrFormat("is %d, outside [1, %d]", *world, kMaxWorldSize));
+  }
+  if (*rank >= *world) {
+    return r.Error(".publisher.rank",
+                   absl::StrFormat("is %d, not a rank below world_size %d", *rank, *world));
+  }
   m.publisher = PublisherIdentity{*host, *pid, *rank, *world, *name, ""};
   if (pub.contains("session")) {  // absent in manifests written before sessions existed
     auto session = r.Get<std::string>(pub, "session", ".publisher");

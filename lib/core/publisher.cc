@@ -14,6 +14,7 @@
 #endif
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -446,6 +447,12 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_
         "leave secret_file/secret_env unset",
         uri.Display(), world_size, rank, internal::DescribeCapabilities(impl->capabilities)));
   }
+  if (size_t bad = 0; !internal::IsValidUtf8(c.String("publisher_name"), &bad)) {
+    // Every manifest records it as JSON text, which cannot hold those bytes.
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: publisher_name \"%s\" is not valid UTF-8 (bad byte at offset %d)",
+                        uri.Display(), absl::CHexEscape(c.String("publisher_name")), bad));
+  }
   impl->identity =
       PublisherIdentity{internal::HostName(),       getpid(),
                         static_cast<int>(rank),     static_cast<int>(world_size),
@@ -747,7 +754,15 @@ absl::Status Publisher::Impl::PublishBuiltJob(Job& job, absl::Time start, absl::
   const absl::Time transport_start = absl::Now();
   job.StartHashing(*hashers, capabilities.copies_with_checksums);
   absl::Status status = failpoints.Hit("core.before_transport");
-  if (status.ok()) status = backend->Publish(job, deadline);
+  if (status.ok()) {
+    // An exception out of a transport must not skip WaitHashingDone: the hashing tasks write
+    // into `job`, which ends with this call.
+    try {
+      status = backend->Publish(job, deadline);
+    } catch (const std::exception& e) {
+      status = absl::InternalError(absl::StrFormat("the transport threw: %s", e.what()));
+    }
+  }
   const absl::Time transport_end = absl::Now();
   job.WaitHashingDone();
   job.ApplyChecksums();  // for last_manifest, whether or not the transport sealed it

@@ -81,6 +81,7 @@ const SettingTable& CoreSettings() {
            .default_value = "1",
            .doc = "number of trainer ranks, recorded likewise",
            .min = "1",
+           .max = "65536",  // kMaxWorldSize
            .unit = "ranks"},
           {.name = "publisher_name",
            .type = SettingType::kString,

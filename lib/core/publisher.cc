@@ -447,16 +447,16 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Open(std::string_view uri_
         "leave secret_file/secret_env unset",
         uri.Display(), world_size, rank, internal::DescribeCapabilities(impl->capabilities)));
   }
-  if (size_t bad = 0; !internal::IsValidUtf8(c.String("publisher_name"), &bad)) {
+  const std::string& publisher_name = c.String("publisher_name");
+  if (size_t bad = 0; !internal::IsValidUtf8(publisher_name, &bad)) {
     // Every manifest records it as JSON text, which cannot hold those bytes.
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: publisher_name \"%s\" is not valid UTF-8 (bad byte at offset %d)",
-                        uri.Display(), absl::CHexEscape(c.String("publisher_name")), bad));
+                        uri.Display(), absl::CHexEscape(publisher_name), bad));
   }
-  impl->identity =
-      PublisherIdentity{internal::HostName(),       getpid(),
-                        static_cast<int>(rank),     static_cast<int>(world_size),
-                        c.String("publisher_name"), absl::StrFormat("%016x", internal::RandomId())};
+  impl->identity = PublisherIdentity{
+      internal::HostName(),         getpid(),       static_cast<int>(rank),
+      static_cast<int>(world_size), publisher_name, absl::StrFormat("%016x", internal::RandomId())};
   impl->gate = std::make_unique<internal::CallGate>(uri.Display() + " publisher");
   WB_ASSIGN_OR_RETURN(impl->backend, internal::OpenPublisherStack(impl->stack, uri, c));
   WB_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, impl->backend->LatestVersion());

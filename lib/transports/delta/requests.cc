@@ -52,6 +52,28 @@ std::string HostName() {
   return host;
 }
 
+// Calls fn(path, text) for each finished entry of the box `dir`: a `.json` regular file, not a
+// temporary, with at most `max_bytes` of its text. symlink_status (not followed): a FIFO, whose
+// open would block for ever, is passed over. No directory: no call.
+template <typename Fn>
+void ForEachBoxFile(const std::filesystem::path& dir, size_t max_bytes, Fn fn) {
+  std::error_code ec;
+  std::filesystem::directory_iterator it(dir, ec);
+  // increment(ec), not a range-for: its operator++ throws on a read error, in the host process.
+  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    const std::filesystem::directory_entry& e = *it;
+    const std::string name = e.path().filename().string();
+    if (absl::StartsWith(name, kTmpPrefix) || !absl::EndsWith(name, ".json")) continue;
+    std::error_code type_ec;
+    if (!std::filesystem::is_regular_file(e.symlink_status(type_ec))) continue;
+    std::ifstream f(e.path(), std::ios::binary);
+    std::string text(max_bytes, '\0');
+    f.read(text.data(), static_cast<std::streamsize>(text.size()));
+    text.resize(static_cast<size_t>(f.gcount()));
+    fn(e.path(), std::move(text));
+  }
+}
+
 }  // namespace
 
 std::optional<RequestBox> RequestBox::ForUri(const Uri& uri) {
@@ -126,51 +148,24 @@ absl::Status RequestBox::Report(uint64_t version, std::string_view text) const {
 
 std::vector<SubscriberReport> RequestBox::Reports(uint64_t stale_before) const {
   std::vector<SubscriberReport> out;
-  std::error_code ec;
-  std::filesystem::directory_iterator it(report_dir_, ec);
-  if (ec) return out;  // no directory: no report yet
-  // increment(ec), not a range-for: its operator++ throws on a read error, in the host process.
-  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
-    const std::filesystem::directory_entry& e = *it;
-    const std::string name = e.path().filename().string();
-    if (absl::StartsWith(name, kTmpPrefix) || !absl::EndsWith(name, ".json")) continue;
-    // Regular files only (symlink_status: not followed): opening a FIFO would block for ever.
-    std::error_code type_ec;
-    if (!std::filesystem::is_regular_file(e.symlink_status(type_ec))) continue;
-    std::ifstream f(e.path(), std::ios::binary);
-    std::string text(kMaxReportText, '\0');
-    f.read(text.data(), static_cast<std::streamsize>(text.size()));
-    text.resize(static_cast<size_t>(f.gcount()));
-    absl::StatusOr<DecodingReport> report = DecodingReport::FromText(text);
-    if (!report.ok()) continue;
-    if (report->version < stale_before) {
-      ::unlink(e.path().c_str());  // a subscriber gone (or silent) for that long
-      continue;
-    }
-    out.push_back(SubscriberReport{e.path().string(), report->version, std::move(text)});
-  }
+  ForEachBoxFile(report_dir_, kMaxReportText,
+                 [&](const std::filesystem::path& path, std::string text) {
+                   absl::StatusOr<DecodingReport> report = DecodingReport::FromText(text);
+                   if (!report.ok()) return;
+                   if (report->version < stale_before) {
+                     ::unlink(path.c_str());  // a subscriber gone (or silent) for that long
+                     return;
+                   }
+                   out.push_back(SubscriberReport{path.string(), report->version, std::move(text)});
+                 });
   return out;
 }
 
 std::vector<KeyframeRequest> RequestBox::Pending() const {
   std::vector<KeyframeRequest> out;
-  std::error_code ec;
-  std::filesystem::directory_iterator it(dir_, ec);
-  if (ec) return out;  // no directory: no request yet
-  // increment(ec), not a range-for: its operator++ throws on a read error, in the host process.
-  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
-    const std::filesystem::directory_entry& e = *it;
-    const std::string name = e.path().filename().string();
-    if (absl::StartsWith(name, kTmpPrefix) || !absl::EndsWith(name, ".json")) continue;
-    // Regular files only (symlink_status: not followed): opening a FIFO would block for ever.
-    std::error_code type_ec;
-    if (!std::filesystem::is_regular_file(e.symlink_status(type_ec))) continue;
-    std::ifstream f(e.path(), std::ios::binary);
-    std::string text(kMaxRequestFile, '\0');
-    f.read(text.data(), static_cast<std::streamsize>(text.size()));
-    text.resize(static_cast<size_t>(f.gcount()));
+  ForEachBoxFile(dir_, kMaxRequestFile, [&](const std::filesystem::path& path, std::string text) {
     KeyframeRequest r;
-    r.id = e.path().string();
+    r.id = path.string();
     const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
     if (StringField(j, "format", "") == kRequestFormat && j.contains("version") &&
         j["version"].is_number_unsigned()) {
@@ -184,7 +179,7 @@ std::vector<KeyframeRequest> RequestBox::Pending() const {
       r.text = absl::StrFormat("%s (not a request of format %s)", r.id, kRequestFormat);
     }
     out.push_back(std::move(r));
-  }
+  });
   return out;
 }
 

@@ -16,6 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdio>
@@ -1394,6 +1395,115 @@ TEST_P(UcxInternalTest, RegistrationsAndGetsScaleWithBytesNotTensors) {
     }
     incoming->reset();
   }
+}
+
+// A complete manifest and its bytes, announced before its checksums are known (as the core's job
+// is): what a zero-copy publish of the transport alone needs.
+class AnnouncedPublishJob final : public PublishJob {
+ public:
+  AnnouncedPublishJob(Manifest manifest, std::vector<const std::byte*> data)
+      : manifest_(std::move(manifest)) {
+    for (size_t i = 0; i < manifest_.tensors.size(); ++i) {
+      packed_.push_back(PackedTensor{&manifest_.tensors[i], data[i], Device{}});
+    }
+  }
+  uint64_t version() const override { return manifest_.version; }
+  absl::Span<const PackedTensor> tensors() const override { return packed_; }
+  absl::StatusOr<const Manifest*> SealedManifest(absl::Time) override { return &manifest_; }
+  std::optional<Manifest> UnsealedManifest() const override {
+    Manifest m = manifest_;
+    for (TensorInfo& t : m.tensors) t.xxh3 = 0;
+    return m;
+  }
+
+ private:
+  Manifest manifest_;
+  std::vector<PackedTensor> packed_;
+};
+
+// Publisher::AllocateHost on ucx://: memory UCX allocated and registered, 4096-byte aligned and
+// zero-filled, which a zero-copy publish serves with that registration (shared memory that this
+// host's subscribers map) instead of registering the caller's memory, while a tensor outside it
+// is registered as before; both arrive bit-exact. Memory freed between publishes is not named
+// again, and memory that outlives its publisher stays usable and is freed after it.
+TEST_P(UcxInternalTest, ZeroCopyPublishServesAllocatedHostMemoryWithItsOwnRegistration) {
+  const std::string uri_text = absl::StrFormat(
+      "ucx://127.0.0.1:%d/alloc?publish_mode=zero_copy&lease=60s&"
+      "get_chunk_size=256KiB",
+      weightbus::FreePort());
+  auto pub = OpenTransportPublisher(uri_text);
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto sub = OpenTransportSubscriber(uri_text);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  ASSERT_TRUE((*sub)->ListVersions().ok());  // connected: the zero-copy Publish waits for it
+  struct Sink : LandingSink {
+    void Landed(size_t) override {}
+  } sink;
+  std::vector<std::byte> outside = weightbus::testing::RandomBytes(300 << 10, 7);
+  // Publishes `sources` (U8 tensors of `sizes` bytes) as `version`; the subscriber receives it.
+  auto round = [&](uint64_t version, const std::vector<const std::byte*>& sources,
+                   const std::vector<uint64_t>& sizes) {
+    Manifest m;
+    m.version = version;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      m.tensors.push_back(TensorInfo{absl::StrFormat("t%d", i),
+                                     DType::kU8,
+                                     {static_cast<int64_t>(sizes[i])},
+                                     std::nullopt,
+                                     sizes[i],
+                                     weightbus::testing::Xxh3(sources[i], sizes[i])});
+    }
+    AnnouncedPublishJob job(m, sources);
+    testing::InFlight publish([&] { return (*pub)->Publish(job, absl::Now() + kTimeout); });
+    auto incoming = (*sub)->WaitForVersion(version, absl::Now() + kTimeout);
+    ASSERT_TRUE(incoming.ok()) << incoming.status();
+    std::vector<std::vector<std::byte>> out;
+    std::vector<std::byte*> targets;
+    for (uint64_t n : sizes) out.emplace_back(n);
+    for (auto& o : out) targets.push_back(o.data());
+    const absl::Status fetched = (*incoming)->Fetch(targets, sink, absl::Now() + kTimeout);
+    ASSERT_TRUE(fetched.ok()) << fetched;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      EXPECT_EQ(std::memcmp(out[i].data(), sources[i], sizes[i]), 0)
+          << "version " << version << ", tensor " << i;
+    }
+    incoming->reset();
+    const absl::Status published = publish.Result(kTimeout);
+    ASSERT_TRUE(published.ok()) << published;
+  };
+
+  std::byte* data = nullptr;
+  auto first = (*pub)->AllocateHost(3 << 20, &data);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_NE(*first, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(data) % 4096, 0u);
+  EXPECT_TRUE(std::all_of(data, data + (3 << 20), [](std::byte b) { return b == std::byte{0}; }));
+  const std::vector<std::byte> random = weightbus::testing::RandomBytes(3 << 20, 1);
+  std::memcpy(data, random.data(), random.size());
+  // Two tensors in the allocation (less than a page apart: one run), one outside it.
+  ASSERT_NO_FATAL_FAILURE(round(1, {data, data + (1 << 20) + 64, outside.data()},
+                                {1 << 20, (2 << 20) - 64 - 8, outside.size()}));
+  ucx::UcxPublisherCounters c = *ucx::PublisherCounters(**pub);
+  EXPECT_EQ(c.lent_runs_allocated, 1u);
+  EXPECT_EQ(c.lent_runs_registered, 1u);
+
+  // Freed, then another allocation (possibly at the same address): served with its own.
+  first->reset();
+  auto second = (*pub)->AllocateHost(1 << 20, &data);
+  ASSERT_TRUE(second.ok()) << second.status();
+  const std::vector<std::byte> more = weightbus::testing::RandomBytes(1 << 20, 2);
+  std::memcpy(data, more.data(), more.size());
+  ASSERT_NO_FATAL_FAILURE(round(2, {data + 64}, {(1 << 20) - 64}));
+  c = *ucx::PublisherCounters(**pub);
+  EXPECT_EQ(c.lent_runs_allocated, 2u);
+  EXPECT_EQ(c.lent_runs_registered, 1u);
+
+  // The memory outlives the transport: still the caller's to use, then freed.
+  sub->reset();
+  pub->reset();
+  data[0] = std::byte{1};
+  EXPECT_EQ(data[0], std::byte{1});
+  second->reset();
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, UcxInternalTest,

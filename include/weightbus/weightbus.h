@@ -400,6 +400,21 @@ WB_EXPORT wb_status_t wb_publisher_wait_for_receivers(wb_publisher_t* publisher,
  * wb_publisher_destroy. */
 WB_EXPORT wb_status_t wb_publisher_uri(wb_publisher_t* publisher, const char** uri);
 
+/* Host memory for the tensors a publisher publishes (Publisher::AllocateHost in weightbus.hpp):
+ * `bytes` bytes at *data, 4096-byte aligned and zero-filled, that the publisher's transport
+ * serves fastest when a publish's tensors lie in it (ucx:// with publish_mode=zero_copy: memory
+ * UCX allocated and registered, which subscribers on the same host map and copy at memory speed;
+ * other transports: plain anonymous memory). Keep the tensors of one publish in one allocation.
+ * Owned by the caller: free it with wb_host_memory_free, before or after destroying the
+ * publisher, never while a publish reads it. Errors: WB_INVALID_ARGUMENT (0 bytes),
+ * WB_RESOURCE_EXHAUSTED (naming the size), WB_CANCELLED. *memory and *data are written only on
+ * WB_OK. */
+typedef struct wb_host_memory wb_host_memory_t;
+WB_EXPORT wb_status_t wb_publisher_allocate_host(wb_publisher_t* publisher, uint64_t bytes,
+                                                 wb_host_memory_t** memory, void** data);
+/* Frees memory from wb_publisher_allocate_host. NULL is a no-op. */
+WB_EXPORT void wb_host_memory_free(wb_host_memory_t* memory);
+
 /* ------------------------------------------------------------------------------------------ */
 /* Streaming publish: one version tensor by tensor (weightbus::PublishStream)                 */
 /* ------------------------------------------------------------------------------------------ */

@@ -24,6 +24,7 @@
 //   Internal            an unexpected system error (message carries the errno text)
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -156,6 +157,33 @@ class WB_EXPORT PublishStream {
 // are Unimplemented.
 WB_EXPORT bool SupportsCudaTensors();
 
+// Host memory from Publisher::AllocateHost: `size()` bytes at `data()`, 4096-byte aligned and
+// zero-filled, for a trainer to keep the tensors it publishes in (e.g. its host copy of the
+// weights, viewed as torch tensors through DLPack). Publish accepts tensors anywhere; tensors in
+// this memory are served at the transport's best speed (ucx:// with publish_mode=zero_copy: UCX
+// allocated and registered it, so a subscriber on the same host maps it and copies at memory
+// speed, and an RDMA NIC reads it without a registration per Publish).
+//
+// Lifetime: freed by the destructor, which may run before or after the Publisher's (the memory
+// keeps what it needs of the transport alive). As for any tensor, it must not be freed or
+// modified while a Publish that reads it is in flight. Thread safety: data() and size() are
+// immutable; the bytes are the caller's to synchronize.
+class WB_EXPORT HostMemory {
+ public:
+  ~HostMemory();
+  HostMemory(const HostMemory&) = delete;
+  HostMemory& operator=(const HostMemory&) = delete;
+
+  std::byte* data() const;
+  uint64_t size() const;
+
+  class Impl;
+  explicit HostMemory(std::unique_ptr<Impl> impl);
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
 // Publishes versions of a set of named tensors to one channel.
 //
 // Thread safety: Publish calls are serialized internally; the object may be shared between
@@ -255,6 +283,16 @@ class WB_EXPORT Publisher {
   // Cancelled.
   absl::StatusOr<std::unique_ptr<PublishStream>> BeginPublish(uint64_t version,
                                                               const Metadata& metadata = {});
+
+  // `bytes` bytes of host memory (HostMemory) that this publisher's transport serves fastest
+  // when a Publish's tensors lie in it: on ucx://, memory UCX allocates and registers
+  // (UCP_MEM_MAP_ALLOCATE: POSIX or SysV shared memory on one host), which a zero-copy publish
+  // (publish_mode=zero_copy) serves without registering the caller's memory, to subscribers on
+  // its host at the speed of a memcpy instead of process_vm_readv's; on other transports plain
+  // anonymous memory. Tensors of one Publish are best kept in one allocation. Errors:
+  // InvalidArgument for 0 bytes; ResourceExhausted when the memory cannot be had (naming the
+  // size); Cancelled.
+  absl::StatusOr<std::unique_ptr<HostMemory>> AllocateHost(uint64_t bytes);
 
   // Waits up to `timeout` until at least `count` distinct subscribers have received and
   // verified `version` (or a newer version), e.g. to keep a one-shot publisher serving until its

@@ -26,6 +26,10 @@ struct wb_publisher {
   pid_t pid = getpid();  // the creating process: a forked child may not use the handle
 };
 
+struct wb_host_memory {
+  std::unique_ptr<wb::HostMemory> impl;
+};
+
 struct wb_publish_stream {
   std::unique_ptr<wb::PublishStream> impl;
   pid_t pid = getpid();
@@ -930,6 +934,25 @@ wb_status_t wb_publisher_uri(wb_publisher_t* publisher, const char** uri) {
     return absl::OkStatus();
   });
 }
+
+wb_status_t wb_publisher_allocate_host(wb_publisher_t* publisher, uint64_t bytes,
+                                       wb_host_memory_t** memory, void** data) {
+  constexpr const char* kFn = "wb_publisher_allocate_host";
+  return Guard(kFn, [&]() -> absl::Status {
+    WB_CHECK_HANDLE(kFn, publisher);
+    WB_CHECK_ARG(kFn, memory);
+    WB_CHECK_ARG(kFn, data);
+    absl::StatusOr<std::unique_ptr<wb::HostMemory>> m = publisher->impl->AllocateHost(bytes);
+    if (!m.ok()) return m.status();
+    auto handle = std::make_unique<wb_host_memory>();
+    handle->impl = *std::move(m);
+    *data = handle->impl->data();
+    *memory = handle.release();
+    return absl::OkStatus();
+  });
+}
+
+void wb_host_memory_free(wb_host_memory_t* memory) { delete memory; }
 
 wb_status_t wb_publisher_begin_publish(wb_publisher_t* publisher, uint64_t version,
                                        const wb_publish_params_t* params_in,

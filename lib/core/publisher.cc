@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -1036,6 +1037,41 @@ uint64_t PublishStream::bytes() const {
 }
 
 bool SupportsCudaTensors() { return internal::cuda::Built(); }
+
+class HostMemory::Impl {
+ public:
+  std::shared_ptr<void> owner;  // the transport's allocation, or a HostBuffer
+  std::byte* data = nullptr;
+  uint64_t size = 0;
+};
+
+HostMemory::HostMemory(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+HostMemory::~HostMemory() = default;
+std::byte* HostMemory::data() const { return impl_->data; }
+uint64_t HostMemory::size() const { return impl_->size; }
+
+absl::StatusOr<std::unique_ptr<HostMemory>> Publisher::AllocateHost(uint64_t bytes) {
+  internal::CallScope scope(*impl_->gate, "AllocateHost");
+  if (!scope.status().ok()) return scope.status();
+  if (bytes == 0 || bytes > std::numeric_limits<size_t>::max() / 2) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: AllocateHost needs between 1 and 2^63 bytes, got %d", impl_->uri.Display(), bytes));
+  }
+  auto impl = std::make_unique<HostMemory::Impl>();
+  impl->size = bytes;
+  absl::StatusOr<std::shared_ptr<void>> served = impl_->backend->AllocateHost(bytes, &impl->data);
+  if (!served.ok()) return internal::Annotate(served.status(), impl_->uri.Display());
+  if (*served != nullptr) {
+    impl->owner = *std::move(served);
+  } else {
+    absl::StatusOr<std::unique_ptr<internal::HostBuffer>> plain =
+        internal::HostBuffer::Allocate(bytes);
+    if (!plain.ok()) return internal::Annotate(plain.status(), impl_->uri.Display());
+    impl->data = (*plain)->data();
+    impl->owner = std::shared_ptr<internal::HostBuffer>(*std::move(plain));
+  }
+  return std::make_unique<HostMemory>(std::move(impl));
+}
 
 absl::Status Publisher::WaitForReceivers(uint64_t version, int count, absl::Duration timeout) {
   internal::CallScope scope(*impl_->gate, "WaitForReceivers");

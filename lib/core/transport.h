@@ -294,6 +294,15 @@ class TransportPublisher {
   // The reports subscribers sent since the last call (capability subscriber_reports), at most
   // one per subscriber (its newest); taken, as TakeKeyframeRequests. Thread-safe. Default: none.
   virtual std::vector<SubscriberReport> TakeReports() { return {}; }
+  // Host memory the transport serves fastest when a Publish's tensors lie in it
+  // (Publisher::AllocateHost): `bytes` bytes, 4096-byte aligned and zero-filled, at `*data`,
+  // owned by the returned pointer, which must keep whatever the memory needs alive (it may be
+  // dropped after the transport is destroyed). nullptr: the transport has no such memory (the
+  // core then maps plain memory). Thread-safe. Layers forward it beneath only where their own
+  // Publish hands the caller's tensors on unchanged.
+  virtual absl::StatusOr<std::shared_ptr<void>> AllocateHost(size_t bytes, std::byte** data) {
+    return nullptr;
+  }
   // Called from another thread when the Publisher is being destroyed while a call may be in
   // flight: a Publish or WaitForReceivers waiting (for staging slots, receivers, ...) should
   // return Cancelled promptly (within about 100 ms), and so should every later call. Bytes

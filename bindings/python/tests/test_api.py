@@ -915,3 +915,44 @@ def test_placements_give_each_tp_worker_its_slices(channel):
         with pytest.raises(weightbus.InvalidArgumentError,
                            match="TP rank 2 of a group of size 2"):
             weightbus.Subscriber(channel, placements=rules, tp_rank=2, tp_size=2)
+
+
+def test_allocate_host_memory_is_published_in_place_over_ucx():
+    """Publisher.allocate_host: zero-filled, 4096-byte aligned, writable memory for a trainer's
+    weights; tensors viewing it, published zero-copy, arrive bit-exact; the memory outlives the
+    publisher while a tensor uses it."""
+    with ucx_publisher(publish_mode="zero_copy", lease="30s") as pub:
+        with pytest.raises(ValueError, match="nbytes must be an int from 1"):
+            pub.allocate_host(0)
+        mem = pub.allocate_host(3 * 4096 + 100)
+        assert mem.nbytes == 3 * 4096 + 100 and not mem.readonly and mem.format == "B"
+        flat = torch.frombuffer(mem, dtype=torch.uint8)
+        assert flat.data_ptr() % 4096 == 0
+        assert not flat.any()
+        w = flat[:8192].view(torch.float32).view(32, 64)
+        b = flat[8192:8592].view(torch.float32)
+        w.copy_(torch.randn(32, 64))
+        b.copy_(torch.arange(100, dtype=torch.float32))
+        published = {"w": w.clone(), "b": b.clone()}
+        with weightbus.Subscriber(pub.uri) as sub:
+            assert sub.poll(1) is None  # connected: the zero-copy publish waits for it
+            errors = []
+            thread = threading.Thread(target=lambda: _record(errors, pub.publish, 1,
+                                                             {"w": w, "b": b}, timeout=30))
+            thread.start()
+            update = sub.wait(1, timeout=30)
+            thread.join()
+            assert errors == []
+            assert torch.equal(update["w"], published["w"])
+            assert torch.equal(update["b"], published["b"])
+            del update
+    del mem, flat
+    w.add_(1)  # the publisher is closed; the memory lives on with the tensors viewing it
+    assert torch.equal(w, published["w"] + 1)
+
+
+def _record(errors, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - reported by the test's thread
+        errors.append(e)

@@ -204,6 +204,8 @@ _SIGNATURES = {
     "wb_publisher_uri": (_status, [c_void_p, _P(c_char_p)]),
     "wb_publisher_begin_publish": (_status, [c_void_p, c_uint64, _P(wb_publish_params_t),
                                              _P(c_void_p)]),
+    "wb_publisher_allocate_host": (_status, [c_void_p, c_uint64, _P(c_void_p), _P(c_void_p)]),
+    "wb_host_memory_free": (None, [c_void_p]),
     "wb_publish_stream_add": (_status, [c_void_p, c_char_p, _P(DLTensor),
                                         _P(wb_stream_add_params_t)]),
     "wb_publish_stream_commit": (_status, [c_void_p, c_int64]),

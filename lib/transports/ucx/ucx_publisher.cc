@@ -19,6 +19,8 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <memory>
+#include <optional>
 #include <set>
 #include <system_error>
 #include <thread>
@@ -129,6 +131,9 @@ struct Slot {
     const std::byte* data = nullptr;
     uint64_t length = 0;
     std::string rkey;
+    // Memory UCX allocated (Publisher::AllocateHost): its peers on this host map it, so it is not
+    // flagged kCrossMemoryAttach.
+    bool ucx_allocated = false;
   };
   std::vector<Lent> lent;
   std::optional<Region> descriptor;  // host memory, registered; base = capacity
@@ -237,6 +242,32 @@ std::string RanksText(const std::vector<int>& ranks, int world_size, std::string
                          absl::StrJoin(ranks, ", "), world_size, what, many ? "their" : "its");
 }
 
+// Memory handed out by UcxPublisher::AllocateHost, still alive: a zero-copy publish serves a run
+// of tensors that lies in one of them with its own registration (allocated by UCX, so shared-
+// memory transports map it into a subscriber) instead of registering the caller's memory.
+// Shared with the allocations' deleters, which may run after the publisher is gone.
+struct HostAllocations {
+  struct Entry {
+    uintptr_t end = 0;
+    uint64_t id = 0;   // names the registration in version layouts while it lives
+    std::string rkey;  // packed
+  };
+  absl::Mutex mu;
+  std::map<uintptr_t, Entry> by_begin ABSL_GUARDED_BY(mu);
+  // Ids above the staging regions' (from 1) and the registration cache's (from 2^48).
+  uint64_t next_id ABSL_GUARDED_BY(mu) = uint64_t{1} << 56;
+
+  // The allocation holding all of [begin, end), if any.
+  std::optional<Entry> Find(uintptr_t begin, uintptr_t end) {
+    absl::MutexLock lock(&mu);
+    auto it = by_begin.upper_bound(begin);
+    if (it == by_begin.begin()) return std::nullopt;
+    --it;
+    if (end > it->second.end) return std::nullopt;
+    return it->second;
+  }
+};
+
 class UcxPublisher final : public TransportPublisher {
  public:
   UcxPublisher(Endpoint endpoint, UcxOptions options, FailPoints failpoints,
@@ -325,7 +356,9 @@ class UcxPublisher final : public TransportPublisher {
                                 sleeps_with_reads_ready_.load(std::memory_order_relaxed),
                                 grants_.load(std::memory_order_relaxed),
                                 reads_held_total_.load(std::memory_order_relaxed),
-                                control_bytes_sent_.load(std::memory_order_relaxed)};
+                                control_bytes_sent_.load(std::memory_order_relaxed),
+                                lent_runs_allocated_.load(std::memory_order_relaxed),
+                                lent_runs_registered_.load(std::memory_order_relaxed)};
   }
 
   void KeepVersionsFrom(uint64_t version) override {
@@ -357,6 +390,43 @@ class UcxPublisher final : public TransportPublisher {
     for (auto& [id, r] : reports_) out.push_back(std::move(r));
     reports_.clear();
     return out;
+  }
+
+  // Memory allocated and registered by UCX (UCP_MEM_MAP_ALLOCATE), recorded in allocations_
+  // until the returned owner drops it; the owner keeps the UCX context alive through the region.
+  absl::StatusOr<std::shared_ptr<void>> AllocateHost(size_t bytes, std::byte** data) override {
+    // A page more: UCX's allocators are page-aligned except its last resort (heap), which may
+    // not be, nor zero-filled.
+    constexpr size_t kPage = 4096;
+    absl::StatusOr<std::unique_ptr<MemRegion>> region =
+        MemRegion::Allocate(context_, bytes + kPage, UCS_MEMORY_TYPE_HOST);
+    if (!region.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("%s: cannot allocate %d bytes of host memory to publish from: %s",
+                          endpoint_.display, bytes, region.status().message()));
+    }
+    WB_ASSIGN_OR_RETURN(std::string rkey, (*region)->PackRkey());
+    const uintptr_t begin = reinterpret_cast<uintptr_t>((*region)->data());
+    const uintptr_t aligned = (begin + kPage - 1) / kPage * kPage;
+    // Zero-filled, and every page faulted in now rather than during the first Publish.
+    std::memset(reinterpret_cast<void*>(aligned), 0, bytes);
+    {
+      absl::MutexLock lock(&allocations_->mu);
+      const uint64_t id = allocations_->next_id++;
+      allocations_->by_begin[begin] =
+          HostAllocations::Entry{begin + (*region)->size(), id, std::move(rkey)};
+    }
+    *data = reinterpret_cast<std::byte*>(aligned);
+    std::weak_ptr<HostAllocations> registry = allocations_;
+    std::shared_ptr<MemRegion> owner(region->release(), [registry, begin](MemRegion* r) {
+      // Forgotten before it is unmapped: no later publish names it.
+      if (std::shared_ptr<HostAllocations> live = registry.lock()) {
+        absl::MutexLock lock(&live->mu);
+        live->by_begin.erase(begin);
+      }
+      delete r;
+    });
+    return std::shared_ptr<void>(std::move(owner));
   }
 
   // Wakes a Publish waiting for a staging slot and a WaitForReceivers at once; they and every
@@ -539,6 +609,7 @@ class UcxPublisher final : public TransportPublisher {
   ZeroCopy zero_copy_ ABSL_GUARDED_BY(mu_);
   // Registrations of callers' tensors served in place (publish_mode=zero_copy; Publish only).
   std::unique_ptr<RegistrationCache> lent_cache_;
+  const std::shared_ptr<HostAllocations> allocations_ = std::make_shared<HostAllocations>();
   // Fan-out: per version, how many subscribers the publisher serves directly and the relays in
   // grant order with their children (the newest 8 versions).
   struct RelayTree {
@@ -579,6 +650,8 @@ class UcxPublisher final : public TransportPublisher {
   std::atomic<uint64_t> sleeps_with_reads_ready_{0};
   std::atomic<uint64_t> grants_{0};
   std::atomic<uint64_t> reads_held_total_{0};
+  std::atomic<uint64_t> lent_runs_allocated_{0};
+  std::atomic<uint64_t> lent_runs_registered_{0};
   std::atomic<uint64_t> control_bytes_sent_{0};
 
   // Rank 0 of a group: where each rank serves its parts (members_[r], from its JOIN), the
@@ -864,7 +937,8 @@ absl::Status UcxPublisher::WriteDescriptor(Slot& slot, const Manifest& unsealed,
   if (!slot.lent.empty()) {
     for (const Slot::Lent& r : slot.lent) {
       layout.regions.push_back(LayoutRegion{r.id, r.base, reinterpret_cast<uintptr_t>(r.data),
-                                            r.length, r.rkey, kCrossMemoryAttach});
+                                            r.length, r.rkey,
+                                            r.ucx_allocated ? 0 : kCrossMemoryAttach});
     }
   } else {
     for (const Region& r : slot.regions) {
@@ -1086,6 +1160,17 @@ absl::Status UcxPublisher::PublishZeroCopy(PublishJob& job, absl::Time deadline)
   std::vector<Slot::Lent> lent;
   uint64_t total = 0;
   for (const Run& r : runs) {
+    // A run within memory from AllocateHost: served with that memory's own registration.
+    if (std::optional<HostAllocations::Entry> a = allocations_->Find(
+            reinterpret_cast<uintptr_t>(r.begin), reinterpret_cast<uintptr_t>(r.end))) {
+      lent.push_back(Slot::Lent{a->id, total, r.begin, static_cast<uint64_t>(r.end - r.begin),
+                                a->rkey,
+                                /*ucx_allocated=*/true});
+      total += r.end - r.begin;
+      lent_runs_allocated_.fetch_add(1, std::memory_order_relaxed);
+      continue;
+    }
+    lent_runs_registered_.fetch_add(1, std::memory_order_relaxed);
     absl::StatusOr<RegistrationCache::Served> served =
         lent_cache_->Serve(const_cast<std::byte*>(r.begin), r.end - r.begin);
     if (!served.ok()) {

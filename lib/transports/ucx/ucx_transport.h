@@ -87,6 +87,10 @@ struct UcxPublisherCounters {
   // READs that waited for their chunk to be staged (a version announced before it was staged).
   uint64_t reads_held = 0;
   uint64_t control_bytes_sent = 0;  // bytes written to control connections (frames, DATA too)
+  // Zero-copy publishes: runs of the caller's tensors served from memory of AllocateHost (its
+  // own registration), and runs served by registering the caller's memory (cached).
+  uint64_t lent_runs_allocated = 0;
+  uint64_t lent_runs_registered = 0;
 };
 
 // The counters of `publisher` when it is a ucx:// publisher made by OpenUcxPublisher (not

@@ -6,9 +6,11 @@
 //               trainer's parameters, updated in place), publishes it, prints its PublishStats;
 //               stdin "quit" (or end of file) -> prints {"done": true, ...} and exits.
 //   subscriber: binds its own parameter buffers (a replica), receives versions 1..count in order,
-//               and after each one hashes every tensor with libxxhash and compares it with the
-//               store's hash of what was published (independently of the library's checksums);
-//               prints its UpdateStats and the verdict per version, then {"done": true, ...}.
+//               prints each one's UpdateStats with "check_pending", then waits for stdin "check"
+//               (sent once every replica has reported, so that no check takes a core from a
+//               replica still receiving), hashes every tensor with libxxhash, compares it with
+//               the store's hash of what was published (independently of the library's
+//               checksums) and prints the verdict; after the last, {"done": true, ...}.
 //
 // Both report the CPU time of the bench's own work in them (loading versions, hashing), which
 // the parent subtracts from the process's CPU time.
@@ -85,7 +87,6 @@ int PublisherMain(const WorkerFlags& flags) {
   const absl::Duration timeout = flags.timeout;
   const uint64_t corrupt = flags.corrupt_version;
   StoreIndex index = OrDie(ReadIndex(store));
-  Buffer weights(index.file_bytes);
   const Options settings = ParseSettings(flags.settings);
   // One rank of a publisher group (--publishers N: settings rank and world_size) publishes its
   // shards only (tp_layout.h).
@@ -95,12 +96,22 @@ int PublisherMain(const WorkerFlags& flags) {
   if (auto it = settings.find("world_size"); it != settings.end()) {
     (void)absl::SimpleAtoi(it->second, &world);
   }
-  const std::vector<TensorView> views = RankViews(index, weights.data, rank, world);
   absl::StatusOr<std::unique_ptr<Publisher>> pub = Publisher::Open(uri, settings);
   if (!pub.ok()) {
     Emit({{"error", std::string(pub.status().message())}});
     return 1;
   }
+  // The trainer's weights, in the memory its publisher serves fastest (AllocateHost: on ucx://
+  // memory UCX allocated, which a zero-copy publish serves to this host's subscribers through
+  // shared memory; elsewhere plain anonymous memory).
+  absl::StatusOr<std::unique_ptr<HostMemory>> memory =
+      (*pub)->AllocateHost(std::max<uint64_t>(index.file_bytes, 1));
+  if (!memory.ok()) {
+    Emit({{"error", std::string(memory.status().message())}});
+    return 1;
+  }
+  std::byte* const weights = (*memory)->data();
+  const std::vector<TensorView> views = RankViews(index, weights, rank, world);
   Emit({{"ready", true}, {"pid", getpid()}});
   double overhead = 0;
   char line[256];
@@ -116,14 +127,14 @@ int PublisherMain(const WorkerFlags& flags) {
     }
     // The trainer's step: new weights in place (not timed, not counted as sync CPU).
     const double c0 = SelfCpuSeconds();
-    if (absl::Status s = ReadWhole(index.VersionPath(store, v), weights.data, index.file_bytes);
+    if (absl::Status s = ReadWhole(index.VersionPath(store, v), weights, index.file_bytes);
         !s.ok()) {
       Emit({{"version", v}, {"error", std::string(s.message())}});
       return 1;
     }
     if (v == corrupt && !index.tensors.empty()) {
       // Testing the correctness column: publish bytes that differ from the store's hashes.
-      weights.data[index.tensors.back().offset] ^= std::byte{0x01};
+      weights[index.tensors.back().offset] ^= std::byte{0x01};
     }
     overhead += SelfCpuSeconds() - c0;
     const int64_t start_ns = absl::ToUnixNanos(absl::Now());
@@ -269,8 +280,14 @@ int SubscriberMain(const WorkerFlags& flags) {
                                 {"verify_s", absl::ToDoubleSeconds(st.verify_wait)},
                                 {"apply_s", absl::ToDoubleSeconds(st.copy_out)},
                                 {"bytes", st.bytes},
-                                {"wire_bytes", st.wire_bytes}};
-    // The independent check: every tensor of the replica's buffers against the store's hashes.
+                                {"wire_bytes", st.wire_bytes},
+                                {"check_pending", true}};
+    Emit(j);
+    // The independent check, once the parent says every replica has reported (so that hashing
+    // here does not take a core from replicas still receiving): every tensor of the replica's
+    // buffers against the store's hashes.
+    char line[64];
+    if (std::fgets(line, sizeof(line), stdin) == nullptr) return 1;  // the bench is gone
     const double c0 = SelfCpuSeconds();
     std::string bad;
     if (up.version() != want) {
@@ -290,9 +307,7 @@ int SubscriberMain(const WorkerFlags& flags) {
       }
     }
     overhead += SelfCpuSeconds() - c0;
-    j["ok"] = bad.empty();
-    j["error"] = bad;
-    Emit(j);
+    Emit({{"version", up.version()}, {"ok", bad.empty()}, {"error", bad}});
     want = std::max(want, up.version());
   }
   Emit({{"done", true}, {"overhead_cpu_s", overhead}, {"peak_rss_bytes", SelfPeakRssBytes()}});

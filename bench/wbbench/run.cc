@@ -283,12 +283,14 @@ class Session {
     if (!channel_dir_.empty()) {
       rec.stored_bytes = DirectoryBytes(absl::StrFormat("%s/versions/v%020d", channel_dir_, v));
     }
+    std::vector<size_t> to_check;  // replicas that received and wait to check it
     for (size_t i = 1; i < procs_.size(); ++i) {
       std::optional<nlohmann::json> j = ReadJson(i, deadline);
       if (!j) {
         result.versions.push_back(rec);
         return;
       }
+      if (j->value("check_pending", false)) to_check.push_back(rec.replicas.size());
       ReplicaRecord r;
       r.index = static_cast<int>(i) - 1;
       r.ok = j->value("ok", false);
@@ -319,6 +321,28 @@ class Session {
         return;
       }
       rec.replicas.push_back(std::move(r));
+    }
+    // Every replica has reported: now each checks what it holds (not before, so that no
+    // replica's check competes for the CPU with another's receive).
+    for (size_t k : to_check) {
+      const size_t proc = static_cast<size_t>(rec.replicas[k].index) + 1;
+      if (!procs_[proc].Send("check")) {
+        Fail(absl::StrFormat("%s's stdin is closed: %s", roles_[proc], FileTail(logs_[proc], 300)));
+        result.versions.push_back(std::move(rec));
+        return;
+      }
+    }
+    for (size_t k : to_check) {
+      ReplicaRecord& r = rec.replicas[k];
+      const size_t proc = static_cast<size_t>(r.index) + 1;
+      std::optional<nlohmann::json> j = ReadJson(proc, deadline);
+      if (!j) {
+        result.versions.push_back(std::move(rec));
+        return;
+      }
+      r.ok = j->value("ok", false);
+      if (r.error.empty()) r.error = j->value("error", std::string());
+      if (!r.error.empty()) r.ok = false;
     }
     result.versions.push_back(std::move(rec));
   }

@@ -902,8 +902,9 @@ int Run(RunFlags& f, const std::vector<std::string>& argv) {
       changed_measured.empty() ? 100.0 : 100 * Median(changed_measured));
   absl::StrAppendFormat(
       &banner,
-      "# replicas: each subscriber binds its own parameter buffers; after each version it "
-      "hashes every tensor (XXH3, libxxhash) against the published bytes (#wrong)\n");
+      "# replicas: each subscriber binds its own parameter buffers; once every replica has a "
+      "version, each hashes every tensor (XXH3, libxxhash) against the published bytes "
+      "(#wrong)\n");
   absl::StrAppendFormat(&banner, "# transports: %s (built: %s); settings: %s; UCX_TLS=%s\n",
                         absl::StrJoin(o.transports, " "), absl::StrJoin(built, ", "),
                         o.settings.empty() ? "defaults" : absl::StrJoin(o.settings, " "),

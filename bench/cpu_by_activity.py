@@ -3,17 +3,22 @@
 """Where the CPU went while each version was in flight: a `perf record -a` of a weightbus-bench
 run, cut into the bench's version windows and attributed to processes and activities.
 
-    perf record -a -k CLOCK_REALTIME -F 4000 -o P.data -- \
+    perf record -a -e cpu-clock -k CLOCK_REALTIME -F 4000 -o P.data -- \
         build/bench/weightbus-bench run --transports ucx ... --json R.json
-    python3 bench/cpu_by_activity.py --perf P.data --json R.json
+    python3 bench/cpu_by_activity.py --freq 4000 --perf P.data --json R.json
 
 A version's window runs from the start of its Publish to the moment its last replica held it
 (`publish_start_unix_ns` + the largest `ready_s`, from R.json; perf must record with
 CLOCK_REALTIME so that its timestamps compare with them). Every sample in a window is counted
 for the process that took it (the transport's publisher, its subscribers, anything else) and for
-an activity read from the sampled symbol (see ACTIVITIES). With -F F samples per second per core,
-a sample stands for 1/F s of one core; `busy` is the share of all the host's cores that were not
-idle over the window: near 100% means the CPU was the saturated resource for that version.
+an activity read from the sampled symbol (see ACTIVITIES). The event must be cpu-clock (a timer:
+it samples every core at F per second, idle or not; a hardware cycles event stops while a core
+halts): a sample stands for 1/F s of one core. A sample of the idle task (pid 0) counts as idle
+only in an idle function; elsewhere it is the kernel working on the idle task's time (interrupts,
+softirq: loopback tcp is mostly received there), counted as process "kernel (softirq)". `busy`
+is the non-idle samples' CPU time over cores x window: the share of all the host's cores that
+did work over the window; near 100% means the CPU was the saturated resource for that
+version.
 
 Output: per transport, the median over its measured versions of each (process, activity) in
 CPU-milliseconds, the median window, and the busy share. Standard library only.
@@ -107,12 +112,15 @@ def main():
         for ti, v, a, b in spans:  # few versions: a linear scan is enough
             if a <= at < b:
                 roles = plan[ti][1]
-                who = "idle" if pid == 0 else roles.get(pid, "other processes")
-                act = activity(sym, dso) if pid != 0 else "idle"
+                act = activity(sym, dso)
+                if pid == 0:
+                    who = "idle" if act == "idle" else "kernel (softirq)"
+                else:
+                    who = roles.get(pid, "other processes")
                 counts[(ti, v)][(who, act)] += 1
                 break
 
-    ms = 1e3 / args.freq
+    ms = 1e3 / args.freq  # CPU milliseconds per sample
     for ti, (name, roles, vs) in enumerate(plan):
         if not vs:
             continue
@@ -120,10 +128,8 @@ def main():
         walls = [(b - a) * 1e3 for _, a, b in vs]
         busy = []
         for v, a, b in vs:
-            c = counts[(ti, v)]
-            total = sum(c.values())
-            idle = sum(n for (who, _), n in c.items() if who == "idle")
-            busy.append(100.0 * (total - idle) / total if total else 0.0)
+            worked = sum(n for (who, _), n in counts[(ti, v)].items() if who != "idle")
+            busy.append(100.0 * worked * ms / (args.cores * (b - a) * 1e3))
         print(f"# {name}: {len(vs)} measured versions, median window "
               f"{statistics.median(walls):.1f} ms on {args.cores} cores "
               f"({args.cores * statistics.median(walls):.1f} core-ms); "

@@ -364,7 +364,7 @@ static void TestAllocateHost(const char* dir) {
   wb_host_memory_t* memory = (wb_host_memory_t*)0x1;
   void* data = (void*)0x1;
   CHECK_STATUS(wb_publisher_allocate_host(pub, 0, &memory, &data), WB_INVALID_ARGUMENT,
-               "AllocateHost needs between 1 and 2^63 bytes, got 0");
+               "AllocateHost needs between 1 and 2^62 bytes, got 0");
   CHECK(memory == (wb_host_memory_t*)0x1 && data == (void*)0x1);
   CHECK_STATUS(wb_publisher_allocate_host(pub, 64, NULL, &data), WB_INVALID_ARGUMENT, "memory");
   CHECK_STATUS(wb_publisher_allocate_host(pub, 64, &memory, NULL), WB_INVALID_ARGUMENT, "data");

@@ -549,6 +549,47 @@ TEST_P(UcxTransportTest, ZeroCopyPublishServesTheCallersTensorsWhileItRuns) {
 // Zero-copy publish waits for a connected subscriber that does not ask for the version at most
 // one lease, and for one that stops pulling at most until its lease ends, which then fails its
 // transfer (ABORTED, Aborted). The other subscriber is not held back.
+// Memory from AllocateHost freed in a child forked after the allocation releases nothing of the
+// parent's (UCX's registration and mapping, the publisher's record of it): the child still reads
+// its copy after freeing it (unmapped, the read would kill it), and the parent publishes from
+// the memory afterwards, bit-exact.
+TEST_P(UcxTransportTest, HostMemoryFreedInAForkedChildReleasesNothingOfTheParents) {
+  const std::string q = "publish_mode=zero_copy&lease=60s";
+  auto pub = Publisher::Open(Uri(q));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  auto mem = (*pub)->AllocateHost(1 << 20);
+  ASSERT_TRUE(mem.ok()) << mem.status();
+  OwnedTensor w{"w", DType::kU8, {1 << 20}, weightbus::testing::RandomBytes(1 << 20, 5)};
+  std::byte* data = (*mem)->data();
+  std::memcpy(data, w.bytes.data(), w.bytes.size());
+
+  const pid_t child = fork();
+  ASSERT_GE(child, 0) << std::strerror(errno);
+  if (child == 0) {
+    mem->reset();
+    const bool intact = std::memcmp(data, w.bytes.data(), w.bytes.size()) == 0;
+    _exit(intact ? 0 : 3);
+  }
+  int wstatus = 0;
+  ASSERT_EQ(waitpid(child, &wstatus, 0), child);
+  ASSERT_TRUE(WIFEXITED(wstatus)) << "the child was killed by signal " << WTERMSIG(wstatus);
+  EXPECT_EQ(WEXITSTATUS(wstatus), 0);
+
+  auto sub = Subscriber::Open(Uri(q));
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  ASSERT_TRUE((*sub)->Poll(1, kTimeout).ok());  // connected: the zero-copy Publish waits for it
+  std::unique_ptr<Update> got;
+  testing::InFlight receive([&] {
+    auto u = (*sub)->WaitForVersion(1, kTimeout);
+    if (u.ok()) got = *std::move(u);
+    return u.status();
+  });
+  const TensorView view{"w", DType::kU8, {1 << 20}, {}, data};
+  ASSERT_TRUE((*pub)->Publish(1, {view}, {}, kTimeout).ok());
+  ASSERT_TRUE(receive.Result(kTimeout).ok());
+  ExpectSameTensors(*got, {w});
+}
+
 TEST_P(UcxTransportTest, ZeroCopyPublishHoldsTheCallerAtMostALeasePerSubscriber) {
   // A lease long enough for `active` to renew through a loaded machine under ThreadSanitizer
   // (300 ms expired there mid-pull, failing its transfer), short enough to wait out twice.
@@ -1504,6 +1545,30 @@ TEST_P(UcxInternalTest, ZeroCopyPublishServesAllocatedHostMemoryWithItsOwnRegist
   data[0] = std::byte{1};
   EXPECT_EQ(data[0], std::byte{1});
   second->reset();
+}
+
+// AllocateHost hands out UCX's memory only where a publish gains from it (publish_mode=
+// zero_copy); a staged publisher, or one whose UCX cannot allocate (the fail point), answers
+// nullptr, and Publisher::AllocateHost then gives plain memory.
+TEST_P(UcxInternalTest, AllocateHostIsPlainMemoryWhereUcxMemoryGainsNothingOrCannotBeHad) {
+  for (const char* mode : {"staged", "zero_copy"}) {
+    SCOPED_TRACE(mode);
+    const bool zero_copy = std::string_view(mode) == "zero_copy";
+    std::optional<weightbus::testing::ScopedEnv> fp;
+    if (zero_copy) fp.emplace("WEIGHTBUS_FAILPOINTS", "ucx.allocate_host=error");
+    auto pub = OpenTransportPublisher(
+        absl::StrFormat("ucx://127.0.0.1:%d/plain?publish_mode=%s", weightbus::FreePort(), mode));
+    ASSERT_TRUE(pub.ok()) << pub.status();
+    std::byte* data = nullptr;
+    auto served = (*pub)->AllocateHost(1 << 20, &data);
+    ASSERT_TRUE(served.ok()) << served.status();
+    EXPECT_EQ(*served, nullptr);
+    if (zero_copy) {  // the fail point fires once: the next allocation is UCX's
+      auto next = (*pub)->AllocateHost(1 << 20, &data);
+      ASSERT_TRUE(next.ok()) << next.status();
+      EXPECT_NE(*next, nullptr);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, UcxInternalTest,

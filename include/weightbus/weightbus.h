@@ -406,7 +406,9 @@ WB_EXPORT wb_status_t wb_publisher_uri(wb_publisher_t* publisher, const char** u
  * UCX allocated and registered, which subscribers on the same host map and copy at memory speed;
  * other transports: plain anonymous memory). Keep the tensors of one publish in one allocation.
  * Owned by the caller: free it with wb_host_memory_free, before or after destroying the
- * publisher, never while a publish reads it. Errors: WB_INVALID_ARGUMENT (0 bytes),
+ * publisher, never while a publish reads it. In a child forked after the allocation, freeing it
+ * releases only the handle (the child's copy of the memory lasts until it exits; the parent's
+ * is the parent's). Errors: WB_INVALID_ARGUMENT (0 bytes or more than 2^62),
  * WB_RESOURCE_EXHAUSTED (naming the size), WB_CANCELLED. *memory and *data are written only on
  * WB_OK. */
 typedef struct wb_host_memory wb_host_memory_t;

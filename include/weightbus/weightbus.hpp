@@ -166,8 +166,10 @@ WB_EXPORT bool SupportsCudaTensors();
 //
 // Lifetime: freed by the destructor, which may run before or after the Publisher's (the memory
 // keeps what it needs of the transport alive). As for any tensor, it must not be freed or
-// modified while a Publish that reads it is in flight. Thread safety: data() and size() are
-// immutable; the bytes are the caller's to synchronize.
+// modified while a Publish that reads it is in flight. Destroyed in a child forked after the
+// allocation, it releases nothing of the transport's (a UCX registration, a lock another thread
+// of the parent may have held at fork): the child's copy of the memory lasts until it exits. Thread
+// safety: data() and size() are immutable; the bytes are the caller's to synchronize.
 class WB_EXPORT HostMemory {
  public:
   ~HostMemory();
@@ -285,13 +287,13 @@ class WB_EXPORT Publisher {
                                                               const Metadata& metadata = {});
 
   // `bytes` bytes of host memory (HostMemory) that this publisher's transport serves fastest
-  // when a Publish's tensors lie in it: on ucx://, memory UCX allocates and registers
-  // (UCP_MEM_MAP_ALLOCATE: POSIX or SysV shared memory on one host), which a zero-copy publish
-  // (publish_mode=zero_copy) serves without registering the caller's memory, to subscribers on
-  // its host at the speed of a memcpy instead of process_vm_readv's; on other transports plain
-  // anonymous memory. Tensors of one Publish are best kept in one allocation. Errors:
-  // InvalidArgument for 0 bytes; ResourceExhausted when the memory cannot be had (naming the
-  // size); Cancelled.
+  // when a Publish's tensors lie in it: on ucx:// with publish_mode=zero_copy, memory UCX
+  // allocates and registers (UCP_MEM_MAP_ALLOCATE: POSIX or SysV shared memory on one host),
+  // which the publish serves without registering the caller's memory, to subscribers on its
+  // host at the speed of a memcpy instead of process_vm_readv's; otherwise (other transports, a
+  // staged ucx:// publisher, UCX unable to allocate) plain anonymous memory. Tensors of one
+  // Publish are best kept in one allocation. Errors: InvalidArgument for 0 bytes or more than
+  // 2^62; ResourceExhausted when the memory cannot be had (naming the size); Cancelled.
   absl::StatusOr<std::unique_ptr<HostMemory>> AllocateHost(uint64_t bytes);
 
   // Waits up to `timeout` until at least `count` distinct subscribers have received and

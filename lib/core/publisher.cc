@@ -1043,19 +1043,28 @@ class HostMemory::Impl {
   std::shared_ptr<void> owner;  // the transport's allocation, or a HostBuffer
   std::byte* data = nullptr;
   uint64_t size = 0;
+  pid_t pid = getpid();  // the process that allocated it
 };
 
 HostMemory::HostMemory(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-HostMemory::~HostMemory() = default;
+
+HostMemory::~HostMemory() {
+  // In a child forked after the allocation, the transport's state it would release (UCX's
+  // registration, a registry lock another thread of the parent may have held at fork) is a
+  // copy that is not the child's to touch: the child's copy of the memory is left to its exit.
+  if (impl_ != nullptr && impl_->pid != getpid()) {
+    new (&impl_->owner) std::shared_ptr<void>();  // forget the owner without releasing it
+  }
+}
 std::byte* HostMemory::data() const { return impl_->data; }
 uint64_t HostMemory::size() const { return impl_->size; }
 
 absl::StatusOr<std::unique_ptr<HostMemory>> Publisher::AllocateHost(uint64_t bytes) {
   internal::CallScope scope(*impl_->gate, "AllocateHost");
   if (!scope.status().ok()) return scope.status();
-  if (bytes == 0 || bytes > std::numeric_limits<size_t>::max() / 2) {
+  if (bytes == 0 || bytes > (uint64_t{1} << 62)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: AllocateHost needs between 1 and 2^63 bytes, got %d", impl_->uri.Display(), bytes));
+        "%s: AllocateHost needs between 1 and 2^62 bytes, got %d", impl_->uri.Display(), bytes));
   }
   auto impl = std::make_unique<HostMemory::Impl>();
   impl->size = bytes;

@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """weightbus.Publisher / Subscriber / Update: dtypes, layouts, zero-copy, binding, errors, GIL."""
 import ctypes
+import gc
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -925,8 +927,11 @@ def test_allocate_host_memory_is_published_in_place_over_ucx():
         with pytest.raises(ValueError, match="nbytes must be an int from 1"):
             pub.allocate_host(0)
         mem = pub.allocate_host(3 * 4096 + 100)
-        assert mem.nbytes == 3 * 4096 + 100 and not mem.readonly and mem.format == "B"
+        assert len(mem) == 3 * 4096 + 100 and not memoryview(mem).readonly
         flat = torch.frombuffer(mem, dtype=torch.uint8)
+        with memoryview(mem) as view:  # a view made and released frees nothing
+            assert view.nbytes == len(mem)
+        alive = weakref.ref(mem)
         assert flat.data_ptr() % 4096 == 0
         assert not flat.any()
         w = flat[:8192].view(torch.float32).view(32, 64)
@@ -947,8 +952,13 @@ def test_allocate_host_memory_is_published_in_place_over_ucx():
             assert torch.equal(update["b"], published["b"])
             del update
     del mem, flat
+    gc.collect()
+    assert alive() is not None  # the tensors viewing it hold it
     w.add_(1)  # the publisher is closed; the memory lives on with the tensors viewing it
     assert torch.equal(w, published["w"] + 1)
+    del w, b
+    gc.collect()
+    assert alive() is None  # freed with the last tensor
 
 
 def _record(errors, fn, *args, **kwargs):

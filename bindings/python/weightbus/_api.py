@@ -692,26 +692,32 @@ class Publisher(_Handle):
         del meta_keep
         return PublishStream(self, version, handle)
 
-    def allocate_host(self, nbytes: int) -> memoryview:
-        """`nbytes` bytes of zero-filled, 4096-byte aligned host memory (a writable memoryview
-        of format "B") that this publisher's transport serves fastest when the tensors it
-        publishes lie in it: on ucx:// with publish_mode=zero_copy, memory UCX allocated, which
-        subscribers on the same host map and copy at memory speed. Keep a trainer's host copy of
-        the weights in it, e.g. `torch.frombuffer(mem, dtype=torch.uint8)[a:b].view(
-        torch.bfloat16).view(shape)` per tensor (one allocation for all of them). The memory is
-        freed when the last object using it (the memoryview, a tensor or array made from it)
-        is garbage-collected, before or after the publisher closes; it must not change while a
-        publish reads it. Raises ValueError for nbytes < 1, ResourceExhaustedError when the
-        memory cannot be had."""
+    def allocate_host(self, nbytes: int) -> "ctypes.Array[ctypes.c_ubyte]":
+        """`nbytes` bytes of zero-filled, 4096-byte aligned, writable host memory that this
+        publisher's transport serves fastest when the tensors it publishes lie in it: on ucx://
+        with publish_mode=zero_copy, memory UCX allocated, which subscribers on the same host map
+        and copy at memory speed. Returned as a ctypes array of c_ubyte (len() == nbytes; it
+        exports the buffer protocol, format "<B"). Keep a trainer's host copy of the weights in
+        it, e.g. `flat = torch.frombuffer(mem, dtype=torch.uint8)`, then
+        `flat[a:b].view(torch.bfloat16).view(shape)` per tensor (one allocation for all of
+        them), or `numpy.frombuffer(mem, dtype=numpy.uint8)`.
+
+        Lifetime: freed when the array is garbage-collected, which every tensor or array made
+        from it (or from a memoryview of it) delays while it lives; before or after the
+        publisher closes. A memoryview of it that you release() stops holding it, so make
+        tensors from the array itself. Memory still alive at interpreter exit is left to the
+        process's end; in a child forked after the allocation, freeing it releases nothing of
+        the parent's. It must not change while a publish reads it. Raises ValueError for
+        nbytes < 1 or > 2**62, ResourceExhaustedError when the memory cannot be had."""
         if not isinstance(nbytes, int) or nbytes < 1 or nbytes > 2**62:
             raise ValueError(f"nbytes must be an int from 1 to 2**62, got {nbytes!r}")
         memory, data = ctypes.c_void_p(), ctypes.c_void_p()
         check(self._call(lib.wb_publisher_allocate_host, nbytes, ctypes.byref(memory),
                          ctypes.byref(data)))
         array = (ctypes.c_ubyte * nbytes).from_address(data.value)
-        # Freed with the last view of the array (memoryview, torch or numpy buffers hold it).
-        weakref.finalize(array, lib.wb_host_memory_free, memory)
-        return memoryview(array).cast("B")
+        # Freed with the array: torch and numpy buffers made from it hold it.
+        weakref.finalize(array, lib.wb_host_memory_free, memory).atexit = False
+        return array
 
     @property
     def latest_version(self) -> Optional[int]:

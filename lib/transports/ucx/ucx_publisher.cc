@@ -392,19 +392,19 @@ class UcxPublisher final : public TransportPublisher {
     return out;
   }
 
-  // Memory allocated and registered by UCX (UCP_MEM_MAP_ALLOCATE), recorded in allocations_
-  // until the returned owner drops it; the owner keeps the UCX context alive through the region.
+  // With publish_mode=zero_copy: memory allocated and registered by UCX (UCP_MEM_MAP_ALLOCATE),
+  // recorded in allocations_ until the returned owner drops it; the owner keeps the UCX context
+  // alive through the region. A staged publish copies the tensors wherever they lie, so it gains
+  // nothing from UCX's memory (shared memory, counted against /dev/shm): plain memory (nullptr),
+  // as when UCX cannot allocate (a zero-copy publish then registers it like any tensor).
   absl::StatusOr<std::shared_ptr<void>> AllocateHost(size_t bytes, std::byte** data) override {
+    if (!options_.zero_copy || !failpoints_.Hit("ucx.allocate_host").ok()) return nullptr;
     // A page more: UCX's allocators are page-aligned except its last resort (heap), which may
     // not be, nor zero-filled.
     constexpr size_t kPage = 4096;
     absl::StatusOr<std::unique_ptr<MemRegion>> region =
         MemRegion::Allocate(context_, bytes + kPage, UCS_MEMORY_TYPE_HOST);
-    if (!region.ok()) {
-      return absl::ResourceExhaustedError(
-          absl::StrFormat("%s: cannot allocate %d bytes of host memory to publish from: %s",
-                          endpoint_.display, bytes, region.status().message()));
-    }
+    if (!region.ok()) return nullptr;
     WB_ASSIGN_OR_RETURN(std::string rkey, (*region)->PackRkey());
     const uintptr_t begin = reinterpret_cast<uintptr_t>((*region)->data());
     const uintptr_t aligned = (begin + kPage - 1) / kPage * kPage;

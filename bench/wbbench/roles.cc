@@ -11,6 +11,8 @@
 //               replica still receiving), hashes every tensor with libxxhash, compares it with
 //               the store's hash of what was published (independently of the library's
 //               checksums) and prints the verdict; after the last, {"done": true, ...}.
+//               A TP rank (--tp M) checks its slices right away and prints the verdict with
+//               its report (no "check_pending").
 //
 // Both report the CPU time of the bench's own work in them (loading versions, hashing), which
 // the parent subtracts from the process's CPU time.

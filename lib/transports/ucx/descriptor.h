@@ -101,10 +101,11 @@ struct LayoutRegion {
   uint64_t address = 0;
   uint64_t length = 0;
   std::string rkey;  // packed
-  // kCrossMemoryAttach: memory UCX did not allocate (a zero-copy publisher's tensors, a relay's
-  // receive buffers). UCX 1.13 reaches such memory on one host only with software-emulated gets
-  // (its cma transport serves rendezvous, not RMA): a subscriber on the owner's host reads it
-  // with process_vm_readv from VersionLayout::pid instead, when it can.
+  // kCrossMemoryAttach: memory UCX did not allocate (a zero-copy publisher's tensors outside
+  // Publisher::AllocateHost memory, a relay's receive buffers). UCX 1.13 reaches such memory on one
+  // host only with software-emulated gets (its cma transport serves rendezvous, not RMA): a
+  // subscriber on the owner's host reads it with process_vm_readv from VersionLayout::pid instead,
+  // when it can.
   uint64_t flags = 0;
   friend bool operator==(const LayoutRegion&, const LayoutRegion&) = default;
 };

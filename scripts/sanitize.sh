@@ -58,7 +58,7 @@ ASAN_EXCLUDE+='|api_parity|ctypes_layout|api_parity_selftest)$'
 # rounds are many processes, each an ASan start-up); the parsers also run under ASan in step 2's
 # fuzzers.
 ASAN_SUITES_DEFAULT=(safetensors_test llama2c_test uri_test settings_test delta_codec_test
-                     types_test checksum_test logging_test failpoint_test buffer_pool_test
+                     types_test checksum_test logging_test failpoint_test buffer_pool_test worker_pool_test
                      registry_test tensor_pack_test reshard_test update_stream_test
                      strided_memory_test conformance_test file_io_test disk_transport_test
                      disk_internal_test disk_process_test disk_group_test secret_test
@@ -68,7 +68,7 @@ ASAN_SUITES_DEFAULT=(safetensors_test llama2c_test uri_test settings_test delta_
 # rate-limited logging across threads), by their CTest label (the executable's name).
 TSAN_SUITES_DEFAULT=(conformance_test disk_transport_test disk_internal_test ucx_transport_test
                      ucx_control_plane_test delta_codec_test delta_layer_test
-                     delta_transport_test buffer_pool_test failpoint_test logging_test)
+                     delta_transport_test buffer_pool_test worker_pool_test failpoint_test logging_test)
 if [[ -n ${ASAN_SUITES:-} ]]; then read -r -a ASAN_SUITES <<<"$ASAN_SUITES"
 else ASAN_SUITES=("${ASAN_SUITES_DEFAULT[@]}"); fi
 if [[ -n ${TSAN_SUITES:-} ]]; then read -r -a TSAN_SUITES <<<"$TSAN_SUITES"

@@ -25,6 +25,8 @@ class WorkerPool {
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
 
+  // Queues `task`. A task that throws is logged (level error) and dropped, never ending the
+  // process; a TaskCounter it would have decremented then reaches its waiter's deadline.
   void Submit(std::function<void()> task);
   int size() const { return static_cast<int>(threads_.size()); }
   // Largest pool Create accepts.

@@ -416,9 +416,9 @@ absl::StatusOr<const Manifest*> DiskPublisher::WriteCheckpoint(int dir_fd, const
     for (const FilePlan& plan : files) {
       for (size_t i : plan.tensors) map[manifest->tensors[i].name] = plan.name;
     }
-    WB_RETURN_IF_ERROR(WriteSmallFileAt(dir_fd, kIndexFile, index.dump(2), sync_,
-                                        absl::StrFormat("%s/%s", dir, kIndexFile),
-                                        channel_.modes().file));
+    WB_RETURN_IF_ERROR(WriteSmallFileAt(
+        dir_fd, kIndexFile, index.dump(2, ' ', false, nlohmann::json::error_handler_t::replace),
+        sync_, absl::StrFormat("%s/%s", dir, kIndexFile), channel_.modes().file));
   }
   *files_written = files.size();
   return manifest;
@@ -776,14 +776,16 @@ absl::Status DiskPublisher::CommitGroup(uint64_t version, int gfd,
             : absl::StrFormat("%s version %d: the group's parts do not fit together, nothing was "
                               "committed: %s",
                               Display(), version, refused.message()));
+    // The message may quote bytes of a part (a name that is not UTF-8): replaced, not thrown.
     nlohmann::json j;
     j["code"] = static_cast<int>(error.code());
     j["message"] = std::string(error.message());
     for (int r = 0; r < group_.world_size; ++r) {
       const std::string name = RankDirName(r) + kFailedSuffix;
       WB_RETURN_IF_ERROR(RemoveTreeAt(gfd, name, group_path + "/" + name));
-      WB_RETURN_IF_ERROR(WriteSmallFileAt(gfd, name, j.dump(), sync_, group_path + "/" + name,
-                                          channel_.modes().file));
+      WB_RETURN_IF_ERROR(WriteSmallFileAt(
+          gfd, name, j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), sync_,
+          group_path + "/" + name, channel_.modes().file));
     }
     if (sync_) WB_RETURN_IF_ERROR(FsyncFd(gfd, group_path));
     return error;

@@ -36,7 +36,8 @@ import sys
 # (activity, pattern on the symbol, pattern on the object) — the first that matches wins.
 ACTIVITIES = [
     ("idle", r"^(pv_native_safe_halt|default_idle|cpu_idle|intel_idle|acpi_idle|poll_idle|"
-             r"mwait_idle|native_safe_halt|do_idle)", None),
+             r"mwait_idle|native_safe_halt|do_idle|cpuidle_enter_state|cpuidle_enter|acpi_safe_halt|"
+             r"arch_cpu_idle|cpu_startup_entry)", None),
     ("bench check", None, r"libxxhash"),  # the bench's own XXH3 of what a replica received
     ("checksum", r"xxh3|XXH3|TensorHasher", None),
     ("copy", r"memmove|memcpy|StageWithChecksum|StreamCopy|CopyWithChecksum|PackStrided", None),

@@ -546,13 +546,11 @@ TEST_P(UcxTransportTest, ZeroCopyPublishServesTheCallersTensorsWhileItRuns) {
   EXPECT_EQ(*nothing, nullptr) << "a zero-copy version was served after its Publish returned";
 }
 
-// Zero-copy publish waits for a connected subscriber that does not ask for the version at most
-// one lease, and for one that stops pulling at most until its lease ends, which then fails its
-// transfer (ABORTED, Aborted). The other subscriber is not held back.
 // Memory from AllocateHost freed in a child forked after the allocation releases nothing of the
 // parent's (UCX's registration and mapping, the publisher's record of it): the child still reads
-// its copy after freeing it (unmapped, the read would kill it), and the parent publishes from
-// the memory afterwards, bit-exact.
+// the memory after freeing it (unmapped, the read would kill it), and the parent publishes from
+// it afterwards, bit-exact. The child ends itself by SIGALRM should the free hang (a lock held
+// by another thread of the parent at fork), so waitpid returns either way.
 TEST_P(UcxTransportTest, HostMemoryFreedInAForkedChildReleasesNothingOfTheParents) {
   const std::string q = "publish_mode=zero_copy&lease=60s";
   auto pub = Publisher::Open(Uri(q));
@@ -566,6 +564,7 @@ TEST_P(UcxTransportTest, HostMemoryFreedInAForkedChildReleasesNothingOfTheParent
   const pid_t child = fork();
   ASSERT_GE(child, 0) << std::strerror(errno);
   if (child == 0) {
+    alarm(120);
     mem->reset();
     const bool intact = std::memcmp(data, w.bytes.data(), w.bytes.size()) == 0;
     _exit(intact ? 0 : 3);
@@ -590,6 +589,9 @@ TEST_P(UcxTransportTest, HostMemoryFreedInAForkedChildReleasesNothingOfTheParent
   ExpectSameTensors(*got, {w});
 }
 
+// Zero-copy publish waits for a connected subscriber that does not ask for the version at most
+// one lease, and for one that stops pulling at most until its lease ends, which then fails its
+// transfer (ABORTED, Aborted). The other subscriber is not held back.
 TEST_P(UcxTransportTest, ZeroCopyPublishHoldsTheCallerAtMostALeasePerSubscriber) {
   // A lease long enough for `active` to renew through a loaded machine under ThreadSanitizer
   // (300 ms expired there mid-pull, failing its transfer), short enough to wait out twice.

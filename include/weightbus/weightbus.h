@@ -407,10 +407,10 @@ WB_EXPORT wb_status_t wb_publisher_uri(wb_publisher_t* publisher, const char** u
  * other transports: plain anonymous memory). Keep the tensors of one publish in one allocation.
  * Owned by the caller: free it with wb_host_memory_free, before or after destroying the
  * publisher, never while a publish reads it. In a child forked after the allocation, freeing it
- * releases only the handle (the child's copy of the memory lasts until it exits; the parent's
- * is the parent's). Errors: WB_INVALID_ARGUMENT (0 bytes or more than 2^62),
- * WB_RESOURCE_EXHAUSTED (naming the size), WB_CANCELLED. *memory and *data are written only on
- * WB_OK. */
+ * releases only the handle (the mapping stays in the child until it exits). UCX's shared-memory
+ * pages are shared with the parent, not copied at fork: a child must not write them. Errors:
+ * WB_INVALID_ARGUMENT (0 bytes or more than 2^62), WB_RESOURCE_EXHAUSTED (naming the size),
+ * WB_CANCELLED. *memory and *data are written only on WB_OK. */
 typedef struct wb_host_memory wb_host_memory_t;
 WB_EXPORT wb_status_t wb_publisher_allocate_host(wb_publisher_t* publisher, uint64_t bytes,
                                                  wb_host_memory_t** memory, void** data);

@@ -168,8 +168,10 @@ WB_EXPORT bool SupportsCudaTensors();
 // keeps what it needs of the transport alive). As for any tensor, it must not be freed or
 // modified while a Publish that reads it is in flight. Destroyed in a child forked after the
 // allocation, it releases nothing of the transport's (a UCX registration, a lock another thread
-// of the parent may have held at fork): the child's copy of the memory lasts until it exits. Thread
-// safety: data() and size() are immutable; the bytes are the caller's to synchronize.
+// of the parent may have held at fork): the mapping stays in the child until it exits. UCX's
+// shared-memory pages are shared with the parent, not copied at fork, so a child must not write
+// them (the parent's tensors would change under it). Thread safety: data() and size() are
+// immutable; the bytes are the caller's to synchronize.
 class WB_EXPORT HostMemory {
  public:
   ~HostMemory();

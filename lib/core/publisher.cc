@@ -1051,9 +1051,9 @@ HostMemory::HostMemory(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 HostMemory::~HostMemory() {
   // In a child forked after the allocation, the transport's state it would release (UCX's
   // registration, a registry lock another thread of the parent may have held at fork) is a
-  // copy that is not the child's to touch: the child's copy of the memory is left to its exit.
+  // copy that is not the child's to touch: the mapping is left to the child's exit.
   if (impl_ != nullptr && impl_->pid != getpid()) {
-    new (&impl_->owner) std::shared_ptr<void>();  // forget the owner without releasing it
+    (void)impl_.release();  // leaked on purpose, as Publisher::~Publisher does in a child
   }
 }
 std::byte* HostMemory::data() const { return impl_->data; }

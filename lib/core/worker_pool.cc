@@ -2,11 +2,9 @@
 #include "core/worker_pool.h"
 
 #include <algorithm>
-#include <exception>
 #include <system_error>
 
 #include "absl/strings/str_format.h"
-#include "core/logging.h"
 
 namespace weightbus::internal {
 
@@ -59,16 +57,7 @@ void WorkerPool::Run() {
       task = std::move(queue_.front());
       queue_.pop_front();
     }
-    // A task that throws (std::bad_alloc from a scratch buffer, say) must not end the host
-    // process through std::terminate: it is logged and dropped, and whatever waits for it
-    // reaches its deadline (TaskCounter::WaitUntilZero) and fails with an error.
-    try {
-      task();
-    } catch (const std::exception& e) {
-      Log(LogLevel::kError, "a worker task threw (%s); what waits for it will time out", e.what());
-    } catch (...) {
-      Log(LogLevel::kError, "a worker task threw; what waits for it will time out");
-    }
+    task();
   }
 }
 

@@ -25,8 +25,9 @@ class WorkerPool {
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
 
-  // Queues `task`. A task that throws is logged (level error) and dropped, never ending the
-  // process; a TaskCounter it would have decremented then reaches its waiter's deadline.
+  // Queues `task`. A task must not throw: the worker does not catch, so an exception ends the
+  // process through std::terminate. Dropping it instead would leave whatever waits for the task
+  // (several callers wait without a deadline) blocked forever, which is worse than a crash.
   void Submit(std::function<void()> task);
   int size() const { return static_cast<int>(threads_.size()); }
   // Largest pool Create accepts.

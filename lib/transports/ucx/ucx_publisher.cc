@@ -404,7 +404,13 @@ class UcxPublisher final : public TransportPublisher {
     constexpr size_t kPage = 4096;
     absl::StatusOr<std::unique_ptr<MemRegion>> region =
         MemRegion::Allocate(context_, bytes + kPage, UCS_MEMORY_TYPE_HOST);
-    if (!region.ok()) return nullptr;
+    if (!region.ok()) {
+      Log(LogLevel::kWarn,
+          "%s: UCX could not allocate %d bytes of host memory (%s); AllocateHost hands out plain "
+          "memory, which a zero-copy publish registers like any tensor",
+          endpoint_.display, bytes + kPage, region.status().ToString());
+      return nullptr;
+    }
     WB_ASSIGN_OR_RETURN(std::string rkey, (*region)->PackRkey());
     const uintptr_t begin = reinterpret_cast<uintptr_t>((*region)->data());
     const uintptr_t aligned = (begin + kPage - 1) / kPage * kPage;
